@@ -1,0 +1,51 @@
+"""cairn: JAX-native distributed checkpointing.
+
+    import cairn
+    cairn.save("/ckpt/step_1", {"params": params, "opt": opt_state})
+    state = cairn.load("/ckpt/step_1", {"params": abstract_params})
+
+The public API is exactly the names re-exported here.
+"""
+
+from ._api import SaveFuture as SaveFuture
+from ._api import load as load
+from ._api import metadata as metadata
+from ._api import save as save
+from ._api import save_async as save_async
+from ._api import wait_all as wait_all
+from ._coord import Coordinator as Coordinator
+from ._errors import CheckpointError as CheckpointError
+from ._errors import CheckpointExistsError as CheckpointExistsError
+from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
+from ._errors import CoordinationError as CoordinationError
+from ._errors import CoordinationTimeoutError as CoordinationTimeoutError
+from ._errors import CorruptCheckpointError as CorruptCheckpointError
+from ._errors import MismatchError as MismatchError
+from ._errors import UnsupportedTypeError as UnsupportedTypeError
+from ._leaves import register_type as register_type
+from ._load import ArrayMetadata as ArrayMetadata
+from ._save import SaveStats as SaveStats
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ArrayMetadata",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "CheckpointNotFoundError",
+    "CoordinationError",
+    "CoordinationTimeoutError",
+    "Coordinator",
+    "CorruptCheckpointError",
+    "MismatchError",
+    "SaveFuture",
+    "SaveStats",
+    "UnsupportedTypeError",
+    "__version__",
+    "load",
+    "metadata",
+    "register_type",
+    "save",
+    "save_async",
+    "wait_all",
+]

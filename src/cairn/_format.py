@@ -1,0 +1,514 @@
+"""The on-disk format: names, manifest and index dataclasses, JSON codecs.
+
+Pure: no I/O, no JAX. Everything read from a checkpoint passes through the
+``*_from_json`` parsers here, which reject anything outside the spec in
+``docs/FORMAT.md`` (unknown versions, out-of-range offsets, absurd sizes)
+with `CorruptCheckpointError` before any memory is allocated for it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import quote
+
+import numpy as np
+
+from ._errors import CorruptCheckpointError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+COMMIT_MARKER = "_COMMITTED"
+INDEX = "index.json"
+ROOT_ITEM_DIR = "%root"
+DEFAULT_BLOCK_SIZE = 1 << 20
+
+# Hard limits applied when parsing: a checkpoint outside them is rejected.
+MAX_METADATA_BYTES = 1 << 30
+MAX_NDIM = 64
+MAX_ARRAY_BYTES = 1 << 56  # 64 PiB
+MAX_FILE_BYTES = 1 << 56
+MIN_BLOCK, MAX_BLOCK = 1 << 12, 1 << 30
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
+
+_STD_DTYPES = {
+    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
+}
+_ML_DTYPES = {
+    "bfloat16", "int2", "int4", "uint2", "uint4", "float4_e2m1fn", "float6_e2m3fn",
+    "float6_e3m2fn", "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn",
+    "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+}
+
+
+def dtype_name(dtype: np.dtype) -> str | None:
+    """The format's name for `dtype`, or None if the format cannot store it."""
+    dtype = np.dtype(dtype)
+    name = dtype.name
+    if name in _STD_DTYPES or name in _ML_DTYPES:
+        return name
+    return None
+
+
+def dtype_from_name(name: Any, where: str = "") -> np.dtype:
+    """Parse a dtype name written by `dtype_name` (little-endian)."""
+    if isinstance(name, str):
+        if name in _STD_DTYPES:
+            dt = np.dtype(name)
+            return dt if sys.byteorder == "little" else dt.newbyteorder("<")
+        if name in _ML_DTYPES:
+            import ml_dtypes
+
+            t = getattr(ml_dtypes, name, None)
+            if t is not None:
+                return np.dtype(t)
+    raise CorruptCheckpointError(f"{where}unknown or unsupported dtype {name!r}")
+
+
+def item_dirname(name: str) -> str:
+    """The folder of checkpointable `name`: percent-escaped, never '.'-led or nested."""
+    s = quote(name, safe="").replace(".", "%2E").replace("~", "%7E")
+    if not s:
+        s = "%"
+    if len(s) > 200:
+        import hashlib
+
+        s = s[:150] + "%%" + hashlib.sha256(name.encode()).hexdigest()[:32]
+    return s
+
+
+def data_file_name(process: int, k: int, token: str) -> str:
+    return f"p{process:05d}-{k}.{token}.bin"
+
+
+def index_name(token: str) -> str:
+    return f"index.{token}.json"
+
+
+def partial_index_name(process: int, token: str) -> str:
+    return f"_index.p{process:05d}.{token}.json"
+
+
+def tmp_dirname(name: str, token: str) -> str:
+    """The temporary sibling folder a local save writes before its rename."""
+    return f".{name}.cairn-tmp-{token}"
+
+
+TMP_MARK = ".cairn-tmp-"
+
+
+def num_blocks(size: int, block_size: int) -> int:
+    return -(-size // block_size)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _fail(where: str, msg: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{where}: {msg}")
+
+
+def _req(d: Any, key: str, typ: type | tuple[type, ...], where: str) -> Any:
+    if not isinstance(d, dict):
+        raise _fail(where, f"expected a JSON object, found {type(d).__name__}")
+    if key not in d:
+        raise _fail(where, f"missing field {key!r}")
+    v = d[key]
+    if typ is int and isinstance(v, bool) or not isinstance(v, typ):
+        raise _fail(where, f"field {key!r} has type {type(v).__name__}")
+    return v
+
+
+def _int(v: Any, where: str, lo: int = 0, hi: int = MAX_FILE_BYTES) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise _fail(where, f"expected an integer in [{lo}, {hi}], found {v!r}")
+    return v
+
+
+def parse_json(data: bytes, where: str) -> Any:
+    if len(data) > MAX_METADATA_BYTES:
+        raise _fail(where, f"metadata file of {len(data)} bytes exceeds the limit")
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _fail(where, f"not valid JSON ({e})") from None
+
+
+def dump_json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+@dataclass(frozen=True)
+class ItemInfo:
+    dir: str  # folder of the checkpointable, relative to the checkpoint
+    index: str  # name of its index file inside that folder
+    nbytes: int
+    num_leaves: int
+    kind: str = "pytree"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Top-level description of one checkpoint: which checkpointables it holds."""
+
+    items: dict[str, ItemInfo]
+    root: bool = False  # the state was not a mapping: one item, named ""
+    process_count: int = 1
+    cairn_version: str = ""
+    created_unix: float = 0.0
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> bytes:
+        return dump_json(
+            {
+                "format": "cairn",
+                "version": FORMAT_VERSION,
+                "cairn_version": self.cairn_version,
+                "created_unix": self.created_unix,
+                "process_count": self.process_count,
+                "root": self.root,
+                "items": {
+                    k: {"dir": v.dir, "index": v.index, "kind": v.kind, "nbytes": v.nbytes,
+                        "num_leaves": v.num_leaves}
+                    for k, v in self.items.items()
+                },
+                "metadata": self.metadata,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Manifest:
+        d = parse_json(data, where)
+        if _req(d, "format", str, where) != "cairn":
+            raise _fail(where, "not a cairn manifest")
+        version = _req(d, "version", int, where)
+        if version != FORMAT_VERSION:
+            raise _fail(where, f"format version {version} is not supported (this cairn reads {FORMAT_VERSION})")
+        items = {}
+        for name, v in _req(d, "items", dict, where).items():
+            w = f"{where}: item {name!r}"
+            dirname = _req(v, "dir", str, w)
+            if dirname != item_dirname(name) and not (name == "" and dirname == ROOT_ITEM_DIR):
+                raise _fail(w, f"folder {dirname!r} does not match the item name")
+            kind = _req(v, "kind", str, w)
+            if kind != "pytree":
+                raise _fail(w, f"unknown item kind {kind!r}")
+            index = _req(v, "index", str, w)
+            if not _FILE_NAME.match(index):
+                raise _fail(w, f"bad index file name {index!r}")
+            items[name] = ItemInfo(
+                dirname, index, _int(_req(v, "nbytes", int, w), w), _int(_req(v, "num_leaves", int, w), w), kind
+            )
+        root = bool(d.get("root", False))
+        if root and list(items) != [""]:
+            raise _fail(where, "a root checkpoint must hold exactly one item")
+        meta = d.get("metadata", {})
+        if not isinstance(meta, dict):
+            raise _fail(where, "metadata must be an object")
+        return cls(
+            items=items,
+            root=root,
+            process_count=_int(d.get("process_count", 1), where, 1, 1 << 24),
+            cairn_version=str(d.get("cairn_version", "")),
+            created_unix=float(d.get("created_unix", 0.0)),
+            metadata=meta,
+        )
+
+
+# --------------------------------------------------------------------------- item index
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    name: str
+    size: int
+
+
+@dataclass(frozen=True)
+class ArrayLeaf:
+    """A stored array: a regular grid of chunks, each a C-order run of bytes in a file."""
+
+    path: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    grid: tuple[tuple[int, ...], ...]  # per axis: boundaries 0 = b0 < b1 < ... = shape[axis]
+    chunks: tuple[tuple[int, int], ...]  # grid order (C order over grid cells): (file, offset)
+    crcs: tuple[tuple[int, ...], ...] = ()  # per chunk: CRC-32C of each block_size piece of it
+    kind: str = "array"  # "array" | "bytes" | "object"
+    sharding: dict[str, Any] | None = None
+    handler: str | None = None  # for kind "object": the registered handler's name
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def grid_shape(self) -> tuple[int, ...]:
+        return tuple(len(b) - 1 for b in self.grid)
+
+    def chunk_box(self, flat: int) -> tuple[tuple[int, int], ...]:
+        idx = np.unravel_index(flat, self.grid_shape) if self.grid_shape else ()
+        return tuple((self.grid[a][int(i)], self.grid[a][int(i) + 1]) for a, i in enumerate(idx))
+
+    def chunk_nbytes(self, flat: int) -> int:
+        return math.prod(hi - lo for lo, hi in self.chunk_box(flat)) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class ValueLeaf:
+    """A value stored inline in the index: None, bool, int, float, complex, str, numpy scalar."""
+
+    path: str
+    kind: str
+    value: Any  # the decoded Python/numpy value
+
+
+Leaf = ArrayLeaf | ValueLeaf
+
+
+@dataclass(frozen=True)
+class ItemIndex:
+    """Everything needed to read one checkpointable: its tree, leaves and files."""
+
+    structure: Any
+    leaves: tuple[Leaf, ...]
+    files: tuple[FileInfo, ...]
+    block_size: int = DEFAULT_BLOCK_SIZE
+
+    def to_json(self) -> bytes:
+        return dump_json(
+            {
+                "format": "cairn-index",
+                "version": FORMAT_VERSION,
+                "block_size": self.block_size,
+                "files": [{"name": f.name, "size": f.size} for f in self.files],
+                "structure": self.structure,
+                "leaves": [_leaf_to_json(leaf) for leaf in self.leaves],
+            }
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> ItemIndex:
+        d = parse_json(data, where)
+        if _req(d, "format", str, where) != "cairn-index":
+            raise _fail(where, "not a cairn item index")
+        version = _req(d, "version", int, where)
+        if version != FORMAT_VERSION:
+            raise _fail(where, f"index version {version} is not supported (this cairn reads {FORMAT_VERSION})")
+        block = _int(_req(d, "block_size", int, where), where, MIN_BLOCK, MAX_BLOCK)
+        files = []
+        names = set()
+        for i, f in enumerate(_req(d, "files", list, where)):
+            w = f"{where}: files[{i}]"
+            name = _req(f, "name", str, w)
+            if not _FILE_NAME.match(name) or name in names:
+                raise _fail(w, f"bad or repeated data file name {name!r}")
+            names.add(name)
+            files.append(FileInfo(name, _int(_req(f, "size", int, w), w)))
+        raw_leaves = _req(d, "leaves", list, where)
+        leaves = tuple(
+            _leaf_from_json(x, files, block, f"{where}: leaves[{i}]") for i, x in enumerate(raw_leaves)
+        )
+        paths = [leaf.path for leaf in leaves]
+        if len(set(paths)) != len(paths):
+            raise _fail(where, "repeated leaf key paths")
+        structure = d.get("structure")
+        _check_structure(structure, len(leaves), where)
+        return cls(structure=structure, leaves=leaves, files=tuple(files), block_size=block)
+
+
+def _leaf_to_json(leaf: Leaf) -> dict[str, Any]:
+    if isinstance(leaf, ArrayLeaf):
+        out: dict[str, Any] = {
+            "path": leaf.path,
+            "kind": leaf.kind,
+            "dtype": dtype_name(leaf.dtype),
+            "shape": list(leaf.shape),
+            "grid": [list(b) for b in leaf.grid],
+            "chunks": [[f, o, *c] for (f, o), c in zip(leaf.chunks, leaf.crcs)],
+        }
+        if leaf.sharding is not None:
+            out["sharding"] = leaf.sharding
+        if leaf.handler is not None:
+            out["handler"] = leaf.handler
+        return out
+    return {"path": leaf.path, "kind": leaf.kind, "value": encode_value(leaf.kind, leaf.value)}
+
+
+def _leaf_from_json(x: Any, files: list[FileInfo], block: int, where: str) -> Leaf:
+    path = _req(x, "path", str, where)
+    where = f"{where} ({path!r})"
+    kind = _req(x, "kind", str, where)
+    if kind in ("array", "bytes", "object"):
+        dtype = dtype_from_name(x.get("dtype"), f"{where}: ")
+        shape = tuple(_int(s, where, 0, MAX_ARRAY_BYTES) for s in _req(x, "shape", list, where))
+        if len(shape) > MAX_NDIM:
+            raise _fail(where, f"{len(shape)} dimensions exceed the limit of {MAX_NDIM}")
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes > MAX_ARRAY_BYTES:
+            raise _fail(where, f"array of {nbytes} bytes exceeds the limit")
+        grid_raw = _req(x, "grid", list, where)
+        if len(grid_raw) != len(shape):
+            raise _fail(where, "grid rank differs from the shape's")
+        grid = []
+        for a, b in enumerate(grid_raw):
+            if not isinstance(b, list) or len(b) < 2:
+                raise _fail(where, f"grid axis {a} needs at least two boundaries")
+            bounds = tuple(_int(v, where, 0, shape[a]) for v in b)
+            if bounds[0] != 0 or bounds[-1] != shape[a] or any(
+                lo >= hi for lo, hi in zip(bounds, bounds[1:])
+            ) and shape[a] > 0:
+                raise _fail(where, f"grid axis {a} boundaries {list(bounds)} do not tile 0..{shape[a]}")
+            if shape[a] == 0 and bounds != (0, 0):
+                raise _fail(where, f"grid axis {a} of an empty axis must be [0, 0]")
+            grid.append(bounds)
+        n_chunks = math.prod(len(b) - 1 for b in grid)
+        chunks_raw = _req(x, "chunks", list, where)
+        if len(chunks_raw) != n_chunks:
+            raise _fail(where, f"{len(chunks_raw)} chunks for a grid of {n_chunks} cells")
+        leaf = ArrayLeaf(
+            path=path, dtype=dtype, shape=shape, grid=tuple(grid), chunks=(), kind=kind,
+            sharding=x.get("sharding") if isinstance(x.get("sharding"), dict) else None,
+            handler=x.get("handler") if isinstance(x.get("handler"), str) else None,
+        )
+        chunks, crcs = [], []
+        for i, c in enumerate(chunks_raw):
+            if not isinstance(c, list) or len(c) < 2:
+                raise _fail(where, f"chunk {i} must be [file, offset, crc...]")
+            fi = _int(c[0], where, 0, max(len(files) - 1, 0))
+            off = _int(c[1], where)
+            size = leaf.chunk_nbytes(i)
+            if size and (not files or off + size > files[fi].size):
+                raise _fail(where, f"chunk {i} (bytes {off}..{off + size}) lies outside its data file")
+            if len(c) - 2 != num_blocks(size, block):
+                raise _fail(where, f"chunk {i} has {len(c) - 2} checksums for {num_blocks(size, block)} blocks")
+            chunks.append((fi, off))
+            crcs.append(tuple(_int(v, where, 0, 0xFFFFFFFF) for v in c[2:]))
+        if kind in ("bytes", "object") and (len(shape) != 1 or dtype != np.uint8):
+            raise _fail(where, f"a {kind} leaf must be a 1-D uint8 array")
+        if kind == "object" and leaf.handler is None:
+            raise _fail(where, "an object leaf must name its handler")
+        return ArrayLeaf(**{**leaf.__dict__, "chunks": tuple(chunks), "crcs": tuple(crcs)})
+    if kind in _VALUE_KINDS:
+        if "value" not in x:
+            raise _fail(where, "missing field 'value'")
+        return ValueLeaf(path, kind, decode_value(kind, x["value"], where))
+    raise _fail(where, f"unknown leaf kind {kind!r}")
+
+
+def _check_structure(node: Any, n_leaves: int, where: str) -> None:
+    seen: set[int] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if not isinstance(n, dict) or len(n) == 0:
+            raise _fail(where, "malformed tree structure")
+        if "leaf" in n:
+            i = _int(n["leaf"], where, 0, max(n_leaves - 1, 0))
+            if i in seen or n_leaves == 0:
+                raise _fail(where, f"tree structure names leaf {i} twice or out of range")
+            seen.add(i)
+        elif "dict" in n:
+            for pair in n["dict"] if isinstance(n["dict"], list) else [None]:
+                if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], (str, int))):
+                    raise _fail(where, "malformed dict node in tree structure")
+                stack.append(pair[1])
+        elif "list" in n or "tuple" in n:
+            kids = n.get("list", n.get("tuple"))
+            if not isinstance(kids, list):
+                raise _fail(where, "malformed sequence node in tree structure")
+            stack.extend(kids)
+        elif "namedtuple" in n or "node" in n:
+            names = n.get("fields", n.get("keys"))
+            kids = n.get("children")
+            if not isinstance(names, list) or not isinstance(kids, list) or len(names) != len(kids):
+                raise _fail(where, "malformed node in tree structure")
+            stack.extend(kids)
+        else:
+            raise _fail(where, "unknown node in tree structure")
+    if len(seen) != n_leaves:
+        raise _fail(where, f"tree structure names {len(seen)} of {n_leaves} leaves")
+
+
+# --------------------------------------------------------------------------- inline values
+
+_VALUE_KINDS = {"none", "bool", "int", "float", "complex", "str", "scalar"}
+
+
+def value_kind(x: Any) -> str | None:
+    """The inline kind for a non-array leaf, or None if it is not an inline value."""
+    if x is None:
+        return "none"
+    if isinstance(x, bool):
+        return "bool"
+    if isinstance(x, int):
+        return "int"
+    if isinstance(x, float):
+        return "float"
+    if isinstance(x, complex):
+        return "complex"
+    if isinstance(x, str):
+        return "str"
+    if isinstance(x, np.generic) and dtype_name(x.dtype) is not None:
+        return "scalar"
+    return None
+
+
+def encode_value(kind: str, x: Any) -> Any:
+    if kind in ("none",):
+        return None
+    if kind in ("bool", "str"):
+        return x
+    if kind == "int":
+        return str(int(x))  # exact for any size, in any JSON reader
+    if kind == "float":
+        return float(x).hex()
+    if kind == "complex":
+        return [x.real.hex(), x.imag.hex()]
+    if kind == "scalar":
+        arr = np.asarray(x)
+        return {"dtype": dtype_name(arr.dtype), "hex": arr.astype(arr.dtype.newbyteorder("<")).tobytes().hex()}
+    raise ValueError(kind)
+
+
+def decode_value(kind: str, v: Any, where: str) -> Any:
+    try:
+        if kind == "none":
+            if v is not None:
+                raise ValueError("not null")
+            return None
+        if kind == "bool":
+            if not isinstance(v, bool):
+                raise ValueError("not a boolean")
+            return v
+        if kind == "str":
+            if not isinstance(v, str):
+                raise ValueError("not a string")
+            return v
+        if kind == "int":
+            if not isinstance(v, str) or len(v) > 10_000:
+                raise ValueError("not an integer string")
+            return int(v)
+        if kind == "float":
+            return float.fromhex(v)
+        if kind == "complex":
+            return complex(float.fromhex(v[0]), float.fromhex(v[1]))
+        if kind == "scalar":
+            dt = dtype_from_name(v["dtype"], f"{where}: ")
+            raw = bytes.fromhex(v["hex"])
+            if len(raw) != dt.itemsize:
+                raise ValueError("wrong byte count")
+            return np.frombuffer(raw, dtype=dt)[0]
+    except CorruptCheckpointError:
+        raise
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
+        raise _fail(where, f"bad {kind} value {v!r:.80} ({e})") from None
+    raise _fail(where, f"unknown value kind {kind!r}")

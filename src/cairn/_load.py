@@ -1,0 +1,422 @@
+"""The load engine: read the manifest, plan the reads, fill host buffers, build arrays.
+
+Every byte read is checked against its block checksum (unless the caller
+turns verification off) before it is copied anywhere. A read whose bytes are
+exactly one contiguous region of a destination buffer lands there directly;
+other reads go through a small temporary buffer and a strided copy.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _format as fmt
+from ._checksum import crc32c
+from ._errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    MismatchError,
+)
+from ._leaves import handler_named
+from ._location import Location
+from ._plan import Box, Read, full_box, is_c_contiguous, plan_reads
+from ._tree import display_path, map_with_path, unflatten
+
+_SKIP = object()
+
+
+@dataclass(frozen=True)
+class ArrayMetadata:
+    """What `cairn.metadata` reports for a stored array (no data is read).
+
+    It can also serve as a load target leaf: the array comes back as a numpy
+    array of the saved dtype.
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    nbytes: int
+    sharding: dict[str, Any] | None = None
+    kind: str = "array"
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass
+class LoadStats:
+    bytes_read: int = 0
+    reads: int = 0
+    direct_reads: int = 0
+
+
+# ---------------------------------------------------------------------- metadata reading
+
+
+def read_manifest(loc: Location) -> fmt.Manifest:
+    key = loc.key(fmt.MANIFEST)
+    try:
+        data = loc.storage.read(key)
+    except (FileNotFoundError, NotADirectoryError):
+        if loc.storage.exists(loc.name):
+            raise CheckpointNotFoundError(
+                f"{loc.path} holds no committed checkpoint (no {fmt.MANIFEST}; an interrupted save?)"
+            ) from None
+        raise CheckpointNotFoundError(f"no checkpoint at {loc.path}") from None
+    except IsADirectoryError:
+        raise CorruptCheckpointError(f"{loc.path}: {fmt.MANIFEST} is not a file") from None
+    return fmt.Manifest.from_json(data, loc.storage.describe(key))
+
+
+def read_index(loc: Location, info: fmt.ItemInfo) -> fmt.ItemIndex:
+    key = loc.key(info.dir, info.index)
+    try:
+        data = loc.storage.read(key)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise CorruptCheckpointError(f"{loc.path}: the index {key!r} named by the manifest is missing") from None
+    return fmt.ItemIndex.from_json(data, loc.storage.describe(key))
+
+
+# ---------------------------------------------------------------------- targets
+
+
+@dataclass
+class _Want:
+    """How one stored array leaf should come back."""
+
+    leaf: fmt.ArrayLeaf
+    dtype: np.dtype
+    sharding: Any = None  # a jax Sharding, or None for a numpy array
+    result: Any = None
+
+
+def _is_sharding(x: Any) -> bool:
+    if not type(x).__module__.startswith(("jax", "jaxlib")):
+        return False
+    import jax
+
+    return isinstance(x, jax.sharding.Sharding)
+
+
+def _want_for(target: Any, leaf: fmt.ArrayLeaf, where: str) -> _Want | None:
+    """Interpret a target leaf for stored array `leaf`; None means "as saved, numpy"."""
+    if leaf.kind != "array":
+        return None
+    if _is_sharding(target):
+        return _Want(leaf, leaf.dtype, target)
+    shape = getattr(target, "shape", None)
+    dtype = getattr(target, "dtype", None)
+    if shape is None or dtype is None:
+        return _Want(leaf, leaf.dtype, None)
+    if tuple(shape) != leaf.shape:
+        raise MismatchError(
+            f"{where}: leaf {display_path(leaf.path)!r} has shape {tuple(shape)} in the target "
+            f"but {leaf.shape} in the checkpoint"
+        )
+    try:
+        out_dtype = np.dtype(dtype)
+    except TypeError:
+        raise MismatchError(f"{where}: leaf {display_path(leaf.path)!r}: target dtype {dtype!r} is not a dtype") from None
+    if isinstance(target, (np.ndarray, ArrayMetadata)):
+        return _Want(leaf, out_dtype, None)
+    sharding = getattr(target, "sharding", None)
+    if sharding is None:
+        import jax
+
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return _Want(leaf, out_dtype, sharding)
+
+
+# ---------------------------------------------------------------------- the reader
+
+
+class _Reader:
+    """Runs the reads of one checkpointable with a pool of threads."""
+
+    def __init__(self, loc: Location, info: fmt.ItemInfo, index: fmt.ItemIndex, verify: bool,
+                 pool: ThreadPoolExecutor, stats: LoadStats):
+        self.loc, self.info, self.index, self.verify, self.pool, self.stats = loc, info, index, verify, pool, stats
+        self._readers: dict[int, Any] = {}
+        self._lock = threading.Lock()
+
+    def _key(self, file: int) -> str:
+        return self.loc.key(self.info.dir, self.index.files[file].name)
+
+    def _reader(self, file: int) -> Any:
+        with self._lock:
+            r = self._readers.get(file)
+            if r is None:
+                try:
+                    r = self.loc.storage.open_read(self._key(file))
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(
+                        f"{self.loc.path}: data file {self.index.files[file].name!r} is missing"
+                    ) from None
+                self._readers[file] = r
+            return r
+
+    def close(self) -> None:
+        with self._lock:
+            for r in self._readers.values():
+                try:
+                    r.close()
+                except Exception:
+                    pass
+            self._readers.clear()
+
+    def _fill(self, file: int, start: int, out: memoryview, leaf: fmt.ArrayLeaf) -> None:
+        try:
+            self._reader(file).read_into(start, out)
+        except EOFError:
+            raise CorruptCheckpointError(
+                f"{self.loc.path}: data file {self.index.files[file].name!r} is truncated "
+                f"(leaf {display_path(leaf.path)!r} needs bytes {start}..{start + len(out)})"
+            ) from None
+        except OSError as e:
+            raise CheckpointError(
+                f"{self.loc.path}: reading {self.index.files[file].name!r} for leaf "
+                f"{display_path(leaf.path)!r} failed: {e}"
+            ) from e
+        with self._lock:
+            self.stats.bytes_read += len(out)
+            self.stats.reads += 1
+
+    def _check(self, read: Read, buf: memoryview, leaf: fmt.ArrayLeaf) -> None:
+        for c in read.checks:
+            got = crc32c(buf[c.start - read.start : c.end - read.start])
+            if got != c.crc:
+                raise CorruptCheckpointError(
+                    f"{self.loc.path}: checksum mismatch in {self.index.files[read.file].name!r} bytes "
+                    f"{c.start}..{c.end} (leaf {display_path(leaf.path)!r}): stored {c.crc:#010x}, "
+                    f"computed {got:#010x}"
+                )
+
+    def do_read(self, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> None:
+        direct = read.direct
+        if direct is not None:
+            region = dests[direct.dest][_region(direct.dest_start, direct.shape)]
+            if region.flags.c_contiguous:
+                buf = memoryview(region.reshape(-1).view(np.uint8))
+                self._fill(read.file, read.start, buf, leaf)
+                self._check(read, buf, leaf)
+                with self._lock:
+                    self.stats.direct_reads += 1
+                return
+        raw = np.empty(read.nbytes, dtype=np.uint8)
+        buf = memoryview(raw)
+        self._fill(read.file, read.start, buf, leaf)
+        self._check(read, buf, leaf)
+        for c in read.copies:
+            src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)
+            dests[c.dest][_region(c.dest_start, c.shape)] = src
+
+    def read_array(self, want: _Want) -> tuple[list[Future[None]], list[np.ndarray], list[Box], Any]:
+        leaf = want.leaf
+        placement = None
+        if want.sharding is None:
+            boxes: list[Box] = [full_box(leaf.shape)]
+        else:
+            from ._jaxutil import slices_to_box
+
+            dmap = want.sharding.addressable_devices_indices_map(leaf.shape)
+            by_box: dict[Box, list[Any]] = {}
+            for device, index in dmap.items():
+                by_box.setdefault(slices_to_box(index, leaf.shape), []).append(device)
+            boxes = list(by_box)
+            placement = by_box
+        reads = plan_reads(leaf, boxes, self.index.block_size, self.verify)
+        dests = [np.empty(tuple(hi - lo for lo, hi in b), dtype=leaf.dtype) for b in boxes]
+        futures = [self.pool.submit(self.do_read, r, leaf, dests) for r in reads]
+        return futures, dests, boxes, placement
+
+    def read_bytes(self, leaf: fmt.ArrayLeaf) -> bytes:
+        futures, dests, _, _ = self.read_array(_Want(leaf, leaf.dtype, None))
+        for f in futures:
+            f.result()
+        return dests[0].tobytes()
+
+
+def _region(start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
+    return tuple(slice(s, s + n) for s, n in zip(start, shape))
+
+
+def _assemble(want: _Want, dests: list[np.ndarray], boxes: list[Box], placement: Any) -> Any:
+    if want.sharding is None:
+        out = dests[0]
+        return out if out.dtype == want.dtype else out.astype(want.dtype)
+    import jax
+
+    arrays = []
+    devices_in_order = []
+    for box, dest in zip(boxes, dests):
+        host = dest if dest.dtype == want.dtype else dest.astype(want.dtype)
+        for device in placement[box]:
+            arrays.append(jax.device_put(host, device))
+            devices_in_order.append(device)
+    return jax.make_array_from_single_device_arrays(want.leaf.shape, want.sharding, arrays)
+
+
+# ---------------------------------------------------------------------- load
+
+
+def load(
+    loc: Location,
+    target: Any = None,
+    *,
+    partial: bool = False,
+    verify: bool = True,
+    threads: int = 8,
+    budget_bytes: int = 1 << 30,
+    stats: LoadStats | None = None,
+) -> Any:
+    """Load the checkpoint at `loc` (see `cairn.load`)."""
+    manifest = read_manifest(loc)
+    stats = stats if stats is not None else LoadStats()
+    if manifest.root:
+        requests = [("", target)]
+    elif target is None:
+        requests = [(name, None) for name in manifest.items]
+    elif isinstance(target, Mapping):
+        unknown = [k for k in target if k not in manifest.items]
+        if unknown:
+            raise MismatchError(
+                f"{loc.path}: the target asks for checkpointables {unknown} that the checkpoint does not "
+                f"hold (it holds {sorted(manifest.items)})"
+            )
+        requests = list(target.items())
+    else:
+        raise MismatchError(
+            f"{loc.path}: the checkpoint holds named checkpointables {sorted(manifest.items)}; "
+            "pass a mapping from (some of) those names to targets"
+        )
+    out: dict[str, Any] = {}
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="cairn-read") as pool:
+        for name, item_target in requests:
+            info = manifest.items[name]
+            index = read_index(loc, info)
+            reader = _Reader(loc, info, index, verify, pool, stats)
+            try:
+                out[name] = _load_item(loc, name, index, reader, item_target, partial, budget_bytes)
+            finally:
+                reader.close()
+    return out[""] if manifest.root else out
+
+
+def _load_item(loc: Location, name: str, index: fmt.ItemIndex, reader: _Reader, target: Any,
+               partial: bool, budget: int) -> Any:
+    where = loc.path + (f" [{name}]" if name else "")
+    by_path = {leaf.path: i for i, leaf in enumerate(index.leaves)}
+    wanted: dict[int, _Want | None] = {}
+    if target is None:
+        wanted = {i: None for i in range(len(index.leaves))}
+    else:
+
+        def note(path: str, t: Any) -> Any:
+            i = by_path.get(path)
+            if i is None:
+                raise MismatchError(f"{where}: leaf {display_path(path)!r} of the target is not in the checkpoint")
+            leaf = index.leaves[i]
+            wanted[i] = _want_for(t, leaf, where) if isinstance(leaf, fmt.ArrayLeaf) else None
+            return t
+
+        map_with_path(note, target, is_leaf=_is_target_leaf)
+        missing = [leaf.path for i, leaf in enumerate(index.leaves) if i not in wanted]
+        if missing and not partial:
+            shown = ", ".join(repr(display_path(p)) for p in missing[:5])
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise MismatchError(
+                f"{where}: the checkpoint has leaves the target omits: {shown}{more}; "
+                "pass partial=True to load only the target's leaves"
+            )
+    results = _read_leaves(index, reader, wanted, where, budget)
+    if target is None:
+        return unflatten(index.structure, results)
+    return map_with_path(lambda path, _t: results[by_path[path]], target, is_leaf=_is_target_leaf)
+
+
+def _is_target_leaf(x: Any) -> bool:
+    return _is_sharding(x) or type(x).__name__ == "ShapeDtypeStruct" or isinstance(x, ArrayMetadata)
+
+
+def _read_leaves(index: fmt.ItemIndex, reader: _Reader, wanted: dict[int, _Want | None], where: str,
+                 budget: int) -> dict[int, Any]:
+    results: dict[int, Any] = {}
+    inflight: deque[tuple[int, _Want, list[Future[None]], list[np.ndarray], list[Box], Any]] = deque()
+    inflight_bytes = 0
+
+    def finish() -> None:
+        nonlocal inflight_bytes
+        i, want, futures, dests, boxes, placement = inflight.popleft()
+        try:
+            for f in futures:
+                f.result()
+        except BaseException:
+            for _, _, fs, *_ in inflight:
+                for f in fs:
+                    f.cancel()
+            raise
+        results[i] = _assemble(want, dests, boxes, placement)
+        inflight_bytes -= sum(d.nbytes for d in dests)
+
+    for i in sorted(wanted):
+        leaf = index.leaves[i]
+        if isinstance(leaf, fmt.ValueLeaf):
+            results[i] = leaf.value
+            continue
+        if leaf.kind in ("bytes", "object"):
+            data = reader.read_bytes(leaf)
+            if leaf.kind == "bytes":
+                results[i] = data
+            else:
+                h = handler_named(leaf.handler or "")
+                if h is None:
+                    raise CheckpointError(
+                        f"{where}: leaf {display_path(leaf.path)!r} was saved by handler {leaf.handler!r}; "
+                        "register it with cairn.register_type before loading"
+                    )
+                results[i] = h.load(data)
+            continue
+        want = wanted[i] or _Want(leaf, leaf.dtype, None)
+        futures, dests, boxes, placement = reader.read_array(want)
+        inflight.append((i, want, futures, dests, boxes, placement))
+        inflight_bytes += sum(d.nbytes for d in dests)
+        while len(inflight) > 1 and inflight_bytes > budget:
+            finish()
+    while inflight:
+        finish()
+    return results
+
+
+# ---------------------------------------------------------------------- metadata
+
+
+def metadata(loc: Location) -> Any:
+    """The stored tree with `ArrayMetadata` in place of arrays; reads no array data."""
+    manifest = read_manifest(loc)
+    out = {}
+    for name, info in manifest.items.items():
+        index = read_index(loc, info)
+        leaves = []
+        for leaf in index.leaves:
+            if isinstance(leaf, fmt.ArrayLeaf):
+                leaves.append(ArrayMetadata(leaf.shape, leaf.dtype, leaf.nbytes, leaf.sharding, leaf.kind))
+            else:
+                leaves.append(leaf.value)
+        out[name] = unflatten(index.structure, leaves)
+    return out[""] if manifest.root else out
+
+
+__all__ = ["ArrayMetadata", "LoadStats", "load", "metadata", "read_index", "read_manifest", "is_c_contiguous"]

@@ -1,0 +1,380 @@
+"""Pure planning: who writes which chunk, and which byte ranges a load reads.
+
+Nothing here touches devices, files or processes: inputs are shapes, boxes
+(per-axis ``(start, stop)`` index ranges) and the stored index, outputs are
+frozen dataclasses. That keeps the planner testable, and lets the benchmark
+run it for clusters that do not exist.
+
+Saving: the boxes held by the devices of a sharding form a regular grid; each
+grid cell is one chunk, written once by one process (the holder of its first
+replica, or spread over replicas). Loading: each target box overlaps a small
+range of grid cells per axis (found by bisection), and each overlap becomes a
+strided copy out of one byte range of one file. Ranges are widened to
+checksum blocks (so that every byte read can be verified) and merged.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from ._format import ArrayLeaf
+
+Box = tuple[tuple[int, int], ...]
+
+
+def full_box(shape: Sequence[int]) -> Box:
+    return tuple((0, int(s)) for s in shape)
+
+
+def box_size(box: Box) -> int:
+    return math.prod(hi - lo for lo, hi in box)
+
+
+def c_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
+    strides = []
+    acc = itemsize
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(int(s), 1)
+    return tuple(reversed(strides))
+
+
+# --------------------------------------------------------------------------- save
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """How one array is cut into chunks and who writes each (grid order)."""
+
+    grid: tuple[tuple[int, ...], ...]
+    writer: tuple[int, ...]  # process index per chunk
+    source: tuple[int, ...]  # per chunk: position in the device list of the copy to write
+
+
+class LayoutError(ValueError):
+    pass
+
+
+def chunk_layout(
+    shape: Sequence[int],
+    device_boxes: Sequence[Box],
+    device_process: Sequence[int],
+    split_replicas: bool = False,
+) -> ChunkLayout:
+    """Cut an array into the grid its devices' boxes form and choose writers.
+
+    `device_boxes[d]` is the box device `d` holds, `device_process[d]` the
+    process it belongs to; the device order must be the same on every process
+    (it is the sharding's device order). A chunk held by several devices
+    (replicas) is written by its first holder, or with `split_replicas` by
+    holder ``cell % replicas`` so that replicated data spreads its write load.
+    """
+    ndim = len(shape)
+    bounds: list[tuple[int, ...]] = []
+    for a in range(ndim):
+        if shape[a] == 0:
+            bounds.append((0, 0))
+            continue
+        cuts = {0, int(shape[a])}
+        for box in device_boxes:
+            cuts.add(box[a][0])
+            cuts.add(box[a][1])
+        bounds.append(tuple(sorted(cuts)))
+    grid_shape = tuple(len(b) - 1 for b in bounds)
+    n_cells = math.prod(grid_shape)
+    holders: list[list[int]] = [[] for _ in range(n_cells)]
+    for d, box in enumerate(device_boxes):
+        if len(box) != ndim:
+            raise LayoutError(f"device {d} holds a box of rank {len(box)} for an array of rank {ndim}")
+        idx = []
+        for a, (lo, hi) in enumerate(box):
+            if shape[a] == 0:
+                idx.append(0)
+                continue
+            i = bisect.bisect_left(bounds[a], lo)
+            if i + 1 >= len(bounds[a]) or bounds[a][i] != lo or bounds[a][i + 1] != hi:
+                raise LayoutError(
+                    f"the shards of this array do not form a regular grid (axis {a}: {lo}..{hi})"
+                )
+            idx.append(i)
+        cell = _ravel(idx, grid_shape)
+        holders[cell].append(d)
+    writer, source = [], []
+    for cell, hs in enumerate(holders):
+        if not hs:
+            raise LayoutError(f"no device holds chunk {cell} of the array")
+        d = hs[cell % len(hs)] if split_replicas else hs[0]
+        writer.append(int(device_process[d]))
+        source.append(d)
+    return ChunkLayout(tuple(bounds), tuple(writer), tuple(source))
+
+
+def _ravel(idx: Sequence[int], grid_shape: Sequence[int]) -> int:
+    flat = 0
+    for i, n in zip(idx, grid_shape):
+        flat = flat * n + i
+    return flat
+
+
+def cell_box(grid: Sequence[Sequence[int]], flat: int) -> Box:
+    idx = []
+    for b in reversed(grid):
+        n = len(b) - 1
+        idx.append(flat % n)
+        flat //= n
+    idx.reverse()
+    return tuple((grid[a][i], grid[a][i + 1]) for a, i in enumerate(idx))
+
+
+@dataclass(frozen=True)
+class FileSlot:
+    """One chunk's place in one data file."""
+
+    leaf: int
+    cell: int
+    offset: int
+    nbytes: int
+
+
+def assign_files(
+    chunks: Sequence[tuple[int, int, int]], max_files: int, min_file_bytes: int
+) -> list[list[FileSlot]]:
+    """Lay out one process's chunks, given as ``(leaf, cell, nbytes)``, in few files.
+
+    Chunks keep their order and are split into at most `max_files` contiguous
+    groups of about equal size, none smaller than `min_file_bytes` (except
+    when there is only one), so files can be written in parallel.
+    """
+    chunks = [c for c in chunks if c[2] > 0]
+    total = sum(c[2] for c in chunks)
+    if not chunks:
+        return []
+    n_files = max(1, min(max_files, total // max(min_file_bytes, 1), len(chunks)))
+    target = total / n_files
+    files: list[list[FileSlot]] = [[]]
+    acc = 0  # bytes in earlier files
+    offset = 0
+    for leaf, cell, nbytes in chunks:
+        if files[-1] and len(files) < n_files and acc + offset + nbytes / 2 > target * len(files):
+            acc += offset
+            files.append([])
+            offset = 0
+        files[-1].append(FileSlot(leaf, cell, offset, nbytes))
+        offset += nbytes
+    return files
+
+
+# --------------------------------------------------------------------------- load
+
+
+@dataclass(frozen=True)
+class Copy:
+    """Copy a strided region out of a read buffer into a destination box."""
+
+    dest: int  # index of the destination box
+    src_offset: int  # byte offset of the region's first element in the read buffer
+    src_strides: tuple[int, ...]  # byte strides of the region in the buffer
+    shape: tuple[int, ...]
+    dest_start: tuple[int, ...]  # the region's first index inside the destination box
+    itemsize: int
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+
+@dataclass(frozen=True)
+class Check:
+    """A checksum block to verify: file bytes [start, end) must have CRC-32C `crc`."""
+
+    start: int
+    end: int
+    crc: int
+
+
+@dataclass(frozen=True)
+class Read:
+    """One ranged read of file bytes [start, end) and what to do with them."""
+
+    file: int
+    start: int
+    end: int
+    copies: tuple[Copy, ...]
+    checks: tuple[Check, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def direct(self) -> Copy | None:
+        """The single copy when the read's bytes are exactly one contiguous region.
+
+        Such a read can land straight in its destination (if the destination
+        region is contiguous too), with no intermediate buffer.
+        """
+        if len(self.copies) != 1:
+            return None
+        c = self.copies[0]
+        if c.src_offset != 0 or c.nbytes != self.nbytes:
+            return None
+        return c if is_c_contiguous(c.shape, c.src_strides) else None
+
+
+def is_c_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
+    if not strides:
+        return True
+    expected = strides[-1]
+    for s, st in zip(reversed(shape), reversed(strides)):
+        if s > 1 and st != expected:
+            return False
+        expected *= s
+    return True
+
+
+@dataclass(frozen=True)
+class _Piece:
+    file: int
+    start: int  # file byte range to read
+    end: int
+    elem: int  # file byte offset of the region's first element
+    copy: Copy
+    chunk: int
+
+
+def overlapping_cells(grid: Sequence[Sequence[int]], box: Box) -> list[tuple[int, ...]]:
+    """Grid cell indices (per axis) whose chunk intersects `box`, by bisection."""
+    ranges = []
+    for a, (lo, hi) in enumerate(box):
+        b = grid[a]
+        if hi <= lo:
+            return []
+        first = bisect.bisect_right(b, lo) - 1
+        last = bisect.bisect_left(b, hi)  # exclusive cell bound
+        ranges.append(range(max(first, 0), min(last, len(b) - 1)))
+    return list(itertools.product(*ranges))
+
+
+def plan_reads(
+    leaf: ArrayLeaf,
+    boxes: Sequence[Box],
+    block_size: int,
+    verify: bool = True,
+    dense_fraction: float = 0.5,
+    small_read: int = 1 << 20,
+    max_merge_gap: int = 0,
+    max_read: int = 4 << 20,
+) -> list[Read]:
+    """Plan the reads that fill each of `boxes` (distinct target boxes) from `leaf`.
+
+    Each overlap of a box with a chunk is read as one range when it is dense
+    (at least `dense_fraction` of the range is needed, or the range is under
+    `small_read` bytes); otherwise it is split along its leading axis. With
+    `verify`, ranges widen to whole checksum blocks of their chunk. Ranges that
+    overlap always share one read; ranges of the same file that touch (or lie
+    within `max_merge_gap`) are merged while the merged read stays under
+    `max_read` bytes, so that large chunks stay separate reads that can land
+    directly in their destination.
+    """
+    itemsize = leaf.dtype.itemsize
+    grid = leaf.grid
+    grid_shape = leaf.grid_shape
+    pieces: list[_Piece] = []
+    for dest, box in enumerate(boxes):
+        if box_size(box) == 0:
+            continue
+        for idx in overlapping_cells(grid, box):
+            cell = _ravel(idx, grid_shape)
+            cbox = tuple((grid[a][i], grid[a][i + 1]) for a, i in enumerate(idx))
+            file, chunk_off = leaf.chunks[cell]
+            cshape = tuple(hi - lo for lo, hi in cbox)
+            strides = c_strides(cshape, itemsize)
+            lo = tuple(max(b[0], c[0]) for b, c in zip(box, cbox))
+            hi = tuple(min(b[1], c[1]) for b, c in zip(box, cbox))
+            _split(pieces, file, chunk_off, cell, strides, itemsize, cbox, box, lo, hi, dest,
+                   dense_fraction, small_read)
+    if verify:
+        pieces = [_widen(p, leaf, block_size) for p in pieces]
+    return _merge(pieces, leaf, block_size, verify, max_merge_gap, max_read)
+
+
+def _split(out, file, chunk_off, cell, strides, itemsize, cbox, box, lo, hi, dest, dense, small):
+    rel = [lo_a - c[0] for lo_a, c in zip(lo, cbox)]
+    last = [hi_a - 1 - c[0] for hi_a, c in zip(hi, cbox)]
+    first_byte = sum(r * s for r, s in zip(rel, strides))
+    end_byte = sum(r * s for r, s in zip(last, strides)) + itemsize
+    shape = tuple(h - l for l, h in zip(lo, hi))
+    needed = math.prod(shape) * itemsize
+    span = end_byte - first_byte
+    if needed * 1.0 >= dense * span or span <= small or len(shape) == 0 or shape[0] == 1 and len(shape) == 1:
+        copy = Copy(dest, 0, strides, shape, tuple(l - b[0] for l, b in zip(lo, box)), itemsize)
+        out.append(_Piece(file, chunk_off + first_byte, chunk_off + end_byte, chunk_off + first_byte, copy, cell))
+        return
+    if shape[0] == 1:
+        # Leading axis is already a single index: split the next one instead.
+        a = next((i for i, s in enumerate(shape) if s > 1), None)
+        if a is None:  # pragma: no cover - a single element is always dense
+            raise AssertionError("unreachable")
+    else:
+        a = 0
+    for i in range(lo[a], hi[a]):
+        sub_lo = tuple(i if k == a else v for k, v in enumerate(lo))
+        sub_hi = tuple(i + 1 if k == a else v for k, v in enumerate(hi))
+        _split(out, file, chunk_off, cell, strides, itemsize, cbox, box, sub_lo, sub_hi, dest, dense, small)
+
+
+def _widen(p: _Piece, leaf: ArrayLeaf, block: int) -> _Piece:
+    _, chunk_off = leaf.chunks[p.chunk]
+    size = leaf.chunk_nbytes(p.chunk)
+    rel_start = (p.start - chunk_off) // block * block
+    rel_end = min(-(-(p.end - chunk_off) // block) * block, size)
+    return _Piece(p.file, chunk_off + rel_start, chunk_off + rel_end, p.elem, p.copy, p.chunk)
+
+
+def _merge(pieces: list[_Piece], leaf: ArrayLeaf, block: int, verify: bool, gap: int, max_read: int) -> list[Read]:
+    pieces.sort(key=lambda p: (p.file, p.start, p.end))
+    reads: list[Read] = []
+    group: list[_Piece] = []
+    g_start = g_end = 0
+
+    def flush() -> None:
+        copies = tuple(
+            Copy(p.copy.dest, p.elem - g_start, p.copy.src_strides, p.copy.shape, p.copy.dest_start, p.copy.itemsize) for p in group
+        )
+        checks: dict[int, Check] = {}
+        if verify:
+            for p in group:
+                for c in _checks_for(p, leaf, block):
+                    checks[c.start] = c
+        reads.append(Read(group[0].file, g_start, g_end, copies, tuple(checks[k] for k in sorted(checks))))
+
+    for p in pieces:
+        if group and p.file == group[0].file and (
+            p.start < g_end  # overlapping ranges must share one buffer
+            or (p.start <= g_end + gap and max(g_end, p.end) - g_start <= max_read)
+        ):
+            group.append(p)
+            g_end = max(g_end, p.end)
+            continue
+        if group:
+            flush()
+        group = [p]
+        g_start, g_end = p.start, p.end
+    if group:
+        flush()
+    return reads
+
+
+def _checks_for(p: _Piece, leaf: ArrayLeaf, block: int) -> list[Check]:
+    _, chunk_off = leaf.chunks[p.chunk]
+    crcs = leaf.crcs[p.chunk]
+    size = leaf.chunk_nbytes(p.chunk)
+    first = (p.start - chunk_off) // block
+    last = -(-(p.end - chunk_off) // block)
+    return [
+        Check(chunk_off + b * block, chunk_off + min((b + 1) * block, size), crcs[b]) for b in range(first, last)
+    ]

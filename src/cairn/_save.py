@@ -1,0 +1,517 @@
+"""The save engine: validate and plan, snapshot, write, commit.
+
+A save runs in two phases. `prepare` (on the caller's thread) validates the
+state, plans which chunks this process writes, agrees on an attempt token
+with the other processes and, for an async save, snapshots this process's
+chunks into host memory. `SaveJob.run` (on the caller's thread for a blocking
+save, on a background thread for an async one) writes the data files,
+publishes this process's status, and on the primary merges the indexes and
+commits. See docs/ARCHITECTURE.md for the protocol.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import secrets
+import threading
+import time
+import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from . import _format as fmt
+from ._coord import Coordinator, default_coordinator
+from ._errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CoordinationError,
+    CoordinationTimeoutError,
+    UnsupportedTypeError,
+)
+from ._leaves import ArraySource, ValueSource, classify
+from ._location import Location
+from ._plan import ChunkLayout, FileSlot, assign_files, cell_box, chunk_layout, full_box
+from ._tree import display_path, flatten
+from ._checksum import crc32c
+
+
+@dataclass
+class SaveStats:
+    """Timings (seconds) and sizes of one save, on this process."""
+
+    blocking_s: float = 0.0  # validation, planning and snapshot: what the caller waited for
+    snapshot_s: float = 0.0  # of which: device-to-host copies
+    write_s: float = 0.0  # data files written and fsync'd
+    commit_s: float = 0.0  # waiting for the other processes, index merge and commit
+    total_s: float = 0.0
+    bytes_written: int = 0  # by this process
+    files_written: int = 0
+    snapshot_bytes: int = 0
+    retries: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Item:
+    name: str
+    dir: str
+    structure: Any
+    leaves: list[ArraySource | ValueSource]
+    layouts: dict[int, ChunkLayout] = field(default_factory=dict)
+    files: list[list[FileSlot]] = field(default_factory=list)
+    # (leaf, cell) -> what to write: a single-device jax.Array, a numpy array,
+    # or (after a snapshot) a host copy.
+    sources: dict[tuple[int, int], Any] = field(default_factory=dict)
+
+
+_seq = itertools.count()
+_seq_lock = threading.Lock()
+
+
+def _next_seq() -> int:
+    with _seq_lock:
+        return next(_seq)
+
+
+@dataclass
+class SaveJob:
+    loc: Location
+    items: list[_Item]
+    root: bool
+    token: str
+    seq: int
+    coord: Coordinator
+    overwrite: bool
+    block_size: int
+    timeout: float
+    threads: int
+    metadata: dict[str, Any]
+    snapshotted: bool = False
+    stats: SaveStats = field(default_factory=SaveStats)
+
+    # ------------------------------------------------------------------ layout
+
+    @property
+    def write_root(self) -> str:
+        """Where this attempt's files go: a temporary sibling folder, or in place."""
+        if self.loc.storage.atomic_rename:
+            return fmt.tmp_dirname(self.loc.name, self.token)
+        return self.loc.name
+
+    def data_key(self, item: _Item, k: int) -> str:
+        return f"{self.write_root}/{item.dir}/{fmt.data_file_name(self.coord.process_index, k, self.token)}"
+
+    # ------------------------------------------------------------------ snapshot
+
+    def snapshot(self) -> None:
+        """Copy every chunk this process writes into host memory (for async saves)."""
+        from ._jaxutil import start_host_copy
+
+        t0 = time.perf_counter()
+        pending = []
+        for item in self.items:
+            for key, src in item.sources.items():
+                if isinstance(src, np.ndarray):
+                    # numpy leaves are the caller's: they may change after save_async returns.
+                    item.sources[key] = np.array(src, copy=True)
+                else:
+                    pending.append((item, key, start_host_copy(src)))
+        for item, key, h in pending:
+            host = np.asarray(h)
+            if h is item.sources[key]:  # CPU: the "copy" is a view of the device buffer
+                host = np.array(host, copy=True)
+            item.sources[key] = host
+        self.stats.snapshot_bytes = sum(
+            int(np.asarray(s).nbytes) for item in self.items for s in item.sources.values()
+        )
+        self.snapshotted = True
+        self.stats.snapshot_s = time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ write
+
+    def _host(self, src: Any) -> np.ndarray:
+        if isinstance(src, np.ndarray):
+            return src
+        from ._jaxutil import host_view
+
+        return host_view(src)
+
+    def _write_file(self, item: _Item, k: int, slots: list[FileSlot], crc_pool: ThreadPoolExecutor):
+        crcs: list[tuple[FileSlot, list[Future[int]]]] = []
+        block = self.block_size
+
+        def parts():
+            for slot in slots:
+                arr = np.ascontiguousarray(self._host(item.sources[(slot.leaf, slot.cell)]))
+                mv = memoryview(arr.reshape(-1).view(np.uint8))
+                if len(mv) != slot.nbytes:
+                    raise CheckpointError(
+                        f"{self.loc.path}: chunk {slot.cell} of {display_path(item.leaves[slot.leaf].path)!r} "
+                        f"has {len(mv)} bytes, planned {slot.nbytes}"
+                    )
+                futs = [crc_pool.submit(crc32c, mv[o : o + block]) for o in range(0, len(mv), block)]
+                crcs.append((slot, futs))
+                yield mv
+
+        key = self.data_key(item, k)
+        size = self.loc.storage.write(key, parts())
+        return key, size, [(slot, [f.result() for f in futs]) for slot, futs in crcs]
+
+    def write_data(self) -> dict[str, Any]:
+        """Write this process's data files; returns its partial index per item."""
+        t0 = time.perf_counter()
+        partial: dict[str, Any] = {}
+        jobs = []
+        with ThreadPoolExecutor(max(1, self.threads), thread_name_prefix="cairn-write") as pool, \
+                ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool:
+            for item in self.items:
+                for k, slots in enumerate(item.files):
+                    jobs.append((item, k, pool.submit(self._write_file, item, k, slots, crc_pool)))
+            results = [(item, k, f.result()) for item, k, f in jobs]
+        me = self.coord.process_index
+        for item in self.items:
+            partial[item.name] = {"files": [], "chunks": []}
+        for item, k, (key, size, chunks) in results:
+            p = partial[item.name]
+            file_no = len(p["files"])
+            p["files"].append({"name": key.rsplit("/", 1)[1], "size": size})
+            for slot, crc in chunks:
+                p["chunks"].append([slot.leaf, slot.cell, file_no, slot.offset, *crc])
+            self.stats.bytes_written += size
+            self.stats.files_written += 1
+        del me
+        # Drop host copies and device references as soon as they are written.
+        for item in self.items:
+            item.sources.clear()
+        self.stats.write_s = time.perf_counter() - t0
+        return partial
+
+    # ------------------------------------------------------------------ commit
+
+    def run(self) -> SaveStats:
+        """Phase 2: write, exchange status, commit on the primary; raise on any failure."""
+        t_start = time.perf_counter()
+        coord, me, n = self.coord, self.coord.process_index, self.coord.process_count
+        base = f"cairn/save/{self.seq}"
+        status: dict[str, Any] = {"ok": True}
+        partial = None
+        own_error: BaseException | None = None
+        try:
+            partial = self.write_data()
+            if n > 1:
+                for item in self.items:
+                    self.loc.storage.put(
+                        f"{self.write_root}/{item.dir}/{fmt.partial_index_name(me, self.token)}",
+                        json.dumps(partial[item.name]).encode(),
+                    )
+        except BaseException as e:  # noqa: BLE001 - reported to every process, then re-raised
+            own_error = e
+            status = {"ok": False, "error": _describe(e), "type": type(e).__name__}
+        t_written = time.perf_counter()
+        outcome: dict[str, Any]
+        try:
+            coord.publish(f"{base}/status/{me}", json.dumps(status).encode())
+            if me == 0:
+                outcome = self._primary_commit(base, partial)
+                coord.publish(f"{base}/outcome", json.dumps(outcome).encode())
+            else:
+                outcome = json.loads(coord.fetch(f"{base}/outcome", self.timeout))
+        except CoordinationError as e:
+            if own_error is not None:
+                raise own_error from e
+            raise CoordinationError(f"saving {self.loc.path}: {e}") from e
+        self.stats.commit_s = time.perf_counter() - t_written
+        self.stats.total_s = self.stats.blocking_s + time.perf_counter() - t_start
+        if outcome.get("ok"):
+            return self.stats
+        msg = f"saving {self.loc.path} failed: {outcome['error']}"
+        if outcome.get("type") == "CheckpointExistsError":
+            raise CheckpointExistsError(msg)
+        if own_error is not None:
+            raise CheckpointError(msg) from own_error
+        raise CheckpointError(msg)
+
+    def _primary_commit(self, base: str, own_partial: dict[str, Any] | None) -> dict[str, Any]:
+        coord, n = self.coord, self.coord.process_count
+        try:
+            raw = coord.fetch_all(f"{base}/status", n, self.timeout)
+        except CoordinationTimeoutError as e:
+            self._abort()
+            return {"ok": False, "error": str(e), "type": "CoordinationTimeoutError"}
+        statuses = {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in raw.items()}
+        failed = sorted(p for p, s in statuses.items() if not s["ok"])
+        if failed:
+            self._abort()
+            errors = "; ".join(f"process {p}: {statuses[p]['error']}" for p in failed)
+            return {"ok": False, "error": errors, "type": statuses[failed[0]].get("type")}
+        try:
+            self._commit(own_partial)
+        except BaseException as e:  # noqa: BLE001
+            self._abort()
+            return {"ok": False, "error": f"process 0: {_describe(e)}", "type": type(e).__name__}
+        return {"ok": True}
+
+    def _partials(self, item: _Item, own: dict[str, Any] | None) -> list[dict[str, Any]]:
+        n = self.coord.process_count
+        if n == 1:
+            assert own is not None
+            return [own[item.name]]
+        out = []
+        for p in range(n):
+            key = f"{self.write_root}/{item.dir}/{fmt.partial_index_name(p, self.token)}"
+            out.append(json.loads(self.loc.storage.read(key)))
+        return out
+
+    def _merge_index(self, item: _Item, partials: list[dict[str, Any]]) -> fmt.ItemIndex:
+        files: list[fmt.FileInfo] = []
+        placed: dict[int, dict[int, tuple[int, int, tuple[int, ...]]]] = {}
+        for part in partials:
+            first = len(files)
+            files.extend(fmt.FileInfo(f["name"], f["size"]) for f in part["files"])
+            for leaf, cell, file_no, offset, *crc in part["chunks"]:
+                placed.setdefault(leaf, {})[cell] = (first + file_no, offset, tuple(crc))
+        leaves: list[fmt.Leaf] = []
+        for i, src in enumerate(item.leaves):
+            if isinstance(src, ValueSource):
+                leaves.append(fmt.ValueLeaf(src.path, src.kind, src.value))
+                continue
+            layout = item.layouts[i]
+            got = placed.get(i, {})
+            chunks, crcs = [], []
+            n_cells = len(layout.writer)
+            for cell in range(n_cells):
+                if cell in got:
+                    f, off, crc = got[cell]
+                else:
+                    box = cell_box(layout.grid, cell)
+                    if int(np.prod([hi - lo for lo, hi in box])) * src.dtype.itemsize:
+                        raise CheckpointError(
+                            f"{self.loc.path}: chunk {cell} of {display_path(src.path)!r} was written by no process"
+                        )
+                    f, off, crc = 0, 0, ()
+                chunks.append((f, off))
+                crcs.append(crc)
+            sharding = None
+            if src.is_jax:
+                from ._jaxutil import describe_sharding
+
+                sharding = describe_sharding(src.value.sharding)
+            leaves.append(
+                fmt.ArrayLeaf(
+                    path=src.path, dtype=src.dtype, shape=src.shape, grid=layout.grid, chunks=tuple(chunks),
+                    crcs=tuple(crcs), kind=src.kind, sharding=sharding, handler=src.handler,
+                )
+            )
+        return fmt.ItemIndex(item.structure, tuple(leaves), tuple(files), self.block_size)
+
+    def _commit(self, own_partial: dict[str, Any] | None) -> None:
+        storage, root = self.loc.storage, self.write_root
+        items: dict[str, fmt.ItemInfo] = {}
+        for item in self.items:
+            index = self._merge_index(item, self._partials(item, own_partial))
+            storage.put(f"{root}/{item.dir}/{fmt.index_name(self.token)}", index.to_json())
+            nbytes = sum(leaf.nbytes for leaf in index.leaves if isinstance(leaf, fmt.ArrayLeaf))
+            items[item.name] = fmt.ItemInfo(item.dir, fmt.index_name(self.token), nbytes, len(index.leaves))
+        from . import __version__
+
+        manifest = fmt.Manifest(
+            items=items, root=self.root, process_count=self.coord.process_count, cairn_version=__version__,
+            created_unix=time.time(), metadata=self.metadata,
+        ).to_json()
+        if storage.atomic_rename:
+            storage.put(f"{root}/{fmt.MANIFEST}", manifest)
+            storage.sync_dir(root)  # type: ignore[attr-defined]
+            self._rename_into_place()
+        else:
+            try:
+                storage.put(self.loc.key(fmt.MANIFEST), manifest, create=not self.overwrite)
+            except FileExistsError:
+                raise CheckpointExistsError(f"{self.loc.path}: another save committed this checkpoint first") from None
+            if self.overwrite:
+                _delete_other_attempts(storage, self.loc.name, self.token)
+
+    def _rename_into_place(self) -> None:
+        storage = self.loc.storage
+        tmp, name = self.write_root, self.loc.name
+        try:
+            storage.rename_dir(tmp, name)  # type: ignore[attr-defined]
+            return
+        except FileExistsError:
+            if not self.overwrite:
+                raise CheckpointExistsError(f"{self.loc.path} already exists (another save committed it first)") from None
+        # Swap the new checkpoint in atomically, then delete the old one.
+        try:
+            storage.rename_dir(tmp, name, exchange=True)  # type: ignore[attr-defined]
+        except OSError:
+            # No atomic exchange on this filesystem: move the old one aside first.
+            aside = fmt.tmp_dirname(name, self.token + "-old")
+            storage.rename_dir(name, aside)  # type: ignore[attr-defined]
+            storage.rename_dir(tmp, name)  # type: ignore[attr-defined]
+            storage.delete_prefix(aside)
+            return
+        storage.delete_prefix(tmp)
+
+    def _abort(self) -> None:
+        """Remove what this attempt wrote (best effort; leftovers are invisible anyway)."""
+        try:
+            if self.loc.storage.atomic_rename:
+                self.loc.storage.delete_prefix(self.write_root)
+            else:
+                _delete_attempt(self.loc.storage, self.loc.name, self.token)
+        except Exception:
+            pass
+
+
+def _delete_attempt(storage: Any, name: str, token: str) -> None:
+    for key in storage.list(name):
+        if f".{token}." in key.rsplit("/", 1)[-1]:
+            storage.delete_prefix(key)
+
+
+def _delete_other_attempts(storage: Any, name: str, token: str) -> None:
+    for key in storage.list(name):
+        base = key.rsplit("/", 1)[-1]
+        if base != fmt.MANIFEST and f".{token}." not in base:
+            storage.delete_prefix(key)
+
+
+def _describe(e: BaseException) -> str:
+    tb = "".join(traceback.format_exception_only(type(e), e)).strip()
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    return tb + where
+
+
+# ---------------------------------------------------------------------- prepare
+
+
+def _split_items(state: Any) -> tuple[bool, list[tuple[str, Any]]]:
+    from collections.abc import Mapping
+
+    if isinstance(state, Mapping) and state and all(isinstance(k, str) for k in state):
+        return False, list(state.items())
+    return True, [("", state)]
+
+
+def prepare(
+    loc: Location,
+    state: Any,
+    *,
+    overwrite: bool = False,
+    coordinator: Coordinator | None = None,
+    block_size: int = fmt.DEFAULT_BLOCK_SIZE,
+    threads: int = 4,
+    min_file_bytes: int = 32 << 20,
+    split_replicas: bool = False,
+    timeout: float = 1800.0,
+    metadata: dict[str, Any] | None = None,
+) -> SaveJob:
+    """Validate `state`, plan this process's chunks and agree on an attempt token."""
+    t0 = time.perf_counter()
+    coord = coordinator or default_coordinator()
+    me = coord.process_index
+    if not fmt.MIN_BLOCK <= block_size <= fmt.MAX_BLOCK:
+        raise ValueError(f"block_size must be in [{fmt.MIN_BLOCK}, {fmt.MAX_BLOCK}], got {block_size}")
+    if metadata is not None:
+        try:
+            json.dumps(metadata, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise UnsupportedTypeError(f"{loc.path}: metadata must be JSON-serializable ({e})") from None
+    root, pairs = _split_items(state)
+    items = []
+    for name, tree in pairs:
+        where = f"{loc.path}" + (f" [{name}]" if name else "")
+        try:
+            structure, flat = flatten(tree)
+        except ValueError as e:
+            raise UnsupportedTypeError(f"{where}: {e}") from None
+        leaves = [classify(path, x, where) for path, x in flat]
+        item = _Item(name, fmt.ROOT_ITEM_DIR if root else fmt.item_dirname(name), structure, leaves)
+        _plan_item(item, me, split_replicas, threads, min_file_bytes, where)
+        items.append(item)
+    seq = _next_seq()
+    token = _agree_token(loc, coord, seq, overwrite, timeout)
+    job = SaveJob(
+        loc=loc, items=items, root=root, token=token, seq=seq, coord=coord, overwrite=overwrite,
+        block_size=block_size, timeout=timeout, threads=threads, metadata=metadata or {},
+    )
+    job.stats.blocking_s = time.perf_counter() - t0
+    return job
+
+
+def _plan_item(item: _Item, me: int, split_replicas: bool, threads: int, min_file_bytes: int, where: str) -> None:
+    from ._plan import LayoutError
+
+    mine: list[tuple[int, int, int]] = []
+    for i, src in enumerate(item.leaves):
+        if not isinstance(src, ArraySource):
+            continue
+        shape, itemsize = src.shape, src.dtype.itemsize
+        if src.is_jax:
+            from ._jaxutil import device_boxes
+
+            devices, boxes = device_boxes(src.value.sharding, shape)
+            try:
+                layout = chunk_layout(shape, boxes, [d.process_index for d in devices], split_replicas)
+            except LayoutError as e:
+                raise UnsupportedTypeError(f"{where}: leaf {display_path(src.path)!r}: {e}") from None
+            shards = None
+            for cell, (w, d) in enumerate(zip(layout.writer, layout.source)):
+                if w != me:
+                    continue
+                if shards is None:
+                    shards = {s.device: s.data for s in src.value.addressable_shards}
+                item.sources[(i, cell)] = shards[devices[d]]
+                mine.append((i, cell, _box_bytes(cell_box(layout.grid, cell), itemsize)))
+        else:
+            layout = ChunkLayout(tuple((0, n) for n in shape), (0,), (0,))
+            if me == 0:
+                item.sources[(i, 0)] = src.value
+                mine.append((i, 0, _box_bytes(full_box(shape), itemsize)))
+        item.layouts[i] = layout
+    item.files = assign_files(mine, threads, min_file_bytes)
+
+
+def _box_bytes(box: Any, itemsize: int) -> int:
+    n = itemsize
+    for lo, hi in box:
+        n *= hi - lo
+    return n
+
+
+def _agree_token(loc: Location, coord: Coordinator, seq: int, overwrite: bool, timeout: float) -> str:
+    """The primary checks the destination and picks the attempt token; all processes learn both."""
+    key = f"cairn/save/{seq}/token"
+    if coord.process_index == 0:
+        msg: dict[str, Any] = {"token": secrets.token_hex(6)}
+        try:
+            _check_destination(loc, overwrite)
+        except CheckpointError as e:
+            msg = {"error": str(e), "type": type(e).__name__}
+        coord.publish(key, json.dumps(msg).encode())
+    else:
+        msg = json.loads(coord.fetch(key, timeout))
+    if "error" in msg:
+        cls = CheckpointExistsError if msg.get("type") == "CheckpointExistsError" else CheckpointError
+        raise cls(msg["error"])
+    return msg["token"]
+
+
+def _check_destination(loc: Location, overwrite: bool) -> None:
+    storage = loc.storage
+    committed = storage.exists(loc.key(fmt.MANIFEST))
+    if committed and not overwrite:
+        raise CheckpointExistsError(f"{loc.path} already holds a checkpoint; pass overwrite=True to replace it")
+    if storage.atomic_rename and not committed and storage.list_dir(loc.name) and not overwrite:
+        raise CheckpointExistsError(
+            f"{loc.path} exists and is not a committed cairn checkpoint; pass overwrite=True to replace it"
+        )
+    if storage.atomic_rename and storage.exists(loc.name) and not storage.is_dir(loc.name):  # type: ignore[attr-defined]
+        raise CheckpointExistsError(f"{loc.path} exists and is a file, not a checkpoint folder")

@@ -1,0 +1,62 @@
+"""The storage protocol: a few explicit operations on keys under one root.
+
+Keys are ``/``-separated and relative to the root. Backends raise the builtin
+errors (`FileNotFoundError`, `FileExistsError`, `OSError`); the engine turns
+them into cairn errors that name the checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any as Buffer  # collections.abc.Buffer is Python 3.12+
+from typing import Protocol, runtime_checkable
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``"s3://b/p"`` -> ``("s3", "b/p")``; a plain path -> ``("", path)``."""
+    if "://" in url:
+        scheme, rest = url.split("://", 1)
+        return scheme.lower(), rest
+    return "", url
+
+
+@runtime_checkable
+class RandomReader(Protocol):
+    def read_into(self, offset: int, out: memoryview) -> None:
+        """Fill `out` with the bytes at `offset`; raise EOFError if the object is shorter."""
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class Storage(Protocol):
+    url: str
+    #: Whole directories can be renamed atomically (POSIX); otherwise commit by
+    #: a create-if-absent put of the manifest.
+    atomic_rename: bool
+
+    def read(self, key: str) -> bytes: ...
+
+    def open_read(self, key: str) -> RandomReader: ...
+
+    def write(self, key: str, parts: Iterable[Buffer]) -> int:
+        """Write an object from `parts` in order; durable when it returns. Returns its size."""
+
+    def put(self, key: str, data: bytes, *, create: bool = False) -> None:
+        """Atomically write a small object; with `create`, raise FileExistsError if it exists."""
+
+    def exists(self, key: str) -> bool: ...
+
+    def size(self, key: str) -> int: ...
+
+    def list(self, prefix: str) -> list[str]:
+        """Every key under ``prefix/`` (recursively), relative to the root."""
+
+    def list_dir(self, prefix: str) -> list[str]:
+        """Names directly under ``prefix/`` (files and folders), or of the root for ``""``."""
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete `prefix` and everything under it; a missing prefix is not an error."""
+
+    def describe(self, key: str) -> str:
+        """A human-readable location for messages."""

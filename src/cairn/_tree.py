@@ -1,0 +1,213 @@
+"""Pytree <-> flat ``{key path: leaf}`` with a JSON-encodable structure.
+
+cairn walks containers itself (dict, list, tuple, namedtuple) so that it can
+record exactly which container each level was, and it defers to
+``jax.tree_util`` only for other registered pytree nodes (flax dataclasses,
+optax states, ...). ``None`` is a leaf here, unlike in JAX, so that a ``None``
+in a state round-trips.
+
+Key paths are strings: the components joined by ``/``, where a component is a
+dict key, an attribute name or a sequence index. ``%`` and ``/`` inside a key
+are percent-escaped, so a key like ``"a/b"`` or ``"../x"`` is one component
+and can never be read as a path. Key paths are names in JSON only; they never
+become file names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+Structure = Any  # a JSON-encodable description of the containers
+
+
+def escape_key(key: str) -> str:
+    """Escape one key-path component so that it cannot contain ``/``."""
+    return key.replace("%", "%25").replace("/", "%2F")
+
+
+def unescape_key(component: str) -> str:
+    return component.replace("%2F", "/").replace("%25", "%")
+
+
+def join_path(parent: str, component: str) -> str:
+    return component if not parent else f"{parent}/{component}"
+
+
+def display_path(path: str) -> str:
+    """A key path as shown in messages: ``<root>`` for the root itself."""
+    return path if path else "<root>"
+
+
+def _is_namedtuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(type(x), "_fields")
+
+
+def _jax_children(node: Any) -> tuple[list[tuple[str, Any]], Any] | None:
+    """One level of a registered JAX pytree node: ((key, child) pairs, treedef).
+
+    Returns None when `node` is not a registered node (it is a leaf), or when
+    JAX is not installed.
+    """
+    try:
+        import jax
+    except ImportError:
+        return None
+    flat, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda y: y is not node)
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+        return None  # a leaf
+    out = []
+    for path, child in flat:
+        if len(path) != 1:  # an empty subtree collapsed away; keep the key path honest
+            raise ValueError(f"unexpected pytree key path {path!r} for {type(node).__name__}")
+        out.append((_jax_key_str(path[0]), child))
+    return out, treedef
+
+
+def _jax_key_str(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _type_name(x: Any) -> str:
+    t = type(x)
+    return f"{t.__module__}.{t.__qualname__}"
+
+
+def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[Structure, list[tuple[str, Any]]]:
+    """Flatten `tree` into (structure, [(key path, leaf), ...]) in tree order.
+
+    Raises ValueError naming the key path for dict keys that are neither
+    ``str`` nor ``int`` and for two leaves whose key paths would coincide.
+    """
+    leaves: list[tuple[str, Any]] = []
+    seen: set[str] = set()
+
+    def add_leaf(path: str, x: Any) -> Structure:
+        if path in seen:
+            raise ValueError(f"two leaves share the key path {display_path(path)!r}")
+        seen.add(path)
+        leaves.append((path, x))
+        return {"leaf": len(leaves) - 1}
+
+    def walk(x: Any, path: str) -> Structure:
+        if x is None or (is_leaf is not None and is_leaf(x)):
+            return add_leaf(path, x)
+        if isinstance(x, Mapping):
+            items = []
+            for k, v in x.items():
+                if isinstance(k, bool) or not isinstance(k, (str, int)):
+                    raise ValueError(
+                        f"dict key {k!r} at {display_path(path)!r} has type {type(k).__name__}; "
+                        "only str and int keys can be saved"
+                    )
+                items.append([k, walk(v, join_path(path, escape_key(str(k))))])
+            return {"dict": items}
+        if _is_namedtuple(x):
+            fields = list(type(x)._fields)
+            children = [walk(v, join_path(path, escape_key(f))) for f, v in zip(fields, x)]
+            return {"namedtuple": type(x).__name__, "fields": fields, "children": children}
+        if isinstance(x, (list, tuple)):
+            kind = "list" if isinstance(x, list) else "tuple"
+            return {kind: [walk(v, join_path(path, str(i))) for i, v in enumerate(x)]}
+        if _is_plain_leaf(x):
+            return add_leaf(path, x)
+        sub = _jax_children(x)
+        if sub is None:
+            return add_leaf(path, x)
+        pairs, _ = sub
+        keys = [k for k, _ in pairs]
+        children = [walk(c, join_path(path, escape_key(k))) for k, c in pairs]
+        return {"node": _type_name(x), "keys": keys, "children": children}
+
+    structure = walk(tree, "")
+    return structure, leaves
+
+
+def _is_plain_leaf(x: Any) -> bool:
+    # Fast path for the common leaves, so that JAX is never consulted for them.
+    import numpy as np
+
+    if isinstance(x, (str, bytes, int, float, complex, np.ndarray, np.generic)):
+        return True
+    t = type(x)
+    return t.__module__.startswith(("jaxlib", "jax")) and t.__name__ in ("ArrayImpl", "Array")
+
+
+def unflatten(structure: Structure, leaves: Mapping[int, Any] | list[Any], skip: object = None) -> Any:
+    """Rebuild plain containers from a structure and leaves (by leaf number).
+
+    Leaves whose value is the `skip` sentinel are dropped from their parent (used
+    for partial loads); namedtuples and registered nodes come back as dicts.
+    """
+
+    def build(node: Structure) -> Any:
+        if "leaf" in node:
+            return leaves[node["leaf"]]
+        if "dict" in node:
+            out = {}
+            for k, child in node["dict"]:
+                v = build(child)
+                if skip is None or v is not skip:
+                    out[k] = v
+            return out
+        if "list" in node or "tuple" in node:
+            seq = [build(c) for c in node.get("list", node.get("tuple"))]
+            seq = [v for v in seq if skip is None or v is not skip]
+            return seq if "list" in node else tuple(seq)
+        if "namedtuple" in node:
+            names, children = node["fields"], node["children"]
+        else:
+            names, children = node["keys"], node["children"]
+        out = {}
+        for k, child in zip(names, children):
+            v = build(child)
+            if skip is None or v is not skip:
+                out[k] = v
+        return out
+
+    return build(structure)
+
+
+def map_with_path(fn: Callable[[str, Any], Any], tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+    """Apply ``fn(path, leaf)`` to every leaf, keeping `tree`'s own container types."""
+
+    def walk(x: Any, path: str) -> Any:
+        if x is None or (is_leaf is not None and is_leaf(x)):
+            return fn(path, x)
+        if isinstance(x, Mapping):
+            pairs = [(k, walk(v, join_path(path, escape_key(str(k))))) for k, v in x.items()]
+            return _rebuild_mapping(x, pairs)
+        if _is_namedtuple(x):
+            return type(x)(*[walk(v, join_path(path, escape_key(f))) for f, v in zip(type(x)._fields, x)])
+        if isinstance(x, (list, tuple)):
+            seq = [walk(v, join_path(path, str(i))) for i, v in enumerate(x)]
+            return seq if isinstance(x, list) else tuple(seq)
+        if _is_plain_leaf(x):
+            return fn(path, x)
+        sub = _jax_children(x)
+        if sub is None:
+            return fn(path, x)
+        pairs, treedef = sub
+        return treedef.unflatten([walk(c, join_path(path, escape_key(k))) for k, c in pairs])
+
+    return walk(tree, "")
+
+
+def _rebuild_mapping(original: Mapping, pairs: list[tuple[Any, Any]]) -> Any:
+    if type(original) is dict:
+        return dict(pairs)
+    try:
+        out = type(original)(pairs)  # OrderedDict, user mappings with a dict-like constructor
+    except TypeError:
+        try:
+            import copy
+
+            out = copy.copy(original)  # defaultdict and friends keep their factory
+            out.clear()  # type: ignore[attr-defined]
+            out.update(pairs)  # type: ignore[attr-defined]
+        except Exception:
+            out = dict(pairs)
+    return out

@@ -1,0 +1,29 @@
+"""Test setup: 8 virtual CPU devices on every run, strict JAX, small helpers."""
+
+import os
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in flags:
+    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+jax.config.update("jax_enable_x64", True)
+
+
+@pytest.fixture
+def mesh8():
+    return jax.make_mesh((8,), ("x",))
+
+
+@pytest.fixture
+def mesh42():
+    return jax.make_mesh((4, 2), ("x", "y"))
+
+
+@pytest.fixture(autouse=True)
+def _eight_devices():
+    assert len(jax.devices()) == 8, "tests expect 8 virtual CPU devices"
