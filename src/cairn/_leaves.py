@@ -98,7 +98,7 @@ class ValueSource:
     value: Any
 
 
-def classify(path: str, x: Any, where: str) -> ArraySource | ValueSource:
+def classify(path: str, x: Any, where: str, item: str = "") -> ArraySource | ValueSource:
     """Decide how leaf `x` at key `path` is stored; raise UnsupportedTypeError if it cannot be."""
     kind = value_kind(x)
     if kind is not None:
@@ -106,7 +106,7 @@ def classify(path: str, x: Any, where: str) -> ArraySource | ValueSource:
     if isinstance(x, np.ndarray):
         if dtype_name(x.dtype) is None:
             raise UnsupportedTypeError(
-                f"{where}: leaf {display_path(path)!r} is a numpy array of dtype {x.dtype}, "
+                f"{where}: leaf {display_path(path, item)!r} is a numpy array of dtype {x.dtype}, "
                 "which cairn cannot store (object, string and structured dtypes are not supported)"
             )
         if x.dtype.byteorder == ">":
@@ -116,9 +116,9 @@ def classify(path: str, x: Any, where: str) -> ArraySource | ValueSource:
         return ArraySource(path, "bytes", np.frombuffer(bytes(x), dtype=np.uint8), False)
     if is_jax_array(x):
         if dtype_name(np.dtype(x.dtype)) is None:
-            raise UnsupportedTypeError(f"{where}: leaf {display_path(path)!r} has unsupported dtype {x.dtype}")
+            raise UnsupportedTypeError(f"{where}: leaf {display_path(path, item)!r} has unsupported dtype {x.dtype}")
         if x.is_deleted():
-            raise UnsupportedTypeError(f"{where}: leaf {display_path(path)!r} is a deleted (donated) jax.Array")
+            raise UnsupportedTypeError(f"{where}: leaf {display_path(path, item)!r} is a deleted (donated) jax.Array")
         return ArraySource(path, "array", x, True)
     h = handler_for_object(x)
     if h is not None:
@@ -126,14 +126,14 @@ def classify(path: str, x: Any, where: str) -> ArraySource | ValueSource:
         if not isinstance(data, (bytes, bytearray, memoryview)):
             raise UnsupportedTypeError(
                 f"{where}: handler {h.name!r} returned {type(data).__name__} for leaf "
-                f"{display_path(path)!r}; it must return bytes"
+                f"{display_path(path, item)!r}; it must return bytes"
             )
         return ArraySource(path, "object", np.frombuffer(bytes(data), dtype=np.uint8), False, h.name)
     if type(x).__name__ == "ShapeDtypeStruct":
         raise UnsupportedTypeError(
-            f"{where}: leaf {display_path(path)!r} is an abstract jax.ShapeDtypeStruct; save concrete arrays"
+            f"{where}: leaf {display_path(path, item)!r} is an abstract jax.ShapeDtypeStruct; save concrete arrays"
         )
     raise UnsupportedTypeError(
-        f"{where}: leaf {display_path(path)!r} has type {type(x).__module__}.{type(x).__qualname__}, "
+        f"{where}: leaf {display_path(path, item)!r} has type {type(x).__module__}.{type(x).__qualname__}, "
         "which cairn cannot store; register a handler with cairn.register_type"
     )

@@ -111,7 +111,7 @@ def _is_sharding(x: Any) -> bool:
     return isinstance(x, jax.sharding.Sharding)
 
 
-def _want_for(target: Any, leaf: fmt.ArrayLeaf, where: str) -> _Want | None:
+def _want_for(target: Any, leaf: fmt.ArrayLeaf, where: str, item: str) -> _Want | None:
     """Interpret a target leaf for stored array `leaf`; None means "as saved, numpy"."""
     if leaf.kind != "array":
         return None
@@ -123,13 +123,13 @@ def _want_for(target: Any, leaf: fmt.ArrayLeaf, where: str) -> _Want | None:
         return _Want(leaf, leaf.dtype, None)
     if tuple(shape) != leaf.shape:
         raise MismatchError(
-            f"{where}: leaf {display_path(leaf.path)!r} has shape {tuple(shape)} in the target "
+            f"{where}: leaf {display_path(leaf.path, item)!r} has shape {tuple(shape)} in the target "
             f"but {leaf.shape} in the checkpoint"
         )
     try:
         out_dtype = np.dtype(dtype)
     except TypeError:
-        raise MismatchError(f"{where}: leaf {display_path(leaf.path)!r}: target dtype {dtype!r} is not a dtype") from None
+        raise MismatchError(f"{where}: leaf {display_path(leaf.path, item)!r}: target dtype {dtype!r} is not a dtype") from None
     if isinstance(target, (np.ndarray, ArrayMetadata)):
         return _Want(leaf, out_dtype, None)
     sharding = getattr(target, "sharding", None)
@@ -146,9 +146,10 @@ def _want_for(target: Any, leaf: fmt.ArrayLeaf, where: str) -> _Want | None:
 class _Reader:
     """Runs the reads of one checkpointable with a pool of threads."""
 
-    def __init__(self, loc: Location, info: fmt.ItemInfo, index: fmt.ItemIndex, verify: bool,
+    def __init__(self, loc: Location, name: str, info: fmt.ItemInfo, index: fmt.ItemIndex, verify: bool,
                  pool: ThreadPoolExecutor, stats: LoadStats):
         self.loc, self.info, self.index, self.verify, self.pool, self.stats = loc, info, index, verify, pool, stats
+        self.item = name
         self._readers: dict[int, Any] = {}
         self._lock = threading.Lock()
 
@@ -183,12 +184,12 @@ class _Reader:
         except EOFError:
             raise CorruptCheckpointError(
                 f"{self.loc.path}: data file {self.index.files[file].name!r} is truncated "
-                f"(leaf {display_path(leaf.path)!r} needs bytes {start}..{start + len(out)})"
+                f"(leaf {display_path(leaf.path, self.item)!r} needs bytes {start}..{start + len(out)})"
             ) from None
         except OSError as e:
             raise CheckpointError(
                 f"{self.loc.path}: reading {self.index.files[file].name!r} for leaf "
-                f"{display_path(leaf.path)!r} failed: {e}"
+                f"{display_path(leaf.path, self.item)!r} failed: {e}"
             ) from e
         with self._lock:
             self.stats.bytes_read += len(out)
@@ -200,7 +201,7 @@ class _Reader:
             if got != c.crc:
                 raise CorruptCheckpointError(
                     f"{self.loc.path}: checksum mismatch in {self.index.files[read.file].name!r} bytes "
-                    f"{c.start}..{c.end} (leaf {display_path(leaf.path)!r}): stored {c.crc:#010x}, "
+                    f"{c.start}..{c.end} (leaf {display_path(leaf.path, self.item)!r}): stored {c.crc:#010x}, "
                     f"computed {got:#010x}"
                 )
 
@@ -249,8 +250,9 @@ class _Reader:
         return dests[0].tobytes()
 
 
-def _region(start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
-    return tuple(slice(s, s + n) for s, n in zip(start, shape))
+def _region(start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[Any, ...]:
+    # `...` keeps a 0-d selection a view (indexing with () would return a scalar copy).
+    return tuple(slice(s, s + n) for s, n in zip(start, shape)) or (Ellipsis,)
 
 
 def _assemble(want: _Want, dests: list[np.ndarray], boxes: list[Box], placement: Any) -> Any:
@@ -307,7 +309,7 @@ def load(
         for name, item_target in requests:
             info = manifest.items[name]
             index = read_index(loc, info)
-            reader = _Reader(loc, info, index, verify, pool, stats)
+            reader = _Reader(loc, name, info, index, verify, pool, stats)
             try:
                 out[name] = _load_item(loc, name, index, reader, item_target, partial, budget_bytes)
             finally:
@@ -317,7 +319,7 @@ def load(
 
 def _load_item(loc: Location, name: str, index: fmt.ItemIndex, reader: _Reader, target: Any,
                partial: bool, budget: int) -> Any:
-    where = loc.path + (f" [{name}]" if name else "")
+    where = loc.path
     by_path = {leaf.path: i for i, leaf in enumerate(index.leaves)}
     wanted: dict[int, _Want | None] = {}
     if target is None:
@@ -327,21 +329,23 @@ def _load_item(loc: Location, name: str, index: fmt.ItemIndex, reader: _Reader, 
         def note(path: str, t: Any) -> Any:
             i = by_path.get(path)
             if i is None:
-                raise MismatchError(f"{where}: leaf {display_path(path)!r} of the target is not in the checkpoint")
+                raise MismatchError(
+                    f"{where}: leaf {display_path(path, name)!r} of the target is not in the checkpoint"
+                )
             leaf = index.leaves[i]
-            wanted[i] = _want_for(t, leaf, where) if isinstance(leaf, fmt.ArrayLeaf) else None
+            wanted[i] = _want_for(t, leaf, where, name) if isinstance(leaf, fmt.ArrayLeaf) else None
             return t
 
         map_with_path(note, target, is_leaf=_is_target_leaf)
         missing = [leaf.path for i, leaf in enumerate(index.leaves) if i not in wanted]
         if missing and not partial:
-            shown = ", ".join(repr(display_path(p)) for p in missing[:5])
+            shown = ", ".join(repr(display_path(p, name)) for p in missing[:5])
             more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
             raise MismatchError(
                 f"{where}: the checkpoint has leaves the target omits: {shown}{more}; "
                 "pass partial=True to load only the target's leaves"
             )
-    results = _read_leaves(index, reader, wanted, where, budget)
+    results = _read_leaves(index, reader, wanted, where, name, budget)
     if target is None:
         return unflatten(index.structure, results)
     return map_with_path(lambda path, _t: results[by_path[path]], target, is_leaf=_is_target_leaf)
@@ -352,7 +356,7 @@ def _is_target_leaf(x: Any) -> bool:
 
 
 def _read_leaves(index: fmt.ItemIndex, reader: _Reader, wanted: dict[int, _Want | None], where: str,
-                 budget: int) -> dict[int, Any]:
+                 name: str, budget: int) -> dict[int, Any]:
     results: dict[int, Any] = {}
     inflight: deque[tuple[int, _Want, list[Future[None]], list[np.ndarray], list[Box], Any]] = deque()
     inflight_bytes = 0
@@ -384,7 +388,7 @@ def _read_leaves(index: fmt.ItemIndex, reader: _Reader, wanted: dict[int, _Want 
                 h = handler_named(leaf.handler or "")
                 if h is None:
                     raise CheckpointError(
-                        f"{where}: leaf {display_path(leaf.path)!r} was saved by handler {leaf.handler!r}; "
+                        f"{where}: leaf {display_path(leaf.path, name)!r} was saved by handler {leaf.handler!r}; "
                         "register it with cairn.register_type before loading"
                     )
                 results[i] = h.load(data)

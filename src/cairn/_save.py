@@ -153,7 +153,7 @@ class SaveJob:
                 mv = memoryview(arr.reshape(-1).view(np.uint8))
                 if len(mv) != slot.nbytes:
                     raise CheckpointError(
-                        f"{self.loc.path}: chunk {slot.cell} of {display_path(item.leaves[slot.leaf].path)!r} "
+                        f"{self.loc.path}: chunk {slot.cell} of {display_path(item.leaves[slot.leaf].path, item.name)!r} "
                         f"has {len(mv)} bytes, planned {slot.nbytes}"
                     )
                 futs = [crc_pool.submit(crc32c, mv[o : o + block]) for o in range(0, len(mv), block)]
@@ -293,7 +293,7 @@ class SaveJob:
                     box = cell_box(layout.grid, cell)
                     if int(np.prod([hi - lo for lo, hi in box])) * src.dtype.itemsize:
                         raise CheckpointError(
-                            f"{self.loc.path}: chunk {cell} of {display_path(src.path)!r} was written by no process"
+                            f"{self.loc.path}: chunk {cell} of {display_path(src.path, item.name)!r} was written by no process"
                         )
                     f, off, crc = 0, 0, ()
                 chunks.append((f, off))
@@ -427,12 +427,12 @@ def prepare(
     root, pairs = _split_items(state)
     items = []
     for name, tree in pairs:
-        where = f"{loc.path}" + (f" [{name}]" if name else "")
+        where = loc.path
         try:
             structure, flat = flatten(tree)
         except ValueError as e:
             raise UnsupportedTypeError(f"{where}: {e}") from None
-        leaves = [classify(path, x, where) for path, x in flat]
+        leaves = [classify(path, x, where, name) for path, x in flat]
         item = _Item(name, fmt.ROOT_ITEM_DIR if root else fmt.item_dirname(name), structure, leaves)
         _plan_item(item, me, split_replicas, threads, min_file_bytes, where)
         items.append(item)
@@ -461,7 +461,7 @@ def _plan_item(item: _Item, me: int, split_replicas: bool, threads: int, min_fil
             try:
                 layout = chunk_layout(shape, boxes, [d.process_index for d in devices], split_replicas)
             except LayoutError as e:
-                raise UnsupportedTypeError(f"{where}: leaf {display_path(src.path)!r}: {e}") from None
+                raise UnsupportedTypeError(f"{where}: leaf {display_path(src.path, item.name)!r}: {e}") from None
             shards = None
             for cell, (w, d) in enumerate(zip(layout.writer, layout.source)):
                 if w != me:

@@ -34,8 +34,13 @@ def join_path(parent: str, component: str) -> str:
     return component if not parent else f"{parent}/{component}"
 
 
-def display_path(path: str) -> str:
-    """A key path as shown in messages: ``<root>`` for the root itself."""
+def display_path(path: str, item: str = "") -> str:
+    """A key path as shown in messages, prefixed by its checkpointable's name.
+
+    ``<root>`` stands for the root itself.
+    """
+    if item:
+        path = join_path(escape_key(item), path)
     return path if path else "<root>"
 
 
