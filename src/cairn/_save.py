@@ -51,7 +51,9 @@ class SaveStats:
     total_s: float = 0.0
     bytes_written: int = 0  # by this process
     files_written: int = 0
-    snapshot_bytes: int = 0
+    snapshot_bytes: int = 0  # copied to host memory during the blocking phase
+    device_copy_bytes: int = 0  # over the snapshot budget: protected by on-device copies instead
+    queued_s: float = 0.0  # async: waiting for earlier saves of this process to finish
     retries: int = 0
 
     def as_dict(self) -> dict[str, Any]:
@@ -110,27 +112,49 @@ class SaveJob:
 
     # ------------------------------------------------------------------ snapshot
 
-    def snapshot(self) -> None:
-        """Copy every chunk this process writes into host memory (for async saves)."""
-        from ._jaxutil import start_host_copy
+    def snapshot(self, budget_bytes: int | None = None) -> None:
+        """Protect every chunk this process writes from later changes (for async saves).
+
+        Chunks are copied to host memory, in write order, while they fit in
+        `budget_bytes` (None: no limit). Each remaining chunk gets an on-device
+        copy instead: a later donation, update or deletion of the caller's
+        array cannot touch it. Those copies are brought to host by the writer
+        threads one chunk at a time and released as soon as they are written,
+        so host memory stays within the budget plus one chunk per writer thread.
+        """
+        from ._jaxutil import device_copy, start_host_copy
 
         t0 = time.perf_counter()
-        pending = []
+        used = device_bytes = 0
+        pending, protected = [], []
         for item in self.items:
             for key, src in item.sources.items():
+                nbytes = int(src.nbytes)
                 if isinstance(src, np.ndarray):
                     # numpy leaves are the caller's: they may change after save_async returns.
                     item.sources[key] = np.array(src, copy=True)
-                else:
+                    used += nbytes
+                elif budget_bytes is None or used + nbytes <= budget_bytes:
                     pending.append((item, key, start_host_copy(src)))
+                    used += nbytes
+                else:
+                    copy = device_copy(src)
+                    item.sources[key] = copy
+                    protected.append(copy)
+                    device_bytes += nbytes
         for item, key, h in pending:
             host = np.asarray(h)
             if h is item.sources[key]:  # CPU: the "copy" is a view of the device buffer
                 host = np.array(host, copy=True)
             item.sources[key] = host
-        self.stats.snapshot_bytes = sum(
-            int(np.asarray(s).nbytes) for item in self.items for s in item.sources.values()
-        )
+        if protected:
+            import jax
+
+            # Wait for the copies, so that the caller may delete or donate the
+            # originals the moment this returns.
+            jax.block_until_ready(protected)
+        self.stats.snapshot_bytes = used
+        self.stats.device_copy_bytes = device_bytes
         self.snapshotted = True
         self.stats.snapshot_s = time.perf_counter() - t0
 
@@ -149,7 +173,8 @@ class SaveJob:
 
         def parts():
             for slot in slots:
-                arr = np.ascontiguousarray(self._host(item.sources[(slot.leaf, slot.cell)]))
+                # pop: a device copy made by `snapshot` is freed once its host bytes exist.
+                arr = np.ascontiguousarray(self._host(item.sources.pop((slot.leaf, slot.cell))))
                 mv = memoryview(arr.reshape(-1).view(np.uint8))
                 if len(mv) != slot.nbytes:
                     raise CheckpointError(
