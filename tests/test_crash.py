@@ -1,0 +1,109 @@
+"""A save killed with SIGKILL at any moment leaves nothing visible and earlier checkpoints intact."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+import cairn
+
+SAVER = textwrap.dedent(
+    """
+    import sys, numpy as np, cairn
+    path, seed, overwrite = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+    rng = np.random.default_rng(seed)
+    state = {"params": {f"w{i}": rng.standard_normal((1024, 1024), dtype=np.float32) for i in range(48)},
+             "step": seed}
+    print("ready", flush=True)
+    cairn.save(path, state, overwrite=overwrite)
+    print("committed", flush=True)
+    """
+)
+
+
+def expected(seed):
+    rng = np.random.default_rng(seed)
+    return {f"w{i}": rng.standard_normal((1024, 1024), dtype=np.float32) for i in range(48)}
+
+
+def start_saver(path, seed, overwrite):
+    return subprocess.Popen(
+        [sys.executable, "-c", SAVER, str(path), str(seed), "1" if overwrite else "0"],
+        stdout=subprocess.PIPE, text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+
+
+def wait_for_data(parent, timeout=60.0):
+    """Wait until a temporary checkpoint folder holds some data bytes."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name in os.listdir(parent):
+            if ".cairn-tmp-" in name:
+                for dirpath, _d, files in os.walk(parent / name):
+                    if any(os.path.getsize(os.path.join(dirpath, f)) > 0 for f in files if f.endswith(".bin")):
+                        return True
+        time.sleep(0.002)
+    return False
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_sigkill_mid_write_leaves_nothing_visible(tmp_path, overwrite):
+    path = tmp_path / "ckpt"
+    if overwrite:
+        cairn.save(path, {"params": expected(1), "step": 1})
+    proc = start_saver(path, 2, overwrite)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert wait_for_data(tmp_path), "the saver never started writing"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == -signal.SIGKILL
+    if overwrite:
+        out = cairn.load(path)
+        assert out["step"] == 1
+        for k, v in expected(1).items():
+            assert out["params"][k].tobytes() == v.tobytes()
+    else:
+        with pytest.raises(cairn.CheckpointNotFoundError):
+            cairn.load(path)
+        assert not path.exists()
+    # The leftover is a hidden temporary folder, and a new save succeeds beside it.
+    leftovers = [n for n in os.listdir(tmp_path) if ".cairn-tmp-" in n]
+    assert leftovers and all(n.startswith(".ckpt.") for n in leftovers)
+    cairn.save(path, {"params": expected(3), "step": 3}, overwrite=True)
+    assert cairn.load(path)["step"] == 3
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments(tmp_path):
+    """Kill the saver at random delays: each outcome is either absent or the complete state."""
+    rng = np.random.default_rng(0)
+    outcomes = {"absent": 0, "complete": 0}
+    for trial in range(6):
+        path = tmp_path / f"c{trial}"
+        proc = start_saver(path, trial, False)
+        assert proc.stdout.readline().strip() == "ready"
+        time.sleep(float(rng.uniform(0.0, 1.5)))
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+        try:
+            out = cairn.load(path)
+        except cairn.CheckpointNotFoundError:
+            outcomes["absent"] += 1
+            continue
+        outcomes["complete"] += 1
+        assert out["step"] == trial
+        for k, v in expected(trial).items():
+            assert out["params"][k].tobytes() == v.tobytes()
+    assert sum(outcomes.values()) == 6
