@@ -24,6 +24,14 @@ from ._errors import MismatchError as MismatchError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
 from ._leaves import register_type as register_type
 from ._load import ArrayMetadata as ArrayMetadata
+from ._manager import CheckpointInfo as CheckpointInfo
+from ._manager import CheckpointManager as CheckpointManager
+from ._manager import KeepAny as KeepAny
+from ._manager import KeepBest as KeepBest
+from ._manager import KeepEvery as KeepEvery
+from ._manager import KeepIf as KeepIf
+from ._manager import KeepLatest as KeepLatest
+from ._manager import RetentionPolicy as RetentionPolicy
 from ._save import SaveStats as SaveStats
 
 __version__ = "0.1.0"
@@ -32,12 +40,20 @@ __all__ = [
     "ArrayMetadata",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointInfo",
+    "CheckpointManager",
     "CheckpointNotFoundError",
     "CoordinationError",
     "CoordinationTimeoutError",
     "Coordinator",
     "CorruptCheckpointError",
+    "KeepAny",
+    "KeepBest",
+    "KeepEvery",
+    "KeepIf",
+    "KeepLatest",
     "MismatchError",
+    "RetentionPolicy",
     "SaveFuture",
     "SaveStats",
     "UnsupportedTypeError",

@@ -45,6 +45,8 @@ class MemoryStorage:
         return cls(url, objects, prefix)
 
     def _k(self, key: str) -> str:
+        if not key:  # the root itself: listing "" must not look under "<prefix>//"
+            return self.prefix
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def describe(self, key: str) -> str:

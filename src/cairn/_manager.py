@@ -1,0 +1,723 @@
+"""CheckpointManager: when to save, which steps to keep, what to resume from.
+
+A manager owns one directory (local or object store). Each step is one
+ordinary cairn checkpoint in a folder named ``step_<step>``, the step number
+zero-padded to at least 8 digits (``step_00000100``; ``step_123456789`` for
+larger steps). Only folders with that exact name and a committed
+``manifest.json`` count as steps: interrupted saves are never listed,
+restored or counted for retention, and the primary process removes them
+(``.step_*.cairn-tmp-*`` folders, and on object stores step prefixes without a
+manifest) when the manager opens and after each commit.
+
+The manager reaches storage only through the `Storage` protocol, so the same
+code runs on local disk, ``memory://`` and object stores.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import operator
+import os
+import re
+import secrets
+import signal
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+from . import _api
+from . import _format as fmt
+from ._coord import Coordinator, default_coordinator
+from ._errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+)
+from ._load import read_manifest
+from ._location import Location
+from ._storage import open_storage
+
+log = logging.getLogger("cairn")
+
+#: The manifest metadata key under which the manager records step and metrics.
+META_KEY = "cairn.manager"
+_STEP_RE = re.compile(r"^step_(\d{8,})$")
+
+
+def step_dirname(step: int) -> str:
+    """The folder name of `step`: ``step_`` and the step zero-padded to 8 digits."""
+    return f"step_{step:08d}"
+
+
+def _parse_step(name: str) -> int | None:
+    m = _STEP_RE.match(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_dirname(step) == name else None  # only the canonical spelling
+
+
+# ---------------------------------------------------------------------- retention
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What a retention policy sees of one committed checkpoint."""
+
+    step: int
+    metrics: Mapping[str, float | None] = field(default_factory=lambda: MappingProxyType({}))
+
+
+class RetentionPolicy:
+    """Decides which committed checkpoints to preserve.
+
+    Subclass it and implement `keep`, which receives every committed
+    checkpoint (oldest first) and returns the steps to preserve. Policies
+    combine with ``|``: a checkpoint survives if any policy keeps it. The
+    manager always keeps the newest committed checkpoint as well, so the
+    policies can never delete the only (or the latest) good checkpoint.
+
+    Example::
+
+        policy = cairn.KeepLatest(3) | cairn.KeepEvery(1000) | cairn.KeepIf(lambda c: c.step < 10)
+        mgr = cairn.CheckpointManager("/ckpt", retention=policy)
+    """
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        raise NotImplementedError
+
+    def __or__(self, other: RetentionPolicy) -> RetentionPolicy:
+        return KeepAny(self, other)
+
+
+class KeepLatest(RetentionPolicy):
+    """Keep the `n` newest checkpoints.
+
+    Example::
+
+        cairn.CheckpointManager("/ckpt", retention=cairn.KeepLatest(3))   # same as max_to_keep=3
+    """
+
+    def __init__(self, n: int):
+        if n < 1:
+            raise ValueError(f"KeepLatest needs n >= 1, got {n}")
+        self.n = n
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        return set(sorted(c.step for c in checkpoints)[-self.n :])
+
+    def __repr__(self) -> str:
+        return f"KeepLatest({self.n})"
+
+
+class KeepEvery(RetentionPolicy):
+    """Keep every checkpoint whose step is a multiple of `n` (a permanent trail).
+
+    Example::
+
+        cairn.KeepEvery(1000)   # keeps steps 0, 1000, 2000, ...
+    """
+
+    def __init__(self, n: int):
+        if n < 1:
+            raise ValueError(f"KeepEvery needs n >= 1, got {n}")
+        self.n = n
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        return {c.step for c in checkpoints if c.step % self.n == 0}
+
+    def __repr__(self) -> str:
+        return f"KeepEvery({self.n})"
+
+
+class KeepBest(RetentionPolicy):
+    """Keep the `n` checkpoints with the best value of `metric`.
+
+    `mode` is ``"min"`` (lower is better) or ``"max"``. Checkpoints saved
+    without the metric, or with a non-finite value, are never among the best.
+    Ties go to the newer step. The metrics live in each checkpoint's manifest,
+    so the choice stays right across restarts.
+
+    Example::
+
+        cairn.KeepBest(2, "eval_loss")               # the two lowest eval losses
+        cairn.KeepBest(1, "accuracy", mode="max")
+    """
+
+    def __init__(self, n: int, metric: str, mode: str = "min"):
+        if n < 1:
+            raise ValueError(f"KeepBest needs n >= 1, got {n}")
+        if mode not in ("min", "max"):
+            raise ValueError(f"KeepBest mode must be 'min' or 'max', got {mode!r}")
+        self.n, self.metric, self.mode = n, metric, mode
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        sign = 1.0 if self.mode == "min" else -1.0
+        scored = []
+        for c in checkpoints:
+            v = c.metrics.get(self.metric)
+            if v is not None and math.isfinite(v):
+                scored.append((sign * v, -c.step))
+        scored.sort()
+        return {-neg_step for _, neg_step in scored[: self.n]}
+
+    def __repr__(self) -> str:
+        return f"KeepBest({self.n}, {self.metric!r}, mode={self.mode!r})"
+
+
+class KeepIf(RetentionPolicy):
+    """Keep every checkpoint for which `predicate(info)` is true.
+
+    Example::
+
+        cairn.KeepIf(lambda c: c.metrics.get("milestone") == 1.0)
+    """
+
+    def __init__(self, predicate: Callable[[CheckpointInfo], bool]):
+        self.predicate = predicate
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        return {c.step for c in checkpoints if self.predicate(c)}
+
+    def __repr__(self) -> str:
+        return f"KeepIf({self.predicate!r})"
+
+
+class KeepAny(RetentionPolicy):
+    """Keep what any of `policies` keeps (what ``a | b`` builds).
+
+    Example::
+
+        cairn.KeepAny(cairn.KeepLatest(2), cairn.KeepBest(1, "loss"))
+    """
+
+    def __init__(self, *policies: RetentionPolicy):
+        self.policies = policies
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        out: set[int] = set()
+        for p in self.policies:
+            out |= set(p.keep(checkpoints))
+        return out
+
+    def __repr__(self) -> str:
+        return " | ".join(map(repr, self.policies))
+
+
+def retained(policy: RetentionPolicy | None, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+    """The steps that survive: what `policy` keeps, plus the newest; all of them without a policy."""
+    steps = {c.step for c in checkpoints}
+    if policy is None or not steps:
+        return steps
+    return (set(policy.keep(checkpoints)) & steps) | {max(steps)}
+
+
+def _policy_from(
+    max_to_keep: int | None, keep_every: int | None, keep_best: int | None, best_metric: str | None,
+    best_mode: str, retention: RetentionPolicy | Iterable[RetentionPolicy] | None,
+) -> RetentionPolicy | None:
+    parts: list[RetentionPolicy] = []
+    if max_to_keep is not None:
+        parts.append(KeepLatest(max_to_keep))
+    if keep_every is not None:
+        parts.append(KeepEvery(keep_every))
+    if keep_best is not None:
+        if best_metric is None:
+            raise ValueError("keep_best needs best_metric (the name of the metric to rank by)")
+        parts.append(KeepBest(keep_best, best_metric, best_mode))
+    elif best_metric is not None:
+        raise ValueError("best_metric is set but keep_best is not; pass keep_best=N")
+    if isinstance(retention, RetentionPolicy):
+        parts.append(retention)
+    elif retention is not None:
+        for p in retention:
+            if not isinstance(p, RetentionPolicy):
+                raise TypeError(f"retention entries must be RetentionPolicy objects, got {type(p).__name__}")
+            parts.append(p)
+    if not parts:
+        return None
+    return parts[0] if len(parts) == 1 else KeepAny(*parts)
+
+
+# ---------------------------------------------------------------------- the manager
+
+
+@dataclass
+class _Pending:
+    step: int
+    future: _api.SaveFuture
+    settled: threading.Event  # set once the retention that follows its commit has run
+
+
+class CheckpointManager:
+    """Saves steps of a training run into one directory and keeps the right ones.
+
+    `directory` is a local path or an object-store URL (``memory://``,
+    ``s3://``, ...). Step `N` is saved as the cairn checkpoint
+    ``<directory>/step_<N zero-padded to 8 digits>``.
+
+    - `save_every`: `save` writes a step only when ``step % save_every == 0``
+      (or with ``force=True``, or once preemption was detected).
+    - Retention (combined: a step survives if any rule keeps it; the newest
+      committed step always survives; without any rule every step is kept):
+      `max_to_keep` newest, every step divisible by `keep_every`, the
+      `keep_best` best by metric `best_metric` (`best_mode` ``"min"`` or
+      ``"max"``), and any `retention` policies (see `RetentionPolicy`).
+      Retention runs after each commit, never before it.
+    - `async_save`: saves return after the snapshot; the write and commit run
+      in the background (see `cairn.save_async`). If a background save failed,
+      the next `save` (or `wait`/`close`) raises its error.
+    - Preemption: a SIGTERM (when `handle_sigterm`, installed from the main
+      thread) or `preemption_check()` returning true makes the next `save`
+      write its step whatever the interval and wait for the commit;
+      `reached_preemption` then tells the loop to stop.
+
+    Example::
+
+        with cairn.CheckpointManager("/ckpt/run1", max_to_keep=3, save_every=100) as mgr:
+            start = 0
+            if mgr.latest_step() is not None:
+                state = mgr.restore()
+                start = mgr.latest_step() + 1
+            for step in range(start, num_steps):
+                state = train_step(state)
+                mgr.save(step, {"params": state.params, "opt": state.opt, "data": it.state_bytes()},
+                         metrics={"loss": float(loss)})
+                if mgr.reached_preemption(step):
+                    break
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int | None = None,
+        keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        retention: RetentionPolicy | Iterable[RetentionPolicy] | None = None,
+        save_every: int = 1,
+        async_save: bool = True,
+        preemption_check: Callable[[], bool] | None = None,
+        handle_sigterm: bool = True,
+        snapshot_budget_bytes: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        coordinator: Coordinator | None = None,
+        threads: int = 4,
+    ):
+        if save_every < 1:
+            raise ValueError(f"save_every must be >= 1, got {save_every}")
+        text = os.fspath(directory)
+        if "://" not in text:
+            text = os.path.abspath(os.path.expanduser(text))
+        self.directory = text.rstrip("/")
+        self.policy = _policy_from(max_to_keep, keep_every, keep_best, best_metric, best_mode, retention)
+        self.save_every = save_every
+        self.async_save = async_save
+        self._storage = open_storage(self.directory, storage_options)
+        self._storage_options = storage_options
+        self._coord = coordinator or default_coordinator()
+        self._primary = self._coord.process_index == 0
+        self._save_kwargs: dict[str, Any] = {
+            "storage_options": storage_options, "coordinator": coordinator, "threads": threads,
+        }
+        self._snapshot_budget = snapshot_budget_bytes
+        self._preemption_check = preemption_check
+        self._preempted = threading.Event()
+        self._preempt_saved: int | None = None  # step committed after preemption was detected
+        self._pending: list[_Pending] = []
+        self._lock = threading.Lock()  # guards _inflight (held only briefly)
+        self._retention_lock = threading.Lock()  # one retention / cleanup pass at a time
+        self._inflight: set[int] = set()  # steps whose save has started and not finished
+        self._infos: dict[int, CheckpointInfo] = {}  # committed checkpoints never change
+        self._closed = False
+        self._told = False
+        self.restored_step: int | None = None
+        self._prev_handler: Any = None
+        self._installed = False
+        if handle_sigterm and threading.current_thread() is threading.main_thread():
+            self._prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
+            self._installed = True
+        if self._primary:
+            with self._retention_lock:
+                self._cleanup_uncommitted()
+
+    # ------------------------------------------------------------------ naming and listing
+
+    def path(self, step: int) -> str:
+        """The checkpoint path of `step` (whether or not it exists).
+
+        Example::
+
+            cairn.metadata(mgr.path(mgr.latest_step()))
+        """
+        return f"{self.directory}/{step_dirname(step)}"
+
+    def steps(self) -> list[int]:
+        """The committed steps, oldest first. Interrupted saves are not listed.
+
+        Example::
+
+            mgr.steps()    # [1000, 2800, 2900, 3000]
+        """
+        out = []
+        for name in _names(self._storage):
+            step = _parse_step(name)
+            if step is not None and self._storage.exists(f"{name}/{fmt.MANIFEST}"):
+                out.append(step)
+        return sorted(out)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None if there is none.
+
+        Example::
+
+            start = 0 if mgr.latest_step() is None else mgr.latest_step() + 1
+        """
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def metrics(self, step: int) -> dict[str, float | None]:
+        """The metrics saved with `step` (non-finite values read back as None).
+
+        Example::
+
+            mgr.save(100, state, metrics={"loss": 0.25}); mgr.wait()
+            mgr.metrics(100)     # {"loss": 0.25}
+        """
+        return dict(self._info(step).metrics)
+
+    def _location(self, step: int) -> Location:
+        return Location(self._storage, step_dirname(step), self.path(step))
+
+    def _info(self, step: int) -> CheckpointInfo:
+        info = self._infos.get(step)
+        if info is None:
+            meta = read_manifest(self._location(step)).metadata.get(META_KEY, {})
+            raw = meta.get("metrics", {}) if isinstance(meta, dict) else {}
+            metrics = {
+                str(k): (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None)
+                for k, v in (raw.items() if isinstance(raw, dict) else ())
+            }
+            info = CheckpointInfo(step, MappingProxyType(metrics))
+            self._infos[step] = info
+        return info
+
+    # ------------------------------------------------------------------ saving
+
+    def should_save(self, step: int) -> bool:
+        """Whether `save(step, ...)` would write: on the interval, or after preemption.
+
+        Example::
+
+            if mgr.should_save(step):
+                state = expensive_gather(state)
+        """
+        return step % self.save_every == 0 or self._preemption_detected()
+
+    def save(
+        self, step: int, state: Any, metrics: Mapping[str, Any] | None = None, force: bool = False
+    ) -> bool:
+        """Save `state` as `step` if the interval (or `force`, or preemption) says so.
+
+        Returns False when the step is skipped. `state` is what `cairn.save`
+        accepts, typically a mapping of named checkpointables (arrays, JSON-able
+        config, ``bytes`` blobs, registered types). `metrics` (numbers) are
+        stored in the checkpoint's manifest for `KeepBest` and `metrics`.
+        After preemption the save is synchronous: it returns once committed.
+
+        Raises `CheckpointExistsError` if `step` is already saved or being
+        saved, and `CheckpointError` (before saving anything) if an earlier
+        background save failed.
+
+        Example::
+
+            saved = mgr.save(step, {"params": params, "opt": opt}, metrics={"loss": loss})
+        """
+        self._check_open()
+        step = operator.index(step)
+        if step < 0:
+            raise ValueError(f"{self.directory}: step must be >= 0, got {step}")
+        self._reap()
+        preempted = self._preemption_detected()
+        if not (force or preempted or step % self.save_every == 0):
+            return False
+        clean = _clean_metrics(metrics, f"{self.directory} step {step}")
+        with self._lock:
+            if step in self._inflight:
+                raise CheckpointExistsError(f"{self.path(step)}: step {step} is already being saved")
+            self._inflight.add(step)  # before any file exists, so cleanup leaves it alone
+        meta = {META_KEY: {"step": step, "metrics": clean}}
+        path = self.path(step)
+        try:
+            if self.async_save and not preempted:
+                fut = _api.save_async(
+                    path, state, metadata=meta, snapshot_budget_bytes=self._snapshot_budget, **self._save_kwargs
+                )
+            else:
+                self.wait()
+                _api.save(path, state, metadata=meta, **self._save_kwargs)
+        except BaseException:
+            with self._lock:
+                self._inflight.discard(step)
+            raise
+        if self.async_save and not preempted:
+            pending = _Pending(step, fut, threading.Event())
+            self._pending.append(pending)
+            fut._future.add_done_callback(lambda _f: self._after_commit(pending))
+        else:
+            self._settle(step, ok=True)
+            if preempted:
+                self._preempt_saved = step
+                log.warning("cairn: preemption: saved step %d to %s", step, path)
+        return True
+
+    def _after_commit(self, pending: _Pending) -> None:
+        """Runs on the background thread once the save is resolved."""
+        try:
+            ok = pending.future._future.exception() is None
+            self._settle(pending.step, ok)
+        finally:
+            pending.settled.set()
+
+    def _settle(self, step: int, ok: bool) -> None:
+        with self._lock:
+            self._inflight.discard(step)
+        if not (ok and self._primary):
+            return
+        with self._retention_lock:
+            try:
+                self._apply_retention()
+                self._cleanup_uncommitted()
+            except Exception as e:
+                # Retention is housekeeping: a failure leaves extra checkpoints, never fewer.
+                log.warning("cairn: retention in %s after step %d failed: %s", self.directory, step, e)
+
+    def _apply_retention(self) -> None:
+        """Delete the committed steps the policy does not keep (caller holds _retention_lock)."""
+        steps = self.steps()
+        infos = [self._info(s) for s in steps]
+        keep = retained(self.policy, infos)
+        for s in steps:
+            if s not in keep:
+                self._delete_step(s)
+
+    def _delete_step(self, step: int) -> None:
+        name, storage = step_dirname(step), self._storage
+        # Uncommit first, in one step, so that a crash mid-deletion leaves an
+        # invisible leftover, never a listed checkpoint with missing files.
+        if storage.atomic_rename and hasattr(storage, "rename_dir"):
+            aside = fmt.tmp_dirname(name, "del-" + secrets.token_hex(4))
+            storage.rename_dir(name, aside)
+            storage.delete_prefix(aside)
+        else:
+            storage.delete_prefix(f"{name}/{fmt.MANIFEST}")
+            storage.delete_prefix(name)
+        self._infos.pop(step, None)
+        log.info("cairn: retention deleted step %d from %s", step, self.directory)
+
+    def _cleanup_uncommitted(self) -> None:
+        """Remove interrupted saves and half-deleted steps (caller holds _retention_lock).
+
+        A step joins `_inflight` before its save creates any file, so a save
+        in progress is never mistaken for an interrupted one.
+        """
+        storage = self._storage
+        for name in _names(storage):
+            if name.startswith(".") and fmt.TMP_MARK in name:
+                step = _parse_step(name[1 : name.index(fmt.TMP_MARK)])
+                if step is None or step in self._inflight:
+                    continue
+            else:
+                step = _parse_step(name)
+                if step is None or step in self._inflight or storage.exists(f"{name}/{fmt.MANIFEST}"):
+                    continue
+            try:
+                storage.delete_prefix(name)
+                log.info("cairn: removed the interrupted save %s from %s", name, self.directory)
+            except OSError as e:
+                log.warning("cairn: could not remove %s from %s: %s", name, self.directory, e)
+
+    def _reap(self) -> None:
+        """Drop finished saves; raise the first failure among them."""
+        done = [p for p in self._pending if p.future.done()]
+        self._pending = [p for p in self._pending if not p.future.done()]
+        self._raise_first([(p.step, p.future.exception()) for p in done])
+
+    def _raise_first(self, outcomes: list[tuple[int, BaseException | None]]) -> None:
+        failed = [(step, e) for step, e in outcomes if e is not None]
+        if not failed:
+            return
+        step, e = failed[0]
+        more = f" (and {len(failed) - 1} later saves failed too)" if len(failed) > 1 else ""
+        raise CheckpointError(f"{self.directory}: the background save of step {step} failed: {e}{more}") from e
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every pending save has committed and its retention has run.
+
+        Raises the error of a failed save (and TimeoutError if `timeout` passes).
+
+        Example::
+
+            mgr.save(step, state); mgr.wait()    # now mgr.latest_step() == step
+        """
+        outcomes = []
+        while self._pending:
+            p = self._pending[0]
+            e = p.future.exception(timeout)  # TimeoutError leaves it pending
+            p.settled.wait(timeout)
+            self._pending.pop(0)
+            outcomes.append((p.step, e))
+        self._raise_first(outcomes)
+
+    # ------------------------------------------------------------------ preemption
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._preempted.set()
+        prev = self._prev_handler
+        if callable(prev) and prev not in (signal.SIG_DFL, signal.SIG_IGN):
+            prev(signum, frame)
+
+    def _preemption_detected(self) -> bool:
+        if not self._preempted.is_set() and self._preemption_check is not None and self._preemption_check():
+            self._preempted.set()
+        if self._preempted.is_set() and not self._told:
+            self._told = True
+            log.warning("cairn: preemption detected; the next save of %s writes and waits", self.directory)
+        return self._preempted.is_set()
+
+    def reached_preemption(self, step: int) -> bool:
+        """True once preemption was detected and a checkpoint has been committed since.
+
+        Call it after `save` in the loop and stop when it is true. A signal that
+        arrives after this step's `save` returned yields False until the next
+        `save` has written its step, so the loop never stops unsaved.
+
+        Example::
+
+            mgr.save(step, state)
+            if mgr.reached_preemption(step):
+                break
+        """
+        del step  # kept for the familiar signature; the answer depends on what was saved
+        return self._preemption_detected() and self._preempt_saved is not None
+
+    # ------------------------------------------------------------------ restoring
+
+    def restore(
+        self, step: int | None = None, target: Any = None, *, fallback: bool = False, partial: bool = False,
+    ) -> Any:
+        """Load `step` (default: the newest committed one), whole or only what `target` asks.
+
+        `target` is what `cairn.load` takes, e.g. ``{"params": abstract_params}``
+        to read only that checkpointable. With ``fallback=True`` and no `step`, a
+        checkpoint that fails verification (corrupt, or deleted meanwhile) is
+        skipped, with a log line, for the next older one; `restored_step`
+        records which step was loaded.
+
+        Raises `CheckpointNotFoundError` if there is no (such) committed step,
+        `CorruptCheckpointError` if it (or, with `fallback`, every step) fails
+        verification.
+
+        Example::
+
+            state = mgr.restore(target={"params": abstract_params}, fallback=True)
+            print("resumed from", mgr.restored_step)
+        """
+        self._check_open()
+        self.wait()
+        steps = self.steps()
+        if step is not None:
+            step = operator.index(step)
+            if step not in steps:
+                raise CheckpointNotFoundError(
+                    f"{self.directory}: step {step} has no committed checkpoint (committed steps: {_show(steps)})"
+                )
+            candidates = [step]
+        elif not steps:
+            raise CheckpointNotFoundError(f"{self.directory} holds no committed checkpoint")
+        else:
+            candidates = list(reversed(steps)) if fallback else [steps[-1]]
+        failures: list[str] = []
+        for s in candidates:
+            try:
+                out = _api.load(self.path(s), target, partial=partial, storage_options=self._storage_options)
+            except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+                if not fallback or step is not None:
+                    raise
+                log.warning("cairn: step %d in %s does not verify (%s); trying an older step", s, self.directory, e)
+                failures.append(f"step {s}: {e}")
+                continue
+            self.restored_step = s
+            return out
+        raise CorruptCheckpointError(
+            f"{self.directory}: no committed checkpoint verifies; " + "; ".join(failures)
+        )
+
+    # ------------------------------------------------------------------ lifetime
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"{self.directory}: the CheckpointManager is closed")
+
+    def close(self) -> None:
+        """Wait for pending saves (raising a failure), then release the SIGTERM handler.
+
+        Example::
+
+            mgr.close()    # or use the manager as a context manager
+        """
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            if self._installed and threading.current_thread() is threading.main_thread():
+                if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
+                    signal.signal(signal.SIGTERM, self._prev_handler)
+                self._installed = False
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:  # do not hide the error that is already propagating
+            log.error("cairn: closing the manager of %s: %s", self.directory, e)
+
+    def __repr__(self) -> str:
+        return f"<cairn.CheckpointManager {self.directory!r} policy={self.policy!r}>"
+
+
+def _clean_metrics(metrics: Mapping[str, Any] | None, where: str) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for k, v in (metrics or {}).items():
+        if not isinstance(k, str):
+            raise TypeError(f"{where}: metric names must be strings, got {k!r}")
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise TypeError(f"{where}: metric {k!r} is a {type(v).__name__}; metrics must be numbers") from None
+        out[k] = f if math.isfinite(f) else None  # JSON has no NaN; a NaN loss is never "best"
+    return out
+
+
+def _show(steps: list[int]) -> str:
+    if not steps:
+        return "none"
+    return ", ".join(map(str, steps[-5:])) + (f" (and {len(steps) - 5} older)" if len(steps) > 5 else "")
+
+
+def _names(storage: Any) -> list[str]:
+    # Typed through Any: mypy reads the protocol's ``-> list[str]`` as its own ``list`` method.
+    return list(storage.list_dir(""))
