@@ -290,6 +290,7 @@ def load(
     verify: bool = True,
     storage_options: dict[str, Any] | None = None,
     threads: int = 8,
+    framework: str = "numpy",
 ) -> Any:
     """Load a checkpoint, whole or in part, onto any sharding.
 
@@ -310,9 +311,23 @@ def load(
     `CorruptCheckpointError` if a checksum or the metadata is wrong, and
     `MismatchError` if the target does not fit (leaves the checkpoint lacks,
     or leaves it has that the target omits unless `partial=True`).
+
+    ``framework="torch"`` returns ``torch.Tensor`` in place of arrays (sharing
+    their memory; bfloat16 and float8 stay as they are), so PyTorch code can
+    read a checkpoint saved from JAX. Loading needs no JAX unless the target
+    asks for JAX arrays::
+
+        sd = cairn.load("/ckpt/step_100", framework="torch")["params"]
     """
+    if framework not in ("numpy", "torch"):
+        raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
     loc = resolve(path, storage_options)
-    return _load.load(loc, target, partial=partial, verify=verify, threads=threads)
+    out = _load.load(loc, target, partial=partial, verify=verify, threads=threads)
+    if framework == "torch":
+        from ._convert import tree_to_torch
+
+        out = tree_to_torch(out, loc.path)
+    return out
 
 
 def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> Any:
