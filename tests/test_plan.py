@@ -130,7 +130,7 @@ def test_reads_rebuild_every_target_box(case, seed):
 
 def test_same_layout_reads_are_direct_and_exact():
     arr = np.arange(64 * 8, dtype=np.float32).reshape(64, 8)
-    leaf, data = build_leaf(arr, (8, 1), 1 << 20)
+    leaf, _ = build_leaf(arr, (8, 1), 1 << 20)
     boxes = grid_boxes(arr.shape, (8, 1))
     reads = plan_reads(leaf, boxes, 1 << 20, max_read=256)  # chunks are 256 bytes
     assert len(reads) == 8 and all(r.direct is not None for r in reads)

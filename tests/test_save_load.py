@@ -297,7 +297,7 @@ def test_escaping_keys_stay_inside(tmp_path):
     # Nothing was written outside the checkpoint folder.
     assert sorted(os.listdir(tmp_path)) == ["inner"]
     assert sorted(os.listdir(tmp_path / "inner")) == ["c"]
-    for dirpath, dirs, _files in os.walk(tmp_path / "inner" / "c"):
+    for _dirpath, dirs, _files in os.walk(tmp_path / "inner" / "c"):
         for d in dirs:
             assert not d.startswith(".") and "/" not in d
     out = cairn.load(tmp_path / "inner" / "c")

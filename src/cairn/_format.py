@@ -8,6 +8,7 @@ with `CorruptCheckpointError` before any memory is allocated for it.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -119,7 +120,7 @@ def _req(d: Any, key: str, typ: type | tuple[type, ...], where: str) -> Any:
     if key not in d:
         raise _fail(where, f"missing field {key!r}")
     v = d[key]
-    if typ is int and isinstance(v, bool) or not isinstance(v, typ):
+    if (typ is int and isinstance(v, bool)) or not isinstance(v, typ):
         raise _fail(where, f"field {key!r} has type {type(v).__name__}")
     return v
 
@@ -363,9 +364,8 @@ def _leaf_from_json(x: Any, files: list[FileInfo], block: int, where: str) -> Le
             if not isinstance(b, list) or len(b) < 2:
                 raise _fail(where, f"grid axis {a} needs at least two boundaries")
             bounds = tuple(_int(v, where, 0, shape[a]) for v in b)
-            if bounds[0] != 0 or bounds[-1] != shape[a] or any(
-                lo >= hi for lo, hi in zip(bounds, bounds[1:])
-            ) and shape[a] > 0:
+            increasing = all(lo < hi for lo, hi in itertools.pairwise(bounds))
+            if bounds[0] != 0 or bounds[-1] != shape[a] or (shape[a] > 0 and not increasing):
                 raise _fail(where, f"grid axis {a} boundaries {list(bounds)} do not tile 0..{shape[a]}")
             if shape[a] == 0 and bounds != (0, 0):
                 raise _fail(where, f"grid axis {a} of an empty axis must be [0, 0]")

@@ -33,9 +33,9 @@ _dmap_cache: dict[tuple[Any, tuple[int, ...]], tuple[list[Any], list[Box]]] = {}
 
 def device_boxes(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Any], list[Box]]:
     """All devices of `sharding` in its order, and the box each holds."""
-    key = (sharding, shape)
+    key: tuple[Any, tuple[int, ...]] | None = (sharding, shape)
     try:
-        hit = _dmap_cache.get(key)
+        hit = _dmap_cache.get(key)  # type: ignore[arg-type]
     except TypeError:  # unhashable sharding
         hit, key = None, None
     if hit is not None:

@@ -217,7 +217,7 @@ class _Reader:
                     self.stats.direct_reads += 1
                 return
         raw = np.empty(read.nbytes, dtype=np.uint8)
-        buf = memoryview(raw)
+        buf = memoryview(raw)  # type: ignore[arg-type]
         self._fill(read.file, read.start, buf, leaf)
         self._check(read, buf, leaf)
         for c in read.copies:
@@ -435,4 +435,4 @@ def metadata(loc: Location) -> Any:
     return out[""] if manifest.root else out
 
 
-__all__ = ["ArrayMetadata", "LoadStats", "load", "metadata", "read_index", "read_manifest", "is_c_contiguous"]
+__all__ = ["ArrayMetadata", "LoadStats", "is_c_contiguous", "load", "metadata", "read_index", "read_manifest"]

@@ -64,6 +64,7 @@ def chunk_layout(
     device_boxes: Sequence[Box],
     device_process: Sequence[int],
     split_replicas: bool = False,
+    replica_offset: int = 0,
 ) -> ChunkLayout:
     """Cut an array into the grid its devices' boxes form and choose writers.
 
@@ -71,7 +72,10 @@ def chunk_layout(
     process it belongs to; the device order must be the same on every process
     (it is the sharding's device order). A chunk held by several devices
     (replicas) is written by its first holder, or with `split_replicas` by
-    holder ``cell % replicas`` so that replicated data spreads its write load.
+    the holding process ``(cell + replica_offset) % holding processes`` (in
+    order of first appearance), so that replicated data spreads its write load
+    over processes; a caller passes a different `replica_offset` per array so
+    that single-chunk replicated arrays do not all land on one process.
     """
     ndim = len(shape)
     bounds: list[tuple[int, ...]] = []
@@ -107,7 +111,12 @@ def chunk_layout(
     for cell, hs in enumerate(holders):
         if not hs:
             raise LayoutError(f"no device holds chunk {cell} of the array")
-        d = hs[cell % len(hs)] if split_replicas else hs[0]
+        d = hs[0]
+        if split_replicas and len(hs) > 1:
+            # Spread over processes, not devices: a process's devices share its bandwidth.
+            procs = list(dict.fromkeys(device_process[h] for h in hs))
+            p = procs[(cell + replica_offset) % len(procs)]
+            d = next(h for h in hs if device_process[h] == p)
         writer.append(int(device_process[d]))
         source.append(d)
     return ChunkLayout(tuple(bounds), tuple(writer), tuple(source))
@@ -307,11 +316,11 @@ def _split(out, file, chunk_off, cell, strides, itemsize, cbox, box, lo, hi, des
     last = [hi_a - 1 - c[0] for hi_a, c in zip(hi, cbox)]
     first_byte = sum(r * s for r, s in zip(rel, strides))
     end_byte = sum(r * s for r, s in zip(last, strides)) + itemsize
-    shape = tuple(h - l for l, h in zip(lo, hi))
+    shape = tuple(h - lo_a for lo_a, h in zip(lo, hi))
     needed = math.prod(shape) * itemsize
     span = end_byte - first_byte
-    if needed * 1.0 >= dense * span or span <= small or len(shape) == 0 or shape[0] == 1 and len(shape) == 1:
-        copy = Copy(dest, 0, strides, shape, tuple(l - b[0] for l, b in zip(lo, box)), itemsize)
+    if needed * 1.0 >= dense * span or span <= small or len(shape) == 0 or (shape[0] == 1 and len(shape) == 1):
+        copy = Copy(dest, 0, strides, shape, tuple(lo_a - b[0] for lo_a, b in zip(lo, box)), itemsize)
         out.append(_Piece(file, chunk_off + first_byte, chunk_off + end_byte, chunk_off + first_byte, copy, cell))
         return
     if shape[0] == 1:

@@ -59,7 +59,7 @@ def _jax_children(node: Any) -> tuple[list[tuple[str, Any]], Any] | None:
     except ImportError:
         return None
     flat, treedef = jax.tree_util.tree_flatten_with_path(node, is_leaf=lambda y: y is not node)
-    if treedef.num_nodes == 1 and treedef.num_leaves == 1:
+    if treedef.num_nodes == 1 and treedef.num_leaves == 1:  # type: ignore[attr-defined]
         return None  # a leaf
     out = []
     for path, child in flat:
@@ -205,7 +205,7 @@ def _rebuild_mapping(original: Mapping, pairs: list[tuple[Any, Any]]) -> Any:
     if type(original) is dict:
         return dict(pairs)
     try:
-        out = type(original)(pairs)  # OrderedDict, user mappings with a dict-like constructor
+        out = type(original)(pairs)  # type: ignore[call-arg]  # OrderedDict and dict-like mappings
     except TypeError:
         try:
             import copy

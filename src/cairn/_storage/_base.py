@@ -7,6 +7,7 @@ them into cairn errors that name the checkpoint.
 
 from __future__ import annotations
 
+import builtins
 from collections.abc import Iterable
 from typing import Any as Buffer  # collections.abc.Buffer is Python 3.12+
 from typing import Protocol, runtime_checkable
@@ -52,7 +53,7 @@ class Storage(Protocol):
     def list(self, prefix: str) -> list[str]:
         """Every key under ``prefix/`` (recursively), relative to the root."""
 
-    def list_dir(self, prefix: str) -> list[str]:
+    def list_dir(self, prefix: str) -> builtins.list[str]:
         """Names directly under ``prefix/`` (files and folders), or of the root for ``""``."""
 
     def delete_prefix(self, prefix: str) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import ctypes
 import errno
 import os
@@ -121,7 +122,7 @@ class LocalStorage:
                 out.append(f if rel == "." else f"{rel}/{f}")
         return sorted(out)
 
-    def list_dir(self, prefix: str) -> list[str]:
+    def list_dir(self, prefix: str) -> builtins.list[str]:
         try:
             return sorted(os.listdir(self._p(prefix)))
         except (FileNotFoundError, NotADirectoryError):

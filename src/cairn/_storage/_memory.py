@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import threading
 from collections.abc import Iterable
 from typing import Any as Buffer  # collections.abc.Buffer is Python 3.12+
@@ -86,7 +87,7 @@ class MemoryStorage:
         n = len(self.prefix) + 1 if self.prefix else 0
         return sorted(k[n:] for k in list(self.objects) if k.startswith(p))
 
-    def list_dir(self, prefix: str) -> list[str]:
+    def list_dir(self, prefix: str) -> builtins.list[str]:
         p = prefix.strip("/")
         out = set()
         for k in self.list(p) if p else self.list(""):
