@@ -3,20 +3,46 @@
 This is the only module that touches ``jax.distributed``. Everything here is
 safe to call from background threads: it uses the coordination service's
 key-value store and barriers (never device collectives), always with a
-timeout. A timeout names the processes that did not arrive.
+timeout. A timeout names the processes that did not arrive and the last step
+each of them reached.
+
+Only metadata travels through a coordinator (attempt tokens, statuses,
+outcomes: a few hundred bytes per process per save); array bytes never do.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from ._errors import CoordinationError, CoordinationTimeoutError
+
+_PROGRESS = "cairn/progress"
 
 
 @runtime_checkable
 class Coordinator(Protocol):
+    """What cairn needs from the processes of a multi-controller program.
+
+    Implement it to run cairn under another launcher; cairn uses
+    JAX's coordination service when ``jax.distributed`` is initialised and a
+    trivial single-process one otherwise. Every key and barrier name is used
+    once per program run; every wait raises `CoordinationTimeoutError`
+    after `timeout` seconds.
+
+    Example::
+
+        class MyCoordinator:
+            process_index, process_count = rank, world_size
+            def barrier(self, name, timeout): ...
+            def publish(self, key, value): ...
+            def fetch(self, key, timeout): ...
+            def fetch_all(self, prefix, count, timeout): ...
+
+        cairn.save(path, state, coordinator=MyCoordinator())
+    """
+
     process_index: int
     process_count: int
 
@@ -30,7 +56,7 @@ class Coordinator(Protocol):
         """Wait for and return the value published under `key`."""
 
     def fetch_all(self, prefix: str, count: int, timeout: float) -> dict[str, bytes]:
-        """Wait until `count` keys exist under ``prefix/`` and return them."""
+        """Wait until `count` keys exist under ``prefix/`` and return them (full keys)."""
 
 
 class SingleProcess:
@@ -50,7 +76,7 @@ class SingleProcess:
         with self._lock:
             self._kv[key] = value
 
-    def fetch(self, key: str, timeout: float) -> bytes:
+    def fetch(self, key: str, timeout: float, writer: int | None = None) -> bytes:
         with self._lock:
             if key not in self._kv:
                 raise CoordinationError(f"nothing was published under {key!r}")
@@ -64,70 +90,144 @@ class SingleProcess:
         return out
 
     def drop(self, prefix: str) -> None:
+        """Forget every key under ``prefix/`` (and `prefix` itself)."""
         with self._lock:
-            for k in [k for k in self._kv if k.startswith(prefix)]:
+            for k in [k for k in self._kv if k == prefix or k.startswith(prefix + "/")]:
                 del self._kv[k]
 
 
 class JaxCoordinator:
-    """Coordination over the JAX distributed runtime's coordination service."""
+    """Coordination over the JAX distributed runtime's coordination service.
 
-    def __init__(self, client: object, process_index: int, process_count: int):
+    `client` is ``jax._src.distributed.global_state.client`` (a
+    ``DistributedRuntimeClient``). Besides the values it is asked to publish,
+    each process keeps one overwritten key, its last step, so that a timeout
+    can say where the missing processes were.
+    """
+
+    def __init__(self, client: Any, process_index: int, process_count: int):
         self._client = client
         self.process_index = process_index
         self.process_count = process_count
 
+    # -------------------------------------------------------------- protocol
+
     def barrier(self, name: str, timeout: float) -> None:
         # Publish arrival first, so that a timeout can say who is missing.
-        self.publish(f"{name}/arrived/{self.process_index}", b"1")
+        self._client.key_value_set_bytes(f"{name}/arrived/{self.process_index}", b"1")
+        self._mark(f"waiting at barrier {name!r}")
         try:
-            self._client.wait_at_barrier(name, int(timeout * 1000))  # type: ignore[attr-defined]
+            self._client.wait_at_barrier(name, _ms(timeout))
         except Exception as e:
             if not _is_timeout(e):
                 raise CoordinationError(f"barrier {name!r} failed on process {self.process_index}: {e}") from e
-            arrived = self._list(f"{name}/arrived")
-            missing = sorted(set(range(self.process_count)) - {int(k.rsplit("/", 1)[1]) for k in arrived})
+            arrived = {_last(k) for k in self._list(f"{name}/arrived")}
+            missing = [p for p in range(self.process_count) if str(p) not in arrived]
+            if not missing:
+                # Everyone arrived, but too late for a process that gave up first:
+                # the service fails the barrier for all of them.
+                raise CoordinationTimeoutError(
+                    f"barrier {name!r}: every process arrived, but not within {timeout:g}s of the "
+                    f"first, so the barrier failed (process {self.process_index})"
+                ) from None
             raise CoordinationTimeoutError(
-                f"barrier {name!r}: processes {missing} did not arrive within {timeout:g}s "
+                f"barrier {name!r}: {self._whereabouts(missing)} did not arrive within {timeout:g}s "
                 f"(process {self.process_index} waited)"
             ) from None
+        self._mark(f"passed barrier {name!r}")
 
     def publish(self, key: str, value: bytes) -> None:
-        self._client.key_value_set_bytes(key, value)  # type: ignore[attr-defined]
-
-    def fetch(self, key: str, timeout: float) -> bytes:
         try:
-            return self._client.blocking_key_value_get_bytes(key, int(timeout * 1000))  # type: ignore[attr-defined]
+            self._client.key_value_set_bytes(key, value)
         except Exception as e:
-            if _is_timeout(e):
-                raise CoordinationTimeoutError(f"no value under {key!r} within {timeout:g}s") from None
-            raise CoordinationError(f"fetching {key!r} failed: {e}") from e
+            raise CoordinationError(f"process {self.process_index} could not publish {key!r}: {e}") from e
+        self._mark(f"published {key!r}")
+
+    def fetch(self, key: str, timeout: float, writer: int | None = None) -> bytes:
+        """Wait for `key`; `writer`, the process expected to publish it, improves the timeout error."""
+        self._mark(f"waiting for {key!r}")
+        try:
+            value = self._client.blocking_key_value_get_bytes(key, _ms(timeout))
+        except Exception as e:
+            if not _is_timeout(e):
+                raise CoordinationError(f"process {self.process_index}: fetching {key!r} failed: {e}") from e
+            who = f" from {self._whereabouts([writer])}" if writer is not None else ""
+            raise CoordinationTimeoutError(
+                f"process {self.process_index} got no value under {key!r}{who} within {timeout:g}s"
+            ) from None
+        self._mark(f"got {key!r}")
+        return bytes(value)
 
     def fetch_all(self, prefix: str, count: int, timeout: float) -> dict[str, bytes]:
+        """Poll ``prefix/`` until `count` keys exist (keys end in a process index)."""
+        self._mark(f"waiting for {count} values under {prefix!r}")
         deadline = time.monotonic() + timeout
         delay = 0.002
         while True:
             got = self._dir(prefix)
             if len(got) >= count:
+                self._mark(f"got {count} values under {prefix!r}")
                 return got
             if time.monotonic() > deadline:
-                have = sorted(k.rsplit("/", 1)[1] for k in got)
+                present = {_last(k) for k in got}
+                missing = [p for p in range(self.process_count) if str(p) not in present]
                 raise CoordinationTimeoutError(
-                    f"only {len(got)} of {count} processes published under {prefix!r} within {timeout:g}s "
-                    f"(present: {have})"
+                    f"{self._whereabouts(missing)} published nothing under {prefix!r} within "
+                    f"{timeout:g}s ({len(got)} of {count} did; process {self.process_index} waited)"
                 )
             time.sleep(delay)
-            delay = min(delay * 2, 0.1)
+            delay = min(delay * 2, 0.05)
+
+    def drop(self, prefix: str) -> None:
+        """Delete every key under `prefix` (the service deletes directories recursively)."""
+        try:
+            self._client.key_value_delete(prefix)
+        except Exception:
+            pass  # only memory in the service is at stake
+
+    # -------------------------------------------------------------- helpers
+
+    def _mark(self, step: str) -> None:
+        try:
+            self._client.key_value_set_bytes(
+                f"{_PROGRESS}/{self.process_index}", step.encode(), allow_overwrite=True
+            )
+        except Exception:
+            pass  # a diagnostic only: never let it fail the operation
+
+    def _whereabouts(self, processes: list[int]) -> str:
+        """'process 1 (last step: ...)' or 'processes 1, 3 (1: ...; 3: ...)', for an error message."""
+        shown = processes[:8]
+        steps = {}
+        for p in shown:
+            try:
+                steps[p] = bytes(self._client.key_value_try_get_bytes(f"{_PROGRESS}/{p}")).decode(errors="replace")
+            except Exception:
+                steps[p] = "none reported"
+        if len(processes) == 1:
+            return f"process {processes[0]} (last step: {steps[processes[0]]})"
+        more = f"; {len(processes) - len(shown)} more" if len(processes) > len(shown) else ""
+        listed = ", ".join(map(str, shown)) + (f" and {len(processes) - len(shown)} more" if more else "")
+        detail = "; ".join(f"{p}: {s}" for p, s in steps.items())
+        return f"processes {listed} (last steps: {detail}{more})"
 
     def _dir(self, prefix: str) -> dict[str, bytes]:
-        items = self._client.key_value_dir_get_bytes(prefix)  # type: ignore[attr-defined]
-        return {k: v for k, v in items}
+        items = self._client.key_value_dir_get_bytes(prefix)
+        return {k: bytes(v) for k, v in items}
 
     def _list(self, prefix: str) -> list[str]:
         try:
             return list(self._dir(prefix))
         except Exception:
             return []
+
+
+def _ms(timeout: float) -> int:
+    return max(1, int(timeout * 1000))
+
+
+def _last(key: str) -> str:
+    return key.rsplit("/", 1)[-1]
 
 
 def _is_timeout(e: Exception) -> bool:
@@ -157,3 +257,13 @@ def default_coordinator() -> Coordinator:
     if not isinstance(_default, SingleProcess):
         _default = SingleProcess()
     return _default
+
+
+def fetch_from(coord: Coordinator, key: str, timeout: float, writer: int) -> bytes:
+    """`coord.fetch`, telling cairn's own coordinators which process publishes `key`.
+
+    User coordinators implement the plain protocol, without the hint.
+    """
+    if isinstance(coord, (JaxCoordinator, SingleProcess)):
+        return coord.fetch(key, timeout, writer=writer)
+    return coord.fetch(key, timeout)

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from . import _format as fmt
-from ._coord import Coordinator, default_coordinator
+from ._coord import Coordinator, default_coordinator, fetch_from
 from ._errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -145,7 +145,7 @@ class SaveJob:
         for item, key, h in pending:
             host = np.asarray(h)
             if h is item.sources[key]:  # CPU: the "copy" is a view of the device buffer
-                host = np.array(host, copy=True)
+                pass
             item.sources[key] = host
         if protected:
             import jax
@@ -223,6 +223,7 @@ class SaveJob:
     def run(self) -> SaveStats:
         """Phase 2: write, exchange status, commit on the primary; raise on any failure."""
         t_start = time.perf_counter()
+        retries_before = getattr(self.loc.storage, "retries", 0)  # object stores count their retries
         coord, me, n = self.coord, self.coord.process_index, self.coord.process_count
         base = f"cairn/save/{self.seq}"
         status: dict[str, Any] = {"ok": True}
@@ -247,12 +248,13 @@ class SaveJob:
                 outcome = self._primary_commit(base, partial)
                 coord.publish(f"{base}/outcome", json.dumps(outcome).encode())
             else:
-                outcome = json.loads(coord.fetch(f"{base}/outcome", self.timeout))
+                outcome = json.loads(fetch_from(coord, f"{base}/outcome", self.timeout, writer=0))
         except CoordinationError as e:
             if own_error is not None:
                 raise own_error from e
             raise CoordinationError(f"saving {self.loc.path}: {e}") from e
         self.stats.commit_s = time.perf_counter() - t_written
+        self.stats.retries = getattr(self.loc.storage, "retries", 0) - retries_before
         self.stats.total_s = self.stats.blocking_s + time.perf_counter() - t_start
         if outcome.get("ok"):
             return self.stats
@@ -271,6 +273,11 @@ class SaveJob:
             self._abort()
             return {"ok": False, "error": str(e), "type": "CoordinationTimeoutError"}
         statuses = {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in raw.items()}
+        # Every process has finished the previous save (its status for this one
+        # came after), so the coordination service can forget that save's keys.
+        drop = getattr(coord, "drop", None)
+        if drop is not None and self.seq > 0:
+            drop(f"cairn/save/{self.seq - 1}")
         failed = sorted(p for p, s in statuses.items() if not s["ok"])
         if failed:
             self._abort()
@@ -342,6 +349,8 @@ class SaveJob:
         for item in self.items:
             index = self._merge_index(item, self._partials(item, own_partial))
             storage.put(f"{root}/{item.dir}/{fmt.index_name(self.token)}", index.to_json())
+            if storage.atomic_rename:  # merged: the per-process parts are not part of the checkpoint
+                self._drop_partials(item)
             nbytes = sum(leaf.nbytes for leaf in index.leaves if isinstance(leaf, fmt.ArrayLeaf))
             items[item.name] = fmt.ItemInfo(item.dir, fmt.index_name(self.token), nbytes, len(index.leaves))
         from . import __version__
@@ -361,6 +370,17 @@ class SaveJob:
                 raise CheckpointExistsError(f"{self.loc.path}: another save committed this checkpoint first") from None
             if self.overwrite:
                 _delete_other_attempts(storage, self.loc.name, self.token)
+            for item in self.items:
+                self._drop_partials(item)
+
+    def _drop_partials(self, item: _Item) -> None:
+        if self.coord.process_count == 1:
+            return
+        for p in range(self.coord.process_count):
+            try:
+                self.loc.storage.delete_prefix(f"{self.write_root}/{item.dir}/{fmt.partial_index_name(p, self.token)}")
+            except OSError:
+                pass  # committed already (object store) or harmless leftover: never fail the save for it
 
     def _rename_into_place(self) -> None:
         storage = self.loc.storage
@@ -484,7 +504,7 @@ def _plan_item(item: _Item, me: int, split_replicas: bool, threads: int, min_fil
 
             devices, boxes = device_boxes(src.value.sharding, shape)
             try:
-                layout = chunk_layout(shape, boxes, [d.process_index for d in devices], split_replicas)
+                layout = chunk_layout(shape, boxes, [d.process_index for d in devices], split_replicas, i)
             except LayoutError as e:
                 raise UnsupportedTypeError(f"{where}: leaf {display_path(src.path, item.name)!r}: {e}") from None
             shards = None
@@ -522,7 +542,7 @@ def _agree_token(loc: Location, coord: Coordinator, seq: int, overwrite: bool, t
             msg = {"error": str(e), "type": type(e).__name__}
         coord.publish(key, json.dumps(msg).encode())
     else:
-        msg = json.loads(coord.fetch(key, timeout))
+        msg = json.loads(fetch_from(coord, key, timeout, writer=0))
     if "error" in msg:
         cls = CheckpointExistsError if msg.get("type") == "CheckpointExistsError" else CheckpointError
         raise cls(msg["error"])

@@ -1,0 +1,249 @@
+"""Scenario functions run by every process of a multi-process test (see __init__.py).
+
+Every array's global value is a pure function of its name and shape
+(`expected`), so each process can build its own shards without any data
+crossing processes, and check what it loaded against the same function.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import cairn
+
+# name -> (shape, dtype, partition spec on a ("x", "y") mesh as saved)
+LEAVES: dict[str, tuple[tuple[int, ...], str, tuple[Any, ...]]] = {
+    "w": ((16, 12), "float32", ("x", "y")),  # fully sharded
+    "e": ((24, 6), "int32", (None, "y")),  # replicated along x
+    "b": ((12,), "float32", ()),  # replicated on every device
+    "v": ((8, 4, 6), "bfloat16", (("x", "y"),)),  # axis 0 over both mesh axes
+}
+
+
+def expected(name: str, shape: tuple[int, ...], dtype: str) -> np.ndarray:
+    seed = zlib.crc32(name.encode())
+    x = (np.arange(int(np.prod(shape)), dtype=np.float64) * 0.5 + seed % 97).reshape(shape)
+    return x.astype(jax.numpy.dtype(dtype))
+
+
+def _mesh(shape: list[int]) -> jax.sharding.Mesh:
+    devices = np.array(jax.devices()).reshape(shape)
+    return jax.sharding.Mesh(devices, ("x", "y"))
+
+
+def _spec(entry: list[Any]) -> P:
+    return P(*[tuple(e) if isinstance(e, list) else e for e in entry])
+
+
+def make_state(mesh_shape: list[int], specs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The test state, each array built on this process from its own shards only."""
+    mesh = _mesh(mesh_shape)
+    params = {}
+    for name, (shape, dtype, spec) in LEAVES.items():
+        s = NamedSharding(mesh, _spec((specs or {}).get(name, list(spec))))
+        full = expected(name, shape, dtype)
+        params[name] = jax.make_array_from_callback(shape, s, lambda idx, full=full: full[idx])
+    return {"params": params, "extra": {"table": np.arange(10, dtype=np.int64), "step": 7, "tag": "mp"}}
+
+
+def _files(path: str) -> dict[str, int]:
+    out = {}
+    for root, _, names in os.walk(path):
+        for n in names:
+            full = os.path.join(root, n)
+            out[os.path.relpath(full, path)] = os.path.getsize(full)
+    return out
+
+
+def _count_published() -> list[int]:
+    """Count the bytes this process hands to the coordinator (metadata only, never arrays)."""
+    from cairn._coord import JaxCoordinator
+
+    sent = [0]
+    real = JaxCoordinator.publish
+
+    def publish(self, key, value):
+        sent[0] += len(key) + len(value)
+        return real(self, key, value)
+
+    JaxCoordinator.publish = publish
+    return sent
+
+
+def save(path: str, mesh: list[int], split_replicas: bool = False, big_mb: int = 0) -> dict:
+    state = make_state(mesh)
+    if big_mb:  # a separate checkpointable, so that loads of the test state may leave it out
+        rows = big_mb * 256
+        s = NamedSharding(_mesh(mesh), P("x", "y"))
+        state["big"] = jax.make_array_from_callback(
+            (rows, 1024), s, lambda idx: np.ones((rows, 1024), np.float32)[idx]
+        )
+    sent = _count_published()
+    stats = cairn.save(path, state, split_replicas=split_replicas, timeout=60)
+    return {"bytes_written": stats.bytes_written, "files_written": stats.files_written,
+            "published_bytes": sent[0]}
+
+
+def coordinator_basics() -> dict:
+    """The JAX client calls cairn uses, their timeouts, and what a timeout says."""
+    from cairn._coord import JaxCoordinator, default_coordinator
+
+    c = default_coordinator()
+    assert isinstance(c, JaxCoordinator)
+    me, n = c.process_index, c.process_count
+    c.publish(f"t/hello/{me}", f"from {me}".encode())
+    got = c.fetch_all("t/hello", n, 30)
+    c.barrier("t/all-here", 30)
+    first = c.fetch("t/hello/0", 5, writer=0)
+    out: dict[str, Any] = {"keys": sorted(got), "values": sorted(v.decode() for v in got.values()),
+                           "first": first.decode()}
+    # The last process is late for a barrier: the others time out and name it.
+    if me == n - 1:
+        time.sleep(3)
+    try:
+        c.barrier("t/late", 1.5)
+        out["late"] = None
+    except cairn.CoordinationTimeoutError as e:
+        out["late"] = str(e)
+    # Nobody publishes this key: the timeout names the process expected to.
+    try:
+        c.fetch("t/never", 0.5, writer=n - 1)
+        out["never"] = None
+    except cairn.CoordinationTimeoutError as e:
+        out["never"] = str(e)
+    try:
+        c.fetch_all("t/hello-again", n, 0.5) if me == 0 else None
+        out["partial"] = None
+    except cairn.CoordinationTimeoutError as e:
+        out["partial"] = str(e)
+    c.barrier("t/end", 30)
+    return out
+
+
+def load(path: str, mesh: list[int], specs: dict[str, Any] | None = None, big: list[Any] | None = None) -> dict:
+    """Load `path` onto `mesh` with `specs`; check every local shard; report bytes read."""
+    from cairn._load import LoadStats
+    from cairn._load import load as engine_load
+    from cairn._location import resolve
+
+    m = _mesh(mesh)
+    target = {"params": {}}
+    for name, (shape, dtype, spec) in LEAVES.items():
+        s = NamedSharding(m, _spec((specs or {}).get(name, list(spec))))
+        target["params"][name] = jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype), sharding=s)
+    stats = LoadStats()
+    out = engine_load(resolve(path), {"params": target["params"], "extra": None}, stats=stats)
+    checked = 0
+    for name, arr in out["params"].items():
+        shape, dtype, _ = LEAVES[name]
+        want = target["params"][name]
+        assert arr.sharding == want.sharding, (name, arr.sharding, want.sharding)
+        assert arr.dtype == want.dtype and arr.shape == want.shape
+        full = expected(name, shape, dtype)
+        for shard in arr.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index], err_msg=name)
+            checked += 1
+    assert out["extra"]["step"] == 7 and out["extra"]["tag"] == "mp"
+    np.testing.assert_array_equal(out["extra"]["table"], np.arange(10))
+    result = {"bytes_read": stats.bytes_read, "reads": stats.reads, "shards_checked": checked}
+    if big is not None:  # the "big" checkpointable alone, to count what a resharded load reads
+        meta = cairn.metadata(path)["big"]
+        s = NamedSharding(m, _spec(big))
+        big_stats = LoadStats()
+        arr = engine_load(resolve(path), {"big": jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=s)},
+                          stats=big_stats)["big"]
+        for shard in arr.addressable_shards:
+            assert np.all(np.asarray(shard.data) == 1)
+        result["big_bytes_read"] = big_stats.bytes_read
+        result["big_bytes_needed"] = sum(
+            int(np.prod(sh.data.shape)) * 4 for sh in arr.addressable_shards if sh.replica_id == 0
+        )
+    return result
+
+
+def hello() -> dict:
+    from cairn._coord import default_coordinator
+
+    c = default_coordinator()
+    c.publish(f"t/hello/{c.process_index}", str(c.process_index).encode())
+    got = c.fetch_all("t/hello", c.process_count, 30)
+    c.barrier("t/b1", 30)
+    return {"index": c.process_index, "count": c.process_count, "type": type(c).__name__,
+            "keys": sorted(got), "local": jax.local_device_count(), "global": jax.device_count()}
+
+
+
+def _fail_writes_on(process: int, action: str) -> None:
+    """Make data-file writes of `process` fail ("raise") or kill it mid-file ("kill")."""
+    from cairn._storage._local import LocalStorage
+
+    if jax.process_index() != process:
+        return
+    real = LocalStorage.write
+
+    def write(self, key, parts):
+        if not key.endswith(".bin"):
+            return real(self, key, parts)
+        if action == "raise":
+            raise OSError(28, "No space left on device (injected)", key)
+
+        def some_then_die():
+            for k, part in enumerate(parts):
+                if k == 1:  # one chunk is on disk; die with the file half written
+                    os.kill(os.getpid(), 9)
+                yield part
+
+        return real(self, key, some_then_die())
+
+    LocalStorage.write = write
+
+
+def save_twice(path: str, mesh: list[int], fail_on: int, action: str = "raise", timeout: float = 60,
+               use_async: bool = True) -> dict:
+    """Commit `path`/good, then attempt `path`/bad while process `fail_on` fails."""
+    good, bad = os.path.join(path, "good"), os.path.join(path, "bad")
+    state = make_state(mesh)
+    cairn.save(good, state, timeout=timeout)
+    _fail_writes_on(fail_on, action)
+    t0 = time.monotonic()
+    try:
+        if use_async:
+            cairn.save_async(bad, state, timeout=timeout).result(timeout + 30)
+        else:
+            cairn.save(bad, state, timeout=timeout)
+    except cairn.CheckpointError as e:
+        error = f"{type(e).__name__}: {e}"
+    else:
+        error = None
+    return {"error": error, "seconds": time.monotonic() - t0, "bad_exists": os.path.exists(bad)}
+
+
+def async_then_donate(path: str, mesh: list[int]) -> dict:
+    """save_async, then a jitted step that donates the saved arrays; the checkpoint keeps the old values."""
+    state = make_state(mesh)
+    params = state["params"]
+    step = jax.jit(lambda p: jax.tree.map(lambda x: x * 2 + 1, p), donate_argnums=0)
+    f = cairn.save_async(path, state, timeout=60)
+    new = step(params)
+    jax.block_until_ready(new)
+    donated = sorted(k for k, v in params.items() if v.is_deleted())
+    stats = f.result(90)
+    # The new values are what the step computed from the saved ones.
+    full = expected("w", LEAVES["w"][0], LEAVES["w"][1])
+    for shard in new["w"].addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index] * 2 + 1)
+    # A later save lets the coordination service forget the first save's keys.
+    cairn.save(path + "-next", {"new": new}, timeout=60)
+    from cairn._coord import default_coordinator
+
+    left = len(default_coordinator()._client.key_value_dir_get_bytes("cairn/save/0"))
+    return {"donated": donated, "blocking_s": stats.blocking_s, "keys_left_of_first_save": left}
+

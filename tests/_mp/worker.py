@@ -1,0 +1,52 @@
+"""One process of a multi-process scenario: ``worker.py INDEX SPEC_JSON RESULT_PATH``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+
+def main() -> None:
+    index, spec, result_path = int(sys.argv[1]), json.loads(sys.argv[2]), sys.argv[3]
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    n = spec["n"]
+    if n > 1:
+        if spec.get("recoverable"):
+            # A dead peer must not abort the survivors: they report it instead.
+            jax.config.update("jax_enable_recoverability", True)
+        addr = f"127.0.0.1:{spec['port']}"
+        jax.distributed.initialize(
+            coordinator_address=addr,
+            coordinator_bind_address=addr,
+            num_processes=n,
+            process_id=index,
+            initialization_timeout=60,
+            heartbeat_timeout_seconds=spec.get("heartbeat_s", 10),
+            shutdown_timeout_seconds=10,
+        )
+        assert jax.process_index() == index and jax.process_count() == n
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import scenarios
+
+    fn = getattr(scenarios, spec["scenario"])
+    try:
+        out = fn(**spec["args"])
+    except BaseException:
+        traceback.print_exc()
+        sys.stdout.flush()
+        os._exit(1)  # skip the shutdown barrier: the others may be gone
+    tmp = result_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(out, f)
+    os.replace(tmp, result_path)
+    sys.stdout.flush()
+    if n > 1:
+        jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+    main()
