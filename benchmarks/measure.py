@@ -1,0 +1,136 @@
+"""Measurement helpers: page cache, peak RSS per operation, sizes on disk."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+_DROP = "/proc/sys/vm/drop_caches"
+
+
+def drop_caches() -> bool:
+    """Write back dirty pages and drop the page cache; False when not allowed."""
+    os.sync()
+    try:
+        with open(_DROP, "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def settle() -> None:
+    """Collect garbage and hand freed heap memory back to the OS before a measurement.
+
+    Without the trim, memory freed while building the state stays resident
+    (glibc keeps it) and would hide part of the next operation's peak.
+    """
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def can_drop_caches() -> bool:
+    return os.access(_DROP, os.W_OK)
+
+
+def _status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def rss() -> int:
+    return _status("VmRSS")
+
+
+def _reset_hwm() -> bool:
+    # Linux >= 4.0: writing 5 resets the peak RSS (VmHWM) to the current RSS.
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5\n")
+        return True
+    except OSError:
+        return False
+
+
+class PeakRSS:
+    """Peak resident memory of this process during a `with` block.
+
+    Uses the kernel's high-water mark (reset at entry, read at exit), so short
+    spikes are counted; where the mark cannot be reset it falls back to
+    sampling every 2 ms.
+    """
+
+    def __init__(self) -> None:
+        self.base = 0
+        self.peak = 0
+        self.method = ""
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> PeakRSS:
+        self.base = rss()
+        if _reset_hwm():
+            self.method = "VmHWM"
+        else:
+            self.method = "sampled"
+            self.peak = self.base
+            self._thread = threading.Thread(target=self._sample, daemon=True)
+            self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, rss())
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self.peak = max(self.peak, rss())
+        else:
+            self.peak = _status("VmHWM")
+
+
+@dataclass
+class Op:
+    seconds: float
+    peak_rss: int
+    base_rss: int
+    extra: dict[str, Any]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"seconds": self.seconds, "peak_rss": self.peak_rss, "base_rss": self.base_rss, **self.extra}
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any, PeakRSS]:
+    with PeakRSS() as p:
+        t0 = time.perf_counter()
+        out = fn()
+        dt = time.perf_counter() - t0
+    return dt, out, p
+
+
+def dir_stats(path: str) -> tuple[int, int]:
+    """(bytes, files) under `path`."""
+    total = files = 0
+    for dirpath, _dirs, names in os.walk(path):
+        for n in names:
+            try:
+                total += os.lstat(os.path.join(dirpath, n)).st_size
+                files += 1
+            except FileNotFoundError:
+                pass
+    return total, files

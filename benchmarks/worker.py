@@ -1,0 +1,162 @@
+"""One system, one repetition, in its own process: `python -m benchmarks.worker ...`.
+
+Runs every operation in a fixed order and writes one JSON object of results.
+Peak RSS is per operation (the kernel's high-water mark is reset before each
+one), and relative to this process's RSS before the state was built, so the
+figures are comparable across systems whose runtimes differ in size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import shutil
+import sys
+import time
+import traceback
+from typing import Any
+
+import numpy as np
+
+from . import measure as ms
+from . import state as st
+from . import systems as sy
+
+
+def _op(seconds: float, p: ms.PeakRSS, runtime_rss: int, **extra: Any) -> dict[str, Any]:
+    return {"seconds": seconds, "peak_rss": p.peak - runtime_rss, "rss_before": p.base - runtime_rss,
+            "rss_method": p.method, **extra}
+
+
+def run_system(name: str, size: int, dtype: str, workdir: str) -> dict[str, Any]:
+    import jax
+
+    jax.devices()  # initialise the runtime before taking the RSS baseline
+    system = sy.SYSTEMS[name]()
+    system.setup()
+    spec = st.llama_spec(size, st.np_dtype(dtype).itemsize)
+    nbytes = st.spec_bytes(spec, st.np_dtype(dtype).itemsize)
+    ms.settle()
+    runtime_rss = ms.rss()
+    t0 = time.perf_counter()
+    state, prints = system.build(spec, dtype)
+    res: dict[str, Any] = {
+        "system": name, "state_bytes": nbytes, "model": st.describe(spec), "settings": system.settings(),
+        "build_s": time.perf_counter() - t0, "runtime_rss": runtime_rss, "ops": {},
+        "drop_caches": ms.can_drop_caches(),
+    }
+    ops = res["ops"]
+    a_dir, b_dir = os.path.join(workdir, f"{name}-blocking"), os.path.join(workdir, f"{name}-async")
+
+    os.sync()
+    ms.settle()
+    with ms.PeakRSS() as p:
+        t0 = time.perf_counter()
+        system.save(state, a_dir)
+        dt = time.perf_counter() - t0
+    nb, nf = ms.dir_stats(a_dir)
+    ops["save"] = _op(dt, p, runtime_rss, bytes_written=nb, files_written=nf)
+
+    os.sync()
+    ms.settle()
+    with ms.PeakRSS() as p:
+        t0 = time.perf_counter()
+        h = system.save_async(state, b_dir)
+        t_ret = time.perf_counter() - t0
+        system.wait(h)
+        t_commit = time.perf_counter() - t0
+    nb, nf = ms.dir_stats(b_dir)
+    ops["async_return"] = _op(t_ret, p, runtime_rss)
+    ops["async_commit"] = _op(t_commit, p, runtime_rss, bytes_written=nb, files_written=nf)
+    del h
+    shutil.rmtree(b_dir, ignore_errors=True)
+
+    del state
+    ms.settle()
+    res["rss_after_state_freed"] = ms.rss() - runtime_rss
+
+    for resharded in (False, True):
+        if resharded and not system.reshards:
+            continue
+        for cold in (True, False):
+            key = ("reshard" if resharded else "load") + ("_cold" if cold else "_warm")
+            ms.settle()
+            dropped = ms.drop_caches() if cold else False
+            with ms.PeakRSS() as p:
+                t0 = time.perf_counter()
+                loaded = system.load(a_dir, spec, dtype, resharded)
+                dt = time.perf_counter() - t0
+            ops[key] = _op(dt, p, runtime_rss, cache_dropped=dropped)
+            system.check(loaded, prints, spec, resharded)
+            del loaded
+            gc.collect()
+    shutil.rmtree(a_dir, ignore_errors=True)
+    system.close()
+    return res
+
+
+def run_limits(size: int, dtype: str, workdir: str) -> dict[str, Any]:
+    spec = st.llama_spec(size, st.np_dtype(dtype).itemsize)
+    nbytes = st.spec_bytes(spec, st.np_dtype(dtype).itemsize)
+    runtime_rss = ms.rss()
+    src = np.empty(nbytes, dtype=np.uint8)
+    sy._fill_random(src)
+    ms.settle()
+    ops: dict[str, Any] = {}
+    res = {"system": "limits", "state_bytes": nbytes, "runtime_rss": runtime_rss, "ops": ops,
+           "drop_caches": ms.can_drop_caches()}
+
+    # Best of three copies into fresh memory: the first one often pays for the
+    # kernel assembling huge pages, which is the machine's state, not memcpy.
+    fresh = []
+    for _ in range(3):
+        dt, dst = sy.memcpy_fresh(src)
+        fresh.append(dt)
+        hot = sy.memcpy_hot(src, dst)
+        del dst
+    ops["memcpy"] = {"seconds": min(fresh), "first_s": fresh[0]}
+    ops["memcpy_hot"] = {"seconds": hot}
+
+    path = os.path.join(workdir, "raw.bin")
+    os.sync()
+    ops["raw_write"] = {"seconds": sy.raw_write(src, path), "bytes_written": nbytes, "files_written": 1}
+    del src
+    ms.settle()
+    for cold in (True, False):
+        dropped = ms.drop_caches() if cold else False
+        dt, out = sy.raw_read(path, nbytes)
+        ops["raw_read_cold" if cold else "raw_read_warm"] = {"seconds": dt, "cache_dropped": dropped}
+        del out
+    os.unlink(path)
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--system", required=True, choices=[*sy.SYSTEMS, "limits"])
+    ap.add_argument("--size-bytes", type=int, required=True)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--workdir", required=True)
+    ap.add_argument("--result", required=True)
+    a = ap.parse_args(argv)
+    os.environ.setdefault("XLA_FLAGS", f"--xla_force_host_platform_device_count={st.N_DEVICES}")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.makedirs(a.workdir, exist_ok=True)
+    try:
+        if a.system == "limits":
+            res = run_limits(a.size_bytes, a.dtype, a.workdir)
+        else:
+            res = run_system(a.system, a.size_bytes, a.dtype, a.workdir)
+        res["ok"] = True
+    except Exception as e:  # noqa: BLE001 - reported to the driver
+        res = {"system": a.system, "ok": False, "error": f"{type(e).__name__}: {e}",
+               "traceback": traceback.format_exc()}
+    with open(a.result, "w") as f:
+        json.dump(res, f, indent=1)
+    return 0 if res["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
