@@ -281,8 +281,9 @@ def plan_reads(
     """Plan the reads that fill each of `boxes` (distinct target boxes) from `leaf`.
 
     Each overlap of a box with a chunk is read as one range when it is dense
-    (at least `dense_fraction` of the range is needed, or the range is under
-    `small_read` bytes); otherwise it is split along its leading axis. With
+    (at least `dense_fraction` of the range is needed), small (under
+    `small_read` bytes), or when splitting it along its leading axis would not
+    read less than `dense_fraction` of the range; otherwise it is split. With
     `verify`, ranges widen to whole checksum blocks of their chunk. Ranges that
     overlap always share one read; ranges of the same file that touch (or lie
     within `max_merge_gap`) are merged while the merged read stays under
@@ -305,13 +306,23 @@ def plan_reads(
             lo = tuple(max(b[0], c[0]) for b, c in zip(box, cbox))
             hi = tuple(min(b[1], c[1]) for b, c in zip(box, cbox))
             _split(pieces, file, chunk_off, cell, strides, itemsize, cbox, box, lo, hi, dest,
-                   dense_fraction, small_read)
+                   dense_fraction, small_read, block_size if verify else 0)
     if verify:
         pieces = [_widen(p, leaf, block_size) for p in pieces]
     return _merge(pieces, leaf, block_size, verify, max_merge_gap, max_read)
 
 
-def _split(out, file, chunk_off, cell, strides, itemsize, cbox, box, lo, hi, dest, dense, small):
+_PIECE_COST = 64 << 10
+
+
+def _split(out, file, chunk_off, cell, strides, itemsize, cbox, box, lo, hi, dest, dense, small, block):
+    """Emit the overlap ``lo..hi`` of a chunk as one read, or split it along one axis.
+
+    One covering read is kept when it is dense enough, small, or when reading
+    the pieces separately would not read much less (each piece widens to
+    checksum blocks when verifying): fewer, larger reads with one strided copy
+    each beat many small ones.
+    """
     rel = [lo_a - c[0] for lo_a, c in zip(lo, cbox)]
     last = [hi_a - 1 - c[0] for hi_a, c in zip(hi, cbox)]
     first_byte = sum(r * s for r, s in zip(rel, strides))
@@ -319,21 +330,23 @@ def _split(out, file, chunk_off, cell, strides, itemsize, cbox, box, lo, hi, des
     shape = tuple(h - lo_a for lo_a, h in zip(lo, hi))
     needed = math.prod(shape) * itemsize
     span = end_byte - first_byte
-    if needed * 1.0 >= dense * span or span <= small or len(shape) == 0 or (shape[0] == 1 and len(shape) == 1):
+    a = next((i for i, n in enumerate(shape) if n > 1), None)
+    split = a is not None and needed < dense * span and span > small
+    if split:
+        n = shape[a]
+        sub_span = span - (n - 1) * strides[a]
+        per_piece = (-(-sub_span // block) + 1) * block if block else sub_span
+        # A separate request costs about as much as reading this many bytes more.
+        per_piece = max(per_piece, _PIECE_COST)
+        split = n * min(per_piece, span) < dense * span
+    if not split:
         copy = Copy(dest, 0, strides, shape, tuple(lo_a - b[0] for lo_a, b in zip(lo, box)), itemsize)
         out.append(_Piece(file, chunk_off + first_byte, chunk_off + end_byte, chunk_off + first_byte, copy, cell))
         return
-    if shape[0] == 1:
-        # Leading axis is already a single index: split the next one instead.
-        a = next((i for i, s in enumerate(shape) if s > 1), None)
-        if a is None:  # pragma: no cover - a single element is always dense
-            raise AssertionError("unreachable")
-    else:
-        a = 0
     for i in range(lo[a], hi[a]):
         sub_lo = tuple(i if k == a else v for k, v in enumerate(lo))
         sub_hi = tuple(i + 1 if k == a else v for k, v in enumerate(hi))
-        _split(out, file, chunk_off, cell, strides, itemsize, cbox, box, sub_lo, sub_hi, dest, dense, small)
+        _split(out, file, chunk_off, cell, strides, itemsize, cbox, box, sub_lo, sub_hi, dest, dense, small, block)
 
 
 def _widen(p: _Piece, leaf: ArrayLeaf, block: int) -> _Piece:
