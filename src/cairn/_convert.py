@@ -125,9 +125,11 @@ def iter_array(reader: _Reader, leaf: fmt.ArrayLeaf, max_bytes: int, pool: Threa
 
 
 def _slab_bytes(budget: int, block: int = fmt.DEFAULT_BLOCK_SIZE) -> int:
-    # A slab plus the temporary buffers of the reads that fill it must fit:
-    # at most about two slabs at once, so a third leaves room for the rest.
-    return max(block, budget // 3 // block * block)
+    # Up to three slabs can be alive at once: the one being written (a
+    # storage backend may hold it until it asks for the next), the one being
+    # read, and the temporary buffers of reads that cannot land in place. A
+    # quarter of the budget each leaves room for everything else.
+    return max(block, budget // 4 // block * block)
 
 
 # ---------------------------------------------------------------------- safetensors header
@@ -264,9 +266,11 @@ def _st_parts(header: bytes, plan: list[tuple[str, fmt.ArrayLeaf]], readers: dic
     yield header
     for item, leaf in plan:
         for arr in iter_array(readers[item], leaf, slab, pool):
+            n = arr.nbytes
             yield memoryview(arr.reshape(-1).view(np.uint8))
+            del arr  # not alive while the next slab is read
             if progress is not None:
-                progress(arr.nbytes)
+                progress(n)
 
 
 def _write_file(loc: Location, key: str, parts: Iterator[Any]) -> None:
@@ -654,8 +658,10 @@ def to_torch_file(
                         with _zip_open_aligned(zf, f"archive/data/{skey}", leaf.nbytes) as w:
                             for arr in iter_array(readers[item], leaf, slab, pool):
                                 w.write(memoryview(arr.reshape(-1).view(np.uint8)))
+                                n = arr.nbytes
+                                del arr  # not alive while the next slab is read
                                 if progress is not None:
-                                    progress(arr.nbytes)
+                                    progress(n)
                     _zip_put(zf, "archive/version", b"3\n")
                     _zip_put(zf, "archive/.data/serialization_id", secrets.token_hex(20).encode())
                 f.flush()

@@ -213,7 +213,12 @@ class DiffEntry:
     max_abs_diff: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if v is not None and v != ""}
+        out = {"item": self.item, "path": self.path, "status": self.status}
+        if self.detail:
+            out["detail"] = self.detail
+        if self.max_abs_diff is not None:
+            out["max_abs_diff"] = self.max_abs_diff
+        return out
 
 
 def _describe_leaf(leaf: fmt.Leaf) -> str:

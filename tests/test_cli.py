@@ -1,0 +1,306 @@
+"""The `cairn` command line on real checkpoints: local folders and memory:// object stores."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import cairn
+from cairn import _format as fmt
+from cairn import _save
+from cairn._cli import main
+
+
+def run(capsys, *argv):
+    rc = main(["--plain", *map(str, argv)])
+    got = capsys.readouterr()
+    return rc, got.out, got.err
+
+
+def make_state(mesh, seed=0):
+    rng = np.random.default_rng(seed)
+    w = jax.device_put(rng.standard_normal((64, 16)).astype(np.float32), NamedSharding(mesh, P("x")))
+    return {
+        "params": {"w": w, "b": rng.standard_normal(8).astype(ml_dtypes.bfloat16)},
+        "step": 7,
+        "meta": {"name": "run", "blob": b"\x00\x01"},
+    }
+
+
+@pytest.fixture
+def ckpt(tmp_path, mesh8):
+    path = tmp_path / "ck"
+    cairn.save(path, make_state(mesh8), metadata={"note": "hello"})
+    return path
+
+
+def data_file(path, item="params"):
+    (name,) = [n for n in os.listdir(path / item) if n.endswith(".bin")]
+    return path / item / name
+
+
+# ---------------------------------------------------------------------- inspect
+
+
+def test_inspect_table_and_json_read_no_array_data(ckpt, capsys, monkeypatch):
+    from cairn._storage import _local
+
+    def no_data(self, key):
+        raise AssertionError(f"inspect opened data file {key}")
+
+    monkeypatch.setattr(_local.LocalStorage, "open_read", no_data)
+    rc, out, err = run(capsys, "inspect", ckpt)
+    assert rc == 0, err
+    line = next(ln for ln in out.splitlines() if ln.startswith("params/w"))
+    assert "float32" in line and "(64, 16)" in line and "4.0 KiB" in line and "8x1" in line and "P(x)" in line
+    assert "mesh(x=8)" in line
+    assert any(ln.startswith("step") and "int" in ln and "7" in ln for ln in out.splitlines())
+    assert "5 leaves (3 arrays" in out and '"note": "hello"' in out
+
+    rc, out, _ = run(capsys, "inspect", ckpt, "--json")
+    assert rc == 0
+    data = json.loads(out)
+    leaves = {leaf["path"]: leaf for leaf in data["items"]["params"]["leaves"]}
+    assert leaves["w"]["shape"] == [64, 16] and leaves["w"]["dtype"] == "float32"
+    assert leaves["w"]["chunks"] == 8 and leaves["w"]["sharding"]["spec"] == ["x"]
+    assert leaves["b"]["dtype"] == "bfloat16" and leaves["b"]["nbytes"] == 16
+    assert data["items"]["step"]["leaves"] == [{"path": "", "kind": "int", "value": 7}]
+    assert data["totals"]["arrays"] == 3 and data["totals"]["array_bytes"] == 64 * 16 * 4 + 16 + 2
+    assert data["metadata"] == {"note": "hello"}
+
+
+# ---------------------------------------------------------------------- verify
+
+
+def test_verify_intact(ckpt, capsys):
+    rc, out, err = run(capsys, "verify", ckpt)
+    assert rc == 0 and err == ""
+    assert out.startswith("OK:") and "8 chunks" not in out  # 8 chunks of w + b + blob = 10
+    assert "10 chunks" in out
+    rc, out, _ = run(capsys, "verify", ckpt, "--json")
+    report = json.loads(out)
+    assert rc == 0 and report["ok"] and report["bytes_checked"] == 64 * 16 * 4 + 16 + 2
+
+
+def test_verify_names_every_corrupt_chunk(ckpt, capsys):
+    index = json.loads(next((ckpt / "params").glob("index.*.json")).read_bytes())
+    w = next(leaf for leaf in index["leaves"] if leaf["path"] == "w")
+    path = data_file(ckpt)
+    raw = bytearray(path.read_bytes())
+    for cell in (2, 5):  # flip one byte inside two of w's eight chunks
+        _, offset, *_ = w["chunks"][cell]
+        raw[offset + 17] ^= 0x40
+    path.write_bytes(bytes(raw))
+    rc, out, err = run(capsys, "verify", ckpt)
+    assert rc == 1 and out.startswith("FAILED:")
+    lines = err.strip().splitlines()
+    assert len(lines) == 2
+    assert "leaf 'w' chunk 2 [16:24, 0:16]" in lines[0] and path.name in lines[0] and "[params]" in lines[0]
+    assert "leaf 'w' chunk 5 [40:48, 0:16]" in lines[1] and "CRC-32C" in lines[1]
+    rc, out, _ = run(capsys, "verify", ckpt, "--json")
+    problems = json.loads(out)["problems"]
+    assert rc == 1 and [(p["leaf"], p["chunk"], p["file"]) for p in problems] == [
+        ("w", 2, path.name), ("w", 5, path.name)
+    ]
+
+
+def test_verify_truncated_and_missing_files(ckpt, capsys):
+    path = data_file(ckpt)
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.truncate(size - 100)
+    blob = data_file(ckpt, "meta")
+    blob.unlink()
+    rc, _, err = run(capsys, "verify", ckpt)
+    assert rc == 1
+    assert f"{path.name!r} is truncated: {size - 100} bytes, the index records {size}" in err
+    assert f"data file {blob.name!r} is missing" in err
+    assert "past the end of the file" in err  # the chunk that lost its tail is named too
+
+
+def test_verify_not_a_checkpoint_is_one_line(tmp_path, capsys):
+    rc, out, err = run(capsys, "verify", tmp_path / "nothing")
+    assert rc == 1 and out == ""
+    assert err.strip() == f"cairn: error: no checkpoint at {tmp_path / 'nothing'}"
+
+
+def test_corrupt_manifest_error_is_one_line_and_debug_shows_traceback(ckpt, capsys):
+    (ckpt / "manifest.json").write_text('{"format": "cairn", "version": 99}')
+    rc, _, err = run(capsys, "inspect", ckpt)
+    assert rc == 1 and len(err.strip().splitlines()) == 1
+    assert "format version 99 is not supported" in err and "Traceback" not in err
+    with pytest.raises(cairn.CorruptCheckpointError):
+        main(["--debug", "inspect", str(ckpt)])
+
+
+# ---------------------------------------------------------------------- diff
+
+
+def test_diff_reports_each_kind_of_change(tmp_path, mesh8, capsys):
+    a = make_state(mesh8)
+    b = make_state(mesh8)
+    w = np.asarray(a["params"]["w"]).copy()
+    w[3, 4] += 0.5
+    w[60, 1] -= 2.0
+    b["params"]["w"] = jax.device_put(w, NamedSharding(mesh8, P(None, "x")))  # another sharding, same values elsewhere
+    b["params"]["b"] = np.asarray(a["params"]["b"]).astype(np.float32)
+    b["params"]["new"] = np.zeros(3)
+    del b["meta"]["blob"]
+    b["step"] = 8
+    cairn.save(tmp_path / "a", a)
+    cairn.save(tmp_path / "b", b)
+    rc, out, _ = run(capsys, "diff", tmp_path / "a", tmp_path / "b", "--json")
+    assert rc == 1
+    got = {(e["item"], e["path"]): e for e in json.loads(out)["entries"]}
+    assert got[("params", "w")]["status"] == "values changed"
+    assert got[("params", "w")]["max_abs_diff"] == pytest.approx(2.0, rel=1e-6)
+    assert "2 of 1024 elements differ" in got[("params", "w")]["detail"]
+    assert got[("params", "b")]["status"] == "changed type"
+    assert got[("params", "b")]["detail"] == "bfloat16[8] -> float32[8]"
+    assert got[("params", "new")]["status"] == "only in B"
+    assert got[("meta", "blob")]["status"] == "only in A"
+    assert got[("meta", "name")]["status"] == "equal"
+    assert got[("step", "")] == {"item": "step", "path": "", "status": "values changed", "detail": "int 7 -> int 8"}
+    rc, out, _ = run(capsys, "diff", tmp_path / "a", tmp_path / "b")
+    assert rc == 1 and "values changed" in out and "name" not in out  # equal leaves hidden without --all
+    rc, out, _ = run(capsys, "diff", tmp_path / "a", tmp_path / "a", "--all")
+    assert rc == 0 and out.strip().endswith("5 equal")
+
+
+# ---------------------------------------------------------------------- ls / gc
+
+
+def _interrupted_save(monkeypatch, path, state):
+    """Run a save that dies just before its commit, leaving what a killed process leaves."""
+    with monkeypatch.context() as m:
+        m.setattr(_save.SaveJob, "_abort", lambda self: None)  # a killed process cleans nothing up
+
+        def die(self, *a, **k):
+            raise OSError("simulated crash before the commit")
+
+        m.setattr(_save.SaveJob, "_commit", die)
+        with pytest.raises(cairn.CheckpointError, match="simulated crash"):
+            cairn.save(path, state)
+
+
+def _manager_meta(step, loss):
+    return {"cairn.manager": {"step": step, "metrics": {"loss": loss}}}
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_ls_and_gc_with_an_interrupted_save(tmp_path, monkeypatch, capsys, where):
+    base = str(tmp_path / "run") if where == "local" else f"memory://cli-{uuid.uuid4().hex}/run"
+    state = {"x": np.arange(1000, dtype=np.float32), "n": 1}
+    cairn.save(f"{base}/step_00000001", state, metadata=_manager_meta(1, 0.5))
+    cairn.save(f"{base}/step_00000002", state, metadata=_manager_meta(2, 0.25))
+    _interrupted_save(monkeypatch, f"{base}/step_00000003", state)
+    if where == "local":
+        os.makedirs(tmp_path / "run" / "notes")  # not cairn's: never listed, never removed
+        (tmp_path / "run" / "notes" / "readme.txt").write_text("mine")
+    rc, out, _ = run(capsys, "ls", base, "--json")
+    assert rc == 0
+    entries = json.loads(out)["entries"]
+    assert [(e["step"], e["status"]) for e in entries] == [
+        (1, "committed"), (2, "committed"), (3, "temporary" if where == "local" else "uncommitted")
+    ]
+    assert entries[0]["metrics"] == {"loss": 0.5} and entries[0]["age_s"] < 600
+    assert entries[2]["bytes"] >= 4000  # the data file of the interrupted attempt
+    rc, out, _ = run(capsys, "ls", base)
+    assert rc == 0 and "loss=0.25" in out and "1 leftover" in out
+
+    rc, out, _ = run(capsys, "gc", base, "--dry-run")
+    assert rc == 0 and "would remove" in out
+    assert len(json.loads(run(capsys, "ls", base, "--json")[1])["entries"]) == 3
+    rc, out, _ = run(capsys, "gc", base)
+    assert rc == 0 and out.startswith("removed ")
+    entries = json.loads(run(capsys, "ls", base, "--json")[1])["entries"]
+    assert [e["status"] for e in entries] == ["committed", "committed"]
+    np.testing.assert_array_equal(cairn.load(f"{base}/step_00000002")["x"], state["x"])
+    if where == "local":
+        assert (tmp_path / "run" / "notes" / "readme.txt").read_text() == "mine"
+        assert sorted(os.listdir(tmp_path / "run")) == ["notes", "step_00000001", "step_00000002"]
+    rc, out, _ = run(capsys, "gc", base)
+    assert rc == 0 and "nothing to remove" in out
+
+
+def test_commands_on_memory_urls(mesh8, capsys):
+    base = f"memory://cli-{uuid.uuid4().hex}/ck"
+    cairn.save(base, make_state(mesh8))
+    rc, out, _ = run(capsys, "inspect", base, "--json")
+    assert rc == 0 and json.loads(out)["totals"]["leaves"] == 5
+    assert run(capsys, "verify", base)[0] == 0
+    storage = cairn._location.resolve(base).storage
+    (key,) = [k for k in storage.list("ck/params") if k.endswith(".bin")]
+    raw = bytearray(storage.read(key))
+    raw[100] ^= 1
+    storage.put(key, bytes(raw))
+    rc, _, err = run(capsys, "verify", base)
+    assert rc == 1 and "leaf 'w' chunk 0" in err
+
+
+# ---------------------------------------------------------------------- output and errors
+
+
+def test_plain_text_without_rich(ckpt, capsys, monkeypatch):
+    for name in [m for m in sys.modules if m == "rich" or m.startswith("rich.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "rich", None)  # import rich -> ImportError
+    rc = main(["inspect", str(ckpt)])  # no --plain: falls back by itself
+    out = capsys.readouterr().out
+    assert rc == 0 and out.splitlines()[1].startswith("key path") and "params/w" in out
+
+
+def test_rich_table_output(ckpt, capsys):
+    pytest.importorskip("rich")
+    rc = main(["inspect", str(ckpt)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "params/w" in out and "━" in out
+
+
+def test_usage_errors_exit_2(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["convert", "a", "b", "--to", "onnx"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        main(["convert", "a", "b", "--to", "cairn", "--budget", "lots"])
+    assert e.value.code == 2
+
+
+def test_console_script(ckpt):
+    script = os.path.join(os.path.dirname(sys.executable), "cairn")
+    if not os.path.exists(script):
+        pytest.skip("console script not installed in this environment")
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    p = subprocess.run([script, "verify", str(ckpt)], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0 and "OK:" in p.stdout, p.stderr
+    p = subprocess.run([script, "inspect", str(ckpt / "nope")], capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 1 and p.stderr.startswith("cairn: error: no checkpoint") and "Traceback" not in p.stderr
+
+
+def test_convert_commands(ckpt, tmp_path, capsys):
+    st = tmp_path / "m.safetensors"
+    rc, out, _ = run(capsys, "convert", ckpt, st, "--to", "safetensors", "--budget", "4M")
+    assert rc == 0 and f"wrote {st}" in out
+    rc, _, _ = run(capsys, "convert", st, tmp_path / "back", "--to", "cairn")
+    assert rc == 0
+    assert run(capsys, "diff", ckpt, tmp_path / "back")[0] == 0
+    rc, _, err = run(capsys, "convert", st, tmp_path / "back", "--to", "cairn")
+    assert rc == 1 and "already holds a checkpoint" in err
+    rc, out, _ = run(capsys, "convert", ckpt, tmp_path / "per", "--to", "safetensors", "--per-item")
+    assert rc == 0 and out.count("wrote") == 3
+    if jnp is not None:  # torch is optional
+        pytest.importorskip("torch")
+        rc, out, _ = run(capsys, "convert", ckpt, tmp_path / "m.pt", "--to", "torch")
+        assert rc == 0 and (tmp_path / "m.pt").exists()
+    assert fmt.MANIFEST in os.listdir(tmp_path / "back")
