@@ -1,0 +1,1 @@
+"""Scripts that tests run as real subprocesses (exit, SIGTERM, SIGKILL)."""

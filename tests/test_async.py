@@ -1,0 +1,256 @@
+"""Two-phase async save: donation safety, snapshot budget, error surfacing, queueing, exit."""
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import cairn
+from cairn import _api
+from cairn._storage._local import LocalStorage
+from cairn._storage._memory import MemoryStorage
+
+_PROCS = os.path.join(os.path.dirname(__file__), "_procs")
+
+
+def _sharded(mesh8, n=8 * 4096, offset=0.0):
+    x = jnp.arange(n, dtype=jnp.float32).reshape(8, -1) + offset
+    return jax.device_put(x, NamedSharding(mesh8, P("x")))
+
+
+@pytest.fixture(autouse=True)
+def _quiet_background():
+    """Each test starts and ends with no async save in flight or unreported."""
+    _api._background.wait_all(60)
+    _api._background._unreported.clear()
+    yield
+    _api._background.wait_all(60)
+    _api._background._unreported.clear()
+
+
+def _fail_writes(monkeypatch, cls, marker):
+    """Make `cls.write` fail for keys containing `marker`, as a full disk would."""
+    orig = cls.write
+
+    def write(self, key, parts):
+        if marker in key:
+            raise OSError(28, "No space left on device (injected)")
+        return orig(self, key, parts)
+
+    monkeypatch.setattr(cls, "write", write)
+
+
+# ---------------------------------------------------------------------- donation safety
+
+
+def _hold_writes(monkeypatch):
+    """Writes wait until the returned event is set: the step surely runs before them."""
+    go = threading.Event()
+    orig = LocalStorage.write
+
+    def write(self, key, parts):
+        assert go.wait(60)
+        return orig(self, key, parts)
+
+    monkeypatch.setattr(LocalStorage, "write", write)
+    return go
+
+
+@pytest.mark.parametrize("budget", [None, 0, 3 * 8 * 4096])
+def test_donating_step_right_after_save_async(tmp_path, mesh8, monkeypatch, budget):
+    """The checkpoint holds the values at save time although the step donates them.
+
+    budget None: everything is copied to host; 0: every shard is protected by
+    an on-device copy; in between: some of each. The writes are held back
+    until the donating steps have run, so they cannot win a race by luck.
+    """
+    step = jax.jit(lambda w, b: (w * 2.0 + 1.0, b - 1), donate_argnums=(0, 1))
+    w, b = _sharded(mesh8), _sharded(mesh8, offset=7.0).astype(jnp.int32)
+    jax.block_until_ready(step(w.copy(), b.copy()))  # compile before the save
+    w_before, b_before = np.asarray(w).copy(), np.asarray(b).copy()
+    go = _hold_writes(monkeypatch)
+    f = cairn.save_async(tmp_path / "c", {"w": w, "b": b}, snapshot_budget_bytes=budget)
+    w2, b2 = step(w, b)
+    w3, b3 = step(w2, b2)  # and again, so freed buffers are reused
+    jax.block_until_ready((w3, b3))
+    assert w.is_deleted() and b.is_deleted(), "the step really donated the saved arrays"
+    assert not f.done()
+    go.set()
+    f.result(timeout=60)
+    out = cairn.load(tmp_path / "c")
+    np.testing.assert_array_equal(out["w"], w_before)
+    np.testing.assert_array_equal(out["b"], b_before)
+    total = w_before.nbytes + b_before.nbytes
+    if budget is None:
+        assert (f.stats.snapshot_bytes, f.stats.device_copy_bytes) == (total, 0)
+    else:
+        assert f.stats.snapshot_bytes <= budget
+        assert f.stats.snapshot_bytes + f.stats.device_copy_bytes == total
+        assert f.stats.device_copy_bytes > 0
+
+
+def test_updates_and_deletes_after_save_async(tmp_path, mesh8, monkeypatch):
+    w = _sharded(mesh8)
+    host = np.arange(1000, dtype=np.int64)
+    want_w, want_host = np.asarray(w).copy(), host.copy()
+    go = _hold_writes(monkeypatch)
+    f = cairn.save_async(tmp_path / "c", {"w": w, "host": host, "cfg": {"lr": 0.1}}, snapshot_budget_bytes=0)
+    host[:] = -1  # the caller's numpy array changes
+    w.delete()  # and the device array goes away
+    go.set()
+    f.result(timeout=60)
+    out = cairn.load(tmp_path / "c")
+    np.testing.assert_array_equal(out["w"], want_w)
+    np.testing.assert_array_equal(out["host"], want_host)
+    assert out["cfg"] == {"lr": 0.1}
+
+
+def test_stats_cover_each_phase(tmp_path, mesh8):
+    w = _sharded(mesh8, n=8 * 65536)
+    f = cairn.save_async(tmp_path / "c", {"w": w})
+    stats = f.result(timeout=60)
+    assert stats is f.stats
+    assert stats.blocking_s > 0 and stats.snapshot_s > 0 and stats.write_s > 0 and stats.commit_s > 0
+    assert stats.snapshot_s <= stats.blocking_s <= stats.total_s
+    assert stats.bytes_written == w.nbytes == stats.snapshot_bytes
+    assert stats.files_written >= 1
+
+
+# ---------------------------------------------------------------------- errors
+
+
+def test_background_error_surfaces_from_result_log_and_next_save(tmp_path, monkeypatch, caplog):
+    _fail_writes(monkeypatch, LocalStorage, "bad")
+    x = np.arange(10)
+    with caplog.at_level(logging.ERROR, logger="cairn"):
+        f = cairn.save_async(tmp_path / "bad", {"x": x})
+        with pytest.raises(cairn.CheckpointError, match="No space left") as info:
+            f.result(timeout=60)
+    assert str(tmp_path / "bad") in str(info.value)
+    assert any("background save" in r.message and "bad" in r.message for r in caplog.records)
+    assert not (tmp_path / "bad").exists(), "a failed save leaves nothing visible"
+    # result() collected the error: the next save is not blocked by it.
+    cairn.save_async(tmp_path / "ok1", {"x": x}).result(timeout=60)
+
+    # Nobody collects this one: the next save raises it, once, and does not start.
+    cairn.save_async(tmp_path / "bad2", {"x": x})
+    _api._background.wait_all(60)
+    with pytest.raises(cairn.CheckpointError, match="earlier async save to .*bad2") as info:
+        cairn.save_async(tmp_path / "ok2", {"x": x})
+    assert "No space left" in str(info.value.__cause__)
+    assert not (tmp_path / "ok2").exists()
+    cairn.save_async(tmp_path / "ok2", {"x": x}).result(timeout=60)
+    # The blocking save surfaces it too, and so does wait_all.
+    cairn.save_async(tmp_path / "bad3", {"x": x})
+    _api._background.wait_all(60)
+    with pytest.raises(cairn.CheckpointError, match="bad3"):
+        cairn.save(tmp_path / "ok3", {"x": x})
+    cairn.save_async(tmp_path / "bad4", {"x": x})
+    with pytest.raises(cairn.CheckpointError, match="bad4"):
+        cairn.wait_all()
+    cairn.wait_all()  # reported once
+
+
+def test_exception_collects_the_error(tmp_path, monkeypatch):
+    _fail_writes(monkeypatch, MemoryStorage, "bad")
+    f = cairn.save_async("memory://async-exc/bad", {"x": np.ones(3)})
+    assert isinstance(f.exception(timeout=60), OSError | cairn.CheckpointError)
+    cairn.save_async("memory://async-exc/ok", {"x": np.ones(3)}).result(timeout=60)
+
+
+def test_validation_errors_raise_in_the_blocking_phase(tmp_path):
+    with pytest.raises(cairn.UnsupportedTypeError, match="'x/bad'"):
+        cairn.save_async(tmp_path / "c", {"x": {"bad": object()}})
+    cairn.save(tmp_path / "d", {"x": np.ones(2)})
+    with pytest.raises(cairn.CheckpointExistsError):
+        cairn.save_async(tmp_path / "d", {"x": np.ones(2)})
+
+
+# ---------------------------------------------------------------------- ordering and concurrency
+
+
+def test_saves_commit_in_order_one_at_a_time(tmp_path, monkeypatch):
+    """A second save queues behind the first: never two writes or commits at once."""
+    active, peak, order = [0], [0], []
+    lock = threading.Lock()
+    orig = LocalStorage.write
+
+    def slow_write(self, key, parts):
+        with lock:
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+        try:
+            time.sleep(0.05)
+            return orig(self, key, parts)
+        finally:
+            with lock:
+                active[0] -= 1
+                order.append(key.split("/")[0])
+
+    monkeypatch.setattr(LocalStorage, "write", slow_write)
+    futures = [cairn.save_async(tmp_path / f"c{i}", {"x": np.full(4, i)}, threads=1) for i in range(4)]
+    for f in futures:
+        f.result(timeout=60)
+    assert peak[0] == 1
+    assert [o.split("cairn-tmp")[0] for o in order] == [f".c{i}." for i in range(4)]
+    assert futures[1].stats.queued_s > 0.02
+    for i in range(4):
+        assert cairn.load(tmp_path / f"c{i}")["x"].tolist() == [i] * 4
+
+
+def test_two_saves_to_one_path_never_race(tmp_path):
+    x = np.arange(5)
+    f1 = cairn.save_async(tmp_path / "c", {"x": x})
+    f2 = cairn.save_async(tmp_path / "c", {"x": x + 1})
+    f1.result(timeout=60)
+    with pytest.raises(cairn.CheckpointExistsError):
+        f2.result(timeout=60)
+    assert cairn.load(tmp_path / "c")["x"].tolist() == x.tolist()
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_many_rapid_saves(tmp_path, mesh8, where):
+    base = str(tmp_path) if where == "local" else "memory://rapid"
+    w = _sharded(mesh8, n=8 * 256)
+    inc = jax.jit(lambda w: w + 1.0, donate_argnums=0)
+    futures = []
+    for i in range(40):
+        futures.append(cairn.save_async(f"{base}/c{i}", {"w": w, "i": i}))
+        assert len(_api._background._pending) <= _api.MAX_PENDING
+        w = inc(w)
+    for f in futures:
+        f.result(timeout=120)
+    base_values = np.arange(8 * 256, dtype=np.float32).reshape(8, -1)
+    for i in range(40):
+        out = cairn.load(f"{base}/c{i}")
+        assert out["i"] == i
+        np.testing.assert_array_equal(out["w"], base_values + i)
+
+
+# ---------------------------------------------------------------------- process exit
+
+
+@pytest.mark.parametrize("budget", ["none", "0"])
+def test_exit_with_a_save_in_flight_completes_it(tmp_path, budget):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    path = tmp_path / "c"
+    proc = subprocess.run(
+        [sys.executable, os.path.join(_PROCS, "async_exit.py"), str(path), budget],
+        env=env, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "returned" in proc.stdout
+    assert "failed" not in proc.stderr, proc.stderr
+    out = cairn.load(path)
+    np.testing.assert_array_equal(out["x"], np.arange(8 * 65536, dtype=np.float32).reshape(8, 65536))
+    assert out["y"].tolist() == list(range(100)) and out["cfg"] == {"lr": 0.5}
+    assert sorted(os.listdir(tmp_path)) == ["c"], "no temporary folder is left behind"
