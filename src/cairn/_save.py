@@ -145,7 +145,7 @@ class SaveJob:
         for item, key, h in pending:
             host = np.asarray(h)
             if h is item.sources[key]:  # CPU: the "copy" is a view of the device buffer
-                pass
+                host = np.array(host, copy=True)
             item.sources[key] = host
         if protected:
             import jax
