@@ -1,0 +1,427 @@
+"""Object-store storage (S3, GCS, Azure) through obstore.
+
+Writes of data files stream their parts as a multipart upload with several
+parts in flight; small objects go up in one request. ``put(create=True)`` is
+obstore's create mode (``If-None-Match: *`` on S3, a generation precondition
+on GCS), the primitive the commit needs. Reads are ranged gets; a large read
+is split into parts fetched in parallel.
+
+Retries: every request except the parts of a multipart upload is retried
+here, with exponential backoff and jitter, a bounded number of times, and
+counted in `ObjectStorage.retries` (the save reports the difference in its
+stats). The parts of a multipart upload are retried inside obstore (the parts
+of a stream cannot be replayed from here); those retries are bounded by the
+same settings but not counted.
+
+Options (the ``storage_options`` of `cairn.save` and friends) are obstore's
+store settings (``endpoint``, ``region``, ``access_key_id``,
+``secret_access_key``, ...), its HTTP client settings (``allow_http``,
+``timeout``, ...), and these cairn settings:
+
+``max_retries`` (5), ``retry_backoff`` (0.1 s, the first wait), ``max_backoff``
+(10 s), ``part_size`` (16 MiB, multipart upload part), ``upload_concurrency``
+(4 parts in flight per file), ``read_part_size`` (8 MiB), ``read_concurrency``
+(4 parts in flight per read).
+
+A write holds at most about ``part_size * (upload_concurrency + 1)`` bytes of
+its own, a read about ``read_part_size * read_concurrency``, whatever the
+object's size.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any, Literal, TypeVar
+from typing import Any as Buffer  # collections.abc.Buffer is Python 3.12+
+
+from ._base import split_url
+
+T = TypeVar("T")
+
+_MiB = 1 << 20
+
+# obstore's HTTP client settings; everything else that is not cairn's goes to the store's config.
+_CLIENT_KEYS = frozenset({
+    "allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type",
+    "default_headers", "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url",
+    "proxy_ca_certificate", "proxy_excludes", "root_certificate", "randomize_addresses",
+    "read_timeout", "timeout", "user_agent",
+})
+_ALIASES = {"endpoint_url": "endpoint"}  # boto3's name, which users reach for
+
+# Status codes and transport failures worth another attempt: server errors,
+# throttling (S3 answers 503 SlowDown, others 429), request timeouts, dropped
+# or refused connections. Matched on obstore's message, which is the only
+# place it reports them.
+_TRANSIENT = re.compile(
+    r"status code: (5\d\d|429|408)\b|error sending request|HTTP error|timed? ?out|"
+    r"connection (reset|refused|closed|aborted)|broken pipe|incomplete message|"
+    r"error decoding response body|body error",
+    re.IGNORECASE,
+)
+
+
+@dataclass(frozen=True)
+class Tuning:
+    """cairn's own object-store settings (see the module docstring)."""
+
+    max_retries: int = 5
+    retry_backoff: float = 0.1
+    max_backoff: float = 10.0
+    part_size: int = 16 * _MiB
+    upload_concurrency: int = 4
+    read_part_size: int = 8 * _MiB
+    read_concurrency: int = 4
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.part_size < 5 * _MiB:
+            # S3 rejects multipart parts under 5 MiB (except the last).
+            raise ValueError(f"part_size must be at least 5 MiB, got {self.part_size}")
+        if self.read_part_size < 1 or self.upload_concurrency < 1 or self.read_concurrency < 1:
+            raise ValueError("read_part_size, upload_concurrency and read_concurrency must be positive")
+
+
+_TUNING_KEYS = frozenset(f.name for f in fields(Tuning))
+
+
+def split_options(options: dict[str, Any] | None) -> tuple[Tuning, dict[str, Any], dict[str, Any]]:
+    """`options` -> (cairn tuning, obstore client options, obstore store config)."""
+    tuning: dict[str, Any] = {}
+    client: dict[str, Any] = {}
+    config: dict[str, Any] = {}
+    for k, v in (options or {}).items():
+        k = _ALIASES.get(k, k)
+        if k in _TUNING_KEYS:
+            tuning[k] = v
+        elif k in _CLIENT_KEYS:
+            client[k] = v
+        elif k == "client_options":
+            client.update(v)
+        else:
+            config[k] = v
+    return Tuning(**tuning), client, config
+
+
+def _summary(e: BaseException) -> str:
+    """obstore's message without its debug dump: the request, the status and the server's answer."""
+    text = str(e).split("\n\nDebug source", 1)[0].strip()
+    text = " ".join(text.split())
+    return text if len(text) <= 400 else text[:400] + "..."
+
+
+@functools.cache
+def _error_kinds() -> dict[str, Any]:
+    from obstore import exceptions as ox
+
+    return {
+        "exists": (ox.AlreadyExistsError, ox.PreconditionError),
+        "denied": (ox.PermissionDeniedError, ox.UnauthenticatedError),
+        "final": (ox.NotSupportedError, ox.InvalidPathError, ox.UnknownConfigurationKeyError, ox.NotModifiedError),
+        "obstore": ox.BaseError,
+    }
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether `e` (raised by obstore) is worth retrying."""
+    kinds = _error_kinds()
+    if isinstance(e, (FileNotFoundError, PermissionError, ValueError, TypeError, EOFError)):
+        return False
+    if isinstance(e, kinds["exists"] + kinds["denied"] + kinds["final"]):
+        return False
+    if not isinstance(e, (kinds["obstore"], OSError, TimeoutError)):
+        return False
+    return bool(_TRANSIENT.search(str(e).split("\n\nDebug source", 1)[0]))
+
+
+class _ObjectReader:
+    """Ranged reads of one object, whose size was learnt when it was opened."""
+
+    def __init__(self, storage: ObjectStorage, key: str, size: int):
+        self.storage, self.key, self.size = storage, key, size
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        import obstore
+
+        out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        n = len(out)
+        if offset < 0 or offset + n > self.size:
+            raise EOFError(f"{self.storage.describe(self.key)}: object ends at byte {self.size}, "
+                           f"expected {offset + n}")
+        if n == 0:
+            return
+        s = self.storage
+        part, store = s.tuning.read_part_size, s.store
+        if n <= part:
+            data = s.call("read", self.key, lambda: obstore.get_range(store, self.key, start=offset, length=n))
+            self._place(out, 0, offset, n, data)
+            return
+        # A large read: a window of parts fetched in parallel (obstore runs the
+        # requests of one get_ranges concurrently), each copied into place.
+        window = part * s.tuning.read_concurrency
+        for w in range(0, n, window):
+            starts = list(range(offset + w, offset + min(w + window, n), part))
+            ends = [min(a + part, offset + n) for a in starts]
+            datas = s.call("read", self.key, functools.partial(
+                obstore.get_ranges, store, self.key, starts=starts, ends=ends, coalesce=0))
+            for a, b, data in zip(starts, ends, datas):
+                self._place(out, a - offset, a, b - a, data)
+            del datas
+
+    def _place(self, out: memoryview, at: int, offset: int, n: int, data: Buffer) -> None:
+        got = memoryview(data)
+        if len(got) != n:
+            raise EOFError(f"{self.storage.describe(self.key)}: asked for bytes {offset}..{offset + n}, "
+                           f"the store returned {len(got)} bytes")
+        out[at : at + n] = got
+
+    def close(self) -> None:
+        pass
+
+
+class ObjectStorage:
+    """Storage rooted at an object-store prefix: ``s3://bucket/prefix``, ``gs://...``, ``az://...``.
+
+    Example::
+
+        storage = ObjectStorage("s3://bucket/runs/7", {"endpoint": "http://127.0.0.1:9000",
+                                                      "allow_http": True})
+        storage.put("a/manifest.json", b"{}", create=True)
+    """
+
+    atomic_rename = False
+
+    def __init__(self, url: str, options: dict[str, Any] | None = None):
+        try:
+            from obstore.store import from_url
+        except ImportError:
+            raise ImportError(
+                f"{url}: object-store paths need obstore; install it with `pip install 'cairn[cloud]'`"
+            ) from None
+        scheme, rest = split_url(url)
+        if not scheme or not rest.strip("/"):
+            raise ValueError(f"{url!r} is not an object-store URL (like s3://bucket/prefix)")
+        self.url = url.rstrip("/")
+        self.tuning, client, config = split_options(options)
+        client_options: Any = client or None
+        store_config: Any = config or None
+        t = self.tuning
+        backoff: Any = {
+            "init_backoff": timedelta(seconds=t.retry_backoff),
+            "max_backoff": timedelta(seconds=t.max_backoff),
+            "base": 2,
+        }
+        try:
+            # Requests cairn retries itself (and counts) go through a store that does not retry...
+            self.store = from_url(self.url, config=store_config, client_options=client_options,
+                                  retry_config={"max_retries": 0, "backoff": backoff})
+            # ...and multipart uploads, whose parts only obstore can resend, through one that does.
+            self.upload_store = from_url(self.url, config=store_config, client_options=client_options,
+                                         retry_config={"max_retries": t.max_retries, "backoff": backoff})
+        except Exception as e:
+            raise ValueError(f"{url}: cannot configure the object store: {_summary(e)}") from None
+        self.retries = 0
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"ObjectStorage({self.url!r})"
+
+    def describe(self, key: str) -> str:
+        return f"{self.url}/{key}" if key else self.url
+
+    # ------------------------------------------------------------------ retries and errors
+
+    def call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        """Run one request, retrying transient failures with backoff; errors name the object."""
+        t = self.tuning
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except Exception as e:
+                if attempt >= t.max_retries or not is_transient(e):
+                    raise self._error(op, key, e, attempt) from e
+            attempt += 1
+            with self._lock:
+                self.retries += 1
+            wait = min(t.max_backoff, t.retry_backoff * 2 ** (attempt - 1))
+            time.sleep(wait / 2 + random.uniform(0, wait / 2))  # jitter spreads out synchronized clients
+
+    def _error(self, op: str, key: str, e: BaseException, retries: int) -> BaseException:
+        where = self.describe(key)
+        if isinstance(e, (EOFError,)):
+            return e
+        kinds = _error_kinds()
+        if isinstance(e, FileNotFoundError):
+            return FileNotFoundError(f"{where}: no such object")
+        if isinstance(e, kinds["exists"]):
+            return FileExistsError(f"{where}: the object already exists")
+        if isinstance(e, kinds["denied"]):
+            return PermissionError(f"{where}: {op} was refused: {_summary(e)}")
+        if isinstance(e, ValueError):
+            return ValueError(f"{where}: {op}: {_summary(e)}")
+        after = f" after {retries + 1} attempts" if retries else ""
+        return OSError(f"{where}: {op} failed{after}: {_summary(e)}")
+
+    # ------------------------------------------------------------------ reads
+
+    def read(self, key: str) -> bytes:
+        import obstore
+
+        return bytes(self.call("read", key, lambda: obstore.get(self.store, key).bytes()))
+
+    def open_read(self, key: str) -> _ObjectReader:
+        return _ObjectReader(self, key, self.size(key))
+
+    def size(self, key: str) -> int:
+        import obstore
+
+        return int(self.call("head", key, lambda: obstore.head(self.store, key))["size"])
+
+    def exists(self, key: str) -> bool:
+        """An object named `key`, or any object under ``key/`` (a "folder")."""
+        import obstore
+
+        if key:
+            try:
+                self.size(key)
+                return True
+            except FileNotFoundError:
+                pass
+
+        def any_under() -> bool:
+            for chunk in obstore.list(self.store, prefix=key or None, chunk_size=1):
+                if chunk:
+                    return True
+            return False
+
+        return self.call("list", key, any_under)
+
+    def list(self, prefix: str) -> builtins.list[str]:
+        import obstore
+
+        def keys() -> list[str]:
+            return [m["path"] for chunk in obstore.list(self.store, prefix=prefix or None, chunk_size=1000)
+                    for m in chunk]
+
+        return sorted(self.call("list", prefix, keys))
+
+    def list_dir(self, prefix: str) -> builtins.list[str]:
+        import obstore
+
+        p = prefix.strip("/")
+        res = self.call("list", p, lambda: obstore.list_with_delimiter(self.store, prefix=p or None))
+        names = {c.rstrip("/").rsplit("/", 1)[-1] for c in res["common_prefixes"]}
+        names.update(m["path"].rsplit("/", 1)[-1] for m in res["objects"])
+        return sorted(names)
+
+    # ------------------------------------------------------------------ writes
+
+    def put(self, key: str, data: bytes, *, create: bool = False) -> None:
+        import obstore
+
+        data = bytes(data)
+        mode: Literal["create", "overwrite"] = "create" if create else "overwrite"
+        first = True
+
+        def attempt() -> None:
+            nonlocal first
+            retrying, first = not first, False
+            try:
+                obstore.put(self.store, key, data, mode=mode, use_multipart=False)
+            except _error_kinds()["exists"]:
+                # An earlier attempt may have landed although its answer was lost:
+                # the object holding exactly our bytes means the put succeeded.
+                if retrying and bytes(obstore.get(self.store, key).bytes()) == data:
+                    return
+                raise
+
+        self.call("put", key, attempt)
+
+    def write(self, key: str, parts: Iterable[Buffer]) -> int:
+        import obstore
+
+        part_size = self.tuning.part_size
+        it = iter(parts)
+        head: list[memoryview] = []
+        size = 0
+        for p in it:
+            mv = _bytes_view(p)
+            head.append(mv)
+            size += len(mv)
+            if size >= part_size:
+                break
+        else:
+            # Smaller than one part: a single request, which (unlike a stream) can be retried here.
+            data = head[0] if len(head) == 1 else b"".join(head)
+            self.call("write", key, lambda: obstore.put(self.store, key, data, use_multipart=False))  # noqa: B023
+            return size
+        total = size
+
+        def stream() -> Iterator[memoryview]:
+            nonlocal total
+            yield from head
+            head.clear()
+            for p in it:
+                mv = _bytes_view(p)
+                total += len(mv)
+                yield mv
+
+        try:
+            obstore.put(self.upload_store, key, stream(), use_multipart=True, chunk_size=part_size,
+                        max_concurrency=self.tuning.upload_concurrency)
+        except Exception as e:
+            # Errors raised by `parts` itself come through unchanged; only the store's are ours to explain.
+            if isinstance(e, _error_kinds()["obstore"]) or (isinstance(e, OSError) and "Error performing" in str(e)):
+                # When a part fails, obstore aborts the upload and may report the abort's failure instead.
+                op = "write (multipart upload failed, then its abort)" if "DELETE" in _summary(e) else "write"
+                raise self._error(op, key, e, 0) from e
+            raise
+        return total
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete `prefix` and everything under it, shallowest keys first.
+
+        The objects directly under `prefix` go in a request of their own before
+        the deeper ones, so a marker at the top of a prefix (a checkpoint's
+        manifest) is gone before any of the data it describes: an interrupted
+        delete never leaves something that looks complete but is not.
+        """
+        import obstore
+
+        keys: builtins.list[str] = self.list(prefix)
+        if prefix:
+            try:
+                self.size(prefix)
+                keys.append(prefix)
+            except FileNotFoundError:
+                pass
+        if not keys:
+            return
+        top = min(k.count("/") for k in keys)
+        first = [k for k in keys if k.count("/") == top]
+        rest = [k for k in keys if k.count("/") != top]
+        for batch in (first, rest):
+            if batch:
+                self.call("delete", prefix, functools.partial(_delete, obstore, self.store, batch))
+
+
+def _delete(obstore: Any, store: Any, keys: list[str]) -> None:
+    try:
+        obstore.delete(store, keys)
+    except FileNotFoundError:
+        pass  # GCS and Azure report a missing object; it is what we wanted anyway
+
+
+def _bytes_view(p: Buffer) -> memoryview:
+    mv = memoryview(p)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")

@@ -1,0 +1,299 @@
+"""Full save / load / resharding / manager scenarios over S3 (moto's server on 127.0.0.1).
+
+Faults come from `FaultProxy`, an HTTP proxy between cairn and the server:
+it answers chosen requests with 5xx/429 errors, or stops answering at all
+(the server is gone, from the client's side), while moto's state stays
+inspectable through the server itself.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import cairn
+from _s3server import FaultProxy, S3Server
+from cairn import _save
+from cairn._location import resolve
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def s3():
+    server = S3Server().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def bucket(s3):
+    return s3.new_bucket()
+
+
+@pytest.fixture
+def opts(s3):
+    # Small parts so modest test arrays exercise multipart uploads and split reads.
+    return s3.options(part_size=5 * MiB, read_part_size=1 * MiB)
+
+
+@pytest.fixture
+def proxy(s3):
+    p = FaultProxy(s3.port).start()
+    yield p
+    p.stop()
+
+
+def fast_retries(options, **extra):
+    """Quick, few retries: error tests should fail in well under a second."""
+    return {**options, "max_retries": 2, "retry_backoff": 0.01, "max_backoff": 0.05,
+            "connect_timeout": "2s", "timeout": "10s", **extra}
+
+
+def sharded(mesh, shape, spec, dtype=jnp.float32, seed=0):
+    x = jax.random.normal(jax.random.key(seed), shape, dtype=jnp.float32).astype(dtype)
+    return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+# ---------------------------------------------------------------------- round trips
+
+
+def test_save_load_metadata_roundtrip(s3, bucket, opts, mesh8):
+    path = f"s3://{bucket}/runs/a/step_1"
+    w = sharded(mesh8, (64, 32), P("x"))
+    state = {"params": {"w": w, "b": np.arange(5, dtype=np.int64)},
+             "meta": {"step": 1, "name": "run a", "none": None, "blob": b"\x00\x01"}}
+    stats = cairn.save(path, state, storage_options=opts)
+    assert stats.bytes_written >= w.nbytes + 40 and stats.retries == 0
+    keys = s3.keys(bucket, "runs/a/step_1/")
+    assert "runs/a/step_1/manifest.json" in keys
+    assert not any("cairn-tmp" in k for k in keys)  # object stores commit in place, no rename
+    out = cairn.load(path, storage_options=opts)
+    np.testing.assert_array_equal(out["params"]["w"], np.asarray(w))
+    np.testing.assert_array_equal(out["params"]["b"], np.arange(5))
+    assert out["meta"] == state["meta"]
+    info = cairn.metadata(path, storage_options=opts)
+    assert info["params"]["w"].shape == (64, 32) and info["params"]["w"].dtype == np.float32
+
+
+def test_reshard_on_load_and_partial(bucket, opts, mesh8, mesh42):
+    path = f"s3://{bucket}/reshard"
+    w = sharded(mesh8, (128, 64), P("x", None), seed=1)
+    v = sharded(mesh8, (8, 256), P(None, "x"), dtype=jnp.bfloat16, seed=2)
+    cairn.save(path, {"params": {"w": w, "v": v}, "opt": {"m": np.ones((3, 3))}}, storage_options=opts)
+    target = {"params": {
+        "w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=NamedSharding(mesh42, P("y", "x"))),
+        "v": NamedSharding(mesh42, P("x", "y")),
+    }}
+    out = cairn.load(path, target, storage_options=opts)  # reads only "params"
+    assert out["params"]["w"].sharding == target["params"]["w"].sharding
+    np.testing.assert_array_equal(np.asarray(out["params"]["w"]), np.asarray(w))
+    np.testing.assert_array_equal(np.asarray(out["params"]["v"]), np.asarray(v))
+    assert set(out) == {"params"}
+
+
+def test_multipart_upload_and_split_reads(s3, bucket, opts):
+    """Data files bigger than several parts go up as multipart uploads and load bitwise."""
+    rng = np.random.default_rng(3)
+    big = rng.standard_normal((3 * MiB + 7,), dtype=np.float32)  # 12 MiB: three 5 MiB parts
+    path = f"s3://{bucket}/big"
+    cairn.save(path, {"x": big}, storage_options=opts)
+    data = [k for k in s3.keys(bucket, "big/") if k.endswith(".bin")]
+    head = s3.client().head_object(Bucket=bucket, Key=data[0])
+    assert head["ETag"].strip('"').endswith("-3")  # S3 marks multipart objects' ETags with the part count
+    assert s3.open_uploads(bucket) == 0
+    np.testing.assert_array_equal(cairn.load(path, storage_options=opts)["x"], big)
+
+
+def test_save_async_over_s3(bucket, opts, mesh8):
+    path = f"s3://{bucket}/async"
+    x = sharded(mesh8, (32, 8), P("x"), seed=4)
+    expect = np.asarray(x)
+    f = cairn.save_async(path, {"x": x}, storage_options=opts)
+    x = x + 1  # the snapshot was taken: later updates do not reach the checkpoint
+    stats = f.result(timeout=120)
+    assert stats.retries == 0
+    np.testing.assert_array_equal(cairn.load(path, storage_options=opts)["x"], expect)
+
+
+def test_uncommitted_prefix_is_not_a_checkpoint(s3, bucket, opts):
+    s3.client().put_object(Bucket=bucket, Key="half/%root/p00000-0.abc.bin", Body=b"\x00" * 16)
+    with pytest.raises(cairn.CheckpointNotFoundError, match="no committed checkpoint"):
+        cairn.load(f"s3://{bucket}/half", storage_options=opts)
+    with pytest.raises(cairn.CheckpointNotFoundError, match="no checkpoint at"):
+        cairn.load(f"s3://{bucket}/absent", storage_options=opts)
+    # Saving over the leftovers of an interrupted attempt is allowed: they are invisible.
+    cairn.save(f"s3://{bucket}/half", {"a": np.ones(4)}, storage_options=opts)
+    np.testing.assert_array_equal(cairn.load(f"s3://{bucket}/half", storage_options=opts)["a"], np.ones(4))
+
+
+def test_exists_and_overwrite(s3, bucket, opts):
+    path = f"s3://{bucket}/ow"
+    cairn.save(path, {"a": np.zeros(8)}, storage_options=opts)
+    with pytest.raises(cairn.CheckpointExistsError, match="already holds a checkpoint"):
+        cairn.save(path, {"a": np.ones(8)}, storage_options=opts)
+    old = set(s3.keys(bucket, "ow/"))
+    cairn.save(path, {"a": np.full(8, 2.0)}, overwrite=True, storage_options=opts)
+    np.testing.assert_array_equal(cairn.load(path, storage_options=opts)["a"], np.full(8, 2.0))
+    new = set(s3.keys(bucket, "ow/"))
+    assert old & new == {"ow/manifest.json"}  # the replaced checkpoint's files are gone
+
+
+# ---------------------------------------------------------------------- racing writers
+
+
+def test_two_writers_racing_to_commit_one_wins(s3, bucket, opts, mesh8):
+    """Both writers pass the destination check, write their data, then race on the manifest."""
+    path = f"s3://{bucket}/race/step_7"
+    states = [{"w": sharded(mesh8, (64, 16), P("x"), seed=s), "who": s} for s in (10, 11)]
+    loc = resolve(path, opts)
+    jobs = [_save.prepare(loc, st) for st in states]  # both checked: nothing committed yet
+    barrier = threading.Barrier(2, timeout=30)
+    outcome: dict[int, object] = {}
+
+    def run(i):
+        barrier.wait()
+        try:
+            outcome[i] = jobs[i].run()
+        except BaseException as e:
+            outcome[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    won = [i for i, r in outcome.items() if isinstance(r, _save.SaveStats)]
+    lost = [i for i, r in outcome.items() if isinstance(r, cairn.CheckpointExistsError)]
+    assert len(won) == 1 and len(lost) == 1, outcome
+    out = cairn.load(path, storage_options=opts)
+    assert out["who"] == states[won[0]]["who"]
+    np.testing.assert_array_equal(out["w"], np.asarray(states[won[0]]["w"]))
+    # The loser removed what it wrote: only the winner's token remains.
+    tokens = {k.rsplit("/", 1)[1].split(".")[1] for k in s3.keys(bucket, "race/step_7/") if k.endswith(".bin")}
+    assert tokens == {jobs[won[0]].token}
+
+
+def test_many_threads_saving_the_same_path(bucket, opts):
+    path = f"s3://{bucket}/crowd"
+    n = 4
+    barrier = threading.Barrier(n, timeout=30)
+    results: list[object] = [None] * n
+
+    def go(i):
+        barrier.wait()
+        try:
+            cairn.save(path, {"v": np.full(1000, i, dtype=np.int32)}, storage_options=opts)
+            results[i] = "ok"
+        except cairn.CheckpointExistsError as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert results.count("ok") == 1, results
+    winner = results.index("ok")
+    np.testing.assert_array_equal(cairn.load(path, storage_options=opts)["v"], np.full(1000, winner))
+
+
+# ---------------------------------------------------------------------- faults
+
+
+def test_server_gone_mid_save_fails_cleanly_and_leaves_nothing(s3, bucket, opts, proxy):
+    """The server disappears during a multipart upload: a clear error, no manifest, old steps intact."""
+    good = f"s3://{bucket}/run/step_1"
+    cairn.save(good, {"a": np.arange(10)}, storage_options=opts)
+    seen = threading.Event()
+
+    def cut(method, path):
+        if method == "PUT" and "uploadId=" in path:  # the first part of a multipart upload
+            seen.set()
+            proxy.down = True
+
+    proxy.on_request = cut
+    state = {"x": np.random.default_rng(5).standard_normal(4 * MiB, dtype=np.float32)}  # 16 MiB
+    with pytest.raises(cairn.CheckpointError) as info:
+        cairn.save(f"s3://{bucket}/run/step_2", state, storage_options=fast_retries(proxy.options(part_size=5 * MiB)))
+    assert seen.is_set()
+    msg = str(info.value)
+    assert f"s3://{bucket}/run/step_2" in msg and ".bin" in msg, msg  # names the checkpoint and the object
+    assert not any(k.endswith("manifest.json") for k in s3.keys(bucket, "run/step_2"))
+    with pytest.raises(cairn.CheckpointNotFoundError):
+        cairn.load(f"s3://{bucket}/run/step_2", storage_options=opts)
+    np.testing.assert_array_equal(cairn.load(good, storage_options=opts)["a"], np.arange(10))
+
+
+def test_transient_errors_are_retried_and_counted(bucket, opts, proxy):
+    path = f"s3://{bucket}/flaky"
+    o = fast_retries(proxy.options(part_size=5 * MiB, read_part_size=1 * MiB))
+    proxy.fail(503, times=2, method="PUT", path_contains="manifest.json")
+    proxy.fail(500, times=1, method="PUT", path_contains="index.")
+    proxy.fail(429, times=1, method="GET", query_contains="list-type")  # listing (the destination check)
+    value = np.arange(3 * MiB, dtype=np.int32)  # 12 MiB: a multipart upload
+    proxy.fail(503, times=2, method="PUT", query_contains="uploadId=")  # parts: retried inside obstore
+    stats = cairn.save(path, {"v": value}, storage_options=o)
+    assert proxy.injected() == 6
+    assert stats.retries >= 3  # manifest x2, index x1 (plus the listing when it fell in the save)
+    proxy.fail(503, times=2, method="GET", path_contains=".bin")
+    np.testing.assert_array_equal(cairn.load(path, storage_options=o)["v"], value)
+    assert proxy.injected() == 8
+
+
+def test_persistent_errors_give_up_and_name_the_object(bucket, opts, proxy):
+    o = fast_retries(proxy.options())
+    proxy.fail(503, times=1000, method="PUT", path_contains="manifest.json")
+    with pytest.raises(cairn.CheckpointError) as info:
+        cairn.save(f"s3://{bucket}/down", {"v": np.ones(10)}, storage_options=o)
+    msg = str(info.value)
+    assert "manifest.json" in msg and "503" in msg and "after 3 attempts" in msg, msg
+    assert proxy.faults[0].hits == 3  # the first try and max_retries=2 retries, no more
+    proxy.faults.clear()
+    with pytest.raises(cairn.CheckpointNotFoundError):
+        cairn.load(f"s3://{bucket}/down", storage_options=opts)
+    # Loads: a data object that keeps failing is named in the error.
+    cairn.save(f"s3://{bucket}/up", {"v": np.ones(10)}, storage_options=o)
+    proxy.fail(500, times=1000, method="GET", path_contains=".bin")
+    with pytest.raises(cairn.CheckpointError, match=r"\.bin.*500|500.*\.bin"):
+        cairn.load(f"s3://{bucket}/up", storage_options=o)
+
+
+def test_access_denied_is_not_retried(bucket, opts, proxy):
+    o = fast_retries(proxy.options())
+    proxy.fail(403, times=1000, method="PUT")
+    with pytest.raises(cairn.CheckpointError, match="refused"):
+        cairn.save(f"s3://{bucket}/denied", {"v": np.ones(10)}, storage_options=o)
+    assert proxy.faults[0].hits == 1
+
+
+# ---------------------------------------------------------------------- the manager
+
+
+def test_manager_over_s3(s3, bucket, opts):
+    directory = f"s3://{bucket}/mgr"
+    # Leftovers of an interrupted save (no manifest) must be neither listed nor kept.
+    s3.client().put_object(Bucket=bucket, Key="mgr/step_00000099/%root/p00000-0.dead.bin", Body=b"x")
+    states = {s: {"w": np.full((4, 4), s, dtype=np.float32), "step": s} for s in range(1, 6)}
+    with cairn.CheckpointManager(directory, max_to_keep=2, storage_options=opts) as mgr:
+        assert mgr.steps() == []
+        for s, st in states.items():
+            mgr.save(s, st)
+        mgr.wait()
+        assert mgr.steps() == [4, 5]
+        out = mgr.restore()
+        assert mgr.restored_step == 5 and out["step"] == 5
+        np.testing.assert_array_equal(out["w"], states[5]["w"])
+    prefixes = {k.split("/")[1] for k in s3.keys(bucket, "mgr/")}
+    assert prefixes == {"step_00000004", "step_00000005"}
+    # A retention delete cut off after the manifest went: the step is no longer listed.
+    s3.client().delete_object(Bucket=bucket, Key="mgr/step_00000004/manifest.json")
+    with cairn.CheckpointManager(directory, storage_options=opts) as mgr:
+        assert mgr.steps() == [5]
+        np.testing.assert_array_equal(mgr.restore()["w"], states[5]["w"])
