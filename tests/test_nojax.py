@@ -1,0 +1,257 @@
+"""Framework-neutral reading: cairn without JAX, and a reader written from docs/FORMAT.md alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import cairn
+
+# ---------------------------------------------------------------------- a reader from the spec
+# Everything below this line up to the tests uses only json and numpy, and
+# follows docs/FORMAT.md; it shares no code with cairn.
+
+
+def crc32c_reference(data: bytes) -> int:
+    """CRC-32C as FORMAT.md §6.1 defines it (reflected 0x82F63B78, init and xor 0xFFFFFFFF)."""
+    table = _crc_table()
+    crc = 0xFFFFFFFF
+    for byte in data:
+        crc = (crc >> 8) ^ table[(crc ^ byte) & 0xFF]
+    return crc ^ 0xFFFFFFFF
+
+
+_TABLE: list[int] = []
+
+
+def _crc_table() -> list[int]:
+    if not _TABLE:
+        for n in range(256):
+            c = n
+            for _ in range(8):
+                c = (c >> 1) ^ 0x82F63B78 if c & 1 else c >> 1
+            _TABLE.append(c)
+    return _TABLE
+
+
+# The §6.2 dtypes numpy knows; the 2-byte and 1-byte low-precision floats come back as raw bits.
+_NUMPY_DTYPES = {n: np.dtype(n).newbyteorder("<") for n in (
+    "bool", "int8", "uint8", "int16", "uint16", "int32", "uint32", "int64", "uint64",
+    "float16", "float32", "float64", "complex64", "complex128",
+)}
+_NUMPY_DTYPES["bfloat16"] = np.dtype("<u2")
+for _n in ("float8_e4m3fn", "float8_e5m2", "int4", "uint4"):
+    _NUMPY_DTYPES[_n] = np.dtype("u1")
+
+
+def _item_dir(name: str) -> str:
+    out = "".join(
+        chr(b) if chr(b).isascii() and (chr(b).isalnum() or chr(b) in "_-") else f"%{b:02X}"
+        for b in name.encode()
+    )
+    return out or "%"
+
+
+def _decode_value(kind, v):
+    if kind in ("none", "bool", "str"):
+        return v
+    if kind == "int":
+        return int(v)
+    if kind == "float":
+        return float.fromhex(v)
+    if kind == "complex":
+        return complex(float.fromhex(v[0]), float.fromhex(v[1]))
+    if kind == "scalar":
+        return np.frombuffer(bytes.fromhex(v["hex"]), dtype=_NUMPY_DTYPES[v["dtype"]])[0]
+    raise ValueError(kind)
+
+
+def _read_array(folder, index, leaf):
+    dtype = _NUMPY_DTYPES[leaf["dtype"]]
+    shape = tuple(leaf["shape"])
+    out = np.zeros(shape, dtype=dtype)
+    grid = leaf["grid"]
+    counts = [len(b) - 1 for b in grid]
+    block = index["block_size"]
+    for cell, (file_no, offset, *crcs) in enumerate(leaf["chunks"]):
+        # C order over the grid: the last axis varies fastest.
+        idx, rest = [], cell
+        for m in reversed(counts):
+            idx.append(rest % m)
+            rest //= m
+        idx.reverse()
+        box = [(grid[a][i], grid[a][i + 1]) for a, i in enumerate(idx)]
+        extents = tuple(hi - lo for lo, hi in box)
+        nbytes = int(np.prod(extents, dtype=np.int64)) * dtype.itemsize
+        if nbytes == 0:
+            continue
+        with open(os.path.join(folder, index["files"][file_no]["name"]), "rb") as f:
+            f.seek(offset)
+            raw = f.read(nbytes)
+        assert len(raw) == nbytes, "truncated data file"
+        assert len(crcs) == -(-nbytes // block)
+        for j, crc in enumerate(crcs):
+            assert crc32c_reference(raw[j * block : (j + 1) * block]) == crc, f"bad block {j} of chunk {cell}"
+        out[tuple(slice(lo, hi) for lo, hi in box)] = np.frombuffer(raw, dtype=dtype).reshape(extents)
+    return out
+
+
+def _build(node, values):
+    if "leaf" in node:
+        return values[node["leaf"]]
+    if "dict" in node:
+        return {k: _build(child, values) for k, child in node["dict"]}
+    if "list" in node:
+        return [_build(c, values) for c in node["list"]]
+    if "tuple" in node:
+        return tuple(_build(c, values) for c in node["tuple"])
+    names = node.get("fields", node.get("keys"))
+    return {k: _build(c, values) for k, c in zip(names, node["children"])}
+
+
+def spec_reader(ckpt: str):
+    """Read a whole checkpoint following docs/FORMAT.md: {item: tree} (or the tree, for a root one)."""
+    with open(os.path.join(ckpt, "manifest.json"), "rb") as f:
+        manifest = json.loads(f.read())
+    assert manifest["format"] == "cairn" and manifest["version"] == 1
+    out = {}
+    for name, item in manifest["items"].items():
+        assert item["dir"] == ("%root" if manifest["root"] else _item_dir(name))
+        folder = os.path.join(ckpt, item["dir"])
+        with open(os.path.join(folder, item["index"]), "rb") as f:
+            index = json.loads(f.read())
+        assert index["format"] == "cairn-index" and index["version"] == 1
+        for f_ in index["files"]:
+            assert os.path.getsize(os.path.join(folder, f_["name"])) == f_["size"]
+        values = []
+        for leaf in index["leaves"]:
+            if leaf["kind"] in ("array", "bytes", "object"):
+                arr = _read_array(folder, index, leaf)
+                values.append(arr.tobytes() if leaf["kind"] == "bytes" else arr)
+            else:
+                values.append(_decode_value(leaf["kind"], leaf["value"]))
+        assert len(values) == item["num_leaves"]
+        out[name] = _build(index["structure"], values)
+    return out[""] if manifest["root"] else out
+
+
+# ---------------------------------------------------------------------- tests
+
+
+def test_reference_crc_matches_the_check_value():
+    assert crc32c_reference(b"123456789") == 0xE3069283
+
+
+def _state(mesh42):
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((12, 6)).astype(np.float32)
+    return {
+        "params": {
+            "w": jax.device_put(x, NamedSharding(mesh42, P("x", "y"))),  # a 4 x 2 grid of chunks
+            "e": jax.device_put(x.astype(ml_dtypes.bfloat16), NamedSharding(mesh42, P(None, "y"))),
+            "i": np.arange(-5, 5, dtype=np.int64).reshape(2, 5),
+            "empty": np.zeros((3, 0), np.float32),
+            "s0": np.array(1.5, np.float16),
+        },
+        "opt.state": [np.ones(3, np.uint8), (np.float32(2.0), None)],
+        "step": 9,
+        "conf": {"name": "é/x", "lr": 3e-4, "z": 1 + 2j, "flag": True, "blob": b"\x00\x01\x02", "big": -(2**80)},
+    }
+
+
+def test_spec_reader_reads_what_cairn_writes(tmp_path, mesh42):
+    state = _state(mesh42)
+    cairn.save(tmp_path / "ck", state)
+    got = spec_reader(str(tmp_path / "ck"))
+    want = cairn.load(tmp_path / "ck")
+    p = got["params"]
+    np.testing.assert_array_equal(p["w"], np.asarray(state["params"]["w"]))
+    assert p["e"].tobytes() == np.asarray(state["params"]["e"]).tobytes()  # bfloat16 as raw bits
+    np.testing.assert_array_equal(p["i"], state["params"]["i"])
+    assert p["empty"].shape == (3, 0) and p["s0"].shape == () and p["s0"] == 1.5
+    assert got["opt.state"][0].tobytes() == b"\x01\x01\x01"
+    assert got["opt.state"][1] == (np.float32(2.0), None)
+    assert got["step"] == 9 and got["conf"] == want["conf"]
+    assert sorted(os.listdir(tmp_path / "ck")) == sorted(["manifest.json", "params", "opt%2Estate", "step", "conf"])
+
+
+def test_spec_reader_detects_a_flipped_byte(tmp_path):
+    cairn.save(tmp_path / "ck", np.arange(100, dtype=np.int32))
+    (name,) = [n for n in os.listdir(tmp_path / "ck" / "%root") if n.endswith(".bin")]
+    path = tmp_path / "ck" / "%root" / name
+    raw = bytearray(path.read_bytes())
+    np.testing.assert_array_equal(spec_reader(str(tmp_path / "ck")), np.arange(100))
+    raw[7] ^= 1
+    path.write_bytes(bytes(raw))
+    with pytest.raises(AssertionError, match="bad block 0 of chunk 0"):
+        spec_reader(str(tmp_path / "ck"))
+
+
+_NOJAX_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.modules["jax"] = None  # `import jax` now raises ImportError
+    sys.modules["jaxlib"] = None
+    import json
+    import numpy as np
+    import cairn
+    from cairn._cli import main
+
+    ck = sys.argv[1]
+    got = cairn.load(ck)
+    meta = cairn.metadata(ck)
+    out = {
+        "w": got["params"]["w"].tolist(),
+        "w_type": type(got["params"]["w"]).__name__,
+        "e_bytes": got["params"]["e"].tobytes().hex(),
+        "e_dtype": str(got["params"]["e"].dtype),
+        "step": got["step"],
+        "conf": repr(got["conf"]),
+        "meta_shape": list(meta["params"]["w"].shape),
+        "cli_verify": main(["--plain", "-q", "verify", ck]),
+        "cli_inspect": main(["--plain", "inspect", ck, "--json"]),
+    }
+    try:
+        import torch
+    except ImportError:
+        pass
+    else:
+        t = cairn.load(ck, framework="torch")["params"]["e"]
+        out["torch_dtype"] = str(t.dtype)
+        out["torch_bytes"] = t.view(torch.int16).numpy().tobytes().hex()
+    loaded = sorted(m for m in sys.modules if (m == "jax" or m.startswith(("jax.", "jaxlib"))) and sys.modules[m] is not None)
+    out["jax_modules"] = loaded
+    print("RESULT " + json.dumps(out))
+    """
+)
+
+
+def test_load_without_jax(tmp_path, mesh42):
+    state = _state(mesh42)
+    cairn.save(tmp_path / "ck", state)
+    script = tmp_path / "nojax.py"
+    script.write_text(_NOJAX_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_PLATFORMS")}
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.returncode == 0, p.stderr
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))
+    out = json.loads(line[len("RESULT "):])
+    assert out["jax_modules"] == []
+    assert out["w_type"] == "ndarray" and out["w"] == np.asarray(state["params"]["w"]).tolist()
+    assert out["e_dtype"] == "bfloat16" and out["e_bytes"] == np.asarray(state["params"]["e"]).tobytes().hex()
+    assert out["step"] == 9 and out["meta_shape"] == [12, 6]
+    assert out["conf"] == repr(cairn.load(tmp_path / "ck")["conf"])
+    assert out["cli_verify"] == 0 and out["cli_inspect"] == 0
+    if "torch_dtype" in out:
+        assert out["torch_dtype"] == "torch.bfloat16" and out["torch_bytes"] == out["e_bytes"]
