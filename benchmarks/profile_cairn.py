@@ -37,7 +37,7 @@ def summarize(path: str, focus: str = "", top: int = 25) -> None:
                 continue
             k = int(count)
             frames = stack.split(";")
-            if focus and not any(focus in fr or "cairn/" in fr and "_worker" not in fr for fr in frames):
+            if focus and not any(focus in fr or ("cairn/" in fr and "_worker" not in fr) for fr in frames):
                 continue
             n += k
             self_c[frames[-1]] += k

@@ -46,9 +46,9 @@ def summarize(runs: list[dict[str, Any]], meta: dict[str, Any]) -> dict[str, Any
             continue
         cell = by.setdefault(r["dtype"], {}).setdefault(str(r["size"]), {}).setdefault(r["system"], {
             "times": {}, "mem": {}, "bytes": {}, "state_bytes": r["state_bytes"], "settings": r.get("settings"),
-            "model": r.get("model"), "child_maxrss": [],
+            "model": r.get("model"), "process_peak_rss": [],
         })
-        cell["child_maxrss"].append(r.get("child_maxrss"))
+        cell["process_peak_rss"].append(r.get("process_peak_rss"))
         for op, v in r["ops"].items():
             cell["times"].setdefault(op, []).append(v["seconds"])
             if "peak_rss" in v:
@@ -142,21 +142,22 @@ def _t(s: dict[str, float] | None) -> str:
         return "n/a"
     if s["n"] == 1:
         return f"{s['median']:.2f}"
-    return f"{s['median']:.2f} [{s['min']:.2f}–{s['max']:.2f}]"
+    return f"{s['median']:.2f} [{s['min']:.2f}-{s['max']:.2f}]"
 
 
 def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     m = meta["machine"]
     lines = [
         "# cairn benchmark results", "",
-        f"Run {meta['started']} – {meta.get('finished', '?')} (git {m.get('git', '?')}), "
+        f"Run {meta['started']} - {meta.get('finished', '?')} (git {m.get('git', '?')}), "
         f"{m['cpus']} CPUs, {m['memory_gib']} GiB RAM, Linux {m['kernel']}, Python {m['python']}. "
         f"Load average at start {tuple(round(x, 2) for x in m['loadavg_start'])}, "
-        f"at end {tuple(round(x, 2) for x in m.get('loadavg_end', ()))}.",
+        f"at end {tuple(round(x, 2) for x in m.get('loadavg_end', ()))}"
+        + (f"; uncommitted changes under src/: {', '.join(m['src_dirty'])}." if m.get("src_dirty") else "."),
         "Page cache dropped before every cold operation: "
         + ("yes (`/proc/sys/vm/drop_caches` writable)." if m["drop_caches_writable"]
            else "**no** (`/proc/sys/vm/drop_caches` not writable: 'cold' rows are really warm)."),
-        "Times are seconds, median [min–max] over the repetitions; ratios use medians. "
+        "Times are seconds, median [min-max] over the repetitions; ratios use medians. "
         "Each system ran in its own subprocess; systems alternated across repetitions.", "",
     ]
     main = str(meta["main_size"])
@@ -213,7 +214,7 @@ def markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
     if summary["failures"]:
         lines += ["## Failures", ""] + [f"- {f}" for f in summary["failures"]] + [""]
     lines += ["## Settings", ""]
-    for dtype, sizes in summary["by"].items():
+    for sizes in summary["by"].values():
         cell = sizes.get(main) or next(iter(sizes.values()))
         for s in SYSTEMS:
             if s in cell and cell[s].get("settings"):

@@ -67,8 +67,10 @@ def _machine() -> dict[str, Any]:
         "drop_caches_writable": os.access("/proc/sys/vm/drop_caches", os.W_OK),
     }
     try:
-        info["git"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                     text=True, check=False).stdout.strip()
+        git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, check=False).stdout.strip()  # noqa: E731
+        info["git"] = git("rev-parse", "--short", "HEAD")
+        # Uncommitted changes to the library itself change what is measured: record them.
+        info["src_dirty"] = git("status", "--short", "--", "src").splitlines()
     except OSError:
         pass
     return info
@@ -94,19 +96,11 @@ def run_one(system: str, size_bytes: int, dtype: str, workdir: str, timeout: flo
         except (OSError, ValueError):
             out = {"system": system, "ok": False,
                    "error": f"worker exited {proc.returncode} without a result: {proc.stderr[-2000:]}"}
-        out["child_maxrss"] = _child_maxrss()
     except subprocess.TimeoutExpired:
         out = {"system": system, "ok": False, "error": f"timed out after {timeout:.0f}s"}
     out["wall_s"] = time.perf_counter() - t0
     shutil.rmtree(workdir, ignore_errors=True)
     return out
-
-
-def _child_maxrss() -> int:
-    # ru_maxrss of the largest child so far (KiB on Linux); the per-op peaks come from the worker.
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024
 
 
 def main(argv: list[str] | None = None) -> int:

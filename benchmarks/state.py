@@ -36,7 +36,7 @@ class Leaf:
 
 def _ffn(d: int) -> int:
     # Llama's SwiGLU width, rounded to a multiple of 256 so 8 devices divide it.
-    return int(round(8 * d / 3 / 256)) * 256
+    return round(8 * d / 3 / 256) * 256
 
 
 def _layer_params(d: int) -> int:
@@ -163,7 +163,8 @@ def mesh() -> Any:
 
 
 def sharding_for(leaf: Leaf, m: Any, resharded: bool = False) -> Any:
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     axis = leaf.axis
     if resharded:

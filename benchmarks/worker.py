@@ -94,6 +94,7 @@ def run_system(name: str, size: int, dtype: str, workdir: str) -> dict[str, Any]
             gc.collect()
     shutil.rmtree(a_dir, ignore_errors=True)
     system.close()
+    res["process_peak_rss"] = runtime_rss + max(v["peak_rss"] for v in ops.values())
     return res
 
 
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             res = run_system(a.system, a.size_bytes, a.dtype, a.workdir)
         res["ok"] = True
-    except Exception as e:  # noqa: BLE001 - reported to the driver
+    except Exception as e:
         res = {"system": a.system, "ok": False, "error": f"{type(e).__name__}: {e}",
                "traceback": traceback.format_exc()}
     with open(a.result, "w") as f:
