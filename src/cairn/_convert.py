@@ -267,7 +267,7 @@ def _st_parts(header: bytes, plan: list[tuple[str, fmt.ArrayLeaf]], readers: dic
     for item, leaf in plan:
         for arr in iter_array(readers[item], leaf, slab, pool):
             n = arr.nbytes
-            yield memoryview(arr.reshape(-1).view(np.uint8))
+            yield memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
             del arr  # not alive while the next slab is read
             if progress is not None:
                 progress(n)
@@ -339,8 +339,8 @@ def _items_from_safetensors(tensors: dict[str, _SrcTensor], meta: dict[str, str]
         # A plain safetensors file: one flat dict, tensor name -> array.
         names = list(tensors)
         structure = {"dict": [[n, {"leaf": i}] for i, n in enumerate(names)]} if names else {"dict": []}
-        leaves = [("array", escape_key(n), tensors[n], None) for n in names]
-        return fallback is None, {}, {fallback or "": (structure, leaves)}
+        flat: list[Any] = [("array", escape_key(n), tensors[n], None) for n in names]
+        return fallback is None, {}, {fallback or "": (structure, flat)}
     try:
         cm = json.loads(raw)
         if cm.get("format") != ST_FORMAT or cm.get("version") != fmt.FORMAT_VERSION:
@@ -379,7 +379,9 @@ def from_safetensors(
         per_file = True
     else:
         keys, per_file = [src_loc.name], False
-    root, metadata, items = False, {}, {}
+    root = False
+    metadata: dict[str, Any] = {}
+    items: dict[str, Any] = {}
     for key in keys:
         tensors, meta = _open_safetensors(src_loc, key)
         stem = key.rsplit("/", 1)[-1][: -len(".safetensors")] if per_file else None
@@ -451,7 +453,7 @@ class StreamWriter:
                     for lo in range(0, src.nbytes, slab):
                         buf = np.empty(min(slab, src.nbytes - lo), dtype=np.uint8)
                         try:
-                            reader.read_into(src.start + lo, memoryview(buf))
+                            reader.read_into(src.start + lo, memoryview(buf))  # type: ignore[arg-type]
                         except EOFError:
                             raise CorruptCheckpointError(
                                 f"{src.storage.describe(src.key)}: truncated (tensor for {display_path(_path)!r})"
@@ -459,7 +461,7 @@ class StreamWriter:
                         # Slabs are whole blocks (but the last), so block CRCs line up with the chunk's.
                         crcs.extend(crc32c(buf[b : b + self.block]) for b in range(0, len(buf), self.block))
                         offset += len(buf)
-                        yield memoryview(buf)
+                        yield memoryview(buf)  # type: ignore[arg-type]
                         if progress is not None:
                             progress(len(buf))
                 finally:
@@ -594,7 +596,7 @@ class _TensorRef:
     def __reduce__(self) -> Any:
         torch = _import_torch()
         strides = tuple(int(s) for s in np.cumprod((1, *self.shape[:0:-1]))[::-1]) if self.shape else ()
-        args = (self.storage, 0, tuple(self.shape), strides, False, collections.OrderedDict())
+        args: tuple[Any, ...] = (self.storage, 0, tuple(self.shape), strides, False, collections.OrderedDict())
         name = self.storage.dtype_name
         if name in _LEGACY_STORAGE:
             return torch._utils._rebuild_tensor_v2, args
@@ -657,7 +659,7 @@ def to_torch_file(
                     for item, leaf, skey in plan:
                         with _zip_open_aligned(zf, f"archive/data/{skey}", leaf.nbytes) as w:
                             for arr in iter_array(readers[item], leaf, slab, pool):
-                                w.write(memoryview(arr.reshape(-1).view(np.uint8)))
+                                w.write(memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
                                 n = arr.nbytes
                                 del arr  # not alive while the next slab is read
                                 if progress is not None:

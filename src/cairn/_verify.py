@@ -156,7 +156,7 @@ def verify(
         buf = np.empty(hi - lo, dtype=np.uint8)
         bad: list[str] = []
         try:
-            reader.read_into(off + lo, memoryview(buf))
+            reader.read_into(off + lo, memoryview(buf))  # type: ignore[arg-type]
         except EOFError:
             bad.append(f"bytes {off + lo}..{off + hi} lie past the end of the file")
         except OSError as e:
@@ -164,11 +164,11 @@ def verify(
         else:
             crcs = leaf.crcs[cell]
             for b in range(lo // block, -(-hi // block)):
-                s, e = b * block - lo, min((b + 1) * block, hi) - lo
-                got = crc32c(buf[s:e])
+                s, t = b * block - lo, min((b + 1) * block, hi) - lo
+                got = crc32c(buf[s:t])
                 if got != crcs[b]:
                     bad.append(
-                        f"block {b} (file bytes {off + lo + s}..{off + lo + e}) has CRC-32C {got:#010x}, "
+                        f"block {b} (file bytes {off + lo + s}..{off + lo + t}) has CRC-32C {got:#010x}, "
                         f"stored {crcs[b]:#010x}"
                     )
         with lock:
@@ -213,7 +213,7 @@ class DiffEntry:
     max_abs_diff: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
-        out = {"item": self.item, "path": self.path, "status": self.status}
+        out: dict[str, Any] = {"item": self.item, "path": self.path, "status": self.status}
         if self.detail:
             out["detail"] = self.detail
         if self.max_abs_diff is not None:
