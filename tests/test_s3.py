@@ -145,6 +145,21 @@ def test_exists_and_overwrite(s3, bucket, opts):
     assert old & new == {"ow/manifest.json"}  # the replaced checkpoint's files are gone
 
 
+def test_missing_or_truncated_data_object_is_corruption(s3, bucket, opts):
+    path = f"s3://{bucket}/damaged"
+    cairn.save(path, {"a": np.arange(1000, dtype=np.int64), "b": np.ones(10)}, storage_options=opts)
+    keys = s3.keys(bucket, "damaged/")
+    a_bin = next(k for k in keys if k.startswith("damaged/a/") and k.endswith(".bin"))
+    b_bin = next(k for k in keys if k.startswith("damaged/b/") and k.endswith(".bin"))
+    c = s3.client()
+    c.put_object(Bucket=bucket, Key=a_bin, Body=c.get_object(Bucket=bucket, Key=a_bin)["Body"].read()[:100])
+    c.delete_object(Bucket=bucket, Key=b_bin)
+    with pytest.raises(cairn.CorruptCheckpointError, match="truncated"):
+        cairn.load(path, {"a": None}, storage_options=opts)
+    with pytest.raises(cairn.CorruptCheckpointError, match="missing"):
+        cairn.load(path, {"b": None}, storage_options=opts)
+
+
 # ---------------------------------------------------------------------- racing writers
 
 

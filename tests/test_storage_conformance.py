@@ -71,8 +71,8 @@ class StorageConformance:
     def test_missing_objects(self, storage):
         with pytest.raises(FileNotFoundError):
             storage.read("nope/x")
-        with pytest.raises(FileNotFoundError):
-            storage.open_read("nope/x")
+        with pytest.raises(FileNotFoundError):  # at the open, or at the latest on the first read
+            storage.open_read("nope/x").read_into(0, memoryview(bytearray(1)))
         with pytest.raises(FileNotFoundError):
             storage.size("nope/x")
         assert not storage.exists("nope/x")

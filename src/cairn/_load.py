@@ -186,6 +186,10 @@ class _Reader:
                 f"{self.loc.path}: data file {self.index.files[file].name!r} is truncated "
                 f"(leaf {display_path(leaf.path, self.item)!r} needs bytes {start}..{start + len(out)})"
             ) from None
+        except FileNotFoundError:  # object stores learn of a missing object on the first read
+            raise CorruptCheckpointError(
+                f"{self.loc.path}: data file {self.index.files[file].name!r} is missing"
+            ) from None
         except OSError as e:
             raise CheckpointError(
                 f"{self.loc.path}: reading {self.index.files[file].name!r} for leaf "

@@ -38,7 +38,11 @@ class Storage(Protocol):
 
     def read(self, key: str) -> bytes: ...
 
-    def open_read(self, key: str) -> RandomReader: ...
+    def open_read(self, key: str) -> RandomReader:
+        """A reader of `key`; FileNotFoundError if it is missing, at the latest on the first read.
+
+        (Object stores send no request to open, saving a round trip per file.)
+        """
 
     def write(self, key: str, parts: Iterable[Buffer]) -> int:
         """Write an object from `parts` in order; durable when it returns. Returns its size."""

@@ -144,19 +144,24 @@ def is_transient(e: BaseException) -> bool:
 
 
 class _ObjectReader:
-    """Ranged reads of one object, whose size was learnt when it was opened."""
+    """Ranged reads of one object.
 
-    def __init__(self, storage: ObjectStorage, key: str, size: int):
-        self.storage, self.key, self.size = storage, key, size
+    Opening sends no request: a load opens every data file it touches, and a
+    HEAD per file would cost a round trip each. A missing object shows up as
+    FileNotFoundError on the first read; a read past its end (the server
+    answers 416, or fewer bytes than asked) as EOFError.
+    """
+
+    def __init__(self, storage: ObjectStorage, key: str):
+        self.storage, self.key = storage, key
 
     def read_into(self, offset: int, out: memoryview) -> None:
         import obstore
 
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
         n = len(out)
-        if offset < 0 or offset + n > self.size:
-            raise EOFError(f"{self.storage.describe(self.key)}: object ends at byte {self.size}, "
-                           f"expected {offset + n}")
+        if offset < 0:
+            raise EOFError(f"{self.storage.describe(self.key)}: negative offset {offset}")
         if n == 0:
             return
         s = self.storage
@@ -258,8 +263,10 @@ class ObjectStorage:
 
     def _error(self, op: str, key: str, e: BaseException, retries: int) -> BaseException:
         where = self.describe(key)
-        if isinstance(e, (EOFError,)):
+        if isinstance(e, EOFError):
             return e
+        if "status code: 416" in _summary(e):
+            return EOFError(f"{where}: {op}: the range starts past the end of the object")
         kinds = _error_kinds()
         if isinstance(e, FileNotFoundError):
             return FileNotFoundError(f"{where}: no such object")
@@ -280,7 +287,7 @@ class ObjectStorage:
         return bytes(self.call("read", key, lambda: obstore.get(self.store, key).bytes()))
 
     def open_read(self, key: str) -> _ObjectReader:
-        return _ObjectReader(self, key, self.size(key))
+        return _ObjectReader(self, key)
 
     def size(self, key: str) -> int:
         import obstore
