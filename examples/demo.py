@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 
@@ -156,9 +158,55 @@ def main() -> None:
         if not exact:
             raise SystemExit("resuming on the same mesh was not exact")
         print(f"checkpoint layout: {sorted(os.listdir(path))}")
+        crash_and_resume(root, state, reference)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def _train_child(directory: str, stop: int) -> None:
+    """The "training process" that gets killed: trains from scratch, async saves every 10 steps."""
+    auto = (jax.sharding.AxisType.Auto,) * 2
+    state = new_state(jax.make_mesh((4, 2), ("data", "model"), axis_types=auto))
+    with cairn.CheckpointManager(directory, max_to_keep=2, save_every=10) as mgr:
+        for s in range(stop):
+            state, loss = train_step(state, *batch(s))
+            mgr.save(s + 1, {"model": state}, metrics={"loss": float(loss)})  # state after s + 1 steps
+            print(f"trained {s + 1}", flush=True)
+            time.sleep(0.02)
+
+
+def crash_and_resume(root: str, template, reference) -> None:
+    """Kill a training process that saves with a CheckpointManager; resume from its latest step."""
+    directory = os.path.join(root, "run")
+    child = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--train-child", directory, "60"],
+                             stdout=subprocess.PIPE, text=True)
+    assert child.stdout is not None
+    for line in child.stdout:
+        if line.strip() == "trained 45":
+            break
+    child.kill()  # SIGKILL: no exit hooks, saves in flight are simply cut off
+    child.wait()
+    mgr = cairn.CheckpointManager(directory, max_to_keep=2, save_every=10)
+    step = mgr.latest_step()
+    if step is None:
+        raise SystemExit("the killed training process left no committed checkpoint")
+    print(f"killed the training process (manager, async saves every 10 steps, keep 2) after step 45; "
+          f"committed steps on disk: {mgr.steps()}, loss at {step}: {mgr.metrics(step)['loss']:.4f}")
+    # The shardings train_step produces (its step counter is replicated on the mesh, too).
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), template)
+    state = mgr.restore(target={"model": target})["model"]
+    resumed, _ = train(state, step, 60)
+    exact = all(np.array_equal(np.asarray(a), np.asarray(b))
+                for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(reference)))
+    print(f"resumed from step {step} to 60: final parameters {'bitwise identical' if exact else 'DIFFER'} "
+          "to the uninterrupted run")
+    mgr.close()
+    if not exact:
+        raise SystemExit("resuming after the crash was not exact")
+
+
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["--train-child"]:
+        _train_child(sys.argv[2], int(sys.argv[3]))
+    else:
+        main()
