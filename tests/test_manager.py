@@ -16,12 +16,12 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tests._procs.train_loop import expected
 
 import cairn
 from cairn import _api
 from cairn._storage._local import LocalStorage
 from cairn._storage._memory import MemoryStorage
-from tests._procs.train_loop import expected
 
 _PROCS = os.path.join(os.path.dirname(__file__), "_procs")
 _ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
