@@ -256,8 +256,14 @@ class ArrayLeaf:
         return tuple(len(b) - 1 for b in self.grid)
 
     def chunk_box(self, flat: int) -> tuple[tuple[int, int], ...]:
-        idx = np.unravel_index(flat, self.grid_shape) if self.grid_shape else ()
-        return tuple((self.grid[a][int(i)], self.grid[a][int(i) + 1]) for a, i in enumerate(idx))
+        # Plain arithmetic, not np.unravel_index: the load planner calls this per piece.
+        idx = []
+        for b in reversed(self.grid):
+            n = len(b) - 1
+            idx.append(flat % n)
+            flat //= n
+        idx.reverse()
+        return tuple((self.grid[a][i], self.grid[a][i + 1]) for a, i in enumerate(idx))
 
     def chunk_nbytes(self, flat: int) -> int:
         return math.prod(hi - lo for lo, hi in self.chunk_box(flat)) * self.dtype.itemsize
