@@ -106,7 +106,8 @@ def run_one(system: str, size_bytes: int, dtype: str, workdir: str, timeout: flo
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     os.makedirs(a.out, exist_ok=True)
-    workdir = a.workdir or os.path.join(a.out, "work")
+    # Absolute: Orbax refuses relative checkpoint paths.
+    workdir = os.path.abspath(a.workdir or os.path.join(a.out, "work"))
     main_size = int(a.size_gib * 2**30)
     sizes = sorted({main_size, *(int(g * 2**30) for g in a.sizes)})
     plan = [(d, s, a.reps if s == main_size else a.plot_reps) for d in a.dtypes for s in sizes]
