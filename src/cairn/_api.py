@@ -153,13 +153,14 @@ class _Background:
         ) from e
 
     def wait_all(self, timeout: float | None = None) -> None:
-        with self._lock:
+        """Wait until the saves pending now are resolved and their done-callbacks have run.
+
+        A save leaves `_pending` only after ``set_result``/``set_exception``
+        returns, i.e. after its callbacks (the manager's retention) finished.
+        """
+        with self._cond:
             pending = list(self._pending)
-        for f in pending:
-            try:
-                f.result(timeout)
-            except BaseException:
-                pass
+            self._cond.wait_for(lambda: not any(f in self._pending for f in pending), timeout)
 
 
 _background = _Background()
