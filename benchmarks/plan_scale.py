@@ -1,0 +1,375 @@
+"""Planner at scale: a Llama-3.1-405B-shaped state on a simulated 4,096-device cluster.
+
+cairn's planner is pure (shapes, boxes and the index in; plans out), so it
+can be run for a cluster that does not exist. This script does what each of
+512 processes (8 devices each) would do in a save from an FSDP layout and a
+resharding load onto a differently shaped mesh, with the real planning code
+(`_save._layout_for` -> `_plan.chunk_layout`, `_plan.assign_files`,
+`_plan.plan_reads`, `_format.ItemIndex.to_json/from_json`). No JAX objects
+are built: a mesh is a device grid numbered row-major, device ``d`` belongs
+to process ``d // devices_per_process``, and the box each device holds under
+a partition spec is computed arithmetically, as ``NamedSharding`` would.
+
+    python -m benchmarks.plan_scale                   # full model, 4,096 devices, plus a scaling sweep
+    python -m benchmarks.plan_scale --layers 8 --quick
+
+Shapes (Llama 3.1 405B): 126 layers, hidden 16384, 128 query heads and 8
+key/value heads of dim 128, SwiGLU MLP width 53248, vocabulary 128256,
+untied embedding and output head; about 405.9e9 parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+from cairn import _format as fmt
+from cairn._plan import Box, assign_files, plan_reads
+from cairn._save import _layout_cache, _layout_for
+from cairn._tree import flatten
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS = 16384, 128, 8, 128, 53248, 128256, 126
+Spec = tuple[Any, ...]  # per array axis: None, a mesh axis name, or a tuple of names
+
+
+@dataclass(frozen=True)
+class Mesh:
+    axis_names: tuple[str, ...]
+    shape: tuple[int, ...]
+    devices_per_process: int = 8
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    def coords(self, device: int) -> dict[str, int]:
+        out, rest = {}, device
+        for name, n in reversed(list(zip(self.axis_names, self.shape))):
+            out[name] = rest % n
+            rest //= n
+        return out
+
+    def process(self, device: int) -> int:
+        return device // self.devices_per_process
+
+
+@dataclass(frozen=True)
+class Param:
+    name: str
+    shape: tuple[int, ...]
+    save: Spec  # partition spec in the FSDP save layout
+    load: Spec  # partition spec in the resharded load layout
+
+
+def llama_405b(layers: int = LAYERS) -> list[Param]:
+    """The parameter shapes, with an FSDP save layout and a 2-D (fsdp, tp) load layout.
+
+    Save: every matrix sharded over all devices ("fsdp") along a divisible
+    axis, norms too (ZeRO-3 style). Load: Megatron-style tensor parallelism
+    over "tp" (column-parallel q/k/v/gate/up/head, row-parallel o/down/embed)
+    with FSDP over "fsdp" on the other axis, norms replicated.
+    """
+    q, kv = HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM
+    col, row = ("fsdp", "tp"), ("tp", "fsdp")
+    out = [Param("embed_tokens", (VOCAB, HIDDEN), (None, "fsdp"), row)]
+    for i in range(layers):
+        p = f"layers.{i:03d}."
+        out += [
+            Param(p + "attn.q", (HIDDEN, q), ("fsdp", None), col),
+            Param(p + "attn.k", (HIDDEN, kv), ("fsdp", None), col),
+            Param(p + "attn.v", (HIDDEN, kv), ("fsdp", None), col),
+            Param(p + "attn.o", (q, HIDDEN), ("fsdp", None), row),
+            Param(p + "mlp.gate", (HIDDEN, MLP), ("fsdp", None), col),
+            Param(p + "mlp.up", (HIDDEN, MLP), ("fsdp", None), col),
+            Param(p + "mlp.down", (MLP, HIDDEN), ("fsdp", None), row),
+            Param(p + "attn_norm", (HIDDEN,), ("fsdp",), (None,)),
+            Param(p + "mlp_norm", (HIDDEN,), ("fsdp",), (None,)),
+        ]
+    out += [
+        Param("norm", (HIDDEN,), ("fsdp",), (None,)),
+        Param("lm_head", (HIDDEN, VOCAB), ("fsdp", None), col),
+    ]
+    return out
+
+
+def spec_boxes(shape: Sequence[int], mesh: Mesh, spec: Spec) -> list[Box]:
+    """The box of every device (in device order) under `spec`, as NamedSharding computes it."""
+    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
+    boxes = []
+    for d in range(mesh.size):
+        c = mesh.coords(d)
+        box = []
+        for n, entry in zip(shape, spec):
+            names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+            parts, idx = 1, 0
+            for name in names:
+                k = mesh.shape[mesh.axis_names.index(name)]
+                idx, parts = idx * k + c[name], parts * k
+            if n % parts:
+                raise ValueError(f"axis of {n} is not divisible by {parts} shards")
+            size = n // parts
+            box.append((idx * size, (idx + 1) * size))
+        boxes.append(tuple(box))
+    return boxes
+
+
+@dataclass(frozen=True)
+class _FakeDevice:
+    process_index: int
+
+
+class Cluster:
+    """The save mesh, the load mesh and the boxes of each distinct (shape, spec)."""
+
+    def __init__(self, save_mesh: Mesh, load_mesh: Mesh):
+        self.save_mesh, self.load_mesh = save_mesh, load_mesh
+        self.devices = [_FakeDevice(save_mesh.process(d)) for d in range(save_mesh.size)]
+        self._boxes: dict[Any, list[Box]] = {}
+
+    def boxes(self, mesh: Mesh, shape: tuple[int, ...], spec: Spec) -> list[Box]:
+        key = (mesh, shape, spec)
+        if key not in self._boxes:
+            self._boxes[key] = spec_boxes(shape, mesh, spec)
+        return self._boxes[key]
+
+    @property
+    def processes(self) -> int:
+        return self.save_mesh.size // self.save_mesh.devices_per_process
+
+
+# ---------------------------------------------------------------------- save
+
+
+def plan_save(cluster: Cluster, params: list[Param], itemsize: int, me: int, memo: bool = True):
+    """What process `me` plans in `cairn.save`: every array's layout, its own chunks, its files.
+
+    Returns (layouts by leaf, this process's files). Box computation (done by
+    JAX's ``devices_indices_map`` in a real save) is excluded from the timing
+    by the caller, which warms `cluster.boxes` first.
+    """
+    _layout_cache.clear()
+    mesh = cluster.save_mesh
+    layouts, mine = [], []
+    for i, prm in enumerate(params):
+        boxes = cluster.boxes(mesh, prm.shape, prm.save)
+        if not memo:
+            _layout_cache.clear()
+        layout, own = _layout_for((mesh, prm.save), prm.shape, boxes, cluster.devices, me, False, i)
+        layouts.append(layout)
+        mine.extend((i, cell, elems * itemsize) for cell, _d, elems in own)
+    files = assign_files(mine, 4, 32 << 20)
+    return layouts, files
+
+
+def build_index(cluster: Cluster, params: list[Param], itemsize: int, block: int) -> fmt.ItemIndex:
+    """The merged index the primary writes: every process's files, every chunk's place."""
+    _layout_cache.clear()
+    mesh = cluster.save_mesh
+    writers: list[np.ndarray] = []
+    layouts = []
+    for i, prm in enumerate(params):
+        layout, _ = _layout_for((mesh, prm.save), prm.shape, cluster.boxes(mesh, prm.shape, prm.save),
+                                cluster.devices, 0, False, i)
+        layouts.append(layout)
+        writers.append(np.asarray(layout.writer))
+    cell_elems = []
+    for layout in layouts:
+        sizes = [np.diff(np.asarray(b)) for b in layout.grid]
+        grid = sizes[0]
+        for s in sizes[1:]:
+            grid = np.multiply.outer(grid, s)
+        cell_elems.append(np.asarray(grid).reshape(-1))
+    chunk_file = [np.zeros(len(w), np.int64) for w in writers]
+    chunk_off = [np.zeros(len(w), np.int64) for w in writers]
+    by_proc: list[list[tuple[int, int, int]]] = [[] for _ in range(cluster.processes)]
+    for i, w in enumerate(writers):
+        order = np.argsort(w, kind="stable")
+        bounds = np.searchsorted(w[order], np.arange(cluster.processes + 1))
+        for p in range(cluster.processes):
+            cells = order[bounds[p]:bounds[p + 1]]
+            by_proc[p].extend((i, int(c), int(cell_elems[i][c]) * itemsize) for c in cells)
+    files: list[fmt.FileInfo] = []
+    for p in range(cluster.processes):
+        for k, slots in enumerate(assign_files(by_proc[p], 4, 32 << 20)):
+            f = len(files)
+            files.append(fmt.FileInfo(fmt.data_file_name(p, k, "0123456789ab"),
+                                      sum(s.nbytes for s in slots)))
+            for s in slots:
+                chunk_file[s.leaf][s.cell] = f
+                chunk_off[s.leaf][s.cell] = s.offset
+    dtype = np.dtype("float32") if itemsize == 4 else np.dtype(ml_dtypes.bfloat16)
+    leaves = []
+    for i, prm in enumerate(params):
+        blocks = [fmt.num_blocks(int(e) * itemsize, block) for e in cell_elems[i]]
+        leaves.append(fmt.ArrayLeaf(
+            path=prm.name, dtype=dtype, shape=prm.shape, grid=layouts[i].grid,
+            chunks=tuple(zip(chunk_file[i].tolist(), chunk_off[i].tolist())),
+            crcs=tuple((0x1234ABCD,) * b for b in blocks),
+            sharding={"type": "NamedSharding", "num_devices": mesh.size,
+                      "mesh": {"axis_names": list(mesh.axis_names), "shape": list(mesh.shape)},
+                      "spec": [list(e) if isinstance(e, tuple) else e for e in prm.save]},
+        ))
+    structure, flat = flatten({prm.name: 0 for prm in params})
+    paths = dict(zip([prm.name for prm in params], [path for path, _ in flat]))
+    leaves = [dataclasses.replace(leaf, path=paths[leaf.path]) for leaf in leaves]
+    return fmt.ItemIndex(structure, tuple(leaves), tuple(files), block)
+
+
+# ---------------------------------------------------------------------- load
+
+
+def plan_load(cluster: Cluster, index: fmt.ItemIndex, params: list[Param], me: int, verify: bool = True,
+              small_read: int = 1 << 20):
+    """What process `me` plans in `cairn.load` onto the load mesh: reads, bytes, bytes needed."""
+    mesh = cluster.load_mesh
+    mine = range(me * mesh.devices_per_process, (me + 1) * mesh.devices_per_process)
+    reads = read_bytes = needed = 0
+    files: set[int] = set()
+    for leaf, prm in zip(index.leaves, params):
+        assert isinstance(leaf, fmt.ArrayLeaf)
+        all_boxes = cluster.boxes(mesh, prm.shape, prm.load)
+        boxes = list(dict.fromkeys(all_boxes[d] for d in mine))
+        plan = plan_reads(leaf, boxes, index.block_size, verify, small_read=small_read)
+        reads += len(plan)
+        read_bytes += sum(r.nbytes for r in plan)
+        needed += sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * leaf.dtype.itemsize
+        files.update(r.file for r in plan)
+    return {"reads": reads, "bytes": read_bytes, "needed": needed, "files": len(files)}
+
+
+# ---------------------------------------------------------------------- driver
+
+
+def _timed(fn, *a, **kw):
+    gc.collect()
+    t0 = time.perf_counter()
+    out = fn(*a, **kw)
+    return time.perf_counter() - t0, out
+
+
+def _sample(processes: int, k: int) -> list[int]:
+    return sorted({round(i * (processes - 1) / max(k - 1, 1)) for i in range(k)})
+
+
+def run_scale(devices: int, layers: int, itemsize: int, block: int, samples: int,
+              verify: bool = True, unmemoised: bool = False, small_read: int = 1 << 20) -> dict[str, Any]:
+    procs = devices // 8
+    # Save: ZeRO-3 over every device. Load: "tp" of 16 (two processes) x "fsdp" over the rest.
+    save_mesh = Mesh(("fsdp",), (devices,))
+    load_mesh = Mesh(("fsdp", "tp"), (devices // 16, 16))
+    cluster = Cluster(save_mesh, load_mesh)
+    params = llama_405b(layers)
+    for prm in params:  # JAX's share of planning (devices_indices_map): not cairn's, not timed
+        cluster.boxes(save_mesh, prm.shape, prm.save)
+        cluster.boxes(load_mesh, prm.shape, prm.load)
+    shards = sum(len(cluster.boxes(save_mesh, p.shape, p.save)) for p in params)
+    chunks_per_proc = shards // procs
+    save_t = [(_timed(plan_save, cluster, params, itemsize, p)[0]) for p in _sample(procs, samples)]
+    out: dict[str, Any] = {
+        "devices": devices, "processes": procs, "layers": layers, "leaves": len(params),
+        "bytes": sum(math.prod(p.shape) for p in params) * itemsize,
+        "shards": shards, "chunks_per_process": chunks_per_proc,
+        "save_plan_s": statistics.median(save_t), "save_plan_max_s": max(save_t),
+    }
+    if unmemoised:
+        out["save_plan_unmemoised_s"] = _timed(plan_save, cluster, params, itemsize, 0, memo=False)[0]
+    out["index_build_s"], index = _timed(build_index, cluster, params, itemsize, block)
+    out["index_to_json_s"], data = _timed(index.to_json)
+    out["index_bytes"] = len(data)
+    out["index_parse_s"], parsed = _timed(fmt.ItemIndex.from_json, data, "index")
+    del data
+    loads = [(p, *_timed(plan_load, cluster, parsed, params, p, verify, small_read))
+             for p in _sample(procs, samples)]
+    out["load_plan_s"] = statistics.median(t for _, t, _ in loads)
+    out["load_plan_max_s"] = max(t for _, t, _ in loads)
+    out["load"] = {p: r for p, _, r in loads}
+    return out
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    raise AssertionError
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=LAYERS)
+    ap.add_argument("--devices", type=int, default=4096)
+    ap.add_argument("--sweep", default="512,1024,2048,4096", help="device counts for the scaling sweep")
+    ap.add_argument("--sweep-layers", type=int, default=16, help="layers in the sweep's model")
+    ap.add_argument("--samples", type=int, default=3, help="processes whose plans are timed")
+    ap.add_argument("--block", type=int, default=fmt.DEFAULT_BLOCK_SIZE)
+    ap.add_argument("--quick", action="store_true", help="skip the sweep")
+    ap.add_argument("--json", help="also write the results here")
+    args = ap.parse_args(argv)
+    results: dict[str, Any] = {}
+
+    full = run_scale(args.devices, args.layers, 2, args.block, args.samples, unmemoised=True)
+    results["full"] = full
+    print(f"Llama-3.1-405B-shaped parameters (bf16), {args.layers} layers, {full['leaves']} arrays, "
+          f"{_fmt_bytes(full['bytes'])}; save on {full['devices']} devices / {full['processes']} processes "
+          f"(FSDP), load onto ({full['devices'] // 16}, 16) fsdp x tp")
+    print(f"  shards (chunks) in the checkpoint : {full['shards']:,} ({full['chunks_per_process']:,} per process)")
+    print(f"  save planning per process          : {full['save_plan_s'] * 1e3:.0f} ms median, "
+          f"{full['save_plan_max_s'] * 1e3:.0f} ms max (without the layout memo: "
+          f"{full['save_plan_unmemoised_s']:.1f} s)")
+    print(f"  index (merged, one file)           : {_fmt_bytes(full['index_bytes'])}; build "
+          f"{full['index_build_s']:.1f} s on the primary, to_json {full['index_to_json_s']:.1f} s, "
+          f"parse {full['index_parse_s']:.1f} s per loading process")
+    print(f"  load planning per process          : {full['load_plan_s'] * 1e3:.0f} ms median, "
+          f"{full['load_plan_max_s'] * 1e3:.0f} ms max")
+    for p, r in full["load"].items():
+        print(f"    process {p:4d}: {r['reads']:,} reads from {r['files']} files, {_fmt_bytes(r['bytes'])} read "
+              f"for {_fmt_bytes(r['needed'])} needed ({r['bytes'] / r['needed']:.2f}x)")
+    small = plan_small_block(args)
+    results["small_block"] = small
+
+    if not args.quick:
+        sweep = []
+        print(f"\nScaling ({args.sweep_layers} layers; time per shard should not grow faster than log(shards)):")
+        print(f"  {'devices':>7} {'shards':>10} {'save plan':>10} {'index build':>11} {'to_json':>8} "
+              f"{'parse':>7} {'load plan':>10} {'index':>10}  {'us/shard (build+json+parse)':>28}")
+        for dev in [int(x) for x in args.sweep.split(",")]:
+            r = run_scale(dev, args.sweep_layers, 2, args.block, 2)
+            per = (r["index_build_s"] + r["index_to_json_s"] + r["index_parse_s"]) / r["shards"] * 1e6
+            r["us_per_shard"] = per
+            sweep.append(r)
+            print(f"  {dev:>7} {r['shards']:>10,} {r['save_plan_s'] * 1e3:>8.0f}ms {r['index_build_s']:>10.2f}s "
+                  f"{r['index_to_json_s']:>7.2f}s {r['index_parse_s']:>6.2f}s {r['load_plan_s'] * 1e3:>8.0f}ms "
+                  f"{_fmt_bytes(r['index_bytes']):>10}  {per:>28.2f}")
+        results["sweep"] = sweep
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
+def plan_small_block(args: argparse.Namespace) -> dict[str, Any]:
+    """Read amplification of the resharding load: checksum block size x whole-span reads (2 layers)."""
+    out = {}
+    for block in (fmt.DEFAULT_BLOCK_SIZE, 64 << 10):
+        for small in (1 << 20, 0):
+            r = run_scale(args.devices, 2, 2, block, 1, small_read=small)
+            load = next(iter(r["load"].values()))
+            out[f"{block}/{small}"] = load
+            print(f"  checksum block {_fmt_bytes(block):>9}, whole-span reads under {_fmt_bytes(small):>9}: "
+                  f"{load['bytes'] / load['needed']:5.2f}x read amplification, {load['reads']:,} reads "
+                  f"(process 0, 2-layer model)")
+    return out
+
+
+if __name__ == "__main__":
+    main()
