@@ -312,3 +312,28 @@ def test_manager_over_s3(s3, bucket, opts):
     with cairn.CheckpointManager(directory, storage_options=opts) as mgr:
         assert mgr.steps() == [5]
         np.testing.assert_array_equal(mgr.restore()["w"], states[5]["w"])
+
+
+# ---------------------------------------------------------------------- several processes
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_multiprocess_save_and_load_over_s3(s3, bucket, opts, monkeypatch):
+    """Two JAX processes save one checkpoint to S3 (settings from the environment), two load it."""
+    from _mp import run, scenarios
+
+    for k, v in {"AWS_ENDPOINT_URL": s3.endpoint, "AWS_ACCESS_KEY_ID": "mp", "AWS_SECRET_ACCESS_KEY": "mp",
+                 "AWS_REGION": "us-east-1", "AWS_ALLOW_HTTP": "true"}.items():
+        monkeypatch.setenv(k, v)  # the harness's processes inherit the environment
+    path = f"s3://{bucket}/mp/step_3"
+    saved = run(2, "save", {"path": path, "mesh": [2, 2]}, timeout=240)
+    assert all(r["files_written"] >= 1 for r in saved)
+    keys = s3.keys(bucket, "mp/step_3/")
+    assert {k.rsplit("/", 1)[1].split("-")[0] for k in keys if k.endswith(".bin")} == {"p00000", "p00001"}
+    assert not any("_index.p" in k for k in keys)  # per-process index parts are merged, then removed
+    loaded = run(2, "load", {"path": path, "mesh": [2, 2], "specs": {"w": ["y", "x"]}}, timeout=240)
+    assert all(r["shards_checked"] > 0 for r in loaded)
+    out = cairn.load(path, storage_options=opts)
+    for name, (shape, dtype, _) in scenarios.LEAVES.items():
+        np.testing.assert_array_equal(out["params"][name], scenarios.expected(name, shape, dtype), err_msg=name)
