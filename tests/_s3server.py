@@ -108,6 +108,8 @@ class Fault:
     method: str | None = None
     path_contains: str | None = None
     query_contains: str | None = None
+    #: Forward the request first and lose the server's answer (the request took effect).
+    after_forward: bool = False
     hits: int = 0
 
     def matches(self, method: str, path: str) -> bool:
@@ -147,8 +149,9 @@ class FaultProxy:
         return storage_options(self.endpoint, **extra)
 
     def fail(self, status: int = 503, times: int = 1, *, method: str | None = None,
-             path_contains: str | None = None, query_contains: str | None = None) -> Fault:
-        f = Fault(status, times, method, path_contains, query_contains)
+             path_contains: str | None = None, query_contains: str | None = None,
+             after_forward: bool = False) -> Fault:
+        f = Fault(status, times, method, path_contains, query_contains, after_forward)
         with self._lock:
             self.faults.append(f)
         return f
@@ -182,23 +185,29 @@ class FaultProxy:
                             f.hits += 1
                             fault = f
                             break
+                if fault is not None and fault.after_forward:
+                    self._forward(body)  # reaches the server; its answer is dropped below
                 if fault is not None:
                     code = "SlowDown" if fault.status == 503 else "InternalError"
                     payload = (f"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>{code}</Code>"
                                f"<Message>injected by the test proxy</Message></Error>").encode()
                     self._reply(fault.status, [("Content-Type", "application/xml")], payload)
                     return
+                status, hdrs, data = self._forward(body)
+                # A HEAD answer's Content-Length is the object's size, not the (empty) body's.
+                keep_length = self.command == "HEAD"
+                hdrs = [(k, v) for k, v in hdrs if keep_length or k.lower() != "content-length"]
+                self._reply(status, hdrs, data, send_length=not keep_length)
+
+            def _forward(self, body: bytes) -> tuple[int, list[tuple[str, str]], bytes]:
                 conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=60)
                 try:
                     headers = {k: v for k, v in self.headers.items() if k.lower() not in _HOP_BY_HOP}
                     conn.request(self.command, self.path, body=body, headers=headers)
                     resp = conn.getresponse()
                     data = resp.read()
-                    # A HEAD answer's Content-Length is the object's size, not the (empty) body's.
-                    keep_length = self.command == "HEAD"
-                    hdrs = [(k, v) for k, v in resp.getheaders()
-                            if k.lower() not in _HOP_BY_HOP and (keep_length or k.lower() != "content-length")]
-                    self._reply(resp.status, hdrs, data, send_length=not keep_length)
+                    hdrs = [(k, v) for k, v in resp.getheaders() if k.lower() not in _HOP_BY_HOP]
+                    return resp.status, hdrs, data
                 finally:
                     conn.close()
 

@@ -262,6 +262,17 @@ def test_transient_errors_are_retried_and_counted(bucket, opts, proxy):
     assert proxy.injected() == 8
 
 
+def test_commit_whose_answer_was_lost_is_not_mistaken_for_a_rival(bucket, opts, proxy):
+    """The manifest's create-if-absent put lands but its answer is lost; the retry sees 412."""
+    path = f"s3://{bucket}/lost-answer"
+    proxy.fail(503, times=1, method="PUT", path_contains="manifest.json", after_forward=True)
+    stats = cairn.save(path, {"v": np.arange(7)}, storage_options=fast_retries(proxy.options()))
+    assert proxy.injected() == 1 and stats.retries >= 1
+    puts = [s for m, p, s in proxy.requests if m == "PUT" and "manifest.json" in p]
+    assert puts == [503, 412]  # landed, then the retry found it: our own bytes, so success
+    np.testing.assert_array_equal(cairn.load(path, storage_options=opts)["v"], np.arange(7))
+
+
 def test_persistent_errors_give_up_and_name_the_object(bucket, opts, proxy):
     o = fast_retries(proxy.options())
     proxy.fail(503, times=1000, method="PUT", path_contains="manifest.json")
