@@ -419,7 +419,7 @@ def test_kill_anywhere_local_manager_retention(server, tmp_path, use_async):
         where = f"killed before op {k}: {op}"
         with cairn.CheckpointManager(base, max_to_keep=2, async_save=False, handle_sigterm=False) as mgr:
             steps = mgr.steps()  # opening the manager cleaned up
-            assert set(steps) <= {0, 1, 2} and 1 in steps or steps == [1, 2] or steps == [0, 1, 2], (where, steps)
+            assert (set(steps) <= {0, 1, 2} and 1 in steps) or steps == [1, 2] or steps == [0, 1, 2], (where, steps)
             assert steps[-1] in (1, 2), where
             for s in steps:
                 assert_same(mgr.restore(s), states[s], f"{where}: step {s}")

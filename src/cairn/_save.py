@@ -446,7 +446,7 @@ def _after_commit(loc: Location, fn: Any, *args: Any) -> None:
     then delete files of the checkpoint just committed (on object stores)."""
     try:
         fn(*args)
-    except Exception as e:  # noqa: BLE001 - invisible leftovers; gc or the next overwrite removes them
+    except Exception as e:  # invisible leftovers: gc or the next overwrite removes them
         log.warning("cairn: %s is committed, but removing leftovers failed: %s", loc.path, e)
 
 
