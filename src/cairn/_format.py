@@ -125,6 +125,12 @@ def _req(d: Any, key: str, typ: type | tuple[type, ...], where: str) -> Any:
     return v
 
 
+def _number(v: Any, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _fail(where, f"expected a finite number, found {v!r:.80}")
+    return float(v)
+
+
 def _int(v: Any, where: str, lo: int = 0, hi: int = MAX_FILE_BYTES) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise _fail(where, f"expected an integer in [{lo}, {hi}], found {v!r}")
@@ -142,6 +148,37 @@ def parse_json(data: bytes, where: str) -> Any:
 
 def dump_json(obj: Any) -> bytes:
     return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+# The manifest and every index start with this field: the CRC-32C of all the
+# bytes after the 21-byte prefix ``{"crc32c":"xxxxxxxx",``. JSON has no
+# checksum of its own, and a flipped digit in an inline value, a file size or
+# the user's metadata would otherwise load as a silently different value.
+_CHECK_HEAD, _CHECK_LEN = b'{"crc32c":"', 21
+
+
+def dump_checked_json(obj: dict[str, Any]) -> bytes:
+    """`dump_json` of a non-empty object, led by the checksum of the rest of its bytes."""
+    from ._checksum import crc32c
+
+    rest = dump_json(obj)[1:]
+    return b'%s%08x",%s' % (_CHECK_HEAD, crc32c(rest), rest)
+
+
+def parse_checked_json(data: bytes, where: str) -> Any:
+    """`parse_json`, after verifying the leading checksum (files written before it had none)."""
+    if data.startswith(_CHECK_HEAD):
+        from ._checksum import crc32c
+
+        stored = data[len(_CHECK_HEAD) : _CHECK_LEN - 2]
+        if len(data) < _CHECK_LEN or data[_CHECK_LEN - 2 : _CHECK_LEN] != b'",' or not re.fullmatch(
+            rb"[0-9a-f]{8}", stored
+        ):
+            raise _fail(where, "malformed checksum field")
+        computed = crc32c(memoryview(data)[_CHECK_LEN:])
+        if int(stored, 16) != computed:
+            raise _fail(where, f"checksum mismatch: stored {stored.decode()}, computed {computed:08x}")
+    return parse_json(data, where)
 
 
 # --------------------------------------------------------------------------- manifest
@@ -168,7 +205,7 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> bytes:
-        return dump_json(
+        return dump_checked_json(
             {
                 "format": "cairn",
                 "version": FORMAT_VERSION,
@@ -187,7 +224,7 @@ class Manifest:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
-        d = parse_json(data, where)
+        d = parse_checked_json(data, where)
         if _req(d, "format", str, where) != "cairn":
             raise _fail(where, "not a cairn manifest")
         version = _req(d, "version", int, where)
@@ -219,7 +256,7 @@ class Manifest:
             root=root,
             process_count=_int(d.get("process_count", 1), where, 1, 1 << 24),
             cairn_version=str(d.get("cairn_version", "")),
-            created_unix=float(d.get("created_unix", 0.0)),
+            created_unix=_number(d.get("created_unix", 0.0), f"{where}: created_unix"),
             metadata=meta,
         )
 
@@ -291,7 +328,7 @@ class ItemIndex:
     block_size: int = DEFAULT_BLOCK_SIZE
 
     def to_json(self) -> bytes:
-        return dump_json(
+        return dump_checked_json(
             {
                 "format": "cairn-index",
                 "version": FORMAT_VERSION,
@@ -304,7 +341,7 @@ class ItemIndex:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> ItemIndex:
-        d = parse_json(data, where)
+        d = parse_checked_json(data, where)
         if _req(d, "format", str, where) != "cairn-index":
             raise _fail(where, "not a cairn item index")
         version = _req(d, "version", int, where)

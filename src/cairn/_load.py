@@ -8,6 +8,8 @@ other reads go through a small temporary buffer and a strided copy.
 
 from __future__ import annotations
 
+import errno
+import math
 import threading
 from collections import deque
 from collections.abc import Mapping
@@ -78,7 +80,17 @@ def read_manifest(loc: Location) -> fmt.Manifest:
         raise CheckpointNotFoundError(f"no checkpoint at {loc.path}") from None
     except IsADirectoryError:
         raise CorruptCheckpointError(f"{loc.path}: {fmt.MANIFEST} is not a file") from None
+    except OSError as e:
+        raise _read_error(loc, fmt.MANIFEST, e) from e
     return fmt.Manifest.from_json(data, loc.storage.describe(key))
+
+
+def _read_error(loc: Location, what: str, e: OSError) -> CheckpointError:
+    if e.errno == errno.ELOOP:
+        return CorruptCheckpointError(
+            f"{loc.path}: {what} is a symbolic link (or lies under one); cairn never follows links inside a checkpoint"
+        )
+    return CheckpointError(f"{loc.path}: reading {what} failed: {e}")
 
 
 def read_index(loc: Location, info: fmt.ItemInfo) -> fmt.ItemIndex:
@@ -87,6 +99,8 @@ def read_index(loc: Location, info: fmt.ItemInfo) -> fmt.ItemIndex:
         data = loc.storage.read(key)
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         raise CorruptCheckpointError(f"{loc.path}: the index {key!r} named by the manifest is missing") from None
+    except OSError as e:
+        raise _read_error(loc, f"the index {key!r}", e) from e
     return fmt.ItemIndex.from_json(data, loc.storage.describe(key))
 
 
@@ -160,12 +174,26 @@ class _Reader:
         with self._lock:
             r = self._readers.get(file)
             if r is None:
+                name = self.index.files[file].name
                 try:
                     r = self.loc.storage.open_read(self._key(file))
                 except FileNotFoundError:
+                    raise CorruptCheckpointError(f"{self.loc.path}: data file {name!r} is missing") from None
+                except OSError as e:
+                    if e.errno == errno.ELOOP:
+                        raise CorruptCheckpointError(
+                            f"{self.loc.path}: data file {name!r} is a symbolic link (or lies under one); "
+                            "cairn never follows links inside a checkpoint"
+                        ) from None
+                    raise CheckpointError(f"{self.loc.path}: opening data file {name!r} failed: {e}") from e
+                # Local files know their size for free (object stores would need a request):
+                # a file shorter than its index claims is refused before any buffer is allocated.
+                size, claimed = getattr(r, "size", None), self.index.files[file].size
+                if size is not None and size < claimed:
+                    r.close()
                     raise CorruptCheckpointError(
-                        f"{self.loc.path}: data file {self.index.files[file].name!r} is missing"
-                    ) from None
+                        f"{self.loc.path}: data file {name!r} has {size} bytes, its index claims {claimed}"
+                    )
                 self._readers[file] = r
             return r
 
@@ -243,7 +271,16 @@ class _Reader:
             boxes = list(by_box)
             placement = by_box
         reads = plan_reads(leaf, boxes, self.index.block_size, self.verify)
-        dests = [aligned_empty(tuple(hi - lo for lo, hi in b), leaf.dtype) for b in boxes]
+        for file in sorted({r.file for r in reads}):
+            self._reader(file)  # checks the files first: a false size claim allocates nothing
+        try:
+            dests = [aligned_empty(tuple(hi - lo for lo, hi in b), leaf.dtype) for b in boxes]
+        except MemoryError:
+            nbytes = sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * leaf.dtype.itemsize
+            raise CheckpointError(
+                f"{self.loc.path}: cannot allocate {nbytes} bytes for leaf "
+                f"{display_path(leaf.path, self.item)!r} of shape {leaf.shape}"
+            ) from None
         futures = [self.pool.submit(self.do_read, r, leaf, dests) for r in reads]
         return futures, dests, boxes, placement
 

@@ -19,6 +19,7 @@ class _FileReader:
     def __init__(self, path: str):
         self.path = path
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
+        self.size = os.fstat(self.fd).st_size
 
     def read_into(self, offset: int, out: memoryview) -> None:
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
@@ -59,12 +60,30 @@ class LocalStorage:
     def describe(self, key: str) -> str:
         return self._p(key)
 
+    def _p_inside(self, key: str) -> str:
+        """The path of `key` for reading; ELOOP if a folder below its first component is a link.
+
+        The first component is a checkpoint (or a run's) folder, which a user
+        may link on purpose. Nothing cairn writes inside one is a link, so a
+        planted link (an item folder pointing elsewhere) cannot redirect a load
+        out of the checkpoint. The last component is opened with O_NOFOLLOW.
+        """
+        parts = key.split("/")
+        path = os.path.join(self.root, parts[0])
+        for part in parts[1:-1]:
+            path = os.path.join(path, part)
+            if os.path.islink(path):
+                raise OSError(errno.ELOOP, "a symbolic link inside a checkpoint", path)
+        return os.path.join(path, parts[-1]) if len(parts) > 1 else path
+
     def read(self, key: str) -> bytes:
-        with open(self._p(key), "rb") as f:
+        nofollow = getattr(os, "O_NOFOLLOW", 0) if "/" in key else 0
+        fd = os.open(self._p_inside(key), os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | nofollow)
+        with os.fdopen(fd, "rb") as f:
             return f.read()
 
     def open_read(self, key: str) -> _FileReader:
-        return _FileReader(self._p(key))
+        return _FileReader(self._p_inside(key))
 
     def write(self, key: str, parts: Iterable[Buffer]) -> int:
         path = self._p(key)
