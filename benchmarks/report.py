@@ -18,11 +18,18 @@ OPS = [
     ("reshard_warm", "load, resharded, warm cache", "raw_read_warm"),
 ]
 LIMITS = [
-    ("memcpy", "memcpy of the state's bytes (fresh destination)"),
-    ("memcpy_hot", "memcpy into an already-touched destination"),
-    ("raw_write", "raw write: one file, 64 MiB pwrites, fsync"),
-    ("raw_read_cold", "raw sequential read, cold cache"),
-    ("raw_read_warm", "raw sequential read, warm cache"),
+    ("memcpy", "memcpy into fresh memory, right after the raw writes (the limit for async blocking)"),
+    ("memcpy_best", "memcpy into fresh memory, best of 3"),
+    ("memcpy_hot", "memcpy into already-touched memory"),
+    ("raw_write_1", "raw write: 1 file, 64 MiB pwrites, fsync"),
+    ("raw_write_4", "raw write: 4 files by 4 threads, each fsync'd"),
+    ("raw_write", "raw write limit (faster of the two, per rep)"),
+    ("raw_read_cold_1", "raw sequential read, 1 file, cold cache"),
+    ("raw_read_cold_4", "raw read, 4 files by 4 threads, cold cache"),
+    ("raw_read_cold", "raw read limit, cold (faster of the two)"),
+    ("raw_read_warm_1", "raw sequential read, 1 file, warm cache"),
+    ("raw_read_warm_4", "raw read, 4 files by 4 threads, warm cache"),
+    ("raw_read_warm", "raw read limit, warm (faster of the two)"),
 ]
 SYSTEMS = ["cairn", "orbax", "dcp"]
 MEM_OPS = ["save", "async_commit", "load_cold", "reshard_cold"]
@@ -107,7 +114,8 @@ def _checks(systems: dict[str, Any]) -> list[dict[str, Any]]:
         ("save <= 1.15x raw write", _div(c("save"), lim("raw_write")), 1.15),
         ("save faster than Orbax (cairn/orbax < 1)", _div(c("save"), o("save")), 1.0),
         ("save faster than DCP (cairn/dcp < 1)", _div(c("save"), d("save")), 1.0),
-        ("async blocking <= 1.3x memcpy", _div(c("async_return"), lim("memcpy")), 1.3),
+        ("async blocking <= 1.3x memcpy (fresh memory, after a write)", _div(c("async_return"), lim("memcpy")), 1.3),
+        ("async blocking <= 1.3x memcpy (best of 3)", _div(c("async_return"), lim("memcpy_best")), 1.3),
         ("cold load <= 1.15x raw cold read", _div(c("load_cold"), lim("raw_read_cold")), 1.15),
         ("cold load >= 2x faster than Orbax (cairn/orbax <= 0.5)", _div(c("load_cold"), o("load_cold")), 0.5),
         ("resharding load <= 1.3x same-sharding load (cold)", _div(c("reshard_cold"), c("load_cold")), 1.3),

@@ -249,6 +249,27 @@ def raw_write(buf: np.ndarray, path: str) -> float:
     return time.perf_counter() - t0
 
 
+def raw_write_parallel(buf: np.ndarray, paths: list[str]) -> float:
+    """The same bytes split over len(paths) files, one thread each, each fsync'd."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    flat = buf.reshape(-1).view(np.uint8)
+    parts = np.array_split(flat, len(paths))
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(paths)) as pool:
+        list(pool.map(raw_write, parts, paths))
+    return time.perf_counter() - t0
+
+
+def raw_read_parallel(paths: list[str], sizes: list[int]) -> float:
+    from concurrent.futures import ThreadPoolExecutor
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(paths)) as pool:
+        list(pool.map(raw_read, paths, sizes))
+    return time.perf_counter() - t0
+
+
 def raw_read(path: str, nbytes: int) -> tuple[float, np.ndarray]:
     """Sequential large reads into a freshly allocated buffer: the storage read limit."""
     t0 = time.perf_counter()
