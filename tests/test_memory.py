@@ -1,7 +1,9 @@
 """Peak host memory of a blocking save and of a load stays near the state size.
 
-Measured in a fresh subprocess with ru_maxrss (the high-water mark of resident
-memory), relative to the resident size just before the operation.
+Measured in a fresh subprocess with VmHWM (the high-water mark of resident
+memory), reset just before the operation, relative to the resident size then.
+(ru_maxrss would not do: it survives exec, so a child inherits the peak of the
+forked parent.)
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import pytest
 
 SCRIPT = textwrap.dedent(
     """
-    import json, os, resource, sys
+    import json, os, sys
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -26,8 +28,16 @@ SCRIPT = textwrap.dedent(
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
+    def reset_peak():
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS
+
     def peak():
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        raise RuntimeError("no VmHWM")
 
     mode, path = sys.argv[1], sys.argv[2]
     mesh = jax.make_mesh((8,), ("x",))
@@ -37,12 +47,14 @@ SCRIPT = textwrap.dedent(
     if mode == "save":
         state = {f"w{i}": jax.device_put(np.full(shape, i, np.float32), shardings[i]) for i in range(12)}
         jax.block_until_ready(state)
+        reset_peak()
         before = rss()
         cairn.save(path, {"params": state})
     else:
         target = {f"w{i}": jax.ShapeDtypeStruct(shape, np.float32, sharding=shardings[(i + int(mode == "reshard")) % 2])
                   for i in range(12)}
         x = np.ones(1, np.float32); jax.device_put(x, jax.devices()[0])  # initialise the runtime first
+        reset_peak()
         before = rss()
         out = cairn.load(path, {"params": target})
         jax.block_until_ready(out)
