@@ -183,7 +183,18 @@ def test_failing_cleanup_after_an_object_store_commit_keeps_the_checkpoint(metho
     """Once the manifest is put the save is committed: a failing cleanup must not undo it."""
     storage = MemoryStorage.named(f"memory://diskfull-{uuid.uuid4().hex}")
     cairn.save(f"{storage.url}/ckpt", state(0))
-    faulty = Faulty(storage, method, errno.EIO)
+
+    before = storage.read("ckpt/manifest.json")
+
+    class AfterCommit(Faulty):
+        """Fails only once the new manifest (the commit) is in place."""
+
+        def __getattr__(self, name):
+            if name == self.method and storage.read("ckpt/manifest.json") == before:
+                return getattr(self.inner, name)
+            return super().__getattr__(name)
+
+    faulty = AfterCommit(storage, method, errno.EIO)
     loc = Location(faulty, "ckpt", f"{storage.url}/ckpt")
     _save.prepare(loc, state(1), overwrite=True).run()  # a warning is logged; the save stands
     assert faulty.fired == 1

@@ -538,8 +538,17 @@ class CheckpointManager:
                 if step is None or step in self._inflight or storage.exists(f"{name}/{fmt.MANIFEST}"):
                     continue
             try:
-                storage.delete_prefix(name)
+                doomed = name
+                if name.startswith(".") and storage.atomic_rename and hasattr(storage, "rename_dir"):
+                    # Take it away in one step first. If it is a save still in
+                    # progress (another manager's), that save's rename then fails
+                    # cleanly, instead of committing a folder half deleted.
+                    doomed = fmt.tmp_dirname(step_dirname(step), "del-" + secrets.token_hex(4))
+                    storage.rename_dir(name, doomed)
+                storage.delete_prefix(doomed)
                 log.info("cairn: removed the interrupted save %s from %s", name, self.directory)
+            except FileNotFoundError:
+                pass  # committed or removed meanwhile by another process
             except OSError as e:
                 log.warning("cairn: could not remove %s from %s: %s", name, self.directory, e)
 

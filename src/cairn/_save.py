@@ -349,6 +349,7 @@ class SaveJob:
     def _commit(self, own_partial: dict[str, Any] | None) -> None:
         storage, root = self.loc.storage, self.write_root
         items: dict[str, fmt.ItemInfo] = {}
+        needed: list[str] = []
         for item in self.items:
             index = self._merge_index(item, self._partials(item, own_partial))
             storage.put(f"{root}/{item.dir}/{fmt.index_name(self.token)}", index.to_json())
@@ -356,6 +357,7 @@ class SaveJob:
                 self._drop_partials(item)
             nbytes = sum(leaf.nbytes for leaf in index.leaves if isinstance(leaf, fmt.ArrayLeaf))
             items[item.name] = fmt.ItemInfo(item.dir, fmt.index_name(self.token), nbytes, len(index.leaves))
+            needed += [f"{root}/{item.dir}/{f}" for f in (fmt.index_name(self.token), *(x.name for x in index.files))]
         from . import __version__
 
         manifest = fmt.Manifest(
@@ -365,8 +367,11 @@ class SaveJob:
         if storage.atomic_rename:
             storage.put(f"{root}/{fmt.MANIFEST}", manifest)
             storage.sync_dir(root)  # type: ignore[attr-defined]
+            # Last step before the rename: a folder taken away after it makes the rename fail.
+            self._check_complete([*needed, f"{root}/{fmt.MANIFEST}"])
             self._rename_into_place()
         else:
+            self._check_complete(needed)
             try:
                 storage.put(self.loc.key(fmt.MANIFEST), manifest, create=not self.overwrite)
             except FileExistsError:
@@ -376,6 +381,19 @@ class SaveJob:
             _after_commit(self.loc, _delete_other_attempts, storage, self.loc.name, self.token)
             for item in self.items:
                 self._drop_partials(item)
+
+    def _check_complete(self, needed: list[str]) -> None:
+        """Never commit a checkpoint that names missing files.
+
+        Another process's cleanup (a second manager on this directory) may have
+        removed files of this attempt while it was writing them.
+        """
+        gone = sorted(set(needed) - set(self.loc.storage.list(self.write_root)))
+        if gone:
+            raise CheckpointError(
+                f"{self.loc.path}: {len(gone)} files of this save disappeared before its commit "
+                f"(e.g. {gone[0]!r}); is another process cleaning up or saving in the same directory?"
+            )
 
     def _drop_partials(self, item: _Item) -> None:
         if self.coord.process_count == 1:
