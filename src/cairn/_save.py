@@ -388,7 +388,11 @@ class SaveJob:
         Another process's cleanup (a second manager on this directory) may have
         removed files of this attempt while it was writing them.
         """
-        gone = sorted(set(needed) - set(self.loc.storage.list(self.write_root)))
+        storage = self.loc.storage
+        gone = sorted(set(needed) - set(storage.list(self.write_root)))
+        if gone and not storage.atomic_rename and not self.overwrite and storage.exists(self.loc.key(fmt.MANIFEST)):
+            # The winner of a race for this path removes the other attempts' files after its commit.
+            raise CheckpointExistsError(f"{self.loc.path}: another save committed this checkpoint first")
         if gone:
             raise CheckpointError(
                 f"{self.loc.path}: {len(gone)} files of this save disappeared before its commit "
