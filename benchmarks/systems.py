@@ -225,15 +225,6 @@ SYSTEMS: dict[str, type[System]] = {"cairn": Cairn, "orbax": Orbax, "dcp": DCP}
 _PIECE = 64 << 20
 
 
-def _fill_random(buf: np.ndarray) -> None:
-    words = buf.view(np.uint64)
-    bg = np.random.PCG64(1234)
-    step = _PIECE // 8
-    for i in range(0, len(words), step):
-        n = min(step, len(words) - i)
-        words[i : i + n] = bg.random_raw(n)
-
-
 def raw_write(buf: np.ndarray, path: str) -> float:
     """One file, large positional writes, one fsync: the storage write limit."""
     mv = memoryview(buf.reshape(-1).view(np.uint8))
