@@ -14,7 +14,7 @@ import threading
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -359,102 +359,123 @@ def load(
         )
     out: dict[str, Any] = {}
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="cairn-read") as pool:
-        for name, item_target in requests:
-            info = manifest.items[name]
-            index = read_index(loc, info)
-            reader = _Reader(loc, name, info, index, verify, pool, stats)
-            try:
-                out[name] = _load_item(loc, name, index, reader, item_target, partial, budget_bytes)
-            finally:
-                reader.close()
+        # Indexes are independent small reads: fetch them together (one round trip on object stores).
+        indexes = list(pool.map(lambda r: read_index(loc, manifest.items[r[0]]), requests))
+        items = []
+        try:
+            for (name, item_target), index in zip(requests, indexes):
+                reader = _Reader(loc, name, manifest.items[name], index, verify, pool, stats)
+                items.append(_ItemLoad(name, index, reader, item_target,
+                                       _match(loc, name, index, item_target, partial)))
+            # One pipeline over the leaves of every requested checkpointable, so that
+            # many small checkpointables keep the readers as busy as one large one.
+            _read_leaves(items, loc.path, budget_bytes)
+        finally:
+            for it in items:
+                it.reader.close()
+        for it in items:
+            out[it.name] = it.output()
     return out[""] if manifest.root else out
 
 
-def _load_item(loc: Location, name: str, index: fmt.ItemIndex, reader: _Reader, target: Any,
-               partial: bool, budget: int) -> Any:
+@dataclass
+class _ItemLoad:
+    """One requested checkpointable: its index, reader, target and what it wants."""
+
+    name: str
+    index: fmt.ItemIndex
+    reader: _Reader
+    target: Any
+    wanted: dict[int, _Want | None]
+    results: dict[int, Any] = field(default_factory=dict)
+
+    def output(self) -> Any:
+        if self.target is None:
+            return unflatten(self.index.structure, self.results)
+        by_path = {leaf.path: i for i, leaf in enumerate(self.index.leaves)}
+        return map_with_path(lambda path, _t: self.results[by_path[path]], self.target, is_leaf=_is_target_leaf)
+
+
+def _match(loc: Location, name: str, index: fmt.ItemIndex, target: Any, partial: bool) -> dict[int, _Want | None]:
+    """Which stored leaves to load, and how: the target's leaves (all of them without a target)."""
     where = loc.path
+    if target is None:
+        return {i: None for i in range(len(index.leaves))}
     by_path = {leaf.path: i for i, leaf in enumerate(index.leaves)}
     wanted: dict[int, _Want | None] = {}
-    if target is None:
-        wanted = {i: None for i in range(len(index.leaves))}
-    else:
 
-        def note(path: str, t: Any) -> Any:
-            i = by_path.get(path)
-            if i is None:
-                raise MismatchError(
-                    f"{where}: leaf {display_path(path, name)!r} of the target is not in the checkpoint"
-                )
-            leaf = index.leaves[i]
-            wanted[i] = _want_for(t, leaf, where, name) if isinstance(leaf, fmt.ArrayLeaf) else None
-            return t
-
-        map_with_path(note, target, is_leaf=_is_target_leaf)
-        missing = [leaf.path for i, leaf in enumerate(index.leaves) if i not in wanted]
-        if missing and not partial:
-            shown = ", ".join(repr(display_path(p, name)) for p in missing[:5])
-            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+    def note(path: str, t: Any) -> Any:
+        i = by_path.get(path)
+        if i is None:
             raise MismatchError(
-                f"{where}: the checkpoint has leaves the target omits: {shown}{more}; "
-                "pass partial=True to load only the target's leaves"
+                f"{where}: leaf {display_path(path, name)!r} of the target is not in the checkpoint"
             )
-    results = _read_leaves(index, reader, wanted, where, name, budget)
-    if target is None:
-        return unflatten(index.structure, results)
-    return map_with_path(lambda path, _t: results[by_path[path]], target, is_leaf=_is_target_leaf)
+        leaf = index.leaves[i]
+        wanted[i] = _want_for(t, leaf, where, name) if isinstance(leaf, fmt.ArrayLeaf) else None
+        return t
+
+    map_with_path(note, target, is_leaf=_is_target_leaf)
+    missing = [leaf.path for i, leaf in enumerate(index.leaves) if i not in wanted]
+    if missing and not partial:
+        shown = ", ".join(repr(display_path(p, name)) for p in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise MismatchError(
+            f"{where}: the checkpoint has leaves the target omits: {shown}{more}; "
+            "pass partial=True to load only the target's leaves"
+        )
+    return wanted
 
 
 def _is_target_leaf(x: Any) -> bool:
     return _is_sharding(x) or type(x).__name__ == "ShapeDtypeStruct" or isinstance(x, ArrayMetadata)
 
 
-def _read_leaves(index: fmt.ItemIndex, reader: _Reader, wanted: dict[int, _Want | None], where: str,
-                 name: str, budget: int) -> dict[int, Any]:
-    results: dict[int, Any] = {}
-    inflight: deque[tuple[int, _Want, list[Future[None]], list[np.ndarray], list[Box], Any]] = deque()
+def _read_leaves(items: list[_ItemLoad], where: str, budget: int) -> None:
+    """Fill every item's `results`, with at most about `budget` bytes of buffers in flight."""
+    inflight: deque[tuple[_ItemLoad, int, _Want, list[Future[None]], list[np.ndarray], list[Box], Any]] = deque()
     inflight_bytes = 0
 
     def finish() -> None:
         nonlocal inflight_bytes
-        i, want, futures, dests, boxes, placement = inflight.popleft()
+        it, i, want, futures, dests, boxes, placement = inflight.popleft()
         try:
             for f in futures:
                 f.result()
         except BaseException:
-            for _, _, fs, *_ in inflight:
-                for f in fs:
+            for entry in inflight:
+                for f in entry[3]:
                     f.cancel()
             raise
-        results[i] = _assemble(want, dests, boxes, placement)
+        it.results[i] = _assemble(want, dests, boxes, placement)
         inflight_bytes -= sum(d.nbytes for d in dests)
 
-    for i in sorted(wanted):
-        leaf = index.leaves[i]
-        if isinstance(leaf, fmt.ValueLeaf):
-            results[i] = leaf.value
-            continue
-        if leaf.kind in ("bytes", "object"):
-            data = reader.read_bytes(leaf)
-            if leaf.kind == "bytes":
-                results[i] = data
-            else:
-                h = handler_named(leaf.handler or "")
-                if h is None:
-                    raise CheckpointError(
-                        f"{where}: leaf {display_path(leaf.path, name)!r} was saved by handler {leaf.handler!r}; "
-                        "register it with cairn.register_type before loading"
-                    )
-                results[i] = h.load(data)
-            continue
-        want = wanted[i] or _Want(leaf, leaf.dtype, None)
-        futures, dests, boxes, placement = reader.read_array(want)
-        inflight.append((i, want, futures, dests, boxes, placement))
-        inflight_bytes += sum(d.nbytes for d in dests)
-        while len(inflight) > 1 and inflight_bytes > budget:
-            finish()
+    for it in items:
+        for i in sorted(it.wanted):
+            leaf = it.index.leaves[i]
+            if isinstance(leaf, fmt.ValueLeaf):
+                it.results[i] = leaf.value
+                continue
+            if leaf.kind in ("bytes", "object"):
+                data = it.reader.read_bytes(leaf)
+                if leaf.kind == "bytes":
+                    it.results[i] = data
+                else:
+                    h = handler_named(leaf.handler or "")
+                    if h is None:
+                        raise CheckpointError(
+                            f"{where}: leaf {display_path(leaf.path, it.name)!r} was saved by handler "
+                            f"{leaf.handler!r}; register it with cairn.register_type before loading"
+                        )
+                    it.results[i] = h.load(data)
+                continue
+            want = it.wanted[i] or _Want(leaf, leaf.dtype, None)
+            futures, dests, boxes, placement = it.reader.read_array(want)
+            inflight.append((it, i, want, futures, dests, boxes, placement))
+            inflight_bytes += sum(d.nbytes for d in dests)
+            while len(inflight) > 1 and inflight_bytes > budget:
+                finish()
     while inflight:
         finish()
-    return results
 
 
 # ---------------------------------------------------------------------- metadata
