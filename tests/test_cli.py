@@ -136,7 +136,9 @@ def test_verify_not_a_checkpoint_is_one_line(tmp_path, capsys):
 
 
 def test_corrupt_manifest_error_is_one_line_and_debug_shows_traceback(ckpt, capsys):
-    (ckpt / "manifest.json").write_text('{"format": "cairn", "version": 99}')
+    from cairn import _format as fmt
+
+    (ckpt / "manifest.json").write_bytes(fmt.dump_checked_json({"format": "cairn", "version": 99}))
     rc, _, err = run(capsys, "inspect", ckpt)
     assert rc == 1 and len(err.strip().splitlines()) == 1
     assert "format version 99 is not supported" in err and "Traceback" not in err

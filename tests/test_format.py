@@ -36,12 +36,14 @@ def test_index_roundtrip():
 
 
 def mutate(doc, path, value):
+    """Change one field and re-seal the file's checksum, so that the field itself is what is tested."""
     d = json.loads(doc)
+    d.pop("crc32c")
     node = d
     for p in path[:-1]:
         node = node[p]
     node[path[-1]] = value
-    return json.dumps(d).encode()
+    return fmt.dump_checked_json(d)
 
 
 @pytest.mark.parametrize(
@@ -79,6 +81,16 @@ def test_manifest_rejects_foreign_folder_names():
         fmt.Manifest.from_json(mutate(m, ("items", "params", "index"), "../x.json"), "m")
 
 
+def test_metadata_checksum_is_required_and_checked():
+    doc = small_index().to_json()
+    assert doc.startswith(b'{"crc32c":"')
+    with pytest.raises(CorruptCheckpointError, match="checksum field"):
+        fmt.ItemIndex.from_json(b"{" + doc[21:], "idx")  # the field removed
+    flipped = doc.replace(b'"size":32', b'"size":33')
+    with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
+        fmt.ItemIndex.from_json(flipped, "idx")
+
+
 def test_huge_metadata_is_refused_before_parsing():
     with pytest.raises(CorruptCheckpointError, match="exceeds"):
         fmt.parse_json(b" " * (fmt.MAX_METADATA_BYTES + 1), "m")
@@ -100,10 +112,11 @@ json_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allo
 @given(st.recursive(json_scalars, lambda c: st.one_of(st.lists(c, max_size=3), st.dictionaries(st.text(max_size=4), c, max_size=3)), max_leaves=12))
 def test_fuzz_structured_json_never_crashes(doc):
     base = json.loads(small_index().to_json())
+    base.pop("crc32c")
     for key in ("leaves", "files", "structure"):
         mutated = dict(base, **{key: doc})
         try:
-            fmt.ItemIndex.from_json(json.dumps(mutated).encode(), "idx")
+            fmt.ItemIndex.from_json(fmt.dump_checked_json(mutated), "idx")
         except CorruptCheckpointError:
             pass
 

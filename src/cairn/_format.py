@@ -166,18 +166,19 @@ def dump_checked_json(obj: dict[str, Any]) -> bytes:
 
 
 def parse_checked_json(data: bytes, where: str) -> Any:
-    """`parse_json`, after verifying the leading checksum (files written before it had none)."""
-    if data.startswith(_CHECK_HEAD):
-        from ._checksum import crc32c
+    """`parse_json`, after verifying the leading checksum field (which is required)."""
+    from ._checksum import crc32c
 
-        stored = data[len(_CHECK_HEAD) : _CHECK_LEN - 2]
-        if len(data) < _CHECK_LEN or data[_CHECK_LEN - 2 : _CHECK_LEN] != b'",' or not re.fullmatch(
-            rb"[0-9a-f]{8}", stored
-        ):
-            raise _fail(where, "malformed checksum field")
-        computed = crc32c(memoryview(data)[_CHECK_LEN:])
-        if int(stored, 16) != computed:
-            raise _fail(where, f"checksum mismatch: stored {stored.decode()}, computed {computed:08x}")
+    stored = data[len(_CHECK_HEAD) : _CHECK_LEN - 2]
+    if (
+        not data.startswith(_CHECK_HEAD)
+        or data[_CHECK_LEN - 2 : _CHECK_LEN] != b'",'
+        or not re.fullmatch(rb"[0-9a-f]{8}", stored)
+    ):
+        raise _fail(where, 'does not start with its checksum field {"crc32c":"<8 hex digits>",')
+    computed = crc32c(memoryview(data)[_CHECK_LEN:])
+    if int(stored, 16) != computed:
+        raise _fail(where, f"checksum mismatch: stored {stored.decode()}, computed {computed:08x}")
     return parse_json(data, where)
 
 
