@@ -105,7 +105,7 @@ def test_fuzz_index_parser_never_crashes(data):
         pass
 
 
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text(max_size=5))
+json_scalars = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=5))
 
 
 @settings(max_examples=100, deadline=None)

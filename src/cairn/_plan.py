@@ -253,6 +253,8 @@ class _Piece:
     elem: int  # file byte offset of the region's first element
     copy: Copy
     chunk: int
+    chunk_off: int  # where the chunk starts in the file
+    chunk_size: int  # its bytes
 
 
 def overlapping_cells(grid: Sequence[Sequence[int]], box: Box) -> list[tuple[int, ...]]:
@@ -341,7 +343,9 @@ def _split(out, file, chunk_off, cell, strides, itemsize, cbox, box, lo, hi, des
         split = n * min(per_piece, span) < dense * span
     if not split:
         copy = Copy(dest, 0, strides, shape, tuple(lo_a - b[0] for lo_a, b in zip(lo, box)), itemsize)
-        out.append(_Piece(file, chunk_off + first_byte, chunk_off + end_byte, chunk_off + first_byte, copy, cell))
+        size = math.prod(hi_a - lo_a for lo_a, hi_a in cbox) * itemsize
+        out.append(_Piece(file, chunk_off + first_byte, chunk_off + end_byte, chunk_off + first_byte, copy, cell,
+                          chunk_off, size))
         return
     for i in range(lo[a], hi[a]):
         sub_lo = tuple(i if k == a else v for k, v in enumerate(lo))
@@ -350,11 +354,10 @@ def _split(out, file, chunk_off, cell, strides, itemsize, cbox, box, lo, hi, des
 
 
 def _widen(p: _Piece, leaf: ArrayLeaf, block: int) -> _Piece:
-    _, chunk_off = leaf.chunks[p.chunk]
-    size = leaf.chunk_nbytes(p.chunk)
+    chunk_off = p.chunk_off
     rel_start = (p.start - chunk_off) // block * block
-    rel_end = min(-(-(p.end - chunk_off) // block) * block, size)
-    return _Piece(p.file, chunk_off + rel_start, chunk_off + rel_end, p.elem, p.copy, p.chunk)
+    rel_end = min(-(-(p.end - chunk_off) // block) * block, p.chunk_size)
+    return _Piece(p.file, chunk_off + rel_start, chunk_off + rel_end, p.elem, p.copy, p.chunk, chunk_off, p.chunk_size)
 
 
 def _merge(pieces: list[_Piece], leaf: ArrayLeaf, block: int, verify: bool, gap: int, max_read: int) -> list[Read]:
@@ -392,9 +395,8 @@ def _merge(pieces: list[_Piece], leaf: ArrayLeaf, block: int, verify: bool, gap:
 
 
 def _checks_for(p: _Piece, leaf: ArrayLeaf, block: int) -> list[Check]:
-    _, chunk_off = leaf.chunks[p.chunk]
+    chunk_off, size = p.chunk_off, p.chunk_size
     crcs = leaf.crcs[p.chunk]
-    size = leaf.chunk_nbytes(p.chunk)
     first = (p.start - chunk_off) // block
     last = -(-(p.end - chunk_off) // block)
     return [
