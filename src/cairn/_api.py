@@ -112,7 +112,7 @@ class _Background:
                 return
             try:
                 stats = job.run()
-            except BaseException as e:  # noqa: BLE001
+            except BaseException as e:
                 log.error("cairn: background save to %s failed: %s", job.loc.path, e)
                 with self._lock:
                     self._unreported.append((fut, job.loc.path, e))

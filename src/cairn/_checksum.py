@@ -7,7 +7,7 @@ from typing import Any as Buffer  # collections.abc.Buffer is Python 3.12+
 try:
     from crc32c import crc32c as _crc32c
 except ImportError:  # pragma: no cover - the dependency is required; this keeps errors readable
-    _crc32c = None
+    _crc32c = None  # type: ignore[assignment]
 
 
 def crc32c(data: Buffer, value: int = 0) -> int:

@@ -334,14 +334,14 @@ def _split(out, file, chunk_off, cell, strides, itemsize, cbox, box, lo, hi, des
     span = end_byte - first_byte
     a = next((i for i, n in enumerate(shape) if n > 1), None)
     split = a is not None and needed < dense * span and span > small
-    if split:
+    if split and a is not None:
         n = shape[a]
         sub_span = span - (n - 1) * strides[a]
         per_piece = (-(-sub_span // block) + 1) * block if block else sub_span
         # A separate request costs about as much as reading this many bytes more.
         per_piece = max(per_piece, _PIECE_COST)
         split = n * min(per_piece, span) < dense * span
-    if not split:
+    if not split or a is None:
         copy = Copy(dest, 0, strides, shape, tuple(lo_a - b[0] for lo_a, b in zip(lo, box)), itemsize)
         size = math.prod(hi_a - lo_a for lo_a, hi_a in cbox) * itemsize
         out.append(_Piece(file, chunk_off + first_byte, chunk_off + end_byte, chunk_off + first_byte, copy, cell,

@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import _format as fmt
+from ._checksum import crc32c
 from ._coord import Coordinator, default_coordinator, fetch_from
 from ._errors import (
     CheckpointError,
@@ -38,7 +39,6 @@ from ._leaves import ArraySource, ValueSource, classify
 from ._location import Location
 from ._plan import ChunkLayout, FileSlot, assign_files, cell_box, chunk_layout, full_box
 from ._tree import display_path, flatten
-from ._checksum import crc32c
 
 log = logging.getLogger("cairn")
 
@@ -178,7 +178,7 @@ class SaveJob:
             for slot in slots:
                 # pop: a device copy made by `snapshot` is freed once its host bytes exist.
                 arr = np.ascontiguousarray(self._host(item.sources.pop((slot.leaf, slot.cell))))
-                mv = memoryview(arr.reshape(-1).view(np.uint8))
+                mv = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
                 if len(mv) != slot.nbytes:
                     raise CheckpointError(
                         f"{self.loc.path}: chunk {slot.cell} of {display_path(item.leaves[slot.leaf].path, item.name)!r} "
@@ -202,11 +202,10 @@ class SaveJob:
             for item in self.items:
                 for k, slots in enumerate(item.files):
                     jobs.append((item, k, pool.submit(self._write_file, item, k, slots, crc_pool)))
-            results = [(item, k, f.result()) for item, k, f in jobs]
-        me = self.coord.process_index
+            results = [(item, f.result()) for item, _k, f in jobs]
         for item in self.items:
             partial[item.name] = {"files": [], "chunks": []}
-        for item, k, (key, size, chunks) in results:
+        for item, (key, size, chunks) in results:
             p = partial[item.name]
             file_no = len(p["files"])
             p["files"].append({"name": key.rsplit("/", 1)[1], "size": size})
@@ -214,7 +213,6 @@ class SaveJob:
                 p["chunks"].append([slot.leaf, slot.cell, file_no, slot.offset, *crc])
             self.stats.bytes_written += size
             self.stats.files_written += 1
-        del me
         # Drop host copies and device references as soon as they are written.
         for item in self.items:
             item.sources.clear()
@@ -240,7 +238,7 @@ class SaveJob:
                         f"{self.write_root}/{item.dir}/{fmt.partial_index_name(me, self.token)}",
                         json.dumps(partial[item.name]).encode(),
                     )
-        except BaseException as e:  # noqa: BLE001 - reported to every process, then re-raised
+        except BaseException as e:
             own_error = e
             status = {"ok": False, "error": _describe(e), "type": type(e).__name__}
         t_written = time.perf_counter()
@@ -288,7 +286,7 @@ class SaveJob:
             return {"ok": False, "error": errors, "type": statuses[failed[0]].get("type")}
         try:
             self._commit(own_partial)
-        except BaseException as e:  # noqa: BLE001
+        except BaseException as e:
             self._abort()
             return {"ok": False, "error": f"process 0: {_describe(e)}", "type": type(e).__name__}
         return {"ok": True}
@@ -591,7 +589,7 @@ def _layout_for(sharding: Any, shape: tuple[int, ...], boxes: Any, devices: Any,
     pairs over hundreds of layers, so they are memoised (benchmarks/plan_scale.py
     measures the difference at 4,096 devices).
     """
-    key = (sharding, shape, split_replicas, offset if split_replicas else 0, me)
+    key: Any = (sharding, shape, split_replicas, offset if split_replicas else 0, me)
     try:
         hit = _layout_cache.get(key)
     except TypeError:  # unhashable sharding
