@@ -197,3 +197,16 @@ def test_killed_primary_takes_the_group_down_and_leaves_nothing_visible(tmp_path
     with pytest.raises(cairn.CheckpointNotFoundError):
         cairn.load(tmp_path / "bad")
     _check_numpy(cairn.load(tmp_path / "good"))
+
+
+def test_preemption_seen_by_one_process_stops_all_at_one_saved_step(tmp_path):
+    """JAX's preemption service spreads a SIGTERM to every process; the manager saves one agreed step."""
+    results = run(2, "preempt_one", {"directory": str(tmp_path / "run"), "mesh": MESH_2,
+                                     "signal_process": 1, "signal_at": 5}, timeout=150)
+    stopped = {r["stopped"] for r in results}
+    assert len(stopped) == 1 and None not in stopped, results
+    (step,) = stopped
+    assert step >= 5
+    assert all(r["steps"] == [step] for r in results), results
+    loaded = cairn.load(str(tmp_path / "run" / f"step_{step:08d}"))
+    np.testing.assert_array_equal(loaded["params"]["w"], scenarios.expected("w", *scenarios.LEAVES["w"][:2]))

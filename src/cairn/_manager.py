@@ -274,7 +274,11 @@ class CheckpointManager:
     - Preemption: a SIGTERM (when `handle_sigterm`, installed from the main
       thread) or `preemption_check()` returning true makes the next `save`
       write its step whatever the interval and wait for the commit;
-      `reached_preemption` then tells the loop to stop.
+      `reached_preemption` then tells the loop to stop. With several processes
+      under ``jax.distributed``, JAX's preemption service catches the signal
+      instead and picks one step for every process (a signal seen by one
+      process reaches all), so call `save` (or `should_save`) on every step.
+      A `preemption_check` must then answer the same on every process.
 
     Example::
 
@@ -340,7 +344,12 @@ class CheckpointManager:
         self.restored_step: int | None = None
         self._prev_handler: Any = None
         self._installed = False
-        if handle_sigterm and threading.current_thread() is threading.main_thread():
+        # Several processes must agree on the step at which they save for a
+        # preemption, or the save waits forever for the ones that did not see it.
+        # JAX's preemption service does exactly that (it catches SIGTERM itself
+        # and picks a common step), so use it when it runs.
+        self._sync = _preemption_sync_manager() if self._coord.process_count > 1 else None
+        if handle_sigterm and self._sync is None and threading.current_thread() is threading.main_thread():
             self._prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
             self._installed = True
         if self._primary:
@@ -418,7 +427,7 @@ class CheckpointManager:
             if mgr.should_save(step):
                 state = expensive_gather(state)
         """
-        return step % self.save_every == 0 or self._preemption_detected()
+        return step % self.save_every == 0 or self._preemption_detected(step)
 
     def save(
         self, step: int, state: Any, metrics: Mapping[str, Any] | None = None, force: bool = False
@@ -444,7 +453,7 @@ class CheckpointManager:
         if step < 0:
             raise ValueError(f"{self.directory}: step must be >= 0, got {step}")
         self._reap()
-        preempted = self._preemption_detected()
+        preempted = self._preemption_detected(step)
         if not (force or preempted or step % self.save_every == 0):
             return False
         clean = _clean_metrics(metrics, f"{self.directory} step {step}")
@@ -592,7 +601,11 @@ class CheckpointManager:
         if callable(prev) and prev not in (signal.SIG_DFL, signal.SIG_IGN):
             prev(signum, frame)
 
-    def _preemption_detected(self) -> bool:
+    def _preemption_detected(self, step: int | None = None) -> bool:
+        if not self._preempted.is_set() and self._sync is not None and step is not None:
+            # True on every process at the same step, once any process was told.
+            if self._sync.reached_sync_point(step):
+                self._preempted.set()
         if not self._preempted.is_set() and self._preemption_check is not None and self._preemption_check():
             self._preempted.set()
         if self._preempted.is_set() and not self._told:
@@ -730,3 +743,16 @@ def _show(steps: list[int]) -> str:
 def _names(storage: Any) -> list[str]:
     # Typed through Any: mypy reads the protocol's ``-> list[str]`` as its own ``list`` method.
     return list(storage.list_dir(""))
+
+
+def _preemption_sync_manager() -> Any:
+    """JAX's preemption sync manager, when ``jax.distributed`` runs with it; else None."""
+    import sys
+
+    if "jax" not in sys.modules:
+        return None
+    try:
+        from jax._src import distributed
+    except ImportError:
+        return None
+    return getattr(distributed.global_state, "preemption_sync_manager", None)

@@ -247,3 +247,22 @@ def async_then_donate(path: str, mesh: list[int]) -> dict:
     left = len(default_coordinator()._client.key_value_dir_get_bytes("cairn/save/0"))
     return {"donated": donated, "blocking_s": stats.blocking_s, "keys_left_of_first_save": left}
 
+
+
+def preempt_one(directory: str, mesh: list[int], signal_process: int, signal_at: int) -> dict:
+    """SIGTERM reaches one process only: every process must save the same step and stop."""
+    import signal as _signal
+
+    state = make_state(mesh)
+    mgr = cairn.CheckpointManager(directory, save_every=1000, async_save=True)
+    stopped = None
+    for step in range(1, 400):
+        if step == signal_at and jax.process_index() == signal_process:
+            os.kill(os.getpid(), _signal.SIGTERM)
+        mgr.save(step, state)
+        if mgr.reached_preemption(step):
+            stopped = step
+            break
+        time.sleep(0.02)  # a training step; gives the preemption service time to agree
+    mgr.close()
+    return {"stopped": stopped, "steps": mgr.steps()}
