@@ -602,10 +602,10 @@ class CheckpointManager:
             prev(signum, frame)
 
     def _preemption_detected(self, step: int | None = None) -> bool:
-        if not self._preempted.is_set() and self._sync is not None and step is not None:
-            # True on every process at the same step, once any process was told.
-            if self._sync.reached_sync_point(step):
-                self._preempted.set()
+        # reached_sync_point is true on every process at the same step, once any process was told.
+        if not self._preempted.is_set() and self._sync is not None and step is not None \
+                and self._sync.reached_sync_point(step):
+            self._preempted.set()
         if not self._preempted.is_set() and self._preemption_check is not None and self._preemption_check():
             self._preempted.set()
         if self._preempted.is_set() and not self._told:
