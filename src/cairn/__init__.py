@@ -33,6 +33,7 @@ from ._manager import KeepIf as KeepIf
 from ._manager import KeepLatest as KeepLatest
 from ._manager import RetentionPolicy as RetentionPolicy
 from ._save import SaveStats as SaveStats
+from ._save import release_snapshot_buffers as release_snapshot_buffers
 
 __version__ = "0.1.0"
 
@@ -61,6 +62,7 @@ __all__ = [
     "load",
     "metadata",
     "register_type",
+    "release_snapshot_buffers",
     "save",
     "save_async",
     "wait_all",

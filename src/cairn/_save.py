@@ -76,6 +76,56 @@ class _Item:
     sources: dict[tuple[int, int], Any] = field(default_factory=dict)
 
 
+class _BufferPool:
+    """Host buffers of finished async snapshots, kept for the next one.
+
+    A training loop saves states of the same shapes again and again, so the
+    next snapshot finds buffers of the sizes it needs. At most `limit` bytes
+    are kept (the size of the largest recent snapshot), never more than one
+    snapshot's worth.
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._bytes = 0
+        self.limit = 0
+        self._lock = threading.Lock()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._lock:
+            free = self._free.get(nbytes)
+            if free:
+                self._bytes -= nbytes
+                return free.pop()
+        from ._load import aligned_empty
+
+        return aligned_empty((nbytes,), np.dtype(np.uint8))
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._lock:
+            if self._bytes + buf.nbytes <= self.limit:
+                self._free.setdefault(buf.nbytes, []).append(buf)
+                self._bytes += buf.nbytes
+
+    def reserve(self, nbytes: int) -> None:
+        with self._lock:
+            self.limit = max(self.limit, nbytes)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+            self._bytes = 0
+            self.limit = 0
+
+
+_snapshot_pool = _BufferPool()
+
+
+def release_snapshot_buffers() -> None:
+    """Free the host buffers kept for the next async save."""
+    _snapshot_pool.clear()
+
+
 _seq = itertools.count()
 _seq_lock = threading.Lock()
 
@@ -100,6 +150,7 @@ class SaveJob:
     metadata: dict[str, Any]
     snapshotted: bool = False
     stats: SaveStats = field(default_factory=SaveStats)
+    _pooled: dict[tuple[str, tuple[int, int]], np.ndarray] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ layout
 
@@ -129,37 +180,64 @@ class SaveJob:
 
         t0 = time.perf_counter()
         used = device_bytes = 0
+        copies: list[tuple[_Item, tuple[int, int], Any]] = []  # host-visible sources to copy
         pending, protected = [], []
         for item in self.items:
             for key, src in item.sources.items():
                 nbytes = int(src.nbytes)
                 if isinstance(src, np.ndarray):
                     # numpy leaves are the caller's: they may change after save_async returns.
-                    item.sources[key] = np.array(src, copy=True)
+                    copies.append((item, key, src))
                     used += nbytes
                 elif budget_bytes is None or used + nbytes <= budget_bytes:
-                    pending.append((item, key, start_host_copy(src)))
+                    h = start_host_copy(src)
+                    if h is src:  # CPU: the "copy" would be a view of the device buffer
+                        copies.append((item, key, src))
+                    else:
+                        pending.append((item, key, h))
                     used += nbytes
                 else:
                     copy = device_copy(src)
                     item.sources[key] = copy
                     protected.append(copy)
                     device_bytes += nbytes
+        self._copy_to_host(copies)
         for item, key, h in pending:
-            host = np.asarray(h)
-            if h is item.sources[key]:  # CPU: the "copy" is a view of the device buffer
-                host = np.array(host, copy=True)
-            item.sources[key] = host
+            item.sources[key] = np.asarray(h)  # a fresh host array: the transfer made the copy
         if protected:
             import jax
 
             # Wait for the copies, so that the caller may delete or donate the
             # originals the moment this returns.
             jax.block_until_ready(protected)
+        _snapshot_pool.reserve(used)
         self.stats.snapshot_bytes = used
         self.stats.device_copy_bytes = device_bytes
         self.snapshotted = True
         self.stats.snapshot_s = time.perf_counter() - t0
+
+    def _copy_to_host(self, copies: list[tuple[_Item, tuple[int, int], Any]]) -> None:
+        """Copy host-visible sources into snapshot buffers, on two threads.
+
+        Buffers come from `_snapshot_pool`: memory that an earlier async save
+        already touched, so the copy runs at memcpy speed rather than at the
+        speed of first-touch page faults (several times slower on some hosts).
+        """
+        def one(entry: tuple[_Item, tuple[int, int], Any]) -> None:
+            item, key, src = entry
+            view = np.asarray(src)
+            buf = _snapshot_pool.take(view.nbytes)
+            dst = buf[: view.nbytes].view(view.dtype).reshape(view.shape) if view.nbytes else np.empty_like(view)
+            np.copyto(dst, view)
+            item.sources[key] = dst
+            self._pooled[(item.name, key)] = buf
+
+        if len(copies) > 1:
+            with ThreadPoolExecutor(2, thread_name_prefix="cairn-snapshot") as pool:
+                list(pool.map(one, copies))
+        else:
+            for entry in copies:
+                one(entry)
 
     # ------------------------------------------------------------------ write
 
@@ -190,7 +268,12 @@ class SaveJob:
 
         key = self.data_key(item, k)
         size = self.loc.storage.write(key, parts())
-        return key, size, [(slot, [f.result() for f in futs]) for slot, futs in crcs]
+        out = key, size, [(slot, [f.result() for f in futs]) for slot, futs in crcs]
+        for slot in slots:  # written and checksummed: the snapshot buffers can serve the next save
+            buf = self._pooled.pop((item.name, (slot.leaf, slot.cell)), None)
+            if buf is not None:
+                _snapshot_pool.give(buf)
+        return out
 
     def write_data(self) -> dict[str, Any]:
         """Write this process's data files; returns its partial index per item."""
