@@ -254,3 +254,32 @@ def test_exit_with_a_save_in_flight_completes_it(tmp_path, budget):
     np.testing.assert_array_equal(out["x"], np.arange(8 * 65536, dtype=np.float32).reshape(8, 65536))
     assert out["y"].tolist() == list(range(100)) and out["cfg"] == {"lr": 0.5}
     assert sorted(os.listdir(tmp_path)) == ["c"], "no temporary folder is left behind"
+
+
+def test_snapshot_buffers_are_reused_without_mixing_saves(tmp_path, mesh8):
+    """Later snapshots reuse the host buffers of finished ones; no checkpoint sees another's bytes."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from cairn import _save
+
+    cairn.release_snapshot_buffers()
+    states = [
+        {"p": {"w": jax.device_put(np.full((64, 32), float(i), np.float32), NamedSharding(mesh8, P("x"))),
+               "n": np.full(5, i, np.int32)}}
+        for i in range(5)
+    ]
+    futures = [cairn.save_async(tmp_path / "s0", states[0])]
+    futures[0].result()
+    pooled = _save._snapshot_pool._bytes
+    assert pooled == 64 * 32 * 4 + 5 * 4  # the finished snapshot's buffers wait for the next save
+    for i in range(1, 5):  # some in flight at once, some reusing buffers
+        futures.append(cairn.save_async(tmp_path / f"s{i}", states[i]))
+    for f in futures:
+        f.result()
+    for i in range(5):
+        out = cairn.load(tmp_path / f"s{i}")
+        np.testing.assert_array_equal(out["p"]["w"], np.full((64, 32), float(i), np.float32))
+        np.testing.assert_array_equal(out["p"]["n"], np.full(5, i, np.int32))
+    cairn.release_snapshot_buffers()
+    assert _save._snapshot_pool._bytes == 0
