@@ -209,6 +209,7 @@ def test_eio_while_loading_is_a_clear_error(tmp_path, monkeypatch):
         raise OSError(errno.EIO, "Input/output error (injected)", self.path)
 
     monkeypatch.setattr(_local._FileReader, "read_into", broken)
+    monkeypatch.setattr(_local._FileReader, "read_into_many", broken)
     with pytest.raises(cairn.CheckpointError, match="Input/output error") as e:
         cairn.load(tmp_path / "ckpt")
     assert str(tmp_path / "ckpt") in str(e.value) and "'params/w'" in str(e.value)

@@ -222,7 +222,14 @@ class CountingReads:
             orig(reader, offset, out)
             counter.by_file[reader.path] += len(memoryview(out).cast("B"))
 
+        orig_many = _local._FileReader.read_into_many
+
+        def read_into_many(reader, offset, outs):
+            orig_many(reader, offset, outs)
+            counter.by_file[reader.path] += sum(len(memoryview(o).cast("B")) for o in outs)
+
         monkeypatch.setattr(_local._FileReader, "read_into", read_into)
+        monkeypatch.setattr(_local._FileReader, "read_into_many", read_into_many)
 
     @property
     def total(self):
@@ -426,3 +433,39 @@ def test_leftover_tmp_dirs_are_ignored(tmp_path):
     assert_bitwise(cairn.load(tmp_path / "c")["x"], np.arange(3))
     with pytest.raises(cairn.CheckpointNotFoundError):
         cairn.load(tmp_path / ".c.cairn-tmp-deadbeef")
+
+
+def test_vectored_reads_fill_consecutive_buffers(tmp_path):
+    from cairn._storage._local import _IOV_MAX, _FileReader
+
+    data = np.random.default_rng(0).integers(0, 256, 3 * _IOV_MAX + 17, dtype=np.uint8)
+    (tmp_path / "f").write_bytes(data.tobytes())
+    r = _FileReader(str(tmp_path / "f"))
+    sizes = [1] * (2 * _IOV_MAX) + [_IOV_MAX + 10]  # more buffers than one preadv takes
+    outs = [np.empty(n, np.uint8) for n in sizes]
+    r.read_into_many(7, [memoryview(o) for o in outs])
+    np.testing.assert_array_equal(np.concatenate(outs), data[7 : 7 + sum(sizes)])
+    with pytest.raises(EOFError):
+        r.read_into_many(len(data) - 4, [memoryview(np.empty(3, np.uint8)), memoryview(np.empty(3, np.uint8))])
+    r.close()
+
+
+def test_merged_small_chunks_land_directly_and_are_verified(tmp_path, mesh8, monkeypatch):
+    x = sharded(mesh8, P("x"), (64, 16))  # eight 512-byte chunks, read as one vectored read
+    cairn.save(tmp_path / "c", {"x": x})
+    from cairn import _load
+    from cairn._location import resolve
+
+    stats = _load.LoadStats()
+    target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)}
+    got = _load.load(resolve(tmp_path / "c"), target, stats=stats)["x"]
+    assert_bitwise(got, x)
+    assert stats.reads == 1 and stats.direct_reads == 1
+    f = _data_files(tmp_path / "c")[0]
+    with open(f, "r+b") as fh:
+        fh.seek(1500)
+        b = fh.read(1)
+        fh.seek(1500)
+        fh.write(bytes([b[0] ^ 1]))
+    with pytest.raises(cairn.CorruptCheckpointError, match="checksum"):
+        cairn.load(tmp_path / "c", target)

@@ -206,13 +206,18 @@ class _Reader:
                     pass
             self._readers.clear()
 
-    def _fill(self, file: int, start: int, out: memoryview, leaf: fmt.ArrayLeaf) -> None:
+    def _fill(self, file: int, start: int, out: memoryview | list[memoryview], leaf: fmt.ArrayLeaf) -> None:
+        """Read file bytes from `start` into `out` (one buffer, or consecutive buffers)."""
+        n = len(out) if isinstance(out, memoryview) else sum(len(o) for o in out)
         try:
-            self._reader(file).read_into(start, out)
+            if isinstance(out, memoryview):
+                self._reader(file).read_into(start, out)
+            else:
+                self._reader(file).read_into_many(start, out)
         except EOFError:
             raise CorruptCheckpointError(
                 f"{self.loc.path}: data file {self.index.files[file].name!r} is truncated "
-                f"(leaf {display_path(leaf.path, self.item)!r} needs bytes {start}..{start + len(out)})"
+                f"(leaf {display_path(leaf.path, self.item)!r} needs bytes {start}..{start + n})"
             ) from None
         except FileNotFoundError:  # object stores learn of a missing object on the first read
             raise CorruptCheckpointError(
@@ -224,12 +229,13 @@ class _Reader:
                 f"{display_path(leaf.path, self.item)!r} failed: {e}"
             ) from e
         with self._lock:
-            self.stats.bytes_read += len(out)
+            self.stats.bytes_read += n
             self.stats.reads += 1
 
-    def _check(self, read: Read, buf: memoryview, leaf: fmt.ArrayLeaf) -> None:
+    def _check(self, read: Read, buf: memoryview | list[memoryview], leaf: fmt.ArrayLeaf) -> None:
+        segments = [buf] if isinstance(buf, memoryview) else buf
         for c in read.checks:
-            got = crc32c(buf[c.start - read.start : c.end - read.start])
+            got = _crc_range(segments, c.start - read.start, c.end - read.start)
             if got != c.crc:
                 raise CorruptCheckpointError(
                     f"{self.loc.path}: checksum mismatch in {self.index.files[read.file].name!r} bytes "
@@ -245,6 +251,14 @@ class _Reader:
                 buf = memoryview(region.reshape(-1).view(np.uint8))
                 self._fill(read.file, read.start, buf, leaf)
                 self._check(read, buf, leaf)
+                with self._lock:
+                    self.stats.direct_reads += 1
+                return
+        if len(read.copies) > 1 and hasattr(self._reader(read.file), "read_into_many"):
+            parts = _tiled_regions(read, dests)
+            if parts is not None:  # consecutive whole regions: one vectored read, no copy
+                self._fill(read.file, read.start, parts, leaf)
+                self._check(read, parts, leaf)
                 with self._lock:
                     self.stats.direct_reads += 1
                 return
@@ -301,6 +315,37 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> n
     raw = np.empty(nbytes + align, dtype=np.uint8)
     start = -raw.ctypes.data % align
     return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def _tiled_regions(read: Read, dests: list[np.ndarray]) -> list[memoryview] | None:
+    """Destination byte views for a read whose copies are consecutive contiguous runs.
+
+    Returns None unless the copies, in source order, cover the read exactly,
+    each is contiguous in the file and lands in a contiguous destination region.
+    """
+    out, pos = [], 0
+    for c in sorted(read.copies, key=lambda c: c.src_offset):
+        if c.src_offset != pos or not is_c_contiguous(c.shape, c.src_strides):
+            return None
+        region = dests[c.dest][_region(c.dest_start, c.shape)]
+        if not region.flags.c_contiguous:
+            return None
+        out.append(memoryview(region.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+        pos += c.nbytes
+    return out if pos == read.nbytes else None
+
+
+def _crc_range(segments: list[memoryview], start: int, end: int) -> int:
+    """CRC-32C of bytes [start, end) of the concatenation of `segments`."""
+    value, pos = 0, 0
+    for seg in segments:
+        lo, hi = max(start - pos, 0), min(end - pos, len(seg))
+        if lo < hi:
+            value = crc32c(seg[lo:hi], value)
+        pos += len(seg)
+        if pos >= end:
+            break
+    return value
 
 
 def _region(start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[Any, ...]:

@@ -13,6 +13,7 @@ from typing import Any as Buffer  # collections.abc.Buffer is Python 3.12+
 from ._base import split_url
 
 _WRITE_PIECE = 64 << 20
+_IOV_MAX = 1024  # the Linux limit on buffers per preadv
 
 
 class _FileReader:
@@ -29,6 +30,23 @@ class _FileReader:
             if got == 0:
                 raise EOFError(f"{self.path}: file ends at byte {offset + done}, expected {offset + n}")
             done += got
+
+    def read_into_many(self, offset: int, outs: list[memoryview]) -> None:
+        """Fill `outs`, in order, with the consecutive bytes at `offset` (one vectored read)."""
+        bufs = [o.cast("B") if o.format != "B" or o.ndim != 1 else o for o in outs]
+        total = sum(len(b) for b in bufs)
+        done, first, skip = 0, 0, 0  # bytes read; first unfilled buffer; bytes of it already filled
+        while done < total:
+            iov = [bufs[first][skip:], *bufs[first + 1 : first + _IOV_MAX]]
+            got = os.preadv(self.fd, iov, offset + done)
+            if got == 0:
+                raise EOFError(f"{self.path}: file ends at byte {offset + done}, expected {offset + total}")
+            done += got
+            got += skip
+            while first < len(bufs) and got >= len(bufs[first]):
+                got -= len(bufs[first])
+                first += 1
+            skip = got
 
     def close(self) -> None:
         if self.fd >= 0:
