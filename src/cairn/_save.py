@@ -431,11 +431,22 @@ class SaveJob:
         storage, root = self.loc.storage, self.write_root
         items: dict[str, fmt.ItemInfo] = {}
         needed: list[str] = []
-        for item in self.items:
+
+        def write_index(item: _Item) -> fmt.ItemIndex:
             index = self._merge_index(item, self._partials(item, own_partial))
             storage.put(f"{root}/{item.dir}/{fmt.index_name(self.token)}", index.to_json())
             if storage.atomic_rename:  # merged: the per-process parts are not part of the checkpoint
                 self._drop_partials(item)
+            return index
+
+        # One durable put (file and folder fsync, or one request) per checkpointable:
+        # in parallel, so that a state of many small checkpointables commits quickly.
+        if len(self.items) > 1:
+            with ThreadPoolExecutor(min(8, len(self.items)), thread_name_prefix="cairn-index") as pool:
+                indexes = list(pool.map(write_index, self.items))
+        else:
+            indexes = [write_index(item) for item in self.items]
+        for item, index in zip(self.items, indexes):
             nbytes = sum(leaf.nbytes for leaf in index.leaves if isinstance(leaf, fmt.ArrayLeaf))
             items[item.name] = fmt.ItemInfo(item.dir, fmt.index_name(self.token), nbytes, len(index.leaves))
             needed += [f"{root}/{item.dir}/{f}" for f in (fmt.index_name(self.token), *(x.name for x in index.files))]
