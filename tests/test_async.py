@@ -261,7 +261,7 @@ def test_snapshot_buffers_are_reused_without_mixing_saves(tmp_path, mesh8):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from cairn import _save
+    from cairn import _buffers
 
     cairn.release_snapshot_buffers()
     states = [
@@ -271,15 +271,17 @@ def test_snapshot_buffers_are_reused_without_mixing_saves(tmp_path, mesh8):
     ]
     futures = [cairn.save_async(tmp_path / "s0", states[0])]
     futures[0].result()
-    pooled = _save._snapshot_pool._bytes
+    pooled = _buffers.snapshot_pool._bytes
     assert pooled == 64 * 32 * 4 + 5 * 4  # the finished snapshot's buffers wait for the next save
     for i in range(1, 5):  # some in flight at once, some reusing buffers
         futures.append(cairn.save_async(tmp_path / f"s{i}", states[i]))
     for f in futures:
         f.result()
+    assert _buffers.snapshot_pool._bytes > 0
     for i in range(5):
-        out = cairn.load(tmp_path / f"s{i}")
+        out = cairn.load(tmp_path / f"s{i}")  # a load gives the cached buffers back first
+        assert _buffers.snapshot_pool._bytes == 0
         np.testing.assert_array_equal(out["p"]["w"], np.full((64, 32), float(i), np.float32))
         np.testing.assert_array_equal(out["p"]["n"], np.full(5, i, np.int32))
     cairn.release_snapshot_buffers()
-    assert _save._snapshot_pool._bytes == 0
+    assert _buffers.snapshot_pool._bytes == 0

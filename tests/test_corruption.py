@@ -160,7 +160,7 @@ def rewrite(file, edit) -> None:
 def allocations(monkeypatch):
     """Every read buffer the loader allocates, in bytes."""
     sizes: list[int] = []
-    real = cairn._load.aligned_empty
+    real = cairn._buffers.aligned_empty
 
     def spy(shape, dtype, align=64):
         sizes.append(int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize)

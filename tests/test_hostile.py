@@ -173,7 +173,7 @@ def test_absurd_shapes_and_offsets(ckpt, allocations, edit, match):
 @pytest.fixture
 def allocations(monkeypatch):
     sizes: list[int] = []
-    real = cairn._load.aligned_empty
+    real = cairn._buffers.aligned_empty
 
     def spy(shape, dtype, align=64):
         sizes.append(int(np.prod(shape, dtype=object)))

@@ -13,6 +13,7 @@ from ._api import metadata as metadata
 from ._api import save as save
 from ._api import save_async as save_async
 from ._api import wait_all as wait_all
+from ._buffers import release_snapshot_buffers as release_snapshot_buffers
 from ._coord import Coordinator as Coordinator
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CheckpointExistsError as CheckpointExistsError
@@ -33,7 +34,6 @@ from ._manager import KeepIf as KeepIf
 from ._manager import KeepLatest as KeepLatest
 from ._manager import RetentionPolicy as RetentionPolicy
 from ._save import SaveStats as SaveStats
-from ._save import release_snapshot_buffers as release_snapshot_buffers
 
 __version__ = "0.1.0"
 

@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from . import _format as fmt
+from ._buffers import aligned_empty, release_snapshot_buffers
 from ._checksum import crc32c
 from ._errors import (
     CheckpointError,
@@ -305,18 +306,6 @@ class _Reader:
         return dests[0].tobytes()
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
-    """An uninitialised C-order array whose data is `align`-byte aligned.
-
-    XLA's CPU client adopts 64-byte-aligned host buffers without a copy, so a
-    load onto CPU devices hands its read buffers straight to the arrays.
-    """
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-    raw = np.empty(nbytes + align, dtype=np.uint8)
-    start = -raw.ctypes.data % align
-    return raw[start : start + nbytes].view(dtype).reshape(shape)
-
-
 def _tiled_regions(read: Read, dests: list[np.ndarray]) -> list[memoryview] | None:
     """Destination byte views for a read whose copies are consecutive contiguous runs.
 
@@ -384,6 +373,7 @@ def load(
 ) -> Any:
     """Load the checkpoint at `loc` (see `cairn.load`)."""
     manifest = read_manifest(loc)
+    release_snapshot_buffers()  # a cache for repeated async saves; the load needs the memory
     stats = stats if stats is not None else LoadStats()
     if manifest.root:
         requests = [("", target)]

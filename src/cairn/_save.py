@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import _format as fmt
+from ._buffers import snapshot_pool as _snapshot_pool
 from ._checksum import crc32c
 from ._coord import Coordinator, default_coordinator, fetch_from
 from ._errors import (
@@ -74,56 +75,6 @@ class _Item:
     # (leaf, cell) -> what to write: a single-device jax.Array, a numpy array,
     # or (after a snapshot) a host copy.
     sources: dict[tuple[int, int], Any] = field(default_factory=dict)
-
-
-class _BufferPool:
-    """Host buffers of finished async snapshots, kept for the next one.
-
-    A training loop saves states of the same shapes again and again, so the
-    next snapshot finds buffers of the sizes it needs. At most `limit` bytes
-    are kept (the size of the largest recent snapshot), never more than one
-    snapshot's worth.
-    """
-
-    def __init__(self) -> None:
-        self._free: dict[int, list[np.ndarray]] = {}
-        self._bytes = 0
-        self.limit = 0
-        self._lock = threading.Lock()
-
-    def take(self, nbytes: int) -> np.ndarray:
-        with self._lock:
-            free = self._free.get(nbytes)
-            if free:
-                self._bytes -= nbytes
-                return free.pop()
-        from ._load import aligned_empty
-
-        return aligned_empty((nbytes,), np.dtype(np.uint8))
-
-    def give(self, buf: np.ndarray) -> None:
-        with self._lock:
-            if self._bytes + buf.nbytes <= self.limit:
-                self._free.setdefault(buf.nbytes, []).append(buf)
-                self._bytes += buf.nbytes
-
-    def reserve(self, nbytes: int) -> None:
-        with self._lock:
-            self.limit = max(self.limit, nbytes)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-            self._bytes = 0
-            self.limit = 0
-
-
-_snapshot_pool = _BufferPool()
-
-
-def release_snapshot_buffers() -> None:
-    """Free the host buffers kept for the next async save."""
-    _snapshot_pool.clear()
 
 
 _seq = itertools.count()
