@@ -266,3 +266,33 @@ def preempt_one(directory: str, mesh: list[int], signal_process: int, signal_at:
         time.sleep(0.02)  # a training step; gives the preemption service time to agree
     mgr.close()
     return {"stopped": stopped, "steps": mgr.steps()}
+
+
+def kill_at_op(path: str, mesh: list[int], victim: int, op: int, timeout: float = 6) -> dict:
+    """Commit `path`/good, then save `path`/bad while process `victim` SIGKILLs itself
+    just before its storage operation number `op` of that save (writes, puts,
+    renames, fsyncs of folders, deletes). Returns how many operations it made
+    when it was not killed (op beyond the end)."""
+    from cairn._storage._local import LocalStorage
+
+    good, bad = os.path.join(path, "good"), os.path.join(path, "bad")
+    state = make_state(mesh)
+    cairn.save(good, state, timeout=timeout)
+    count = [0]
+    if jax.process_index() == victim:
+        for name in ("write", "put", "rename_dir", "sync_dir", "delete_prefix", "makedirs"):
+            real = getattr(LocalStorage, name)
+
+            def counted(self, *a, _real=real, **k):
+                if count[0] == op:
+                    os.kill(os.getpid(), 9)
+                count[0] += 1
+                return _real(self, *a, **k)
+
+            setattr(LocalStorage, name, counted)
+    try:
+        cairn.save(bad, state, timeout=timeout)
+        error = None
+    except cairn.CheckpointError as e:
+        error = f"{type(e).__name__}: {e}"
+    return {"error": error, "ops": count[0]}
