@@ -27,3 +27,15 @@ def mesh42():
 @pytest.fixture(autouse=True)
 def _eight_devices():
     assert len(jax.devices()) == 8, "tests expect 8 virtual CPU devices"
+
+
+@pytest.fixture(autouse=True)
+def _quiet_background():
+    """Each test starts and ends with no async save in flight or unreported."""
+    from cairn import _api
+
+    _api._background.wait_all(60)
+    _api._background._unreported.clear()
+    yield
+    _api._background.wait_all(60)
+    _api._background._unreported.clear()

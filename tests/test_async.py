@@ -27,15 +27,6 @@ def _sharded(mesh8, n=8 * 4096, offset=0.0):
     return jax.device_put(x, NamedSharding(mesh8, P("x")))
 
 
-@pytest.fixture(autouse=True)
-def _quiet_background():
-    """Each test starts and ends with no async save in flight or unreported."""
-    _api._background.wait_all(60)
-    _api._background._unreported.clear()
-    yield
-    _api._background.wait_all(60)
-    _api._background._unreported.clear()
-
 
 def _fail_writes(monkeypatch, cls, marker):
     """Make `cls.write` fail for keys containing `marker`, as a full disk would."""

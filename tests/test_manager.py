@@ -34,14 +34,6 @@ def directory(request, tmp_path):
     return f"memory://mgr-{uuid.uuid4().hex[:8]}/run"
 
 
-@pytest.fixture(autouse=True)
-def _quiet_background():
-    _api._background.wait_all(60)
-    _api._background._unreported.clear()
-    yield
-    _api._background.wait_all(60)
-    _api._background._unreported.clear()
-
 
 def _mgr(directory, **kw):
     kw.setdefault("handle_sigterm", False)
