@@ -340,7 +340,7 @@ def local_leftovers(base: str) -> list[str]:
 
 def gc(directory: str) -> None:
     """`cairn gc`: remove what interrupted saves left."""
-    assert _cli.main(["--plain", "--quiet", "gc", "--json", directory]) == 0
+    assert _cli.main(["--plain", "--quiet", "gc", "--min-age", "0", "--json", directory]) == 0
 
 
 SCALES = [1, 4] if STRESS else [1]

@@ -270,16 +270,26 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
 
 def cmd_gc(args: argparse.Namespace, out: Output) -> int:
     loc, entries = _scan(args.dir, None)
-    doomed = [e for e in entries if e["status"] in ("temporary", "uncommitted")]
+    leftovers = [e for e in entries if e["status"] in ("temporary", "uncommitted")]
+    # A leftover younger than --min-age may be a save still in progress: keep it.
+    # Where the age is unknown (object stores have no modification times here),
+    # only --min-age 0 removes it.
+    doomed = [e for e in leftovers if args.min_age <= 0 or (e["age_s"] is not None and e["age_s"] >= args.min_age)]
+    kept = [e for e in leftovers if e not in doomed]
+    for e in [] if args.json else kept:
+        age = "unknown age" if e["age_s"] is None else f"{e['age_s']:.0f} s old"
+        out.line(f"kept {e['name']} ({e['status']}, {age}: may be a save in progress; --min-age 0 removes it)")
     if args.json:
         if not args.dry_run:
             for e in doomed:
                 loc.storage.delete_prefix(e["key"])
         _dump_json({"dir": loc.path, "dry_run": args.dry_run,
-                    "removed": [{"name": e["name"], "status": e["status"], "bytes": e["bytes"]} for e in doomed]})
+                    "removed": [{"name": e["name"], "status": e["status"], "bytes": e["bytes"]} for e in doomed],
+                    "kept": [{"name": e["name"], "status": e["status"], "age_s": e["age_s"]} for e in kept]})
         return 0
     if not doomed:
-        out.line(f"nothing to remove in {loc.path}")
+        if not kept:
+            out.line(f"nothing to remove in {loc.path}")
         return 0
     verb = "would remove" if args.dry_run else "removed"
     for e in doomed:
@@ -512,6 +522,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("gc", help="remove leftovers of interrupted saves (temporary and uncommitted folders)")
     s.add_argument("dir")
     s.add_argument("--dry-run", action="store_true", help="only show what would be removed")
+    s.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
+                   help="keep leftovers younger than this, or of unknown age (default 3600; 0 removes all)")
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_gc)
     return p
