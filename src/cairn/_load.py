@@ -255,7 +255,7 @@ class _Reader:
                 with self._lock:
                     self.stats.direct_reads += 1
                 return
-        if len(read.copies) > 1 and hasattr(self._reader(read.file), "read_into_many"):
+        if hasattr(self._reader(read.file), "read_into_many"):
             parts = _tiled_regions(read, dests)
             if parts is not None:  # consecutive whole regions: one vectored read, no copy
                 self._fill(read.file, read.start, parts, leaf)
@@ -263,7 +263,7 @@ class _Reader:
                 with self._lock:
                     self.stats.direct_reads += 1
                 return
-        raw = np.empty(read.nbytes, dtype=np.uint8)
+        raw = _scratch(read.nbytes)
         buf = memoryview(raw)  # type: ignore[arg-type]
         self._fill(read.file, read.start, buf, leaf)
         self._check(read, buf, leaf)
@@ -306,20 +306,53 @@ class _Reader:
         return dests[0].tobytes()
 
 
-def _tiled_regions(read: Read, dests: list[np.ndarray]) -> list[memoryview] | None:
-    """Destination byte views for a read whose copies are consecutive contiguous runs.
+_local = threading.local()
 
-    Returns None unless the copies, in source order, cover the read exactly,
-    each is contiguous in the file and lands in a contiguous destination region.
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """This reader thread's temporary buffer, reused from read to read.
+
+    A fresh buffer per read costs first-touch page faults on every read, which
+    on some hosts is slower than the read itself. The buffer lives as long as
+    the load's thread pool.
     """
-    out, pos = [], 0
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+        _local.buf = buf
+    return buf[:nbytes]
+
+
+_MIN_RUN = 4096  # a destination row shorter than this is cheaper to fill by a copy
+_MAX_PARTS = 1 << 16
+
+
+def _tiled_regions(read: Read, dests: list[np.ndarray]) -> list[memoryview] | None:
+    """Destination byte views that a vectored read can fill in place, in file order.
+
+    The copies, in source order, must cover the read exactly, each contiguous in
+    the file. A destination region that is not contiguous (a block of columns of
+    the target shard, as when resharding) is split into its rows, provided rows
+    are long enough for a vectored read to beat a read into a buffer plus a
+    copy. Returns None when that does not apply.
+    """
+    out: list[memoryview] = []
+    pos = 0
     for c in sorted(read.copies, key=lambda c: c.src_offset):
         if c.src_offset != pos or not is_c_contiguous(c.shape, c.src_strides):
             return None
         region = dests[c.dest][_region(c.dest_start, c.shape)]
-        if not region.flags.c_contiguous:
-            return None
-        out.append(memoryview(region.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+        if region.flags.c_contiguous:
+            out.append(memoryview(region.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+        else:
+            if region.ndim < 2 or region.strides[-1] != region.itemsize:
+                return None
+            if region.shape[-1] * region.itemsize < _MIN_RUN:
+                return None
+            if len(out) + int(np.prod(region.shape[:-1])) > _MAX_PARTS:
+                return None
+            for idx in np.ndindex(*region.shape[:-1]):
+                out.append(memoryview(region[idx].view(np.uint8)))  # type: ignore[arg-type]
         pos += c.nbytes
     return out if pos == read.nbytes else None
 
