@@ -39,3 +39,14 @@ def _quiet_background():
     yield
     _api._background.wait_all(60)
     _api._background._unreported.clear()
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A real S3 server (moto) on 127.0.0.1, for the tests of one module."""
+    pytest.importorskip("moto")
+    from _s3server import S3Server
+
+    server = S3Server().start()
+    yield server
+    server.stop()

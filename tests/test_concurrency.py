@@ -150,16 +150,6 @@ def test_two_processes_saving_one_path(tmp_path, overwrite):
         check_step(tmp_path / "c" / f"ckpt{step}", step, {0, 1})
 
 
-@pytest.fixture(scope="module")
-def s3():
-    pytest.importorskip("moto")
-    sys.path.insert(0, os.path.dirname(__file__))
-    from _s3server import S3Server
-
-    server = S3Server().start()
-    yield server
-    server.stop()
-
 
 def test_two_processes_saving_one_s3_path(tmp_path, s3):
     bucket = s3.new_bucket("race")

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cairn
+from _trees import assert_same
 from cairn import _format as fmt
 
 STRESS = os.environ.get("CAIRN_STRESS") == "1"
@@ -36,16 +37,6 @@ def state():
     }
 
 
-def assert_same(got, want, where=""):
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and sorted(got) == sorted(want), (where, got)
-        for k in want:
-            assert_same(got[k], want[k], f"{where}/{k}")
-    elif isinstance(want, (np.ndarray, np.generic)):
-        g = np.asarray(got)
-        assert g.dtype == want.dtype and g.shape == want.shape and g.tobytes() == np.asarray(want).tobytes(), where
-    else:
-        assert type(got) is type(want) and got == want, (where, got, want)
 
 
 @pytest.fixture(scope="module")

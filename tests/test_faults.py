@@ -39,10 +39,10 @@ import textwrap
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
 import pytest
 
 import cairn
+from _trees import assert_same
 from cairn import _cli
 
 STRESS = os.environ.get("CAIRN_STRESS") == "1"
@@ -262,17 +262,6 @@ def server(tmp_path_factory):
 # ---------------------------------------------------------------------- checks
 
 
-def assert_same(got: Any, want: Any, where: str = "") -> None:
-    """Bitwise equality of two loaded trees (dtype, shape and bytes of every array)."""
-    if isinstance(want, dict):
-        assert isinstance(got, dict) and set(got) == set(want), (where, got, want)
-        for k in want:
-            assert_same(got[k], want[k], f"{where}/{k}")
-    elif isinstance(want, (np.ndarray, np.generic)):
-        g = np.asarray(got)
-        assert g.dtype == want.dtype and g.shape == want.shape and g.tobytes() == np.asarray(want).tobytes(), where
-    else:
-        assert type(got) is type(want) and got == want, (where, got, want)
 
 
 def which_state(path: str, candidates: dict[int, Any], opts: dict | None = None) -> int | None:
@@ -437,16 +426,6 @@ def test_kill_anywhere_local_manager_retention(server, tmp_path, use_async):
 
 # ---------------------------------------------------------------------- object storage (moto S3)
 
-
-@pytest.fixture(scope="module")
-def s3():
-    pytest.importorskip("moto")
-    sys.path.insert(0, os.path.dirname(__file__))
-    from _s3server import S3Server
-
-    server = S3Server().start()
-    yield server
-    server.stop()
 
 
 def s3_leftovers(s3, bucket: str, prefix: str) -> list[str]:

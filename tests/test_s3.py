@@ -18,18 +18,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
-from _s3server import FaultProxy, S3Server
+from _s3server import FaultProxy
 from cairn import _save
 from cairn._location import resolve
 
 MiB = 1 << 20
 
-
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server().start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture

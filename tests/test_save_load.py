@@ -374,24 +374,27 @@ def _data_files(path):
     return sorted(out)
 
 
+def flip_byte(path, pos, mask=0x10):
+    """XOR the byte at `pos` of file `path` with `mask` (applying it twice restores the file)."""
+    with open(path, "r+b") as fh:
+        fh.seek(pos)
+        b = fh.read(1)
+        fh.seek(pos)
+        fh.write(bytes([b[0] ^ mask]))
+
+
 def test_flipped_byte_is_caught(tmp_path, mesh8):
     x = sharded(mesh8, P("x"), (256, 64))
     cairn.save(tmp_path / "c", {"x": x})
     f = _data_files(tmp_path / "c")[0]
     size = os.path.getsize(f)
     for pos in (0, size // 2, size - 1):
-        with open(f, "r+b") as fh:
-            fh.seek(pos)
-            b = fh.read(1)
-            fh.seek(pos)
-            fh.write(bytes([b[0] ^ 0x10]))
+        flip_byte(f, pos)
         with pytest.raises(cairn.CorruptCheckpointError, match="checksum"):
             cairn.load(tmp_path / "c")
         with pytest.raises(cairn.CorruptCheckpointError, match="checksum"):
             cairn.load(tmp_path / "c", {"x": NamedSharding(mesh8, P(None, "x"))})
-        with open(f, "r+b") as fh:  # restore
-            fh.seek(pos)
-            fh.write(b)
+        flip_byte(f, pos)  # restore
     assert_bitwise(cairn.load(tmp_path / "c")["x"], x)
     # Without verification the flipped byte goes through: that is what verify is for.
     with open(f, "r+b") as fh:
@@ -462,11 +465,7 @@ def test_merged_small_chunks_land_directly_and_are_verified(tmp_path, mesh8, mon
     assert_bitwise(got, x)
     assert stats.reads == 1 and stats.direct_reads == 1
     f = _data_files(tmp_path / "c")[0]
-    with open(f, "r+b") as fh:
-        fh.seek(1500)
-        b = fh.read(1)
-        fh.seek(1500)
-        fh.write(bytes([b[0] ^ 1]))
+    flip_byte(f, 1500, 1)
     with pytest.raises(cairn.CorruptCheckpointError, match="checksum"):
         cairn.load(tmp_path / "c", target)
 
@@ -485,10 +484,6 @@ def test_resharding_with_long_rows_reads_straight_into_the_target_rows(tmp_path,
     assert_bitwise(got, x)
     assert stats.reads >= 1 and stats.direct_reads == stats.reads  # no read went through a temporary buffer
     f = _data_files(tmp_path / "c")[0]
-    with open(f, "r+b") as fh:  # a flipped byte inside a scattered read is still caught
-        fh.seek(100_000)
-        b = fh.read(1)
-        fh.seek(100_000)
-        fh.write(bytes([b[0] ^ 4]))
+    flip_byte(f, 100_000, 4)  # a flipped byte inside a scattered read is still caught
     with pytest.raises(cairn.CorruptCheckpointError, match="checksum"):
         cairn.load(tmp_path / "c", target)

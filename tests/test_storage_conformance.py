@@ -13,7 +13,6 @@ import uuid
 import numpy as np
 import pytest
 
-from _s3server import S3Server
 from cairn._storage import LocalStorage, MemoryStorage, RandomReader, Storage
 
 MiB = 1 << 20
@@ -187,12 +186,6 @@ class TestMemoryStorage(StorageConformance):
     def storage(self):
         return MemoryStorage(f"memory://conf-{uuid.uuid4().hex}")
 
-
-@pytest.fixture(scope="module")
-def s3():
-    server = S3Server().start()
-    yield server
-    server.stop()
 
 
 @pytest.fixture(scope="module")
