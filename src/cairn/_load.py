@@ -565,4 +565,4 @@ def metadata(loc: Location) -> Any:
     return out[""] if manifest.root else out
 
 
-__all__ = ["ArrayMetadata", "LoadStats", "is_c_contiguous", "load", "metadata", "read_index", "read_manifest"]
+__all__ = ["ArrayMetadata", "LoadStats", "load", "metadata", "read_index", "read_manifest"]

@@ -99,7 +99,6 @@ class SaveJob:
     timeout: float
     threads: int
     metadata: dict[str, Any]
-    snapshotted: bool = False
     stats: SaveStats = field(default_factory=SaveStats)
     _pooled: dict[tuple[str, tuple[int, int]], np.ndarray] = field(default_factory=dict)
 
@@ -164,7 +163,6 @@ class SaveJob:
         _snapshot_pool.reserve(used)
         self.stats.snapshot_bytes = used
         self.stats.device_copy_bytes = device_bytes
-        self.snapshotted = True
         self.stats.snapshot_s = time.perf_counter() - t0
 
     def _copy_to_host(self, copies: list[tuple[_Item, tuple[int, int], Any]]) -> None:
