@@ -4,7 +4,7 @@ cairn's planner is pure (shapes, boxes and the index in; plans out), so it
 can be run for a cluster that does not exist. This script does what each of
 512 processes (8 devices each) would do in a save from an FSDP layout and a
 resharding load onto a differently shaped mesh, with the real planning code
-(`_save._layout_for` -> `_plan.chunk_layout`, `_plan.assign_files`,
+(`_layout.layout_for` -> `_plan.chunk_layout`, `_plan.assign_files`,
 `_plan.plan_reads`, `_format.ItemIndex.to_json/from_json`). No JAX objects
 are built: a mesh is a device grid numbered row-major, device ``d`` belongs
 to process ``d // devices_per_process``, and the box each device holds under
@@ -35,8 +35,8 @@ import ml_dtypes
 import numpy as np
 
 from cairn import _format as fmt
+from cairn._layout import layout_cache, layout_for
 from cairn._plan import Box, assign_files, plan_reads
-from cairn._save import _layout_cache, _layout_for
 from cairn._tree import flatten
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS = 16384, 128, 8, 128, 53248, 128256, 126
@@ -158,14 +158,14 @@ def plan_save(cluster: Cluster, params: list[Param], itemsize: int, me: int, mem
     JAX's ``devices_indices_map`` in a real save) is excluded from the timing
     by the caller, which warms `cluster.boxes` first.
     """
-    _layout_cache.clear()
+    layout_cache.clear()
     mesh = cluster.save_mesh
     layouts, mine = [], []
     for i, prm in enumerate(params):
         boxes = cluster.boxes(mesh, prm.shape, prm.save)
         if not memo:
-            _layout_cache.clear()
-        layout, own = _layout_for((mesh, prm.save), prm.shape, boxes, cluster.devices, me, False, i)
+            layout_cache.clear()
+        layout, own = layout_for((mesh, prm.save), prm.shape, boxes, cluster.devices, me, False, i)
         layouts.append(layout)
         mine.extend((i, cell, elems * itemsize) for cell, _d, elems in own)
     files = assign_files(mine, 4, 32 << 20)
@@ -174,12 +174,12 @@ def plan_save(cluster: Cluster, params: list[Param], itemsize: int, me: int, mem
 
 def build_index(cluster: Cluster, params: list[Param], itemsize: int, block: int) -> fmt.ItemIndex:
     """The merged index the primary writes: every process's files, every chunk's place."""
-    _layout_cache.clear()
+    layout_cache.clear()
     mesh = cluster.save_mesh
     writers: list[np.ndarray] = []
     layouts = []
     for i, prm in enumerate(params):
-        layout, _ = _layout_for((mesh, prm.save), prm.shape, cluster.boxes(mesh, prm.shape, prm.save),
+        layout, _ = layout_for((mesh, prm.save), prm.shape, cluster.boxes(mesh, prm.shape, prm.save),
                                 cluster.devices, 0, False, i)
         layouts.append(layout)
         writers.append(np.asarray(layout.writer))

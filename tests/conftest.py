@@ -32,13 +32,13 @@ def _eight_devices():
 @pytest.fixture(autouse=True)
 def _quiet_background():
     """Each test starts and ends with no async save in flight or unreported."""
-    from cairn import _api
+    from cairn import _async
 
-    _api._background.wait_all(60)
-    _api._background._unreported.clear()
+    _async._background.wait_all(60)
+    _async._background._unreported.clear()
     yield
-    _api._background.wait_all(60)
-    _api._background._unreported.clear()
+    _async._background.wait_all(60)
+    _async._background._unreported.clear()
 
 
 @pytest.fixture(scope="module")

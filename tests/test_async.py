@@ -15,7 +15,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
-from cairn import _api
+from cairn import _async
 from cairn._storage._local import LocalStorage
 from cairn._storage._memory import MemoryStorage
 
@@ -134,7 +134,7 @@ def test_background_error_surfaces_from_result_log_and_next_save(tmp_path, monke
 
     # Nobody collects this one: the next save raises it, once, and does not start.
     cairn.save_async(tmp_path / "bad2", {"x": x})
-    _api._background.wait_all(60)
+    _async._background.wait_all(60)
     with pytest.raises(cairn.CheckpointError, match="earlier async save to .*bad2") as info:
         cairn.save_async(tmp_path / "ok2", {"x": x})
     assert "No space left" in str(info.value.__cause__)
@@ -142,7 +142,7 @@ def test_background_error_surfaces_from_result_log_and_next_save(tmp_path, monke
     cairn.save_async(tmp_path / "ok2", {"x": x}).result(timeout=60)
     # The blocking save surfaces it too, and so does wait_all.
     cairn.save_async(tmp_path / "bad3", {"x": x})
-    _api._background.wait_all(60)
+    _async._background.wait_all(60)
     with pytest.raises(cairn.CheckpointError, match="bad3"):
         cairn.save(tmp_path / "ok3", {"x": x})
     cairn.save_async(tmp_path / "bad4", {"x": x})
@@ -216,7 +216,7 @@ def test_many_rapid_saves(tmp_path, mesh8, where):
     futures = []
     for i in range(40):
         futures.append(cairn.save_async(f"{base}/c{i}", {"w": w, "i": i}))
-        assert len(_api._background._pending) <= _api.MAX_PENDING
+        assert len(_async._background._pending) <= _async.MAX_PENDING
         w = inc(w)
     for f in futures:
         f.result(timeout=120)

@@ -17,8 +17,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
+from cairn import _commit, _save
 from cairn import _format as fmt
-from cairn import _save
 from cairn._cli import main
 
 
@@ -186,7 +186,9 @@ def test_diff_reports_each_kind_of_change(tmp_path, mesh8, capsys):
 def _interrupted_save(monkeypatch, path, state):
     """Run a save that dies just before its commit, leaving what a killed process leaves."""
     with monkeypatch.context() as m:
-        m.setattr(_save.SaveJob, "_abort", lambda self: None)  # a killed process cleans nothing up
+        # A killed process cleans nothing up.
+        m.setattr(_commit.RenameCommit, "abort", lambda self, loc, token: None)
+        m.setattr(_commit.MarkerCommit, "abort", lambda self, loc, token: None)
 
         def die(self, *a, **k):
             raise OSError("simulated crash before the commit")

@@ -16,8 +16,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
-from cairn import _convert as cv
 from cairn import _verify
+from cairn._safetensors import from_safetensors, to_safetensors
+from cairn._torchfile import to_torch_file
 
 
 def assert_bitwise(a, b):
@@ -68,9 +69,9 @@ def test_safetensors_round_trip_is_bitwise(tmp_path, mesh8, per_item):
     state = rich_state(mesh8)
     cairn.save(tmp_path / "ck", state, metadata={"run": "r1"})
     dst = tmp_path / ("dir" if per_item else "m.safetensors")
-    written = cv.to_safetensors(tmp_path / "ck", dst, per_item=per_item, budget_bytes=1 << 20)
+    written = to_safetensors(tmp_path / "ck", dst, per_item=per_item, budget_bytes=1 << 20)
     assert len(written) == (4 if per_item else 1)
-    cv.from_safetensors(dst, tmp_path / "back")
+    from_safetensors(dst, tmp_path / "back")
     assert_trees_bitwise(cairn.load(tmp_path / "ck"), cairn.load(tmp_path / "back"))
     assert cairn._load.read_manifest(cairn._location.resolve(tmp_path / "back")).metadata == {"run": "r1"}
     assert _verify.verify(tmp_path / "back").ok
@@ -83,7 +84,7 @@ def test_safetensors_output_reads_with_the_safetensors_library(tmp_path, mesh8):
     state = rich_state(mesh8)
     del state["params"]["w2"], state["params"]["f8"]  # numpy has no bfloat16 / float8
     cairn.save(tmp_path / "ck", state)
-    cv.to_safetensors(tmp_path / "ck", tmp_path / "m.safetensors")
+    to_safetensors(tmp_path / "ck", tmp_path / "m.safetensors")
     got = load_file(str(tmp_path / "m.safetensors"))
     assert_bitwise(got["params/w"], state["params"]["w"])
     assert_bitwise(got["params/i64"], state["params"]["i64"])
@@ -100,7 +101,7 @@ def test_bfloat16_safetensors_reads_in_torch(tmp_path, mesh8):
 
     state = rich_state(mesh8)
     cairn.save(tmp_path / "ck", state)
-    cv.to_safetensors(tmp_path / "ck", tmp_path / "m.safetensors")
+    to_safetensors(tmp_path / "ck", tmp_path / "m.safetensors")
     got = load_file(str(tmp_path / "m.safetensors"))
     assert got["params/w2"].dtype == torch.bfloat16
     assert got["params/w2"].view(torch.int16).numpy().tobytes() == np.asarray(state["params"]["w2"]).tobytes()
@@ -113,13 +114,13 @@ def test_plain_safetensors_file_becomes_a_flat_checkpoint(tmp_path):
     tensors = {"model.layers.0.weight": np.arange(12, dtype=np.float32).reshape(3, 4),
                "model/odd%name": np.array([1, 2], np.int8), "scalar": np.array(3.0)}
     save_file(tensors, str(tmp_path / "hf.safetensors"), metadata={"format": "pt"})
-    cv.from_safetensors(tmp_path / "hf.safetensors", tmp_path / "ck")
+    from_safetensors(tmp_path / "hf.safetensors", tmp_path / "ck")
     got = cairn.load(tmp_path / "ck")
     assert list(got) == list(tensors) or set(got) == set(tensors)
     for k, v in tensors.items():
         assert_bitwise(got[k], v)
     # and back: the flat dict maps to the same tensor names
-    cv.to_safetensors(tmp_path / "ck", tmp_path / "again.safetensors")
+    to_safetensors(tmp_path / "ck", tmp_path / "again.safetensors")
     from safetensors.numpy import load_file
 
     again = load_file(str(tmp_path / "again.safetensors"))
@@ -129,15 +130,15 @@ def test_plain_safetensors_file_becomes_a_flat_checkpoint(tmp_path):
 def test_unsupported_dtype_and_bad_header_errors(tmp_path):
     cairn.save(tmp_path / "ck", {"x": np.ones(2, ml_dtypes.int4)})
     with pytest.raises(cairn.UnsupportedTypeError, match=r"\[x\]: leaf '<root>' has dtype int4, which safetensors cannot hold"):
-        cv.to_safetensors(tmp_path / "ck", tmp_path / "m.safetensors")
+        to_safetensors(tmp_path / "ck", tmp_path / "m.safetensors")
     bad = tmp_path / "bad.safetensors"
     bad.write_bytes((10**9).to_bytes(8, "little") + b"{}")
     with pytest.raises(cairn.CorruptCheckpointError, match="too large or truncated"):
-        cv.from_safetensors(bad, tmp_path / "x")
+        from_safetensors(bad, tmp_path / "x")
     header = json.dumps({"t": {"dtype": "F32", "shape": [4], "data_offsets": [0, 12]}}).encode()
     bad.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 16)
     with pytest.raises(cairn.CorruptCheckpointError, match="'t'.*data_offsets"):
-        cv.from_safetensors(bad, tmp_path / "x")
+        from_safetensors(bad, tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
 
@@ -147,8 +148,8 @@ def test_memory_url_round_trip(mesh8):
     base = f"memory://conv-{uuid.uuid4().hex}"
     state = rich_state(mesh8)
     cairn.save(f"{base}/ck", state)
-    cv.to_safetensors(f"{base}/ck", f"{base}/m.safetensors")
-    cv.from_safetensors(f"{base}/m.safetensors", f"{base}/back")
+    to_safetensors(f"{base}/ck", f"{base}/m.safetensors")
+    from_safetensors(f"{base}/m.safetensors", f"{base}/back")
     assert_trees_bitwise(cairn.load(f"{base}/ck"), cairn.load(f"{base}/back"))
 
 
@@ -159,7 +160,7 @@ def test_torch_state_dict_round_trip_is_bitwise(tmp_path, mesh8):
     torch = pytest.importorskip("torch")
     state = rich_state(mesh8)
     cairn.save(tmp_path / "ck", state)
-    cv.to_torch_file(tmp_path / "ck", tmp_path / "m.pt", budget_bytes=1 << 20)
+    to_torch_file(tmp_path / "ck", tmp_path / "m.pt", budget_bytes=1 << 20)
     for mmap in (False, True):
         sd = torch.load(tmp_path / "m.pt", weights_only=True, mmap=mmap)
         assert sd["params.w2"].dtype == torch.bfloat16 and sd["params.f8"].dtype == torch.float8_e4m3fn
@@ -196,15 +197,16 @@ _RSS_SCRIPT = textwrap.dedent(
     """
     import json, sys
     kind, src, dst, budget, warm = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
-    from cairn import _convert as cv
+    from cairn._safetensors import from_safetensors, to_safetensors
+    from cairn._torchfile import to_torch_file
 
     def convert(src, dst):
         if kind == "safetensors":
-            cv.to_safetensors(src, dst, budget_bytes=budget)
+            to_safetensors(src, dst, budget_bytes=budget)
         elif kind == "cairn":
-            cv.from_safetensors(src, dst, budget_bytes=budget)
+            from_safetensors(src, dst, budget_bytes=budget)
         else:
-            cv.to_torch_file(src, dst, budget_bytes=budget)
+            to_torch_file(src, dst, budget_bytes=budget)
 
     # A tiny conversion first, so that lazy imports and thread start-up are not counted.
     convert(warm, dst + ".warm")
@@ -247,7 +249,7 @@ def test_convert_memory_stays_within_budget(tmp_path, mesh8):
     cairn.save(tmp_path / "ck", state)
     del state
     cairn.save(tmp_path / "tiny", {"a": np.ones(3), "b": {"c": np.zeros(2)}})
-    cv.to_safetensors(tmp_path / "tiny", tmp_path / "tiny.safetensors")
+    to_safetensors(tmp_path / "tiny", tmp_path / "tiny.safetensors")
     growth = {
         "safetensors": _peak_growth("safetensors", tmp_path / "ck", tmp_path / "m.safetensors", budget,
                                     tmp_path, tmp_path / "tiny"),

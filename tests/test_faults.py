@@ -413,7 +413,7 @@ def test_kill_anywhere_local_manager_retention(server, tmp_path, use_async):
             for s in steps:
                 assert_same(mgr.restore(s), states[s], f"{where}: step {s}")
             assert local_leftovers(base) == [], (where, local_leftovers(base))
-            assert sorted(os.listdir(base)) == [cairn._manager.step_dirname(s) for s in steps], where
+            assert sorted(os.listdir(base)) == [cairn._steps.step_dirname(s) for s in steps], where
             seen.add(tuple(steps))
             mgr.save(3, states[3])
             assert mgr.steps()[-2:] == [steps[-1], 3], where

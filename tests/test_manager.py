@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 from tests._procs.train_loop import expected
 
 import cairn
-from cairn import _api
+from cairn import _async
 from cairn._storage._local import LocalStorage
 from cairn._storage._memory import MemoryStorage
 
@@ -156,7 +156,7 @@ def test_a_failed_save_deletes_nothing_and_surfaces(monkeypatch):
     mgr = _mgr(d, max_to_keep=1)
     mgr.save(1, {"x": np.ones(3)})
     mgr.save(2, {"x": np.ones(3) * 2})
-    _api._background.wait_all(60)
+    _async._background.wait_all(60)
     assert mgr.steps() == [1], "the only good checkpoint survives a failed save"
     with pytest.raises(cairn.CheckpointError, match="step 2 failed.*I/O error"):
         mgr.save(3, {"x": np.ones(3) * 3})
@@ -307,7 +307,11 @@ def test_preemption_check_forces_a_synchronous_save(directory):
 def test_sigterm_in_process_sets_preemption_and_close_restores_handler(directory):
     before = signal.getsignal(signal.SIGTERM)
     seen = []
-    signal.signal(signal.SIGTERM, lambda *a: seen.append(a[0]))
+
+    def earlier(*a):
+        seen.append(a[0])
+
+    signal.signal(signal.SIGTERM, earlier)
     try:
         mgr = cairn.CheckpointManager(directory, save_every=1000)
         assert not mgr.save(3, {"x": 3})
@@ -316,7 +320,7 @@ def test_sigterm_in_process_sets_preemption_and_close_restores_handler(directory
         assert mgr.save(4, {"x": 4}) and mgr.steps() == [4] and mgr.reached_preemption(4)
         assert seen == [signal.SIGTERM], "the earlier handler is chained"
         mgr.close()
-        assert signal.getsignal(signal.SIGTERM) is not mgr._on_sigterm
+        assert signal.getsignal(signal.SIGTERM) is earlier, "close puts the earlier handler back"
     finally:
         signal.signal(signal.SIGTERM, before)
 

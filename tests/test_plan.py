@@ -11,10 +11,10 @@ from hypothesis import strategies as st
 
 from cairn import _format as fmt
 from cairn._checksum import crc32c
+from cairn._format import cell_box
 from cairn._plan import (
     LayoutError,
     assign_files,
-    cell_box,
     chunk_layout,
     overlapping_cells,
     plan_reads,

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cairn
-from cairn._manager import CheckpointInfo, retained
+from cairn._retention import CheckpointInfo, retained
 
 _ids = itertools.count()
 

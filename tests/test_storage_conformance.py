@@ -135,6 +135,22 @@ class StorageConformance:
         finally:
             r.close()
 
+    def test_reader_declares_what_it_can_do(self, storage):
+        """`size` (None or the true size) and `read_into_many` (vectored or not, it reads the same)."""
+        data = bytes(range(256)) * 40
+        storage.write("ck/many.bin", [data])
+        r = storage.open_read("ck/many.bin")
+        try:
+            assert isinstance(r.vectored, bool)
+            assert r.size is None or r.size == len(data)
+            outs = [np.empty(n, np.uint8) for n in (3, 0, 4096, 17)]
+            r.read_into_many(5, [memoryview(o) for o in outs])
+            assert b"".join(o.tobytes() for o in outs) == data[5 : 5 + 3 + 4096 + 17]
+            with pytest.raises(EOFError):
+                r.read_into_many(len(data) - 4, [memoryview(bytearray(3)), memoryview(bytearray(3))])
+        finally:
+            r.close()
+
     # -------------------------------------------------------------- listing
 
     def test_exists_for_objects_and_folders(self, storage):

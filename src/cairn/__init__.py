@@ -7,12 +7,12 @@
 The public API is exactly the names re-exported here.
 """
 
-from ._api import SaveFuture as SaveFuture
 from ._api import load as load
 from ._api import metadata as metadata
 from ._api import save as save
 from ._api import save_async as save_async
-from ._api import wait_all as wait_all
+from ._async import SaveFuture as SaveFuture
+from ._async import wait_all as wait_all
 from ._buffers import release_snapshot_buffers as release_snapshot_buffers
 from ._coord import Coordinator as Coordinator
 from ._errors import CheckpointError as CheckpointError
@@ -25,17 +25,16 @@ from ._errors import MismatchError as MismatchError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
 from ._leaves import register_type as register_type
 from ._load import ArrayMetadata as ArrayMetadata
-from ._manager import CheckpointInfo as CheckpointInfo
 from ._manager import CheckpointManager as CheckpointManager
-from ._manager import KeepAny as KeepAny
-from ._manager import KeepBest as KeepBest
-from ._manager import KeepEvery as KeepEvery
-from ._manager import KeepIf as KeepIf
-from ._manager import KeepLatest as KeepLatest
-from ._manager import RetentionPolicy as RetentionPolicy
+from ._retention import CheckpointInfo as CheckpointInfo
+from ._retention import KeepAny as KeepAny
+from ._retention import KeepBest as KeepBest
+from ._retention import KeepEvery as KeepEvery
+from ._retention import KeepIf as KeepIf
+from ._retention import KeepLatest as KeepLatest
+from ._retention import RetentionPolicy as RetentionPolicy
 from ._save import SaveStats as SaveStats
-
-__version__ = "0.1.0"
+from ._version import __version__ as __version__
 
 __all__ = [
     "ArrayMetadata",

@@ -1,7 +1,8 @@
 """The ``cairn`` command line: ls, inspect, verify, diff, convert, gc.
 
-Every command reaches checkpoints through `cairn._location.resolve`, so it
-works the same on local paths and object-store URLs. Output is a rich table
+Every command reaches checkpoints through `cairn._location.resolve` (``ls``
+and ``gc`` through `cairn._steps`, which the manager shares), so it works the
+same on local paths and object-store URLs. Output is a rich table
 when rich is installed (the ``cli`` extra) and aligned plain text otherwise
 (or with ``--plain``); ``--json`` gives machine-readable output. A failure is
 one line on stderr and a non-zero exit status; ``--debug`` shows the
@@ -24,7 +25,6 @@ import argparse
 import contextlib
 import json
 import math
-import os
 import re
 import sys
 import time
@@ -32,13 +32,9 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from . import _format as fmt
-from ._errors import CheckpointError, CorruptCheckpointError
-
-_MANAGER_META_KEY = "cairn.manager"  # _manager.META_KEY, without importing the manager
-_STEP_NAME = re.compile(r"^(?:step_?)?(\d+)$")
-# Files only a cairn save writes: data files, per-attempt indexes, per-process partial indexes.
-_CAIRN_FILE = re.compile(r"^(p\d{5}-\d+\.[0-9a-f]+\.bin|index\.[0-9a-f]+\.json|_index\.p\d{5}\.[0-9a-f]+\.json)$")
-
+from . import _steps
+from . import _values as values
+from ._errors import CheckpointError
 
 # ---------------------------------------------------------------------- output
 
@@ -163,78 +159,6 @@ def _json_default(x: Any) -> Any:
 # ---------------------------------------------------------------------- ls / gc
 
 
-def _scan(dir_path: str, storage_options: dict | None) -> tuple[Any, list[dict[str, Any]]]:
-    """Every checkpoint-like entry of a manager directory, committed or not."""
-    from ._load import read_manifest
-    from ._location import Location, resolve
-
-    loc = resolve(dir_path, storage_options)
-    storage = loc.storage
-    now = time.time()
-    entries = []
-    for child in storage.list_dir(loc.name):
-        key = loc.key(child)
-        tmp = child.startswith(".") and fmt.TMP_MARK in child
-        if child.startswith(".") and not tmp:
-            continue
-        files = storage.list(key)
-        if not tmp and not files:
-            continue  # a plain file, not a checkpoint folder
-        e: dict[str, Any] = {"name": child, "key": key, "status": "", "step": None, "age_s": None,
-                             "metrics": {}, "created_unix": None}
-        if tmp:
-            e["status"] = "temporary"
-            e["of"] = child[1 : child.index(fmt.TMP_MARK)]
-        elif storage.exists(f"{key}/{fmt.MANIFEST}"):
-            try:
-                m = read_manifest(Location(storage, key, f"{loc.path.rstrip('/')}/{child}"))
-            except CorruptCheckpointError as err:
-                e["status"] = "corrupt"
-                e["error"] = str(err)
-            else:
-                e["status"] = "committed"
-                e["created_unix"] = m.created_unix
-                e["age_s"] = now - m.created_unix if m.created_unix else None
-                mgr = m.metadata.get(_MANAGER_META_KEY)
-                if isinstance(mgr, dict):
-                    e["step"] = mgr.get("step")
-                    e["metrics"] = mgr.get("metrics") or {}
-                elif isinstance(m.metadata.get("metrics"), dict):
-                    e["metrics"] = m.metadata["metrics"]
-        elif any(_CAIRN_FILE.match(k.rsplit("/", 1)[-1]) for k in files):
-            # Written by a save that never committed (on object stores files go in place).
-            e["status"] = "uncommitted"
-        else:
-            continue  # some other folder: neither listed nor ever removed
-        if e["step"] is None:
-            digits = _STEP_NAME.match(e.get("of", child))
-            e["step"] = int(digits.group(1)) if digits else None
-        e["files"] = len(files)
-        e["bytes"] = sum(_size(storage, k) for k in files)
-        if e["age_s"] is None:
-            mtime = _local_mtime(storage, key)
-            e["age_s"] = now - mtime if mtime is not None else None
-        entries.append(e)
-    entries.sort(key=lambda e: (e["step"] is None, e["step"] or 0, e["name"]))
-    return loc, entries
-
-
-def _size(storage: Any, key: str) -> int:
-    try:
-        return storage.size(key)
-    except (FileNotFoundError, NotADirectoryError):
-        return 0  # removed while listing
-
-
-def _local_mtime(storage: Any, key: str) -> float | None:
-    if not getattr(storage, "atomic_rename", False):
-        return None  # object stores: the Storage protocol has no modification times
-    try:
-        return os.path.getmtime(storage.describe(key))
-    except OSError:
-        return None
-
-
 def _fmt_metrics(metrics: dict[str, Any]) -> str:
     parts = []
     for k, v in metrics.items():
@@ -243,7 +167,7 @@ def _fmt_metrics(metrics: dict[str, Any]) -> str:
 
 
 def cmd_ls(args: argparse.Namespace, out: Output) -> int:
-    loc, entries = _scan(args.dir, None)
+    loc, entries = _steps.scan(args.dir, None)
     if args.json:
         _dump_json({"dir": loc.path, "entries": [{k: v for k, v in e.items() if k != "key"} for e in entries]})
         return 0
@@ -269,20 +193,21 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_gc(args: argparse.Namespace, out: Output) -> int:
-    loc, entries = _scan(args.dir, None)
+    loc, entries = _steps.scan(args.dir, None)
     leftovers = [e for e in entries if e["status"] in ("temporary", "uncommitted")]
     # A leftover younger than --min-age may be a save still in progress: keep it.
     # Where the age is unknown (object stores have no modification times here),
     # only --min-age 0 removes it.
     doomed = [e for e in leftovers if args.min_age <= 0 or (e["age_s"] is not None and e["age_s"] >= args.min_age)]
     kept = [e for e in leftovers if e not in doomed]
+    storage = _steps.open_directory(args.dir)[1] if doomed and not args.dry_run else None
     for e in [] if args.json else kept:
         age = "unknown age" if e["age_s"] is None else f"{e['age_s']:.0f} s old"
         out.line(f"kept {e['name']} ({e['status']}, {age}: may be a save in progress; --min-age 0 removes it)")
     if args.json:
-        if not args.dry_run:
+        if storage is not None:
             for e in doomed:
-                loc.storage.delete_prefix(e["key"])
+                _remove(storage, e)
         _dump_json({"dir": loc.path, "dry_run": args.dry_run,
                     "removed": [{"name": e["name"], "status": e["status"], "bytes": e["bytes"]} for e in doomed],
                     "kept": [{"name": e["name"], "status": e["status"], "age_s": e["age_s"]} for e in kept]})
@@ -293,11 +218,19 @@ def cmd_gc(args: argparse.Namespace, out: Output) -> int:
         return 0
     verb = "would remove" if args.dry_run else "removed"
     for e in doomed:
-        if not args.dry_run:
-            loc.storage.delete_prefix(e["key"])
+        if storage is not None:
+            _remove(storage, e)
         out.line(f"{verb} {e['name']} ({e['status']}, {e['files']} files, {human_bytes(e['bytes'])})")
     out.line(f"{verb} {len(doomed)} entries, {human_bytes(sum(e['bytes'] for e in doomed))}")
     return 0
+
+
+def _remove(storage: Any, e: dict[str, Any]) -> None:
+    """Remove leftover `e` through the directory's own storage (`_steps.remove_leftover`)."""
+    try:
+        _steps.remove_leftover(storage, e["name"])
+    except FileNotFoundError:
+        pass  # removed meanwhile
 
 
 # ---------------------------------------------------------------------- inspect
@@ -331,7 +264,7 @@ def _value_json(v: Any) -> Any:
 
 
 def inspect_data(path: str) -> dict[str, Any]:
-    from ._convert import open_checkpoint
+    from ._metadata import open_checkpoint
 
     ck = open_checkpoint(path)
     m = ck.manifest
@@ -342,7 +275,7 @@ def inspect_data(path: str) -> dict[str, Any]:
         for leaf in index.leaves:
             if isinstance(leaf, fmt.ArrayLeaf):
                 d: dict[str, Any] = {
-                    "path": leaf.path, "kind": leaf.kind, "dtype": fmt.dtype_name(leaf.dtype),
+                    "path": leaf.path, "kind": leaf.kind, "dtype": values.dtype_name(leaf.dtype),
                     "shape": list(leaf.shape), "nbytes": leaf.nbytes, "grid": list(leaf.grid_shape),
                     "chunks": len(leaf.chunks),
                 }
@@ -452,20 +385,22 @@ def cmd_diff(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_convert(args: argparse.Namespace, out: Output) -> int:
-    from . import _convert as cv
+    from ._metadata import open_checkpoint
+    from ._safetensors import from_safetensors, to_safetensors
+    from ._torchfile import to_torch_file
 
     total = None
     if args.to in ("safetensors", "torch"):
-        ck = cv.open_checkpoint(args.src)
+        ck = open_checkpoint(args.src)
         total = sum(leaf.nbytes for i in ck.indexes.values() for leaf in i.leaves if isinstance(leaf, fmt.ArrayLeaf))
     with out.progress(f"converting to {args.to}", total) as (_set_total, advance):
         if args.to == "safetensors":
-            written = cv.to_safetensors(args.src, args.dst, per_item=args.per_item, budget_bytes=args.budget,
+            written = to_safetensors(args.src, args.dst, per_item=args.per_item, budget_bytes=args.budget,
                                         progress=advance)
         elif args.to == "torch":
-            written = [cv.to_torch_file(args.src, args.dst, sep=args.sep, budget_bytes=args.budget, progress=advance)]
+            written = [to_torch_file(args.src, args.dst, sep=args.sep, budget_bytes=args.budget, progress=advance)]
         else:
-            cv.from_safetensors(args.src, args.dst, budget_bytes=args.budget, progress=advance)
+            from_safetensors(args.src, args.dst, budget_bytes=args.budget, progress=advance)
             written = [args.dst]
     for w in written:
         out.line(f"wrote {w}")

@@ -1,8 +1,8 @@
-"""Coordination between processes: index, count, barriers and small messages.
+"""Coordination between processes: index, count and small messages.
 
 This is the only module that touches ``jax.distributed``. Everything here is
 safe to call from background threads: it uses the coordination service's
-key-value store and barriers (never device collectives), always with a
+key-value store (never device collectives), always with a
 timeout. A timeout names the processes that did not arrive and the last step
 each of them reached.
 
@@ -27,7 +27,7 @@ class Coordinator(Protocol):
 
     Implement it to run cairn under another launcher; cairn uses
     JAX's coordination service when ``jax.distributed`` is initialised and a
-    trivial single-process one otherwise. Every key and barrier name is used
+    trivial single-process one otherwise. Every key is used
     once per program run; every wait raises `CoordinationTimeoutError`
     after `timeout` seconds.
 
@@ -35,19 +35,16 @@ class Coordinator(Protocol):
 
         class MyCoordinator:
             process_index, process_count = rank, world_size
-            def barrier(self, name, timeout): ...
             def publish(self, key, value): ...
             def fetch(self, key, timeout): ...
             def fetch_all(self, prefix, count, timeout): ...
+            def drop(self, prefix): ...
 
         cairn.save(path, state, coordinator=MyCoordinator())
     """
 
     process_index: int
     process_count: int
-
-    def barrier(self, name: str, timeout: float) -> None:
-        """Wait until every process reaches the barrier `name` (each name used once)."""
 
     def publish(self, key: str, value: bytes) -> None:
         """Make `value` readable by every process under `key` (each key written once)."""
@@ -57,6 +54,9 @@ class Coordinator(Protocol):
 
     def fetch_all(self, prefix: str, count: int, timeout: float) -> dict[str, bytes]:
         """Wait until `count` keys exist under ``prefix/`` and return them (full keys)."""
+
+    def drop(self, prefix: str) -> None:
+        """Forget every key under `prefix` (cairn drops a save's keys once every process is past it)."""
 
 
 class SingleProcess:
@@ -113,6 +113,7 @@ class JaxCoordinator:
     # -------------------------------------------------------------- protocol
 
     def barrier(self, name: str, timeout: float) -> None:
+        """Wait until every process reaches `name` (not part of the protocol: cairn's own tests and tools)."""
         # Publish arrival first, so that a timeout can say who is missing.
         self._client.key_value_set_bytes(f"{name}/arrived/{self.process_index}", b"1")
         self._mark(f"waiting at barrier {name!r}")
@@ -267,3 +268,20 @@ def fetch_from(coord: Coordinator, key: str, timeout: float, writer: int) -> byt
     if isinstance(coord, (JaxCoordinator, SingleProcess)):
         return coord.fetch(key, timeout, writer=writer)
     return coord.fetch(key, timeout)
+
+
+def preemption_sync_manager() -> Any:
+    """JAX's preemption sync manager, when ``jax.distributed`` runs with it; else None.
+
+    Its ``reached_sync_point(step)`` is true on every process at the same
+    step, once any process was told of a preemption (JAX catches SIGTERM).
+    """
+    import sys
+
+    if "jax" not in sys.modules:
+        return None
+    try:
+        from jax._src import distributed
+    except ImportError:
+        return None
+    return getattr(distributed.global_state, "preemption_sync_manager", None)

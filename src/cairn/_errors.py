@@ -41,3 +41,39 @@ class CoordinationError(CheckpointError, RuntimeError):
 
 class CoordinationTimeoutError(CoordinationError, TimeoutError):
     """Some processes did not reach a barrier in time."""
+
+
+# ---------------------------------------------------------------------- across processes
+
+_CLASSES: dict[str, type[CheckpointError]] = {
+    cls.__name__: cls
+    for cls in (
+        CheckpointError, CheckpointNotFoundError, CheckpointExistsError, CorruptCheckpointError,
+        MismatchError, UnsupportedTypeError, CoordinationError, CoordinationTimeoutError,
+    )
+}
+
+
+def describe(e: BaseException) -> str:
+    """``"Type: message (at file.py:123)"``: an error and where it was raised, in one line."""
+    import os
+    import traceback
+
+    text = "".join(traceback.format_exception_only(type(e), e)).strip()
+    frames = traceback.extract_tb(e.__traceback__)
+    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
+    return text + where
+
+
+def error_record(e: BaseException, process: int | None = None) -> dict[str, object]:
+    """A JSON-serializable record of `e`, sent to the other processes through the coordinator."""
+    return {"type": type(e).__name__, "message": describe(e), "process": process}
+
+
+def error_from_record(record: dict[str, object], message: str) -> CheckpointError:
+    """The error to raise for `record` received from another process, with `message`.
+
+    cairn's own error classes travel as themselves; anything else (an
+    `OSError` on another host, say) arrives as a `CheckpointError`.
+    """
+    return _CLASSES.get(str(record.get("type")), CheckpointError)(message)

@@ -12,7 +12,7 @@ import itertools
 import json
 import math
 import re
-import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
@@ -20,10 +20,10 @@ from urllib.parse import quote
 import numpy as np
 
 from ._errors import CorruptCheckpointError
+from ._values import VALUE_KINDS, decode_value, dtype_from_name, dtype_name, encode_value
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
-COMMIT_MARKER = "_COMMITTED"
 INDEX = "index.json"
 ROOT_ITEM_DIR = "%root"
 DEFAULT_BLOCK_SIZE = 1 << 20
@@ -35,41 +35,6 @@ MAX_ARRAY_BYTES = 1 << 56  # 64 PiB
 MAX_FILE_BYTES = 1 << 56
 MIN_BLOCK, MAX_BLOCK = 1 << 12, 1 << 30
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
-
-_STD_DTYPES = {
-    "bool", "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
-    "float16", "float32", "float64", "complex64", "complex128",
-}
-_ML_DTYPES = {
-    "bfloat16", "int2", "int4", "uint2", "uint4", "float4_e2m1fn", "float6_e2m3fn",
-    "float6_e3m2fn", "float8_e3m4", "float8_e4m3", "float8_e4m3b11fnuz", "float8_e4m3fn",
-    "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-}
-
-
-def dtype_name(dtype: np.dtype) -> str | None:
-    """The format's name for `dtype`, or None if the format cannot store it."""
-    dtype = np.dtype(dtype)
-    name = dtype.name
-    if name in _STD_DTYPES or name in _ML_DTYPES:
-        return name
-    return None
-
-
-def dtype_from_name(name: Any, where: str = "") -> np.dtype:
-    """Parse a dtype name written by `dtype_name` (little-endian)."""
-    if isinstance(name, str):
-        if name in _STD_DTYPES:
-            dt = np.dtype(name)
-            return dt if sys.byteorder == "little" else dt.newbyteorder("<")
-        if name in _ML_DTYPES:
-            import ml_dtypes
-
-            t = getattr(ml_dtypes, name, None)
-            if t is not None:
-                return np.dtype(t)
-    raise CorruptCheckpointError(f"{where}unknown or unsupported dtype {name!r}")
-
 
 def item_dirname(name: str) -> str:
     """The folder of checkpointable `name`: percent-escaped, never '.'-led or nested."""
@@ -271,6 +236,18 @@ class FileInfo:
     size: int
 
 
+def cell_box(grid: Sequence[Sequence[int]], flat: int) -> tuple[tuple[int, int], ...]:
+    """The box of grid cell number `flat` (C order over the cells); `grid` holds each axis's boundaries."""
+    # Plain arithmetic, not np.unravel_index: the planners call this per chunk.
+    idx = []
+    for b in reversed(grid):
+        n = len(b) - 1
+        idx.append(flat % n)
+        flat //= n
+    idx.reverse()
+    return tuple((grid[a][i], grid[a][i + 1]) for a, i in enumerate(idx))
+
+
 @dataclass(frozen=True)
 class ArrayLeaf:
     """A stored array: a regular grid of chunks, each a C-order run of bytes in a file."""
@@ -294,14 +271,7 @@ class ArrayLeaf:
         return tuple(len(b) - 1 for b in self.grid)
 
     def chunk_box(self, flat: int) -> tuple[tuple[int, int], ...]:
-        # Plain arithmetic, not np.unravel_index: the load planner calls this per piece.
-        idx = []
-        for b in reversed(self.grid):
-            n = len(b) - 1
-            idx.append(flat % n)
-            flat //= n
-        idx.reverse()
-        return tuple((self.grid[a][i], self.grid[a][i + 1]) for a, i in enumerate(idx))
+        return cell_box(self.grid, flat)
 
     def chunk_nbytes(self, flat: int) -> int:
         return math.prod(hi - lo for lo, hi in self.chunk_box(flat)) * self.dtype.itemsize
@@ -449,7 +419,7 @@ def _leaf_from_json(x: Any, files: list[FileInfo], block: int, where: str) -> Le
         if kind == "object" and leaf.handler is None:
             raise _fail(where, "an object leaf must name its handler")
         return ArrayLeaf(**{**leaf.__dict__, "chunks": tuple(chunks), "crcs": tuple(crcs)})
-    if kind in _VALUE_KINDS:
+    if kind in VALUE_KINDS:
         if "value" not in x:
             raise _fail(where, "missing field 'value'")
         return ValueLeaf(path, kind, decode_value(kind, x["value"], where))
@@ -497,79 +467,3 @@ def _check_structure(node: Any, n_leaves: int, where: str) -> None:
             raise _fail(where, "unknown node in tree structure")
     if len(seen) != n_leaves:
         raise _fail(where, f"tree structure names {len(seen)} of {n_leaves} leaves")
-
-
-# --------------------------------------------------------------------------- inline values
-
-_VALUE_KINDS = {"none", "bool", "int", "float", "complex", "str", "scalar"}
-
-
-def value_kind(x: Any) -> str | None:
-    """The inline kind for a non-array leaf, or None if it is not an inline value."""
-    if x is None:
-        return "none"
-    if isinstance(x, bool):
-        return "bool"
-    if isinstance(x, int):
-        return "int"
-    if isinstance(x, float):
-        return "float"
-    if isinstance(x, complex):
-        return "complex"
-    if isinstance(x, str):
-        return "str"
-    if isinstance(x, np.generic) and dtype_name(x.dtype) is not None:
-        return "scalar"
-    return None
-
-
-def encode_value(kind: str, x: Any) -> Any:
-    if kind in ("none",):
-        return None
-    if kind in ("bool", "str"):
-        return x
-    if kind == "int":
-        return str(int(x))  # exact for any size, in any JSON reader
-    if kind == "float":
-        return float(x).hex()
-    if kind == "complex":
-        return [x.real.hex(), x.imag.hex()]
-    if kind == "scalar":
-        arr = np.asarray(x)
-        return {"dtype": dtype_name(arr.dtype), "hex": arr.astype(arr.dtype.newbyteorder("<")).tobytes().hex()}
-    raise ValueError(kind)
-
-
-def decode_value(kind: str, v: Any, where: str) -> Any:
-    try:
-        if kind == "none":
-            if v is not None:
-                raise ValueError("not null")
-            return None
-        if kind == "bool":
-            if not isinstance(v, bool):
-                raise ValueError("not a boolean")
-            return v
-        if kind == "str":
-            if not isinstance(v, str):
-                raise ValueError("not a string")
-            return v
-        if kind == "int":
-            if not isinstance(v, str) or len(v) > 10_000:
-                raise ValueError("not an integer string")
-            return int(v)
-        if kind == "float":
-            return float.fromhex(v)
-        if kind == "complex":
-            return complex(float.fromhex(v[0]), float.fromhex(v[1]))
-        if kind == "scalar":
-            dt = dtype_from_name(v["dtype"], f"{where}: ")
-            raw = bytes.fromhex(v["hex"])
-            if len(raw) != dt.itemsize:
-                raise ValueError("wrong byte count")
-            return np.frombuffer(raw, dtype=dt)[0]
-    except CorruptCheckpointError:
-        raise
-    except (ValueError, TypeError, KeyError, IndexError, OverflowError) as e:
-        raise _fail(where, f"bad {kind} value {v!r:.80} ({e})") from None
-    raise _fail(where, f"unknown value kind {kind!r}")

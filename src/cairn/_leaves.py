@@ -14,8 +14,8 @@ from typing import Any
 import numpy as np
 
 from ._errors import UnsupportedTypeError
-from ._format import dtype_name, value_kind
 from ._tree import display_path
+from ._values import dtype_name, value_kind
 
 
 @dataclass(frozen=True)

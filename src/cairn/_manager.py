@@ -9,27 +9,24 @@ restored or counted for retention, and the primary process removes them
 (``.step_*.cairn-tmp-*`` folders, and on object stores step prefixes without a
 manifest) when the manager opens and after each commit.
 
-The manager reaches storage only through the `Storage` protocol, so the same
-code runs on local disk, ``memory://`` and object stores.
+The manager works on the storage rooted at its directory: step folders
+through `_steps` (naming, listing, deletion, leftovers), saves and loads
+through the engine (`_async`, `_load`) on a `Location` in that storage, so the
+same code runs on local disk, ``memory://`` and object stores. Retention
+policies live in `_retention`, preemption detection in `_preemption`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import operator
 import os
-import re
-import secrets
-import signal
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from types import MappingProxyType
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from . import _api
-from . import _format as fmt
+from . import _async, _load, _steps
 from ._coord import Coordinator, default_coordinator
 from ._errors import (
     CheckpointError,
@@ -37,210 +34,12 @@ from ._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
 )
-from ._load import read_manifest
 from ._location import Location
-from ._storage import open_storage
+from ._preemption import PreemptionWatch
+from ._retention import CheckpointInfo, RetentionPolicy, policy_from, retained
+from ._steps import step_dirname
 
 log = logging.getLogger("cairn")
-
-#: The manifest metadata key under which the manager records step and metrics.
-META_KEY = "cairn.manager"
-_STEP_RE = re.compile(r"^step_(\d{8,})$")
-
-
-def step_dirname(step: int) -> str:
-    """The folder name of `step`: ``step_`` and the step zero-padded to 8 digits."""
-    return f"step_{step:08d}"
-
-
-def _parse_step(name: str) -> int | None:
-    m = _STEP_RE.match(name)
-    if m is None:
-        return None
-    step = int(m.group(1))
-    return step if step_dirname(step) == name else None  # only the canonical spelling
-
-
-# ---------------------------------------------------------------------- retention
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """What a retention policy sees of one committed checkpoint."""
-
-    step: int
-    metrics: Mapping[str, float | None] = field(default_factory=lambda: MappingProxyType({}))
-
-
-class RetentionPolicy:
-    """Decides which committed checkpoints to preserve.
-
-    Subclass it and implement `keep`, which receives every committed
-    checkpoint (oldest first) and returns the steps to preserve. Policies
-    combine with ``|``: a checkpoint survives if any policy keeps it. The
-    manager always keeps the newest committed checkpoint as well, so the
-    policies can never delete the only (or the latest) good checkpoint.
-
-    Example::
-
-        policy = cairn.KeepLatest(3) | cairn.KeepEvery(1000) | cairn.KeepIf(lambda c: c.step < 10)
-        mgr = cairn.CheckpointManager("/ckpt", retention=policy)
-    """
-
-    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
-        raise NotImplementedError
-
-    def __or__(self, other: RetentionPolicy) -> RetentionPolicy:
-        return KeepAny(self, other)
-
-
-class KeepLatest(RetentionPolicy):
-    """Keep the `n` newest checkpoints.
-
-    Example::
-
-        cairn.CheckpointManager("/ckpt", retention=cairn.KeepLatest(3))   # same as max_to_keep=3
-    """
-
-    def __init__(self, n: int):
-        if n < 1:
-            raise ValueError(f"KeepLatest needs n >= 1, got {n}")
-        self.n = n
-
-    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
-        return set(sorted(c.step for c in checkpoints)[-self.n :])
-
-    def __repr__(self) -> str:
-        return f"KeepLatest({self.n})"
-
-
-class KeepEvery(RetentionPolicy):
-    """Keep every checkpoint whose step is a multiple of `n` (a permanent trail).
-
-    Example::
-
-        cairn.KeepEvery(1000)   # keeps steps 0, 1000, 2000, ...
-    """
-
-    def __init__(self, n: int):
-        if n < 1:
-            raise ValueError(f"KeepEvery needs n >= 1, got {n}")
-        self.n = n
-
-    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
-        return {c.step for c in checkpoints if c.step % self.n == 0}
-
-    def __repr__(self) -> str:
-        return f"KeepEvery({self.n})"
-
-
-class KeepBest(RetentionPolicy):
-    """Keep the `n` checkpoints with the best value of `metric`.
-
-    `mode` is ``"min"`` (lower is better) or ``"max"``. Checkpoints saved
-    without the metric, or with a non-finite value, are never among the best.
-    Ties go to the newer step. The metrics live in each checkpoint's manifest,
-    so the choice stays right across restarts.
-
-    Example::
-
-        cairn.KeepBest(2, "eval_loss")               # the two lowest eval losses
-        cairn.KeepBest(1, "accuracy", mode="max")
-    """
-
-    def __init__(self, n: int, metric: str, mode: str = "min"):
-        if n < 1:
-            raise ValueError(f"KeepBest needs n >= 1, got {n}")
-        if mode not in ("min", "max"):
-            raise ValueError(f"KeepBest mode must be 'min' or 'max', got {mode!r}")
-        self.n, self.metric, self.mode = n, metric, mode
-
-    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
-        sign = 1.0 if self.mode == "min" else -1.0
-        scored = []
-        for c in checkpoints:
-            v = c.metrics.get(self.metric)
-            if v is not None and math.isfinite(v):
-                scored.append((sign * v, -c.step))
-        scored.sort()
-        return {-neg_step for _, neg_step in scored[: self.n]}
-
-    def __repr__(self) -> str:
-        return f"KeepBest({self.n}, {self.metric!r}, mode={self.mode!r})"
-
-
-class KeepIf(RetentionPolicy):
-    """Keep every checkpoint for which `predicate(info)` is true.
-
-    Example::
-
-        cairn.KeepIf(lambda c: c.metrics.get("milestone") == 1.0)
-    """
-
-    def __init__(self, predicate: Callable[[CheckpointInfo], bool]):
-        self.predicate = predicate
-
-    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
-        return {c.step for c in checkpoints if self.predicate(c)}
-
-    def __repr__(self) -> str:
-        return f"KeepIf({self.predicate!r})"
-
-
-class KeepAny(RetentionPolicy):
-    """Keep what any of `policies` keeps (what ``a | b`` builds).
-
-    Example::
-
-        cairn.KeepAny(cairn.KeepLatest(2), cairn.KeepBest(1, "loss"))
-    """
-
-    def __init__(self, *policies: RetentionPolicy):
-        self.policies = policies
-
-    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
-        out: set[int] = set()
-        for p in self.policies:
-            out |= set(p.keep(checkpoints))
-        return out
-
-    def __repr__(self) -> str:
-        return " | ".join(map(repr, self.policies))
-
-
-def retained(policy: RetentionPolicy | None, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
-    """The steps that survive: what `policy` keeps, plus the newest; all of them without a policy."""
-    steps = {c.step for c in checkpoints}
-    if policy is None or not steps:
-        return steps
-    return (set(policy.keep(checkpoints)) & steps) | {max(steps)}
-
-
-def _policy_from(
-    max_to_keep: int | None, keep_every: int | None, keep_best: int | None, best_metric: str | None,
-    best_mode: str, retention: RetentionPolicy | Iterable[RetentionPolicy] | None,
-) -> RetentionPolicy | None:
-    parts: list[RetentionPolicy] = []
-    if max_to_keep is not None:
-        parts.append(KeepLatest(max_to_keep))
-    if keep_every is not None:
-        parts.append(KeepEvery(keep_every))
-    if keep_best is not None:
-        if best_metric is None:
-            raise ValueError("keep_best needs best_metric (the name of the metric to rank by)")
-        parts.append(KeepBest(keep_best, best_metric, best_mode))
-    elif best_metric is not None:
-        raise ValueError("best_metric is set but keep_best is not; pass keep_best=N")
-    if isinstance(retention, RetentionPolicy):
-        parts.append(retention)
-    elif retention is not None:
-        for p in retention:
-            if not isinstance(p, RetentionPolicy):
-                raise TypeError(f"retention entries must be RetentionPolicy objects, got {type(p).__name__}")
-            parts.append(p)
-    if not parts:
-        return None
-    return parts[0] if len(parts) == 1 else KeepAny(*parts)
 
 
 # ---------------------------------------------------------------------- the manager
@@ -249,7 +48,7 @@ def _policy_from(
 @dataclass
 class _Pending:
     step: int
-    future: _api.SaveFuture
+    future: _async.SaveFuture
     settled: threading.Event  # set once the retention that follows its commit has run
 
 
@@ -316,23 +115,14 @@ class CheckpointManager:
     ):
         if save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
-        text = os.fspath(directory)
-        if "://" not in text:
-            text = os.path.abspath(os.path.expanduser(text))
-        self.directory = text.rstrip("/")
-        self.policy = _policy_from(max_to_keep, keep_every, keep_best, best_metric, best_mode, retention)
+        self.directory, self._storage = _steps.open_directory(directory, storage_options)
+        self.policy = policy_from(max_to_keep, keep_every, keep_best, best_metric, best_mode, retention)
         self.save_every = save_every
         self.async_save = async_save
-        self._storage = open_storage(self.directory, storage_options)
-        self._storage_options = storage_options
         self._coord = coordinator or default_coordinator()
         self._primary = self._coord.process_index == 0
-        self._save_kwargs: dict[str, Any] = {
-            "storage_options": storage_options, "coordinator": coordinator, "threads": threads,
-        }
+        self._save_kwargs: dict[str, Any] = {"coordinator": coordinator, "threads": threads}
         self._snapshot_budget = snapshot_budget_bytes
-        self._preemption_check = preemption_check
-        self._preempted = threading.Event()
         self._preempt_saved: int | None = None  # step committed after preemption was detected
         self._pending: list[_Pending] = []
         self._lock = threading.Lock()  # guards _inflight (held only briefly)
@@ -340,18 +130,8 @@ class CheckpointManager:
         self._inflight: set[int] = set()  # steps whose save has started and not finished
         self._infos: dict[int, CheckpointInfo] = {}  # committed checkpoints never change
         self._closed = False
-        self._told = False
         self.restored_step: int | None = None
-        self._prev_handler: Any = None
-        self._installed = False
-        # Several processes must agree on the step at which they save for a
-        # preemption, or the save waits forever for the ones that did not see it.
-        # JAX's preemption service does exactly that (it catches SIGTERM itself
-        # and picks a common step), so use it when it runs.
-        self._sync = _preemption_sync_manager() if self._coord.process_count > 1 else None
-        if handle_sigterm and self._sync is None and threading.current_thread() is threading.main_thread():
-            self._prev_handler = signal.signal(signal.SIGTERM, self._on_sigterm)
-            self._installed = True
+        self._preemption = PreemptionWatch(self.directory, preemption_check, handle_sigterm, self._coord.process_count)
         if self._primary:
             with self._retention_lock:
                 self._cleanup_uncommitted()
@@ -374,12 +154,7 @@ class CheckpointManager:
 
             mgr.steps()    # [1000, 2800, 2900, 3000]
         """
-        out = []
-        for name in _names(self._storage):
-            step = _parse_step(name)
-            if step is not None and self._storage.exists(f"{name}/{fmt.MANIFEST}"):
-                out.append(step)
-        return sorted(out)
+        return _steps.committed_steps(self._storage)
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None if there is none.
@@ -407,14 +182,7 @@ class CheckpointManager:
     def _info(self, step: int) -> CheckpointInfo:
         info = self._infos.get(step)
         if info is None:
-            meta = read_manifest(self._location(step)).metadata.get(META_KEY, {})
-            raw = meta.get("metrics", {}) if isinstance(meta, dict) else {}
-            metrics = {
-                str(k): (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None)
-                for k, v in (raw.items() if isinstance(raw, dict) else ())
-            }
-            info = CheckpointInfo(step, MappingProxyType(metrics))
-            self._infos[step] = info
+            info = self._infos[step] = _steps.read_info(self._location(step), step)
         return info
 
     # ------------------------------------------------------------------ saving
@@ -427,7 +195,7 @@ class CheckpointManager:
             if mgr.should_save(step):
                 state = expensive_gather(state)
         """
-        return step % self.save_every == 0 or self._preemption_detected(step)
+        return step % self.save_every == 0 or self._preemption.detected(step)
 
     def save(
         self, step: int, state: Any, metrics: Mapping[str, Any] | None = None, force: bool = False
@@ -453,24 +221,23 @@ class CheckpointManager:
         if step < 0:
             raise ValueError(f"{self.directory}: step must be >= 0, got {step}")
         self._reap()
-        preempted = self._preemption_detected(step)
+        preempted = self._preemption.detected(step)
         if not (force or preempted or step % self.save_every == 0):
             return False
-        clean = _clean_metrics(metrics, f"{self.directory} step {step}")
+        meta = _steps.step_metadata(step, metrics, f"{self.directory} step {step}")
         with self._lock:
             if step in self._inflight:
                 raise CheckpointExistsError(f"{self.path(step)}: step {step} is already being saved")
             self._inflight.add(step)  # before any file exists, so cleanup leaves it alone
-        meta = {META_KEY: {"step": step, "metrics": clean}}
-        path = self.path(step)
+        loc = self._location(step)
         try:
             if self.async_save and not preempted:
-                fut = _api.save_async(
-                    path, state, metadata=meta, snapshot_budget_bytes=self._snapshot_budget, **self._save_kwargs
+                fut = _async.save_async(
+                    loc, state, metadata=meta, snapshot_budget_bytes=self._snapshot_budget, **self._save_kwargs
                 )
             else:
                 self.wait()
-                _api.save(path, state, metadata=meta, **self._save_kwargs)
+                _async.save(loc, state, metadata=meta, **self._save_kwargs)
         except BaseException:
             with self._lock:
                 self._inflight.discard(step)
@@ -478,18 +245,18 @@ class CheckpointManager:
         if self.async_save and not preempted:
             pending = _Pending(step, fut, threading.Event())
             self._pending.append(pending)
-            fut._future.add_done_callback(lambda _f: self._after_commit(pending))
+            fut.add_done_callback(lambda _f: self._after_commit(pending))
         else:
             self._settle(step, ok=True)
             if preempted:
                 self._preempt_saved = step
-                log.warning("cairn: preemption: saved step %d to %s", step, path)
+                log.warning("cairn: preemption: saved step %d to %s", step, loc.path)
         return True
 
     def _after_commit(self, pending: _Pending) -> None:
         """Runs on the background thread once the save is resolved."""
         try:
-            ok = pending.future._future.exception() is None
+            ok = _async.error_of(pending.future) is None  # the manager raises it itself, later
             self._settle(pending.step, ok)
         finally:
             pending.settled.set()
@@ -517,16 +284,7 @@ class CheckpointManager:
                 self._delete_step(s)
 
     def _delete_step(self, step: int) -> None:
-        name, storage = step_dirname(step), self._storage
-        # Uncommit first, in one step, so that a crash mid-deletion leaves an
-        # invisible leftover, never a listed checkpoint with missing files.
-        if storage.atomic_rename and hasattr(storage, "rename_dir"):
-            aside = fmt.tmp_dirname(name, "del-" + secrets.token_hex(4))
-            storage.rename_dir(name, aside)
-            storage.delete_prefix(aside)
-        else:
-            storage.delete_prefix(f"{name}/{fmt.MANIFEST}")
-            storage.delete_prefix(name)
+        _steps.delete_step(self._storage, step)
         self._infos.pop(step, None)
         log.info("cairn: retention deleted step %d from %s", step, self.directory)
 
@@ -536,25 +294,9 @@ class CheckpointManager:
         A step joins `_inflight` before its save creates any file, so a save
         in progress is never mistaken for an interrupted one.
         """
-        storage = self._storage
-        for name in _names(storage):
-            if name.startswith(".") and fmt.TMP_MARK in name:
-                step = _parse_step(name[1 : name.index(fmt.TMP_MARK)])
-                if step is None or step in self._inflight:
-                    continue
-            else:
-                step = _parse_step(name)
-                if step is None or step in self._inflight or storage.exists(f"{name}/{fmt.MANIFEST}"):
-                    continue
+        for name in _steps.leftovers(self._storage, self._inflight):
             try:
-                doomed = name
-                if name.startswith(".") and storage.atomic_rename and hasattr(storage, "rename_dir"):
-                    # Take it away in one step first. If it is a save still in
-                    # progress (another manager's), that save's rename then fails
-                    # cleanly, instead of committing a folder half deleted.
-                    doomed = fmt.tmp_dirname(step_dirname(step), "del-" + secrets.token_hex(4))
-                    storage.rename_dir(name, doomed)
-                storage.delete_prefix(doomed)
+                _steps.remove_leftover(self._storage, name)
                 log.info("cairn: removed the interrupted save %s from %s", name, self.directory)
             except FileNotFoundError:
                 pass  # committed or removed meanwhile by another process
@@ -595,24 +337,6 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ preemption
 
-    def _on_sigterm(self, signum: int, frame: Any) -> None:
-        self._preempted.set()
-        prev = self._prev_handler
-        if callable(prev) and prev not in (signal.SIG_DFL, signal.SIG_IGN):
-            prev(signum, frame)
-
-    def _preemption_detected(self, step: int | None = None) -> bool:
-        # reached_sync_point is true on every process at the same step, once any process was told.
-        if not self._preempted.is_set() and self._sync is not None and step is not None \
-                and self._sync.reached_sync_point(step):
-            self._preempted.set()
-        if not self._preempted.is_set() and self._preemption_check is not None and self._preemption_check():
-            self._preempted.set()
-        if self._preempted.is_set() and not self._told:
-            self._told = True
-            log.warning("cairn: preemption detected; the next save of %s writes and waits", self.directory)
-        return self._preempted.is_set()
-
     def reached_preemption(self, step: int) -> bool:
         """True once preemption was detected and a checkpoint has been committed since.
 
@@ -627,7 +351,7 @@ class CheckpointManager:
                 break
         """
         del step  # kept for the familiar signature; the answer depends on what was saved
-        return self._preemption_detected() and self._preempt_saved is not None
+        return self._preemption.detected() and self._preempt_saved is not None
 
     # ------------------------------------------------------------------ restoring
 
@@ -668,7 +392,7 @@ class CheckpointManager:
         failures: list[str] = []
         for s in candidates:
             try:
-                out = _api.load(self.path(s), target, partial=partial, storage_options=self._storage_options)
+                out = _load.load(self._location(s), target, partial=partial)
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:
                 if not fallback or step is not None:
                     raise
@@ -700,10 +424,7 @@ class CheckpointManager:
             self.wait()
         finally:
             self._closed = True
-            if self._installed and threading.current_thread() is threading.main_thread():
-                if signal.getsignal(signal.SIGTERM) == self._on_sigterm:
-                    signal.signal(signal.SIGTERM, self._prev_handler)
-                self._installed = False
+            self._preemption.release()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -721,38 +442,7 @@ class CheckpointManager:
         return f"<cairn.CheckpointManager {self.directory!r} policy={self.policy!r}>"
 
 
-def _clean_metrics(metrics: Mapping[str, Any] | None, where: str) -> dict[str, float | None]:
-    out: dict[str, float | None] = {}
-    for k, v in (metrics or {}).items():
-        if not isinstance(k, str):
-            raise TypeError(f"{where}: metric names must be strings, got {k!r}")
-        try:
-            f = float(v)
-        except (TypeError, ValueError):
-            raise TypeError(f"{where}: metric {k!r} is a {type(v).__name__}; metrics must be numbers") from None
-        out[k] = f if math.isfinite(f) else None  # JSON has no NaN; a NaN loss is never "best"
-    return out
-
-
 def _show(steps: list[int]) -> str:
     if not steps:
         return "none"
     return ", ".join(map(str, steps[-5:])) + (f" (and {len(steps) - 5} older)" if len(steps) > 5 else "")
-
-
-def _names(storage: Any) -> list[str]:
-    # Typed through Any: mypy reads the protocol's ``-> list[str]`` as its own ``list`` method.
-    return list(storage.list_dir(""))
-
-
-def _preemption_sync_manager() -> Any:
-    """JAX's preemption sync manager, when ``jax.distributed`` runs with it; else None."""
-    import sys
-
-    if "jax" not in sys.modules:
-        return None
-    try:
-        from jax._src import distributed
-    except ImportError:
-        return None
-    return getattr(distributed.global_state, "preemption_sync_manager", None)

@@ -20,6 +20,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from ._format import ArrayLeaf
 
@@ -127,16 +128,6 @@ def _ravel(idx: Sequence[int], grid_shape: Sequence[int]) -> int:
     for i, n in zip(idx, grid_shape):
         flat = flat * n + i
     return flat
-
-
-def cell_box(grid: Sequence[Sequence[int]], flat: int) -> Box:
-    idx = []
-    for b in reversed(grid):
-        n = len(b) - 1
-        idx.append(flat % n)
-        flat //= n
-    idx.reverse()
-    return tuple((grid[a][i], grid[a][i + 1]) for a, i in enumerate(idx))
 
 
 @dataclass(frozen=True)
@@ -295,20 +286,25 @@ def plan_reads(
     itemsize = leaf.dtype.itemsize
     grid = leaf.grid
     grid_shape = leaf.grid_shape
+    rule = _SplitRule(itemsize, dense_fraction, small_read, block_size if verify else 0)
+    chunks: dict[int, _Chunk] = {}  # a chunk that several boxes overlap is described once
     pieces: list[_Piece] = []
     for dest, box in enumerate(boxes):
         if box_size(box) == 0:
             continue
         for idx in overlapping_cells(grid, box):
             cell = _ravel(idx, grid_shape)
-            cbox = tuple((grid[a][i], grid[a][i + 1]) for a, i in enumerate(idx))
-            file, chunk_off = leaf.chunks[cell]
-            cshape = tuple(hi - lo for lo, hi in cbox)
-            strides = c_strides(cshape, itemsize)
+            chunk = chunks.get(cell)
+            if chunk is None:
+                cbox = tuple((grid[a][i], grid[a][i + 1]) for a, i in enumerate(idx))
+                file, chunk_off = leaf.chunks[cell]
+                cshape = tuple(hi - lo for lo, hi in cbox)
+                chunk = chunks[cell] = _Chunk(cell, file, chunk_off, cbox, c_strides(cshape, itemsize),
+                                              math.prod(cshape) * itemsize)
+            cbox = chunk.box
             lo = tuple(max(b[0], c[0]) for b, c in zip(box, cbox))
             hi = tuple(min(b[1], c[1]) for b, c in zip(box, cbox))
-            _split(pieces, file, chunk_off, cell, strides, itemsize, cbox, box, lo, hi, dest,
-                   dense_fraction, small_read, block_size if verify else 0)
+            _split(pieces, rule, chunk, box, dest, lo, hi)
     if verify:
         pieces = [_widen(p, leaf, block_size) for p in pieces]
     return _merge(pieces, leaf, block_size, verify, max_merge_gap, max_read)
@@ -317,14 +313,40 @@ def plan_reads(
 _PIECE_COST = 64 << 10
 
 
-def _split(out, file, chunk_off, cell, strides, itemsize, cbox, box, lo, hi, dest, dense, small, block):
-    """Emit the overlap ``lo..hi`` of a chunk as one read, or split it along one axis.
+@dataclass(frozen=True, slots=True)
+class _SplitRule:
+    """What `_split` needs of one `plan_reads` call: the leaf's item size and the knobs."""
+
+    itemsize: int
+    dense: float  # a covering read is kept if at least this fraction of it is needed...
+    small: int  # ...or if it is under this many bytes
+    block: int  # the checksum block each piece widens to; 0 when not verifying
+
+
+class _Chunk(NamedTuple):
+    """One stored chunk, as the read planner sees it.
+
+    (A NamedTuple: one is built per chunk touched, faster than a frozen dataclass.)
+    """
+
+    cell: int
+    file: int
+    offset: int  # where the chunk starts in its file
+    box: Box
+    strides: tuple[int, ...]  # its C-order byte strides
+    nbytes: int
+
+
+def _split(out: list[_Piece], rule: _SplitRule, chunk: _Chunk, box: Box, dest: int,
+           lo: tuple[int, ...], hi: tuple[int, ...]) -> None:
+    """Emit the overlap ``lo..hi`` of `chunk` and target box `dest` as one read, or split it along one axis.
 
     One covering read is kept when it is dense enough, small, or when reading
     the pieces separately would not read much less (each piece widens to
     checksum blocks when verifying): fewer, larger reads with one strided copy
     each beat many small ones.
     """
+    cbox, strides, itemsize = chunk.box, chunk.strides, rule.itemsize
     rel = [lo_a - c[0] for lo_a, c in zip(lo, cbox)]
     last = [hi_a - 1 - c[0] for hi_a, c in zip(hi, cbox)]
     first_byte = sum(r * s for r, s in zip(rel, strides))
@@ -333,24 +355,25 @@ def _split(out, file, chunk_off, cell, strides, itemsize, cbox, box, lo, hi, des
     needed = math.prod(shape) * itemsize
     span = end_byte - first_byte
     a = next((i for i, n in enumerate(shape) if n > 1), None)
-    split = a is not None and needed < dense * span and span > small
+    split = a is not None and needed < rule.dense * span and span > rule.small
     if split and a is not None:
         n = shape[a]
+        block = rule.block
         sub_span = span - (n - 1) * strides[a]
         per_piece = (-(-sub_span // block) + 1) * block if block else sub_span
         # A separate request costs about as much as reading this many bytes more.
         per_piece = max(per_piece, _PIECE_COST)
-        split = n * min(per_piece, span) < dense * span
+        split = n * min(per_piece, span) < rule.dense * span
     if not split or a is None:
+        off = chunk.offset
         copy = Copy(dest, 0, strides, shape, tuple(lo_a - b[0] for lo_a, b in zip(lo, box)), itemsize)
-        size = math.prod(hi_a - lo_a for lo_a, hi_a in cbox) * itemsize
-        out.append(_Piece(file, chunk_off + first_byte, chunk_off + end_byte, chunk_off + first_byte, copy, cell,
-                          chunk_off, size))
+        out.append(_Piece(chunk.file, off + first_byte, off + end_byte, off + first_byte, copy, chunk.cell, off,
+                          chunk.nbytes))
         return
     for i in range(lo[a], hi[a]):
         sub_lo = tuple(i if k == a else v for k, v in enumerate(lo))
         sub_hi = tuple(i + 1 if k == a else v for k, v in enumerate(hi))
-        _split(out, file, chunk_off, cell, strides, itemsize, cbox, box, sub_lo, sub_hi, dest, dense, small, block)
+        _split(out, rule, chunk, box, dest, sub_lo, sub_hi)
 
 
 def _widen(p: _Piece, leaf: ArrayLeaf, block: int) -> _Piece:

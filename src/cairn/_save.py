@@ -14,11 +14,9 @@ from __future__ import annotations
 import itertools
 import json
 import logging
-import os
 import secrets
 import threading
 import time
-import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,18 +26,23 @@ import numpy as np
 from . import _format as fmt
 from ._buffers import snapshot_pool as _snapshot_pool
 from ._checksum import crc32c
+from ._commit import CommitStrategy, strategy_for
 from ._coord import Coordinator, default_coordinator, fetch_from
 from ._errors import (
     CheckpointError,
-    CheckpointExistsError,
     CoordinationError,
     CoordinationTimeoutError,
     UnsupportedTypeError,
+    error_from_record,
+    error_record,
 )
-from ._leaves import ArraySource, ValueSource, classify
+from ._format import cell_box
+from ._layout import SaveItem, plan_item
+from ._leaves import ValueSource, classify
 from ._location import Location
-from ._plan import ChunkLayout, FileSlot, assign_files, cell_box, chunk_layout, full_box
+from ._plan import FileSlot
 from ._tree import display_path, flatten
+from ._version import __version__
 
 log = logging.getLogger("cairn")
 
@@ -64,19 +67,6 @@ class SaveStats:
         return dict(self.__dict__)
 
 
-@dataclass
-class _Item:
-    name: str
-    dir: str
-    structure: Any
-    leaves: list[ArraySource | ValueSource]
-    layouts: dict[int, ChunkLayout] = field(default_factory=dict)
-    files: list[list[FileSlot]] = field(default_factory=list)
-    # (leaf, cell) -> what to write: a single-device jax.Array, a numpy array,
-    # or (after a snapshot) a host copy.
-    sources: dict[tuple[int, int], Any] = field(default_factory=dict)
-
-
 _seq = itertools.count()
 _seq_lock = threading.Lock()
 
@@ -89,7 +79,7 @@ def _next_seq() -> int:
 @dataclass
 class SaveJob:
     loc: Location
-    items: list[_Item]
+    items: list[SaveItem]
     root: bool
     token: str
     seq: int
@@ -99,6 +89,7 @@ class SaveJob:
     timeout: float
     threads: int
     metadata: dict[str, Any]
+    strategy: CommitStrategy
     stats: SaveStats = field(default_factory=SaveStats)
     _pooled: dict[tuple[str, tuple[int, int]], np.ndarray] = field(default_factory=dict)
 
@@ -107,11 +98,9 @@ class SaveJob:
     @property
     def write_root(self) -> str:
         """Where this attempt's files go: a temporary sibling folder, or in place."""
-        if self.loc.storage.atomic_rename:
-            return fmt.tmp_dirname(self.loc.name, self.token)
-        return self.loc.name
+        return self.strategy.attempt_root(self.loc.name, self.token)
 
-    def data_key(self, item: _Item, k: int) -> str:
+    def data_key(self, item: SaveItem, k: int) -> str:
         return f"{self.write_root}/{item.dir}/{fmt.data_file_name(self.coord.process_index, k, self.token)}"
 
     # ------------------------------------------------------------------ snapshot
@@ -130,7 +119,7 @@ class SaveJob:
 
         t0 = time.perf_counter()
         used = device_bytes = 0
-        copies: list[tuple[_Item, tuple[int, int], Any]] = []  # host-visible sources to copy
+        copies: list[tuple[SaveItem, tuple[int, int], Any]] = []  # host-visible sources to copy
         pending, protected = [], []
         for item in self.items:
             for key, src in item.sources.items():
@@ -165,14 +154,14 @@ class SaveJob:
         self.stats.device_copy_bytes = device_bytes
         self.stats.snapshot_s = time.perf_counter() - t0
 
-    def _copy_to_host(self, copies: list[tuple[_Item, tuple[int, int], Any]]) -> None:
+    def _copy_to_host(self, copies: list[tuple[SaveItem, tuple[int, int], Any]]) -> None:
         """Copy host-visible sources into snapshot buffers, on two threads.
 
         Buffers come from `_snapshot_pool`: memory that an earlier async save
         already touched, so the copy runs at memcpy speed rather than at the
         speed of first-touch page faults (several times slower on some hosts).
         """
-        def one(entry: tuple[_Item, tuple[int, int], Any]) -> None:
+        def one(entry: tuple[SaveItem, tuple[int, int], Any]) -> None:
             item, key, src = entry
             view = np.asarray(src)
             buf = _snapshot_pool.take(view.nbytes)
@@ -197,7 +186,7 @@ class SaveJob:
 
         return host_view(src)
 
-    def _write_file(self, item: _Item, k: int, slots: list[FileSlot], crc_pool: ThreadPoolExecutor):
+    def _write_file(self, item: SaveItem, k: int, slots: list[FileSlot], crc_pool: ThreadPoolExecutor):
         crcs: list[tuple[FileSlot, list[Future[int]]]] = []
         block = self.block_size
 
@@ -256,7 +245,7 @@ class SaveJob:
     def run(self) -> SaveStats:
         """Phase 2: write, exchange status, commit on the primary; raise on any failure."""
         t_start = time.perf_counter()
-        retries_before = getattr(self.loc.storage, "retries", 0)  # object stores count their retries
+        retries_before = self.loc.storage.retries
         coord, me, n = self.coord, self.coord.process_index, self.coord.process_count
         base = f"cairn/save/{self.seq}"
         status: dict[str, Any] = {"ok": True}
@@ -272,7 +261,7 @@ class SaveJob:
                     )
         except BaseException as e:
             own_error = e
-            status = {"ok": False, "error": _describe(e), "type": type(e).__name__}
+            status = {"ok": False, "error": error_record(e, me)}
         t_written = time.perf_counter()
         outcome: dict[str, Any]
         try:
@@ -287,43 +276,41 @@ class SaveJob:
                 raise own_error from e
             raise CoordinationError(f"saving {self.loc.path}: {e}") from e
         self.stats.commit_s = time.perf_counter() - t_written
-        self.stats.retries = getattr(self.loc.storage, "retries", 0) - retries_before
+        self.stats.retries = self.loc.storage.retries - retries_before
         self.stats.total_s = self.stats.blocking_s + time.perf_counter() - t_start
         if outcome.get("ok"):
             return self.stats
-        msg = f"saving {self.loc.path} failed: {outcome['error']}"
-        if outcome.get("type") == "CheckpointExistsError":
-            raise CheckpointExistsError(msg)
+        error = error_from_record(outcome["error"], f"saving {self.loc.path} failed: {outcome['message']}")
         if own_error is not None:
-            raise CheckpointError(msg) from own_error
-        raise CheckpointError(msg)
+            raise error from own_error
+        raise error
 
     def _primary_commit(self, base: str, own_partial: dict[str, Any] | None) -> dict[str, Any]:
         coord, n = self.coord, self.coord.process_count
         try:
             raw = coord.fetch_all(f"{base}/status", n, self.timeout)
         except CoordinationTimeoutError as e:
-            self._abort()
-            return {"ok": False, "error": str(e), "type": "CoordinationTimeoutError"}
+            self.strategy.abort(self.loc, self.token)
+            return _failed(error_record(e), str(e))
         statuses = {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in raw.items()}
         # Every process has finished the previous save (its status for this one
         # came after), so the coordination service can forget that save's keys.
-        drop = getattr(coord, "drop", None)
-        if drop is not None and self.seq > 0:
-            drop(f"cairn/save/{self.seq - 1}")
+        if self.seq > 0:
+            coord.drop(f"cairn/save/{self.seq - 1}")
         failed = sorted(p for p, s in statuses.items() if not s["ok"])
         if failed:
-            self._abort()
-            errors = "; ".join(f"process {p}: {statuses[p]['error']}" for p in failed)
-            return {"ok": False, "error": errors, "type": statuses[failed[0]].get("type")}
+            self.strategy.abort(self.loc, self.token)
+            errors = "; ".join(f"process {p}: {statuses[p]['error']['message']}" for p in failed)
+            return _failed(statuses[failed[0]]["error"], errors)
         try:
             self._commit(own_partial)
         except BaseException as e:
-            self._abort()
-            return {"ok": False, "error": f"process 0: {_describe(e)}", "type": type(e).__name__}
+            self.strategy.abort(self.loc, self.token)
+            record = error_record(e, 0)
+            return _failed(record, f"process 0: {record['message']}")
         return {"ok": True}
 
-    def _partials(self, item: _Item, own: dict[str, Any] | None) -> list[dict[str, Any]]:
+    def _partials(self, item: SaveItem, own: dict[str, Any] | None) -> list[dict[str, Any]]:
         n = self.coord.process_count
         if n == 1:
             assert own is not None
@@ -334,7 +321,7 @@ class SaveJob:
             out.append(json.loads(self.loc.storage.read(key)))
         return out
 
-    def _merge_index(self, item: _Item, partials: list[dict[str, Any]]) -> fmt.ItemIndex:
+    def _merge_index(self, item: SaveItem, partials: list[dict[str, Any]]) -> fmt.ItemIndex:
         files: list[fmt.FileInfo] = []
         placed: dict[int, dict[int, tuple[int, int, tuple[int, ...]]]] = {}
         for part in partials:
@@ -381,11 +368,9 @@ class SaveJob:
         items: dict[str, fmt.ItemInfo] = {}
         needed: list[str] = []
 
-        def write_index(item: _Item) -> fmt.ItemIndex:
+        def write_index(item: SaveItem) -> fmt.ItemIndex:
             index = self._merge_index(item, self._partials(item, own_partial))
             storage.put(f"{root}/{item.dir}/{fmt.index_name(self.token)}", index.to_json())
-            if storage.atomic_rename:  # merged: the per-process parts are not part of the checkpoint
-                self._drop_partials(item)
             return index
 
         # One durable put (file and folder fsync, or one request) per checkpointable:
@@ -399,138 +384,20 @@ class SaveJob:
             nbytes = sum(leaf.nbytes for leaf in index.leaves if isinstance(leaf, fmt.ArrayLeaf))
             items[item.name] = fmt.ItemInfo(item.dir, fmt.index_name(self.token), nbytes, len(index.leaves))
             needed += [f"{root}/{item.dir}/{f}" for f in (fmt.index_name(self.token), *(x.name for x in index.files))]
-        from . import __version__
-
         manifest = fmt.Manifest(
             items=items, root=self.root, process_count=self.coord.process_count, cairn_version=__version__,
             created_unix=time.time(), metadata=self.metadata,
         ).to_json()
-        if storage.atomic_rename:
-            storage.put(f"{root}/{fmt.MANIFEST}", manifest)
-            storage.sync_dir(root)  # type: ignore[attr-defined]
-            # Last step before the rename: a folder taken away after it makes the rename fail.
-            self._check_complete([*needed, f"{root}/{fmt.MANIFEST}"])
-            self._rename_into_place()
-        else:
-            self._check_complete(needed)
-            try:
-                storage.put(self.loc.key(fmt.MANIFEST), manifest, create=not self.overwrite)
-            except FileExistsError:
-                raise CheckpointExistsError(f"{self.loc.path}: another save committed this checkpoint first") from None
-            # Committed. Files of other attempts (an interrupted save, or the
-            # overwritten checkpoint) are housekeeping now: best effort.
-            _after_commit(self.loc, _delete_other_attempts, storage, self.loc.name, self.token)
-            for item in self.items:
-                self._drop_partials(item)
-
-    def _check_complete(self, needed: list[str]) -> None:
-        """Never commit a checkpoint that names missing files.
-
-        Another process's cleanup (a second manager on this directory) may have
-        removed files of this attempt while it was writing them.
-        """
-        storage = self.loc.storage
-        gone = sorted(set(needed) - set(storage.list(self.write_root)))
-        if gone and not storage.atomic_rename and not self.overwrite and storage.exists(self.loc.key(fmt.MANIFEST)):
-            # The winner of a race for this path removes the other attempts' files after its commit.
-            raise CheckpointExistsError(f"{self.loc.path}: another save committed this checkpoint first")
-        if gone:
-            raise CheckpointError(
-                f"{self.loc.path}: {len(gone)} files of this save disappeared before its commit "
-                f"(e.g. {gone[0]!r}); is another process cleaning up or saving in the same directory?"
-            )
-
-    def _drop_partials(self, item: _Item) -> None:
-        if self.coord.process_count == 1:
-            return
-        for p in range(self.coord.process_count):
-            try:
-                self.loc.storage.delete_prefix(f"{self.write_root}/{item.dir}/{fmt.partial_index_name(p, self.token)}")
-            except OSError:
-                pass  # committed already (object store) or harmless leftover: never fail the save for it
-
-    def _rename_into_place(self) -> None:
-        storage = self.loc.storage
-        tmp, name = self.write_root, self.loc.name
-        try:
-            storage.rename_dir(tmp, name)  # type: ignore[attr-defined]
-            return
-        except FileExistsError:
-            if not self.overwrite:
-                raise CheckpointExistsError(f"{self.loc.path} already exists (another save committed it first)") from None
-        # Swap the new checkpoint in atomically, then delete the old one.
-        try:
-            storage.rename_dir(tmp, name, exchange=True)  # type: ignore[attr-defined]
-        except OSError:
-            if storage.exists(f"{name}/{fmt.MANIFEST}"):
-                self._swap_manifest_into(name)
-                return
-            # Nothing committed to protect (a foreign or half-deleted folder): move it aside.
-            aside = fmt.tmp_dirname(name, self.token + "-old")
-            storage.rename_dir(name, aside)  # type: ignore[attr-defined]
-            storage.rename_dir(tmp, name)  # type: ignore[attr-defined]
-            _after_commit(self.loc, storage.delete_prefix, aside)
-            return
-        _after_commit(self.loc, storage.delete_prefix, tmp)  # the old checkpoint, swapped out
-
-    def _swap_manifest_into(self, name: str) -> None:
-        """Overwrite committed `name` without an atomic folder exchange.
-
-        Moving the old folder aside and the new one in would leave an instant
-        (a crash window) with no checkpoint at all. Instead the new attempt's
-        files, whose names carry its token and so cannot clash, move into the
-        existing folder, and then one rename replaces its manifest: before it
-        the old checkpoint is whole, after it the new one is. The old
-        attempt's files go last.
-        """
-        storage, tmp = self.loc.storage, self.write_root
-        for key in storage.list(tmp):
-            rel = key[len(tmp) + 1 :]
-            if rel != fmt.MANIFEST:
-                storage.makedirs(f"{name}/{rel.rsplit('/', 1)[0]}")  # type: ignore[attr-defined]
-                storage.rename_dir(key, f"{name}/{rel}")  # type: ignore[attr-defined]
-        storage.rename_dir(f"{tmp}/{fmt.MANIFEST}", f"{name}/{fmt.MANIFEST}")  # type: ignore[attr-defined]
-        _after_commit(self.loc, storage.delete_prefix, tmp)
-        _after_commit(self.loc, _delete_other_attempts, storage, name, self.token)
-
-    def _abort(self) -> None:
-        """Remove what this attempt wrote (best effort; leftovers are invisible anyway)."""
-        try:
-            if self.loc.storage.atomic_rename:
-                self.loc.storage.delete_prefix(self.write_root)
-            else:
-                _delete_attempt(self.loc.storage, self.loc.name, self.token)
-        except Exception:
-            pass
+        # The per-process index parts were merged: they are not part of the checkpoint.
+        n = self.coord.process_count
+        parts = [f"{root}/{item.dir}/{fmt.partial_index_name(p, self.token)}" for item in self.items
+                 for p in range(n)] if n > 1 else []
+        self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite, discard=parts)
 
 
-def _after_commit(loc: Location, fn: Any, *args: Any) -> None:
-    """Run post-commit cleanup. Its failure must not fail the save: `_abort` would
-    then delete files of the checkpoint just committed (on object stores)."""
-    try:
-        fn(*args)
-    except Exception as e:  # invisible leftovers: gc or the next overwrite removes them
-        log.warning("cairn: %s is committed, but removing leftovers failed: %s", loc.path, e)
-
-
-def _delete_attempt(storage: Any, name: str, token: str) -> None:
-    for key in storage.list(name):
-        if f".{token}." in key.rsplit("/", 1)[-1]:
-            storage.delete_prefix(key)
-
-
-def _delete_other_attempts(storage: Any, name: str, token: str) -> None:
-    for key in storage.list(name):
-        base = key.rsplit("/", 1)[-1]
-        if base != fmt.MANIFEST and f".{token}." not in base:
-            storage.delete_prefix(key)
-
-
-def _describe(e: BaseException) -> str:
-    tb = "".join(traceback.format_exception_only(type(e), e)).strip()
-    frames = traceback.extract_tb(e.__traceback__)
-    where = f" (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
-    return tb + where
+def _failed(record: dict[str, Any], message: str) -> dict[str, Any]:
+    """The outcome the primary publishes for a failed save: the first failure's record, all messages."""
+    return {"ok": False, "error": record, "message": message}
 
 
 # ---------------------------------------------------------------------- prepare
@@ -577,114 +444,33 @@ def prepare(
         except ValueError as e:
             raise UnsupportedTypeError(f"{where}: {e}") from None
         leaves = [classify(path, x, where, name) for path, x in flat]
-        item = _Item(name, fmt.ROOT_ITEM_DIR if root else fmt.item_dirname(name), structure, leaves)
-        _plan_item(item, me, split_replicas, threads, min_file_bytes, where)
+        item = SaveItem(name, fmt.ROOT_ITEM_DIR if root else fmt.item_dirname(name), structure, leaves)
+        plan_item(item, me, split_replicas, threads, min_file_bytes, where)
         items.append(item)
     seq = _next_seq()
-    token = _agree_token(loc, coord, seq, overwrite, timeout)
+    strategy = strategy_for(loc.storage)
+    token = _agree_token(loc, strategy, coord, seq, overwrite, timeout)
     job = SaveJob(
         loc=loc, items=items, root=root, token=token, seq=seq, coord=coord, overwrite=overwrite,
-        block_size=block_size, timeout=timeout, threads=threads, metadata=metadata or {},
+        block_size=block_size, timeout=timeout, threads=threads, metadata=metadata or {}, strategy=strategy,
     )
     job.stats.blocking_s = time.perf_counter() - t0
     return job
 
 
-def _plan_item(item: _Item, me: int, split_replicas: bool, threads: int, min_file_bytes: int, where: str) -> None:
-    from ._plan import LayoutError
-
-    mine: list[tuple[int, int, int]] = []
-    for i, src in enumerate(item.leaves):
-        if not isinstance(src, ArraySource):
-            continue
-        shape, itemsize = src.shape, src.dtype.itemsize
-        if src.is_jax:
-            from ._jaxutil import device_boxes
-
-            devices, boxes = device_boxes(src.value.sharding, shape)
-            try:
-                layout, own = _layout_for(src.value.sharding, shape, boxes, devices, me, split_replicas, i)
-            except LayoutError as e:
-                raise UnsupportedTypeError(f"{where}: leaf {display_path(src.path, item.name)!r}: {e}") from None
-            shards = None
-            for cell, d, elems in own:
-                if shards is None:
-                    shards = {s.device: s.data for s in src.value.addressable_shards}
-                item.sources[(i, cell)] = shards[devices[d]]
-                mine.append((i, cell, elems * itemsize))
-        else:
-            layout = ChunkLayout(tuple((0, n) for n in shape), (0,), (0,))
-            if me == 0:
-                item.sources[(i, 0)] = src.value
-                mine.append((i, 0, _box_bytes(full_box(shape), itemsize)))
-        item.layouts[i] = layout
-    item.files = assign_files(mine, threads, min_file_bytes)
-
-
-_layout_cache: dict[Any, tuple[ChunkLayout, tuple[tuple[int, int, int], ...]]] = {}
-
-
-def _layout_for(sharding: Any, shape: tuple[int, ...], boxes: Any, devices: Any, me: int,
-                split_replicas: bool, offset: int) -> tuple[ChunkLayout, tuple[tuple[int, int, int], ...]]:
-    """The chunk layout of an array and this process's ``(cell, device, elements)`` in it.
-
-    Both cost O(devices) per array; models repeat a few (sharding, shape)
-    pairs over hundreds of layers, so they are memoised (benchmarks/plan_scale.py
-    measures the difference at 4,096 devices).
-    """
-    key: Any = (sharding, shape, split_replicas, offset if split_replicas else 0, me)
-    try:
-        hit = _layout_cache.get(key)
-    except TypeError:  # unhashable sharding
-        hit, key = None, None
-    if hit is not None:
-        return hit
-    layout = chunk_layout(shape, boxes, [d.process_index for d in devices], split_replicas, offset)
-    own = tuple(
-        (cell, d, _box_bytes(cell_box(layout.grid, cell), 1))
-        for cell, (w, d) in enumerate(zip(layout.writer, layout.source))
-        if w == me
-    )
-    if key is not None:
-        if len(_layout_cache) > 4096:
-            _layout_cache.clear()
-        _layout_cache[key] = (layout, own)
-    return layout, own
-
-
-def _box_bytes(box: Any, itemsize: int) -> int:
-    n = itemsize
-    for lo, hi in box:
-        n *= hi - lo
-    return n
-
-
-def _agree_token(loc: Location, coord: Coordinator, seq: int, overwrite: bool, timeout: float) -> str:
+def _agree_token(loc: Location, strategy: CommitStrategy, coord: Coordinator, seq: int, overwrite: bool,
+                 timeout: float) -> str:
     """The primary checks the destination and picks the attempt token; all processes learn both."""
     key = f"cairn/save/{seq}/token"
     if coord.process_index == 0:
         msg: dict[str, Any] = {"token": secrets.token_hex(6)}
         try:
-            _check_destination(loc, overwrite)
+            strategy.check_destination(loc, overwrite)
         except CheckpointError as e:
-            msg = {"error": str(e), "type": type(e).__name__}
+            msg = {"error": error_record(e, 0), "message": str(e)}
         coord.publish(key, json.dumps(msg).encode())
     else:
         msg = json.loads(fetch_from(coord, key, timeout, writer=0))
     if "error" in msg:
-        cls = CheckpointExistsError if msg.get("type") == "CheckpointExistsError" else CheckpointError
-        raise cls(msg["error"])
+        raise error_from_record(msg["error"], msg["message"])
     return msg["token"]
-
-
-def _check_destination(loc: Location, overwrite: bool) -> None:
-    storage = loc.storage
-    committed = storage.exists(loc.key(fmt.MANIFEST))
-    if committed and not overwrite:
-        raise CheckpointExistsError(f"{loc.path} already holds a checkpoint; pass overwrite=True to replace it")
-    if storage.atomic_rename and not committed and storage.list_dir(loc.name) and not overwrite:
-        raise CheckpointExistsError(
-            f"{loc.path} exists and is not a committed cairn checkpoint; pass overwrite=True to replace it"
-        )
-    if storage.atomic_rename and storage.exists(loc.name) and not storage.is_dir(loc.name):  # type: ignore[attr-defined]
-        raise CheckpointExistsError(f"{loc.path} exists and is a file, not a checkpoint folder")

@@ -25,11 +25,12 @@ from typing import Any
 import numpy as np
 
 from . import _format as fmt
+from . import _values as values
 from ._checksum import crc32c
-from ._convert import _slab_bytes, make_reader, open_checkpoint, read_box, slab_boxes
 from ._errors import CorruptCheckpointError
-from ._load import read_index, read_manifest
 from ._location import Location, resolve
+from ._metadata import open_checkpoint, read_index, read_manifest
+from ._reader import make_reader, read_box, slab_boxes, slab_bytes
 from ._tree import display_path
 
 PIECE_BYTES = 8 << 20  # bytes read and checked per task
@@ -61,6 +62,19 @@ class VerifyReport:
     @property
     def ok(self) -> bool:
         return not self.problems
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One verification task: chunk bytes ``lo..hi`` (whole checksum blocks) of one leaf."""
+
+    item: str
+    index: fmt.ItemIndex
+    leaf: fmt.ArrayLeaf
+    cell: int
+    lo: int
+    hi: int
+    reader: Any
 
 
 def _where(item: str, root: bool) -> str:
@@ -107,7 +121,7 @@ def verify(
     manifest, indexes, problems = plan_verify(loc)
     report = VerifyReport(loc.path, problems)
     lock = threading.Lock()
-    tasks: list[tuple[str, fmt.ItemIndex, fmt.ArrayLeaf, int, int, int, Any]] = []
+    tasks: list[_Piece] = []
     readers: list[Any] = []
     for name, index in indexes.items():
         info = manifest.items[name]
@@ -144,13 +158,14 @@ def verify(
                 # Pieces are whole blocks, so each block's CRC is checked within one task.
                 step = max(index.block_size, PIECE_BYTES // index.block_size * index.block_size)
                 for lo in range(0, size, step):
-                    tasks.append((name, index, leaf, cell, lo, min(size, lo + step), opened[fi]))
+                    tasks.append(_Piece(name, index, leaf, cell, lo, min(size, lo + step), opened[fi]))
     if on_total is not None:
-        on_total(sum(hi - lo for *_, lo, hi, _r in tasks))
+        on_total(sum(t.hi - t.lo for t in tasks))
     bad_chunks: dict[tuple[str, str, int], list[str]] = {}
 
-    def check(task: tuple[str, fmt.ItemIndex, fmt.ArrayLeaf, int, int, int, Any]) -> None:
-        name, index, leaf, cell, lo, hi, reader = task
+    def check(task: _Piece) -> None:
+        name, index, leaf, cell, lo, hi, reader = (
+            task.item, task.index, task.leaf, task.cell, task.lo, task.hi, task.reader)
         _fi, off = leaf.chunks[cell]
         block = index.block_size
         buf = np.empty(hi - lo, dtype=np.uint8)
@@ -185,7 +200,7 @@ def verify(
         for r in readers:
             with contextlib.suppress(Exception):
                 r.close()
-    report.chunks_checked = len({(t[0], t[2].path, t[3]) for t in tasks})
+    report.chunks_checked = len({(t.item, t.leaf.path, t.cell) for t in tasks})
     for (name, lpath, cell), bad in sorted(bad_chunks.items()):
         index = indexes[name]
         leaf = next(x for x in index.leaves if x.path == lpath)
@@ -225,7 +240,7 @@ def _describe_leaf(leaf: fmt.Leaf) -> str:
     if isinstance(leaf, fmt.ArrayLeaf):
         if leaf.kind != "array":
             return f"{leaf.kind}[{leaf.nbytes}]"
-        return f"{fmt.dtype_name(leaf.dtype)}[{','.join(map(str, leaf.shape))}]"
+        return f"{values.dtype_name(leaf.dtype)}[{','.join(map(str, leaf.shape))}]"
     text = repr(leaf.value)
     return f"{leaf.kind} {text if len(text) <= 40 else text[:37] + '...'}"
 
@@ -242,7 +257,7 @@ def diff(
     ca, cb = open_checkpoint(a, storage_options), open_checkpoint(b, storage_options)
     out: list[DiffEntry] = []
     # Two slabs from each side, plus their read buffers, fit in the budget.
-    slab = _slab_bytes(budget_bytes // 2)
+    slab = slab_bytes(budget_bytes // 2)
     names = list(ca.indexes) + [n for n in cb.indexes if n not in ca.indexes]
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="cairn-diff") as pool:
         for name in names:
@@ -272,7 +287,7 @@ def _compare(name: str, path: str, x: fmt.Leaf, y: fmt.Leaf, ra: Any, rb: Any, s
     if isinstance(x, fmt.ValueLeaf) or isinstance(y, fmt.ValueLeaf):
         if isinstance(x, fmt.ValueLeaf) and isinstance(y, fmt.ValueLeaf) and x.kind == y.kind:
             # Compared through their exact encodings, so 0.0 != -0.0 and NaN == the same NaN.
-            same = fmt.encode_value(x.kind, x.value) == fmt.encode_value(y.kind, y.value)
+            same = values.encode_value(x.kind, x.value) == values.encode_value(y.kind, y.value)
             return DiffEntry(name, path, "equal" if same else "values changed", "" if same else f"{dx} -> {dy}")
         return DiffEntry(name, path, "changed type", f"{dx} -> {dy}")
     if x.kind != y.kind or x.dtype != y.dtype or x.shape != y.shape:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import builtins
 from collections.abc import Iterable
 from typing import Any as Buffer  # collections.abc.Buffer is Python 3.12+
-from typing import Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
 
 
 def split_url(url: str) -> tuple[str, str]:
@@ -23,8 +23,24 @@ def split_url(url: str) -> tuple[str, str]:
 
 @runtime_checkable
 class RandomReader(Protocol):
+    """Positional reads of one file or object, and what they cost."""
+
+    #: Whether `read_into_many` is one vectored read (one system call or
+    #: request for many buffers), so that scattering a read straight into many
+    #: destination regions beats reading into one buffer and copying.
+    vectored: ClassVar[bool]
+    #: The object's size, when opening learnt it for free (a local file's
+    #: fstat); None when it would cost a request (object stores).
+    size: int | None
+
     def read_into(self, offset: int, out: memoryview) -> None:
         """Fill `out` with the bytes at `offset`; raise EOFError if the object is shorter."""
+
+    def read_into_many(self, offset: int, outs: list[memoryview]) -> None:
+        """Fill `outs`, in order, with the consecutive bytes at `offset`; EOFError as `read_into`.
+
+        Without `vectored`, this is one `read_into` per buffer: correct, not faster.
+        """
 
     def close(self) -> None: ...
 
@@ -35,6 +51,8 @@ class Storage(Protocol):
     #: Whole directories can be renamed atomically (POSIX); otherwise commit by
     #: a create-if-absent put of the manifest.
     atomic_rename: bool
+    #: Requests retried after transient failures so far (object stores; 0 elsewhere).
+    retries: int
 
     def read(self, key: str) -> bytes: ...
 
@@ -65,3 +83,22 @@ class Storage(Protocol):
 
     def describe(self, key: str) -> str:
         """A human-readable location for messages."""
+
+
+@runtime_checkable
+class LocalDirs(Protocol):
+    """Operations only a POSIX filesystem has, used by the rename commit (`_commit.RenameCommit`)."""
+
+    def is_dir(self, key: str) -> bool: ...
+
+    def makedirs(self, key: str) -> None: ...
+
+    def sync_dir(self, key: str) -> None:
+        """fsync the directory `key`, so the entries created in it are durable."""
+
+    def rename_dir(self, src: str, dst: str, *, exchange: bool = False) -> None:
+        """Move `src` to `dst` in one step (FileExistsError if `dst` is a non-empty folder);
+        with `exchange`, swap the two atomically. Both fsync the parent directories."""
+
+    def mtime(self, key: str) -> float | None:
+        """The modification time of `key` (seconds since the epoch), or None if it is gone."""

@@ -9,6 +9,7 @@ import os
 import shutil
 from collections.abc import Iterable
 from typing import Any as Buffer  # collections.abc.Buffer is Python 3.12+
+from typing import ClassVar
 
 from ._base import split_url
 
@@ -17,10 +18,12 @@ _IOV_MAX = 1024  # the Linux limit on buffers per preadv
 
 
 class _FileReader:
+    vectored: ClassVar[bool] = True  # preadv
+
     def __init__(self, path: str):
         self.path = path
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0))
-        self.size = os.fstat(self.fd).st_size
+        self.size: int | None = os.fstat(self.fd).st_size
 
     def read_into(self, offset: int, out: memoryview) -> None:
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
@@ -64,6 +67,7 @@ class LocalStorage:
     """Storage rooted at a local directory."""
 
     atomic_rename = True
+    retries = 0
 
     def __init__(self, url: str):
         scheme, path = split_url(url)
@@ -173,6 +177,12 @@ class LocalStorage:
             os.unlink(path)
 
     # ---- POSIX-only operations used by the rename commit
+
+    def mtime(self, key: str) -> float | None:
+        try:
+            return os.path.getmtime(self._p(key))
+        except OSError:
+            return None
 
     def makedirs(self, key: str) -> None:
         os.makedirs(self._p(key), exist_ok=True)

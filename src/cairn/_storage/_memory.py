@@ -12,14 +12,24 @@ from ._base import split_url
 
 
 class _MemReader:
+    vectored: ClassVar[bool] = False
+
     def __init__(self, data: bytes):
         self.data = data
+        # Known, but withheld: this store stands in for an object store, whose
+        # readers learn of a short object only when they read past its end.
+        self.size: int | None = None
 
     def read_into(self, offset: int, out: memoryview) -> None:
         out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
         if offset + len(out) > len(self.data):
             raise EOFError(f"object ends at byte {len(self.data)}, expected {offset + len(out)}")
         out[:] = self.data[offset : offset + len(out)]
+
+    def read_into_many(self, offset: int, outs: list[memoryview]) -> None:
+        for out in outs:
+            self.read_into(offset, out)
+            offset += out.nbytes
 
     def close(self) -> None:
         pass
@@ -29,6 +39,7 @@ class MemoryStorage:
     """A dict of keys to bytes; behaves like an object store (no rename)."""
 
     atomic_rename = False
+    retries = 0
     _named: ClassVar[dict[str, dict[str, bytes]]] = {}
 
     def __init__(self, url: str = "memory://", objects: dict[str, bytes] | None = None, prefix: str = ""):

@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, fields
 from datetime import timedelta
-from typing import Any, Literal, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 from typing import Any as Buffer  # collections.abc.Buffer is Python 3.12+
 
 from ._base import split_url
@@ -57,16 +57,24 @@ _CLIENT_KEYS = frozenset({
 })
 _ALIASES = {"endpoint_url": "endpoint"}  # boto3's name, which users reach for
 
-# Status codes and transport failures worth another attempt: server errors,
+# Errors are classified by obstore's error classes where it has them (see
+# `_Classes`). What it has no class for arrives as a GenericError whose cause
+# is only in the message: the HTTP status of a failed request (416, 5xx, 429,
+# 408, other 4xx) and transport failures (checked against obstore 0.12: no
+# status attribute either). So these two are matched on the text, and only
+# for errors that no class decided:
+#
+# status codes and transport failures worth another attempt: server errors,
 # throttling (S3 answers 503 SlowDown, others 429), request timeouts, dropped
-# or refused connections. Matched on obstore's message, which is the only
-# place it reports them.
+# or refused connections;
 _TRANSIENT = re.compile(
     r"status code: (5\d\d|429|408)\b|error sending request|HTTP error|timed? ?out|"
     r"connection (reset|refused|closed|aborted)|broken pipe|incomplete message|"
     r"error decoding response body|body error",
     re.IGNORECASE,
 )
+# a range that starts past the end of the object.
+_RANGE_NOT_SATISFIABLE = "status code: 416"
 
 
 @dataclass(frozen=True)
@@ -119,27 +127,45 @@ def _summary(e: BaseException) -> str:
     return text if len(text) <= 400 else text[:400] + "..."
 
 
+_ErrorTypes = tuple[type[BaseException], ...]
+
+
+@dataclass(frozen=True)
+class _Classes:
+    """obstore's error classes, by what cairn makes of them.
+
+    A missing object is the builtin FileNotFoundError (obstore's NotFoundError
+    is deprecated and not raised), bad arguments ValueError or TypeError.
+    """
+
+    exists: _ErrorTypes  # a create-if-absent put found the object (412 on S3)
+    denied: _ErrorTypes  # 403, 401
+    final: _ErrorTypes  # the request itself is wrong: repeating it cannot help
+    obstore: type[BaseException]  # the base of them all, GenericError among them
+
+
 @functools.cache
-def _error_kinds() -> dict[str, Any]:
+def _classes() -> _Classes:
     from obstore import exceptions as ox
 
-    return {
-        "exists": (ox.AlreadyExistsError, ox.PreconditionError),
-        "denied": (ox.PermissionDeniedError, ox.UnauthenticatedError),
-        "final": (ox.NotSupportedError, ox.InvalidPathError, ox.UnknownConfigurationKeyError, ox.NotModifiedError),
-        "obstore": ox.BaseError,
-    }
+    return _Classes(
+        exists=(ox.AlreadyExistsError, ox.PreconditionError),
+        denied=(ox.PermissionDeniedError, ox.UnauthenticatedError),
+        final=(ox.NotSupportedError, ox.InvalidPathError, ox.UnknownConfigurationKeyError, ox.NotModifiedError),
+        obstore=ox.BaseError,
+    )
 
 
 def is_transient(e: BaseException) -> bool:
     """Whether `e` (raised by obstore) is worth retrying."""
-    kinds = _error_kinds()
+    c = _classes()
     if isinstance(e, (FileNotFoundError, PermissionError, ValueError, TypeError, EOFError)):
         return False
-    if isinstance(e, kinds["exists"] + kinds["denied"] + kinds["final"]):
+    if isinstance(e, c.exists + c.denied + c.final):
         return False
-    if not isinstance(e, (kinds["obstore"], OSError, TimeoutError)):
+    if not isinstance(e, (c.obstore, OSError, TimeoutError)):
         return False
+    # Left: GenericError (and the transport's I/O errors), whose cause only the text names.
     return bool(_TRANSIENT.search(str(e).split("\n\nDebug source", 1)[0]))
 
 
@@ -152,8 +178,11 @@ class _ObjectReader:
     answers 416, or fewer bytes than asked) as EOFError.
     """
 
+    vectored: ClassVar[bool] = False  # each buffer would be a request of its own
+
     def __init__(self, storage: ObjectStorage, key: str):
         self.storage, self.key = storage, key
+        self.size: int | None = None  # learning it would cost a HEAD request per file
 
     def read_into(self, offset: int, out: memoryview) -> None:
         import obstore
@@ -188,6 +217,11 @@ class _ObjectReader:
             raise EOFError(f"{self.storage.describe(self.key)}: asked for bytes {offset}..{offset + n}, "
                            f"the store returned {len(got)} bytes")
         out[at : at + n] = got
+
+    def read_into_many(self, offset: int, outs: list[memoryview]) -> None:
+        for out in outs:
+            self.read_into(offset, out)
+            offset += out.nbytes
 
     def close(self) -> None:
         pass
@@ -265,17 +299,17 @@ class ObjectStorage:
         where = self.describe(key)
         if isinstance(e, EOFError):
             return e
-        if "status code: 416" in _summary(e):
-            return EOFError(f"{where}: {op}: the range starts past the end of the object")
-        kinds = _error_kinds()
+        c = _classes()
         if isinstance(e, FileNotFoundError):
             return FileNotFoundError(f"{where}: no such object")
-        if isinstance(e, kinds["exists"]):
+        if isinstance(e, c.exists):
             return FileExistsError(f"{where}: the object already exists")
-        if isinstance(e, kinds["denied"]):
+        if isinstance(e, c.denied):
             return PermissionError(f"{where}: {op} was refused: {_summary(e)}")
         if isinstance(e, ValueError):
             return ValueError(f"{where}: {op}: {_summary(e)}")
+        if _RANGE_NOT_SATISFIABLE in _summary(e):  # a GenericError: no class says so
+            return EOFError(f"{where}: {op}: the range starts past the end of the object")
         after = f" after {retries + 1} attempts" if retries else ""
         return OSError(f"{where}: {op} failed{after}: {_summary(e)}")
 
@@ -345,7 +379,7 @@ class ObjectStorage:
             retrying, first = not first, False
             try:
                 obstore.put(self.store, key, data, mode=mode, use_multipart=False)
-            except _error_kinds()["exists"]:
+            except _classes().exists:
                 # An earlier attempt may have landed although its answer was lost:
                 # the object holding exactly our bytes means the put succeeded.
                 if retrying and bytes(obstore.get(self.store, key).bytes()) == data:
@@ -388,7 +422,9 @@ class ObjectStorage:
                         max_concurrency=self.tuning.upload_concurrency)
         except Exception as e:
             # Errors raised by `parts` itself come through unchanged; only the store's are ours to explain.
-            if isinstance(e, _error_kinds()["obstore"]) or (isinstance(e, OSError) and "Error performing" in str(e)):
+            # obstore also raises builtin OSErrors (FileNotFoundError, ...), told apart from those of
+            # `parts` only by its message, which names the request ("Error performing PUT ...").
+            if isinstance(e, _classes().obstore) or (isinstance(e, OSError) and "Error performing" in str(e)):
                 # When a part fails, obstore aborts the upload and may report the abort's failure instead.
                 op = "write (multipart upload failed, then its abort)" if "DELETE" in _summary(e) else "write"
                 raise self._error(op, key, e, 0) from e

@@ -1,0 +1,67 @@
+"""Reading a checkpoint's metadata: its manifest and its indexes (never array data).
+
+Load, verify, convert and the CLI all start here. Missing, unreadable and
+malformed metadata become cairn errors that name the checkpoint; parsing
+(with its limits) is `_format`'s.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from dataclasses import dataclass
+
+from . import _format as fmt
+from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ._location import Location, resolve
+
+
+def read_manifest(loc: Location) -> fmt.Manifest:
+    key = loc.key(fmt.MANIFEST)
+    try:
+        data = loc.storage.read(key)
+    except (FileNotFoundError, NotADirectoryError):
+        if loc.storage.exists(loc.name):
+            raise CheckpointNotFoundError(
+                f"{loc.path} holds no committed checkpoint (no {fmt.MANIFEST}; an interrupted save?)"
+            ) from None
+        raise CheckpointNotFoundError(f"no checkpoint at {loc.path}") from None
+    except IsADirectoryError:
+        raise CorruptCheckpointError(f"{loc.path}: {fmt.MANIFEST} is not a file") from None
+    except OSError as e:
+        raise _read_error(loc, fmt.MANIFEST, e) from e
+    return fmt.Manifest.from_json(data, loc.storage.describe(key))
+
+
+def _read_error(loc: Location, what: str, e: OSError) -> CheckpointError:
+    if e.errno == errno.ELOOP:
+        return CorruptCheckpointError(
+            f"{loc.path}: {what} is a symbolic link (or lies under one); cairn never follows links inside a checkpoint"
+        )
+    return CheckpointError(f"{loc.path}: reading {what} failed: {e}")
+
+
+def read_index(loc: Location, info: fmt.ItemInfo) -> fmt.ItemIndex:
+    key = loc.key(info.dir, info.index)
+    try:
+        data = loc.storage.read(key)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise CorruptCheckpointError(f"{loc.path}: the index {key!r} named by the manifest is missing") from None
+    except OSError as e:
+        raise _read_error(loc, f"the index {key!r}", e) from e
+    return fmt.ItemIndex.from_json(data, loc.storage.describe(key))
+
+
+@dataclass
+class Opened:
+    """A committed checkpoint with its manifest and every index read (no array data)."""
+
+    loc: Location
+    manifest: fmt.Manifest
+    indexes: dict[str, fmt.ItemIndex]
+
+
+def open_checkpoint(path: str | os.PathLike[str], storage_options: dict | None = None) -> Opened:
+    loc = resolve(path, storage_options)
+    manifest = read_manifest(loc)
+    return Opened(loc, manifest, {name: read_index(loc, info) for name, info in manifest.items.items()})

@@ -1,0 +1,335 @@
+"""Reading stored arrays: the chunk reader that load, verify, diff and convert share.
+
+`ChunkReader` runs the reads that `_plan.plan_reads` plans for one
+checkpointable, on a pool of threads. Every byte read is checked against its
+block checksum (unless the caller turns verification off) before it is
+copied anywhere. A read whose bytes are exactly one contiguous region of a
+destination buffer lands there directly; other reads go through a small
+temporary buffer and a strided copy.
+
+The slab helpers below read an array in bounded C-order pieces, for the
+tools that stream whole arrays (conversion, diff) without ever holding one.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import threading
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import _format as fmt
+from ._buffers import aligned_empty
+from ._checksum import crc32c
+from ._errors import CheckpointError, CorruptCheckpointError
+from ._location import Location
+from ._metadata import Opened
+from ._plan import Box, Read, full_box, is_c_contiguous, plan_reads
+from ._storage import RandomReader
+from ._tree import display_path
+
+DEFAULT_BUDGET = 256 << 20  # the memory budget of a streaming conversion, by default
+
+
+@dataclass
+class LoadStats:
+    bytes_read: int = 0
+    reads: int = 0
+    direct_reads: int = 0
+
+
+@dataclass(frozen=True)
+class ArrayReads:
+    """The reads of one array, submitted to the pool, and the host buffers they fill."""
+
+    futures: list[Future[None]]
+    dests: list[np.ndarray]  # one per box, C order, of the stored dtype
+    boxes: list[Box]  # distinct target boxes
+    placement: dict[Box, list[Any]] | None  # per box: the devices that get it; None for a numpy result
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.nbytes for d in self.dests)
+
+
+class ChunkReader:
+    """Runs the reads of one checkpointable with a pool of threads."""
+
+    def __init__(self, loc: Location, name: str, info: fmt.ItemInfo, index: fmt.ItemIndex, verify: bool,
+                 pool: ThreadPoolExecutor, stats: LoadStats):
+        self.loc, self.info, self.index, self.verify, self.pool, self.stats = loc, info, index, verify, pool, stats
+        self.item = name
+        self._readers: dict[int, RandomReader] = {}
+        self._lock = threading.Lock()
+
+    def _key(self, file: int) -> str:
+        return self.loc.key(self.info.dir, self.index.files[file].name)
+
+    def _reader(self, file: int) -> RandomReader:
+        with self._lock:
+            r = self._readers.get(file)
+            if r is None:
+                name = self.index.files[file].name
+                try:
+                    r = self.loc.storage.open_read(self._key(file))
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(f"{self.loc.path}: data file {name!r} is missing") from None
+                except OSError as e:
+                    if e.errno == errno.ELOOP:
+                        raise CorruptCheckpointError(
+                            f"{self.loc.path}: data file {name!r} is a symbolic link (or lies under one); "
+                            "cairn never follows links inside a checkpoint"
+                        ) from None
+                    raise CheckpointError(f"{self.loc.path}: opening data file {name!r} failed: {e}") from e
+                # Local files know their size for free (object stores would need a request):
+                # a file shorter than its index claims is refused before any buffer is allocated.
+                size, claimed = r.size, self.index.files[file].size
+                if size is not None and size < claimed:
+                    r.close()
+                    raise CorruptCheckpointError(
+                        f"{self.loc.path}: data file {name!r} has {size} bytes, its index claims {claimed}"
+                    )
+                self._readers[file] = r
+            return r
+
+    def close(self) -> None:
+        with self._lock:
+            for r in self._readers.values():
+                try:
+                    r.close()
+                except Exception:
+                    pass
+            self._readers.clear()
+
+    def _fill(self, file: int, start: int, out: memoryview | list[memoryview], leaf: fmt.ArrayLeaf) -> None:
+        """Read file bytes from `start` into `out` (one buffer, or consecutive buffers)."""
+        n = len(out) if isinstance(out, memoryview) else sum(len(o) for o in out)
+        try:
+            if isinstance(out, memoryview):
+                self._reader(file).read_into(start, out)
+            else:
+                self._reader(file).read_into_many(start, out)
+        except EOFError:
+            raise CorruptCheckpointError(
+                f"{self.loc.path}: data file {self.index.files[file].name!r} is truncated "
+                f"(leaf {display_path(leaf.path, self.item)!r} needs bytes {start}..{start + n})"
+            ) from None
+        except FileNotFoundError:  # object stores learn of a missing object on the first read
+            raise CorruptCheckpointError(
+                f"{self.loc.path}: data file {self.index.files[file].name!r} is missing"
+            ) from None
+        except OSError as e:
+            raise CheckpointError(
+                f"{self.loc.path}: reading {self.index.files[file].name!r} for leaf "
+                f"{display_path(leaf.path, self.item)!r} failed: {e}"
+            ) from e
+        with self._lock:
+            self.stats.bytes_read += n
+            self.stats.reads += 1
+
+    def _check(self, read: Read, buf: memoryview | list[memoryview], leaf: fmt.ArrayLeaf) -> None:
+        segments = [buf] if isinstance(buf, memoryview) else buf
+        for c in read.checks:
+            got = _crc_range(segments, c.start - read.start, c.end - read.start)
+            if got != c.crc:
+                raise CorruptCheckpointError(
+                    f"{self.loc.path}: checksum mismatch in {self.index.files[read.file].name!r} bytes "
+                    f"{c.start}..{c.end} (leaf {display_path(leaf.path, self.item)!r}): stored {c.crc:#010x}, "
+                    f"computed {got:#010x}"
+                )
+
+    def do_read(self, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> None:
+        direct = read.direct
+        if direct is not None:
+            region = dests[direct.dest][_region(direct.dest_start, direct.shape)]
+            if region.flags.c_contiguous:
+                buf = memoryview(region.reshape(-1).view(np.uint8))
+                self._fill(read.file, read.start, buf, leaf)
+                self._check(read, buf, leaf)
+                with self._lock:
+                    self.stats.direct_reads += 1
+                return
+        if self._reader(read.file).vectored:
+            parts = _tiled_regions(read, dests)
+            if parts is not None:  # consecutive whole regions: one vectored read, no copy
+                self._fill(read.file, read.start, parts, leaf)
+                self._check(read, parts, leaf)
+                with self._lock:
+                    self.stats.direct_reads += 1
+                return
+        raw = _scratch(read.nbytes)
+        buf = memoryview(raw)  # type: ignore[arg-type]
+        self._fill(read.file, read.start, buf, leaf)
+        self._check(read, buf, leaf)
+        for c in read.copies:
+            src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)
+            dests[c.dest][_region(c.dest_start, c.shape)] = src
+
+    def read_array(self, leaf: fmt.ArrayLeaf, sharding: Any = None) -> ArrayReads:
+        """Start reading `leaf`: whole into one buffer, or the boxes `sharding` puts on this process."""
+        placement = None
+        if sharding is None:
+            boxes: list[Box] = [full_box(leaf.shape)]
+        else:
+            from ._jaxutil import slices_to_box
+
+            dmap = sharding.addressable_devices_indices_map(leaf.shape)
+            by_box: dict[Box, list[Any]] = {}
+            for device, index in dmap.items():
+                by_box.setdefault(slices_to_box(index, leaf.shape), []).append(device)
+            boxes = list(by_box)
+            placement = by_box
+        reads = plan_reads(leaf, boxes, self.index.block_size, self.verify)
+        for file in sorted({r.file for r in reads}):
+            self._reader(file)  # checks the files first: a false size claim allocates nothing
+        try:
+            dests = [aligned_empty(tuple(hi - lo for lo, hi in b), leaf.dtype) for b in boxes]
+        except MemoryError:
+            nbytes = sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * leaf.dtype.itemsize
+            raise CheckpointError(
+                f"{self.loc.path}: cannot allocate {nbytes} bytes for leaf "
+                f"{display_path(leaf.path, self.item)!r} of shape {leaf.shape}"
+            ) from None
+        futures = [self.pool.submit(self.do_read, r, leaf, dests) for r in reads]
+        return ArrayReads(futures, dests, boxes, placement)
+
+    def read_bytes(self, leaf: fmt.ArrayLeaf) -> bytes:
+        reads = self.read_array(leaf)
+        for f in reads.futures:
+            f.result()
+        return reads.dests[0].tobytes()
+
+
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """This reader thread's temporary buffer, reused from read to read.
+
+    A fresh buffer per read costs first-touch page faults on every read, which
+    on some hosts is slower than the read itself. The buffer lives as long as
+    the load's thread pool.
+    """
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+        _local.buf = buf
+    return buf[:nbytes]
+
+
+_MIN_RUN = 4096  # a destination row shorter than this is cheaper to fill by a copy
+_MAX_PARTS = 1 << 16
+
+
+def _tiled_regions(read: Read, dests: list[np.ndarray]) -> list[memoryview] | None:
+    """Destination byte views that a vectored read can fill in place, in file order.
+
+    The copies, in source order, must cover the read exactly, each contiguous in
+    the file. A destination region that is not contiguous (a block of columns of
+    the target shard, as when resharding) is split into its rows, provided rows
+    are long enough for a vectored read to beat a read into a buffer plus a
+    copy. Returns None when that does not apply.
+    """
+    out: list[memoryview] = []
+    pos = 0
+    for c in sorted(read.copies, key=lambda c: c.src_offset):
+        if c.src_offset != pos or not is_c_contiguous(c.shape, c.src_strides):
+            return None
+        region = dests[c.dest][_region(c.dest_start, c.shape)]
+        if region.flags.c_contiguous:
+            out.append(memoryview(region.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+        else:
+            if region.ndim < 2 or region.strides[-1] != region.itemsize:
+                return None
+            if region.shape[-1] * region.itemsize < _MIN_RUN:
+                return None
+            if len(out) + int(np.prod(region.shape[:-1])) > _MAX_PARTS:
+                return None
+            for idx in np.ndindex(*region.shape[:-1]):
+                out.append(memoryview(region[idx].view(np.uint8)))  # type: ignore[arg-type]
+        pos += c.nbytes
+    return out if pos == read.nbytes else None
+
+
+def _crc_range(segments: list[memoryview], start: int, end: int) -> int:
+    """CRC-32C of bytes [start, end) of the concatenation of `segments`."""
+    value, pos = 0, 0
+    for seg in segments:
+        lo, hi = max(start - pos, 0), min(end - pos, len(seg))
+        if lo < hi:
+            value = crc32c(seg[lo:hi], value)
+        pos += len(seg)
+        if pos >= end:
+            break
+    return value
+
+
+def _region(start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[Any, ...]:
+    # `...` keeps a 0-d selection a view (indexing with () would return a scalar copy).
+    return tuple(slice(s, s + n) for s, n in zip(start, shape)) or (Ellipsis,)
+
+
+# ---------------------------------------------------------------------- whole arrays, in slabs
+
+
+def make_reader(ck: Opened, item: str, pool: ThreadPoolExecutor, stats: LoadStats | None = None) -> ChunkReader:
+    """The reader for one checkpointable of `ck` (all reads verify their checksums)."""
+    return ChunkReader(ck.loc, item, ck.manifest.items[item], ck.indexes[item], True, pool, stats or LoadStats())
+
+
+def slab_boxes(shape: tuple[int, ...], itemsize: int, max_bytes: int) -> Iterator[Box]:
+    """Boxes that tile `shape` in C order, each a contiguous run of at most `max_bytes`.
+
+    A box fixes single indices on the leading axes, takes a range of the
+    next one, and all of the trailing ones; the smallest array piece it can
+    be is one element.
+    """
+    if any(s == 0 for s in shape):
+        return
+    if not shape:
+        yield ()
+        return
+    # The first axis whose trailing block fits: slabs are ranges along it.
+    axis, inner = len(shape) - 1, itemsize
+    for a in range(len(shape)):
+        tail = math.prod(shape[a + 1 :]) * itemsize
+        if tail <= max_bytes:
+            axis, inner = a, tail
+            break
+    step = max(1, max_bytes // inner)
+    for prefix in np.ndindex(*shape[:axis]):
+        for lo in range(0, shape[axis], step):
+            hi = min(lo + step, shape[axis])
+            lead = tuple((int(i), int(i) + 1) for i in prefix)
+            yield (*lead, (lo, hi), *((0, n) for n in shape[axis + 1 :]))
+
+
+def read_box(reader: ChunkReader, leaf: fmt.ArrayLeaf, box: Box, pool: ThreadPoolExecutor,
+             verify: bool = True) -> np.ndarray:
+    """Read one box of a stored array into a new numpy array (checksums verified)."""
+    dest = np.empty(tuple(hi - lo for lo, hi in box), dtype=leaf.dtype)
+    reads = plan_reads(leaf, [box], reader.index.block_size, verify)
+    for f in [pool.submit(reader.do_read, r, leaf, [dest]) for r in reads]:
+        f.result()
+    return dest
+
+
+def iter_array(reader: ChunkReader, leaf: fmt.ArrayLeaf, max_bytes: int,
+               pool: ThreadPoolExecutor) -> Iterator[np.ndarray]:
+    """A stored array's values, as C-order slabs of at most `max_bytes` each."""
+    for box in slab_boxes(leaf.shape, leaf.dtype.itemsize, max_bytes):
+        yield read_box(reader, leaf, box, pool)
+
+
+def slab_bytes(budget: int, block: int = fmt.DEFAULT_BLOCK_SIZE) -> int:
+    """The slab size that keeps a streaming tool within `budget` bytes (whole blocks)."""
+    # Up to three slabs can be alive at once: the one being written (a
+    # storage backend may hold it until it asks for the next), the one being
+    # read, and the temporary buffers of reads that cannot land in place. A
+    # quarter of the budget each leaves room for everything else.
+    return max(block, budget // 4 // block * block)
