@@ -60,6 +60,7 @@ LAYERS: dict[str, int] = {
     "cairn._reader": 53,
     "cairn._metadata": 52,
     "cairn._streamwriter": 54,
+    "cairn._readonce": 54,
     "cairn._layout": 54,
     "cairn._commit": 51,
     "cairn._leaves": 50,

@@ -105,6 +105,10 @@ def load(
     storage_options: dict[str, Any] | None = None,
     threads: int = 8,
     framework: str = "numpy",
+    read_once: bool | None = None,
+    budget_bytes: int = 1 << 30,
+    coordinator: Coordinator | None = None,
+    timeout: float = 1800.0,
 ) -> Any:
     """Load a checkpoint, whole or in part, onto any sharding.
 
@@ -132,11 +136,22 @@ def load(
     asks for JAX arrays::
 
         sd = cairn.load("/ckpt/step_100", framework="torch")["params"]
+
+    Across processes, each byte leaves storage once: an array whose direct
+    reads would cost more than 1.2x its bytes summed over processes (a target
+    replicated over processes, or cut across the saved chunks) is read in
+    distinct blocks, one per device, and moved to its target sharding by
+    XLA's collectives. ``read_once=False`` always reads each process's own
+    shards; ``True`` uses the collectives wherever that reads fewer bytes
+    (then every process must call `load` with the same target, as for any
+    multi-process array). `budget_bytes` bounds the host buffers in flight
+    per process; `timeout` bounds each wait for the other processes.
     """
     if framework not in ("numpy", "torch"):
         raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
     loc = resolve(path, storage_options)
-    out = _load.load(loc, target, partial=partial, verify=verify, threads=threads)
+    out = _load.load(loc, target, partial=partial, verify=verify, threads=threads, read_once=read_once,
+                     budget_bytes=budget_bytes, coordinator=coordinator, timeout=timeout)
     if framework == "torch":
         from ._torch import tree_to_torch
 

@@ -19,11 +19,13 @@ import numpy as np
 
 from . import _format as fmt
 from ._buffers import release_snapshot_buffers
+from ._coord import Coordinator, default_coordinator
 from ._errors import CheckpointError, MismatchError
 from ._leaves import handler_named
 from ._location import Location
 from ._metadata import read_index, read_manifest
 from ._reader import ArrayReads, ChunkReader, LoadStats
+from ._readonce import Agreement, Route, next_seq, route
 from ._tree import display_path, map_with_path, unflatten
 
 
@@ -127,6 +129,9 @@ def load(
     threads: int = 8,
     budget_bytes: int = 1 << 30,
     stats: LoadStats | None = None,
+    read_once: bool | None = None,
+    coordinator: Coordinator | None = None,
+    timeout: float = 1800.0,
 ) -> Any:
     """Load the checkpoint at `loc` (see `cairn.load`)."""
     manifest = read_manifest(loc)
@@ -161,7 +166,8 @@ def load(
                                        _match(loc, name, index, item_target, partial)))
             # One pipeline over the leaves of every requested checkpointable, so that
             # many small checkpointables keep the readers as busy as one large one.
-            _read_leaves(items, loc.path, budget_bytes)
+            coord = coordinator or default_coordinator()
+            _read_leaves(items, loc.path, budget_bytes, _Routing(read_once, coord, timeout))
         finally:
             for it in items:
                 it.reader.close()
@@ -232,8 +238,103 @@ class _InFlight:
     reads: ArrayReads
 
 
-def _read_leaves(items: list[_ItemLoad], where: str, budget: int) -> None:
-    """Fill every item's `results`, with at most about `budget` bytes of buffers in flight."""
+@dataclass(frozen=True)
+class _Routing:
+    read_once: bool | None
+    coord: Coordinator
+    timeout: float
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """An array restored read-once: read its `route.read` boxes, then reshard on devices."""
+
+    item: _ItemLoad
+    leaf: int
+    want: _Want
+    route: Route
+
+
+def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Routing) -> None:
+    """Fill every item's `results`, with at most about `budget` bytes of buffers in flight.
+
+    Direct leaves go through one read pipeline; read-once leaves (`_readonce`)
+    follow in waves, each behind a status exchange, since their collectives
+    need every process.
+    """
+    staged: list[_Staged] = []
+    agreement: Agreement | None = None
+    n = routing.coord.process_count
+    try:
+        for it in items:
+            for i in sorted(it.wanted):
+                want = it.wanted[i]
+                leaf = it.index.leaves[i]
+                if want is None or want.sharding is None or not isinstance(leaf, fmt.ArrayLeaf):
+                    continue
+                r = route(leaf, want.sharding, it.index.block_size, it.reader.verify, n, routing.read_once)
+                if not r.direct:
+                    staged.append(_Staged(it, i, want, r))
+        waves = _waves(staged, budget, n)
+        if waves:
+            agreement = Agreement(routing.coord, next_seq(), len(waves), where, routing.timeout)
+        _read_direct(items, where, budget, {(id(s.item), s.leaf) for s in staged})
+        for k, wave in enumerate(waves):
+            assert agreement is not None
+            _run_wave(k, wave, agreement)
+    except BaseException as e:
+        if agreement is not None:
+            agreement.fail(e)
+        raise
+
+
+def _waves(staged: list[_Staged], budget: int, n: int) -> list[list[_Staged]]:
+    """Group read-once leaves so that each process's share of a wave fits `budget`.
+
+    A process's share is estimated from global figures (bytes read over
+    processes), so every process forms the same waves.
+    """
+    waves: list[list[_Staged]] = []
+    size = 0
+    for s in staged:
+        share = -(-s.route.cost // n)
+        if waves and size + share <= budget:
+            waves[-1].append(s)
+            size += share
+        else:
+            waves.append([s])
+            size = share
+    return waves
+
+
+def _run_wave(k: int, wave: list[_Staged], agreement: Agreement) -> None:
+    import time
+
+    import jax
+
+    reads = [s.item.reader.read_array(s.want.leaf, s.route.read) for s in wave]
+    for r in reads:
+        for f in r.futures:
+            f.result()
+    xs = [_assemble(_Want(s.want.leaf, s.want.dtype, s.route.read), r) for s, r in zip(wave, reads)]
+    del reads
+    t0 = time.perf_counter()
+    agreement.ok(k)  # every process has its blocks: the collectives below cannot strand anyone
+    for depth in range(max(len(s.route.steps) for s in wave)):
+        moving = [j for j, s in enumerate(wave) if depth < len(s.route.steps)]
+        moved = jax.device_put([xs[j] for j in moving], [wave[j].route.steps[depth] for j in moving])
+        for j, x in zip(moving, moved):
+            xs[j] = x  # the previous step's array is released here
+    jax.block_until_ready(xs)
+    stats = wave[0].item.reader.stats
+    stats.reshard_s += time.perf_counter() - t0
+    stats.read_once_leaves += len(wave)
+    for s, x in zip(wave, xs):
+        s.item.results[s.leaf] = x
+
+
+def _read_direct(items: list[_ItemLoad], where: str, budget: int, skip: set[tuple[int, int]]) -> None:
+    """The direct pipeline: each process reads its own target boxes, `budget` bytes in flight."""
     inflight: deque[_InFlight] = deque()
     inflight_bytes = 0
 
@@ -253,6 +354,8 @@ def _read_leaves(items: list[_ItemLoad], where: str, budget: int) -> None:
 
     for it in items:
         for i in sorted(it.wanted):
+            if (id(it), i) in skip:
+                continue
             leaf = it.index.leaves[i]
             if isinstance(leaf, fmt.ValueLeaf):
                 it.results[i] = leaf.value

@@ -41,6 +41,8 @@ class LoadStats:
     bytes_read: int = 0
     reads: int = 0
     direct_reads: int = 0
+    read_once_leaves: int = 0  # leaves read once cluster-wide and moved by collectives
+    reshard_s: float = 0.0  # waiting for those collectives (and the status exchange before them)
 
 
 @dataclass(frozen=True)

@@ -296,3 +296,55 @@ def kill_at_op(path: str, mesh: list[int], victim: int, op: int, timeout: float 
     except cairn.CheckpointError as e:
         error = f"{type(e).__name__}: {e}"
     return {"error": error, "ops": count[0]}
+
+
+def _rchar() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
+
+
+def save_then_load(path: str, mesh: list[int], save_spec: list[Any], load_spec: list[Any],
+                   shape: list[int], read_once: bool | None = None, corrupt: bool = False) -> dict:
+    """Save one array with `save_spec`, load it with `load_spec`; count the bytes each process read.
+
+    With `corrupt`, process 0 flips a byte of process 1's data file between the
+    save and the load: every process must fail, naming the one that read it.
+    """
+    from cairn._coord import default_coordinator
+    from cairn._load import LoadStats
+    from cairn._load import load as engine_load
+    from cairn._location import resolve
+
+    m = _mesh(mesh)
+    shp = tuple(shape)
+    full = expected("a", shp, "float32")
+    arr = jax.make_array_from_callback(shp, NamedSharding(m, _spec(save_spec)), lambda idx: full[idx])
+    cairn.save(path, {"a": arr})
+    coord = default_coordinator()
+    if corrupt:
+        if coord.process_index == 0:
+            victim = max((n for n in os.listdir(os.path.join(path, "a")) if n.startswith("p00001")),
+                         key=lambda n: os.path.getsize(os.path.join(path, "a", n)))
+            with open(os.path.join(path, "a", victim), "r+b") as f:
+                f.seek(os.path.getsize(os.path.join(path, "a", victim)) - 5)
+                b = f.read(1)
+                f.seek(-1, 1)
+                f.write(bytes([b[0] ^ 0xFF]))
+        coord.barrier("t/corrupted", 30)
+    target = NamedSharding(m, _spec(load_spec))
+    want = {"a": jax.ShapeDtypeStruct(shp, np.float32, sharding=target)}
+    try:
+        # Once to warm up (the first load imports and compiles: rchar would count module files),
+        # then the measured load.
+        engine_load(resolve(path), want, read_once=read_once, timeout=60)
+        stats = LoadStats()
+        before = _rchar()
+        out = engine_load(resolve(path), want, stats=stats, read_once=read_once, timeout=60)["a"]
+        rchar = _rchar() - before
+    except cairn.CheckpointError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    assert out.sharding == target, (out.sharding, target)
+    for shard in out.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+    return {"bytes_read": stats.bytes_read, "rchar": rchar, "read_once_leaves": stats.read_once_leaves,
+            "nbytes": int(full.nbytes), "shards": len(out.addressable_shards)}
