@@ -35,8 +35,10 @@ import ml_dtypes
 import numpy as np
 
 from cairn import _format as fmt
+from cairn._estimate import estimate_read_bytes
 from cairn._layout import layout_cache, layout_for
 from cairn._plan import Box, assign_files, plan_reads
+from cairn._readonce import Layout, choose
 from cairn._tree import flatten
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS = 16384, 128, 8, 128, 53248, 128256, 126
@@ -248,6 +250,65 @@ def plan_load(cluster: Cluster, index: fmt.ItemIndex, params: list[Param], me: i
     return {"reads": reads, "bytes": read_bytes, "needed": needed, "files": len(files)}
 
 
+def _layout(mesh: Mesh, shape: tuple[int, ...], spec: Spec) -> Layout:
+    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    axes = tuple(() if e is None else (e,) if isinstance(e, str) else tuple(e) for e in entries)
+    return Layout(mesh.axis_names, mesh.shape, axes)
+
+
+def _spec(layout: Layout) -> Spec:
+    return tuple(None if not e else e[0] if len(e) == 1 else e for e in layout.spec)
+
+
+def _process_boxes(cluster: Cluster, mesh: Mesh, shape: tuple[int, ...], spec: Spec, p: int) -> list[Box]:
+    boxes = cluster.boxes(mesh, shape, spec)
+    mine = range(p * mesh.devices_per_process, (p + 1) * mesh.devices_per_process)
+    return sorted(dict.fromkeys(boxes[d] for d in mine))
+
+
+def plan_read_once(cluster: Cluster, index: fmt.ItemIndex, params: list[Param], me: int, verify: bool = True):
+    """What process `me` plans in a read-once `cairn.load` onto the load mesh (`_readonce.choose`):
+    a route per leaf (computed by every process alike, from process 0's boxes), then its own reads."""
+    mesh = cluster.load_mesh
+    procs = mesh.size // mesh.devices_per_process
+    routes = []
+    for leaf, prm in zip(index.leaves, params):
+        assert isinstance(leaf, fmt.ArrayLeaf)
+        isz = leaf.dtype.itemsize
+
+        def cost(layout: Layout, leaf: fmt.ArrayLeaf = leaf, isz: int = isz) -> int:
+            boxes = _process_boxes(cluster, mesh, leaf.shape, _spec(layout), 0)
+            return procs * estimate_read_bytes(leaf.grid, isz, boxes, index.block_size, verify)
+
+        routes.append(choose(_layout(mesh, prm.shape, prm.load), prm.shape, leaf.nbytes, cost, forced=False))
+    reads = read_bytes = 0
+    for leaf, plan in zip(index.leaves, routes):
+        assert isinstance(leaf, fmt.ArrayLeaf)
+        boxes = _process_boxes(cluster, mesh, leaf.shape, _spec(plan.read), me)
+        planned = plan_reads(leaf, boxes, index.block_size, verify)
+        reads += len(planned)
+        read_bytes += sum(r.nbytes for r in planned)
+    return routes, {"reads": reads, "bytes": read_bytes}
+
+
+def global_read_once(cluster: Cluster, index: fmt.ItemIndex, routes: list[Any]) -> dict[str, Any]:
+    """Cluster-wide figures of the read-once routes: storage bytes, collective bytes, route kinds."""
+    mesh = cluster.load_mesh
+    total = sum(r.cost for r in routes)
+    direct_total = sum(r.direct_cost for r in routes)
+    # What a process receives over the interconnect is at most its boxes of every layout it
+    # moves through (an upper bound: the part it read itself need not move).
+    collective = 0
+    for leaf, r in zip(index.leaves, routes):
+        assert isinstance(leaf, fmt.ArrayLeaf)
+        for step in r.steps:
+            boxes = _process_boxes(cluster, mesh, leaf.shape, _spec(step), 0)
+            collective += sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * leaf.dtype.itemsize
+    kinds = {k: sum(r.kind == k for r in routes) for k in ("direct", "refined", "staged")}
+    return {"storage_bytes_read_total": total, "direct_storage_bytes_read_total": direct_total,
+            "collective_bytes_per_process_max": collective, "routes": kinds}
+
+
 # ---------------------------------------------------------------------- driver
 
 
@@ -294,6 +355,15 @@ def run_scale(devices: int, layers: int, itemsize: int, block: int, samples: int
     out["load_plan_s"] = statistics.median(t for _, t, _ in loads)
     out["load_plan_max_s"] = max(t for _, t, _ in loads)
     out["load"] = {p: r for p, _, r in loads}
+    once = [(p, *_timed(plan_read_once, cluster, parsed, params, p, verify)) for p in _sample(procs, samples)]
+    routes = once[0][2][0]
+    out["read_once"] = {
+        **global_read_once(cluster, parsed, routes),
+        "checkpoint_bytes": out["bytes"],
+        "load_plan_s_per_process": statistics.median(t for _, t, _ in once),
+        "load_plan_max_s": max(t for _, t, _ in once),
+        "per_process": {p: r[1] for p, _, r in once},
+    }
     return out
 
 
@@ -335,6 +405,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     for p, r in full["load"].items():
         print(f"    process {p:4d}: {r['reads']:,} reads from {r['files']} files, {_fmt_bytes(r['bytes'])} read "
               f"for {_fmt_bytes(r['needed'])} needed ({r['bytes'] / r['needed']:.2f}x)")
+    ro = full["read_once"]
+    print(f"  read-once load (routes {ro['routes']}): the cluster reads "
+          f"{_fmt_bytes(ro['storage_bytes_read_total'])} for a {_fmt_bytes(ro['checkpoint_bytes'])} checkpoint "
+          f"({ro['storage_bytes_read_total'] / ro['checkpoint_bytes']:.3f}x; direct reads: "
+          f"{ro['direct_storage_bytes_read_total'] / ro['checkpoint_bytes']:.1f}x); planning "
+          f"{ro['load_plan_s_per_process'] * 1e3:.0f} ms per process; at most "
+          f"{_fmt_bytes(ro['collective_bytes_per_process_max'])} received over the interconnect per process")
+    for p, r in ro["per_process"].items():
+        print(f"    process {p:4d}: {r['reads']:,} reads, {_fmt_bytes(r['bytes'])} read")
     small = plan_small_block(args)
     results["small_block"] = small
 

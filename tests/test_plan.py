@@ -158,3 +158,37 @@ def test_overlapping_cells_bisection():
     assert overlapping_cells(grid, ((4, 8), (5, 10))) == [(1, 1)]
     assert overlapping_cells(grid, ((0, 12), (9, 10))) == [(0, 1), (1, 1), (2, 1)]
     assert overlapping_cells(grid, ((2, 2), (0, 10))) == []
+
+
+def test_large_replicated_chunks_are_split_between_their_holding_processes():
+    # A (64, 10) array cut in 2 row blocks, each held by one device of every one of 4 processes.
+    shape = (64, 10)
+    boxes = grid_boxes(shape, (2, 1))
+    device_boxes = [boxes[d % 2] for d in range(8)]
+    device_process = [d // 2 for d in range(8)]
+    layout = chunk_layout(shape, device_boxes, device_process, replica_offset=1, split_elems=100)
+    # Each 32-row chunk splits into 4 pieces of 8 rows, one per holding process.
+    assert layout.grid == ((0, 8, 16, 24, 32, 40, 48, 56, 64), (0, 10))
+    assert layout.writer == (1, 2, 3, 0, 1, 2, 3, 0)
+    for cell, (w, d) in enumerate(zip(layout.writer, layout.source)):
+        assert device_process[d] == w
+        box = cell_box(layout.grid, cell)
+        (dlo, dhi), _ = device_boxes[d]
+        assert dlo <= box[0][0] and box[0][1] <= dhi  # the source device holds the piece
+    # Every process writes the same number of bytes; every byte once.
+    per = [sum(math.prod(h - lo for lo, h in cell_box(layout.grid, c)) for c, w in enumerate(layout.writer) if w == p)
+           for p in range(4)]
+    assert per == [160] * 4
+
+
+def test_small_or_unreplicated_chunks_stay_whole():
+    shape = (64, 10)
+    boxes = grid_boxes(shape, (2, 1))
+    replicated = [boxes[d % 2] for d in range(8)]
+    procs = [d // 2 for d in range(8)]
+    assert chunk_layout(shape, replicated, procs, split_elems=1000).grid == ((0, 32, 64), (0, 10))
+    # Replicas within one process only: nothing to spread.
+    assert chunk_layout(shape, replicated, [0] * 8, split_elems=1).grid == ((0, 32, 64), (0, 10))
+    # No axis long enough for 4 pieces.
+    tiny = [((0, 2), (0, 3))] * 8
+    assert chunk_layout((2, 3), tiny, procs, split_elems=1).grid == ((0, 2), (0, 3))

@@ -70,3 +70,13 @@ def test_a_corrupt_chunk_fails_every_process_naming_the_reader(tmp_path):
         assert "checksum mismatch" in r["message"], r
         if me == 0:  # it read nothing bad itself: it names the process that did
             assert "process 1" in r["message"], r
+
+
+def test_a_replicated_array_is_written_by_all_its_holders(tmp_path):
+    # 16 MiB on every device of 2 processes: each process writes half, each byte once,
+    # and the replicated load reads each byte once too.
+    out = run(2, "save_replicated", {"path": str(tmp_path / "ck"), "mesh": [2, 2], "mb": 16})
+    nbytes = out[0]["nbytes"]
+    assert sum(r["bytes_written"] for r in out) == nbytes
+    assert all(r["bytes_written"] == nbytes // 2 for r in out), out
+    assert sum(r["bytes_read"] for r in out) <= 1.1 * nbytes, out

@@ -33,6 +33,11 @@ class SaveItem:
 
 
 
+#: A replicated chunk of at least this many bytes is split between its holding processes, so that
+#: they write it in parallel (each byte still once); smaller ones stay whole (fewer chunks).
+REPLICA_SPLIT_BYTES = 8 << 20
+
+
 def plan_item(item: SaveItem, me: int, split_replicas: bool, threads: int, min_file_bytes: int, where: str) -> None:
     from ._plan import LayoutError
 
@@ -46,14 +51,19 @@ def plan_item(item: SaveItem, me: int, split_replicas: bool, threads: int, min_f
 
             devices, boxes = device_boxes(src.value.sharding, shape)
             try:
-                layout, own = layout_for(src.value.sharding, shape, boxes, devices, me, split_replicas, i)
+                split = REPLICA_SPLIT_BYTES // max(itemsize, 1)
+                layout, own = layout_for(src.value.sharding, shape, boxes, devices, me, split_replicas, i, split)
             except LayoutError as e:
                 raise UnsupportedTypeError(f"{where}: leaf {display_path(src.path, item.name)!r}: {e}") from None
             shards = None
             for cell, d, elems in own:
                 if shards is None:
                     shards = {s.device: s.data for s in src.value.addressable_shards}
-                item.sources[(i, cell)] = shards[devices[d]]
+                data = shards[devices[d]]
+                box = cell_box(layout.grid, cell)
+                if box != boxes[d]:  # a piece of a replicated chunk: cut it out on the device
+                    data = data[tuple(slice(lo - dlo, hi - dlo) for (lo, hi), (dlo, _) in zip(box, boxes[d]))]
+                item.sources[(i, cell)] = data
                 mine.append((i, cell, elems * itemsize))
         else:
             layout = ChunkLayout(tuple((0, n) for n in shape), (0,), (0,))
@@ -68,21 +78,23 @@ layout_cache: dict[Any, tuple[ChunkLayout, tuple[tuple[int, int, int], ...]]] = 
 
 
 def layout_for(sharding: Any, shape: tuple[int, ...], boxes: Any, devices: Any, me: int,
-                split_replicas: bool, offset: int) -> tuple[ChunkLayout, tuple[tuple[int, int, int], ...]]:
+                split_replicas: bool, offset: int, split_elems: int = 0,
+                ) -> tuple[ChunkLayout, tuple[tuple[int, int, int], ...]]:
     """The chunk layout of an array and this process's ``(cell, device, elements)`` in it.
 
     Both cost O(devices) per array; models repeat a few (sharding, shape)
     pairs over hundreds of layers, so they are memoised (benchmarks/plan_scale.py
     measures the difference at 4,096 devices).
     """
-    key: Any = (sharding, shape, split_replicas, offset if split_replicas else 0, me)
+    spread = split_replicas or split_elems > 0  # the offset picks writers
+    key: Any = (sharding, shape, split_replicas, offset if spread else 0, me, split_elems)
     try:
         hit = layout_cache.get(key)
     except TypeError:  # unhashable sharding
         hit, key = None, None
     if hit is not None:
         return hit
-    layout = chunk_layout(shape, boxes, [d.process_index for d in devices], split_replicas, offset)
+    layout = chunk_layout(shape, boxes, [d.process_index for d in devices], split_replicas, offset, split_elems)
     own = tuple(
         (cell, d, box_bytes(cell_box(layout.grid, cell), 1))
         for cell, (w, d) in enumerate(zip(layout.writer, layout.source))

@@ -66,6 +66,7 @@ def chunk_layout(
     device_process: Sequence[int],
     split_replicas: bool = False,
     replica_offset: int = 0,
+    split_elems: int = 0,
 ) -> ChunkLayout:
     """Cut an array into the grid its devices' boxes form and choose writers.
 
@@ -77,6 +78,14 @@ def chunk_layout(
     order of first appearance), so that replicated data spreads its write load
     over processes; a caller passes a different `replica_offset` per array so
     that single-chunk replicated arrays do not all land on one process.
+
+    With `split_elems` > 0, an array whose every chunk is held by R > 1
+    processes and has at least `split_elems` elements is cut finer: each
+    chunk splits into R pieces along the first axis long enough, piece k
+    written by the chunk's ``(k + replica_offset) % R``-th holding process. A
+    large replicated array is then written by all its holders in parallel,
+    each byte still once. A piece's source device holds the whole chunk; the
+    caller slices the piece out of it.
     """
     ndim = len(shape)
     bounds: list[tuple[int, ...]] = []
@@ -108,6 +117,10 @@ def chunk_layout(
             idx.append(i)
         cell = _ravel(idx, grid_shape)
         holders[cell].append(d)
+    if split_elems > 0 and n_cells:
+        split = _split_replicated(shape, bounds, holders, device_process, replica_offset, split_elems)
+        if split is not None:
+            return split
     writer, source = [], []
     for cell, hs in enumerate(holders):
         if not hs:
@@ -121,6 +134,54 @@ def chunk_layout(
         writer.append(int(device_process[d]))
         source.append(d)
     return ChunkLayout(tuple(bounds), tuple(writer), tuple(source))
+
+
+def _split_replicated(shape: Sequence[int], bounds: list[tuple[int, ...]], holders: list[list[int]],
+                      device_process: Sequence[int], offset: int, split_elems: int) -> ChunkLayout | None:
+    """`chunk_layout`'s finer grid for a replicated array (see there), or None to keep the plain one."""
+    procs = [list(dict.fromkeys(device_process[h] for h in hs)) for hs in holders]
+    if any(not hs for hs in holders):
+        return None  # the caller reports the hole
+    r = min(len(p) for p in procs)
+    grid_shape = tuple(len(b) - 1 for b in bounds)
+    sizes = [[b[i + 1] - b[i] for i in range(len(b) - 1)] for b in bounds]
+    if r < 2 or min(math.prod(hi - lo for lo, hi in _cell_box(bounds, c)) for c in range(len(holders))) < split_elems:
+        return None
+    axis = next((a for a in range(len(shape)) if min(sizes[a]) >= r), None)
+    if axis is None:
+        return None
+    new_axis: list[int] = [0]
+    parent_of: list[tuple[int, int]] = []  # per new interval on `axis`: (old interval, piece)
+    for i, n in enumerate(sizes[axis]):
+        lo = bounds[axis][i]
+        for k in range(r):
+            new_axis.append(lo + (n * (k + 1)) // r)
+            parent_of.append((i, k))
+    new_bounds = [*bounds[:axis], tuple(new_axis), *bounds[axis + 1 :]]
+    new_shape = tuple(len(b) - 1 for b in new_bounds)
+    writer, source = [], []
+    for cell in range(math.prod(new_shape)):
+        idx = _unravel(cell, new_shape)
+        old, k = parent_of[idx[axis]]
+        parent = _ravel([*idx[:axis], old, *idx[axis + 1 :]], grid_shape)
+        p = procs[parent][(k + offset) % len(procs[parent])]
+        d = next(h for h in holders[parent] if device_process[h] == p)
+        writer.append(int(p))
+        source.append(d)
+    return ChunkLayout(tuple(new_bounds), tuple(writer), tuple(source))
+
+
+def _cell_box(bounds: Sequence[Sequence[int]], cell: int) -> Box:
+    idx = _unravel(cell, tuple(len(b) - 1 for b in bounds))
+    return tuple((bounds[a][i], bounds[a][i + 1]) for a, i in enumerate(idx))
+
+
+def _unravel(flat: int, grid_shape: Sequence[int]) -> list[int]:
+    idx = []
+    for n in reversed(grid_shape):
+        idx.append(flat % n)
+        flat //= n
+    return idx[::-1]
 
 
 def _ravel(idx: Sequence[int], grid_shape: Sequence[int]) -> int:

@@ -37,13 +37,14 @@ import json
 import logging
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from . import _format as fmt
 from ._coord import Coordinator
 from ._errors import CoordinationError, error_from_record, error_record
-from ._plan import Box, plan_reads
+from ._estimate import estimate_read_bytes
 
 log = logging.getLogger("cairn")
 
@@ -52,12 +53,95 @@ DIRECT_MAX = 1.2
 
 
 @dataclass(frozen=True)
+class Layout:
+    """A NamedSharding described without JAX: mesh axes and, per array axis, the mesh axes it is cut over."""
+
+    axis_names: tuple[str, ...]
+    axis_sizes: tuple[int, ...]
+    spec: tuple[tuple[str, ...], ...]  # one entry per array axis
+
+    def size(self, axes: tuple[str, ...]) -> int:
+        return math.prod(self.axis_sizes[self.axis_names.index(a)] for a in axes)
+
+    def with_spec(self, spec: list[tuple[str, ...]]) -> Layout:
+        return Layout(self.axis_names, self.axis_sizes, tuple(spec))
+
+
+def refined_layout(target: Layout, shape: tuple[int, ...]) -> Layout | None:
+    """`target` with its replicated mesh axes folded onto one array axis (each device a distinct
+    block), or None when no axis divides; `target` itself when nothing is replicated."""
+    used = {a for e in target.spec for a in e}
+    free = tuple(a for a in target.axis_names if a not in used and target.size((a,)) > 1)
+    if not free:
+        return target
+    extra = target.size(free)
+    # Prefer the leading axis: its blocks are contiguous runs of the saved C-order chunks.
+    for d, n in enumerate(shape):
+        if n % (target.size(target.spec[d]) * extra) == 0:
+            spec = list(target.spec)
+            spec[d] = target.spec[d] + free
+            return target.with_spec(spec)
+    return None
+
+
+def staging_layout(target: Layout, shape: tuple[int, ...]) -> Layout | None:
+    """The array cut into one block per device of the mesh along the first axis that divides
+    (the leading one where it can), or None."""
+    axes = tuple(a for a in target.axis_names if target.size((a,)) > 1)
+    for d, n in enumerate(shape):
+        if n % target.size(axes) == 0:
+            spec: list[tuple[str, ...]] = [()] * len(shape)
+            spec[d] = axes
+            return target.with_spec(spec)
+    return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen route in `Layout` terms: what each process reads, then the reshards."""
+
+    read: Layout
+    steps: tuple[Layout, ...]  # ending at the target; () = direct
+    cost: int  # storage bytes read, summed over processes
+    direct_cost: int
+    kind: str = "direct"  # "direct" | "refined" | "staged"
+
+
+def choose(target: Layout, shape: tuple[int, ...], nbytes: int, cost: Callable[[Layout], int],
+           forced: bool) -> Plan:
+    """The cheapest route in storage bytes (ties: fewer collectives). `cost(layout)` is the
+    storage bytes summed over processes when each reads its own boxes of `layout`."""
+    direct_cost = cost(target)
+    best = Plan(target, (), direct_cost, direct_cost)
+    if not forced and direct_cost <= DIRECT_MAX * nbytes:
+        return best
+    refined = refined_layout(target, shape)
+    if refined is None:
+        return best  # no fully tiled layout to go through: XLA could replicate the whole array
+    if refined != target:
+        c = cost(refined)
+        if c < best.cost:
+            best = Plan(refined, (target,), c, direct_cost, "refined")
+    if best.cost > DIRECT_MAX * nbytes:
+        stage = staging_layout(target, shape)
+        if stage is not None and stage not in (target, refined):
+            c = cost(stage)
+            if c < best.cost:
+                steps = (refined, target) if refined != target else (target,)
+                best = Plan(stage, steps, c, direct_cost, "staged")
+    return best
+
+
+# ---------------------------------------------------------------------- JAX shardings
+
+
+@dataclass(frozen=True)
 class Route:
     """How one array leaf is restored: which sharding each process reads, then the reshards."""
 
-    read: Any  # the sharding whose addressable boxes this process reads
-    steps: tuple[Any, ...]  # shardings to move through with jax.device_put, ending at the target
-    cost: int  # storage bytes read, summed over processes
+    read: Any  # the jax sharding whose addressable boxes this process reads
+    steps: tuple[Any, ...]  # jax shardings to move through with jax.device_put, ending at the target
+    cost: int  # storage bytes read, summed over processes (-1: not computed)
     direct_cost: int  # what the direct path would read
 
     @property
@@ -75,37 +159,36 @@ def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, proce
         return direct  # one process deduplicates its own boxes already
     if process_count > 1 and len({d.process_index for d in target.device_set}) == 1:
         return direct  # a process-local target: no other process takes part in its collectives
-    direct_cost = read_bytes(leaf, target, block_size, verify)
-    direct = Route(target, (), direct_cost, direct_cost)
-    if read_once is None and direct_cost <= DIRECT_MAX * leaf.nbytes:
-        return direct
-    best = direct
-    refined = refine(target, leaf.shape)
-    if refined is not None and refined != target:
-        cost = read_bytes(leaf, refined, block_size, verify)
-        if cost < best.cost:
-            best = Route(refined, (target,), cost, direct_cost)
-    if best.cost > DIRECT_MAX * leaf.nbytes and refined is not None:
-        stage = staging(target, leaf.shape)
-        if stage is not None and stage not in (target, refined):
-            cost = read_bytes(leaf, stage, block_size, verify)
-            if cost < best.cost:
-                steps = (refined, target) if refined != target else (target,)
-                best = Route(stage, steps, cost, direct_cost)
-    return best
+    target_layout = layout_of(target, leaf.shape)
+
+    def cost(layout: Layout) -> int:
+        return read_bytes(leaf, sharding_of(target, layout), block_size, verify)
+
+    plan = choose(target_layout, leaf.shape, leaf.nbytes, cost, forced=read_once is True)
+    steps = tuple(target if s == target_layout else sharding_of(target, s) for s in plan.steps)
+    read = target if plan.read == target_layout else sharding_of(target, plan.read)
+    return Route(read, steps, plan.cost, plan.direct_cost)
 
 
 def read_bytes(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool) -> int:
-    """Storage bytes read, summed over processes, when each reads its boxes of `sharding`."""
+    """Storage bytes read, summed over processes, when each reads its boxes of `sharding`.
+
+    Estimated (`_plan.estimate_read_bytes`, an upper bound of the planner's
+    bytes) for one representative process, the one holding the sharding's
+    first device, and scaled by the number of processes: under a
+    NamedSharding every process holds as many boxes of the same shapes, so
+    this is exact up to where boxes fall against chunk and checksum-block
+    edges. It keeps the decision O(1) in the cluster size: every process
+    decides every leaf, so an O(processes) rule would cost O(processes^2)
+    over the cluster.
+    """
     from ._jaxutil import slices_to_box
 
-    per_process: dict[int, set[Box]] = {}
-    for device, index in sharding.devices_indices_map(leaf.shape).items():
-        per_process.setdefault(device.process_index, set()).add(slices_to_box(index, leaf.shape))
-    total = 0
-    for boxes in per_process.values():
-        total += sum(r.nbytes for r in plan_reads(leaf, sorted(boxes), block_size, verify))
-    return total
+    dmap = sharding.devices_indices_map(leaf.shape)
+    first = next(iter(dmap)).process_index
+    processes = {d.process_index for d in dmap}
+    boxes = {slices_to_box(index, leaf.shape) for d, index in dmap.items() if d.process_index == first}
+    return len(processes) * estimate_read_bytes(leaf.grid, leaf.dtype.itemsize, sorted(boxes), block_size, verify)
 
 
 def _is_named(sharding: Any) -> bool:
@@ -120,51 +203,21 @@ def _spec_axes(entry: Any) -> tuple[str, ...]:
     return tuple(entry) if isinstance(entry, (tuple, list)) else (entry,)
 
 
-def refine(target: Any, shape: tuple[int, ...]) -> Any:
-    """`target` with its replicated mesh axes folded onto one array axis (each device a distinct
-    block), or None when no axis divides; `target` itself when nothing is replicated."""
+def layout_of(sharding: Any, shape: tuple[int, ...]) -> Layout:
+    mesh = sharding.mesh
+    spec = [_spec_axes(e) for e in sharding.spec] + [()] * (len(shape) - len(sharding.spec))
+    return Layout(tuple(mesh.axis_names), tuple(mesh.shape[a] for a in mesh.axis_names), tuple(spec))
+
+
+def sharding_of(like: Any, layout: Layout) -> Any:
+    """A NamedSharding on `like`'s mesh (and memory kind) with `layout`'s spec."""
     import jax
 
-    mesh, spec = target.mesh, target.spec
-    entries = [_spec_axes(e) for e in spec] + [()] * (len(shape) - len(spec))
-    used = {a for e in entries for a in e}
-    free = tuple(a for a in mesh.axis_names if a not in used and mesh.shape[a] > 1)
-    if not free:
-        return target
-    extra = math.prod(mesh.shape[a] for a in free)
-    # Prefer the leading axis: its blocks are contiguous runs of the saved C-order chunks.
-    for d, n in enumerate(shape):
-        have = math.prod(mesh.shape[a] for a in entries[d])
-        if n % (have * extra) == 0:
-            new = list(entries)
-            new[d] = entries[d] + free
-            return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*_entries_to_spec(new)),
-                                              memory_kind=target.memory_kind)
-    return None
-
-
-def staging(target: Any, shape: tuple[int, ...]) -> Any:
-    """The array cut into one block per device of `target`'s mesh along the first axis that
-    divides (the leading one where it can), or None."""
-    import jax
-
-    mesh = target.mesh
-    axes = tuple(a for a in mesh.axis_names if mesh.shape[a] > 1)
-    size = math.prod(mesh.shape[a] for a in axes)
-    for d, n in enumerate(shape):
-        if n % size == 0:
-            entries: list[tuple[str, ...]] = [()] * len(shape)
-            entries[d] = axes
-            return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*_entries_to_spec(entries)),
-                                              memory_kind=target.memory_kind)
-    return None
-
-
-def _entries_to_spec(entries: list[tuple[str, ...]]) -> list[Any]:
-    out: list[Any] = [None if not e else (e[0] if len(e) == 1 else e) for e in entries]
-    while out and out[-1] is None:
-        out.pop()
-    return out
+    entries: list[Any] = [None if not e else (e[0] if len(e) == 1 else e) for e in layout.spec]
+    while entries and entries[-1] is None:
+        entries.pop()
+    return jax.sharding.NamedSharding(like.mesh, jax.sharding.PartitionSpec(*entries),
+                                      memory_kind=like.memory_kind)
 
 
 # ---------------------------------------------------------------------- agreement before collectives

@@ -304,7 +304,8 @@ def _rchar() -> int:
 
 
 def save_then_load(path: str, mesh: list[int], save_spec: list[Any], load_spec: list[Any],
-                   shape: list[int], read_once: bool | None = None, corrupt: bool = False) -> dict:
+                   shape: list[int], read_once: bool | None = None, corrupt: bool = False,
+                   cold: bool = False, storage_options: dict | None = None) -> dict:
     """Save one array with `save_spec`, load it with `load_spec`; count the bytes each process read.
 
     With `corrupt`, process 0 flips a byte of process 1's data file between the
@@ -319,7 +320,7 @@ def save_then_load(path: str, mesh: list[int], save_spec: list[Any], load_spec: 
     shp = tuple(shape)
     full = expected("a", shp, "float32")
     arr = jax.make_array_from_callback(shp, NamedSharding(m, _spec(save_spec)), lambda idx: full[idx])
-    cairn.save(path, {"a": arr})
+    cairn.save(path, {"a": arr}, storage_options=storage_options)
     coord = default_coordinator()
     if corrupt:
         if coord.process_index == 0:
@@ -336,15 +337,55 @@ def save_then_load(path: str, mesh: list[int], save_spec: list[Any], load_spec: 
     try:
         # Once to warm up (the first load imports and compiles: rchar would count module files),
         # then the measured load.
-        engine_load(resolve(path), want, read_once=read_once, timeout=60)
+        engine_load(resolve(path, storage_options), want, read_once=read_once, timeout=60)
+        if cold:
+            if coord.process_index == 0 and os.path.exists(path):
+                os.sync()
+                with open("/proc/sys/vm/drop_caches", "w") as f:
+                    f.write("3\n")
+            coord.barrier("t/dropped", 60)
         stats = LoadStats()
+        rss0 = _status_bytes("VmRSS")
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5\n")  # resets the peak RSS (VmHWM) to the current RSS
         before = _rchar()
-        out = engine_load(resolve(path), want, stats=stats, read_once=read_once, timeout=60)["a"]
+        t0 = time.perf_counter()
+        out = engine_load(resolve(path, storage_options), want, stats=stats, read_once=read_once, timeout=60)["a"]
+        load_s = time.perf_counter() - t0
         rchar = _rchar() - before
+        peak = _status_bytes("VmHWM") - rss0
     except cairn.CheckpointError as e:
         return {"error": type(e).__name__, "message": str(e)}
     assert out.sharding == target, (out.sharding, target)
     for shard in out.addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
     return {"bytes_read": stats.bytes_read, "rchar": rchar, "read_once_leaves": stats.read_once_leaves,
-            "nbytes": int(full.nbytes), "shards": len(out.addressable_shards)}
+            "nbytes": int(full.nbytes), "shards": len(out.addressable_shards), "load_s": load_s,
+            "reshard_s": stats.reshard_s, "peak_rss_growth": peak}
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def save_replicated(path: str, mesh: list[int], mb: int) -> dict:
+    """Save an array replicated on every device; load it back replicated; report bytes per process."""
+    from cairn._load import LoadStats
+    from cairn._load import load as engine_load
+    from cairn._location import resolve
+
+    m = _mesh(mesh)
+    shp = (mb * 256, 1024)
+    full = expected("r", shp, "float32")
+    arr = jax.make_array_from_callback(shp, NamedSharding(m, P()), lambda idx: full[idx])
+    stats = cairn.save(path, {"r": arr}, timeout=60)
+    load_stats = LoadStats()
+    out = engine_load(resolve(path), {"r": jax.ShapeDtypeStruct(shp, np.float32, sharding=NamedSharding(m, P()))},
+                      stats=load_stats, timeout=60)["r"]
+    for shard in out.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+    return {"bytes_written": stats.bytes_written, "bytes_read": load_stats.bytes_read, "nbytes": int(full.nbytes)}
