@@ -272,15 +272,21 @@ def plan_read_once(cluster: Cluster, index: fmt.ItemIndex, params: list[Param], 
     mesh = cluster.load_mesh
     procs = mesh.size // mesh.devices_per_process
     routes = []
+    memo: dict[Any, Any] = {}  # as `_readonce.route` memoises: one decision per (grid, layout)
     for leaf, prm in zip(index.leaves, params):
         assert isinstance(leaf, fmt.ArrayLeaf)
         isz = leaf.dtype.itemsize
+        key = (leaf.grid, isz, prm.shape, prm.load)
+        if key in memo:
+            routes.append(memo[key])
+            continue
 
         def cost(layout: Layout, leaf: fmt.ArrayLeaf = leaf, isz: int = isz) -> int:
             boxes = _process_boxes(cluster, mesh, leaf.shape, _spec(layout), 0)
             return procs * estimate_read_bytes(leaf.grid, isz, boxes, index.block_size, verify)
 
-        routes.append(choose(_layout(mesh, prm.shape, prm.load), prm.shape, leaf.nbytes, cost, forced=False))
+        memo[key] = choose(_layout(mesh, prm.shape, prm.load), prm.shape, leaf.nbytes, cost, forced=False)
+        routes.append(memo[key])
     reads = read_bytes = 0
     for leaf, plan in zip(index.leaves, routes):
         assert isinstance(leaf, fmt.ArrayLeaf)

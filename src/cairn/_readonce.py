@@ -159,6 +159,14 @@ def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, proce
         return direct  # one process deduplicates its own boxes already
     if process_count > 1 and len({d.process_index for d in target.device_set}) == 1:
         return direct  # a process-local target: no other process takes part in its collectives
+    # Models repeat a few (grid, sharding) pairs over hundreds of layers: decide each once.
+    key: Any = (leaf.grid, leaf.dtype.itemsize, target, block_size, verify, read_once)
+    try:
+        hit = _routes.get(key)
+    except TypeError:  # an unhashable sharding
+        hit, key = None, None
+    if hit is not None:
+        return hit
     target_layout = layout_of(target, leaf.shape)
 
     def cost(layout: Layout) -> int:
@@ -167,7 +175,15 @@ def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, proce
     plan = choose(target_layout, leaf.shape, leaf.nbytes, cost, forced=read_once is True)
     steps = tuple(target if s == target_layout else sharding_of(target, s) for s in plan.steps)
     read = target if plan.read == target_layout else sharding_of(target, plan.read)
-    return Route(read, steps, plan.cost, plan.direct_cost)
+    out = Route(read, steps, plan.cost, plan.direct_cost)
+    if key is not None:
+        if len(_routes) > 4096:
+            _routes.clear()
+        _routes[key] = out
+    return out
+
+
+_routes: dict[Any, Route] = {}
 
 
 def read_bytes(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool) -> int:
