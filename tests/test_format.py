@@ -72,6 +72,38 @@ def test_index_rejects(path, value, msg):
         fmt.ItemIndex.from_json(mutate(doc, path, value), "idx")
 
 
+def key_index():
+    leaf = fmt.ArrayLeaf(
+        path="rng", dtype=np.dtype(np.uint32), shape=(3, 2), grid=((0, 3), (0, 2)), chunks=((0, 0),),
+        crcs=((7,),), kind="prng_key", impl="threefry2x32", impl_shape=(2,),
+    )
+    return fmt.ItemIndex({"leaf": 0}, (leaf,), (fmt.FileInfo("p00000-0.ab.bin", 24),), 1 << 20)
+
+
+def test_key_leaf_roundtrip():
+    back = fmt.ItemIndex.from_json(key_index().to_json(), "idx").leaves[0]
+    assert back == key_index().leaves[0]
+    assert (back.kind, back.impl, back.impl_shape, back.key_shape) == ("prng_key", "threefry2x32", (2,), (3,))
+
+
+@pytest.mark.parametrize(
+    "field,value,msg",
+    [
+        ("impl", None, "impl"),
+        ("impl", "", "impl"),
+        ("impl_shape", None, "impl_shape"),
+        ("impl_shape", [4], "ends with impl_shape"),
+        ("impl_shape", [3, 2, 1], "ends with impl_shape"),
+        ("impl_shape", [0], "positive"),
+        ("dtype", "int32", "uint32"),
+    ],
+)
+def test_key_leaf_rejects(field, value, msg):
+    doc = key_index().to_json()
+    with pytest.raises(CorruptCheckpointError, match=msg):
+        fmt.ItemIndex.from_json(mutate(doc, ("leaves", 0, field), value), "idx")
+
+
 def test_manifest_rejects_foreign_folder_names():
     m = fmt.Manifest({"params": fmt.ItemInfo("params", "index.ab.json", 0, 0)}).to_json()
     fmt.Manifest.from_json(m, "m")

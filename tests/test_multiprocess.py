@@ -245,3 +245,10 @@ def test_kill_anywhere_in_a_two_process_save(tmp_path, victim):
         cairn.save(where / "next", {"x": np.arange(3)})  # leftovers never block a new save
         assert cairn.load(where / "next")["x"].tolist() == [0, 1, 2]
     assert sum(outcomes.values()) == len(points)
+
+
+def test_a_typed_key_per_device_across_processes(tmp_path):
+    out = run(2, "keys_per_host", {"path": str(tmp_path / "keys"), "mesh": MESH_2})
+    assert out == [{"same": 2, "replicated": 2}] * 2
+    data = cairn.load(tmp_path / "keys")["rng"]  # numpy: the key data, uint32
+    assert data.dtype == np.uint32 and data.shape == (4, 4)

@@ -135,7 +135,7 @@ def spec_reader(ckpt: str):
             assert os.path.getsize(os.path.join(folder, f_["name"])) == f_["size"]
         values = []
         for leaf in index["leaves"]:
-            if leaf["kind"] in ("array", "bytes", "object"):
+            if leaf["kind"] in ("array", "bytes", "object", "prng_key"):  # prng_key: the uint32 key data
                 arr = _read_array(folder, index, leaf)
                 values.append(arr.tobytes() if leaf["kind"] == "bytes" else arr)
             else:
@@ -165,6 +165,7 @@ def _state(mesh42):
         },
         "opt.state": [np.ones(3, np.uint8), (np.float32(2.0), None)],
         "step": 9,
+        "rng": jax.device_put(jax.random.split(jax.random.key(1, impl="rbg"), 4), NamedSharding(mesh42, P("x"))),
         "conf": {"name": "é/x", "lr": 3e-4, "z": 1 + 2j, "flag": True, "blob": b"\x00\x01\x02", "big": -(2**80)},
     }
 
@@ -182,7 +183,9 @@ def test_spec_reader_reads_what_cairn_writes(tmp_path, mesh42):
     assert got["opt.state"][0].tobytes() == b"\x01\x01\x01"
     assert got["opt.state"][1] == (np.float32(2.0), None)
     assert got["step"] == 9 and got["conf"] == want["conf"]
-    assert sorted(os.listdir(tmp_path / "ck")) == sorted(["manifest.json", "params", "opt%2Estate", "step", "conf"])
+    key_data = np.asarray(jax.random.key_data(state["rng"]))
+    assert got["rng"].dtype == np.uint32 and got["rng"].shape == (4, 4) and np.array_equal(got["rng"], key_data)
+    assert sorted(os.listdir(tmp_path / "ck")) == sorted(["manifest.json", "params", "opt%2Estate", "step", "rng", "conf"])
 
 
 def test_spec_reader_detects_a_flipped_byte(tmp_path):
@@ -218,6 +221,8 @@ _NOJAX_SCRIPT = textwrap.dedent(
         "step": got["step"],
         "conf": repr(got["conf"]),
         "meta_shape": list(meta["params"]["w"].shape),
+        "rng": [str(got["rng"].dtype), list(got["rng"].shape), got["rng"].tobytes().hex()],
+        "meta_rng": [meta["rng"].kind, meta["rng"].impl, list(meta["rng"].shape), str(meta["rng"].dtype)],
         "cli_verify": main(["--plain", "-q", "verify", ck]),
         "cli_inspect": main(["--plain", "inspect", ck, "--json"]),
     }
@@ -251,6 +256,9 @@ def test_load_without_jax(tmp_path, mesh42):
     assert out["w_type"] == "ndarray" and out["w"] == np.asarray(state["params"]["w"]).tolist()
     assert out["e_dtype"] == "bfloat16" and out["e_bytes"] == np.asarray(state["params"]["e"]).tobytes().hex()
     assert out["step"] == 9 and out["meta_shape"] == [12, 6]
+    key_data = np.asarray(jax.random.key_data(state["rng"]))
+    assert out["rng"] == ["uint32", [4, 4], key_data.tobytes().hex()]
+    assert out["meta_rng"] == ["prng_key", "rbg", [4, 4], "uint32"]  # without JAX: the key data's shape
     assert out["conf"] == repr(cairn.load(tmp_path / "ck")["conf"])
     assert out["cli_verify"] == 0 and out["cli_inspect"] == 0
     if "torch_dtype" in out:

@@ -18,9 +18,9 @@ pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 SHAPE = [1024, 1024]  # 4 MiB of float32
 
 
-def _load(tmp_path, n, mesh, save_spec, load_spec, devices=2, **kw):
+def _load(tmp_path, n, mesh, save_spec, load_spec, devices=2, shape=SHAPE, **kw):
     out = run(n, "save_then_load", {"path": str(tmp_path / "ck"), "mesh": mesh, "save_spec": save_spec,
-                                    "load_spec": load_spec, "shape": SHAPE, **kw},
+                                    "load_spec": load_spec, "shape": shape, **kw},
               devices_per_process=devices)
     nbytes = out[0]["nbytes"]
     return out, sum(r["bytes_read"] for r in out) / nbytes, sum(r["rchar"] for r in out) / nbytes
@@ -80,3 +80,20 @@ def test_a_replicated_array_is_written_by_all_its_holders(tmp_path):
     assert sum(r["bytes_written"] for r in out) == nbytes
     assert all(r["bytes_written"] == nbytes // 2 for r in out), out
     assert sum(r["bytes_read"] for r in out) <= 1.1 * nbytes, out
+
+
+@pytest.mark.parametrize("load_spec", [[], [None, ["x", "y"]]], ids=["replicas", "rows-to-columns"])
+def test_a_leaf_larger_than_the_budget_is_restored_in_pieces(tmp_path, load_spec):
+    # 16 MiB saved in 4 row chunks (4 MiB each, 1 MiB checksum blocks), 4 MiB budget: the
+    # leaf goes in pieces, one wave each, and still reads each byte once (pieces stay whole
+    # checksum blocks per device).
+    out, ratio, rchar = _load(tmp_path, 2, [2, 2], [["x", "y"]], load_spec, budget=4 << 20, shape=[4096, 1024])
+    assert ratio <= 1.1 and rchar <= 1.1, (ratio, rchar, out)
+    assert all(r["pieces"] >= 2 and r["read_once_leaves"] == 1 for r in out), out
+
+
+def test_pieces_never_cost_extra_storage_reads(tmp_path):
+    # 4 MiB in 1 MiB chunks with a 1 MiB budget: pieces that thin would read each checksum
+    # block several times, so the leaf is not cut and reads each byte once.
+    out, ratio, _ = _load(tmp_path, 2, [2, 2], [["x", "y"]], [], budget=1 << 20)
+    assert ratio <= 1.1, (ratio, out)

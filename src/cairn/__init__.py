@@ -23,6 +23,7 @@ from ._errors import CoordinationTimeoutError as CoordinationTimeoutError
 from ._errors import CorruptCheckpointError as CorruptCheckpointError
 from ._errors import MismatchError as MismatchError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
+from ._export import export_safetensors as export_safetensors
 from ._leaves import register_type as register_type
 from ._load import ArrayMetadata as ArrayMetadata
 from ._manager import CheckpointManager as CheckpointManager
@@ -58,6 +59,7 @@ __all__ = [
     "SaveStats",
     "UnsupportedTypeError",
     "__version__",
+    "export_safetensors",
     "load",
     "metadata",
     "register_type",

@@ -11,9 +11,11 @@ import os
 import time
 from typing import Any
 
-from . import _async, _load, _save
+from . import _async, _load, _save, _sources
 from ._coord import Coordinator
+from ._errors import CheckpointNotFoundError
 from ._location import resolve
+from ._sources import Rename
 
 PathLike = str | os.PathLike[str]
 
@@ -32,7 +34,7 @@ def save(
 ) -> _save.SaveStats:
     """Save `state` at `path` and return once it is committed.
 
-    `state` is any pytree of ``jax.Array``, numpy arrays, scalars, strings,
+    `state` is any pytree of ``jax.Array`` (typed PRNG keys too), numpy arrays, scalars, strings,
     bytes and ``None``. When it is a mapping with string keys, each key is a
     checkpointable stored (and loadable) on its own. Every process of a
     multi-process program calls `save` with its part of the same global state;
@@ -109,6 +111,8 @@ def load(
     budget_bytes: int = 1 << 30,
     coordinator: Coordinator | None = None,
     timeout: float = 1800.0,
+    format: str | None = None,
+    rename: Rename | None = None,
 ) -> Any:
     """Load a checkpoint, whole or in part, onto any sharding.
 
@@ -118,7 +122,10 @@ def load(
     be ``jax.ShapeDtypeStruct`` (with ``.sharding``), ``jax.Array`` or numpy
     templates, or ``jax.sharding.Sharding`` objects; each array comes back
     with that sharding and dtype (a different dtype is a cast), reading only
-    the bytes its shards need.
+    the bytes its shards need. Typed PRNG keys (``jax.random.key``) come back
+    as keys of their saved implementation for a key-dtype target (e.g. from
+    ``jax.eval_shape``) or a sharding; without one, as their ``uint32`` key
+    data (``jax.random.key_data``).
 
     Example::
 
@@ -146,12 +153,45 @@ def load(
     (then every process must call `load` with the same target, as for any
     multi-process array). `budget_bytes` bounds the host buffers in flight
     per process; `timeout` bounds each wait for the other processes.
+
+    Checkpoints of other formats load the same way, onto any mesh, with the
+    same errors and `partial`: Hugging Face safetensors (one file, or a
+    folder with ``model.safetensors.index.json``), PyTorch DCP (``.metadata``
+    and ``.distcp`` files) and Orbax (an item or CheckpointManager step
+    folder; needs tensorstore, the ``orbax`` extra). The format is detected;
+    ``format=`` ("cairn", "orbax", "dcp", "safetensors") overrides it. Their
+    keys are their own tree: Orbax's pytree, DCP's FQNs and safetensors
+    names split on '.'. Safetensors and DCP tensors are read by byte range
+    (only what each process's shards need), Orbax arrays through tensorstore
+    (only the zarr chunks they overlap). They carry no checksums, so nothing
+    of them is verified.
+
+    `rename` maps each source key path ('/'-joined, e.g.
+    ``model/layers/0/self_attn/q_proj/weight``) to where the target keeps it:
+    a function returning the new path or None (drop the leaf), or
+    ``(regex, replacement)`` pairs applied in order with ``re.sub`` (a None
+    replacement drops what the regex matches). It works for cairn
+    checkpoints too::
+
+        params = cairn.load("hf_model/", target, rename=[(r"^model/", ""), (r"/self_attn/", "/attn/")])
     """
     if framework not in ("numpy", "torch"):
         raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
     loc = resolve(path, storage_options)
-    out = _load.load(loc, target, partial=partial, verify=verify, threads=threads, read_once=read_once,
-                     budget_bytes=budget_bytes, coordinator=coordinator, timeout=timeout)
+    source = None
+    if rename is not None or format not in (None, "cairn"):
+        source = _sources.open_source(loc, target, format=format, rename=rename)
+    kw: dict[str, Any] = dict(partial=partial, verify=verify, threads=threads, read_once=read_once,
+                              budget_bytes=budget_bytes, coordinator=coordinator, timeout=timeout)
+    missing: CheckpointNotFoundError | None = None
+    try:
+        out = _load.load(loc, target, source=source, **kw)
+    except CheckpointNotFoundError as e:
+        if source is not None or format == "cairn":
+            raise
+        missing = e  # not a cairn checkpoint: perhaps one of another format
+    if missing is not None:
+        out = _load.load(loc, target, source=_sources.open_source(loc, target, missing=missing), **kw)
     if framework == "torch":
         from ._torch import tree_to_torch
 
@@ -159,14 +199,24 @@ def load(
     return out
 
 
-def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> Any:
+def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None, format: str | None = None) -> Any:
     """The checkpoint's tree with `ArrayMetadata` (shape, dtype, nbytes, sharding) for arrays.
 
-    Reads only the manifest and indexes, never array data.
+    Reads only the manifest and indexes, never array data. Checkpoints of
+    the other formats `load` reads are described too (``format=`` as there).
 
     Example::
 
         info = cairn.metadata("/ckpt/step_100")
         info["params"]["w"].shape
     """
-    return _load.metadata(resolve(path, storage_options))
+    loc = resolve(path, storage_options)
+    missing = None
+    if format in (None, "cairn"):
+        try:
+            return _load.metadata(loc)
+        except CheckpointNotFoundError as e:
+            if format == "cairn":
+                raise
+            missing = e
+    return _sources.metadata(loc, format, missing)

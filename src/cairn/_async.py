@@ -26,6 +26,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from . import _save
+from ._buffers import MAX_SNAPSHOTS
 from ._coord import Coordinator
 from ._errors import CheckpointError
 from ._location import Location
@@ -107,7 +108,7 @@ def error_of(future: SaveFuture) -> BaseException | None:
 #: At most this many async saves of a process hold snapshots at once (one
 #: writing, one queued behind it); a further save_async waits for the oldest,
 #: so host memory for snapshots never grows with the number of queued saves.
-MAX_PENDING = 2
+MAX_PENDING = MAX_SNAPSHOTS
 
 
 class _Background:

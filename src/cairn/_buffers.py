@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import threading
 
 import numpy as np
@@ -13,10 +14,14 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> n
     XLA's CPU client adopts 64-byte-aligned host buffers without a copy, so a
     load onto CPU devices hands its read buffers straight to the arrays.
     """
-    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    nbytes = math.prod(shape) * dtype.itemsize
     raw = np.empty(nbytes + align, dtype=np.uint8)
-    start = -raw.ctypes.data % align
+    start = -raw.__array_interface__["data"][0] % align  # (`.ctypes.data` costs ~5 µs)
     return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+#: At most this many async saves of a process hold snapshots at once (`_async.MAX_PENDING`).
+MAX_SNAPSHOTS = 2
 
 
 class _BufferPool:
@@ -24,8 +29,12 @@ class _BufferPool:
 
     A training loop saves states of the same shapes again and again, so the
     next snapshot finds buffers of the sizes it needs. At most `limit` bytes
-    are kept (the size of the largest recent snapshot), never more than one
-    snapshot's worth.
+    are kept: the largest recent snapshot times `MAX_SNAPSHOTS`, so that a loop
+    with two saves in flight reuses the same buffers over and over. Keeping
+    only one snapshot's worth made every save free half its buffers and
+    allocate new ones, from whichever thread's malloc arena; measured with
+    benchmarks/soak.py, that churn held ~100-200 MiB more RSS than the
+    buffers themselves (docs/PERFORMANCE.md, "Per-leaf and steady-state costs").
     """
 
     def __init__(self) -> None:
@@ -49,8 +58,9 @@ class _BufferPool:
                 self._bytes += buf.nbytes
 
     def reserve(self, nbytes: int) -> None:
+        """Note a snapshot of `nbytes`: keep up to `MAX_SNAPSHOTS` of them."""
         with self._lock:
-            self.limit = max(self.limit, nbytes)
+            self.limit = max(self.limit, nbytes * MAX_SNAPSHOTS)
 
     def clear(self) -> None:
         with self._lock:
@@ -65,9 +75,9 @@ snapshot_pool = _BufferPool()
 def release_snapshot_buffers() -> None:
     """Free the host buffers cairn keeps for the next async save.
 
-    After an async save, its snapshot's host buffers (at most one snapshot's
-    worth) are kept so that the next snapshot copies into memory already
-    touched, at memcpy speed. `cairn.load` releases them itself, since it
+    After an async save, its snapshot's host buffers (at most two snapshots'
+    worth, as many as may be in flight at once) are kept so that the next
+    snapshot copies into memory already touched, at memcpy speed. `cairn.load` releases them itself, since it
     needs the memory; call this to get it back at any other time.
 
     Example::

@@ -35,6 +35,7 @@ from . import _format as fmt
 from . import _steps
 from . import _values as values
 from ._errors import CheckpointError
+from ._sources import FORMATS
 
 # ---------------------------------------------------------------------- output
 
@@ -263,9 +264,13 @@ def _value_json(v: Any) -> Any:
     return v
 
 
-def inspect_data(path: str) -> dict[str, Any]:
+def inspect_data(path: str, format: str | None = None) -> dict[str, Any]:
     from ._metadata import open_checkpoint
+    from ._sources import inspect_data as foreign
 
+    other = foreign(path, format)  # Orbax, DCP, safetensors
+    if other is not None:
+        return other
     ck = open_checkpoint(path)
     m = ck.manifest
     items: dict[str, Any] = {}
@@ -283,6 +288,8 @@ def inspect_data(path: str) -> dict[str, Any]:
                     d["sharding"] = leaf.sharding
                 if leaf.handler is not None:
                     d["handler"] = leaf.handler
+                if leaf.impl is not None:
+                    d["impl"] = leaf.impl
                 totals["arrays"] += 1
                 totals["array_bytes"] += leaf.nbytes
             else:
@@ -303,7 +310,7 @@ def inspect_data(path: str) -> dict[str, Any]:
 
 
 def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
-    data = inspect_data(args.path)
+    data = inspect_data(args.path, args.format)
     if args.json:
         _dump_json(data)
         return 0
@@ -315,6 +322,7 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
                 shape = "(" + ", ".join(map(str, leaf["shape"])) + ("," if len(leaf["shape"]) == 1 else "") + ")"
                 grid = "x".join(map(str, leaf["grid"])) or "1"
                 dtype = leaf["dtype"] if leaf["kind"] == "array" else leaf["kind"]
+                dtype = f"key<{leaf['impl']}> data" if "impl" in leaf else dtype
                 rows.append([key or "<root>", dtype, shape, human_bytes(leaf["nbytes"]), grid,
                              _sharding_text(leaf.get("sharding"))])
             else:
@@ -324,10 +332,11 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
               title=data["path"], right=["size"])
     t = data["totals"]
     created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(data["created_unix"])) if data["created_unix"] else "?"
+    origin = (f"a checkpoint in {data['format']} format, read in place" if data.get("format") else
+              f"saved {created} by cairn {data['cairn_version'] or '?'} from {data['process_count']} process(es)")
     out.line(
         f"{t['leaves']} leaves ({t['arrays']} arrays, {human_bytes(t['array_bytes'])}) in {len(data['items'])} "
-        f"checkpointable(s), {t['files']} data files ({human_bytes(t['file_bytes'])}); saved {created} by "
-        f"cairn {data['cairn_version'] or '?'} from {data['process_count']} process(es)"
+        f"checkpointable(s), {t['files']} data files ({human_bytes(t['file_bytes'])}); {origin}"
     )
     if data["metadata"]:
         out.line("metadata: " + json.dumps(data["metadata"], default=_json_default))
@@ -385,26 +394,9 @@ def cmd_diff(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_convert(args: argparse.Namespace, out: Output) -> int:
-    from ._metadata import open_checkpoint
-    from ._safetensors import from_safetensors, to_safetensors
-    from ._torchfile import to_torch_file
+    from ._sources._convert import run_convert
 
-    total = None
-    if args.to in ("safetensors", "torch"):
-        ck = open_checkpoint(args.src)
-        total = sum(leaf.nbytes for i in ck.indexes.values() for leaf in i.leaves if isinstance(leaf, fmt.ArrayLeaf))
-    with out.progress(f"converting to {args.to}", total) as (_set_total, advance):
-        if args.to == "safetensors":
-            written = to_safetensors(args.src, args.dst, per_item=args.per_item, budget_bytes=args.budget,
-                                        progress=advance)
-        elif args.to == "torch":
-            written = [to_torch_file(args.src, args.dst, sep=args.sep, budget_bytes=args.budget, progress=advance)]
-        else:
-            from_safetensors(args.src, args.dst, budget_bytes=args.budget, progress=advance)
-            written = [args.dst]
-    for w in written:
-        out.line(f"wrote {w}")
-    return 0
+    return run_convert(args, out)
 
 
 # ---------------------------------------------------------------------- main
@@ -427,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("inspect", help="show a checkpoint's tree (reads no array data)")
     s.add_argument("path")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--format", choices=FORMATS, help="the source's format (default: detected)")
     s.set_defaults(fn=cmd_inspect)
 
     s = sub.add_parser("verify", help="read everything and check every checksum; exit 1 if anything is corrupt")
@@ -443,10 +436,14 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_diff)
 
-    s = sub.add_parser("convert", help="convert between cairn, safetensors and PyTorch state-dict files")
+    s = sub.add_parser("convert", help="convert between cairn, safetensors (also sharded, for Hugging Face) and "
+                       "PyTorch files; --to cairn also reads Orbax and DCP checkpoints")
     s.add_argument("src")
     s.add_argument("dst")
     s.add_argument("--to", required=True, choices=["safetensors", "cairn", "torch"])
+    s.add_argument("--format", choices=FORMATS, help="--to cairn: the source's format (default: detected)")
+    s.add_argument("--max-shard-size", help="safetensors: a Hugging Face folder of shards of at most this "
+                   "size (5GB = 5*10^9 bytes, 5GiB = 5*2^30), written by every process in parallel")
     s.add_argument("--per-item", action="store_true",
                    help="safetensors: one file per checkpointable in folder DST")
     s.add_argument("--sep", default=".", help="torch: separator joining key-path components (default '.')")

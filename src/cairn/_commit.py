@@ -245,12 +245,14 @@ class MarkerCommit(CommitStrategy):
                 pass  # committed already: never fail the save for a leftover
 
     def _check_complete(self, loc: Location, root: str, needed: Iterable[str], overwrite: bool) -> None:
-        needed = list(needed)
-        gone = set(needed) - set(self.storage.list(root))
-        if gone and not overwrite and self.storage.exists(loc.key(fmt.MANIFEST)):
-            # The winner of a race for this path removes the other attempts' files after its commit.
-            raise CheckpointExistsError(f"{loc.path}: another save committed this checkpoint first")
-        super()._check_complete(loc, root, needed, overwrite)
+        try:
+            super()._check_complete(loc, root, needed, overwrite)
+        except CheckpointError:
+            # The winner of a race for this path removes the other attempts' files after its commit,
+            # so a manifest there now (looked for after the listing that missed the files) means we lost.
+            if not overwrite and self.storage.exists(loc.key(fmt.MANIFEST)):
+                raise CheckpointExistsError(f"{loc.path}: another save committed this checkpoint first") from None
+            raise
 
     def abort(self, loc: Location, token: str) -> None:
         try:

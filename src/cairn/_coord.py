@@ -12,6 +12,8 @@ outcomes: a few hundred bytes per process per save); array bytes never do.
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 from typing import Any, Protocol, runtime_checkable
@@ -19,6 +21,40 @@ from typing import Any, Protocol, runtime_checkable
 from ._errors import CoordinationError, CoordinationTimeoutError
 
 _PROGRESS = "cairn/progress"
+_ALIVE = "cairn/alive"
+#: How long a peer may go without a heartbeat, or without progress inside a save or load,
+#: before the processes waiting for it give up on it (seconds; env CAIRN_PEER_TIMEOUT).
+PEER_TIMEOUT = 60.0
+
+
+class Activity:
+    """What this process is doing inside cairn, for its heartbeat: the operation and a counter
+    that the engine advances as bytes move. A peer waiting for this process reads both."""
+
+    def __init__(self) -> None:
+        self.op: str | None = None
+        self.progress = 0
+        self._lock = threading.Lock()
+        self._depth = 0
+
+    def begin(self, op: str) -> None:
+        with self._lock:
+            self._depth += 1
+            self.op = op
+            self.progress += 1
+
+    def end(self) -> None:
+        with self._lock:
+            self._depth = max(0, self._depth - 1)
+            if not self._depth:
+                self.op = None
+            self.progress += 1
+
+    def advance(self, n: int = 1) -> None:
+        self.progress += n  # a race loses a count at worst: it only has to change
+
+
+activity = Activity()
 
 
 @runtime_checkable
@@ -105,10 +141,71 @@ class JaxCoordinator:
     can say where the missing processes were.
     """
 
-    def __init__(self, client: Any, process_index: int, process_count: int):
+    def __init__(self, client: Any, process_index: int, process_count: int, peer_timeout: float | None = None):
         self._client = client
         self.process_index = process_index
         self.process_count = process_count
+        env = os.environ.get("CAIRN_PEER_TIMEOUT")
+        self.peer_timeout = float(peer_timeout if peer_timeout is not None else env or PEER_TIMEOUT)
+        # Per peer: (its last heartbeat as read, when it changed, its last (op, progress), when that changed).
+        self._seen: dict[int, tuple[str, float, str, float]] = {}
+        self._last_check = 0.0
+        self._stop = threading.Event()
+        self._beat = threading.Thread(target=self._heartbeat, name="cairn-heartbeat", daemon=True)
+        self._beat.start()
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _heartbeat(self) -> None:
+        """Publish this process's heartbeat: a beat count, what it is doing and its progress."""
+        beat = 0
+        interval = max(0.2, min(5.0, self.peer_timeout / 6))
+        while not self._stop.is_set():
+            beat += 1
+            value = json.dumps({"beat": beat, "op": activity.op, "progress": activity.progress})
+            try:
+                self._client.key_value_set_bytes(f"{_ALIVE}/{self.process_index}", value.encode(),
+                                                 allow_overwrite=True)
+            except Exception:
+                if self._stop.wait(interval):
+                    return
+                continue  # the service is gone or shutting down: nothing to tell
+            self._stop.wait(interval)
+
+    def check_peers(self, processes: list[int], waiting_for: str) -> None:
+        """Raise `CoordinationError` if one of `processes` died (no heartbeat for `peer_timeout`)
+        or, inside a save or load, made no progress for that long."""
+        now = time.monotonic()
+        if now - self._last_check < min(1.0, self.peer_timeout / 10):
+            return  # a few requests per peer per second at most, however fast the caller polls
+        self._last_check = now
+        for p in processes:
+            try:
+                raw = bytes(self._client.key_value_try_get_bytes(f"{_ALIVE}/{p}")).decode()
+            except Exception:
+                continue  # no heartbeat seen yet (it has not reached cairn): cannot judge
+            state = json.loads(raw)
+            doing = json.dumps([state.get("op"), state.get("progress")])
+            old = self._seen.get(p)
+            if old is None:
+                self._seen[p] = (raw, now, doing, now)
+                continue
+            beat_at = now if raw != old[0] else old[1]
+            doing_at = now if doing != old[2] else old[3]
+            self._seen[p] = (raw, beat_at, doing, doing_at)
+            if now - beat_at > self.peer_timeout:
+                raise CoordinationError(
+                    f"{self._whereabouts([p])} sent no heartbeat for {now - beat_at:.0f}s: it died or hangs "
+                    f"entirely (process {self.process_index} was waiting for {waiting_for}; CAIRN_PEER_TIMEOUT "
+                    f"is {self.peer_timeout:g}s)"
+                )
+            if state.get("op") and now - doing_at > self.peer_timeout:
+                raise CoordinationError(
+                    f"{self._whereabouts([p])} made no progress for {now - doing_at:.0f}s while "
+                    f"{state['op']} (process {self.process_index} was waiting for {waiting_for}; "
+                    f"CAIRN_PEER_TIMEOUT is {self.peer_timeout:g}s)"
+                )
 
     # -------------------------------------------------------------- protocol
 
@@ -147,15 +244,23 @@ class JaxCoordinator:
     def fetch(self, key: str, timeout: float, writer: int | None = None) -> bytes:
         """Wait for `key`; `writer`, the process expected to publish it, improves the timeout error."""
         self._mark(f"waiting for {key!r}")
-        try:
-            value = self._client.blocking_key_value_get_bytes(key, _ms(timeout))
-        except Exception as e:
-            if not _is_timeout(e):
-                raise CoordinationError(f"process {self.process_index}: fetching {key!r} failed: {e}") from e
-            who = f" from {self._whereabouts([writer])}" if writer is not None else ""
-            raise CoordinationTimeoutError(
-                f"process {self.process_index} got no value under {key!r}{who} within {timeout:g}s"
-            ) from None
+        deadline = time.monotonic() + timeout
+        # Wait in slices, checking between them that the process expected to publish is alive.
+        piece = max(0.2, min(2.0, self.peer_timeout / 10))
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                value = self._client.blocking_key_value_get_bytes(key, _ms(max(min(piece, left), 0.001)))
+                break
+            except Exception as e:
+                if not _is_timeout(e):
+                    raise CoordinationError(f"process {self.process_index}: fetching {key!r} failed: {e}") from e
+            if time.monotonic() >= deadline:
+                who = f" from {self._whereabouts([writer])}" if writer is not None else ""
+                raise CoordinationTimeoutError(
+                    f"process {self.process_index} got no value under {key!r}{who} within {timeout:g}s"
+                ) from None
+            self.check_peers([writer] if writer is not None else self._others(), repr(key))
         self._mark(f"got {key!r}")
         return bytes(value)
 
@@ -169,9 +274,10 @@ class JaxCoordinator:
             if len(got) >= count:
                 self._mark(f"got {count} values under {prefix!r}")
                 return got
+            present = {_last(k) for k in got}
+            missing = [p for p in range(self.process_count) if str(p) not in present]
+            self.check_peers(missing, f"{count} values under {prefix!r}")
             if time.monotonic() > deadline:
-                present = {_last(k) for k in got}
-                missing = [p for p in range(self.process_count) if str(p) not in present]
                 raise CoordinationTimeoutError(
                     f"{self._whereabouts(missing)} published nothing under {prefix!r} within "
                     f"{timeout:g}s ({len(got)} of {count} did; process {self.process_index} waited)"
@@ -187,6 +293,9 @@ class JaxCoordinator:
             pass  # only memory in the service is at stake
 
     # -------------------------------------------------------------- helpers
+
+    def _others(self) -> list[int]:
+        return [p for p in range(self.process_count) if p != self.process_index]
 
     def _mark(self, step: str) -> None:
         try:
@@ -251,6 +360,8 @@ def default_coordinator() -> Coordinator:
             state = distributed.global_state
             if state.client is not None and (state.num_processes or 1) > 1:
                 if not isinstance(_default, JaxCoordinator) or _default._client is not state.client:
+                    if isinstance(_default, JaxCoordinator):
+                        _default.close()  # a new cluster (jax.distributed re-initialised): stop the old heartbeat
                     _default = JaxCoordinator(state.client, state.process_id, state.num_processes)
                 return _default
         except ImportError:

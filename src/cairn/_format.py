@@ -8,7 +8,6 @@ with `CorruptCheckpointError` before any memory is allocated for it.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import re
@@ -19,6 +18,7 @@ from urllib.parse import quote
 
 import numpy as np
 
+from ._chunks import At, bounds, cell_sizes, parse_chunks
 from ._errors import CorruptCheckpointError
 from ._values import VALUE_KINDS, decode_value, dtype_from_name, dtype_name, encode_value
 
@@ -75,11 +75,11 @@ def num_blocks(size: int, block_size: int) -> int:
 # --------------------------------------------------------------------------- helpers
 
 
-def _fail(where: str, msg: str) -> CorruptCheckpointError:
+def _fail(where: object, msg: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{where}: {msg}")
 
 
-def _req(d: Any, key: str, typ: type | tuple[type, ...], where: str) -> Any:
+def _req(d: Any, key: str, typ: type | tuple[type, ...], where: object) -> Any:
     if not isinstance(d, dict):
         raise _fail(where, f"expected a JSON object, found {type(d).__name__}")
     if key not in d:
@@ -96,7 +96,7 @@ def _number(v: Any, where: str) -> float:
     return float(v)
 
 
-def _int(v: Any, where: str, lo: int = 0, hi: int = MAX_FILE_BYTES) -> int:
+def _int(v: Any, where: object, lo: int = 0, hi: int = MAX_FILE_BYTES) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise _fail(where, f"expected an integer in [{lo}, {hi}], found {v!r}")
     return v
@@ -258,9 +258,16 @@ class ArrayLeaf:
     grid: tuple[tuple[int, ...], ...]  # per axis: boundaries 0 = b0 < b1 < ... = shape[axis]
     chunks: tuple[tuple[int, int], ...]  # grid order (C order over grid cells): (file, offset)
     crcs: tuple[tuple[int, ...], ...] = ()  # per chunk: CRC-32C of each block_size piece of it
-    kind: str = "array"  # "array" | "bytes" | "object"
+    kind: str = "array"  # "array" | "bytes" | "object" | "prng_key"
     sharding: dict[str, Any] | None = None
     handler: str | None = None  # for kind "object": the registered handler's name
+    impl: str | None = None  # for kind "prng_key": the JAX key implementation ("threefry2x32", ...)
+    impl_shape: tuple[int, ...] = ()  # for kind "prng_key": the trailing data dimensions of one key
+
+    @property
+    def key_shape(self) -> tuple[int, ...]:
+        """The shape of the stored array as the user saw it: a key array's without its key-data dimensions."""
+        return self.shape[: len(self.shape) - len(self.impl_shape)]
 
     @property
     def nbytes(self) -> int:
@@ -287,6 +294,7 @@ class ValueLeaf:
 
 
 Leaf = ArrayLeaf | ValueLeaf
+ARRAY_KINDS = ("array", "bytes", "object", "prng_key")
 
 
 @dataclass(frozen=True)
@@ -330,7 +338,7 @@ class ItemIndex:
             files.append(FileInfo(name, _int(_req(f, "size", int, w), w)))
         raw_leaves = _req(d, "leaves", list, where)
         leaves = tuple(
-            _leaf_from_json(x, files, block, f"{where}: leaves[{i}]") for i, x in enumerate(raw_leaves)
+            _leaf_from_json(x, files, block, At(where, i)) for i, x in enumerate(raw_leaves)
         )
         paths = [leaf.path for leaf in leaves]
         if len(set(paths)) != len(paths):
@@ -354,17 +362,20 @@ def _leaf_to_json(leaf: Leaf) -> dict[str, Any]:
             out["sharding"] = leaf.sharding
         if leaf.handler is not None:
             out["handler"] = leaf.handler
+        if leaf.impl is not None:
+            out["impl"] = leaf.impl
+            out["impl_shape"] = list(leaf.impl_shape)
         return out
     return {"path": leaf.path, "kind": leaf.kind, "value": encode_value(leaf.kind, leaf.value)}
 
 
-def _leaf_from_json(x: Any, files: list[FileInfo], block: int, where: str) -> Leaf:
-    path = _req(x, "path", str, where)
-    where = f"{where} ({path!r})"
+def _leaf_from_json(x: Any, files: list[FileInfo], block: int, at: At) -> Leaf:
+    path = _req(x, "path", str, at)
+    where = At(at.base, at.i, path)
     kind = _req(x, "kind", str, where)
-    if kind in ("array", "bytes", "object"):
-        dtype = dtype_from_name(x.get("dtype"), f"{where}: ")
-        shape = tuple(_int(s, where, 0, MAX_ARRAY_BYTES) for s in _req(x, "shape", list, where))
+    if kind in ARRAY_KINDS:
+        dtype = dtype_from_name(x.get("dtype"), At(at.base, at.i, path, ": "))
+        shape = _ints(_req(x, "shape", list, where), MAX_ARRAY_BYTES, where)
         if len(shape) > MAX_NDIM:
             raise _fail(where, f"{len(shape)} dimensions exceed the limit of {MAX_NDIM}")
         nbytes = math.prod(shape) * dtype.itemsize
@@ -373,52 +384,23 @@ def _leaf_from_json(x: Any, files: list[FileInfo], block: int, where: str) -> Le
         grid_raw = _req(x, "grid", list, where)
         if len(grid_raw) != len(shape):
             raise _fail(where, "grid rank differs from the shape's")
-        grid = []
-        for a, b in enumerate(grid_raw):
-            if not isinstance(b, list) or len(b) < 2:
-                raise _fail(where, f"grid axis {a} needs at least two boundaries")
-            bounds = tuple(_int(v, where, 0, shape[a]) for v in b)
-            increasing = all(lo < hi for lo, hi in itertools.pairwise(bounds))
-            if bounds[0] != 0 or bounds[-1] != shape[a] or (shape[a] > 0 and not increasing):
-                raise _fail(where, f"grid axis {a} boundaries {list(bounds)} do not tile 0..{shape[a]}")
-            if shape[a] == 0 and bounds != (0, 0):
-                raise _fail(where, f"grid axis {a} of an empty axis must be [0, 0]")
-            grid.append(bounds)
+        grid = tuple(bounds(b, a, shape[a], where) for a, b in enumerate(grid_raw))
         n_chunks = math.prod(len(b) - 1 for b in grid)
         chunks_raw = _req(x, "chunks", list, where)
         if len(chunks_raw) != n_chunks:
             raise _fail(where, f"{len(chunks_raw)} chunks for a grid of {n_chunks} cells")
-        leaf = ArrayLeaf(
-            path=path, dtype=dtype, shape=shape, grid=tuple(grid), chunks=(), kind=kind,
-            sharding=x.get("sharding") if isinstance(x.get("sharding"), dict) else None,
-            handler=x.get("handler") if isinstance(x.get("handler"), str) else None,
-        )
-        chunks, crcs = [], []
-        sizes = _cell_sizes(grid, dtype.itemsize)
-        last_file = max(len(files) - 1, 0)
-        for i, c in enumerate(chunks_raw):
-            # The hot loop of opening a large checkpoint: plain checks, no helper calls per value.
-            if type(c) is not list or len(c) < 2:
-                raise _fail(where, f"chunk {i} must be [file, offset, crc...]")
-            fi, off = c[0], c[1]
-            if type(fi) is not int or type(off) is not int or not 0 <= fi <= last_file or not 0 <= off <= MAX_FILE_BYTES:
-                raise _fail(where, f"chunk {i}: file number and offset must be integers in range, found {c[:2]!r}")
-            size = sizes[i]
-            if size and (not files or off + size > files[fi].size):
-                raise _fail(where, f"chunk {i} (bytes {off}..{off + size}) lies outside its data file")
-            crc = c[2:]
-            if len(crc) != -(-size // block):
-                raise _fail(where, f"chunk {i} has {len(crc)} checksums for {num_blocks(size, block)} blocks")
-            for v in crc:
-                if type(v) is not int or not 0 <= v <= 0xFFFFFFFF:
-                    raise _fail(where, f"chunk {i} has a bad checksum {v!r}")
-            chunks.append((fi, off))
-            crcs.append(tuple(crc))
+        handler = x["handler"] if isinstance(x.get("handler"), str) else None
+        sizes = cell_sizes(grid, dtype.itemsize)
+        chunks, crcs = parse_chunks(chunks_raw, sizes, [f.size for f in files], block, where)
         if kind in ("bytes", "object") and (len(shape) != 1 or dtype != np.uint8):
             raise _fail(where, f"a {kind} leaf must be a 1-D uint8 array")
-        if kind == "object" and leaf.handler is None:
+        if kind == "object" and handler is None:
             raise _fail(where, "an object leaf must name its handler")
-        return ArrayLeaf(**{**leaf.__dict__, "chunks": tuple(chunks), "crcs": tuple(crcs)})
+        leaf = ArrayLeaf(path=path, dtype=dtype, shape=shape, grid=grid, chunks=chunks, crcs=crcs, kind=kind,
+                         sharding=x["sharding"] if isinstance(x.get("sharding"), dict) else None, handler=handler)
+        if kind == "prng_key":
+            leaf = _key_fields(x, leaf, where)
+        return leaf
     if kind in VALUE_KINDS:
         if "value" not in x:
             raise _fail(where, "missing field 'value'")
@@ -426,13 +408,24 @@ def _leaf_from_json(x: Any, files: list[FileInfo], block: int, where: str) -> Le
     raise _fail(where, f"unknown leaf kind {kind!r}")
 
 
-def _cell_sizes(grid: list[tuple[int, ...]], itemsize: int) -> list[int]:
-    """Bytes of every grid cell, in C order over the grid."""
-    sizes = np.ones((), dtype=np.int64) * itemsize
-    for bounds in grid:
-        extents = np.diff(np.asarray(bounds, dtype=np.int64))
-        sizes = np.multiply.outer(sizes, extents)
-    return sizes.reshape(-1).tolist()
+def _key_fields(x: dict[str, Any], leaf: ArrayLeaf, where: object) -> ArrayLeaf:
+    """A prng_key leaf's `impl` and `impl_shape`, checked against its uint32 data."""
+    impl, impl_shape = x.get("impl"), x.get("impl_shape")
+    if not isinstance(impl, str) or not impl or len(impl) > 200:
+        raise _fail(where, "a prng_key leaf must name its key implementation in 'impl'")
+    if not isinstance(impl_shape, list) or any(type(n) is not int or n < 1 for n in impl_shape):
+        raise _fail(where, "a prng_key leaf needs 'impl_shape', a list of positive integers")
+    n = len(impl_shape)
+    if leaf.dtype != np.dtype("uint32") or n > len(leaf.shape) or list(leaf.shape[len(leaf.shape) - n:]) != impl_shape:
+        raise _fail(where, f"a prng_key leaf must be uint32 data whose shape ends with impl_shape {impl_shape}")
+    return ArrayLeaf(**{**leaf.__dict__, "impl": impl, "impl_shape": tuple(impl_shape)})
+
+
+def _ints(v: list[Any], hi: int, where: object) -> tuple[int, ...]:
+    for i in v:
+        if type(i) is not int or not 0 <= i <= hi:
+            raise _fail(where, f"expected an integer in [0, {hi}], found {i!r}")
+    return tuple(v)
 
 
 def _check_structure(node: Any, n_leaves: int, where: str) -> None:

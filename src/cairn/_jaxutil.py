@@ -50,8 +50,136 @@ def device_boxes(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Any], list
     return devices, boxes
 
 
+_placement_cache: dict[Any, tuple[list[Box], dict[Box, list[Any]]]] = {}
+
+
+def addressable_boxes(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Box], dict[Box, list[Any]]]:
+    """The distinct boxes `sharding` puts on this process's devices, and the devices of each.
+
+    Memoised per (sharding, shape), like `device_boxes`: a load of thousands of
+    leaves asks it for a few shardings over and over. Callers must not modify the result.
+    """
+    key: Any = (sharding, shape)
+    try:
+        hit = _placement_cache.get(key)
+    except TypeError:  # unhashable sharding
+        hit, key = None, None
+    if hit is None:
+        by_box: dict[Box, list[Any]] = {}
+        for device, index in sharding.addressable_devices_indices_map(shape).items():
+            by_box.setdefault(slices_to_box(index, shape), []).append(device)
+        hit = (list(by_box), by_box)
+        if key is not None:
+            if len(_placement_cache) > 4096:
+                _placement_cache.clear()
+            _placement_cache[key] = hit
+    return hit
+
+
+#: A leaf up to this size whose target sharding lies wholly on this process is read into one host
+#: buffer and placed by a batched `jax.device_put` (JAX slices it per device in C++): below this,
+#: a device_put and a read per shard cost more than the bytes (a 2 KiB leaf over 8 devices
+#: took ~20 µs per shard); above it, the per-shard buffers are adopted without a copy on CPU.
+WHOLE_PUT_BYTES = 1 << 20
+
+_whole: dict[Any, bool] = {}
+
+
+def puts_whole(sharding: Any) -> bool:
+    """Whether every device of `sharding` is this process's (then a load may place it from one host array)."""
+    try:
+        hit = _whole.get(sharding)
+    except TypeError:
+        return bool(sharding.is_fully_addressable)
+    if hit is None:
+        hit = _whole[sharding] = bool(sharding.is_fully_addressable)
+        if len(_whole) > 4096:
+            _whole.clear()
+    return hit
+
+
+class PutBatch:
+    """Host arrays waiting for one batched `jax.device_put` onto their shardings."""
+
+    def __init__(self, max_items: int = 1024, max_bytes: int = 64 << 20) -> None:
+        self.max_items, self.max_bytes = max_items, max_bytes
+        self._hosts: list[np.ndarray] = []
+        self._shardings: list[Any] = []
+        self._outs: list[tuple[dict[Any, Any], Any]] = []
+        self._bytes = 0
+
+    def add(self, out: dict[Any, Any], key: Any, host: np.ndarray, sharding: Any) -> None:
+        """Set ``out[key]`` to `host` placed on `sharding`, at the latest when `flush` runs."""
+        self._hosts.append(host)
+        self._shardings.append(sharding)
+        self._outs.append((out, key))
+        self._bytes += host.nbytes
+        if len(self._hosts) >= self.max_items or self._bytes >= self.max_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._hosts:
+            return
+        import jax
+
+        arrays = jax.device_put(self._hosts, self._shardings)
+        for (out, key), x in zip(self._outs, arrays):
+            out[key] = x
+        self._hosts, self._shardings, self._outs, self._bytes = [], [], [], 0
+
+
+_order_cache: dict[Any, dict[Any, int]] = {}
+
+
+def shard_arrays(x: Any) -> tuple[list[Any], dict[Any, int]]:
+    """The single-device arrays of `x`'s addressable shards, and each device's position among them.
+
+    `x.addressable_shards` builds a `Shard` per device and looks each one's
+    device up through a new sharding object: about 10 µs per shard, which a
+    state of thousands of small sharded leaves pays thousands of times. JAX
+    keeps an array's buffers in the fixed device order of its sharding, so
+    the device positions are memoised per sharding and the buffers are taken
+    from the array's own list (`_arrays`, what `addressable_shards` walks),
+    with `addressable_shards` as the fallback.
+    """
+    sharding = x.sharding
+    arrays = getattr(x, "_arrays", None)
+    try:
+        order = _order_cache.get(sharding)
+    except TypeError:  # unhashable sharding
+        order, sharding = None, None
+    if order is not None and isinstance(arrays, list) and len(arrays) == len(order):
+        return arrays, order
+    shards = x.addressable_shards
+    order = {s.device: i for i, s in enumerate(shards)}
+    if sharding is not None:
+        if len(_order_cache) > 4096:
+            _order_cache.clear()
+        _order_cache[sharding] = order
+    return [s.data for s in shards], order
+
+
+_described: dict[Any, dict[str, Any]] = {}
+
+
 def describe_sharding(sharding: Any) -> dict[str, Any]:
-    """A JSON description of a sharding, for humans and tools (never used to load)."""
+    """A JSON description of a sharding, for humans and tools (never used to load).
+
+    Memoised per sharding (a state repeats a few); callers must not modify it.
+    """
+    try:
+        hit = _described.get(sharding)
+    except TypeError:  # unhashable sharding
+        return _describe(sharding)
+    if hit is None:
+        hit = _describe(sharding)
+        if len(_described) > 4096:
+            _described.clear()
+        _described[sharding] = hit
+    return hit
+
+
+def _describe(sharding: Any) -> dict[str, Any]:
     import jax
 
     out: dict[str, Any] = {"type": type(sharding).__name__, "num_devices": len(sharding.device_set)}
@@ -79,20 +207,28 @@ def host_view(a: Any) -> np.ndarray:
     the host copy is freed as soon as the caller drops it (numpy views of
     device arrays are cached on the array for its whole life).
     """
-    if a.device.platform == "cpu":
+    if on_cpu(a):
         return np.asarray(a)
     import jax
 
     return np.asarray(jax.device_put(a, jax.devices("cpu")[0]))
 
 
-def start_host_copy(a: Any) -> Any:
-    """Begin a device-to-host copy of `a`; returns an object `host_view` accepts."""
-    if a.device.platform == "cpu":
-        return a
-    import jax
+_cpu: dict[Any, bool] = {}
 
-    return jax.device_put(a, jax.devices("cpu")[0])
+
+def on_cpu(a: Any) -> bool:
+    """Whether single-device array `a` lives in host memory (memoised per sharding: `a.device` costs ~1 µs)."""
+    sharding = a.sharding
+    try:
+        hit = _cpu.get(sharding)
+    except TypeError:
+        return bool(a.device.platform == "cpu")
+    if hit is None:
+        hit = _cpu[sharding] = a.device.platform == "cpu"
+        if len(_cpu) > 4096:
+            _cpu.clear()
+    return hit
 
 
 def device_copy(a: Any) -> Any:

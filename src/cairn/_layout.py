@@ -47,24 +47,21 @@ def plan_item(item: SaveItem, me: int, split_replicas: bool, threads: int, min_f
             continue
         shape, itemsize = src.shape, src.dtype.itemsize
         if src.is_jax:
-            from ._jaxutil import device_boxes
-
-            devices, boxes = device_boxes(src.value.sharding, shape)
+            x = src.value
             try:
-                split = REPLICA_SPLIT_BYTES // max(itemsize, 1)
-                layout, own = layout_for(src.value.sharding, shape, boxes, devices, me, split_replicas, i, split)
+                layout, own = sources_for(x.sharding, shape, itemsize, me, split_replicas, i)
             except LayoutError as e:
                 raise UnsupportedTypeError(f"{where}: leaf {display_path(src.path, item.name)!r}: {e}") from None
-            shards = None
-            for cell, d, elems in own:
-                if shards is None:
-                    shards = {s.device: s.data for s in src.value.addressable_shards}
-                data = shards[devices[d]]
-                box = cell_box(layout.grid, cell)
-                if box != boxes[d]:  # a piece of a replicated chunk: cut it out on the device
-                    data = data[tuple(slice(lo - dlo, hi - dlo) for (lo, hi), (dlo, _) in zip(box, boxes[d]))]
-                item.sources[(i, cell)] = data
-                mine.append((i, cell, elems * itemsize))
+            if own:
+                from ._jaxutil import shard_arrays
+
+                arrays, order = shard_arrays(x)
+                for cell, device, cut, nbytes in own:
+                    data = arrays[order[device]]
+                    if cut is not None:  # a piece of a replicated chunk: cut it out on the device
+                        data = data[cut]
+                    item.sources[(i, cell)] = data
+                    mine.append((i, cell, nbytes))
         else:
             layout = ChunkLayout(tuple((0, n) for n in shape), (0,), (0,))
             if me == 0:
@@ -72,6 +69,58 @@ def plan_item(item: SaveItem, me: int, split_replicas: bool, threads: int, min_f
                 mine.append((i, 0, box_bytes(full_box(shape), itemsize)))
         item.layouts[i] = layout
     item.files = assign_files(mine, threads, min_file_bytes)
+
+
+#: Per (sharding, shape, ...): the layout and this process's chunks as
+#: ``(cell, source device, slices to cut on it or None, bytes)``.
+_sources_cache: dict[Any, tuple[ChunkLayout, tuple[tuple[int, Any, Any, int], ...]]] = {}
+
+
+def sources_for(sharding: Any, shape: tuple[int, ...], itemsize: int, me: int, split_replicas: bool,
+                leaf: int) -> tuple[ChunkLayout, tuple[tuple[int, Any, Any, int], ...]]:
+    """`layout_for` of a jax sharding, with what plan_item needs per own chunk, memoised.
+
+    The leaf's position picks the writers of replicated chunks; a layout without
+    chunks held by several processes (every layout of a single process) does not
+    depend on it, so one entry serves every leaf of that sharding and shape.
+    """
+    split = REPLICA_SPLIT_BYTES // max(itemsize, 1)
+    key: Any = (sharding, shape, itemsize, me, split_replicas)
+    try:
+        hit = _sources_cache.get(key)
+        if hit is None:
+            hit = _sources_cache.get((*key, leaf))
+    except TypeError:  # unhashable sharding
+        hit, key = None, None
+    if hit is not None:
+        return hit
+    from ._jaxutil import device_boxes
+
+    devices, boxes = device_boxes(sharding, shape)
+    layout, own = layout_for(sharding, shape, boxes, devices, me, split_replicas, leaf, split)
+    entries = []
+    for cell, d, elems in own:
+        box = cell_box(layout.grid, cell)
+        cut = None
+        if box != boxes[d]:
+            cut = tuple(slice(lo - dlo, hi - dlo) for (lo, hi), (dlo, _) in zip(box, boxes[d]))
+        entries.append((cell, devices[d], cut, elems * itemsize))
+    hit = (layout, tuple(entries))
+    if key is not None:
+        if len(_sources_cache) > 4096:
+            _sources_cache.clear()
+        _sources_cache[key if not _shared_cells(boxes, devices) else (*key, leaf)] = hit
+    return hit
+
+
+def _shared_cells(boxes: list[Any], devices: list[Any]) -> bool:
+    """Whether some box is held by devices of more than one process (then writers depend on the leaf)."""
+    first: dict[Any, int] = {}
+    for box, d in zip(boxes, devices):
+        p = first.setdefault(box, d.process_index)
+        if p != d.process_index:
+            return True
+    return False
 
 
 layout_cache: dict[Any, tuple[ChunkLayout, tuple[tuple[int, int, int], ...]]] = {}

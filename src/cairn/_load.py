@@ -19,14 +19,19 @@ import numpy as np
 
 from . import _format as fmt
 from ._buffers import release_snapshot_buffers
-from ._coord import Coordinator, default_coordinator
+from ._coord import Coordinator, activity, default_coordinator
 from ._errors import CheckpointError, MismatchError
-from ._leaves import handler_named
+from ._leaves import check_key_target, handler_named, is_key_dtype, key_dtype, wrap_key
 from ._location import Location
 from ._metadata import read_index, read_manifest
 from ._reader import ArrayReads, ChunkReader, LoadStats
-from ._readonce import Agreement, Route, next_seq, route
+from ._readonce import (
+    Agreement,
+    next_seq,
+    route,
+)
 from ._tree import display_path, map_with_path, unflatten
+from ._waves import Gather, Staged, Unit, cut_in_pieces, plan_waves
 
 
 @dataclass(frozen=True)
@@ -38,10 +43,11 @@ class ArrayMetadata:
     """
 
     shape: tuple[int, ...]
-    dtype: np.dtype
+    dtype: Any  # a numpy dtype; for typed PRNG keys, the JAX key dtype (key shape, not key-data shape)
     nbytes: int
     sharding: dict[str, Any] | None = None
     kind: str = "array"
+    impl: str | None = None  # kind "prng_key": the key implementation, e.g. "threefry2x32"
 
     @property
     def size(self) -> int:
@@ -63,6 +69,7 @@ class _Want:
     dtype: np.dtype
     sharding: Any = None  # a jax Sharding, or None for a numpy array
     result: Any = None
+    key_impl: str | None = None  # wrap the loaded key data as typed keys of this implementation
 
 
 def _is_sharding(x: Any) -> bool:
@@ -75,7 +82,15 @@ def _is_sharding(x: Any) -> bool:
 
 def _want_for(target: Any, leaf: fmt.ArrayLeaf, where: str, item: str) -> _Want | None:
     """Interpret a target leaf for stored array `leaf`; None means "as saved, numpy"."""
-    if leaf.kind != "array":
+    if leaf.kind == "prng_key" and (_is_sharding(target) or is_key_dtype(getattr(target, "dtype", None))):
+        # Typed keys, read as key data onto the key sharding (the trailing data axes whole, as
+        # jax.random.key_data lays them out); an ArrayMetadata target loads numpy: the key data.
+        check_key_target(target, leaf, f"{where}: leaf {display_path(leaf.path, item)!r}")
+        if isinstance(target, ArrayMetadata):
+            return _Want(leaf, leaf.dtype, None)
+        sharding = target if _is_sharding(target) else getattr(target, "sharding", None)
+        return _Want(leaf, leaf.dtype, sharding if sharding is not None else _default_sharding(), key_impl=leaf.impl)
+    if leaf.kind not in ("array", "prng_key"):  # other targets of a key leaf get its uint32 key data
         return None
     if _is_sharding(target):
         return _Want(leaf, leaf.dtype, target)
@@ -102,7 +117,21 @@ def _want_for(target: Any, leaf: fmt.ArrayLeaf, where: str, item: str) -> _Want 
     return _Want(leaf, out_dtype, sharding)
 
 
-def _assemble(want: _Want, reads: ArrayReads) -> Any:
+def _default_sharding() -> Any:
+    import jax
+
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def _wrap_keys(it: _ItemLoad, where: str) -> None:
+    """Typed keys back from the key data read for key targets."""
+    for i, want in it.wanted.items():
+        if want is not None and want.key_impl is not None:
+            shown = display_path(want.leaf.path, it.name)
+            it.results[i] = wrap_key(it.results[i], want.key_impl, f"{where}: leaf {shown!r}")
+
+
+def _assemble(want: _Want, reads: ArrayReads, shape: tuple[int, ...] | None = None) -> Any:
     if want.sharding is None:
         out = reads.dests[0]
         return out if out.dtype == want.dtype else out.astype(want.dtype)
@@ -114,7 +143,7 @@ def _assemble(want: _Want, reads: ArrayReads) -> Any:
         host = dest if dest.dtype == want.dtype else dest.astype(want.dtype)
         for device in reads.placement[box]:
             arrays.append(jax.device_put(host, device))
-    return jax.make_array_from_single_device_arrays(want.leaf.shape, want.sharding, arrays)
+    return jax.make_array_from_single_device_arrays(shape or want.leaf.shape, want.sharding, arrays)
 
 
 # ---------------------------------------------------------------------- load
@@ -132,9 +161,10 @@ def load(
     read_once: bool | None = None,
     coordinator: Coordinator | None = None,
     timeout: float = 1800.0,
+    source: Any = None,
 ) -> Any:
-    """Load the checkpoint at `loc` (see `cairn.load`)."""
-    manifest = read_manifest(loc)
+    """Load the checkpoint at `loc` (see `cairn.load`); `source`: one opened already (`_sources`)."""
+    manifest = source.manifest if source is not None else read_manifest(loc)
     release_snapshot_buffers()  # a cache for repeated async saves; the load needs the memory
     stats = stats if stats is not None else LoadStats()
     if manifest.root:
@@ -157,21 +187,28 @@ def load(
     out: dict[str, Any] = {}
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="cairn-read") as pool:
         # Indexes are independent small reads: fetch them together (one round trip on object stores).
-        indexes = list(pool.map(lambda r: read_index(loc, manifest.items[r[0]]), requests))
+        indexes = [source.indexes[r[0]] for r in requests] if source is not None else list(
+            pool.map(lambda r: read_index(loc, manifest.items[r[0]]), requests))
         items = []
         try:
             for (name, item_target), index in zip(requests, indexes):
-                reader = ChunkReader(loc, name, manifest.items[name], index, verify, pool, stats)
+                reader = (source.reader(name, index, verify, pool, stats) if source is not None
+                          else ChunkReader(loc, name, manifest.items[name], index, verify, pool, stats))
                 items.append(_ItemLoad(name, index, reader, item_target,
                                        _match(loc, name, index, item_target, partial)))
             # One pipeline over the leaves of every requested checkpointable, so that
             # many small checkpointables keep the readers as busy as one large one.
             coord = coordinator or default_coordinator()
-            _read_leaves(items, loc.path, budget_bytes, _Routing(read_once, coord, timeout))
+            activity.begin(f"loading {loc.path}")
+            try:
+                _read_leaves(items, loc.path, budget_bytes, _Routing(read_once, coord, timeout))
+            finally:
+                activity.end()
         finally:
             for it in items:
                 it.reader.close()
         for it in items:
+            _wrap_keys(it, loc.path)
             out[it.name] = it.output()
     return out[""] if manifest.root else out
 
@@ -245,16 +282,6 @@ class _Routing:
     timeout: float
 
 
-@dataclass(frozen=True)
-class _Staged:
-    """An array restored read-once: read its `route.read` boxes, then reshard on devices."""
-
-    item: _ItemLoad
-    leaf: int
-    want: _Want
-    route: Route
-
-
 def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Routing) -> None:
     """Fill every item's `results`, with at most about `budget` bytes of buffers in flight.
 
@@ -262,7 +289,7 @@ def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Rout
     follow in waves, each behind a status exchange, since their collectives
     need every process.
     """
-    staged: list[_Staged] = []
+    staged: list[Staged] = []
     agreement: Agreement | None = None
     n = routing.coord.process_count
     try:
@@ -274,69 +301,67 @@ def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Rout
                     continue
                 r = route(leaf, want.sharding, it.index.block_size, it.reader.verify, n, routing.read_once)
                 if not r.direct:
-                    staged.append(_Staged(it, i, want, r))
-        waves = _waves(staged, budget, n)
+                    staged.append(cut_in_pieces(Staged(it, i, want, r), budget, n))
+        waves = plan_waves(staged, budget, n)
         if waves:
             agreement = Agreement(routing.coord, next_seq(), len(waves), where, routing.timeout)
         _read_direct(items, where, budget, {(id(s.item), s.leaf) for s in staged})
+        gathers: dict[int, Gather] = {}
         for k, wave in enumerate(waves):
             assert agreement is not None
-            _run_wave(k, wave, agreement)
+            _run_wave(k, wave, agreement, gathers)
     except BaseException as e:
         if agreement is not None:
             agreement.fail(e)
         raise
 
 
-def _waves(staged: list[_Staged], budget: int, n: int) -> list[list[_Staged]]:
-    """Group read-once leaves so that each process's share of a wave fits `budget`.
-
-    A process's share is estimated from global figures (bytes read over
-    processes), so every process forms the same waves.
-    """
-    waves: list[list[_Staged]] = []
-    size = 0
-    for s in staged:
-        share = -(-s.route.cost // n)
-        if waves and size + share <= budget:
-            waves[-1].append(s)
-            size += share
-        else:
-            waves.append([s])
-            size = share
-    return waves
-
-
-def _run_wave(k: int, wave: list[_Staged], agreement: Agreement) -> None:
+def _run_wave(k: int, wave: list[Unit], agreement: Agreement, gathers: dict[int, Gather]) -> None:
     import time
 
     import jax
 
-    reads = [s.item.reader.read_array(s.want.leaf, s.route.read) for s in wave]
+    regions = [s.region(j) for s, j in wave]
+    reads = [s.item.reader.read_array(s.want.leaf, s.route.read, region) for (s, _), region in zip(wave, regions)]
     for r in reads:
         for f in r.futures:
             f.result()
-    xs = [_assemble(_Want(s.want.leaf, s.want.dtype, s.route.read), r) for s, r in zip(wave, reads)]
+    xs = [_assemble(_Want(s.want.leaf, s.want.dtype, s.route.read), r,
+                    None if region is None else tuple(hi - lo for lo, hi in region))
+          for (s, _), r, region in zip(wave, reads, regions)]
     del reads
     t0 = time.perf_counter()
     agreement.ok(k)  # every process has its blocks: the collectives below cannot strand anyone
-    for depth in range(max(len(s.route.steps) for s in wave)):
-        moving = [j for j, s in enumerate(wave) if depth < len(s.route.steps)]
-        moved = jax.device_put([xs[j] for j in moving], [wave[j].route.steps[depth] for j in moving])
+    for depth in range(max(len(s.route.steps) for s, _ in wave)):
+        moving = [j for j, (s, _) in enumerate(wave) if depth < len(s.route.steps)]
+        moved = jax.device_put([xs[j] for j in moving], [wave[j][0].route.steps[depth] for j in moving])
         for j, x in zip(moving, moved):
             xs[j] = x  # the previous step's array is released here
     jax.block_until_ready(xs)
-    stats = wave[0].item.reader.stats
+    stats = wave[0][0].item.reader.stats
     stats.reshard_s += time.perf_counter() - t0
-    stats.read_once_leaves += len(wave)
-    for s, x in zip(wave, xs):
-        s.item.results[s.leaf] = x
+    for (s, piece), x, region in zip(wave, xs, regions):
+        if piece is None:
+            s.item.results[s.leaf] = x
+            stats.read_once_leaves += 1
+            continue
+        key = id(s)
+        if key not in gathers:
+            gathers[key] = Gather(s)
+        gathers[key].add(x, region)
+        stats.read_once_pieces += 1
+        if piece == len(s.pieces) - 1:
+            s.item.results[s.leaf] = gathers.pop(key).finish()
+            stats.read_once_leaves += 1
 
 
 def _read_direct(items: list[_ItemLoad], where: str, budget: int, skip: set[tuple[int, int]]) -> None:
     """The direct pipeline: each process reads its own target boxes, `budget` bytes in flight."""
+    from ._jaxutil import WHOLE_PUT_BYTES, PutBatch, puts_whole
+
     inflight: deque[_InFlight] = deque()
     inflight_bytes = 0
+    puts = PutBatch()  # small leaves read whole, placed together
 
     def finish() -> None:
         nonlocal inflight_bytes
@@ -349,7 +374,12 @@ def _read_direct(items: list[_ItemLoad], where: str, budget: int, skip: set[tupl
                 for f in entry.reads.futures:
                     f.cancel()
             raise
-        done.item.results[done.leaf] = _assemble(done.want, done.reads)
+        if done.reads.placement is None and done.want.sharding is not None:  # read whole: a batched put
+            host = done.reads.dests[0]
+            host = host if host.dtype == done.want.dtype else host.astype(done.want.dtype)
+            puts.add(done.item.results, done.leaf, host, done.want.sharding)
+        else:
+            done.item.results[done.leaf] = _assemble(done.want, done.reads)
         inflight_bytes -= done.reads.nbytes
 
     for it in items:
@@ -374,13 +404,15 @@ def _read_direct(items: list[_ItemLoad], where: str, budget: int, skip: set[tupl
                     it.results[i] = h.load(data)
                 continue
             want = it.wanted[i] or _Want(leaf, leaf.dtype, None)
-            reads = it.reader.read_array(want.leaf, want.sharding)
+            whole = want.sharding is not None and leaf.nbytes <= WHOLE_PUT_BYTES and puts_whole(want.sharding)
+            reads = it.reader.read_array(want.leaf, None if whole else want.sharding)
             inflight.append(_InFlight(it, i, want, reads))
             inflight_bytes += reads.nbytes
             while len(inflight) > 1 and inflight_bytes > budget:
                 finish()
     while inflight:
         finish()
+    puts.flush()
 
 
 # ---------------------------------------------------------------------- metadata
@@ -394,7 +426,11 @@ def metadata(loc: Location) -> Any:
         index = read_index(loc, info)
         leaves = []
         for leaf in index.leaves:
-            if isinstance(leaf, fmt.ArrayLeaf):
+            if isinstance(leaf, fmt.ArrayLeaf) and leaf.kind == "prng_key":
+                dtype = key_dtype(leaf.impl or "")  # None without JAX: then the key data is described
+                shape = leaf.key_shape if dtype is not None else leaf.shape
+                leaves.append(ArrayMetadata(shape, dtype or leaf.dtype, leaf.nbytes, leaf.sharding, leaf.kind, leaf.impl))
+            elif isinstance(leaf, fmt.ArrayLeaf):
                 leaves.append(ArrayMetadata(leaf.shape, leaf.dtype, leaf.nbytes, leaf.sharding, leaf.kind))
             else:
                 leaves.append(leaf.value)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _async, _load, _steps
+from ._agree import Decisions
 from ._coord import Coordinator, default_coordinator
 from ._errors import (
     CheckpointError,
@@ -121,6 +122,7 @@ class CheckpointManager:
         self.async_save = async_save
         self._coord = coordinator or default_coordinator()
         self._primary = self._coord.process_index == 0
+        self._decisions = Decisions(self._coord, self.directory)
         self._save_kwargs: dict[str, Any] = {"coordinator": coordinator, "threads": threads}
         self._snapshot_budget = snapshot_budget_bytes
         self._preempt_saved: int | None = None  # step committed after preemption was detected
@@ -150,11 +152,15 @@ class CheckpointManager:
     def steps(self) -> list[int]:
         """The committed steps, oldest first. Interrupted saves are not listed.
 
+        With several processes the primary lists and every process gets its
+        list (call it on every process, as any collective step).
+
         Example::
 
             mgr.steps()    # [1000, 2800, 2900, 3000]
         """
-        return _steps.committed_steps(self._storage)
+        mine = _steps.committed_steps(self._storage) if self._primary or self._decisions.alone else []
+        return [int(s) for s in self._decisions.shared("steps", mine)]
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None if there is none.
@@ -275,8 +281,12 @@ class CheckpointManager:
                 log.warning("cairn: retention in %s after step %d failed: %s", self.directory, step, e)
 
     def _apply_retention(self) -> None:
-        """Delete the committed steps the policy does not keep (caller holds _retention_lock)."""
-        steps = self.steps()
+        """Delete the committed steps the policy does not keep (caller holds _retention_lock).
+
+        Only the primary runs it (on the background thread), on its own listing: the
+        decision is its alone, so nothing here is exchanged with the other processes.
+        """
+        steps = _steps.committed_steps(self._storage)
         infos = [self._info(s) for s in steps]
         keep = retained(self.policy, infos)
         for s in steps:
@@ -391,13 +401,26 @@ class CheckpointManager:
             candidates = list(reversed(steps)) if fallback else [steps[-1]]
         failures: list[str] = []
         for s in candidates:
+            error: BaseException | None = None
             try:
                 out = _load.load(self._location(s), target, partial=partial)
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:
-                if not fallback or step is not None:
-                    raise
-                log.warning("cairn: step %d in %s does not verify (%s); trying an older step", s, self.directory, e)
-                failures.append(f"step {s}: {e}")
+                error = e
+            # Every process reads only its own bytes: one may find corruption the others do not.
+            # All fall back together, or all fail together.
+            outcomes = self._decisions.gather(f"restore-{s}", None if error is None else str(error))
+            bad = {p: e for p, e in sorted(outcomes.items()) if e is not None}
+            if bad and (not fallback or step is not None):
+                if error is not None:
+                    raise error
+                raise CorruptCheckpointError(
+                    f"{self.path(s)} does not verify on another process: "
+                    + "; ".join(f"process {p}: {e}" for p, e in bad.items())
+                )
+            if bad:
+                why = "; ".join(f"process {p}: {e}" for p, e in bad.items())
+                log.warning("cairn: step %d in %s does not verify (%s); trying an older step", s, self.directory, why)
+                failures.append(f"step {s}: {why}")
                 continue
             self.restored_step = s
             return out

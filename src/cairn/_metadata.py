@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from . import _format as fmt
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from ._gcpause import paused
 from ._location import Location, resolve
 
 
@@ -49,7 +50,8 @@ def read_index(loc: Location, info: fmt.ItemInfo) -> fmt.ItemIndex:
         raise CorruptCheckpointError(f"{loc.path}: the index {key!r} named by the manifest is missing") from None
     except OSError as e:
         raise _read_error(loc, f"the index {key!r}", e) from e
-    return fmt.ItemIndex.from_json(data, loc.storage.describe(key))
+    with paused():  # tens of thousands of containers, none of them garbage
+        return fmt.ItemIndex.from_json(data, loc.storage.describe(key))
 
 
 @dataclass

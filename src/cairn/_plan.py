@@ -2,7 +2,7 @@
 
 Nothing here touches devices, files or processes: inputs are shapes, boxes
 (per-axis ``(start, stop)`` index ranges) and the stored index, outputs are
-frozen dataclasses. That keeps the planner testable, and lets the benchmark
+immutable records (frozen dataclasses, named tuples). That keeps the planner testable, and lets the benchmark
 run it for clusters that do not exist.
 
 Saving: the boxes held by the devices of a sharding form a regular grid; each
@@ -191,9 +191,8 @@ def _ravel(idx: Sequence[int], grid_shape: Sequence[int]) -> int:
     return flat
 
 
-@dataclass(frozen=True)
-class FileSlot:
-    """One chunk's place in one data file."""
+class FileSlot(NamedTuple):
+    """One chunk's place in one data file (a NamedTuple: a save makes one per chunk)."""
 
     leaf: int
     cell: int
@@ -232,9 +231,11 @@ def assign_files(
 # --------------------------------------------------------------------------- load
 
 
-@dataclass(frozen=True)
-class Copy:
-    """Copy a strided region out of a read buffer into a destination box."""
+class Copy(NamedTuple):
+    """Copy a strided region out of a read buffer into a destination box.
+
+    (The plan's records are NamedTuples: a load of many leaves makes thousands.)
+    """
 
     dest: int  # index of the destination box
     src_offset: int  # byte offset of the region's first element in the read buffer
@@ -248,8 +249,7 @@ class Copy:
         return math.prod(self.shape) * self.itemsize
 
 
-@dataclass(frozen=True)
-class Check:
+class Check(NamedTuple):
     """A checksum block to verify: file bytes [start, end) must have CRC-32C `crc`."""
 
     start: int
@@ -257,8 +257,7 @@ class Check:
     crc: int
 
 
-@dataclass(frozen=True)
-class Read:
+class Read(NamedTuple):
     """One ranged read of file bytes [start, end) and what to do with them."""
 
     file: int
@@ -297,8 +296,7 @@ def is_c_contiguous(shape: Sequence[int], strides: Sequence[int]) -> bool:
     return True
 
 
-@dataclass(frozen=True)
-class _Piece:
+class _Piece(NamedTuple):
     file: int
     start: int  # file byte range to read
     end: int

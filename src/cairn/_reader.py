@@ -26,10 +26,12 @@ import numpy as np
 from . import _format as fmt
 from ._buffers import aligned_empty
 from ._checksum import crc32c
+from ._coalesce import SMALL_ARRAY, Runs, whole_span
+from ._coord import activity
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._location import Location
 from ._metadata import Opened
-from ._plan import Box, Read, full_box, is_c_contiguous, plan_reads
+from ._plan import Box, Check, Copy, Read, c_strides, full_box, is_c_contiguous, plan_reads
 from ._storage import RandomReader
 from ._tree import display_path
 
@@ -43,6 +45,7 @@ class LoadStats:
     direct_reads: int = 0
     read_once_leaves: int = 0  # leaves read once cluster-wide and moved by collectives
     reshard_s: float = 0.0  # waiting for those collectives (and the status exchange before them)
+    read_once_pieces: int = 0  # pieces of read-once leaves too large for the budget, one wave each
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,7 @@ class ChunkReader:
         self.item = name
         self._readers: dict[int, RandomReader] = {}
         self._lock = threading.Lock()
+        self._runs = Runs(self)  # small whole arrays, read together
 
     def _key(self, file: int) -> str:
         return self.loc.key(self.info.dir, self.index.files[file].name)
@@ -133,6 +137,7 @@ class ChunkReader:
         with self._lock:
             self.stats.bytes_read += n
             self.stats.reads += 1
+        activity.advance()  # peers waiting for this process see it moving
 
     def _check(self, read: Read, buf: memoryview | list[memoryview], leaf: fmt.ArrayLeaf) -> None:
         segments = [buf] if isinstance(buf, memoryview) else buf
@@ -172,21 +177,30 @@ class ChunkReader:
             src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)
             dests[c.dest][_region(c.dest_start, c.shape)] = src
 
-    def read_array(self, leaf: fmt.ArrayLeaf, sharding: Any = None) -> ArrayReads:
-        """Start reading `leaf`: whole into one buffer, or the boxes `sharding` puts on this process."""
-        placement = None
-        if sharding is None:
-            boxes: list[Box] = [full_box(leaf.shape)]
-        else:
-            from ._jaxutil import slices_to_box
+    def read_array(self, leaf: fmt.ArrayLeaf, sharding: Any = None, region: Box | None = None) -> ArrayReads:
+        """Start reading `leaf`: whole into one buffer, or the boxes `sharding` puts on this process.
 
-            dmap = sharding.addressable_devices_indices_map(leaf.shape)
-            by_box: dict[Box, list[Any]] = {}
-            for device, index in dmap.items():
-                by_box.setdefault(slices_to_box(index, leaf.shape), []).append(device)
-            boxes = list(by_box)
-            placement = by_box
-        reads = plan_reads(leaf, boxes, self.index.block_size, self.verify)
+        With `region`, the array read is that box of the leaf (a slab of a leaf
+        restored in pieces); boxes and placement are relative to it.
+        """
+        placement = None
+        shape = leaf.shape if region is None else tuple(hi - lo for lo, hi in region)
+        if sharding is None:
+            boxes: list[Box] = [full_box(shape)]
+        else:
+            from ._jaxutil import addressable_boxes
+
+            boxes, placement = addressable_boxes(sharding, shape)
+        span = whole_span(leaf) if sharding is None and region is None and leaf.nbytes <= SMALL_ARRAY else None
+        if span is not None:  # small, whole, one run of bytes: read together with its neighbours
+            self._reader(span[0])  # checks the file first: a false size claim allocates nothing
+            dest = np.empty(leaf.shape, leaf.dtype)  # no alignment needed: placed by one device_put of the whole
+            return ArrayReads([self._runs.add(leaf, span[0], span[1], dest)], [dest], boxes, placement)
+        absolute = boxes if region is None else [
+            tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes]
+        reads = whole_reads(leaf, self.index.block_size, self.verify) if region is None and sharding is None else None
+        if reads is None:
+            reads = plan_reads(leaf, absolute, self.index.block_size, self.verify)
         for file in sorted({r.file for r in reads}):
             self._reader(file)  # checks the files first: a false size claim allocates nothing
         try:
@@ -197,6 +211,7 @@ class ChunkReader:
                 f"{self.loc.path}: cannot allocate {nbytes} bytes for leaf "
                 f"{display_path(leaf.path, self.item)!r} of shape {leaf.shape}"
             ) from None
+        self._runs.submit()
         futures = [self.pool.submit(self.do_read, r, leaf, dests) for r in reads]
         return ArrayReads(futures, dests, boxes, placement)
 
@@ -205,6 +220,52 @@ class ChunkReader:
         for f in reads.futures:
             f.result()
         return reads.dests[0].tobytes()
+
+
+def whole_reads(leaf: fmt.ArrayLeaf, block: int, verify: bool, max_read: int = 4 << 20) -> list[Read] | None:
+    """The reads of a whole array cut along its first axis only: runs of consecutive chunks, each direct.
+
+    Such chunks are row slabs of the array in order (what sharding on the first
+    axis, or no sharding, saves), so a run of them that lies back to back in one
+    file is one contiguous region of the destination: one read straight into it,
+    however many chunks it spans (up to `max_read` bytes, or one chunk). This is
+    what the general planner's pieces add up to, without a piece per chunk.
+    None when the layout is not of that kind.
+    """
+    shape, grid = leaf.shape, leaf.grid
+    if not shape or any(len(b) != 2 for b in grid[1:]) or 0 in shape:
+        return None
+    itemsize = leaf.dtype.itemsize
+    row = math.prod(shape[1:]) * itemsize
+    tail = shape[1:]
+    rows = grid[0]
+    reads: list[Read] = []
+    run_first = 0
+
+    def flush(first: int, last: int) -> None:  # chunks first..last (inclusive)
+        file, start = leaf.chunks[first]
+        end = start + (rows[last + 1] - rows[first]) * row
+        checks: list[Check] = []
+        if verify:
+            for c in range(first, last + 1):
+                off = leaf.chunks[c][1]
+                size = (rows[c + 1] - rows[c]) * row
+                crcs = leaf.crcs[c]
+                checks.extend(Check(off + k * block, off + min((k + 1) * block, size), crcs[k])
+                              for k in range(-(-size // block)))
+        n = rows[last + 1] - rows[first]
+        copy = Copy(0, 0, c_strides((n, *tail), itemsize), (n, *tail), (rows[first], *(0 for _ in tail)), itemsize)
+        reads.append(Read(file, start, end, (copy,), tuple(checks)))
+
+    for c in range(1, len(rows) - 1):
+        file, off = leaf.chunks[c]
+        prev_file, prev_off = leaf.chunks[c - 1]
+        prev_end = prev_off + (rows[c] - rows[c - 1]) * row
+        if file != prev_file or off != prev_end or (rows[c + 1] - rows[run_first]) * row > max_read:
+            flush(run_first, c - 1)
+            run_first = c
+    flush(run_first, len(rows) - 2)
+    return reads
 
 
 _local = threading.local()

@@ -186,7 +186,7 @@ def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, proce
 _routes: dict[Any, Route] = {}
 
 
-def read_bytes(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool) -> int:
+def read_bytes(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool, region: Any = None) -> int:
     """Storage bytes read, summed over processes, when each reads its boxes of `sharding`.
 
     Estimated (`_plan.estimate_read_bytes`, an upper bound of the planner's
@@ -200,10 +200,13 @@ def read_bytes(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool
     """
     from ._jaxutil import slices_to_box
 
-    dmap = sharding.devices_indices_map(leaf.shape)
+    shape = leaf.shape if region is None else tuple(hi - lo for lo, hi in region)
+    dmap = sharding.devices_indices_map(shape)
     first = next(iter(dmap)).process_index
     processes = {d.process_index for d in dmap}
-    boxes = {slices_to_box(index, leaf.shape) for d, index in dmap.items() if d.process_index == first}
+    boxes = {slices_to_box(index, shape) for d, index in dmap.items() if d.process_index == first}
+    if region is not None:  # a piece of the leaf: its boxes sit at the piece's origin
+        boxes = {tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes}
     return len(processes) * estimate_read_bytes(leaf.grid, leaf.dtype.itemsize, sorted(boxes), block_size, verify)
 
 
@@ -234,6 +237,54 @@ def sharding_of(like: Any, layout: Layout) -> Any:
         entries.pop()
     return jax.sharding.NamedSharding(like.mesh, jax.sharding.PartitionSpec(*entries),
                                       memory_kind=like.memory_kind)
+
+
+# ---------------------------------------------------------------------- leaves larger than the budget
+
+
+def slabs(shape: tuple[int, ...], target: Layout, per_process_bytes: int, budget: int,
+          cost: Callable[[int, list[tuple[int, int]]], int], nbytes: int,
+          ) -> tuple[int, list[tuple[int, int]]] | None:
+    """Cut a leaf whose restore would hold `per_process_bytes` of transient buffers per process
+    into pieces along one axis the target does not cut, each a whole number of mesh-size
+    blocks thick (so every layout of the route still divides it), few enough that a piece
+    fits `budget`. None if it fits already or no axis allows it.
+
+    Thinner pieces mean smaller reads, and a read smaller than a checksum block
+    reads the whole block: `cost(axis, pieces)` (storage bytes over processes)
+    must stay within `DIRECT_MAX` of `nbytes`. Piece counts that divide the
+    axis evenly are tried, the fewest that fit the budget first, then fewer
+    (memory above the budget rather than storage reading bytes twice).
+    """
+    if per_process_bytes <= budget:
+        return None
+    devices = target.size(target.axis_names)
+    for a, n in enumerate(shape):
+        if target.spec[a] or n % devices or n // devices < 2:
+            continue
+        units = n // devices
+        need = -(-per_process_bytes // max(budget, 1))
+        small = [k for k in range(1, math.isqrt(units) + 1) if units % k == 0]
+        counts = sorted({*small, *(units // k for k in small)} - {1})
+        order = [k for k in counts if k >= need][:8] + sorted((k for k in counts if k < need), reverse=True)[:8]
+        for k in order:
+            step = devices * (units // k)
+            pieces = [(i * step, (i + 1) * step) for i in range(k)]
+            if cost(a, pieces) <= DIRECT_MAX * nbytes:
+                return a, pieces
+        return None
+    return None
+
+
+def process_bytes(sharding: Any, shape: tuple[int, ...], itemsize: int) -> int:
+    """The bytes of the distinct boxes of `sharding` on one representative process (the one
+    holding its first device): the same figure on every process."""
+    from ._jaxutil import slices_to_box
+
+    dmap = sharding.devices_indices_map(shape)
+    first = next(iter(dmap)).process_index
+    boxes = {slices_to_box(i, shape) for d, i in dmap.items() if d.process_index == first}
+    return sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * itemsize
 
 
 # ---------------------------------------------------------------------- agreement before collectives

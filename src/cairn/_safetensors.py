@@ -119,6 +119,8 @@ def _item_meta(index: fmt.ItemIndex, names: list[str | None]) -> dict[str, Any]:
             e: dict[str, Any] = {"path": leaf.path, "kind": leaf.kind, "tensor": name}
             if leaf.handler is not None:
                 e["handler"] = leaf.handler
+            if leaf.impl is not None:
+                e["impl"], e["impl_shape"] = leaf.impl, list(leaf.impl_shape)
         else:
             e = {"path": leaf.path, "kind": leaf.kind, "value": values.encode_value(leaf.kind, leaf.value)}
         leaves.append(e)
@@ -249,7 +251,7 @@ def _items_from_safetensors(tensors: dict[str, _SrcTensor], meta: dict[str, str]
         # A plain safetensors file: one flat dict, tensor name -> array.
         names = list(tensors)
         structure = {"dict": [[n, {"leaf": i}] for i, n in enumerate(names)]} if names else {"dict": []}
-        flat: list[Any] = [("array", escape_key(n), tensors[n], None) for n in names]
+        flat: list[Any] = [("array", escape_key(n), tensors[n], {}) for n in names]
         return fallback is None, {}, {fallback or "": (structure, flat)}
     try:
         cm = json.loads(raw)
@@ -262,7 +264,10 @@ def _items_from_safetensors(tensors: dict[str, _SrcTensor], meta: dict[str, str]
                 if "tensor" in e:
                     if e["tensor"] not in tensors:
                         raise ValueError(f"tensor {e['tensor']!r} named by the metadata is missing")
-                    leaves.append((e["kind"], e["path"], tensors[e["tensor"]], e.get("handler")))
+                    extra = {"handler": e.get("handler")}
+                    if "impl" in e:
+                        extra.update(impl=e["impl"], impl_shape=tuple(e["impl_shape"]))
+                    leaves.append((e["kind"], e["path"], tensors[e["tensor"]], extra))
                 else:
                     leaves.append(fmt.ValueLeaf(e["path"], e["kind"], values.decode_value(e["kind"], e["value"], where)))
             items[item] = (d["structure"], leaves)

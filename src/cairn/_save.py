@@ -17,7 +17,7 @@ import logging
 import secrets
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,7 +27,7 @@ from . import _format as fmt
 from ._buffers import snapshot_pool as _snapshot_pool
 from ._checksum import crc32c
 from ._commit import CommitStrategy, strategy_for
-from ._coord import Coordinator, default_coordinator, fetch_from
+from ._coord import Coordinator, activity, default_coordinator, fetch_from
 from ._errors import (
     CheckpointError,
     CoordinationError,
@@ -37,6 +37,7 @@ from ._errors import (
     error_record,
 )
 from ._format import cell_box
+from ._gcpause import paused
 from ._layout import SaveItem, plan_item
 from ._leaves import ValueSource, classify
 from ._location import Location
@@ -67,6 +68,12 @@ class SaveStats:
         return dict(self.__dict__)
 
 
+#: Chunks up to this size are checksummed on the writing thread and written in batches of
+#: about BATCH_BYTES (a state of thousands of small leaves would otherwise pay a thread
+#: hand-off per checksum and a system call per chunk).
+SMALL_CHUNK = 64 << 10
+BATCH_BYTES = 4 << 20
+
 _seq = itertools.count()
 _seq_lock = threading.Lock()
 
@@ -91,7 +98,8 @@ class SaveJob:
     metadata: dict[str, Any]
     strategy: CommitStrategy
     stats: SaveStats = field(default_factory=SaveStats)
-    _pooled: dict[tuple[str, tuple[int, int]], np.ndarray] = field(default_factory=dict)
+    # (item, file number) -> the snapshot buffers holding that file's chunks, for the next snapshot
+    pooled: dict[tuple[str, int], list[np.ndarray]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ layout
 
@@ -106,111 +114,65 @@ class SaveJob:
     # ------------------------------------------------------------------ snapshot
 
     def snapshot(self, budget_bytes: int | None = None) -> None:
-        """Protect every chunk this process writes from later changes (for async saves).
+        """Protect every chunk this process writes from later changes (async saves; see `_snapshot`)."""
+        from ._snapshot import snapshot
 
-        Chunks are copied to host memory, in write order, while they fit in
-        `budget_bytes` (None: no limit). Each remaining chunk gets an on-device
-        copy instead: a later donation, update or deletion of the caller's
-        array cannot touch it. Those copies are brought to host by the writer
-        threads one chunk at a time and released as soon as they are written,
-        so host memory stays within the budget plus one chunk per writer thread.
-        """
-        from ._jaxutil import device_copy, start_host_copy
-
-        t0 = time.perf_counter()
-        used = device_bytes = 0
-        copies: list[tuple[SaveItem, tuple[int, int], Any]] = []  # host-visible sources to copy
-        pending, protected = [], []
-        for item in self.items:
-            for key, src in item.sources.items():
-                nbytes = int(src.nbytes)
-                if isinstance(src, np.ndarray):
-                    # numpy leaves are the caller's: they may change after save_async returns.
-                    copies.append((item, key, src))
-                    used += nbytes
-                elif budget_bytes is None or used + nbytes <= budget_bytes:
-                    h = start_host_copy(src)
-                    if h is src:  # CPU: the "copy" would be a view of the device buffer
-                        copies.append((item, key, src))
-                    else:
-                        pending.append((item, key, h))
-                    used += nbytes
-                else:
-                    copy = device_copy(src)
-                    item.sources[key] = copy
-                    protected.append(copy)
-                    device_bytes += nbytes
-        self._copy_to_host(copies)
-        for item, key, h in pending:
-            item.sources[key] = np.asarray(h)  # a fresh host array: the transfer made the copy
-        if protected:
-            import jax
-
-            # Wait for the copies, so that the caller may delete or donate the
-            # originals the moment this returns.
-            jax.block_until_ready(protected)
-        _snapshot_pool.reserve(used)
-        self.stats.snapshot_bytes = used
-        self.stats.device_copy_bytes = device_bytes
-        self.stats.snapshot_s = time.perf_counter() - t0
-
-    def _copy_to_host(self, copies: list[tuple[SaveItem, tuple[int, int], Any]]) -> None:
-        """Copy host-visible sources into snapshot buffers, on two threads.
-
-        Buffers come from `_snapshot_pool`: memory that an earlier async save
-        already touched, so the copy runs at memcpy speed rather than at the
-        speed of first-touch page faults (several times slower on some hosts).
-        """
-        def one(entry: tuple[SaveItem, tuple[int, int], Any]) -> None:
-            item, key, src = entry
-            view = np.asarray(src)
-            buf = _snapshot_pool.take(view.nbytes)
-            dst = buf[: view.nbytes].view(view.dtype).reshape(view.shape) if view.nbytes else np.empty_like(view)
-            np.copyto(dst, view)
-            item.sources[key] = dst
-            self._pooled[(item.name, key)] = buf
-
-        if len(copies) > 1:
-            with ThreadPoolExecutor(2, thread_name_prefix="cairn-snapshot") as pool:
-                list(pool.map(one, copies))
-        else:
-            for entry in copies:
-                one(entry)
+        snapshot(self, budget_bytes)
 
     # ------------------------------------------------------------------ write
 
     def _host(self, src: Any) -> np.ndarray:
-        if isinstance(src, np.ndarray):
+        if type(src) is np.ndarray:
             return src
         from ._jaxutil import host_view
 
         return host_view(src)
 
     def _write_file(self, item: SaveItem, k: int, slots: list[FileSlot], crc_pool: ThreadPoolExecutor):
-        crcs: list[tuple[FileSlot, list[Future[int]]]] = []
+        # Per chunk, in slot order: its CRC (one block), or a list of its block CRCs or their futures.
+        # Plain ints where possible: a state of thousands of small leaves makes one per chunk, and
+        # objects the garbage collector tracks make it run full collections during the save.
+        crcs: list[Any] = []
         block = self.block_size
 
         def parts():
+            batch = bytearray()
+            pop = item.sources.pop
             for slot in slots:
                 # pop: a device copy made by `snapshot` is freed once its host bytes exist.
-                arr = np.ascontiguousarray(self._host(item.sources.pop((slot.leaf, slot.cell))))
-                mv = memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-                if len(mv) != slot.nbytes:
+                mv = _bytes_of(self._host(pop((slot.leaf, slot.cell))))
+                n = len(mv)
+                if n != slot.nbytes:
                     raise CheckpointError(
                         f"{self.loc.path}: chunk {slot.cell} of {display_path(item.leaves[slot.leaf].path, item.name)!r} "
-                        f"has {len(mv)} bytes, planned {slot.nbytes}"
+                        f"has {n} bytes, planned {slot.nbytes}"
                     )
-                futs = [crc_pool.submit(crc32c, mv[o : o + block]) for o in range(0, len(mv), block)]
-                crcs.append((slot, futs))
+                if n <= SMALL_CHUNK:
+                    # A small chunk costs more in a thread hand-off and a write of its own than in
+                    # its bytes: checksum it here, and write it together with its neighbours.
+                    crcs.append(crc32c(mv) if n <= block else [crc32c(mv[o : o + block]) for o in range(0, n, block)])
+                    batch += mv  # copied now, so the host view is released at once
+                    del mv
+                    if len(batch) >= BATCH_BYTES:
+                        yield batch
+                        activity.advance()  # storage took more: peers waiting for us see progress
+                        batch = bytearray()
+                    continue
+                if batch:
+                    yield batch
+                    batch = bytearray()
+                crcs.append([crc_pool.submit(crc32c, mv[o : o + block]) for o in range(0, n, block)])
                 yield mv
+                activity.advance()
+            if batch:
+                yield batch
 
         key = self.data_key(item, k)
         size = self.loc.storage.write(key, parts())
-        out = key, size, [(slot, [f.result() for f in futs]) for slot, futs in crcs]
-        for slot in slots:  # written and checksummed: the snapshot buffers can serve the next save
-            buf = self._pooled.pop((item.name, (slot.leaf, slot.cell)), None)
-            if buf is not None:
-                _snapshot_pool.give(buf)
+        out = key, size, [(c,) if type(c) is int else tuple(x if type(x) is int else x.result() for x in c)
+                          for c in crcs]
+        for buf in self.pooled.pop((item.name, k), ()):  # written and checksummed: the buffers serve the next save
+            _snapshot_pool.give(buf)
         return out
 
     def write_data(self) -> dict[str, Any]:
@@ -223,15 +185,15 @@ class SaveJob:
             for item in self.items:
                 for k, slots in enumerate(item.files):
                     jobs.append((item, k, pool.submit(self._write_file, item, k, slots, crc_pool)))
-            results = [(item, f.result()) for item, _k, f in jobs]
+            results = [(item, k, f.result()) for item, k, f in jobs]
         for item in self.items:
             partial[item.name] = {"files": [], "chunks": []}
-        for item, (key, size, chunks) in results:
+        for item, k, (key, size, chunks) in results:
             p = partial[item.name]
             file_no = len(p["files"])
             p["files"].append({"name": key.rsplit("/", 1)[1], "size": size})
-            for slot, crc in chunks:
-                p["chunks"].append([slot.leaf, slot.cell, file_no, slot.offset, *crc])
+            # Tuples of ints: the collector stops tracking them (lists it would track to the end).
+            p["chunks"].extend((slot.leaf, slot.cell, file_no, slot.offset, *crc) for slot, crc in zip(item.files[k], chunks))
             self.stats.bytes_written += size
             self.stats.files_written += 1
         # Drop host copies and device references as soon as they are written.
@@ -244,6 +206,13 @@ class SaveJob:
 
     def run(self) -> SaveStats:
         """Phase 2: write, exchange status, commit on the primary; raise on any failure."""
+        activity.begin(f"saving {self.loc.path}")
+        try:
+            return self._run()
+        finally:
+            activity.end()
+
+    def _run(self) -> SaveStats:
         t_start = time.perf_counter()
         retries_before = self.loc.storage.retries
         coord, me, n = self.coord, self.coord.process_index, self.coord.process_count
@@ -327,8 +296,8 @@ class SaveJob:
         for part in partials:
             first = len(files)
             files.extend(fmt.FileInfo(f["name"], f["size"]) for f in part["files"])
-            for leaf, cell, file_no, offset, *crc in part["chunks"]:
-                placed.setdefault(leaf, {})[cell] = (first + file_no, offset, tuple(crc))
+            for row in part["chunks"]:  # (leaf, cell, file, offset, *crcs)
+                placed.setdefault(row[0], {})[row[1]] = (first + row[2], row[3], tuple(row[4:]))
         leaves: list[fmt.Leaf] = []
         for i, src in enumerate(item.leaves):
             if isinstance(src, ValueSource):
@@ -359,6 +328,7 @@ class SaveJob:
                 fmt.ArrayLeaf(
                     path=src.path, dtype=src.dtype, shape=src.shape, grid=layout.grid, chunks=tuple(chunks),
                     crcs=tuple(crcs), kind=src.kind, sharding=sharding, handler=src.handler,
+                    impl=src.impl, impl_shape=src.impl_shape,
                 )
             )
         return fmt.ItemIndex(item.structure, tuple(leaves), tuple(files), self.block_size)
@@ -369,8 +339,11 @@ class SaveJob:
         needed: list[str] = []
 
         def write_index(item: SaveItem) -> fmt.ItemIndex:
-            index = self._merge_index(item, self._partials(item, own_partial))
-            storage.put(f"{root}/{item.dir}/{fmt.index_name(self.token)}", index.to_json())
+            partials = self._partials(item, own_partial)
+            with paused():
+                index = self._merge_index(item, partials)
+                data = index.to_json()
+            storage.put(f"{root}/{item.dir}/{fmt.index_name(self.token)}", data)
             return index
 
         # One durable put (file and folder fsync, or one request) per checkpointable:
@@ -393,6 +366,14 @@ class SaveJob:
         parts = [f"{root}/{item.dir}/{fmt.partial_index_name(p, self.token)}" for item in self.items
                  for p in range(n)] if n > 1 else []
         self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite, discard=parts)
+
+
+def _bytes_of(arr: np.ndarray) -> memoryview:
+    """The C-order bytes of `arr`, without a copy where it is contiguous."""
+    try:
+        return memoryview(arr).cast("B")  # type: ignore[arg-type]  # the fast path: a contiguous array of a buffer-exporting dtype
+    except (TypeError, ValueError):  # not contiguous, or a dtype numpy cannot export (ml_dtypes')
+        return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
 
 
 def _failed(record: dict[str, Any], message: str) -> dict[str, Any]:
@@ -437,16 +418,17 @@ def prepare(
             raise UnsupportedTypeError(f"{loc.path}: metadata must be JSON-serializable ({e})") from None
     root, pairs = _split_items(state)
     items = []
-    for name, tree in pairs:
-        where = loc.path
-        try:
-            structure, flat = flatten(tree)
-        except ValueError as e:
-            raise UnsupportedTypeError(f"{where}: {e}") from None
-        leaves = [classify(path, x, where, name) for path, x in flat]
-        item = SaveItem(name, fmt.ROOT_ITEM_DIR if root else fmt.item_dirname(name), structure, leaves)
-        plan_item(item, me, split_replicas, threads, min_file_bytes, where)
-        items.append(item)
+    with paused():  # thousands of leaves make tens of thousands of live objects, none garbage
+        for name, tree in pairs:
+            where = loc.path
+            try:
+                structure, flat = flatten(tree, item=name)
+            except ValueError as e:
+                raise UnsupportedTypeError(f"{where}: {e}") from None
+            leaves = [classify(path, x, where, name) for path, x in flat]
+            item = SaveItem(name, fmt.ROOT_ITEM_DIR if root else fmt.item_dirname(name), structure, leaves)
+            plan_item(item, me, split_replicas, threads, min_file_bytes, where)
+            items.append(item)
     seq = _next_seq()
     strategy = strategy_for(loc.storage)
     token = _agree_token(loc, strategy, coord, seq, overwrite, timeout)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -23,6 +23,37 @@ from ._errors import CorruptCheckpointError
 from ._location import Location
 from ._tree import display_path
 from ._version import __version__
+
+
+@runtime_checkable
+class SlabSource(Protocol):
+    """An array read from another format (`cairn._sources`), yielded as C-order byte slabs
+    of exactly `slab` bytes each (the last may be shorter)."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def slabs(self, slab: int) -> Iterator[np.ndarray]: ...
+
+
+def _file_slabs(src: Any, slab: int, path: str) -> Iterator[np.ndarray]:
+    """A tensor stored as one run of bytes in a file (safetensors), slab by slab."""
+    reader = src.storage.open_read(src.key)
+    try:
+        for lo in range(0, src.nbytes, slab):
+            buf = np.empty(min(slab, src.nbytes - lo), dtype=np.uint8)
+            try:
+                reader.read_into(src.start + lo, memoryview(buf))  # type: ignore[arg-type]
+            except EOFError:
+                raise CorruptCheckpointError(
+                    f"{src.storage.describe(src.key)}: truncated (tensor for {display_path(path)!r})"
+                ) from None
+            yield buf
+    finally:
+        reader.close()
 
 
 class StreamWriter:
@@ -45,7 +76,7 @@ class StreamWriter:
 
     def write_item(self, name: str, root: bool, structure: Any, leaves: list[Any], slab: int,
                    progress: Callable[[int], None] | None = None) -> None:
-        """`leaves`: ValueLeaf, or (kind, path, _SrcTensor, handler) for data read from a source."""
+        """`leaves`: ValueLeaf, or (kind, path, _SrcTensor, extra ArrayLeaf fields) for data read from a source."""
         dirname = fmt.ROOT_ITEM_DIR if root else fmt.item_dirname(name)
         file_name = fmt.data_file_name(0, 0, self.token)
         placed: dict[int, tuple[int, list[int]]] = {}
@@ -59,24 +90,14 @@ class StreamWriter:
                 _kind, _path, src, _h = leaf
                 crcs: list[int] = []
                 placed[i] = (offset, crcs)
-                reader = src.storage.open_read(src.key)
-                try:
-                    for lo in range(0, src.nbytes, slab):
-                        buf = np.empty(min(slab, src.nbytes - lo), dtype=np.uint8)
-                        try:
-                            reader.read_into(src.start + lo, memoryview(buf))  # type: ignore[arg-type]
-                        except EOFError:
-                            raise CorruptCheckpointError(
-                                f"{src.storage.describe(src.key)}: truncated (tensor for {display_path(_path)!r})"
-                            ) from None
-                        # Slabs are whole blocks (but the last), so block CRCs line up with the chunk's.
-                        crcs.extend(crc32c(buf[b : b + self.block]) for b in range(0, len(buf), self.block))
-                        offset += len(buf)
-                        yield memoryview(buf)  # type: ignore[arg-type]
-                        if progress is not None:
-                            progress(len(buf))
-                finally:
-                    reader.close()
+                pieces = src.slabs(slab) if isinstance(src, SlabSource) else _file_slabs(src, slab, _path)
+                for buf in pieces:
+                    # Slabs are whole blocks (but the last), so block CRCs line up with the chunk's.
+                    crcs.extend(crc32c(buf[b : b + self.block]) for b in range(0, len(buf), self.block))
+                    offset += len(buf)
+                    yield memoryview(buf)  # type: ignore[arg-type]
+                    if progress is not None:
+                        progress(len(buf))
 
         size = 0
         if any(not isinstance(leaf, fmt.ValueLeaf) and leaf[2].nbytes for leaf in leaves):
@@ -88,11 +109,11 @@ class StreamWriter:
             if isinstance(leaf, fmt.ValueLeaf):
                 out.append(leaf)
                 continue
-            kind, path, src, handler = leaf
+            kind, path, src, extra = leaf
             off, crcs = placed.get(i, (0, []))
             grid = tuple((0, n) for n in src.shape)  # one chunk: the whole array
             out.append(fmt.ArrayLeaf(path=path, dtype=src.dtype, shape=src.shape, grid=grid,
-                                     chunks=((0, off),), crcs=(tuple(crcs),), kind=kind, handler=handler))
+                                     chunks=((0, off),), crcs=(tuple(crcs),), kind=kind, **extra))
         index = fmt.ItemIndex(structure, tuple(out), files, self.block)
         data = index.to_json()
         fmt.ItemIndex.from_json(data, f"{self.loc.path} [{name}]")  # never commit what cairn cannot read back

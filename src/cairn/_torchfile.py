@@ -147,7 +147,7 @@ def _torch_state(ck: Opened, readers: dict[str, ChunkReader], sep: str):
                 v = leaf.value
                 state[key] = v.item() if isinstance(v, np.generic) else v
                 continue
-            if leaf.kind != "array":  # bytes and handler objects: their (small) bytes, as Python bytes
+            if leaf.kind in ("bytes", "object"):  # their (small) bytes, as Python bytes; keys: their uint32 data
                 state[key] = readers[item].read_bytes(leaf)
                 continue
             name = values.dtype_name(leaf.dtype) or ""

@@ -40,7 +40,7 @@ def display_path(path: str, item: str = "") -> str:
     ``<root>`` stands for the root itself.
     """
     if item:
-        path = join_path(escape_key(item), path)
+        path = join_path(escape_key(item), path) if path else escape_key(item)
     return path if path else "<root>"
 
 
@@ -81,18 +81,20 @@ def _type_name(x: Any) -> str:
     return f"{t.__module__}.{t.__qualname__}"
 
 
-def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[Structure, list[tuple[str, Any]]]:
+def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None,
+            item: str = "") -> tuple[Structure, list[tuple[str, Any]]]:
     """Flatten `tree` into (structure, [(key path, leaf), ...]) in tree order.
 
-    Raises ValueError naming the key path for dict keys that are neither
-    ``str`` nor ``int`` and for two leaves whose key paths would coincide.
+    Raises ValueError naming the key path (shown under checkpointable `item`)
+    for dict keys that are neither ``str`` nor ``int`` and for two leaves
+    whose key paths would coincide.
     """
     leaves: list[tuple[str, Any]] = []
     seen: set[str] = set()
 
     def add_leaf(path: str, x: Any) -> Structure:
         if path in seen:
-            raise ValueError(f"two leaves share the key path {display_path(path)!r}")
+            raise ValueError(f"two leaves share the key path {display_path(path, item)!r}")
         seen.add(path)
         leaves.append((path, x))
         return {"leaf": len(leaves) - 1}
@@ -105,7 +107,7 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None) -> tuple[St
             for k, v in x.items():
                 if isinstance(k, bool) or not isinstance(k, (str, int)):
                     raise ValueError(
-                        f"dict key {k!r} at {display_path(path)!r} has type {type(k).__name__}; "
+                        f"dict key {k!r} at {display_path(path, item)!r} has type {type(k).__name__}; "
                         "only str and int keys can be saved"
                     )
                 items.append([k, walk(v, join_path(path, escape_key(str(k))))])

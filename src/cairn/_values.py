@@ -27,17 +27,39 @@ _ML_DTYPES = {
 }
 
 
+_names: dict[Any, str | None] = {}
+
+
 def dtype_name(dtype: np.dtype) -> str | None:
     """The format's name for `dtype`, or None if the format cannot store it."""
-    dtype = np.dtype(dtype)
-    name = dtype.name
-    if name in _STD_DTYPES or name in _ML_DTYPES:
-        return name
-    return None
+    try:
+        return _names[dtype]
+    except (KeyError, TypeError):  # not seen yet, or not hashable
+        pass
+    name = np.dtype(dtype).name
+    out = name if name in _STD_DTYPES or name in _ML_DTYPES else None
+    if len(_names) < 1024:
+        try:
+            _names[dtype] = out
+        except TypeError:
+            pass
+    return out
 
 
-def dtype_from_name(name: Any, where: str = "") -> np.dtype:
+_parsed: dict[str, np.dtype] = {}
+
+
+def dtype_from_name(name: Any, where: object = "") -> np.dtype:
     """Parse a dtype name written by `dtype_name` (little-endian)."""
+    hit = _parsed.get(name) if type(name) is str else None
+    if hit is not None:
+        return hit
+    dt = _parse_dtype(name, where)
+    _parsed[name] = dt  # a few dozen names at most: only valid ones get here
+    return dt
+
+
+def _parse_dtype(name: Any, where: object) -> np.dtype:
     if isinstance(name, str):
         if name in _STD_DTYPES:
             dt = np.dtype(name)
@@ -90,7 +112,7 @@ def encode_value(kind: str, x: Any) -> Any:
     raise ValueError(kind)
 
 
-def decode_value(kind: str, v: Any, where: str) -> Any:
+def decode_value(kind: str, v: Any, where: object) -> Any:
     try:
         if kind == "none":
             if v is not None:

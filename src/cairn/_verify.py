@@ -238,6 +238,8 @@ class DiffEntry:
 
 def _describe_leaf(leaf: fmt.Leaf) -> str:
     if isinstance(leaf, fmt.ArrayLeaf):
+        if leaf.kind == "prng_key":
+            return f"key<{leaf.impl}>[{','.join(map(str, leaf.key_shape))}]"
         if leaf.kind != "array":
             return f"{leaf.kind}[{leaf.nbytes}]"
         return f"{values.dtype_name(leaf.dtype)}[{','.join(map(str, leaf.shape))}]"
@@ -314,7 +316,7 @@ def _compare(name: str, path: str, x: fmt.Leaf, y: fmt.Leaf, ra: Any, rb: Any, s
     if n_diff == 0:
         return DiffEntry(name, path, "equal", dx)
     total = math.prod(x.shape)
-    unit = "bytes" if x.kind != "array" else "elements"
+    unit = "elements" if x.kind in ("array", "prng_key") else "bytes"
     detail = f"{dx}: {n_diff} of {total} {unit} differ"
     if not numeric:
         return DiffEntry(name, path, "values changed", detail)

@@ -195,11 +195,17 @@ def _fail_writes_on(process: int, action: str) -> None:
         if action == "raise":
             raise OSError(28, "No space left on device (injected)", key)
 
+        def fail() -> None:
+            if action == "hang":  # alive (heartbeat and all) but stuck in a write
+                time.sleep(3600)
+            os.kill(os.getpid(), 9)
+
         def some_then_die():
             for k, part in enumerate(parts):
-                if k == 1:  # one chunk is on disk; die with the file half written
-                    os.kill(os.getpid(), 9)
+                if k == 1:  # some bytes are on disk; die with the file half written
+                    fail()
                 yield part
+            fail()  # a file of one part (small chunks are written in batches): die before it is synced
 
         return real(self, key, some_then_die())
 
@@ -305,7 +311,7 @@ def _rchar() -> int:
 
 def save_then_load(path: str, mesh: list[int], save_spec: list[Any], load_spec: list[Any],
                    shape: list[int], read_once: bool | None = None, corrupt: bool = False,
-                   cold: bool = False, storage_options: dict | None = None) -> dict:
+                   cold: bool = False, storage_options: dict | None = None, budget: int = 1 << 30) -> dict:
     """Save one array with `save_spec`, load it with `load_spec`; count the bytes each process read.
 
     With `corrupt`, process 0 flips a byte of process 1's data file between the
@@ -337,7 +343,7 @@ def save_then_load(path: str, mesh: list[int], save_spec: list[Any], load_spec: 
     try:
         # Once to warm up (the first load imports and compiles: rchar would count module files),
         # then the measured load.
-        engine_load(resolve(path, storage_options), want, read_once=read_once, timeout=60)
+        engine_load(resolve(path, storage_options), want, read_once=read_once, timeout=60, budget_bytes=budget)
         if cold:
             if coord.process_index == 0 and os.path.exists(path):
                 os.sync()
@@ -350,7 +356,8 @@ def save_then_load(path: str, mesh: list[int], save_spec: list[Any], load_spec: 
             f.write("5\n")  # resets the peak RSS (VmHWM) to the current RSS
         before = _rchar()
         t0 = time.perf_counter()
-        out = engine_load(resolve(path, storage_options), want, stats=stats, read_once=read_once, timeout=60)["a"]
+        out = engine_load(resolve(path, storage_options), want, stats=stats, read_once=read_once, timeout=60,
+                          budget_bytes=budget)["a"]
         load_s = time.perf_counter() - t0
         rchar = _rchar() - before
         peak = _status_bytes("VmHWM") - rss0
@@ -361,7 +368,7 @@ def save_then_load(path: str, mesh: list[int], save_spec: list[Any], load_spec: 
         np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
     return {"bytes_read": stats.bytes_read, "rchar": rchar, "read_once_leaves": stats.read_once_leaves,
             "nbytes": int(full.nbytes), "shards": len(out.addressable_shards), "load_s": load_s,
-            "reshard_s": stats.reshard_s, "peak_rss_growth": peak}
+            "reshard_s": stats.reshard_s, "peak_rss_growth": peak, "pieces": stats.read_once_pieces}
 
 
 def _status_bytes(field: str) -> int:
@@ -389,3 +396,58 @@ def save_replicated(path: str, mesh: list[int], mb: int) -> dict:
     for shard in out.addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
     return {"bytes_written": stats.bytes_written, "bytes_read": load_stats.bytes_read, "nbytes": int(full.nbytes)}
+
+
+def keys_per_host(path: str, mesh: list[int]) -> dict:
+    """One typed key per device, sharded over every process; saved, then loaded as keys twice:
+    onto the saved sharding, and replicated on every device (a read-once reshard)."""
+    m = _mesh(mesh)
+    n = int(np.prod(mesh))
+    data = np.asarray(jax.random.key_data(jax.random.split(jax.random.key(5, impl="rbg"), n)))
+    sharding = NamedSharding(m, P(("x", "y")))
+    # Each process builds its own shards of the key data, then wraps them as keys.
+    keys = jax.random.wrap_key_data(
+        jax.make_array_from_callback(data.shape, sharding, lambda idx: data[idx]), impl="rbg")
+    cairn.save(path, {"rng": keys})
+    out: dict[str, Any] = {}
+    for name, target in (("same", sharding), ("replicated", NamedSharding(m, P()))):
+        want = {"rng": jax.ShapeDtypeStruct((n,), keys.dtype, sharding=target)}
+        got = cairn.load(path, want, timeout=60)["rng"]
+        assert str(jax.random.key_impl(got)) == "rbg" and got.sharding.is_equivalent_to(target, 1), got.sharding
+        for shard in got.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(jax.random.key_data(shard.data)), data[shard.index])
+        out[name] = len(got.addressable_shards)
+    return out
+
+
+def manager_agreement(directory: str, mesh: list[int]) -> dict:
+    """Two steps; process 0 corrupts a chunk of step 2 that only process 1 reads; restore with
+    fallback must land every process on step 1. Then process 1's own listing is hidden from
+    it: `latest_step` must still be the primary's answer."""
+    from cairn import _steps
+    from cairn._coord import default_coordinator
+
+    coord = default_coordinator()
+    m = _mesh(mesh)
+    with cairn.CheckpointManager(directory, async_save=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, make_state(mesh))
+        if coord.process_index == 0:
+            folder = os.path.join(directory, _steps.step_dirname(2), "params")
+            victim = max((n for n in os.listdir(folder) if n.startswith("p00001")),
+                         key=lambda n: os.path.getsize(os.path.join(folder, n)))
+            with open(os.path.join(folder, victim), "r+b") as f:
+                b = f.read(1)
+                f.seek(0)
+                f.write(bytes([b[0] ^ 0xFF]))
+        coord.barrier("t/corrupted", 30)
+        target = {"params": {}}
+        for name, (shape, dtype, spec) in LEAVES.items():
+            s = NamedSharding(m, _spec(list(spec)))
+            target["params"][name] = jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype), sharding=s)
+        mgr.restore(target=target, fallback=True, partial=True)
+        restored = mgr.restored_step
+        if coord.process_index == 1:
+            _steps.committed_steps = lambda storage: []  # what a stale listing would say
+        latest = mgr.latest_step()
+    return {"restored": restored, "latest": latest}

@@ -30,9 +30,11 @@ def main() -> None:
         )
         assert jax.process_index() == index and jax.process_count() == n
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import scenarios
+    import importlib
 
-    fn = getattr(scenarios, spec["scenario"])
+    # "name" runs scenarios.name; "module:name" a scenario of another module beside it.
+    module, _, name = spec["scenario"].rpartition(":")
+    fn = getattr(importlib.import_module(module or "scenarios"), name)
     try:
         out = fn(**spec["args"])
     except BaseException:

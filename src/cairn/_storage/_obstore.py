@@ -2,9 +2,9 @@
 
 Writes of data files stream their parts as a multipart upload with several
 parts in flight; small objects go up in one request. ``put(create=True)`` is
-obstore's create mode (``If-None-Match: *`` on S3, a generation precondition
-on GCS), the primitive the commit needs. Reads are ranged gets; a large read
-is split into parts fetched in parallel.
+obstore's create mode (``If-None-Match: *`` on S3 and Azure, a generation
+precondition on GCS), the primitive the commit needs. Reads are ranged gets;
+a large read is split into parts fetched in parallel.
 
 Retries: every request except the parts of a multipart upload is retried
 here, with exponential backoff and jitter, a bounded number of times, and
@@ -15,13 +15,17 @@ same settings but not counted.
 
 Options (the ``storage_options`` of `cairn.save` and friends) are obstore's
 store settings (``endpoint``, ``region``, ``access_key_id``,
-``secret_access_key``, ...), its HTTP client settings (``allow_http``,
-``timeout``, ...), and these cairn settings:
+``secret_access_key``, ``account_name``, ``service_account_key``, ...), its
+HTTP client settings (``allow_http``, ``timeout``, ...), and these cairn
+settings:
 
 ``max_retries`` (5), ``retry_backoff`` (0.1 s, the first wait), ``max_backoff``
 (10 s), ``part_size`` (16 MiB, multipart upload part), ``upload_concurrency``
-(4 parts in flight per file), ``read_part_size`` (8 MiB), ``read_concurrency``
-(4 parts in flight per read).
+(4 parts in flight per file), ``read_part_size`` (16 MiB, the largest ranged
+GET), ``read_concurrency`` (4 GETs in flight per read).
+
+Azure's emulator: ``{"use_emulator": True, "endpoint": "http://127.0.0.1:10000"}``
+(obstore alone takes the emulator's address only from ``AZURITE_BLOB_STORAGE_URL``).
 
 A write holds at most about ``part_size * (upload_concurrency + 1)`` bytes of
 its own, a read about ``read_part_size * read_concurrency``, whatever the
@@ -37,25 +41,18 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, fields
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar, Literal, TypeVar
 from typing import Any as Buffer  # collections.abc.Buffer is Python 3.12+
 
+import numpy as np
+
 from ._base import split_url
+from ._obsettings import split_options
 
 T = TypeVar("T")
-
-_MiB = 1 << 20
-
-# obstore's HTTP client settings; everything else that is not cairn's goes to the store's config.
-_CLIENT_KEYS = frozenset({
-    "allow_http", "allow_invalid_certificates", "connect_timeout", "default_content_type",
-    "default_headers", "pool_idle_timeout", "pool_max_idle_per_host", "proxy_url",
-    "proxy_ca_certificate", "proxy_excludes", "root_certificate", "randomize_addresses",
-    "read_timeout", "timeout", "user_agent",
-})
-_ALIASES = {"endpoint_url": "endpoint"}  # boto3's name, which users reach for
 
 # Errors are classified by obstore's error classes where it has them (see
 # `_Classes`). What it has no class for arrives as a GenericError whose cause
@@ -77,47 +74,10 @@ _TRANSIENT = re.compile(
 _RANGE_NOT_SATISFIABLE = "status code: 416"
 
 
-@dataclass(frozen=True)
-class Tuning:
-    """cairn's own object-store settings (see the module docstring)."""
-
-    max_retries: int = 5
-    retry_backoff: float = 0.1
-    max_backoff: float = 10.0
-    part_size: int = 16 * _MiB
-    upload_concurrency: int = 4
-    read_part_size: int = 8 * _MiB
-    read_concurrency: int = 4
-
-    def __post_init__(self) -> None:
-        if self.max_retries < 0:
-            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        if self.part_size < 5 * _MiB:
-            # S3 rejects multipart parts under 5 MiB (except the last).
-            raise ValueError(f"part_size must be at least 5 MiB, got {self.part_size}")
-        if self.read_part_size < 1 or self.upload_concurrency < 1 or self.read_concurrency < 1:
-            raise ValueError("read_part_size, upload_concurrency and read_concurrency must be positive")
-
-
-_TUNING_KEYS = frozenset(f.name for f in fields(Tuning))
-
-
-def split_options(options: dict[str, Any] | None) -> tuple[Tuning, dict[str, Any], dict[str, Any]]:
-    """`options` -> (cairn tuning, obstore client options, obstore store config)."""
-    tuning: dict[str, Any] = {}
-    client: dict[str, Any] = {}
-    config: dict[str, Any] = {}
-    for k, v in (options or {}).items():
-        k = _ALIASES.get(k, k)
-        if k in _TUNING_KEYS:
-            tuning[k] = v
-        elif k in _CLIENT_KEYS:
-            client[k] = v
-        elif k == "client_options":
-            client.update(v)
-        else:
-            config[k] = v
-    return Tuning(**tuning), client, config
+# Parts of large reads in flight per storage, over all its readers (beyond, parts wait for a
+# free thread): with 16 MiB parts at most 256 MiB of answers in flight, besides the reads of
+# at most one part, which their calling threads send themselves.
+_READ_THREADS = 16
 
 
 def _summary(e: BaseException) -> str:
@@ -176,52 +136,73 @@ class _ObjectReader:
     HEAD per file would cost a round trip each. A missing object shows up as
     FileNotFoundError on the first read; a read past its end (the server
     answers 416, or fewer bytes than asked) as EOFError.
+
+    A read (of one buffer, or of several consecutive ones) is cut into ranged
+    GETs of at most ``read_part_size`` bytes, at most ``read_concurrency`` of
+    them in flight at once, each answer copied straight into the buffers it
+    covers. (Not ``obstore.get_ranges``: it merges adjacent ranges back into
+    one request, so the parts of a large read went out as one GET each window.)
     """
 
-    vectored: ClassVar[bool] = False  # each buffer would be a request of its own
+    vectored: ClassVar[bool] = False  # consecutive buffers share requests, but each costs a copy call
 
     def __init__(self, storage: ObjectStorage, key: str):
         self.storage, self.key = storage, key
         self.size: int | None = None  # learning it would cost a HEAD request per file
 
     def read_into(self, offset: int, out: memoryview) -> None:
-        import obstore
-
-        out = out.cast("B") if out.format != "B" or out.ndim != 1 else out
-        n = len(out)
-        if offset < 0:
-            raise EOFError(f"{self.storage.describe(self.key)}: negative offset {offset}")
-        if n == 0:
-            return
-        s = self.storage
-        part, store = s.tuning.read_part_size, s.store
-        if n <= part:
-            data = s.call("read", self.key, lambda: obstore.get_range(store, self.key, start=offset, length=n))
-            self._place(out, 0, offset, n, data)
-            return
-        # A large read: a window of parts fetched in parallel (obstore runs the
-        # requests of one get_ranges concurrently), each copied into place.
-        window = part * s.tuning.read_concurrency
-        for w in range(0, n, window):
-            starts = list(range(offset + w, offset + min(w + window, n), part))
-            ends = [min(a + part, offset + n) for a in starts]
-            datas = s.call("read", self.key, functools.partial(
-                obstore.get_ranges, store, self.key, starts=starts, ends=ends, coalesce=0))
-            for a, b, data in zip(starts, ends, datas):
-                self._place(out, a - offset, a, b - a, data)
-            del datas
-
-    def _place(self, out: memoryview, at: int, offset: int, n: int, data: Buffer) -> None:
-        got = memoryview(data)
-        if len(got) != n:
-            raise EOFError(f"{self.storage.describe(self.key)}: asked for bytes {offset}..{offset + n}, "
-                           f"the store returned {len(got)} bytes")
-        out[at : at + n] = got
+        self.read_into_many(offset, [out])
 
     def read_into_many(self, offset: int, outs: list[memoryview]) -> None:
-        for out in outs:
-            self.read_into(offset, out)
-            offset += out.nbytes
+        if offset < 0:
+            raise EOFError(f"{self.storage.describe(self.key)}: negative offset {offset}")
+        views = [v for v in map(_bytes_view, outs) if len(v)]
+        total = sum(len(v) for v in views)
+        if total == 0:
+            return
+        t = self.storage.tuning
+        starts = range(offset, offset + total, t.read_part_size)
+        if len(starts) == 1:
+            self._get(offset, offset + total, offset, views)
+            return
+        # Parts in flight at once, through the storage's pool; this thread waits.
+        pool = self.storage.read_pool()
+        pending: set[Future[None]] = set()
+        parts = iter(starts)
+        error: BaseException | None = None
+        while True:
+            while error is None and len(pending) < t.read_concurrency:
+                a = next(parts, None)
+                if a is None:
+                    break
+                pending.add(pool.submit(self._get, a, min(a + t.read_part_size, offset + total), offset, views))
+            if not pending:
+                break
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for f in done:
+                e = f.exception()
+                if e is not None and error is None:
+                    error = e  # send no more parts; let the ones in flight finish
+        if error is not None:
+            raise error
+
+    def _get(self, a: int, b: int, base: int, views: list[memoryview]) -> None:
+        """Object bytes [a, b) into `views` (which hold the bytes from `base` on, one after another)."""
+        import obstore
+
+        s, key = self.storage, self.key
+        data = s.call("read", key, lambda: obstore.get_range(s.store, key, start=a, length=b - a))
+        got = memoryview(data)
+        if len(got) != b - a:
+            raise EOFError(f"{s.describe(key)}: asked for bytes {a}..{b}, the store returned {len(got)} bytes")
+        pos = base
+        for v in views:
+            lo, hi = max(a, pos), min(b, pos + len(v))
+            if lo < hi:  # numpy copies without holding the GIL
+                np.copyto(np.frombuffer(v[lo - pos : hi - pos], np.uint8), np.frombuffer(got[lo - a : hi - a], np.uint8))
+            pos += len(v)
+            if pos >= b:
+                break
 
     def close(self) -> None:
         pass
@@ -270,6 +251,14 @@ class ObjectStorage:
             raise ValueError(f"{url}: cannot configure the object store: {_summary(e)}") from None
         self.retries = 0
         self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def read_pool(self) -> ThreadPoolExecutor:
+        """Threads for the parts of large reads (started on first use; idle ones cost nothing)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="cairn-get")
+            return self._pool
 
     def __repr__(self) -> str:
         return f"ObjectStorage({self.url!r})"
@@ -462,7 +451,15 @@ def _delete(obstore: Any, store: Any, keys: list[str]) -> None:
     try:
         obstore.delete(store, keys)
     except FileNotFoundError:
-        pass  # GCS and Azure report a missing object; it is what we wanted anyway
+        # GCS and Azure report a missing object (S3 does not); it is what we wanted anyway. But
+        # obstore stops at the first error, so the keys after the missing one may still be there
+        # (GCS deletes one request per key, Azure in batches of 256): delete them one by one.
+        if len(keys) > 1:
+            for key in keys:
+                try:
+                    obstore.delete(store, key)
+                except FileNotFoundError:
+                    pass
 
 
 def _bytes_view(p: Buffer) -> memoryview:

@@ -1,0 +1,286 @@
+"""cairn's loads from object stores against the best raw read pattern for the same bytes.
+
+    python -m benchmarks.bench_objstore                       # moto, Azurite, fake-gcs-server; 256 MiB
+    python -m benchmarks.bench_objstore --servers moto --reps 5 --json out.json
+    python -m benchmarks.bench_objstore --servers azurite --only cairn   # just cairn's loads
+
+One run per server, each on 127.0.0.1 in its own process (so it does not
+compete with the client for the GIL): moto's S3 server, Azurite's blob
+service, fake-gcs-server (which takes no write from obstore, so there the
+checkpoint is saved to local disk and copied in through its JSON API). The
+state is `--arrays` float32 arrays sharded over 8 virtual CPU devices
+(``P("x")``), saved with `cairn.save`. Then, per repetition, in alternating
+order and on the very objects cairn wrote:
+
+- raw, whole objects: one GET per data file, all files at once;
+- raw, ranged GETs: the files cut into ranges of each `--parts` size, all
+  ranges of all files through a pool of each `--concurrency` threads;
+- raw, ``obstore.get_ranges``: one call per file with 8 MiB ranges, all
+  files at once (obstore merges adjacent ranges, even with ``coalesce=0``,
+  so this is one GET per file too);
+- cairn, numpy: ``cairn.load(path)`` (checksums verified);
+- cairn, mesh: ``cairn.load(path, target)`` onto the arrays' own sharding;
+- cairn, numpy without checksums (``verify=False``), to show what they cost.
+
+Each server run also probes how the server's cost of one ranged GET depends
+on the object's size (4 MiB read from a 4 MiB and from a 64 MiB object): moto
+answers a ranged GET in time proportional to the whole object.
+
+``--plan-max-read MIB`` is an experiment: it makes the load planner merge
+adjacent chunks of a file into reads of up to that size (its ``max_read``,
+4 MiB), to measure what larger requests would give.
+
+The raw patterns only receive the bytes (no copy into arrays, no checksum):
+the strictest comparison. Prints seconds (median) per pattern, the best raw
+pattern, and cairn / best ratios. Only loopback addresses are contacted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+MiB = 1 << 20
+SERVERS = ("moto", "azurite", "gcs")
+
+
+class Moto:
+    """moto's S3 server as its own process (python -m moto.server)."""
+
+    name = "moto"
+
+    def __init__(self) -> None:
+        from benchmarks.bench_s3 import _free_port, start_moto
+
+        self.port = _free_port()
+        self.proc = start_moto(self.port)
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def bucket(self) -> str:
+        from benchmarks.bench_s3 import make_bucket
+
+        name = f"bench-{uuid.uuid4().hex[:8]}"
+        make_bucket(self.endpoint, name)
+        return name
+
+    def options(self) -> dict[str, Any]:
+        return {"endpoint": self.endpoint, "region": "us-east-1", "access_key_id": "bench",
+                "secret_access_key": "bench", "allow_http": True}
+
+    def url(self, bucket: str, path: str) -> str:
+        return f"s3://{bucket}/{path}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=10)
+
+
+def _test_server(kind: str) -> Any:
+    """Azurite or fake-gcs-server, started as the tests start them (tests/_servers.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    import _servers
+
+    cls = _servers.AzuriteServer if kind == "azurite" else _servers.FakeGCSServer
+    server = cls().start()
+    server.bucket = lambda: server.new_bucket("bench")
+    return server
+
+
+def start(kind: str) -> Any:
+    return Moto() if kind == "moto" else _test_server(kind)
+
+
+def median_time(fn: Callable[[], Any], reps: int, times: list[float]) -> None:
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+
+
+def probe_object_size(server: Any, bucket: str, store: Any, n: int = 8) -> dict[str, float]:
+    """Median ms of one 4 MiB ranged GET from objects of 4 and 64 MiB (put in one request each)."""
+    import obstore
+
+    out = {}
+    for size in (4, 64):
+        key = f"probe/{size}"
+        data = os.urandom(size * MiB)
+        if hasattr(server, "put_object"):
+            server.put_object(bucket, key, data)
+        else:
+            obstore.put(store, key, data, use_multipart=False)
+        ts = []
+        for i in range(n):
+            t0 = time.perf_counter()
+            obstore.get_range(store, key, start=(i % (size // 4)) * 4 * MiB, length=4 * MiB)
+            ts.append(time.perf_counter() - t0)
+        out[f"{size} MiB"] = statistics.median(ts) * 1000
+    return out
+
+
+def run_server(kind: str, a: argparse.Namespace) -> dict[str, Any]:
+    import jax
+    import obstore
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import cairn
+    from cairn._storage._obstore import ObjectStorage
+
+    server = start(kind)
+    try:
+        bucket = server.bucket()
+        opts = {**server.options(), **a.option}
+        mesh = jax.make_mesh((8,), ("x",))
+        sharding = NamedSharding(mesh, P("x"))
+        per = a.size_mib * MiB // a.arrays // 4
+        rng = np.random.default_rng(0)
+        host = {f"w{i}": rng.standard_normal((8, per // 8), dtype=np.float32) for i in range(a.arrays)}
+        arrays = {k: jax.device_put(v, sharding) for k, v in host.items()}
+        nbytes = sum(x.nbytes for x in host.values())
+        path = server.url(bucket, "ckpt")
+        if kind == "gcs":  # fake-gcs-server takes no write from obstore: save locally, copy in
+            with tempfile.TemporaryDirectory() as tmp:
+                cairn.save(f"{tmp}/ckpt", {"params": arrays})
+                server.upload_tree(bucket, "ckpt", f"{tmp}/ckpt")
+        else:
+            cairn.save(path, {"params": arrays}, storage_options=opts)
+        storage = ObjectStorage(server.url(bucket, ""), opts)
+        store = storage.store
+        files = {k: storage.size(k) for k in storage.list("ckpt") if k.endswith(".bin")}
+        target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in host.items()}}
+
+        def whole() -> None:
+            with ThreadPoolExecutor(len(files)) as pool:
+                got = sum(pool.map(lambda k: len(obstore.get(store, k).bytes()), files))
+            assert got == sum(files.values())
+
+        def ranged(part: int, conc: int) -> Callable[[], None]:
+            jobs = [(k, s, min(part, n - s)) for k, n in files.items() for s in range(0, n, part)]
+
+            def go() -> None:
+                with ThreadPoolExecutor(conc) as pool:
+                    got = sum(pool.map(lambda j: len(obstore.get_range(store, j[0], start=j[1], length=j[2])),
+                                       jobs))
+                assert got == sum(files.values())
+            return go
+
+        def get_ranges(part: int, coalesce: int) -> Callable[[], None]:
+            def one(k: str) -> int:
+                n = files[k]
+                starts = list(range(0, n, part))
+                return sum(len(b) for b in obstore.get_ranges(store, k, starts=starts, coalesce=coalesce,
+                                                              ends=[min(s + part, n) for s in starts]))
+
+            def go() -> None:
+                with ThreadPoolExecutor(len(files)) as pool:
+                    assert sum(pool.map(one, files)) == sum(files.values())
+            return go
+
+        def load_numpy() -> None:
+            out = cairn.load(path, storage_options=opts, threads=a.threads)["params"]
+            assert all(out[k].shape == host[k].shape for k in host)
+
+        def load_unverified() -> None:
+            cairn.load(path, storage_options=opts, threads=a.threads, verify=False)
+
+        def load_mesh() -> None:
+            out = cairn.load(path, target, storage_options=opts, threads=a.threads)["params"]
+            jax.block_until_ready(out)
+
+        patterns: dict[str, Callable[[], None]] = {}
+        if a.only in ("all", "raw"):
+            patterns["raw whole-object GETs"] = whole
+            for part in a.parts:
+                for conc in a.concurrency:
+                    patterns[f"raw {part} MiB ranges x{conc}"] = ranged(part * MiB, conc)
+            # obstore merges adjacent ranges (even with coalesce=0): one GET per file, by another road
+            patterns["raw get_ranges per file"] = get_ranges(8 * MiB, 0)
+        if a.only in ("all", "cairn"):
+            patterns["cairn load (numpy)"] = load_numpy
+            patterns["cairn load (mesh)"] = load_mesh
+            patterns["cairn load (numpy, verify=False)"] = load_unverified
+        # correctness once, then warm up every pattern (connections, first-touch of buffers)
+        got = cairn.load(path, storage_options=opts)["params"]
+        assert all(np.array_equal(got[k], host[k]) for k in host), "cairn read back wrong bytes"
+        del got
+        for fn in patterns.values():
+            fn()
+        times: dict[str, list[float]] = {k: [] for k in patterns}
+        names = list(patterns)
+        for rep in range(a.reps):
+            for name in names if rep % 2 == 0 else names[::-1]:
+                median_time(patterns[name], a.reps, times[name])
+        probe = probe_object_size(server, bucket, store)
+        med = {k: statistics.median(v) for k, v in times.items()}
+        raw = {k: v for k, v in med.items() if k.startswith("raw")}
+        best = min(raw, key=raw.__getitem__) if raw else None
+        result: dict[str, Any] = {
+            "server": kind, "bytes": nbytes, "arrays": a.arrays, "data_files": len(files),
+            "file_sizes": sorted(files.values()), "reps": a.reps, "seconds": times, "median_s": med,
+            "best_raw": best, "ranged_get_ms_by_object_size": probe,
+        }
+        print(f"\n{kind}: {nbytes / MiB:.0f} MiB in {a.arrays} arrays, {len(files)} data files, median of {a.reps}:")
+        for k, v in med.items():
+            ratio = f"   {v / raw[best]:.2f}x best raw" if best and k.startswith("cairn") else ""
+            print(f"  {k:32s} {v:7.3f} s  {nbytes / MiB / v:8.1f} MiB/s{ratio}")
+        print("  one 4 MiB ranged GET: " + ", ".join(f"{v:.1f} ms from a {k} object" for k, v in probe.items()))
+        if best:
+            print(f"  best raw: {best}")
+            result["ratios"] = {k: v / raw[best] for k, v in med.items() if k.startswith("cairn")}
+        return result
+    finally:
+        server.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_objstore", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {', '.join(SERVERS)}")
+    ap.add_argument("--size-mib", type=int, default=256)
+    ap.add_argument("--arrays", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--parts", type=lambda s: [int(x) for x in s.split(",")], default=[4, 8, 16, 32],
+                    help="ranged-GET sizes in MiB (default 4,8,16,32)")
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=[8, 16, 32],
+                    help="threads for the ranged GETs (default 8,16,32)")
+    ap.add_argument("--only", choices=["all", "raw", "cairn"], default="all")
+    ap.add_argument("--threads", type=int, default=8, help="cairn.load's threads (default 8, its default)")
+    ap.add_argument("--option", action="append", default=[], type=lambda kv: (kv.split("=", 1)[0], int(kv.split("=", 1)[1])),
+                    help="a cairn storage option for every run, e.g. read_part_size=16777216 (repeatable)")
+    ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--plan-max-read", type=int, default=None, metavar="MIB",
+                    help="experiment: plan loads with reads merged up to this size (the planner's max_read)")
+    a = ap.parse_args(argv)
+    a.option = dict(a.option)
+    if a.plan_max_read:  # both planners' max_read, their last keyword
+        from cairn import _plan, _reader
+
+        for fn in (_plan.plan_reads, getattr(_reader, "whole_reads", None)):
+            if fn is not None and fn.__defaults__:
+                fn.__defaults__ = (*fn.__defaults__[:-1], a.plan_max_read * MiB)
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+    results = [run_server(kind, a) for kind in a.servers.split(",") if kind]
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
