@@ -8,16 +8,36 @@ import threading
 import numpy as np
 
 
-def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
+def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64, huge_pages: bool = True) -> np.ndarray:
     """An uninitialised C-order array whose data is `align`-byte aligned.
 
     XLA's CPU client adopts 64-byte-aligned host buffers without a copy, so a
     load onto CPU devices hands its read buffers straight to the arrays.
+
+    numpy advises the kernel to back allocations of 4 MiB and more with
+    transparent huge pages (``madvise(MADV_HUGEPAGE)``); where the kernel then
+    compacts memory on the first touch (``defrag`` set to ``madvise``, a common
+    default), filling fresh memory gets several times slower: measured on the
+    benchmark VM, 165 fresh 12 MiB buffers filled at 0.45-0.83 GiB/s with the
+    advice, 1.5-1.9 GiB/s without. `huge_pages=False` allocates without it.
     """
     nbytes = math.prod(shape) * dtype.itemsize
-    raw = np.empty(nbytes + align, dtype=np.uint8)
+    if huge_pages or _thp_toggle is None or nbytes < 4 << 20:
+        raw = np.empty(nbytes + align, dtype=np.uint8)
+    else:
+        with _thp_lock:  # numpy's switch is process-wide: off only for this allocation
+            before = _thp_toggle(False)
+            try:
+                raw = np.empty(nbytes + align, dtype=np.uint8)
+            finally:
+                _thp_toggle(before)
     start = -raw.__array_interface__["data"][0] % align  # (`.ctypes.data` costs ~5 µs)
     return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+# numpy's process-wide switch for its huge-page advice (private; absent in some versions).
+_thp_toggle = getattr(getattr(getattr(np, "_core", None), "multiarray", None), "_set_madvise_hugepage", None)
+_thp_lock = threading.Lock()
 
 
 #: At most this many async saves of a process hold snapshots at once (`_async.MAX_PENDING`).
@@ -49,7 +69,7 @@ class _BufferPool:
             if free:
                 self._bytes -= nbytes
                 return free.pop()
-        return aligned_empty((nbytes,), np.dtype(np.uint8))
+        return aligned_empty((nbytes,), np.dtype(np.uint8), huge_pages=False)  # filled once per save: see there
 
     def give(self, buf: np.ndarray) -> None:
         with self._lock:

@@ -78,8 +78,9 @@ def addressable_boxes(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Box],
 
 #: A leaf up to this size whose target sharding lies wholly on this process is read into one host
 #: buffer and placed by a batched `jax.device_put` (JAX slices it per device in C++): below this,
-#: a device_put and a read per shard cost more than the bytes (a 2 KiB leaf over 8 devices
-#: took ~20 µs per shard); above it, the per-shard buffers are adopted without a copy on CPU.
+#: a device_put and a read per shard cost more than the bytes (2,000 leaves of 2 KiB over 8
+#: devices: 0.9-1.5 ms per leaf put shard by shard, 0.15-0.24 ms whole); above it, the
+#: per-shard buffers are adopted without a copy on CPU.
 WHOLE_PUT_BYTES = 1 << 20
 
 _whole: dict[Any, bool] = {}

@@ -117,7 +117,9 @@ def _copy(job: Any, host: list[tuple[Any, int, tuple[int, int], Any, int]]) -> N
 
     def run(part: list[tuple[np.ndarray, int, Any, tuple[int, int], Any, int]]) -> None:
         for slab, pos, item, key, src, n in part:
-            item.sources[key] = _copy_into(slab[pos : pos + n], np.asarray(src))
+            v = np.asarray(src)
+            # A chunk of other than its planned size gets a copy of its own; the writer reports it.
+            item.sources[key] = _copy_into(slab[pos : pos + n], v) if v.nbytes == n else np.array(v)
 
     if 0 < cut < len(work):
         with ThreadPoolExecutor(1, thread_name_prefix="cairn-snapshot") as pool:
