@@ -24,7 +24,7 @@ import threading
 import zlib
 from typing import Any
 
-from ._coord import Coordinator, fetch_from
+from ._coord import Coordinator, fetch_from, gather_json
 
 _instances: dict[str, itertools.count[int]] = {}
 _lock = threading.Lock()
@@ -64,5 +64,4 @@ class Decisions:
             return {0: outcome}
         prefix = f"{self.base}/{next(self._seq)}/{what}"
         self.coord.publish(f"{prefix}/{self.coord.process_index}", json.dumps(outcome).encode())
-        raw = self.coord.fetch_all(prefix, self.coord.process_count, TIMEOUT)
-        return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in raw.items()}
+        return gather_json(self.coord, prefix, self.coord.process_count, TIMEOUT)

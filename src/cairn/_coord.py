@@ -396,3 +396,9 @@ def preemption_sync_manager() -> Any:
     except ImportError:
         return None
     return getattr(distributed.global_state, "preemption_sync_manager", None)
+
+
+def gather_json(coord: Coordinator, prefix: str, count: int, timeout: float) -> dict[int, Any]:
+    """`coord.fetch_all` of JSON values published under ``prefix/<process>``, by process index."""
+    raw = coord.fetch_all(prefix, count, timeout)
+    return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in raw.items()}

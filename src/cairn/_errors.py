@@ -6,6 +6,8 @@ Leaf errors also derive from the builtin a caller would naturally catch, so
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class CheckpointError(Exception):
     """Root of every error cairn raises on purpose."""
@@ -65,15 +67,24 @@ def describe(e: BaseException) -> str:
     return text + where
 
 
-def error_record(e: BaseException, process: int | None = None) -> dict[str, object]:
+def error_record(e: BaseException, process: int | None = None) -> dict[str, Any]:
     """A JSON-serializable record of `e`, sent to the other processes through the coordinator."""
     return {"type": type(e).__name__, "message": describe(e), "process": process}
 
 
-def error_from_record(record: dict[str, object], message: str) -> CheckpointError:
+def error_from_record(record: dict[str, Any], message: str) -> CheckpointError:
     """The error to raise for `record` received from another process, with `message`.
 
     cairn's own error classes travel as themselves; anything else (an
     `OSError` on another host, say) arrives as a `CheckpointError`.
     """
     return _CLASSES.get(str(record.get("type")), CheckpointError)(message)
+
+
+def first_failure(statuses: dict[int, dict[str, Any]]) -> tuple[dict[str, Any], str] | None:
+    """For per-process statuses ``{"ok": bool, "error": record}``: the first failed process's
+    record and every failure's message (``"process 1: ...; process 3: ..."``), or None."""
+    failed = sorted(p for p, s in statuses.items() if not s["ok"])
+    if not failed:
+        return None
+    return statuses[failed[0]]["error"], "; ".join(f"process {p}: {statuses[p]['error']['message']}" for p in failed)

@@ -76,13 +76,12 @@ def estimate_read_bytes(grid: Sequence[Sequence[int]], itemsize: int, boxes: Seq
     # Union of intervals per chunk, as one union over a line where each chunk has a stretch of its own.
     span = int(hi_a.max()) + 1
     if int(cell_a.max()) * span >= 1 << 62:
-        span = 0  # cannot happen for real grids (64 PiB arrays at most); keep the arithmetic exact anyway
-    keys = cell_a * span if span else cell_a * 0
-    order = np.lexsort((lo_a, cell_a))
-    lo_k, hi_k = (keys + lo_a)[order], (keys + hi_a)[order]
-    reach = np.maximum.accumulate(hi_k)
-    if not span:
+        # Cannot happen for real grids (64 PiB arrays at most); stay exact in int64 anyway and
+        # charge overlapping ranges twice, which keeps the figure an upper bound.
         return int((hi_a - lo_a).sum())
+    order = np.lexsort((lo_a, cell_a))
+    lo_k, hi_k = (cell_a * span + lo_a)[order], (cell_a * span + hi_a)[order]
+    reach = np.maximum.accumulate(hi_k)
     starts = np.concatenate(([True], lo_k[1:] > reach[:-1]))
     run_starts = np.flatnonzero(starts)
     run_ends = np.concatenate((run_starts[1:] - 1, [len(lo_k) - 1]))

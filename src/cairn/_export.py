@@ -29,13 +29,14 @@ from typing import Any
 from . import _format as fmt
 from . import _values as values
 from ._commit import strategy_for
-from ._coord import Coordinator, default_coordinator, fetch_from
+from ._coord import Coordinator, default_coordinator, fetch_from, gather_json
 from ._errors import (
     CheckpointError,
     CheckpointExistsError,
     UnsupportedTypeError,
     error_from_record,
     error_record,
+    first_failure,
 )
 from ._location import resolve
 from ._metadata import open_checkpoint
@@ -238,16 +239,14 @@ def _finish(coord: Coordinator, base: str, seq: int, n: int, timeout: float, out
             shards: list[list[int]], names: list[str]) -> dict[str, Any]:
     """Process 0: wait for every status, then write the index (sharded exports only)."""
     try:
-        raw = coord.fetch_all(f"{base}/status", n, timeout)
+        statuses = gather_json(coord, f"{base}/status", n, timeout)
     except CheckpointError as e:
         return {"ok": False, "error": error_record(e, 0), "message": str(e)}
     if seq > 0:
         coord.drop(f"cairn/export/{seq - 1}")  # everyone is past the previous export
-    statuses = {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in raw.items()}
-    failed = sorted(p for p, s in statuses.items() if not s["ok"])
-    if failed:
-        msg = "; ".join(f"process {p}: {statuses[p]['error']['message']}" for p in failed)
-        return {"ok": False, "error": statuses[failed[0]]["error"], "message": msg}
+    failure = first_failure(statuses)
+    if failure is not None:
+        return {"ok": False, "error": failure[0], "message": failure[1]}
     try:
         if len(names) > 1:
             weight_map = {tensors[i].name: names[k] for k, s in enumerate(shards) for i in s}

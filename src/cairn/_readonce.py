@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _format as fmt
-from ._coord import Coordinator
-from ._errors import CoordinationError, error_from_record, error_record
+from ._coord import Coordinator, gather_json
+from ._errors import CoordinationError, error_from_record, error_record, first_failure
 from ._estimate import estimate_read_bytes
 
 log = logging.getLogger("cairn")
@@ -198,16 +198,11 @@ def read_bytes(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool
     decides every leaf, so an O(processes) rule would cost O(processes^2)
     over the cluster.
     """
-    from ._jaxutil import slices_to_box
-
     shape = leaf.shape if region is None else tuple(hi - lo for lo, hi in region)
-    dmap = sharding.devices_indices_map(shape)
-    first = next(iter(dmap)).process_index
-    processes = {d.process_index for d in dmap}
-    boxes = {slices_to_box(index, shape) for d, index in dmap.items() if d.process_index == first}
+    processes, boxes = _representative(sharding, shape)
     if region is not None:  # a piece of the leaf: its boxes sit at the piece's origin
         boxes = {tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes}
-    return len(processes) * estimate_read_bytes(leaf.grid, leaf.dtype.itemsize, sorted(boxes), block_size, verify)
+    return processes * estimate_read_bytes(leaf.grid, leaf.dtype.itemsize, sorted(boxes), block_size, verify)
 
 
 def _is_named(sharding: Any) -> bool:
@@ -279,12 +274,19 @@ def slabs(shape: tuple[int, ...], target: Layout, per_process_bytes: int, budget
 def process_bytes(sharding: Any, shape: tuple[int, ...], itemsize: int) -> int:
     """The bytes of the distinct boxes of `sharding` on one representative process (the one
     holding its first device): the same figure on every process."""
+    _, boxes = _representative(sharding, shape)
+    return sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * itemsize
+
+
+def _representative(sharding: Any, shape: tuple[int, ...]) -> tuple[int, set[Any]]:
+    """How many processes hold `sharding`, and the distinct boxes of the one holding its first
+    device: the figures every process can compute alike, without seeing the others' boxes."""
     from ._jaxutil import slices_to_box
 
     dmap = sharding.devices_indices_map(shape)
     first = next(iter(dmap)).process_index
-    boxes = {slices_to_box(i, shape) for d, i in dmap.items() if d.process_index == first}
-    return sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * itemsize
+    processes = {d.process_index for d in dmap}
+    return len(processes), {slices_to_box(i, shape) for d, i in dmap.items() if d.process_index == first}
 
 
 # ---------------------------------------------------------------------- agreement before collectives
@@ -321,16 +323,14 @@ class Agreement:
         coord.publish(f"{self.base}/{wave}/{me}", b'{"ok":true}')
         self.done = wave + 1
         try:
-            raw = coord.fetch_all(f"{self.base}/{wave}", n, self.timeout)
+            statuses = gather_json(coord, f"{self.base}/{wave}", n, self.timeout)
         except CoordinationError as e:
             raise CoordinationError(f"loading {self.path}: {e}") from e
         if wave == 0 and me == 0 and self.seq > 0:
             coord.drop(f"cairn/load/{self.seq - 1}")  # every process is past that load now
-        statuses = {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in raw.items()}
-        failed = sorted(p for p, s in statuses.items() if not s["ok"])
-        if failed:
-            msgs = "; ".join(f"process {p}: {statuses[p]['error']['message']}" for p in failed)
-            raise error_from_record(statuses[failed[0]]["error"], f"loading {self.path} failed: {msgs}")
+        failure = first_failure(statuses)
+        if failure is not None:
+            raise error_from_record(failure[0], f"loading {self.path} failed: {failure[1]}")
 
     def fail(self, e: BaseException) -> None:
         """Tell the others this process will not take part in the remaining waves."""

@@ -27,7 +27,7 @@ from . import _format as fmt
 from ._buffers import snapshot_pool as _snapshot_pool
 from ._checksum import crc32c
 from ._commit import CommitStrategy, strategy_for
-from ._coord import Coordinator, activity, default_coordinator, fetch_from
+from ._coord import Coordinator, activity, default_coordinator, fetch_from, gather_json
 from ._errors import (
     CheckpointError,
     CoordinationError,
@@ -35,6 +35,7 @@ from ._errors import (
     UnsupportedTypeError,
     error_from_record,
     error_record,
+    first_failure,
 )
 from ._format import cell_box
 from ._gcpause import paused
@@ -257,20 +258,18 @@ class SaveJob:
     def _primary_commit(self, base: str, own_partial: dict[str, Any] | None) -> dict[str, Any]:
         coord, n = self.coord, self.coord.process_count
         try:
-            raw = coord.fetch_all(f"{base}/status", n, self.timeout)
+            statuses = gather_json(coord, f"{base}/status", n, self.timeout)
         except CoordinationTimeoutError as e:
             self.strategy.abort(self.loc, self.token)
             return _failed(error_record(e), str(e))
-        statuses = {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in raw.items()}
         # Every process has finished the previous save (its status for this one
         # came after), so the coordination service can forget that save's keys.
         if self.seq > 0:
             coord.drop(f"cairn/save/{self.seq - 1}")
-        failed = sorted(p for p, s in statuses.items() if not s["ok"])
-        if failed:
+        failure = first_failure(statuses)
+        if failure is not None:
             self.strategy.abort(self.loc, self.token)
-            errors = "; ".join(f"process {p}: {statuses[p]['error']['message']}" for p in failed)
-            return _failed(statuses[failed[0]]["error"], errors)
+            return _failed(*failure)
         try:
             self._commit(own_partial)
         except BaseException as e:

@@ -89,13 +89,12 @@ class Gather:
 
     def __init__(self, s: Staged):
         from ._buffers import aligned_empty
-        from ._jaxutil import slices_to_box
+        from ._jaxutil import addressable_boxes
 
         self.s = s
         leaf = s.want.leaf
-        self.placement: dict[Box, list[Any]] = {}
-        for device, index in s.want.sharding.addressable_devices_indices_map(leaf.shape).items():
-            self.placement.setdefault(slices_to_box(index, leaf.shape), []).append(device)
+        _, self.placement = addressable_boxes(  # memoised: read, never modified
+            s.want.sharding, leaf.shape)
         self.dests = {b: aligned_empty(tuple(hi - lo for lo, hi in b), s.want.dtype) for b in self.placement}
 
     def add(self, piece: Any, region: Box) -> None:

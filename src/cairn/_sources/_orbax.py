@@ -201,12 +201,9 @@ class TensorStoreReader(ChunkReader):
         if sharding is None:
             boxes = [full_box(shape)]
         else:
-            from .._jaxutil import slices_to_box
+            from .._jaxutil import addressable_boxes
 
-            by_box: dict[Any, list[Any]] = {}
-            for device, idx in sharding.addressable_devices_indices_map(shape).items():
-                by_box.setdefault(slices_to_box(idx, shape), []).append(device)
-            boxes, placement = list(by_box), by_box
+            boxes, placement = addressable_boxes(sharding, shape)
         # With `region` (a slab of a leaf restored in pieces) boxes are relative to it.
         absolute = boxes if region is None else [
             tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes]
