@@ -142,7 +142,6 @@ class Route:
     read: Any  # the jax sharding whose addressable boxes this process reads
     steps: tuple[Any, ...]  # jax shardings to move through with jax.device_put, ending at the target
     cost: int  # storage bytes read, summed over processes (-1: not computed)
-    direct_cost: int  # what the direct path would read
 
     @property
     def direct(self) -> bool:
@@ -152,7 +151,7 @@ class Route:
 def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, process_count: int,
           read_once: bool | None) -> Route:
     """The route of `leaf` onto `target` (a jax Sharding); the same on every process."""
-    direct = Route(target, (), -1, -1)
+    direct = Route(target, (), -1)
     if read_once is False or leaf.nbytes == 0 or not _is_named(target):
         return direct
     if read_once is None and process_count == 1:
@@ -175,7 +174,7 @@ def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, proce
     plan = choose(target_layout, leaf.shape, leaf.nbytes, cost, forced=read_once is True)
     steps = tuple(target if s == target_layout else sharding_of(target, s) for s in plan.steps)
     read = target if plan.read == target_layout else sharding_of(target, plan.read)
-    out = Route(read, steps, plan.cost, plan.direct_cost)
+    out = Route(read, steps, plan.cost)
     if key is not None:
         if len(_routes) > 4096:
             _routes.clear()
