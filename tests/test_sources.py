@@ -370,6 +370,10 @@ _DCP_2RANK = textwrap.dedent("""
           "r": distribute_tensor(torch.ones(4), mesh, [Replicate()])}
     dcp.save(sd, checkpoint_id=sys.argv[1])
     dist.destroy_process_group()
+    # Skip interpreter teardown: gloo's C++ threads sometimes abort in static destructors
+    # ("terminate called without an active exception") after everything is written.
+    sys.stdout.flush()
+    os._exit(0)
 """)
 
 
