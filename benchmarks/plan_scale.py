@@ -21,7 +21,6 @@ untied embedding and output head; about 405.9e9 parameters.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import math
@@ -35,8 +34,10 @@ import ml_dtypes
 import numpy as np
 
 from cairn import _format as fmt
+from cairn._binindex import cell_bytes, cells_in
 from cairn._estimate import estimate_read_bytes
-from cairn._layout import layout_cache, layout_for
+from cairn._indexparts import build_part, item_index, own_cells
+from cairn._layout import SaveItem, layout_cache, layout_for
 from cairn._plan import Box, assign_files, plan_reads
 from cairn._readonce import Layout, choose
 from cairn._tree import flatten
@@ -105,6 +106,20 @@ def llama_405b(layers: int = LAYERS) -> list[Param]:
     return out
 
 
+def fit_fsdp(prm: Param, devices: int) -> Param:
+    """`prm` with its FSDP save axis moved to the first axis the device count divides, where the
+    one it names is not divisible (8,192 devices: the MLP width 53,248 is not), as a user would."""
+    axis = next((a for a, e in enumerate(prm.save) if e == "fsdp"), None)
+    if axis is None or prm.shape[axis] % devices == 0:
+        return prm
+    for a, n in enumerate(prm.shape):
+        if n % devices == 0:
+            spec = [None] * len(prm.shape)
+            spec[a] = "fsdp"
+            return Param(prm.name, prm.shape, tuple(spec), prm.load)
+    raise ValueError(f"{prm.name}: no axis of {prm.shape} is divisible by {devices} devices")
+
+
 def spec_boxes(shape: Sequence[int], mesh: Mesh, spec: Spec) -> list[Box]:
     """The box of every device (in device order) under `spec`, as NamedSharding computes it."""
     spec = tuple(spec) + (None,) * (len(shape) - len(spec))
@@ -167,87 +182,127 @@ def plan_save(cluster: Cluster, params: list[Param], itemsize: int, me: int, mem
         boxes = cluster.boxes(mesh, prm.shape, prm.save)
         if not memo:
             layout_cache.clear()
-        layout, own = layout_for((mesh, prm.save), prm.shape, boxes, cluster.devices, me, False, i)
+        layout, own = layout_for((mesh, prm.save), prm.shape, boxes, cluster.devices, me, False, i,
+                                 merge_itemsize=itemsize)
         layouts.append(layout)
         mine.extend((i, cell, elems * itemsize) for cell, _d, elems in own)
     files = assign_files(mine, 4, 32 << 20)
     return layouts, files
 
 
-def build_index(cluster: Cluster, params: list[Param], itemsize: int, block: int) -> fmt.ItemIndex:
-    """The merged index the primary writes: every process's files, every chunk's place."""
+@dataclass(frozen=True)
+class _Src:
+    """What the index writer reads of a saved array leaf (a real save has `_leaves.ArraySource`)."""
+
+    path: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    kind: str = "array"
+    handler: Any = None
+    impl: Any = None
+    impl_shape: tuple[int, ...] = ()
+    is_jax: bool = False
+
+
+TOKEN = "0123456789ab"
+
+
+def build_index(cluster: Cluster, params: list[Param], itemsize: int, block: int,
+                timed: Sequence[int] = ()) -> dict[str, Any]:
+    """What a save writes of the index (format version 2): each process's binary part, built by
+    `_indexparts.build_part` as that process would, then the primary's JSON index (`item_index`),
+    built from the layouts and each process's reported files. Returns the bytes and the timings."""
     layout_cache.clear()
     mesh = cluster.save_mesh
-    writers: list[np.ndarray] = []
-    layouts = []
+    dtype = np.dtype("float32") if itemsize == 4 else np.dtype(ml_dtypes.bfloat16)
+    structure, flat = flatten({prm.name: 0 for prm in params})
+    item = SaveItem("", "%root", structure, [_Src(path, dtype, prm.shape) for (path, _), prm in zip(flat, params)])
     for i, prm in enumerate(params):
         layout, _ = layout_for((mesh, prm.save), prm.shape, cluster.boxes(mesh, prm.shape, prm.save),
-                                cluster.devices, 0, False, i)
-        layouts.append(layout)
-        writers.append(np.asarray(layout.writer))
-    cell_elems = []
-    for layout in layouts:
-        sizes = [np.diff(np.asarray(b)) for b in layout.grid]
-        grid = sizes[0]
-        for s in sizes[1:]:
-            grid = np.multiply.outer(grid, s)
-        cell_elems.append(np.asarray(grid).reshape(-1))
-    chunk_file = [np.zeros(len(w), np.int64) for w in writers]
-    chunk_off = [np.zeros(len(w), np.int64) for w in writers]
-    by_proc: list[list[tuple[int, int, int]]] = [[] for _ in range(cluster.processes)]
-    for i, w in enumerate(writers):
-        order = np.argsort(w, kind="stable")
-        bounds = np.searchsorted(w[order], np.arange(cluster.processes + 1))
-        for p in range(cluster.processes):
-            cells = order[bounds[p]:bounds[p + 1]]
-            by_proc[p].extend((i, int(c), int(cell_elems[i][c]) * itemsize) for c in cells)
-    files: list[fmt.FileInfo] = []
+                               cluster.devices, 0, False, i, merge_itemsize=itemsize)
+        item.layouts[i] = layout
+    parts: dict[str, bytes] = {}
+    statuses: dict[int, Any] = {}
+    part_t = []
     for p in range(cluster.processes):
-        for k, slots in enumerate(assign_files(by_proc[p], 4, 32 << 20)):
-            f = len(files)
-            files.append(fmt.FileInfo(fmt.data_file_name(p, k, "0123456789ab"),
-                                      sum(s.nbytes for s in slots)))
-            for s in slots:
-                chunk_file[s.leaf][s.cell] = f
-                chunk_off[s.leaf][s.cell] = s.offset
-    dtype = np.dtype("float32") if itemsize == 4 else np.dtype(ml_dtypes.bfloat16)
-    leaves = []
-    for i, prm in enumerate(params):
-        blocks = [fmt.num_blocks(int(e) * itemsize, block) for e in cell_elems[i]]
-        leaves.append(fmt.ArrayLeaf(
-            path=prm.name, dtype=dtype, shape=prm.shape, grid=layouts[i].grid,
-            chunks=tuple(zip(chunk_file[i].tolist(), chunk_off[i].tolist())),
-            crcs=tuple((0x1234ABCD,) * b for b in blocks),
-            sharding={"type": "NamedSharding", "num_devices": mesh.size,
-                      "mesh": {"axis_names": list(mesh.axis_names), "shape": list(mesh.shape)},
-                      "spec": [list(e) if isinstance(e, tuple) else e for e in prm.save]},
-        ))
-    structure, flat = flatten({prm.name: 0 for prm in params})
-    paths = dict(zip([prm.name for prm in params], [path for path, _ in flat]))
-    leaves = [dataclasses.replace(leaf, path=paths[leaf.path]) for leaf in leaves]
-    return fmt.ItemIndex(structure, tuple(leaves), tuple(files), block)
+        t0 = time.perf_counter()
+        mine = []
+        for i, layout in item.layouts.items():
+            sizes = cell_bytes(layout.grid, itemsize)
+            mine.extend((i, c, int(sizes[c])) for c in own_cells(layout.writer, p).tolist())
+        files = assign_files(mine, 4, 32 << 20)
+        rows = [(slot.leaf, slot.cell, k, slot.offset, *([0x1234ABCD] * fmt.num_blocks(slot.nbytes, block)))
+                for k, slots in enumerate(files) for slot in slots]
+        built = build_part(item, p, TOKEN, rows, "plan_scale")
+        if p in timed:
+            part_t.append(time.perf_counter() - t0)
+        assert built is not None
+        name, data, records, crcs = built
+        parts[name] = data
+        statuses[p] = {"items": {"": {
+            "files": [[fmt.data_file_name(p, k, TOKEN), sum(s.nbytes for s in slots)] for k, slots in enumerate(files)],
+            "part": [name, records, crcs]}}}
+    gc.collect()
+    t0 = time.perf_counter()
+    index = item_index(item, statuses, cluster.processes, block)
+    data = index.to_json()
+    commit_s = time.perf_counter() - t0
+    return {"json": data, "parts": parts, "commit_s": commit_s,
+            "part_build_s": statistics.median(part_t) if part_t else None,
+            "parts_bytes": sum(map(len, parts.values()))}
+
+
+def open_index(built: dict[str, Any]) -> tuple[fmt.ItemIndex, dict[str, int]]:
+    """What a loading process does first: parse the JSON index and bind its reader to the parts (in
+    memory here), counting what it reads."""
+    data, parts = built["json"], built["parts"]
+    seen = {"bytes": len(data), "requests": 1}
+    index = fmt.ItemIndex.from_json(data, "index")
+
+    def read(requests: list[tuple[str, int, int]]) -> list[bytes]:
+        seen["requests"] += len(requests)
+        seen["bytes"] += sum(n for _, _, n in requests)
+        return [parts[name][start : start + n] for name, start, n in requests]
+
+    assert index.table is not None
+    index.table.reader = read
+    return index, seen
+
+
+def prefetch_for(cluster: Cluster, index: fmt.ItemIndex, mesh: Mesh, specs: Sequence[Spec], me: int) -> None:
+    """`_prefetch.prefetch`, for process `me` reading each leaf with spec `specs[i]` on `mesh`."""
+    assert index.table is not None
+    need = {}
+    for i, (leaf, spec) in enumerate(zip(index.leaves, specs)):
+        assert isinstance(leaf, fmt.ArrayLeaf)
+        need[i] = cells_in(leaf.grid, _process_boxes(cluster, mesh, leaf.shape, spec, me))
+    index.table.fetch(need)
 
 
 # ---------------------------------------------------------------------- load
 
 
-def plan_load(cluster: Cluster, index: fmt.ItemIndex, params: list[Param], me: int, verify: bool = True,
-              small_read: int = 1 << 20):
-    """What process `me` plans in `cairn.load` onto the load mesh: reads, bytes, bytes needed."""
-    mesh = cluster.load_mesh
+def plan_load(cluster: Cluster, built: dict[str, Any], params: list[Param], me: int, verify: bool = True,
+              small_read: int = 1 << 20, same: bool = False):
+    """What process `me` plans in a direct `cairn.load` onto the load mesh (the save mesh with `same`):
+    parse the index, fetch the records of its chunks, plan its reads."""
+    mesh = cluster.save_mesh if same else cluster.load_mesh
+    index, seen = open_index(built)
+    prefetch_for(cluster, index, mesh, [prm.save if same else prm.load for prm in params], me)
     mine = range(me * mesh.devices_per_process, (me + 1) * mesh.devices_per_process)
     reads = read_bytes = needed = 0
     files: set[int] = set()
     for leaf, prm in zip(index.leaves, params):
         assert isinstance(leaf, fmt.ArrayLeaf)
-        all_boxes = cluster.boxes(mesh, prm.shape, prm.load)
+        all_boxes = cluster.boxes(mesh, prm.shape, prm.save if same else prm.load)
         boxes = list(dict.fromkeys(all_boxes[d] for d in mine))
         plan = plan_reads(leaf, boxes, index.block_size, verify, small_read=small_read)
         reads += len(plan)
         read_bytes += sum(r.nbytes for r in plan)
         needed += sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * leaf.dtype.itemsize
         files.update(r.file for r in plan)
-    return {"reads": reads, "bytes": read_bytes, "needed": needed, "files": len(files)}
+    return {"reads": reads, "bytes": read_bytes, "needed": needed, "files": len(files),
+            "index_bytes_read": seen["bytes"], "index_requests": seen["requests"]}
 
 
 def _layout(mesh: Mesh, shape: tuple[int, ...], spec: Spec) -> Layout:
@@ -266,10 +321,12 @@ def _process_boxes(cluster: Cluster, mesh: Mesh, shape: tuple[int, ...], spec: S
     return sorted(dict.fromkeys(boxes[d] for d in mine))
 
 
-def plan_read_once(cluster: Cluster, index: fmt.ItemIndex, params: list[Param], me: int, verify: bool = True):
+def plan_read_once(cluster: Cluster, built: dict[str, Any], params: list[Param], me: int, verify: bool = True):
     """What process `me` plans in a read-once `cairn.load` onto the load mesh (`_readonce.choose`):
-    a route per leaf (computed by every process alike, from process 0's boxes), then its own reads."""
+    parse the index, a route per leaf (computed by every process alike, from process 0's boxes),
+    fetch the records of the chunks it reads, then its own reads."""
     mesh = cluster.load_mesh
+    index, seen = open_index(built)
     procs = mesh.size // mesh.devices_per_process
     routes = []
     memo: dict[Any, Any] = {}  # as `_readonce.route` memoises: one decision per (grid, layout)
@@ -287,6 +344,7 @@ def plan_read_once(cluster: Cluster, index: fmt.ItemIndex, params: list[Param], 
 
         memo[key] = choose(_layout(mesh, prm.shape, prm.load), prm.shape, leaf.nbytes, cost, forced=False)
         routes.append(memo[key])
+    prefetch_for(cluster, index, mesh, [_spec(r.read) for r in routes], me)
     reads = read_bytes = 0
     for leaf, plan in zip(index.leaves, routes):
         assert isinstance(leaf, fmt.ArrayLeaf)
@@ -294,19 +352,20 @@ def plan_read_once(cluster: Cluster, index: fmt.ItemIndex, params: list[Param], 
         planned = plan_reads(leaf, boxes, index.block_size, verify)
         reads += len(planned)
         read_bytes += sum(r.nbytes for r in planned)
-    return routes, {"reads": reads, "bytes": read_bytes}
+    return routes, {"reads": reads, "bytes": read_bytes, "index_bytes_read": seen["bytes"],
+                    "index_requests": seen["requests"]}
 
 
-def global_read_once(cluster: Cluster, index: fmt.ItemIndex, routes: list[Any]) -> dict[str, Any]:
+def global_read_once(cluster: Cluster, params: list[Param], itemsize: int, routes: list[Any]) -> dict[str, Any]:
     """Cluster-wide figures of the read-once routes: storage bytes, collective bytes, route kinds."""
     mesh = cluster.load_mesh
     total = sum(r.cost for r in routes)
     direct_total = sum(r.direct_cost for r in routes)
+    leaves = [_Src(prm.name, np.dtype(np.uint8 if itemsize == 1 else f"u{itemsize}"), prm.shape) for prm in params]
     # What a process receives over the interconnect is at most its boxes of every layout it
     # moves through (an upper bound: the part it read itself need not move).
     collective = 0
-    for leaf, r in zip(index.leaves, routes):
-        assert isinstance(leaf, fmt.ArrayLeaf)
+    for leaf, r in zip(leaves, routes):
         for step in r.steps:
             boxes = _process_boxes(cluster, mesh, leaf.shape, _spec(step), 0)
             collective += sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * leaf.dtype.itemsize
@@ -336,7 +395,7 @@ def run_scale(devices: int, layers: int, itemsize: int, block: int, samples: int
     save_mesh = Mesh(("fsdp",), (devices,))
     load_mesh = Mesh(("fsdp", "tp"), (devices // 16, 16))
     cluster = Cluster(save_mesh, load_mesh)
-    params = llama_405b(layers)
+    params = [fit_fsdp(prm, devices) for prm in llama_405b(layers)]
     for prm in params:  # JAX's share of planning (devices_indices_map): not cairn's, not timed
         cluster.boxes(save_mesh, prm.shape, prm.save)
         cluster.boxes(load_mesh, prm.shape, prm.load)
@@ -351,20 +410,32 @@ def run_scale(devices: int, layers: int, itemsize: int, block: int, samples: int
     }
     if unmemoised:
         out["save_plan_unmemoised_s"] = _timed(plan_save, cluster, params, itemsize, 0, memo=False)[0]
-    out["index_build_s"], index = _timed(build_index, cluster, params, itemsize, block)
-    out["index_to_json_s"], data = _timed(index.to_json)
-    out["index_bytes"] = len(data)
-    out["index_parse_s"], parsed = _timed(fmt.ItemIndex.from_json, data, "index")
-    del data
-    loads = [(p, *_timed(plan_load, cluster, parsed, params, p, verify, small_read))
+    built = build_index(cluster, params, itemsize, block, _sample(procs, samples))
+    out["commit_s_primary"] = built["commit_s"]
+    out["part_build_s_per_process"] = built["part_build_s"]
+    out["index_bytes"] = len(built["json"])
+    out["index_parts_bytes"] = built["parts_bytes"]
+    out["index_parse_s"], _ = _timed(open_index, built)
+    same = [(p, *_timed(plan_load, cluster, built, params, p, verify, small_read, same=True))
+            for p in _sample(procs, samples)]
+    out["same_sharding"] = {p: r for p, _, r in same}
+    out["same_sharding_load_plan_s"] = statistics.median(t for _, t, _ in same)
+    loads = [(p, *_timed(plan_load, cluster, built, params, p, verify, small_read))
              for p in _sample(procs, samples)]
     out["load_plan_s"] = statistics.median(t for _, t, _ in loads)
     out["load_plan_max_s"] = max(t for _, t, _ in loads)
     out["load"] = {p: r for p, _, r in loads}
-    once = [(p, *_timed(plan_read_once, cluster, parsed, params, p, verify)) for p in _sample(procs, samples)]
+    once = [(p, *_timed(plan_read_once, cluster, built, params, p, verify)) for p in _sample(procs, samples)]
     routes = once[0][2][0]
+    # The issue 13 keys: the worst process of the same-sharding load and the read-once FSDP -> TP reshard
+    # (a multi-process load's default route); the direct reshard's figures are under "load".
+    out["save_plan_s_per_process"] = out["save_plan_s"] + (out["part_build_s_per_process"] or 0.0)
+    out["index_bytes_read_per_process"] = max(
+        max(r["index_bytes_read"] for r in out["same_sharding"].values()),
+        max(r[1]["index_bytes_read"] for _, _, r in once))
+    out["load_plan_s_per_process"] = max(out["same_sharding_load_plan_s"], statistics.median(t for _, t, _ in once))
     out["read_once"] = {
-        **global_read_once(cluster, parsed, routes),
+        **global_read_once(cluster, params, itemsize, routes),
         "checkpoint_bytes": out["bytes"],
         "load_plan_s_per_process": statistics.median(t for _, t, _ in once),
         "load_plan_max_s": max(t for _, t, _ in once),
@@ -403,14 +474,23 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"  save planning per process          : {full['save_plan_s'] * 1e3:.0f} ms median, "
           f"{full['save_plan_max_s'] * 1e3:.0f} ms max (without the layout memo: "
           f"{full['save_plan_unmemoised_s']:.1f} s)")
-    print(f"  index (merged, one file)           : {_fmt_bytes(full['index_bytes'])}; build "
-          f"{full['index_build_s']:.1f} s on the primary, to_json {full['index_to_json_s']:.1f} s, "
-          f"parse {full['index_parse_s']:.1f} s per loading process")
+    print(f"  index (format 2)                   : JSON {_fmt_bytes(full['index_bytes'])}, binary parts "
+          f"{_fmt_bytes(full['index_parts_bytes'])} in all; a process builds its part in "
+          f"{full['part_build_s_per_process'] * 1e3:.0f} ms; the primary's commit work "
+          f"{full['commit_s_primary'] * 1e3:.0f} ms; parse {full['index_parse_s'] * 1e3:.0f} ms per loading process")
+    print(f"  issue 13 keys                      : save_plan_s_per_process {full['save_plan_s_per_process']:.3f}, "
+          f"commit_s_primary {full['commit_s_primary']:.3f}, index_bytes_read_per_process "
+          f"{_fmt_bytes(full['index_bytes_read_per_process'])}, load_plan_s_per_process "
+          f"{full['load_plan_s_per_process']:.3f}")
+    for p, r in full["same_sharding"].items():
+        print(f"    same-sharding load, process {p:4d}: {r['reads']:,} reads, index {_fmt_bytes(r['index_bytes_read'])} "
+              f"in {r['index_requests']} requests")
     print(f"  load planning per process          : {full['load_plan_s'] * 1e3:.0f} ms median, "
           f"{full['load_plan_max_s'] * 1e3:.0f} ms max")
     for p, r in full["load"].items():
         print(f"    process {p:4d}: {r['reads']:,} reads from {r['files']} files, {_fmt_bytes(r['bytes'])} read "
-              f"for {_fmt_bytes(r['needed'])} needed ({r['bytes'] / r['needed']:.2f}x)")
+              f"for {_fmt_bytes(r['needed'])} needed ({r['bytes'] / r['needed']:.2f}x); index "
+              f"{_fmt_bytes(r['index_bytes_read'])} in {r['index_requests']} requests")
     ro = full["read_once"]
     print(f"  read-once load (routes {ro['routes']}): the cluster reads "
           f"{_fmt_bytes(ro['storage_bytes_read_total'])} for a {_fmt_bytes(ro['checkpoint_bytes'])} checkpoint "
@@ -419,23 +499,23 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"{ro['load_plan_s_per_process'] * 1e3:.0f} ms per process; at most "
           f"{_fmt_bytes(ro['collective_bytes_per_process_max'])} received over the interconnect per process")
     for p, r in ro["per_process"].items():
-        print(f"    process {p:4d}: {r['reads']:,} reads, {_fmt_bytes(r['bytes'])} read")
+        print(f"    process {p:4d}: {r['reads']:,} reads, {_fmt_bytes(r['bytes'])} read; index "
+              f"{_fmt_bytes(r['index_bytes_read'])} in {r['index_requests']} requests")
     small = plan_small_block(args)
     results["small_block"] = small
 
     if not args.quick:
         sweep = []
         print(f"\nScaling ({args.sweep_layers} layers; time per shard should not grow faster than log(shards)):")
-        print(f"  {'devices':>7} {'shards':>10} {'save plan':>10} {'index build':>11} {'to_json':>8} "
-              f"{'parse':>7} {'load plan':>10} {'index':>10}  {'us/shard (build+json+parse)':>28}")
+        print(f"  {'devices':>7} {'shards':>10} {'save plan':>10} {'commit':>8} {'parse':>7} {'load plan':>10} "
+              f"{'index read':>11} {'JSON index':>11}")
         for dev in [int(x) for x in args.sweep.split(",")]:
             r = run_scale(dev, args.sweep_layers, 2, args.block, 2)
-            per = (r["index_build_s"] + r["index_to_json_s"] + r["index_parse_s"]) / r["shards"] * 1e6
-            r["us_per_shard"] = per
             sweep.append(r)
-            print(f"  {dev:>7} {r['shards']:>10,} {r['save_plan_s'] * 1e3:>8.0f}ms {r['index_build_s']:>10.2f}s "
-                  f"{r['index_to_json_s']:>7.2f}s {r['index_parse_s']:>6.2f}s {r['load_plan_s'] * 1e3:>8.0f}ms "
-                  f"{_fmt_bytes(r['index_bytes']):>10}  {per:>28.2f}")
+            print(f"  {dev:>7} {r['shards']:>10,} {r['save_plan_s_per_process'] * 1e3:>8.0f}ms "
+                  f"{r['commit_s_primary'] * 1e3:>6.0f}ms {r['index_parse_s'] * 1e3:>5.0f}ms "
+                  f"{r['load_plan_s_per_process'] * 1e3:>8.0f}ms {_fmt_bytes(r['index_bytes_read_per_process']):>11} "
+                  f"{_fmt_bytes(r['index_bytes']):>11}")
         results["sweep"] = sweep
     if args.json:
         with open(args.json, "w") as f:

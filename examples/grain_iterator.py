@@ -5,7 +5,7 @@
 A dataset iterator's state is a small dict and a `grain.DataLoader`'s is
 bytes; either is one more entry of the checkpointed mapping. This is the
 single-process pattern: with several processes, each has its own iterator
-and its own state (see the README).
+and declares its state with `cairn.PerProcess` (see grain_elastic.py).
 """
 
 from __future__ import annotations

@@ -92,3 +92,16 @@ def objstore(request):
 
         pytest.skip(f"GCS: {GCS_NO_WRITES}")
     return request.getfixturevalue(request.param)
+
+
+@pytest.fixture
+def unmerged(monkeypatch):
+    """Saves keep one chunk per shard (no `_merge.merge_rows`), for tests about many chunks of one leaf."""
+    from cairn import _layout, _merge
+
+    monkeypatch.setattr(_merge, "MERGE_MAX_BYTES", 0)
+    _layout.layout_cache.clear()
+    _layout._sources_cache.clear()
+    yield
+    _layout.layout_cache.clear()
+    _layout._sources_cache.clear()

@@ -39,7 +39,7 @@ def make_state(mesh, seed=0):
 
 
 @pytest.fixture
-def ckpt(tmp_path, mesh8):
+def ckpt(tmp_path, mesh8, unmerged):  # w in 8 chunks, one per shard (the verify tests name them)
     path = tmp_path / "ck"
     cairn.save(path, make_state(mesh8), metadata={"note": "hello"})
     return path
@@ -94,12 +94,12 @@ def test_verify_intact(ckpt, capsys):
 
 
 def test_verify_names_every_corrupt_chunk(ckpt, capsys):
-    index = json.loads(next((ckpt / "params").glob("index.*.json")).read_bytes())
-    w = next(leaf for leaf in index["leaves"] if leaf["path"] == "w")
+    index = cairn._metadata.open_checkpoint(ckpt).indexes["params"]
+    w = next(leaf for leaf in index.leaves if leaf.path == "w")
     path = data_file(ckpt)
     raw = bytearray(path.read_bytes())
     for cell in (2, 5):  # flip one byte inside two of w's eight chunks
-        _, offset, *_ = w["chunks"][cell]
+        _, offset = w.chunks[cell]
         raw[offset + 17] ^= 0x40
     path.write_bytes(bytes(raw))
     rc, out, err = run(capsys, "verify", ckpt)
@@ -310,3 +310,23 @@ def test_convert_commands(ckpt, tmp_path, capsys):
         rc, out, _ = run(capsys, "convert", ckpt, tmp_path / "m.pt", "--to", "torch")
         assert rc == 0 and (tmp_path / "m.pt").exists()
     assert fmt.MANIFEST in os.listdir(tmp_path / "back")
+
+
+def test_inspect_shows_the_format_version(ckpt, capsys):
+    from pathlib import Path
+
+    golden_v1 = Path(__file__).resolve().parent / "golden" / "v1" / "step_5"
+    for path, version in ((ckpt, 2), (golden_v1, 1)):
+        rc, out, _ = run(capsys, "inspect", path)
+        assert rc == 0 and f"format version {version}," in out
+        rc, out, _ = run(capsys, "inspect", path, "--json")
+        assert rc == 0 and json.loads(out)["format_version"] == version
+
+
+def test_verify_reports_a_broken_index_part(ckpt, capsys):
+    (part,) = (ckpt / "params").glob("index.p*.idx")
+    raw = bytearray(part.read_bytes())
+    raw[64 + 30] ^= 0x01  # inside the first record
+    part.write_bytes(bytes(raw))
+    rc, out, err = run(capsys, "verify", ckpt)
+    assert rc == 1 and out.startswith("FAILED:") and "checksum mismatch" in err and part.name in err

@@ -205,11 +205,23 @@ def test_eio_while_loading_is_a_clear_error(tmp_path, monkeypatch):
     cairn.save(tmp_path / "ckpt", state(0))
     from cairn._storage import _local
 
-    def broken(self, offset, out):
-        raise OSError(errno.EIO, "Input/output error (injected)", self.path)
+    read_into, read_into_many = _local._FileReader.read_into, _local._FileReader.read_into_many
+    index_part_too = True
 
-    monkeypatch.setattr(_local._FileReader, "read_into", broken)
-    monkeypatch.setattr(_local._FileReader, "read_into_many", broken)
+    def broken(original):
+        def read(self, offset, out):
+            if index_part_too or not os.path.basename(self.path).startswith("index."):
+                raise OSError(errno.EIO, "Input/output error (injected)", self.path)
+            return original(self, offset, out)
+
+        return read
+
+    monkeypatch.setattr(_local._FileReader, "read_into", broken(read_into))
+    monkeypatch.setattr(_local._FileReader, "read_into_many", broken(read_into_many))
+    with pytest.raises(cairn.CheckpointError, match="Input/output error") as e:
+        cairn.load(tmp_path / "ckpt")
+    assert str(tmp_path / "ckpt") in str(e.value) and "index part 'ckpt/params/index.p00000." in str(e.value)
+    index_part_too = False  # only the data files fail: the error names the leaf
     with pytest.raises(cairn.CheckpointError, match="Input/output error") as e:
         cairn.load(tmp_path / "ckpt")
     assert str(tmp_path / "ckpt") in str(e.value) and "'params/w'" in str(e.value)

@@ -16,6 +16,7 @@ STACKS = {
     "equinox_model.py": "equinox",
     "optax_and_keys.py": "optax",
     "grain_iterator.py": "grain",
+    "grain_elastic.py": "grain",  # 3 + 2 processes of its own, on 127.0.0.1
 }
 
 

@@ -49,7 +49,7 @@ def mutate(doc, path, value):
 @pytest.mark.parametrize(
     "path,value,msg",
     [
-        (("version",), 2, "version"),
+        (("version",), 3, "version"),
         (("block_size",), 7, "block_size|integer"),
         (("files", 0, "name"), "../../etc/passwd", "file name"),
         (("files", 0, "size"), 8, "outside"),
@@ -67,7 +67,95 @@ def mutate(doc, path, value):
     ],
 )
 def test_index_rejects(path, value, msg):
+    doc = small_index().to_json(version=1)  # an explicit chunk table, grid as boundaries
+    with pytest.raises(CorruptCheckpointError, match=msg):
+        fmt.ItemIndex.from_json(mutate(doc, path, value), "idx")
+
+
+def test_index_v2_explicit_chunks_roundtrip_with_grid_runs():
     doc = small_index().to_json()
+    assert json.loads(doc)["version"] == 2 and json.loads(doc)["leaves"][0]["grid"] == [[[2, 2]], [[1, 2]]]
+    back = fmt.ItemIndex.from_json(doc, "idx")
+    assert back.leaves[0] == small_index().leaves[0] and back.version == 2
+
+
+def part_index():
+    """A version-2 index whose leaf's records live in two processes' binary parts."""
+    from cairn._binindex import PartInfo, encode_part
+
+    # w: 4 x 2 float32 on a 4 x 1 grid; process 0 wrote cells 0 and 2, process 1 cells 1 and 3.
+    parts = {
+        "index.p00000.ab.idx": encode_part(0, [0, 0], [0, 2], [0, 0], [0, 8], [(11,), (12,)]),
+        "index.p00001.ab.idx": encode_part(1, [0, 0], [1, 3], [0, 0], [8, 0], [(21,), (22,)]),
+    }
+    leaf = fmt.ArrayLeaf(path="w", dtype=np.dtype(np.float32), shape=(4, 2), grid=((0, 1, 2, 3, 4), (0, 2)),
+                         chunks=(), crcs=(), writers=[[2, 0, 1, 1], [2, 0, 1, 1]])
+    index = fmt.ItemIndex({"leaf": 0}, (leaf,), (fmt.FileInfo("p00000-0.ab.bin", 16),
+                                                  fmt.FileInfo("p00001-0.ab.bin", 16)), 1 << 20,
+                          parts=(PartInfo("index.p00000.ab.idx", 0, 2, 2, 0, 1),
+                                 PartInfo("index.p00001.ab.idx", 1, 2, 2, 1, 1)), processes=2)
+    return index.to_json(), parts
+
+
+def _bound(doc, parts):
+    index = fmt.ItemIndex.from_json(doc, "idx")
+    seen = []
+
+    def read(requests):
+        seen.extend(requests)
+        return [parts[name][start : start + n] for name, start, n in requests]
+
+    index.table.reader = read
+    return index, seen
+
+
+def test_index_v2_finds_records_by_arithmetic():
+    doc, parts = part_index()
+    index, seen = _bound(doc, parts)
+    leaf = index.leaves[0]
+    assert leaf.writers == [[2, 0, 1, 1], [2, 0, 1, 1]] and len(leaf.chunks) == 4
+    index.table.fetch({0: np.array([3])})  # one chunk: process 1's second record, and nothing of process 0
+    assert {name for name, _, _ in seen} == {"index.p00001.ab.idx"}
+    assert leaf.chunks[3] == (1, 0) and leaf.crcs[3] == (22,)  # file 0 of process 1 is the index's file 1
+    assert [leaf.chunks[c] for c in range(4)] == [(0, 0), (1, 8), (0, 8), (1, 0)]
+    assert [leaf.crcs[c] for c in range(4)] == [(11,), (21,), (12,), (22,)]
+
+
+@pytest.mark.parametrize(("breakage", "msg"), [
+    (lambda p: p.__setitem__("index.p00001.ab.idx", p["index.p00001.ab.idx"][:-4]), "shorter"),
+    (lambda p: p.__setitem__("index.p00001.ab.idx", _flip(p["index.p00001.ab.idx"], 64 + 40 + 9)), "checksum"),
+    (lambda p: p.__setitem__("index.p00001.ab.idx", _flip(p["index.p00001.ab.idx"], 20)), "header"),
+    (lambda p: p.__setitem__("index.p00001.ab.idx", _flip(p["index.p00001.ab.idx"], 64 + 80 + 4 + 2)), "checksums"),
+    # records of another part (other process, other cells): caught by the header and the records' own fields
+    (lambda p: p.__setitem__("index.p00001.ab.idx", p["index.p00000.ab.idx"]), "header|record"),
+])
+def test_index_v2_rejects_broken_parts(breakage, msg):
+    doc, parts = part_index()
+    breakage(parts)
+    index, _ = _bound(doc, parts)
+    with pytest.raises(CorruptCheckpointError, match=msg):
+        index.table.fetch({0: np.array([3])})
+
+
+def _flip(data: bytes, pos: int) -> bytes:
+    return data[:pos] + bytes([data[pos] ^ 0x04]) + data[pos + 1 :]
+
+
+@pytest.mark.parametrize(("path", "value", "msg"), [
+    (("leaves", 0, "writers"), [[5, 0, 1, 1]], "cover"),
+    (("leaves", 0, "writers"), [[4, 0, 1, 1]], "outside"),
+    (("leaves", 0, "writers"), [[4, 0, 0, 0]], "bad writer run"),
+    (("leaves", 0, "writers"), [0, "x"], "bad writer run"),
+    (("leaves", 0, "writers"), {"x": 1}, "writers"),
+    (("leaves", 0, "grid"), [[[3, 1]], [[1, 2]]], "tile"),
+    (("leaves", 0, "grid"), [[[4, 1]], [[1, 2], [0, 1]]], "run"),
+    (("parts", 0, "file_base"), 5, "outside"),
+    (("parts", 1, "process"), 0, "repeated"),
+    (("parts", 0, "name"), "../x", "part name"),
+    (("processes",), 0, "integer"),
+])
+def test_index_v2_rejects(path, value, msg):
+    doc, _ = part_index()
     with pytest.raises(CorruptCheckpointError, match=msg):
         fmt.ItemIndex.from_json(mutate(doc, path, value), "idx")
 

@@ -26,7 +26,9 @@ from jax.sharding import PartitionSpec as P
 
 import cairn
 
-GOLDEN = Path(__file__).resolve().parent / "golden" / "v1"
+GOLDEN_ROOT = Path(__file__).resolve().parent / "golden"
+GOLDEN = GOLDEN_ROOT / "v1"  # the cases that check one version only (FORMAT.md §11 shows v1's step_5)
+VERSIONS = ("v1", "v2")  # every committed version's goldens: each must load, with the same values
 FORMAT_MD = Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md"
 bf16, f8, i4 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.int4
 
@@ -160,12 +162,17 @@ SAVED_SHARDING = {
                                 "mesh": {"axis_names": ["x"], "shape": [2]}, "spec": ["x"]},
 }
 
-CHECKPOINTS = sorted(EXPECTED)
+CHECKPOINTS = [f"{v}/{name}" for v in VERSIONS for name in sorted(EXPECTED)]
+
+
+def _base(name: str) -> str:
+    return name.split("/", 1)[1]
 
 
 def test_every_golden_is_checked():
     on_disk = sorted(
-        p.parent.relative_to(GOLDEN).as_posix() for p in GOLDEN.rglob("manifest.json")
+        p.parent.relative_to(GOLDEN_ROOT).as_posix() for p in GOLDEN_ROOT.rglob("manifest.json")
+        if p.parent.parent.name in VERSIONS or p.parent.parent.parent.name in VERSIONS
     )
     assert on_disk == CHECKPOINTS, "a golden checkpoint without expected values in test_golden.py (or vice versa)"
 
@@ -220,18 +227,18 @@ def _get(tree: Any, path: tuple) -> Any:
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_loads_as_numpy(name):
-    assert_identical(cairn.load(GOLDEN / name), EXPECTED[name], name)
+    assert_identical(cairn.load(GOLDEN_ROOT / name), EXPECTED[_base(name)], name)
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_loads_without_verification(name):
-    assert_identical(cairn.load(GOLDEN / name, verify=False), EXPECTED[name], name)
+    assert_identical(cairn.load(GOLDEN_ROOT / name, verify=False), EXPECTED[_base(name)], name)
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_metadata(name):
-    meta = cairn.metadata(GOLDEN / name)
-    want = EXPECTED[name]
+    meta = cairn.metadata(GOLDEN_ROOT / name)
+    want = EXPECTED[_base(name)]
     assert [p for p, _ in _leaves(meta)] == [p for p, _ in _leaves(want)]
     for path, w in _leaves(want):
         m = _get(meta, path)
@@ -255,10 +262,10 @@ def test_metadata(name):
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_user_metadata(name):
     """The manifest's `metadata`, read as FORMAT.md §3 says (no public API returns it)."""
-    manifest = json.loads((GOLDEN / name / "manifest.json").read_bytes())
-    assert manifest["format"] == "cairn" and manifest["version"] == 1
-    assert manifest["metadata"] == USER_METADATA.get(name, {})
-    assert manifest["root"] is name.startswith("root_")
+    manifest = json.loads((GOLDEN_ROOT / name / "manifest.json").read_bytes())
+    assert manifest["format"] == "cairn" and manifest["version"] == int(name[1])
+    assert manifest["metadata"] == USER_METADATA.get(_base(name), {})
+    assert manifest["root"] is _base(name).startswith("root_")
 
 
 def test_root_checkpoints_use_the_root_folder():
@@ -297,16 +304,17 @@ def _target_shardings(mesh) -> dict[str, dict[str, Any]]:
     }
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize(
     "name", ["jax_arrays", "step_5", "two_items", "small_blocks", "two_processes", "root_tree", "root_leaf"]
 )
-def test_loads_onto_another_mesh(name, mesh24):
+def test_loads_onto_another_mesh(version, name, mesh24):
     """Each array comes back with the target's sharding on a mesh the checkpoint never saw."""
     shardings = _target_shardings(mesh24)[name]
     is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
     target = _map(lambda s, w: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=s) if is_sharding(s) else s,
                   shardings, EXPECTED[name])
-    got = cairn.load(GOLDEN / name, target)
+    got = cairn.load(GOLDEN_ROOT / version / name, target)
     n = 0
     for path, s in _leaves(shardings):
         g, w = _get(got, path), _get(EXPECTED[name], path)
@@ -338,7 +346,7 @@ def _map(fn: Any, tree: Any, other: Any) -> Any:
 
 def _copy(name: str, tmp_path: Path) -> Path:
     dst = tmp_path / name.replace("/", "_")
-    shutil.copytree(GOLDEN / name, dst)
+    shutil.copytree(GOLDEN_ROOT / name, dst)
     return dst
 
 
@@ -368,17 +376,17 @@ def test_a_flipped_data_byte_is_corruption(name, tmp_path):
         with pytest.raises(cairn.CorruptCheckpointError):
             cairn.load(ckpt)
         f.write_bytes(original)
-    assert_identical(cairn.load(ckpt), EXPECTED[name], name)  # the copy itself was sound
+    assert_identical(cairn.load(ckpt), EXPECTED[_base(name)], name)  # the copy itself was sound
 
 
-@pytest.mark.parametrize("name", ["step_5", "values", "two_processes"])
+@pytest.mark.parametrize("name", [f"{v}/{n}" for v in VERSIONS for n in ("step_5", "values", "two_processes")])
 def test_a_flipped_metadata_byte_is_corruption(name, tmp_path):
     ckpt = _copy(name, tmp_path)
     manifest = json.loads((ckpt / "manifest.json").read_bytes())
     item = next(iter(manifest["items"].values()))
     for f in (ckpt / "manifest.json", ckpt / item["dir"] / item["index"]):
         original = f.read_bytes()
-        digit = re.search(rb'"version":1', original).end() - 1  # "version":1 -> "version":0
+        digit = re.search(rb'"version":[12]', original).end() - 1  # "version":1 -> "version":0 (2 -> 3)
         _flip(f, digit)
         with pytest.raises(cairn.CorruptCheckpointError):
             cairn.load(ckpt)
@@ -411,7 +419,7 @@ def test_manager_reads_its_old_directory(tmp_path):
 def test_cli_verify(name, capsys):
     from cairn._cli import main
 
-    assert main(["--plain", "verify", str(GOLDEN / name)]) == 0, capsys.readouterr()
+    assert main(["--plain", "verify", str(GOLDEN_ROOT / name)]) == 0, capsys.readouterr()
 
 
 # ------------------------------------------------------------------------- FORMAT.md §11
@@ -512,4 +520,19 @@ def test_writer_still_writes_the_format_example(tmp_path, monkeypatch):
                 out[p.relative_to(ckpt).as_posix().replace(token, "<token>")] = data
         return out
 
-    assert normalized(tmp_path / "step_5") == normalized(GOLDEN / "step_5")
+    assert normalized(tmp_path / "step_5") == normalized(GOLDEN_ROOT / "v2" / "step_5")
+
+
+def test_format_md_version_2_example_is_the_v2_golden():
+    """FORMAT.md §13 shows exactly the params index and binary part of tests/golden/v2/step_5."""
+    text = FORMAT_MD.read_text()
+    section = text[text.index("## 13. The worked example in version 2"):]
+    (block,) = _blocks(section, "json")
+    (hexdump,) = _blocks(section, "text")
+    ckpt = GOLDEN_ROOT / "v2" / "step_5"
+    m = json.loads((ckpt / "manifest.json").read_bytes())
+    on_disk = json.loads((ckpt / "params" / m["items"]["params"]["index"]).read_bytes())
+    assert json.loads(block) == on_disk
+    part = ckpt / "params" / on_disk["parts"][0]["name"]
+    shown = b"".join(bytes.fromhex("".join(line[:71].split())) for line in hexdump.strip().splitlines())
+    assert shown == part.read_bytes()

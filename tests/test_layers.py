@@ -45,8 +45,12 @@ LAYERS: dict[str, int] = {
     "cairn._cli": 90,
     # manager: CheckpointManager on top of its parts; _steps is shared with the CLI
     "cairn._manager": 80,
+    "cairn._localtier": 79,
+    "cairn._replicas": 78,
+    "cairn._watch": 77,
     "cairn._agree": 76,
     "cairn._preemption": 75,
+    "cairn._leases": 73,
     "cairn._steps": 72,
     "cairn._retention": 70,
     # between engine and cli: verification and conversion
@@ -73,16 +77,23 @@ LAYERS: dict[str, int] = {
     "cairn._streamwriter": 54,
     "cairn._waves": 54,
     "cairn._readonce": 54,
+    "cairn._prefetch": 54,
+    "cairn._indexparts": 54,
     "cairn._layout": 54,
     "cairn._snapshot": 54,
     "cairn._commit": 51,
+    "cairn._perprocess": 51,
     "cairn._leaves": 50,
     "cairn._jaxutil": 48,
     # tree / plan / format (pure)
     "cairn._tree": 40,
     "cairn._estimate": 39,
     "cairn._plan": 38,
+    "cairn._merge": 38,
     "cairn._format": 36,
+    "cairn._binindex": 35,
+    "cairn._structure": 35,
+    "cairn._runs": 35,
     "cairn._values": 35,
     "cairn._chunks": 35,
     # coord
@@ -107,6 +118,7 @@ LAYERS: dict[str, int] = {
 PURE = ("cairn._format", "cairn._values", "cairn._chunks", "cairn._plan", "cairn._estimate")
 # The cairn modules the pure ones may import (what they import today).
 PURE_MAY_IMPORT = {"cairn._format", "cairn._values", "cairn._chunks", "cairn._plan", "cairn._checksum",
+                   "cairn._binindex", "cairn._structure", "cairn._runs",
                    "cairn._errors"}
 
 JAX_DISTRIBUTED = ("jax.distributed", "jax._src.distributed")
@@ -146,9 +158,10 @@ MAX_LINES = 500
 PUBLIC_API = [
     "ArrayMetadata", "CheckpointError", "CheckpointExistsError", "CheckpointInfo", "CheckpointManager",
     "CheckpointNotFoundError", "CoordinationError", "CoordinationTimeoutError", "Coordinator",
-    "CorruptCheckpointError", "KeepAny", "KeepBest", "KeepEvery", "KeepIf", "KeepLatest", "MismatchError",
-    "RetentionPolicy", "SaveFuture", "SaveStats", "UnsupportedTypeError", "__version__", "export_safetensors",
-    "load", "metadata", "register_type", "release_snapshot_buffers", "save", "save_async", "wait_all",
+    "CorruptCheckpointError", "KeepAll", "KeepAny", "KeepBest", "KeepEvery", "KeepIf", "KeepLatest",
+    "KeepNewerThan", "KeepOnePer", "LocalTier", "MismatchError",
+    "PerProcess", "RetentionPolicy", "SaveFuture", "SaveStats", "UnsupportedTypeError", "__version__",
+    "export_safetensors", "load", "metadata", "register_type", "release_snapshot_buffers", "save", "save_async", "wait_all",
 ]
 
 

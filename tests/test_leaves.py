@@ -132,7 +132,7 @@ def test_keys_survive_a_safetensors_round_trip(tmp_path):
 
 def test_the_index_records_kind_impl_and_impl_shape(tmp_path):
     cairn.save(tmp_path / "ck", jax.random.split(jax.random.key(0), (2, 3)))
-    (name,) = [n for n in (tmp_path / "ck" / "%root").iterdir() if n.name.startswith("index.")]
+    (name,) = [n for n in (tmp_path / "ck" / "%root").iterdir() if n.name.startswith("index.") and n.suffix == ".json"]
     (leaf,) = json.loads(name.read_bytes())["leaves"]
     assert (leaf["kind"], leaf["dtype"], leaf["shape"]) == ("prng_key", "uint32", [2, 3, 2])
     assert (leaf["impl"], leaf["impl_shape"]) == ("threefry2x32", [2])

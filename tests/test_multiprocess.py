@@ -224,7 +224,8 @@ def test_kill_anywhere_in_a_two_process_save(tmp_path, victim):
     probe = run(2, "kill_at_op", {"path": str(tmp_path / "probe"), "mesh": MESH_2, "victim": victim, "op": 10**6},
                 timeout=120)
     total = probe[victim]["ops"]
-    assert total >= 3 and all(r["error"] is None for r in probe)
+    # at least a data file and its binary index part (the primary also writes indexes and the manifest)
+    assert total >= 2 and all(r["error"] is None for r in probe)
     points = range(total) if STRESS else sorted({*range(0, total, 3), total - 1})
     outcomes = {"absent": 0, "complete": 0}
     for op in points:

@@ -76,14 +76,60 @@ def _decode_value(kind, v):
     raise ValueError(kind)
 
 
-def _read_array(folder, index, leaf):
+_RECORD = np.dtype([("cell", "<u8"), ("offset", "<u8"), ("crc_start", "<u8"), ("leaf", "<u4"),
+                    ("file", "<u4"), ("crcs_crc", "<u4"), ("rec_crc", "<u4")])
+
+
+def _read_parts(folder, index):
+    """Version 2 (§5.2): every part read whole, its records by (leaf, cell) -> [file, offset, *crcs]."""
+    table = {}
+    for part in index.get("parts", []):
+        with open(os.path.join(folder, part["name"]), "rb") as f:
+            raw = f.read()
+        assert raw[:8] == b"CAIRNIDX" and crc32c_reference(raw[:60]) == int.from_bytes(raw[60:64], "little")
+        n, m = part["records"], part["crcs"]
+        assert np.frombuffer(raw, "<u8", 4, 16).tolist() == [part["process"], n, m, 64 + 40 * n]
+        assert len(raw) == 64 + 40 * n + 4 * m
+        records = np.frombuffer(raw, _RECORD, n, 64)
+        column = np.frombuffer(raw, "<u4", m, 64 + 40 * n)
+        for k, r in enumerate(records):
+            assert crc32c_reference(raw[64 + 40 * k : 64 + 40 * k + 36]) == int(r["rec_crc"]), f"bad record {k}"
+            if k:
+                assert (int(r["leaf"]), int(r["cell"])) > (int(records[k - 1]["leaf"]), int(records[k - 1]["cell"]))
+            table[int(r["leaf"]), int(r["cell"])] = (r, column, part)
+    return table
+
+
+def _boundaries(index, axis_grid):
+    if index["version"] == 1:
+        return axis_grid
+    bounds = [0]
+    for count, extent in axis_grid:  # §5.2: runs of equal cell extents
+        for _ in range(count):
+            bounds.append(bounds[-1] + extent)
+    return bounds
+
+
+def _read_array(folder, index, leaf, number=0, parts=None):
     dtype = _NUMPY_DTYPES[leaf["dtype"]]
     shape = tuple(leaf["shape"])
     out = np.zeros(shape, dtype=dtype)
-    grid = leaf["grid"]
+    grid = [_boundaries(index, g) for g in leaf["grid"]]
     counts = [len(b) - 1 for b in grid]
     block = index["block_size"]
-    for cell, (file_no, offset, *crcs) in enumerate(leaf["chunks"]):
+    if "chunks" in leaf:
+        entries = leaf["chunks"]
+    else:
+        entries = []
+        for cell in range(int(np.prod(counts))):
+            r, column, part = parts[number, cell]
+            entries.append(None if r is None else (part["file_base"] + int(r["file"]), int(r["offset"]),
+                                                   (int(r["crc_start"]), column, int(r["crcs_crc"]))))
+    for cell, entry in enumerate(entries):
+        if isinstance(entry, tuple):  # a record of a part: its CRCs are the next ceil(nbytes / block) of the column
+            file_no, offset, (first, column, crcs_crc) = entry
+        else:
+            file_no, offset, *crcs = entry
         # C order over the grid: the last axis varies fastest.
         idx, rest = [], cell
         for m in reversed(counts):
@@ -93,6 +139,9 @@ def _read_array(folder, index, leaf):
         box = [(grid[a][i], grid[a][i + 1]) for a, i in enumerate(idx)]
         extents = tuple(hi - lo for lo, hi in box)
         nbytes = int(np.prod(extents, dtype=np.int64)) * dtype.itemsize
+        if isinstance(entry, tuple):
+            crcs = column[first : first + -(-nbytes // block)].tolist()
+            assert crc32c_reference(np.asarray(crcs, "<u4").tobytes()) == crcs_crc, f"bad checksums of chunk {cell}"
         if nbytes == 0:
             continue
         with open(os.path.join(folder, index["files"][file_no]["name"]), "rb") as f:
@@ -123,20 +172,21 @@ def spec_reader(ckpt: str):
     """Read a whole checkpoint following docs/FORMAT.md: {item: tree} (or the tree, for a root one)."""
     with open(os.path.join(ckpt, "manifest.json"), "rb") as f:
         manifest = json.loads(f.read())
-    assert manifest["format"] == "cairn" and manifest["version"] == 1
+    assert manifest["format"] == "cairn" and manifest["version"] in (1, 2)
     out = {}
     for name, item in manifest["items"].items():
         assert item["dir"] == ("%root" if manifest["root"] else _item_dir(name))
         folder = os.path.join(ckpt, item["dir"])
         with open(os.path.join(folder, item["index"]), "rb") as f:
             index = json.loads(f.read())
-        assert index["format"] == "cairn-index" and index["version"] == 1
+        assert index["format"] == "cairn-index" and index["version"] in (1, 2)
         for f_ in index["files"]:
             assert os.path.getsize(os.path.join(folder, f_["name"])) == f_["size"]
+        parts = _read_parts(folder, index)
         values = []
-        for leaf in index["leaves"]:
+        for number, leaf in enumerate(index["leaves"]):
             if leaf["kind"] in ("array", "bytes", "object", "prng_key"):  # prng_key: the uint32 key data
-                arr = _read_array(folder, index, leaf)
+                arr = _read_array(folder, index, leaf, number, parts)
                 values.append(arr.tobytes() if leaf["kind"] == "bytes" else arr)
             else:
                 values.append(_decode_value(leaf["kind"], leaf["value"]))

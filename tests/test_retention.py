@@ -15,6 +15,7 @@ a CheckpointManager on memory:// storage, across restarts.
 
 import itertools
 import math
+import time
 import uuid
 
 import numpy as np
@@ -173,3 +174,111 @@ def test_bad_parameters():
         cairn.CheckpointManager("memory://bad-params/run", best_metric="loss", handle_sigterm=False)
     with pytest.raises(TypeError, match="RetentionPolicy"):
         cairn.CheckpointManager("memory://bad-params/run", retention=[3], handle_sigterm=False)
+
+
+# ---------------------------------------------------------------------- time-based policies
+
+H = 3600.0
+T0 = 1_700_000_000.0 - 1_700_000_000.0 % (24 * H)  # a UTC midnight (windows are fixed to the epoch)
+
+
+def _timed(*pairs):
+    return [CheckpointInfo(step, {}, t) for step, t in pairs]
+
+
+def test_keep_one_per_window_keeps_the_first_of_each_epoch_aligned_window():
+    infos = _timed((10, T0 + 1 * H), (20, T0 + 5.9 * H), (30, T0 + 6 * H), (40, T0 + 7 * H),
+                   (50, T0 + 13 * H), (60, T0 + 17.99 * H), (70, T0 + 18 * H))
+    # Windows [T0, T0+6h), [T0+6h, T0+12h), [T0+12h, T0+18h), [T0+18h, ...): the first of each.
+    assert cairn.KeepOnePer(hours=6).keep(infos) == {10, 30, 50, 70}
+    assert cairn.KeepOnePer(days=1).keep(infos) == {10}
+    assert cairn.KeepOnePer(hours=12).keep(infos) == {10, 50}
+    assert cairn.KeepOnePer(minutes=30).keep(infos) == {10, 20, 30, 40, 50, 60, 70}
+    assert cairn.KeepOnePer(hours=1, minutes=30).period_s == 5400
+    # The first by commit time, not by step; equal times: the lower step. Unknown times: never kept.
+    assert cairn.KeepOnePer(hours=6).keep(_timed((5, T0 + 2 * H), (3, T0 + 3 * H), (4, T0 + 2 * H))) == {4}
+    assert cairn.KeepOnePer(hours=6).keep(_timed((1, 0.0), (2, T0))) == {2}
+    assert repr(cairn.KeepOnePer(hours=6)) == "KeepOnePer(hours=6)"
+    assert repr(cairn.KeepOnePer(seconds=90)) == "KeepOnePer(seconds=90)"
+
+
+def test_keep_one_per_window_is_stable_under_deletion():
+    infos = _timed((1, T0 + 1), (2, T0 + 2), (3, T0 + 6 * H + 1), (4, T0 + 6 * H + 2))
+    kept = cairn.KeepOnePer(hours=6).keep(infos)
+    assert kept == {1, 3}
+    # Deleting what it did not keep changes nothing (windows do not move with the first step).
+    assert cairn.KeepOnePer(hours=6).keep([c for c in infos if c.step in kept]) == kept
+
+
+def test_keep_newer_than_measures_age_against_the_newest_checkpoint():
+    infos = _timed((1, T0), (2, T0 + 1 * H), (3, T0 + 2 * H), (4, T0 + 26 * H), (5, 0.0))
+    assert cairn.KeepNewerThan(days=1).keep(infos) == {3, 4, 5}  # exactly 1 day old: kept; unknown: kept
+    assert cairn.KeepNewerThan(hours=24, seconds=-1).keep(infos) == {4, 5}
+    assert cairn.KeepNewerThan(seconds=1).keep(_timed((1, 0.0), (2, 0.0))) == {1, 2}
+    assert repr(cairn.KeepNewerThan(days=14)) == "KeepNewerThan(days=14)"
+
+
+def test_time_policies_compose():
+    infos = _timed(*[(s, T0 + s * H) for s in range(0, 49, 2)])  # a step every 2 hours for 2 days
+    one_per_day_for_a_day = cairn.KeepOnePer(hours=12) & cairn.KeepNewerThan(days=1)
+    assert one_per_day_for_a_day.keep(infos) == {24, 36, 48}
+    policy = cairn.KeepLatest(2) | one_per_day_for_a_day
+    assert policy.keep(infos) == {24, 36, 46, 48}
+    assert retained(cairn.KeepOnePer(hours=12) & cairn.KeepNewerThan(hours=1), infos) == {48}
+    assert (cairn.KeepEvery(10) & cairn.KeepNewerThan(hours=20)).keep(infos) == {30, 40}
+    assert cairn.KeepAll(cairn.KeepLatest(3)).keep(infos) == {44, 46, 48}
+    assert repr(policy) == "(KeepLatest(2) | (KeepOnePer(hours=12) & KeepNewerThan(days=1)))"
+
+
+def test_time_policies_bad_parameters():
+    for bad in ({}, {"hours": 0}, {"hours": -1}, {"seconds": math.inf}, {"minutes": math.nan}):
+        with pytest.raises(ValueError, match="duration"):
+            cairn.KeepOnePer(**bad)
+        with pytest.raises(ValueError, match="duration"):
+            cairn.KeepNewerThan(**bad)
+    with pytest.raises(ValueError, match="at least one"):
+        cairn.KeepAll()
+
+
+@settings(max_examples=300, deadline=None)
+@given(gaps=st.lists(st.floats(0, 5 * H, allow_nan=False), min_size=1, max_size=20),
+       latest_n=st.integers(1, 3), hours=st.sampled_from([1, 2, 6]))
+def test_incremental_one_per_window_matches_the_closed_form(gaps, latest_n, hours):
+    """After each save the survivors are: the n newest | the first of each window of all saved | the newest."""
+    times = list(itertools.accumulate([T0 + 0.5, *gaps]))
+    policy = cairn.KeepLatest(latest_n) | cairn.KeepOnePer(hours=hours)
+    alive: list[CheckpointInfo] = []
+    for i, t in enumerate(times):
+        alive.append(CheckpointInfo(i, {}, t))
+        keep = retained(policy, alive)
+        alive = [c for c in alive if c.step in keep]
+        first = {}
+        for s, ts in enumerate(times[: i + 1]):
+            first.setdefault(math.floor(ts / (hours * H)), s)
+        assert keep == set(range(i + 1)[-latest_n:]) | set(first.values())
+
+
+def test_manager_applies_time_policies_to_commit_times(tmp_path):
+    directory = str(tmp_path / "run")
+    seen: list[CheckpointInfo] = []
+
+    class Record(cairn.RetentionPolicy):
+        def keep(self, checkpoints):
+            seen[:] = checkpoints
+            return set()
+
+    before = time.time()
+    with cairn.CheckpointManager(directory, retention=cairn.KeepNewerThan(seconds=0.5) & Record(),
+                                 async_save=False, handle_sigterm=False) as mgr:
+        mgr.save(0, {"x": np.zeros(2)})
+        time.sleep(0.8)
+        mgr.save(1, {"x": np.ones(2)})
+        assert mgr.steps() == [1]  # step 0 was committed over 0.5 s before step 1
+        assert [c.step for c in seen] == [0, 1] and before < seen[0].created_unix < seen[1].created_unix
+        assert seen[1].created_unix - seen[0].created_unix >= 0.8 and seen[1].created_unix <= time.time()
+    with cairn.CheckpointManager(directory, retention=cairn.KeepNewerThan(seconds=30), async_save=False,
+                                 handle_sigterm=False) as mgr:
+        mgr.save(2, {"x": np.ones(2)})
+        assert mgr.steps() == [1, 2]  # a restart reads the commit times back from the manifests
+        mgr.save(3, {"x": np.ones(2)})
+        assert mgr.steps() == [1, 2, 3]

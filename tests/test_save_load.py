@@ -233,7 +233,12 @@ class CountingReads:
 
     @property
     def total(self):
-        return sum(self.by_file.values())
+        """Bytes of data files read (the binary index parts are counted in `index_bytes`)."""
+        return sum(n for f, n in self.by_file.items() if not os.path.basename(f).startswith("index."))
+
+    @property
+    def index_bytes(self):
+        return sum(n for f, n in self.by_file.items() if os.path.basename(f).startswith("index."))
 
 
 def test_load_one_checkpointable_reads_only_its_bytes(tmp_path, mesh8, monkeypatch):
@@ -249,6 +254,10 @@ def test_load_one_checkpointable_reads_only_its_bytes(tmp_path, mesh8, monkeypat
     opt_files = {str(opt_dir / f) for f in os.listdir(opt_dir) if f.endswith(".bin")}
     assert opt_files and not (opt_files & set(counter.by_file))
     assert counter.total == 64 * 32 * 4 + 32 * 4  # exactly the params' bytes, each once
+    # and of the binary index, the part's 64-byte header and the records (40 bytes) and block
+    # checksums (4) of the 2 chunks read (w's 8 shards, one process's, are one chunk): nothing of
+    # the other checkpointable's
+    assert counter.index_bytes == 64 + 2 * (40 + 4)
 
 
 def test_missing_and_extra_leaves(tmp_path):
@@ -370,7 +379,7 @@ def test_not_found(tmp_path):
 def _data_files(path):
     out = []
     for dirpath, _dirs, files in os.walk(path):
-        out += [os.path.join(dirpath, f) for f in files if f.endswith(".bin")]
+        out += [os.path.join(dirpath, f) for f in files if f.endswith(".bin") and not f.startswith("index.")]
     return sorted(out)
 
 
@@ -418,7 +427,7 @@ def test_bad_manifest_and_index(tmp_path):
     cairn.save(tmp_path / "c", {"x": np.arange(10)})
     m = tmp_path / "c" / "manifest.json"
     good = m.read_bytes()
-    for bad in [b"", b"{", b"[]", good.replace(b'"version":1', b'"version":99'), b'{"format":"other"}']:
+    for bad in [b"", b"{", b"[]", good.replace(b'"version":2', b'"version":99'), b'{"format":"other"}']:
         m.write_bytes(bad)
         with pytest.raises(cairn.CorruptCheckpointError, match="manifest.json"):
             cairn.load(tmp_path / "c")

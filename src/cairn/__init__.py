@@ -26,13 +26,18 @@ from ._errors import UnsupportedTypeError as UnsupportedTypeError
 from ._export import export_safetensors as export_safetensors
 from ._leaves import register_type as register_type
 from ._load import ArrayMetadata as ArrayMetadata
+from ._localtier import LocalTier as LocalTier
 from ._manager import CheckpointManager as CheckpointManager
+from ._perprocess import PerProcess as PerProcess
 from ._retention import CheckpointInfo as CheckpointInfo
+from ._retention import KeepAll as KeepAll
 from ._retention import KeepAny as KeepAny
 from ._retention import KeepBest as KeepBest
 from ._retention import KeepEvery as KeepEvery
 from ._retention import KeepIf as KeepIf
 from ._retention import KeepLatest as KeepLatest
+from ._retention import KeepNewerThan as KeepNewerThan
+from ._retention import KeepOnePer as KeepOnePer
 from ._retention import RetentionPolicy as RetentionPolicy
 from ._save import SaveStats as SaveStats
 from ._version import __version__ as __version__
@@ -48,12 +53,17 @@ __all__ = [
     "CoordinationTimeoutError",
     "Coordinator",
     "CorruptCheckpointError",
+    "KeepAll",
     "KeepAny",
     "KeepBest",
     "KeepEvery",
     "KeepIf",
     "KeepLatest",
+    "KeepNewerThan",
+    "KeepOnePer",
+    "LocalTier",
     "MismatchError",
+    "PerProcess",
     "RetentionPolicy",
     "SaveFuture",
     "SaveStats",

@@ -301,9 +301,10 @@ def inspect_data(path: str, format: str | None = None) -> dict[str, Any]:
         items[name] = {
             "dir": m.items[name].dir, "index": m.items[name].index, "block_size": index.block_size,
             "files": [{"name": f.name, "size": f.size} for f in index.files], "leaves": leaves,
+            "index_parts": [p.name for p in index.parts],
         }
     return {
-        "path": ck.loc.path, "format_version": fmt.FORMAT_VERSION, "cairn_version": m.cairn_version,
+        "path": ck.loc.path, "format_version": m.version, "cairn_version": m.cairn_version,
         "created_unix": m.created_unix, "process_count": m.process_count, "root": m.root,
         "metadata": m.metadata, "items": items, "totals": totals,
     }
@@ -333,7 +334,8 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
     t = data["totals"]
     created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(data["created_unix"])) if data["created_unix"] else "?"
     origin = (f"a checkpoint in {data['format']} format, read in place" if data.get("format") else
-              f"saved {created} by cairn {data['cairn_version'] or '?'} from {data['process_count']} process(es)")
+              f"format version {data['format_version']}, saved {created} by cairn {data['cairn_version'] or '?'} "
+              f"from {data['process_count']} process(es)")
     out.line(
         f"{t['leaves']} leaves ({t['arrays']} arrays, {human_bytes(t['array_bytes'])}) in {len(data['items'])} "
         f"checkpointable(s), {t['files']} data files ({human_bytes(t['file_bytes'])}); {origin}"

@@ -18,11 +18,15 @@ from urllib.parse import quote
 
 import numpy as np
 
+from ._binindex import ChunkTable, LazyChunks, LazyCrcs, PartInfo, cell_bytes, parse_parts
 from ._chunks import At, bounds, cell_sizes, parse_chunks
 from ._errors import CorruptCheckpointError
+from ._runs import bounds_from_runs, expand_writers, grid_runs
+from ._structure import check_structure
 from ._values import VALUE_KINDS, decode_value, dtype_from_name, dtype_name, encode_value
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # what this cairn writes
+READ_VERSIONS = (1, 2)  # what it reads (docs/FORMAT.md: version 1 is a subset of 2 but for the grid form)
 MANIFEST = "manifest.json"
 INDEX = "index.json"
 ROOT_ITEM_DIR = "%root"
@@ -169,6 +173,7 @@ class Manifest:
     cairn_version: str = ""
     created_unix: float = 0.0
     metadata: dict[str, Any] = field(default_factory=dict)
+    version: int = FORMAT_VERSION  # the format version it was read as (written: always FORMAT_VERSION)
 
     def to_json(self) -> bytes:
         return dump_checked_json(
@@ -194,8 +199,9 @@ class Manifest:
         if _req(d, "format", str, where) != "cairn":
             raise _fail(where, "not a cairn manifest")
         version = _req(d, "version", int, where)
-        if version != FORMAT_VERSION:
-            raise _fail(where, f"format version {version} is not supported (this cairn reads {FORMAT_VERSION})")
+        if version not in READ_VERSIONS:
+            raise _fail(where, f"format version {version} is not supported (this cairn reads versions "
+                               f"{', '.join(map(str, READ_VERSIONS))})")
         items = {}
         for name, v in _req(d, "items", dict, where).items():
             w = f"{where}: item {name!r}"
@@ -224,6 +230,7 @@ class Manifest:
             cairn_version=str(d.get("cairn_version", "")),
             created_unix=_number(d.get("created_unix", 0.0), f"{where}: created_unix"),
             metadata=meta,
+            version=version,
         )
 
 
@@ -256,13 +263,16 @@ class ArrayLeaf:
     dtype: np.dtype
     shape: tuple[int, ...]
     grid: tuple[tuple[int, ...], ...]  # per axis: boundaries 0 = b0 < b1 < ... = shape[axis]
-    chunks: tuple[tuple[int, int], ...]  # grid order (C order over grid cells): (file, offset)
-    crcs: tuple[tuple[int, ...], ...] = ()  # per chunk: CRC-32C of each block_size piece of it
+    # Per grid cell in C order: (file, offset), and the CRC-32C of each block_size piece of the chunk.
+    # Tuples for an explicit chunk table; `LazyChunks`/`LazyCrcs` over the item's binary index parts.
+    chunks: Sequence[tuple[int, int]]
+    crcs: Sequence[tuple[int, ...]] = ()
     kind: str = "array"  # "array" | "bytes" | "object" | "prng_key"
     sharding: dict[str, Any] | None = None
     handler: str | None = None  # for kind "object": the registered handler's name
     impl: str | None = None  # for kind "prng_key": the JAX key implementation ("threefry2x32", ...)
     impl_shape: tuple[int, ...] = ()  # for kind "prng_key": the trailing data dimensions of one key
+    writers: Any = None  # version 2, part-indexed: the cells' writers as runs (docs/FORMAT.md §5.2)
 
     @property
     def key_shape(self) -> tuple[int, ...]:
@@ -305,18 +315,27 @@ class ItemIndex:
     leaves: tuple[Leaf, ...]
     files: tuple[FileInfo, ...]
     block_size: int = DEFAULT_BLOCK_SIZE
+    # Version 2: the per-process binary parts holding the chunk records of part-indexed leaves.
+    parts: tuple[PartInfo, ...] = ()
+    processes: int = 1
+    table: ChunkTable | None = None  # set when read; fetches records from the parts
+    version: int = FORMAT_VERSION
 
-    def to_json(self) -> bytes:
-        return dump_checked_json(
-            {
-                "format": "cairn-index",
-                "version": FORMAT_VERSION,
-                "block_size": self.block_size,
-                "files": [{"name": f.name, "size": f.size} for f in self.files],
-                "structure": self.structure,
-                "leaves": [_leaf_to_json(leaf) for leaf in self.leaves],
-            }
-        )
+    def to_json(self, version: int = FORMAT_VERSION) -> bytes:
+        """The index file; `version` 1 writes every chunk explicitly (the parts are then not needed)."""
+        d: dict[str, Any] = {
+            "format": "cairn-index",
+            "version": version,
+            "block_size": self.block_size,
+            "files": [{"name": f.name, "size": f.size} for f in self.files],
+        }
+        if self.parts and version >= 2:
+            d["processes"] = self.processes
+            d["parts"] = [{"name": p.name, "process": p.process, "records": p.records, "crcs": p.crcs,
+                           "file_base": p.file_base, "files": p.files} for p in self.parts]
+        d["structure"] = self.structure
+        d["leaves"] = [_leaf_to_json(leaf, version) for leaf in self.leaves]
+        return dump_checked_json(d)
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> ItemIndex:
@@ -324,8 +343,9 @@ class ItemIndex:
         if _req(d, "format", str, where) != "cairn-index":
             raise _fail(where, "not a cairn item index")
         version = _req(d, "version", int, where)
-        if version != FORMAT_VERSION:
-            raise _fail(where, f"index version {version} is not supported (this cairn reads {FORMAT_VERSION})")
+        if version not in READ_VERSIONS:
+            raise _fail(where, f"index version {version} is not supported (this cairn reads versions "
+                               f"{', '.join(map(str, READ_VERSIONS))})")
         block = _int(_req(d, "block_size", int, where), where, MIN_BLOCK, MAX_BLOCK)
         files = []
         names = set()
@@ -337,27 +357,33 @@ class ItemIndex:
             names.add(name)
             files.append(FileInfo(name, _int(_req(f, "size", int, w), w)))
         raw_leaves = _req(d, "leaves", list, where)
+        table = parse_parts(d, [f.size for f in files], where) if version >= 2 else None
         leaves = tuple(
-            _leaf_from_json(x, files, block, At(where, i)) for i, x in enumerate(raw_leaves)
+            _leaf_from_json(x, files, block, At(where, i), version, table, i) for i, x in enumerate(raw_leaves)
         )
         paths = [leaf.path for leaf in leaves]
         if len(set(paths)) != len(paths):
             raise _fail(where, "repeated leaf key paths")
         structure = d.get("structure")
-        _check_structure(structure, len(leaves), where)
-        return cls(structure=structure, leaves=leaves, files=tuple(files), block_size=block)
+        check_structure(structure, len(leaves), where)
+        return cls(structure=structure, leaves=leaves, files=tuple(files), block_size=block,
+                   parts=tuple(table.parts.values()) if table else (), processes=table.processes if table else 1,
+                   table=table if table and table.leaves else None, version=version)
 
 
-def _leaf_to_json(leaf: Leaf) -> dict[str, Any]:
+def _leaf_to_json(leaf: Leaf, version: int = 1) -> dict[str, Any]:
     if isinstance(leaf, ArrayLeaf):
         out: dict[str, Any] = {
             "path": leaf.path,
             "kind": leaf.kind,
             "dtype": dtype_name(leaf.dtype),
             "shape": list(leaf.shape),
-            "grid": [list(b) for b in leaf.grid],
-            "chunks": [[f, o, *c] for (f, o), c in zip(leaf.chunks, leaf.crcs)],
+            "grid": [list(b) for b in leaf.grid] if version < 2 else [grid_runs(b) for b in leaf.grid],
         }
+        if leaf.writers is not None and version >= 2:
+            out["writers"] = leaf.writers
+        else:
+            out["chunks"] = [[f, o, *c] for (f, o), c in zip(leaf.chunks, leaf.crcs)]
         if leaf.sharding is not None:
             out["sharding"] = leaf.sharding
         if leaf.handler is not None:
@@ -369,7 +395,8 @@ def _leaf_to_json(leaf: Leaf) -> dict[str, Any]:
     return {"path": leaf.path, "kind": leaf.kind, "value": encode_value(leaf.kind, leaf.value)}
 
 
-def _leaf_from_json(x: Any, files: list[FileInfo], block: int, at: At) -> Leaf:
+def _leaf_from_json(x: Any, files: list[FileInfo], block: int, at: At, version: int = 1,
+                    table: ChunkTable | None = None, number: int = 0) -> Leaf:
     path = _req(x, "path", str, at)
     where = At(at.base, at.i, path)
     kind = _req(x, "kind", str, where)
@@ -384,20 +411,33 @@ def _leaf_from_json(x: Any, files: list[FileInfo], block: int, at: At) -> Leaf:
         grid_raw = _req(x, "grid", list, where)
         if len(grid_raw) != len(shape):
             raise _fail(where, "grid rank differs from the shape's")
-        grid = tuple(bounds(b, a, shape[a], where) for a, b in enumerate(grid_raw))
+        if version < 2:
+            grid = tuple(bounds(b, a, shape[a], where) for a, b in enumerate(grid_raw))
+        else:
+            grid = tuple(bounds_from_runs(b, shape[a], a, where) for a, b in enumerate(grid_raw))
         n_chunks = math.prod(len(b) - 1 for b in grid)
-        chunks_raw = _req(x, "chunks", list, where)
-        if len(chunks_raw) != n_chunks:
-            raise _fail(where, f"{len(chunks_raw)} chunks for a grid of {n_chunks} cells")
         handler = x["handler"] if isinstance(x.get("handler"), str) else None
-        sizes = cell_sizes(grid, dtype.itemsize)
-        chunks, crcs = parse_chunks(chunks_raw, sizes, [f.size for f in files], block, where)
+        chunks: Sequence[tuple[int, int]]
+        crcs: Sequence[tuple[int, ...]]
+        writers = x.get("writers") if version >= 2 else None
+        if writers is not None:
+            assert table is not None
+            w = expand_writers(writers, n_chunks, table.processes, where)
+            table.add_leaf(number, w, cell_bytes(grid, dtype.itemsize), block)
+            chunks, crcs = LazyChunks(table, number, n_chunks), LazyCrcs(table, number, n_chunks)
+        else:
+            chunks_raw = _req(x, "chunks", list, where)
+            if len(chunks_raw) != n_chunks:
+                raise _fail(where, f"{len(chunks_raw)} chunks for a grid of {n_chunks} cells")
+            sizes = cell_sizes(grid, dtype.itemsize)
+            chunks, crcs = parse_chunks(chunks_raw, sizes, [f.size for f in files], block, where)
         if kind in ("bytes", "object") and (len(shape) != 1 or dtype != np.uint8):
             raise _fail(where, f"a {kind} leaf must be a 1-D uint8 array")
         if kind == "object" and handler is None:
             raise _fail(where, "an object leaf must name its handler")
         leaf = ArrayLeaf(path=path, dtype=dtype, shape=shape, grid=grid, chunks=chunks, crcs=crcs, kind=kind,
-                         sharding=x["sharding"] if isinstance(x.get("sharding"), dict) else None, handler=handler)
+                         sharding=x["sharding"] if isinstance(x.get("sharding"), dict) else None, handler=handler,
+                         writers=writers)
         if kind == "prng_key":
             leaf = _key_fields(x, leaf, where)
         return leaf
@@ -426,37 +466,3 @@ def _ints(v: list[Any], hi: int, where: object) -> tuple[int, ...]:
         if type(i) is not int or not 0 <= i <= hi:
             raise _fail(where, f"expected an integer in [0, {hi}], found {i!r}")
     return tuple(v)
-
-
-def _check_structure(node: Any, n_leaves: int, where: str) -> None:
-    seen: set[int] = set()
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if not isinstance(n, dict) or len(n) == 0:
-            raise _fail(where, "malformed tree structure")
-        if "leaf" in n:
-            i = _int(n["leaf"], where, 0, max(n_leaves - 1, 0))
-            if i in seen or n_leaves == 0:
-                raise _fail(where, f"tree structure names leaf {i} twice or out of range")
-            seen.add(i)
-        elif "dict" in n:
-            for pair in n["dict"] if isinstance(n["dict"], list) else [None]:
-                if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], (str, int))):
-                    raise _fail(where, "malformed dict node in tree structure")
-                stack.append(pair[1])
-        elif "list" in n or "tuple" in n:
-            kids = n.get("list", n.get("tuple"))
-            if not isinstance(kids, list):
-                raise _fail(where, "malformed sequence node in tree structure")
-            stack.extend(kids)
-        elif "namedtuple" in n or "node" in n:
-            names = n.get("fields", n.get("keys"))
-            kids = n.get("children")
-            if not isinstance(names, list) or not isinstance(kids, list) or len(names) != len(kids):
-                raise _fail(where, "malformed node in tree structure")
-            stack.extend(kids)
-        else:
-            raise _fail(where, "unknown node in tree structure")
-    if len(seen) != n_leaves:
-        raise _fail(where, f"tree structure names {len(seen)} of {n_leaves} leaves")

@@ -13,6 +13,7 @@ from typing import Any
 from ._errors import UnsupportedTypeError
 from ._format import cell_box
 from ._leaves import ArraySource, ValueSource
+from ._merge import merge_rows, pieces
 from ._plan import ChunkLayout, FileSlot, assign_files, chunk_layout, full_box
 from ._tree import display_path
 
@@ -56,28 +57,45 @@ def plan_item(item: SaveItem, me: int, split_replicas: bool, threads: int, min_f
                 from ._jaxutil import shard_arrays
 
                 arrays, order = shard_arrays(x)
-                for cell, device, cut, nbytes in own:
-                    data = arrays[order[device]]
-                    if cut is not None:  # a piece of a replicated chunk: cut it out on the device
-                        data = data[cut]
-                    item.sources[(i, cell)] = data
+                for cell, parts, nbytes in own:
+                    pieces = []
+                    for device, cut in parts:
+                        data = arrays[order[device]]
+                        if cut is not None:  # a piece of a replicated chunk: cut it out on the device
+                            data = data[cut]
+                        pieces.append(data)
+                    item.sources[(i, cell)] = pieces[0] if len(pieces) == 1 else Concat(pieces)
                     mine.append((i, cell, nbytes))
         else:
-            layout = ChunkLayout(tuple((0, n) for n in shape), (0,), (0,))
-            if me == 0:
+            layout = ChunkLayout(tuple((0, n) for n in shape), (src.owner,), (0,))
+            if me == src.owner:
                 item.sources[(i, 0)] = src.value
                 mine.append((i, 0, box_bytes(full_box(shape), itemsize)))
         item.layouts[i] = layout
     item.files = assign_files(mine, threads, min_file_bytes)
 
 
+class Concat:
+    """The source of a merged chunk (`_plan.merge_rows`): shards whose C-order bytes, one after
+    another, are the chunk's."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[Any]):
+        self.parts = parts
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(p.nbytes) for p in self.parts)
+
+
 #: Per (sharding, shape, ...): the layout and this process's chunks as
-#: ``(cell, source device, slices to cut on it or None, bytes)``.
-_sources_cache: dict[Any, tuple[ChunkLayout, tuple[tuple[int, Any, Any, int], ...]]] = {}
+#: ``(cell, ((source device, slices to cut on it or None), ...), bytes)``.
+_sources_cache: dict[Any, tuple[ChunkLayout, tuple[tuple[int, Any, int], ...]]] = {}
 
 
 def sources_for(sharding: Any, shape: tuple[int, ...], itemsize: int, me: int, split_replicas: bool,
-                leaf: int) -> tuple[ChunkLayout, tuple[tuple[int, Any, Any, int], ...]]:
+                leaf: int) -> tuple[ChunkLayout, tuple[tuple[int, Any, int], ...]]:
     """`layout_for` of a jax sharding, with what plan_item needs per own chunk, memoised.
 
     The leaf's position picks the writers of replicated chunks; a layout without
@@ -97,14 +115,16 @@ def sources_for(sharding: Any, shape: tuple[int, ...], itemsize: int, me: int, s
     from ._jaxutil import device_boxes
 
     devices, boxes = device_boxes(sharding, shape)
-    layout, own = layout_for(sharding, shape, boxes, devices, me, split_replicas, leaf, split)
+    layout, own = layout_for(sharding, shape, boxes, devices, me, split_replicas, leaf, split, itemsize)
     entries = []
-    for cell, d, elems in own:
-        box = cell_box(layout.grid, cell)
-        cut = None
-        if box != boxes[d]:
-            cut = tuple(slice(lo - dlo, hi - dlo) for (lo, hi), (dlo, _) in zip(box, boxes[d]))
-        entries.append((cell, devices[d], cut, elems * itemsize))
+    for cell, _source, elems in own:
+        parts = []
+        for box, src in pieces(layout, cell):
+            cut = None
+            if box != boxes[src]:
+                cut = tuple(slice(lo - dlo, hi - dlo) for (lo, hi), (dlo, _) in zip(box, boxes[src]))
+            parts.append((devices[src], cut))
+        entries.append((cell, tuple(parts), elems * itemsize))
     hit = (layout, tuple(entries))
     if key is not None:
         if len(_sources_cache) > 4096:
@@ -127,7 +147,7 @@ layout_cache: dict[Any, tuple[ChunkLayout, tuple[tuple[int, int, int], ...]]] = 
 
 
 def layout_for(sharding: Any, shape: tuple[int, ...], boxes: Any, devices: Any, me: int,
-                split_replicas: bool, offset: int, split_elems: int = 0,
+                split_replicas: bool, offset: int, split_elems: int = 0, merge_itemsize: int = 0,
                 ) -> tuple[ChunkLayout, tuple[tuple[int, int, int], ...]]:
     """The chunk layout of an array and this process's ``(cell, device, elements)`` in it.
 
@@ -136,7 +156,7 @@ def layout_for(sharding: Any, shape: tuple[int, ...], boxes: Any, devices: Any, 
     measures the difference at 4,096 devices).
     """
     spread = split_replicas or split_elems > 0  # the offset picks writers
-    key: Any = (sharding, shape, split_replicas, offset if spread else 0, me, split_elems)
+    key: Any = (sharding, shape, split_replicas, offset if spread else 0, me, split_elems, merge_itemsize)
     try:
         hit = layout_cache.get(key)
     except TypeError:  # unhashable sharding
@@ -144,6 +164,8 @@ def layout_for(sharding: Any, shape: tuple[int, ...], boxes: Any, devices: Any, 
     if hit is not None:
         return hit
     layout = chunk_layout(shape, boxes, [d.process_index for d in devices], split_replicas, offset, split_elems)
+    if merge_itemsize:  # a process's consecutive shards become one chunk (`merge_rows`)
+        layout = merge_rows(layout, merge_itemsize)
     own = tuple(
         (cell, d, box_bytes(cell_box(layout.grid, cell), 1))
         for cell, (w, d) in enumerate(zip(layout.writer, layout.source))

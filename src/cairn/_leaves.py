@@ -75,7 +75,7 @@ def is_jax_array(x: Any) -> bool:
 
 @dataclass
 class ArraySource:
-    """An array leaf to be saved: a jax.Array, or host bytes written by process 0."""
+    """An array leaf to be saved: a jax.Array, or host bytes written by one process (`owner`)."""
 
     path: str
     kind: str  # "array" | "bytes" | "object" | "prng_key"
@@ -84,6 +84,7 @@ class ArraySource:
     handler: str | None = None
     impl: str | None = None  # prng_key: the key implementation's name
     impl_shape: tuple[int, ...] = ()  # prng_key: the key data's trailing dimensions
+    owner: int = 0  # a host-local leaf: the process that writes it (per-process values: each its own)
 
     @property
     def shape(self) -> tuple[int, ...]:

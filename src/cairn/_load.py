@@ -21,9 +21,12 @@ from . import _format as fmt
 from ._buffers import release_snapshot_buffers
 from ._coord import Coordinator, activity, default_coordinator
 from ._errors import CheckpointError, MismatchError
+from ._jaxutil import WHOLE_PUT_BYTES, puts_whole
 from ._leaves import check_key_target, handler_named, is_key_dtype, key_dtype, wrap_key
 from ._location import Location
 from ._metadata import read_index, read_manifest
+from ._perprocess import LoadView
+from ._prefetch import prefetch
 from ._reader import ArrayReads, ChunkReader, LoadStats
 from ._readonce import (
     Agreement,
@@ -190,15 +193,16 @@ def load(
         indexes = [source.indexes[r[0]] for r in requests] if source is not None else list(
             pool.map(lambda r: read_index(loc, manifest.items[r[0]]), requests))
         items = []
+        coord = coordinator or default_coordinator()
         try:
             for (name, item_target), index in zip(requests, indexes):
                 reader = (source.reader(name, index, verify, pool, stats) if source is not None
                           else ChunkReader(loc, name, manifest.items[name], index, verify, pool, stats))
+                pp = LoadView(index.structure, name, loc.path, coord.process_index, coord.process_count)
                 items.append(_ItemLoad(name, index, reader, item_target,
-                                       _match(loc, name, index, item_target, partial)))
+                                       _match(loc, name, index, item_target, partial, pp), pp))
             # One pipeline over the leaves of every requested checkpointable, so that
             # many small checkpointables keep the readers as busy as one large one.
-            coord = coordinator or default_coordinator()
             activity.begin(f"loading {loc.path}")
             try:
                 _read_leaves(items, loc.path, budget_bytes, _Routing(read_once, coord, timeout))
@@ -222,24 +226,29 @@ class _ItemLoad:
     reader: ChunkReader
     target: Any
     wanted: dict[int, _Want | None]
+    pp: LoadView  # its per-process values (`_perprocess`)
     results: dict[int, Any] = field(default_factory=dict)
 
     def output(self) -> Any:
         if self.target is None:
-            return unflatten(self.index.structure, self.results)
+            return unflatten(self.index.structure, self.results, per_process=self.pp.pick)
         by_path = {leaf.path: i for i, leaf in enumerate(self.index.leaves)}
-        return map_with_path(lambda path, _t: self.results[by_path[path]], self.target, is_leaf=_is_target_leaf)
+        return map_with_path(lambda path, t: self.pp.value(path, t, self.results) if path in self.pp.nodes
+                             else self.results[by_path[path]], self.target, is_leaf=_is_target_leaf)
 
 
-def _match(loc: Location, name: str, index: fmt.ItemIndex, target: Any, partial: bool) -> dict[int, _Want | None]:
+def _match(loc: Location, name: str, index: fmt.ItemIndex, target: Any, partial: bool,
+           pp: LoadView) -> dict[int, _Want | None]:
     """Which stored leaves to load, and how: the target's leaves (all of them without a target)."""
     where = loc.path
     if target is None:
-        return {i: None for i in range(len(index.leaves))}
+        return pp.all_leaves(len(index.leaves))  # other processes' per-process values left out
     by_path = {leaf.path: i for i, leaf in enumerate(index.leaves)}
     wanted: dict[int, _Want | None] = {}
 
     def note(path: str, t: Any) -> Any:
+        if pp.claims(path, t, wanted):
+            return t
         i = by_path.get(path)
         if i is None:
             raise MismatchError(
@@ -250,7 +259,7 @@ def _match(loc: Location, name: str, index: fmt.ItemIndex, target: Any, partial:
         return t
 
     map_with_path(note, target, is_leaf=_is_target_leaf)
-    missing = [leaf.path for i, leaf in enumerate(index.leaves) if i not in wanted]
+    missing = [leaf.path for i, leaf in enumerate(index.leaves) if i not in wanted and i not in pp.covered]
     if missing and not partial:
         shown = ", ".join(repr(display_path(p, name)) for p in missing[:5])
         more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
@@ -294,6 +303,7 @@ def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Rout
     n = routing.coord.process_count
     try:
         for it in items:
+            reads: dict[int, Any] = {}  # leaf -> the sharding this process reads it with (absent: whole)
             for i in sorted(it.wanted):
                 want = it.wanted[i]
                 leaf = it.index.leaves[i]
@@ -302,6 +312,10 @@ def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Rout
                 r = route(leaf, want.sharding, it.index.block_size, it.reader.verify, n, routing.read_once)
                 if not r.direct:
                     staged.append(cut_in_pieces(Staged(it, i, want, r), budget, n))
+                    reads[i] = r.read
+                elif not (leaf.nbytes <= WHOLE_PUT_BYTES and puts_whole(want.sharding)):
+                    reads[i] = want.sharding
+            prefetch(it.index, it.wanted, reads)
         waves = plan_waves(staged, budget, n)
         if waves:
             agreement = Agreement(routing.coord, next_seq(), len(waves), where, routing.timeout)
@@ -357,7 +371,7 @@ def _run_wave(k: int, wave: list[Unit], agreement: Agreement, gathers: dict[int,
 
 def _read_direct(items: list[_ItemLoad], where: str, budget: int, skip: set[tuple[int, int]]) -> None:
     """The direct pipeline: each process reads its own target boxes, `budget` bytes in flight."""
-    from ._jaxutil import WHOLE_PUT_BYTES, PutBatch, puts_whole
+    from ._jaxutil import PutBatch
 
     inflight: deque[_InFlight] = deque()
     inflight_bytes = 0

@@ -13,7 +13,9 @@ The manager works on the storage rooted at its directory: step folders
 through `_steps` (naming, listing, deletion, leftovers), saves and loads
 through the engine (`_async`, `_load`) on a `Location` in that storage, so the
 same code runs on local disk, ``memory://`` and object stores. Retention
-policies live in `_retention`, preemption detection in `_preemption`.
+policies live in `_retention`, preemption detection in `_preemption`, the
+evaluator's polling in `_watch` and the reader leases retention honours in
+`_leases`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import _async, _load, _steps
+from . import _async, _leases, _load, _steps
 from ._agree import Decisions
 from ._coord import Coordinator, default_coordinator
 from ._errors import (
@@ -35,10 +37,12 @@ from ._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
 )
+from ._localtier import LocalTier
 from ._location import Location
 from ._preemption import PreemptionWatch
 from ._retention import CheckpointInfo, RetentionPolicy, policy_from, retained
 from ._steps import step_dirname
+from ._watch import StepWatch
 
 log = logging.getLogger("cairn")
 
@@ -53,7 +57,7 @@ class _Pending:
     settled: threading.Event  # set once the retention that follows its commit has run
 
 
-class CheckpointManager:
+class CheckpointManager(StepWatch):
     """Saves steps of a training run into one directory and keeps the right ones.
 
     `directory` is a local path or an object-store URL (``memory://``,
@@ -67,7 +71,14 @@ class CheckpointManager:
       `max_to_keep` newest, every step divisible by `keep_every`, the
       `keep_best` best by metric `best_metric` (`best_mode` ``"min"`` or
       ``"max"``), and any `retention` policies (see `RetentionPolicy`).
-      Retention runs after each commit, never before it.
+      Retention runs after each commit, never before it, and skips steps
+      an evaluator holds a reader lease on (until the lease is released or
+      expires; see `new_steps` and `reading`).
+    - `read_only`: for an evaluator beside the trainer. It never saves,
+      deletes or cleans up (the trainer's saves in progress look like
+      interrupted ones) and installs no SIGTERM handler; use `wait_for_step`,
+      `new_steps`, `reading` and `restore`.
+    - `local`: a `LocalTier` (frequent per-host saves, peer replicas); `restore` prefers it when as new.
     - `async_save`: saves return after the snapshot; the write and commit run
       in the background (see `cairn.save_async`). If a background save failed,
       the next `save` (or `wait`/`close`) raises its error.
@@ -113,6 +124,8 @@ class CheckpointManager:
         storage_options: dict[str, Any] | None = None,
         coordinator: Coordinator | None = None,
         threads: int = 4,
+        read_only: bool = False,
+        local: LocalTier | None = None,
     ):
         if save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
@@ -133,9 +146,13 @@ class CheckpointManager:
         self._infos: dict[int, CheckpointInfo] = {}  # committed checkpoints never change
         self._closed = False
         self.restored_step: int | None = None
-        self._preemption = PreemptionWatch(self.directory, preemption_check, handle_sigterm, self._coord.process_count)
-        if self._primary:
+        self.read_only = read_only
+        self.local = local.attach(self._coord, threads) if local is not None and not read_only else None
+        self._preemption = PreemptionWatch(self.directory, preemption_check, handle_sigterm and not read_only,
+                                           self._coord.process_count)
+        if self._primary and not read_only:
             with self._retention_lock:
+                _leases.remove_stale_markers(self._storage)
                 self._cleanup_uncommitted()
 
     # ------------------------------------------------------------------ naming and listing
@@ -223,13 +240,16 @@ class CheckpointManager:
             saved = mgr.save(step, {"params": params, "opt": opt}, metrics={"loss": loss})
         """
         self._check_open()
+        if self.read_only:
+            raise CheckpointError(f"{self.directory}: this CheckpointManager is read-only; it does not save")
         step = operator.index(step)
         if step < 0:
             raise ValueError(f"{self.directory}: step must be >= 0, got {step}")
         self._reap()
         preempted = self._preemption.detected(step)
+        local_saved = self.local is not None and self.local.save(step, state)
         if not (force or preempted or step % self.save_every == 0):
-            return False
+            return local_saved
         meta = _steps.step_metadata(step, metrics, f"{self.directory} step {step}")
         with self._lock:
             if step in self._inflight:
@@ -285,13 +305,16 @@ class CheckpointManager:
 
         Only the primary runs it (on the background thread), on its own listing: the
         decision is its alone, so nothing here is exchanged with the other processes.
+        Steps under a live reader lease are spared; a later pass deletes them.
         """
         steps = _steps.committed_steps(self._storage)
         infos = [self._info(s) for s in steps]
         keep = retained(self.policy, infos)
-        for s in steps:
-            if s not in keep:
-                self._delete_step(s)
+        doomed = [s for s in steps if s not in keep]
+        if doomed:
+            with _leases.spare_leased(self._storage, doomed, self.directory) as free:
+                for s in free:
+                    self._delete_step(s)
 
     def _delete_step(self, step: int) -> None:
         _steps.delete_step(self._storage, step)
@@ -344,6 +367,8 @@ class CheckpointManager:
             self._pending.pop(0)
             outcomes.append((p.step, e))
         self._raise_first(outcomes)
+        if self.local is not None:
+            self.local.wait()
 
     # ------------------------------------------------------------------ preemption
 
@@ -388,6 +413,9 @@ class CheckpointManager:
         self._check_open()
         self.wait()
         steps = self.steps()
+        if got := self.local and step is None and not partial and self.local.restore(target, steps[-1] if steps else None):
+            self.restored_step, out = got
+            return out
         if step is not None:
             step = operator.index(step)
             if step not in steps:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import errno
 import os
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 from . import _format as fmt
 from ._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
@@ -51,7 +53,40 @@ def read_index(loc: Location, info: fmt.ItemInfo) -> fmt.ItemIndex:
     except OSError as e:
         raise _read_error(loc, f"the index {key!r}", e) from e
     with paused():  # tens of thousands of containers, none of them garbage
-        return fmt.ItemIndex.from_json(data, loc.storage.describe(key))
+        index = fmt.ItemIndex.from_json(data, loc.storage.describe(key))
+    if index.table is not None:
+        index.table.reader = _part_reader(loc, info)
+    return index
+
+
+def _part_reader(loc: Location, info: fmt.ItemInfo) -> Any:
+    """Reads byte ranges of an item's binary index parts, in parallel (one request per range)."""
+
+    def read(requests: list[tuple[str, int, int]]) -> list[bytes]:
+        def one(req: tuple[str, int, int]) -> bytes:
+            name, start, length = req
+            key = loc.key(info.dir, name)
+            out = bytearray(length)
+            try:
+                r = loc.storage.open_read(key)
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                raise CorruptCheckpointError(f"{loc.path}: the index part {key!r} named by the index is missing") from None
+            try:
+                r.read_into(start, memoryview(out))
+            except EOFError:
+                raise CorruptCheckpointError(f"{loc.path}: the index part {key!r} is truncated") from None
+            except OSError as e:
+                raise _read_error(loc, f"the index part {key!r}", e) from e
+            finally:
+                r.close()
+            return bytes(out)
+
+        if len(requests) == 1:
+            return [one(requests[0])]
+        with ThreadPoolExecutor(min(16, len(requests)), thread_name_prefix="cairn-index") as pool:
+            return list(pool.map(one, requests))
+
+    return read
 
 
 @dataclass

@@ -54,6 +54,10 @@ class ChunkLayout:
     grid: tuple[tuple[int, ...], ...]
     writer: tuple[int, ...]  # process index per chunk
     source: tuple[int, ...]  # per chunk: position in the device list of the copy to write
+    # After `_merge.merge_rows`: the layout it merged, and per row of cells of this one, the rows
+    # of that one it is made of (() when nothing was merged). See `_merge.pieces`.
+    merged_from: ChunkLayout | None = None
+    row_groups: tuple[tuple[int, ...], ...] = ()
 
 
 class LayoutError(ValueError):
@@ -174,6 +178,10 @@ def _split_replicated(shape: Sequence[int], bounds: list[tuple[int, ...]], holde
 def _cell_box(bounds: Sequence[Sequence[int]], cell: int) -> Box:
     idx = _unravel(cell, tuple(len(b) - 1 for b in bounds))
     return tuple((bounds[a][i], bounds[a][i + 1]) for a, i in enumerate(idx))
+
+
+cell_box_of = _cell_box
+
 
 
 def _unravel(flat: int, grid_shape: Sequence[int]) -> list[int]:

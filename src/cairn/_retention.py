@@ -1,9 +1,10 @@
 """Retention policies: which committed checkpoints of a manager's directory to keep.
 
-A policy sees every committed checkpoint as a `CheckpointInfo` (its step and
-the metrics saved with it) and returns the steps to preserve. `retained` adds
-the one rule no policy can switch off: the newest committed step survives.
-Pure: no storage, no JAX.
+A policy sees every committed checkpoint as a `CheckpointInfo` (its step,
+the metrics saved with it, its commit time) and returns the steps to
+preserve. `retained` adds the one rule no policy can switch off: the newest
+committed step survives. Pure: no storage, no JAX, no clock (time-based
+policies measure against the checkpoints' own commit times).
 """
 
 from __future__ import annotations
@@ -16,10 +17,16 @@ from types import MappingProxyType
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """What a retention policy sees of one committed checkpoint."""
+    """What a retention policy sees of one committed checkpoint.
+
+    `created_unix` is its commit time in seconds since the Unix epoch (the
+    manifest's ``created_unix``, taken by the process that committed it); 0
+    when unknown.
+    """
 
     step: int
     metrics: Mapping[str, float | None] = field(default_factory=lambda: MappingProxyType({}))
+    created_unix: float = 0.0
 
 
 class RetentionPolicy:
@@ -27,14 +34,17 @@ class RetentionPolicy:
 
     Subclass it and implement `keep`, which receives every committed
     checkpoint (oldest first) and returns the steps to preserve. Policies
-    combine with ``|``: a checkpoint survives if any policy keeps it. The
-    manager always keeps the newest committed checkpoint as well, so the
-    policies can never delete the only (or the latest) good checkpoint.
+    combine with ``|`` (a checkpoint survives if any policy keeps it) and
+    ``&`` (only if every policy keeps it). The manager always keeps the
+    newest committed checkpoint as well, so the policies can never delete the
+    only (or the latest) good checkpoint.
 
     Example::
 
         policy = cairn.KeepLatest(3) | cairn.KeepEvery(1000) | cairn.KeepIf(lambda c: c.step < 10)
         mgr = cairn.CheckpointManager("/ckpt", retention=policy)
+        # the 3 newest, plus one per 6 hours but none older than 30 days:
+        cairn.KeepLatest(3) | (cairn.KeepOnePer(hours=6) & cairn.KeepNewerThan(days=30))
     """
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
@@ -42,6 +52,9 @@ class RetentionPolicy:
 
     def __or__(self, other: RetentionPolicy) -> RetentionPolicy:
         return KeepAny(self, other)
+
+    def __and__(self, other: RetentionPolicy) -> RetentionPolicy:
+        return KeepAll(self, other)
 
 
 class KeepLatest(RetentionPolicy):
@@ -82,6 +95,93 @@ class KeepEvery(RetentionPolicy):
 
     def __repr__(self) -> str:
         return f"KeepEvery({self.n})"
+
+
+def _duration(policy: str, days: float, hours: float, minutes: float, seconds: float) -> float:
+    total = ((float(days) * 24 + float(hours)) * 60 + float(minutes)) * 60 + float(seconds)
+    if not (math.isfinite(total) and total > 0):
+        raise ValueError(f"{policy} needs a positive, finite duration (days, hours, minutes, seconds), got {total} s")
+    return total
+
+
+def _show_duration(seconds: float) -> str:
+    for unit, size in (("days", 86400.0), ("hours", 3600.0), ("minutes", 60.0)):
+        if seconds >= size and (seconds / size).is_integer():
+            return f"{unit}={int(seconds / size)}"
+    return f"seconds={seconds:g}"
+
+
+class KeepOnePer(RetentionPolicy):
+    """Keep one checkpoint per window of time: the first committed in each window.
+
+    The duration is the sum of `days`, `hours`, `minutes` and `seconds`.
+    Windows are fixed to the Unix epoch, not to the run: window ``k`` is
+    ``[k * period, (k + 1) * period)`` in seconds since 1970-01-01 00:00 UTC
+    (so with ``hours=6`` they start at 00:00, 06:00, 12:00 and 18:00 UTC).
+    For each window holding any checkpoint, the one with the earliest commit
+    time (`CheckpointInfo.created_unix`; ties: the lower step) is kept.
+    Checkpoints whose commit time is unknown (0) are not kept by this policy.
+
+    Because the windows never move and the checkpoint kept in a window is its
+    first, adding or deleting other checkpoints never changes the choice: like
+    `KeepEvery`, it leaves a permanent trail (unless combined with ``&``).
+
+    Example::
+
+        cairn.KeepLatest(3) | cairn.KeepOnePer(hours=6)   # plus the first of each 6 hours, forever
+    """
+
+    def __init__(self, *, days: float = 0, hours: float = 0, minutes: float = 0, seconds: float = 0):
+        self.period_s = _duration("KeepOnePer", days, hours, minutes, seconds)
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        first: dict[int, tuple[float, int]] = {}
+        for c in checkpoints:
+            t = c.created_unix
+            if not (math.isfinite(t) and t > 0):
+                continue
+            window = math.floor(t / self.period_s)
+            if window not in first or (t, c.step) < first[window]:
+                first[window] = (t, c.step)
+        return {step for _, step in first.values()}
+
+    def __repr__(self) -> str:
+        return f"KeepOnePer({_show_duration(self.period_s)})"
+
+
+class KeepNewerThan(RetentionPolicy):
+    """Keep every checkpoint committed within a duration of the newest one.
+
+    The duration is the sum of `days`, `hours`, `minutes` and `seconds`. A
+    checkpoint's age is the newest checkpoint's commit time minus its own
+    (`CheckpointInfo.created_unix`), not the wall clock: retention runs right
+    after a commit, so the two agree while a run saves, and the policy stays
+    a pure function of the manifests. Checkpoints at most the duration old
+    are kept, and so are those whose commit time is unknown (0): nothing is
+    deleted for an age that cannot be told.
+
+    Alone it keeps everything recent. To delete checkpoints older than the
+    duration whatever other policies say, intersect with ``&``.
+
+    Example::
+
+        (cairn.KeepLatest(5) | cairn.KeepOnePer(days=1)) & cairn.KeepNewerThan(days=14)
+    """
+
+    def __init__(self, *, days: float = 0, hours: float = 0, minutes: float = 0, seconds: float = 0):
+        self.max_age_s = _duration("KeepNewerThan", days, hours, minutes, seconds)
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        known = [c.created_unix for c in checkpoints if math.isfinite(c.created_unix) and c.created_unix > 0]
+        if not known:
+            return {c.step for c in checkpoints}
+        newest = max(known)
+        return {c.step for c in checkpoints
+                if not (math.isfinite(c.created_unix) and c.created_unix > 0)
+                or newest - c.created_unix <= self.max_age_s}
+
+    def __repr__(self) -> str:
+        return f"KeepNewerThan({_show_duration(self.max_age_s)})"
 
 
 class KeepBest(RetentionPolicy):
@@ -155,7 +255,33 @@ class KeepAny(RetentionPolicy):
         return out
 
     def __repr__(self) -> str:
-        return " | ".join(map(repr, self.policies))
+        return "(" + " | ".join(map(repr, self.policies)) + ")"
+
+
+class KeepAll(RetentionPolicy):
+    """Keep only what every one of `policies` keeps (what ``a & b`` builds).
+
+    Evaluated on the checkpoints present at each pass (after each commit),
+    like every policy.
+
+    Example::
+
+        cairn.KeepEvery(1000) & cairn.KeepNewerThan(days=7)   # multiples of 1000 from the last week
+    """
+
+    def __init__(self, *policies: RetentionPolicy):
+        if not policies:
+            raise ValueError("KeepAll needs at least one policy")
+        self.policies = policies
+
+    def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
+        out = set(self.policies[0].keep(checkpoints))
+        for p in self.policies[1:]:
+            out &= set(p.keep(checkpoints))
+        return out
+
+    def __repr__(self) -> str:
+        return "(" + " & ".join(map(repr, self.policies)) + ")"
 
 
 def retained(policy: RetentionPolicy | None, checkpoints: Sequence[CheckpointInfo]) -> set[int]:

@@ -37,11 +37,12 @@ from ._errors import (
     error_record,
     first_failure,
 )
-from ._format import cell_box
 from ._gcpause import paused
-from ._layout import SaveItem, plan_item
-from ._leaves import ValueSource, classify
+from ._indexparts import build_part, item_index
+from ._layout import Concat, SaveItem, plan_item
+from ._leaves import classify
 from ._location import Location
+from ._perprocess import HostValues, is_per_process
 from ._plan import FileSlot
 from ._tree import display_path, flatten
 from ._version import __version__
@@ -141,7 +142,29 @@ class SaveJob:
             pop = item.sources.pop
             for slot in slots:
                 # pop: a device copy made by `snapshot` is freed once its host bytes exist.
-                mv = _bytes_of(self._host(pop((slot.leaf, slot.cell))))
+                src = pop((slot.leaf, slot.cell))
+                if type(src) is Concat:  # a merged chunk: its pieces' bytes, one after another
+                    mvs = [_bytes_of(self._host(p)) for p in src.parts]
+                    n = sum(len(m) for m in mvs)
+                    if n == slot.nbytes:
+                        crcs.append(_block_crcs(mvs, block))
+                        for m in mvs:
+                            if len(m) <= SMALL_CHUNK:
+                                batch += m
+                                continue
+                            if batch:
+                                yield batch
+                                batch = bytearray()
+                            yield m
+                        del mvs
+                        if len(batch) >= BATCH_BYTES:
+                            yield batch
+                            batch = bytearray()
+                        activity.advance()
+                        continue
+                    mv = memoryview(b"".join(mvs))
+                else:
+                    mv = _bytes_of(self._host(src))
                 n = len(mv)
                 if n != slot.nbytes:
                     raise CheckpointError(
@@ -216,19 +239,12 @@ class SaveJob:
     def _run(self) -> SaveStats:
         t_start = time.perf_counter()
         retries_before = self.loc.storage.retries
-        coord, me, n = self.coord, self.coord.process_index, self.coord.process_count
+        coord, me = self.coord, self.coord.process_index
         base = f"cairn/save/{self.seq}"
         status: dict[str, Any] = {"ok": True}
-        partial = None
         own_error: BaseException | None = None
         try:
-            partial = self.write_data()
-            if n > 1:
-                for item in self.items:
-                    self.loc.storage.put(
-                        f"{self.write_root}/{item.dir}/{fmt.partial_index_name(me, self.token)}",
-                        json.dumps(partial[item.name]).encode(),
-                    )
+            status["items"] = self._write_parts(self.write_data())
         except BaseException as e:
             own_error = e
             status = {"ok": False, "error": error_record(e, me)}
@@ -237,7 +253,7 @@ class SaveJob:
         try:
             coord.publish(f"{base}/status/{me}", json.dumps(status).encode())
             if me == 0:
-                outcome = self._primary_commit(base, partial)
+                outcome = self._primary_commit(base)
                 coord.publish(f"{base}/outcome", json.dumps(outcome).encode())
             else:
                 outcome = json.loads(fetch_from(coord, f"{base}/outcome", self.timeout, writer=0))
@@ -255,7 +271,22 @@ class SaveJob:
             raise error from own_error
         raise error
 
-    def _primary_commit(self, base: str, own_partial: dict[str, Any] | None) -> dict[str, Any]:
+    def _write_parts(self, partial: dict[str, Any]) -> dict[str, Any]:
+        """Write this process's binary index part of each item; what the primary needs to know of them."""
+        out: dict[str, Any] = {}
+        me = self.coord.process_index
+        for item in self.items:
+            p = partial[item.name]
+            mine: dict[str, Any] = {"files": [[f["name"], f["size"]] for f in p["files"]]}
+            part = build_part(item, me, self.token, p["chunks"], self.loc.path)
+            if part is not None:
+                name, data, records, crcs = part
+                self.loc.storage.put(f"{self.write_root}/{item.dir}/{name}", data)
+                mine["part"] = [name, records, crcs]
+            out[item.name] = mine
+        return out
+
+    def _primary_commit(self, base: str) -> dict[str, Any]:
         coord, n = self.coord, self.coord.process_count
         try:
             statuses = gather_json(coord, f"{base}/status", n, self.timeout)
@@ -271,76 +302,22 @@ class SaveJob:
             self.strategy.abort(self.loc, self.token)
             return _failed(*failure)
         try:
-            self._commit(own_partial)
+            self._commit(statuses)
         except BaseException as e:
             self.strategy.abort(self.loc, self.token)
             record = error_record(e, 0)
             return _failed(record, f"process 0: {record['message']}")
         return {"ok": True}
 
-    def _partials(self, item: SaveItem, own: dict[str, Any] | None) -> list[dict[str, Any]]:
-        n = self.coord.process_count
-        if n == 1:
-            assert own is not None
-            return [own[item.name]]
-        out = []
-        for p in range(n):
-            key = f"{self.write_root}/{item.dir}/{fmt.partial_index_name(p, self.token)}"
-            out.append(json.loads(self.loc.storage.read(key)))
-        return out
-
-    def _merge_index(self, item: SaveItem, partials: list[dict[str, Any]]) -> fmt.ItemIndex:
-        files: list[fmt.FileInfo] = []
-        placed: dict[int, dict[int, tuple[int, int, tuple[int, ...]]]] = {}
-        for part in partials:
-            first = len(files)
-            files.extend(fmt.FileInfo(f["name"], f["size"]) for f in part["files"])
-            for row in part["chunks"]:  # (leaf, cell, file, offset, *crcs)
-                placed.setdefault(row[0], {})[row[1]] = (first + row[2], row[3], tuple(row[4:]))
-        leaves: list[fmt.Leaf] = []
-        for i, src in enumerate(item.leaves):
-            if isinstance(src, ValueSource):
-                leaves.append(fmt.ValueLeaf(src.path, src.kind, src.value))
-                continue
-            layout = item.layouts[i]
-            got = placed.get(i, {})
-            chunks, crcs = [], []
-            n_cells = len(layout.writer)
-            for cell in range(n_cells):
-                if cell in got:
-                    f, off, crc = got[cell]
-                else:
-                    box = cell_box(layout.grid, cell)
-                    if int(np.prod([hi - lo for lo, hi in box])) * src.dtype.itemsize:
-                        raise CheckpointError(
-                            f"{self.loc.path}: chunk {cell} of {display_path(src.path, item.name)!r} was written by no process"
-                        )
-                    f, off, crc = 0, 0, ()
-                chunks.append((f, off))
-                crcs.append(crc)
-            sharding = None
-            if src.is_jax:
-                from ._jaxutil import describe_sharding
-
-                sharding = describe_sharding(src.value.sharding)
-            leaves.append(
-                fmt.ArrayLeaf(
-                    path=src.path, dtype=src.dtype, shape=src.shape, grid=layout.grid, chunks=tuple(chunks),
-                    crcs=tuple(crcs), kind=src.kind, sharding=sharding, handler=src.handler,
-                    impl=src.impl, impl_shape=src.impl_shape,
-                )
-            )
-        return fmt.ItemIndex(item.structure, tuple(leaves), tuple(files), self.block_size)
-
-    def _commit(self, own_partial: dict[str, Any] | None) -> None:
+    def _commit(self, statuses: dict[int, dict[str, Any]]) -> None:
         storage, root = self.loc.storage, self.write_root
         items: dict[str, fmt.ItemInfo] = {}
         needed: list[str] = []
+        n = self.coord.process_count
 
         def write_index(item: SaveItem) -> fmt.ItemIndex:
-            partials = self._partials(item, own_partial)
             with paused():
-                index = self._merge_index(item, partials)
+                index = item_index(item, statuses, n, self.block_size)
                 data = index.to_json()
             storage.put(f"{root}/{item.dir}/{fmt.index_name(self.token)}", data)
             return index
@@ -355,16 +332,32 @@ class SaveJob:
         for item, index in zip(self.items, indexes):
             nbytes = sum(leaf.nbytes for leaf in index.leaves if isinstance(leaf, fmt.ArrayLeaf))
             items[item.name] = fmt.ItemInfo(item.dir, fmt.index_name(self.token), nbytes, len(index.leaves))
-            needed += [f"{root}/{item.dir}/{f}" for f in (fmt.index_name(self.token), *(x.name for x in index.files))]
+            needed += [f"{root}/{item.dir}/{f}" for f in
+                       (fmt.index_name(self.token), *(x.name for x in index.files), *(x.name for x in index.parts))]
         manifest = fmt.Manifest(
             items=items, root=self.root, process_count=self.coord.process_count, cairn_version=__version__,
             created_unix=time.time(), metadata=self.metadata,
         ).to_json()
-        # The per-process index parts were merged: they are not part of the checkpoint.
-        n = self.coord.process_count
-        parts = [f"{root}/{item.dir}/{fmt.partial_index_name(p, self.token)}" for item in self.items
-                 for p in range(n)] if n > 1 else []
-        self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite, discard=parts)
+        self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite)
+
+
+def _block_crcs(mvs: list[memoryview], block: int) -> list[int]:
+    """The CRC-32C of each `block`-byte block of the concatenation of `mvs`, without joining them."""
+    out: list[int] = []
+    crc, filled = 0, 0
+    for m in mvs:
+        pos = 0
+        while pos < len(m):
+            take = min(block - filled, len(m) - pos)
+            crc = crc32c(m[pos : pos + take], crc)
+            filled += take
+            pos += take
+            if filled == block:
+                out.append(crc)
+                crc, filled = 0, 0
+    if filled:
+        out.append(crc)
+    return out
 
 
 def _bytes_of(arr: np.ndarray) -> memoryview:
@@ -417,20 +410,26 @@ def prepare(
             raise UnsupportedTypeError(f"{loc.path}: metadata must be JSON-serializable ({e})") from None
     root, pairs = _split_items(state)
     items = []
-    with paused():  # thousands of leaves make tens of thousands of live objects, none garbage
+    seq = _next_seq()
+    hosts = HostValues(coord, seq, loc.path)  # per-process values; the check that other host values agree
+    with paused(), hosts.reporting():  # thousands of leaves make tens of thousands of live objects, none garbage
         for name, tree in pairs:
             where = loc.path
             try:
-                structure, flat = flatten(tree, item=name)
+                structure, flat = flatten(tree, item=name, is_leaf=is_per_process)
             except ValueError as e:
                 raise UnsupportedTypeError(f"{where}: {e}") from None
+            structure, flat = hosts.split(name, structure, flat)
             leaves = [classify(path, x, where, name) for path, x in flat]
             item = SaveItem(name, fmt.ROOT_ITEM_DIR if root else fmt.item_dirname(name), structure, leaves)
             plan_item(item, me, split_replicas, threads, min_file_bytes, where)
+            hosts.add(item)
             items.append(item)
-    seq = _next_seq()
     strategy = strategy_for(loc.storage)
-    token = _agree_token(loc, strategy, coord, seq, overwrite, timeout)
+    token = _agree_token(loc, strategy, coord, seq, overwrite, timeout, hosts)
+    for item in items:
+        if item.name in hosts.own:  # its per-process leaves have their numbers now
+            plan_item(item, me, split_replicas, threads, min_file_bytes, loc.path)
     job = SaveJob(
         loc=loc, items=items, root=root, token=token, seq=seq, coord=coord, overwrite=overwrite,
         block_size=block_size, timeout=timeout, threads=threads, metadata=metadata or {}, strategy=strategy,
@@ -440,18 +439,22 @@ def prepare(
 
 
 def _agree_token(loc: Location, strategy: CommitStrategy, coord: Coordinator, seq: int, overwrite: bool,
-                 timeout: float) -> str:
-    """The primary checks the destination and picks the attempt token; all processes learn both."""
+                 timeout: float, hosts: HostValues) -> str:
+    """The primary checks the destination and the processes' host values, and picks the attempt token;
+    all processes learn the outcome."""
     key = f"cairn/save/{seq}/token"
     if coord.process_index == 0:
         msg: dict[str, Any] = {"token": secrets.token_hex(6)}
         try:
             strategy.check_destination(loc, overwrite)
+            msg.update(hosts.gather(timeout))
         except CheckpointError as e:
             msg = {"error": error_record(e, 0), "message": str(e)}
         coord.publish(key, json.dumps(msg).encode())
     else:
+        hosts.publish()
         msg = json.loads(fetch_from(coord, key, timeout, writer=0))
     if "error" in msg:
         raise error_from_record(msg["error"], msg["message"])
+    hosts.place(msg)
     return msg["token"]

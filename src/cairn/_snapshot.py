@@ -29,12 +29,14 @@ Where the time goes, and what is done about it:
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
 from ._buffers import snapshot_pool
+from ._layout import Concat
 
 #: Consecutive chunks of a file are copied into shared buffers of at least this size.
 SLAB_BYTES = 8 << 20
@@ -48,7 +50,7 @@ def snapshot(job: Any, budget_bytes: int | None = None) -> None:
     used = device_bytes = 0
     host: list[tuple[Any, int, tuple[int, int], Any, int]] = []  # (item, file, key, host-visible source, bytes)
     to_host: list[tuple[Any, tuple[int, int], Any]] = []  # accelerator chunks: (item, key, array)
-    protected = []
+    protected: list[Any] = []
     for item in job.items:
         sources = item.sources
         for k, slots in enumerate(item.files):
@@ -56,29 +58,35 @@ def snapshot(job: Any, budget_bytes: int | None = None) -> None:
                 key = (slot.leaf, slot.cell)
                 src = sources[key]
                 nbytes = slot.nbytes
+                merged = type(src) is Concat
                 if type(src) is not np.ndarray and budget_bytes is not None and used + nbytes > budget_bytes:
-                    copy = device_copy(src)
+                    copy = Concat([device_copy(p) for p in src.parts]) if merged else device_copy(src)
                     sources[key] = copy
-                    protected.append(copy)
+                    protected.extend(copy.parts if merged else [copy])
                     device_bytes += nbytes
                     continue
                 used += nbytes
                 # numpy leaves are the caller's: they may change after save_async returns. A CPU
                 # jax.Array's host view is its device buffer, which a donation may reuse.
-                if type(src) is np.ndarray or on_cpu(src):
+                first = src.parts[0] if merged else src
+                if type(first) is np.ndarray or on_cpu(first):
                     host.append((item, k, key, src, nbytes))
                 else:
                     to_host.append((item, key, src))
-    hosts: list[Any] = []
+    hosts: Iterator[Any] = iter(())
     if to_host:
         import jax
 
         # The transfers make fresh host arrays (the copy): one call starts all of them, and
         # they run while the host-visible chunks are copied below.
-        hosts = jax.device_put([a for _, _, a in to_host], jax.devices("cpu")[0])
+        flat = [p for _, _, a in to_host for p in (a.parts if type(a) is Concat else [a])]
+        hosts = iter(jax.device_put(flat, jax.devices("cpu")[0]))
     _copy(job, host)
-    for (item, key, _), h in zip(to_host, hosts):
-        item.sources[key] = np.asarray(h)
+    for item, key, a in to_host:
+        if type(a) is Concat:  # a merged chunk: its pieces one after another along axis 0
+            item.sources[key] = np.concatenate([np.asarray(next(hosts)) for _ in a.parts])
+        else:
+            item.sources[key] = np.asarray(next(hosts))
     if protected:
         import jax
 
@@ -117,6 +125,18 @@ def _copy(job: Any, host: list[tuple[Any, int, tuple[int, int], Any, int]]) -> N
 
     def run(part: list[tuple[np.ndarray, int, Any, tuple[int, int], Any, int]]) -> None:
         for slab, pos, item, key, src, n in part:
+            if type(src) is Concat:  # a merged chunk: its pieces one after another along axis 0
+                vs = [np.asarray(p) for p in src.parts]
+                if sum(v.nbytes for v in vs) != n:
+                    item.sources[key] = np.concatenate(vs)  # the writer reports the size
+                    continue
+                at = pos
+                for v in vs:
+                    _copy_into(slab[at : at + v.nbytes], v)
+                    at += v.nbytes
+                shape = (sum(v.shape[0] for v in vs), *vs[0].shape[1:])
+                item.sources[key] = slab[pos : pos + n].view(vs[0].dtype).reshape(shape) if n else np.concatenate(vs)
+                continue
             v = np.asarray(src)
             # A chunk of other than its planned size gets a copy of its own; the writer reports it.
             item.sources[key] = _copy_into(slab[pos : pos + n], v) if v.nbytes == n else np.array(v)

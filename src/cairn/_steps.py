@@ -93,14 +93,15 @@ def step_metadata(step: int, metrics: Mapping[str, Any] | None, where: str) -> d
 
 
 def read_info(loc: Location, step: int) -> CheckpointInfo:
-    """What retention sees of committed `step` at `loc`: the metrics in its manifest (non-numbers as None)."""
-    meta = read_manifest(loc).metadata.get(META_KEY, {})
+    """What retention sees of committed `step` at `loc`: its metrics (non-numbers as None) and commit time."""
+    manifest = read_manifest(loc)
+    meta = manifest.metadata.get(META_KEY, {})
     raw = meta.get("metrics", {}) if isinstance(meta, dict) else {}
     metrics = {
         str(k): (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None)
         for k, v in (raw.items() if isinstance(raw, dict) else ())
     }
-    return CheckpointInfo(step, MappingProxyType(metrics))
+    return CheckpointInfo(step, MappingProxyType(metrics), float(manifest.created_unix or 0.0))
 
 
 def open_directory(directory: str | os.PathLike[str], options: dict[str, Any] | None = None) -> tuple[str, Storage]:
@@ -130,6 +131,21 @@ def committed_steps(storage: Storage) -> list[int]:
         if step is not None and storage.exists(f"{name}/{fmt.MANIFEST}"):
             out.append(step)
     return sorted(out)
+
+
+def newest_committed(storage: Storage, after: int | None = None) -> int | None:
+    """The newest committed step newer than `after` (any, if None), or None.
+
+    One listing, then one `exists` per candidate, newest first: usually one,
+    so that polling an object store costs two requests.
+    """
+    names = storage.list_dir("")
+    found = sorted((s for s in map(parse_step, names) if s is not None and (after is None or s > after)),
+                   reverse=True)
+    for step in found:
+        if storage.exists(f"{step_dirname(step)}/{fmt.MANIFEST}"):
+            return step
+    return None
 
 
 def delete_step(storage: Storage, step: int) -> None:

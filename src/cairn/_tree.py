@@ -143,16 +143,22 @@ def _is_plain_leaf(x: Any) -> bool:
     return t.__module__.startswith(("jaxlib", "jax")) and t.__name__ in ("ArrayImpl", "Array")
 
 
-def unflatten(structure: Structure, leaves: Mapping[int, Any] | list[Any], skip: object = None) -> Any:
+def unflatten(structure: Structure, leaves: Mapping[int, Any] | list[Any], skip: object = None,
+              per_process: Callable[[list[Structure], Callable[[Structure], Any]], Any] | None = None) -> Any:
     """Rebuild plain containers from a structure and leaves (by leaf number).
 
     Leaves whose value is the `skip` sentinel are dropped from their parent (used
-    for partial loads); namedtuples and registered nodes come back as dicts.
+    for partial loads); namedtuples and registered nodes come back as dicts. A
+    per-process node (`_perprocess`) is ``per_process(children, build)``, by default
+    the list of every process's value.
     """
 
     def build(node: Structure) -> Any:
         if "leaf" in node:
             return leaves[node["leaf"]]
+        if "per_process" in node:
+            subs = node["per_process"]
+            return per_process(subs, build) if per_process is not None else [build(c) for c in subs]
         if "dict" in node:
             out = {}
             for k, child in node["dict"]:

@@ -17,7 +17,7 @@ import contextlib
 import math
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +27,7 @@ import numpy as np
 from . import _format as fmt
 from . import _values as values
 from ._checksum import crc32c
-from ._errors import CorruptCheckpointError
+from ._errors import CheckpointError, CorruptCheckpointError
 from ._location import Location, resolve
 from ._metadata import open_checkpoint, read_index, read_manifest
 from ._reader import make_reader, read_box, slab_boxes, slab_bytes
@@ -75,6 +75,25 @@ class _Piece:
     lo: int
     hi: int
     reader: Any
+
+
+def bad_blocks(buf: Any, lo: int, hi: int, off: int, crcs: Sequence[int], block: int) -> list[str]:
+    """What is wrong with chunk bytes ``lo..hi`` (whole checksum blocks, held in `buf`): one message per
+    block whose CRC-32C is not the stored one in `crcs`. `off` is the chunk's offset in its file."""
+    bad = []
+    for b in range(lo // block, -(-hi // block)):
+        s, t = b * block - lo, min((b + 1) * block, hi) - lo
+        got = crc32c(buf[s:t])
+        if got != crcs[b]:
+            bad.append(f"block {b} (file bytes {off + lo + s}..{off + lo + t}) has CRC-32C {got:#010x}, "
+                       f"stored {crcs[b]:#010x}")
+    return bad
+
+
+def describe_chunk(leaf: fmt.ArrayLeaf, cell: int) -> str:
+    """``leaf 'w' chunk 3 [0:2, 0:4]``: a chunk as messages name it."""
+    region = "[" + ", ".join(f"{a}:{b}" for a, b in leaf.chunk_box(cell)) + "]"
+    return f"leaf {display_path(leaf.path)!r} chunk {cell} {region}"
 
 
 def _where(item: str, root: bool) -> str:
@@ -147,6 +166,12 @@ def verify(
                 ))
             opened[fi] = loc.storage.open_read(key)
             readers.append(opened[fi])
+        if index.table is not None:  # format 2: every record of the binary index parts, checked
+            try:
+                index.table.fetch_all()
+            except CheckpointError as e:
+                problems.append(Problem(str(e), item=name))
+                continue
         for leaf in index.leaves:
             report.leaves += 1
             if not isinstance(leaf, fmt.ArrayLeaf):
@@ -177,15 +202,7 @@ def verify(
         except OSError as e:
             bad.append(f"reading bytes {off + lo}..{off + hi} failed: {e}")
         else:
-            crcs = leaf.crcs[cell]
-            for b in range(lo // block, -(-hi // block)):
-                s, t = b * block - lo, min((b + 1) * block, hi) - lo
-                got = crc32c(buf[s:t])
-                if got != crcs[b]:
-                    bad.append(
-                        f"block {b} (file bytes {off + lo + s}..{off + lo + t}) has CRC-32C {got:#010x}, "
-                        f"stored {crcs[b]:#010x}"
-                    )
+            bad.extend(bad_blocks(buf, lo, hi, off, leaf.crcs[cell], block))
         with lock:
             report.bytes_checked += hi - lo
             if bad:
@@ -206,11 +223,9 @@ def verify(
         leaf = next(x for x in index.leaves if x.path == lpath)
         assert isinstance(leaf, fmt.ArrayLeaf)
         fname = index.files[leaf.chunks[cell][0]].name
-        box = leaf.chunk_box(cell)
-        region = "[" + ", ".join(f"{a}:{b}" for a, b in box) + "]"
         problems.append(Problem(
-            f"{loc.path}{_where(name, manifest.root)}: leaf {display_path(lpath)!r} chunk {cell} {region} in "
-            f"{fname!r} is corrupt: " + "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more blocks" if len(bad) > 3 else ""),
+            f"{loc.path}{_where(name, manifest.root)}: {describe_chunk(leaf, cell)} in {fname!r} is corrupt: "
+            + "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more blocks" if len(bad) > 3 else ""),
             item=name, leaf=lpath, file=fname, chunk=cell,
         ))
     return report

@@ -218,3 +218,79 @@ def update_format_md(ckpt: Path = V1 / "step_5", doc: Path = FORMAT_MD) -> None:
 
 if __name__ == "__main__":
     update_format_md(Path(sys.argv[1]) if len(sys.argv) > 1 else V1 / "step_5")
+
+
+# ----------------------------------------------------------------------------- §13: the v2 example
+
+V2_HEADING = "## 13. The worked example in version 2"
+
+
+def _v2_index_text(idx: dict) -> str:
+    j = json.dumps
+    lines = ["{", f'  "crc32c": {j(idx["crc32c"])},',
+             f'  "format": "cairn-index", "version": {idx["version"]}, "block_size": {idx["block_size"]},',
+             f'  "files": {j(idx["files"])},', f'  "processes": {idx["processes"]},',
+             f'  "parts": {j(idx["parts"])},', f'  "structure": {j(idx["structure"])},', '  "leaves": [']
+    for k, leaf in enumerate(idx["leaves"]):
+        head = ", ".join(_item(key, leaf[key]) for key in ("path", "kind", "dtype", "shape"))
+        rest = ", ".join(_item(key, leaf[key]) for key in leaf if key not in ("path", "kind", "dtype", "shape"))
+        lines.append(f"    {{{head},\n     {rest}}}" + ("," if k + 1 < len(idx["leaves"]) else ""))
+    lines += ["  ]", "}"]
+    return "\n".join(lines) + "\n"
+
+
+def _v2_part_text(part: bytes, idx: dict) -> str:
+    def row(bs: bytes, note: str) -> str:
+        return " ".join(bs[i : i + 8].hex() for i in range(0, len(bs), 8)).ljust(72) + note
+
+    n = int.from_bytes(part[24:32], "little")
+    m = int.from_bytes(part[32:40], "little")
+    out = [row(part[0:16], 'magic "CAIRNIDX", version 2, record size 40'),
+           row(part[16:32], f"process {int.from_bytes(part[16:24], 'little')}, {n} records"),
+           row(part[32:48], f"{m} checksums, the column at byte {int.from_bytes(part[40:48], 'little')}"),
+           row(part[48:64], "zero, then the CRC-32C of bytes 0-59")]
+    for r in range(n):
+        rec = part[64 + 40 * r : 104 + 40 * r]
+        leaf = int.from_bytes(rec[24:28], "little")
+        name = idx["leaves"][leaf]["path"]
+        cell, off, first = (int.from_bytes(rec[i : i + 8], "little") for i in (0, 8, 16))
+        out.append(row(rec[:24], f"{name} cell {cell}: offset {off}, first checksum {first}"))
+        out.append(row(rec[24:40], f"  leaf {leaf}, file {int.from_bytes(rec[28:32], 'little')}, "
+                                   "CRC of its checksums, CRC of the record"))
+    out.append(row(part[64 + 40 * n :], "the checksum column"))
+    return "\n".join(out) + "\n"
+
+
+def format_example_v2(ckpt: Path) -> str:
+    m = json.loads((ckpt / "manifest.json").read_bytes())
+    idx = json.loads((ckpt / "params" / m["items"]["params"]["index"]).read_bytes())
+    part = (ckpt / "params" / idx["parts"][0]["name"]).read_bytes()
+    w = idx["leaves"][0]
+    return f"""
+The save of §11, run by today's cairn, writes `tests/golden/v2/step_5`
+(`tests/test_golden.py` checks what this section shows against those files).
+The manifest is that of §11 with `"version": 2`; `step` and `lr` hold inline
+values only, so their indexes are those of §11 with `"version": 2`. The
+`params` index lists no chunks:
+
+```json
+{_v2_index_text(idx)}```
+
+Process 0 wrote both of `w`'s shards, which follow each other along axis 0,
+so they are one chunk (grid `{json.dumps(w["grid"])}`, writers
+`{json.dumps(w["writers"])}`), and its bytes are those of §11's two chunks one
+after the other; the data file is byte for byte that of §11. Process 0's part,
+`params/{idx["parts"][0]["name"]}` ({len(part)} bytes), holds one record per
+chunk in (leaf, cell) order, then the chunks' checksums (each chunk is smaller
+than one block), in hexadecimal, 8 bytes per group:
+
+```text
+{_v2_part_text(part, idx)}```
+"""
+
+
+def update_format_md_v2(ckpt: Path = HERE / "v2" / "step_5", doc: Path = FORMAT_MD) -> None:
+    text = doc.read_text()
+    start = text.index(V2_HEADING + "\n") + len(V2_HEADING + "\n")
+    end = text.find("\n## ", start)
+    doc.write_text(text[:start] + format_example_v2(ckpt) + (text[end:] if end >= 0 else ""))

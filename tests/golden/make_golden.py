@@ -1,4 +1,4 @@
-"""Write the golden checkpoints of cairn's format version 1 (tests/golden/v1/).
+"""Write the golden checkpoints of a cairn format version (tests/golden/v1/, tests/golden/v2/).
 
 Run once, by hand, and commit what it writes; never regenerate a committed
 golden (they stand for checkpoints users already have on disk; every later
@@ -9,7 +9,8 @@ cairn must still load them). Only a new golden for a new case is added:
 
 refuses to overwrite an existing folder. With no NAME it writes every golden
 that is missing. Writing `step_5` also rewrites the worked example of
-docs/FORMAT.md (§11) from its files (see format_example.py).
+docs/FORMAT.md from its files (§11 from v1's, §13 from v2's; see format_example.py).
+`--out tests/golden/v2` writes the version-2 goldens (what today's cairn writes).
 
 Every value is a deterministic function of nothing (np.arange and constants);
 tests/test_golden.py rebuilds the expected values on its own, independently of
@@ -278,6 +279,9 @@ def main(argv: list[str]) -> int:
     if "step_5" in names and args.out == V1:
         format_example.update_format_md(V1 / "step_5")
         print(f"rewrote the worked example of {format_example.FORMAT_MD}")
+    if "step_5" in names and args.out.resolve() == (HERE / "v2").resolve():
+        format_example.update_format_md_v2(args.out / "step_5")
+        print(f"rewrote the version-2 worked example of {format_example.FORMAT_MD}")
     return 0
 
 

@@ -1,0 +1,433 @@
+"""Pure: format version 2's binary chunk index, found by arithmetic and read in ranges.
+
+In a version-2 index (docs/FORMAT.md §5.2) an array leaf written on a regular
+chunk grid stores its grid once, as runs of cell extents, and which process
+wrote each cell, as arithmetic runs. What varies per chunk (data file, offset,
+block checksums) lives in one binary *part* per writing process: fixed-width
+records sorted by (leaf, cell), then a column of block CRCs. The record of
+(leaf, cell) sits at a position every reader can compute: the number of cells
+the same process wrote in earlier leaves, plus the cell's rank among that
+process's cells of its leaf. So a loader reads the records of the chunks it
+reads, nothing else, and no process ever merges the others' parts.
+
+No I/O here: a `ChunkTable` is given a function that reads byte ranges.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._checksum import crc32c
+from ._errors import CorruptCheckpointError
+
+MAGIC = b"CAIRNIDX"
+PART_VERSION = 2
+HEADER_BYTES = 64
+RECORD = np.dtype([("cell", "<u8"), ("offset", "<u8"), ("crc_start", "<u8"), ("leaf", "<u4"),
+                   ("file", "<u4"), ("crcs_crc", "<u4"), ("rec_crc", "<u4")])
+RECORD_BYTES = RECORD.itemsize  # 40
+#: Records (or CRCs) closer than this many bytes in one part are fetched in one range.
+MERGE_GAP = 4096
+
+Reader = Callable[[list[tuple[str, int, int]]], list[bytes]]  # (part name, start, length) -> bytes
+
+
+def part_name(process: int, token: str) -> str:
+    return f"index.p{process:05d}.{token}.idx"
+
+
+def _fail(where: object, msg: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{where}: {msg}")
+
+
+# --------------------------------------------------------------------------- parts
+
+
+def encode_part(process: int, leaf: Sequence[int], cell: Sequence[int], file: Sequence[int],
+                offset: Sequence[int], crcs: Sequence[Sequence[int]]) -> bytes:
+    """One process's part: header, records in the given order (sorted by (leaf, cell)), CRC column."""
+    n = len(leaf)
+    rec = np.zeros(n, dtype=RECORD)
+    rec["leaf"], rec["cell"], rec["file"], rec["offset"] = leaf, cell, file, offset
+    counts = np.fromiter((len(c) for c in crcs), dtype=np.int64, count=n)
+    starts = np.cumsum(counts) - counts
+    rec["crc_start"] = starts
+    column = np.fromiter((v for c in crcs for v in c), dtype="<u4", count=int(counts.sum()))
+    col = column.tobytes()
+    for i in range(n):
+        s = int(starts[i]) * 4
+        rec["crcs_crc"][i] = crc32c(col[s : s + int(counts[i]) * 4])
+    raw = rec.view(np.uint8).reshape(n, RECORD_BYTES)
+    rec["rec_crc"] = [crc32c(raw[i, : RECORD_BYTES - 4].tobytes()) for i in range(n)]
+    head = bytearray(HEADER_BYTES)
+    head[0:8] = MAGIC
+    np.frombuffer(head, dtype="<u4", count=2, offset=8)[:] = (PART_VERSION, RECORD_BYTES)
+    np.frombuffer(head, dtype="<u8", count=4, offset=16)[:] = (process, n, len(column), HEADER_BYTES + n * RECORD_BYTES)
+    np.frombuffer(head, dtype="<u4", count=1, offset=60)[:] = crc32c(bytes(head[:60]))
+    return bytes(head) + rec.tobytes() + col
+
+
+def check_header(head: bytes, where: object) -> tuple[int, int, int]:
+    """``(process, records, crcs)`` of a part's 64-byte header, checked."""
+    if len(head) < HEADER_BYTES or head[:8] != MAGIC:
+        raise _fail(where, "not a cairn index part (bad magic)")
+    if int.from_bytes(head[60:64], "little") != crc32c(head[:60]):
+        raise _fail(where, "index part header checksum mismatch")
+    version, rsize = np.frombuffer(head, dtype="<u4", count=2, offset=8)
+    process, n, m, crcs_at = (int(v) for v in np.frombuffer(head, dtype="<u8", count=4, offset=16))
+    if version != PART_VERSION or rsize != RECORD_BYTES or crcs_at != HEADER_BYTES + n * RECORD_BYTES \
+            or head[48:60] != bytes(12):
+        raise _fail(where, f"index part header is not version {PART_VERSION} with {RECORD_BYTES}-byte records")
+    return process, n, m
+
+
+def decode_part(data: bytes, where: object) -> tuple[int, np.ndarray, np.ndarray]:
+    """``(process, records, crc column)`` of a whole part, every checksum verified (for tools)."""
+    process, n, m = check_header(data[:HEADER_BYTES], where)
+    crcs_at = HEADER_BYTES + n * RECORD_BYTES
+    if len(data) != crcs_at + 4 * m:
+        raise _fail(where, f"index part of {len(data)} bytes, its header says {crcs_at + 4 * m}")
+    rec = np.frombuffer(data, dtype=RECORD, count=n, offset=HEADER_BYTES)
+    col = np.frombuffer(data, dtype="<u4", count=m, offset=crcs_at)
+    _check_records(rec, data[HEADER_BYTES:crcs_at], where)
+    return process, rec, col
+
+
+def _check_records(rec: np.ndarray, raw: bytes, where: object) -> None:
+    for i in range(len(rec)):
+        s = i * RECORD_BYTES
+        if crc32c(raw[s : s + RECORD_BYTES - 4]) != int(rec["rec_crc"][i]):
+            raise _fail(where, f"index record {i} checksum mismatch")
+
+
+@dataclass(frozen=True)
+class PartInfo:
+    """One process's part, as the index JSON names it."""
+
+    name: str
+    process: int
+    records: int
+    crcs: int
+    file_base: int  # the part's file k is the index's file file_base + k
+    files: int
+
+
+@dataclass
+class _LeafCells:
+    writers: np.ndarray  # per cell: the writing process
+    ncrc: np.ndarray  # per cell: its number of checksum blocks
+    sizes: np.ndarray  # per cell: bytes
+    rank: np.ndarray | None = None  # per cell: rank among its writer's cells of this leaf
+    crc_rank: np.ndarray | None = None  # per cell: CRCs of its writer's earlier cells of this leaf
+
+
+class ChunkTable:
+    """Chunk places of one item's part-indexed leaves: fetched in ranges, on demand, then kept."""
+
+    def __init__(self, parts: Sequence[PartInfo], processes: int, file_sizes: Sequence[int], where: str):
+        self.parts = {p.process: p for p in parts}
+        self.processes = processes
+        self.file_sizes = list(file_sizes)
+        self.where = where
+        self.leaves: dict[int, _LeafCells] = {}
+        self.reader: Reader | None = None
+        self.bytes_read = 0
+        self.requests = 0
+        self._got: dict[int, dict[int, tuple[int, int, tuple[int, ...]]]] = {}
+        self._bases: tuple[dict[int, np.ndarray], dict[int, np.ndarray]] | None = None
+        self._lock = threading.Lock()
+        self._ncrc: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._rank_memo: dict[tuple[int, int], tuple[_LeafCells, np.ndarray, np.ndarray]] = {}
+
+    def add_leaf(self, i: int, writers: np.ndarray, sizes: np.ndarray, block: int) -> None:
+        # Leaves of one layout share `writers` and `sizes` (memoised by the parser): so do their counts.
+        key = (id(sizes), block)
+        ncrc = self._ncrc.get(key)
+        if ncrc is None:
+            ncrc = self._ncrc[key] = (sizes, -(-sizes // block))
+        self.leaves[i] = _LeafCells(writers, ncrc[1], sizes)
+
+    # ------------------------------------------------------------------ positions
+
+    def _base(self) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+        """Per leaf: each process's records and CRCs in earlier leaves (its offsets in the parts)."""
+        if self._bases is None:
+            rec, crc = {}, {}
+            acc_r = np.zeros(self.processes, dtype=np.int64)
+            acc_c = np.zeros(self.processes, dtype=np.int64)
+            for i in sorted(self.leaves):
+                lc = self.leaves[i]
+                rec[i], crc[i] = acc_r.copy(), acc_c.copy()
+                acc_r += np.bincount(lc.writers, minlength=self.processes)
+                acc_c += np.bincount(lc.writers, weights=lc.ncrc, minlength=self.processes).astype(np.int64)
+            self._bases = rec, crc
+        return self._bases
+
+    def _ranks(self, lc: _LeafCells) -> None:
+        if lc.rank is not None:
+            return
+        key = (id(lc.writers), id(lc.ncrc))
+        hit = self._rank_memo.get(key)
+        if hit is not None and hit[0].writers is lc.writers and hit[0].ncrc is lc.ncrc:
+            lc.rank, lc.crc_rank = hit[1], hit[2]
+            return
+        if lc.rank is None:
+            w = lc.writers
+            order = np.argsort(w, kind="stable")
+            pos = np.empty(len(w), dtype=np.int64)
+            pos[order] = np.arange(len(w))
+            counts = np.bincount(w)
+            start = np.cumsum(counts) - counts
+            lc.rank = pos - start[w]
+            sorted_ncrc = lc.ncrc[order]
+            before = np.cumsum(sorted_ncrc) - sorted_ncrc  # CRCs of earlier cells in sorted order
+            group_first = before[start[w[order]]] if len(w) else before
+            crc_rank = np.empty(len(w), dtype=np.int64)
+            crc_rank[order] = before - group_first
+            lc.crc_rank = crc_rank
+            self._rank_memo[key] = (lc, lc.rank, crc_rank)
+
+    # ------------------------------------------------------------------ fetching
+
+    def fetch(self, need: dict[int, np.ndarray]) -> None:
+        """Read the records (and CRCs) of the given cells of each leaf, in as few ranges as sensible."""
+        with self._lock:
+            self._fetch(need)
+
+    def _fetch(self, need: dict[int, np.ndarray]) -> None:
+        rec_base, crc_base = self._base()
+        wanted: dict[int, list[np.ndarray]] = {}  # part -> rows of (leaf, cell, record no, crc no, crcs)
+        for i, cells in need.items():
+            lc = self.leaves[i]
+            got = self._got.setdefault(i, {})
+            cells = np.unique(np.asarray(cells, dtype=np.int64))
+            if got:
+                cells = np.array([c for c in cells.tolist() if c not in got], dtype=np.int64)
+            if not len(cells):
+                continue
+            self._ranks(lc)
+            assert lc.rank is not None and lc.crc_rank is not None
+            w = lc.writers[cells]
+            rows = np.stack([np.full(len(cells), i), cells, rec_base[i][w] + lc.rank[cells],
+                             crc_base[i][w] + lc.crc_rank[cells], lc.ncrc[cells], w], axis=1)
+            for p in np.unique(w).tolist():
+                wanted.setdefault(p, []).append(rows[w == p])
+        requests: list[tuple[str, int, int]] = []
+        plan: list[tuple[PartInfo, np.ndarray, list[tuple[int, int, int]]]] = []
+        for p, chunks in wanted.items():
+            part = self.parts.get(p)
+            if part is None:
+                raise _fail(self.where, f"process {p} wrote chunks but the index names no part of it")
+            rows = np.concatenate(chunks)
+            rows = rows[np.argsort(rows[:, 2], kind="stable")]
+            if int(rows[:, 2].max()) >= part.records or int((rows[:, 3] + rows[:, 4]).max()) > part.crcs:
+                raise _fail(self.where, f"index part {part.name!r} holds fewer records than its leaves need")
+            # The header too: it is small, and it pins the part's process and counts.
+            crc_at = HEADER_BYTES + part.records * RECORD_BYTES
+            has = rows[:, 4] > 0
+            starts = np.concatenate([[0], HEADER_BYTES + rows[:, 2] * RECORD_BYTES, crc_at + rows[has, 3] * 4])
+            lengths = np.concatenate([[HEADER_BYTES], np.full(len(rows), RECORD_BYTES), rows[has, 4] * 4])
+            order = np.argsort(starts, kind="stable")
+            ranges = _ranges(starts[order], lengths[order])
+            requests += [(part.name, s, e - s) for s, e, _ in ranges]
+            plan.append((part, rows, ranges))
+        if not requests:
+            return
+        if self.reader is None:
+            raise _fail(self.where, "the binary index has no reader bound")
+        blobs = iter(self.reader(requests))
+        self.requests += len(requests)
+        self.bytes_read += sum(r[2] for r in requests)
+        for part, rows, ranges in plan:
+            self._decode(part, rows, ranges, [next(blobs) for _ in ranges])
+
+    def _decode(self, part: PartInfo, rows: np.ndarray, ranges: list[tuple[int, int, int]],
+                blobs: list[bytes]) -> None:
+        where = f"{self.where}: index part {part.name!r}"
+        for (s, e, _), b in zip(ranges, blobs):
+            if len(b) != e - s:
+                raise _fail(where, f"is shorter than its index says (bytes {s}..{e})")
+
+        def at(pos: int, n: int) -> bytes:
+            k = _find(ranges, pos)
+            s = ranges[k][0]
+            return blobs[k][pos - s : pos - s + n]
+
+        if check_header(at(0, HEADER_BYTES), where) != (part.process, part.records, part.crcs):
+            raise _fail(where, "header does not match the part the index names")
+        crc_at = HEADER_BYTES + part.records * RECORD_BYTES
+        raws = [at(HEADER_BYTES + rno * RECORD_BYTES, RECORD_BYTES) for rno in rows[:, 2].tolist()]
+        rec = np.frombuffer(b"".join(raws), dtype=RECORD)
+        bad = np.flatnonzero((rec["leaf"] != rows[:, 0]) | (rec["cell"] != rows[:, 1]) | (rec["crc_start"] != rows[:, 3]))
+        stored = rec["rec_crc"].tolist()
+        for k, raw in enumerate(raws):
+            if crc32c(raw[: RECORD_BYTES - 4]) != stored[k]:
+                raise _fail(where, f"record {int(rows[k, 2])} checksum mismatch")
+        if len(bad):
+            k = int(bad[0])
+            raise _fail(where, f"record {int(rows[k, 2])} is for leaf {int(rec['leaf'][k])} cell "
+                               f"{int(rec['cell'][k])}, not leaf {int(rows[k, 0])} cell {int(rows[k, 1])}")
+        sizes = np.array([int(self.leaves[leaf].sizes[cell]) for leaf, cell in rows[:, :2].tolist()], dtype=np.int64)
+        files = rec["file"].astype(np.int64)
+        offsets = rec["offset"].astype(np.int64)
+        if np.any((sizes > 0) & (files >= part.files)):
+            k = int(np.flatnonzero((sizes > 0) & (files >= part.files))[0])
+            raise _fail(where, f"record {int(rows[k, 2])} names file {int(files[k])} of a part with {part.files}")
+        files = np.where(sizes > 0, files + part.file_base, 0)
+        offsets = np.where(sizes > 0, offsets, 0)
+        limits = np.asarray(self.file_sizes, dtype=np.int64)[files] if self.file_sizes else np.zeros_like(files)
+        outside = np.flatnonzero((sizes > 0) & (offsets + sizes > limits))
+        if len(outside):
+            k = int(outside[0])
+            raise _fail(where, f"record {int(rows[k, 2])} (bytes {int(offsets[k])}..{int(offsets[k] + sizes[k])}) "
+                               "lies outside its data file")
+        check = rec["crcs_crc"].tolist()
+        for k, (leaf, cell, rno, cno, ncrc, _p) in enumerate(rows.tolist()):
+            cb = at(crc_at + cno * 4, ncrc * 4) if ncrc else b""
+            if crc32c(cb) != check[k]:
+                raise _fail(where, f"checksums of record {rno} do not match their checksum")
+            crcs = (int.from_bytes(cb, "little"),) if ncrc == 1 else tuple(np.frombuffer(cb, dtype="<u4").tolist())
+            self._got[leaf][cell] = (int(files[k]), int(offsets[k]), crcs)
+
+    def fetch_all(self) -> None:
+        """Every record of every leaf (tools that read the whole checkpoint)."""
+        self.fetch({i: np.arange(len(lc.writers)) for i, lc in self.leaves.items()})
+
+    def entry(self, leaf: int, cell: int) -> tuple[int, int, tuple[int, ...]]:
+        got = self._got.get(leaf)
+        hit = got.get(cell) if got is not None else None
+        if hit is None:
+            # Not prefetched: fetch this leaf's records whole (one range per writer).
+            self.fetch({leaf: np.arange(len(self.leaves[leaf].writers))})
+            hit = self._got[leaf][cell]
+        return hit
+
+
+def _ranges(starts: np.ndarray, lengths: Any) -> list[tuple[int, int, int]]:
+    """Sorted byte ranges merged while the gap between them stays under `MERGE_GAP`: (start, end, 0)."""
+    ends = starts + lengths
+    out: list[tuple[int, int, int]] = []
+    for s, e in zip(starts.tolist(), np.broadcast_to(ends, starts.shape).tolist()):
+        if out and s - out[-1][1] <= MERGE_GAP:
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e, 0)
+        else:
+            out.append((s, e, 0))
+    return out
+
+
+def _find(ranges: list[tuple[int, int, int]], pos: int) -> int:
+    lo, hi = 0, len(ranges) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ranges[mid][0] <= pos:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+_PART_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
+
+
+def _field(x: Any, key: str, where: str, lo: int = 0, hi: int = 1 << 56) -> Any:
+    v = x.get(key) if isinstance(x, dict) else None
+    if key == "name":
+        if type(v) is not str or not _PART_NAME.match(v):
+            raise _fail(where, f"bad index part name {v!r:.80}")
+        return v
+    if type(v) is not int or not lo <= v <= hi:
+        raise _fail(where, f"field {key!r} must be an integer in [{lo}, {hi}], found {v!r:.80}")
+    return v
+
+
+def parse_parts(d: dict[str, Any], file_sizes: list[int], where: str) -> ChunkTable:
+    """The `parts` of a version-2 index, checked, as a `ChunkTable` its leaves are added to."""
+    parts_raw = d.get("parts", [])
+    processes = _field(d, "processes", where, 1, 1 << 24) if "processes" in d else 1
+    if type(parts_raw) is not list:
+        raise _fail(where, "'parts' must be a list")
+    parts, seen = [], set()
+    for i, x in enumerate(parts_raw):
+        w = f"{where}: parts[{i}]"
+        p = _field(x, "process", w, 0, processes - 1)
+        base, nf = _field(x, "file_base", w), _field(x, "files", w)
+        if p in seen or base + nf > len(file_sizes):
+            raise _fail(w, "repeated process, or files outside the index's file list")
+        seen.add(p)
+        parts.append(PartInfo(_field(x, "name", w), p, _field(x, "records", w), _field(x, "crcs", w), base, nf))
+    return ChunkTable(parts, processes, file_sizes, where)
+
+
+_cell_bytes_cache: dict[tuple[Any, int], np.ndarray] = {}
+
+
+def cell_bytes(grid: tuple[tuple[int, ...], ...], itemsize: int) -> np.ndarray:
+    """Bytes of every grid cell in C order, as an int64 array (memoised per grid)."""
+    key = (grid, itemsize)
+    hit = _cell_bytes_cache.get(key)
+    if hit is None:
+        hit = np.array([itemsize], dtype=np.int64)
+        for b in grid:
+            hit = np.multiply.outer(hit, np.diff(np.asarray(b, dtype=np.int64))).reshape(-1)
+        if len(_cell_bytes_cache) > 1024:
+            _cell_bytes_cache.clear()
+        _cell_bytes_cache[key] = hit
+    return hit
+
+
+class LazyChunks(Sequence[tuple[int, int]]):
+    """A leaf's ``(file, offset)`` per cell, from its `ChunkTable` (fetched on first use)."""
+
+    def __init__(self, table: ChunkTable, leaf: int, n: int):
+        self.table, self.leaf, self.n = table, leaf, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, cell: Any) -> Any:
+        if isinstance(cell, slice):
+            return [self[c] for c in range(*cell.indices(self.n))]
+        if not 0 <= cell < self.n:
+            raise IndexError(cell)
+        f, off, _ = self.table.entry(self.leaf, cell)
+        return f, off
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        self.table.fetch({self.leaf: np.arange(self.n)})
+        return (self[c] for c in range(self.n))
+
+
+class LazyCrcs(LazyChunks):
+    """A leaf's block CRCs per cell, from its `ChunkTable`."""
+
+    def __getitem__(self, cell: Any) -> Any:
+        if isinstance(cell, slice):
+            return [self[c] for c in range(*cell.indices(self.n))]
+        if not 0 <= cell < self.n:
+            raise IndexError(cell)
+        return self.table.entry(self.leaf, cell)[2]
+
+
+def cells_in(grid: Sequence[Sequence[int]], boxes: Sequence[Sequence[tuple[int, int]]]) -> np.ndarray:
+    """The grid cells (C-order numbers) that overlap any of `boxes`, sorted, each once."""
+    shape = tuple(len(b) - 1 for b in grid)
+    if not shape:
+        return np.zeros(1, dtype=np.int64)
+    out = []
+    for box in boxes:
+        axes = []
+        for b, (lo, hi) in zip(grid, box):
+            if hi <= lo:
+                break
+            arr = np.asarray(b)
+            axes.append(np.arange(int(np.searchsorted(arr, lo, "right")) - 1, int(np.searchsorted(arr, hi, "left"))))
+        else:
+            out.append(np.ravel_multi_index(np.ix_(*axes), shape).reshape(-1))
+    return np.unique(np.concatenate(out)) if out else np.zeros(0, dtype=np.int64)
