@@ -140,7 +140,8 @@ class ChunkTable:
         self.bytes_read = 0
         self.requests = 0
         self._got: dict[int, dict[int, tuple[int, int, tuple[int, ...]]]] = {}
-        self._bases: tuple[dict[int, np.ndarray], dict[int, np.ndarray]] | None = None
+        self._bases: tuple[np.ndarray, np.ndarray] | None = None
+        self._row: dict[int, int] = {}
         self._lock = threading.Lock()
         self._ncrc: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._rank_memo: dict[tuple[int, int], tuple[_LeafCells, np.ndarray, np.ndarray]] = {}
@@ -155,18 +156,23 @@ class ChunkTable:
 
     # ------------------------------------------------------------------ positions
 
-    def _base(self) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
-        """Per leaf: each process's records and CRCs in earlier leaves (its offsets in the parts)."""
+    def _base(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per leaf (row `_row[leaf]`) and process: that process's records and CRCs in earlier
+        leaves, i.e. where its records of the leaf start in its part. One pass over all cells."""
         if self._bases is None:
-            rec, crc = {}, {}
-            acc_r = np.zeros(self.processes, dtype=np.int64)
-            acc_c = np.zeros(self.processes, dtype=np.int64)
-            for i in sorted(self.leaves):
-                lc = self.leaves[i]
-                rec[i], crc[i] = acc_r.copy(), acc_c.copy()
-                acc_r += np.bincount(lc.writers, minlength=self.processes)
-                acc_c += np.bincount(lc.writers, weights=lc.ncrc, minlength=self.processes).astype(np.int64)
-            self._bases = rec, crc
+            order = sorted(self.leaves)
+            self._row = {i: k for k, i in enumerate(order)}
+            n, procs = len(order), self.processes
+            if not n:
+                self._bases = np.zeros((0, procs), np.int64), np.zeros((0, procs), np.int64)
+                return self._bases
+            lcs = [self.leaves[i] for i in order]
+            lens = np.fromiter((len(lc.writers) for lc in lcs), dtype=np.int64, count=n)
+            key = np.repeat(np.arange(n, dtype=np.int64) * procs, lens) + np.concatenate([lc.writers for lc in lcs])
+            counts = np.bincount(key, minlength=n * procs).reshape(n, procs)
+            ncrc = np.concatenate([lc.ncrc for lc in lcs]).astype(np.float64)
+            crcs = np.rint(np.bincount(key, weights=ncrc, minlength=n * procs)).astype(np.int64).reshape(n, procs)
+            self._bases = np.cumsum(counts, axis=0) - counts, np.cumsum(crcs, axis=0) - crcs
         return self._bases
 
     def _ranks(self, lc: _LeafCells) -> None:
@@ -203,9 +209,17 @@ class ChunkTable:
     def _fetch(self, need: dict[int, np.ndarray]) -> None:
         rec_base, crc_base = self._base()
         wanted: dict[int, list[np.ndarray]] = {}  # part -> rows of (leaf, cell, record no, crc no, crcs)
+        single: dict[int, list[tuple[int, ...]]] = {}  # the same, for leaves of one cell (many small leaves)
         for i, cells in need.items():
             lc = self.leaves[i]
             got = self._got.setdefault(i, {})
+            row = self._row[i]
+            if len(lc.writers) == 1:
+                if 0 not in got:
+                    p = int(lc.writers[0])
+                    single.setdefault(p, []).append(
+                        (i, 0, int(rec_base[row, p]), int(crc_base[row, p]), int(lc.ncrc[0]), p))
+                continue
             cells = np.unique(np.asarray(cells, dtype=np.int64))
             if got:
                 cells = np.array([c for c in cells.tolist() if c not in got], dtype=np.int64)
@@ -214,10 +228,12 @@ class ChunkTable:
             self._ranks(lc)
             assert lc.rank is not None and lc.crc_rank is not None
             w = lc.writers[cells]
-            rows = np.stack([np.full(len(cells), i), cells, rec_base[i][w] + lc.rank[cells],
-                             crc_base[i][w] + lc.crc_rank[cells], lc.ncrc[cells], w], axis=1)
+            rows = np.stack([np.full(len(cells), i), cells, rec_base[row][w] + lc.rank[cells],
+                             crc_base[row][w] + lc.crc_rank[cells], lc.ncrc[cells], w], axis=1)
             for p in np.unique(w).tolist():
                 wanted.setdefault(p, []).append(rows[w == p])
+        for p, lst in single.items():
+            wanted.setdefault(p, []).append(np.array(lst, dtype=np.int64).reshape(-1, 6))
         requests: list[tuple[str, int, int]] = []
         plan: list[tuple[PartInfo, np.ndarray, list[tuple[int, int, int]]]] = []
         for p, chunks in wanted.items():

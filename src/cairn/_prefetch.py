@@ -32,8 +32,9 @@ def prefetch(index: fmt.ItemIndex, wanted: dict[int, Any], reads: dict[int, Any]
         if not isinstance(leaf, fmt.ArrayLeaf) or i not in table.leaves:
             continue
         sharding = reads.get(i)
-        if sharding is None:
-            need[i] = np.arange(len(table.leaves[i].writers))
+        cells = len(table.leaves[i].writers)
+        if sharding is None or cells == 1:
+            need[i] = np.arange(cells)
         else:
             boxes, _ = addressable_boxes(sharding, leaf.shape)
             need[i] = cells_in(leaf.grid, boxes)
