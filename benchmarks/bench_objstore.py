@@ -26,9 +26,9 @@ Each server run also probes how the server's cost of one ranged GET depends
 on the object's size (4 MiB read from a 4 MiB and from a 64 MiB object): moto
 answers a ranged GET in time proportional to the whole object.
 
-``--plan-max-read MIB`` is an experiment: it makes the load planner merge
-adjacent chunks of a file into reads of up to that size (its ``max_read``,
-4 MiB), to measure what larger requests would give.
+``--plan-max-read MIB`` sets the storage option ``plan_read_size`` (default
+32 MiB): the load planner merges adjacent chunks of a file into reads of up to
+that size.
 
 The raw patterns only receive the bytes (no copy into arrays, no checksum):
 the strictest comparison. Prints seconds (median) per pattern, the best raw
@@ -261,15 +261,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="a cairn storage option for every run, e.g. read_part_size=16777216 (repeatable)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument("--plan-max-read", type=int, default=None, metavar="MIB",
-                    help="experiment: plan loads with reads merged up to this size (the planner's max_read)")
+                    help="plan loads with reads merged up to this size (the storage option plan_read_size, default 32)")
     a = ap.parse_args(argv)
     a.option = dict(a.option)
-    if a.plan_max_read:  # both planners' max_read, their last keyword
-        from cairn import _plan, _reader
-
-        for fn in (_plan.plan_reads, getattr(_reader, "whole_reads", None)):
-            if fn is not None and fn.__defaults__:
-                fn.__defaults__ = (*fn.__defaults__[:-1], a.plan_max_read * MiB)
+    if a.plan_max_read:  # the storage option the loads plan their reads up to
+        a.option["plan_read_size"] = a.plan_max_read * MiB
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     flags = os.environ.get("XLA_FLAGS", "")

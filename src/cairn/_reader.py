@@ -198,9 +198,11 @@ class ChunkReader:
             return ArrayReads([self._runs.add(leaf, span[0], span[1], dest)], [dest], boxes, placement)
         absolute = boxes if region is None else [
             tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes]
-        reads = whole_reads(leaf, self.index.block_size, self.verify) if region is None and sharding is None else None
+        max_read = getattr(self.loc.storage, "preferred_read", DEFAULT_MAX_READ)
+        reads = (whole_reads(leaf, self.index.block_size, self.verify, max_read)
+                 if region is None and sharding is None else None)
         if reads is None:
-            reads = plan_reads(leaf, absolute, self.index.block_size, self.verify)
+            reads = plan_reads(leaf, absolute, self.index.block_size, self.verify, max_read=max_read)
         for file in sorted({r.file for r in reads}):
             self._reader(file)  # checks the files first: a false size claim allocates nothing
         try:
@@ -220,6 +222,10 @@ class ChunkReader:
         for f in reads.futures:
             f.result()
         return reads.dests[0].tobytes()
+
+
+#: The largest read a load plans where the storage states no `preferred_read`.
+DEFAULT_MAX_READ = 4 << 20
 
 
 def whole_reads(leaf: fmt.ArrayLeaf, block: int, verify: bool, max_read: int = 4 << 20) -> list[Read] | None:

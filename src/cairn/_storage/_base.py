@@ -51,6 +51,8 @@ class Storage(Protocol):
     #: Whole directories can be renamed atomically (POSIX); otherwise commit by
     #: a create-if-absent put of the manifest.
     atomic_rename: bool
+    #: OPTIONAL: the largest read a load should plan (adjacent chunks of a file merged up to it);
+    #: readers use 4 MiB where a storage does not say.
     #: Requests retried after transient failures so far (object stores; 0 elsewhere).
     retries: int
 

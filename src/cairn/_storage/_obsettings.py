@@ -31,6 +31,9 @@ class Tuning:
     upload_concurrency: int = 4
     read_part_size: int = 16 * _MiB
     read_concurrency: int = 4
+    # The largest read a load plans (adjacent chunks of a file merged up to it): stores charge per
+    # request, and such a read goes out as parts of `read_part_size` in parallel.
+    plan_read_size: int = 32 * _MiB
 
     def __post_init__(self) -> None:
         if self.max_retries < 0:
@@ -38,8 +41,8 @@ class Tuning:
         if self.part_size < 5 * _MiB:
             # S3 rejects multipart parts under 5 MiB (except the last).
             raise ValueError(f"part_size must be at least 5 MiB, got {self.part_size}")
-        if self.read_part_size < 1 or self.upload_concurrency < 1 or self.read_concurrency < 1:
-            raise ValueError("read_part_size, upload_concurrency and read_concurrency must be positive")
+        if min(self.read_part_size, self.upload_concurrency, self.read_concurrency, self.plan_read_size) < 1:
+            raise ValueError("read_part_size, upload_concurrency, read_concurrency and plan_read_size must be positive")
 
 
 _TUNING_KEYS = frozenset(f.name for f in fields(Tuning))

@@ -144,7 +144,9 @@ class _ObjectReader:
     one request, so the parts of a large read went out as one GET each window.)
     """
 
-    vectored: ClassVar[bool] = False  # consecutive buffers share requests, but each costs a copy call
+    # Consecutive buffers share requests, and each answer is copied straight into the buffers it
+    # covers: filling several destination regions in one read costs no copy a scratch buffer would not.
+    vectored: ClassVar[bool] = True
 
     def __init__(self, storage: ObjectStorage, key: str):
         self.storage, self.key = storage, key
@@ -232,6 +234,7 @@ class ObjectStorage:
             raise ValueError(f"{url!r} is not an object-store URL (like s3://bucket/prefix)")
         self.url = url.rstrip("/")
         self.tuning, client, config = split_options(options)
+        self.preferred_read = self.tuning.plan_read_size  # what a load plans its reads up to
         client_options: Any = client or None
         store_config: Any = config or None
         t = self.tuning
