@@ -40,7 +40,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                     help="sizes (GiB) for the time-vs-size plot; '' for none")
     ap.add_argument("--plot-reps", type=int, default=1, help="repetitions at the other plot sizes")
     ap.add_argument("--systems", default=",".join(ALL), help=f"comma list from {ALL}")
-    ap.add_argument("--dtype", default="float32", help="float32, bfloat16, or both comma-separated")
+    ap.add_argument("--dtype", default="float32", help="comma list of float32, bfloat16, mixed")
     ap.add_argument("--out", default="bench-results", help="output folder")
     ap.add_argument("--workdir", default=None,
                     help="where checkpoints are written (default: <out>/work; same disk as --out)")
@@ -52,7 +52,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"unknown systems {bad}; choose from {ALL}")
     a.dtypes = [d for d in a.dtype.split(",") if d]
     for d in a.dtypes:
-        if d not in ("float32", "bfloat16"):
+        if d not in st.DTYPES:
             ap.error(f"unknown dtype {d!r}")
     return a
 

@@ -86,12 +86,39 @@ def describe(spec: list[Leaf]) -> dict[str, Any]:
     return {"d_model": d, "layers": layers, "vocab": VOCAB, "ffn": _ffn(d), "leaves": len(spec)}
 
 
+#: The states `make bench` measures: all float32, all bfloat16, or "mixed" (what
+#: mixed-precision training keeps: bfloat16 attention and MLP matrices, float32
+#: embedding, output head and norms; about 40% of the bytes in bfloat16).
+DTYPES = ("float32", "bfloat16", "mixed")
+
+
 def np_dtype(name: str) -> np.dtype:
-    if name == "bfloat16":
+    """The dtype of a uniform state; for "mixed", the dtype of its largest leaves (for sizing only)."""
+    if name in ("bfloat16", "mixed"):
         import ml_dtypes
 
         return np.dtype(ml_dtypes.bfloat16)
     return np.dtype(name)
+
+
+def leaf_dtype(leaf: Leaf, dtype: Any) -> np.dtype:
+    """The dtype `leaf` has in a state of `dtype` (a numpy dtype, or one of `DTYPES`)."""
+    if isinstance(dtype, str) and dtype == "mixed":
+        matrix = len(leaf.shape) == 2 and leaf.name not in ("embed_tokens", "lm_head")
+        return np_dtype("bfloat16") if matrix else np.dtype(np.float32)
+    return np_dtype(dtype) if isinstance(dtype, str) else np.dtype(dtype)
+
+
+def state_bytes(spec: list[Leaf], dtype: Any) -> int:
+    return sum(int(np.prod(leaf.shape)) * leaf_dtype(leaf, dtype).itemsize for leaf in spec)
+
+
+def sized_spec(target_bytes: int, dtype: str) -> list[Leaf]:
+    """The Llama-like leaves of about `target_bytes` in a state of `dtype` (one of `DTYPES`)."""
+    if dtype != "mixed":
+        return llama_spec(target_bytes, np_dtype(dtype).itemsize)
+    spec = llama_spec(target_bytes, 2)  # then scaled down to the bytes the float32 leaves add
+    return llama_spec(round(target_bytes * target_bytes / state_bytes(spec, dtype)), 2)
 
 
 def leaf_values(leaf: Leaf, index: int, dtype: np.dtype, seed: int = 0) -> np.ndarray:
@@ -179,14 +206,14 @@ def sharding_for(leaf: Leaf, m: Any, resharded: bool = False) -> Any:
     return NamedSharding(m, P(*spec))
 
 
-def build_jax(spec: list[Leaf], dtype: np.dtype, seed: int = 0) -> tuple[dict[str, Any], dict[str, str]]:
+def build_jax(spec: list[Leaf], dtype: Any, seed: int = 0) -> tuple[dict[str, Any], dict[str, str]]:
     """The sharded jax state and a fingerprint per leaf."""
     import jax
 
     m = mesh()
     state, prints = {}, {}
     for i, leaf in enumerate(spec):
-        host = leaf_values(leaf, i, dtype, seed)
+        host = leaf_values(leaf, i, leaf_dtype(leaf, dtype), seed)
         prints[leaf.name] = fingerprint(host)
         state[leaf.name] = jax.make_array_from_callback(
             leaf.shape, sharding_for(leaf, m), lambda idx, h=host: np.array(h[idx])
@@ -196,12 +223,12 @@ def build_jax(spec: list[Leaf], dtype: np.dtype, seed: int = 0) -> tuple[dict[st
     return nest(state), prints
 
 
-def abstract_jax(spec: list[Leaf], dtype: np.dtype, resharded: bool) -> dict[str, Any]:
+def abstract_jax(spec: list[Leaf], dtype: Any, resharded: bool) -> dict[str, Any]:
     import jax
 
     m = mesh()
     return nest({
-        leaf.name: jax.ShapeDtypeStruct(leaf.shape, dtype, sharding=sharding_for(leaf, m, resharded))
+        leaf.name: jax.ShapeDtypeStruct(leaf.shape, leaf_dtype(leaf, dtype), sharding=sharding_for(leaf, m, resharded))
         for leaf in spec
     })
 
@@ -228,12 +255,12 @@ def build_torch(spec: list[Leaf], dtype_name: str, seed: int = 0) -> tuple[dict[
     """The same values as plain CPU torch tensors (DCP in one process holds whole tensors)."""
     import torch
 
-    dtype = np_dtype(dtype_name)
     state, prints = {}, {}
     for i, leaf in enumerate(spec):
+        dtype = leaf_dtype(leaf, dtype_name)
         host = leaf_values(leaf, i, dtype, seed)
         prints[leaf.name] = fingerprint(host)
-        if dtype_name == "bfloat16":
+        if dtype == np_dtype("bfloat16"):
             t = torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
         else:
             t = torch.from_numpy(host)

@@ -26,7 +26,7 @@ class System:
         return {}
 
     def build(self, spec: list[st.Leaf], dtype: str) -> tuple[Any, dict[str, str]]:
-        return st.build_jax(spec, st.np_dtype(dtype))
+        return st.build_jax(spec, dtype)
 
     def save(self, state: Any, path: str) -> None:
         raise NotImplementedError
@@ -82,7 +82,7 @@ class Cairn(System):
     def load(self, path: str, spec: list[st.Leaf], dtype: str, resharded: bool) -> Any:
         import jax
 
-        out = self.cairn.load(path, st.abstract_jax(spec, st.np_dtype(dtype), resharded))
+        out = self.cairn.load(path, st.abstract_jax(spec, dtype, resharded))
         return jax.block_until_ready(out)
 
 
@@ -136,7 +136,7 @@ class Orbax(System):
     def load(self, path: str, spec: list[st.Leaf], dtype: str, resharded: bool) -> Any:
         import jax
 
-        abstract = st.abstract_jax(spec, st.np_dtype(dtype), resharded)
+        abstract = st.abstract_jax(spec, dtype, resharded)
         restore_args = self.ocp.checkpoint_utils.construct_restore_args(abstract)
         out = self.ckptr.restore(path, args=self.ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args))
         return jax.block_until_ready(out)
@@ -197,8 +197,11 @@ class DCP(System):
 
     def load(self, path: str, spec: list[st.Leaf], dtype: str, resharded: bool) -> Any:
         torch = self.torch
-        tdtype = torch.bfloat16 if dtype == "bfloat16" else getattr(torch, dtype)
-        sd = st.nest({leaf.name: torch.empty(leaf.shape, dtype=tdtype) for leaf in spec})
+        def tdtype(leaf: st.Leaf) -> Any:
+            d = st.leaf_dtype(leaf, dtype)
+            return torch.bfloat16 if d == st.np_dtype("bfloat16") else getattr(torch, d.name)
+
+        sd = st.nest({leaf.name: torch.empty(leaf.shape, dtype=tdtype(leaf)) for leaf in spec})
         self.dcp.load(sd, storage_reader=self.dcp.FileSystemReader(path))
         return sd
 

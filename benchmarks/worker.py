@@ -36,8 +36,8 @@ def run_system(name: str, size: int, dtype: str, workdir: str) -> dict[str, Any]
     jax.devices()  # initialise the runtime before taking the RSS baseline
     system = sy.SYSTEMS[name]()
     system.setup()
-    spec = st.llama_spec(size, st.np_dtype(dtype).itemsize)
-    nbytes = st.spec_bytes(spec, st.np_dtype(dtype).itemsize)
+    spec = st.sized_spec(size, dtype)
+    nbytes = st.state_bytes(spec, dtype)
     ms.settle()
     runtime_rss = ms.rss()
     t0 = time.perf_counter()
@@ -116,8 +116,8 @@ PARALLEL = 4  # files / threads of the parallel raw-I/O limits (cairn.save's def
 
 
 def run_limits(size: int, dtype: str, workdir: str) -> dict[str, Any]:
-    spec = st.llama_spec(size, st.np_dtype(dtype).itemsize)
-    nbytes = st.spec_bytes(spec, st.np_dtype(dtype).itemsize)
+    spec = st.sized_spec(size, dtype)
+    nbytes = st.state_bytes(spec, dtype)
     runtime_rss = ms.rss()
     # The state's own bytes, not random bytes: this machine's storage writes
     # compressible data faster (measured: these floats 2.5-3x faster than
@@ -125,7 +125,7 @@ def run_limits(size: int, dtype: str, workdir: str) -> dict[str, Any]:
     src = np.empty(nbytes, dtype=np.uint8)
     off = 0
     for i, leaf in enumerate(spec):
-        b = st.leaf_values(leaf, i, st.np_dtype(dtype)).reshape(-1).view(np.uint8)
+        b = st.leaf_values(leaf, i, st.leaf_dtype(leaf, dtype)).reshape(-1).view(np.uint8)
         src[off : off + len(b)] = b
         off += len(b)
         del b
@@ -184,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--system", required=True, choices=[*sy.SYSTEMS, "limits"])
     ap.add_argument("--size-bytes", type=int, required=True)
-    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--dtype", default="float32", choices=st.DTYPES)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--result", required=True)
     a = ap.parse_args(argv)
