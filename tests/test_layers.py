@@ -53,6 +53,10 @@ LAYERS: dict[str, int] = {
     "cairn._leases": 73,
     "cairn._steps": 72,
     "cairn._retention": 70,
+    # restore transforms (rename, drop, fill) over the sources; the dry run of a load
+    "cairn._plancmd": 71,
+    "cairn._dryrun": 71,
+    "cairn._transforms": 69,
     # between engine and cli: verification and conversion
     # readers of other formats (Orbax, DCP, safetensors) and the sharded safetensors export
     "cairn._sources._convert": 69,
@@ -63,6 +67,7 @@ LAYERS: dict[str, int] = {
     "cairn._export": 67,
     "cairn._sources._base": 66,
     "cairn._sources._torchsave": 66,
+    "cairn._copy": 66,
     "cairn._verify": 65,
     "cairn._safetensors": 65,
     "cairn._torchfile": 65,
@@ -108,6 +113,7 @@ LAYERS: dict[str, int] = {
     "cairn._storage._staging": 19,
     "cairn._storage._base": 16,
     # the bottom: anything may use these
+    "cairn._stats": 7,  # stats, metrics events and listeners: stdlib only (JAX if imported)
     "cairn._buffers": 6,
     "cairn._gcpause": 4,
     "cairn._version": 4,
@@ -159,9 +165,9 @@ PUBLIC_API = [
     "ArrayMetadata", "CheckpointError", "CheckpointExistsError", "CheckpointInfo", "CheckpointManager",
     "CheckpointNotFoundError", "CoordinationError", "CoordinationTimeoutError", "Coordinator",
     "CorruptCheckpointError", "KeepAll", "KeepAny", "KeepBest", "KeepEvery", "KeepIf", "KeepLatest",
-    "KeepNewerThan", "KeepOnePer", "LocalTier", "MismatchError",
-    "PerProcess", "RetentionPolicy", "SaveFuture", "SaveStats", "UnsupportedTypeError", "__version__",
-    "export_safetensors", "load", "metadata", "register_type", "release_snapshot_buffers", "save", "save_async", "wait_all",
+    "KeepNewerThan", "KeepOnePer", "LoadPlan", "LoadStats", "LocalTier", "MismatchError",
+    "PerProcess", "RestoreReport", "RetentionPolicy", "SaveFuture", "SaveStats", "StatsEvent", "UnsupportedTypeError", "__version__",
+    "add_listener", "copy", "export_safetensors", "load", "metadata", "plan_load", "register_type", "release_snapshot_buffers", "remove_listener", "save", "save_async", "wait_all",
 ]
 
 

@@ -140,7 +140,8 @@ def test_kill_wipe_a_host_restart_resumes_from_local_then_persistent(tmp_path):
     assert resumed == [["local", str(want[1])]] * N, (resumed, want)
     _wipe(root, 1, 2)  # process 1's own copy and its replica (on process 2) are both gone
     want = _expected(root, persist, 15)
-    assert want[0] == "persistent" and want[1] == 12, want
+    # The persistent save of step 12 is asynchronous: the kill at step 15 may come before its commit.
+    assert want[0] == "persistent" and want[1] in (6, 12), want
     _check_resumed(_run(root, persist, 20, die_at=None), want)
 
 

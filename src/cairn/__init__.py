@@ -15,6 +15,9 @@ from ._async import SaveFuture as SaveFuture
 from ._async import wait_all as wait_all
 from ._buffers import release_snapshot_buffers as release_snapshot_buffers
 from ._coord import Coordinator as Coordinator
+from ._copy import copy as copy
+from ._dryrun import LoadPlan as LoadPlan
+from ._dryrun import plan_load as plan_load
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CheckpointExistsError as CheckpointExistsError
 from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
@@ -39,7 +42,12 @@ from ._retention import KeepLatest as KeepLatest
 from ._retention import KeepNewerThan as KeepNewerThan
 from ._retention import KeepOnePer as KeepOnePer
 from ._retention import RetentionPolicy as RetentionPolicy
-from ._save import SaveStats as SaveStats
+from ._stats import LoadStats as LoadStats
+from ._stats import SaveStats as SaveStats
+from ._stats import StatsEvent as StatsEvent
+from ._stats import add_listener as add_listener
+from ._stats import remove_listener as remove_listener
+from ._transforms import RestoreReport as RestoreReport
 from ._version import __version__ as __version__
 
 __all__ = [
@@ -61,19 +69,27 @@ __all__ = [
     "KeepLatest",
     "KeepNewerThan",
     "KeepOnePer",
+    "LoadPlan",
+    "LoadStats",
     "LocalTier",
     "MismatchError",
     "PerProcess",
+    "RestoreReport",
     "RetentionPolicy",
     "SaveFuture",
     "SaveStats",
+    "StatsEvent",
     "UnsupportedTypeError",
     "__version__",
+    "add_listener",
+    "copy",
     "export_safetensors",
     "load",
     "metadata",
+    "plan_load",
     "register_type",
     "release_snapshot_buffers",
+    "remove_listener",
     "save",
     "save_async",
     "wait_all",

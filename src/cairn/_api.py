@@ -11,11 +11,13 @@ import os
 import time
 from typing import Any
 
-from . import _async, _load, _save, _sources
+from . import _async, _load, _save, _sources, _transforms
 from ._coord import Coordinator
 from ._errors import CheckpointNotFoundError
 from ._location import resolve
 from ._sources import Rename
+from ._stats import LoadStats
+from ._transforms import Patterns, RestoreReport
 
 PathLike = str | os.PathLike[str]
 
@@ -48,6 +50,10 @@ def save(
     `overwrite`), `UnsupportedTypeError` for a leaf cairn cannot store, and
     `CheckpointError` (without saving) if an earlier async save failed and its
     error was never collected from its future.
+
+    The `SaveStats` returned (for `save_async`, once committed) are also logged
+    (INFO, logger ``cairn``), recorded as ``jax.monitoring`` events
+    (``/cairn/save/...``) and passed to the listeners of `cairn.add_listener`.
     """
     _async.raise_unreported()  # before resolving `path`, whatever is wrong with it
     return _async.save(
@@ -113,6 +119,10 @@ def load(
     timeout: float = 1800.0,
     format: str | None = None,
     rename: Rename | None = None,
+    drop: Patterns | None = None,
+    fill_missing: bool | Patterns = False,
+    report: RestoreReport | None = None,
+    stats: LoadStats | None = None,
 ) -> Any:
     """Load a checkpoint, whole or in part, onto any sharding.
 
@@ -174,15 +184,39 @@ def load(
     checkpoints too::
 
         params = cairn.load("hf_model/", target, rename=[(r"^model/", ""), (r"/self_attn/", "/attn/")])
+
+    `drop` (a regex or several, searched in the checkpoint's key paths before
+    renaming) leaves those leaves out: they are not read, and are no error
+    without `partial`. `fill_missing` lets target leaves the checkpoint lacks
+    keep the target's own value (a ``jax.Array`` or numpy array; a
+    ``ShapeDtypeStruct`` has none, which is a `MismatchError`): True for any,
+    or regexes of the target key paths allowed. Without it a missing leaf is
+    a `MismatchError`. What was renamed, dropped and filled is logged (INFO,
+    logger ``cairn``) and written into `report`, a `cairn.RestoreReport`::
+
+        report = cairn.RestoreReport()
+        state = cairn.load(old_ckpt, new_state, rename=[(r"/enc/", "/encoder/")], fill_missing=True, report=report)
+
+    What the load cost on this process (bytes, requests, seconds per phase,
+    GiB/s) is written into `stats`, a `cairn.LoadStats`, logged (INFO, logger
+    ``cairn``), recorded as ``jax.monitoring`` events (``/cairn/load/...``)
+    and passed to the listeners of `cairn.add_listener`::
+
+        stats = cairn.LoadStats()
+        state = cairn.load("/ckpt/step_100", target, stats=stats)
+        print(stats.bytes_read, stats.reads, stats.read_s, stats.gib_per_s)
     """
+    t0 = time.perf_counter()
     if framework not in ("numpy", "torch"):
         raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
     loc = resolve(path, storage_options)
     source = None
-    if rename is not None or format not in (None, "cairn"):
-        source = _sources.open_source(loc, target, format=format, rename=rename)
+    transforms: dict[str, Any] = dict(rename=rename, drop=drop, fill_missing=fill_missing)
+    if _transforms.wanted(rename, drop, fill_missing) or format not in (None, "cairn"):
+        source = _transforms.open_source(loc, target, format=format, **transforms)
     kw: dict[str, Any] = dict(partial=partial, verify=verify, threads=threads, read_once=read_once,
-                              budget_bytes=budget_bytes, coordinator=coordinator, timeout=timeout)
+                              budget_bytes=budget_bytes, coordinator=coordinator, timeout=timeout,
+                              stats=stats, started=t0)
     missing: CheckpointNotFoundError | None = None
     try:
         out = _load.load(loc, target, source=source, **kw)
@@ -191,7 +225,9 @@ def load(
             raise
         missing = e  # not a cairn checkpoint: perhaps one of another format
     if missing is not None:
-        out = _load.load(loc, target, source=_sources.open_source(loc, target, missing=missing), **kw)
+        source = _transforms.open_source(loc, target, missing=missing, **transforms)
+        out = _load.load(loc, target, source=source, **kw)
+    _transforms.finish(source, loc.path, report)
     if framework == "torch":
         from ._torch import tree_to_torch
 

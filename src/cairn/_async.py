@@ -25,7 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from . import _save
+from . import _save, _stats
 from ._buffers import MAX_SNAPSHOTS
 from ._coord import Coordinator
 from ._errors import CheckpointError
@@ -154,6 +154,7 @@ class _Background:
                     self._unreported.append((fut, job.loc.path, e))
                 fut.set_exception(e)
             else:
+                _stats.saved(job.loc.path, stats)  # committed: listeners run before the future resolves
                 fut.set_result(stats)
             finally:
                 self._finish(fut)
@@ -266,7 +267,9 @@ def save(
         loc, state, overwrite=overwrite, coordinator=coordinator, threads=threads,
         split_replicas=split_replicas, timeout=timeout, metadata=metadata,
     )
-    return job.run()
+    stats = job.run()
+    _stats.saved(loc.path, stats)
+    return stats
 
 
 def save_async(

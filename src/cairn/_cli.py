@@ -1,4 +1,4 @@
-"""The ``cairn`` command line: ls, inspect, verify, diff, convert, gc.
+"""The ``cairn`` command line: ls, inspect, verify, diff, convert, cp, mv, plan, gc.
 
 Every command reaches checkpoints through `cairn._location.resolve` (``ls``
 and ``gc`` through `cairn._steps`, which the manager shares), so it works the
@@ -34,7 +34,9 @@ from typing import Any
 from . import _format as fmt
 from . import _steps
 from . import _values as values
+from ._copy import add_commands as add_copy_commands
 from ._errors import CheckpointError
+from ._plancmd import add_command as add_plan_command
 from ._sources import FORMATS
 
 # ---------------------------------------------------------------------- output
@@ -452,6 +454,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--budget", type=parse_bytes, default=256 << 20,
                    help="memory budget for data in flight (default 256M)")
     s.set_defaults(fn=cmd_convert)
+    add_copy_commands(sub, parse_bytes)  # cp and mv
+    add_plan_command(sub, parse_bytes)  # plan: a dry run of a load
 
     s = sub.add_parser("gc", help="remove leftovers of interrupted saves (temporary and uncommitted folders)")
     s.add_argument("dir")

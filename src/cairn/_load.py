@@ -9,6 +9,7 @@ the bytes in flight under the budget, and handing the host buffers to JAX.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from . import _format as fmt
+from . import _stats
 from ._buffers import release_snapshot_buffers
 from ._coord import Coordinator, activity, default_coordinator
 from ._errors import CheckpointError, MismatchError
@@ -165,11 +167,21 @@ def load(
     coordinator: Coordinator | None = None,
     timeout: float = 1800.0,
     source: Any = None,
+    started: float | None = None,
+    publish: bool = True,
 ) -> Any:
-    """Load the checkpoint at `loc` (see `cairn.load`); `source`: one opened already (`_sources`)."""
+    """Load the checkpoint at `loc` (see `cairn.load`); `source`: one opened already (`_sources`).
+
+    `stats` is reset, then filled in; `started` (a ``time.perf_counter()``
+    value, default now) is when the caller's request began. With `publish`
+    the stats are logged, sent to `jax.monitoring` and the listeners (`_stats`).
+    """
+    t0 = time.perf_counter() if started is None else started
+    retries = loc.storage.retries
     manifest = source.manifest if source is not None else read_manifest(loc)
     release_snapshot_buffers()  # a cache for repeated async saves; the load needs the memory
     stats = stats if stats is not None else LoadStats()
+    vars(stats).update(vars(LoadStats()))  # the numbers of this load only
     if manifest.root:
         requests = [("", target)]
     elif target is None:
@@ -204,6 +216,7 @@ def load(
             # One pipeline over the leaves of every requested checkpointable, so that
             # many small checkpointables keep the readers as busy as one large one.
             activity.begin(f"loading {loc.path}")
+            stats.plan_s = time.perf_counter() - t0  # _read_leaves adds its own planning
             try:
                 _read_leaves(items, loc.path, budget_bytes, _Routing(read_once, coord, timeout))
             finally:
@@ -214,6 +227,10 @@ def load(
         for it in items:
             _wrap_keys(it, loc.path)
             out[it.name] = it.output()
+    stats.retries = loc.storage.retries - retries
+    stats.total_s = time.perf_counter() - t0
+    if publish:
+        _stats.loaded(loc.path, stats)
     return out[""] if manifest.root else out
 
 
@@ -252,7 +269,8 @@ def _match(loc: Location, name: str, index: fmt.ItemIndex, target: Any, partial:
         i = by_path.get(path)
         if i is None:
             raise MismatchError(
-                f"{where}: leaf {display_path(path, name)!r} of the target is not in the checkpoint"
+                f"{where}: leaf {display_path(path, name)!r} of the target is not in the checkpoint "
+                "(fill_missing=True keeps the target's own value there)"
             )
         leaf = index.leaves[i]
         wanted[i] = _want_for(t, leaf, where, name) if isinstance(leaf, fmt.ArrayLeaf) else None
@@ -298,6 +316,7 @@ def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Rout
     follow in waves, each behind a status exchange, since their collectives
     need every process.
     """
+    t0 = time.perf_counter()
     staged: list[Staged] = []
     agreement: Agreement | None = None
     n = routing.coord.process_count
@@ -319,6 +338,8 @@ def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Rout
         waves = plan_waves(staged, budget, n)
         if waves:
             agreement = Agreement(routing.coord, next_seq(), len(waves), where, routing.timeout)
+        for it in items[:1]:  # every item's reader shares the load's stats
+            it.reader.stats.plan_s += time.perf_counter() - t0
         _read_direct(items, where, budget, {(id(s.item), s.leaf) for s in staged})
         gathers: dict[int, Gather] = {}
         for k, wave in enumerate(waves):
@@ -331,15 +352,15 @@ def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Rout
 
 
 def _run_wave(k: int, wave: list[Unit], agreement: Agreement, gathers: dict[int, Gather]) -> None:
-    import time
-
     import jax
 
+    t_read = time.perf_counter()
     regions = [s.region(j) for s, j in wave]
     reads = [s.item.reader.read_array(s.want.leaf, s.route.read, region) for (s, _), region in zip(wave, regions)]
     for r in reads:
         for f in r.futures:
             f.result()
+    t_assemble = time.perf_counter()
     xs = [_assemble(_Want(s.want.leaf, s.want.dtype, s.route.read), r,
                     None if region is None else tuple(hi - lo for lo, hi in region))
           for (s, _), r, region in zip(wave, reads, regions)]
@@ -353,6 +374,8 @@ def _run_wave(k: int, wave: list[Unit], agreement: Agreement, gathers: dict[int,
             xs[j] = x  # the previous step's array is released here
     jax.block_until_ready(xs)
     stats = wave[0][0].item.reader.stats
+    stats.read_s += t_assemble - t_read
+    stats.transfer_s += t0 - t_assemble
     stats.reshard_s += time.perf_counter() - t0
     for (s, piece), x, region in zip(wave, xs, regions):
         if piece is None:
@@ -376,9 +399,10 @@ def _read_direct(items: list[_ItemLoad], where: str, budget: int, skip: set[tupl
     inflight: deque[_InFlight] = deque()
     inflight_bytes = 0
     puts = PutBatch()  # small leaves read whole, placed together
+    t_start, transfer = time.perf_counter(), 0.0  # the rest of this pipeline's time is reading
 
     def finish() -> None:
-        nonlocal inflight_bytes
+        nonlocal inflight_bytes, transfer
         done = inflight.popleft()
         try:
             for f in done.reads.futures:
@@ -388,12 +412,14 @@ def _read_direct(items: list[_ItemLoad], where: str, budget: int, skip: set[tupl
                 for f in entry.reads.futures:
                     f.cancel()
             raise
+        t = time.perf_counter()
         if done.reads.placement is None and done.want.sharding is not None:  # read whole: a batched put
             host = done.reads.dests[0]
             host = host if host.dtype == done.want.dtype else host.astype(done.want.dtype)
             puts.add(done.item.results, done.leaf, host, done.want.sharding)
         else:
             done.item.results[done.leaf] = _assemble(done.want, done.reads)
+        transfer += time.perf_counter() - t
         inflight_bytes -= done.reads.nbytes
 
     for it in items:
@@ -426,7 +452,11 @@ def _read_direct(items: list[_ItemLoad], where: str, budget: int, skip: set[tupl
                 finish()
     while inflight:
         finish()
+    t = time.perf_counter()
     puts.flush()
+    for it in items[:1]:  # every item's reader shares the load's stats
+        it.reader.stats.read_s += t - t_start - transfer
+        it.reader.stats.transfer_s += transfer + time.perf_counter() - t
 
 
 # ---------------------------------------------------------------------- metadata
@@ -452,4 +482,4 @@ def metadata(loc: Location) -> Any:
     return out[""] if manifest.root else out
 
 
-__all__ = ["ArrayMetadata", "LoadStats", "load", "metadata", "read_index", "read_manifest"]
+__all__ = ["ArrayMetadata", "load", "metadata", "read_index", "read_manifest"]

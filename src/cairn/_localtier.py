@@ -290,7 +290,7 @@ class LocalTier:
 
     def _read_blob(self, step: int, item: str, length: int, peer: int | None = None) -> np.ndarray:
         got = _load.load(self._location(step), {item: None}, partial=True, coordinator=SingleProcess(),
-                         read_once=False)
+                         read_once=False, publish=False)  # part of a restore, not a load of its own
         blob = got[item] if peer is None else got[item][str(peer)]
         if not isinstance(blob, np.ndarray) or blob.dtype != np.uint8 or blob.size != int(length):
             raise CorruptCheckpointError(f"{self._where(step)}: the {item} blob is not {length} bytes")

@@ -11,7 +11,7 @@ manifest) when the manager opens and after each commit.
 
 The manager works on the storage rooted at its directory: step folders
 through `_steps` (naming, listing, deletion, leftovers), saves and loads
-through the engine (`_async`, `_load`) on a `Location` in that storage, so the
+through the engine (`_async`, `_load` via `_transforms`) on a `Location` in that storage, so the
 same code runs on local disk, ``memory://`` and object stores. Retention
 policies live in `_retention`, preemption detection in `_preemption`, the
 evaluator's polling in `_watch` and the reader leases retention honours in
@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import _async, _leases, _load, _steps
+from . import _async, _leases, _steps, _transforms
 from ._agree import Decisions
 from ._coord import Coordinator, default_coordinator
 from ._errors import (
@@ -41,7 +41,7 @@ from ._localtier import LocalTier
 from ._location import Location
 from ._preemption import PreemptionWatch
 from ._retention import CheckpointInfo, RetentionPolicy, policy_from, retained
-from ._steps import step_dirname
+from ._steps import show_steps, step_dirname
 from ._watch import StepWatch
 
 log = logging.getLogger("cairn")
@@ -392,11 +392,14 @@ class CheckpointManager(StepWatch):
 
     def restore(
         self, step: int | None = None, target: Any = None, *, fallback: bool = False, partial: bool = False,
+        **transforms: Any,
     ) -> Any:
         """Load `step` (default: the newest committed one), whole or only what `target` asks.
 
         `target` is what `cairn.load` takes, e.g. ``{"params": abstract_params}``
-        to read only that checkpointable. With ``fallback=True`` and no `step`, a
+        to read only that checkpointable; so are `transforms`: ``rename``,
+        ``drop``, ``fill_missing``, ``report`` and ``stats`` (a `cairn.LoadStats`, left
+        empty when the local tier serves the restore). With ``fallback=True`` and no `step`, a
         checkpoint that fails verification (corrupt, or deleted meanwhile) is
         skipped, with a log line, for the next older one; `restored_step`
         records which step was loaded.
@@ -413,14 +416,15 @@ class CheckpointManager(StepWatch):
         self._check_open()
         self.wait()
         steps = self.steps()
-        if got := self.local and step is None and not partial and self.local.restore(target, steps[-1] if steps else None):
+        if got := (self.local and step is None and not partial and not transforms.keys() - {"stats"}
+                   and self.local.restore(target, steps[-1] if steps else None)):
             self.restored_step, out = got
             return out
         if step is not None:
             step = operator.index(step)
             if step not in steps:
                 raise CheckpointNotFoundError(
-                    f"{self.directory}: step {step} has no committed checkpoint (committed steps: {_show(steps)})"
+                    f"{self.directory}: step {step} has no committed checkpoint (committed steps: {show_steps(steps)})"
                 )
             candidates = [step]
         elif not steps:
@@ -431,7 +435,7 @@ class CheckpointManager(StepWatch):
         for s in candidates:
             error: BaseException | None = None
             try:
-                out = _load.load(self._location(s), target, partial=partial)
+                out = _transforms.load(self._location(s), target, partial=partial, **transforms)
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:
                 error = e
             # Every process reads only its own bytes: one may find corruption the others do not.
@@ -491,9 +495,3 @@ class CheckpointManager(StepWatch):
 
     def __repr__(self) -> str:
         return f"<cairn.CheckpointManager {self.directory!r} policy={self.policy!r}>"
-
-
-def _show(steps: list[int]) -> str:
-    if not steps:
-        return "none"
-    return ", ".join(map(str, steps[-5:])) + (f" (and {len(steps) - 5} older)" if len(steps) > 5 else "")

@@ -20,6 +20,11 @@ from ._location import Location, resolve
 
 
 def read_manifest(loc: Location) -> fmt.Manifest:
+    return fmt.Manifest.from_json(manifest_bytes(loc), loc.storage.describe(loc.key(fmt.MANIFEST)))
+
+
+def manifest_bytes(loc: Location) -> bytes:
+    """The raw bytes of the manifest at `loc` (`CheckpointNotFoundError` if nothing is committed there)."""
     key = loc.key(fmt.MANIFEST)
     try:
         data = loc.storage.read(key)
@@ -33,7 +38,7 @@ def read_manifest(loc: Location) -> fmt.Manifest:
         raise CorruptCheckpointError(f"{loc.path}: {fmt.MANIFEST} is not a file") from None
     except OSError as e:
         raise _read_error(loc, fmt.MANIFEST, e) from e
-    return fmt.Manifest.from_json(data, loc.storage.describe(key))
+    return data
 
 
 def _read_error(loc: Location, what: str, e: OSError) -> CheckpointError:
@@ -45,6 +50,11 @@ def _read_error(loc: Location, what: str, e: OSError) -> CheckpointError:
 
 
 def read_index(loc: Location, info: fmt.ItemInfo) -> fmt.ItemIndex:
+    return parse_index(loc, info, index_bytes(loc, info))
+
+
+def index_bytes(loc: Location, info: fmt.ItemInfo) -> bytes:
+    """The raw bytes of the index of item `info` (`CorruptCheckpointError` if it is missing)."""
     key = loc.key(info.dir, info.index)
     try:
         data = loc.storage.read(key)
@@ -52,8 +62,13 @@ def read_index(loc: Location, info: fmt.ItemInfo) -> fmt.ItemIndex:
         raise CorruptCheckpointError(f"{loc.path}: the index {key!r} named by the manifest is missing") from None
     except OSError as e:
         raise _read_error(loc, f"the index {key!r}", e) from e
+    return data
+
+
+def parse_index(loc: Location, info: fmt.ItemInfo, data: bytes) -> fmt.ItemIndex:
+    """The index `data` of item `info` of `loc`, parsed, its binary parts (format 2) read from `loc`."""
     with paused():  # tens of thousands of containers, none of them garbage
-        index = fmt.ItemIndex.from_json(data, loc.storage.describe(key))
+        index = fmt.ItemIndex.from_json(data, loc.storage.describe(loc.key(info.dir, info.index)))
     if index.table is not None:
         index.table.reader = _part_reader(loc, info)
     return index

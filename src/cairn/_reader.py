@@ -32,20 +32,11 @@ from ._errors import CheckpointError, CorruptCheckpointError
 from ._location import Location
 from ._metadata import Opened
 from ._plan import Box, Check, Copy, Read, c_strides, full_box, is_c_contiguous, plan_reads
+from ._stats import LoadStats
 from ._storage import RandomReader
 from ._tree import display_path
 
 DEFAULT_BUDGET = 256 << 20  # the memory budget of a streaming conversion, by default
-
-
-@dataclass
-class LoadStats:
-    bytes_read: int = 0
-    reads: int = 0
-    direct_reads: int = 0
-    read_once_leaves: int = 0  # leaves read once cluster-wide and moved by collectives
-    reshard_s: float = 0.0  # waiting for those collectives (and the status exchange before them)
-    read_once_pieces: int = 0  # pieces of read-once leaves too large for the budget, one wave each
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,9 @@ from ._estimate import estimate_read_bytes
 
 log = logging.getLogger("cairn")
 
+#: A device's process: ``process_index`` unless the dry run simulates others.
+ProcessOf = Callable[[Any], int]
+
 #: A direct read costing at most this much more than the array's bytes is kept.
 DIRECT_MAX = 1.2
 
@@ -149,17 +152,21 @@ class Route:
 
 
 def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, process_count: int,
-          read_once: bool | None) -> Route:
-    """The route of `leaf` onto `target` (a jax Sharding); the same on every process."""
+          read_once: bool | None, process_of: ProcessOf | None = None) -> Route:
+    """The route of `leaf` onto `target` (a jax Sharding); the same on every process.
+
+    `process_of` maps a device to its process (default: its ``process_index``); the
+    dry run (`_dryrun`) plans for processes that are not there by passing its own.
+    """
     direct = Route(target, (), -1)
     if read_once is False or leaf.nbytes == 0 or not _is_named(target):
         return direct
     if read_once is None and process_count == 1:
         return direct  # one process deduplicates its own boxes already
-    if process_count > 1 and len({d.process_index for d in target.device_set}) == 1:
+    if process_count > 1 and len({_process(d, process_of) for d in target.device_set}) == 1:
         return direct  # a process-local target: no other process takes part in its collectives
     # Models repeat a few (grid, sharding) pairs over hundreds of layers: decide each once.
-    key: Any = (leaf.grid, leaf.dtype.itemsize, target, block_size, verify, read_once)
+    key: Any = (leaf.grid, leaf.dtype.itemsize, target, block_size, verify, read_once, process_of)
     try:
         hit = _routes.get(key)
     except TypeError:  # an unhashable sharding
@@ -169,7 +176,7 @@ def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, proce
     target_layout = layout_of(target, leaf.shape)
 
     def cost(layout: Layout) -> int:
-        return read_bytes(leaf, sharding_of(target, layout), block_size, verify)
+        return read_bytes(leaf, sharding_of(target, layout), block_size, verify, process_of=process_of)
 
     plan = choose(target_layout, leaf.shape, leaf.nbytes, cost, forced=read_once is True)
     steps = tuple(target if s == target_layout else sharding_of(target, s) for s in plan.steps)
@@ -185,7 +192,8 @@ def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, proce
 _routes: dict[Any, Route] = {}
 
 
-def read_bytes(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool, region: Any = None) -> int:
+def read_bytes(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool, region: Any = None,
+               process_of: ProcessOf | None = None) -> int:
     """Storage bytes read, summed over processes, when each reads its boxes of `sharding`.
 
     Estimated (`_plan.estimate_read_bytes`, an upper bound of the planner's
@@ -198,7 +206,7 @@ def read_bytes(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool
     over the cluster.
     """
     shape = leaf.shape if region is None else tuple(hi - lo for lo, hi in region)
-    processes, boxes = _representative(sharding, shape)
+    processes, boxes = _representative(sharding, shape, process_of)
     if region is not None:  # a piece of the leaf: its boxes sit at the piece's origin
         boxes = {tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes}
     return processes * estimate_read_bytes(leaf.grid, leaf.dtype.itemsize, sorted(boxes), block_size, verify)
@@ -270,22 +278,27 @@ def slabs(shape: tuple[int, ...], target: Layout, per_process_bytes: int, budget
     return None
 
 
-def process_bytes(sharding: Any, shape: tuple[int, ...], itemsize: int) -> int:
+def process_bytes(sharding: Any, shape: tuple[int, ...], itemsize: int, process_of: ProcessOf | None = None) -> int:
     """The bytes of the distinct boxes of `sharding` on one representative process (the one
     holding its first device): the same figure on every process."""
-    _, boxes = _representative(sharding, shape)
+    _, boxes = _representative(sharding, shape, process_of)
     return sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * itemsize
 
 
-def _representative(sharding: Any, shape: tuple[int, ...]) -> tuple[int, set[Any]]:
+def _representative(sharding: Any, shape: tuple[int, ...], process_of: ProcessOf | None = None,
+                    ) -> tuple[int, set[Any]]:
     """How many processes hold `sharding`, and the distinct boxes of the one holding its first
     device: the figures every process can compute alike, without seeing the others' boxes."""
     from ._jaxutil import slices_to_box
 
     dmap = sharding.devices_indices_map(shape)
-    first = next(iter(dmap)).process_index
-    processes = {d.process_index for d in dmap}
-    return len(processes), {slices_to_box(i, shape) for d, i in dmap.items() if d.process_index == first}
+    first = _process(next(iter(dmap)), process_of)
+    processes = {_process(d, process_of) for d in dmap}
+    return len(processes), {slices_to_box(i, shape) for d, i in dmap.items() if _process(d, process_of) == first}
+
+
+def _process(device: Any, process_of: ProcessOf | None) -> int:
+    return device.process_index if process_of is None else process_of(device)
 
 
 # ---------------------------------------------------------------------- agreement before collectives

@@ -44,30 +44,11 @@ from ._leaves import classify
 from ._location import Location
 from ._perprocess import HostValues, is_per_process
 from ._plan import FileSlot
+from ._stats import SaveStats
 from ._tree import display_path, flatten
 from ._version import __version__
 
 log = logging.getLogger("cairn")
-
-
-@dataclass
-class SaveStats:
-    """Timings (seconds) and sizes of one save, on this process."""
-
-    blocking_s: float = 0.0  # validation, planning and snapshot: what the caller waited for
-    snapshot_s: float = 0.0  # of which: device-to-host copies
-    write_s: float = 0.0  # data files written and fsync'd
-    commit_s: float = 0.0  # waiting for the other processes, index merge and commit
-    total_s: float = 0.0
-    bytes_written: int = 0  # by this process
-    files_written: int = 0
-    snapshot_bytes: int = 0  # copied to host memory during the blocking phase
-    device_copy_bytes: int = 0  # over the snapshot budget: protected by on-device copies instead
-    queued_s: float = 0.0  # async: waiting for earlier saves of this process to finish
-    retries: int = 0
-
-    def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
 
 
 #: Chunks up to this size are checksummed on the writing thread and written in batches of

@@ -148,6 +148,13 @@ def newest_committed(storage: Storage, after: int | None = None) -> int | None:
     return None
 
 
+def show_steps(steps: list[int]) -> str:
+    """The newest few of `steps` for a message ("none" when empty)."""
+    if not steps:
+        return "none"
+    return ", ".join(map(str, steps[-5:])) + (f" (and {len(steps) - 5} older)" if len(steps) > 5 else "")
+
+
 def delete_step(storage: Storage, step: int) -> None:
     """Delete committed `step`: uncommitted in one step first, so a crash leaves only a leftover."""
     strategy_for(storage).delete(step_dirname(step))

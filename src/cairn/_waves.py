@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from ._plan import Box
-from ._readonce import Route, layout_of, process_bytes, read_bytes, slabs
+from ._readonce import ProcessOf, Route, layout_of, process_bytes, read_bytes, slabs
 
 
 @dataclass(frozen=True)
@@ -40,15 +40,15 @@ class Staged:
         return tuple((lo, hi) if a == self.axis else (0, n) for a, n in enumerate(shape))
 
 
-def cut_in_pieces(s: Staged, budget: int, n: int) -> Staged:
+def cut_in_pieces(s: Staged, budget: int, n: int, process_of: ProcessOf | None = None) -> Staged:
     """`s`, cut into pieces if its transient buffers per process would exceed `budget`."""
     leaf = s.want.leaf
-    held = -(-s.route.cost // n) + process_bytes(s.want.sharding, leaf.shape, s.want.dtype.itemsize)
+    held = -(-s.route.cost // n) + process_bytes(s.want.sharding, leaf.shape, s.want.dtype.itemsize, process_of)
     block, verify = s.item.index.block_size, s.item.reader.verify
 
     def cost(axis: int, pieces: list[tuple[int, int]]) -> int:
         return sum(read_bytes(leaf, s.route.read, block, verify,
-                              tuple(p if a == axis else (0, m) for a, m in enumerate(leaf.shape)))
+                              tuple(p if a == axis else (0, m) for a, m in enumerate(leaf.shape)), process_of)
                    for p in pieces)
 
     cut = slabs(leaf.shape, layout_of(s.want.sharding, leaf.shape), held, budget, cost, leaf.nbytes)

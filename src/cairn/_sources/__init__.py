@@ -10,6 +10,8 @@ reading array data; `_convert` turns any of them into a cairn checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from .. import _format as fmt
@@ -74,6 +76,13 @@ class _Cairn(Format):
     def metadata(self) -> dict[str, Any]:
         return self.manifest.metadata
 
+    def item_index(self, item: str, structure: Any, leaves: tuple[fmt.Leaf, ...]) -> fmt.ItemIndex:
+        # Its own block size stays, and while no leaf is dropped (leaf numbers unchanged) so does the
+        # chunk table, which the load's prefetch asks by leaf number; otherwise records come leaf by leaf.
+        own = self.indexes[item]
+        same = len(leaves) == len(own.leaves)
+        return replace(own, structure=structure, leaves=leaves, table=own.table if same else None)
+
 
 def open_foreign(loc: Location, format: str | None,
                  missing: CheckpointNotFoundError | None = None) -> Format:
@@ -115,13 +124,13 @@ def not_found(loc: Location, missing: CheckpointNotFoundError | None = None) -> 
 
 
 def open_source(loc: Location, target: Any, *, format: str | None = None, rename: Rename | None = None,
-                missing: CheckpointNotFoundError | None = None) -> Source:
+                missing: CheckpointNotFoundError | None = None, drop: str | Sequence[str] | None = None) -> Source:
     """`loc` opened for a load of `target` (see `_base.open_format`).
 
     `missing`: the error reading it as a cairn checkpoint gave, raised again if
     no other format is recognised either.
     """
-    return open_format(open_foreign(loc, format, missing), target, rename, loc.path)
+    return open_format(open_foreign(loc, format, missing), target, rename, loc.path, drop)
 
 
 def metadata(loc: Location, format: str | None = None, missing: CheckpointNotFoundError | None = None) -> Any:
@@ -175,4 +184,5 @@ def inspect_data(path: str, format: str | None = None) -> dict[str, Any] | None:
             "metadata": src.manifest.metadata, "items": items, "totals": totals}
 
 
-__all__ = ["FORMATS", "Rename", "Source", "detect", "inspect_data", "metadata", "not_found", "open_source"]
+__all__ = ["FORMATS", "Rename", "Source", "detect", "inspect_data", "metadata", "not_found", "open_foreign",
+           "open_format", "open_source"]

@@ -52,6 +52,17 @@ class FlatLocation(Location):
 # ---------------------------------------------------------------------- rename
 
 
+def compile_drop(drop: str | Sequence[str] | None) -> Callable[[str], bool] | None:
+    """`drop` (a regex, or several) as a predicate on the '/'-joined key path (searched anywhere)."""
+    if drop is None:
+        return None
+    patterns = [drop] if isinstance(drop, str) else list(drop)
+    if not all(isinstance(x, str) for x in patterns):
+        raise TypeError(f"drop must be a regex or a sequence of regexes, got {drop!r}")
+    rxs = [re.compile(x) for x in patterns]
+    return lambda path: any(rx.search(path) for rx in rxs)
+
+
 def compile_rename(rename: Rename | None) -> Callable[[str], str | None] | None:
     """`rename` as a function of the '/'-joined key path (None drops the leaf).
 
@@ -269,6 +280,10 @@ class Format:
         """What the source records about itself (shown by `cairn inspect`)."""
         return {}
 
+    def item_index(self, item: str, structure: Any, leaves: tuple[fmt.Leaf, ...]) -> fmt.ItemIndex:
+        """The index `open_format` builds for `item` from its (renamed) tree and leaves."""
+        return fmt.ItemIndex(structure, leaves, self.item_files(item))
+
 
 @dataclass
 class Source:
@@ -282,9 +297,16 @@ class Source:
     manifest: fmt.Manifest
     indexes: dict[str, fmt.ItemIndex] = field(default_factory=dict)
     verify: bool = False
+    # Full key paths (checkpointable first) that `rename` moved, (from, to), or `drop` (or a None
+    # rename) removed, (from, None); and the target's leaves filled from itself (`_transforms`).
+    moved: list[tuple[str, str | None]] = field(default_factory=list)
+    filled: list[str] = field(default_factory=list)
+    added: set[str] = field(default_factory=set)  # checkpointables made of filled leaves only
 
     def reader(self, name: str, index: fmt.ItemIndex, verify: bool, pool: ThreadPoolExecutor,
                stats: LoadStats) -> ChunkReader:
+        if name in self.added:  # nothing to read
+            return ChunkReader(self.loc, name, self.manifest.items[name], index, False, pool, stats)
         return self.format.reader(name, index, verify and self.verify, pool, stats)
 
     def slabs(self, reader: ChunkReader, leaf: fmt.ArrayLeaf, max_bytes: int,
@@ -294,9 +316,13 @@ class Source:
             yield self.format.read_box(reader, leaf, box, pool)
 
 
-def open_format(f: Format, target: Any, rename: Rename | None, where: str) -> Source:
-    """Describe `f` for a load of `target` (None: everything), with `rename` applied."""
+def open_format(f: Format, target: Any, rename: Rename | None, where: str,
+                drop: str | Sequence[str] | None = None) -> Source:
+    """Describe `f` for a load of `target` (None: everything), without the leaves `drop` matches
+    and with `rename` applied (both to the source's full key paths)."""
     fn = compile_rename(rename)
+    dropped = compile_drop(drop)
+    moved: list[tuple[str, str | None]] = []
     items = f.items()
     root = list(items) == [""]
     if target is not None and not root:
@@ -321,7 +347,12 @@ def open_format(f: Format, target: Any, rename: Rename | None, where: str) -> So
         seen: dict[str, str] = {}
         head = "" if root else escape_key(name)
         for p in paths:
+            if dropped is not None and dropped(_join(head, p)):
+                moved.append((_join(head, p), None))
+                continue
             q = _renamed(fn, head, p, where) if fn is not None else p
+            if q != p:
+                moved.append((_join(head, p), None if q is None else _join(head, q)))
             if q is None:
                 continue
             if q in seen:
@@ -337,14 +368,14 @@ def open_format(f: Format, target: Any, rename: Rename | None, where: str) -> So
             wanted = {p for p, q in renamed if q in asked}
         resolved = f.leaves(name, [p for p, _ in renamed if p in wanted]) if wanted else {}
         leaves = [replace(resolved[p], path=q) if p in resolved else placeholder(q) for p, q in renamed]
-        structure = f.structure(name) if fn is None else None
-        if structure is None and fn is None:
+        structure = f.structure(name) if fn is None and dropped is None else None
+        if structure is None and fn is None and dropped is None:
             structure = structure_of([q for _, q in renamed], f.kinds(name), f.empty(name))
         elif structure is None:
             structure = structure_of([q for _, q in renamed])
-        index = fmt.ItemIndex(structure, tuple(leaves), f.item_files(name))
+        index = f.item_index(name, structure, tuple(leaves))
         indexes[name] = index
         nbytes = sum(leaf.nbytes for leaf in leaves if isinstance(leaf, fmt.ArrayLeaf))
         infos[name] = fmt.ItemInfo("", "", nbytes, len(leaves))
     manifest = fmt.Manifest(items=infos, root=root, metadata=f.metadata())
-    return Source(f, f.loc, manifest, indexes, verify=f.verified)
+    return Source(f, f.loc, manifest, indexes, verify=f.verified, moved=moved)

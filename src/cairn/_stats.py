@@ -1,0 +1,207 @@
+"""What a save or a load cost, and where it goes: stats, metrics events, listeners, a log line.
+
+`SaveStats` and `LoadStats` are filled in by the engines (`_save`, `_load` and
+the readers), per process. Once a save has committed or a load has returned,
+`saved` / `loaded` publish them three ways:
+
+- one INFO line on the ``cairn`` logger;
+- `jax.monitoring` events under ``/cairn/save/...`` and ``/cairn/load/...``
+  (durations with ``record_event_duration_secs``, bytes and requests with
+  ``record_scalar``), only when JAX is imported already: nobody can have
+  registered a monitoring listener otherwise, and a numpy-only load must not
+  import JAX;
+- every listener added with `add_listener`, called with a `StatsEvent`.
+
+A failing listener (or monitoring hook) is logged and otherwise ignored: a
+metrics bug never fails a checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("cairn")
+
+_GIB = float(1 << 30)
+
+
+@dataclass
+class SaveStats:
+    """Timings (seconds) and sizes of one save, on this process."""
+
+    blocking_s: float = 0.0  # validation, planning and snapshot: what the caller waited for
+    snapshot_s: float = 0.0  # of which: device-to-host copies
+    write_s: float = 0.0  # data files written and fsync'd
+    commit_s: float = 0.0  # waiting for the other processes, index merge and commit
+    total_s: float = 0.0
+    bytes_written: int = 0  # by this process
+    files_written: int = 0
+    snapshot_bytes: int = 0  # copied to host memory during the blocking phase
+    device_copy_bytes: int = 0  # over the snapshot budget: protected by on-device copies instead
+    queued_s: float = 0.0  # async: waiting for earlier saves of this process to finish
+    retries: int = 0
+
+    @property
+    def gib_per_s(self) -> float:
+        """`bytes_written` over `total_s`, in GiB/s (0 before the save has finished)."""
+        return self.bytes_written / _GIB / self.total_s if self.total_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class LoadStats:
+    """Timings (seconds) and sizes of one load, on this process; `cairn.load` fills one in.
+
+    The phases are disjoint stretches of the loading thread, so they add up
+    to at most `total_s` (the rest: building the output tree). `plan_s` is
+    the manifest, the indexes (and opening a checkpoint of another format),
+    matching the target and planning the reads; `read_s` submitting reads
+    and waiting for them (checksums included); `transfer_s` building the
+    arrays from the host buffers (dtype casts, dispatching host-to-device
+    copies, which JAX may finish later); `reshard_s` the collectives that
+    move read-once leaves onto their target sharding.
+
+    Example::
+
+        stats = cairn.LoadStats()
+        state = cairn.load("/ckpt/step_100", target, stats=stats)
+        print(f"{stats.bytes_read / 2**30:.1f} GiB in {stats.reads} requests, {stats.gib_per_s:.2f} GiB/s")
+    """
+
+    bytes_read: int = 0  # from storage, by this process
+    reads: int = 0  # storage requests
+    direct_reads: int = 0  # of which: straight into the result buffers, no copy
+    read_once_leaves: int = 0  # leaves read once cluster-wide and moved by collectives
+    read_once_pieces: int = 0  # pieces of read-once leaves too large for the budget, one wave each
+    plan_s: float = 0.0
+    read_s: float = 0.0
+    transfer_s: float = 0.0
+    reshard_s: float = 0.0  # waiting for the collectives (and the status exchange before them)
+    total_s: float = 0.0
+    retries: int = 0  # storage requests retried
+
+    @property
+    def gib_per_s(self) -> float:
+        """`bytes_read` over `total_s`, in GiB/s (0 before the load has finished)."""
+        return self.bytes_read / _GIB / self.total_s if self.total_s > 0 else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class StatsEvent:
+    """What a listener added with `cairn.add_listener` gets after each save or load of this process.
+
+    `kind` is ``"save"`` (after the commit; for an async save on its
+    background thread, before its future resolves) or ``"load"`` (before
+    `cairn.load` returns); `stats` is its `SaveStats` or `LoadStats`.
+    """
+
+    kind: str
+    path: str
+    stats: SaveStats | LoadStats
+
+
+Listener = Callable[[StatsEvent], object]
+
+_listeners: list[Listener] = []
+_lock = threading.Lock()
+
+
+def add_listener(fn: Listener) -> Listener:
+    """Call ``fn(event)`` with a `StatsEvent` after every save and load of this process; returns `fn`.
+
+    `fn` runs on the thread that finished the work (an async save's background
+    thread); an exception it raises is logged as a warning and otherwise
+    ignored. Remove it with `cairn.remove_listener`.
+
+    Example::
+
+        @cairn.add_listener
+        def to_wandb(event):
+            wandb.log({f"cairn/{event.kind}/gib_per_s": event.stats.gib_per_s})
+    """
+    if not callable(fn):
+        raise TypeError(f"a cairn listener must be callable, got {fn!r}")
+    with _lock:
+        _listeners.append(fn)
+    return fn
+
+
+def remove_listener(fn: Listener) -> None:
+    """Stop calling `fn` (added with `cairn.add_listener`); nothing happens if it is not added.
+
+    Example::
+
+        cairn.remove_listener(to_wandb)
+    """
+    with _lock:
+        if fn in _listeners:
+            _listeners.remove(fn)
+
+
+def saved(path: str, stats: SaveStats) -> None:
+    """Publish the stats of a committed save."""
+    _publish(StatsEvent("save", path, stats), "saved %s: %.1f MiB in %d files, %.2f s (%.2f GiB/s; blocking %.2f s, "
+             "write %.2f s, commit %.2f s)", (stats.bytes_written / (1 << 20), stats.files_written, stats.total_s,
+             stats.gib_per_s, stats.blocking_s, stats.write_s, stats.commit_s),
+             {"blocking_s": stats.blocking_s, "write_s": stats.write_s, "commit_s": stats.commit_s,
+              "total_s": stats.total_s}, {"bytes": stats.bytes_written, "files": stats.files_written})
+
+
+def loaded(path: str, stats: LoadStats) -> None:
+    """Publish the stats of a finished load."""
+    _publish(StatsEvent("load", path, stats), "loaded %s: %.1f MiB in %d requests, %.2f s (%.2f GiB/s; plan %.2f s, "
+             "read %.2f s, transfer %.2f s, reshard %.2f s)", (stats.bytes_read / (1 << 20), stats.reads,
+             stats.total_s, stats.gib_per_s, stats.plan_s, stats.read_s, stats.transfer_s, stats.reshard_s),
+             {"plan_s": stats.plan_s, "read_s": stats.read_s, "transfer_s": stats.transfer_s,
+              "reshard_s": stats.reshard_s, "total_s": stats.total_s},
+             {"bytes": stats.bytes_read, "requests": stats.reads})
+
+
+def _publish(event: StatsEvent, line: str, args: tuple[Any, ...], durations: dict[str, float],
+             scalars: dict[str, int]) -> None:
+    try:
+        log.info("cairn: " + line, event.path, *args)
+    except Exception:  # a user's logging filter; an async save's future must still resolve
+        pass
+    _monitor(event.kind, durations, scalars)
+    _notify(event)
+
+
+def _monitor(kind: str, durations: dict[str, float], scalars: dict[str, int]) -> None:
+    """`jax.monitoring` events ``/cairn/<kind>/<name>``, if JAX is in use."""
+    if "jax" not in sys.modules:
+        return
+    try:
+        import jax.monitoring as monitoring
+
+        for name, secs in durations.items():
+            monitoring.record_event_duration_secs(f"/cairn/{kind}/{name}", secs)
+        record_scalar = getattr(monitoring, "record_scalar", None)  # absent in older JAX
+        for name, value in scalars.items():
+            if record_scalar is not None:
+                record_scalar(f"/cairn/{kind}/{name}", value)
+    except Exception as e:
+        log.warning("cairn: a jax.monitoring listener failed on the %s stats: %s", kind, e)
+
+
+def _notify(event: StatsEvent) -> None:
+    with _lock:
+        listeners = list(_listeners)
+    for fn in listeners:
+        try:
+            fn(event)
+        except Exception as e:
+            log.warning("cairn: stats listener %r failed on the %s of %s: %s", fn, event.kind, event.path, e)
+
+
+__all__ = ["LoadStats", "SaveStats", "StatsEvent", "add_listener", "loaded", "remove_listener", "saved"]
