@@ -120,6 +120,28 @@ def test_multipart_upload_and_split_reads(store, bucket, opts):
     np.testing.assert_array_equal(cairn.load(path, storage_options=opts)["x"], big)
 
 
+def test_whole_arrays_back_to_back_share_requests_up_to_plan_read_size(store, bucket, opts):
+    """A numpy load of medium leaves reads runs of whole arrays, each up to `plan_read_size`, not a leaf each."""
+    rng = np.random.default_rng(5)
+    tree = {f"w{i:02d}": rng.standard_normal((512, 1024), dtype=np.float32) for i in range(12)}  # 2 MiB each
+    path = store.url(bucket, "medium")
+    cairn.save(path, {"params": tree}, storage_options=opts)
+    data = [k for k in store.keys(bucket, "medium/") if k.endswith(".bin")]
+    reads = {}
+    for size in (4 * MiB, 8 * MiB):
+        stats = cairn.LoadStats()
+        got = cairn.load(path, storage_options={**opts, "plan_read_size": size}, stats=stats)["params"]
+        assert all(np.array_equal(got[k], v) for k, v in tree.items())
+        assert stats.bytes_read == 12 * 2 * MiB
+        reads[size] = stats.reads
+    # Runs never span data files, and each holds at most size / 2 MiB arrays.
+    assert reads[8 * MiB] <= len(data) + 12 // 4, (reads, len(data))
+    assert reads[4 * MiB] <= len(data) + 12 // 2 and reads[8 * MiB] < reads[4 * MiB] < 12, reads
+    # And the dry run counts the same requests.
+    plan = cairn.plan_load(path, storage_options={**opts, "plan_read_size": 8 * MiB})
+    assert sum(p.requests for p in plan.processes) == reads[8 * MiB]
+
+
 def test_save_async(store, bucket, opts, mesh8):
     path = store.url(bucket, "async")
     x = sharded(mesh8, (32, 8), P("x"), seed=4)

@@ -32,6 +32,19 @@ _MAX_RUN_BYTES = 4 << 20
 _MAX_RUN_PARTS = 1024
 
 
+def run_limits(preferred_read: int | None) -> tuple[int, int]:
+    """``(largest array that joins a run, largest run)`` for a storage that prefers reads of `preferred_read`.
+
+    Local files: arrays up to `SMALL_ARRAY` in runs up to 4 MiB. A storage
+    that charges per request (object stores state a `preferred_read`) takes
+    whole arrays up to that size, back to back, in runs up to that size: a
+    tree of medium leaves costs a request per run, not one per leaf.
+    """
+    if not preferred_read:
+        return SMALL_ARRAY, _MAX_RUN_BYTES
+    return max(SMALL_ARRAY, preferred_read), max(_MAX_RUN_BYTES, preferred_read)
+
+
 class _RunFuture(Future):  # type: ignore[type-arg]
     """The future of one run; waiting for it first makes sure the run was submitted."""
 
@@ -70,8 +83,9 @@ def whole_span(leaf: Any) -> tuple[int, int] | None:
 class Runs:
     """The pending run of one `ChunkReader` (which it calls back for reads and checks)."""
 
-    def __init__(self, reader: Any) -> None:
+    def __init__(self, reader: Any, max_bytes: int = _MAX_RUN_BYTES) -> None:
         self._reader = reader
+        self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._parts: list[tuple[Any, int, np.ndarray]] = []  # (leaf, its first byte, its buffer)
         self._file = self._end = 0
@@ -82,7 +96,7 @@ class Runs:
         """Queue reading all of `leaf` (bytes `start`.. of `file`) into `dest`; resolves once verified."""
         with self._lock:
             if self._parts and (file != self._file or start != self._end or len(self._parts) >= _MAX_RUN_PARTS
-                                or self._bytes + dest.nbytes > _MAX_RUN_BYTES):
+                                or self._bytes + dest.nbytes > self.max_bytes):
                 self._submit_locked()
             if self._future is None:
                 self._future = _RunFuture(self)

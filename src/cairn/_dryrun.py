@@ -26,7 +26,7 @@ from typing import Any
 
 from . import _format as fmt
 from . import _load, _sources, _transforms
-from ._coalesce import _MAX_RUN_BYTES, _MAX_RUN_PARTS, SMALL_ARRAY, whole_span
+from ._coalesce import _MAX_RUN_PARTS, run_limits, whole_span
 from ._errors import MismatchError
 from ._jaxutil import WHOLE_PUT_BYTES, device_boxes
 from ._location import Location, resolve
@@ -203,7 +203,8 @@ def plan_load(
     skip = {(id(s.item), s.leaf) for s in staged}
     plans = []
     for p in range(n):
-        sim = _Process(p, process_of, budget_bytes, threads, max_read, vectored)
+        sim = _Process(p, process_of, budget_bytes, threads, max_read, vectored,
+                       run_limits(getattr(loc.storage, "preferred_read", None)))
         sim.direct([(it, it.wanted if not it.pp.nodes else _load._match(
             loc, it.name, it.index, it.target, partial, LoadView(it.index.structure, it.name, loc.path, p, n)))
             for it in items], skip)
@@ -285,9 +286,10 @@ class _Process:
     """The load engine's bookkeeping for one process, replayed without reading."""
 
     def __init__(self, p: int, process_of: ProcessOf | None, budget: int, threads: int, max_read: int,
-                 vectored: bool):
+                 vectored: bool, runs: tuple[int, int]):
         self.p, self.process_of, self.budget, self.threads, self.max_read = p, process_of, budget, threads, max_read
         self.vectored = vectored
+        self.small, self.run_bytes = runs  # `_coalesce.run_limits` of the storage
         self.bytes = self.requests = self.peak = 0
         self.scratch_reads, self.scratch_max = 0, 0
 
@@ -366,7 +368,7 @@ class _Process:
 
     def whole(self, leaf: fmt.ArrayLeaf, runs: _Runs, block: int, verify: bool) -> int | None:
         """`ChunkReader.read_array(leaf)`: a small array joins a run, anything else is planned."""
-        span = whole_span(leaf) if leaf.nbytes <= SMALL_ARRAY else None
+        span = whole_span(leaf) if leaf.nbytes <= self.small else None
         if span is not None:
             return runs.add(span[0], span[1], leaf.nbytes)
         runs.submit()
@@ -434,7 +436,7 @@ class _Runs:
 
     def add(self, file: int, start: int, nbytes: int) -> int:
         if self.parts and (file != self.file or start != self.end or self.parts >= _MAX_RUN_PARTS
-                           or self.bytes + nbytes > _MAX_RUN_BYTES):
+                           or self.bytes + nbytes > self.proc.run_bytes):
             self.submit()
         self.file, self.end = file, start + nbytes
         self.bytes += nbytes

@@ -26,7 +26,7 @@ import numpy as np
 from . import _format as fmt
 from ._buffers import aligned_empty
 from ._checksum import crc32c
-from ._coalesce import SMALL_ARRAY, Runs, whole_span
+from ._coalesce import Runs, run_limits, whole_span
 from ._coord import activity
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._location import Location
@@ -62,7 +62,9 @@ class ChunkReader:
         self.item = name
         self._readers: dict[int, RandomReader] = {}
         self._lock = threading.Lock()
-        self._runs = Runs(self)  # small whole arrays, read together
+        self._max_read = getattr(loc.storage, "preferred_read", DEFAULT_MAX_READ)
+        self._small, run_bytes = run_limits(getattr(loc.storage, "preferred_read", None))
+        self._runs = Runs(self, run_bytes)  # small whole arrays, read together
 
     def _key(self, file: int) -> str:
         return self.loc.key(self.info.dir, self.index.files[file].name)
@@ -182,14 +184,14 @@ class ChunkReader:
             from ._jaxutil import addressable_boxes
 
             boxes, placement = addressable_boxes(sharding, shape)
-        span = whole_span(leaf) if sharding is None and region is None and leaf.nbytes <= SMALL_ARRAY else None
+        span = whole_span(leaf) if sharding is None and region is None and leaf.nbytes <= self._small else None
         if span is not None:  # small, whole, one run of bytes: read together with its neighbours
             self._reader(span[0])  # checks the file first: a false size claim allocates nothing
             dest = np.empty(leaf.shape, leaf.dtype)  # no alignment needed: placed by one device_put of the whole
             return ArrayReads([self._runs.add(leaf, span[0], span[1], dest)], [dest], boxes, placement)
         absolute = boxes if region is None else [
             tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes]
-        max_read = getattr(self.loc.storage, "preferred_read", DEFAULT_MAX_READ)
+        max_read = self._max_read
         reads = (whole_reads(leaf, self.index.block_size, self.verify, max_read)
                  if region is None and sharding is None else None)
         if reads is None:
