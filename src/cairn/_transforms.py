@@ -15,7 +15,6 @@ in a `RestoreReport` and logged at INFO on the ``cairn`` logger.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -26,7 +25,7 @@ from ._errors import CheckpointNotFoundError, MismatchError
 from ._location import Location
 from ._perprocess import PerProcess, nodes_of
 from ._sources import Rename, Source
-from ._sources._base import structure_of
+from ._sources._base import regex_predicate, structure_of
 from ._tree import display_path, map_with_path
 
 log = logging.getLogger("cairn")
@@ -122,11 +121,7 @@ def _fill_rule(fill_missing: bool | Patterns) -> Any:
         return lambda path: True
     if fill_missing is False or fill_missing is None:
         return None
-    patterns = [fill_missing] if isinstance(fill_missing, str) else list(fill_missing)
-    if not all(isinstance(p, str) for p in patterns):
-        raise TypeError(f"fill_missing must be a bool, a regex or a sequence of regexes, got {fill_missing!r}")
-    rxs = [re.compile(p) for p in patterns]
-    return lambda path: any(rx.search(path) for rx in rxs)
+    return regex_predicate(fill_missing, "fill_missing must be a bool, a regex or a sequence of regexes")
 
 
 def _fill(index: fmt.ItemIndex, target: Any, item: str, allowed: Any, where: str,

@@ -52,15 +52,23 @@ class FlatLocation(Location):
 # ---------------------------------------------------------------------- rename
 
 
+def regex_predicate(patterns: str | Sequence[str], error: str) -> Callable[[str], bool]:
+    """A regex, or several, as a predicate on a '/'-joined key path (searched anywhere).
+
+    Anything but strings is a `TypeError` of `error` followed by what was given.
+    """
+    listed = [patterns] if isinstance(patterns, str) else list(patterns)
+    if not all(isinstance(x, str) for x in listed):
+        raise TypeError(f"{error}, got {patterns!r}")
+    rxs = [re.compile(x) for x in listed]
+    return lambda path: any(rx.search(path) for rx in rxs)
+
+
 def compile_drop(drop: str | Sequence[str] | None) -> Callable[[str], bool] | None:
     """`drop` (a regex, or several) as a predicate on the '/'-joined key path (searched anywhere)."""
     if drop is None:
         return None
-    patterns = [drop] if isinstance(drop, str) else list(drop)
-    if not all(isinstance(x, str) for x in patterns):
-        raise TypeError(f"drop must be a regex or a sequence of regexes, got {drop!r}")
-    rxs = [re.compile(x) for x in patterns]
-    return lambda path: any(rx.search(path) for rx in rxs)
+    return regex_predicate(drop, "drop must be a regex or a sequence of regexes")
 
 
 def compile_rename(rename: Rename | None) -> Callable[[str], str | None] | None:
