@@ -46,6 +46,9 @@ LAYERS: dict[str, int] = {
     # manager: CheckpointManager on top of its parts; _steps is shared with the CLI
     "cairn._manager": 80,
     "cairn._localtier": 79,
+    "cairn._localxfer": 78,
+    "cairn._localplan": 78,
+    "cairn._localblob": 78,
     "cairn._replicas": 78,
     "cairn._watch": 77,
     "cairn._agree": 76,

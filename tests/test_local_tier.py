@@ -17,12 +17,26 @@ import os
 import random
 import shutil
 
+import jax
+import numpy as np
 import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
+import cairn
 from _mp import start, wait
-from cairn import CheckpointError
-from cairn._localtier import choose
-from cairn._replicas import placement
+from cairn import CheckpointError, CorruptCheckpointError, MismatchError
+from cairn._localplan import (
+    Choice,
+    Table,
+    choose,
+    decode_table,
+    encode_table,
+    local_box,
+    segments,
+    sizes,
+)
+from cairn._replicas import Piece, placement
 
 N = 4
 SCENARIO = "localtier_scenarios:train"
@@ -51,35 +65,148 @@ def test_placement_refuses_what_the_domains_cannot_hold():
     assert placement(1, 1) == [] and placement(4, 0) == []
 
 
-def _report(steps: dict[int, list[int]], count: int = 4, layout: str = "L") -> dict:
+def _report(steps: dict[int, list[int]], count: int = 4, layout: str = "L", saved_by: int | None = None,
+            table: bool = True) -> dict:
+    saved_by = count if saved_by is None else saved_by
     return {"count": count, "layout": layout,
-            "steps": {str(s): {"count": count, "layout": layout, "holds": h, "lengths": {}, "crc": {}}
-                      for s, h in steps.items()}}
+            "held": {str(s): {str(q): {"count": saved_by, "layout": layout, "length": 100 + q,
+                                       "table": table} for q in h} for s, h in steps.items()}}
 
 
 def test_choose_takes_the_newest_step_with_a_copy_of_every_process():
-    holders = placement(4, 1)  # q -> q + 1
     reports = {p: _report({8: [p, (p - 1) % 4], 10: [p, (p - 1) % 4]}) for p in range(4)}
     reports[3] = _report({8: [3, 2]})  # step 10 torn on process 3: process 0's replica serves
-    step, sources, why = choose(reports, 4, holders)
-    assert step == 10 and why == "" and sources[3] == (0, 0) and sources[2] == (2, None)
+    got = choose(reports, 4)
+    assert (got.step, got.same, got.why) == (10, True, "")
+    assert got.servers == {0: 0, 1: 1, 2: 2, 3: 0}
     reports[0] = _report({8: [0, 3]})  # torn on process 0 too: no copy of process 3's step 10 is left
-    step, sources, why = choose(reports, 4, holders)
-    assert step == 8 and why == "" and all(sources[q] == (q, None) for q in range(4))
+    got = choose(reports, 4)
+    assert got.step == 8 and got.servers == {q: q for q in range(4)}
+    assert "step 10 has no copy of process [3]" in got.why  # why the newer step was passed over
     reports[3] = reports[0] = _report({})  # process 3's own copy and its replica are both gone
-    step, _, why = choose(reports, 4, holders)
-    assert step is None and "no copy of process [3]" in why
+    got = choose(reports, 4)
+    assert got.step is None and "no copy of process [3]" in got.why
+    assert choose(reports, 4, newer_than=12).step is None
 
 
-def test_choose_falls_back_on_another_process_count_or_layout():
-    holders = placement(4, 1)
-    saved_by_8 = {p: _report({4: [p]}, count=8) | {"count": 4} for p in range(4)}
-    step, _, why = choose(saved_by_8, 4, holders)
-    assert step is None and "saved by [8] processes and this run has 4" in why
+def test_choose_is_older_than_the_persistent_tier():
+    reports = {p: _report({8: [p]}) for p in range(4)}
+    got = choose(reports, 4, newer_than=9)
+    assert got.step is None and "step 8 is older than the persistent step 9" in got.why
+    assert choose(reports, 4, newer_than=8).step == 8
+
+
+def test_choose_reshards_from_another_process_count_or_layout():
+    # Saved by 4 processes, restored by 3: the blobs of 0-2 in their folders, 3's replica on process 0.
+    reports = {p: _report({6: [p, (p - 1) % 4]}, count=3, saved_by=4) for p in range(3)}
+    got = choose(reports, 3)
+    assert (got.step, got.saved_by, got.same) == (6, 4, False)
+    assert got.servers == {0: 0, 1: 1, 2: 2, 3: 0}
+    # Saved by 2, restored by 4: the two old processes' folders hold everything; the least loaded serves.
+    reports = {p: _report({6: [0, 1]} if p < 2 else {}, count=4, saved_by=2) for p in range(4)}
+    got = choose(reports, 4)
+    assert got.step == 6 and got.servers == {0: 0, 1: 1}
     other = {p: _report({4: [p]}, layout="other") | {"layout": "L"} for p in range(4)}
-    step, _, why = choose(other, 4, holders)
-    assert step is None and "another array layout" in why
-    assert choose({p: _report({}) for p in range(4)}, 4, holders) == (None, {}, "")
+    got = choose(other, 4)
+    assert got.step == 4 and not got.same  # same count, another layout: a reshard too
+    untabled = {p: _report({4: [p]}, count=3, saved_by=4, table=False) for p in range(3)}
+    got = choose(untabled, 3)
+    assert got.step is None and "shard table" in got.why
+    assert choose({p: _report({}) for p in range(4)}, 4) == Choice(None)
+
+
+def _table(boxes_by_blob: dict[int, list[tuple]], shape=(8, 6), dtype="float32") -> Table:
+    return decode_table([encode_table(["w"], [shape], [dtype],
+                                      {q: [Piece(0, b, 0) for b in bs] for q, bs in boxes_by_blob.items()})], "t")
+
+
+def test_segments_cut_saved_rows_into_target_columns_once():
+    saved = _table({0: [((0, 4), (0, 6))], 1: [((4, 8), (0, 6))]})  # rows over 2 processes
+    wanted = {0: [Piece(0, ((0, 8), (0, 3)), 0)], 1: [Piece(0, ((0, 8), (3, 6)), 0)]}  # columns
+    segs = segments(saved, {0: 0, 1: 1}, ["w"], [(8, 6)], ["float32"], wanted, "t")
+    assert [(g.server, g.receiver, g.box, g.nbytes) for g in segs] == [
+        (0, 0, ((0, 4), (0, 3)), 48), (1, 0, ((4, 8), (0, 3)), 48),
+        (0, 1, ((0, 4), (3, 6)), 48), (1, 1, ((4, 8), (3, 6)), 48)]
+    assert sizes(segs) == {0: {0: 48, 1: 48}, 1: {0: 48, 1: 48}}
+    assert local_box(((4, 8), (3, 6)), ((4, 8), (0, 6))) == (slice(0, 4), slice(3, 6), Ellipsis)
+    # A replicated leaf held by both blobs: each receiver takes it from the blob it serves itself.
+    both = _table({0: [((0, 8), (0, 6))], 1: [((0, 8), (0, 6))]})
+    segs = segments(both, {0: 0, 1: 1}, ["w"], [(8, 6)], ["float32"], wanted, "t")
+    assert [(g.server, g.receiver) for g in segs] == [(0, 0), (1, 1)]
+
+
+def test_segments_refuse_what_the_saved_step_cannot_give():
+    saved = _table({0: [((0, 4), (0, 6))]})  # rows 4-8 are nowhere
+    want = {0: [Piece(0, ((0, 8), (0, 6)), 0)]}
+    with pytest.raises(CorruptCheckpointError, match="do not tile the target box"):
+        segments(saved, {0: 0}, ["w"], [(8, 6)], ["float32"], want, "t")
+    with pytest.raises(MismatchError, match="saved as float32\\[8, 6\\]; the target is float32\\[8, 8\\]"):
+        segments(saved, {0: 0}, ["w"], [(8, 8)], ["float32"], want, "t")
+    with pytest.raises(MismatchError, match="'v' is not in the local step"):
+        segments(saved, {0: 0}, ["v"], [(8, 6)], ["float32"], want, "t")
+
+
+# ---------------------------------------------------------------------- one process, 8 devices
+
+
+def _mesh_state(spec):
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(4, 2), ("x", "y"))
+    sh = NamedSharding(mesh, P(*spec))
+    rep = NamedSharding(mesh, P())
+    w = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+    mask = (np.arange(16 * 8) % 3 == 0).reshape(16, 8)
+    return ({"w": jax.device_put(w, sh), "m": jax.device_put(mask, sh), "s": jax.device_put(np.float32(2.5), rep),
+             "n": 7},
+            {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sh),
+             "m": jax.ShapeDtypeStruct(mask.shape, mask.dtype, sharding=sh),
+             "s": jax.ShapeDtypeStruct((), np.float32, sharding=rep), "n": 0})
+
+
+def test_restore_onto_another_layout_reshards_from_the_local_tier(tmp_path, caplog):
+    state, _ = _mesh_state(("x", "y"))
+    _, columns = _mesh_state(("y", "x"))
+    with cairn.CheckpointManager(tmp_path / "p", save_every=100, local=cairn.LocalTier(
+            tmp_path / "l", every=2, replicas=0), handle_sigterm=False) as mgr:
+        mgr.save(4, state)
+    tier = cairn.LocalTier(tmp_path / "l", every=2, replicas=0)
+    with caplog.at_level("INFO", logger="cairn"), cairn.CheckpointManager(
+            tmp_path / "p", save_every=100, local=tier, handle_sigterm=False) as mgr:
+        got = mgr.restore(target=columns)
+    assert tier.restored_step == 4 and "resharded from the local tier" in caplog.text
+    for k in ("w", "m", "s"):
+        assert got[k].sharding == columns[k].sharding and got[k].dtype == state[k].dtype
+        assert np.array_equal(np.asarray(got[k]), np.asarray(state[k]))
+    assert got["n"] == 7
+
+
+def test_a_leaf_the_local_step_lacks_falls_back_to_the_persistent_tier(tmp_path, caplog):
+    state, _ = _mesh_state(("x", "y"))
+    _, columns = _mesh_state(("y", "x"))
+    with cairn.CheckpointManager(tmp_path / "p", save_every=2, local=cairn.LocalTier(
+            tmp_path / "l", every=2, replicas=0), handle_sigterm=False) as mgr:
+        mgr.save(2, state)
+    wider = dict(columns, w=jax.ShapeDtypeStruct((16, 16), np.float32, sharding=columns["w"].sharding))
+    tier = cairn.LocalTier(tmp_path / "l", every=2, replicas=0)
+    with caplog.at_level("INFO", logger="cairn"), cairn.CheckpointManager(
+            tmp_path / "p", save_every=2, local=tier, handle_sigterm=False) as mgr:
+        with pytest.raises(MismatchError):  # neither tier has a 16x16 "w"
+            mgr.restore(target=wider)
+        assert tier.restored_step is None and "does not restore onto this target" in caplog.text
+        assert "saved as float32[16, 8]; the target is float32[16, 16]" in caplog.text
+
+
+def test_old_steps_of_processes_this_run_lacks_are_removed_once_it_saves_newer(tmp_path):
+    state, rows = _mesh_state(("x", "y"))
+    with cairn.CheckpointManager(tmp_path / "p", save_every=100, local=cairn.LocalTier(
+            tmp_path / "l", every=2, replicas=0), handle_sigterm=False) as mgr:
+        mgr.save(2, state)
+    shutil.copytree(tmp_path / "l" / "process_0", tmp_path / "l" / "process_1")  # as a 2-process run left it
+    tier = cairn.LocalTier(tmp_path / "l", every=2, replicas=0)
+    with cairn.CheckpointManager(tmp_path / "p", save_every=100, local=tier, handle_sigterm=False) as mgr:
+        assert mgr.restore(target=rows) is not None and tier.restored_step == 2  # its own copy
+        mgr.save(4, state)
+    assert not (tmp_path / "l" / "process_1" / "step_00000002").exists()
+    assert (tmp_path / "l" / "process_0" / "step_00000002").exists()  # kept: keep=2 of its own
 
 
 # ---------------------------------------------------------------------- real processes
@@ -108,9 +235,11 @@ def _expected(root: str, persist: str, upto: int) -> tuple[str | None, int | Non
     return ("persistent", p) if p is not None else (None, None)
 
 
-def _run(root: str, persist: str, total: int, die_at: int | None, timeout: float = 180) -> list:
+def _run(root: str, persist: str, total: int, die_at: int | None, timeout: float = 180, n: int = N,
+         elastic: bool = False) -> list:
     """Run the scenario; a run that dies returns, per process, the "resumed <tier> <step>" line it printed."""
-    procs = start(N, SCENARIO, {"root": root, "persist": persist, "total": total, "die_at": die_at})
+    procs = start(n, SCENARIO, {"root": root, "persist": persist, "total": total, "die_at": die_at,
+                                "elastic": elastic})
     out = wait(procs, timeout, expect_exit=lambda i: die_at is None)
     if die_at is None:
         return out
@@ -153,6 +282,27 @@ def test_a_replaced_host_gets_its_shards_from_its_peer(tmp_path):
     want = _expected(root, persist, 9)
     assert want[0] == "local" and want[1] in (6, 8), want
     _check_resumed(_run(root, persist, 12, die_at=None), want)
+
+
+@pytest.mark.timeout(400)
+def test_lose_a_host_and_go_on_with_fewer_processes_from_the_local_tier(tmp_path):
+    root, persist = str(tmp_path / "local"), str(tmp_path / "persist")
+    _run(root, persist, 16, die_at=9, elastic=True)  # 4 processes; local 8 perhaps in flight, persistent 6
+    _wipe(root, 3)  # a host is gone for good: 3 processes carry on; process 3's replica is on process 0
+    local = max((s for s in range(10) if all(_committed(root, h, s) for h in range(3))), default=None)
+    assert local is not None and local >= (_persistent_latest(persist) or 0), (local, _persistent_latest(persist))
+    _check_resumed(_run(root, persist, 16, die_at=None, n=3, elastic=True), ("local", local))
+
+
+@pytest.mark.timeout(400)
+def test_grow_from_two_to_four_processes_from_the_local_tier(tmp_path):
+    root, persist = str(tmp_path / "local"), str(tmp_path / "persist")
+    _run(root, persist, 14, die_at=9, n=2, elastic=True)  # each of the 2 hosts holds both blobs
+    local = max((s for s in range(10) if _committed(root, 0, s) or _committed(root, 1, s)), default=None)
+    assert local is not None and local >= (_persistent_latest(persist) or 0)
+    out = _run(root, persist, 14, die_at=None, n=4, elastic=True)  # hosts 2 and 3 are new and empty
+    _check_resumed(out, ("local", local))
+    assert all(r["local_steps"][-1] == 12 for r in out), out  # the 4-process run saves its own steps
 
 
 @pytest.mark.slow

@@ -10,12 +10,15 @@ checkpoint, committed by a single process into ``<directory>/process_<i>/
 step_<N>``; the last `keep` steps are kept. A kill at any instant leaves a
 torn attempt that is never listed (and is removed when the tier opens).
 
-On restore every process reports what its directory holds; all of them pick
-the newest step for which every process's blob exists somewhere (its own
-directory or a replica), with the same process count and array layout as the
-target. A process whose directory is empty receives its blob from a peer, again
-by collectives; a blob's checksum is checked after any transfer. Without
-such a step the caller falls back to the persistent tier.
+On restore every process reports what its host directory holds (its own
+``process_<i>`` folder and any other one there, such as a previous run's);
+all of them pick the newest step for which every saved blob exists somewhere
+(`_localplan.choose`). Saved with this run's process count and layout, each
+process gets its own blob whole, from its directory or from a peer. Saved by
+another process count or layout, the holders cut out the parts of the saved
+shards that each process's target shards need and send them (a reshard,
+every byte sent once). Transfers are XLA collectives and are checksummed end
+to end. Without such a step the caller falls back to the persistent tier.
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ import numpy as np
 
 from . import _load, _save, _steps
 from ._agree import Decisions
-from ._checksum import crc32c
 from ._coord import Coordinator, SingleProcess
-from ._errors import CheckpointError, CorruptCheckpointError, MismatchError, UnsupportedTypeError
-from ._leaves import is_jax_array
+from ._errors import CheckpointError, CorruptCheckpointError
+from ._localblob import assemble, missing_values, shard_data, split, target_layout
+from ._localplan import choose, encode_table
+from ._localxfer import Exchange
 from ._location import Location
 from ._metadata import read_manifest
 from ._replicas import (
@@ -43,13 +47,11 @@ from ._replicas import (
     layout_key,
     pack_on_device,
     placement,
-    read_header,
     send_rows,
-    shard_table,
-    unpack,
+    shard_tables,
 )
-from ._tree import display_path, map_with_path
-from ._values import decode_value, dtype_from_name, dtype_name, encode_value, value_kind
+from ._storage import Storage
+from ._values import dtype_name
 
 log = logging.getLogger("cairn")
 
@@ -131,13 +133,15 @@ class LocalTier:
             return False
         t0 = time.perf_counter()
         self._collect()  # one local save in flight: bounded memory
-        paths, arrays, values = _split(state, self._where(step))
+        paths, arrays, values = split(state, self._where(step))
         shapes = [tuple(a.shape) for a in arrays]
         dtypes = [np.dtype(a.dtype) for a in arrays]
         shardings = [a.sharding for a in arrays]
         key = layout_key(shapes, dtypes, shardings, paths)
-        pieces, _ = shard_table(shapes, dtypes, shardings, self._me)
-        shards = [_shard_data(arrays[p.leaf], p.box) for p in pieces]
+        kept = sorted({self._me, *(dest.index(self._me) for dest in self._holders)})  # own blob, replicas
+        tables = {q: t[0] for q, t in shard_tables(shapes, dtypes, shardings, kept).items()}
+        pieces = tables[self._me]
+        shards = [shard_data(arrays[p.leaf], p.box) for p in pieces]
         header = header_bytes({"step": step, "process": self._me, "count": self._count, "layout": key,
                                "values": values})
         length = len(header) + sum(p.nbytes for p in pieces)
@@ -156,11 +160,12 @@ class LocalTier:
             received[dest.index(self._me)] = send_rows(own, width, dest, self._me)
         # Planned here, on the main thread, into host buffers the background fills: a save's
         # number comes from a sequence the persistent saves share, which every process must
-        # draw from in the same order. The checksums join the manifest's metadata before commit.
+        # draw from in the same order. The data files carry block checksums, as any checkpoint.
         devs = {self._me: own, **received}
         host = {q: np.empty(lengths[q], np.uint8) for q in devs}
         meta = {META: {"step": step, "process": self._me, "count": self._count, "layout": key, "holds": sorted(host),
-                       "lengths": {str(q): lengths[q] for q in host}, "crc": {}}}
+                       "lengths": {str(q): lengths[q] for q in host},
+                       "table": encode_table(paths, shapes, [str(dtype_name(d)) for d in dtypes], tables)}}
         tree: dict[str, Any] = {"own": host[self._me]}
         if received:
             tree["peers"] = {str(q): host[q] for q in received}
@@ -184,7 +189,6 @@ class LocalTier:
             for q, dev in devs.items():
                 # Waits for the device copy (own) or for the collective that brings it (a peer's).
                 host[q][:] = np.asarray(dev)[:host[q].size]
-                meta[META]["crc"][str(q)] = crc32c(host[q])
             job.run()
             self._retain()
         except BaseException as e:
@@ -201,6 +205,17 @@ class LocalTier:
                 _steps.delete_step(self._storage, s)
             except OSError as e:
                 log.warning("cairn: could not delete local step %d in %s: %s", s, self.path, e)
+        # Folders of processes this run does not have (a larger run before it) are only ever read by
+        # a restore; once this process has a newer step of its own, their older steps are dead weight.
+        for k, storage, path in self._visible()[1:]:
+            if k < self._count or not steps:
+                continue
+            try:
+                for s in _steps.committed_steps(storage):
+                    if s < steps[-1]:
+                        _steps.delete_step(storage, s)
+            except OSError as e:
+                log.warning("cairn: could not remove old local steps in %s: %s", path, e)
         self._cleanup()
 
     def _cleanup(self) -> None:
@@ -234,248 +249,110 @@ class LocalTier:
         `newer_than`; None (on every process alike) when the persistent tier must serve."""
         self.restored_step = None
         self._collect()
-        layout = _target_layout(target, self.path)
-        report = {"steps": self._holdings(), "layout": layout, "count": self._count}
-        reports = self._decisions.gather("restore", report)
-        step, sources, why = choose(reports, self._count, self._holders)
-        if step is not None and newer_than is not None and step < newer_than:
-            step, why = None, f"its newest complete step {step} is older than the persistent step {newer_than}"
-        if step is None:
-            if why and self._me == 0:
+        layout = target_layout(target, self.path)
+        held, found = self._holdings()
+        reports = self._decisions.gather("restore", {"held": held, "layout": layout, "count": self._count})
+        choice = choose(reports, self._count, newer_than)
+        if choice.step is None:
+            if choice.why and self._me == 0:
                 log.warning("cairn: not restoring from the local tier in %s: %s; restoring from the persistent "
-                            "tier instead", self.directory, why)
+                            "tier instead", self.directory, choice.why)
             return None
-        width = max(int(v) for r in reports.values() if str(step) in r["steps"]
-                    for v in r["steps"][str(step)]["lengths"].values())
-        blob, error = None, None
+        step, where = choice.step, self._where(choice.step)
+        mine = [q for q, p in choice.servers.items() if p == self._me]
+        parts: dict[str, Any] = {"leaves": None, "pieces": {}}  # the shard tables a reshard needs
+        for q in mine if not choice.same else ():
+            table = found[(step, q)][2]
+            parts["leaves"] = table["leaves"]
+            parts["pieces"][str(q)] = table["pieces"][str(q)]
+        tables = {} if choice.same else self._decisions.gather(f"tables-{step}", parts)
+        error, blobs = None, {}
         try:
-            if sources[self._me][1] is None:
-                n = reports[self._me]["steps"][str(step)]["lengths"][str(self._me)]
-                blob = self._read_blob(step, "own", n)
+            blobs = {q: self._read_blob(step, q, found[(step, q)]) for q in mine}
         except (CorruptCheckpointError, OSError, CheckpointError) as e:
             error = f"{type(e).__name__}: {e}"
-        blob = self._transfer(step, sources, reports, width, blob)
-        if blob is not None and error is None:
-            holder, _ = sources[self._me]
-            want = reports[holder]["steps"][str(step)]["crc"][str(self._me)]
-            if crc32c(blob) != want:
-                error = f"the blob of process {self._me} from process {holder} fails its checksum"
-        out = None
-        if error is None:
-            try:
-                out = _rebuild(target, blob, step, self._me, layout, f"{self._where(step)}")
-            except CheckpointError as e:
-                error = f"{type(e).__name__}: {e}"
-        outcomes = self._decisions.gather(f"restored-{step}", error)
-        bad = {p: e for p, e in sorted(outcomes.items()) if e is not None}
+        try:
+            plan = Exchange(choice, reports, target, tables, self._me, self._count, layout, where)
+        except CheckpointError as e:  # the same on every process: all fall back, none sends
+            if self._me == 0:
+                log.warning("cairn: the local step %d does not restore onto this target (%s); restoring from the "
+                            "persistent tier instead", step, e)
+            return None
+        outcome = plan.run(blobs, error)
+        outcomes = self._decisions.gather(f"restored-{step}", outcome)
+        bad = {p: o["error"] for p, o in sorted(outcomes.items()) if o["error"] is not None}
+        for s_, o in outcomes.items():
+            for r, c in o["sent"].items():
+                if outcomes[int(r)]["got"].get(str(s_)) != c:
+                    bad.setdefault(int(r), f"the bytes from process {s_} fail their checksum")
         if bad:
             if self._me == 0:
                 log.warning("cairn: the local step %d does not restore (%s); restoring from the persistent tier "
-                            "instead", step, "; ".join(f"process {p}: {e}" for p, e in bad.items()))
+                            "instead", step, "; ".join(f"process {p}: {e}" for p, e in sorted(bad.items())))
             return None
+        values = next((o["values"] for o in outcomes.values() if o.get("values") is not None), plan.values) or {}
+        if lost := missing_values(target, values):  # a reshard: the same values on every process
+            if self._me == 0:
+                log.warning("cairn: the local step %d lacks the target's leaves %s; restoring from the persistent "
+                            "tier instead", step, lost)
+            return None
+        out = assemble(target, plan.hosts, self._me, values, where)
+        if not choice.same and self._me == 0:
+            log.info("cairn: restored local step %d, saved by %d processes, onto %d processes (resharded "
+                     "from the local tier)", step, choice.saved_by, self._count)
         self.restored_step = step
         return step, out
 
-    def _holdings(self) -> dict[str, Any]:
-        out = {}
-        for s in _steps.committed_steps(self._storage):
-            try:
-                meta = read_manifest(self._location(s)).metadata.get(META)
-            except (CheckpointError, OSError) as e:
-                log.warning("cairn: skipping the local step %d in %s: %s", s, self.path, e)
-                continue
-            if isinstance(meta, dict) and meta.get("process") == self._me and meta.get("step") == s:
-                out[str(s)] = {k: meta[k] for k in ("count", "layout", "holds", "lengths", "crc")}
+    def _visible(self) -> list[tuple[int, Storage, str]]:
+        """The ``process_<k>`` folders of this host directory: this process's first."""
+        out = [(self._me, self._storage, self.path)]
+        try:
+            names = _steps.open_directory(self.directory, self._options)[1].list_dir("")
+        except OSError:
+            names = []
+        for name in sorted(names):
+            k = name[8:] if name.startswith("process_") else ""
+            if k.isdigit() and int(k) != self._me:
+                path, storage = _steps.open_directory(f"{self.directory.rstrip('/')}/{name}", self._options)
+                out.append((int(k), storage, path))
         return out
 
-    def _read_blob(self, step: int, item: str, length: int, peer: int | None = None) -> np.ndarray:
-        got = _load.load(self._location(step), {item: None}, partial=True, coordinator=SingleProcess(),
-                         read_once=False, publish=False)  # part of a restore, not a load of its own
-        blob = got[item] if peer is None else got[item][str(peer)]
-        if not isinstance(blob, np.ndarray) or blob.dtype != np.uint8 or blob.size != int(length):
-            raise CorruptCheckpointError(f"{self._where(step)}: the {item} blob is not {length} bytes")
-        return blob
-
-    def _transfer(self, step: int, sources: dict[int, tuple[int, int | None]], reports: dict[int, Any],
-                  width: int, blob: np.ndarray | None) -> np.ndarray | None:
-        """Move the blobs of processes without their own copy from their holders (collectives)."""
-        import jax
-
-        rounds = sorted({k for _, k in sources.values() if k is not None})
-        device = first_devices(self._count)[self._me]
-        for k in rounds:
-            dest = self._holders[k]
-            back = [0] * self._count  # holder r sends to the q whose replica k it keeps
-            for q, r in enumerate(dest):
-                back[r] = q
-            q = back[self._me]
-            row = np.zeros(width, np.uint8)
-            if sources[q] == (self._me, k):
-                n = reports[self._me]["steps"][str(step)]["lengths"][str(q)]
+    def _holdings(self) -> tuple[dict[str, Any], dict[tuple[int, int], tuple[Location, str, dict[str, Any]]]]:
+        """What this host holds: per step, per saved process, its entry; and where each blob lies."""
+        held: dict[str, dict[str, Any]] = {}
+        found: dict[tuple[int, int], tuple[Location, str, dict[str, Any]]] = {}
+        for k, storage, path in self._visible():
+            try:
+                steps = _steps.committed_steps(storage)
+            except OSError:
+                continue
+            for s in steps:
+                loc = Location(storage, _steps.step_dirname(s), f"{path}/{_steps.step_dirname(s)}")
                 try:
-                    row[:n] = self._read_blob(step, "peers", n, peer=q)
+                    meta = read_manifest(loc).metadata.get(META)
                 except (CheckpointError, OSError) as e:
-                    log.error("cairn: reading the replica of process %d in %s: %s", q, self._where(step), e)
-            got = send_rows(jax.device_put(row, device), width, back, self._me)
-            if sources[self._me] == (dest[self._me], k):
-                holder = dest[self._me]
-                n = reports[holder]["steps"][str(step)]["lengths"][str(self._me)]
-                blob = np.asarray(got)[:n].copy()
+                    log.warning("cairn: skipping the local step %d in %s: %s", s, path, e)
+                    continue
+                if not (isinstance(meta, dict) and meta.get("process") == k and meta.get("step") == s):
+                    continue
+                for q in meta["holds"]:
+                    if (s, q) in found:
+                        continue
+                    held.setdefault(str(s), {})[str(q)] = {
+                        "count": meta["count"], "layout": meta["layout"], "length": meta["lengths"][str(q)],
+                        "table": "table" in meta}
+                    found[(s, q)] = (loc, "own" if q == k else "peers", meta.get("table") or {})
+        return held, found
+
+    def _read_blob(self, step: int, q: int, at: tuple[Location, str, dict[str, Any]]) -> np.ndarray:
+        loc, item, _ = at
+        got = _load.load(loc, {item: None}, partial=True, coordinator=SingleProcess(),
+                         read_once=False, publish=False)  # part of a restore, not a load of its own
+        blob = got[item] if item == "own" else got[item][str(q)]
+        meta = read_manifest(loc).metadata[META]
+        if not isinstance(blob, np.ndarray) or blob.dtype != np.uint8 or blob.size != int(meta["lengths"][str(q)]):
+            raise CorruptCheckpointError(f"{loc.path}: the blob of process {q} is not {meta['lengths'][str(q)]} bytes")
         return blob
 
     def close(self) -> None:
         self._collect()
-
-
-# ---------------------------------------------------------------------- decisions (pure)
-
-
-def choose(reports: dict[int, Any], count: int, holders: list[list[int]]
-           ) -> tuple[int | None, dict[int, tuple[int, int | None]], str]:
-    """The newest step whose every process's blob is held somewhere, and where from.
-
-    `sources[q]` is ``(q, None)`` for its own copy or ``(holder, k)`` for replica k.
-    Returns ``(None, {}, why)`` when no step qualifies (`why` empty when the tier is empty).
-    """
-    if any(r["count"] != count for r in reports.values()):
-        return None, {}, "the processes disagree on the process count"
-    layouts = {r["layout"] for r in reports.values()}
-    steps = sorted({int(s) for r in reports.values() for s in r["steps"]}, reverse=True)
-    if not steps:
-        return None, {}, ""
-    if len(layouts) != 1 or None in layouts:
-        return None, {}, "the restore target has no shardings (or differs between processes)"
-    layout = layouts.pop()
-    why = ""
-    for s in steps:
-        have = {p: r["steps"][str(s)] for p, r in reports.items() if str(s) in r["steps"]}
-        counts = {e["count"] for e in have.values()}
-        if counts != {count}:
-            return None, {}, (f"it was saved by {sorted(counts)} processes and this run has {count}; "
-                              "the local tier cannot reshard across process counts")
-        if any(e["layout"] != layout for e in have.values()):
-            why = why or f"step {s} was saved with another array layout than the restore target's"
-            continue
-        sources: dict[int, tuple[int, int | None]] = {}
-        for q in range(count):
-            if q in have and q in have[q]["holds"]:
-                sources[q] = (q, None)
-                continue
-            for k, dest in enumerate(holders):
-                r = dest[q]
-                if r in have and q in have[r]["holds"]:
-                    sources[q] = (r, k)
-                    break
-        missing = [q for q in range(count) if q not in sources]
-        if not missing:
-            return s, sources, ""
-        why = why or f"step {s} has no copy of process {missing} in any local directory or replica"
-    return None, {}, why
-
-
-# ---------------------------------------------------------------------- state <-> blob
-
-
-def _split(state: Any, where: str) -> tuple[list[str], list[Any], dict[str, Any]]:
-    paths: list[str] = []
-    arrays: list[Any] = []
-    values: dict[str, Any] = {}
-
-    def visit(path: str, x: Any) -> None:
-        if is_jax_array(x):
-            if x.is_deleted():
-                raise UnsupportedTypeError(f"{where}: leaf {display_path(path)!r} is a deleted (donated) jax.Array")
-            if dtype_name(np.dtype(x.dtype)) is None or np.dtype(x.dtype).itemsize < 1:
-                raise UnsupportedTypeError(f"{where}: leaf {display_path(path)!r}: the local tier cannot "
-                                           f"store dtype {x.dtype}")
-            paths.append(path)
-            arrays.append(x)
-        else:
-            values[path] = _encode(path, x, where)
-
-    map_with_path(visit, state)
-    order = sorted(range(len(paths)), key=paths.__getitem__)  # by key path: the order a target gives too
-    return [paths[i] for i in order], [arrays[i] for i in order], values
-
-
-def _encode(path: str, x: Any, where: str) -> Any:
-    kind = value_kind(x)
-    if kind is not None:
-        return {"k": kind, "v": encode_value(kind, x)}
-    if isinstance(x, np.ndarray) and dtype_name(x.dtype) is not None:
-        le = np.ascontiguousarray(x).astype(x.dtype.newbyteorder("<"), copy=False)
-        return {"k": "ndarray", "dtype": dtype_name(x.dtype), "shape": list(x.shape), "hex": le.tobytes().hex()}
-    if isinstance(x, (bytes, bytearray)):
-        return {"k": "bytes", "hex": bytes(x).hex()}
-    raise UnsupportedTypeError(f"{where}: leaf {display_path(path)!r} has type {type(x).__qualname__}; the local "
-                               "tier stores jax.Arrays, numpy arrays, bytes, numbers and strings")
-
-
-def _decode(v: Any, where: str) -> Any:
-    if v["k"] == "ndarray":
-        dt = dtype_from_name(v["dtype"], f"{where}: ")
-        return np.frombuffer(bytes.fromhex(v["hex"]), dt.newbyteorder("<")).astype(dt).reshape(v["shape"])
-    if v["k"] == "bytes":
-        return bytes.fromhex(v["hex"])
-    return decode_value(v["k"], v["v"], where)
-
-
-def _shard_data(x: Any, box: tuple[tuple[int, int], ...]) -> Any:
-    from ._jaxutil import slices_to_box
-
-    for s in sorted(x.addressable_shards, key=lambda s: s.device.id):
-        if tuple(slices_to_box(s.index, tuple(x.shape))) == box:
-            return s.data
-    raise CheckpointError(f"no addressable shard with box {box}")  # shard_table lists only local boxes
-
-
-def _target_arrays(target: Any) -> tuple[list[str], list[Any]]:
-    paths, leaves = [], []
-
-    def visit(path: str, x: Any) -> None:
-        if getattr(x, "sharding", None) is not None and getattr(x, "shape", None) is not None:
-            paths.append(path)
-            leaves.append(x)
-
-    map_with_path(visit, target)
-    order = sorted(range(len(paths)), key=paths.__getitem__)
-    return [paths[i] for i in order], [leaves[i] for i in order]
-
-
-def _target_layout(target: Any, where: str) -> str | None:
-    if target is None:
-        return None
-    paths, leaves = _target_arrays(target)
-    return layout_key([tuple(x.shape) for x in leaves], [np.dtype(x.dtype) for x in leaves],
-                      [x.sharding for x in leaves], paths)
-
-
-def _rebuild(target: Any, blob: np.ndarray | None, step: int, me: int, layout: str | None, where: str) -> Any:
-    import jax
-
-    if blob is None:
-        raise CorruptCheckpointError(f"{where}: no blob of process {me} arrived")
-    header, start = read_header(blob, where)
-    if (header.get("step"), header.get("process"), header.get("layout")) != (step, me, layout):
-        raise CorruptCheckpointError(f"{where}: the blob is of step {header.get('step')} process "
-                                     f"{header.get('process')}, not step {step} process {me}")
-    paths, leaves = _target_arrays(target)
-    shapes = [tuple(x.shape) for x in leaves]
-    dtypes = [np.dtype(x.dtype) for x in leaves]
-    pieces, placed = shard_table(shapes, dtypes, [x.sharding for x in leaves], me)
-    hosts = unpack(blob, start, pieces, dtypes, where)
-    per_leaf: list[list[Any]] = [[] for _ in leaves]
-    for p, host in zip(pieces, hosts):
-        per_leaf[p.leaf] += [jax.device_put(host, d) for d in placed[p.leaf][p.box]]
-    built = {path: jax.make_array_from_single_device_arrays(shapes[i], leaves[i].sharding, per_leaf[i])
-             for i, path in enumerate(paths)}
-    values = header.get("values", {})
-
-    def fill(path: str, x: Any) -> Any:
-        if path in built:
-            return built[path]
-        if path not in values:
-            raise MismatchError(f"{where}: the target's leaf {display_path(path)!r} is not in the local step")
-        return _decode(values[path], where)
-
-    return map_with_path(fill, target)

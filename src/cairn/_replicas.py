@@ -86,20 +86,28 @@ class Piece:
 def shard_table(shapes: list[tuple[int, ...]], dtypes: list[np.dtype], shardings: list[Any],
                 process: int) -> tuple[list[Piece], list[dict[tuple[tuple[int, int], ...], list[Any]]]]:
     """The pieces of `process`'s blob, and per leaf its boxes with the devices holding each."""
-    pieces, where = [], []
+    return shard_tables(shapes, dtypes, shardings, [process])[process]
+
+
+def shard_tables(shapes: list[tuple[int, ...]], dtypes: list[np.dtype], shardings: list[Any],
+                 processes: list[int]) -> dict[int, tuple[list[Piece], list[dict[tuple[tuple[int, int], ...], list[Any]]]]]:
+    """`shard_table` for several processes, walking each leaf's devices once."""
+    out: dict[int, tuple[list[Piece], list[dict[Any, list[Any]]]]] = {p: ([], []) for p in processes}
     for i, (shape, dtype, sharding) in enumerate(zip(shapes, dtypes, shardings)):
-        devs: dict[tuple[tuple[int, int], ...], list[Any]] = {}
+        devs: dict[int, dict[tuple[tuple[int, int], ...], list[Any]]] = {p: {} for p in processes}
         for d, index in sorted(sharding.devices_indices_map(shape).items(), key=lambda kv: kv[0].id):
-            if d.process_index != process:
+            mine = devs.get(d.process_index)
+            if mine is None:
                 continue
             box = tuple((int(a), int(b)) for a, b in slices_to_box(index, shape))
-            if box not in devs:
-                devs[box] = []
+            if box not in mine:
+                mine[box] = []
                 n = int(np.prod([b - a for a, b in box], dtype=np.int64)) * np.dtype(dtype).itemsize
-                pieces.append(Piece(i, box, n))
-            devs[box].append(d)
-        where.append(devs)
-    return pieces, where
+                out[d.process_index][0].append(Piece(i, box, n))
+            mine[box].append(d)
+        for p in processes:
+            out[p][1].append(devs[p])
+    return out
 
 
 def layout_key(shapes: list[tuple[int, ...]], dtypes: list[np.dtype], shardings: list[Any], paths: list[str]) -> str:
