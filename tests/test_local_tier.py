@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 import cairn
 from _mp import start, wait
 from cairn import CheckpointError, CorruptCheckpointError, MismatchError
+from cairn._localblob import shard_data
 from cairn._localplan import (
     Choice,
     Table,
@@ -36,7 +37,17 @@ from cairn._localplan import (
     segments,
     sizes,
 )
-from cairn._replicas import Piece, placement
+from cairn._replicas import (
+    Piece,
+    header_bytes,
+    pack_rows,
+    placement,
+    process_devices,
+    read_header,
+    row_lengths,
+    shard_tables,
+    unpack,
+)
 
 N = 4
 SCENARIO = "localtier_scenarios:train"
@@ -160,6 +171,25 @@ def _mesh_state(spec):
             {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sh),
              "m": jax.ShapeDtypeStruct(mask.shape, mask.dtype, sharding=sh),
              "s": jax.ShapeDtypeStruct((), np.float32, sharding=rep), "n": 0})
+
+
+def test_each_device_packs_only_the_shards_it_holds():
+    state, _ = _mesh_state(("x", "y"))  # "w" and "m": one 4x4 block per device; "s": replicated
+    names = ["m", "s", "w"]
+    arrays = [state[k] for k in names]
+    devices = process_devices(1)[0]
+    pieces, _ = shard_tables([a.shape for a in arrays], [a.dtype for a in arrays], [a.sharding for a in arrays],
+                             [0])[0]
+    header = header_bytes({"step": 1})
+    lengths = row_lengths(pieces, len(header), len(devices))
+    assert lengths == [len(header) + 16 + 4 + 64] + [16 + 64] * 7  # the replicated scalar once, on device 0
+    rows = pack_rows(header, pieces, [shard_data(arrays[p.leaf], p.box) for p in pieces], max(lengths), devices)
+    assert [set(r.devices()) for r in rows] == [{d} for d in devices]
+    blob = np.concatenate([np.asarray(r)[:n] for r, n in zip(rows, lengths)])
+    got = unpack(blob, read_header(blob, "t")[1], pieces, [np.dtype(a.dtype) for a in arrays], "t")
+    for pc, host in zip(pieces, got):
+        want = np.asarray(arrays[pc.leaf])[tuple(slice(a, b) for a, b in pc.box)]
+        assert np.array_equal(host, want) and host.dtype == want.dtype
 
 
 def test_restore_onto_another_layout_reshards_from_the_local_tier(tmp_path, caplog):

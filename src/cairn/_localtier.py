@@ -1,10 +1,11 @@
 """The local tier: frequent checkpoints in a fast per-host directory, copied to peer processes.
 
 Every `every` steps each process packs its distinct array shards and the
-state's host values into one byte blob on its first device, sends it to
-`replicas` other processes (XLA collectives, `_replicas`), and returns: that
-is the blocking part (device copies and a small exchange of blob lengths
-through the coordinator). A background thread then brings its own blob and
+state's host values into a byte blob, one row per device (each device packs
+the shards it holds, so none holds more than one extra copy of its own),
+sends the rows to `replicas` other processes (XLA collectives, `_replicas`),
+and returns: that is the blocking part (device copies and a small exchange
+of row lengths through the coordinator). A background thread then brings its own blob and
 the peers' blobs it received to host and writes them as one ordinary cairn
 checkpoint, committed by a single process into ``<directory>/process_<i>/
 step_<N>``; the last `keep` steps are kept. A kill at any instant leaves a
@@ -42,11 +43,12 @@ from ._localxfer import Exchange
 from ._location import Location
 from ._metadata import read_manifest
 from ._replicas import (
-    first_devices,
     header_bytes,
     layout_key,
-    pack_on_device,
+    pack_rows,
     placement,
+    process_devices,
+    row_lengths,
     send_rows,
     shard_tables,
 )
@@ -113,6 +115,7 @@ class LocalTier:
         self._coord, self._threads = coord, threads
         self._me, self._count = coord.process_index, coord.process_count
         self._holders = placement(self._count, self.replicas, self.domain) if self._count > 1 else []
+        process_devices(self._count)  # the same number of devices on every process, or a clear error
         self.path, self._storage = _steps.open_directory(f"{self.directory.rstrip('/')}/process_{self._me}",
                                                          self._options)
         self._decisions = Decisions(coord, "cairn-local-tier")
@@ -144,17 +147,18 @@ class LocalTier:
         shards = [shard_data(arrays[p.leaf], p.box) for p in pieces]
         header = header_bytes({"step": step, "process": self._me, "count": self._count, "layout": key,
                                "values": values})
-        length = len(header) + sum(p.nbytes for p in pieces)
-        info = self._decisions.gather(f"save-{step}", {"step": step, "length": length, "layout": key})
+        devices = process_devices(self._count)[self._me]
+        info = self._decisions.gather(f"save-{step}", {"step": step, "layout": key,
+                                                        "rows": row_lengths(pieces, len(header), len(devices))})
         odd = {p: v for p, v in info.items() if v["step"] != step or v["layout"] != key}
         if odd:
             raise CheckpointError(f"{self._where(step)}: processes disagree on the local save: process "
                                   f"{self._me} saves step {step} (layout {key}), but "
                                   + "; ".join(f"process {p} step {v['step']} (layout {v['layout']})"
                                               for p, v in sorted(odd.items())))
-        lengths = {p: int(v["length"]) for p, v in info.items()}
-        width = max(lengths.values())
-        own = pack_on_device(header, shards, width, first_devices(self._count)[self._me])
+        rows = {p: [int(n) for n in v["rows"]] for p, v in info.items()}
+        width = max(max(r) for r in rows.values())
+        own = pack_rows(header, pieces, shards, width, devices)  # one row per device: no device holds more
         received = {}
         for dest in self._holders:
             received[dest.index(self._me)] = send_rows(own, width, dest, self._me)
@@ -162,9 +166,10 @@ class LocalTier:
         # number comes from a sequence the persistent saves share, which every process must
         # draw from in the same order. The data files carry block checksums, as any checkpoint.
         devs = {self._me: own, **received}
-        host = {q: np.empty(lengths[q], np.uint8) for q in devs}
+        host = {q: np.empty(sum(rows[q]), np.uint8) for q in devs}
         meta = {META: {"step": step, "process": self._me, "count": self._count, "layout": key, "holds": sorted(host),
-                       "lengths": {str(q): lengths[q] for q in host},
+                       "lengths": {str(q): int(host[q].size) for q in host},
+                       "rows": {str(q): rows[q] for q in host},
                        "table": encode_table(paths, shapes, [str(dtype_name(d)) for d in dtypes], tables)}}
         tree: dict[str, Any] = {"own": host[self._me]}
         if received:
@@ -186,9 +191,12 @@ class LocalTier:
                blocking: float) -> None:
         t0 = time.perf_counter()
         try:
-            for q, dev in devs.items():
-                # Waits for the device copy (own) or for the collective that brings it (a peer's).
-                host[q][:] = np.asarray(dev)[:host[q].size]
+            for q, rows in devs.items():
+                off = 0
+                for row, n in zip(rows, meta[META]["rows"][str(q)]):
+                    # Waits for the device copy (own) or for the collective that brings it (a peer's).
+                    host[q][off:off + n] = np.asarray(row)[:n]
+                    off += n
             job.run()
             self._retain()
         except BaseException as e:

@@ -18,7 +18,7 @@ from ._checksum import crc32c
 from ._errors import CorruptCheckpointError
 from ._localblob import missing_values, own_pieces, target_arrays
 from ._localplan import Choice, Segment, decode_table, local_box, segments, sizes
-from ._replicas import first_devices, read_header, send_rows, shard_tables, unpack
+from ._replicas import read_header, send_bytes, shard_tables, unpack
 from ._values import dtype_from_name, dtype_name
 
 
@@ -58,8 +58,6 @@ class Exchange:
 
     def run(self, blobs: dict[int, np.ndarray], error: str | None) -> dict[str, Any]:
         """Every round (a collective call on every process alike); the outcome to share with all."""
-        import jax
-
         views: dict[int, list[np.ndarray]] = {}
         if not self.choice.same:
             self.hosts = [np.empty(tuple(b - a for a, b in pc.box), self._dtypes[pc.leaf]) for pc in self._mine]
@@ -70,7 +68,6 @@ class Exchange:
                     error = f"{type(e).__name__}: {e}"
         sent: dict[str, int] = {}
         got: dict[str, int] = {}
-        device = first_devices(self.count)[self.me] if self.count > 1 else None
         for d in range(self.count):
             width = max(self._n(s, (s + d) % self.count) for s in range(self.count))
             if width == 0:
@@ -82,11 +79,8 @@ class Exchange:
                 sent[str(r)] = crc32c(row)
             if d == 0:
                 arrived = row
-            else:
-                buf = np.zeros(width, np.uint8)
-                buf[:n_out] = row
-                dest = [(i + d) % self.count for i in range(self.count)]
-                arrived = np.asarray(send_rows(jax.device_put(buf, device), width, dest, self.me))[:n_in]
+            else:  # spread over every device of both processes
+                arrived = send_bytes(row, width, [(i + d) % self.count for i in range(self.count)], self.me)[:n_in]
             if n_in:
                 if d:
                     got[str(src)] = crc32c(arrived)

@@ -6,16 +6,19 @@ is a permutation of the processes, so every process sends one row and
 receives one row per replica, and the shifts are chosen so that a process's
 copies sit in domains other than its own and other than each other's.
 
-The transport is XLA's: each process contributes one row (a uint8 vector on
-its first local device) of a global ``(processes, length)`` array, and a
-``ppermute`` under ``shard_map`` moves row q to the process holding it. It is
-called on the main thread, like any collective, by every process with the
-same arguments.
+The transport is XLA's: every device contributes one row (a uint8 vector)
+of a global ``(devices, length)`` array, and a ``ppermute`` under
+``shard_map`` moves device j of process q's row to device j of the process
+holding it. No device ever holds more than its own row and the rows it
+receives. It is called on the main thread, like any collective, by every
+process with the same arguments.
 
 Process blobs are packed here too: a small JSON header (the step, the
 process and the host values) followed by the raw little-endian bytes of the
-process's distinct array shards, in an order every process derives from the
-shardings alone (`shard_table`).
+process's distinct array shards, grouped by the local device that packs
+each (the first holding it), in an order every process derives from the
+shardings alone (`shard_tables`). Row j of a process holds device j's part
+(row 0 starts with the header); the blob is the rows' bytes back to back.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from ._checksum import crc32c
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._jaxutil import slices_to_box
 
-_MAGIC = b"CAIRNLT1"
+_MAGIC = b"CAIRNLT2"  # 2: shards grouped by packing device
 _HEAD = struct.Struct("<8sQ")  # magic, header length
 
 
@@ -81,6 +84,7 @@ class Piece:
     leaf: int  # index among the array leaves
     box: tuple[tuple[int, int], ...]  # (start, stop) per dimension
     nbytes: int
+    row: int = 0  # the local device (by position) that packs it
 
 
 def shard_table(shapes: list[tuple[int, ...]], dtypes: list[np.dtype], shardings: list[Any],
@@ -89,12 +93,21 @@ def shard_table(shapes: list[tuple[int, ...]], dtypes: list[np.dtype], shardings
     return shard_tables(shapes, dtypes, shardings, [process])[process]
 
 
+Boxes = dict[tuple[tuple[int, int], ...], list[Any]]
+
+
 def shard_tables(shapes: list[tuple[int, ...]], dtypes: list[np.dtype], shardings: list[Any],
-                 processes: list[int]) -> dict[int, tuple[list[Piece], list[dict[tuple[tuple[int, int], ...], list[Any]]]]]:
-    """`shard_table` for several processes, walking each leaf's devices once."""
-    out: dict[int, tuple[list[Piece], list[dict[Any, list[Any]]]]] = {p: ([], []) for p in processes}
+                 processes: list[int]) -> dict[int, tuple[list[Piece], list[Boxes]]]:
+    """`shard_table` for several processes, walking each leaf's devices once.
+
+    A process's pieces come grouped by the local device that packs them (the
+    first, by id, holding the box), in leaf order within a device.
+    """
+    rows = {d: i for devs in process_devices() for i, d in enumerate(devs)}
+    groups: dict[int, dict[int, list[Piece]]] = {p: {} for p in processes}
+    where: dict[int, list[Boxes]] = {p: [] for p in processes}
     for i, (shape, dtype, sharding) in enumerate(zip(shapes, dtypes, shardings)):
-        devs: dict[int, dict[tuple[tuple[int, int], ...], list[Any]]] = {p: {} for p in processes}
+        devs: dict[int, Boxes] = {p: {} for p in processes}
         for d, index in sorted(sharding.devices_indices_map(shape).items(), key=lambda kv: kv[0].id):
             mine = devs.get(d.process_index)
             if mine is None:
@@ -103,16 +116,25 @@ def shard_tables(shapes: list[tuple[int, ...]], dtypes: list[np.dtype], sharding
             if box not in mine:
                 mine[box] = []
                 n = int(np.prod([b - a for a, b in box], dtype=np.int64)) * np.dtype(dtype).itemsize
-                out[d.process_index][0].append(Piece(i, box, n))
+                groups[d.process_index].setdefault(rows[d], []).append(Piece(i, box, n, rows[d]))
             mine[box].append(d)
         for p in processes:
-            out[p][1].append(devs[p])
+            where[p].append(devs[p])
+    return {p: ([pc for r in sorted(groups[p]) for pc in groups[p][r]], where[p]) for p in processes}
+
+
+def row_lengths(pieces: list[Piece], header: int, rows: int) -> list[int]:
+    """The bytes of each of a process's `rows` rows: row 0 carries the `header` bytes."""
+    out = [0] * rows
+    out[0] = header
+    for pc in pieces:
+        out[pc.row] += pc.nbytes
     return out
 
 
 def layout_key(shapes: list[tuple[int, ...]], dtypes: list[np.dtype], shardings: list[Any], paths: list[str]) -> str:
     """A fingerprint of the arrays' global layout: paths, shapes, dtypes, which device holds what."""
-    desc = []
+    desc: list[Any] = ["rows-by-device"]  # blob layout 2: a step of layout 1 never matches
     for path, shape, dtype, sharding in zip(paths, shapes, dtypes, shardings):
         boxes = sorted((d.id, d.process_index, [list(b) for b in slices_to_box(ix, shape)])
                        for d, ix in sharding.devices_indices_map(shape).items())
@@ -145,19 +167,24 @@ def read_header(blob: np.ndarray, where: str) -> tuple[dict[str, Any], int]:
     return header, start + (-start % 8)
 
 
-def pack_on_device(header: bytes, shards: list[Any], length: int, device: Any) -> Any:
-    """One uint8 vector of `length` bytes on `device`: `header`, the shards' bytes, zero padding.
+def pack_rows(header: bytes, pieces: list[Piece], shards: list[Any], width: int, devices: list[Any]) -> list[Any]:
+    """Row j on ``devices[j]``: (row 0: `header`) then the shards device j packs, zero-padded to `width`.
 
-    The result is a new buffer: donating or updating the shards later cannot change it.
+    The rows are new buffers: donating or updating the shards later cannot change them.
     """
     import jax
 
-    parts = [jax.device_put(np.frombuffer(header, np.uint8), device)]
-    parts += [jax.device_put(s, device) for s in shards]
-    used = len(header) + sum(int(s.size) * np.dtype(s.dtype).itemsize for s in shards)
-    if used > length:
-        raise ValueError(f"blob of {used} bytes does not fit in {length}")
-    return _packer(len(parts), length - used)(*parts)
+    parts: list[list[Any]] = [[] for _ in devices]
+    parts[0].append(jax.device_put(np.frombuffer(header, np.uint8), devices[0]))
+    for pc, x in zip(pieces, shards):
+        parts[pc.row].append(x)
+    out = []
+    for j, (dev, xs) in enumerate(zip(devices, parts)):
+        used = sum(int(x.size) * np.dtype(x.dtype).itemsize for x in xs)
+        if used > width:
+            raise ValueError(f"row {j} of {used} bytes does not fit in {width}")
+        out.append(_packer(len(xs), width - used)(*xs) if xs else jax.device_put(np.zeros(width, np.uint8), dev))
+    return out
 
 
 _packers: dict[tuple[int, int], Any] = {}
@@ -209,24 +236,28 @@ def unpack(blob: np.ndarray, start: int, pieces: list[Piece], dtypes: list[np.dt
 # ---------------------------------------------------------------------- the transport
 
 
-def first_devices(count: int) -> list[Any]:
+def process_devices(count: int | None = None) -> list[list[Any]]:
+    """Each process's devices, by id; all processes must have as many."""
     import jax
 
-    firsts: dict[int, Any] = {}
-    for d in jax.devices():
-        if d.process_index not in firsts or d.id < firsts[d.process_index].id:
-            firsts[d.process_index] = d
-    if sorted(firsts) != list(range(count)):
-        raise CheckpointError(f"the local tier needs devices on every one of {count} processes; found {sorted(firsts)}")
-    return [firsts[p] for p in range(count)]
+    by: dict[int, list[Any]] = {}
+    for d in sorted(jax.devices(), key=lambda d: d.id):
+        by.setdefault(d.process_index, []).append(d)
+    if count is not None and sorted(by) != list(range(count)):
+        raise CheckpointError(f"the local tier needs devices on every one of {count} processes; found {sorted(by)}")
+    if len({len(v) for v in by.values()}) > 1:
+        raise CheckpointError("the local tier needs the same number of devices on every process; found "
+                              + ", ".join(f"process {p}: {len(v)}" for p, v in sorted(by.items())))
+    return [by[p] for p in sorted(by)]
 
 
 _movers: dict[tuple[Any, ...], Any] = {}
 
 
-def send_rows(row: Any, length: int, dest: list[int], me: int) -> Any:
-    """Send this process's `row` (a uint8 vector of `length` on its first device) to ``dest[me]``;
-    return the row that arrives here (from the q with ``dest[q] == me``), on the same device.
+def send_rows(rows: list[Any], length: int, dest: list[int], me: int) -> list[Any]:
+    """Send this process's `rows` (a uint8 vector of `length` on each of its devices, in order)
+    to the same devices of process ``dest[me]``; return the rows that arrive here (from the q
+    with ``dest[q] == me``), on the same devices.
 
     Every process calls it with the same `length` and `dest` (a permutation).
     """
@@ -235,17 +266,34 @@ def send_rows(row: Any, length: int, dest: list[int], me: int) -> Any:
     from jax.sharding import PartitionSpec as P
 
     count = len(dest)
-    devs = first_devices(count)
-    mesh = Mesh(np.array(devs), ("p",))
-    key = (tuple(dest), tuple(d.id for d in devs))
+    devs = process_devices(count)
+    per = len(devs[0])
+    flat = [d for ds in devs for d in ds]
+    mesh = Mesh(np.array(flat), ("d",))
+    key = (tuple(dest), tuple(d.id for d in flat))
     if key not in _movers:
-        pairs = [(q, dest[q]) for q in range(count) if dest[q] != q]
+        pairs = [(q * per + j, dest[q] * per + j) for q in range(count) if dest[q] != q for j in range(per)]
         smap: Any = getattr(jax, "shard_map", None)
         if smap is None:  # older JAX
             from jax.experimental.shard_map import shard_map as smap
-        _movers[key] = jax.jit(smap(lambda x: jax.lax.ppermute(x, "p", pairs), mesh=mesh,
-                                         in_specs=P("p"), out_specs=P("p")))
-    local = row.reshape(1, length)
-    glob = jax.make_array_from_single_device_arrays((count, length), NamedSharding(mesh, P("p")), [local])
+        _movers[key] = jax.jit(smap(lambda x: jax.lax.ppermute(x, "d", pairs), mesh=mesh,
+                                         in_specs=P("d"), out_specs=P("d")))
+    glob = jax.make_array_from_single_device_arrays((count * per, length), NamedSharding(mesh, P("d")),
+                                                    [r.reshape(1, length) for r in rows])
     out = _movers[key](glob)
-    return out.addressable_shards[0].data.reshape(length)
+    got = {s.device: s.data for s in out.addressable_shards}
+    return [got[d].reshape(length) for d in devs[me]]
+
+
+def send_bytes(data: np.ndarray, width: int, dest: list[int], me: int) -> np.ndarray:
+    """Host bytes `data` (at most `width`) to process ``dest[me]``, spread over all devices;
+    the `width` bytes that arrive here (pad included)."""
+    import jax
+
+    devs = process_devices(len(dest))[me]
+    per = -(-width // len(devs))
+    buf = np.zeros(per * len(devs), np.uint8)
+    buf[:data.size] = data
+    rows = jax.device_put([buf[j * per:(j + 1) * per] for j in range(len(devs))], devs)
+    got = send_rows(rows, per, dest, me)
+    return np.concatenate([np.asarray(r) for r in got])[:width]
