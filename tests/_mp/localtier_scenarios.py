@@ -184,6 +184,9 @@ def bench(root: str, persist: str, mib: int, replicas: int = 1, steps: int = 4) 
     out["step_with_local_save_s"] = (time.perf_counter() - t0) / steps
     local.wait()
     out["restore_local_s"] = timed(lambda: local.restore(target)[1])
+    columns = NamedSharding(mesh, P(None, "x"))  # another layout: every process needs both blobs' bytes
+    out["restore_resharded_s"] = timed(lambda: local.restore(
+        {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=columns) for k, v in target.items()})[1])
     if jax.process_count() > 1 and me == 1:
         shutil.rmtree(f"{root}/host{me}")  # a replaced host: its shards come from process 0
     out["restore_from_peer_s"] = timed(lambda: local.restore(target)[1])
