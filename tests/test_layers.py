@@ -98,6 +98,7 @@ LAYERS: dict[str, int] = {
     "cairn._estimate": 39,
     "cairn._plan": 38,
     "cairn._merge": 38,
+    "cairn._grid": 38,
     "cairn._format": 36,
     "cairn._binindex": 35,
     "cairn._structure": 35,
@@ -124,9 +125,9 @@ LAYERS: dict[str, int] = {
     "cairn._errors": 0,
 }
 
-PURE = ("cairn._format", "cairn._values", "cairn._chunks", "cairn._plan", "cairn._estimate")
+PURE = ("cairn._format", "cairn._values", "cairn._chunks", "cairn._plan", "cairn._grid", "cairn._estimate")
 # The cairn modules the pure ones may import (what they import today).
-PURE_MAY_IMPORT = {"cairn._format", "cairn._values", "cairn._chunks", "cairn._plan", "cairn._checksum",
+PURE_MAY_IMPORT = {"cairn._format", "cairn._values", "cairn._chunks", "cairn._plan", "cairn._grid", "cairn._checksum",
                    "cairn._binindex", "cairn._structure", "cairn._runs",
                    "cairn._errors"}
 

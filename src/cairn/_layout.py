@@ -8,7 +8,10 @@ memoised per (sharding, shape): models repeat a few of them over hundreds of lay
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
+
+import numpy as np
 
 from ._errors import UnsupportedTypeError
 from ._format import cell_box
@@ -151,9 +154,9 @@ def layout_for(sharding: Any, shape: tuple[int, ...], boxes: Any, devices: Any, 
                 ) -> tuple[ChunkLayout, tuple[tuple[int, int, int], ...]]:
     """The chunk layout of an array and this process's ``(cell, device, elements)`` in it.
 
-    Both cost O(devices) per array; models repeat a few (sharding, shape)
-    pairs over hundreds of layers, so they are memoised (benchmarks/plan_scale.py
-    measures the difference at 4,096 devices).
+    Both cost O(devices) per array (in numpy, `_grid`: a few ms at 8,192 devices);
+    models repeat a few (sharding, shape) pairs over hundreds of layers, so they
+    are memoised (benchmarks/plan_scale.py measures the difference at 4,096 devices).
     """
     spread = split_replicas or split_elems > 0  # the offset picks writers
     key: Any = (sharding, shape, split_replicas, offset if spread else 0, me, split_elems, merge_itemsize)
@@ -163,14 +166,12 @@ def layout_for(sharding: Any, shape: tuple[int, ...], boxes: Any, devices: Any, 
         hit, key = None, None
     if hit is not None:
         return hit
-    layout = chunk_layout(shape, boxes, [d.process_index for d in devices], split_replicas, offset, split_elems)
+    procs = list(map(attrgetter("process_index"), devices))
+    layout = chunk_layout(shape, boxes, procs, split_replicas, offset, split_elems)
     if merge_itemsize:  # a process's consecutive shards become one chunk (`merge_rows`)
         layout = merge_rows(layout, merge_itemsize)
-    own = tuple(
-        (cell, d, box_bytes(cell_box(layout.grid, cell), 1))
-        for cell, (w, d) in enumerate(zip(layout.writer, layout.source))
-        if w == me
-    )
+    cells = np.flatnonzero(np.asarray(layout.writer, dtype=np.int64) == me).tolist()
+    own = tuple((cell, layout.source[cell], box_bytes(cell_box(layout.grid, cell), 1)) for cell in cells)
     if key is not None:
         if len(layout_cache) > 4096:
             layout_cache.clear()

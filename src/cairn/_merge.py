@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import bisect
 import itertools
+
+import numpy as np
 
 from ._plan import Box, ChunkLayout, cell_box_of
 
@@ -27,29 +30,48 @@ def merge_rows(layout: ChunkLayout, itemsize: int, max_bytes: int | None = None)
         return layout
     rows = len(grid[0]) - 1
     per_row = len(layout.writer) // rows
+    writers = np.asarray(layout.writer, dtype=np.int64).reshape(rows, per_row)
+    # breaks: the rows whose writers differ from the row above's (no group reaches across one).
+    breaks = (np.flatnonzero((writers[1:] != writers[:-1]).any(axis=1)) + 1).tolist()
+    if len(breaks) == rows - 1:
+        return layout
     other = 1  # elements of the largest cell of a row
     for b in grid[1:]:
         other *= max(hi - lo for lo, hi in itertools.pairwise(b))
-    row_bytes = [(grid[0][j + 1] - grid[0][j]) * other * itemsize for j in range(rows)]
-    groups: list[list[int]] = [[0]]
-    size = row_bytes[0]
-    for j in range(1, rows):
-        same = layout.writer[j * per_row : (j + 1) * per_row] == layout.writer[(j - 1) * per_row : j * per_row]
-        if same and size + row_bytes[j] <= max_bytes:
-            groups[-1].append(j)
-            size += row_bytes[j]
-        else:
-            groups.append([j])
-            size = row_bytes[j]
-    if len(groups) == rows:
+    row_bytes = np.diff(np.asarray(grid[0], dtype=np.int64)) * (other * itemsize)
+    starts = _group_starts(row_bytes, breaks, max_bytes)
+    if len(starts) == rows:
         return layout
-    axis0 = (*(grid[0][g[0]] for g in groups), grid[0][-1])
-    writer: list[int] = []
-    source: list[int] = []
-    for g in groups:
-        writer.extend(layout.writer[g[0] * per_row : (g[0] + 1) * per_row])
-        source.extend(layout.source[g[0] * per_row : (g[0] + 1) * per_row])
-    return ChunkLayout((axis0, *grid[1:]), tuple(writer), tuple(source), layout, tuple(map(tuple, groups)))
+    ends = [*starts[1:], rows]
+    axis0 = (*(grid[0][s] for s in starts), grid[0][-1])
+    sources = np.asarray(layout.source, dtype=np.int64).reshape(rows, per_row)
+    return ChunkLayout((axis0, *grid[1:]), tuple(writers[starts].ravel().tolist()),
+                       tuple(sources[starts].ravel().tolist()), layout,
+                       tuple(tuple(range(s, e)) for s, e in zip(starts, ends)))
+
+
+def _group_starts(row_bytes: np.ndarray, breaks: list[int], max_bytes: int) -> list[int]:
+    """The first rows of `merge_rows`'s groups: from row s, a group takes the rows that follow while
+    no break (a row with other writers) comes and it stays under `max_bytes` (its first row alone
+    may exceed it)."""
+    rows = len(row_bytes)
+    if (row_bytes == row_bytes[0]).all():  # the usual even split: `per` rows a group between breaks
+        per = max(1, max_bytes // int(row_bytes[0]))
+        seg = np.asarray([0, *breaks, rows], dtype=np.int64)
+        groups = -(-np.diff(seg) // per)
+        first = np.repeat(seg[:-1], groups)
+        nth = np.arange(len(first)) - np.repeat(np.cumsum(groups) - groups, groups)
+        return (first + nth * per).tolist()
+    cum = [0, *np.cumsum(row_bytes).tolist()]  # cum[j]: bytes of rows 0..j-1
+    ends = [*breaks, rows]
+    starts: list[int] = []
+    s = k = 0
+    while s < rows:
+        while ends[k] <= s:
+            k += 1
+        starts.append(s)
+        s = min(ends[k], max(s + 1, bisect.bisect_right(cum, cum[s] + max_bytes) - 1))
+    return starts
 
 
 def pieces(layout: ChunkLayout, cell: int) -> tuple[tuple[Box, int], ...]:

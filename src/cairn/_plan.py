@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ._format import ArrayLeaf
+from ._grid import regular_layout
 
 Box = tuple[tuple[int, int], ...]
 
@@ -89,8 +90,12 @@ def chunk_layout(
     written by the chunk's ``(k + replica_offset) % R``-th holding process. A
     large replicated array is then written by all its holders in parallel,
     each byte still once. A piece's source device holds the whole chunk; the
-    caller slices the piece out of it.
+    caller slices the piece out of it. (`_grid` computes the same in numpy where the boxes
+    tile a grid; the loop below defines the layout, and reports what is wrong with the rest.)
     """
+    fast = regular_layout(shape, device_boxes, device_process, split_replicas, replica_offset, split_elems)
+    if fast is not None:
+        return ChunkLayout(*fast)
     ndim = len(shape)
     bounds: list[tuple[int, ...]] = []
     for a in range(ndim):
@@ -181,7 +186,6 @@ def _cell_box(bounds: Sequence[Sequence[int]], cell: int) -> Box:
 
 
 cell_box_of = _cell_box
-
 
 
 def _unravel(flat: int, grid_shape: Sequence[int]) -> list[int]:
