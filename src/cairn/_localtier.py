@@ -72,9 +72,11 @@ class LocalTier:
     resumes from the newest step complete across the local directories and
     the replicas when it is at least as new as the persistent tier's, and a
     process with an empty directory (a replaced host) gets its shards from
-    its peers. Arrays must be ``jax.Array``; host values may be numbers,
-    strings, bytes and numpy arrays. The restore needs a `target` with
-    shardings (``jax.ShapeDtypeStruct`` or arrays) laid out as saved.
+    its peers. A target on another process count or sharding is resharded
+    from the local copies (each process gets only the parts it needs). Arrays
+    must be ``jax.Array``; host values may be numbers, strings, bytes and
+    numpy arrays. The restore needs a `target` with shardings
+    (``jax.ShapeDtypeStruct`` or arrays).
 
     Example::
 
