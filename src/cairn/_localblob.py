@@ -10,8 +10,9 @@ import numpy as np
 
 from ._errors import CheckpointError, CorruptCheckpointError, MismatchError, UnsupportedTypeError
 from ._leaves import is_jax_array
+from ._perprocess import PerProcess
 from ._replicas import Piece, layout_key, read_header, shard_table, unpack
-from ._tree import display_path, map_with_path
+from ._tree import display_path, flatten, join_path, map_with_path, unflatten
 from ._values import decode_value, dtype_from_name, dtype_name, encode_value, value_kind
 
 
@@ -38,6 +39,10 @@ def split(state: Any, where: str) -> tuple[list[str], list[Any], dict[str, Any]]
 
 
 def encode(path: str, x: Any, where: str) -> Any:
+    if isinstance(x, PerProcess):  # this process's own value: each blob's header holds its process's
+        structure, leaves = flatten(x.value)
+        return {"k": "perprocess", "structure": structure,
+                "leaves": [encode(join_path(path, p), v, where) for p, v in leaves]}
     kind = value_kind(x)
     if kind is not None:
         return {"k": kind, "v": encode_value(kind, x)}
@@ -47,10 +52,13 @@ def encode(path: str, x: Any, where: str) -> Any:
     if isinstance(x, (bytes, bytearray)):
         return {"k": "bytes", "hex": bytes(x).hex()}
     raise UnsupportedTypeError(f"{where}: leaf {display_path(path)!r} has type {type(x).__qualname__}; the local "
-                               "tier stores jax.Arrays, numpy arrays, bytes, numbers and strings")
+                               "tier stores jax.Arrays, numpy arrays, bytes, numbers, strings and PerProcess "
+                               "values of those")
 
 
 def decode(v: Any, where: str) -> Any:
+    if v["k"] == "perprocess":
+        return PerProcess(unflatten(v["structure"], [decode(x, where) for x in v["leaves"]]))
     if v["k"] == "ndarray":
         dt = dtype_from_name(v["dtype"], f"{where}: ")
         return np.frombuffer(bytes.fromhex(v["hex"]), dt.newbyteorder("<")).astype(dt).reshape(v["shape"])
@@ -110,8 +118,10 @@ def target_table(target: Any, me: int) -> tuple[list[Piece], list[dict[Any, list
                        [x.sharding for x in leaves], me)
 
 
-def assemble(target: Any, hosts: list[np.ndarray], me: int, values: dict[str, Any], where: str) -> Any:
-    """`target` filled: its arrays from this process's piece arrays `hosts`, its host values from `values`."""
+def assemble(target: Any, hosts: list[np.ndarray], me: int, values: dict[str, Any], where: str,
+             resolved: dict[str, Any] | None = None) -> Any:
+    """`target` filled: its arrays from this process's piece arrays `hosts`, its host values from
+    `values` (encoded) or `resolved` (decoded already)."""
     import jax
 
     paths, leaves = target_arrays(target)
@@ -131,9 +141,15 @@ def assemble(target: Any, hosts: list[np.ndarray], me: int, values: dict[str, An
     def fill(path: str, x: Any) -> Any:
         if path in built:
             return built[path]
-        if path not in values:
+        if resolved is not None and path in resolved:
+            got = resolved[path]
+        elif path in values:
+            got = decode(values[path], where)
+        else:
             raise MismatchError(f"{where}: the target's leaf {display_path(path)!r} is not in the local step")
-        return decode(values[path], where)
+        if isinstance(got, PerProcess):  # as the persistent tier does: a PerProcess where the target has one
+            return PerProcess(got.value, x.reshard) if isinstance(x, PerProcess) else got.value
+        return got
 
     return map_with_path(fill, target)
 

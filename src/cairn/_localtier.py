@@ -37,11 +37,12 @@ from . import _load, _save, _steps
 from ._agree import Decisions
 from ._coord import Coordinator, SingleProcess
 from ._errors import CheckpointError, CorruptCheckpointError
-from ._localblob import assemble, missing_values, shard_data, split, target_layout
+from ._localblob import assemble, decode, missing_values, shard_data, split, target_layout
 from ._localplan import choose, encode_table
 from ._localxfer import Exchange
 from ._location import Location
 from ._metadata import read_manifest
+from ._perprocess import PerProcess
 from ._replicas import (
     header_bytes,
     layout_key,
@@ -53,6 +54,7 @@ from ._replicas import (
     shard_tables,
 )
 from ._storage import Storage
+from ._tree import display_path, map_with_path
 from ._values import dtype_name
 
 log = logging.getLogger("cairn")
@@ -306,12 +308,38 @@ class LocalTier:
                 log.warning("cairn: the local step %d lacks the target's leaves %s; restoring from the persistent "
                             "tier instead", step, lost)
             return None
-        out = assemble(target, plan.hosts, self._me, values, where)
+        resolved = None if choice.same else self._per_process(target, outcomes, choice.saved_by, step)
+        if resolved is None and not choice.same:
+            return None  # logged
+        out = assemble(target, plan.hosts, self._me, values, where, resolved)
         if not choice.same and self._me == 0:
             log.info("cairn: restored local step %d, saved by %d processes, onto %d processes (resharded "
                      "from the local tier)", step, choice.saved_by, self._count)
         self.restored_step = step
         return step, out
+
+    def _per_process(self, target: Any, outcomes: dict[int, Any], saved_by: int, step: int) -> dict[str, Any] | None:
+        """A reshard's `PerProcess` values for this process: its own saved one on the same process
+        count, else the target's ``reshard(saved, index, count)``; None (logged) when neither serves."""
+        held = {int(q): v for o in outcomes.values() for q, v in o.get("per_process", {}).items()}
+        wanted: dict[str, Any] = {}
+        map_with_path(lambda p, x: wanted.__setitem__(p, x) if isinstance(x, PerProcess) else None, target)
+        out: dict[str, Any] = {}
+        for path, x in wanted.items():
+            if any(path not in held.get(q, {}) for q in range(saved_by)):
+                continue  # not saved per process: the shared value (or its absence) decides
+            saved = [decode(held[q][path], self._where(step)) for q in range(saved_by)]
+            if saved_by == self._count:
+                out[path] = saved[self._me]
+            elif x.reshard is not None:
+                out[path] = PerProcess(x.reshard([v.value for v in saved], self._me, self._count))
+            else:
+                if self._me == 0:
+                    log.warning("cairn: the local step %d was saved by %d processes and %r is per process, with "
+                                "no PerProcess(reshard=...) in the target; restoring from the persistent tier "
+                                "instead", step, saved_by, display_path(path))
+                return None
+        return out
 
     def _visible(self) -> list[tuple[int, Storage, str]]:
         """The ``process_<k>`` folders of this host directory: this process's first."""

@@ -30,6 +30,7 @@ class Exchange:
         self.choice, self.me, self.count, self.where, self.layout = choice, me, count, where, layout
         self.target = target
         self.values: dict[str, Any] | None = None
+        self.per_process: dict[int, dict[str, Any]] = {}  # reshard: each served blob's PerProcess values
         self.hosts: list[np.ndarray] = []
         self._blob: np.ndarray | None = None
         step = str(choice.step)
@@ -95,7 +96,8 @@ class Exchange:
             except CorruptCheckpointError as e:
                 error = f"{type(e).__name__}: {e}"
         shared = self.values if not self.choice.same and self.choice.servers.get(0) == self.me else None
-        return {"error": error, "sent": sent, "got": got, "values": shared}
+        return {"error": error, "sent": sent, "got": got, "values": shared,
+                "per_process": {str(q): v for q, v in self.per_process.items()}}
 
     def _open(self, blobs: dict[int, np.ndarray]) -> dict[int, list[np.ndarray]]:
         """The piece arrays of the saved blobs this process serves (views); blob 0's host values."""
@@ -107,8 +109,10 @@ class Exchange:
                 raise CorruptCheckpointError(f"{self.where}: the blob held for process {q} is of step "
                                              f"{header.get('step')} process {header.get('process')}")
             out[q] = unpack(blob, start, self._saved.pieces[q], dtypes, self.where)
+            values = header.get("values", {})
             if q == 0:
-                self.values = header.get("values", {})
+                self.values = values
+            self.per_process[q] = {k: v for k, v in values.items() if v.get("k") == "perprocess"}
         return out
 
     def _row(self, r: int, blobs: dict[int, np.ndarray], views: dict[int, list[np.ndarray]]) -> np.ndarray:

@@ -33,7 +33,17 @@ def _init() -> dict[str, Any]:
     w = np.linspace(-1, 1, 16 * 12, dtype=np.float32).reshape(16, 12)
     params = {"w": jax.device_put(w, s["w"]), "b": jax.device_put(np.zeros(12, np.float32), s["b"]),
               "e": jax.device_put(np.ones((8, 6), jnp.bfloat16), s["e"])}
-    return {"params": params, "step": -1, "data": b"it--1", "table": np.arange(3)}
+    return {"params": params, "step": -1, "data": b"it--1", "table": np.arange(3), "iter": _iter(-1)}
+
+
+def _iter(step: int) -> cairn.PerProcess:
+    """A data iterator's state: each process's own."""
+    return cairn.PerProcess({"pos": step, "proc": jax.process_index()})
+
+
+def _reshard_iter(saved: list, index: int, count: int) -> dict:
+    assert len({v["pos"] for v in saved}) == 1 and [v["proc"] for v in saved] == list(range(len(saved)))
+    return {"pos": saved[0]["pos"], "proc": index}
 
 
 def _step_fn():
@@ -50,14 +60,15 @@ def _step_fn():
 
 def _advance(state: dict[str, Any], step: int, fn: Any) -> dict[str, Any]:
     return {"params": fn(state["params"], jnp.float32(step)), "step": step, "data": f"it-{step}".encode(),
-            "table": np.arange(3) + step}
+            "table": np.arange(3) + step, "iter": _iter(step)}
 
 
 def _abstract() -> dict[str, Any]:
     s = _shardings()
     init = _init()
     params = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=s[k]) for k, v in init["params"].items()}
-    return {"params": params, "step": 0, "data": b"", "table": np.zeros(3, np.int64)}
+    return {"params": params, "step": 0, "data": b"", "table": np.zeros(3, np.int64),
+            "iter": cairn.PerProcess(reshard=_reshard_iter)}
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -65,7 +76,8 @@ def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
         for x, y in zip(a["params"][k].addressable_shards, b["params"][k].addressable_shards):
             if x.index != y.index or np.asarray(x.data).tobytes() != np.asarray(y.data).tobytes():
                 return False
-    return (a["step"], a["data"]) == (b["step"], b["data"]) and np.array_equal(a["table"], b["table"])
+    return ((a["step"], a["data"]) == (b["step"], b["data"]) and np.array_equal(a["table"], b["table"])
+            and isinstance(a["iter"], cairn.PerProcess) and a["iter"].value == b["iter"].value)
 
 
 def _e_init() -> dict[str, Any]:
@@ -74,7 +86,7 @@ def _e_init() -> dict[str, Any]:
     params = {"w": jax.device_put(w, s["w"]), "b": jax.device_put(np.zeros(12, np.float32), s["b"]),
               "e": jax.device_put(np.ones((8, 6), jnp.bfloat16), s["e"]),
               "c": jax.device_put(np.arange(24, dtype=np.int32), NamedSharding(s["w"].mesh, P("x")))}
-    return {"params": params, "step": -1, "data": b"it--1", "table": np.arange(3)}
+    return {"params": params, "step": -1, "data": b"it--1", "table": np.arange(3), "iter": _iter(-1)}
 
 
 def _e_step_fn():
@@ -92,13 +104,14 @@ def _e_step_fn():
 
 def _e_advance(state: dict[str, Any], step: int, fn: Any) -> dict[str, Any]:
     return {"params": fn(state["params"], jnp.float32(step)), "step": step, "data": f"it-{step}".encode(),
-            "table": np.arange(3) + step}
+            "table": np.arange(3) + step, "iter": _iter(step)}
 
 
 def _e_abstract() -> dict[str, Any]:
     init = _e_init()
     params = {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in init["params"].items()}
-    return {"params": params, "step": 0, "data": b"", "table": np.zeros(3, np.int64)}
+    return {"params": params, "step": 0, "data": b"", "table": np.zeros(3, np.int64),
+            "iter": cairn.PerProcess(reshard=_reshard_iter)}
 
 
 def train(root: str, persist: str, total: int, local_every: int = 2, save_every: int = 6,
