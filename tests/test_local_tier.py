@@ -192,15 +192,18 @@ def test_each_device_packs_only_the_shards_it_holds():
         assert np.array_equal(host, want) and host.dtype == want.dtype
 
 
+def _manager(tmp_path, tier=None, save_every=100):
+    tier = tier or cairn.LocalTier(tmp_path / "l", every=2, replicas=0)
+    return cairn.CheckpointManager(tmp_path / "p", save_every=save_every, local=tier, handle_sigterm=False)
+
+
 def test_restore_onto_another_layout_reshards_from_the_local_tier(tmp_path, caplog):
     state, _ = _mesh_state(("x", "y"))
     _, columns = _mesh_state(("y", "x"))
-    with cairn.CheckpointManager(tmp_path / "p", save_every=100, local=cairn.LocalTier(
-            tmp_path / "l", every=2, replicas=0), handle_sigterm=False) as mgr:
+    with _manager(tmp_path) as mgr:
         mgr.save(4, state)
     tier = cairn.LocalTier(tmp_path / "l", every=2, replicas=0)
-    with caplog.at_level("INFO", logger="cairn"), cairn.CheckpointManager(
-            tmp_path / "p", save_every=100, local=tier, handle_sigterm=False) as mgr:
+    with caplog.at_level("INFO", logger="cairn"), _manager(tmp_path, tier) as mgr:
         got = mgr.restore(target=columns)
     assert tier.restored_step == 4 and "resharded from the local tier" in caplog.text
     for k in ("w", "m", "s"):
@@ -212,13 +215,11 @@ def test_restore_onto_another_layout_reshards_from_the_local_tier(tmp_path, capl
 def test_a_leaf_the_local_step_lacks_falls_back_to_the_persistent_tier(tmp_path, caplog):
     state, _ = _mesh_state(("x", "y"))
     _, columns = _mesh_state(("y", "x"))
-    with cairn.CheckpointManager(tmp_path / "p", save_every=2, local=cairn.LocalTier(
-            tmp_path / "l", every=2, replicas=0), handle_sigterm=False) as mgr:
+    with _manager(tmp_path, save_every=2) as mgr:
         mgr.save(2, state)
     wider = dict(columns, w=jax.ShapeDtypeStruct((16, 16), np.float32, sharding=columns["w"].sharding))
     tier = cairn.LocalTier(tmp_path / "l", every=2, replicas=0)
-    with caplog.at_level("INFO", logger="cairn"), cairn.CheckpointManager(
-            tmp_path / "p", save_every=2, local=tier, handle_sigterm=False) as mgr:
+    with caplog.at_level("INFO", logger="cairn"), _manager(tmp_path, tier, save_every=2) as mgr:
         with pytest.raises(MismatchError):  # neither tier has a 16x16 "w"
             mgr.restore(target=wider)
         assert tier.restored_step is None and "does not restore onto this target" in caplog.text
@@ -227,12 +228,11 @@ def test_a_leaf_the_local_step_lacks_falls_back_to_the_persistent_tier(tmp_path,
 
 def test_old_steps_of_processes_this_run_lacks_are_removed_once_it_saves_newer(tmp_path):
     state, rows = _mesh_state(("x", "y"))
-    with cairn.CheckpointManager(tmp_path / "p", save_every=100, local=cairn.LocalTier(
-            tmp_path / "l", every=2, replicas=0), handle_sigterm=False) as mgr:
+    with _manager(tmp_path) as mgr:
         mgr.save(2, state)
     shutil.copytree(tmp_path / "l" / "process_0", tmp_path / "l" / "process_1")  # as a 2-process run left it
     tier = cairn.LocalTier(tmp_path / "l", every=2, replicas=0)
-    with cairn.CheckpointManager(tmp_path / "p", save_every=100, local=tier, handle_sigterm=False) as mgr:
+    with _manager(tmp_path, tier) as mgr:
         assert mgr.restore(target=rows) is not None and tier.restored_step == 2  # its own copy
         mgr.save(4, state)
     assert not (tmp_path / "l" / "process_1" / "step_00000002").exists()

@@ -161,13 +161,11 @@ class Segment:
 
 
 def segments(saved: Table, servers: dict[int, int], target_paths: list[str], target_shapes: list[tuple[int, ...]],
-             target_dtypes: list[str], wanted: Mapping[int, list[Piece]], where: str,
-             only_server: int | None = None) -> list[Segment]:
+             target_dtypes: list[str], wanted: Mapping[int, list[Piece]], where: str) -> list[Segment]:
     """The segments every receiver in `wanted` (receiver -> its target pieces) gets, in sending order.
 
-    With `only_server`, just the segments that process serves. A saved box held
-    by several blobs (a replicated array) is taken from the receiver's own blob
-    when it serves one, else from the lowest-numbered blob.
+    A saved box held by several blobs (a replicated array) is taken from the
+    receiver's own blob when it serves one, else from the lowest-numbered blob.
     """
     index = {p: i for i, p in enumerate(saved.paths)}
     for path, shape, dtype in zip(target_paths, target_shapes, target_dtypes):
@@ -205,8 +203,6 @@ def segments(saved: Table, servers: dict[int, int], target_paths: list[str], tar
             for h in hits:
                 holders = boxes[leaf][keys[h]]
                 q, j = next(((q, j) for q, j in holders if servers[q] == r), holders[0])
-                if only_server is not None and servers[q] != only_server:
-                    continue
                 box = tuple((int(a), int(b)) for a, b in zip(o_lo[h], o_hi[h]))
                 size = int(np.prod([b - a for a, b in box], dtype=np.int64)) * itemsize
                 out.append(Segment(servers[q], r, q, j, n, box, size))

@@ -274,7 +274,7 @@ class LocalTier:
         mine = [q for q, p in choice.servers.items() if p == self._me]
         parts: dict[str, Any] = {"leaves": None, "pieces": {}}  # the shard tables a reshard needs
         for q in mine if not choice.same else ():
-            table = found[(step, q)][2]
+            table = found[(step, q)][2]["table"]
             parts["leaves"] = table["leaves"]
             parts["pieces"][str(q)] = table["pieces"][str(q)]
         tables = {} if choice.same else self._decisions.gather(f"tables-{step}", parts)
@@ -379,15 +379,14 @@ class LocalTier:
                     held.setdefault(str(s), {})[str(q)] = {
                         "count": meta["count"], "layout": meta["layout"], "length": meta["lengths"][str(q)],
                         "table": "table" in meta}
-                    found[(s, q)] = (loc, "own" if q == k else "peers", meta.get("table") or {})
+                    found[(s, q)] = (loc, "own" if q == k else "peers", meta)
         return held, found
 
     def _read_blob(self, step: int, q: int, at: tuple[Location, str, dict[str, Any]]) -> np.ndarray:
-        loc, item, _ = at
+        loc, item, meta = at
         got = _load.load(loc, {item: None}, partial=True, coordinator=SingleProcess(),
                          read_once=False, publish=False)  # part of a restore, not a load of its own
         blob = got[item] if item == "own" else got[item][str(q)]
-        meta = read_manifest(loc).metadata[META]
         if not isinstance(blob, np.ndarray) or blob.dtype != np.uint8 or blob.size != int(meta["lengths"][str(q)]):
             raise CorruptCheckpointError(f"{loc.path}: the blob of process {q} is not {meta['lengths'][str(q)]} bytes")
         return blob
