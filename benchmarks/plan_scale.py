@@ -8,7 +8,8 @@ resharding load onto a differently shaped mesh, with the real planning code
 `_plan.plan_reads`, `_format.ItemIndex.to_json/from_json`). No JAX objects
 are built: a mesh is a device grid numbered row-major, device ``d`` belongs
 to process ``d // devices_per_process``, and the box each device holds under
-a partition spec is computed arithmetically, as ``NamedSharding`` would.
+a partition spec is computed arithmetically, as `cairn.save` does for a ``NamedSharding``
+(`_grid.spec_boxes`, checked against JAX in tests/test_grid.py).
 
     python -m benchmarks.plan_scale                   # full model, 4,096 devices, plus a scaling sweep
     python -m benchmarks.plan_scale --layers 8 --quick
@@ -36,6 +37,7 @@ import numpy as np
 from cairn import _format as fmt
 from cairn._binindex import cell_bytes, cells_in
 from cairn._estimate import estimate_read_bytes
+from cairn._grid import spec_boxes as grid_spec_boxes
 from cairn._indexparts import build_part, item_index, own_cells
 from cairn._layout import SaveItem, layout_cache, layout_for
 from cairn._plan import Box, assign_files, plan_reads
@@ -120,25 +122,18 @@ def fit_fsdp(prm: Param, devices: int) -> Param:
     raise ValueError(f"{prm.name}: no axis of {prm.shape} is divisible by {devices} devices")
 
 
-def spec_boxes(shape: Sequence[int], mesh: Mesh, spec: Spec) -> list[Box]:
-    """The box of every device (in device order) under `spec`, as NamedSharding computes it."""
-    spec = tuple(spec) + (None,) * (len(shape) - len(spec))
-    boxes = []
-    for d in range(mesh.size):
-        c = mesh.coords(d)
-        box = []
-        for n, entry in zip(shape, spec):
-            names = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-            parts, idx = 1, 0
-            for name in names:
-                k = mesh.shape[mesh.axis_names.index(name)]
-                idx, parts = idx * k + c[name], parts * k
-            if n % parts:
-                raise ValueError(f"axis of {n} is not divisible by {parts} shards")
-            size = n // parts
-            box.append((idx * size, (idx + 1) * size))
-        boxes.append(tuple(box))
+def spec_array(shape: Sequence[int], mesh: Mesh, spec: Spec) -> np.ndarray:
+    """The box of every device (in device order) under `spec`: what `cairn.save` computes for a
+    NamedSharding (`_jaxutil.device_box_array` -> `_grid.spec_boxes`), as an array."""
+    boxes = grid_spec_boxes(shape, mesh.shape, mesh.axis_names, tuple(spec))
+    if boxes is None:
+        raise ValueError(f"{spec} does not divide {tuple(shape)} evenly over {mesh}")
     return boxes
+
+
+def spec_boxes(shape: Sequence[int], mesh: Mesh, spec: Spec) -> list[Box]:
+    """`spec_array` as a list of boxes, the form the load planner takes."""
+    return [tuple(map(tuple, b)) for b in spec_array(shape, mesh, spec).tolist()]
 
 
 @dataclass(frozen=True)
@@ -152,6 +147,8 @@ class Cluster:
     def __init__(self, save_mesh: Mesh, load_mesh: Mesh):
         self.save_mesh, self.load_mesh = save_mesh, load_mesh
         self.devices = [_FakeDevice(save_mesh.process(d)) for d in range(save_mesh.size)]
+        # A save memoises the processes of a mesh's devices once (`_jaxutil._mesh_cache`).
+        self.procs = np.fromiter((d.process_index for d in self.devices), np.int64, len(self.devices))
         self._boxes: dict[Any, list[Box]] = {}
 
     def boxes(self, mesh: Mesh, shape: tuple[int, ...], spec: Spec) -> list[Box]:
@@ -169,21 +166,25 @@ class Cluster:
 
 
 def plan_save(cluster: Cluster, params: list[Param], itemsize: int, me: int, memo: bool = True):
-    """What process `me` plans in `cairn.save`: every array's layout, its own chunks, its files.
+    """What process `me` plans in `cairn.save`: every array's boxes, layout, own chunks and files.
 
-    Returns (layouts by leaf, this process's files). Box computation (done by
-    JAX's ``devices_indices_map`` in a real save) is excluded from the timing
-    by the caller, which warms `cluster.boxes` first.
+    Returns (layouts by leaf, this process's files). The boxes of each distinct
+    (shape, spec) are computed as a save computes them for a NamedSharding
+    (by arithmetic, memoised per sharding and shape) and timed with the rest.
+    The caller empties `layout_cache` first, as in a process's first save (outside
+    the timing: freeing the previous sample's layouts is not planning).
     """
-    layout_cache.clear()
     mesh = cluster.save_mesh
     layouts, mine = [], []
+    boxes_of: dict[Any, np.ndarray] = {}
     for i, prm in enumerate(params):
-        boxes = cluster.boxes(mesh, prm.shape, prm.save)
+        key = (prm.shape, prm.save)
+        if key not in boxes_of or not memo:
+            boxes_of[key] = spec_array(prm.shape, mesh, prm.save)
         if not memo:
             layout_cache.clear()
-        layout, own = layout_for((mesh, prm.save), prm.shape, boxes, cluster.devices, me, False, i,
-                                 merge_itemsize=itemsize)
+        layout, own = layout_for((mesh, prm.save), prm.shape, boxes_of[key], cluster.devices, me, False, i,
+                                 merge_itemsize=itemsize, procs=cluster.procs)
         layouts.append(layout)
         mine.extend((i, cell, elems * itemsize) for cell, _d, elems in own)
     files = assign_files(mine, 4, 32 << 20)
@@ -396,12 +397,15 @@ def run_scale(devices: int, layers: int, itemsize: int, block: int, samples: int
     load_mesh = Mesh(("fsdp", "tp"), (devices // 16, 16))
     cluster = Cluster(save_mesh, load_mesh)
     params = [fit_fsdp(prm, devices) for prm in llama_405b(layers)]
-    for prm in params:  # JAX's share of planning (devices_indices_map): not cairn's, not timed
+    for prm in params:  # the boxes the index builder and the load planner take (plan_save makes its own)
         cluster.boxes(save_mesh, prm.shape, prm.save)
         cluster.boxes(load_mesh, prm.shape, prm.load)
     shards = sum(len(cluster.boxes(save_mesh, p.shape, p.save)) for p in params)
     chunks_per_proc = shards // procs
-    save_t = [(_timed(plan_save, cluster, params, itemsize, p)[0]) for p in _sample(procs, samples)]
+    save_t = []
+    for p in _sample(procs, samples):
+        layout_cache.clear()
+        save_t.append(_timed(plan_save, cluster, params, itemsize, p)[0])
     out: dict[str, Any] = {
         "devices": devices, "processes": procs, "layers": layers, "leaves": len(params),
         "bytes": sum(math.prod(p.shape) for p in params) * itemsize,
@@ -409,6 +413,7 @@ def run_scale(devices: int, layers: int, itemsize: int, block: int, samples: int
         "save_plan_s": statistics.median(save_t), "save_plan_max_s": max(save_t),
     }
     if unmemoised:
+        layout_cache.clear()
         out["save_plan_unmemoised_s"] = _timed(plan_save, cluster, params, itemsize, 0, memo=False)[0]
     built = build_index(cluster, params, itemsize, block, _sample(procs, samples))
     out["commit_s_primary"] = built["commit_s"]

@@ -4,6 +4,7 @@ layout (`_grid`), row merging (`_merge`) and the cells a load fetches (`_bininde
 from __future__ import annotations
 
 import itertools
+import math
 from unittest import mock
 
 import numpy as np
@@ -11,9 +12,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cairn import _merge, _plan
+from cairn import _layout, _merge, _plan
 from cairn._binindex import cells_in
-from cairn._grid import regular_layout
+from cairn._grid import regular_layout, spec_boxes
 from cairn._plan import ChunkLayout, LayoutError, chunk_layout
 
 
@@ -153,3 +154,86 @@ def test_cells_in_a_box_over_many_cells():
     grid = ((0, *range(1, 101)), tuple(range(0, 101, 2)))  # 100 x 50 cells
     assert cells_in(grid, [((0, 100), (0, 100)), ((5, 6), (0, 1))]).tolist() == list(range(5000))
     assert cells_in(grid, [((10, 12), (3, 5)), ((0, 0), (0, 100))]).tolist() == [501, 502, 551, 552]
+
+
+@settings(max_examples=300, deadline=None)
+@given(sharded(), st.booleans(), st.integers(-3, 7), st.sampled_from([0, 1, 4, 30, 10**9]))
+def test_layout_of_a_box_array_equals_that_of_the_box_list(case, split_replicas, offset, split_elems):
+    """`spec_boxes`' array form gives the layout (or the error) the list of tuples gives."""
+    shape, boxes, procs = case
+    if any(len(b) != len(shape) for b in boxes):
+        return
+    array = np.array(boxes, dtype=np.int64).reshape(len(boxes), len(shape), 2)
+    want = _outcome(lambda: chunk_layout(shape, boxes, procs, split_replicas, offset, split_elems))
+    got = _outcome(lambda: chunk_layout(shape, array, np.array(procs, dtype=np.int64), split_replicas,
+                                        offset, split_elems))
+    assert got == want
+    assert _layout._shared_cells(array, np.array(procs)) == _layout._shared_cells(list(boxes), np.array(procs))
+
+
+def _mesh_shapes(n: int) -> list[tuple[int, ...]]:
+    """Mesh shapes of `n` devices, axes of length 1 included."""
+    return [s for k in (1, 2, 3) for s in itertools.product((1, 2, 4, 8), repeat=k) if math.prod(s) == n]
+
+
+@st.composite
+def named(draw):
+    """A mesh over some of the 8 CPU devices (any order), a partition spec over its axes, and a
+    shape: usually divisible by the spec's shard counts, sometimes not."""
+    import jax
+
+    n = draw(st.sampled_from([1, 2, 4, 8]))
+    dims = draw(st.sampled_from(_mesh_shapes(n)))
+    names = ("a", "b", "c")[: len(dims)]
+    devices = draw(st.permutations(jax.devices()[:n]))
+    ndim = draw(st.integers(1, 3))
+    free = list(names)
+    spec = []
+    for _ in range(draw(st.integers(0, ndim))):
+        k = draw(st.integers(0, min(2, len(free))))
+        take = [free.pop(draw(st.integers(0, len(free) - 1))) for _ in range(k)]
+        spec.append(None if not take else take[0] if len(take) == 1 and draw(st.booleans()) else tuple(take))
+    size = dict(zip(names, dims))
+    parts = [math.prod(size[x] for x in (() if e is None else (e,) if isinstance(e, str) else e)) for e in spec]
+    parts += [1] * (ndim - len(spec))
+    shape = tuple(p * draw(st.integers(1, 3)) + (draw(st.sampled_from([0, 0, 0, 1])) if p > 1 else 0)
+                  for p in parts)
+    return np.array(devices).reshape(dims), names, tuple(spec), shape
+
+
+@settings(max_examples=200, deadline=None)
+@given(named())
+def test_named_sharding_boxes_by_arithmetic_are_jax_s(case):
+    """`device_box_array`'s arithmetic (`_grid.spec_boxes`) gives JAX's `devices_indices_map`:
+    the same devices in the same order, the same box on each."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from cairn import _jaxutil
+
+    mesh_devices, names, spec, shape = case
+    sharding = NamedSharding(Mesh(mesh_devices, names), PartitionSpec(*spec))
+    try:
+        want_devices, want_boxes = _jaxutil.device_boxes(sharding, shape)
+    except Exception as e:  # JAX refuses uneven shards: so must this (it asks JAX then)
+        with pytest.raises(type(e)):
+            _jaxutil.device_box_array(sharding, shape)
+        assert spec_boxes(shape, mesh_devices.shape, names, spec) is None
+        return
+    devices, boxes, procs = _jaxutil.device_box_array(sharding, shape)
+    assert list(devices) == want_devices
+    assert procs.tolist() == [d.process_index for d in want_devices]
+    divisible = spec_boxes(shape, mesh_devices.shape, names, spec) is not None
+    assert isinstance(boxes, np.ndarray) == divisible
+    got = [tuple(map(tuple, b)) for b in boxes.tolist()] if divisible else boxes
+    assert got == want_boxes
+
+
+def test_spec_boxes_leaves_what_it_does_not_know_to_jax():
+    assert spec_boxes((4,), (2,), ("a",), ("b",)) is None  # no such axis
+    assert spec_boxes((4, 4), (2,), ("a",), ("a", "a")) is None  # an axis twice
+    assert spec_boxes((4,), (2,), ("a",), ("a", None)) is None  # more entries than axes
+    assert spec_boxes((3,), (2,), ("a",), ("a",)) is None  # uneven
+    assert spec_boxes((0,), (2,), ("a",), (None,)) is None  # empty
+    assert spec_boxes((4,), (2,), ("a",), (object(),)) is None  # UNCONSTRAINED and the like
+    assert spec_boxes((4, 6), (2, 3), ("a", "b"), (None, ("b",))).tolist() == [
+        [[0, 4], [0, 2]], [[0, 4], [2, 4]], [[0, 4], [4, 6]]] * 2

@@ -6,6 +6,10 @@ computes the same grid, writers and sources with array operations. It answers
 None for anything it does not handle (boxes that do not tile a grid, holes,
 zero-length axes, rank 0), and the loop then runs and reports the problem, so
 the errors and the results are the loop's in every case.
+
+`spec_boxes` computes every device's box of a mesh and partition spec by
+arithmetic, as ``NamedSharding.devices_indices_map`` does device by device in
+Python (about 7 ms per (sharding, shape) at 4,096 devices, 14 at 8,192).
 """
 
 from __future__ import annotations
@@ -28,14 +32,20 @@ def regular_layout(shape: Sequence[int], device_boxes: Sequence[Any], device_pro
     ndim, n_dev = len(shape), len(device_boxes)
     if ndim == 0 or n_dev == 0 or len(device_process) != n_dev or any(int(n) <= 0 for n in shape):
         return None
-    try:
-        # Every box must be `ndim` pairs, or the flattened values would shift.
-        if set(map(len, device_boxes)) != {ndim} or set(map(len, _chain(device_boxes))) != {2}:
+    if isinstance(device_boxes, np.ndarray):  # `spec_boxes`' form: no Python objects per device
+        if device_boxes.shape != (n_dev, ndim, 2):
             return None
-        flat = np.fromiter(_chain(_chain(device_boxes)), dtype=np.int64, count=n_dev * ndim * 2)
-        procs = np.fromiter(device_process, dtype=np.int64, count=n_dev)
-    except (TypeError, ValueError, OverflowError):
-        return None
+        flat = device_boxes.astype(np.int64, copy=False).reshape(-1)
+        procs = np.asarray(device_process, dtype=np.int64)
+    else:
+        try:
+            # Every box must be `ndim` pairs, or the flattened values would shift.
+            if set(map(len, device_boxes)) != {ndim} or set(map(len, _chain(device_boxes))) != {2}:
+                return None
+            flat = np.fromiter(_chain(_chain(device_boxes)), dtype=np.int64, count=n_dev * ndim * 2)
+            procs = np.fromiter(device_process, dtype=np.int64, count=n_dev)
+        except (TypeError, ValueError, OverflowError):
+            return None
     boxes = flat.reshape(n_dev, ndim, 2)
     bounds: list[np.ndarray] = []
     idx: list[np.ndarray] = []
@@ -68,6 +78,36 @@ def regular_layout(shape: Sequence[int], device_boxes: Sequence[Any], device_pro
     else:
         source = held.first
     return grid, tuple(procs[source].tolist()), tuple(source.tolist())
+
+
+def spec_boxes(shape: Sequence[int], mesh_shape: Sequence[int], axis_names: Sequence[str],
+               spec: Sequence[Any]) -> np.ndarray | None:
+    """Every device's box, ``(devices, ndim, 2)`` in the mesh's flat device order, of an array of
+    `shape` partitioned by `spec` (entries None, a mesh axis name, or a tuple of names, major
+    first) over a mesh of `mesh_shape` with `axis_names`; None for what it does not handle
+    (other entries, an axis named twice or unknown, a length the shards do not divide)."""
+    ndim = len(shape)
+    if len(spec) > ndim or len(mesh_shape) != len(axis_names):
+        return None
+    coords = np.indices(tuple(mesh_shape), dtype=np.int64).reshape(len(mesh_shape), -1)
+    out = np.empty((coords.shape[1], ndim, 2), dtype=np.int64)
+    used: set[str] = set()
+    for a in range(ndim):
+        entry = spec[a] if a < len(spec) else None
+        names = () if entry is None else (entry,) if type(entry) is str else entry
+        if type(names) is not tuple or any(type(n) is not str or n not in axis_names or n in used for n in names):
+            return None
+        used.update(names)
+        idx, parts = np.zeros(coords.shape[1], dtype=np.int64), 1
+        for n in names:
+            k = axis_names.index(n)
+            idx, parts = idx * mesh_shape[k] + coords[k], parts * mesh_shape[k]
+        n = int(shape[a])
+        if n <= 0 or n % parts:
+            return None
+        out[:, a, 0] = idx * (n // parts)
+        out[:, a, 1] = out[:, a, 0] + n // parts
+    return out
 
 
 def _sorted_unique(x: np.ndarray) -> np.ndarray:

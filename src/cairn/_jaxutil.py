@@ -50,6 +50,62 @@ def device_boxes(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Any], list
     return devices, boxes
 
 
+_array_cache: dict[tuple[Any, tuple[int, ...]], tuple[tuple[Any, ...], Any, np.ndarray]] = {}
+_mesh_cache: dict[Any, tuple[tuple[Any, ...], np.ndarray]] = {}
+
+
+def device_box_array(sharding: Any, shape: tuple[int, ...]) -> tuple[tuple[Any, ...], Any, np.ndarray]:
+    """`device_boxes` for the save planner: ``(devices, boxes, processes)``.
+
+    For a `NamedSharding` over a concrete mesh the boxes are an array
+    ``(devices, ndim, 2)`` computed by arithmetic (`_grid.spec_boxes`), and the
+    devices and their processes are the mesh's, memoised per mesh, so that
+    nothing per device runs in Python. Other shardings, and specs the
+    arithmetic does not handle, take `device_boxes` (a list of boxes).
+    """
+    key: Any = (sharding, shape)
+    try:
+        hit = _array_cache.get(key)
+    except TypeError:  # unhashable sharding
+        hit, key = None, None
+    if hit is not None:
+        return hit
+    hit = _named(sharding, shape)
+    if hit is None:
+        devices, boxes = device_boxes(sharding, shape)
+        hit = (tuple(devices), boxes, np.fromiter((d.process_index for d in devices), np.int64, len(devices)))
+    if key is not None:
+        if len(_array_cache) > 4096:
+            _array_cache.clear()
+        _array_cache[key] = hit
+    return hit
+
+
+def _named(sharding: Any, shape: tuple[int, ...]) -> tuple[tuple[Any, ...], np.ndarray, np.ndarray] | None:
+    import jax
+
+    from ._grid import spec_boxes
+
+    if type(sharding) is not jax.sharding.NamedSharding or type(sharding.mesh) is not jax.sharding.Mesh:
+        return None
+    spec = sharding.spec
+    if getattr(spec, "unreduced", None) or getattr(spec, "reduced", None) or not shape:
+        return None
+    mesh = sharding.mesh
+    boxes = spec_boxes(shape, mesh.devices.shape, tuple(mesh.axis_names), tuple(spec))
+    if boxes is None:
+        return None
+    try:
+        devices, procs = _mesh_cache[mesh]
+    except KeyError:
+        devices = tuple(mesh.devices.flat)  # the sharding's device order (`_device_assignment`)
+        procs = np.fromiter((d.process_index for d in devices), np.int64, len(devices))
+        if len(_mesh_cache) > 64:
+            _mesh_cache.clear()
+        _mesh_cache[mesh] = devices, procs
+    return devices, boxes, procs
+
+
 _placement_cache: dict[Any, tuple[list[Box], dict[Box, list[Any]]]] = {}
 
 

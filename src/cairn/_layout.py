@@ -115,35 +115,38 @@ def sources_for(sharding: Any, shape: tuple[int, ...], itemsize: int, me: int, s
         hit, key = None, None
     if hit is not None:
         return hit
-    from ._jaxutil import device_boxes
+    from ._jaxutil import device_box_array
 
-    devices, boxes = device_boxes(sharding, shape)
-    layout, own = layout_for(sharding, shape, boxes, devices, me, split_replicas, leaf, split, itemsize)
+    devices, boxes, procs = device_box_array(sharding, shape)
+    layout, own = layout_for(sharding, shape, boxes, devices, me, split_replicas, leaf, split, itemsize, procs)
     entries = []
     for cell, _source, elems in own:
         parts = []
         for box, src in pieces(layout, cell):
+            held = boxes[src] if type(boxes) is list else tuple(map(tuple, boxes[src].tolist()))
             cut = None
-            if box != boxes[src]:
-                cut = tuple(slice(lo - dlo, hi - dlo) for (lo, hi), (dlo, _) in zip(box, boxes[src]))
+            if box != held:
+                cut = tuple(slice(lo - dlo, hi - dlo) for (lo, hi), (dlo, _) in zip(box, held))
             parts.append((devices[src], cut))
         entries.append((cell, tuple(parts), elems * itemsize))
     hit = (layout, tuple(entries))
     if key is not None:
         if len(_sources_cache) > 4096:
             _sources_cache.clear()
-        _sources_cache[key if not _shared_cells(boxes, devices) else (*key, leaf)] = hit
+        _sources_cache[key if not _shared_cells(boxes, procs) else (*key, leaf)] = hit
     return hit
 
 
-def _shared_cells(boxes: list[Any], devices: list[Any]) -> bool:
+def _shared_cells(boxes: Any, procs: np.ndarray) -> bool:
     """Whether some box is held by devices of more than one process (then writers depend on the leaf)."""
-    first: dict[Any, int] = {}
-    for box, d in zip(boxes, devices):
-        p = first.setdefault(box, d.process_index)
-        if p != d.process_index:
-            return True
-    return False
+    if type(boxes) is list:
+        first: dict[Any, int] = {}
+        return any(first.setdefault(box, p) != p for box, p in zip(boxes, procs.tolist()))
+    rows = boxes.reshape(len(boxes), -1)
+    order = np.lexsort(rows.T[::-1])
+    rows, p = rows[order], procs[order]
+    same_box = (rows[1:] == rows[:-1]).all(axis=1)
+    return bool((same_box & (p[1:] != p[:-1])).any())
 
 
 layout_cache: dict[Any, tuple[ChunkLayout, tuple[tuple[int, int, int], ...]]] = {}
@@ -151,7 +154,7 @@ layout_cache: dict[Any, tuple[ChunkLayout, tuple[tuple[int, int, int], ...]]] = 
 
 def layout_for(sharding: Any, shape: tuple[int, ...], boxes: Any, devices: Any, me: int,
                 split_replicas: bool, offset: int, split_elems: int = 0, merge_itemsize: int = 0,
-                ) -> tuple[ChunkLayout, tuple[tuple[int, int, int], ...]]:
+                procs: Any = None) -> tuple[ChunkLayout, tuple[tuple[int, int, int], ...]]:
     """The chunk layout of an array and this process's ``(cell, device, elements)`` in it.
 
     Both cost O(devices) per array (in numpy, `_grid`: a few ms at 8,192 devices);
@@ -166,7 +169,8 @@ def layout_for(sharding: Any, shape: tuple[int, ...], boxes: Any, devices: Any, 
         hit, key = None, None
     if hit is not None:
         return hit
-    procs = list(map(attrgetter("process_index"), devices))
+    if procs is None:
+        procs = list(map(attrgetter("process_index"), devices))
     layout = chunk_layout(shape, boxes, procs, split_replicas, offset, split_elems)
     if merge_itemsize:  # a process's consecutive shards become one chunk (`merge_rows`)
         layout = merge_rows(layout, merge_itemsize)

@@ -96,6 +96,8 @@ def chunk_layout(
     fast = regular_layout(shape, device_boxes, device_process, split_replicas, replica_offset, split_elems)
     if fast is not None:
         return ChunkLayout(*fast)
+    if hasattr(device_boxes, "tolist"):  # an array of boxes (`_grid.spec_boxes`): the loop takes tuples
+        device_boxes = [tuple(map(tuple, b)) for b in device_boxes.tolist()]
     ndim = len(shape)
     bounds: list[tuple[int, ...]] = []
     for a in range(ndim):
