@@ -40,6 +40,7 @@ from cairn._localplan import (
 from cairn._replicas import (
     Piece,
     header_bytes,
+    layout_key,
     pack_rows,
     placement,
     process_devices,
@@ -171,6 +172,33 @@ def _mesh_state(spec):
             {"w": jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=sh),
              "m": jax.ShapeDtypeStruct(mask.shape, mask.dtype, sharding=sh),
              "s": jax.ShapeDtypeStruct((), np.float32, sharding=rep), "n": 0})
+
+
+def test_layout_key_is_the_crc_of_its_defining_description():
+    """The memoised `layout_key` is, byte for byte, the CRC of the JSON it is defined by (so steps
+    saved before the memo still match), and it tells layouts apart."""
+    import json
+
+    from cairn._checksum import crc32c
+    from cairn._jaxutil import slices_to_box
+
+    def plain(shapes, dtypes, shardings, paths):
+        desc = ["rows-by-device"]
+        for path, shape, dtype, sharding in zip(paths, shapes, dtypes, shardings):
+            boxes = sorted((d.id, d.process_index, [list(b) for b in slices_to_box(ix, shape)])
+                           for d, ix in sharding.devices_indices_map(shape).items())
+            desc.append([path, list(shape), np.dtype(dtype).name, boxes])
+        return f"{crc32c(json.dumps(desc).encode()):08x}"
+
+    keys = set()
+    for spec in (("x", "y"), ("y", "x"), (None, "x")):
+        state, _ = _mesh_state(spec)
+        names = ["m", "s", "w"]
+        args = ([state[k].shape for k in names], [state[k].dtype for k in names],
+                [state[k].sharding for k in names], [f"['{k}']" for k in names])
+        assert layout_key(*args) == layout_key(*args) == plain(*args)
+        keys.add(layout_key(*args))
+    assert len(keys) == 3
 
 
 def test_each_device_packs_only_the_shards_it_holds():
