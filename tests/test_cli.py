@@ -240,6 +240,23 @@ def test_ls_and_gc_with_an_interrupted_save(tmp_path, monkeypatch, capsys, where
     assert rc == 0 and "nothing to remove" in out
 
 
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_gc_never_removes_a_folder_that_holds_checkpoints(tmp_path, monkeypatch, capsys, where):
+    """A folder of checkpoints inside the directory (another run's, a local tier's `process_0`)
+    has cairn files below it but no manifest of its own: it is not an uncommitted save."""
+    base = str(tmp_path / "runs") if where == "local" else f"memory://cli-{uuid.uuid4().hex}/runs"
+    state = {"x": np.arange(100, dtype=np.float32)}
+    cairn.save(f"{base}/a/step_00000001", state, metadata=_manager_meta(1, 0.5))
+    cairn.save(f"{base}/process_0/step_00000004/", state)
+    _interrupted_save(monkeypatch, f"{base}/step_00000003", state)  # the one leftover
+    entries = json.loads(run(capsys, "ls", base, "--json")[1])["entries"]
+    assert [(e["step"], e["status"]) for e in entries] == [(3, "temporary" if where == "local" else "uncommitted")]
+    rc, out, _ = run(capsys, "gc", base, "--min-age", "0")
+    assert rc == 0 and "removed 1 entries" in out and "process_0" not in out
+    np.testing.assert_array_equal(cairn.load(f"{base}/a/step_00000001")["x"], state["x"])
+    np.testing.assert_array_equal(cairn.load(f"{base}/process_0/step_00000004")["x"], state["x"])
+
+
 def test_commands_on_memory_urls(mesh8, capsys):
     base = f"memory://cli-{uuid.uuid4().hex}/ck"
     cairn.save(base, make_state(mesh8))

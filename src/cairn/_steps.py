@@ -233,8 +233,10 @@ def scan(dir_path: str, storage_options: dict | None) -> tuple[Location, list[di
                     e["metrics"] = mgr.get("metrics") or {}
                 elif isinstance(m.metadata.get("metrics"), dict):
                     e["metrics"] = m.metadata["metrics"]
-        elif written_by_save(files):
-            # Written by a save that never committed (on object stores files go in place).
+        elif written_by_save(files) and not any(k.endswith(f"/{fmt.MANIFEST}") for k in files):
+            # Written by a save that never committed (on object stores files go in place). A
+            # folder with manifests below it holds checkpoints (another run's, a local tier's
+            # process folder): it is not a leftover, whatever else it holds.
             e["status"] = "uncommitted"
         else:
             continue  # some other folder: neither listed nor ever removed
