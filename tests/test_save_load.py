@@ -496,3 +496,32 @@ def test_resharding_with_long_rows_reads_straight_into_the_target_rows(tmp_path,
     flip_byte(f, 100_000, 4)  # a flipped byte inside a scattered read is still caught
     with pytest.raises(cairn.CorruptCheckpointError, match="checksum"):
         cairn.load(tmp_path / "c", target)
+
+
+def test_a_user_coordinator_without_drop(tmp_path):
+    """`Coordinator.drop` is optional: a coordinator without it saves and loads again and again
+    (the keys of earlier saves stay in its store)."""
+
+    class Keys:
+        process_index, process_count = 0, 1
+
+        def __init__(self):
+            self.kv = {}
+
+        def publish(self, key, value):
+            assert key not in self.kv, f"key {key} written twice"
+            self.kv[key] = value
+
+        def fetch(self, key, timeout):
+            return self.kv[key]
+
+        def fetch_all(self, prefix, count, timeout):
+            got = {k: v for k, v in self.kv.items() if k.startswith(prefix + "/")}
+            assert len(got) == count
+            return got
+
+    coord = Keys()
+    for i in range(3):
+        cairn.save(tmp_path / f"c{i}", {"x": np.full(4, i)}, coordinator=coord)
+    assert [cairn.load(tmp_path / f"c{i}", coordinator=coord)["x"][0] for i in range(3)] == [0, 1, 2]
+    assert any(k.startswith("cairn/save/0") for k in coord.kv)  # nothing dropped them

@@ -74,7 +74,7 @@ class Coordinator(Protocol):
             def publish(self, key, value): ...
             def fetch(self, key, timeout): ...
             def fetch_all(self, prefix, count, timeout): ...
-            def drop(self, prefix): ...
+            def drop(self, prefix): ...  # optional
 
         cairn.save(path, state, coordinator=MyCoordinator())
     """
@@ -92,7 +92,16 @@ class Coordinator(Protocol):
         """Wait until `count` keys exist under ``prefix/`` and return them (full keys)."""
 
     def drop(self, prefix: str) -> None:
-        """Forget every key under `prefix` (cairn drops a save's keys once every process is past it)."""
+        """Forget every key under `prefix` (cairn drops a save's keys once every process is past it).
+
+        Optional: without it, the keys of earlier saves and loads stay in the store."""
+
+
+def drop_keys(coord: Any, prefix: str) -> None:
+    """`coord.drop(prefix)`, where the coordinator has one (`Coordinator.drop` is optional)."""
+    drop = getattr(coord, "drop", None)
+    if drop is not None:
+        drop(prefix)
 
 
 class SingleProcess:

@@ -29,7 +29,7 @@ from typing import Any
 from . import _format as fmt
 from . import _values as values
 from ._commit import strategy_for
-from ._coord import Coordinator, default_coordinator, fetch_from, gather_json
+from ._coord import Coordinator, default_coordinator, drop_keys, fetch_from, gather_json
 from ._errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -243,7 +243,7 @@ def _finish(coord: Coordinator, base: str, seq: int, n: int, timeout: float, out
     except CheckpointError as e:
         return {"ok": False, "error": error_record(e, 0), "message": str(e)}
     if seq > 0:
-        coord.drop(f"cairn/export/{seq - 1}")  # everyone is past the previous export
+        drop_keys(coord, f"cairn/export/{seq - 1}")  # everyone is past the previous export
     failure = first_failure(statuses)
     if failure is not None:
         return {"ok": False, "error": failure[0], "message": failure[1]}

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import _format as fmt
-from ._coord import Coordinator, gather_json
+from ._coord import Coordinator, drop_keys, gather_json
 from ._errors import CoordinationError, error_from_record, error_record, first_failure
 from ._estimate import estimate_read_bytes
 
@@ -339,7 +339,7 @@ class Agreement:
         except CoordinationError as e:
             raise CoordinationError(f"loading {self.path}: {e}") from e
         if wave == 0 and me == 0 and self.seq > 0:
-            coord.drop(f"cairn/load/{self.seq - 1}")  # every process is past that load now
+            drop_keys(coord, f"cairn/load/{self.seq - 1}")  # every process is past that load now
         failure = first_failure(statuses)
         if failure is not None:
             raise error_from_record(failure[0], f"loading {self.path} failed: {failure[1]}")

@@ -27,7 +27,7 @@ from . import _format as fmt
 from ._buffers import snapshot_pool as _snapshot_pool
 from ._checksum import crc32c
 from ._commit import CommitStrategy, strategy_for
-from ._coord import Coordinator, activity, default_coordinator, fetch_from, gather_json
+from ._coord import Coordinator, activity, default_coordinator, drop_keys, fetch_from, gather_json
 from ._errors import (
     CheckpointError,
     CoordinationError,
@@ -277,7 +277,7 @@ class SaveJob:
         # Every process has finished the previous save (its status for this one
         # came after), so the coordination service can forget that save's keys.
         if self.seq > 0:
-            coord.drop(f"cairn/save/{self.seq - 1}")
+            drop_keys(coord, f"cairn/save/{self.seq - 1}")
         failure = first_failure(statuses)
         if failure is not None:
             self.strategy.abort(self.loc, self.token)
