@@ -162,11 +162,23 @@ SAVED_SHARDING = {
                                 "mesh": {"axis_names": ["x"], "shape": [2]}, "spec": ["x"]},
 }
 
-CHECKPOINTS = [f"{v}/{name}" for v in VERSIONS for name in sorted(EXPECTED)]
+# Goldens of version 2 only (the version-1 writer had no such leaves): their numpy loads.
+EXPECTED_V2: dict[str, Any] = {
+    # Typed PRNG keys load as their key data without a target (FORMAT.md §6.1, `prng_key`).
+    "prng_keys": {"key": np.array([0, 42], np.uint32), "keys": np.arange(16, dtype=np.uint32).reshape(8, 2) * 3,
+                  "rbg": np.arange(4, dtype=np.uint32) * 1000 + 1, "step": 1},
+}
+
+CHECKPOINTS = sorted([f"{v}/{name}" for v in VERSIONS for name in EXPECTED] + [f"v2/{n}" for n in EXPECTED_V2])
 
 
 def _base(name: str) -> str:
     return name.split("/", 1)[1]
+
+
+def _expected(name: str) -> Any:
+    base = _base(name)
+    return EXPECTED_V2[base] if base in EXPECTED_V2 else EXPECTED[base]
 
 
 def test_every_golden_is_checked():
@@ -227,18 +239,26 @@ def _get(tree: Any, path: tuple) -> Any:
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_loads_as_numpy(name):
-    assert_identical(cairn.load(GOLDEN_ROOT / name), EXPECTED[_base(name)], name)
+    assert_identical(cairn.load(GOLDEN_ROOT / name), _expected(name), name)
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_loads_without_verification(name):
-    assert_identical(cairn.load(GOLDEN_ROOT / name, verify=False), EXPECTED[_base(name)], name)
+    assert_identical(cairn.load(GOLDEN_ROOT / name, verify=False), _expected(name), name)
 
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_metadata(name):
     meta = cairn.metadata(GOLDEN_ROOT / name)
-    want = EXPECTED[_base(name)]
+    want = _expected(name)
+    if _base(name) == "prng_keys":
+        for k, shape, impl, nbytes in (("key", (), "threefry2x32", 8), ("keys", (8,), "threefry2x32", 64),
+                                       ("rbg", (), "rbg", 16)):
+            m = meta[k]
+            assert (m.kind, m.shape, m.impl, m.nbytes) == ("prng_key", shape, impl, nbytes), k
+            assert jax.dtypes.issubdtype(m.dtype, jax.dtypes.prng_key), k
+        assert meta["step"] == 1
+        return
     assert [p for p, _ in _leaves(meta)] == [p for p, _ in _leaves(want)]
     for path, w in _leaves(want):
         m = _get(meta, path)
@@ -332,6 +352,23 @@ def test_loads_onto_another_mesh(version, name, mesh24):
     assert [p for p, _ in _leaves(got)] == [p for p, _ in _leaves(shardings)]
 
 
+def test_prng_keys_load_as_keys_onto_another_mesh(mesh24):
+    """With key targets the golden's keys come back as typed keys of their impl, on the target's
+    sharding, with the saved key data."""
+    one = SingleDeviceSharding(jax.devices()[5])
+    fry, rbg = jax.random.key(0, impl="threefry2x32"), jax.random.key(0, impl="rbg")
+    target = {"key": jax.ShapeDtypeStruct((), fry.dtype, sharding=one),
+              "keys": jax.ShapeDtypeStruct((8,), fry.dtype, sharding=NamedSharding(mesh24, P("b"))),
+              "rbg": jax.ShapeDtypeStruct((), rbg.dtype, sharding=one), "step": 0}
+    got = cairn.load(GOLDEN_ROOT / "v2" / "prng_keys", target)
+    want = EXPECTED_V2["prng_keys"]
+    for k in ("key", "keys", "rbg"):
+        assert jax.dtypes.issubdtype(got[k].dtype, jax.dtypes.prng_key) and got[k].dtype == target[k].dtype, k
+        assert got[k].sharding == target[k].sharding, k
+        assert_identical(np.asarray(jax.random.key_data(got[k])), want[k], k)
+    assert got["step"] == 1
+
+
 def _map(fn: Any, tree: Any, other: Any) -> Any:
     """`fn(leaf, other's subtree at the same path)` over the leaves of `tree` (dicts, lists, tuples)."""
     if isinstance(tree, dict):
@@ -376,7 +413,7 @@ def test_a_flipped_data_byte_is_corruption(name, tmp_path):
         with pytest.raises(cairn.CorruptCheckpointError):
             cairn.load(ckpt)
         f.write_bytes(original)
-    assert_identical(cairn.load(ckpt), EXPECTED[_base(name)], name)  # the copy itself was sound
+    assert_identical(cairn.load(ckpt), _expected(name), name)  # the copy itself was sound
 
 
 @pytest.mark.parametrize("name", [f"{v}/{n}" for v in VERSIONS for n in ("step_5", "values", "two_processes")])
