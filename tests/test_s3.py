@@ -190,6 +190,71 @@ def test_missing_or_truncated_data_object_is_corruption(store, bucket, opts):
         cairn.load(path, {"b": None}, storage_options=opts)
 
 
+def _replicated(mesh, x):
+    return {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, P()))}
+
+
+@pytest.mark.parametrize("part", [3 * MiB // 2, 768 << 10], ids=["1.5MiB", "768KiB"])
+def test_corrupt_byte_inside_a_part_or_straddling_two_fails_naming_it(store, bucket, opts, mesh8, part):
+    """Blocks are verified as the parts of a read land (a part holding a block whole) or after the
+    read (a block across two parts): a flipped byte either way fails the load, naming the bytes."""
+    from cairn._checksum import crc32c
+
+    x = np.random.default_rng(6).standard_normal(3 * MiB // 4, dtype=np.float32)  # 3 MiB: three blocks
+    path = store.url(bucket, "flip")
+    cairn.save(path, {"x": x}, storage_options=opts)
+    key = next(k for k in store.keys(bucket, "flip/") if k.startswith("flip/x/") and k.endswith(".bin"))
+    data = store.get_object(bucket, key)
+    assert data == x.tobytes()  # the array's only chunk, from byte 0
+    o = {**opts, "read_part_size": part}
+    # with 1.5 MiB parts block 0 lies in the first, block 1 across both; with 768 KiB all straddle
+    for where in (MiB // 2 + 3, MiB + MiB // 4):
+        lo = where // MiB * MiB
+        bad = bytearray(data)
+        bad[where] ^= 0x10
+        store.put_object(bucket, key, bytes(bad))
+        stored, computed = crc32c(data[lo : lo + MiB]), crc32c(bytes(bad[lo : lo + MiB]))
+        expect = (rf"{path}: checksum mismatch in '[^']+\.bin' bytes {lo}\.\.{lo + MiB} \(leaf 'x'\): "
+                  rf"stored {stored:#010x}, computed {computed:#010x}")
+        for target in (None, _replicated(mesh8, x)):  # a run of whole arrays; a planned direct read
+            with pytest.raises(cairn.CorruptCheckpointError, match=expect):
+                cairn.load(path, target, storage_options=o)
+    store.put_object(bucket, key, data)
+    for target in (None, _replicated(mesh8, x)):
+        np.testing.assert_array_equal(np.asarray(cairn.load(path, target, storage_options=o)["x"]), x)
+
+
+def test_every_block_verified_once_inside_parts_where_they_land(store, bucket, opts, mesh8, monkeypatch):
+    """Blocks wholly inside a part are verified in the read-pool thread that received it; blocks
+    across parts once the read is done; none twice, none skipped, with any part size."""
+    from cairn import _checksum
+
+    x = np.random.default_rng(8).standard_normal(3 * MiB // 4, dtype=np.float32)
+    path = store.url(bucket, "once")
+    cairn.save(path, {"x": x}, storage_options=opts)
+    verified: list[tuple[int, str]] = []
+    real = _checksum.BlockChecks._verify
+
+    def record(self, i):
+        real(self, i)
+        verified.append((self.checks[i][0], threading.current_thread().name))
+
+    monkeypatch.setattr(_checksum.BlockChecks, "_verify", record)
+    for target in (None, _replicated(mesh8, x)):
+        verified.clear()
+        got = cairn.load(path, target, storage_options={**opts, "read_part_size": 3 * MiB // 2})
+        np.testing.assert_array_equal(np.asarray(got["x"]), x)
+        where = dict(verified)
+        assert sorted(s for s, _ in verified) == [0, MiB, 2 * MiB]
+        assert where[0].startswith("cairn-get") and where[2 * MiB].startswith("cairn-get")
+        assert not where[MiB].startswith("cairn-get")
+        for part in (300_001, MiB - 1, 5 * MiB):  # smaller than a block and not aligned to it; one part
+            verified.clear()
+            got = cairn.load(path, target, storage_options={**opts, "read_part_size": part})
+            np.testing.assert_array_equal(np.asarray(got["x"]), x)
+            assert sorted(s for s, _ in verified) == [0, MiB, 2 * MiB]
+
+
 # ---------------------------------------------------------------------- racing writers
 
 

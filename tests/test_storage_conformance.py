@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from _servers import GCS_NO_WRITES
-from cairn._storage import LocalStorage, MemoryStorage, RandomReader, Storage
+from cairn._storage import LocalStorage, MemoryStorage, PartReader, RandomReader, Storage
 
 MiB = 1 << 20
 
@@ -300,6 +300,42 @@ class ObjectStoreConformance(StorageConformance):
         server.delete_object(bucket, f"{prefix}/{keys[5]}")
         _obstore._delete(obstore, storage.store, keys)
         assert storage.list("gone") == []
+
+    def test_reader_reports_each_part_as_it_lands(self, storage):
+        """`on_part`: once per ranged GET, the parts tiling the read, each after its bytes landed;
+        an exception from it fails the read, unchanged."""
+        data = np.random.default_rng(1).integers(0, 256, 5 * MiB + 123, dtype=np.uint8).tobytes()
+        self.seed(storage, "ck/parts.bin", data)
+        r = storage.open_read("ck/parts.bin")
+        assert r.reports_parts and isinstance(r, PartReader)
+        outs = [np.zeros(n, np.uint8) for n in (700_000, 3 * MiB, 5 * MiB + 100 - 700_000 - 3 * MiB)]
+        flat = [memoryview(o) for o in outs]
+        seen: list[tuple[int, int, str, bool]] = []
+
+        def landed(a, b):  # the part's bytes are in `outs` when it is reported
+            got = b"".join(o.tobytes() for o in outs)[a - 20 : b - 20]
+            seen.append((a, b, threading.current_thread().name, got == data[a:b]))
+
+        r.read_into_many(20, flat, on_part=landed)
+        assert b"".join(o.tobytes() for o in outs) == data[20 : 5 * MiB + 120]
+        parts = sorted((a, b) for a, b, _, _ in seen)
+        assert parts == [(a, min(a + MiB, 5 * MiB + 120)) for a in range(20, 5 * MiB + 120, MiB)]
+        assert all(ok for *_, ok in seen)
+        assert all(name.startswith("cairn-get") for _, _, name, _ in seen)  # the storage's read pool
+
+        class Bad(Exception):
+            pass
+
+        def fail(a, b):
+            if a > 20:
+                raise Bad(f"part {a}")
+
+        with pytest.raises(Bad, match="part"):
+            r.read_into_many(20, flat, on_part=fail)
+        one: list[tuple[int, int]] = []  # a read of one part is one GET, in the calling thread
+        r.read_into_many(0, [memoryview(np.zeros(1000, np.uint8))], on_part=lambda a, b: one.append((a, b)))
+        assert one == [(0, 1000)]
+        r.close()
 
     def test_stored_under_the_prefix(self, server, bucket, storage):
         self.seed(storage, "ck/manifest.json", b"{}")

@@ -6,8 +6,9 @@ Read one by one, each would cost a task on the reader pool, a system call
 (or, on an object store, a round trip) and its bookkeeping, which is far more
 than its bytes. `Runs` gathers the direct reads of whole small arrays into
 runs of consecutive file bytes and reads each run with one vectored read
-(local files) or one ranged read plus copies (object stores), then verifies
-every array's checksums as before.
+(local files, object stores) or one ranged read plus copies (other stores),
+then verifies every array's checksums as before (an object store's parts as
+they land).
 
 A run is sent to the pool when it is full, when a read of another kind is
 planned, or as soon as anyone waits for one of its arrays: the futures handed
@@ -23,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from ._checksum import crc32c
+from ._checksum import BlockChecks, crc32c
 from ._plan import full_box, plan_reads
 
 #: A whole array up to this size may share a read with its neighbours.
@@ -127,7 +128,12 @@ class Runs:
             start = parts[0][1]
             try:
                 if reader._reader(file).vectored:
-                    reader._fill(file, start, views, parts[0][0])
+                    # Checked part by part as they land (object stores); a mismatch fails the run.
+                    checks = _run_checks(parts, views, reader.index.block_size) if reader.verify else None
+                    reader._fill(file, start, views, parts[0][0], checks)
+                    if checks is not None:
+                        checks.rest()
+                    bad = []
                 else:  # one ranged request, then a copy per array
                     raw = np.empty(sum(len(v) for v in views), dtype=np.uint8)
                     reader._fill(file, start, memoryview(raw), parts[0][0])  # type: ignore[arg-type]
@@ -135,9 +141,12 @@ class Runs:
                     for view in views:
                         view[:] = memoryview(raw)[pos : pos + len(view)]  # type: ignore[arg-type]
                         pos += len(view)
-                bad = [] if not reader.verify else [
-                    (leaf, dest) for (leaf, first, dest), view in zip(parts, views)
-                    if not _verified(leaf, first, view, reader.index.block_size)]
+                    bad = [] if not reader.verify else [
+                        (leaf, dest) for (leaf, first, dest), view in zip(parts, views)
+                        if not _verified(leaf, first, view, reader.index.block_size)]
+            except _Mismatch:  # the arrays that do not match (or, the read cut short, did not land)
+                bad = [(leaf, dest) for (leaf, first, dest), view in zip(parts, views)
+                       if not _verified(leaf, first, view, reader.index.block_size)]
             except Exception:
                 bad = [(leaf, dest) for leaf, _, dest in parts]
             # Read again on the planned path, array by array, so that the error names the leaf
@@ -152,6 +161,23 @@ class Runs:
             future.set_exception(e)
         else:
             future.set_result(None)
+
+
+class _Mismatch(Exception):
+    """A checksum of a run failed; the planned re-read of its arrays names the leaf and the bytes."""
+
+
+def _run_checks(parts: list[tuple[Any, int, np.ndarray]], views: list[memoryview], block: int) -> BlockChecks:
+    """The checksum blocks of a run's arrays (all `whole_span` leaves, back to back in one file)."""
+    checks: list[tuple[int, int, int]] = []
+    for leaf, _, _ in parts:
+        row = leaf.nbytes // leaf.shape[0]
+        rows = leaf.grid[0]
+        for c, ((_, off), crcs) in enumerate(zip(leaf.chunks, leaf.crcs)):
+            size = (rows[c + 1] - rows[c]) * row
+            checks.extend((off + k * block, off + min((k + 1) * block, size), crc) for k, crc in enumerate(crcs))
+    checks.sort()
+    return BlockChecks(checks, views, parts[0][1], lambda c, got: _Mismatch())
 
 
 def _verified(leaf: Any, first: int, view: memoryview, block: int) -> bool:

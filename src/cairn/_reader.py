@@ -3,7 +3,10 @@
 `ChunkReader` runs the reads that `_plan.plan_reads` plans for one
 checkpointable, on a pool of threads. Every byte read is checked against its
 block checksum (unless the caller turns verification off) before it is
-copied anywhere. A read whose bytes are exactly one contiguous region of a
+copied anywhere; where the storage fetches a read in parallel parts (object
+stores), each part's blocks are verified in the thread that received it, as
+it lands, and only blocks that straddle two parts once the whole read is
+done. A read whose bytes are exactly one contiguous region of a
 destination buffer lands there directly; other reads go through a small
 temporary buffer and a strided copy.
 
@@ -16,16 +19,16 @@ from __future__ import annotations
 import errno
 import math
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from . import _format as fmt
 from ._buffers import aligned_empty
-from ._checksum import crc32c
+from ._checksum import BlockChecks
 from ._coalesce import Runs, run_limits, whole_span
 from ._coord import activity
 from ._errors import CheckpointError, CorruptCheckpointError
@@ -33,7 +36,7 @@ from ._location import Location
 from ._metadata import Opened
 from ._plan import Box, Check, Copy, Read, c_strides, full_box, is_c_contiguous, plan_reads
 from ._stats import LoadStats
-from ._storage import RandomReader
+from ._storage import PartReader, RandomReader
 from ._tree import display_path
 
 DEFAULT_BUDGET = 256 << 20  # the memory budget of a streaming conversion, by default
@@ -105,14 +108,25 @@ class ChunkReader:
                     pass
             self._readers.clear()
 
-    def _fill(self, file: int, start: int, out: memoryview | list[memoryview], leaf: fmt.ArrayLeaf) -> None:
-        """Read file bytes from `start` into `out` (one buffer, or consecutive buffers)."""
+    def _fill(self, file: int, start: int, out: memoryview | list[memoryview], leaf: fmt.ArrayLeaf,
+              checks: BlockChecks | None = None) -> None:
+        """Read file bytes from `start` into `out` (one buffer, or consecutive buffers).
+
+        With `checks`, a reader that reads in parts (`reports_parts`) verifies
+        each part's blocks as it lands; the caller verifies the rest.
+        """
         n = len(out) if isinstance(out, memoryview) else sum(len(o) for o in out)
         try:
-            if isinstance(out, memoryview):
-                self._reader(file).read_into(start, out)
+            r = self._reader(file)
+            if checks is not None and getattr(r, "reports_parts", False):
+                cast(PartReader, r).read_into_many(start, [out] if isinstance(out, memoryview) else out,
+                                                   on_part=checks.part)
+            elif isinstance(out, memoryview):
+                r.read_into(start, out)
             else:
-                self._reader(file).read_into_many(start, out)
+                r.read_into_many(start, out)
+        except CheckpointError:  # a part's checksum failed: its error already says where
+            raise
         except EOFError:
             raise CorruptCheckpointError(
                 f"{self.loc.path}: data file {self.index.files[file].name!r} is truncated "
@@ -132,40 +146,46 @@ class ChunkReader:
             self.stats.reads += 1
         activity.advance()  # peers waiting for this process see it moving
 
-    def _check(self, read: Read, buf: memoryview | list[memoryview], leaf: fmt.ArrayLeaf) -> None:
-        segments = [buf] if isinstance(buf, memoryview) else buf
-        for c in read.checks:
-            got = _crc_range(segments, c.start - read.start, c.end - read.start)
-            if got != c.crc:
-                raise CorruptCheckpointError(
-                    f"{self.loc.path}: checksum mismatch in {self.index.files[read.file].name!r} bytes "
-                    f"{c.start}..{c.end} (leaf {display_path(leaf.path, self.item)!r}): stored {c.crc:#010x}, "
-                    f"computed {got:#010x}"
-                )
+    def _block_checks(self, file: int, checks: Sequence[tuple[int, int, int]], segments: list[memoryview],
+                      base: int, leaf: fmt.ArrayLeaf) -> BlockChecks:
+        """The verification of `checks` (file bytes) over `segments`, which hold the file from `base` on."""
+        def fail(c: tuple[int, int, int], got: int) -> CorruptCheckpointError:
+            return CorruptCheckpointError(
+                f"{self.loc.path}: checksum mismatch in {self.index.files[file].name!r} bytes "
+                f"{c[0]}..{c[1]} (leaf {display_path(leaf.path, self.item)!r}): stored {c[2]:#010x}, "
+                f"computed {got:#010x}"
+            )
+
+        return BlockChecks(checks, segments, base, fail)
+
+    def _fill_checked(self, read: Read, buf: memoryview | list[memoryview], leaf: fmt.ArrayLeaf) -> None:
+        """Read `read`'s bytes into `buf` and verify its checksum blocks (part by part, where the reader can)."""
+        if not read.checks:
+            self._fill(read.file, read.start, buf, leaf)
+            return
+        checks = self._block_checks(read.file, read.checks, [buf] if isinstance(buf, memoryview) else buf,
+                                    read.start, leaf)
+        self._fill(read.file, read.start, buf, leaf, checks)
+        checks.rest()
 
     def do_read(self, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> None:
         direct = read.direct
         if direct is not None:
             region = dests[direct.dest][_region(direct.dest_start, direct.shape)]
             if region.flags.c_contiguous:
-                buf = memoryview(region.reshape(-1).view(np.uint8))
-                self._fill(read.file, read.start, buf, leaf)
-                self._check(read, buf, leaf)
+                self._fill_checked(read, memoryview(region.reshape(-1).view(np.uint8)), leaf)
                 with self._lock:
                     self.stats.direct_reads += 1
                 return
         if self._reader(read.file).vectored:
             parts = _tiled_regions(read, dests)
             if parts is not None:  # consecutive whole regions: one vectored read, no copy
-                self._fill(read.file, read.start, parts, leaf)
-                self._check(read, parts, leaf)
+                self._fill_checked(read, parts, leaf)
                 with self._lock:
                     self.stats.direct_reads += 1
                 return
         raw = _scratch(read.nbytes)
-        buf = memoryview(raw)  # type: ignore[arg-type]
-        self._fill(read.file, read.start, buf, leaf)
-        self._check(read, buf, leaf)
+        self._fill_checked(read, memoryview(raw), leaf)  # type: ignore[arg-type]
         for c in read.copies:
             src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)
             dests[c.dest][_region(c.dest_start, c.shape)] = src
@@ -316,19 +336,6 @@ def _tiled_regions(read: Read, dests: list[np.ndarray]) -> list[memoryview] | No
                 out.append(memoryview(region[idx].view(np.uint8)))  # type: ignore[arg-type]
         pos += c.nbytes
     return out if pos == read.nbytes else None
-
-
-def _crc_range(segments: list[memoryview], start: int, end: int) -> int:
-    """CRC-32C of bytes [start, end) of the concatenation of `segments`."""
-    value, pos = 0, 0
-    for seg in segments:
-        lo, hi = max(start - pos, 0), min(end - pos, len(seg))
-        if lo < hi:
-            value = crc32c(seg[lo:hi], value)
-        pos += len(seg)
-        if pos >= end:
-            break
-    return value
 
 
 def _region(start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[Any, ...]:

@@ -6,7 +6,7 @@ through obstore, an optional extra; ``memory://`` is an in-process store for
 fast tests.
 """
 
-from ._base import LocalDirs, RandomReader, Storage, split_url
+from ._base import LocalDirs, PartReader, RandomReader, Storage, split_url
 from ._local import LocalStorage
 from ._memory import MemoryStorage
 from ._staging import staged_file
@@ -24,4 +24,4 @@ def open_storage(url: str, options: dict | None = None) -> Storage:
     return ObjectStorage(url, options or {})
 
 
-__all__ = ["LocalDirs", "LocalStorage", "MemoryStorage", "RandomReader", "Storage", "open_storage", "split_url", "staged_file"]
+__all__ = ["LocalDirs", "LocalStorage", "MemoryStorage", "PartReader", "RandomReader", "Storage", "open_storage", "split_url", "staged_file"]

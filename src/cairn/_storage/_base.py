@@ -8,7 +8,7 @@ them into cairn errors that name the checkpoint.
 from __future__ import annotations
 
 import builtins
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any as Buffer  # collections.abc.Buffer is Python 3.12+
 from typing import ClassVar, Protocol, runtime_checkable
 
@@ -43,6 +43,26 @@ class RandomReader(Protocol):
         """
 
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class PartReader(RandomReader, Protocol):
+    """A reader that fetches a read in parallel parts and says when each has landed (object stores).
+
+    A `RandomReader` that does not set `reports_parts` need not take `on_part`.
+    """
+
+    reports_parts: ClassVar[bool]
+
+    def read_into_many(self, offset: int, outs: list[memoryview],
+                       on_part: Callable[[int, int], None] | None = None) -> None:
+        """As `RandomReader.read_into_many`; `on_part(a, b)` runs once each part has landed.
+
+        The parts (object bytes [a, b)) tile the read. Each is reported in the
+        thread that received it, with its bytes in `outs` (and likely still in
+        cache). An exception from `on_part` fails the read, once the parts in
+        flight have landed.
+        """
 
 
 @runtime_checkable

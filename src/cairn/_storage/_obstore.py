@@ -142,11 +142,15 @@ class _ObjectReader:
     them in flight at once, each answer copied straight into the buffers it
     covers. (Not ``obstore.get_ranges``: it merges adjacent ranges back into
     one request, so the parts of a large read went out as one GET each window.)
+    ``on_part(a, b)``, if given, runs once each part [a, b) has landed, in
+    the thread that received it (a reader verifies the part's checksums there,
+    while the bytes are in cache); an exception it raises fails the read.
     """
 
     # Consecutive buffers share requests, and each answer is copied straight into the buffers it
     # covers: filling several destination regions in one read costs no copy a scratch buffer would not.
     vectored: ClassVar[bool] = True
+    reports_parts: ClassVar[bool] = True  # read_into_many takes on_part
 
     def __init__(self, storage: ObjectStorage, key: str):
         self.storage, self.key = storage, key
@@ -155,7 +159,8 @@ class _ObjectReader:
     def read_into(self, offset: int, out: memoryview) -> None:
         self.read_into_many(offset, [out])
 
-    def read_into_many(self, offset: int, outs: list[memoryview]) -> None:
+    def read_into_many(self, offset: int, outs: list[memoryview],
+                       on_part: Callable[[int, int], None] | None = None) -> None:
         if offset < 0:
             raise EOFError(f"{self.storage.describe(self.key)}: negative offset {offset}")
         views = [v for v in map(_bytes_view, outs) if len(v)]
@@ -165,7 +170,7 @@ class _ObjectReader:
         t = self.storage.tuning
         starts = range(offset, offset + total, t.read_part_size)
         if len(starts) == 1:
-            self._get(offset, offset + total, offset, views)
+            self._get(offset, offset + total, offset, views, on_part)
             return
         # Parts in flight at once, through the storage's pool; this thread waits.
         pool = self.storage.read_pool()
@@ -177,7 +182,8 @@ class _ObjectReader:
                 a = next(parts, None)
                 if a is None:
                     break
-                pending.add(pool.submit(self._get, a, min(a + t.read_part_size, offset + total), offset, views))
+                pending.add(pool.submit(self._get, a, min(a + t.read_part_size, offset + total), offset, views,
+                                         on_part))
             if not pending:
                 break
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
@@ -188,7 +194,8 @@ class _ObjectReader:
         if error is not None:
             raise error
 
-    def _get(self, a: int, b: int, base: int, views: list[memoryview]) -> None:
+    def _get(self, a: int, b: int, base: int, views: list[memoryview],
+             on_part: Callable[[int, int], None] | None) -> None:
         """Object bytes [a, b) into `views` (which hold the bytes from `base` on, one after another)."""
         import obstore
 
@@ -205,6 +212,8 @@ class _ObjectReader:
             pos += len(v)
             if pos >= b:
                 break
+        if on_part is not None:
+            on_part(a, b)
 
     def close(self) -> None:
         pass
