@@ -107,3 +107,32 @@ def test_estimate_bounds_the_planner_when_it_splits_sparse_overlaps():
     exact = sum(r.nbytes for r in plan_reads(leaf, box, 1 << 20, False))
     est = estimate_read_bytes(leaf.grid, 4, box, 1 << 20, False)
     assert exact <= est <= 1024 * 1024 * 4
+
+
+def test_representative_process_is_the_plain_walk_of_the_devices():
+    """`_representative` (memoised; NamedSharding boxes by arithmetic) gives what walking
+    `devices_indices_map` gives, with JAX's processes and with another process mapping."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
+
+    from cairn import _readonce
+    from cairn._jaxutil import slices_to_box
+
+    def plain(sharding, shape, process_of=None):
+        proc = (lambda d: d.process_index) if process_of is None else process_of
+        dmap = sharding.devices_indices_map(shape)
+        first = proc(next(iter(dmap)))
+        return (len({proc(d) for d in dmap}),
+                {slices_to_box(i, shape) for d, i in dmap.items() if proc(d) == first})
+
+    mesh = jax.make_mesh((4, 2), ("x", "y"), devices=jax.devices()[::-1])
+    pairs = lambda d: d.id // 2  # noqa: E731  (4 "processes" of 2 devices)
+    cases = [(NamedSharding(mesh, PartitionSpec(*spec)), shape)
+             for spec in (("x", "y"), ("y",), (("x", "y"),), (), (None, "x"))
+             for shape in ((16, 8), (8, 4, 2))]
+    cases.append((SingleDeviceSharding(jax.devices()[3]), (5, 3)))
+    for sharding, shape in cases:
+        for process_of in (None, pairs):
+            got = _readonce._representative(sharding, shape, process_of)
+            assert got == plain(sharding, shape, process_of), (sharding, shape, process_of)
+            assert _readonce._representative(sharding, shape, process_of) is got  # memoised
