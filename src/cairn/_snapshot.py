@@ -13,11 +13,11 @@ Where the time goes, and what is done about it:
   fresh memory at the speed of first-touch page faults (several times slower
   on some hosts, and slowest for small buffers).
 - Consecutive chunks of a file share one buffer (a *slab*) of at least
-  `SLAB_BYTES`: one pool entry and one allocation per slab, not per chunk, and
-  numpy backs buffers of 4 MiB and more with transparent huge pages where the
-  kernel allows (``madvise``), so a first save faults 2 MiB pages, not 4 KiB
-  ones (measured on the 2-core VM: fresh 8 MiB buffers filled at 3.6-4.8
-  GiB/s, 2 MiB ones at 1.4-1.8 GiB/s).
+  `SLAB_BYTES`: one pool entry and one allocation per slab, not per chunk
+  (measured on the 2-core VM: fresh 8 MiB buffers filled at 3.6-4.8 GiB/s,
+  2 MiB ones at 1.4-1.8 GiB/s). The pool allocates them without numpy's
+  transparent-huge-page advice, which made first touches slower there
+  (`_buffers.aligned_empty`).
 - The copies run on two threads, the caller's and one more, each copying
   half of the bytes in one go (numpy releases the GIL while it copies): no
   hand-off per chunk, which a state of thousands of small chunks would pay
