@@ -237,3 +237,14 @@ def test_spec_boxes_leaves_what_it_does_not_know_to_jax():
     assert spec_boxes((4,), (2,), ("a",), (object(),)) is None  # UNCONSTRAINED and the like
     assert spec_boxes((4, 6), (2, 3), ("a", "b"), (None, ("b",))).tolist() == [
         [[0, 4], [0, 2]], [[0, 4], [2, 4]], [[0, 4], [4, 6]]] * 2
+
+
+def test_memo_is_bounded_and_skips_unhashable_keys():
+    from cairn._memo import Memo
+
+    m: Memo[int] = Memo(limit=3)
+    assert m.put(("a", 1), 10) == 10 and m.get(("a", 1)) == 10
+    assert m.put(["unhashable"], 5) == 5 and m.get(["unhashable"]) is None  # not cached, no error
+    for i in range(3):
+        m.put(i, i)
+    assert m.get(("a", 1)) is None and m.get(2) == 2  # full: forgot everything before the newest

@@ -119,6 +119,7 @@ LAYERS: dict[str, int] = {
     # the bottom: anything may use these
     "cairn._stats": 7,  # stats, metrics events and listeners: stdlib only (JAX if imported)
     "cairn._buffers": 6,
+    "cairn._memo": 4,
     "cairn._gcpause": 4,
     "cairn._version": 4,
     "cairn._checksum": 4,

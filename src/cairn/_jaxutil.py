@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ._memo import Memo
 from ._plan import Box
 
 
@@ -50,8 +51,8 @@ def device_boxes(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Any], list
     return devices, boxes
 
 
-_array_cache: dict[tuple[Any, tuple[int, ...]], tuple[tuple[Any, ...], Any, np.ndarray]] = {}
-_mesh_cache: dict[Any, tuple[tuple[Any, ...], np.ndarray]] = {}
+_array_cache: Memo[tuple[tuple[Any, ...], Any, np.ndarray]] = Memo()
+_mesh_cache: Memo[tuple[tuple[Any, ...], np.ndarray]] = Memo(64)
 
 
 def device_box_array(sharding: Any, shape: tuple[int, ...]) -> tuple[tuple[Any, ...], Any, np.ndarray]:
@@ -63,22 +64,14 @@ def device_box_array(sharding: Any, shape: tuple[int, ...]) -> tuple[tuple[Any, 
     nothing per device runs in Python. Other shardings, and specs the
     arithmetic does not handle, take `device_boxes` (a list of boxes).
     """
-    key: Any = (sharding, shape)
-    try:
-        hit = _array_cache.get(key)
-    except TypeError:  # unhashable sharding
-        hit, key = None, None
+    hit = _array_cache.get((sharding, shape))
     if hit is not None:
         return hit
     hit = _named(sharding, shape)
     if hit is None:
         devices, boxes = device_boxes(sharding, shape)
         hit = (tuple(devices), boxes, np.fromiter((d.process_index for d in devices), np.int64, len(devices)))
-    if key is not None:
-        if len(_array_cache) > 4096:
-            _array_cache.clear()
-        _array_cache[key] = hit
-    return hit
+    return _array_cache.put((sharding, shape), hit)
 
 
 def _named(sharding: Any, shape: tuple[int, ...]) -> tuple[tuple[Any, ...], np.ndarray, np.ndarray] | None:
@@ -95,15 +88,12 @@ def _named(sharding: Any, shape: tuple[int, ...]) -> tuple[tuple[Any, ...], np.n
     boxes = spec_boxes(shape, mesh.devices.shape, tuple(mesh.axis_names), tuple(spec))
     if boxes is None:
         return None
-    try:
-        devices, procs = _mesh_cache[mesh]
-    except KeyError:
+    held = _mesh_cache.get(mesh)
+    if held is None:
         devices = tuple(mesh.devices.flat)  # the sharding's device order (`_device_assignment`)
-        procs = np.fromiter((d.process_index for d in devices), np.int64, len(devices))
-        if len(_mesh_cache) > 64:
-            _mesh_cache.clear()
-        _mesh_cache[mesh] = devices, procs
-    return devices, boxes, procs
+        held = _mesh_cache.put(mesh, (devices, np.fromiter((d.process_index for d in devices), np.int64,
+                                                           len(devices))))
+    return held[0], boxes, held[1]
 
 
 _placement_cache: dict[Any, tuple[list[Box], dict[Box, list[Any]]]] = {}

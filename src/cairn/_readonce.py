@@ -47,6 +47,7 @@ from . import _format as fmt
 from ._coord import Coordinator, drop_keys, gather_json
 from ._errors import CoordinationError, error_from_record, error_record, first_failure
 from ._estimate import estimate_read_bytes
+from ._memo import Memo
 
 log = logging.getLogger("cairn")
 
@@ -287,7 +288,7 @@ def process_bytes(sharding: Any, shape: tuple[int, ...], itemsize: int, process_
     return sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * itemsize
 
 
-_rep_cache: dict[Any, tuple[int, frozenset[Any]]] = {}
+_rep_cache: Memo[tuple[int, frozenset[Any]]] = Memo()
 
 
 def _representative(sharding: Any, shape: tuple[int, ...], process_of: ProcessOf | None = None,
@@ -299,11 +300,7 @@ def _representative(sharding: Any, shape: tuple[int, ...], process_of: ProcessOf
     route, and each answer walks all devices (at 8,192 devices, milliseconds in Python; for a
     NamedSharding the boxes come by arithmetic, `_jaxutil.device_box_array`).
     """
-    key: Any = (sharding, shape, process_of)
-    try:
-        hit = _rep_cache.get(key)
-    except TypeError:  # unhashable sharding
-        hit, key = None, None
+    hit = _rep_cache.get((sharding, shape, process_of))
     if hit is not None:
         return hit
     from ._jaxutil import device_box_array, slices_to_box
@@ -318,11 +315,7 @@ def _representative(sharding: Any, shape: tuple[int, ...], process_of: ProcessOf
         processes = {_process(d, process_of) for d in dmap}
         hit = len(processes), frozenset(slices_to_box(i, shape) for d, i in dmap.items()
                                         if _process(d, process_of) == first)
-    if key is not None:
-        if len(_rep_cache) > 4096:
-            _rep_cache.clear()
-        _rep_cache[key] = hit
-    return hit
+    return _rep_cache.put((sharding, shape, process_of), hit)
 
 
 def _process(device: Any, process_of: ProcessOf | None) -> int:

@@ -34,6 +34,7 @@ import numpy as np
 from ._checksum import crc32c
 from ._errors import CheckpointError, CorruptCheckpointError
 from ._jaxutil import slices_to_box
+from ._memo import Memo
 
 _MAGIC = b"CAIRNLT2"  # 2: shards grouped by packing device
 _HEAD = struct.Struct("<8sQ")  # magic, header length
@@ -116,7 +117,7 @@ def shard_tables(shapes: list[tuple[int, ...]], dtypes: list[np.dtype], sharding
     return {p: ([pc for r in sorted(groups[p]) for pc in groups[p][r]], where[p]) for p in procs}
 
 
-_placed_cache: dict[Any, dict[int, tuple[Boxes, list[tuple[int, tuple[tuple[int, int], ...], int]]]]] = {}
+_placed_cache: Memo[dict[int, tuple[Boxes, list[tuple[int, tuple[tuple[int, int], ...], int]]]]] = Memo()
 
 
 def _placed(sharding: Any, shape: tuple[int, ...], procs: tuple[int, ...],
@@ -125,11 +126,7 @@ def _placed(sharding: Any, shape: tuple[int, ...], procs: tuple[int, ...],
     distinct box, row being the position of the first holding device. Memoised: a local save
     asks this for every leaf at every save, and at 1,024 devices one walk of the devices costs
     milliseconds per leaf."""
-    key: Any = (sharding, shape, procs)
-    try:
-        hit = _placed_cache.get(key)
-    except TypeError:  # unhashable sharding
-        hit, key = None, None
+    hit = _placed_cache.get((sharding, shape, procs))
     if hit is not None:
         return hit
     rows = {d: i for devs in process_devices() for i, d in enumerate(devs)}
@@ -143,11 +140,7 @@ def _placed(sharding: Any, shape: tuple[int, ...], procs: tuple[int, ...],
             mine[0][box] = []
             mine[1].append((rows[d], box, int(np.prod([b - a for a, b in box], dtype=np.int64))))
         mine[0][box].append(d)
-    if key is not None:
-        if len(_placed_cache) > 4096:
-            _placed_cache.clear()
-        _placed_cache[key] = out
-    return out
+    return _placed_cache.put((sharding, shape, procs), out)
 
 
 def row_lengths(pieces: list[Piece], header: int, rows: int) -> list[int]:
@@ -173,22 +166,15 @@ def layout_key(shapes: list[tuple[int, ...]], dtypes: list[np.dtype], shardings:
     return f"{crc32c(('[' + ', '.join(parts) + ']').encode()):08x}"
 
 
-_boxes_json_cache: dict[Any, str] = {}
+_boxes_json_cache: Memo[str] = Memo()
 
 
 def _boxes_json(sharding: Any, shape: tuple[int, ...]) -> str:
-    key: Any = (sharding, shape)
-    try:
-        hit = _boxes_json_cache.get(key)
-    except TypeError:  # unhashable sharding
-        hit, key = None, None
+    hit = _boxes_json_cache.get((sharding, shape))
     if hit is None:
-        hit = json.dumps(sorted((d.id, d.process_index, [list(b) for b in slices_to_box(ix, shape)])
-                                for d, ix in sharding.devices_indices_map(shape).items()))
-        if key is not None:
-            if len(_boxes_json_cache) > 4096:
-                _boxes_json_cache.clear()
-            _boxes_json_cache[key] = hit
+        hit = _boxes_json_cache.put((sharding, shape), json.dumps(sorted(
+            (d.id, d.process_index, [list(b) for b in slices_to_box(ix, shape)])
+            for d, ix in sharding.devices_indices_map(shape).items())))
     return hit
 
 
