@@ -169,26 +169,21 @@ class _Mismatch(Exception):
 
 def _run_checks(parts: list[tuple[Any, int, np.ndarray]], views: list[memoryview], block: int) -> BlockChecks:
     """The checksum blocks of a run's arrays (all `whole_span` leaves, back to back in one file)."""
-    checks: list[tuple[int, int, int]] = []
-    for leaf, _, _ in parts:
-        row = leaf.nbytes // leaf.shape[0]
-        rows = leaf.grid[0]
-        for c, ((_, off), crcs) in enumerate(zip(leaf.chunks, leaf.crcs)):
-            size = (rows[c + 1] - rows[c]) * row
-            checks.extend((off + k * block, off + min((k + 1) * block, size), crc) for k, crc in enumerate(crcs))
-    checks.sort()
+    checks = sorted(c for leaf, _, _ in parts for c in _blocks(leaf, block))
     return BlockChecks(checks, views, parts[0][1], lambda c, got: _Mismatch())
 
 
 def _verified(leaf: Any, first: int, view: memoryview, block: int) -> bool:
     """Whether every checksum block of `leaf` (a `whole_span` leaf whose first byte is `first`) matches `view`."""
+    return all(crc32c(view[lo - first : hi - first]) == crc for lo, hi, crc in _blocks(leaf, block))
+
+
+def _blocks(leaf: Any, block: int) -> list[tuple[int, int, int]]:
+    """The ``(start, end, crc)`` file ranges of the checksum blocks of `leaf` (a `whole_span` leaf)."""
     row = leaf.nbytes // leaf.shape[0]
     rows = leaf.grid[0]
+    out: list[tuple[int, int, int]] = []
     for c, ((_, off), crcs) in enumerate(zip(leaf.chunks, leaf.crcs)):
-        rel = off - first
-        end = rel + (rows[c + 1] - rows[c]) * row
-        for k, crc in enumerate(crcs):
-            lo = rel + k * block
-            if crc32c(view[lo : min(lo + block, end)]) != crc:
-                return False
-    return True
+        end = off + (rows[c + 1] - rows[c]) * row
+        out.extend((off + k * block, min(off + (k + 1) * block, end), crc) for k, crc in enumerate(crcs))
+    return out
