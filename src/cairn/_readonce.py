@@ -303,19 +303,17 @@ def _representative(sharding: Any, shape: tuple[int, ...], process_of: ProcessOf
     hit = _rep_cache.get((sharding, shape, process_of))
     if hit is not None:
         return hit
-    from ._jaxutil import device_box_array, slices_to_box
+    from ._jaxutil import device_box_array
 
-    _, boxes, procs = device_box_array(sharding, shape)
-    if process_of is None and isinstance(boxes, np.ndarray):
-        mine = boxes[procs == procs[0]]
-        hit = len(np.unique(procs)), frozenset(tuple(map(tuple, b)) for b in mine.tolist())
+    devices, boxes, procs = device_box_array(sharding, shape)
+    if process_of is not None:
+        procs = np.fromiter((process_of(d) for d in devices), np.int64, len(devices))
+    mine = procs == procs[0]
+    if isinstance(boxes, np.ndarray):
+        held = frozenset(tuple(map(tuple, b)) for b in boxes[mine].tolist())
     else:
-        dmap = sharding.devices_indices_map(shape)
-        first = _process(next(iter(dmap)), process_of)
-        processes = {_process(d, process_of) for d in dmap}
-        hit = len(processes), frozenset(slices_to_box(i, shape) for d, i in dmap.items()
-                                        if _process(d, process_of) == first)
-    return _rep_cache.put((sharding, shape, process_of), hit)
+        held = frozenset(b for b, m in zip(boxes, mine.tolist()) if m)
+    return _rep_cache.put((sharding, shape, process_of), (len(np.unique(procs)), held))
 
 
 def _process(device: Any, process_of: ProcessOf | None) -> int:
