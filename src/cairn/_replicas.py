@@ -33,7 +33,7 @@ import numpy as np
 
 from ._checksum import crc32c
 from ._errors import CheckpointError, CorruptCheckpointError
-from ._jaxutil import slices_to_box
+from ._jaxutil import device_boxes
 from ._memo import Memo
 
 _MAGIC = b"CAIRNLT2"  # 2: shards grouped by packing device
@@ -131,11 +131,10 @@ def _placed(sharding: Any, shape: tuple[int, ...], procs: tuple[int, ...],
         return hit
     rows = {d: i for devs in process_devices() for i, d in enumerate(devs)}
     out: dict[int, tuple[Boxes, list[tuple[int, tuple[tuple[int, int], ...], int]]]] = {p: ({}, []) for p in procs}
-    for d, index in sorted(sharding.devices_indices_map(shape).items(), key=lambda kv: kv[0].id):
+    for d, box in _by_id(sharding, shape):
         mine = out.get(d.process_index)
         if mine is None:
             continue
-        box = tuple((int(a), int(b)) for a, b in slices_to_box(index, shape))
         if box not in mine[0]:
             mine[0][box] = []
             mine[1].append((rows[d], box, int(np.prod([b - a for a, b in box], dtype=np.int64))))
@@ -172,10 +171,14 @@ _boxes_json_cache: Memo[str] = Memo()
 def _boxes_json(sharding: Any, shape: tuple[int, ...]) -> str:
     hit = _boxes_json_cache.get((sharding, shape))
     if hit is None:
-        hit = _boxes_json_cache.put((sharding, shape), json.dumps(sorted(
-            (d.id, d.process_index, [list(b) for b in slices_to_box(ix, shape)])
-            for d, ix in sharding.devices_indices_map(shape).items())))
+        hit = _boxes_json_cache.put((sharding, shape), json.dumps(
+            [(d.id, d.process_index, [list(b) for b in box]) for d, box in _by_id(sharding, shape)]))
     return hit
+
+
+def _by_id(sharding: Any, shape: tuple[int, ...]) -> list[tuple[Any, tuple[tuple[int, int], ...]]]:
+    """``(device, box)`` of every device of `sharding`, by device id (from the memoised `device_boxes`)."""
+    return sorted(zip(*device_boxes(sharding, shape)), key=lambda db: db[0].id)
 
 
 # ---------------------------------------------------------------------- blobs
