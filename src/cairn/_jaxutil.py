@@ -29,26 +29,17 @@ def box_to_slices(box: Box) -> tuple[slice, ...]:
     return tuple(slice(lo, hi) for lo, hi in box)
 
 
-_dmap_cache: dict[tuple[Any, tuple[int, ...]], tuple[list[Any], list[Box]]] = {}
+_dmap_cache: Memo[tuple[list[Any], list[Box]]] = Memo()
 
 
 def device_boxes(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Any], list[Box]]:
     """All devices of `sharding` in its order, and the box each holds."""
-    key: tuple[Any, tuple[int, ...]] | None = (sharding, shape)
-    try:
-        hit = _dmap_cache.get(key)  # type: ignore[arg-type]
-    except TypeError:  # unhashable sharding
-        hit, key = None, None
+    hit = _dmap_cache.get((sharding, shape))
     if hit is not None:
         return hit
     dmap = sharding.devices_indices_map(shape)
     devices = list(dmap)
-    boxes = [slices_to_box(dmap[d], shape) for d in devices]
-    if key is not None:
-        if len(_dmap_cache) > 4096:
-            _dmap_cache.clear()
-        _dmap_cache[key] = (devices, boxes)
-    return devices, boxes
+    return _dmap_cache.put((sharding, shape), (devices, [slices_to_box(dmap[d], shape) for d in devices]))
 
 
 _array_cache: Memo[tuple[tuple[Any, ...], Any, np.ndarray]] = Memo()
@@ -96,7 +87,7 @@ def _named(sharding: Any, shape: tuple[int, ...]) -> tuple[tuple[Any, ...], np.n
     return held[0], boxes, held[1]
 
 
-_placement_cache: dict[Any, tuple[list[Box], dict[Box, list[Any]]]] = {}
+_placement_cache: Memo[tuple[list[Box], dict[Box, list[Any]]]] = Memo()
 
 
 def addressable_boxes(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Box], dict[Box, list[Any]]]:
@@ -105,20 +96,12 @@ def addressable_boxes(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Box],
     Memoised per (sharding, shape), like `device_boxes`: a load of thousands of
     leaves asks it for a few shardings over and over. Callers must not modify the result.
     """
-    key: Any = (sharding, shape)
-    try:
-        hit = _placement_cache.get(key)
-    except TypeError:  # unhashable sharding
-        hit, key = None, None
+    hit = _placement_cache.get((sharding, shape))
     if hit is None:
         by_box: dict[Box, list[Any]] = {}
         for device, index in sharding.addressable_devices_indices_map(shape).items():
             by_box.setdefault(slices_to_box(index, shape), []).append(device)
-        hit = (list(by_box), by_box)
-        if key is not None:
-            if len(_placement_cache) > 4096:
-                _placement_cache.clear()
-            _placement_cache[key] = hit
+        hit = _placement_cache.put((sharding, shape), (list(by_box), by_box))
     return hit
 
 
@@ -129,19 +112,14 @@ def addressable_boxes(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Box],
 #: per-shard buffers are adopted without a copy on CPU.
 WHOLE_PUT_BYTES = 1 << 20
 
-_whole: dict[Any, bool] = {}
+_whole: Memo[bool] = Memo()
 
 
 def puts_whole(sharding: Any) -> bool:
     """Whether every device of `sharding` is this process's (then a load may place it from one host array)."""
-    try:
-        hit = _whole.get(sharding)
-    except TypeError:
-        return bool(sharding.is_fully_addressable)
+    hit = _whole.get(sharding)
     if hit is None:
-        hit = _whole[sharding] = bool(sharding.is_fully_addressable)
-        if len(_whole) > 4096:
-            _whole.clear()
+        hit = _whole.put(sharding, bool(sharding.is_fully_addressable))
     return hit
 
 

@@ -16,6 +16,7 @@ import numpy as np
 from ._errors import UnsupportedTypeError
 from ._format import cell_box
 from ._leaves import ArraySource, ValueSource
+from ._memo import Memo
 from ._merge import merge_rows, pieces
 from ._plan import ChunkLayout, FileSlot, assign_files, chunk_layout, full_box
 from ._tree import display_path
@@ -94,7 +95,7 @@ class Concat:
 
 #: Per (sharding, shape, ...): the layout and this process's chunks as
 #: ``(cell, ((source device, slices to cut on it or None), ...), bytes)``.
-_sources_cache: dict[Any, tuple[ChunkLayout, tuple[tuple[int, Any, int], ...]]] = {}
+_sources_cache: Memo[tuple[ChunkLayout, tuple[tuple[int, Any, int], ...]]] = Memo()
 
 
 def sources_for(sharding: Any, shape: tuple[int, ...], itemsize: int, me: int, split_replicas: bool,
@@ -107,12 +108,7 @@ def sources_for(sharding: Any, shape: tuple[int, ...], itemsize: int, me: int, s
     """
     split = REPLICA_SPLIT_BYTES // max(itemsize, 1)
     key: Any = (sharding, shape, itemsize, me, split_replicas)
-    try:
-        hit = _sources_cache.get(key)
-        if hit is None:
-            hit = _sources_cache.get((*key, leaf))
-    except TypeError:  # unhashable sharding
-        hit, key = None, None
+    hit = _sources_cache.get(key) or _sources_cache.get((*key, leaf))
     if hit is not None:
         return hit
     from ._jaxutil import device_box_array
@@ -129,12 +125,7 @@ def sources_for(sharding: Any, shape: tuple[int, ...], itemsize: int, me: int, s
                 cut = tuple(slice(lo - dlo, hi - dlo) for (lo, hi), (dlo, _) in zip(box, held))
             parts.append((devices[src], cut))
         entries.append((cell, tuple(parts), elems * itemsize))
-    hit = (layout, tuple(entries))
-    if key is not None:
-        if len(_sources_cache) > 4096:
-            _sources_cache.clear()
-        _sources_cache[key if not _shared_cells(boxes, procs) else (*key, leaf)] = hit
-    return hit
+    return _sources_cache.put(key if not _shared_cells(boxes, procs) else (*key, leaf), (layout, tuple(entries)))
 
 
 def _shared_cells(boxes: Any, procs: np.ndarray) -> bool:
@@ -149,7 +140,7 @@ def _shared_cells(boxes: Any, procs: np.ndarray) -> bool:
     return bool((same_box & (p[1:] != p[:-1])).any())
 
 
-layout_cache: dict[Any, tuple[ChunkLayout, tuple[tuple[int, int, int], ...]]] = {}
+layout_cache: Memo[tuple[ChunkLayout, tuple[tuple[int, int, int], ...]]] = Memo()
 
 
 def layout_for(sharding: Any, shape: tuple[int, ...], boxes: Any, devices: Any, me: int,
@@ -163,10 +154,7 @@ def layout_for(sharding: Any, shape: tuple[int, ...], boxes: Any, devices: Any, 
     """
     spread = split_replicas or split_elems > 0  # the offset picks writers
     key: Any = (sharding, shape, split_replicas, offset if spread else 0, me, split_elems, merge_itemsize)
-    try:
-        hit = layout_cache.get(key)
-    except TypeError:  # unhashable sharding
-        hit, key = None, None
+    hit = layout_cache.get(key)
     if hit is not None:
         return hit
     if procs is None:
@@ -176,11 +164,7 @@ def layout_for(sharding: Any, shape: tuple[int, ...], boxes: Any, devices: Any, 
         layout = merge_rows(layout, merge_itemsize)
     cells = np.flatnonzero(np.asarray(layout.writer, dtype=np.int64) == me).tolist()
     own = tuple((cell, layout.source[cell], box_bytes(cell_box(layout.grid, cell), 1)) for cell in cells)
-    if key is not None:
-        if len(layout_cache) > 4096:
-            layout_cache.clear()
-        layout_cache[key] = (layout, own)
-    return layout, own
+    return layout_cache.put(key, (layout, own))
 
 
 def box_bytes(box: Any, itemsize: int) -> int:
