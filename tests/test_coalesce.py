@@ -15,6 +15,8 @@ import os
 import jax
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -105,3 +107,34 @@ def test_gc_pause_nests_and_restores():
         assert not gc.isenabled()  # the program's own choice is kept
     finally:
         gc.enable()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.integers(1, 64), st.integers(0, 7), st.data())
+def test_block_checks_find_blocks_across_any_segments(sizes, block, base, data):
+    """`BlockChecks` verifies each block over whatever segments hold it (empty ones included), the
+    same CRC as over the bytes in one piece; a flipped byte fails exactly its block."""
+    from cairn._checksum import BlockChecks, crc32c
+
+    raw = bytes(range(256)) * 2
+    total = sum(sizes)
+    blob = bytearray(raw[:total])
+    checks = [(base + lo, base + min(lo + block, total), crc32c(bytes(blob[lo:lo + block])))
+              for lo in range(0, total, block)]
+
+    def segments():
+        out, pos = [], 0
+        for n in sizes:
+            out.append(memoryview(blob)[pos:pos + n])
+            pos += n
+        return out
+
+    failed = []
+    BlockChecks(checks, segments(), base, lambda c, got: AssertionError(c)).rest()  # all match
+    if total:
+        at = data.draw(st.integers(0, total - 1))
+        blob[at] ^= 1
+        bc = BlockChecks(checks, segments(), base, lambda c, got: failed.append(c) or ValueError(c))
+        with pytest.raises(ValueError):
+            bc.rest()
+        assert failed == [checks[at // block]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Callable, Sequence
 from typing import Any as Buffer  # collections.abc.Buffer is Python 3.12+
 
@@ -17,20 +18,6 @@ def crc32c(data: Buffer, value: int = 0) -> int:
     if _crc32c is None:
         raise ImportError("cairn needs the 'crc32c' package (pip install crc32c)")
     return _crc32c(data, value)
-
-
-def crc_range(segments: Sequence[Buffer], start: int, end: int) -> int:
-    """CRC-32C of bytes [start, end) of the concatenation of `segments` (byte views)."""
-    value, pos = 0, 0
-    for seg in segments:
-        n = len(seg)
-        lo, hi = max(start - pos, 0), min(end - pos, n)
-        if lo < hi:
-            value = crc32c(seg[lo:hi], value)
-        pos += n
-        if pos >= end:
-            break
-    return value
 
 
 class BlockChecks:
@@ -51,6 +38,9 @@ class BlockChecks:
                  fail: Callable[[tuple[int, int, int], int], BaseException]):
         self.checks, self.segments, self.base, self.fail = checks, segments, base, fail
         self._starts = [c[0] for c in checks]
+        # Where each segment starts (relative to `base`): a block finds its first segment by
+        # bisection, so a run of thousands of small arrays is not scanned from the start per block.
+        self._seg_starts = list(itertools.accumulate((len(seg) for seg in segments), initial=0))
         self._done = bytearray(len(checks))  # each flag written by the one thread that verified its block
 
     def part(self, a: int, b: int) -> None:
@@ -70,7 +60,21 @@ class BlockChecks:
 
     def _verify(self, i: int) -> None:
         c = self.checks[i]
-        got = crc_range(self.segments, c[0] - self.base, c[1] - self.base)
+        got = self._crc(c[0] - self.base, c[1] - self.base)
         if got != c[2]:
             raise self.fail(c, got)
         self._done[i] = 1
+
+    def _crc(self, start: int, end: int) -> int:
+        """CRC-32C of bytes [start, end) of the segments, one after another (fewer where they end)."""
+        starts, segs = self._seg_starts, self.segments
+        i = max(bisect.bisect_right(starts, start) - 1, 0)
+        value = 0
+        while start < end and i < len(segs):
+            pos = starts[i]
+            hi = min(end, pos + len(segs[i]))
+            if start < hi:
+                value = crc32c(segs[i][start - pos : hi - pos], value)
+                start = hi
+            i += 1
+        return value
