@@ -160,6 +160,39 @@ def test_index_v2_rejects(path, value, msg):
         fmt.ItemIndex.from_json(mutate(doc, path, value), "idx")
 
 
+def twin_index():
+    """`part_index`'s leaf and a second leaf of the very same layout (whose checks the parser memoises)."""
+    doc, _ = part_index()
+    d = json.loads(doc)
+    d.pop("crc32c")
+    d["leaves"].append({**d["leaves"][0], "path": "v"})
+    d["structure"] = {"dict": [["w", {"leaf": 0}], ["v", {"leaf": 1}]]}
+    return fmt.dump_checked_json(d)
+
+
+def test_leaves_of_one_layout_parse_alike():
+    index = fmt.ItemIndex.from_json(twin_index(), "idx")
+    w, v = index.leaves
+    assert (v.path, v.shape, v.grid, v.dtype, v.writers) == ("v", w.shape, w.grid, w.dtype, w.writers)
+    assert v.grid is w.grid  # checked once, shared
+    assert list(index.table.leaves[1].writers) == [0, 1, 0, 1]
+    # A parsed leaf is the leaf the constructor builds from the same fields.
+    assert fmt.ArrayLeaf(**{f: getattr(v, f) for f in fmt.ArrayLeaf.__dataclass_fields__}) == v
+    assert (v.impl, v.impl_shape, v.kind, v.handler) == (None, (), "array", None)
+
+
+@pytest.mark.parametrize(("field", "value", "msg"), [
+    ("shape", [4.0, 2], "integer"),  # equal to [4, 2] in Python, not of the same type
+    ("shape", [4, True], "integer"),
+    ("grid", [[[4, 1.0]], [[1, 2]]], "grid|integer|run"),
+    ("writers", [[2, 0, 1, 1], [2, 0, 1, True]], "bad writer run"),
+])
+def test_a_memoised_layout_does_not_excuse_a_later_leaf(field, value, msg):
+    """The second leaf's layout equals the first's by `==` but not in type: it is checked, and rejected."""
+    with pytest.raises(CorruptCheckpointError, match=msg):
+        fmt.ItemIndex.from_json(mutate(twin_index(), ("leaves", 1, field), value), "idx")
+
+
 def key_index():
     leaf = fmt.ArrayLeaf(
         path="rng", dtype=np.dtype(np.uint32), shape=(3, 2), grid=((0, 3), (0, 2)), chunks=((0, 0),),

@@ -315,6 +315,13 @@ class ChunkTable:
             crcs = (int.from_bytes(cb, "little"),) if ncrc == 1 else tuple(np.frombuffer(cb, dtype="<u4").tolist())
             self._got[leaf][cell] = (int(files[k]), int(offsets[k]), crcs)
 
+    def fetch_leaf(self, leaf: int, n: int) -> None:
+        """Every record of `leaf` (of `n` cells), unless all are here already (a load's checks
+        walk each leaf it reads, after the prefetch)."""
+        got = self._got.get(leaf)
+        if got is None or len(got) < n:
+            self.fetch({leaf: np.arange(n)})
+
     def fetch_all(self) -> None:
         """Every record of every leaf (tools that read the whole checkpoint)."""
         self.fetch({i: np.arange(len(lc.writers)) for i, lc in self.leaves.items()})
@@ -420,8 +427,13 @@ class LazyChunks(Sequence[tuple[int, int]]):
         return f, off
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        self.table.fetch({self.leaf: np.arange(self.n)})
+        self.table.fetch_leaf(self.leaf, self.n)
         return (self[c] for c in range(self.n))
+
+    def entries(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """``(file, offset, block CRCs)`` of every cell, in one walk (where both are needed)."""
+        self.table.fetch_leaf(self.leaf, self.n)
+        return [self.table.entry(self.leaf, c) for c in range(self.n)]
 
 
 class LazyCrcs(LazyChunks):

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ._binindex import LazyChunks
 from ._checksum import BlockChecks, crc32c
 from ._plan import full_box, plan_reads
 
@@ -124,7 +125,7 @@ class Runs:
             return
         reader = self._reader
         try:
-            views = [memoryview(dest.reshape(-1).view(np.uint8)) for _, _, dest in parts]  # type: ignore[arg-type]
+            views = [_byte_view(dest) for _, _, dest in parts]
             start = parts[0][1]
             try:
                 if reader._reader(file).vectored:
@@ -163,6 +164,13 @@ class Runs:
             future.set_result(None)
 
 
+def _byte_view(a: np.ndarray) -> memoryview:
+    """The bytes of C-contiguous `a`, flat (for numpy's own dtypes without three numpy calls)."""
+    if a.dtype.isbuiltin == 1 and a.dtype.kind != "c":  # native numpy, single-character format (no ml_dtypes)
+        return memoryview(a).cast("B")  # type: ignore[arg-type]
+    return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+
 class _Mismatch(Exception):
     """A checksum of a run failed; the planned re-read of its arrays names the leaf and the bytes."""
 
@@ -183,7 +191,9 @@ def _blocks(leaf: Any, block: int) -> list[tuple[int, int, int]]:
     row = leaf.nbytes // leaf.shape[0]
     rows = leaf.grid[0]
     out: list[tuple[int, int, int]] = []
-    for c, ((_, off), crcs) in enumerate(zip(leaf.chunks, leaf.crcs)):
+    entries = (leaf.chunks.entries() if isinstance(leaf.chunks, LazyChunks)
+               else [(f, off, crcs) for (f, off), crcs in zip(leaf.chunks, leaf.crcs)])
+    for c, (_, off, crcs) in enumerate(entries):
         end = off + (rows[c + 1] - rows[c]) * row
         out.extend((off + k * block, min(off + (k + 1) * block, end), crc) for k, crc in enumerate(crcs))
     return out

@@ -1,4 +1,4 @@
-"""The on-disk format: names, manifest and index dataclasses, JSON codecs.
+"""The on-disk format: manifest and index dataclasses, JSON codecs (file names: `_names`, re-exported).
 
 Pure: no I/O, no JAX. Everything read from a checkpoint passes through the
 ``*_from_json`` parsers here, which reject anything outside the spec in
@@ -9,18 +9,25 @@ with `CorruptCheckpointError` before any memory is allocated for it.
 from __future__ import annotations
 
 import json
+import marshal
 import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import quote
 
 import numpy as np
 
 from ._binindex import ChunkTable, LazyChunks, LazyCrcs, PartInfo, cell_bytes, parse_parts
 from ._chunks import At, bounds, cell_sizes, parse_chunks
 from ._errors import CorruptCheckpointError
+from ._names import TMP_MARK as TMP_MARK
+from ._names import data_file_name as data_file_name
+from ._names import index_name as index_name
+from ._names import item_dirname as item_dirname
+from ._names import num_blocks as num_blocks
+from ._names import partial_index_name as partial_index_name
+from ._names import tmp_dirname as tmp_dirname
 from ._runs import bounds_from_runs, expand_writers, grid_runs
 from ._structure import check_structure
 from ._values import VALUE_KINDS, decode_value, dtype_from_name, dtype_name, encode_value
@@ -39,41 +46,6 @@ MAX_ARRAY_BYTES = 1 << 56  # 64 PiB
 MAX_FILE_BYTES = 1 << 56
 MIN_BLOCK, MAX_BLOCK = 1 << 12, 1 << 30
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
-
-def item_dirname(name: str) -> str:
-    """The folder of checkpointable `name`: percent-escaped, never '.'-led or nested."""
-    s = quote(name, safe="").replace(".", "%2E").replace("~", "%7E")
-    if not s:
-        s = "%"
-    if len(s) > 200:
-        import hashlib
-
-        s = s[:150] + "%%" + hashlib.sha256(name.encode()).hexdigest()[:32]
-    return s
-
-
-def data_file_name(process: int, k: int, token: str) -> str:
-    return f"p{process:05d}-{k}.{token}.bin"
-
-
-def index_name(token: str) -> str:
-    return f"index.{token}.json"
-
-
-def partial_index_name(process: int, token: str) -> str:
-    return f"_index.p{process:05d}.{token}.json"
-
-
-def tmp_dirname(name: str, token: str) -> str:
-    """The temporary sibling folder a local save writes before its rename."""
-    return f".{name}.cairn-tmp-{token}"
-
-
-TMP_MARK = ".cairn-tmp-"
-
-
-def num_blocks(size: int, block_size: int) -> int:
-    return -(-size // block_size)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -293,6 +265,18 @@ class ArrayLeaf:
     def chunk_nbytes(self, flat: int) -> int:
         return math.prod(hi - lo for lo, hi in self.chunk_box(flat)) * self.dtype.itemsize
 
+    @classmethod
+    def _parsed(cls, path: str, dtype: np.dtype, shape: tuple[int, ...], grid: tuple[tuple[int, ...], ...],
+                chunks: Sequence[tuple[int, int]], crcs: Sequence[tuple[int, ...]], kind: str,
+                sharding: dict[str, Any] | None, handler: str | None, writers: Any) -> ArrayLeaf:
+        """A leaf from checked parts, as the constructor builds it, without its per-field
+        ``object.__setattr__`` (a frozen dataclass's ``__init__`` pays ~0.3 µs per field:
+        about a quarter of parsing a leaf of a tree of thousands)."""
+        leaf = object.__new__(cls)
+        leaf.__dict__.update(path=path, dtype=dtype, shape=shape, grid=grid, chunks=chunks, crcs=crcs, kind=kind,
+                             sharding=sharding, handler=handler, impl=None, impl_shape=(), writers=writers)
+        return leaf
+
 
 @dataclass(frozen=True)
 class ValueLeaf:
@@ -358,8 +342,10 @@ class ItemIndex:
             files.append(FileInfo(name, _int(_req(f, "size", int, w), w)))
         raw_leaves = _req(d, "leaves", list, where)
         table = parse_parts(d, [f.size for f in files], where) if version >= 2 else None
+        layouts: dict[Any, _Layout] = {}
         leaves = tuple(
-            _leaf_from_json(x, files, block, At(where, i), version, table, i) for i, x in enumerate(raw_leaves)
+            _leaf_from_json(x, files, block, At(where, i), version, table, i, layouts)
+            for i, x in enumerate(raw_leaves)
         )
         paths = [leaf.path for leaf in leaves]
         if len(set(paths)) != len(paths):
@@ -396,48 +382,35 @@ def _leaf_to_json(leaf: Leaf, version: int = 1) -> dict[str, Any]:
 
 
 def _leaf_from_json(x: Any, files: list[FileInfo], block: int, at: At, version: int = 1,
-                    table: ChunkTable | None = None, number: int = 0) -> Leaf:
+                    table: ChunkTable | None = None, number: int = 0,
+                    layouts: dict[Any, _Layout] | None = None) -> Leaf:
+    """Leaf `number` of an index; `layouts` memoises, for one index, the checked layouts of its leaves."""
     path = _req(x, "path", str, at)
     where = At(at.base, at.i, path)
     kind = _req(x, "kind", str, where)
     if kind in ARRAY_KINDS:
-        dtype = dtype_from_name(x.get("dtype"), At(at.base, at.i, path, ": "))
-        shape = _ints(_req(x, "shape", list, where), MAX_ARRAY_BYTES, where)
-        if len(shape) > MAX_NDIM:
-            raise _fail(where, f"{len(shape)} dimensions exceed the limit of {MAX_NDIM}")
-        nbytes = math.prod(shape) * dtype.itemsize
-        if nbytes > MAX_ARRAY_BYTES:
-            raise _fail(where, f"array of {nbytes} bytes exceeds the limit")
-        grid_raw = _req(x, "grid", list, where)
-        if len(grid_raw) != len(shape):
-            raise _fail(where, "grid rank differs from the shape's")
-        if version < 2:
-            grid = tuple(bounds(b, a, shape[a], where) for a, b in enumerate(grid_raw))
-        else:
-            grid = tuple(bounds_from_runs(b, shape[a], a, where) for a, b in enumerate(grid_raw))
-        n_chunks = math.prod(len(b) - 1 for b in grid)
+        layout = _layout(x, files, block, where, version, table, layouts)
+        dtype, shape, grid = layout.dtype, layout.shape, layout.grid
         handler = x["handler"] if isinstance(x.get("handler"), str) else None
         chunks: Sequence[tuple[int, int]]
         crcs: Sequence[tuple[int, ...]]
-        writers = x.get("writers") if version >= 2 else None
-        if writers is not None:
-            assert table is not None
-            w = expand_writers(writers, n_chunks, table.processes, where)
-            table.add_leaf(number, w, cell_bytes(grid, dtype.itemsize), block)
-            chunks, crcs = LazyChunks(table, number, n_chunks), LazyCrcs(table, number, n_chunks)
+        if layout.writers is not None:
+            assert table is not None and layout.sizes is not None
+            table.add_leaf(number, layout.writers, layout.sizes, block)
+            chunks, crcs = LazyChunks(table, number, layout.n_chunks), LazyCrcs(table, number, layout.n_chunks)
         else:
             chunks_raw = _req(x, "chunks", list, where)
-            if len(chunks_raw) != n_chunks:
-                raise _fail(where, f"{len(chunks_raw)} chunks for a grid of {n_chunks} cells")
+            if len(chunks_raw) != layout.n_chunks:
+                raise _fail(where, f"{len(chunks_raw)} chunks for a grid of {layout.n_chunks} cells")
             sizes = cell_sizes(grid, dtype.itemsize)
             chunks, crcs = parse_chunks(chunks_raw, sizes, [f.size for f in files], block, where)
         if kind in ("bytes", "object") and (len(shape) != 1 or dtype != np.uint8):
             raise _fail(where, f"a {kind} leaf must be a 1-D uint8 array")
         if kind == "object" and handler is None:
             raise _fail(where, "an object leaf must name its handler")
-        leaf = ArrayLeaf(path=path, dtype=dtype, shape=shape, grid=grid, chunks=chunks, crcs=crcs, kind=kind,
-                         sharding=x["sharding"] if isinstance(x.get("sharding"), dict) else None, handler=handler,
-                         writers=writers)
+        leaf = ArrayLeaf._parsed(path, dtype, shape, grid, chunks, crcs, kind,
+                                 x["sharding"] if isinstance(x.get("sharding"), dict) else None, handler,
+                                 x["writers"] if layout.writers is not None else None)
         if kind == "prng_key":
             leaf = _key_fields(x, leaf, where)
         return leaf
@@ -446,6 +419,62 @@ def _leaf_from_json(x: Any, files: list[FileInfo], block: int, at: At, version: 
             raise _fail(where, "missing field 'value'")
         return ValueLeaf(path, kind, decode_value(kind, x["value"], where))
     raise _fail(where, f"unknown leaf kind {kind!r}")
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What an array leaf's dtype, shape, grid and writer runs say, checked (`_layout`)."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    grid: tuple[tuple[int, ...], ...]
+    n_chunks: int
+    writers: np.ndarray | None  # per cell, for a part-indexed leaf of version 2
+    sizes: np.ndarray | None  # bytes per cell, likewise
+
+
+def _layout(x: dict[str, Any], files: list[FileInfo], block: int, where: At, version: int,
+            table: ChunkTable | None, layouts: dict[Any, _Layout] | None) -> _Layout:
+    """The checked layout of array leaf `x`, memoised in `layouts` by the JSON values it comes from.
+
+    The leaves of a model repeat a few layouts (every layer's weights alike),
+    so an index of thousands of leaves checks each distinct one once. The key
+    is the very JSON values the checks read, marshalled: equal bytes mean equal
+    values of equal types (``1``, ``1.0`` and ``true`` differ, as the checks
+    want), hence equal outcomes; a failing layout is never stored. (marshal
+    is ~3x faster than `repr` on these nested lists.)
+    """
+    key = None
+    if layouts is not None and version >= 2 and "writers" in x:
+        key = marshal.dumps((x.get("dtype"), x.get("shape"), x.get("grid"), x["writers"]))
+        hit = layouts.get(key)
+        if hit is not None:
+            return hit
+    dtype = dtype_from_name(x.get("dtype"), At(where.base, where.i, where.path, ": "))
+    shape = _ints(_req(x, "shape", list, where), MAX_ARRAY_BYTES, where)
+    if len(shape) > MAX_NDIM:
+        raise _fail(where, f"{len(shape)} dimensions exceed the limit of {MAX_NDIM}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > MAX_ARRAY_BYTES:
+        raise _fail(where, f"array of {nbytes} bytes exceeds the limit")
+    grid_raw = _req(x, "grid", list, where)
+    if len(grid_raw) != len(shape):
+        raise _fail(where, "grid rank differs from the shape's")
+    if version < 2:
+        grid = tuple(bounds(b, a, shape[a], where) for a, b in enumerate(grid_raw))
+    else:
+        grid = tuple(bounds_from_runs(b, shape[a], a, where) for a, b in enumerate(grid_raw))
+    n_chunks = math.prod(len(b) - 1 for b in grid)
+    writers = sizes = None
+    runs = x.get("writers") if version >= 2 else None
+    if runs is not None:
+        assert table is not None
+        writers = expand_writers(runs, n_chunks, table.processes, where)
+        sizes = cell_bytes(grid, dtype.itemsize)
+    out = _Layout(dtype, shape, grid, n_chunks, writers, sizes)
+    if key is not None and layouts is not None:
+        layouts[key] = out
+    return out
 
 
 def _key_fields(x: dict[str, Any], leaf: ArrayLeaf, where: object) -> ArrayLeaf:

@@ -450,6 +450,8 @@ def _read_direct(items: list[_ItemLoad], where: str, budget: int, skip: set[tupl
             inflight_bytes += reads.nbytes
             while len(inflight) > 1 and inflight_bytes > budget:
                 finish()
+    for it in items:  # the last runs of small arrays read while the first ones are placed
+        it.reader.submit_pending()
     while inflight:
         finish()
     t = time.perf_counter()

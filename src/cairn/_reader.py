@@ -99,6 +99,10 @@ class ChunkReader:
                 self._readers[file] = r
             return r
 
+    def submit_pending(self) -> None:
+        """Send the run of small arrays still being gathered to the pool (the caller queued its last read)."""
+        self._runs.submit()
+
     def close(self) -> None:
         with self._lock:
             for r in self._readers.values():

@@ -5,6 +5,7 @@ progression. Both are O(1) for the shardings models use, where a list per cell i
 from __future__ import annotations
 
 import itertools
+import marshal
 from collections.abc import Sequence
 from typing import Any
 
@@ -54,20 +55,19 @@ def expand_writers(runs: Any, n_cells: int, processes: int, where: object) -> np
     """The per-cell writer array of `runs`, checked: exactly `n_cells` cells, each in [0, processes).
 
     Memoised (read-only results): the leaves of one layout repeat the same runs.
+    The memo's key is the marshalled JSON value, which tells ``true`` and
+    ``1.0`` from ``1`` (a tuple of the runs would not, and would let a bad run
+    through once a good one equal to it was seen).
     """
-    try:
-        key: Any = (tuple(map(tuple, runs)), n_cells, processes)
-        hit = _expanded.get(key)
-    except TypeError:  # not a list of lists: the checks below say what is wrong
-        key, hit = None, None
+    key: Any = (marshal.dumps(runs), n_cells, processes)  # any JSON value marshals
+    hit = _expanded.get(key)
     if hit is not None:
         return hit
     w = _expand(runs, n_cells, processes, where)
-    if key is not None:
-        if len(_expanded) > 4096:
-            _expanded.clear()
-        w.flags.writeable = False
-        _expanded[key] = w
+    if len(_expanded) > 4096:
+        _expanded.clear()
+    w.flags.writeable = False
+    _expanded[key] = w
     return w
 
 

@@ -25,7 +25,9 @@ def check_structure(node: Any, n_leaves: int, where: str) -> None:
         if not isinstance(n, dict) or len(n) == 0:
             raise _fail(where, "malformed tree structure")
         if "leaf" in n:
-            i = _leaf_number(n["leaf"], where, n_leaves)
+            i = n["leaf"]
+            if type(i) is not int or not 0 <= i < n_leaves:  # (a bool is not an int here)
+                i = _leaf_number(i, where, n_leaves)
             if i in seen or n_leaves == 0:
                 raise _fail(where, f"tree structure names leaf {i} twice or out of range")
             seen.add(i)
