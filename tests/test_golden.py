@@ -266,6 +266,8 @@ def test_metadata(name):
         if isinstance(w, np.ndarray):
             assert isinstance(m, cairn.ArrayMetadata), where
             assert (m.shape, m.dtype, m.nbytes, m.kind) == (w.shape, w.dtype, w.nbytes, "array"), where
+            assert m == cairn.ArrayMetadata(m.shape, m.dtype, m.nbytes, m.sharding, m.kind), where  # built alike
+            assert (m.impl, m.size, m.ndim) == (None, w.size, w.ndim), where
             top = (name, *path[:2])
             if top in SAVED_SHARDING:
                 assert m.sharding == SAVED_SHARDING[top], where

@@ -106,6 +106,7 @@ LAYERS: dict[str, int] = {
     "cairn._values": 35,
     "cairn._chunks": 35,
     "cairn._names": 35,
+    "cairn._partfile": 34,
     # coord
     "cairn._coord": 30,
     # storage: a path's storage, then bytes only
@@ -131,7 +132,7 @@ PURE = ("cairn._format", "cairn._values", "cairn._chunks", "cairn._plan", "cairn
         "cairn._names")
 # The cairn modules the pure ones may import (what they import today).
 PURE_MAY_IMPORT = {"cairn._format", "cairn._values", "cairn._chunks", "cairn._plan", "cairn._grid", "cairn._checksum",
-                   "cairn._binindex", "cairn._structure", "cairn._runs", "cairn._names",
+                   "cairn._binindex", "cairn._structure", "cairn._runs", "cairn._names", "cairn._partfile",
                    "cairn._errors"}
 
 JAX_DISTRIBUTED = ("jax.distributed", "jax._src.distributed")

@@ -39,12 +39,12 @@ from typing import Any
 import numpy as np
 
 from . import _format as fmt
-from ._binindex import HEADER_BYTES, RECORD_BYTES, decode_part
 from ._checksum import crc32c
 from ._commit import CommitStrategy, strategy_for
 from ._errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from ._location import Location, resolve
 from ._metadata import index_bytes, manifest_bytes, parse_index
+from ._partfile import HEADER_BYTES, RECORD_BYTES, decode_part
 from ._reader import DEFAULT_BUDGET
 from ._verify import describe_chunk
 

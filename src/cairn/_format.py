@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ._binindex import ChunkTable, LazyChunks, LazyCrcs, PartInfo, cell_bytes, parse_parts
+from ._binindex import ChunkTable, LazyChunks, LazyCrcs, cell_bytes, parse_parts
 from ._chunks import At, bounds, cell_sizes, parse_chunks
 from ._errors import CorruptCheckpointError
 from ._names import TMP_MARK as TMP_MARK
@@ -28,6 +28,7 @@ from ._names import item_dirname as item_dirname
 from ._names import num_blocks as num_blocks
 from ._names import partial_index_name as partial_index_name
 from ._names import tmp_dirname as tmp_dirname
+from ._partfile import PartInfo
 from ._runs import bounds_from_runs, expand_writers, grid_runs
 from ._structure import check_structure
 from ._values import VALUE_KINDS, decode_value, dtype_from_name, dtype_name, encode_value

@@ -1,7 +1,7 @@
 """The save side of format version 2's index: each process's binary part, and the item index.
 
 Every process writes the records of the chunks it wrote into its own part
-(`_binindex.encode_part`), and tells the primary only what the primary cannot
+(`_partfile.encode_part`), and tells the primary only what the primary cannot
 compute: its data files and the part's size. The primary then writes each
 item's JSON index from the layouts, which every process computes alike (the
 grid as runs, the writers as runs), and the files and parts it was told of.
@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 
 from . import _format as fmt
-from ._binindex import PartInfo, encode_part, part_name
 from ._errors import CheckpointError
 from ._format import cell_box
 from ._layout import SaveItem
 from ._leaves import ValueSource
+from ._partfile import PartInfo, encode_part, part_name
 from ._runs import writer_runs
 from ._tree import display_path
 

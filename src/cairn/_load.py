@@ -62,6 +62,15 @@ class ArrayMetadata:
     def ndim(self) -> int:
         return len(self.shape)
 
+    @classmethod
+    def _of(cls, shape: tuple[int, ...], dtype: Any, nbytes: int, sharding: dict[str, Any] | None,
+            kind: str) -> ArrayMetadata:
+        """`ArrayMetadata(shape, dtype, nbytes, sharding, kind)`, without a frozen dataclass's
+        ``object.__setattr__`` per field (`cairn.metadata` builds one per leaf)."""
+        m = object.__new__(cls)
+        m.__dict__.update(shape=shape, dtype=dtype, nbytes=nbytes, sharding=sharding, kind=kind, impl=None)
+        return m
+
 
 # ---------------------------------------------------------------------- targets
 
@@ -477,7 +486,7 @@ def metadata(loc: Location) -> Any:
                 shape = leaf.key_shape if dtype is not None else leaf.shape
                 leaves.append(ArrayMetadata(shape, dtype or leaf.dtype, leaf.nbytes, leaf.sharding, leaf.kind, leaf.impl))
             elif isinstance(leaf, fmt.ArrayLeaf):
-                leaves.append(ArrayMetadata(leaf.shape, leaf.dtype, leaf.nbytes, leaf.sharding, leaf.kind))
+                leaves.append(ArrayMetadata._of(leaf.shape, leaf.dtype, leaf.nbytes, leaf.sharding, leaf.kind))
             else:
                 leaves.append(leaf.value)
         out[name] = unflatten(index.structure, leaves)
