@@ -66,6 +66,7 @@ class ChunkTable:
         self._got: dict[int, dict[int, tuple[int, int, tuple[int, ...]]]] = {}
         self._bases: tuple[np.ndarray, np.ndarray] | None = None
         self._row: dict[int, int] = {}
+        self._single: tuple[np.ndarray, ...] = ()  # per row (`_base`): writer, CRCs, bytes of a one-cell leaf
         self._lock = threading.Lock()
         self._ncrc: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._rank_memo: dict[tuple[int, int], tuple[_LeafCells, np.ndarray, np.ndarray]] = {}
@@ -97,6 +98,11 @@ class ChunkTable:
             ncrc = np.concatenate([lc.ncrc for lc in lcs]).astype(np.float64)
             crcs = np.rint(np.bincount(key, weights=ncrc, minlength=n * procs)).astype(np.int64).reshape(n, procs)
             self._bases = np.cumsum(counts, axis=0) - counts, np.cumsum(crcs, axis=0) - crcs
+            # A one-cell leaf's writer, CRC count and size, per row (many small leaves: no walk per leaf).
+            one = np.fromiter((len(lc.writers) == 1 for lc in lcs), dtype=bool, count=n)
+            self._single = tuple(np.where(one, np.fromiter((x[0] for x in col), dtype=np.int64, count=n), -1)
+                                 for col in ([lc.writers for lc in lcs], [lc.ncrc for lc in lcs],
+                                             [lc.sizes for lc in lcs]))
         return self._bases
 
     def _ranks(self, lc: _LeafCells) -> None:
@@ -132,18 +138,19 @@ class ChunkTable:
 
     def _fetch(self, need: dict[int, np.ndarray]) -> None:
         rec_base, crc_base = self._base()
-        wanted: dict[int, list[np.ndarray]] = {}  # part -> rows of (leaf, cell, record no, crc no, crcs)
-        single: dict[int, list[tuple[int, ...]]] = {}  # the same, for leaves of one cell (many small leaves)
+        # part -> rows of (leaf, cell, record no, crc no, crcs, writer, bytes)
+        wanted: dict[int, list[np.ndarray]] = {}
+        singles: list[int] = []  # leaves of one cell (trees of many small leaves), done together below
         for i, cells in need.items():
             lc = self.leaves[i]
-            got = self._got.setdefault(i, {})
-            row = self._row[i]
+            got = self._got.get(i)
             if len(lc.writers) == 1:
-                if 0 not in got:
-                    p = int(lc.writers[0])
-                    single.setdefault(p, []).append(
-                        (i, 0, int(rec_base[row, p]), int(crc_base[row, p]), int(lc.ncrc[0]), p))
+                if got is None or 0 not in got:
+                    singles.append(i)
                 continue
+            if got is None:
+                got = self._got[i] = {}
+            row = self._row[i]
             cells = np.unique(np.asarray(cells, dtype=np.int64))
             if got:
                 cells = np.array([c for c in cells.tolist() if c not in got], dtype=np.int64)
@@ -153,11 +160,16 @@ class ChunkTable:
             assert lc.rank is not None and lc.crc_rank is not None
             w = lc.writers[cells]
             rows = np.stack([np.full(len(cells), i), cells, rec_base[row][w] + lc.rank[cells],
-                             crc_base[row][w] + lc.crc_rank[cells], lc.ncrc[cells], w], axis=1)
+                             crc_base[row][w] + lc.crc_rank[cells], lc.ncrc[cells], w, lc.sizes[cells]], axis=1)
             for p in np.unique(w).tolist():
                 wanted.setdefault(p, []).append(rows[w == p])
-        for p, lst in single.items():
-            wanted.setdefault(p, []).append(np.array(lst, dtype=np.int64).reshape(-1, 6))
+        if singles:
+            leaf_no = np.array(singles, dtype=np.int64)
+            r = np.fromiter(map(self._row.__getitem__, singles), dtype=np.int64, count=len(singles))
+            w, ncrc, size = (col[r] for col in self._single)
+            rows = np.stack([leaf_no, np.zeros_like(leaf_no), rec_base[r, w], crc_base[r, w], ncrc, w, size], axis=1)
+            for p in np.unique(w).tolist():
+                wanted.setdefault(p, []).append(rows[w == p])
         requests: list[tuple[str, int, int]] = []
         plan: list[tuple[PartInfo, np.ndarray, list[tuple[int, int, int]]]] = []
         for p, chunks in wanted.items():
@@ -202,18 +214,29 @@ class ChunkTable:
         if check_header(at(0, HEADER_BYTES), where) != (part.process, part.records, part.crcs):
             raise _fail(where, "header does not match the part the index names")
         crc_at = HEADER_BYTES + part.records * RECORD_BYTES
-        raws = [at(HEADER_BYTES + rno * RECORD_BYTES, RECORD_BYTES) for rno in rows[:, 2].tolist()]
-        rec = np.frombuffer(b"".join(raws), dtype=RECORD)
+        # Every record (and, where each has one, every CRC) lies inside one range: gather them all at once.
+        blob = np.frombuffer(b"".join(blobs), dtype=np.uint8)
+        firsts = np.array([r[0] for r in ranges], dtype=np.int64)
+        into = np.cumsum([0] + [e - s for s, e, _ in ranges[:-1]])
+
+        def gather(pos: np.ndarray, n: int) -> np.ndarray:
+            k = np.searchsorted(firsts, pos, side="right") - 1
+            return blob[(into[k] + pos - firsts[k])[:, None] + np.arange(n)]
+
+        n = len(rows)
+        raw = gather(HEADER_BYTES + rows[:, 2] * RECORD_BYTES, RECORD_BYTES)
+        rec = raw.reshape(-1).view(RECORD)
+        raw_bytes = raw.tobytes()
         bad = np.flatnonzero((rec["leaf"] != rows[:, 0]) | (rec["cell"] != rows[:, 1]) | (rec["crc_start"] != rows[:, 3]))
         stored = rec["rec_crc"].tolist()
-        for k, raw in enumerate(raws):
-            if crc32c(raw[: RECORD_BYTES - 4]) != stored[k]:
+        for k in range(n):
+            if crc32c(raw_bytes[k * RECORD_BYTES : (k + 1) * RECORD_BYTES - 4]) != stored[k]:
                 raise _fail(where, f"record {int(rows[k, 2])} checksum mismatch")
         if len(bad):
             k = int(bad[0])
             raise _fail(where, f"record {int(rows[k, 2])} is for leaf {int(rec['leaf'][k])} cell "
                                f"{int(rec['cell'][k])}, not leaf {int(rows[k, 0])} cell {int(rows[k, 1])}")
-        sizes = np.array([int(self.leaves[leaf].sizes[cell]) for leaf, cell in rows[:, :2].tolist()], dtype=np.int64)
+        sizes = rows[:, 6]
         files = rec["file"].astype(np.int64)
         offsets = rec["offset"].astype(np.int64)
         if np.any((sizes > 0) & (files >= part.files)):
@@ -228,12 +251,24 @@ class ChunkTable:
             raise _fail(where, f"record {int(rows[k, 2])} (bytes {int(offsets[k])}..{int(offsets[k] + sizes[k])}) "
                                "lies outside its data file")
         check = rec["crcs_crc"].tolist()
-        for k, (leaf, cell, rno, cno, ncrc, _p) in enumerate(rows.tolist()):
-            cb = at(crc_at + cno * 4, ncrc * 4) if ncrc else b""
-            if crc32c(cb) != check[k]:
-                raise _fail(where, f"checksums of record {rno} do not match their checksum")
-            crcs = (int.from_bytes(cb, "little"),) if ncrc == 1 else tuple(np.frombuffer(cb, dtype="<u4").tolist())
-            self._got[leaf][cell] = (int(files[k]), int(offsets[k]), crcs)
+        if bool(np.all(rows[:, 4] == 1)):  # one block per chunk, the common case: all CRCs gathered at once
+            cbs = gather(crc_at + rows[:, 3] * 4, 4)
+            cb_bytes = cbs.tobytes()
+            for k in range(n):
+                if crc32c(cb_bytes[4 * k : 4 * k + 4]) != check[k]:
+                    raise _fail(where, f"checksums of record {int(rows[k, 2])} do not match their checksum")
+            crcs_of = [(v,) for v in cbs.reshape(-1).view("<u4").tolist()]
+        else:
+            crcs_of = []
+            for k, (rno, cno, ncrc) in enumerate(rows[:, 2:5].tolist()):
+                cb = at(crc_at + cno * 4, ncrc * 4) if ncrc else b""
+                if crc32c(cb) != check[k]:
+                    raise _fail(where, f"checksums of record {rno} do not match their checksum")
+                crcs_of.append(tuple(np.frombuffer(cb, dtype="<u4").tolist()))
+        got = self._got
+        for k, (leaf, cell, f, off) in enumerate(zip(rows[:, 0].tolist(), rows[:, 1].tolist(), files.tolist(),
+                                                     offsets.tolist())):
+            got.setdefault(leaf, {})[cell] = (f, off, crcs_of[k])
 
     def fetch_leaf(self, leaf: int, n: int) -> None:
         """Every record of `leaf` (of `n` cells), unless all are here already (a load's checks
