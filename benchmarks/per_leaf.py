@@ -4,7 +4,8 @@
         python -m benchmarks.per_leaf [--leaves 2000] [--reps 5] [--profile save|async|load|metadata]
 
 State: `--leaves` arrays of `--shape` float32 (default 64x8), each sharded
-over all devices along axis 0. Measures, medians of `--reps`:
+over all devices along axis 0. Measures, medians of `--reps` (the ops take turns within each repetition;
+a ratio is the median of the per-repetition ratios):
 
 - JAX `device_get` of the whole tree (one batched call) and `device_put` of
   its host copy back onto the same shardings (one batched call);
@@ -34,17 +35,25 @@ import time
 from typing import Any
 
 
-def _median_time(fn: Any, reps: int, setup: Any = None, collect: bool = True) -> float:
-    times = []
+def _round_robin(ops: dict[str, tuple[Any, Any]], reps: int, collect: bool = True) -> dict[str, list[float]]:
+    """Seconds of every repetition of every op, the ops taking turns within each repetition.
+
+    Taking turns, JAX's calls and cairn's meet the same machine: on a shared VM
+    whose speed drifts by 2x over a minute, ops measured one after the other
+    (all of JAX's repetitions, then all of cairn's) gave ratios from 1.4x to
+    2.4x in one hour; pairs measured side by side drift together.
+    """
+    times: dict[str, list[float]] = {name: [] for name in ops}
     for _ in range(reps):
-        if setup is not None:
-            setup()
-        if collect:  # every repetition, JAX's and cairn's alike, starts from a collected heap
-            gc.collect()
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, (fn, setup) in ops.items():
+            if setup is not None:
+                setup()
+            if collect:  # every repetition, JAX's and cairn's alike, starts from a collected heap
+                gc.collect()
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
 
 
 def build(n: int, shape: tuple[int, ...]) -> tuple[Any, Any]:
@@ -142,27 +151,32 @@ def main(argv: list[str] | None = None) -> int:
             pstats.Stats(prof).sort_stats("cumtime").print_stats(40)
             return 0
         blocking.clear()
-        c = not args.no_collect
-        res = {
-            "jax_device_get": _median_time(jax_get, args.reps, renew, c),
-            "jax_device_put": _median_time(jax_put, args.reps, None, c),
-            "cairn_save": _median_time(c_save, args.reps, renew, c),
-            "cairn_metadata": _median_time(c_meta, args.reps, None, c),
-            "cairn_load": _median_time(c_load, args.reps, None, c),
-        }
-        blocking.clear()
-        _median_time(c_async, args.reps, renew, c)
-        res["cairn_async_blocking"] = statistics.median(blocking)
+        times = _round_robin({
+            "jax_device_get": (jax_get, renew),
+            "cairn_save": (c_save, renew),
+            "cairn_async": (c_async, renew),
+            "jax_device_put": (jax_put, None),
+            "cairn_load": (c_load, None),
+            "cairn_metadata": (c_meta, None),
+        }, args.reps, not args.no_collect)
+        times["cairn_async_blocking"] = blocking
+        del times["cairn_async"]  # its blocking phase is what counts
     finally:
         shutil.rmtree(base, ignore_errors=True)
+    res = {k: statistics.median(v) for k, v in times.items()}
     us = {k: v / n * 1e6 for k, v in res.items()}
+
+    def paired(a: str, b: str) -> float:  # the median of the per-repetition ratios (neighbours in time)
+        return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
     ratios = {
-        "save / device_get": res["cairn_save"] / res["jax_device_get"],
-        "async blocking / device_get": res["cairn_async_blocking"] / res["jax_device_get"],
-        "load / device_put": res["cairn_load"] / res["jax_device_put"],
+        "save / device_get": paired("cairn_save", "jax_device_get"),
+        "async blocking / device_get": paired("cairn_async_blocking", "jax_device_get"),
+        "load / device_put": paired("cairn_load", "jax_device_put"),
     }
     heap = "uncollected heap" if args.no_collect else "gc.collect() before each"
-    print(f"{n} leaves of {args.shape} float32 over {len(jax.devices())} devices, medians of {args.reps} ({heap})")
+    print(f"{n} leaves of {args.shape} float32 over {len(jax.devices())} devices, medians of {args.reps} "
+          f"({heap}; the ops take turns in each repetition, ratios are medians of per-repetition ratios)")
     for k, v in us.items():
         print(f"  {k:24s} {v:9.1f} µs per leaf")
     targets = {"save / device_get": 2.0, "load / device_put": 2.2}
