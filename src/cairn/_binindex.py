@@ -99,10 +99,9 @@ class ChunkTable:
             crcs = np.rint(np.bincount(key, weights=ncrc, minlength=n * procs)).astype(np.int64).reshape(n, procs)
             self._bases = np.cumsum(counts, axis=0) - counts, np.cumsum(crcs, axis=0) - crcs
             # A one-cell leaf's writer, CRC count and size, per row (many small leaves: no walk per leaf).
-            one = np.fromiter((len(lc.writers) == 1 for lc in lcs), dtype=bool, count=n)
-            self._single = tuple(np.where(one, np.fromiter((x[0] for x in col), dtype=np.int64, count=n), -1)
-                                 for col in ([lc.writers for lc in lcs], [lc.ncrc for lc in lcs],
-                                             [lc.sizes for lc in lcs]))
+            self._single = tuple(
+                np.fromiter((int(getattr(lc, f)[0]) if len(lc.writers) == 1 else -1 for lc in lcs),
+                            dtype=np.int64, count=n) for f in ("writers", "ncrc", "sizes"))
         return self._bases
 
     def _ranks(self, lc: _LeafCells) -> None:
