@@ -73,6 +73,9 @@ class ChunkReader:
         return self.loc.key(self.info.dir, self.index.files[file].name)
 
     def _reader(self, file: int) -> RandomReader:
+        r = self._readers.get(file)  # opened already: no lock (a reader thread may hold it through a GIL switch)
+        if r is not None:
+            return r
         with self._lock:
             r = self._readers.get(file)
             if r is None:
