@@ -24,7 +24,7 @@ from typing import Any
 from . import report
 from . import state as st
 
-ALL = ["cairn", "orbax", "dcp", "limits"]
+ALL = ["cairn", "orbax", "dcp", "dcp_jax", "limits"]  # dcp_jax: DCP in a process that also holds the JAX state
 
 
 def _floats(s: str) -> list[float]:
