@@ -192,3 +192,62 @@ def test_small_or_unreplicated_chunks_stay_whole():
     # No axis long enough for 4 pieces.
     tiny = [((0, 2), (0, 3))] * 8
     assert chunk_layout((2, 3), tiny, procs, split_elems=1).grid == ((0, 2), (0, 3))
+
+
+# --------------------------------------------------------------------------- plans shared by leaves of one layout
+
+
+def _second_leaf(arr, parts, block, seed, shift, file=0):
+    """Another leaf of `arr`'s layout, other values, its chunks in the same order `shift` bytes further on."""
+    other = arr + 1000
+    leaf, data = build_leaf(other, parts, block, seed)
+    leaf = fmt.ArrayLeaf("y", leaf.dtype, leaf.shape, leaf.grid,
+                         tuple((file, o + shift) for _, o in leaf.chunks), leaf.crcs)
+    return other, leaf, data
+
+
+@settings(max_examples=120, deadline=None)
+@given(layouts(), st.integers(0, 3), st.sampled_from([64, 256, 4 << 20]))
+def test_plan_memo_gives_each_leaf_of_a_layout_its_own_exact_plan(case, seed, max_read):
+    from cairn._planmemo import PlanMemo
+
+    shape, parts, tparts, block, verify = case
+    arr = np.arange(math.prod(shape), dtype=np.int32).reshape(shape)
+    leaf_a, data_a = build_leaf(arr, parts, block, seed)
+    other, leaf_b, data_b = _second_leaf(arr, parts, block, seed, len(data_a))
+    data = data_a + data_b
+    boxes = grid_boxes(shape, tparts)
+    memo = PlanMemo()
+    reads_a = memo.plan(leaf_a, boxes, block, verify, max_read)
+    reads_b = memo.plan(leaf_b, boxes, block, verify, max_read)
+    assert reads_a == plan_reads(leaf_a, boxes, block, verify, max_read=max_read)
+    assert reads_b == plan_reads(leaf_b, boxes, block, verify, max_read=max_read)
+    assert memo.hits == 1  # the second leaf took the first one's template
+    for reads, leaf, want in ((reads_a, leaf_a, arr), (reads_b, leaf_b, other)):
+        for b, d in zip(boxes, execute(reads, leaf, data, boxes)):
+            np.testing.assert_array_equal(d, want[tuple(slice(lo, hi) for lo, hi in b)])
+
+
+def test_plan_memo_plans_afresh_when_the_layout_differs():
+    from cairn._planmemo import PlanMemo
+
+    arr = np.arange(16 * 12, dtype=np.float32).reshape(16, 12)
+    parts, block = (4, 3), 64
+    leaf_a, data_a = build_leaf(arr, parts, block, order_seed=0)
+    boxes = grid_boxes(arr.shape, (3, 2))
+    memo = PlanMemo()
+    memo.plan(leaf_a, boxes, block, True, 4 << 20)
+    # Same grid, chunks in another order: other relative offsets, so no shared template.
+    _, leaf_b, _ = _second_leaf(arr, parts, block, 1, len(data_a))
+    assert memo.plan(leaf_b, boxes, block, True, 4 << 20) == plan_reads(leaf_b, boxes, block, True)
+    # Chunks in two files: planned afresh too.
+    _, leaf_c, _ = _second_leaf(arr, parts, block, 0, 0)
+    chunks = list(leaf_c.chunks)
+    chunks[-1] = (1, chunks[-1][1])
+    leaf_c = fmt.ArrayLeaf("z", leaf_c.dtype, leaf_c.shape, leaf_c.grid, tuple(chunks), leaf_c.crcs)
+    assert memo.plan(leaf_c, boxes, block, True, 4 << 20) == plan_reads(leaf_c, boxes, block, True)
+    # Other target boxes, other checking: other keys.
+    assert memo.plan(leaf_a, grid_boxes(arr.shape, (2, 2)), block, True, 4 << 20) == plan_reads(
+        leaf_a, grid_boxes(arr.shape, (2, 2)), block, True)
+    assert memo.plan(leaf_a, boxes, block, False, 4 << 20) == plan_reads(leaf_a, boxes, block, False)
+    assert memo.hits == 0 and memo.misses == 4  # (the two-file leaf is planned without a template)

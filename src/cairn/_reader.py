@@ -35,6 +35,7 @@ from ._errors import CheckpointError, CorruptCheckpointError
 from ._location import Location
 from ._metadata import Opened
 from ._plan import Box, Check, Copy, Read, c_strides, full_box, is_c_contiguous, plan_reads
+from ._planmemo import PlanMemo
 from ._stats import LoadStats
 from ._storage import PartReader, RandomReader
 from ._tree import display_path
@@ -68,6 +69,7 @@ class ChunkReader:
         self._max_read = getattr(loc.storage, "preferred_read", DEFAULT_MAX_READ)
         self._small, run_bytes = run_limits(getattr(loc.storage, "preferred_read", None))
         self._runs = Runs(self, run_bytes)  # small whole arrays, read together
+        self._plans = PlanMemo()  # leaves of one layout share a read plan
 
     def _key(self, file: int) -> str:
         return self.loc.key(self.info.dir, self.index.files[file].name)
@@ -222,7 +224,7 @@ class ChunkReader:
         reads = (whole_reads(leaf, self.index.block_size, self.verify, max_read)
                  if region is None and sharding is None else None)
         if reads is None:
-            reads = plan_reads(leaf, absolute, self.index.block_size, self.verify, max_read=max_read)
+            reads = self._plans.plan(leaf, absolute, self.index.block_size, self.verify, max_read)
         for file in sorted({r.file for r in reads}):
             self._reader(file)  # checks the files first: a false size claim allocates nothing
         try:
