@@ -96,6 +96,7 @@ LAYERS: dict[str, int] = {
     # tree / plan / format (pure)
     "cairn._tree": 40,
     "cairn._estimate": 39,
+    "cairn._planmemo": 39,  # plan_reads, memoised per layout
     "cairn._plan": 38,
     "cairn._merge": 38,
     "cairn._grid": 38,
@@ -128,8 +129,8 @@ LAYERS: dict[str, int] = {
     "cairn._errors": 0,
 }
 
-PURE = ("cairn._format", "cairn._values", "cairn._chunks", "cairn._plan", "cairn._grid", "cairn._estimate",
-        "cairn._names")
+PURE = ("cairn._format", "cairn._values", "cairn._chunks", "cairn._plan", "cairn._planmemo", "cairn._grid",
+        "cairn._estimate", "cairn._names")
 # The cairn modules the pure ones may import (what they import today).
 PURE_MAY_IMPORT = {"cairn._format", "cairn._values", "cairn._chunks", "cairn._plan", "cairn._grid", "cairn._checksum",
                    "cairn._binindex", "cairn._structure", "cairn._runs", "cairn._names", "cairn._partfile",
