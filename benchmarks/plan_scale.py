@@ -41,6 +41,7 @@ from cairn._grid import spec_boxes as grid_spec_boxes
 from cairn._indexparts import build_part, item_index, own_cells
 from cairn._layout import SaveItem, layout_cache, layout_for
 from cairn._plan import Box, assign_files, plan_reads
+from cairn._planmemo import PlanMemo
 from cairn._readonce import Layout, choose
 from cairn._tree import flatten
 
@@ -293,11 +294,13 @@ def plan_load(cluster: Cluster, built: dict[str, Any], params: list[Param], me: 
     mine = range(me * mesh.devices_per_process, (me + 1) * mesh.devices_per_process)
     reads = read_bytes = needed = 0
     files: set[int] = set()
+    plans = PlanMemo()  # as `ChunkReader.read_array` plans (the memo needs the default split rule)
     for leaf, prm in zip(index.leaves, params):
         assert isinstance(leaf, fmt.ArrayLeaf)
         all_boxes = cluster.boxes(mesh, prm.shape, prm.save if same else prm.load)
         boxes = list(dict.fromkeys(all_boxes[d] for d in mine))
-        plan = plan_reads(leaf, boxes, index.block_size, verify, small_read=small_read)
+        plan = (plans.plan(leaf, boxes, index.block_size, verify, 4 << 20) if small_read == 1 << 20
+                else plan_reads(leaf, boxes, index.block_size, verify, small_read=small_read))
         reads += len(plan)
         read_bytes += sum(r.nbytes for r in plan)
         needed += sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * leaf.dtype.itemsize
@@ -347,10 +350,11 @@ def plan_read_once(cluster: Cluster, built: dict[str, Any], params: list[Param],
         routes.append(memo[key])
     prefetch_for(cluster, index, mesh, [_spec(r.read) for r in routes], me)
     reads = read_bytes = 0
+    plans = PlanMemo()
     for leaf, plan in zip(index.leaves, routes):
         assert isinstance(leaf, fmt.ArrayLeaf)
         boxes = _process_boxes(cluster, mesh, leaf.shape, _spec(plan.read), me)
-        planned = plan_reads(leaf, boxes, index.block_size, verify)
+        planned = plans.plan(leaf, boxes, index.block_size, verify, 4 << 20)
         reads += len(planned)
         read_bytes += sum(r.nbytes for r in planned)
     return routes, {"reads": reads, "bytes": read_bytes, "index_bytes_read": seen["bytes"],

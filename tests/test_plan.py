@@ -197,6 +197,10 @@ def test_small_or_unreplicated_chunks_stay_whole():
 # --------------------------------------------------------------------------- plans shared by leaves of one layout
 
 
+def _cells_touched(leaf, boxes):
+    return len({cell for b in boxes for cell in overlapping_cells(leaf.grid, b)})
+
+
 def _second_leaf(arr, parts, block, seed, shift, file=0):
     """Another leaf of `arr`'s layout, other values, its chunks in the same order `shift` bytes further on."""
     other = arr + 1000
@@ -209,7 +213,7 @@ def _second_leaf(arr, parts, block, seed, shift, file=0):
 @settings(max_examples=120, deadline=None)
 @given(layouts(), st.integers(0, 3), st.sampled_from([64, 256, 4 << 20]))
 def test_plan_memo_gives_each_leaf_of_a_layout_its_own_exact_plan(case, seed, max_read):
-    from cairn._planmemo import PlanMemo
+    from cairn._planmemo import MAX_CELLS, PlanMemo
 
     shape, parts, tparts, block, verify = case
     arr = np.arange(math.prod(shape), dtype=np.int32).reshape(shape)
@@ -222,7 +226,8 @@ def test_plan_memo_gives_each_leaf_of_a_layout_its_own_exact_plan(case, seed, ma
     reads_b = memo.plan(leaf_b, boxes, block, verify, max_read)
     assert reads_a == plan_reads(leaf_a, boxes, block, verify, max_read=max_read)
     assert reads_b == plan_reads(leaf_b, boxes, block, verify, max_read=max_read)
-    assert memo.hits == 1  # the second leaf took the first one's template
+    # The second leaf took the first one's template, unless the layout touches too many cells to key on.
+    assert (memo.misses, memo.hits) == ((1, 1) if _cells_touched(leaf_a, boxes) <= MAX_CELLS else (0, 0))
     for reads, leaf, want in ((reads_a, leaf_a, arr), (reads_b, leaf_b, other)):
         for b, d in zip(boxes, execute(reads, leaf, data, boxes)):
             np.testing.assert_array_equal(d, want[tuple(slice(lo, hi) for lo, hi in b)])
@@ -251,3 +256,15 @@ def test_plan_memo_plans_afresh_when_the_layout_differs():
         leaf_a, grid_boxes(arr.shape, (2, 2)), block, True)
     assert memo.plan(leaf_a, boxes, block, False, 4 << 20) == plan_reads(leaf_a, boxes, block, False)
     assert memo.hits == 0 and memo.misses == 4  # (the two-file leaf is planned without a template)
+
+
+def test_plan_memo_plans_a_large_fan_in_afresh():
+    from cairn._planmemo import MAX_CELLS, PlanMemo
+
+    arr = np.arange(96 * 4, dtype=np.float32).reshape(96, 4)
+    leaf, _ = build_leaf(arr, (96, 1), 64)  # 96 row chunks
+    boxes = grid_boxes(arr.shape, (1, 2))  # each box touches all 96
+    assert _cells_touched(leaf, boxes) > MAX_CELLS
+    memo = PlanMemo()
+    assert memo.plan(leaf, boxes, 64, True, 4 << 20) == plan_reads(leaf, boxes, 64, True)
+    assert (memo.hits, memo.misses) == (0, 0)

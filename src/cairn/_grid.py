@@ -14,6 +14,7 @@ Python (about 7 ms per (sharding, shape) at 4,096 devices, 14 at 8,192).
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Sequence
@@ -168,3 +169,16 @@ def _split(grid: Grid, held: _Holders, offset: int, split_elems: int,
     parent = np.ravel_multi_index(tuple(idx), tuple(len(b) - 1 for b in grid))
     chosen = held.start[parent] + (k + offset) % held.count[parent]
     return new_grid, tuple(held.proc[chosen].tolist()), tuple(held.first_dev[chosen].tolist())
+
+
+def cell_ranges(grid: Sequence[Sequence[int]], box: Sequence[tuple[int, int]]) -> list[range] | None:
+    """Per axis, the cells of `grid` (bounds per axis) whose chunks intersect `box`; None for an empty box."""
+    ranges = []
+    for a, (lo, hi) in enumerate(box):
+        b = grid[a]
+        if hi <= lo:
+            return None
+        first = bisect.bisect_right(b, lo) - 1
+        last = bisect.bisect_left(b, hi)  # exclusive cell bound
+        ranges.append(range(max(first, 0), min(last, len(b) - 1)))
+    return ranges

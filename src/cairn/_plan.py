@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from ._format import ArrayLeaf
-from ._grid import regular_layout
+from ._grid import cell_ranges, regular_layout
 
 Box = tuple[tuple[int, int], ...]
 
@@ -323,15 +323,8 @@ class _Piece(NamedTuple):
 
 def overlapping_cells(grid: Sequence[Sequence[int]], box: Box) -> list[tuple[int, ...]]:
     """Grid cell indices (per axis) whose chunk intersects `box`, by bisection."""
-    ranges = []
-    for a, (lo, hi) in enumerate(box):
-        b = grid[a]
-        if hi <= lo:
-            return []
-        first = bisect.bisect_right(b, lo) - 1
-        last = bisect.bisect_left(b, hi)  # exclusive cell bound
-        ranges.append(range(max(first, 0), min(last, len(b) - 1)))
-    return list(itertools.product(*ranges))
+    ranges = cell_ranges(grid, box)
+    return [] if ranges is None else list(itertools.product(*ranges))
 
 
 def plan_reads(

@@ -23,13 +23,19 @@ planned afresh.
 from __future__ import annotations
 
 import bisect
+import itertools
+import math
 from collections.abc import Sequence
 from typing import Any
 
-from ._plan import Box, Check, Read, box_size, overlapping_cells, plan_reads
+from ._grid import cell_ranges
+from ._plan import Box, Check, Read, plan_reads
 
 #: Distinct layouts kept per memo (a model has a few dozen; a bound keeps odd trees cheap).
 MAX_TEMPLATES = 256
+#: A leaf whose target boxes touch more cells than this is planned afresh: the key would cost
+#: about as much as the planning it saves, and such fan-ins rarely repeat offset for offset.
+MAX_CELLS = 64
 
 # A template: per read (start, end, copies, checks), positions relative to the first cell's offset;
 # each check as (start, end, position of its cell among the touched cells, block number).
@@ -44,30 +50,24 @@ class PlanMemo:
         self.hits = self.misses = 0
 
     def plan(self, leaf: Any, boxes: Sequence[Box], block_size: int, verify: bool, max_read: int) -> list[Read]:
-        grid, shape = leaf.grid, leaf.grid_shape
-        cells: set[int] = set()
-        for box in boxes:
-            if box_size(box):
-                for idx in overlapping_cells(grid, box):
-                    cell = 0
-                    for i, n in zip(idx, shape):
-                        cell = cell * n + i
-                    cells.add(cell)
-        touched = sorted(cells)
-        if not touched:
+        touched = self._touched(leaf, boxes)
+        if touched is None:
             return plan_reads(leaf, boxes, block_size, verify, max_read=max_read)
-        entries = [leaf.chunks[c] for c in touched]
-        file, base = entries[0]
-        if any(f != file for f, _ in entries):
-            return plan_reads(leaf, boxes, block_size, verify, max_read=max_read)
-        rel = tuple(off - base for _, off in entries)
-        key = (leaf.shape, leaf.dtype.itemsize, grid, tuple(boxes), block_size, verify, max_read,
-               tuple(touched), rel)
+        chunks = leaf.chunks
+        file, base = chunks[touched[0]]
+        rel = []
+        for c in touched:
+            f, off = chunks[c]
+            if f != file:  # chunks of several files (a multi-process save): no shared pattern to expect
+                return plan_reads(leaf, boxes, block_size, verify, max_read=max_read)
+            rel.append(off - base)
+        key = (leaf.shape, leaf.dtype.itemsize, leaf.grid, tuple(boxes), block_size, verify, max_read,
+               tuple(touched), tuple(rel))
         template = self._templates.get(key)
         if template is None:
             self.misses += 1
             reads = plan_reads(leaf, boxes, block_size, verify, max_read=max_read)
-            made = _template(reads, leaf, touched, rel, file, base, block_size)
+            made = _template(reads, leaf, touched, key[-1], file, base, block_size)
             if made is not None and len(self._templates) < MAX_TEMPLATES:
                 self._templates[key] = made
             return reads
@@ -84,6 +84,25 @@ class PlanMemo:
                 filled.append(Check(base + cs, base + ce, block_crcs[b]))
             out.append(Read(file, base + start, base + end, copies, tuple(filled)))
         return out
+
+
+    @staticmethod
+    def _touched(leaf: Any, boxes: Sequence[Box]) -> list[int] | None:
+        """The cells `boxes` touch, in order; None for none, or for more than `MAX_CELLS` (planned afresh)."""
+        grid, shape = leaf.grid, leaf.grid_shape
+        cells: set[int] = set()
+        for box in boxes:
+            ranges = cell_ranges(grid, box)
+            if ranges is None:
+                continue
+            if len(cells) + math.prod(len(r) for r in ranges) > MAX_CELLS:
+                return None
+            for idx in itertools.product(*ranges):
+                cell = 0
+                for i, n in zip(idx, shape):
+                    cell = cell * n + i
+                cells.add(cell)
+        return sorted(cells) or None
 
 
 def _template(reads: list[Read], leaf: Any, touched: list[int], rel: tuple[int, ...], file: int, base: int,
