@@ -42,6 +42,7 @@ from cairn._indexparts import build_part, item_index, own_cells
 from cairn._layout import SaveItem, layout_cache, layout_for
 from cairn._plan import Box, assign_files, plan_reads
 from cairn._planmemo import PlanMemo
+from cairn._reader import DEFAULT_MAX_READ
 from cairn._readonce import Layout, choose
 from cairn._tree import flatten
 
@@ -299,7 +300,7 @@ def plan_load(cluster: Cluster, built: dict[str, Any], params: list[Param], me: 
         assert isinstance(leaf, fmt.ArrayLeaf)
         all_boxes = cluster.boxes(mesh, prm.shape, prm.save if same else prm.load)
         boxes = list(dict.fromkeys(all_boxes[d] for d in mine))
-        plan = (plans.plan(leaf, boxes, index.block_size, verify, 4 << 20) if small_read == 1 << 20
+        plan = (plans.plan(leaf, boxes, index.block_size, verify, DEFAULT_MAX_READ) if small_read == 1 << 20
                 else plan_reads(leaf, boxes, index.block_size, verify, small_read=small_read))
         reads += len(plan)
         read_bytes += sum(r.nbytes for r in plan)
@@ -354,7 +355,7 @@ def plan_read_once(cluster: Cluster, built: dict[str, Any], params: list[Param],
     for leaf, plan in zip(index.leaves, routes):
         assert isinstance(leaf, fmt.ArrayLeaf)
         boxes = _process_boxes(cluster, mesh, leaf.shape, _spec(plan.read), me)
-        planned = plans.plan(leaf, boxes, index.block_size, verify, 4 << 20)
+        planned = plans.plan(leaf, boxes, index.block_size, verify, DEFAULT_MAX_READ)
         reads += len(planned)
         read_bytes += sum(r.nbytes for r in planned)
     return routes, {"reads": reads, "bytes": read_bytes, "index_bytes_read": seen["bytes"],

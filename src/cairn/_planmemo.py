@@ -13,11 +13,11 @@ to the first chunk touched, and for each checksum block the (chunk, block)
 it belongs to. Another leaf of the layout gets the template shifted to its
 own first chunk, with its own checksums filled in. Two leaves share a
 template only when everything `plan_reads` looks at is equal: shape, item
-size, grid, target boxes, the checking and merge settings, the cells touched,
-and those cells' offsets relative to the first one, all in one file. The
-key reads only the index entries of the cells the boxes touch, as planning
-does, so a process still reads only the records it needs. Anything else is
-planned afresh.
+size, grid, target boxes (hence the cells touched), the checking and merge
+settings, and those cells' offsets relative to the first one, all in one
+file. The key reads only the index entries of the cells the boxes touch, as
+planning does, so a process still reads only the records it needs. Anything
+else is planned afresh.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from ._grid import cell_ranges
-from ._plan import Box, Check, Read, plan_reads
+from ._plan import Box, Check, Read, _ravel, plan_reads
 
 #: Distinct layouts kept per memo (a model has a few dozen; a bound keeps odd trees cheap).
 MAX_TEMPLATES = 256
@@ -61,8 +61,8 @@ class PlanMemo:
             if f != file:  # chunks of several files (a multi-process save): no shared pattern to expect
                 return plan_reads(leaf, boxes, block_size, verify, max_read=max_read)
             rel.append(off - base)
-        key = (leaf.shape, leaf.dtype.itemsize, leaf.grid, tuple(boxes), block_size, verify, max_read,
-               tuple(touched), tuple(rel))
+        # The cells touched follow from the grid and the boxes; their offsets do not.
+        key = (leaf.shape, leaf.dtype.itemsize, leaf.grid, tuple(boxes), block_size, verify, max_read, tuple(rel))
         template = self._templates.get(key)
         if template is None:
             self.misses += 1
@@ -85,7 +85,6 @@ class PlanMemo:
             out.append(Read(file, base + start, base + end, copies, tuple(filled)))
         return out
 
-
     @staticmethod
     def _touched(leaf: Any, boxes: Sequence[Box]) -> list[int] | None:
         """The cells `boxes` touch, in order; None for none, or for more than `MAX_CELLS` (planned afresh)."""
@@ -97,11 +96,7 @@ class PlanMemo:
                 continue
             if len(cells) + math.prod(len(r) for r in ranges) > MAX_CELLS:
                 return None
-            for idx in itertools.product(*ranges):
-                cell = 0
-                for i, n in zip(idx, shape):
-                    cell = cell * n + i
-                cells.add(cell)
+            cells.update(_ravel(idx, shape) for idx in itertools.product(*ranges))
         return sorted(cells) or None
 
 
