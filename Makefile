@@ -46,8 +46,9 @@ bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m benchmarks.run $(ARGS)
 
+# The slow cases at full size, and the property tests exploring at random (tests/conftest.py).
 stress: install
-	CAIRN_STRESS=1 $(BIN)/python -m pytest -q -m slow tests $(ARGS)
+	CAIRN_STRESS=1 $(BIN)/python -m pytest -q -m "slow or property" tests $(ARGS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

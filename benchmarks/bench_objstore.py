@@ -136,7 +136,7 @@ def run_server(kind: str, a: argparse.Namespace) -> dict[str, Any]:
     from jax.sharding import PartitionSpec as P
 
     import cairn
-    from cairn._storage._obstore import ObjectStorage
+    from cairn._storage.obstore import ObjectStorage
 
     server = start(kind)
     try:

@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     from obstore.store import S3Store
 
     import cairn
-    from cairn._storage._obstore import Tuning
+    from cairn._storage.obstore import Tuning
 
     tuning = Tuning()
     port = _free_port()

@@ -34,17 +34,17 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-from cairn import _format as fmt
-from cairn._binindex import cell_bytes, cells_in
-from cairn._estimate import estimate_read_bytes
-from cairn._grid import spec_boxes as grid_spec_boxes
-from cairn._indexparts import build_part, item_index, own_cells
-from cairn._layout import SaveItem, layout_cache, layout_for
-from cairn._plan import Box, assign_files, plan_reads
-from cairn._planmemo import PlanMemo
-from cairn._reader import DEFAULT_MAX_READ
-from cairn._readonce import Layout, choose
-from cairn._tree import flatten
+from cairn._format import manifest as fmt
+from cairn._format.binindex import cell_bytes, cells_in
+from cairn._load.reader import DEFAULT_MAX_READ
+from cairn._load.readonce import Layout, choose
+from cairn._plan.chunking import Box, assign_files, plan_reads
+from cairn._plan.estimate import estimate_read_bytes
+from cairn._plan.grid import spec_boxes as grid_spec_boxes
+from cairn._plan.readmemo import PlanMemo
+from cairn._save.assign import SaveItem, layout_cache, layout_for
+from cairn._save.indexparts import build_part, item_index, own_cells
+from cairn._tree.pytree import flatten
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB, LAYERS = 16384, 128, 8, 128, 53248, 128256, 126
 Spec = tuple[Any, ...]  # per array axis: None, a mesh axis name, or a tuple of names

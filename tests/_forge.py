@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 
-from cairn import _format as fmt
-from cairn._metadata import open_checkpoint
+from cairn._format import manifest as fmt
+from cairn._load.metadata import open_checkpoint
 
 
 def as_version_1(path) -> None:

@@ -15,9 +15,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
-from cairn import _async
-from cairn._storage._local import LocalStorage
-from cairn._storage._memory import MemoryStorage
+from cairn._save import future as _async
+from cairn._storage.local import LocalStorage
+from cairn._storage.memory import MemoryStorage
 
 _PROCS = os.path.join(os.path.dirname(__file__), "_procs")
 
@@ -252,7 +252,7 @@ def test_snapshot_buffers_are_reused_without_mixing_saves(tmp_path, mesh8):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from cairn import _buffers
+    from cairn._core import buffers as _buffers
 
     cairn.release_snapshot_buffers()
     states = [

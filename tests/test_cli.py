@@ -17,9 +17,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
-from cairn import _commit, _save
-from cairn import _format as fmt
-from cairn._cli import main
+from cairn._cli.main import main
+from cairn._format import manifest as fmt
+from cairn._save import commit as _commit
+from cairn._save import engine as _save
 
 
 def run(capsys, *argv):
@@ -54,7 +55,7 @@ def data_file(path, item="params"):
 
 
 def test_inspect_table_and_json_read_no_array_data(ckpt, capsys, monkeypatch):
-    from cairn._storage import _local
+    from cairn._storage import local as _local
 
     def no_data(self, key):
         raise AssertionError(f"inspect opened data file {key}")
@@ -94,7 +95,7 @@ def test_verify_intact(ckpt, capsys):
 
 
 def test_verify_names_every_corrupt_chunk(ckpt, capsys):
-    index = cairn._metadata.open_checkpoint(ckpt).indexes["params"]
+    index = cairn._load.metadata.open_checkpoint(ckpt).indexes["params"]
     w = next(leaf for leaf in index.leaves if leaf.path == "w")
     path = data_file(ckpt)
     raw = bytearray(path.read_bytes())
@@ -136,7 +137,7 @@ def test_verify_not_a_checkpoint_is_one_line(tmp_path, capsys):
 
 
 def test_corrupt_manifest_error_is_one_line_and_debug_shows_traceback(ckpt, capsys):
-    from cairn import _format as fmt
+    from cairn._format import manifest as fmt
 
     (ckpt / "manifest.json").write_bytes(fmt.dump_checked_json({"format": "cairn", "version": 99}))
     rc, _, err = run(capsys, "inspect", ckpt)
@@ -263,7 +264,7 @@ def test_commands_on_memory_urls(mesh8, capsys):
     rc, out, _ = run(capsys, "inspect", base, "--json")
     assert rc == 0 and json.loads(out)["totals"]["leaves"] == 5
     assert run(capsys, "verify", base)[0] == 0
-    storage = cairn._location.resolve(base).storage
+    storage = cairn._storage.location.resolve(base).storage
     (key,) = [k for k in storage.list("ck/params") if k.endswith(".bin")]
     raw = bytearray(storage.read(key))
     raw[100] ^= 1

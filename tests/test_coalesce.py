@@ -21,8 +21,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
-from cairn._gcpause import paused
-from cairn._reader import LoadStats
+from cairn._core.gcpause import paused
+from cairn._load.reader import LoadStats
 
 
 def _state(n: int = 50) -> dict[str, np.ndarray]:
@@ -47,8 +47,8 @@ def test_many_small_leaves_round_trip(tmp_path, mesh8, where):
     cairn.save(path, {"params": state})
     target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}}
     stats = LoadStats()
-    from cairn import _load
-    from cairn._location import resolve
+    from cairn._load import engine as _load
+    from cairn._storage.location import resolve
 
     out = _load.load(resolve(path), target, stats=stats)["params"]
     for k, v in host.items():
@@ -114,7 +114,7 @@ def test_gc_pause_nests_and_restores():
 def test_block_checks_find_blocks_across_any_segments(sizes, block, base, data):
     """`BlockChecks` verifies each block over whatever segments hold it (empty ones included), the
     same CRC as over the bytes in one piece; a flipped byte fails exactly its block."""
-    from cairn._checksum import BlockChecks, crc32c
+    from cairn._core.checksum import BlockChecks, crc32c
 
     raw = bytes(range(256)) * 2
     total = sum(sizes)

@@ -106,9 +106,9 @@ def test_two_managers_racing_for_the_same_steps(tmp_path):
     a, b = race(tmp_path, [spec, spec])
     for r in (a, b):
         for step, msg in r["lost"]:
-            assert cairn._steps.step_dirname(step) in msg, msg
+            assert cairn._run.steps.step_dirname(step) in msg, msg
         for step, msg in r["errors"]:  # clear errors only, naming the step's checkpoint
-            assert cairn._steps.step_dirname(step) in msg, msg
+            assert cairn._run.steps.step_dirname(step) in msg, msg
     assert not set(a["won"]) & set(b["won"]), "two writers both committed one step"
     with cairn.CheckpointManager(run, async_save=False, handle_sigterm=False) as mgr:
         steps = mgr.steps()
@@ -128,7 +128,7 @@ def test_two_managers_interleaved_with_retention(tmp_path):
     a, b = race(tmp_path, [even, odd])
     errors = a["errors"] + b["errors"]
     for step, msg in errors:
-        assert cairn._steps.step_dirname(step) in msg, msg
+        assert cairn._run.steps.step_dirname(step) in msg, msg
     assert not a["lost"] and not b["lost"]
     with cairn.CheckpointManager(run, max_to_keep=4, async_save=False, handle_sigterm=False) as mgr:
         for s in mgr.steps():

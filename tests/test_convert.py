@@ -16,9 +16,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
-from cairn import _verify
-from cairn._safetensors import from_safetensors, to_safetensors
-from cairn._torchfile import to_torch_file
+from cairn._interop.safetensors import from_safetensors, to_safetensors
+from cairn._interop.torchfile import to_torch_file
+from cairn._tools import verify as _verify
 
 
 def assert_bitwise(a, b):
@@ -73,7 +73,7 @@ def test_safetensors_round_trip_is_bitwise(tmp_path, mesh8, per_item):
     assert len(written) == (4 if per_item else 1)
     from_safetensors(dst, tmp_path / "back")
     assert_trees_bitwise(cairn.load(tmp_path / "ck"), cairn.load(tmp_path / "back"))
-    assert cairn._load.read_manifest(cairn._location.resolve(tmp_path / "back")).metadata == {"run": "r1"}
+    assert cairn._load.engine.read_manifest(cairn._storage.location.resolve(tmp_path / "back")).metadata == {"run": "r1"}
     assert _verify.verify(tmp_path / "back").ok
 
 
@@ -124,7 +124,7 @@ def test_plain_safetensors_file_becomes_a_flat_checkpoint(tmp_path):
     from safetensors.numpy import load_file
 
     again = load_file(str(tmp_path / "again.safetensors"))
-    assert set(again) == {cairn._tree.escape_key(k) for k in tensors}
+    assert set(again) == {cairn._tree.pytree.escape_key(k) for k in tensors}
 
 
 def test_unsupported_dtype_and_bad_header_errors(tmp_path):
@@ -197,8 +197,8 @@ _RSS_SCRIPT = textwrap.dedent(
     """
     import json, sys
     kind, src, dst, budget, warm = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
-    from cairn._safetensors import from_safetensors, to_safetensors
-    from cairn._torchfile import to_torch_file
+    from cairn._interop.safetensors import from_safetensors, to_safetensors
+    from cairn._interop.torchfile import to_torch_file
 
     def convert(src, dst):
         if kind == "safetensors":

@@ -12,9 +12,9 @@ import pytest
 
 import cairn
 from _trees import assert_same
-from cairn import _commit
-from cairn import _format as fmt
-from cairn._cli import main
+from cairn._cli.main import main
+from cairn._format import manifest as fmt
+from cairn._save import commit as _commit
 from cairn._storage import LocalStorage, MemoryStorage
 
 MiB = 1 << 20
@@ -240,7 +240,7 @@ def test_resume_rewrites_a_damaged_leftover_of_the_right_size(src, tmp_path, mon
 KILLER = """
 import os, signal, sys
 import cairn
-from cairn._storage import _local
+from cairn._storage import local as _local
 src, dst, k = sys.argv[1], sys.argv[2], int(sys.argv[3])
 real, n = os.write, [0]
 def write(fd, data):  # SIGKILL just before the k-th write of file bytes
@@ -381,7 +381,7 @@ def _other(tmp_path: Path) -> Path:
 
 
 def test_object_store_copy_resumes_after_a_failed_upload(src, tmp_path, s3, monkeypatch):
-    from cairn._storage._obstore import ObjectStorage
+    from cairn._storage.obstore import ObjectStorage
 
     bucket = s3.new_bucket()
     opts = s3.options(part_size=5 * MiB)

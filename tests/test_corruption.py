@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 import cairn
 from _forge import as_version_1
 from _trees import assert_same
-from cairn import _format as fmt
+from cairn._format import manifest as fmt
 
 STRESS = os.environ.get("CAIRN_STRESS") == "1"
 pytestmark = pytest.mark.timeout(600)
@@ -67,7 +67,7 @@ def outcome(path) -> str:
     """Load everything and read the manifest metadata: 'corrupt', 'not-found' or 'same'."""
     try:
         out = cairn.load(path)
-        meta = cairn._load.read_manifest(cairn._location.resolve(path)).metadata
+        meta = cairn._load.engine.read_manifest(cairn._storage.location.resolve(path)).metadata
     except cairn.CorruptCheckpointError:
         return "corrupt"
     except cairn.CheckpointNotFoundError:
@@ -152,13 +152,13 @@ def rewrite(file, edit) -> None:
 def allocations(monkeypatch):
     """Every read buffer the loader allocates, in bytes."""
     sizes: list[int] = []
-    real = cairn._buffers.aligned_empty
+    real = cairn._core.buffers.aligned_empty
 
     def spy(shape, dtype, align=64):
         sizes.append(int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize)
         return real(shape, dtype, align)
 
-    monkeypatch.setattr(cairn._reader, "aligned_empty", spy)  # where the chunk reader looks it up
+    monkeypatch.setattr(cairn._load.reader, "aligned_empty", spy)  # where the chunk reader looks it up
     return sizes
 
 

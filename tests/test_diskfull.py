@@ -21,9 +21,11 @@ import numpy as np
 import pytest
 
 import cairn
-from cairn import _cli, _load, _save
-from cairn._location import Location
+from cairn._cli import main as _cli
+from cairn._load import engine as _load
+from cairn._save import engine as _save
 from cairn._storage import LocalStorage, MemoryStorage
+from cairn._storage.location import Location
 
 MiB = 1 << 20
 
@@ -43,7 +45,7 @@ def assert_same(got, want):
 
 def leftovers(directory):
     return [os.path.relpath(os.path.join(d, n), directory) for d, ds, fs in os.walk(directory) for n in ds + fs
-            if cairn._format.TMP_MARK in n or ".tmp-" in n]
+            if cairn._format.manifest.TMP_MARK in n or ".tmp-" in n]
 
 
 # ---------------------------------------------------------------------- a real full filesystem
@@ -203,7 +205,7 @@ def test_failing_cleanup_after_an_object_store_commit_keeps_the_checkpoint(metho
 
 def test_eio_while_loading_is_a_clear_error(tmp_path, monkeypatch):
     cairn.save(tmp_path / "ckpt", state(0))
-    from cairn._storage import _local
+    from cairn._storage import local as _local
 
     read_into, read_into_many = _local._FileReader.read_into, _local._FileReader.read_into_many
     index_part_too = True

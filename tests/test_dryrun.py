@@ -13,9 +13,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
-from cairn import _cli, _load
-from cairn._location import resolve
-from cairn._reader import LoadStats
+from cairn._cli import main as _cli
+from cairn._load import engine as _load
+from cairn._load.reader import LoadStats
+from cairn._storage.location import resolve
 
 SHAPE = (2048, 1024)  # 8 MiB of float32: several chunks, reads of whole and partial chunks
 
@@ -144,7 +145,7 @@ def test_plan_with_transforms_and_foreign_sources(tmp_path, mesh8):
     t = {"encoder": {"w": NamedSharding(mesh8, P("x"))}, "new": np.zeros(3)}
     kw = dict(rename=[(r"^enc/", "encoder/")], drop="^opt/", fill_missing=["^new$"])
     stats = LoadStats()
-    from cairn import _transforms
+    from cairn._tools import transforms as _transforms
 
     loc = resolve(tmp_path / "m.safetensors")
     _load.load(loc, t, stats=stats, source=_transforms.open_source(loc, t, **kw))

@@ -16,7 +16,7 @@ import pytest
 
 import cairn
 from _mp import run
-from cairn._export import assign, pack, parse_size
+from cairn._interop.export import assign, pack, parse_size
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -98,7 +98,7 @@ def test_export_names_rename_and_values(tmp_path, llama_ckpt):
 
 
 def test_cli_convert_to_sharded_safetensors(llama_ckpt, tmp_path, capsys):
-    from cairn._cli import main
+    from cairn._cli.main import main
 
     hf, _ckpt, sd = llama_ckpt
     cairn.save(tmp_path / "flat", cairn.load(hf))  # the HF tree at the root: names come out as HF's

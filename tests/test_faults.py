@@ -45,7 +45,7 @@ import pytest
 
 import cairn
 from _trees import assert_same
-from cairn import _cli
+from cairn._cli import main as _cli
 
 STRESS = os.environ.get("CAIRN_STRESS") == "1"
 pytestmark = pytest.mark.timeout(600)
@@ -125,7 +125,7 @@ SERVER = textwrap.dedent(
             wrap_path(name, 1)
         for name in ("rename", "replace", "link"):
             wrap_path(name, 2)
-        from cairn._storage import _local
+        from cairn._storage import local as _local
         real_x = _local._rename_exchange
 
         def exchange(a, b):
@@ -135,7 +135,7 @@ SERVER = textwrap.dedent(
 
         try:
             import obstore
-            from cairn._storage import _obstore
+            from cairn._storage import obstore as _obstore
         except ImportError:
             return ops
         real_put, real_delete = obstore.put, obstore.delete
@@ -174,7 +174,7 @@ SERVER = textwrap.dedent(
     def trial(spec, log_fd):
         if spec.get("no_exchange"):
             # A filesystem without renameat2(RENAME_EXCHANGE): the overwrite falls back.
-            from cairn._storage import _local
+            from cairn._storage import local as _local
 
             def no_exchange(a, b):
                 raise OSError(38, "renameat2 is not available (test)")
@@ -211,7 +211,7 @@ SERVER = textwrap.dedent(
     if __name__ == "__main__":
         try:  # import here, once: the trial processes then only fork
             import obstore  # noqa: F401
-            import cairn._storage._obstore  # noqa: F401
+            import cairn._storage.obstore  # noqa: F401
         except ImportError:
             pass
         import shutil, tempfile
@@ -324,7 +324,7 @@ def local_leftovers(base: str) -> list[str]:
     out = []
     for dirpath, dirs, files in os.walk(base):
         for n in dirs + files:
-            if cairn._format.TMP_MARK in n or ".tmp-" in n:
+            if cairn._format.manifest.TMP_MARK in n or ".tmp-" in n:
                 out.append(os.path.relpath(os.path.join(dirpath, n), base))
     return out
 
@@ -415,7 +415,7 @@ def test_kill_anywhere_local_manager_retention(server, tmp_path, use_async):
             for s in steps:
                 assert_same(mgr.restore(s), states[s], f"{where}: step {s}")
             assert local_leftovers(base) == [], (where, local_leftovers(base))
-            assert sorted(os.listdir(base)) == [cairn._steps.step_dirname(s) for s in steps], where
+            assert sorted(os.listdir(base)) == [cairn._run.steps.step_dirname(s) for s in steps], where
             seen.add(tuple(steps))
             mgr.save(3, states[3])
             assert mgr.steps()[-2:] == [steps[-1], 3], where

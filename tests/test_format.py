@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cairn import CorruptCheckpointError
-from cairn import _format as fmt
-from cairn._tree import flatten, unflatten
+from cairn._format import manifest as fmt
+from cairn._tree.pytree import flatten, unflatten
 
 
 def small_index():
@@ -81,7 +81,7 @@ def test_index_v2_explicit_chunks_roundtrip_with_grid_runs():
 
 def part_index():
     """A version-2 index whose leaf's records live in two processes' binary parts."""
-    from cairn._partfile import PartInfo, encode_part
+    from cairn._format.partfile import PartInfo, encode_part
 
     # w: 4 x 2 float32 on a 4 x 1 grid; process 0 wrote cells 0 and 2, process 1 cells 1 and 3.
     parts = {

@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec as P
 
 import cairn
 from _trees import assert_same
-from cairn import _cli
+from cairn._cli import main as _cli
 
 
 def sharded(mesh, shape, spec, dtype=jnp.float32, seed=0):

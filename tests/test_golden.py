@@ -456,7 +456,7 @@ def test_manager_reads_its_old_directory(tmp_path):
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_cli_verify(name, capsys):
-    from cairn._cli import main
+    from cairn._cli.main import main
 
     assert main(["--plain", "verify", str(GOLDEN_ROOT / name)]) == 0, capsys.readouterr()
 

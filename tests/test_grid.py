@@ -12,10 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cairn import _layout, _merge, _plan
-from cairn._binindex import cells_in
-from cairn._grid import regular_layout, spec_boxes
-from cairn._plan import ChunkLayout, LayoutError, chunk_layout
+from cairn._format.binindex import cells_in
+from cairn._plan import chunking as _plan
+from cairn._plan import rowmerge as _merge
+from cairn._plan.chunking import ChunkLayout, LayoutError, chunk_layout
+from cairn._plan.grid import regular_layout, spec_boxes
+from cairn._save import assign as _layout
 
 
 def _loop_layout(*args):
@@ -208,7 +210,7 @@ def test_named_sharding_boxes_by_arithmetic_are_jax_s(case):
     the same devices in the same order, the same box on each."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from cairn import _jaxutil
+    from cairn._tree import shardings as _jaxutil
 
     mesh_devices, names, spec, shape = case
     sharding = NamedSharding(Mesh(mesh_devices, names), PartitionSpec(*spec))
@@ -240,7 +242,7 @@ def test_spec_boxes_leaves_what_it_does_not_know_to_jax():
 
 
 def test_memo_is_bounded_and_skips_unhashable_keys():
-    from cairn._memo import Memo
+    from cairn._core.memo import Memo
 
     m: Memo[int] = Memo(limit=3)
     assert m.put(("a", 1), 10) == 10 and m.get(("a", 1)) == 10

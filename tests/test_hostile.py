@@ -15,7 +15,7 @@ import pytest
 
 import cairn
 from _forge import as_version_1
-from cairn import _format as fmt
+from cairn._format import manifest as fmt
 
 
 def index_file(path, item):
@@ -175,13 +175,13 @@ def test_absurd_shapes_and_offsets(ckpt, allocations, edit, match):
 @pytest.fixture
 def allocations(monkeypatch):
     sizes: list[int] = []
-    real = cairn._buffers.aligned_empty
+    real = cairn._core.buffers.aligned_empty
 
     def spy(shape, dtype, align=64):
         sizes.append(int(np.prod(shape, dtype=object)))
         return real(shape, dtype, align)
 
-    monkeypatch.setattr(cairn._reader, "aligned_empty", spy)  # where the chunk reader looks it up
+    monkeypatch.setattr(cairn._load.reader, "aligned_empty", spy)  # where the chunk reader looks it up
     return sizes
 
 
@@ -234,7 +234,7 @@ def test_no_code_loading_primitives_in_the_loader():
     bytes of values it parsed itself); nothing may *load* marshalled data."""
     import inspect
 
-    for mod in (cairn._load, cairn._format, cairn._tree, cairn._leaves, cairn._storage._local):
+    for mod in (cairn._load.engine, cairn._format.manifest, cairn._tree.pytree, cairn._tree.leaves, cairn._storage.local):
         src = inspect.getsource(mod)
         for banned in ("pickle", "eval(", "exec(", "importlib", "__import__", "allow_pickle=True", "marshal.load"):
             assert banned not in src, (mod.__name__, banned)

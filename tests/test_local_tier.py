@@ -26,18 +26,8 @@ from jax.sharding import PartitionSpec as P
 import cairn
 from _mp import start, wait
 from cairn import CheckpointError, CorruptCheckpointError, MismatchError
-from cairn._localblob import shard_data
-from cairn._localplan import (
-    Choice,
-    Table,
-    choose,
-    decode_table,
-    encode_table,
-    local_box,
-    segments,
-    sizes,
-)
-from cairn._replicas import (
+from cairn._local.blob import shard_data
+from cairn._local.replicas import (
     Piece,
     header_bytes,
     layout_key,
@@ -48,6 +38,16 @@ from cairn._replicas import (
     row_lengths,
     shard_tables,
     unpack,
+)
+from cairn._local.restoreplan import (
+    Choice,
+    Table,
+    choose,
+    decode_table,
+    encode_table,
+    local_box,
+    segments,
+    sizes,
 )
 
 N = 4
@@ -179,8 +179,8 @@ def test_layout_key_is_the_crc_of_its_defining_description():
     saved before the memo still match), and it tells layouts apart."""
     import json
 
-    from cairn._checksum import crc32c
-    from cairn._jaxutil import slices_to_box
+    from cairn._core.checksum import crc32c
+    from cairn._tree.shardings import slices_to_box
 
     def plain(shapes, dtypes, shardings, paths):
         desc = ["rows-by-device"]

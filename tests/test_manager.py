@@ -19,9 +19,9 @@ from jax.sharding import PartitionSpec as P
 from tests._procs.train_loop import expected
 
 import cairn
-from cairn import _async
-from cairn._storage._local import LocalStorage
-from cairn._storage._memory import MemoryStorage
+from cairn._save import future as _async
+from cairn._storage.local import LocalStorage
+from cairn._storage.memory import MemoryStorage
 
 _PROCS = os.path.join(os.path.dirname(__file__), "_procs")
 _ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")

@@ -12,10 +12,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
-from cairn import _merge
-from cairn._checksum import crc32c
-from cairn._plan import ChunkLayout
-from cairn._save import _block_crcs
+from cairn._core.checksum import crc32c
+from cairn._plan import rowmerge as _merge
+from cairn._plan.chunking import ChunkLayout
+from cairn._save.engine import _block_crcs
 
 
 def _leaf_json(path, item):
@@ -63,7 +63,7 @@ def test_fsdp_on_one_host_is_one_chunk_and_loads_onto_any_sharding(tmp_path, mes
 
 def test_merged_chunks_stay_under_the_cap_and_a_flipped_seam_byte_is_caught(tmp_path, mesh8, monkeypatch):
     monkeypatch.setattr(_merge, "MERGE_MAX_BYTES", 3 * 1024)  # 3 of the 8 shards of 1 KiB each
-    from cairn import _layout
+    from cairn._save import assign as _layout
 
     _layout.layout_cache.clear()
     _layout._sources_cache.clear()

@@ -258,7 +258,7 @@ _NOJAX_SCRIPT = textwrap.dedent(
     import json
     import numpy as np
     import cairn
-    from cairn._cli import main
+    from cairn._cli.main import main
 
     ck = sys.argv[1]
     got = cairn.load(ck)

@@ -6,10 +6,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from cairn import _format as fmt
-from cairn._estimate import estimate_read_bytes
-from cairn._plan import plan_reads
-from cairn._readonce import DIRECT_MAX, Layout, choose, refined_layout, staging_layout
+from cairn._format import manifest as fmt
+from cairn._load.readonce import DIRECT_MAX, Layout, choose, refined_layout, staging_layout
+from cairn._plan.chunking import plan_reads
+from cairn._plan.estimate import estimate_read_bytes
 
 MESH = ("x", "y"), (2, 4)
 
@@ -115,8 +115,8 @@ def test_representative_process_is_the_plain_walk_of_the_devices():
     import jax
     from jax.sharding import NamedSharding, PartitionSpec, SingleDeviceSharding
 
-    from cairn import _readonce
-    from cairn._jaxutil import slices_to_box
+    from cairn._load import readonce as _readonce
+    from cairn._tree.shardings import slices_to_box
 
     def plain(sharding, shape, process_of=None):
         proc = (lambda d: d.process_index) if process_of is None else process_of

@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cairn
-from cairn._retention import CheckpointInfo, retained
+from cairn._run.retention import CheckpointInfo, retained
 
 _ids = itertools.count()
 

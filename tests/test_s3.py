@@ -20,8 +20,8 @@ from jax.sharding import PartitionSpec as P
 
 import cairn
 from _s3server import FaultProxy
-from cairn import _save
-from cairn._location import resolve
+from cairn._save import engine as _save
+from cairn._storage.location import resolve
 
 MiB = 1 << 20
 
@@ -198,7 +198,7 @@ def _replicated(mesh, x):
 def test_corrupt_byte_inside_a_part_or_straddling_two_fails_naming_it(store, bucket, opts, mesh8, part):
     """Blocks are verified as the parts of a read land (a part holding a block whole) or after the
     read (a block across two parts): a flipped byte either way fails the load, naming the bytes."""
-    from cairn._checksum import crc32c
+    from cairn._core.checksum import crc32c
 
     x = np.random.default_rng(6).standard_normal(3 * MiB // 4, dtype=np.float32)  # 3 MiB: three blocks
     path = store.url(bucket, "flip")
@@ -227,7 +227,7 @@ def test_corrupt_byte_inside_a_part_or_straddling_two_fails_naming_it(store, buc
 def test_every_block_verified_once_inside_parts_where_they_land(store, bucket, opts, mesh8, monkeypatch):
     """Blocks wholly inside a part are verified in the read-pool thread that received it; blocks
     across parts once the read is done; none twice, none skipped, with any part size."""
-    from cairn import _checksum
+    from cairn._core import checksum as _checksum
 
     x = np.random.default_rng(8).standard_normal(3 * MiB // 4, dtype=np.float32)
     path = store.url(bucket, "once")

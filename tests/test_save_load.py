@@ -212,7 +212,7 @@ class CountingReads:
     """Counts bytes read per file through the local storage's reader."""
 
     def __init__(self, monkeypatch):
-        from cairn._storage import _local
+        from cairn._storage import local as _local
 
         self.by_file: collections.Counter[str] = collections.Counter()
         orig = _local._FileReader.read_into
@@ -448,7 +448,7 @@ def test_leftover_tmp_dirs_are_ignored(tmp_path):
 
 
 def test_vectored_reads_fill_consecutive_buffers(tmp_path):
-    from cairn._storage._local import _IOV_MAX, _FileReader
+    from cairn._storage.local import _IOV_MAX, _FileReader
 
     data = np.random.default_rng(0).integers(0, 256, 3 * _IOV_MAX + 17, dtype=np.uint8)
     (tmp_path / "f").write_bytes(data.tobytes())
@@ -465,8 +465,8 @@ def test_vectored_reads_fill_consecutive_buffers(tmp_path):
 def test_merged_small_chunks_land_directly_and_are_verified(tmp_path, mesh8, monkeypatch):
     x = sharded(mesh8, P("x"), (64, 16))  # eight 512-byte chunks, read as one vectored read
     cairn.save(tmp_path / "c", {"x": x})
-    from cairn import _load
-    from cairn._location import resolve
+    from cairn._load import engine as _load
+    from cairn._storage.location import resolve
 
     stats = _load.LoadStats()
     target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)}
@@ -484,8 +484,8 @@ def test_resharding_with_long_rows_reads_straight_into_the_target_rows(tmp_path,
     # file and a block of 8 KiB rows in the target shard; it is read row by row in place.
     x = sharded(mesh8, P(None, "x"), (64, 16384))
     cairn.save(tmp_path / "c", {"x": x})
-    from cairn import _load
-    from cairn._location import resolve
+    from cairn._load import engine as _load
+    from cairn._storage.location import resolve
 
     stats = _load.LoadStats()
     target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh8, P("x")))}

@@ -24,11 +24,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
-from cairn import _load, _sources
-from cairn._location import resolve
-from cairn._reader import LoadStats
-from cairn._storage import _local
-from cairn._tree import map_with_path
+from cairn._interop import sources as _sources
+from cairn._load import engine as _load
+from cairn._load.reader import LoadStats
+from cairn._storage import local as _local
+from cairn._storage.location import resolve
+from cairn._tree.pytree import map_with_path
 
 torch = pytest.importorskip("torch")
 
@@ -335,7 +336,7 @@ def test_dcp_crafted_tensor_pickle_is_refused(tmp_path):
     """A torch.save blob whose data.pkl calls anything but the tensor rebuild is refused, never run."""
     import zipfile
 
-    from cairn._sources import _torchsave as tsv
+    from cairn._interop.sources import _torchsave as tsv
     from cairn._storage import LocalStorage
 
     marker = tmp_path / "pwned"
@@ -404,7 +405,7 @@ def test_dcp_two_rank_gloo_shards_form_a_grid(tmp_path, mesh42):
 
 
 def test_cli_inspect_and_convert_foreign(llama, dcp_ckpt, tmp_path, capsys):
-    from cairn._cli import main
+    from cairn._cli.main import main
 
     hf, sd = llama
     dcp_path, dsd = dcp_ckpt

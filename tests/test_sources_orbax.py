@@ -151,7 +151,7 @@ def test_checkpoint_manager_step_folder(tmp_path, mesh42):
 
 
 def test_cli_inspect_and_convert_orbax(tmp_path, mesh42, capsys):
-    from cairn._cli import main
+    from cairn._cli.main import main
 
     tree = state(mesh42)
     save_pytree(tmp_path / "ck", tree, use_zarr3=True)

@@ -251,7 +251,7 @@ class ObjectStoreConformance(StorageConformance):
 
     @pytest.fixture
     def storage(self, server, bucket):
-        from cairn._storage._obstore import ObjectStorage
+        from cairn._storage.obstore import ObjectStorage
 
         # Small parts so the tests cross part boundaries on both paths.
         opts = server.options(part_size=5 * MiB, read_part_size=1 * MiB, read_concurrency=3)
@@ -290,7 +290,7 @@ class ObjectStoreConformance(StorageConformance):
         """
         import obstore
 
-        from cairn._storage import _obstore
+        from cairn._storage import obstore as _obstore
 
         keys = [f"gone/k{i:02d}" for i in range(12)]
         for k in keys:
@@ -389,7 +389,7 @@ class TestAzureStorage(ObjectStoreConformance):
     def test_emulator_settings(self, azure, bucket):
         """`use_emulator` with an `endpoint` (cairn's shortcut) or spelt out as account, key and endpoint."""
         from _servers import AZURITE_ACCOUNT, AZURITE_KEY
-        from cairn._storage._obstore import ObjectStorage
+        from cairn._storage.obstore import ObjectStorage
 
         spelt = {"account_name": AZURITE_ACCOUNT, "account_key": AZURITE_KEY,
                  "endpoint": f"{azure.endpoint}/{AZURITE_ACCOUNT}", "allow_http": True}

@@ -12,9 +12,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
-from cairn import _transforms
-from cairn._location import resolve
-from cairn._reader import LoadStats
+from cairn._load.reader import LoadStats
+from cairn._storage.location import resolve
+from cairn._tools import transforms as _transforms
 
 
 def old_model(mesh):

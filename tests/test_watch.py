@@ -19,8 +19,8 @@ import pytest
 
 import cairn
 from _mp import run
-from cairn import _leases
-from cairn._steps import open_directory
+from cairn._run import leases as _leases
+from cairn._run.steps import open_directory
 
 _PAIR = os.path.join(os.path.dirname(__file__), "_procs", "watch_pair.py")
 _ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
@@ -207,7 +207,7 @@ def test_a_held_lease_is_renewed(directory):
 
 
 def test_the_handshake_each_side_sees_the_other(directory):
-    """The two orders of the race, played out by hand (module docstring of cairn._leases)."""
+    """The two orders of the race, played out by hand (module docstring of cairn._run.leases)."""
     storage = _storage(directory)
     with _trainer(directory) as mgr:
         for s in (0, 1):

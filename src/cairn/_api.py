@@ -11,13 +11,17 @@ import os
 import time
 from typing import Any
 
-from . import _async, _load, _save, _sources, _transforms
-from ._coord import Coordinator
+from ._core.stats import LoadStats
+from ._dist.coord import Coordinator
 from ._errors import CheckpointNotFoundError
-from ._location import resolve
-from ._sources import Rename
-from ._stats import LoadStats
-from ._transforms import Patterns, RestoreReport
+from ._interop import sources as _sources
+from ._interop.sources import Rename
+from ._load import engine as _load
+from ._save import engine as _save
+from ._save import future as _async
+from ._storage.location import resolve
+from ._tools import transforms as _transforms
+from ._tools.transforms import Patterns, RestoreReport
 
 PathLike = str | os.PathLike[str]
 
@@ -229,7 +233,7 @@ def load(
         out = _load.load(loc, target, source=source, **kw)
     _transforms.finish(source, loc.path, report)
     if framework == "torch":
-        from ._torch import tree_to_torch
+        from ._interop.tensors import tree_to_torch
 
         out = tree_to_torch(out, loc.path)
     return out

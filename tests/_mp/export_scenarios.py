@@ -7,7 +7,7 @@ import os
 import jax
 
 import cairn
-from cairn import _commit
+from cairn._save import commit as _commit
 
 
 def export(ckpt: str, dst: str, max_shard_size: str, item: str | None = None) -> dict:

@@ -65,7 +65,7 @@ def _files(path: str) -> dict[str, int]:
 
 def _count_published() -> list[int]:
     """Count the bytes this process hands to the coordinator (metadata only, never arrays)."""
-    from cairn._coord import JaxCoordinator
+    from cairn._dist.coord import JaxCoordinator
 
     sent = [0]
     real = JaxCoordinator.publish
@@ -94,7 +94,7 @@ def save(path: str, mesh: list[int], split_replicas: bool = False, big_mb: int =
 
 def coordinator_basics() -> dict:
     """The JAX client calls cairn uses, their timeouts, and what a timeout says."""
-    from cairn._coord import JaxCoordinator, default_coordinator
+    from cairn._dist.coord import JaxCoordinator, default_coordinator
 
     c = default_coordinator()
     assert isinstance(c, JaxCoordinator)
@@ -130,9 +130,9 @@ def coordinator_basics() -> dict:
 
 def load(path: str, mesh: list[int], specs: dict[str, Any] | None = None, big: list[Any] | None = None) -> dict:
     """Load `path` onto `mesh` with `specs`; check every local shard; report bytes read."""
-    from cairn._load import LoadStats
-    from cairn._load import load as engine_load
-    from cairn._location import resolve
+    from cairn._load.engine import LoadStats
+    from cairn._load.engine import load as engine_load
+    from cairn._storage.location import resolve
 
     m = _mesh(mesh)
     target = {"params": {}}
@@ -170,7 +170,7 @@ def load(path: str, mesh: list[int], specs: dict[str, Any] | None = None, big: l
 
 
 def hello() -> dict:
-    from cairn._coord import default_coordinator
+    from cairn._dist.coord import default_coordinator
 
     c = default_coordinator()
     c.publish(f"t/hello/{c.process_index}", str(c.process_index).encode())
@@ -183,7 +183,7 @@ def hello() -> dict:
 
 def _fail_writes_on(process: int, action: str) -> None:
     """Make data-file writes of `process` fail ("raise") or kill it mid-file ("kill")."""
-    from cairn._storage._local import LocalStorage
+    from cairn._storage.local import LocalStorage
 
     if jax.process_index() != process:
         return
@@ -248,7 +248,7 @@ def async_then_donate(path: str, mesh: list[int]) -> dict:
         np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index] * 2 + 1)
     # A later save lets the coordination service forget the first save's keys.
     cairn.save(path + "-next", {"new": new}, timeout=60)
-    from cairn._coord import default_coordinator
+    from cairn._dist.coord import default_coordinator
 
     left = len(default_coordinator()._client.key_value_dir_get_bytes("cairn/save/0"))
     return {"donated": donated, "blocking_s": stats.blocking_s, "keys_left_of_first_save": left}
@@ -279,7 +279,7 @@ def kill_at_op(path: str, mesh: list[int], victim: int, op: int, timeout: float 
     just before its storage operation number `op` of that save (writes, puts,
     renames, fsyncs of folders, deletes). Returns how many operations it made
     when it was not killed (op beyond the end)."""
-    from cairn._storage._local import LocalStorage
+    from cairn._storage.local import LocalStorage
 
     good, bad = os.path.join(path, "good"), os.path.join(path, "bad")
     state = make_state(mesh)
@@ -317,10 +317,10 @@ def save_then_load(path: str, mesh: list[int], save_spec: list[Any], load_spec: 
     With `corrupt`, process 0 flips a byte of process 1's data file between the
     save and the load: every process must fail, naming the one that read it.
     """
-    from cairn._coord import default_coordinator
-    from cairn._load import LoadStats
-    from cairn._load import load as engine_load
-    from cairn._location import resolve
+    from cairn._dist.coord import default_coordinator
+    from cairn._load.engine import LoadStats
+    from cairn._load.engine import load as engine_load
+    from cairn._storage.location import resolve
 
     m = _mesh(mesh)
     shp = tuple(shape)
@@ -381,9 +381,9 @@ def _status_bytes(field: str) -> int:
 
 def save_replicated(path: str, mesh: list[int], mb: int) -> dict:
     """Save an array replicated on every device; load it back replicated; report bytes per process."""
-    from cairn._load import LoadStats
-    from cairn._load import load as engine_load
-    from cairn._location import resolve
+    from cairn._load.engine import LoadStats
+    from cairn._load.engine import load as engine_load
+    from cairn._storage.location import resolve
 
     m = _mesh(mesh)
     shp = (mb * 256, 1024)
@@ -424,8 +424,8 @@ def manager_agreement(directory: str, mesh: list[int]) -> dict:
     """Two steps; process 0 corrupts a chunk of step 2 that only process 1 reads; restore with
     fallback must land every process on step 1. Then process 1's own listing is hidden from
     it: `latest_step` must still be the primary's answer."""
-    from cairn import _steps
-    from cairn._coord import default_coordinator
+    from cairn._dist.coord import default_coordinator
+    from cairn._run import steps as _steps
 
     coord = default_coordinator()
     m = _mesh(mesh)

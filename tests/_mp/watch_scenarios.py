@@ -7,8 +7,8 @@ import os
 import numpy as np
 
 import cairn
-from cairn._coord import SingleProcess, default_coordinator
-from cairn._leases import LEASE_DIR
+from cairn._dist.coord import SingleProcess, default_coordinator
+from cairn._run.leases import LEASE_DIR
 
 
 def _state(step: int) -> dict:

@@ -203,9 +203,10 @@ def small_blocks(path: Path) -> None:
     """96 KiB in chunks of 12 KiB with 4 KiB checksum blocks (3 CRCs a chunk), in 4 data files.
 
     Block size and file split are not public options: this calls the save
-    engine (`cairn._save.prepare`) of the commit the goldens were written at.
+    engine (`cairn._save.engine.prepare`) of the commit the goldens were written at.
     """
-    from cairn import _location, _save
+    from cairn._save import engine as _save
+    from cairn._storage import location as _location
 
     mesh = jax.make_mesh((4, 2), ("x", "y"))
     w = jax.device_put(np.arange(24576, dtype=np.float32).reshape(128, 192), NamedSharding(mesh, P("x", "y")))

@@ -6,10 +6,10 @@ through obstore, an optional extra; ``memory://`` is an in-process store for
 fast tests.
 """
 
-from ._base import LocalDirs, PartReader, RandomReader, Storage, split_url
-from ._local import LocalStorage
-from ._memory import MemoryStorage
-from ._staging import staged_file
+from .base import LocalDirs, PartReader, RandomReader, Storage, split_url
+from .local import LocalStorage
+from .memory import MemoryStorage
+from .staging import staged_file
 
 
 def open_storage(url: str, options: dict | None = None) -> Storage:
@@ -19,7 +19,7 @@ def open_storage(url: str, options: dict | None = None) -> Storage:
         return LocalStorage(url)
     if scheme == "memory":
         return MemoryStorage.named(url)
-    from ._obstore import ObjectStorage
+    from .obstore import ObjectStorage
 
     return ObjectStorage(url, options or {})
 

@@ -1,0 +1,495 @@
+"""The ``cairn`` command line: ls, inspect, verify, diff, convert, cp, mv, plan, gc.
+
+Every command reaches checkpoints through `cairn._storage.location.resolve` (``ls``
+and ``gc`` through `cairn._run.steps`, which the manager shares), so it works the
+same on local paths and object-store URLs. Output is a rich table
+when rich is installed (the ``cli`` extra) and aligned plain text otherwise
+(or with ``--plain``); ``--json`` gives machine-readable output. A failure is
+one line on stderr and a non-zero exit status; ``--debug`` shows the
+traceback instead.
+
+Exit status: 0 success (for ``verify``: intact; for ``diff``: no
+differences), 1 the check found problems or the command failed, 2 bad usage.
+
+Example::
+
+    $ cairn ls /ckpt/run1
+    $ cairn inspect /ckpt/run1/step_00001000
+    $ cairn verify s3://bucket/run1/step_00001000
+    $ cairn convert /ckpt/run1/step_00001000 model.safetensors --to safetensors
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+from .._errors import CheckpointError
+from .._format import manifest as fmt
+from .._format import values
+from .._interop.sources import FORMATS
+from .._run import steps as _steps
+from .._tools.copy import add_commands as add_copy_commands
+from .plan import add_command as add_plan_command
+
+# ---------------------------------------------------------------------- output
+
+
+def human_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_age(seconds: float | None) -> str:
+    if seconds is None:
+        return "-"
+    s = max(0.0, seconds)
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if s >= size:
+            return f"{s / size:.1f}{unit}"
+    return f"{s:.0f}s"
+
+
+def parse_bytes(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*", text.lower())
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 512M, 2G, 1048576)")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[m.group(2)]
+    n = int(float(m.group(1)) * scale)
+    if n < 1 << 20:
+        raise argparse.ArgumentTypeError(f"a budget of {text!r} is below the minimum of 1M")
+    return n
+
+
+class Output:
+    """Tables, messages and progress bars: rich if available and wanted, plain text otherwise."""
+
+    def __init__(self, plain: bool = False, quiet: bool = False):
+        self.quiet = quiet
+        self.console: Any = None
+        self.err_console: Any = None
+        if not plain:
+            try:
+                from rich.console import Console
+            except ImportError:
+                pass
+            else:
+                width = None if sys.stdout.isatty() else 200
+                self.console = Console(file=sys.stdout, width=width, highlight=False)
+                self.err_console = Console(file=sys.stderr, highlight=False)
+
+    def line(self, text: str = "") -> None:
+        if self.console is not None:
+            self.console.print(text, markup=False)
+        else:
+            print(text, file=sys.stdout)
+
+    def table(self, columns: Sequence[str], rows: Sequence[Sequence[Any]], title: str | None = None,
+              right: Sequence[str] = ()) -> None:
+        cells = [["" if c is None else str(c) for c in row] for row in rows]
+        if self.console is not None:
+            from rich.table import Table
+
+            t = Table(title=title, title_justify="left", show_edge=False, header_style="bold")
+            for c in columns:
+                t.add_column(c, justify="right" if c in right else "left", overflow="fold")
+            for row in cells:
+                t.add_row(*row)
+            self.console.print(t)
+            return
+        if title:
+            print(title)
+        widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+
+        def fmt_row(row: Sequence[str]) -> str:
+            parts = [v.rjust(w) if c in right else v.ljust(w) for v, w, c in zip(row, widths, columns)]
+            return "  ".join(parts).rstrip()
+
+        print(fmt_row(list(columns)))
+        print("  ".join("-" * w for w in widths))
+        for row in cells:
+            print(fmt_row(row))
+
+    @contextlib.contextmanager
+    def progress(self, description: str, total: int | None) -> Iterator[tuple[Callable[[int], None], Callable[[int], None]]]:
+        """Yields (set_total, advance); a rich bar on stderr, or nothing in plain mode."""
+        if self.quiet or self.err_console is None or not sys.stderr.isatty():
+            yield (lambda n: None), (lambda n: None)
+            return
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
+        with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(binary_units=True),
+                      TransferSpeedColumn(), TimeRemainingColumn(), console=self.err_console,
+                      transient=True) as bar:
+            task = bar.add_task(description, total=total)
+            yield (lambda n: bar.update(task, total=n)), (lambda n: bar.advance(task, n))
+
+
+def _dump_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=_json_default))
+
+
+def _json_default(x: Any) -> Any:
+    import numpy as np
+
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, bytes):
+        return {"bytes_hex": x.hex()}
+    if isinstance(x, complex):
+        return [x.real, x.imag]
+    return repr(x)
+
+
+# ---------------------------------------------------------------------- ls / gc
+
+
+def _fmt_metrics(metrics: dict[str, Any]) -> str:
+    parts = []
+    for k, v in metrics.items():
+        parts.append(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}")
+    return " ".join(parts)
+
+
+def cmd_ls(args: argparse.Namespace, out: Output) -> int:
+    loc, entries = _steps.scan(args.dir, None)
+    if args.json:
+        _dump_json({"dir": loc.path, "entries": [{k: v for k, v in e.items() if k != "key"} for e in entries]})
+        return 0
+    if not entries:
+        if loc.storage.exists(loc.key(fmt.MANIFEST)):
+            out.line(f"{loc.path} is a checkpoint itself, not a directory of them; try: cairn inspect {loc.path}")
+        else:
+            out.line(f"no checkpoints in {loc.path}")
+        return 0
+    rows = [
+        [e["step"] if e["step"] is not None else "", e["name"], e["status"], human_bytes(e["bytes"]),
+         human_age(e["age_s"]), _fmt_metrics(e["metrics"])]
+        for e in entries
+    ]
+    out.table(["step", "name", "status", "size", "age", "metrics"], rows, title=loc.path, right=["step", "size", "age"])
+    committed = sum(e["status"] == "committed" for e in entries)
+    leftovers = len(entries) - committed
+    summary = f"{committed} committed"
+    if leftovers:
+        summary += f", {leftovers} leftover (interrupted or in progress; `cairn gc` removes them)"
+    out.line(summary)
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace, out: Output) -> int:
+    loc, entries = _steps.scan(args.dir, None)
+    leftovers = [e for e in entries if e["status"] in ("temporary", "uncommitted")]
+    # A leftover younger than --min-age may be a save still in progress: keep it.
+    # Where the age is unknown (object stores have no modification times here),
+    # only --min-age 0 removes it.
+    doomed = [e for e in leftovers if args.min_age <= 0 or (e["age_s"] is not None and e["age_s"] >= args.min_age)]
+    kept = [e for e in leftovers if e not in doomed]
+    storage = _steps.open_directory(args.dir)[1] if doomed and not args.dry_run else None
+    for e in [] if args.json else kept:
+        age = "unknown age" if e["age_s"] is None else f"{e['age_s']:.0f} s old"
+        out.line(f"kept {e['name']} ({e['status']}, {age}: may be a save in progress; --min-age 0 removes it)")
+    if args.json:
+        if storage is not None:
+            for e in doomed:
+                _remove(storage, e)
+        _dump_json({"dir": loc.path, "dry_run": args.dry_run,
+                    "removed": [{"name": e["name"], "status": e["status"], "bytes": e["bytes"]} for e in doomed],
+                    "kept": [{"name": e["name"], "status": e["status"], "age_s": e["age_s"]} for e in kept]})
+        return 0
+    if not doomed:
+        if not kept:
+            out.line(f"nothing to remove in {loc.path}")
+        return 0
+    verb = "would remove" if args.dry_run else "removed"
+    for e in doomed:
+        if storage is not None:
+            _remove(storage, e)
+        out.line(f"{verb} {e['name']} ({e['status']}, {e['files']} files, {human_bytes(e['bytes'])})")
+    out.line(f"{verb} {len(doomed)} entries, {human_bytes(sum(e['bytes'] for e in doomed))}")
+    return 0
+
+
+def _remove(storage: Any, e: dict[str, Any]) -> None:
+    """Remove leftover `e` through the directory's own storage (`_steps.remove_leftover`)."""
+    try:
+        _steps.remove_leftover(storage, e["name"])
+    except FileNotFoundError:
+        pass  # removed meanwhile
+
+
+# ---------------------------------------------------------------------- inspect
+
+
+def _sharding_text(s: dict[str, Any] | None) -> str:
+    if not s:
+        return ""
+    if "spec" in s and "mesh" in s:
+        mesh = ",".join(f"{a}={n}" for a, n in zip(s["mesh"]["axis_names"], s["mesh"]["shape"]))
+        spec = ",".join("None" if p is None else "+".join(p) if isinstance(p, list) else str(p) for p in s["spec"])
+        return f"P({spec}) mesh({mesh})"
+    if "device" in s:
+        return s["device"]
+    return f"{s.get('type', '?')} on {s.get('num_devices', '?')} devices"
+
+
+def _value_json(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return repr(v)
+    if isinstance(v, complex):
+        return repr(v)
+    try:
+        import numpy as np
+
+        if isinstance(v, np.generic):
+            return _value_json(v.item())
+    except ImportError:  # pragma: no cover
+        pass
+    return v
+
+
+def inspect_data(path: str, format: str | None = None) -> dict[str, Any]:
+    from .._interop.sources import inspect_data as foreign
+    from .._load.metadata import open_checkpoint
+
+    other = foreign(path, format)  # Orbax, DCP, safetensors
+    if other is not None:
+        return other
+    ck = open_checkpoint(path)
+    m = ck.manifest
+    items: dict[str, Any] = {}
+    totals = {"leaves": 0, "arrays": 0, "array_bytes": 0, "files": 0, "file_bytes": 0}
+    for name, index in ck.indexes.items():
+        leaves = []
+        for leaf in index.leaves:
+            if isinstance(leaf, fmt.ArrayLeaf):
+                d: dict[str, Any] = {
+                    "path": leaf.path, "kind": leaf.kind, "dtype": values.dtype_name(leaf.dtype),
+                    "shape": list(leaf.shape), "nbytes": leaf.nbytes, "grid": list(leaf.grid_shape),
+                    "chunks": len(leaf.chunks),
+                }
+                if leaf.sharding is not None:
+                    d["sharding"] = leaf.sharding
+                if leaf.handler is not None:
+                    d["handler"] = leaf.handler
+                if leaf.impl is not None:
+                    d["impl"] = leaf.impl
+                totals["arrays"] += 1
+                totals["array_bytes"] += leaf.nbytes
+            else:
+                d = {"path": leaf.path, "kind": leaf.kind, "value": _value_json(leaf.value)}
+            leaves.append(d)
+        totals["leaves"] += len(leaves)
+        totals["files"] += len(index.files)
+        totals["file_bytes"] += sum(f.size for f in index.files)
+        items[name] = {
+            "dir": m.items[name].dir, "index": m.items[name].index, "block_size": index.block_size,
+            "files": [{"name": f.name, "size": f.size} for f in index.files], "leaves": leaves,
+            "index_parts": [p.name for p in index.parts],
+        }
+    return {
+        "path": ck.loc.path, "format_version": m.version, "cairn_version": m.cairn_version,
+        "created_unix": m.created_unix, "process_count": m.process_count, "root": m.root,
+        "metadata": m.metadata, "items": items, "totals": totals,
+    }
+
+
+def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
+    data = inspect_data(args.path, args.format)
+    if args.json:
+        _dump_json(data)
+        return 0
+    rows = []
+    for name, item in data["items"].items():
+        for leaf in item["leaves"]:
+            key = leaf["path"] if data["root"] else (f"{name}/{leaf['path']}" if leaf["path"] else name)
+            if "dtype" in leaf:
+                shape = "(" + ", ".join(map(str, leaf["shape"])) + ("," if len(leaf["shape"]) == 1 else "") + ")"
+                grid = "x".join(map(str, leaf["grid"])) or "1"
+                dtype = leaf["dtype"] if leaf["kind"] == "array" else leaf["kind"]
+                dtype = f"key<{leaf['impl']}> data" if "impl" in leaf else dtype
+                rows.append([key or "<root>", dtype, shape, human_bytes(leaf["nbytes"]), grid,
+                             _sharding_text(leaf.get("sharding"))])
+            else:
+                text = repr(leaf["value"])
+                rows.append([key or "<root>", leaf["kind"], text if len(text) <= 60 else text[:57] + "...", "", "", ""])
+    out.table(["key path", "dtype", "shape / value", "size", "chunks", "saved sharding"], rows,
+              title=data["path"], right=["size"])
+    t = data["totals"]
+    created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(data["created_unix"])) if data["created_unix"] else "?"
+    origin = (f"a checkpoint in {data['format']} format, read in place" if data.get("format") else
+              f"format version {data['format_version']}, saved {created} by cairn {data['cairn_version'] or '?'} "
+              f"from {data['process_count']} process(es)")
+    out.line(
+        f"{t['leaves']} leaves ({t['arrays']} arrays, {human_bytes(t['array_bytes'])}) in {len(data['items'])} "
+        f"checkpointable(s), {t['files']} data files ({human_bytes(t['file_bytes'])}); {origin}"
+    )
+    if data["metadata"]:
+        out.line("metadata: " + json.dumps(data["metadata"], default=_json_default))
+    return 0
+
+
+# ---------------------------------------------------------------------- verify / diff
+
+
+def cmd_verify(args: argparse.Namespace, out: Output) -> int:
+    from .._tools.verify import verify
+
+    with out.progress("verifying", None) as (set_total, advance):
+        report = verify(args.path, threads=args.threads, on_total=set_total, progress=advance)
+    if args.json:
+        _dump_json({"path": report.path, "ok": report.ok, "bytes_checked": report.bytes_checked,
+                    "chunks_checked": report.chunks_checked, "files": report.files, "leaves": report.leaves,
+                    "problems": [p.as_dict() for p in report.problems]})
+        return 0 if report.ok else 1
+    for p in report.problems:
+        print(f"CORRUPT: {p.message}", file=sys.stderr)
+    summary = (f"{report.leaves} leaves, {report.chunks_checked} chunks, {report.files} files, "
+               f"{human_bytes(report.bytes_checked)} checked")
+    if report.ok:
+        out.line(f"OK: {report.path}: {summary}; every checksum matches")
+        return 0
+    out.line(f"FAILED: {report.path}: {len(report.problems)} problem(s); {summary}")
+    return 1
+
+
+def cmd_diff(args: argparse.Namespace, out: Output) -> int:
+    from .._tools.verify import diff
+
+    entries = diff(args.a, args.b, budget_bytes=args.budget)
+    same = all(e.status == "equal" for e in entries)
+    if args.json:
+        _dump_json({"a": args.a, "b": args.b, "equal": same, "entries": [e.as_dict() for e in entries]})
+        return 0 if same else 1
+    shown = entries if args.all else [e for e in entries if e.status != "equal"]
+    rows = [
+        [e.item if e.item else "", e.path or "<root>", e.status,
+         "" if e.max_abs_diff is None else f"{e.max_abs_diff:.6g}", e.detail]
+        for e in shown
+    ]
+    if rows:
+        out.table(["checkpointable", "key path", "status", "max abs diff", "detail"], rows, right=["max abs diff"])
+    counts: dict[str, int] = {}
+    for e in entries:
+        counts[e.status] = counts.get(e.status, 0) + 1
+    out.line(", ".join(f"{n} {s}" for s, n in counts.items()) or "both checkpoints are empty")
+    return 0 if same else 1
+
+
+# ---------------------------------------------------------------------- convert
+
+
+def cmd_convert(args: argparse.Namespace, out: Output) -> int:
+    from .._interop.convert import run_convert
+
+    return run_convert(args, out)
+
+
+# ---------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="cairn", description="Look at, check and convert cairn checkpoints (local paths or object-store URLs).",
+    )
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    p.add_argument("--plain", action="store_true", help="plain text output, even when rich is installed")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    s = sub.add_parser("ls", help="list the checkpoints of a directory, committed or not")
+    s.add_argument("dir")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_ls)
+
+    s = sub.add_parser("inspect", help="show a checkpoint's tree (reads no array data)")
+    s.add_argument("path")
+    s.add_argument("--json", action="store_true")
+    s.add_argument("--format", choices=FORMATS, help="the source's format (default: detected)")
+    s.set_defaults(fn=cmd_inspect)
+
+    s = sub.add_parser("verify", help="read everything and check every checksum; exit 1 if anything is corrupt")
+    s.add_argument("path")
+    s.add_argument("--threads", type=int, default=8)
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_verify)
+
+    s = sub.add_parser("diff", help="compare two checkpoints per key path; exit 1 if they differ")
+    s.add_argument("a")
+    s.add_argument("b")
+    s.add_argument("--all", action="store_true", help="also list equal leaves")
+    s.add_argument("--budget", type=parse_bytes, default=256 << 20, help="memory budget (default 256M)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_diff)
+
+    s = sub.add_parser("convert", help="convert between cairn, safetensors (also sharded, for Hugging Face) and "
+                       "PyTorch files; --to cairn also reads Orbax and DCP checkpoints")
+    s.add_argument("src")
+    s.add_argument("dst")
+    s.add_argument("--to", required=True, choices=["safetensors", "cairn", "torch"])
+    s.add_argument("--format", choices=FORMATS, help="--to cairn: the source's format (default: detected)")
+    s.add_argument("--max-shard-size", help="safetensors: a Hugging Face folder of shards of at most this "
+                   "size (5GB = 5*10^9 bytes, 5GiB = 5*2^30), written by every process in parallel")
+    s.add_argument("--per-item", action="store_true",
+                   help="safetensors: one file per checkpointable in folder DST")
+    s.add_argument("--sep", default=".", help="torch: separator joining key-path components (default '.')")
+    s.add_argument("--budget", type=parse_bytes, default=256 << 20,
+                   help="memory budget for data in flight (default 256M)")
+    s.set_defaults(fn=cmd_convert)
+    add_copy_commands(sub, parse_bytes)  # cp and mv
+    add_plan_command(sub, parse_bytes)  # plan: a dry run of a load
+
+    s = sub.add_parser("gc", help="remove leftovers of interrupted saves (temporary and uncommitted folders)")
+    s.add_argument("dir")
+    s.add_argument("--dry-run", action="store_true", help="only show what would be removed")
+    s.add_argument("--min-age", type=float, default=3600.0, metavar="SECONDS",
+                   help="keep leftovers younger than this, or of unknown age (default 3600; 0 removes all)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_gc)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``cairn`` command line; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    out = Output(plain=args.plain, quiet=args.quiet)
+    try:
+        return int(args.fn(args, out))
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        print("cairn: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 1  # e.g. `cairn inspect ... | head`
+    except Exception as e:
+        if args.debug:
+            raise
+        known = isinstance(e, (CheckpointError, OSError, ValueError, TypeError))
+        text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        prefix = "error" if known else f"internal error ({type(e).__name__}; rerun with --debug for the traceback)"
+        print(f"cairn: {prefix}: {text}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""``cairn plan``: the dry run of a load (`_dryrun`) onto a mesh given on the command line.
+
+The mesh is made of virtual CPU devices (the planner needs only each
+sharding's ``devices_indices_map``), ``--processes`` splits it into processes by
+device id, and ``--sharding`` gives every array the same spec: ``fsdp`` (axis 0
+over every mesh axis), ``replicated``, or a PartitionSpec. An array the spec
+does not fit (too few axes, or not divisible) is planned replicated, and the
+output says which.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any
+
+from .._interop import sources as _sources
+from .._load import engine as _load
+from .._storage.location import resolve
+from .._tools.dryrun import LoadPlan, plan_load
+from .._tree.pytree import map_with_path
+
+
+def add_command(sub: Any, parse_bytes: Any) -> None:
+    """Register ``cairn plan`` on the command line's subparsers."""
+    s = sub.add_parser("plan", help="dry run of a load onto a mesh: bytes, requests, peak host memory and time "
+                       "per process (reads no array data)")
+    s.add_argument("path")
+    s.add_argument("--mesh", required=True, help="a device count (8: one axis 'data') or axes (data=4,model=2), "
+                   "made of virtual CPU devices")
+    s.add_argument("--sharding", default="fsdp", help="for every array: fsdp (axis 0 over every mesh axis), "
+                   "replicated, or a PartitionSpec such as 'data,model' or \"P(('data', 'model'), None)\"")
+    s.add_argument("--processes", type=int, default=1, help="plan for N processes, each holding 1/N of the "
+                   "mesh's devices (default 1)")
+    s.add_argument("--bandwidth", type=float, metavar="GB/s", help="storage read bandwidth per process")
+    s.add_argument("--budget", type=parse_bytes, default=1 << 30, help="the load's budget_bytes (default 1G)")
+    s.add_argument("--read-once", choices=["auto", "on", "off"], default="auto")
+    s.add_argument("--format", choices=_sources.FORMATS, help="the source's format (default: detected)")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_plan)
+
+
+def cmd_plan(args: Any, out: Any) -> int:
+    names, sizes = parse_mesh(args.mesh)
+    jax = _cpu_jax(math.prod(sizes))
+    import numpy as np
+
+    devices = sorted(jax.devices(), key=lambda d: d.id)[: math.prod(sizes)]
+    mesh = jax.sharding.Mesh(np.array(devices).reshape(sizes), names)
+    target, odd = cli_target(args.path, mesh, args.sharding, args.format)
+    plan = plan_load(args.path, target, processes=args.processes, budget_bytes=args.budget, bandwidth=args.bandwidth,
+                     read_once={"auto": None, "on": True, "off": False}[args.read_once], format=args.format)
+    where = f"mesh {dict(zip(names, sizes))} of virtual CPU devices, sharding {args.sharding!r}"
+    notes = [where] + ([f"{len(odd)} array{'s' if len(odd) != 1 else ''} replicated, the sharding does not fit: "
+                        + ", ".join(odd[:3]) + (" ..." if len(odd) > 3 else "")] if odd else [])
+    plan = LoadPlan(**{**vars(plan), "notes": tuple(notes)})
+    if args.json:
+        import json
+
+        print(json.dumps(plan.to_json(), indent=2))
+    else:
+        for line in str(plan).splitlines():
+            out.line(line)
+    return 0
+
+
+def parse_mesh(text: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """``8`` -> one axis "data"; ``data=4,model=2`` -> those axes."""
+    if text.strip().isdigit():
+        return ("data",), (int(text),)
+    names, sizes = [], []
+    for part in text.split(","):
+        name, eq, size = part.partition("=")
+        if not eq or not name.strip().isidentifier() or not size.strip().isdigit() or int(size) < 1:
+            raise ValueError(f"--mesh: {text!r} is not a device count (8) or axes like data=4,model=2")
+        names.append(name.strip())
+        sizes.append(int(size))
+    return tuple(names), tuple(sizes)
+
+
+def parse_spec(text: str, axes: tuple[str, ...]) -> tuple[tuple[str, ...], ...] | str:
+    """``fsdp`` / ``replicated``, or a PartitionSpec as entries (each a tuple of mesh axes)."""
+    t = text.strip()
+    if t in ("fsdp", "replicated"):
+        return t
+    if t.startswith("P(") and t.endswith(")"):
+        t = t[2:-1]
+    entries: list[tuple[str, ...]] = []
+    for m in re.finditer(r"\s*(\([^)]*\)|[^,]+)\s*(?:,|$)", t):
+        names = tuple(x.strip().strip("'\"") for x in m.group(1).strip("()").split(",") if x.strip())
+        names = tuple(x for x in names if x not in ("None", "_"))
+        unknown = [x for x in names if x not in axes]
+        if unknown:
+            raise ValueError(f"--sharding {text!r}: {unknown} are not axes of the mesh {list(axes)}")
+        entries.append(names)
+    return tuple(entries)
+
+
+def cli_target(path: str, mesh: Any, sharding: str, format: str | None) -> tuple[Any, list[str]]:
+    """The checkpoint's tree with `sharding` on `mesh` for every array (replicated where it does not fit)."""
+    import jax
+
+    loc = resolve(path)
+    found = format or _sources.detect(loc)
+    meta = _load.metadata(loc) if found == "cairn" else _sources.metadata(loc, found)
+    spec = parse_spec(sharding, tuple(mesh.axis_names))
+    odd: list[str] = []
+
+    def leaf(p: str, x: Any) -> Any:
+        if not isinstance(x, _load.ArrayMetadata) or x.kind not in ("array", "prng_key"):
+            return None
+        entries = ((tuple(mesh.axis_names),) if x.shape else ()) if spec == "fsdp" else () if spec == "replicated" \
+            else spec
+        fits = len(entries) <= len(x.shape) and all(
+            n % math.prod(mesh.shape[a] for a in e) == 0 for n, e in zip(x.shape, entries))
+        if not fits:
+            odd.append(p)
+            entries = ()
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*[e or None for e in entries]))
+
+    return map_with_path(leaf, meta, is_leaf=lambda x: isinstance(x, _load.ArrayMetadata)), odd
+
+
+def _cpu_jax(count: int) -> Any:
+    """JAX with at least `count` virtual CPU devices (set up here unless JAX is already imported)."""
+    import os
+    import sys
+
+    if "jax" not in sys.modules:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if "host_platform_device_count" not in f]
+        os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
+    import jax
+
+    if len(jax.devices()) < count:
+        raise ValueError(f"the mesh needs {count} devices, this process has {len(jax.devices())} "
+                         "(JAX was set up before the plan)")
+    return jax
+
+
+__all__ = ["add_command", "cli_target", "cmd_plan", "parse_mesh", "parse_spec"]

@@ -1,0 +1,1 @@
+"""Coordination between the processes of one program: the `Coordinator` protocol and its implementations, decisions every process must see alike, preemption notices. The only room that touches `jax.distributed`."""

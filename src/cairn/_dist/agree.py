@@ -1,0 +1,67 @@
+"""Decisions that every process of a multi-process program must see alike.
+
+A `CheckpointManager` lists its directory, picks the step to restore and
+falls back past corrupt steps. Done separately on each process, those can
+differ (a listing taken a moment apart, a corrupt chunk that only one process
+reads), and then processes load different steps. Each such decision is made
+once here and shared through the coordinator:
+
+- `shared`: the primary decides (lists the directory, say) and publishes
+  the answer; the others take it.
+- `gather`: every process reports its own outcome (the step loaded, or the
+  error it hit) and every process gets all of them, so all act on the same
+  facts (fall back together).
+
+Every process makes the same decisions in the same order (they are the same
+program), so a per-scope counter names each decision without talking.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import zlib
+from typing import Any
+
+from .coord import Coordinator, fetch_from, gather_json
+
+_instances: dict[str, itertools.count[int]] = {}
+_lock = threading.Lock()
+
+#: How long a process waits for a decision of the others (dead peers are noticed sooner).
+TIMEOUT = 600.0
+
+
+class Decisions:
+    """The shared decisions of one `CheckpointManager` (`scope`: its directory)."""
+
+    def __init__(self, coord: Coordinator, scope: str):
+        self.coord = coord
+        with _lock:
+            counter = _instances.setdefault(scope, itertools.count())
+            instance = next(counter)  # two managers of one directory in one program stay apart
+        self.base = f"cairn/agree/{zlib.crc32(scope.encode()):08x}.{instance}"
+        self._seq = itertools.count()
+
+    @property
+    def alone(self) -> bool:
+        return self.coord.process_count == 1
+
+    def shared(self, what: str, value: Any) -> Any:
+        """The primary's `value` (JSON), on every process. Non-primaries' `value` is ignored."""
+        if self.alone:
+            return value
+        key = f"{self.base}/{next(self._seq)}/{what}"
+        if self.coord.process_index == 0:
+            self.coord.publish(key, json.dumps(value).encode())
+            return value
+        return json.loads(fetch_from(self.coord, key, TIMEOUT, writer=0))
+
+    def gather(self, what: str, outcome: Any) -> dict[int, Any]:
+        """Every process's `outcome` (JSON), by process index."""
+        if self.alone:
+            return {0: outcome}
+        prefix = f"{self.base}/{next(self._seq)}/{what}"
+        self.coord.publish(f"{prefix}/{self.coord.process_index}", json.dumps(outcome).encode())
+        return gather_json(self.coord, prefix, self.coord.process_count, TIMEOUT)

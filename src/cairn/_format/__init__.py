@@ -1,0 +1,1 @@
+"""Pure: the on-disk format (docs/FORMAT.md). The manifest model and its JSON codec, file names, inline values and dtype names, the version-1 chunk tables and the version-2 binary index. No I/O, no JAX."""

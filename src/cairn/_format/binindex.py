@@ -1,0 +1,433 @@
+"""Pure: format version 2's binary chunk index, found by arithmetic and read in ranges.
+
+In a version-2 index (docs/FORMAT.md §5.2) an array leaf written on a regular
+chunk grid stores its grid once, as runs of cell extents, and which process
+wrote each cell, as arithmetic runs. What varies per chunk (data file, offset,
+block checksums) lives in one binary *part* per writing process: fixed-width
+records sorted by (leaf, cell), then a column of block CRCs. The record of
+(leaf, cell) sits at a position every reader can compute: the number of cells
+the same process wrote in earlier leaves, plus the cell's rank among that
+process's cells of its leaf. So a loader reads the records of the chunks it
+reads, nothing else, and no process ever merges the others' parts.
+
+No I/O here: a `ChunkTable` is given a function that reads byte ranges. The
+bytes of one part (header, records, CRC column) are `_partfile`'s.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import itertools
+import math
+import re
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._core.checksum import crc32c
+from .._errors import CorruptCheckpointError
+from .partfile import HEADER_BYTES, RECORD, RECORD_BYTES, PartInfo, check_header
+
+#: Records (or CRCs) closer than this many bytes in one part are fetched in one range.
+MERGE_GAP = 4096
+
+Reader = Callable[[list[tuple[str, int, int]]], list[bytes]]  # (part name, start, length) -> bytes
+
+
+def _fail(where: object, msg: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{where}: {msg}")
+
+
+@dataclass
+class _LeafCells:
+    writers: np.ndarray  # per cell: the writing process
+    ncrc: np.ndarray  # per cell: its number of checksum blocks
+    sizes: np.ndarray  # per cell: bytes
+    rank: np.ndarray | None = None  # per cell: rank among its writer's cells of this leaf
+    crc_rank: np.ndarray | None = None  # per cell: CRCs of its writer's earlier cells of this leaf
+
+
+class ChunkTable:
+    """Chunk places of one item's part-indexed leaves: fetched in ranges, on demand, then kept."""
+
+    def __init__(self, parts: Sequence[PartInfo], processes: int, file_sizes: Sequence[int], where: str):
+        self.parts = {p.process: p for p in parts}
+        self.processes = processes
+        self.file_sizes = list(file_sizes)
+        self.where = where
+        self.leaves: dict[int, _LeafCells] = {}
+        self.reader: Reader | None = None
+        self.bytes_read = 0
+        self.requests = 0
+        self._got: dict[int, dict[int, tuple[int, int, tuple[int, ...]]]] = {}
+        self._bases: tuple[np.ndarray, np.ndarray] | None = None
+        self._row: dict[int, int] = {}
+        self._single: tuple[np.ndarray, ...] = ()  # per row (`_base`): writer, CRCs, bytes of a one-cell leaf
+        self._lock = threading.Lock()
+        self._ncrc: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        self._rank_memo: dict[tuple[int, int], tuple[_LeafCells, np.ndarray, np.ndarray]] = {}
+
+    def add_leaf(self, i: int, writers: np.ndarray, sizes: np.ndarray, block: int) -> None:
+        # Leaves of one layout share `writers` and `sizes` (memoised by the parser): so do their counts.
+        key = (id(sizes), block)
+        ncrc = self._ncrc.get(key)
+        if ncrc is None:
+            ncrc = self._ncrc[key] = (sizes, -(-sizes // block))
+        self.leaves[i] = _LeafCells(writers, ncrc[1], sizes)
+
+    # ------------------------------------------------------------------ positions
+
+    def _base(self) -> tuple[np.ndarray, np.ndarray]:
+        """Per leaf (row `_row[leaf]`) and process: that process's records and CRCs in earlier
+        leaves, i.e. where its records of the leaf start in its part. One pass over all cells."""
+        if self._bases is None:
+            order = sorted(self.leaves)
+            self._row = {i: k for k, i in enumerate(order)}
+            n, procs = len(order), self.processes
+            if not n:
+                self._bases = np.zeros((0, procs), np.int64), np.zeros((0, procs), np.int64)
+                return self._bases
+            lcs = [self.leaves[i] for i in order]
+            lens = np.fromiter((len(lc.writers) for lc in lcs), dtype=np.int64, count=n)
+            key = np.repeat(np.arange(n, dtype=np.int64) * procs, lens) + np.concatenate([lc.writers for lc in lcs])
+            counts = np.bincount(key, minlength=n * procs).reshape(n, procs)
+            ncrc = np.concatenate([lc.ncrc for lc in lcs]).astype(np.float64)
+            crcs = np.rint(np.bincount(key, weights=ncrc, minlength=n * procs)).astype(np.int64).reshape(n, procs)
+            self._bases = np.cumsum(counts, axis=0) - counts, np.cumsum(crcs, axis=0) - crcs
+            # A one-cell leaf's writer, CRC count and size, per row (many small leaves: no walk per leaf).
+            self._single = tuple(
+                np.fromiter((int(getattr(lc, f)[0]) if len(lc.writers) == 1 else -1 for lc in lcs),
+                            dtype=np.int64, count=n) for f in ("writers", "ncrc", "sizes"))
+        return self._bases
+
+    def _ranks(self, lc: _LeafCells) -> None:
+        if lc.rank is not None:
+            return
+        key = (id(lc.writers), id(lc.ncrc))
+        hit = self._rank_memo.get(key)
+        if hit is not None and hit[0].writers is lc.writers and hit[0].ncrc is lc.ncrc:
+            lc.rank, lc.crc_rank = hit[1], hit[2]
+            return
+        if lc.rank is None:
+            w = lc.writers
+            order = np.argsort(w, kind="stable")
+            pos = np.empty(len(w), dtype=np.int64)
+            pos[order] = np.arange(len(w))
+            counts = np.bincount(w)
+            start = np.cumsum(counts) - counts
+            lc.rank = pos - start[w]
+            sorted_ncrc = lc.ncrc[order]
+            before = np.cumsum(sorted_ncrc) - sorted_ncrc  # CRCs of earlier cells in sorted order
+            group_first = before[start[w[order]]] if len(w) else before
+            crc_rank = np.empty(len(w), dtype=np.int64)
+            crc_rank[order] = before - group_first
+            lc.crc_rank = crc_rank
+            self._rank_memo[key] = (lc, lc.rank, crc_rank)
+
+    # ------------------------------------------------------------------ fetching
+
+    def fetch(self, need: dict[int, np.ndarray]) -> None:
+        """Read the records (and CRCs) of the given cells of each leaf, in as few ranges as sensible."""
+        with self._lock:
+            self._fetch(need)
+
+    def _fetch(self, need: dict[int, np.ndarray]) -> None:
+        rec_base, crc_base = self._base()
+        # part -> rows of (leaf, cell, record no, crc no, crcs, writer, bytes)
+        wanted: dict[int, list[np.ndarray]] = {}
+        singles: list[int] = []  # leaves of one cell (trees of many small leaves), done together below
+        for i, cells in need.items():
+            lc = self.leaves[i]
+            got = self._got.get(i)
+            if len(lc.writers) == 1:
+                if got is None or 0 not in got:
+                    singles.append(i)
+                continue
+            if got is None:
+                got = self._got[i] = {}
+            row = self._row[i]
+            cells = np.unique(np.asarray(cells, dtype=np.int64))
+            if got:
+                cells = np.array([c for c in cells.tolist() if c not in got], dtype=np.int64)
+            if not len(cells):
+                continue
+            self._ranks(lc)
+            assert lc.rank is not None and lc.crc_rank is not None
+            w = lc.writers[cells]
+            rows = np.stack([np.full(len(cells), i), cells, rec_base[row][w] + lc.rank[cells],
+                             crc_base[row][w] + lc.crc_rank[cells], lc.ncrc[cells], w, lc.sizes[cells]], axis=1)
+            for p in np.unique(w).tolist():
+                wanted.setdefault(p, []).append(rows[w == p])
+        if singles:
+            leaf_no = np.array(singles, dtype=np.int64)
+            r = np.fromiter(map(self._row.__getitem__, singles), dtype=np.int64, count=len(singles))
+            w, ncrc, size = (col[r] for col in self._single)
+            rows = np.stack([leaf_no, np.zeros_like(leaf_no), rec_base[r, w], crc_base[r, w], ncrc, w, size], axis=1)
+            for p in np.unique(w).tolist():
+                wanted.setdefault(p, []).append(rows[w == p])
+        requests: list[tuple[str, int, int]] = []
+        plan: list[tuple[PartInfo, np.ndarray, list[tuple[int, int, int]]]] = []
+        for p, chunks in wanted.items():
+            part = self.parts.get(p)
+            if part is None:
+                raise _fail(self.where, f"process {p} wrote chunks but the index names no part of it")
+            rows = np.concatenate(chunks)
+            rows = rows[np.argsort(rows[:, 2], kind="stable")]
+            if int(rows[:, 2].max()) >= part.records or int((rows[:, 3] + rows[:, 4]).max()) > part.crcs:
+                raise _fail(self.where, f"index part {part.name!r} holds fewer records than its leaves need")
+            # The header too: it is small, and it pins the part's process and counts.
+            crc_at = HEADER_BYTES + part.records * RECORD_BYTES
+            has = rows[:, 4] > 0
+            starts = np.concatenate([[0], HEADER_BYTES + rows[:, 2] * RECORD_BYTES, crc_at + rows[has, 3] * 4])
+            lengths = np.concatenate([[HEADER_BYTES], np.full(len(rows), RECORD_BYTES), rows[has, 4] * 4])
+            order = np.argsort(starts, kind="stable")
+            ranges = _ranges(starts[order], lengths[order])
+            requests += [(part.name, s, e - s) for s, e, _ in ranges]
+            plan.append((part, rows, ranges))
+        if not requests:
+            return
+        if self.reader is None:
+            raise _fail(self.where, "the binary index has no reader bound")
+        blobs = iter(self.reader(requests))
+        self.requests += len(requests)
+        self.bytes_read += sum(r[2] for r in requests)
+        for part, rows, ranges in plan:
+            self._decode(part, rows, ranges, [next(blobs) for _ in ranges])
+
+    def _decode(self, part: PartInfo, rows: np.ndarray, ranges: list[tuple[int, int, int]],
+                blobs: list[bytes]) -> None:
+        where = f"{self.where}: index part {part.name!r}"
+        for (s, e, _), b in zip(ranges, blobs):
+            if len(b) != e - s:
+                raise _fail(where, f"is shorter than its index says (bytes {s}..{e})")
+
+        def at(pos: int, n: int) -> bytes:
+            k = _find(ranges, pos)
+            s = ranges[k][0]
+            return blobs[k][pos - s : pos - s + n]
+
+        if check_header(at(0, HEADER_BYTES), where) != (part.process, part.records, part.crcs):
+            raise _fail(where, "header does not match the part the index names")
+        crc_at = HEADER_BYTES + part.records * RECORD_BYTES
+        # Every record (and, where each has one, every CRC) lies inside one range: gather them all at once.
+        blob = np.frombuffer(b"".join(blobs), dtype=np.uint8)
+        firsts = np.array([r[0] for r in ranges], dtype=np.int64)
+        into = np.cumsum([0] + [e - s for s, e, _ in ranges[:-1]])
+
+        def gather(pos: np.ndarray, n: int) -> np.ndarray:
+            k = np.searchsorted(firsts, pos, side="right") - 1
+            return blob[(into[k] + pos - firsts[k])[:, None] + np.arange(n)]
+
+        n = len(rows)
+        raw = gather(HEADER_BYTES + rows[:, 2] * RECORD_BYTES, RECORD_BYTES)
+        rec = raw.reshape(-1).view(RECORD)
+        raw_bytes = raw.tobytes()
+        bad = np.flatnonzero((rec["leaf"] != rows[:, 0]) | (rec["cell"] != rows[:, 1]) | (rec["crc_start"] != rows[:, 3]))
+        stored = rec["rec_crc"].tolist()
+        for k in range(n):
+            if crc32c(raw_bytes[k * RECORD_BYTES : (k + 1) * RECORD_BYTES - 4]) != stored[k]:
+                raise _fail(where, f"record {int(rows[k, 2])} checksum mismatch")
+        if len(bad):
+            k = int(bad[0])
+            raise _fail(where, f"record {int(rows[k, 2])} is for leaf {int(rec['leaf'][k])} cell "
+                               f"{int(rec['cell'][k])}, not leaf {int(rows[k, 0])} cell {int(rows[k, 1])}")
+        sizes = rows[:, 6]
+        files = rec["file"].astype(np.int64)
+        offsets = rec["offset"].astype(np.int64)
+        if np.any((sizes > 0) & (files >= part.files)):
+            k = int(np.flatnonzero((sizes > 0) & (files >= part.files))[0])
+            raise _fail(where, f"record {int(rows[k, 2])} names file {int(files[k])} of a part with {part.files}")
+        files = np.where(sizes > 0, files + part.file_base, 0)
+        offsets = np.where(sizes > 0, offsets, 0)
+        limits = np.asarray(self.file_sizes, dtype=np.int64)[files] if self.file_sizes else np.zeros_like(files)
+        outside = np.flatnonzero((sizes > 0) & (offsets + sizes > limits))
+        if len(outside):
+            k = int(outside[0])
+            raise _fail(where, f"record {int(rows[k, 2])} (bytes {int(offsets[k])}..{int(offsets[k] + sizes[k])}) "
+                               "lies outside its data file")
+        check = rec["crcs_crc"].tolist()
+        if bool(np.all(rows[:, 4] == 1)):  # one block per chunk, the common case: all CRCs gathered at once
+            cbs = gather(crc_at + rows[:, 3] * 4, 4)
+            cb_bytes = cbs.tobytes()
+            for k in range(n):
+                if crc32c(cb_bytes[4 * k : 4 * k + 4]) != check[k]:
+                    raise _fail(where, f"checksums of record {int(rows[k, 2])} do not match their checksum")
+            crcs_of = [(v,) for v in cbs.reshape(-1).view("<u4").tolist()]
+        else:
+            crcs_of = []
+            for k, (rno, cno, ncrc) in enumerate(rows[:, 2:5].tolist()):
+                cb = at(crc_at + cno * 4, ncrc * 4) if ncrc else b""
+                if crc32c(cb) != check[k]:
+                    raise _fail(where, f"checksums of record {rno} do not match their checksum")
+                crcs_of.append(tuple(np.frombuffer(cb, dtype="<u4").tolist()))
+        got = self._got
+        for k, (leaf, cell, f, off) in enumerate(zip(rows[:, 0].tolist(), rows[:, 1].tolist(), files.tolist(),
+                                                     offsets.tolist())):
+            got.setdefault(leaf, {})[cell] = (f, off, crcs_of[k])
+
+    def fetch_leaf(self, leaf: int, n: int) -> None:
+        """Every record of `leaf` (of `n` cells), unless all are here already (a load's checks
+        walk each leaf it reads, after the prefetch)."""
+        got = self._got.get(leaf)
+        if got is None or len(got) < n:
+            self.fetch({leaf: np.arange(n)})
+
+    def fetch_all(self) -> None:
+        """Every record of every leaf (tools that read the whole checkpoint)."""
+        self.fetch({i: np.arange(len(lc.writers)) for i, lc in self.leaves.items()})
+
+    def entry(self, leaf: int, cell: int) -> tuple[int, int, tuple[int, ...]]:
+        got = self._got.get(leaf)
+        hit = got.get(cell) if got is not None else None
+        if hit is None:
+            # Not prefetched: fetch this leaf's records whole (one range per writer).
+            self.fetch({leaf: np.arange(len(self.leaves[leaf].writers))})
+            hit = self._got[leaf][cell]
+        return hit
+
+
+def _ranges(starts: np.ndarray, lengths: Any) -> list[tuple[int, int, int]]:
+    """Sorted byte ranges merged while the gap between them stays under `MERGE_GAP`: (start, end, 0)."""
+    ends = starts + lengths
+    out: list[tuple[int, int, int]] = []
+    for s, e in zip(starts.tolist(), np.broadcast_to(ends, starts.shape).tolist()):
+        if out and s - out[-1][1] <= MERGE_GAP:
+            if e > out[-1][1]:
+                out[-1] = (out[-1][0], e, 0)
+        else:
+            out.append((s, e, 0))
+    return out
+
+
+def _find(ranges: list[tuple[int, int, int]], pos: int) -> int:
+    lo, hi = 0, len(ranges) - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ranges[mid][0] <= pos:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+_PART_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
+
+
+def _field(x: Any, key: str, where: str, lo: int = 0, hi: int = 1 << 56) -> Any:
+    v = x.get(key) if isinstance(x, dict) else None
+    if key == "name":
+        if type(v) is not str or not _PART_NAME.match(v):
+            raise _fail(where, f"bad index part name {v!r:.80}")
+        return v
+    if type(v) is not int or not lo <= v <= hi:
+        raise _fail(where, f"field {key!r} must be an integer in [{lo}, {hi}], found {v!r:.80}")
+    return v
+
+
+def parse_parts(d: dict[str, Any], file_sizes: list[int], where: str) -> ChunkTable:
+    """The `parts` of a version-2 index, checked, as a `ChunkTable` its leaves are added to."""
+    parts_raw = d.get("parts", [])
+    processes = _field(d, "processes", where, 1, 1 << 24) if "processes" in d else 1
+    if type(parts_raw) is not list:
+        raise _fail(where, "'parts' must be a list")
+    parts, seen = [], set()
+    for i, x in enumerate(parts_raw):
+        w = f"{where}: parts[{i}]"
+        p = _field(x, "process", w, 0, processes - 1)
+        base, nf = _field(x, "file_base", w), _field(x, "files", w)
+        if p in seen or base + nf > len(file_sizes):
+            raise _fail(w, "repeated process, or files outside the index's file list")
+        seen.add(p)
+        parts.append(PartInfo(_field(x, "name", w), p, _field(x, "records", w), _field(x, "crcs", w), base, nf))
+    return ChunkTable(parts, processes, file_sizes, where)
+
+
+_cell_bytes_cache: dict[tuple[Any, int], np.ndarray] = {}
+
+
+def cell_bytes(grid: tuple[tuple[int, ...], ...], itemsize: int) -> np.ndarray:
+    """Bytes of every grid cell in C order, as an int64 array (memoised per grid)."""
+    key = (grid, itemsize)
+    hit = _cell_bytes_cache.get(key)
+    if hit is None:
+        hit = np.array([itemsize], dtype=np.int64)
+        for b in grid:
+            hit = np.multiply.outer(hit, np.diff(np.asarray(b, dtype=np.int64))).reshape(-1)
+        if len(_cell_bytes_cache) > 1024:
+            _cell_bytes_cache.clear()
+        _cell_bytes_cache[key] = hit
+    return hit
+
+
+class LazyChunks(Sequence[tuple[int, int]]):
+    """A leaf's ``(file, offset)`` per cell, from its `ChunkTable` (fetched on first use)."""
+
+    __slots__ = ("leaf", "n", "table")  # two per leaf of an index: no __dict__ each
+
+    def __init__(self, table: ChunkTable, leaf: int, n: int):
+        self.table, self.leaf, self.n = table, leaf, n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, cell: Any) -> Any:
+        if isinstance(cell, slice):
+            return [self[c] for c in range(*cell.indices(self.n))]
+        if not 0 <= cell < self.n:
+            raise IndexError(cell)
+        f, off, _ = self.table.entry(self.leaf, cell)
+        return f, off
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        self.table.fetch_leaf(self.leaf, self.n)
+        return (self[c] for c in range(self.n))
+
+    def entries(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """``(file, offset, block CRCs)`` of every cell, in one walk (where both are needed)."""
+        self.table.fetch_leaf(self.leaf, self.n)
+        return [self.table.entry(self.leaf, c) for c in range(self.n)]
+
+
+class LazyCrcs(LazyChunks):
+    """A leaf's block CRCs per cell, from its `ChunkTable`."""
+
+    __slots__ = ()
+
+    def __getitem__(self, cell: Any) -> Any:
+        if isinstance(cell, slice):
+            return [self[c] for c in range(*cell.indices(self.n))]
+        if not 0 <= cell < self.n:
+            raise IndexError(cell)
+        return self.table.entry(self.leaf, cell)[2]
+
+
+def cells_in(grid: Sequence[Sequence[int]], boxes: Sequence[Sequence[tuple[int, int]]]) -> np.ndarray:
+    """The grid cells (C-order numbers) that overlap any of `boxes`, sorted, each once."""
+    shape = tuple(len(b) - 1 for b in grid)
+    if not shape:
+        return np.zeros(1, dtype=np.int64)
+    # Bisection and cell numbers in Python: a box overlaps few cells, and numpy's cost per call
+    # was most of a load's index work (a process reads 8 boxes of each of 1,137 leaves).
+    strides = [math.prod(shape[a + 1 :]) for a in range(len(shape))]
+    small: set[int] = set()
+    large: list[np.ndarray] = []
+    for box in boxes:
+        axes = []
+        for b, (lo, hi), st, n in zip(grid, box, strides, shape):
+            if hi <= lo:
+                break
+            first, last = bisect.bisect_right(b, lo) - 1, bisect.bisect_left(b, hi)
+            if first < 0 or last > n:
+                raise ValueError(f"box {box} reaches outside the grid {grid}")
+            axes.append(range(first * st, last * st, st))
+        else:
+            if math.prod(map(len, axes)) <= 1024:
+                small.update(map(sum, itertools.product(*axes)))
+            else:
+                large.append(functools.reduce(lambda x, y: np.add.outer(x, y).reshape(-1), map(np.asarray, axes)))
+    out = np.fromiter(sorted(small), dtype=np.int64, count=len(small))
+    return np.unique(np.concatenate([out, *large])) if large else out

@@ -1,0 +1,498 @@
+"""The on-disk format: manifest and index dataclasses, JSON codecs (file names: `_names`, re-exported).
+
+Pure: no I/O, no JAX. Everything read from a checkpoint passes through the
+``*_from_json`` parsers here, which reject anything outside the spec in
+``docs/FORMAT.md`` (unknown versions, out-of-range offsets, absurd sizes)
+with `CorruptCheckpointError` before any memory is allocated for it.
+"""
+
+from __future__ import annotations
+
+import json
+import marshal
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._errors import CorruptCheckpointError
+from .binindex import ChunkTable, LazyChunks, LazyCrcs, cell_bytes, parse_parts
+from .names import TMP_MARK as TMP_MARK
+from .names import data_file_name as data_file_name
+from .names import index_name as index_name
+from .names import item_dirname as item_dirname
+from .names import num_blocks as num_blocks
+from .names import partial_index_name as partial_index_name
+from .names import tmp_dirname as tmp_dirname
+from .partfile import PartInfo
+from .runlength import bounds_from_runs, expand_writers, grid_runs
+from .structure import check_structure
+from .v1chunks import At, bounds, cell_sizes, parse_chunks
+from .values import VALUE_KINDS, decode_value, dtype_from_name, dtype_name, encode_value
+
+FORMAT_VERSION = 2  # what this cairn writes
+READ_VERSIONS = (1, 2)  # what it reads (docs/FORMAT.md: version 1 is a subset of 2 but for the grid form)
+MANIFEST = "manifest.json"
+INDEX = "index.json"
+ROOT_ITEM_DIR = "%root"
+DEFAULT_BLOCK_SIZE = 1 << 20
+
+# Hard limits applied when parsing: a checkpoint outside them is rejected.
+MAX_METADATA_BYTES = 1 << 30
+MAX_NDIM = 64
+MAX_ARRAY_BYTES = 1 << 56  # 64 PiB
+MAX_FILE_BYTES = 1 << 56
+MIN_BLOCK, MAX_BLOCK = 1 << 12, 1 << 30
+_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _fail(where: object, msg: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{where}: {msg}")
+
+
+def _req(d: Any, key: str, typ: type | tuple[type, ...], where: object) -> Any:
+    if not isinstance(d, dict):
+        raise _fail(where, f"expected a JSON object, found {type(d).__name__}")
+    if key not in d:
+        raise _fail(where, f"missing field {key!r}")
+    v = d[key]
+    if (typ is int and isinstance(v, bool)) or not isinstance(v, typ):
+        raise _fail(where, f"field {key!r} has type {type(v).__name__}")
+    return v
+
+
+def _number(v: Any, where: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise _fail(where, f"expected a finite number, found {v!r:.80}")
+    return float(v)
+
+
+def _int(v: Any, where: object, lo: int = 0, hi: int = MAX_FILE_BYTES) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise _fail(where, f"expected an integer in [{lo}, {hi}], found {v!r}")
+    return v
+
+
+def parse_json(data: bytes, where: str) -> Any:
+    if len(data) > MAX_METADATA_BYTES:
+        raise _fail(where, f"metadata file of {len(data)} bytes exceeds the limit")
+    try:
+        return json.loads(data)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise _fail(where, f"not valid JSON ({e})") from None
+
+
+def dump_json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+
+
+# The manifest and every index start with this field: the CRC-32C of all the
+# bytes after the 21-byte prefix ``{"crc32c":"xxxxxxxx",``. JSON has no
+# checksum of its own, and a flipped digit in an inline value, a file size or
+# the user's metadata would otherwise load as a silently different value.
+_CHECK_HEAD, _CHECK_LEN = b'{"crc32c":"', 21
+
+
+def dump_checked_json(obj: dict[str, Any]) -> bytes:
+    """`dump_json` of a non-empty object, led by the checksum of the rest of its bytes."""
+    from .._core.checksum import crc32c
+
+    rest = dump_json(obj)[1:]
+    return b'%s%08x",%s' % (_CHECK_HEAD, crc32c(rest), rest)
+
+
+def parse_checked_json(data: bytes, where: str) -> Any:
+    """`parse_json`, after verifying the leading checksum field (which is required)."""
+    from .._core.checksum import crc32c
+
+    stored = data[len(_CHECK_HEAD) : _CHECK_LEN - 2]
+    if (
+        not data.startswith(_CHECK_HEAD)
+        or data[_CHECK_LEN - 2 : _CHECK_LEN] != b'",'
+        or not re.fullmatch(rb"[0-9a-f]{8}", stored)
+    ):
+        raise _fail(where, 'does not start with its checksum field {"crc32c":"<8 hex digits>",')
+    computed = crc32c(memoryview(data)[_CHECK_LEN:])
+    if int(stored, 16) != computed:
+        raise _fail(where, f"checksum mismatch: stored {stored.decode()}, computed {computed:08x}")
+    return parse_json(data, where)
+
+
+# --------------------------------------------------------------------------- manifest
+
+
+@dataclass(frozen=True)
+class ItemInfo:
+    dir: str  # folder of the checkpointable, relative to the checkpoint
+    index: str  # name of its index file inside that folder
+    nbytes: int
+    num_leaves: int
+    kind: str = "pytree"
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """Top-level description of one checkpoint: which checkpointables it holds."""
+
+    items: dict[str, ItemInfo]
+    root: bool = False  # the state was not a mapping: one item, named ""
+    process_count: int = 1
+    cairn_version: str = ""
+    created_unix: float = 0.0
+    metadata: dict[str, Any] = field(default_factory=dict)
+    version: int = FORMAT_VERSION  # the format version it was read as (written: always FORMAT_VERSION)
+
+    def to_json(self) -> bytes:
+        return dump_checked_json(
+            {
+                "format": "cairn",
+                "version": FORMAT_VERSION,
+                "cairn_version": self.cairn_version,
+                "created_unix": self.created_unix,
+                "process_count": self.process_count,
+                "root": self.root,
+                "items": {
+                    k: {"dir": v.dir, "index": v.index, "kind": v.kind, "nbytes": v.nbytes,
+                        "num_leaves": v.num_leaves}
+                    for k, v in self.items.items()
+                },
+                "metadata": self.metadata,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Manifest:
+        d = parse_checked_json(data, where)
+        if _req(d, "format", str, where) != "cairn":
+            raise _fail(where, "not a cairn manifest")
+        version = _req(d, "version", int, where)
+        if version not in READ_VERSIONS:
+            raise _fail(where, f"format version {version} is not supported (this cairn reads versions "
+                               f"{', '.join(map(str, READ_VERSIONS))})")
+        items = {}
+        for name, v in _req(d, "items", dict, where).items():
+            w = f"{where}: item {name!r}"
+            dirname = _req(v, "dir", str, w)
+            if dirname != item_dirname(name) and not (name == "" and dirname == ROOT_ITEM_DIR):
+                raise _fail(w, f"folder {dirname!r} does not match the item name")
+            kind = _req(v, "kind", str, w)
+            if kind != "pytree":
+                raise _fail(w, f"unknown item kind {kind!r}")
+            index = _req(v, "index", str, w)
+            if not _FILE_NAME.match(index):
+                raise _fail(w, f"bad index file name {index!r}")
+            items[name] = ItemInfo(
+                dirname, index, _int(_req(v, "nbytes", int, w), w), _int(_req(v, "num_leaves", int, w), w), kind
+            )
+        root = bool(d.get("root", False))
+        if root and list(items) != [""]:
+            raise _fail(where, "a root checkpoint must hold exactly one item")
+        meta = d.get("metadata", {})
+        if not isinstance(meta, dict):
+            raise _fail(where, "metadata must be an object")
+        return cls(
+            items=items,
+            root=root,
+            process_count=_int(d.get("process_count", 1), where, 1, 1 << 24),
+            cairn_version=str(d.get("cairn_version", "")),
+            created_unix=_number(d.get("created_unix", 0.0), f"{where}: created_unix"),
+            metadata=meta,
+            version=version,
+        )
+
+
+# --------------------------------------------------------------------------- item index
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    name: str
+    size: int
+
+
+def cell_box(grid: Sequence[Sequence[int]], flat: int) -> tuple[tuple[int, int], ...]:
+    """The box of grid cell number `flat` (C order over the cells); `grid` holds each axis's boundaries."""
+    # Plain arithmetic, not np.unravel_index: the planners call this per chunk.
+    idx = []
+    for b in reversed(grid):
+        n = len(b) - 1
+        idx.append(flat % n)
+        flat //= n
+    idx.reverse()
+    return tuple((grid[a][i], grid[a][i + 1]) for a, i in enumerate(idx))
+
+
+@dataclass(frozen=True)
+class ArrayLeaf:
+    """A stored array: a regular grid of chunks, each a C-order run of bytes in a file."""
+
+    path: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    grid: tuple[tuple[int, ...], ...]  # per axis: boundaries 0 = b0 < b1 < ... = shape[axis]
+    # Per grid cell in C order: (file, offset), and the CRC-32C of each block_size piece of the chunk.
+    # Tuples for an explicit chunk table; `LazyChunks`/`LazyCrcs` over the item's binary index parts.
+    chunks: Sequence[tuple[int, int]]
+    crcs: Sequence[tuple[int, ...]] = ()
+    kind: str = "array"  # "array" | "bytes" | "object" | "prng_key"
+    sharding: dict[str, Any] | None = None
+    handler: str | None = None  # for kind "object": the registered handler's name
+    impl: str | None = None  # for kind "prng_key": the JAX key implementation ("threefry2x32", ...)
+    impl_shape: tuple[int, ...] = ()  # for kind "prng_key": the trailing data dimensions of one key
+    writers: Any = None  # version 2, part-indexed: the cells' writers as runs (docs/FORMAT.md §5.2)
+
+    @property
+    def key_shape(self) -> tuple[int, ...]:
+        """The shape of the stored array as the user saw it: a key array's without its key-data dimensions."""
+        return self.shape[: len(self.shape) - len(self.impl_shape)]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @property
+    def grid_shape(self) -> tuple[int, ...]:
+        return tuple(len(b) - 1 for b in self.grid)
+
+    def chunk_box(self, flat: int) -> tuple[tuple[int, int], ...]:
+        return cell_box(self.grid, flat)
+
+    def chunk_nbytes(self, flat: int) -> int:
+        return math.prod(hi - lo for lo, hi in self.chunk_box(flat)) * self.dtype.itemsize
+
+    @classmethod
+    def _parsed(cls, path: str, dtype: np.dtype, shape: tuple[int, ...], grid: tuple[tuple[int, ...], ...],
+                chunks: Sequence[tuple[int, int]], crcs: Sequence[tuple[int, ...]], kind: str,
+                sharding: dict[str, Any] | None, handler: str | None, writers: Any) -> ArrayLeaf:
+        """A leaf from checked parts, as the constructor builds it, without its per-field
+        ``object.__setattr__`` (a frozen dataclass's ``__init__`` pays ~0.3 µs per field:
+        about a quarter of parsing a leaf of a tree of thousands)."""
+        leaf = object.__new__(cls)
+        leaf.__dict__.update(path=path, dtype=dtype, shape=shape, grid=grid, chunks=chunks, crcs=crcs, kind=kind,
+                             sharding=sharding, handler=handler, impl=None, impl_shape=(), writers=writers)
+        return leaf
+
+
+@dataclass(frozen=True)
+class ValueLeaf:
+    """A value stored inline in the index: None, bool, int, float, complex, str, numpy scalar."""
+
+    path: str
+    kind: str
+    value: Any  # the decoded Python/numpy value
+
+
+Leaf = ArrayLeaf | ValueLeaf
+ARRAY_KINDS = ("array", "bytes", "object", "prng_key")
+
+
+@dataclass(frozen=True)
+class ItemIndex:
+    """Everything needed to read one checkpointable: its tree, leaves and files."""
+
+    structure: Any
+    leaves: tuple[Leaf, ...]
+    files: tuple[FileInfo, ...]
+    block_size: int = DEFAULT_BLOCK_SIZE
+    # Version 2: the per-process binary parts holding the chunk records of part-indexed leaves.
+    parts: tuple[PartInfo, ...] = ()
+    processes: int = 1
+    table: ChunkTable | None = None  # set when read; fetches records from the parts
+    version: int = FORMAT_VERSION
+
+    def to_json(self, version: int = FORMAT_VERSION) -> bytes:
+        """The index file; `version` 1 writes every chunk explicitly (the parts are then not needed)."""
+        d: dict[str, Any] = {
+            "format": "cairn-index",
+            "version": version,
+            "block_size": self.block_size,
+            "files": [{"name": f.name, "size": f.size} for f in self.files],
+        }
+        if self.parts and version >= 2:
+            d["processes"] = self.processes
+            d["parts"] = [{"name": p.name, "process": p.process, "records": p.records, "crcs": p.crcs,
+                           "file_base": p.file_base, "files": p.files} for p in self.parts]
+        d["structure"] = self.structure
+        d["leaves"] = [_leaf_to_json(leaf, version) for leaf in self.leaves]
+        return dump_checked_json(d)
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> ItemIndex:
+        d = parse_checked_json(data, where)
+        if _req(d, "format", str, where) != "cairn-index":
+            raise _fail(where, "not a cairn item index")
+        version = _req(d, "version", int, where)
+        if version not in READ_VERSIONS:
+            raise _fail(where, f"index version {version} is not supported (this cairn reads versions "
+                               f"{', '.join(map(str, READ_VERSIONS))})")
+        block = _int(_req(d, "block_size", int, where), where, MIN_BLOCK, MAX_BLOCK)
+        files = []
+        names = set()
+        for i, f in enumerate(_req(d, "files", list, where)):
+            w = f"{where}: files[{i}]"
+            name = _req(f, "name", str, w)
+            if not _FILE_NAME.match(name) or name in names:
+                raise _fail(w, f"bad or repeated data file name {name!r}")
+            names.add(name)
+            files.append(FileInfo(name, _int(_req(f, "size", int, w), w)))
+        raw_leaves = _req(d, "leaves", list, where)
+        table = parse_parts(d, [f.size for f in files], where) if version >= 2 else None
+        layouts: dict[Any, _Layout] = {}
+        leaves = tuple(
+            _leaf_from_json(x, files, block, At(where, i), version, table, i, layouts)
+            for i, x in enumerate(raw_leaves)
+        )
+        paths = [leaf.path for leaf in leaves]
+        if len(set(paths)) != len(paths):
+            raise _fail(where, "repeated leaf key paths")
+        structure = d.get("structure")
+        check_structure(structure, len(leaves), where)
+        return cls(structure=structure, leaves=leaves, files=tuple(files), block_size=block,
+                   parts=tuple(table.parts.values()) if table else (), processes=table.processes if table else 1,
+                   table=table if table and table.leaves else None, version=version)
+
+
+def _leaf_to_json(leaf: Leaf, version: int = 1) -> dict[str, Any]:
+    if isinstance(leaf, ArrayLeaf):
+        out: dict[str, Any] = {
+            "path": leaf.path,
+            "kind": leaf.kind,
+            "dtype": dtype_name(leaf.dtype),
+            "shape": list(leaf.shape),
+            "grid": [list(b) for b in leaf.grid] if version < 2 else [grid_runs(b) for b in leaf.grid],
+        }
+        if leaf.writers is not None and version >= 2:
+            out["writers"] = leaf.writers
+        else:
+            out["chunks"] = [[f, o, *c] for (f, o), c in zip(leaf.chunks, leaf.crcs)]
+        if leaf.sharding is not None:
+            out["sharding"] = leaf.sharding
+        if leaf.handler is not None:
+            out["handler"] = leaf.handler
+        if leaf.impl is not None:
+            out["impl"] = leaf.impl
+            out["impl_shape"] = list(leaf.impl_shape)
+        return out
+    return {"path": leaf.path, "kind": leaf.kind, "value": encode_value(leaf.kind, leaf.value)}
+
+
+def _leaf_from_json(x: Any, files: list[FileInfo], block: int, at: At, version: int = 1,
+                    table: ChunkTable | None = None, number: int = 0,
+                    layouts: dict[Any, _Layout] | None = None) -> Leaf:
+    """Leaf `number` of an index; `layouts` memoises, for one index, the checked layouts of its leaves."""
+    path = _req(x, "path", str, at)
+    where = At(at.base, at.i, path)
+    kind = _req(x, "kind", str, where)
+    if kind in ARRAY_KINDS:
+        layout = _layout(x, files, block, where, version, table, layouts)
+        dtype, shape, grid = layout.dtype, layout.shape, layout.grid
+        handler = x["handler"] if isinstance(x.get("handler"), str) else None
+        chunks: Sequence[tuple[int, int]]
+        crcs: Sequence[tuple[int, ...]]
+        if layout.writers is not None:
+            assert table is not None and layout.sizes is not None
+            table.add_leaf(number, layout.writers, layout.sizes, block)
+            chunks, crcs = LazyChunks(table, number, layout.n_chunks), LazyCrcs(table, number, layout.n_chunks)
+        else:
+            chunks_raw = _req(x, "chunks", list, where)
+            if len(chunks_raw) != layout.n_chunks:
+                raise _fail(where, f"{len(chunks_raw)} chunks for a grid of {layout.n_chunks} cells")
+            sizes = cell_sizes(grid, dtype.itemsize)
+            chunks, crcs = parse_chunks(chunks_raw, sizes, [f.size for f in files], block, where)
+        if kind in ("bytes", "object") and (len(shape) != 1 or dtype != np.uint8):
+            raise _fail(where, f"a {kind} leaf must be a 1-D uint8 array")
+        if kind == "object" and handler is None:
+            raise _fail(where, "an object leaf must name its handler")
+        leaf = ArrayLeaf._parsed(path, dtype, shape, grid, chunks, crcs, kind,
+                                 x["sharding"] if isinstance(x.get("sharding"), dict) else None, handler,
+                                 x["writers"] if layout.writers is not None else None)
+        if kind == "prng_key":
+            leaf = _key_fields(x, leaf, where)
+        return leaf
+    if kind in VALUE_KINDS:
+        if "value" not in x:
+            raise _fail(where, "missing field 'value'")
+        return ValueLeaf(path, kind, decode_value(kind, x["value"], where))
+    raise _fail(where, f"unknown leaf kind {kind!r}")
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What an array leaf's dtype, shape, grid and writer runs say, checked (`_layout`)."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    grid: tuple[tuple[int, ...], ...]
+    n_chunks: int
+    writers: np.ndarray | None  # per cell, for a part-indexed leaf of version 2
+    sizes: np.ndarray | None  # bytes per cell, likewise
+
+
+def _layout(x: dict[str, Any], files: list[FileInfo], block: int, where: At, version: int,
+            table: ChunkTable | None, layouts: dict[Any, _Layout] | None) -> _Layout:
+    """The checked layout of array leaf `x`, memoised in `layouts` by the JSON values it comes from.
+
+    The leaves of a model repeat a few layouts (every layer's weights alike),
+    so an index of thousands of leaves checks each distinct one once. The key
+    is the very JSON values the checks read, marshalled: equal bytes mean equal
+    values of equal types (``1``, ``1.0`` and ``true`` differ, as the checks
+    want), hence equal outcomes; a failing layout is never stored. (marshal
+    is ~3x faster than `repr` on these nested lists.)
+    """
+    key = None
+    if layouts is not None and version >= 2 and "writers" in x:
+        key = marshal.dumps((x.get("dtype"), x.get("shape"), x.get("grid"), x["writers"]))
+        hit = layouts.get(key)
+        if hit is not None:
+            return hit
+    dtype = dtype_from_name(x.get("dtype"), At(where.base, where.i, where.path, ": "))
+    shape = _ints(_req(x, "shape", list, where), MAX_ARRAY_BYTES, where)
+    if len(shape) > MAX_NDIM:
+        raise _fail(where, f"{len(shape)} dimensions exceed the limit of {MAX_NDIM}")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes > MAX_ARRAY_BYTES:
+        raise _fail(where, f"array of {nbytes} bytes exceeds the limit")
+    grid_raw = _req(x, "grid", list, where)
+    if len(grid_raw) != len(shape):
+        raise _fail(where, "grid rank differs from the shape's")
+    if version < 2:
+        grid = tuple(bounds(b, a, shape[a], where) for a, b in enumerate(grid_raw))
+    else:
+        grid = tuple(bounds_from_runs(b, shape[a], a, where) for a, b in enumerate(grid_raw))
+    n_chunks = math.prod(len(b) - 1 for b in grid)
+    writers = sizes = None
+    runs = x.get("writers") if version >= 2 else None
+    if runs is not None:
+        assert table is not None
+        writers = expand_writers(runs, n_chunks, table.processes, where)
+        sizes = cell_bytes(grid, dtype.itemsize)
+    out = _Layout(dtype, shape, grid, n_chunks, writers, sizes)
+    if key is not None and layouts is not None:
+        layouts[key] = out
+    return out
+
+
+def _key_fields(x: dict[str, Any], leaf: ArrayLeaf, where: object) -> ArrayLeaf:
+    """A prng_key leaf's `impl` and `impl_shape`, checked against its uint32 data."""
+    impl, impl_shape = x.get("impl"), x.get("impl_shape")
+    if not isinstance(impl, str) or not impl or len(impl) > 200:
+        raise _fail(where, "a prng_key leaf must name its key implementation in 'impl'")
+    if not isinstance(impl_shape, list) or any(type(n) is not int or n < 1 for n in impl_shape):
+        raise _fail(where, "a prng_key leaf needs 'impl_shape', a list of positive integers")
+    n = len(impl_shape)
+    if leaf.dtype != np.dtype("uint32") or n > len(leaf.shape) or list(leaf.shape[len(leaf.shape) - n:]) != impl_shape:
+        raise _fail(where, f"a prng_key leaf must be uint32 data whose shape ends with impl_shape {impl_shape}")
+    return ArrayLeaf(**{**leaf.__dict__, "impl": impl, "impl_shape": tuple(impl_shape)})
+
+
+def _ints(v: list[Any], hi: int, where: object) -> tuple[int, ...]:
+    for i in v:
+        if type(i) is not int or not 0 <= i <= hi:
+            raise _fail(where, f"expected an integer in [0, {hi}], found {i!r}")
+    return tuple(v)

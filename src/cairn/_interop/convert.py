@@ -1,0 +1,129 @@
+"""Conversion of any readable checkpoint into a cairn one, and the CLI's ``convert`` command.
+
+A source's arrays are streamed into a `StreamWriter` in slabs of a quarter
+of the memory budget, through the same readers a load uses (byte ranges for
+safetensors and DCP, tensorstore for Orbax), so no array is ever held whole.
+Files written by ``cairn convert --to safetensors`` (cairn's tree in their
+metadata) go back through `_safetensors.from_safetensors`, exactly.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from .._errors import CheckpointError, CheckpointNotFoundError
+from .._format import manifest as fmt
+from .._load.reader import DEFAULT_BUDGET, ChunkReader, LoadStats, slab_bytes
+from .._save.stream import StreamWriter
+from .._storage.location import resolve
+from .base import Source, open_format
+from .hf import Safetensors
+from .safetensors import from_safetensors
+from .sources import open_foreign
+
+
+class _Slabs:
+    """One array of a source as a `_streamwriter.SlabSource`: slabs of exactly `slab` bytes."""
+
+    def __init__(self, source: Source, reader: ChunkReader, leaf: fmt.ArrayLeaf, pool: ThreadPoolExecutor):
+        self.source, self.reader, self.leaf, self.pool = source, reader, leaf, pool
+        self.dtype, self.shape = leaf.dtype, leaf.shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.leaf.nbytes
+
+    def slabs(self, slab: int) -> Iterator[np.ndarray]:
+        left = self.nbytes
+        buf, fill = np.empty(min(slab, left), np.uint8), 0
+        for arr in self.source.slabs(self.reader, self.leaf, slab, self.pool):
+            raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+            pos = 0
+            while pos < len(raw):
+                k = min(len(buf) - fill, len(raw) - pos)
+                buf[fill : fill + k] = raw[pos : pos + k]
+                fill, pos = fill + k, pos + k
+                if fill == len(buf):
+                    left -= fill
+                    yield buf  # a fresh buffer next: the writer may still hold this one
+                    buf, fill = np.empty(min(slab, left), np.uint8), 0
+
+
+def convert_to_cairn(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    format: str | None = None,
+    budget_bytes: int = DEFAULT_BUDGET,
+    threads: int = 4,
+    storage_options: dict | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Build cairn checkpoint `dst` from checkpoint `src` of any format `cairn.load` reads."""
+    loc = resolve(src, storage_options)
+    try:
+        f = open_foreign(loc, format)
+    except CheckpointNotFoundError:
+        if format in (None, "safetensors") and loc.storage.list_dir(loc.name):
+            # a folder of cairn's per-checkpointable safetensors files
+            return from_safetensors(src, dst, budget_bytes=budget_bytes, storage_options=storage_options,
+                                    progress=progress)
+        raise
+    if isinstance(f, Safetensors) and f.from_cairn:
+        return from_safetensors(src, dst, budget_bytes=budget_bytes, storage_options=storage_options,
+                                progress=progress)
+    if f.name == "cairn":
+        raise CheckpointError(f"{loc.path} is a cairn checkpoint already")
+    source = open_format(f, None, None, loc.path)
+    slab = slab_bytes(budget_bytes)
+    writer = StreamWriter(resolve(dst, storage_options), fmt.DEFAULT_BLOCK_SIZE)
+    try:
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="cairn-convert") as pool:
+            for name, index in source.indexes.items():
+                reader = source.reader(name, index, False, pool, LoadStats())
+                try:
+                    leaves: list[Any] = [
+                        leaf if isinstance(leaf, fmt.ValueLeaf)
+                        else (leaf.kind, leaf.path, _Slabs(source, reader, leaf, pool), {})
+                        for leaf in index.leaves
+                    ]
+                    writer.write_item(name, source.manifest.root, index.structure, leaves, slab, progress)
+                finally:
+                    reader.close()
+        writer.commit(source.manifest.root, {"converted_from": f.name, **source.manifest.metadata})
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def run_convert(args: Any, out: Any) -> int:
+    """``cairn convert SRC DST --to ...`` (the parsed arguments, the CLI's `Output`)."""
+    from .._load.metadata import open_checkpoint
+    from .export import export_safetensors
+    from .safetensors import to_safetensors
+    from .torchfile import to_torch_file
+
+    total = None
+    if args.to in ("safetensors", "torch"):
+        ck = open_checkpoint(args.src)
+        total = sum(leaf.nbytes for i in ck.indexes.values() for leaf in i.leaves if isinstance(leaf, fmt.ArrayLeaf))
+    with out.progress(f"converting to {args.to}", total) as (_set_total, advance):
+        if args.to == "safetensors" and args.max_shard_size is not None:
+            written = export_safetensors(args.src, args.dst, max_shard_size=args.max_shard_size,
+                                         budget_bytes=args.budget, progress=advance)
+        elif args.to == "safetensors":
+            written = to_safetensors(args.src, args.dst, per_item=args.per_item, budget_bytes=args.budget,
+                                     progress=advance)
+        elif args.to == "torch":
+            written = [to_torch_file(args.src, args.dst, sep=args.sep, budget_bytes=args.budget, progress=advance)]
+        else:
+            convert_to_cairn(args.src, args.dst, format=args.format, budget_bytes=args.budget, progress=advance)
+            written = [args.dst]
+    for w in written:
+        out.line(f"wrote {w}")
+    return 0

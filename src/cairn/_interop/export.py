@@ -1,0 +1,270 @@
+"""Export a cairn checkpoint as sharded Hugging Face safetensors, from many processes at once.
+
+The layout is Hugging Face's: tensors in checkpoint order, packed into files
+of at most `max_shard_size` bytes (a larger tensor gets a file of its own),
+named ``model-00001-of-00003.safetensors``, plus ``model.safetensors.index.json``
+mapping every tensor name to its file (one file only: ``model.safetensors``,
+no index). Every process computes the same packing and the same assignment
+of files to processes from the checkpoint's index alone (largest files
+first, each to the process with the fewest bytes so far), so nobody talks
+before writing. Each process streams its files slab by slab, reading through
+the load planner with checksums verified, and writes each through the
+commit strategy's `write_whole`, so a file appears only complete. Then every
+process publishes its status through the `Coordinator`; process 0 waits for
+all of them and writes the index last, and everyone learns the outcome.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import re
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .._dist.coord import Coordinator, default_coordinator, drop_keys, fetch_from, gather_json
+from .._errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    UnsupportedTypeError,
+    error_from_record,
+    error_record,
+    first_failure,
+)
+from .._format import manifest as fmt
+from .._format import values
+from .._load.metadata import open_checkpoint
+from .._load.reader import DEFAULT_BUDGET, iter_array, make_reader, slab_bytes
+from .._save.commit import strategy_for
+from .._storage.location import resolve
+from .._tree.pytree import escape_key
+from .base import Rename, compile_rename, join_name
+from .safetensors import _TO_ST, _st_header
+
+log = logging.getLogger("cairn")
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_seq = itertools.count()
+
+
+def parse_size(size: int | str) -> int:
+    """A shard size as Hugging Face writes it: ``5GB`` (10^9), ``500MiB`` (2^20), or bytes."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        n = size
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*", str(size).lower())
+        if not m or m.group(2) not in _UNITS:
+            raise ValueError(f"not a size: {size!r} (examples: 5GB, 500MB, 2GiB, 1000000)")
+        n = int(float(m.group(1)) * _UNITS[m.group(2)])
+    if n < 1:
+        raise ValueError(f"max_shard_size must be positive, got {size!r}")
+    return n
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    name: str  # the safetensors tensor name
+    item: str
+    leaf: fmt.ArrayLeaf
+
+
+def _tensors(ck: Any, item: str | None, rename: Rename | None) -> list[_Tensor]:
+    fn = compile_rename(rename)
+    if item is not None and item not in ck.manifest.items:
+        raise CheckpointError(f"{ck.loc.path} has no checkpointable {item!r} (it has {sorted(ck.manifest.items)})")
+    items = [item] if item is not None else list(ck.manifest.items)
+    prefix = not ck.manifest.root and item is None
+    out: list[_Tensor] = []
+    names: dict[str, str] = {}
+    for it in items:
+        for leaf in ck.indexes[it].leaves:
+            if not isinstance(leaf, fmt.ArrayLeaf) or leaf.kind != "array":
+                continue  # values, bytes and objects have no place in safetensors
+            path = f"{escape_key(it)}/{leaf.path}" if prefix and leaf.path else escape_key(it) if prefix else leaf.path
+            new = fn(path) if fn is not None else path
+            if new is None:
+                continue
+            if _TO_ST.get(values.dtype_name(leaf.dtype) or "") is None:
+                raise UnsupportedTypeError(f"{ck.loc.path}: leaf {path!r} has dtype {leaf.dtype}, "
+                                           "which safetensors cannot hold")
+            name = join_name(new) or "%root"
+            if name in names:
+                raise CheckpointError(f"{ck.loc.path}: leaves {names[name]!r} and {path!r} both become "
+                                      f"tensor {name!r}")
+            names[name] = path
+            out.append(_Tensor(name, it, leaf))
+    return out
+
+
+def pack(sizes: list[int], limit: int) -> list[list[int]]:
+    """Hugging Face's packing: in order, a new file when the next tensor would overflow this one."""
+    shards: list[list[int]] = []
+    used = 0
+    for i, n in enumerate(sizes):
+        if shards and used + n <= limit:
+            shards[-1].append(i)
+            used += n
+        else:
+            shards.append([i])
+            used = n
+    return shards
+
+
+def assign(sizes: list[int], processes: int) -> list[int]:
+    """The process that writes each file: largest first, to the least loaded (ties: lowest index)."""
+    load = [0] * processes
+    owner = [0] * len(sizes)
+    for k in sorted(range(len(sizes)), key=lambda k: (-sizes[k], k)):
+        p = min(range(processes), key=lambda q: (load[q], q))
+        owner[k] = p
+        load[p] += sizes[k]
+    return owner
+
+
+def export_safetensors(
+    path: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    max_shard_size: int | str = "5GB",
+    item: str | None = None,
+    rename: Rename | None = None,
+    overwrite: bool = False,
+    budget_bytes: int = DEFAULT_BUDGET,
+    threads: int = 4,
+    storage_options: dict[str, Any] | None = None,
+    coordinator: Coordinator | None = None,
+    timeout: float = 1800.0,
+    progress: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Write checkpoint `path` as a Hugging Face safetensors folder `dst`; returns its files.
+
+    Every process of a multi-process program calls it with the same
+    arguments; the files are shared out among them (each writes whole files,
+    reading only their tensors), and ``model.safetensors.index.json`` is
+    written last, by process 0, once every file is complete. The result loads
+    with ``safetensors`` and with ``transformers``' ``from_pretrained`` (add
+    the model's ``config.json``).
+
+    Tensor names are key paths joined with '.' (checkpointable first, unless
+    `item` picks one checkpointable or the state was not a mapping); `rename`
+    maps the '/'-joined key path first, as in `cairn.load` (None drops a
+    tensor). Only arrays are written: scalars, strings and bytes leaves have
+    no place in safetensors and are left out. `max_shard_size` follows
+    Hugging Face (``"5GB"`` is 5*10^9 bytes, ``"5GiB"`` 5*2^30).
+
+    Example::
+
+        cairn.export_safetensors("/ckpt/step_100", "/export/hf", item="params",
+                                 rename=[(r"^", "model/")], max_shard_size="2GB")
+    """
+    limit = parse_size(max_shard_size)
+    coord = coordinator or default_coordinator()
+    me, n = coord.process_index, coord.process_count
+    seq = next(_seq)
+    out = resolve(dst, storage_options)
+    base = f"cairn/export/{seq}"
+    status: dict[str, Any] = {"ok": True}
+    own_error: BaseException | None = None
+    tensors: list[_Tensor] = []
+    shards: list[list[int]] = []
+    names: list[str] = []
+    try:  # a failure anywhere, planning included, is published: nobody waits for this process in vain
+        ck = open_checkpoint(path, storage_options)
+        tensors = _tensors(ck, item, rename)
+        if not tensors:
+            raise CheckpointError(f"{ck.loc.path}: no arrays to export")
+        shards = pack([t.leaf.nbytes for t in tensors], limit)
+        names = [SINGLE] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+                                                     for k in range(len(shards))]
+        owner = assign([sum(tensors[i].leaf.nbytes for i in s) for s in shards], n)
+        if not overwrite and (out.storage.exists(out.key(INDEX)) or out.storage.exists(out.key(SINGLE))):
+            raise CheckpointExistsError(f"{out.path} already holds safetensors; pass overwrite=True to replace them")
+        mine = [k for k in range(len(shards)) if owner[k] == me]
+        _write(ck, out, [[tensors[i] for i in shards[k]] for k in mine], [names[k] for k in mine],
+               budget_bytes, threads, progress)
+    except BaseException as e:
+        own_error = e
+        status = {"ok": False, "error": error_record(e, me)}
+    coord.publish(f"{base}/status/{me}", json.dumps(status).encode())
+    if me == 0:
+        outcome = _finish(coord, base, seq, n, timeout, out, tensors, shards, names)
+        coord.publish(f"{base}/outcome", json.dumps(outcome).encode())
+    else:
+        outcome = json.loads(fetch_from(coord, f"{base}/outcome", timeout, writer=0))
+    if own_error is not None:
+        raise own_error  # its own error is the most precise a process can raise
+    if not outcome["ok"]:
+        error = error_from_record(outcome["error"], f"exporting {os.fspath(path)} to {out.path} failed: "
+                                                    f"{outcome['message']}")
+        raise error
+    return [out.storage.describe(out.key(name)) for name in ([*names, INDEX] if len(names) > 1 else names)]
+
+
+def _write(ck: Any, out: Any, files: list[list[_Tensor]], names: list[str], budget: int, threads: int,
+           progress: Callable[[int], None] | None) -> None:
+    slab = slab_bytes(budget)
+    strategy = strategy_for(out.storage)
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="cairn-export") as pool:
+        readers = {it: make_reader(ck, it, pool) for it in {t.item for f in files for t in f}}
+        try:
+            for group, name in zip(files, names):
+                entries = [(t.name, _TO_ST[values.dtype_name(t.leaf.dtype) or ""], t.leaf.shape, t.leaf.nbytes)
+                           for t in group]
+                header = _st_header(entries, {"format": "pt"})
+
+                def parts(group: list[_Tensor] = group, header: bytes = header) -> Any:
+                    yield header
+                    for t in group:
+                        for arr in iter_array(readers[t.item], t.leaf, slab, pool):
+                            nbytes = arr.nbytes
+                            yield memoryview(arr.reshape(-1).view("uint8"))  # type: ignore[arg-type]
+                            del arr
+                            if progress is not None:
+                                progress(nbytes)
+
+                strategy.write_whole(out.key(name), parts())
+        finally:
+            for r in readers.values():
+                r.close()
+
+
+def _finish(coord: Coordinator, base: str, seq: int, n: int, timeout: float, out: Any, tensors: list[_Tensor],
+            shards: list[list[int]], names: list[str]) -> dict[str, Any]:
+    """Process 0: wait for every status, then write the index (sharded exports only)."""
+    try:
+        statuses = gather_json(coord, f"{base}/status", n, timeout)
+    except CheckpointError as e:
+        return {"ok": False, "error": error_record(e, 0), "message": str(e)}
+    if seq > 0:
+        drop_keys(coord, f"cairn/export/{seq - 1}")  # everyone is past the previous export
+    failure = first_failure(statuses)
+    if failure is not None:
+        return {"ok": False, "error": failure[0], "message": failure[1]}
+    try:
+        if len(names) > 1:
+            weight_map = {tensors[i].name: names[k] for k, s in enumerate(shards) for i in s}
+            index = {"metadata": {"total_size": sum(t.leaf.nbytes for t in tensors)},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            out.storage.put(out.key(INDEX), json.dumps(index, indent=2).encode())
+        _remove_stale(out, set(names))
+    except BaseException as e:
+        record = error_record(e, 0)
+        return {"ok": False, "error": record, "message": f"process 0: {record['message']}"}
+    return {"ok": True}
+
+
+def _remove_stale(out: Any, names: set[str]) -> None:
+    """Shards of an earlier export that the new index does not name (overwrite only)."""
+    pattern = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors$")
+    for name in out.storage.list_dir(out.name):
+        if pattern.match(name) and name not in names:
+            out.storage.delete_prefix(out.key(name))
+    if len(names) == 1 and out.storage.exists(out.key(INDEX)):
+        out.storage.delete_prefix(out.key(INDEX))

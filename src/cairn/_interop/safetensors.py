@@ -1,0 +1,323 @@
+"""Streaming conversion between cairn and safetensors, both ways.
+
+Every conversion moves one bounded slab of one array at a time: arrays are
+read (from cairn: through the load planner, with checksums verified; from
+safetensors: by ranged reads) in C-order slabs of at most a quarter of the
+memory budget, and each slab is written out before the next is read. So the
+whole state is never in memory, whatever its size.
+
+A cairn checkpoint holds more than tensors (the tree's containers, ints,
+strings, bytes), which safetensors cannot. Converting to safetensors records
+all of that as JSON under the header's ``__metadata__["cairn"]``, so that
+converting back rebuilds the checkpoint exactly; a safetensors file without
+it (from another tool) becomes a checkpoint holding one flat dict.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .._errors import CheckpointError, CorruptCheckpointError, UnsupportedTypeError
+from .._format import manifest as fmt
+from .._format import values
+from .._load.metadata import open_checkpoint
+from .._load.reader import DEFAULT_BUDGET, ChunkReader, iter_array, make_reader, slab_bytes
+from .._save.commit import strategy_for
+from .._save.stream import StreamWriter
+from .._storage.location import Location, resolve
+from .._tree.pytree import display_path, escape_key
+
+ST_METADATA_KEY = "cairn"
+ST_FORMAT = "cairn-safetensors"
+MAX_ST_HEADER = 100 << 20  # what the safetensors reference implementation accepts
+
+# cairn dtype name -> safetensors dtype name (the subset safetensors can hold).
+_TO_ST = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "int16": "I16", "uint16": "U16", "int32": "I32",
+    "uint32": "U32", "int64": "I64", "uint64": "U64", "float16": "F16", "bfloat16": "BF16",
+    "float32": "F32", "float64": "F64", "complex64": "C64", "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2", "float8_e4m3fnuz": "F8_E4M3FNUZ", "float8_e5m2fnuz": "F8_E5M2FNUZ",
+    "float8_e8m0fnu": "F8_E8M0",
+}
+_FROM_ST = {v: k for k, v in _TO_ST.items()}
+
+
+# ---------------------------------------------------------------------- safetensors header
+
+
+def _flat_name(item: str, path: str, root: bool, per_item: bool) -> str:
+    if root or per_item:
+        return path or "%root"
+    return f"{escape_key(item)}/{path}" if path else escape_key(item)
+
+
+def parse_safetensors_header(head: bytes, size: int, where: str) -> tuple[dict[str, Any], dict[str, str], int]:
+    """Validate a safetensors header; returns (tensors, metadata, data start offset)."""
+    if len(head) < 8:
+        raise CorruptCheckpointError(f"{where}: not a safetensors file (shorter than 8 bytes)")
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > MAX_ST_HEADER or 8 + n > size:
+        raise CorruptCheckpointError(f"{where}: safetensors header of {n} bytes is too large or truncated")
+    try:
+        header = json.loads(head[8 : 8 + n])
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptCheckpointError(f"{where}: safetensors header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{where}: safetensors header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise CorruptCheckpointError(f"{where}: safetensors __metadata__ must map strings to strings")
+    data_size = size - 8 - n
+    for name, t in header.items():
+        ok = (
+            isinstance(t, dict) and t.get("dtype") in _FROM_ST and isinstance(t.get("shape"), list)
+            and all(isinstance(s, int) and s >= 0 for s in t["shape"])
+            and isinstance(t.get("data_offsets"), list) and len(t["data_offsets"]) == 2
+        )
+        if not ok:
+            raise CorruptCheckpointError(f"{where}: tensor {name!r}: malformed or unsupported entry {t!r:.200}")
+        lo, hi = t["data_offsets"]
+        nbytes = math.prod(t["shape"]) * values.dtype_from_name(_FROM_ST[t["dtype"]]).itemsize
+        if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi <= data_size and hi - lo == nbytes):
+            raise CorruptCheckpointError(
+                f"{where}: tensor {name!r}: data_offsets {[lo, hi]} do not fit its shape and the file"
+            )
+    return header, meta, 8 + n
+
+
+def _st_header(entries: list[tuple[str, str, tuple[int, ...], int]], meta: dict[str, str]) -> bytes:
+    header: dict[str, Any] = {"__metadata__": meta}
+    off = 0
+    for name, st_dtype, shape, nbytes in entries:
+        header[name] = {"dtype": st_dtype, "shape": list(shape), "data_offsets": [off, off + nbytes]}
+        off += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # keeps the tensor data 8-byte aligned, as the reference writer does
+    return struct.pack("<Q", len(raw)) + raw
+
+
+# ---------------------------------------------------------------------- cairn -> safetensors
+
+
+def _item_meta(index: fmt.ItemIndex, names: list[str | None]) -> dict[str, Any]:
+    leaves = []
+    for leaf, name in zip(index.leaves, names):
+        if isinstance(leaf, fmt.ArrayLeaf):
+            e: dict[str, Any] = {"path": leaf.path, "kind": leaf.kind, "tensor": name}
+            if leaf.handler is not None:
+                e["handler"] = leaf.handler
+            if leaf.impl is not None:
+                e["impl"], e["impl_shape"] = leaf.impl, list(leaf.impl_shape)
+        else:
+            e = {"path": leaf.path, "kind": leaf.kind, "value": values.encode_value(leaf.kind, leaf.value)}
+        leaves.append(e)
+    return {"structure": index.structure, "leaves": leaves}
+
+
+def to_safetensors(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    per_item: bool = False,
+    budget_bytes: int = DEFAULT_BUDGET,
+    threads: int = 4,
+    storage_options: dict | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Write checkpoint `src` as one safetensors file `dst` (or, with `per_item`, a
+    folder `dst` holding ``<checkpointable>.safetensors`` files); returns the files written.
+    """
+    ck = open_checkpoint(src, storage_options)
+    root = ck.manifest.root
+    groups = [[n] for n in ck.manifest.items] if per_item and not root else [list(ck.manifest.items)]
+    out_loc = resolve(dst, storage_options)
+    written = []
+    slab = slab_bytes(budget_bytes)
+    for group in groups:
+        if per_item and not root:
+            key = out_loc.key(fmt.item_dirname(group[0]) + ".safetensors")
+        else:
+            key = out_loc.name
+        entries, plan, items_meta = [], [], {}
+        for item in group:
+            index = ck.indexes[item]
+            names: list[str | None] = []
+            for leaf in index.leaves:
+                if not isinstance(leaf, fmt.ArrayLeaf):
+                    names.append(None)
+                    continue
+                st = _TO_ST.get(values.dtype_name(leaf.dtype) or "")
+                if st is None:
+                    raise UnsupportedTypeError(
+                        f"{ck.loc.path} [{item}]: leaf {display_path(leaf.path)!r} has dtype {leaf.dtype}, "
+                        "which safetensors cannot hold"
+                    )
+                name = _flat_name(item, leaf.path, root, per_item)
+                names.append(name)
+                entries.append((name, st, leaf.shape, leaf.nbytes))
+                plan.append((item, leaf))
+            items_meta[item] = _item_meta(index, names)
+        if len({e[0] for e in entries}) != len(entries):
+            raise CheckpointError(f"{ck.loc.path}: two leaves map to the same safetensors tensor name")
+        cmeta = {"format": ST_FORMAT, "version": fmt.FORMAT_VERSION, "root": root,
+                 "metadata": ck.manifest.metadata, "items": items_meta}
+        header = _st_header(entries, {ST_METADATA_KEY: json.dumps(cmeta, separators=(",", ":"))})
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="cairn-convert") as pool:
+            readers = {i: make_reader(ck, i, pool) for i in group}
+            try:
+                # On local disk the file appears only once complete.
+                strategy_for(out_loc.storage).write_whole(key, _st_parts(header, plan, readers, slab, pool, progress))
+            finally:
+                for r in readers.values():
+                    r.close()
+        written.append(out_loc.storage.describe(key))
+    return written
+
+
+def _st_parts(header: bytes, plan: list[tuple[str, fmt.ArrayLeaf]], readers: dict[str, ChunkReader], slab: int,
+              pool: ThreadPoolExecutor, progress: Callable[[int], None] | None) -> Iterator[Any]:
+    yield header
+    for item, leaf in plan:
+        for arr in iter_array(readers[item], leaf, slab, pool):
+            n = arr.nbytes
+            yield memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+            del arr  # not alive while the next slab is read
+            if progress is not None:
+                progress(n)
+
+
+# ---------------------------------------------------------------------- safetensors -> cairn
+
+
+@dataclass
+class _SrcTensor:
+    storage: Any
+    key: str
+    start: int  # absolute file offset of the tensor's bytes
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _open_safetensors(loc: Location, key: str) -> tuple[dict[str, _SrcTensor], dict[str, str]]:
+    storage = loc.storage
+    where = storage.describe(key)
+    try:
+        size = storage.size(key)
+        reader = storage.open_read(key)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise CheckpointError(f"no safetensors file at {where}") from None
+    try:
+        first = bytearray(8)
+        reader.read_into(0, memoryview(first))
+        (n,) = struct.unpack("<Q", first)
+        if n > MAX_ST_HEADER or 8 + n > size:
+            raise CorruptCheckpointError(f"{where}: safetensors header of {n} bytes is too large or truncated")
+        head = bytearray(8 + n)
+        reader.read_into(0, memoryview(head))
+    except EOFError:
+        raise CorruptCheckpointError(f"{where}: truncated safetensors file") from None
+    finally:
+        reader.close()
+    header, meta, data_start = parse_safetensors_header(bytes(head), size, where)
+    tensors = {
+        name: _SrcTensor(storage, key, data_start + t["data_offsets"][0],
+                         values.dtype_from_name(_FROM_ST[t["dtype"]]), tuple(t["shape"]))
+        for name, t in header.items()
+    }
+    return tensors, meta
+
+
+def _items_from_safetensors(tensors: dict[str, _SrcTensor], meta: dict[str, str], where: str, fallback: str | None):
+    """(root, user metadata, {item: (structure, [leaf specs])}) described by one file."""
+    raw = meta.get(ST_METADATA_KEY)
+    if raw is None:
+        # A plain safetensors file: one flat dict, tensor name -> array.
+        names = list(tensors)
+        structure = {"dict": [[n, {"leaf": i}] for i, n in enumerate(names)]} if names else {"dict": []}
+        flat: list[Any] = [("array", escape_key(n), tensors[n], {}) for n in names]
+        return fallback is None, {}, {fallback or "": (structure, flat)}
+    try:
+        cm = json.loads(raw)
+        if cm.get("format") != ST_FORMAT or cm.get("version") != fmt.FORMAT_VERSION:
+            raise ValueError(f"unknown format {cm.get('format')!r} version {cm.get('version')!r}")
+        items = {}
+        for item, d in cm["items"].items():
+            leaves: list[Any] = []
+            for e in d["leaves"]:
+                if "tensor" in e:
+                    if e["tensor"] not in tensors:
+                        raise ValueError(f"tensor {e['tensor']!r} named by the metadata is missing")
+                    extra = {"handler": e.get("handler")}
+                    if "impl" in e:
+                        extra.update(impl=e["impl"], impl_shape=tuple(e["impl_shape"]))
+                    leaves.append((e["kind"], e["path"], tensors[e["tensor"]], extra))
+                else:
+                    leaves.append(fmt.ValueLeaf(e["path"], e["kind"], values.decode_value(e["kind"], e["value"], where)))
+            items[item] = (d["structure"], leaves)
+        return bool(cm.get("root")), cm.get("metadata") or {}, items
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise CorruptCheckpointError(f"{where}: bad cairn metadata in the safetensors header ({e})") from None
+
+
+def from_safetensors(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    budget_bytes: int = DEFAULT_BUDGET,
+    storage_options: dict | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Build checkpoint `dst` from a safetensors file, or a folder of them (one per checkpointable)."""
+    src_loc = resolve(src, storage_options)
+    st = src_loc.storage
+    if st.exists(src_loc.name) and st.list(src_loc.name):
+        keys = [src_loc.key(n) for n in st.list_dir(src_loc.name) if n.endswith(".safetensors")]
+        if not keys:
+            raise CheckpointError(f"{src_loc.path} is a folder with no .safetensors files")
+        per_file = True
+    else:
+        keys, per_file = [src_loc.name], False
+    root = False
+    metadata: dict[str, Any] = {}
+    items: dict[str, Any] = {}
+    for key in keys:
+        tensors, meta = _open_safetensors(src_loc, key)
+        stem = key.rsplit("/", 1)[-1][: -len(".safetensors")] if per_file else None
+        if stem is not None:
+            stem = _unescape_item(stem)
+        r, m, its = _items_from_safetensors(tensors, meta, st.describe(key), stem)
+        root, metadata = root or r, {**metadata, **m}
+        for name in its:
+            if name in items:
+                raise CheckpointError(f"{src_loc.path}: checkpointable {name!r} appears in two files")
+        items.update(its)
+    if root and list(items) != [""]:
+        raise CheckpointError(f"{src_loc.path}: a root checkpoint must come from exactly one file")
+    writer = StreamWriter(resolve(dst, storage_options), fmt.DEFAULT_BLOCK_SIZE)
+    slab = slab_bytes(budget_bytes)
+    try:
+        for name, (structure, leaves) in items.items():
+            writer.write_item(name, root, structure, leaves, slab, progress)
+        writer.commit(root, metadata)
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _unescape_item(stem: str) -> str:
+    from urllib.parse import unquote
+
+    return unquote(stem)

@@ -1,0 +1,494 @@
+"""The load engine: match the target, read the arrays, build numpy or jax arrays.
+
+The manifest and indexes are read by `_metadata`; the reads of each
+checkpointable are planned by `_plan` and run by `_reader.ChunkReader`
+(checksums verified, direct reads into the final buffers where possible).
+What is left here is choosing which stored leaves to load and how, keeping
+the bytes in flight under the budget, and handing the host buffers to JAX.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._core import stats as _stats
+from .._core.buffers import release_snapshot_buffers
+from .._dist.coord import Coordinator, activity, default_coordinator
+from .._errors import CheckpointError, MismatchError
+from .._format import manifest as fmt
+from .._storage.location import Location
+from .._tree.leaves import check_key_target, handler_named, is_key_dtype, key_dtype, wrap_key
+from .._tree.perprocess import LoadView
+from .._tree.pytree import display_path, map_with_path, unflatten
+from .._tree.shardings import WHOLE_PUT_BYTES, puts_whole
+from .metadata import read_index, read_manifest
+from .prefetch import prefetch
+from .reader import ArrayReads, ChunkReader, LoadStats
+from .readonce import Agreement, next_seq, route
+from .waves import Gather, Staged, Unit, cut_in_pieces, plan_waves
+
+
+@dataclass(frozen=True)
+class ArrayMetadata:
+    """What `cairn.metadata` reports for a stored array (no data is read).
+
+    It can also serve as a load target leaf: the array comes back as a numpy
+    array of the saved dtype.
+    """
+
+    shape: tuple[int, ...]
+    dtype: Any  # a numpy dtype; for typed PRNG keys, the JAX key dtype (key shape, not key-data shape)
+    nbytes: int
+    sharding: dict[str, Any] | None = None
+    kind: str = "array"
+    impl: str | None = None  # kind "prng_key": the key implementation, e.g. "threefry2x32"
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape else 1
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @classmethod
+    def _of(cls, shape: tuple[int, ...], dtype: Any, nbytes: int, sharding: dict[str, Any] | None,
+            kind: str) -> ArrayMetadata:
+        """`ArrayMetadata(shape, dtype, nbytes, sharding, kind)`, without a frozen dataclass's
+        ``object.__setattr__`` per field (`cairn.metadata` builds one per leaf)."""
+        m = object.__new__(cls)
+        m.__dict__.update(shape=shape, dtype=dtype, nbytes=nbytes, sharding=sharding, kind=kind, impl=None)
+        return m
+
+
+# ---------------------------------------------------------------------- targets
+
+
+@dataclass
+class _Want:
+    """How one stored array leaf should come back."""
+
+    leaf: fmt.ArrayLeaf
+    dtype: np.dtype
+    sharding: Any = None  # a jax Sharding, or None for a numpy array
+    result: Any = None
+    key_impl: str | None = None  # wrap the loaded key data as typed keys of this implementation
+
+
+def _is_sharding(x: Any) -> bool:
+    if not type(x).__module__.startswith(("jax", "jaxlib")):
+        return False
+    import jax
+
+    return isinstance(x, jax.sharding.Sharding)
+
+
+def _want_for(target: Any, leaf: fmt.ArrayLeaf, where: str, item: str) -> _Want | None:
+    """Interpret a target leaf for stored array `leaf`; None means "as saved, numpy"."""
+    if leaf.kind == "prng_key" and (_is_sharding(target) or is_key_dtype(getattr(target, "dtype", None))):
+        # Typed keys, read as key data onto the key sharding (the trailing data axes whole, as
+        # jax.random.key_data lays them out); an ArrayMetadata target loads numpy: the key data.
+        check_key_target(target, leaf, f"{where}: leaf {display_path(leaf.path, item)!r}")
+        if isinstance(target, ArrayMetadata):
+            return _Want(leaf, leaf.dtype, None)
+        sharding = target if _is_sharding(target) else getattr(target, "sharding", None)
+        return _Want(leaf, leaf.dtype, sharding if sharding is not None else _default_sharding(), key_impl=leaf.impl)
+    if leaf.kind not in ("array", "prng_key"):  # other targets of a key leaf get its uint32 key data
+        return None
+    if _is_sharding(target):
+        return _Want(leaf, leaf.dtype, target)
+    shape = getattr(target, "shape", None)
+    dtype = getattr(target, "dtype", None)
+    if shape is None or dtype is None:
+        return _Want(leaf, leaf.dtype, None)
+    if tuple(shape) != leaf.shape:
+        raise MismatchError(
+            f"{where}: leaf {display_path(leaf.path, item)!r} has shape {tuple(shape)} in the target "
+            f"but {leaf.shape} in the checkpoint"
+        )
+    try:
+        out_dtype = np.dtype(dtype)
+    except TypeError:
+        raise MismatchError(f"{where}: leaf {display_path(leaf.path, item)!r}: target dtype {dtype!r} is not a dtype") from None
+    if isinstance(target, (np.ndarray, ArrayMetadata)):
+        return _Want(leaf, out_dtype, None)
+    sharding = getattr(target, "sharding", None)
+    if sharding is None:
+        import jax
+
+        sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return _Want(leaf, out_dtype, sharding)
+
+
+def _default_sharding() -> Any:
+    import jax
+
+    return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def _wrap_keys(it: _ItemLoad, where: str) -> None:
+    """Typed keys back from the key data read for key targets."""
+    for i, want in it.wanted.items():
+        if want is not None and want.key_impl is not None:
+            shown = display_path(want.leaf.path, it.name)
+            it.results[i] = wrap_key(it.results[i], want.key_impl, f"{where}: leaf {shown!r}")
+
+
+def _assemble(want: _Want, reads: ArrayReads, shape: tuple[int, ...] | None = None) -> Any:
+    if want.sharding is None:
+        out = reads.dests[0]
+        return out if out.dtype == want.dtype else out.astype(want.dtype)
+    import jax
+
+    assert reads.placement is not None  # read with a sharding
+    hosts, devices = [], []
+    for box, dest in zip(reads.boxes, reads.dests):
+        host = dest if dest.dtype == want.dtype else dest.astype(want.dtype)
+        for device in reads.placement[box]:
+            hosts.append(host)
+            devices.append(device)
+    arrays = jax.device_put(hosts, devices)  # one call for every shard (zero-copy on CPU, aligned buffers)
+    return jax.make_array_from_single_device_arrays(shape or want.leaf.shape, want.sharding, arrays)
+
+
+# ---------------------------------------------------------------------- load
+
+
+def load(
+    loc: Location,
+    target: Any = None,
+    *,
+    partial: bool = False,
+    verify: bool = True,
+    threads: int = 8,
+    budget_bytes: int = 1 << 30,
+    stats: LoadStats | None = None,
+    read_once: bool | None = None,
+    coordinator: Coordinator | None = None,
+    timeout: float = 1800.0,
+    source: Any = None,
+    started: float | None = None,
+    publish: bool = True,
+) -> Any:
+    """Load the checkpoint at `loc` (see `cairn.load`); `source`: one opened already (`_sources`).
+
+    `stats` is reset, then filled in; `started` (a ``time.perf_counter()``
+    value, default now) is when the caller's request began. With `publish`
+    the stats are logged, sent to `jax.monitoring` and the listeners (`_stats`).
+    """
+    t0 = time.perf_counter() if started is None else started
+    retries = loc.storage.retries
+    manifest = source.manifest if source is not None else read_manifest(loc)
+    release_snapshot_buffers()  # a cache for repeated async saves; the load needs the memory
+    stats = stats if stats is not None else LoadStats()
+    vars(stats).update(vars(LoadStats()))  # the numbers of this load only
+    if manifest.root:
+        requests = [("", target)]
+    elif target is None:
+        requests = [(name, None) for name in manifest.items]
+    elif isinstance(target, Mapping):
+        unknown = [k for k in target if k not in manifest.items]
+        if unknown:
+            raise MismatchError(
+                f"{loc.path}: the target asks for checkpointables {unknown} that the checkpoint does not "
+                f"hold (it holds {sorted(manifest.items)})"
+            )
+        requests = list(target.items())
+    else:
+        raise MismatchError(
+            f"{loc.path}: the checkpoint holds named checkpointables {sorted(manifest.items)}; "
+            "pass a mapping from (some of) those names to targets"
+        )
+    out: dict[str, Any] = {}
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="cairn-read") as pool:
+        # Indexes are independent small reads: fetch them together (one round trip on object stores).
+        indexes = [source.indexes[r[0]] for r in requests] if source is not None else list(
+            pool.map(lambda r: read_index(loc, manifest.items[r[0]]), requests))
+        items = []
+        coord = coordinator or default_coordinator()
+        try:
+            for (name, item_target), index in zip(requests, indexes):
+                reader = (source.reader(name, index, verify, pool, stats) if source is not None
+                          else ChunkReader(loc, name, manifest.items[name], index, verify, pool, stats))
+                pp = LoadView(index.structure, name, loc.path, coord.process_index, coord.process_count)
+                items.append(_ItemLoad(name, index, reader, item_target,
+                                       _match(loc, name, index, item_target, partial, pp), pp))
+            # One pipeline over the leaves of every requested checkpointable, so that
+            # many small checkpointables keep the readers as busy as one large one.
+            activity.begin(f"loading {loc.path}")
+            stats.plan_s = time.perf_counter() - t0  # _read_leaves adds its own planning
+            try:
+                _read_leaves(items, loc.path, budget_bytes, _Routing(read_once, coord, timeout))
+            finally:
+                activity.end()
+        finally:
+            for it in items:
+                it.reader.close()
+        for it in items:
+            _wrap_keys(it, loc.path)
+            out[it.name] = it.output()
+    stats.retries = loc.storage.retries - retries
+    stats.total_s = time.perf_counter() - t0
+    if publish:
+        _stats.loaded(loc.path, stats)
+    return out[""] if manifest.root else out
+
+
+@dataclass
+class _ItemLoad:
+    """One requested checkpointable: its index, reader, target and what it wants."""
+
+    name: str
+    index: fmt.ItemIndex
+    reader: ChunkReader
+    target: Any
+    wanted: dict[int, _Want | None]
+    pp: LoadView  # its per-process values (`_perprocess`)
+    results: dict[int, Any] = field(default_factory=dict)
+
+    def output(self) -> Any:
+        if self.target is None:
+            return unflatten(self.index.structure, self.results, per_process=self.pp.pick)
+        by_path = {leaf.path: i for i, leaf in enumerate(self.index.leaves)}
+        return map_with_path(lambda path, t: self.pp.value(path, t, self.results) if path in self.pp.nodes
+                             else self.results[by_path[path]], self.target, is_leaf=_is_target_leaf)
+
+
+def _match(loc: Location, name: str, index: fmt.ItemIndex, target: Any, partial: bool,
+           pp: LoadView) -> dict[int, _Want | None]:
+    """Which stored leaves to load, and how: the target's leaves (all of them without a target)."""
+    where = loc.path
+    if target is None:
+        return pp.all_leaves(len(index.leaves))  # other processes' per-process values left out
+    by_path = {leaf.path: i for i, leaf in enumerate(index.leaves)}
+    wanted: dict[int, _Want | None] = {}
+
+    def note(path: str, t: Any) -> Any:
+        if pp.claims(path, t, wanted):
+            return t
+        i = by_path.get(path)
+        if i is None:
+            raise MismatchError(
+                f"{where}: leaf {display_path(path, name)!r} of the target is not in the checkpoint "
+                "(fill_missing=True keeps the target's own value there)"
+            )
+        leaf = index.leaves[i]
+        wanted[i] = _want_for(t, leaf, where, name) if isinstance(leaf, fmt.ArrayLeaf) else None
+        return t
+
+    map_with_path(note, target, is_leaf=_is_target_leaf)
+    missing = [leaf.path for i, leaf in enumerate(index.leaves) if i not in wanted and i not in pp.covered]
+    if missing and not partial:
+        shown = ", ".join(repr(display_path(p, name)) for p in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise MismatchError(
+            f"{where}: the checkpoint has leaves the target omits: {shown}{more}; "
+            "pass partial=True to load only the target's leaves"
+        )
+    return wanted
+
+
+def _is_target_leaf(x: Any) -> bool:
+    return _is_sharding(x) or type(x).__name__ == "ShapeDtypeStruct" or isinstance(x, ArrayMetadata)
+
+
+@dataclass(frozen=True)
+class _InFlight:
+    """One array being read: whose leaf it is, how it should come back, and its reads."""
+
+    item: _ItemLoad
+    leaf: int  # its position in the item's index
+    want: _Want
+    reads: ArrayReads
+
+
+@dataclass(frozen=True)
+class _Routing:
+    read_once: bool | None
+    coord: Coordinator
+    timeout: float
+
+
+def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Routing) -> None:
+    """Fill every item's `results`, with at most about `budget` bytes of buffers in flight.
+
+    Direct leaves go through one read pipeline; read-once leaves (`_readonce`)
+    follow in waves, each behind a status exchange, since their collectives
+    need every process.
+    """
+    t0 = time.perf_counter()
+    staged: list[Staged] = []
+    agreement: Agreement | None = None
+    n = routing.coord.process_count
+    try:
+        for it in items:
+            reads: dict[int, Any] = {}  # leaf -> the sharding this process reads it with (absent: whole)
+            for i in sorted(it.wanted):
+                want = it.wanted[i]
+                leaf = it.index.leaves[i]
+                if want is None or want.sharding is None or not isinstance(leaf, fmt.ArrayLeaf):
+                    continue
+                r = route(leaf, want.sharding, it.index.block_size, it.reader.verify, n, routing.read_once)
+                if not r.direct:
+                    staged.append(cut_in_pieces(Staged(it, i, want, r), budget, n))
+                    reads[i] = r.read
+                elif not (leaf.nbytes <= WHOLE_PUT_BYTES and puts_whole(want.sharding)):
+                    reads[i] = want.sharding
+            prefetch(it.index, it.wanted, reads)
+        waves = plan_waves(staged, budget, n)
+        if waves:
+            agreement = Agreement(routing.coord, next_seq(), len(waves), where, routing.timeout)
+        for it in items[:1]:  # every item's reader shares the load's stats
+            it.reader.stats.plan_s += time.perf_counter() - t0
+        _read_direct(items, where, budget, {(id(s.item), s.leaf) for s in staged})
+        gathers: dict[int, Gather] = {}
+        for k, wave in enumerate(waves):
+            assert agreement is not None
+            _run_wave(k, wave, agreement, gathers)
+    except BaseException as e:
+        if agreement is not None:
+            agreement.fail(e)
+        raise
+
+
+def _run_wave(k: int, wave: list[Unit], agreement: Agreement, gathers: dict[int, Gather]) -> None:
+    import jax
+
+    t_read = time.perf_counter()
+    regions = [s.region(j) for s, j in wave]
+    reads = [s.item.reader.read_array(s.want.leaf, s.route.read, region) for (s, _), region in zip(wave, regions)]
+    for r in reads:
+        for f in r.futures:
+            f.result()
+    t_assemble = time.perf_counter()
+    xs = [_assemble(_Want(s.want.leaf, s.want.dtype, s.route.read), r,
+                    None if region is None else tuple(hi - lo for lo, hi in region))
+          for (s, _), r, region in zip(wave, reads, regions)]
+    del reads
+    t0 = time.perf_counter()
+    agreement.ok(k)  # every process has its blocks: the collectives below cannot strand anyone
+    for depth in range(max(len(s.route.steps) for s, _ in wave)):
+        moving = [j for j, (s, _) in enumerate(wave) if depth < len(s.route.steps)]
+        moved = jax.device_put([xs[j] for j in moving], [wave[j][0].route.steps[depth] for j in moving])
+        for j, x in zip(moving, moved):
+            xs[j] = x  # the previous step's array is released here
+    jax.block_until_ready(xs)
+    stats = wave[0][0].item.reader.stats
+    stats.read_s += t_assemble - t_read
+    stats.transfer_s += t0 - t_assemble
+    stats.reshard_s += time.perf_counter() - t0
+    for (s, piece), x, region in zip(wave, xs, regions):
+        if piece is None:
+            s.item.results[s.leaf] = x
+            stats.read_once_leaves += 1
+            continue
+        key = id(s)
+        if key not in gathers:
+            gathers[key] = Gather(s)
+        gathers[key].add(x, region)
+        stats.read_once_pieces += 1
+        if piece == len(s.pieces) - 1:
+            s.item.results[s.leaf] = gathers.pop(key).finish()
+            stats.read_once_leaves += 1
+
+
+def _read_direct(items: list[_ItemLoad], where: str, budget: int, skip: set[tuple[int, int]]) -> None:
+    """The direct pipeline: each process reads its own target boxes, `budget` bytes in flight."""
+    from .._tree.shardings import PutBatch
+
+    inflight: deque[_InFlight] = deque()
+    inflight_bytes = 0
+    puts = PutBatch()  # small leaves read whole, placed together
+    t_start, transfer = time.perf_counter(), 0.0  # the rest of this pipeline's time is reading
+
+    def finish() -> None:
+        nonlocal inflight_bytes, transfer
+        done = inflight.popleft()
+        try:
+            for f in done.reads.futures:
+                f.result()
+        except BaseException:
+            for entry in inflight:
+                for f in entry.reads.futures:
+                    f.cancel()
+            raise
+        t = time.perf_counter()
+        if done.reads.placement is None and done.want.sharding is not None:  # read whole: a batched put
+            host = done.reads.dests[0]
+            host = host if host.dtype == done.want.dtype else host.astype(done.want.dtype)
+            puts.add(done.item.results, done.leaf, host, done.want.sharding)
+        else:
+            done.item.results[done.leaf] = _assemble(done.want, done.reads)
+        transfer += time.perf_counter() - t
+        inflight_bytes -= done.reads.nbytes
+
+    for it in items:
+        for i in sorted(it.wanted):
+            if (id(it), i) in skip:
+                continue
+            leaf = it.index.leaves[i]
+            if isinstance(leaf, fmt.ValueLeaf):
+                it.results[i] = leaf.value
+                continue
+            if leaf.kind in ("bytes", "object"):
+                data = it.reader.read_bytes(leaf)
+                if leaf.kind == "bytes":
+                    it.results[i] = data
+                else:
+                    h = handler_named(leaf.handler or "")
+                    if h is None:
+                        raise CheckpointError(
+                            f"{where}: leaf {display_path(leaf.path, it.name)!r} was saved by handler "
+                            f"{leaf.handler!r}; register it with cairn.register_type before loading"
+                        )
+                    it.results[i] = h.load(data)
+                continue
+            want = it.wanted[i] or _Want(leaf, leaf.dtype, None)
+            whole = want.sharding is not None and leaf.nbytes <= WHOLE_PUT_BYTES and puts_whole(want.sharding)
+            reads = it.reader.read_array(want.leaf, None if whole else want.sharding)
+            inflight.append(_InFlight(it, i, want, reads))
+            inflight_bytes += reads.nbytes
+            while len(inflight) > 1 and inflight_bytes > budget:
+                finish()
+    for it in items:  # the last runs of small arrays read while the first ones are placed
+        it.reader.submit_pending()
+    while inflight:
+        finish()
+    t = time.perf_counter()
+    puts.flush()
+    for it in items[:1]:  # every item's reader shares the load's stats
+        it.reader.stats.read_s += t - t_start - transfer
+        it.reader.stats.transfer_s += transfer + time.perf_counter() - t
+
+
+# ---------------------------------------------------------------------- metadata
+
+
+def metadata(loc: Location) -> Any:
+    """The stored tree with `ArrayMetadata` in place of arrays; reads no array data."""
+    manifest = read_manifest(loc)
+    out = {}
+    for name, info in manifest.items.items():
+        index = read_index(loc, info)
+        leaves = []
+        for leaf in index.leaves:
+            if isinstance(leaf, fmt.ArrayLeaf) and leaf.kind == "prng_key":
+                dtype = key_dtype(leaf.impl or "")  # None without JAX: then the key data is described
+                shape = leaf.key_shape if dtype is not None else leaf.shape
+                leaves.append(ArrayMetadata(shape, dtype or leaf.dtype, leaf.nbytes, leaf.sharding, leaf.kind, leaf.impl))
+            elif isinstance(leaf, fmt.ArrayLeaf):
+                leaves.append(ArrayMetadata._of(leaf.shape, leaf.dtype, leaf.nbytes, leaf.sharding, leaf.kind))
+            else:
+                leaves.append(leaf.value)
+        out[name] = unflatten(index.structure, leaves)
+    return out[""] if manifest.root else out
+
+
+__all__ = ["ArrayMetadata", "load", "metadata", "read_index", "read_manifest"]

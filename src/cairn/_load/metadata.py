@@ -1,0 +1,119 @@
+"""Reading a checkpoint's metadata: its manifest and its indexes (never array data).
+
+Load, verify, convert and the CLI all start here. Missing, unreadable and
+malformed metadata become cairn errors that name the checkpoint; parsing
+(with its limits) is `_format`'s.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from .._core.gcpause import paused
+from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .._format import manifest as fmt
+from .._storage.location import Location, resolve
+
+
+def read_manifest(loc: Location) -> fmt.Manifest:
+    return fmt.Manifest.from_json(manifest_bytes(loc), loc.storage.describe(loc.key(fmt.MANIFEST)))
+
+
+def manifest_bytes(loc: Location) -> bytes:
+    """The raw bytes of the manifest at `loc` (`CheckpointNotFoundError` if nothing is committed there)."""
+    key = loc.key(fmt.MANIFEST)
+    try:
+        data = loc.storage.read(key)
+    except (FileNotFoundError, NotADirectoryError):
+        if loc.storage.exists(loc.name):
+            raise CheckpointNotFoundError(
+                f"{loc.path} holds no committed checkpoint (no {fmt.MANIFEST}; an interrupted save?)"
+            ) from None
+        raise CheckpointNotFoundError(f"no checkpoint at {loc.path}") from None
+    except IsADirectoryError:
+        raise CorruptCheckpointError(f"{loc.path}: {fmt.MANIFEST} is not a file") from None
+    except OSError as e:
+        raise _read_error(loc, fmt.MANIFEST, e) from e
+    return data
+
+
+def _read_error(loc: Location, what: str, e: OSError) -> CheckpointError:
+    if e.errno == errno.ELOOP:
+        return CorruptCheckpointError(
+            f"{loc.path}: {what} is a symbolic link (or lies under one); cairn never follows links inside a checkpoint"
+        )
+    return CheckpointError(f"{loc.path}: reading {what} failed: {e}")
+
+
+def read_index(loc: Location, info: fmt.ItemInfo) -> fmt.ItemIndex:
+    return parse_index(loc, info, index_bytes(loc, info))
+
+
+def index_bytes(loc: Location, info: fmt.ItemInfo) -> bytes:
+    """The raw bytes of the index of item `info` (`CorruptCheckpointError` if it is missing)."""
+    key = loc.key(info.dir, info.index)
+    try:
+        data = loc.storage.read(key)
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        raise CorruptCheckpointError(f"{loc.path}: the index {key!r} named by the manifest is missing") from None
+    except OSError as e:
+        raise _read_error(loc, f"the index {key!r}", e) from e
+    return data
+
+
+def parse_index(loc: Location, info: fmt.ItemInfo, data: bytes) -> fmt.ItemIndex:
+    """The index `data` of item `info` of `loc`, parsed, its binary parts (format 2) read from `loc`."""
+    with paused():  # tens of thousands of containers, none of them garbage
+        index = fmt.ItemIndex.from_json(data, loc.storage.describe(loc.key(info.dir, info.index)))
+    if index.table is not None:
+        index.table.reader = _part_reader(loc, info)
+    return index
+
+
+def _part_reader(loc: Location, info: fmt.ItemInfo) -> Any:
+    """Reads byte ranges of an item's binary index parts, in parallel (one request per range)."""
+
+    def read(requests: list[tuple[str, int, int]]) -> list[bytes]:
+        def one(req: tuple[str, int, int]) -> bytes:
+            name, start, length = req
+            key = loc.key(info.dir, name)
+            out = bytearray(length)
+            try:
+                r = loc.storage.open_read(key)
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                raise CorruptCheckpointError(f"{loc.path}: the index part {key!r} named by the index is missing") from None
+            try:
+                r.read_into(start, memoryview(out))
+            except EOFError:
+                raise CorruptCheckpointError(f"{loc.path}: the index part {key!r} is truncated") from None
+            except OSError as e:
+                raise _read_error(loc, f"the index part {key!r}", e) from e
+            finally:
+                r.close()
+            return bytes(out)
+
+        if len(requests) == 1:
+            return [one(requests[0])]
+        with ThreadPoolExecutor(min(16, len(requests)), thread_name_prefix="cairn-index") as pool:
+            return list(pool.map(one, requests))
+
+    return read
+
+
+@dataclass
+class Opened:
+    """A committed checkpoint with its manifest and every index read (no array data)."""
+
+    loc: Location
+    manifest: fmt.Manifest
+    indexes: dict[str, fmt.ItemIndex]
+
+
+def open_checkpoint(path: str | os.PathLike[str], storage_options: dict | None = None) -> Opened:
+    loc = resolve(path, storage_options)
+    manifest = read_manifest(loc)
+    return Opened(loc, manifest, {name: read_index(loc, info) for name, info in manifest.items.items()})

@@ -1,0 +1,422 @@
+"""Reading stored arrays: the chunk reader that load, verify, diff and convert share.
+
+`ChunkReader` runs the reads that `_plan.plan_reads` plans for one
+checkpointable, on a pool of threads. Every byte read is checked against its
+block checksum (unless the caller turns verification off) before it is
+copied anywhere; where the storage fetches a read in parallel parts (object
+stores), each part's blocks are verified in the thread that received it, as
+it lands, and only blocks that straddle two parts once the whole read is
+done. A read whose bytes are exactly one contiguous region of a
+destination buffer lands there directly; other reads go through a small
+temporary buffer and a strided copy.
+
+The slab helpers below read an array in bounded C-order pieces, for the
+tools that stream whole arrays (conversion, diff) without ever holding one.
+"""
+
+from __future__ import annotations
+
+import errno
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, cast
+
+import numpy as np
+
+from .._core.buffers import aligned_empty
+from .._core.checksum import BlockChecks
+from .._core.stats import LoadStats
+from .._dist.coord import activity
+from .._errors import CheckpointError, CorruptCheckpointError
+from .._format import manifest as fmt
+from .._plan.chunking import (
+    Box,
+    Check,
+    Copy,
+    Read,
+    c_strides,
+    full_box,
+    is_c_contiguous,
+    plan_reads,
+)
+from .._plan.readmemo import PlanMemo
+from .._storage import PartReader, RandomReader
+from .._storage.location import Location
+from .._tree.pytree import display_path
+from .coalesce import Runs, run_limits, whole_span
+from .metadata import Opened
+
+DEFAULT_BUDGET = 256 << 20  # the memory budget of a streaming conversion, by default
+
+
+@dataclass(frozen=True)
+class ArrayReads:
+    """The reads of one array, submitted to the pool, and the host buffers they fill."""
+
+    futures: list[Future[None]]
+    dests: list[np.ndarray]  # one per box, C order, of the stored dtype
+    boxes: list[Box]  # distinct target boxes
+    placement: dict[Box, list[Any]] | None  # per box: the devices that get it; None for a numpy result
+
+    @property
+    def nbytes(self) -> int:
+        return sum(d.nbytes for d in self.dests)
+
+
+class ChunkReader:
+    """Runs the reads of one checkpointable with a pool of threads."""
+
+    def __init__(self, loc: Location, name: str, info: fmt.ItemInfo, index: fmt.ItemIndex, verify: bool,
+                 pool: ThreadPoolExecutor, stats: LoadStats):
+        self.loc, self.info, self.index, self.verify, self.pool, self.stats = loc, info, index, verify, pool, stats
+        self.item = name
+        self._readers: dict[int, RandomReader] = {}
+        self._lock = threading.Lock()
+        self._max_read = getattr(loc.storage, "preferred_read", DEFAULT_MAX_READ)
+        self._small, run_bytes = run_limits(getattr(loc.storage, "preferred_read", None))
+        self._runs = Runs(self, run_bytes)  # small whole arrays, read together
+        self._plans = PlanMemo()  # leaves of one layout share a read plan
+
+    def _key(self, file: int) -> str:
+        return self.loc.key(self.info.dir, self.index.files[file].name)
+
+    def _reader(self, file: int) -> RandomReader:
+        r = self._readers.get(file)  # opened already: no lock (a reader thread may hold it through a GIL switch)
+        if r is not None:
+            return r
+        with self._lock:
+            r = self._readers.get(file)
+            if r is None:
+                name = self.index.files[file].name
+                try:
+                    r = self.loc.storage.open_read(self._key(file))
+                except FileNotFoundError:
+                    raise CorruptCheckpointError(f"{self.loc.path}: data file {name!r} is missing") from None
+                except OSError as e:
+                    if e.errno == errno.ELOOP:
+                        raise CorruptCheckpointError(
+                            f"{self.loc.path}: data file {name!r} is a symbolic link (or lies under one); "
+                            "cairn never follows links inside a checkpoint"
+                        ) from None
+                    raise CheckpointError(f"{self.loc.path}: opening data file {name!r} failed: {e}") from e
+                # Local files know their size for free (object stores would need a request):
+                # a file shorter than its index claims is refused before any buffer is allocated.
+                size, claimed = r.size, self.index.files[file].size
+                if size is not None and size < claimed:
+                    r.close()
+                    raise CorruptCheckpointError(
+                        f"{self.loc.path}: data file {name!r} has {size} bytes, its index claims {claimed}"
+                    )
+                self._readers[file] = r
+            return r
+
+    def submit_pending(self) -> None:
+        """Send the run of small arrays still being gathered to the pool (the caller queued its last read)."""
+        self._runs.submit()
+
+    def close(self) -> None:
+        with self._lock:
+            for r in self._readers.values():
+                try:
+                    r.close()
+                except Exception:
+                    pass
+            self._readers.clear()
+
+    def _fill(self, file: int, start: int, out: memoryview | list[memoryview], leaf: fmt.ArrayLeaf,
+              checks: BlockChecks | None = None) -> None:
+        """Read file bytes from `start` into `out` (one buffer, or consecutive buffers).
+
+        With `checks`, a reader that reads in parts (`reports_parts`) verifies
+        each part's blocks as it lands; the caller verifies the rest.
+        """
+        n = len(out) if isinstance(out, memoryview) else sum(len(o) for o in out)
+        try:
+            r = self._reader(file)
+            if checks is not None and getattr(r, "reports_parts", False):
+                cast(PartReader, r).read_into_many(start, [out] if isinstance(out, memoryview) else out,
+                                                   on_part=checks.part)
+            elif isinstance(out, memoryview):
+                r.read_into(start, out)
+            else:
+                r.read_into_many(start, out)
+        except CheckpointError:  # a part's checksum failed: its error already says where
+            raise
+        except EOFError:
+            raise CorruptCheckpointError(
+                f"{self.loc.path}: data file {self.index.files[file].name!r} is truncated "
+                f"(leaf {display_path(leaf.path, self.item)!r} needs bytes {start}..{start + n})"
+            ) from None
+        except FileNotFoundError:  # object stores learn of a missing object on the first read
+            raise CorruptCheckpointError(
+                f"{self.loc.path}: data file {self.index.files[file].name!r} is missing"
+            ) from None
+        except OSError as e:
+            raise CheckpointError(
+                f"{self.loc.path}: reading {self.index.files[file].name!r} for leaf "
+                f"{display_path(leaf.path, self.item)!r} failed: {e}"
+            ) from e
+        with self._lock:
+            self.stats.bytes_read += n
+            self.stats.reads += 1
+        activity.advance()  # peers waiting for this process see it moving
+
+    def _block_checks(self, file: int, checks: Sequence[tuple[int, int, int]], segments: list[memoryview],
+                      base: int, leaf: fmt.ArrayLeaf) -> BlockChecks:
+        """The verification of `checks` (file bytes) over `segments`, which hold the file from `base` on."""
+        def fail(c: tuple[int, int, int], got: int) -> CorruptCheckpointError:
+            return CorruptCheckpointError(
+                f"{self.loc.path}: checksum mismatch in {self.index.files[file].name!r} bytes "
+                f"{c[0]}..{c[1]} (leaf {display_path(leaf.path, self.item)!r}): stored {c[2]:#010x}, "
+                f"computed {got:#010x}"
+            )
+
+        return BlockChecks(checks, segments, base, fail)
+
+    def _fill_checked(self, read: Read, buf: memoryview | list[memoryview], leaf: fmt.ArrayLeaf) -> None:
+        """Read `read`'s bytes into `buf` and verify its checksum blocks (part by part, where the reader can)."""
+        if not read.checks:
+            self._fill(read.file, read.start, buf, leaf)
+            return
+        checks = self._block_checks(read.file, read.checks, [buf] if isinstance(buf, memoryview) else buf,
+                                    read.start, leaf)
+        self._fill(read.file, read.start, buf, leaf, checks)
+        checks.rest()
+
+    def do_read(self, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> None:
+        direct = read.direct
+        if direct is not None:
+            region = dests[direct.dest][_region(direct.dest_start, direct.shape)]
+            if region.flags.c_contiguous:
+                self._fill_checked(read, memoryview(region.reshape(-1).view(np.uint8)), leaf)
+                with self._lock:
+                    self.stats.direct_reads += 1
+                return
+        if self._reader(read.file).vectored:
+            parts = _tiled_regions(read, dests)
+            if parts is not None:  # consecutive whole regions: one vectored read, no copy
+                self._fill_checked(read, parts, leaf)
+                with self._lock:
+                    self.stats.direct_reads += 1
+                return
+        raw = _scratch(read.nbytes)
+        self._fill_checked(read, memoryview(raw), leaf)  # type: ignore[arg-type]
+        for c in read.copies:
+            src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)
+            dests[c.dest][_region(c.dest_start, c.shape)] = src
+
+    def read_array(self, leaf: fmt.ArrayLeaf, sharding: Any = None, region: Box | None = None) -> ArrayReads:
+        """Start reading `leaf`: whole into one buffer, or the boxes `sharding` puts on this process.
+
+        With `region`, the array read is that box of the leaf (a slab of a leaf
+        restored in pieces); boxes and placement are relative to it.
+        """
+        placement = None
+        shape = leaf.shape if region is None else tuple(hi - lo for lo, hi in region)
+        if sharding is None:
+            boxes: list[Box] = [full_box(shape)]
+        else:
+            from .._tree.shardings import addressable_boxes
+
+            boxes, placement = addressable_boxes(sharding, shape)
+        span = whole_span(leaf) if sharding is None and region is None and leaf.nbytes <= self._small else None
+        if span is not None:  # small, whole, one run of bytes: read together with its neighbours
+            self._reader(span[0])  # checks the file first: a false size claim allocates nothing
+            dest = np.empty(leaf.shape, leaf.dtype)  # no alignment needed: placed by one device_put of the whole
+            return ArrayReads([self._runs.add(leaf, span[0], span[1], dest)], [dest], boxes, placement)
+        absolute = boxes if region is None else [
+            tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes]
+        max_read = self._max_read
+        reads = (whole_reads(leaf, self.index.block_size, self.verify, max_read)
+                 if region is None and sharding is None else None)
+        if reads is None:
+            reads = self._plans.plan(leaf, absolute, self.index.block_size, self.verify, max_read)
+        for file in sorted({r.file for r in reads}):
+            self._reader(file)  # checks the files first: a false size claim allocates nothing
+        try:
+            dests = [aligned_empty(tuple(hi - lo for lo, hi in b), leaf.dtype) for b in boxes]
+        except MemoryError:
+            nbytes = sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * leaf.dtype.itemsize
+            raise CheckpointError(
+                f"{self.loc.path}: cannot allocate {nbytes} bytes for leaf "
+                f"{display_path(leaf.path, self.item)!r} of shape {leaf.shape}"
+            ) from None
+        self._runs.submit()
+        futures = [self.pool.submit(self.do_read, r, leaf, dests) for r in reads]
+        return ArrayReads(futures, dests, boxes, placement)
+
+    def read_bytes(self, leaf: fmt.ArrayLeaf) -> bytes:
+        reads = self.read_array(leaf)
+        for f in reads.futures:
+            f.result()
+        return reads.dests[0].tobytes()
+
+
+#: The largest read a load plans where the storage states no `preferred_read`.
+DEFAULT_MAX_READ = 4 << 20
+
+
+def whole_reads(leaf: fmt.ArrayLeaf, block: int, verify: bool, max_read: int = 4 << 20) -> list[Read] | None:
+    """The reads of a whole array cut along its first axis only: runs of consecutive chunks, each direct.
+
+    Such chunks are row slabs of the array in order (what sharding on the first
+    axis, or no sharding, saves), so a run of them that lies back to back in one
+    file is one contiguous region of the destination: one read straight into it,
+    however many chunks it spans (up to `max_read` bytes, or one chunk). This is
+    what the general planner's pieces add up to, without a piece per chunk.
+    None when the layout is not of that kind.
+    """
+    shape, grid = leaf.shape, leaf.grid
+    if not shape or any(len(b) != 2 for b in grid[1:]) or 0 in shape:
+        return None
+    itemsize = leaf.dtype.itemsize
+    row = math.prod(shape[1:]) * itemsize
+    tail = shape[1:]
+    rows = grid[0]
+    reads: list[Read] = []
+    run_first = 0
+
+    def flush(first: int, last: int) -> None:  # chunks first..last (inclusive)
+        file, start = leaf.chunks[first]
+        end = start + (rows[last + 1] - rows[first]) * row
+        checks: list[Check] = []
+        if verify:
+            for c in range(first, last + 1):
+                off = leaf.chunks[c][1]
+                size = (rows[c + 1] - rows[c]) * row
+                crcs = leaf.crcs[c]
+                checks.extend(Check(off + k * block, off + min((k + 1) * block, size), crcs[k])
+                              for k in range(-(-size // block)))
+        n = rows[last + 1] - rows[first]
+        copy = Copy(0, 0, c_strides((n, *tail), itemsize), (n, *tail), (rows[first], *(0 for _ in tail)), itemsize)
+        reads.append(Read(file, start, end, (copy,), tuple(checks)))
+
+    for c in range(1, len(rows) - 1):
+        file, off = leaf.chunks[c]
+        prev_file, prev_off = leaf.chunks[c - 1]
+        prev_end = prev_off + (rows[c] - rows[c - 1]) * row
+        if file != prev_file or off != prev_end or (rows[c + 1] - rows[run_first]) * row > max_read:
+            flush(run_first, c - 1)
+            run_first = c
+    flush(run_first, len(rows) - 2)
+    return reads
+
+
+_local = threading.local()
+
+
+def _scratch(nbytes: int) -> np.ndarray:
+    """This reader thread's temporary buffer, reused from read to read.
+
+    A fresh buffer per read costs first-touch page faults on every read, which
+    on some hosts is slower than the read itself. The buffer lives as long as
+    the load's thread pool.
+    """
+    buf = getattr(_local, "buf", None)
+    if buf is None or buf.nbytes < nbytes:
+        buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
+        _local.buf = buf
+    return buf[:nbytes]
+
+
+_MIN_RUN = 4096  # a destination row shorter than this is cheaper to fill by a copy
+_MAX_PARTS = 1 << 16
+
+
+def _tiled_regions(read: Read, dests: list[np.ndarray]) -> list[memoryview] | None:
+    """Destination byte views that a vectored read can fill in place, in file order.
+
+    The copies, in source order, must cover the read exactly, each contiguous in
+    the file. A destination region that is not contiguous (a block of columns of
+    the target shard, as when resharding) is split into its rows, provided rows
+    are long enough for a vectored read to beat a read into a buffer plus a
+    copy. Returns None when that does not apply.
+    """
+    out: list[memoryview] = []
+    pos = 0
+    for c in sorted(read.copies, key=lambda c: c.src_offset):
+        if c.src_offset != pos or not is_c_contiguous(c.shape, c.src_strides):
+            return None
+        region = dests[c.dest][_region(c.dest_start, c.shape)]
+        if region.flags.c_contiguous:
+            out.append(memoryview(region.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+        else:
+            if region.ndim < 2 or region.strides[-1] != region.itemsize:
+                return None
+            if region.shape[-1] * region.itemsize < _MIN_RUN:
+                return None
+            if len(out) + int(np.prod(region.shape[:-1])) > _MAX_PARTS:
+                return None
+            for idx in np.ndindex(*region.shape[:-1]):
+                out.append(memoryview(region[idx].view(np.uint8)))  # type: ignore[arg-type]
+        pos += c.nbytes
+    return out if pos == read.nbytes else None
+
+
+def _region(start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[Any, ...]:
+    # `...` keeps a 0-d selection a view (indexing with () would return a scalar copy).
+    return tuple(slice(s, s + n) for s, n in zip(start, shape)) or (Ellipsis,)
+
+
+# ---------------------------------------------------------------------- whole arrays, in slabs
+
+
+def make_reader(ck: Opened, item: str, pool: ThreadPoolExecutor, stats: LoadStats | None = None) -> ChunkReader:
+    """The reader for one checkpointable of `ck` (all reads verify their checksums)."""
+    return ChunkReader(ck.loc, item, ck.manifest.items[item], ck.indexes[item], True, pool, stats or LoadStats())
+
+
+def slab_boxes(shape: tuple[int, ...], itemsize: int, max_bytes: int) -> Iterator[Box]:
+    """Boxes that tile `shape` in C order, each a contiguous run of at most `max_bytes`.
+
+    A box fixes single indices on the leading axes, takes a range of the
+    next one, and all of the trailing ones; the smallest array piece it can
+    be is one element.
+    """
+    if any(s == 0 for s in shape):
+        return
+    if not shape:
+        yield ()
+        return
+    # The first axis whose trailing block fits: slabs are ranges along it.
+    axis, inner = len(shape) - 1, itemsize
+    for a in range(len(shape)):
+        tail = math.prod(shape[a + 1 :]) * itemsize
+        if tail <= max_bytes:
+            axis, inner = a, tail
+            break
+    step = max(1, max_bytes // inner)
+    for prefix in np.ndindex(*shape[:axis]):
+        for lo in range(0, shape[axis], step):
+            hi = min(lo + step, shape[axis])
+            lead = tuple((int(i), int(i) + 1) for i in prefix)
+            yield (*lead, (lo, hi), *((0, n) for n in shape[axis + 1 :]))
+
+
+def read_box(reader: ChunkReader, leaf: fmt.ArrayLeaf, box: Box, pool: ThreadPoolExecutor,
+             verify: bool = True) -> np.ndarray:
+    """Read one box of a stored array into a new numpy array (checksums verified)."""
+    dest = np.empty(tuple(hi - lo for lo, hi in box), dtype=leaf.dtype)
+    reads = plan_reads(leaf, [box], reader.index.block_size, verify)
+    for f in [pool.submit(reader.do_read, r, leaf, [dest]) for r in reads]:
+        f.result()
+    return dest
+
+
+def iter_array(reader: ChunkReader, leaf: fmt.ArrayLeaf, max_bytes: int,
+               pool: ThreadPoolExecutor) -> Iterator[np.ndarray]:
+    """A stored array's values, as C-order slabs of at most `max_bytes` each."""
+    for box in slab_boxes(leaf.shape, leaf.dtype.itemsize, max_bytes):
+        yield read_box(reader, leaf, box, pool)
+
+
+def slab_bytes(budget: int, block: int = fmt.DEFAULT_BLOCK_SIZE) -> int:
+    """The slab size that keeps a streaming tool within `budget` bytes (whole blocks)."""
+    # Up to three slabs can be alive at once: the one being written (a
+    # storage backend may hold it until it asks for the next), the one being
+    # read, and the temporary buffers of reads that cannot land in place. A
+    # quarter of the budget each leaves room for everything else.
+    return max(block, budget // 4 // block * block)

@@ -1,0 +1,500 @@
+"""CheckpointManager: when to save, which steps to keep, what to resume from.
+
+A manager owns one directory (local or object store). Each step is one
+ordinary cairn checkpoint in a folder named ``step_<step>``, the step number
+zero-padded to at least 8 digits (``step_00000100``; ``step_123456789`` for
+larger steps). Only folders with that exact name and a committed
+``manifest.json`` count as steps: interrupted saves are never listed,
+restored or counted for retention, and the primary process removes them
+(``.step_*.cairn-tmp-*`` folders, and on object stores step prefixes without a
+manifest) when the manager opens and after each commit.
+
+The manager works on the storage rooted at its directory: step folders
+through `_steps` (naming, listing, deletion, leftovers), saves and loads
+through the engine (`_async`, `_load` via `_transforms`) on a `Location` in that storage, so the
+same code runs on local disk, ``memory://`` and object stores. Retention
+policies live in `_retention`, preemption detection in `_preemption`, the
+evaluator's polling in `_watch` and the reader leases retention honours in
+`_leases`.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import threading
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .._dist.agree import Decisions
+from .._dist.coord import Coordinator, default_coordinator
+from .._dist.preemption import PreemptionWatch
+from .._errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+)
+from .._local.tier import LocalTier
+from .._run import leases as _leases
+from .._run import steps as _steps
+from .._run.retention import CheckpointInfo, RetentionPolicy, policy_from, retained
+from .._run.steps import show_steps, step_dirname
+from .._save import future as _async
+from .._storage.location import Location
+from .._tools import transforms as _transforms
+from .watch import StepWatch
+
+log = logging.getLogger("cairn")
+
+
+# ---------------------------------------------------------------------- the manager
+
+
+@dataclass
+class _Pending:
+    step: int
+    future: _async.SaveFuture
+    settled: threading.Event  # set once the retention that follows its commit has run
+
+
+class CheckpointManager(StepWatch):
+    """Saves steps of a training run into one directory and keeps the right ones.
+
+    `directory` is a local path or an object-store URL (``memory://``,
+    ``s3://``, ...). Step `N` is saved as the cairn checkpoint
+    ``<directory>/step_<N zero-padded to 8 digits>``.
+
+    - `save_every`: `save` writes a step only when ``step % save_every == 0``
+      (or with ``force=True``, or once preemption was detected).
+    - Retention (combined: a step survives if any rule keeps it; the newest
+      committed step always survives; without any rule every step is kept):
+      `max_to_keep` newest, every step divisible by `keep_every`, the
+      `keep_best` best by metric `best_metric` (`best_mode` ``"min"`` or
+      ``"max"``), and any `retention` policies (see `RetentionPolicy`).
+      Retention runs after each commit, never before it, and skips steps
+      an evaluator holds a reader lease on (until the lease is released or
+      expires; see `new_steps` and `reading`).
+    - `read_only`: for an evaluator beside the trainer. It never saves,
+      deletes or cleans up (the trainer's saves in progress look like
+      interrupted ones) and installs no SIGTERM handler; use `wait_for_step`,
+      `new_steps`, `reading` and `restore`.
+    - `local`: a `LocalTier` (frequent per-host saves, peer replicas); `restore` prefers it when as new.
+    - `async_save`: saves return after the snapshot; the write and commit run
+      in the background (see `cairn.save_async`). If a background save failed,
+      the next `save` (or `wait`/`close`) raises its error.
+    - Preemption: a SIGTERM (when `handle_sigterm`, installed from the main
+      thread) or `preemption_check()` returning true makes the next `save`
+      write its step whatever the interval and wait for the commit;
+      `reached_preemption` then tells the loop to stop. With several processes
+      under ``jax.distributed``, JAX's preemption service catches the signal
+      instead and picks one step for every process (a signal seen by one
+      process reaches all), so call `save` (or `should_save`) on every step.
+      A `preemption_check` must then answer the same on every process.
+
+    Example::
+
+        with cairn.CheckpointManager("/ckpt/run1", max_to_keep=3, save_every=100) as mgr:
+            start = 0
+            if mgr.latest_step() is not None:
+                state = mgr.restore()
+                start = mgr.latest_step() + 1
+            for step in range(start, num_steps):
+                state = train_step(state)
+                mgr.save(step, {"params": state.params, "opt": state.opt, "data": it.state_bytes()},
+                         metrics={"loss": float(loss)})
+                if mgr.reached_preemption(step):
+                    break
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        max_to_keep: int | None = None,
+        keep_every: int | None = None,
+        keep_best: int | None = None,
+        best_metric: str | None = None,
+        best_mode: str = "min",
+        retention: RetentionPolicy | Iterable[RetentionPolicy] | None = None,
+        save_every: int = 1,
+        async_save: bool = True,
+        preemption_check: Callable[[], bool] | None = None,
+        handle_sigterm: bool = True,
+        snapshot_budget_bytes: int | None = None,
+        storage_options: dict[str, Any] | None = None,
+        coordinator: Coordinator | None = None,
+        threads: int = 4,
+        read_only: bool = False,
+        local: LocalTier | None = None,
+    ):
+        if save_every < 1:
+            raise ValueError(f"save_every must be >= 1, got {save_every}")
+        self.directory, self._storage = _steps.open_directory(directory, storage_options)
+        self.policy = policy_from(max_to_keep, keep_every, keep_best, best_metric, best_mode, retention)
+        self.save_every = save_every
+        self.async_save = async_save
+        self._coord = coordinator or default_coordinator()
+        self._primary = self._coord.process_index == 0
+        self._decisions = Decisions(self._coord, self.directory)
+        self._save_kwargs: dict[str, Any] = {"coordinator": coordinator, "threads": threads}
+        self._snapshot_budget = snapshot_budget_bytes
+        self._preempt_saved: int | None = None  # step committed after preemption was detected
+        self._pending: list[_Pending] = []
+        self._lock = threading.Lock()  # guards _inflight (held only briefly)
+        self._retention_lock = threading.Lock()  # one retention / cleanup pass at a time
+        self._inflight: set[int] = set()  # steps whose save has started and not finished
+        self._infos: dict[int, CheckpointInfo] = {}  # committed checkpoints never change
+        self._closed = False
+        self.restored_step: int | None = None
+        self.read_only = read_only
+        self.local = local.attach(self._coord, threads) if local is not None and not read_only else None
+        self._preemption = PreemptionWatch(self.directory, preemption_check, handle_sigterm and not read_only,
+                                           self._coord.process_count)
+        if self._primary and not read_only:
+            with self._retention_lock:
+                _leases.remove_stale_markers(self._storage)
+                self._cleanup_uncommitted()
+
+    # ------------------------------------------------------------------ naming and listing
+
+    def path(self, step: int) -> str:
+        """The checkpoint path of `step` (whether or not it exists).
+
+        Example::
+
+            cairn.metadata(mgr.path(mgr.latest_step()))
+        """
+        return f"{self.directory}/{step_dirname(step)}"
+
+    def steps(self) -> list[int]:
+        """The committed steps, oldest first. Interrupted saves are not listed.
+
+        With several processes the primary lists and every process gets its
+        list (call it on every process, as any collective step).
+
+        Example::
+
+            mgr.steps()    # [1000, 2800, 2900, 3000]
+        """
+        mine = _steps.committed_steps(self._storage) if self._primary or self._decisions.alone else []
+        return [int(s) for s in self._decisions.shared("steps", mine)]
+
+    def latest_step(self) -> int | None:
+        """The newest committed step, or None if there is none.
+
+        Example::
+
+            start = 0 if mgr.latest_step() is None else mgr.latest_step() + 1
+        """
+        steps = self.steps()
+        return steps[-1] if steps else None
+
+    def metrics(self, step: int) -> dict[str, float | None]:
+        """The metrics saved with `step` (non-finite values read back as None).
+
+        Example::
+
+            mgr.save(100, state, metrics={"loss": 0.25}); mgr.wait()
+            mgr.metrics(100)     # {"loss": 0.25}
+        """
+        return dict(self._info(step).metrics)
+
+    def _location(self, step: int) -> Location:
+        return Location(self._storage, step_dirname(step), self.path(step))
+
+    def _info(self, step: int) -> CheckpointInfo:
+        info = self._infos.get(step)
+        if info is None:
+            info = self._infos[step] = _steps.read_info(self._location(step), step)
+        return info
+
+    # ------------------------------------------------------------------ saving
+
+    def should_save(self, step: int) -> bool:
+        """Whether `save(step, ...)` would write: on the interval, or after preemption.
+
+        Example::
+
+            if mgr.should_save(step):
+                state = expensive_gather(state)
+        """
+        return step % self.save_every == 0 or self._preemption.detected(step)
+
+    def save(
+        self, step: int, state: Any, metrics: Mapping[str, Any] | None = None, force: bool = False
+    ) -> bool:
+        """Save `state` as `step` if the interval (or `force`, or preemption) says so.
+
+        Returns False when the step is skipped. `state` is what `cairn.save`
+        accepts, typically a mapping of named checkpointables (arrays, JSON-able
+        config, ``bytes`` blobs, registered types). `metrics` (numbers) are
+        stored in the checkpoint's manifest for `KeepBest` and `metrics`.
+        After preemption the save is synchronous: it returns once committed.
+
+        Raises `CheckpointExistsError` if `step` is already saved or being
+        saved, and `CheckpointError` (before saving anything) if an earlier
+        background save failed.
+
+        Example::
+
+            saved = mgr.save(step, {"params": params, "opt": opt}, metrics={"loss": loss})
+        """
+        self._check_open()
+        if self.read_only:
+            raise CheckpointError(f"{self.directory}: this CheckpointManager is read-only; it does not save")
+        step = operator.index(step)
+        if step < 0:
+            raise ValueError(f"{self.directory}: step must be >= 0, got {step}")
+        self._reap()
+        preempted = self._preemption.detected(step)
+        local_saved = self.local is not None and self.local.save(step, state)
+        if not (force or preempted or step % self.save_every == 0):
+            return local_saved
+        meta = _steps.step_metadata(step, metrics, f"{self.directory} step {step}")
+        with self._lock:
+            if step in self._inflight:
+                raise CheckpointExistsError(f"{self.path(step)}: step {step} is already being saved")
+            self._inflight.add(step)  # before any file exists, so cleanup leaves it alone
+        loc = self._location(step)
+        try:
+            if self.async_save and not preempted:
+                fut = _async.save_async(
+                    loc, state, metadata=meta, snapshot_budget_bytes=self._snapshot_budget, **self._save_kwargs
+                )
+            else:
+                self.wait()
+                _async.save(loc, state, metadata=meta, **self._save_kwargs)
+        except BaseException:
+            with self._lock:
+                self._inflight.discard(step)
+            raise
+        if self.async_save and not preempted:
+            pending = _Pending(step, fut, threading.Event())
+            self._pending.append(pending)
+            fut.add_done_callback(lambda _f: self._after_commit(pending))
+        else:
+            self._settle(step, ok=True)
+            if preempted:
+                self._preempt_saved = step
+                log.warning("cairn: preemption: saved step %d to %s", step, loc.path)
+        return True
+
+    def _after_commit(self, pending: _Pending) -> None:
+        """Runs on the background thread once the save is resolved."""
+        try:
+            ok = _async.error_of(pending.future) is None  # the manager raises it itself, later
+            self._settle(pending.step, ok)
+        finally:
+            pending.settled.set()
+
+    def _settle(self, step: int, ok: bool) -> None:
+        with self._lock:
+            self._inflight.discard(step)
+        if not (ok and self._primary):
+            return
+        with self._retention_lock:
+            try:
+                self._apply_retention()
+                self._cleanup_uncommitted()
+            except Exception as e:
+                # Retention is housekeeping: a failure leaves extra checkpoints, never fewer.
+                log.warning("cairn: retention in %s after step %d failed: %s", self.directory, step, e)
+
+    def _apply_retention(self) -> None:
+        """Delete the committed steps the policy does not keep (caller holds _retention_lock).
+
+        Only the primary runs it (on the background thread), on its own listing: the
+        decision is its alone, so nothing here is exchanged with the other processes.
+        Steps under a live reader lease are spared; a later pass deletes them.
+        """
+        steps = _steps.committed_steps(self._storage)
+        infos = [self._info(s) for s in steps]
+        keep = retained(self.policy, infos)
+        doomed = [s for s in steps if s not in keep]
+        if doomed:
+            with _leases.spare_leased(self._storage, doomed, self.directory) as free:
+                for s in free:
+                    self._delete_step(s)
+
+    def _delete_step(self, step: int) -> None:
+        _steps.delete_step(self._storage, step)
+        self._infos.pop(step, None)
+        log.info("cairn: retention deleted step %d from %s", step, self.directory)
+
+    def _cleanup_uncommitted(self) -> None:
+        """Remove interrupted saves and half-deleted steps (caller holds _retention_lock).
+
+        A step joins `_inflight` before its save creates any file, so a save
+        in progress is never mistaken for an interrupted one.
+        """
+        for name in _steps.leftovers(self._storage, self._inflight):
+            try:
+                _steps.remove_leftover(self._storage, name)
+                log.info("cairn: removed the interrupted save %s from %s", name, self.directory)
+            except FileNotFoundError:
+                pass  # committed or removed meanwhile by another process
+            except OSError as e:
+                log.warning("cairn: could not remove %s from %s: %s", name, self.directory, e)
+
+    def _reap(self) -> None:
+        """Drop finished saves; raise the first failure among them."""
+        done = [p for p in self._pending if p.future.done()]
+        self._pending = [p for p in self._pending if not p.future.done()]
+        self._raise_first([(p.step, p.future.exception()) for p in done])
+
+    def _raise_first(self, outcomes: list[tuple[int, BaseException | None]]) -> None:
+        failed = [(step, e) for step, e in outcomes if e is not None]
+        if not failed:
+            return
+        step, e = failed[0]
+        more = f" (and {len(failed) - 1} later saves failed too)" if len(failed) > 1 else ""
+        raise CheckpointError(f"{self.directory}: the background save of step {step} failed: {e}{more}") from e
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every pending save has committed and its retention has run.
+
+        Raises the error of a failed save (and TimeoutError if `timeout` passes).
+
+        Example::
+
+            mgr.save(step, state); mgr.wait()    # now mgr.latest_step() == step
+        """
+        outcomes = []
+        while self._pending:
+            p = self._pending[0]
+            e = p.future.exception(timeout)  # TimeoutError leaves it pending
+            p.settled.wait(timeout)
+            self._pending.pop(0)
+            outcomes.append((p.step, e))
+        self._raise_first(outcomes)
+        if self.local is not None:
+            self.local.wait()
+
+    # ------------------------------------------------------------------ preemption
+
+    def reached_preemption(self, step: int) -> bool:
+        """True once preemption was detected and a checkpoint has been committed since.
+
+        Call it after `save` in the loop and stop when it is true. A signal that
+        arrives after this step's `save` returned yields False until the next
+        `save` has written its step, so the loop never stops unsaved.
+
+        Example::
+
+            mgr.save(step, state)
+            if mgr.reached_preemption(step):
+                break
+        """
+        del step  # kept for the familiar signature; the answer depends on what was saved
+        return self._preemption.detected() and self._preempt_saved is not None
+
+    # ------------------------------------------------------------------ restoring
+
+    def restore(
+        self, step: int | None = None, target: Any = None, *, fallback: bool = False, partial: bool = False,
+        **transforms: Any,
+    ) -> Any:
+        """Load `step` (default: the newest committed one), whole or only what `target` asks.
+
+        `target` is what `cairn.load` takes, e.g. ``{"params": abstract_params}``
+        to read only that checkpointable; so are `transforms`: ``rename``,
+        ``drop``, ``fill_missing``, ``report`` and ``stats`` (a `cairn.LoadStats`, left
+        empty when the local tier serves the restore). With ``fallback=True`` and no `step`, a
+        checkpoint that fails verification (corrupt, or deleted meanwhile) is
+        skipped, with a log line, for the next older one; `restored_step`
+        records which step was loaded.
+
+        Raises `CheckpointNotFoundError` if there is no (such) committed step,
+        `CorruptCheckpointError` if it (or, with `fallback`, every step) fails
+        verification.
+
+        Example::
+
+            state = mgr.restore(target={"params": abstract_params}, fallback=True)
+            print("resumed from", mgr.restored_step)
+        """
+        self._check_open()
+        self.wait()
+        steps = self.steps()
+        if got := (self.local and step is None and not partial and not transforms.keys() - {"stats"}
+                   and self.local.restore(target, steps[-1] if steps else None)):
+            self.restored_step, out = got
+            return out
+        if step is not None:
+            step = operator.index(step)
+            if step not in steps:
+                raise CheckpointNotFoundError(
+                    f"{self.directory}: step {step} has no committed checkpoint (committed steps: {show_steps(steps)})"
+                )
+            candidates = [step]
+        elif not steps:
+            raise CheckpointNotFoundError(f"{self.directory} holds no committed checkpoint")
+        else:
+            candidates = list(reversed(steps)) if fallback else [steps[-1]]
+        failures: list[str] = []
+        for s in candidates:
+            error: BaseException | None = None
+            try:
+                out = _transforms.load(self._location(s), target, partial=partial, **transforms)
+            except (CorruptCheckpointError, CheckpointNotFoundError) as e:
+                error = e
+            # Every process reads only its own bytes: one may find corruption the others do not.
+            # All fall back together, or all fail together.
+            outcomes = self._decisions.gather(f"restore-{s}", None if error is None else str(error))
+            bad = {p: e for p, e in sorted(outcomes.items()) if e is not None}
+            if bad and (not fallback or step is not None):
+                if error is not None:
+                    raise error
+                raise CorruptCheckpointError(
+                    f"{self.path(s)} does not verify on another process: "
+                    + "; ".join(f"process {p}: {e}" for p, e in bad.items())
+                )
+            if bad:
+                why = "; ".join(f"process {p}: {e}" for p, e in bad.items())
+                log.warning("cairn: step %d in %s does not verify (%s); trying an older step", s, self.directory, why)
+                failures.append(f"step {s}: {why}")
+                continue
+            self.restored_step = s
+            return out
+        raise CorruptCheckpointError(
+            f"{self.directory}: no committed checkpoint verifies; " + "; ".join(failures)
+        )
+
+    # ------------------------------------------------------------------ lifetime
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"{self.directory}: the CheckpointManager is closed")
+
+    def close(self) -> None:
+        """Wait for pending saves (raising a failure), then release the SIGTERM handler.
+
+        Example::
+
+            mgr.close()    # or use the manager as a context manager
+        """
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            self._closed = True
+            self._preemption.release()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:  # do not hide the error that is already propagating
+            log.error("cairn: closing the manager of %s: %s", self.directory, e)
+
+    def __repr__(self) -> str:
+        return f"<cairn.CheckpointManager {self.directory!r} policy={self.policy!r}>"

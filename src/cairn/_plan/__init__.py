@@ -1,0 +1,1 @@
+"""Pure: the arithmetic of chunks and reads. Boxes and regular grids, who writes which chunk (`chunking`, `rowmerge`), which byte ranges a load reads (`chunking.plan_reads` and its memo), and estimates of what a load costs. No I/O, no JAX."""

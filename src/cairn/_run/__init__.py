@@ -1,0 +1,1 @@
+"""A training run's directory: step folders (naming, listing, deletion), retention policies, reader leases."""

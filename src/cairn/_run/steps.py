@@ -1,0 +1,259 @@
+"""Step folders of a manager's directory: naming, listing, deletion, leftovers.
+
+Shared by `CheckpointManager` and the ``cairn ls`` / ``cairn gc`` commands, so
+that both agree on what a step, a committed step and a leftover are. Every
+function takes the storage whose root is the directory (`open_directory`).
+
+Step `N` is the ordinary cairn checkpoint ``step_<N zero-padded to 8
+digits>``; the manager records its step and metrics in the manifest's
+metadata under `META_KEY`. Creating, deleting and taking away folders goes
+through the directory's commit strategy (`cairn._save.commit`).
+
+Two notions of a leftover, one per caller:
+
+- In a manager's directory (`leftovers`), the manager owns every canonical
+  step name: a hidden attempt folder of a step, or a step folder (object
+  stores: a step prefix) without a manifest, is an interrupted save or
+  deletion, whatever it holds.
+- In any directory (``cairn ls`` / ``cairn gc``), a hidden attempt folder of
+  any name is one, but an entry without a manifest counts only if it holds
+  files only a cairn save writes (`written_by_save`); other folders are
+  neither listed nor ever removed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from collections.abc import Container, Iterable, Iterator, Mapping
+from types import MappingProxyType
+from typing import Any
+
+from .._errors import CorruptCheckpointError
+from .._format import manifest as fmt
+from .._load.engine import read_manifest
+from .._save.commit import strategy_for
+from .._storage import LocalDirs, Storage, open_storage
+from .._storage.location import Location, resolve
+from .retention import CheckpointInfo
+
+#: The manifest metadata key under which the manager records step and metrics.
+META_KEY = "cairn.manager"
+
+_CANONICAL = re.compile(r"^step_(\d{8,})$")
+_LENIENT = re.compile(r"^(?:step_?)?(\d+)$")
+# Files only a cairn save writes: data files, per-attempt indexes, per-process partial indexes.
+_CAIRN_FILE = re.compile(r"^(p\d{5}-\d+\.[0-9a-f]+\.bin|index\.[0-9a-f]+\.json|_index\.p\d{5}\.[0-9a-f]+\.json)$")
+
+
+def step_dirname(step: int) -> str:
+    """The folder name of `step`: ``step_`` and the step zero-padded to 8 digits."""
+    return f"step_{step:08d}"
+
+
+def parse_step(name: str) -> int | None:
+    """The step whose folder is `name`, or None; what the manager uses.
+
+    Only the canonical spelling counts (what `step_dirname` writes: ``step_``,
+    at least 8 digits, no extra leading zeros), so a folder the manager did
+    not write is never listed, restored, counted for retention or removed.
+    """
+    m = _CANONICAL.match(name)
+    if m is None:
+        return None
+    step = int(m.group(1))
+    return step if step_dirname(step) == name else None
+
+
+def guess_step(name: str) -> int | None:
+    """A step number to show for entry `name` in ``cairn ls``, or None.
+
+    Lenient: also ``step_12``, ``step12`` and ``12``, spellings of checkpoints
+    saved without a manager. For display and sorting only; what is a step,
+    what is kept and what is removed is decided by `parse_step`.
+    """
+    m = _LENIENT.match(name)
+    return int(m.group(1)) if m else None
+
+
+def step_metadata(step: int, metrics: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
+    """The manifest metadata of `step` saved with `metrics` (numbers; non-finite ones stored as None)."""
+    clean: dict[str, float | None] = {}
+    for k, v in (metrics or {}).items():
+        if not isinstance(k, str):
+            raise TypeError(f"{where}: metric names must be strings, got {k!r}")
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            raise TypeError(f"{where}: metric {k!r} is a {type(v).__name__}; metrics must be numbers") from None
+        clean[k] = f if math.isfinite(f) else None  # JSON has no NaN; a NaN loss is never "best"
+    return {META_KEY: {"step": step, "metrics": clean}}
+
+
+def read_info(loc: Location, step: int) -> CheckpointInfo:
+    """What retention sees of committed `step` at `loc`: its metrics (non-numbers as None) and commit time."""
+    manifest = read_manifest(loc)
+    meta = manifest.metadata.get(META_KEY, {})
+    raw = meta.get("metrics", {}) if isinstance(meta, dict) else {}
+    metrics = {
+        str(k): (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None)
+        for k, v in (raw.items() if isinstance(raw, dict) else ())
+    }
+    return CheckpointInfo(step, MappingProxyType(metrics), float(manifest.created_unix or 0.0))
+
+
+def open_directory(directory: str | os.PathLike[str], options: dict[str, Any] | None = None) -> tuple[str, Storage]:
+    """The normalized text of `directory` (local paths made absolute) and the storage rooted there."""
+    text = os.fspath(directory)
+    if "://" not in text:
+        text = os.path.abspath(os.path.expanduser(text))
+    text = text.rstrip("/")
+    return text, open_storage(text, options)
+
+
+def attempt_of(storage: Storage, name: str) -> str | None:
+    """For entry `name`: the checkpoint it is a hidden attempt (or deletion) folder of, else None."""
+    return strategy_for(storage).attempt_of(name)
+
+
+def written_by_save(keys: Iterable[str]) -> bool:
+    """Whether any of `keys` is a file only a cairn save writes (data file, index, index part)."""
+    return any(_CAIRN_FILE.match(k.rsplit("/", 1)[-1]) for k in keys)
+
+
+def committed_steps(storage: Storage) -> list[int]:
+    """The steps with a committed checkpoint (canonical name and a manifest), oldest first."""
+    out = []
+    for name in storage.list_dir(""):
+        step = parse_step(name)
+        if step is not None and storage.exists(f"{name}/{fmt.MANIFEST}"):
+            out.append(step)
+    return sorted(out)
+
+
+def newest_committed(storage: Storage, after: int | None = None) -> int | None:
+    """The newest committed step newer than `after` (any, if None), or None.
+
+    One listing, then one `exists` per candidate, newest first: usually one,
+    so that polling an object store costs two requests.
+    """
+    names = storage.list_dir("")
+    found = sorted((s for s in map(parse_step, names) if s is not None and (after is None or s > after)),
+                   reverse=True)
+    for step in found:
+        if storage.exists(f"{step_dirname(step)}/{fmt.MANIFEST}"):
+            return step
+    return None
+
+
+def show_steps(steps: list[int]) -> str:
+    """The newest few of `steps` for a message ("none" when empty)."""
+    if not steps:
+        return "none"
+    return ", ".join(map(str, steps[-5:])) + (f" (and {len(steps) - 5} older)" if len(steps) > 5 else "")
+
+
+def delete_step(storage: Storage, step: int) -> None:
+    """Delete committed `step`: uncommitted in one step first, so a crash leaves only a leftover."""
+    strategy_for(storage).delete(step_dirname(step))
+
+
+def leftovers(storage: Storage, busy: Container[int] = ()) -> Iterator[str]:
+    """The entries of a manager's directory that interrupted saves or deletions left.
+
+    Steps in `busy` (saves in progress) are skipped; `busy` is consulted as
+    each entry is checked, and each entry is checked only when the caller asks
+    for it, so remove one before looking at the next.
+    """
+    for name in storage.list_dir(""):
+        of = attempt_of(storage, name)
+        if of is not None:
+            step = parse_step(of)
+            if step is None or step in busy:
+                continue
+        else:
+            step = parse_step(name)
+            if step is None or step in busy or storage.exists(f"{name}/{fmt.MANIFEST}"):
+                continue
+        yield name
+
+
+def remove_leftover(storage: Storage, name: str) -> None:
+    """Remove leftover entry `name`, taken away in one step first where the storage can.
+
+    A save still in progress there then fails its commit cleanly instead of
+    committing a folder half deleted. May raise FileNotFoundError if it is gone meanwhile.
+    """
+    strategy_for(storage).remove_leftover(name)
+
+
+# ---------------------------------------------------------------------- any directory (cairn ls / gc)
+
+
+def scan(dir_path: str, storage_options: dict | None) -> tuple[Location, list[dict[str, Any]]]:
+    """Every checkpoint-like entry of a directory, committed or not, for ``cairn ls`` and ``cairn gc``.
+
+    Each entry is a dict: ``name``, ``key``, ``status`` (``committed``,
+    ``corrupt``, ``temporary`` or ``uncommitted``), ``step`` (the manager's, or
+    `guess_step`), ``age_s``, ``metrics``, ``created_unix``, ``files``,
+    ``bytes``, and ``of`` (temporary) or ``error`` (corrupt). Sorted by step.
+    """
+    loc = resolve(dir_path, storage_options)
+    storage = loc.storage
+    now = time.time()
+    entries = []
+    for child in storage.list_dir(loc.name):
+        key = loc.key(child)
+        of = attempt_of(storage, child)
+        if child.startswith(".") and of is None:
+            continue
+        files = storage.list(key)
+        if of is None and not files:
+            continue  # a plain file, not a checkpoint folder
+        e: dict[str, Any] = {"name": child, "key": key, "status": "", "step": None, "age_s": None,
+                             "metrics": {}, "created_unix": None}
+        if of is not None:
+            e["status"] = "temporary"
+            e["of"] = of
+        elif storage.exists(f"{key}/{fmt.MANIFEST}"):
+            try:
+                m = read_manifest(Location(storage, key, f"{loc.path.rstrip('/')}/{child}"))
+            except CorruptCheckpointError as err:
+                e["status"] = "corrupt"
+                e["error"] = str(err)
+            else:
+                e["status"] = "committed"
+                e["created_unix"] = m.created_unix
+                e["age_s"] = now - m.created_unix if m.created_unix else None
+                mgr = m.metadata.get(META_KEY)
+                if isinstance(mgr, dict):
+                    e["step"] = mgr.get("step")
+                    e["metrics"] = mgr.get("metrics") or {}
+                elif isinstance(m.metadata.get("metrics"), dict):
+                    e["metrics"] = m.metadata["metrics"]
+        elif written_by_save(files) and not any(k.endswith(f"/{fmt.MANIFEST}") for k in files):
+            # Written by a save that never committed (on object stores files go in place). A
+            # folder with manifests below it holds checkpoints (another run's, a local tier's
+            # process folder): it is not a leftover, whatever else it holds.
+            e["status"] = "uncommitted"
+        else:
+            continue  # some other folder: neither listed nor ever removed
+        if e["step"] is None:
+            e["step"] = guess_step(e.get("of", child))
+        e["files"] = len(files)
+        e["bytes"] = sum(_size(storage, k) for k in files)
+        if e["age_s"] is None:
+            mtime = storage.mtime(key) if isinstance(storage, LocalDirs) else None  # object stores: unknown
+            e["age_s"] = now - mtime if mtime is not None else None
+        entries.append(e)
+    entries.sort(key=lambda e: (e["step"] is None, e["step"] or 0, e["name"]))
+    return loc, entries
+
+
+def _size(storage: Storage, key: str) -> int:
+    try:
+        return storage.size(key)
+    except (FileNotFoundError, NotADirectoryError):
+        return 0  # removed while listing

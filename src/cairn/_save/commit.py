@@ -1,0 +1,299 @@
+"""How a checkpoint becomes visible, and how it stops being one.
+
+A checkpoint exists if and only if ``<name>/manifest.json`` exists. Two
+strategies make that happen in one atomic step, each owning where an attempt
+writes, the destination check, commit, abort, deletion and leftover cleanup:
+
+- `RenameCommit` (POSIX): an attempt writes under a hidden sibling folder
+  ``.<name>.cairn-tmp-<token>/``, fsyncs it, and renames it into place
+  (``renameat2(RENAME_EXCHANGE)`` to replace a committed one atomically).
+- `MarkerCommit` (object stores, ``memory://``): there is no rename, so an
+  attempt writes in place under token-named files and the manifest is put
+  last with a create-if-absent put. Files of other attempts are invisible
+  because no manifest names them.
+
+Every writer of checkpoints (the save engine, the safetensors importer, the
+manager's retention and cleanup, ``cairn gc``) goes through `strategy_for`.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .._errors import CheckpointError, CheckpointExistsError
+from .._format import manifest as fmt
+from .._storage import LocalDirs, Storage
+from .._storage.location import Location
+
+log = logging.getLogger("cairn")
+
+
+class CommitStrategy:
+    """The operations both strategies provide; see the module docstring."""
+
+    name = ""
+
+    def __init__(self, storage: Storage):
+        self.storage = storage
+
+    # ------------------------------------------------------------------ an attempt
+
+    def attempt_root(self, name: str, token: str) -> str:
+        """The folder (relative to the storage root) an attempt of checkpoint `name` writes under."""
+        raise NotImplementedError
+
+    def check_destination(self, loc: Location, overwrite: bool) -> None:
+        """Refuse to start a save over something that must not be replaced."""
+        if self.storage.exists(loc.key(fmt.MANIFEST)) and not overwrite:
+            raise CheckpointExistsError(f"{loc.path} already holds a checkpoint; pass overwrite=True to replace it")
+
+    def commit(self, loc: Location, token: str, manifest: bytes, needed: Iterable[str], *,
+               overwrite: bool, discard: Iterable[str] = ()) -> None:
+        """Make the attempt `token` the checkpoint at `loc`, in one atomic step.
+
+        `needed`: the attempt's files the manifest names (keys under the
+        storage root); a commit never names a missing file. `discard`: files
+        of the attempt that are not part of the checkpoint (per-process index
+        parts), removed where it is cheapest for the strategy.
+        """
+        raise NotImplementedError
+
+    def abort(self, loc: Location, token: str) -> None:
+        """Remove what attempt `token` wrote (best effort: leftovers are invisible anyway)."""
+        raise NotImplementedError
+
+    def write_whole(self, key: str, parts: Iterable[Any]) -> None:
+        """Write one file that appears at `key` only once complete (a single-file export)."""
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ checkpoints in a directory
+
+    def delete(self, name: str) -> None:
+        """Delete committed checkpoint `name`: uncommit it in one step, then remove the rest.
+
+        A crash in between leaves an invisible leftover, never a checkpoint
+        with missing files.
+        """
+        raise NotImplementedError
+
+    @staticmethod
+    def attempt_of(name: str) -> str | None:
+        """For a directory entry: the checkpoint it is a hidden attempt (or deletion) folder of."""
+        if name.startswith(".") and fmt.TMP_MARK in name:
+            return name[1 : name.index(fmt.TMP_MARK)]
+        return None
+
+    def remove_leftover(self, name: str) -> None:
+        """Remove the entry `name` left by an interrupted save or deletion."""
+        self.storage.delete_prefix(name)
+
+    # ------------------------------------------------------------------ shared
+
+    def _check_complete(self, loc: Location, root: str, needed: Iterable[str], overwrite: bool) -> None:
+        """Never commit a checkpoint that names missing files.
+
+        Another process's cleanup (a second manager on this directory) may have
+        removed files of this attempt while it was writing them.
+        """
+        gone = sorted(set(needed) - set(self.storage.list(root)))
+        if gone:
+            raise CheckpointError(
+                f"{loc.path}: {len(gone)} files of this save disappeared before its commit "
+                f"(e.g. {gone[0]!r}); is another process cleaning up or saving in the same directory?"
+            )
+
+
+class RenameCommit(CommitStrategy):
+    """POSIX: write a hidden sibling folder, fsync it, rename it into place."""
+
+    name = "rename"
+
+    def __init__(self, storage: Storage):
+        if not isinstance(storage, LocalDirs):
+            raise TypeError(f"{storage!r} cannot rename folders; use MarkerCommit")
+        super().__init__(storage)
+        self.dirs: LocalDirs = storage
+
+    def attempt_root(self, name: str, token: str) -> str:
+        return fmt.tmp_dirname(name, token)
+
+    def check_destination(self, loc: Location, overwrite: bool) -> None:
+        super().check_destination(loc, overwrite)
+        storage = self.storage
+        committed = storage.exists(loc.key(fmt.MANIFEST))
+        if not committed and storage.list_dir(loc.name) and not overwrite:
+            raise CheckpointExistsError(
+                f"{loc.path} exists and is not a committed cairn checkpoint; pass overwrite=True to replace it"
+            )
+        if storage.exists(loc.name) and not self.dirs.is_dir(loc.name):
+            raise CheckpointExistsError(f"{loc.path} exists and is a file, not a checkpoint folder")
+
+    def commit(self, loc: Location, token: str, manifest: bytes, needed: Iterable[str], *,
+               overwrite: bool, discard: Iterable[str] = ()) -> None:
+        storage, root = self.storage, self.attempt_root(loc.name, token)
+        for key in discard:  # before the rename: they must not become part of the checkpoint
+            try:
+                storage.delete_prefix(key)
+            except OSError:
+                pass  # a harmless extra file inside the checkpoint
+        storage.put(f"{root}/{fmt.MANIFEST}", manifest)
+        self.dirs.sync_dir(root)
+        # Last step before the rename: a folder taken away after it makes the rename fail.
+        self._check_complete(loc, root, [*needed, f"{root}/{fmt.MANIFEST}"], overwrite)
+        self._rename_into_place(loc, root, token, overwrite)
+
+    def _rename_into_place(self, loc: Location, tmp: str, token: str, overwrite: bool) -> None:
+        name = loc.name
+        try:
+            self.dirs.rename_dir(tmp, name)
+            return
+        except FileExistsError:
+            if not overwrite:
+                raise CheckpointExistsError(f"{loc.path} already exists (another save committed it first)") from None
+        # Swap the new checkpoint in atomically, then delete the old one.
+        try:
+            self.dirs.rename_dir(tmp, name, exchange=True)
+        except OSError:
+            if self.storage.exists(f"{name}/{fmt.MANIFEST}"):
+                self._swap_manifest_into(loc, tmp, token)
+                return
+            # Nothing committed to protect (a foreign or half-deleted folder): move it aside.
+            aside = fmt.tmp_dirname(name, token + "-old")
+            self.dirs.rename_dir(name, aside)
+            self.dirs.rename_dir(tmp, name)
+            after_commit(loc, self.storage.delete_prefix, aside)
+            return
+        after_commit(loc, self.storage.delete_prefix, tmp)  # the old checkpoint, swapped out
+
+    def _swap_manifest_into(self, loc: Location, tmp: str, token: str) -> None:
+        """Overwrite committed `loc` without an atomic folder exchange.
+
+        Moving the old folder aside and the new one in would leave an instant
+        (a crash window) with no checkpoint at all. Instead the new attempt's
+        files, whose names carry its token and so cannot clash, move into the
+        existing folder, and then one rename replaces its manifest: before it
+        the old checkpoint is whole, after it the new one is. The old
+        attempt's files go last.
+        """
+        storage, name = self.storage, loc.name
+        for key in storage.list(tmp):
+            rel = key[len(tmp) + 1 :]
+            if rel != fmt.MANIFEST:
+                self.dirs.makedirs(f"{name}/{rel.rsplit('/', 1)[0]}")
+                self.dirs.rename_dir(key, f"{name}/{rel}")
+        self.dirs.rename_dir(f"{tmp}/{fmt.MANIFEST}", f"{name}/{fmt.MANIFEST}")
+        after_commit(loc, storage.delete_prefix, tmp)
+        after_commit(loc, delete_other_attempts, storage, name, token)
+
+    def abort(self, loc: Location, token: str) -> None:
+        try:
+            self.storage.delete_prefix(self.attempt_root(loc.name, token))
+        except Exception:
+            pass
+
+    def write_whole(self, key: str, parts: Iterable[Any]) -> None:
+        tmp = f"{key}{fmt.TMP_MARK}{secrets.token_hex(4)}"
+        try:
+            self.storage.write(tmp, parts)
+            self.dirs.rename_dir(tmp, key)
+        finally:
+            self.storage.delete_prefix(tmp)
+
+    def delete(self, name: str) -> None:
+        aside = fmt.tmp_dirname(name, "del-" + secrets.token_hex(4))
+        self.dirs.rename_dir(name, aside)
+        self.storage.delete_prefix(aside)
+
+    def remove_leftover(self, name: str) -> None:
+        of = self.attempt_of(name)
+        doomed = name
+        if of is not None:
+            # Take it away in one step first. If it is a save still in progress
+            # (another manager's), that save's rename then fails cleanly, instead
+            # of committing a folder half deleted.
+            doomed = fmt.tmp_dirname(of, "del-" + secrets.token_hex(4))
+            self.dirs.rename_dir(name, doomed)
+        self.storage.delete_prefix(doomed)
+
+
+class MarkerCommit(CommitStrategy):
+    """Object stores: write in place under token names, put the manifest last, create-if-absent."""
+
+    name = "marker"
+
+    def attempt_root(self, name: str, token: str) -> str:
+        return name
+
+    def commit(self, loc: Location, token: str, manifest: bytes, needed: Iterable[str], *,
+               overwrite: bool, discard: Iterable[str] = ()) -> None:
+        storage = self.storage
+        self._check_complete(loc, loc.name, needed, overwrite)
+        try:
+            storage.put(loc.key(fmt.MANIFEST), manifest, create=not overwrite)
+        except FileExistsError:
+            raise CheckpointExistsError(f"{loc.path}: another save committed this checkpoint first") from None
+        # Committed. Files of other attempts (an interrupted save, or the
+        # overwritten checkpoint) are housekeeping now: best effort.
+        after_commit(loc, delete_other_attempts, storage, loc.name, token)
+        for key in discard:
+            try:
+                storage.delete_prefix(key)
+            except OSError:
+                pass  # committed already: never fail the save for a leftover
+
+    def _check_complete(self, loc: Location, root: str, needed: Iterable[str], overwrite: bool) -> None:
+        try:
+            super()._check_complete(loc, root, needed, overwrite)
+        except CheckpointError:
+            # The winner of a race for this path removes the other attempts' files after its commit,
+            # so a manifest there now (looked for after the listing that missed the files) means we lost.
+            if not overwrite and self.storage.exists(loc.key(fmt.MANIFEST)):
+                raise CheckpointExistsError(f"{loc.path}: another save committed this checkpoint first") from None
+            raise
+
+    def abort(self, loc: Location, token: str) -> None:
+        try:
+            delete_attempt(self.storage, loc.name, token)
+        except Exception:
+            pass
+
+    def write_whole(self, key: str, parts: Iterable[Any]) -> None:
+        self.storage.write(key, parts)  # an object appears only once its upload completes
+
+    def delete(self, name: str) -> None:
+        self.storage.delete_prefix(f"{name}/{fmt.MANIFEST}")
+        self.storage.delete_prefix(name)
+
+
+def strategy_for(storage: Storage) -> CommitStrategy:
+    """The commit strategy of `storage`: rename where folders rename atomically, else the marker."""
+    if storage.atomic_rename and isinstance(storage, LocalDirs):
+        return RenameCommit(storage)
+    return MarkerCommit(storage)
+
+
+def after_commit(loc: Location, fn: Callable[..., Any], *args: Any) -> None:
+    """Run post-commit cleanup. Its failure must not fail the save: an abort
+    would then delete files of the checkpoint just committed (on object stores)."""
+    try:
+        fn(*args)
+    except Exception as e:  # invisible leftovers: gc or the next overwrite removes them
+        log.warning("cairn: %s is committed, but removing leftovers failed: %s", loc.path, e)
+
+
+def delete_attempt(storage: Storage, name: str, token: str) -> None:
+    """Delete the files of attempt `token` under `name` (object stores write in place)."""
+    for key in storage.list(name):
+        if f".{token}." in key.rsplit("/", 1)[-1]:
+            storage.delete_prefix(key)
+
+
+def delete_other_attempts(storage: Storage, name: str, token: str) -> None:
+    """Delete every file under `name` but the manifest and those of attempt `token`."""
+    for key in storage.list(name):
+        base = key.rsplit("/", 1)[-1]
+        if base != fmt.MANIFEST and f".{token}." not in base:
+            storage.delete_prefix(key)

@@ -1,0 +1,448 @@
+"""The save engine: validate and plan, snapshot, write, commit.
+
+A save runs in two phases. `prepare` (on the caller's thread) validates the
+state, plans which chunks this process writes, agrees on an attempt token
+with the other processes and, for an async save, snapshots this process's
+chunks into host memory. `SaveJob.run` (on the caller's thread for a blocking
+save, on a background thread for an async one) writes the data files,
+publishes this process's status, and on the primary merges the indexes and
+commits. See docs/ARCHITECTURE.md for the protocol.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import secrets
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._core.buffers import snapshot_pool as _snapshot_pool
+from .._core.checksum import crc32c
+from .._core.gcpause import paused
+from .._core.stats import SaveStats
+from .._dist.coord import (
+    Coordinator,
+    activity,
+    default_coordinator,
+    drop_keys,
+    fetch_from,
+    gather_json,
+)
+from .._errors import (
+    CheckpointError,
+    CoordinationError,
+    CoordinationTimeoutError,
+    UnsupportedTypeError,
+    error_from_record,
+    error_record,
+    first_failure,
+)
+from .._format import manifest as fmt
+from .._plan.chunking import FileSlot
+from .._storage.location import Location
+from .._tree.leaves import classify
+from .._tree.perprocess import HostValues, is_per_process
+from .._tree.pytree import display_path, flatten
+from .._version import __version__
+from .assign import Concat, SaveItem, plan_item
+from .commit import CommitStrategy, strategy_for
+from .indexparts import build_part, item_index
+
+log = logging.getLogger("cairn")
+
+
+#: Chunks up to this size are checksummed on the writing thread and written in batches of
+#: about BATCH_BYTES (a state of thousands of small leaves would otherwise pay a thread
+#: hand-off per checksum and a system call per chunk).
+SMALL_CHUNK = 64 << 10
+BATCH_BYTES = 4 << 20
+
+_seq = itertools.count()
+_seq_lock = threading.Lock()
+
+
+def _next_seq() -> int:
+    with _seq_lock:
+        return next(_seq)
+
+
+@dataclass
+class SaveJob:
+    loc: Location
+    items: list[SaveItem]
+    root: bool
+    token: str
+    seq: int
+    coord: Coordinator
+    overwrite: bool
+    block_size: int
+    timeout: float
+    threads: int
+    metadata: dict[str, Any]
+    strategy: CommitStrategy
+    stats: SaveStats = field(default_factory=SaveStats)
+    # (item, file number) -> the snapshot buffers holding that file's chunks, for the next snapshot
+    pooled: dict[tuple[str, int], list[np.ndarray]] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ layout
+
+    @property
+    def write_root(self) -> str:
+        """Where this attempt's files go: a temporary sibling folder, or in place."""
+        return self.strategy.attempt_root(self.loc.name, self.token)
+
+    def data_key(self, item: SaveItem, k: int) -> str:
+        return f"{self.write_root}/{item.dir}/{fmt.data_file_name(self.coord.process_index, k, self.token)}"
+
+    # ------------------------------------------------------------------ snapshot
+
+    def snapshot(self, budget_bytes: int | None = None) -> None:
+        """Protect every chunk this process writes from later changes (async saves; see `_snapshot`)."""
+        from .snapshot import snapshot
+
+        snapshot(self, budget_bytes)
+
+    # ------------------------------------------------------------------ write
+
+    def _host(self, src: Any) -> np.ndarray:
+        if type(src) is np.ndarray:
+            return src
+        from .._tree.shardings import host_view
+
+        return host_view(src)
+
+    def _write_file(self, item: SaveItem, k: int, slots: list[FileSlot], crc_pool: ThreadPoolExecutor):
+        # Per chunk, in slot order: its CRC (one block), or a list of its block CRCs or their futures.
+        # Plain ints where possible: a state of thousands of small leaves makes one per chunk, and
+        # objects the garbage collector tracks make it run full collections during the save.
+        crcs: list[Any] = []
+        block = self.block_size
+
+        def parts():
+            batch = bytearray()
+            pop = item.sources.pop
+            for slot in slots:
+                # pop: a device copy made by `snapshot` is freed once its host bytes exist.
+                src = pop((slot.leaf, slot.cell))
+                if type(src) is Concat:  # a merged chunk: its pieces' bytes, one after another
+                    mvs = [_bytes_of(self._host(p)) for p in src.parts]
+                    n = sum(len(m) for m in mvs)
+                    if n == slot.nbytes:
+                        crcs.append(_block_crcs(mvs, block))
+                        for m in mvs:
+                            if len(m) <= SMALL_CHUNK:
+                                batch += m
+                                continue
+                            if batch:
+                                yield batch
+                                batch = bytearray()
+                            yield m
+                        del mvs
+                        if len(batch) >= BATCH_BYTES:
+                            yield batch
+                            batch = bytearray()
+                        activity.advance()
+                        continue
+                    mv = memoryview(b"".join(mvs))
+                else:
+                    mv = _bytes_of(self._host(src))
+                n = len(mv)
+                if n != slot.nbytes:
+                    raise CheckpointError(
+                        f"{self.loc.path}: chunk {slot.cell} of {display_path(item.leaves[slot.leaf].path, item.name)!r} "
+                        f"has {n} bytes, planned {slot.nbytes}"
+                    )
+                if n <= SMALL_CHUNK:
+                    # A small chunk costs more in a thread hand-off and a write of its own than in
+                    # its bytes: checksum it here, and write it together with its neighbours.
+                    crcs.append(crc32c(mv) if n <= block else [crc32c(mv[o : o + block]) for o in range(0, n, block)])
+                    batch += mv  # copied now, so the host view is released at once
+                    del mv
+                    if len(batch) >= BATCH_BYTES:
+                        yield batch
+                        activity.advance()  # storage took more: peers waiting for us see progress
+                        batch = bytearray()
+                    continue
+                if batch:
+                    yield batch
+                    batch = bytearray()
+                crcs.append([crc_pool.submit(crc32c, mv[o : o + block]) for o in range(0, n, block)])
+                yield mv
+                activity.advance()
+            if batch:
+                yield batch
+
+        key = self.data_key(item, k)
+        size = self.loc.storage.write(key, parts())
+        out = key, size, [(c,) if type(c) is int else tuple(x if type(x) is int else x.result() for x in c)
+                          for c in crcs]
+        for buf in self.pooled.pop((item.name, k), ()):  # written and checksummed: the buffers serve the next save
+            _snapshot_pool.give(buf)
+        return out
+
+    def write_data(self) -> dict[str, Any]:
+        """Write this process's data files; returns its partial index per item."""
+        t0 = time.perf_counter()
+        partial: dict[str, Any] = {}
+        jobs = []
+        with ThreadPoolExecutor(max(1, self.threads), thread_name_prefix="cairn-write") as pool, \
+                ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool:
+            for item in self.items:
+                for k, slots in enumerate(item.files):
+                    jobs.append((item, k, pool.submit(self._write_file, item, k, slots, crc_pool)))
+            results = [(item, k, f.result()) for item, k, f in jobs]
+        for item in self.items:
+            partial[item.name] = {"files": [], "chunks": []}
+        for item, k, (key, size, chunks) in results:
+            p = partial[item.name]
+            file_no = len(p["files"])
+            p["files"].append({"name": key.rsplit("/", 1)[1], "size": size})
+            # Tuples of ints: the collector stops tracking them (lists it would track to the end).
+            p["chunks"].extend((slot.leaf, slot.cell, file_no, slot.offset, *crc) for slot, crc in zip(item.files[k], chunks))
+            self.stats.bytes_written += size
+            self.stats.files_written += 1
+        # Drop host copies and device references as soon as they are written.
+        for item in self.items:
+            item.sources.clear()
+        self.stats.write_s = time.perf_counter() - t0
+        return partial
+
+    # ------------------------------------------------------------------ commit
+
+    def run(self) -> SaveStats:
+        """Phase 2: write, exchange status, commit on the primary; raise on any failure."""
+        activity.begin(f"saving {self.loc.path}")
+        try:
+            return self._run()
+        finally:
+            activity.end()
+
+    def _run(self) -> SaveStats:
+        t_start = time.perf_counter()
+        retries_before = self.loc.storage.retries
+        coord, me = self.coord, self.coord.process_index
+        base = f"cairn/save/{self.seq}"
+        status: dict[str, Any] = {"ok": True}
+        own_error: BaseException | None = None
+        try:
+            status["items"] = self._write_parts(self.write_data())
+        except BaseException as e:
+            own_error = e
+            status = {"ok": False, "error": error_record(e, me)}
+        t_written = time.perf_counter()
+        outcome: dict[str, Any]
+        try:
+            coord.publish(f"{base}/status/{me}", json.dumps(status).encode())
+            if me == 0:
+                outcome = self._primary_commit(base)
+                coord.publish(f"{base}/outcome", json.dumps(outcome).encode())
+            else:
+                outcome = json.loads(fetch_from(coord, f"{base}/outcome", self.timeout, writer=0))
+        except CoordinationError as e:
+            if own_error is not None:
+                raise own_error from e
+            raise CoordinationError(f"saving {self.loc.path}: {e}") from e
+        self.stats.commit_s = time.perf_counter() - t_written
+        self.stats.retries = self.loc.storage.retries - retries_before
+        self.stats.total_s = self.stats.blocking_s + time.perf_counter() - t_start
+        if outcome.get("ok"):
+            return self.stats
+        error = error_from_record(outcome["error"], f"saving {self.loc.path} failed: {outcome['message']}")
+        if own_error is not None:
+            raise error from own_error
+        raise error
+
+    def _write_parts(self, partial: dict[str, Any]) -> dict[str, Any]:
+        """Write this process's binary index part of each item; what the primary needs to know of them."""
+        out: dict[str, Any] = {}
+        me = self.coord.process_index
+        for item in self.items:
+            p = partial[item.name]
+            mine: dict[str, Any] = {"files": [[f["name"], f["size"]] for f in p["files"]]}
+            part = build_part(item, me, self.token, p["chunks"], self.loc.path)
+            if part is not None:
+                name, data, records, crcs = part
+                self.loc.storage.put(f"{self.write_root}/{item.dir}/{name}", data)
+                mine["part"] = [name, records, crcs]
+            out[item.name] = mine
+        return out
+
+    def _primary_commit(self, base: str) -> dict[str, Any]:
+        coord, n = self.coord, self.coord.process_count
+        try:
+            statuses = gather_json(coord, f"{base}/status", n, self.timeout)
+        except CoordinationTimeoutError as e:
+            self.strategy.abort(self.loc, self.token)
+            return _failed(error_record(e), str(e))
+        # Every process has finished the previous save (its status for this one
+        # came after), so the coordination service can forget that save's keys.
+        if self.seq > 0:
+            drop_keys(coord, f"cairn/save/{self.seq - 1}")
+        failure = first_failure(statuses)
+        if failure is not None:
+            self.strategy.abort(self.loc, self.token)
+            return _failed(*failure)
+        try:
+            self._commit(statuses)
+        except BaseException as e:
+            self.strategy.abort(self.loc, self.token)
+            record = error_record(e, 0)
+            return _failed(record, f"process 0: {record['message']}")
+        return {"ok": True}
+
+    def _commit(self, statuses: dict[int, dict[str, Any]]) -> None:
+        storage, root = self.loc.storage, self.write_root
+        items: dict[str, fmt.ItemInfo] = {}
+        needed: list[str] = []
+        n = self.coord.process_count
+
+        def write_index(item: SaveItem) -> fmt.ItemIndex:
+            with paused():
+                index = item_index(item, statuses, n, self.block_size)
+                data = index.to_json()
+            storage.put(f"{root}/{item.dir}/{fmt.index_name(self.token)}", data)
+            return index
+
+        # One durable put (file and folder fsync, or one request) per checkpointable:
+        # in parallel, so that a state of many small checkpointables commits quickly.
+        if len(self.items) > 1:
+            with ThreadPoolExecutor(min(8, len(self.items)), thread_name_prefix="cairn-index") as pool:
+                indexes = list(pool.map(write_index, self.items))
+        else:
+            indexes = [write_index(item) for item in self.items]
+        for item, index in zip(self.items, indexes):
+            nbytes = sum(leaf.nbytes for leaf in index.leaves if isinstance(leaf, fmt.ArrayLeaf))
+            items[item.name] = fmt.ItemInfo(item.dir, fmt.index_name(self.token), nbytes, len(index.leaves))
+            needed += [f"{root}/{item.dir}/{f}" for f in
+                       (fmt.index_name(self.token), *(x.name for x in index.files), *(x.name for x in index.parts))]
+        manifest = fmt.Manifest(
+            items=items, root=self.root, process_count=self.coord.process_count, cairn_version=__version__,
+            created_unix=time.time(), metadata=self.metadata,
+        ).to_json()
+        self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite)
+
+
+def _block_crcs(mvs: list[memoryview], block: int) -> list[int]:
+    """The CRC-32C of each `block`-byte block of the concatenation of `mvs`, without joining them."""
+    out: list[int] = []
+    crc, filled = 0, 0
+    for m in mvs:
+        pos = 0
+        while pos < len(m):
+            take = min(block - filled, len(m) - pos)
+            crc = crc32c(m[pos : pos + take], crc)
+            filled += take
+            pos += take
+            if filled == block:
+                out.append(crc)
+                crc, filled = 0, 0
+    if filled:
+        out.append(crc)
+    return out
+
+
+def _bytes_of(arr: np.ndarray) -> memoryview:
+    """The C-order bytes of `arr`, without a copy where it is contiguous."""
+    try:
+        return memoryview(arr).cast("B")  # type: ignore[arg-type]  # the fast path: a contiguous array of a buffer-exporting dtype
+    except (TypeError, ValueError):  # not contiguous, or a dtype numpy cannot export (ml_dtypes')
+        return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+
+
+def _failed(record: dict[str, Any], message: str) -> dict[str, Any]:
+    """The outcome the primary publishes for a failed save: the first failure's record, all messages."""
+    return {"ok": False, "error": record, "message": message}
+
+
+# ---------------------------------------------------------------------- prepare
+
+
+def _split_items(state: Any) -> tuple[bool, list[tuple[str, Any]]]:
+    from collections.abc import Mapping
+
+    if isinstance(state, Mapping) and state and all(isinstance(k, str) for k in state):
+        return False, list(state.items())
+    return True, [("", state)]
+
+
+def prepare(
+    loc: Location,
+    state: Any,
+    *,
+    overwrite: bool = False,
+    coordinator: Coordinator | None = None,
+    block_size: int = fmt.DEFAULT_BLOCK_SIZE,
+    threads: int = 4,
+    min_file_bytes: int = 32 << 20,
+    split_replicas: bool = False,
+    timeout: float = 1800.0,
+    metadata: dict[str, Any] | None = None,
+) -> SaveJob:
+    """Validate `state`, plan this process's chunks and agree on an attempt token."""
+    t0 = time.perf_counter()
+    coord = coordinator or default_coordinator()
+    me = coord.process_index
+    if not fmt.MIN_BLOCK <= block_size <= fmt.MAX_BLOCK:
+        raise ValueError(f"block_size must be in [{fmt.MIN_BLOCK}, {fmt.MAX_BLOCK}], got {block_size}")
+    if metadata is not None:
+        try:
+            json.dumps(metadata, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise UnsupportedTypeError(f"{loc.path}: metadata must be JSON-serializable ({e})") from None
+    root, pairs = _split_items(state)
+    items = []
+    seq = _next_seq()
+    hosts = HostValues(coord, seq, loc.path)  # per-process values; the check that other host values agree
+    with paused(), hosts.reporting():  # thousands of leaves make tens of thousands of live objects, none garbage
+        for name, tree in pairs:
+            where = loc.path
+            try:
+                structure, flat = flatten(tree, item=name, is_leaf=is_per_process)
+            except ValueError as e:
+                raise UnsupportedTypeError(f"{where}: {e}") from None
+            structure, flat = hosts.split(name, structure, flat)
+            leaves = [classify(path, x, where, name) for path, x in flat]
+            item = SaveItem(name, fmt.ROOT_ITEM_DIR if root else fmt.item_dirname(name), structure, leaves)
+            plan_item(item, me, split_replicas, threads, min_file_bytes, where)
+            hosts.add(item)
+            items.append(item)
+    strategy = strategy_for(loc.storage)
+    token = _agree_token(loc, strategy, coord, seq, overwrite, timeout, hosts)
+    for item in items:
+        if item.name in hosts.own:  # its per-process leaves have their numbers now
+            plan_item(item, me, split_replicas, threads, min_file_bytes, loc.path)
+    job = SaveJob(
+        loc=loc, items=items, root=root, token=token, seq=seq, coord=coord, overwrite=overwrite,
+        block_size=block_size, timeout=timeout, threads=threads, metadata=metadata or {}, strategy=strategy,
+    )
+    job.stats.blocking_s = time.perf_counter() - t0
+    return job
+
+
+def _agree_token(loc: Location, strategy: CommitStrategy, coord: Coordinator, seq: int, overwrite: bool,
+                 timeout: float, hosts: HostValues) -> str:
+    """The primary checks the destination and the processes' host values, and picks the attempt token;
+    all processes learn the outcome."""
+    key = f"cairn/save/{seq}/token"
+    if coord.process_index == 0:
+        msg: dict[str, Any] = {"token": secrets.token_hex(6)}
+        try:
+            strategy.check_destination(loc, overwrite)
+            msg.update(hosts.gather(timeout))
+        except CheckpointError as e:
+            msg = {"error": error_record(e, 0), "message": str(e)}
+        coord.publish(key, json.dumps(msg).encode())
+    else:
+        hosts.publish()
+        msg = json.loads(fetch_from(coord, key, timeout, writer=0))
+    if "error" in msg:
+        raise error_from_record(msg["error"], msg["message"])
+    hosts.place(msg)
+    return msg["token"]

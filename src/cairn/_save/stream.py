@@ -1,0 +1,131 @@
+"""A single-process writer of cairn checkpoints, one slab at a time.
+
+Importers (safetensors today) use it to turn arrays read from another format
+into a checkpoint without holding any array whole in memory: each array
+becomes one chunk, streamed from its source with its block checksums computed
+on the way, and the checkpoint is committed through the same strategy as
+`cairn.save`.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+from .._core.checksum import crc32c
+from .._errors import CorruptCheckpointError
+from .._format import manifest as fmt
+from .._storage.location import Location
+from .._tree.pytree import display_path
+from .._version import __version__
+from .commit import strategy_for
+
+
+@runtime_checkable
+class SlabSource(Protocol):
+    """An array read from another format (`cairn._interop.sources`), yielded as C-order byte slabs
+    of exactly `slab` bytes each (the last may be shorter)."""
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def slabs(self, slab: int) -> Iterator[np.ndarray]: ...
+
+
+def _file_slabs(src: Any, slab: int, path: str) -> Iterator[np.ndarray]:
+    """A tensor stored as one run of bytes in a file (safetensors), slab by slab."""
+    reader = src.storage.open_read(src.key)
+    try:
+        for lo in range(0, src.nbytes, slab):
+            buf = np.empty(min(slab, src.nbytes - lo), dtype=np.uint8)
+            try:
+                reader.read_into(src.start + lo, memoryview(buf))  # type: ignore[arg-type]
+            except EOFError:
+                raise CorruptCheckpointError(
+                    f"{src.storage.describe(src.key)}: truncated (tensor for {display_path(path)!r})"
+                ) from None
+            yield buf
+    finally:
+        reader.close()
+
+
+class StreamWriter:
+    """Writes a cairn checkpoint one slab at a time (single process, one chunk per array).
+
+    It follows the same layout and commit strategy as `cairn.save` (`_commit`):
+    on local disk everything goes under ``.<name>.cairn-tmp-<token>/`` and is
+    renamed into place; on an object store the manifest is put last,
+    create-if-absent.
+    """
+
+    def __init__(self, loc: Location, block_size: int):
+        self.strategy = strategy_for(loc.storage)
+        self.strategy.check_destination(loc, overwrite=False)
+        self.loc, self.block = loc, block_size
+        self.token = secrets.token_hex(6)
+        self.root = self.strategy.attempt_root(loc.name, self.token)
+        self.items: dict[str, fmt.ItemInfo] = {}
+        self.needed: list[str] = []  # every file the manifest will name
+
+    def write_item(self, name: str, root: bool, structure: Any, leaves: list[Any], slab: int,
+                   progress: Callable[[int], None] | None = None) -> None:
+        """`leaves`: ValueLeaf, or (kind, path, _SrcTensor, extra ArrayLeaf fields) for data read from a source."""
+        dirname = fmt.ROOT_ITEM_DIR if root else fmt.item_dirname(name)
+        file_name = fmt.data_file_name(0, 0, self.token)
+        placed: dict[int, tuple[int, list[int]]] = {}
+        offset = 0
+
+        def parts() -> Iterator[Any]:
+            nonlocal offset
+            for i, leaf in enumerate(leaves):
+                if isinstance(leaf, fmt.ValueLeaf):
+                    continue
+                _kind, _path, src, _h = leaf
+                crcs: list[int] = []
+                placed[i] = (offset, crcs)
+                pieces = src.slabs(slab) if isinstance(src, SlabSource) else _file_slabs(src, slab, _path)
+                for buf in pieces:
+                    # Slabs are whole blocks (but the last), so block CRCs line up with the chunk's.
+                    crcs.extend(crc32c(buf[b : b + self.block]) for b in range(0, len(buf), self.block))
+                    offset += len(buf)
+                    yield memoryview(buf)  # type: ignore[arg-type]
+                    if progress is not None:
+                        progress(len(buf))
+
+        size = 0
+        if any(not isinstance(leaf, fmt.ValueLeaf) and leaf[2].nbytes for leaf in leaves):
+            size = self.loc.storage.write(f"{self.root}/{dirname}/{file_name}", parts())
+            self.needed.append(f"{self.root}/{dirname}/{file_name}")
+        files = (fmt.FileInfo(file_name, size),) if size else ()
+        out: list[fmt.Leaf] = []
+        for i, leaf in enumerate(leaves):
+            if isinstance(leaf, fmt.ValueLeaf):
+                out.append(leaf)
+                continue
+            kind, path, src, extra = leaf
+            off, crcs = placed.get(i, (0, []))
+            grid = tuple((0, n) for n in src.shape)  # one chunk: the whole array
+            out.append(fmt.ArrayLeaf(path=path, dtype=src.dtype, shape=src.shape, grid=grid,
+                                     chunks=((0, off),), crcs=(tuple(crcs),), kind=kind, **extra))
+        index = fmt.ItemIndex(structure, tuple(out), files, self.block)
+        data = index.to_json()
+        fmt.ItemIndex.from_json(data, f"{self.loc.path} [{name}]")  # never commit what cairn cannot read back
+        self.loc.storage.put(f"{self.root}/{dirname}/{fmt.index_name(self.token)}", data)
+        self.needed.append(f"{self.root}/{dirname}/{fmt.index_name(self.token)}")
+        nbytes = sum(leaf.nbytes for leaf in out if isinstance(leaf, fmt.ArrayLeaf))
+        self.items[name] = fmt.ItemInfo(dirname, fmt.index_name(self.token), nbytes, len(out))
+
+    def commit(self, root: bool, metadata: dict[str, Any]) -> None:
+        manifest = fmt.Manifest(items=self.items, root=root, process_count=1, cairn_version=__version__,
+                                created_unix=time.time(), metadata=metadata).to_json()
+        self.strategy.commit(self.loc, self.token, manifest, self.needed, overwrite=False)
+
+    def abort(self) -> None:
+        self.strategy.abort(self.loc, self.token)

@@ -1,0 +1,479 @@
+"""Object-store storage (S3, GCS, Azure) through obstore.
+
+Writes of data files stream their parts as a multipart upload with several
+parts in flight; small objects go up in one request. ``put(create=True)`` is
+obstore's create mode (``If-None-Match: *`` on S3 and Azure, a generation
+precondition on GCS), the primitive the commit needs. Reads are ranged gets;
+a large read is split into parts fetched in parallel.
+
+Retries: every request except the parts of a multipart upload is retried
+here, with exponential backoff and jitter, a bounded number of times, and
+counted in `ObjectStorage.retries` (the save reports the difference in its
+stats). The parts of a multipart upload are retried inside obstore (the parts
+of a stream cannot be replayed from here); those retries are bounded by the
+same settings but not counted.
+
+Options (the ``storage_options`` of `cairn.save` and friends) are obstore's
+store settings (``endpoint``, ``region``, ``access_key_id``,
+``secret_access_key``, ``account_name``, ``service_account_key``, ...), its
+HTTP client settings (``allow_http``, ``timeout``, ...), and these cairn
+settings:
+
+``max_retries`` (5), ``retry_backoff`` (0.1 s, the first wait), ``max_backoff``
+(10 s), ``part_size`` (16 MiB, multipart upload part), ``upload_concurrency``
+(4 parts in flight per file), ``read_part_size`` (16 MiB, the largest ranged
+GET), ``read_concurrency`` (4 GETs in flight per read).
+
+Azure's emulator: ``{"use_emulator": True, "endpoint": "http://127.0.0.1:10000"}``
+(obstore alone takes the emulator's address only from ``AZURITE_BLOB_STORAGE_URL``).
+
+A write holds at most about ``part_size * (upload_concurrency + 1)`` bytes of
+its own, a read about ``read_part_size * read_concurrency``, whatever the
+object's size.
+"""
+
+from __future__ import annotations
+
+import builtins
+import functools
+import random
+import re
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any as Buffer  # collections.abc.Buffer is Python 3.12+
+
+import numpy as np
+
+from .base import split_url
+from .obsettings import split_options
+
+T = TypeVar("T")
+
+# Errors are classified by obstore's error classes where it has them (see
+# `_Classes`). What it has no class for arrives as a GenericError whose cause
+# is only in the message: the HTTP status of a failed request (416, 5xx, 429,
+# 408, other 4xx) and transport failures (checked against obstore 0.12: no
+# status attribute either). So these two are matched on the text, and only
+# for errors that no class decided:
+#
+# status codes and transport failures worth another attempt: server errors,
+# throttling (S3 answers 503 SlowDown, others 429), request timeouts, dropped
+# or refused connections;
+_TRANSIENT = re.compile(
+    r"status code: (5\d\d|429|408)\b|error sending request|HTTP error|timed? ?out|"
+    r"connection (reset|refused|closed|aborted)|broken pipe|incomplete message|"
+    r"error decoding response body|body error",
+    re.IGNORECASE,
+)
+# a range that starts past the end of the object.
+_RANGE_NOT_SATISFIABLE = "status code: 416"
+
+
+# Parts of large reads in flight per storage, over all its readers (beyond, parts wait for a
+# free thread): with 16 MiB parts at most 256 MiB of answers in flight, besides the reads of
+# at most one part, which their calling threads send themselves.
+_READ_THREADS = 16
+
+
+def _summary(e: BaseException) -> str:
+    """obstore's message without its debug dump: the request, the status and the server's answer."""
+    text = str(e).split("\n\nDebug source", 1)[0].strip()
+    text = " ".join(text.split())
+    return text if len(text) <= 400 else text[:400] + "..."
+
+
+_ErrorTypes = tuple[type[BaseException], ...]
+
+
+@dataclass(frozen=True)
+class _Classes:
+    """obstore's error classes, by what cairn makes of them.
+
+    A missing object is the builtin FileNotFoundError (obstore's NotFoundError
+    is deprecated and not raised), bad arguments ValueError or TypeError.
+    """
+
+    exists: _ErrorTypes  # a create-if-absent put found the object (412 on S3)
+    denied: _ErrorTypes  # 403, 401
+    final: _ErrorTypes  # the request itself is wrong: repeating it cannot help
+    obstore: type[BaseException]  # the base of them all, GenericError among them
+
+
+@functools.cache
+def _classes() -> _Classes:
+    from obstore import exceptions as ox
+
+    return _Classes(
+        exists=(ox.AlreadyExistsError, ox.PreconditionError),
+        denied=(ox.PermissionDeniedError, ox.UnauthenticatedError),
+        final=(ox.NotSupportedError, ox.InvalidPathError, ox.UnknownConfigurationKeyError, ox.NotModifiedError),
+        obstore=ox.BaseError,
+    )
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether `e` (raised by obstore) is worth retrying."""
+    c = _classes()
+    if isinstance(e, (FileNotFoundError, PermissionError, ValueError, TypeError, EOFError)):
+        return False
+    if isinstance(e, c.exists + c.denied + c.final):
+        return False
+    if not isinstance(e, (c.obstore, OSError, TimeoutError)):
+        return False
+    # Left: GenericError (and the transport's I/O errors), whose cause only the text names.
+    return bool(_TRANSIENT.search(str(e).split("\n\nDebug source", 1)[0]))
+
+
+class _ObjectReader:
+    """Ranged reads of one object.
+
+    Opening sends no request: a load opens every data file it touches, and a
+    HEAD per file would cost a round trip each. A missing object shows up as
+    FileNotFoundError on the first read; a read past its end (the server
+    answers 416, or fewer bytes than asked) as EOFError.
+
+    A read (of one buffer, or of several consecutive ones) is cut into ranged
+    GETs of at most ``read_part_size`` bytes, at most ``read_concurrency`` of
+    them in flight at once, each answer copied straight into the buffers it
+    covers. (Not ``obstore.get_ranges``: it merges adjacent ranges back into
+    one request, so the parts of a large read went out as one GET each window.)
+    ``on_part(a, b)``, if given, runs once each part [a, b) has landed, in
+    the thread that received it (a reader verifies the part's checksums there,
+    while the bytes are in cache); an exception it raises fails the read.
+    """
+
+    # Consecutive buffers share requests, and each answer is copied straight into the buffers it
+    # covers: filling several destination regions in one read costs no copy a scratch buffer would not.
+    vectored: ClassVar[bool] = True
+    reports_parts: ClassVar[bool] = True  # read_into_many takes on_part
+
+    def __init__(self, storage: ObjectStorage, key: str):
+        self.storage, self.key = storage, key
+        self.size: int | None = None  # learning it would cost a HEAD request per file
+
+    def read_into(self, offset: int, out: memoryview) -> None:
+        self.read_into_many(offset, [out])
+
+    def read_into_many(self, offset: int, outs: list[memoryview],
+                       on_part: Callable[[int, int], None] | None = None) -> None:
+        if offset < 0:
+            raise EOFError(f"{self.storage.describe(self.key)}: negative offset {offset}")
+        views = [v for v in map(_bytes_view, outs) if len(v)]
+        total = sum(len(v) for v in views)
+        if total == 0:
+            return
+        t = self.storage.tuning
+        starts = range(offset, offset + total, t.read_part_size)
+        if len(starts) == 1:
+            self._get(offset, offset + total, offset, views, on_part)
+            return
+        # Parts in flight at once, through the storage's pool; this thread waits.
+        pool = self.storage.read_pool()
+        pending: set[Future[None]] = set()
+        parts = iter(starts)
+        error: BaseException | None = None
+        while True:
+            while error is None and len(pending) < t.read_concurrency:
+                a = next(parts, None)
+                if a is None:
+                    break
+                pending.add(pool.submit(self._get, a, min(a + t.read_part_size, offset + total), offset, views,
+                                         on_part))
+            if not pending:
+                break
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for f in done:
+                e = f.exception()
+                if e is not None and error is None:
+                    error = e  # send no more parts; let the ones in flight finish
+        if error is not None:
+            raise error
+
+    def _get(self, a: int, b: int, base: int, views: list[memoryview],
+             on_part: Callable[[int, int], None] | None) -> None:
+        """Object bytes [a, b) into `views` (which hold the bytes from `base` on, one after another)."""
+        import obstore
+
+        s, key = self.storage, self.key
+        data = s.call("read", key, lambda: obstore.get_range(s.store, key, start=a, length=b - a))
+        got = memoryview(data)
+        if len(got) != b - a:
+            raise EOFError(f"{s.describe(key)}: asked for bytes {a}..{b}, the store returned {len(got)} bytes")
+        pos = base
+        for v in views:
+            lo, hi = max(a, pos), min(b, pos + len(v))
+            if lo < hi:  # numpy copies without holding the GIL
+                np.copyto(np.frombuffer(v[lo - pos : hi - pos], np.uint8), np.frombuffer(got[lo - a : hi - a], np.uint8))
+            pos += len(v)
+            if pos >= b:
+                break
+        if on_part is not None:
+            on_part(a, b)
+
+    def close(self) -> None:
+        pass
+
+
+class ObjectStorage:
+    """Storage rooted at an object-store prefix: ``s3://bucket/prefix``, ``gs://...``, ``az://...``.
+
+    Example::
+
+        storage = ObjectStorage("s3://bucket/runs/7", {"endpoint": "http://127.0.0.1:9000",
+                                                      "allow_http": True})
+        storage.put("a/manifest.json", b"{}", create=True)
+    """
+
+    atomic_rename = False
+
+    def __init__(self, url: str, options: dict[str, Any] | None = None):
+        try:
+            from obstore.store import from_url
+        except ImportError:
+            raise ImportError(
+                f"{url}: object-store paths need obstore; install it with `pip install 'cairn[cloud]'`"
+            ) from None
+        scheme, rest = split_url(url)
+        if not scheme or not rest.strip("/"):
+            raise ValueError(f"{url!r} is not an object-store URL (like s3://bucket/prefix)")
+        self.url = url.rstrip("/")
+        self.tuning, client, config = split_options(options)
+        self.preferred_read = self.tuning.plan_read_size  # what a load plans its reads up to
+        client_options: Any = client or None
+        store_config: Any = config or None
+        t = self.tuning
+        backoff: Any = {
+            "init_backoff": timedelta(seconds=t.retry_backoff),
+            "max_backoff": timedelta(seconds=t.max_backoff),
+            "base": 2,
+        }
+        try:
+            # Requests cairn retries itself (and counts) go through a store that does not retry...
+            self.store = from_url(self.url, config=store_config, client_options=client_options,
+                                  retry_config={"max_retries": 0, "backoff": backoff})
+            # ...and multipart uploads, whose parts only obstore can resend, through one that does.
+            self.upload_store = from_url(self.url, config=store_config, client_options=client_options,
+                                         retry_config={"max_retries": t.max_retries, "backoff": backoff})
+        except Exception as e:
+            raise ValueError(f"{url}: cannot configure the object store: {_summary(e)}") from None
+        self.retries = 0
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+
+    def read_pool(self) -> ThreadPoolExecutor:
+        """Threads for the parts of large reads (started on first use; idle ones cost nothing)."""
+        with self._lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(_READ_THREADS, thread_name_prefix="cairn-get")
+            return self._pool
+
+    def __repr__(self) -> str:
+        return f"ObjectStorage({self.url!r})"
+
+    def describe(self, key: str) -> str:
+        return f"{self.url}/{key}" if key else self.url
+
+    # ------------------------------------------------------------------ retries and errors
+
+    def call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        """Run one request, retrying transient failures with backoff; errors name the object."""
+        t = self.tuning
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except Exception as e:
+                if attempt >= t.max_retries or not is_transient(e):
+                    raise self._error(op, key, e, attempt) from e
+            attempt += 1
+            with self._lock:
+                self.retries += 1
+            wait = min(t.max_backoff, t.retry_backoff * 2 ** (attempt - 1))
+            time.sleep(wait / 2 + random.uniform(0, wait / 2))  # jitter spreads out synchronized clients
+
+    def _error(self, op: str, key: str, e: BaseException, retries: int) -> BaseException:
+        where = self.describe(key)
+        if isinstance(e, EOFError):
+            return e
+        c = _classes()
+        if isinstance(e, FileNotFoundError):
+            return FileNotFoundError(f"{where}: no such object")
+        if isinstance(e, c.exists):
+            return FileExistsError(f"{where}: the object already exists")
+        if isinstance(e, c.denied):
+            return PermissionError(f"{where}: {op} was refused: {_summary(e)}")
+        if isinstance(e, ValueError):
+            return ValueError(f"{where}: {op}: {_summary(e)}")
+        if _RANGE_NOT_SATISFIABLE in _summary(e):  # a GenericError: no class says so
+            return EOFError(f"{where}: {op}: the range starts past the end of the object")
+        after = f" after {retries + 1} attempts" if retries else ""
+        return OSError(f"{where}: {op} failed{after}: {_summary(e)}")
+
+    # ------------------------------------------------------------------ reads
+
+    def read(self, key: str) -> bytes:
+        import obstore
+
+        return bytes(self.call("read", key, lambda: obstore.get(self.store, key).bytes()))
+
+    def open_read(self, key: str) -> _ObjectReader:
+        return _ObjectReader(self, key)
+
+    def size(self, key: str) -> int:
+        import obstore
+
+        return int(self.call("head", key, lambda: obstore.head(self.store, key))["size"])
+
+    def exists(self, key: str) -> bool:
+        """An object named `key`, or any object under ``key/`` (a "folder")."""
+        import obstore
+
+        if key:
+            try:
+                self.size(key)
+                return True
+            except FileNotFoundError:
+                pass
+
+        def any_under() -> bool:
+            for chunk in obstore.list(self.store, prefix=key or None, chunk_size=1):
+                if chunk:
+                    return True
+            return False
+
+        return self.call("list", key, any_under)
+
+    def list(self, prefix: str) -> builtins.list[str]:
+        import obstore
+
+        def keys() -> list[str]:
+            return [m["path"] for chunk in obstore.list(self.store, prefix=prefix or None, chunk_size=1000)
+                    for m in chunk]
+
+        return sorted(self.call("list", prefix, keys))
+
+    def list_dir(self, prefix: str) -> builtins.list[str]:
+        import obstore
+
+        p = prefix.strip("/")
+        res = self.call("list", p, lambda: obstore.list_with_delimiter(self.store, prefix=p or None))
+        names = {c.rstrip("/").rsplit("/", 1)[-1] for c in res["common_prefixes"]}
+        names.update(m["path"].rsplit("/", 1)[-1] for m in res["objects"])
+        return sorted(names)
+
+    # ------------------------------------------------------------------ writes
+
+    def put(self, key: str, data: bytes, *, create: bool = False) -> None:
+        import obstore
+
+        data = bytes(data)
+        mode: Literal["create", "overwrite"] = "create" if create else "overwrite"
+        first = True
+
+        def attempt() -> None:
+            nonlocal first
+            retrying, first = not first, False
+            try:
+                obstore.put(self.store, key, data, mode=mode, use_multipart=False)
+            except _classes().exists:
+                # An earlier attempt may have landed although its answer was lost:
+                # the object holding exactly our bytes means the put succeeded.
+                if retrying and bytes(obstore.get(self.store, key).bytes()) == data:
+                    return
+                raise
+
+        self.call("put", key, attempt)
+
+    def write(self, key: str, parts: Iterable[Buffer]) -> int:
+        import obstore
+
+        part_size = self.tuning.part_size
+        it = iter(parts)
+        head: list[memoryview] = []
+        size = 0
+        for p in it:
+            mv = _bytes_view(p)
+            head.append(mv)
+            size += len(mv)
+            if size >= part_size:
+                break
+        else:
+            # Smaller than one part: a single request, which (unlike a stream) can be retried here.
+            data = head[0] if len(head) == 1 else b"".join(head)
+            self.call("write", key, lambda: obstore.put(self.store, key, data, use_multipart=False))  # noqa: B023
+            return size
+        total = size
+
+        def stream() -> Iterator[memoryview]:
+            nonlocal total
+            yield from head
+            head.clear()
+            for p in it:
+                mv = _bytes_view(p)
+                total += len(mv)
+                yield mv
+
+        try:
+            obstore.put(self.upload_store, key, stream(), use_multipart=True, chunk_size=part_size,
+                        max_concurrency=self.tuning.upload_concurrency)
+        except Exception as e:
+            # Errors raised by `parts` itself come through unchanged; only the store's are ours to explain.
+            # obstore also raises builtin OSErrors (FileNotFoundError, ...), told apart from those of
+            # `parts` only by its message, which names the request ("Error performing PUT ...").
+            if isinstance(e, _classes().obstore) or (isinstance(e, OSError) and "Error performing" in str(e)):
+                # When a part fails, obstore aborts the upload and may report the abort's failure instead.
+                op = "write (multipart upload failed, then its abort)" if "DELETE" in _summary(e) else "write"
+                raise self._error(op, key, e, 0) from e
+            raise
+        return total
+
+    def delete_prefix(self, prefix: str) -> None:
+        """Delete `prefix` and everything under it, shallowest keys first.
+
+        The objects directly under `prefix` go in a request of their own before
+        the deeper ones, so a marker at the top of a prefix (a checkpoint's
+        manifest) is gone before any of the data it describes: an interrupted
+        delete never leaves something that looks complete but is not.
+        """
+        import obstore
+
+        keys: builtins.list[str] = self.list(prefix)
+        if prefix:
+            try:
+                self.size(prefix)
+                keys.append(prefix)
+            except FileNotFoundError:
+                pass
+        if not keys:
+            return
+        top = min(k.count("/") for k in keys)
+        first = [k for k in keys if k.count("/") == top]
+        rest = [k for k in keys if k.count("/") != top]
+        for batch in (first, rest):
+            if batch:
+                self.call("delete", prefix, functools.partial(_delete, obstore, self.store, batch))
+
+
+def _delete(obstore: Any, store: Any, keys: list[str]) -> None:
+    try:
+        obstore.delete(store, keys)
+    except FileNotFoundError:
+        # GCS and Azure report a missing object (S3 does not); it is what we wanted anyway. But
+        # obstore stops at the first error, so the keys after the missing one may still be there
+        # (GCS deletes one request per key, Azure in batches of 256): delete them one by one.
+        if len(keys) > 1:
+            for key in keys:
+                try:
+                    obstore.delete(store, key)
+                except FileNotFoundError:
+                    pass
+
+
+def _bytes_view(p: Buffer) -> memoryview:
+    mv = memoryview(p)
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")

@@ -1,0 +1,435 @@
+"""Safe copies of committed checkpoints between stores: `cairn.copy` and ``cairn cp`` / ``cairn mv``.
+
+A copy takes exactly the files the source's manifest names, directly or
+through an index: the manifest, one index per checkpointable, its data files
+and (format 2) its binary index parts. Leftovers of other attempts stay
+behind. Everything reaches the destination through its commit strategy
+(`_commit.strategy_for`), the same protocol as a save: on POSIX the files go
+under the hidden attempt folder, which is renamed into place; on an object
+store they are written in place and the manifest is put last,
+create-if-absent. Until that last step nothing is visible at the destination.
+
+* **Verified.** Metadata is read whole (as a load reads it) and checked by
+  its own checksums; data files stream through in pieces, every checksum
+  block's CRC-32C checked as its bytes pass, so what is written is what was
+  verified. A move also reads the committed destination back before it
+  deletes the source.
+* **Within a budget.** At most ``budget_bytes`` of data-file pieces are held
+  at once (`CopyStats.peak_piece_bytes`): one piece per file in flight, never
+  a whole file. An object-store destination's multipart upload buffers up to
+  ``part_size * (upload_concurrency + 1)`` more per file (its storage options).
+* **Resumable.** The attempt is named by the source's own token (every file
+  name carries it), so a copy that was interrupted finds what it wrote: a file
+  already there with its size (and, when verifying, its checksums) is kept,
+  anything else is written again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._core.checksum import crc32c
+from .._errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from .._format import manifest as fmt
+from .._format.partfile import HEADER_BYTES, RECORD_BYTES, decode_part
+from .._load.metadata import index_bytes, manifest_bytes, parse_index
+from .._load.reader import DEFAULT_BUDGET
+from .._save.commit import CommitStrategy, strategy_for
+from .._storage.location import Location, resolve
+from .verify import describe_chunk
+
+PIECE_BYTES = 16 << 20  # the largest piece of a data file read and written at once
+MIN_PIECE = 64 << 10
+_MISSING = (FileNotFoundError, NotADirectoryError, IsADirectoryError)
+
+
+@dataclass
+class CopyStats:
+    """What a copy did. `files_kept` / `bytes_kept`: already complete at the destination (a resumed copy)."""
+
+    src: str
+    dst: str
+    files_copied: int = 0
+    bytes_copied: int = 0
+    files_kept: int = 0
+    bytes_kept: int = 0
+    peak_piece_bytes: int = 0  # the most data-file bytes this copy held at once
+    moved: bool = False  # the source was deleted (a move)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class _File:
+    """One file the manifest names: its key below the checkpoint, its size, how to check it."""
+
+    rel: str
+    size: int
+    kind: str  # "index" (bytes held), "part" (read whole, decoded), "data" (streamed) or "manifest"
+    data: bytes = b""
+    chunks: tuple[tuple[int, int, Any, int], ...] = ()  # data: (offset, nbytes, leaf, cell) by offset
+    block: int = fmt.DEFAULT_BLOCK_SIZE
+    item: str = ""
+
+
+@dataclass
+class _Run:
+    src: Location
+    dst: Location
+    root: str  # where the destination's files go (relative to its storage root)
+    verify: bool
+    piece: int
+    stats: CopyStats
+    progress: Callable[[int], None] | None
+    stop: threading.Event = field(default_factory=threading.Event)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    held: int = 0
+
+    def hold(self, n: int) -> None:
+        with self.lock:
+            self.held += n
+            self.stats.peak_piece_bytes = max(self.stats.peak_piece_bytes, self.held)
+
+    def count(self, f: _File, kept: bool) -> None:
+        with self.lock:
+            if kept:
+                self.stats.files_kept += 1
+                self.stats.bytes_kept += f.size
+            else:
+                self.stats.files_copied += 1
+                self.stats.bytes_copied += f.size
+        if self.progress is not None:
+            self.progress(f.size)
+
+
+class _Stopped(Exception):
+    """Another file of the copy failed: stop this one."""
+
+
+# ---------------------------------------------------------------------- what to copy
+
+
+def _plan(src: Location, raw_manifest: bytes) -> tuple[str, list[_File]]:
+    """The attempt token and every file the manifest names, its metadata checked."""
+    manifest = fmt.Manifest.from_json(raw_manifest, src.storage.describe(src.key(fmt.MANIFEST)))
+    files: list[_File] = []
+    for name, info in manifest.items.items():
+        raw = index_bytes(src, info)
+        index = parse_index(src, info, raw)
+        files.append(_File(f"{info.dir}/{info.index}", len(raw), "index", data=raw))
+        if index.table is not None:
+            index.table.fetch_all()  # every record, checked; data checks need their offsets and CRCs
+        by_file: dict[int, list[tuple[int, int, Any, int]]] = {}
+        for leaf in index.leaves:
+            if isinstance(leaf, fmt.ArrayLeaf):
+                for cell, (fi, off) in enumerate(leaf.chunks):
+                    if leaf.chunk_nbytes(cell):
+                        by_file.setdefault(fi, []).append((off, leaf.chunk_nbytes(cell), leaf, cell))
+        for fi, f in enumerate(index.files):
+            chunks = tuple(sorted(by_file.get(fi, ()), key=lambda c: c[0]))
+            files.append(_File(f"{info.dir}/{f.name}", f.size, "data", chunks=chunks, block=index.block_size,
+                               item=name))
+        for p in index.parts:
+            files.append(_File(f"{info.dir}/{p.name}", HEADER_BYTES + RECORD_BYTES * p.records + 4 * p.crcs, "part"))
+    if not manifest.items:
+        return "empty", files
+    first = next(iter(manifest.items.values())).index
+    token = first[len("index."):-len(".json")] if first.startswith("index.") and first.endswith(".json") else ""
+    odd = [f.rel for f in files if not token or f".{token}." not in f.rel.rsplit("/", 1)[-1]]
+    if odd:
+        # The destination's commit tells attempts apart by the token in file names (`_commit`):
+        # a file without it would count as another attempt's leftover there.
+        raise CheckpointError(f"{src.path}: cannot copy safely: its files do not all carry one save token "
+                              f"(e.g. {odd[0]!r}); was it written by cairn?")
+    return token, files
+
+
+class _Checker:
+    """Checks the block CRCs of a data file fed to it in consecutive pieces (any sizes)."""
+
+    def __init__(self, where: str, f: _File):
+        self.where, self.f = where, f
+        self.i, self.b, self.crc = 0, 0, 0  # chunk, block of it, running CRC of that block
+
+    def feed(self, pos: int, buf: Any) -> None:
+        chunks, block, end = self.f.chunks, self.f.block, pos + len(buf)
+        while self.i < len(chunks):
+            off, n, leaf, cell = chunks[self.i]
+            bs, be = off + self.b * block, min(off + (self.b + 1) * block, off + n)
+            if bs >= end:
+                return
+            lo, hi = max(bs, pos), min(be, end)
+            if hi > lo:
+                self.crc = crc32c(buf[lo - pos : hi - pos], self.crc)
+            if be > end:
+                return
+            want = leaf.crcs[cell][self.b]
+            if self.crc != want:
+                raise CorruptCheckpointError(
+                    f"{self.where}{'' if not self.f.item else f' [{self.f.item}]'}: {describe_chunk(leaf, cell)} "
+                    f"in {self.f.rel!r} is corrupt: block {self.b} (file bytes {bs}..{be}) has CRC-32C "
+                    f"{self.crc:#010x}, stored {want:#010x}")
+            self.crc, self.b = 0, self.b + 1
+            if self.b * block >= n:
+                self.i, self.b = self.i + 1, 0
+
+
+# ---------------------------------------------------------------------- one file
+
+
+def _pieces(run: _Run, loc: Location, root: str, f: _File) -> Iterator[np.ndarray]:
+    """The bytes of data file `f` under `root` of `loc`'s storage, piece by piece, each checked before
+    it is yielded."""
+    key, counted = f"{root}/{f.rel}", []
+    try:
+        reader = loc.storage.open_read(key)
+        size = reader.size if reader.size is not None else loc.storage.size(key)
+    except _MISSING:
+        raise CorruptCheckpointError(f"{loc.path}: data file {f.rel!r} is missing") from None
+    except OSError as e:
+        raise CheckpointError(f"{loc.path}: reading {f.rel!r} failed: {e}") from e
+    try:
+        if size != f.size:
+            raise CorruptCheckpointError(f"{loc.path}: data file {f.rel!r} has {size} bytes, the index records {f.size}")
+        checker = _Checker(loc.path, f) if run.verify else None
+        for lo in range(0, f.size, run.piece):
+            if run.stop.is_set():
+                raise _Stopped
+            n = min(run.piece, f.size - lo)
+            run.hold(n)
+            counted.append(n)
+            buf = np.empty(n, np.uint8)
+            try:
+                reader.read_into(lo, memoryview(buf))  # type: ignore[arg-type]
+            except EOFError:
+                raise CorruptCheckpointError(f"{loc.path}: data file {f.rel!r} is truncated") from None
+            except OSError as e:
+                raise CheckpointError(f"{loc.path}: reading {f.rel!r} failed: {e}") from e
+            if checker is not None:
+                checker.feed(lo, buf)
+            yield buf  # a fresh buffer for the next piece: the writer may still hold this one
+            del buf
+            if len(counted) > 1:  # the writer asked for this piece: it has let go of the one before
+                run.hold(-counted.pop(0))
+    finally:
+        run.hold(-sum(counted))
+        reader.close()
+
+
+def _intact(run: _Run, f: _File, want: bytes | None) -> bool:
+    """Whether the destination already holds file `f`, complete (and, verifying, intact)."""
+    storage, key = run.dst.storage, f"{run.root}/{f.rel}"
+    try:
+        if storage.size(key) != f.size:
+            return False
+        if want is not None:
+            return storage.read(key) == want
+        if run.verify:
+            for _ in _pieces(run, run.dst, run.root, f):
+                pass
+    except (CorruptCheckpointError, *_MISSING):
+        return False
+    return True
+
+
+def _source_part(run: _Run, f: _File) -> bytes:
+    loc, key = run.src, run.src.key(f.rel)
+    try:
+        data = loc.storage.read(key)
+    except _MISSING:
+        raise CorruptCheckpointError(f"{loc.path}: the index part {f.rel!r} named by the index is missing") from None
+    except OSError as e:
+        raise CheckpointError(f"{loc.path}: reading {f.rel!r} failed: {e}") from e
+    decode_part(data, loc.storage.describe(key))  # every checksum of the part
+    return data
+
+
+def _copy_file(run: _Run, f: _File, strategy: CommitStrategy) -> None:
+    key = f"{run.root}/{f.rel}"
+    whole = f.data if f.kind == "index" else _source_part(run, f) if f.kind == "part" else None
+    storage = run.dst.storage
+    try:
+        if _intact(run, f, whole):
+            run.count(f, kept=True)
+            return
+        # Every file appears at its name only once complete (`write_whole`), so a copy running
+        # at the same time, or killed, never leaves a partial file under a name a commit counts.
+        if f.kind == "index":
+            storage.put(key, f.data)
+        else:
+            strategy.write_whole(key, [whole] if whole is not None else _pieces(run, run.src, run.src.name, f))
+        if storage.size(key) != f.size:
+            raise CheckpointError(f"{run.dst.path}: {f.rel!r} has {storage.size(key)} bytes after its copy, "
+                                  f"expected {f.size}")
+    except (CheckpointError, _Stopped):
+        raise
+    except OSError as e:
+        raise CheckpointError(f"copying {run.src.path} to {run.dst.path}: {f.rel!r} at the destination: {e}") from e
+    run.count(f, kept=False)
+
+
+def _each(run: _Run, files: list[_File], threads: int, fn: Callable[[_File], None]) -> None:
+    """`fn` on every file, `threads` at a time; the first failure stops the rest and is raised."""
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="cairn-copy") as pool:
+        futures = [pool.submit(fn, f) for f in files]
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((x for x in futures if x in done and x.exception() is not None), None)
+        if failed is not None:
+            run.stop.set()
+            for x in futures:
+                x.cancel()
+            wait(futures)
+            raise failed.exception()  # type: ignore[misc]
+
+
+# ---------------------------------------------------------------------- the copy
+
+
+def copy(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+    move: bool = False,
+    verify: bool = True,
+    budget_bytes: int = DEFAULT_BUDGET,
+    threads: int = 8,
+    storage_options: dict | None = None,
+    dst_storage_options: dict | None = None,
+    on_total: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> CopyStats:
+    """Copy the committed checkpoint at `src` to `dst` (any two stores), streamed, verified, resumable.
+
+    Nothing is visible at `dst` until every file is there; the manifest is
+    written last, through the destination's commit protocol. A copy that was
+    interrupted resumes when called again: complete files are kept. An
+    identical checkpoint already committed at `dst` (a finished copy) is only
+    checked. Anything else committed there is kept unless `overwrite`.
+
+    `move=True` then reads the destination back, checks it and deletes the
+    source. `verify` checks every block checksum of the data copied (off:
+    sizes only). At most `budget_bytes` of data are held at once, in pieces
+    of up to 16 MiB, `threads` files at a time. `storage_options` are the
+    source's (and, unless `dst_storage_options`, the destination's).
+
+    Raises `CheckpointNotFoundError` (nothing committed at `src`),
+    `CheckpointExistsError` (`dst` holds another checkpoint),
+    `CorruptCheckpointError` (the source fails a check; the partial copy is
+    removed) or `CheckpointError` (a read or write failed; calling again
+    resumes). The source is never changed, except deleted by a move that succeeded.
+
+        cairn.copy("/ckpt/run1/step_00001000", "s3://bucket/run1/step_00001000")
+    """
+    t0 = time.perf_counter()
+    s = resolve(src, storage_options)
+    d = resolve(dst, storage_options if dst_storage_options is None else dst_storage_options)
+    if (s.storage.url, s.name) == (d.storage.url, d.name):
+        raise CheckpointError(f"{d.path}: the source and the destination are the same checkpoint")
+    if budget_bytes < 2 * MIN_PIECE:
+        raise ValueError(f"budget_bytes={budget_bytes} is below the minimum of {2 * MIN_PIECE}")
+    # Two pieces per file in flight: the one the writer is taking, the next one being read.
+    threads = max(1, threads)
+    piece = min(PIECE_BYTES, max(MIN_PIECE, budget_bytes // (2 * threads)))
+    threads = max(1, min(threads, budget_bytes // (2 * piece)))
+    raw = manifest_bytes(s)
+    token, files = _plan(s, raw)
+    stats = CopyStats(s.path, d.path)
+    strategy = strategy_for(d.storage)
+    try:
+        there: bytes | None = manifest_bytes(d)
+    except CheckpointError:
+        there = None
+    finished = there == raw and not overwrite
+    if on_total is not None:
+        on_total(sum(f.size for f in files) * (2 if move and verify and not finished else 1))
+    if finished:
+        # A finished copy (a move interrupted before it deleted its source): check it, copy nothing.
+        _check_copy(_Run(s, d, d.name, verify, piece, stats, progress), files, threads)
+        stats.files_kept, stats.bytes_kept = stats.files_kept + 1, stats.bytes_kept + len(raw)
+    else:
+        if there is not None and not overwrite:
+            raise CheckpointExistsError(f"{d.path} already holds a checkpoint; pass overwrite=True to replace it")
+        strategy.check_destination(d, overwrite)
+        root = strategy.attempt_root(d.name, token)
+        run = _Run(s, d, root, verify, piece, stats, progress)
+        try:
+            _each(run, files, threads, lambda f: _copy_file(run, f, strategy))
+        except CorruptCheckpointError:
+            # Never remove files that the checkpoint committed there (same save, copied before) may share.
+            if strategy.name == "rename" or there is None or fmt.index_name(token).encode() not in there:
+                strategy.abort(d, token)
+            raise
+        needed = [f"{root}/{f.rel}" for f in files]
+        # Stray files of an earlier attempt (a temporary file of an interrupted put) stay out of the checkpoint.
+        strays = sorted(set(d.storage.list(root)) - {*needed, f"{root}/{fmt.MANIFEST}"}) if strategy.name == "rename" else []
+        strategy.commit(d, token, raw, needed, overwrite=overwrite, discard=strays)
+        run.count(_File(fmt.MANIFEST, len(raw), "manifest"), kept=False)
+        if move and verify:
+            _check_copy(_Run(s, d, d.name, verify, piece, CopyStats(s.path, d.path), progress), files, threads)
+    if move:
+        strategy_for(s.storage).delete(s.name)
+        stats.moved = True
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def _check_copy(run: _Run, files: list[_File], threads: int) -> None:
+    """Read the committed copy at `run.dst` back; `CorruptCheckpointError` names what is wrong."""
+    bad: list[str] = []
+
+    def one(f: _File) -> None:
+        whole = f.data if f.kind == "index" else _source_part(run, f) if f.kind == "part" else None
+        if not _intact(run, f, whole):
+            bad.append(f.rel)
+        run.count(f, kept=True)
+
+    _each(run, files, threads, one)
+    if bad:
+        raise CorruptCheckpointError(f"{run.dst.path}: the committed copy there does not match its source "
+                                     f"{run.src.path}: {sorted(bad)[0]!r} ({len(bad)} files in all); the source "
+                                     "is kept (copy again with overwrite=True)")
+
+
+# ---------------------------------------------------------------------- command line
+
+
+def add_commands(sub: Any, parse_bytes: Callable[[str], int]) -> None:
+    """Register ``cairn cp`` and ``cairn mv`` on the CLI's subparsers."""
+    for name, move, what in (("cp", False, "copy"), ("mv", True, "move")):
+        s = sub.add_parser(name, help=f"{what} a committed checkpoint to another path or store (streamed, "
+                                      "verified; resumes an interrupted " + what + ")")
+        s.add_argument("src")
+        s.add_argument("dst")
+        s.add_argument("--overwrite", action="store_true", help="replace a checkpoint committed at DST")
+        s.add_argument("--no-verify", action="store_true", help="check sizes only, not every block checksum")
+        s.add_argument("--budget", type=parse_bytes, default=DEFAULT_BUDGET,
+                       help="memory budget for data in flight (default 256M)")
+        s.add_argument("--threads", type=int, default=8, help="files copied at once (default 8)")
+        s.add_argument("--json", action="store_true")
+        s.set_defaults(fn=run_copy, move=move)
+
+
+def run_copy(args: argparse.Namespace, out: Any) -> int:
+    with out.progress("moving" if args.move else "copying", None) as (set_total, advance):
+        stats = copy(args.src, args.dst, overwrite=args.overwrite, move=args.move, verify=not args.no_verify,
+                     budget_bytes=args.budget, threads=args.threads, on_total=set_total, progress=advance)
+    if args.json:
+        print(json.dumps(stats.as_dict(), indent=2))
+        return 0
+    kept = f", {stats.files_kept} already there" if stats.files_kept else ""
+    out.line(f"{'moved' if stats.moved else 'copied'} {stats.src} -> {stats.dst}: {stats.files_copied} files, "
+             f"{stats.bytes_copied / (1 << 20):.1f} MiB{kept}{'; checksums verified' if not args.no_verify else ''}")
+    return 0

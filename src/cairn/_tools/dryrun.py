@@ -1,0 +1,460 @@
+"""Dry run of a load: what each process would read and hold, computed without reading array data.
+
+`plan_load` opens the checkpoint's metadata (manifest, indexes, and in format 2
+the records of the chunks the load would read), matches the target as `_load`
+does, and then replays the load engine's decisions for every process, from this
+one: the read-once route of each leaf (`_readonce.route`) and its waves
+(`_waves`), the direct pipeline's budget and its coalesced small reads
+(`_coalesce`), and each read the planner would issue (`_reader.whole_reads`,
+`_plan.plan_reads`). Those are pure functions of the index and of each
+sharding's ``devices_indices_map``, so any process can compute every other's
+figures; ``processes=N`` splits the target's devices into N processes by device
+id, which is how the command line plans a multi-host load on one machine's
+virtual CPU devices.
+
+What it models and what it does not is said in `MODELLED` and `NOT_MODELLED`,
+printed with every plan.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from .._errors import MismatchError
+from .._format import manifest as fmt
+from .._interop import sources as _sources
+from .._interop.sources import Rename
+from .._load import engine as _load
+from .._load.coalesce import _MAX_RUN_PARTS, run_limits, whole_span
+from .._load.metadata import read_index, read_manifest
+from .._load.reader import _MIN_RUN, DEFAULT_MAX_READ, whole_reads
+from .._load.readonce import ProcessOf, route
+from .._load.waves import Staged, cut_in_pieces, plan_waves
+from .._plan.chunking import Box, Read, full_box, is_c_contiguous, plan_reads
+from .._storage import MemoryStorage
+from .._storage.location import Location, resolve
+from .._tree.perprocess import LoadView
+from .._tree.shardings import WHOLE_PUT_BYTES, device_boxes
+from . import transforms as _transforms
+
+MODELLED = (
+    "storage bytes and read requests per process, as the load engine plans them (read-once routes and "
+    "waves, direct reads, coalesced small arrays, checksum-block widening)",
+    "peak host memory: read buffers in flight under the budget, pending batched device puts, dtype casts, "
+    "read-once waves and pieces, and per-thread scratch for reads that cannot land in place (an upper bound)",
+    "time: each process's bytes at the given bandwidth, all processes in parallel",
+)
+NOT_MODELLED = (
+    "request latency, checksum and copy cost, device transfers and the read-once collectives (their "
+    "interconnect bytes), a shared store's aggregate bandwidth limit",
+    "object stores splitting a read into ranged GETs (read_part_size); Orbax arrays read through "
+    "tensorstore (counted as their uncompressed boxes)",
+    "the loaded arrays themselves, JAX's own buffers, and the metadata reads (manifest, indexes, records)",
+)
+
+
+@dataclass(frozen=True)
+class ProcessPlan:
+    """One process's figures in a `LoadPlan`."""
+
+    process: int
+    devices: int  # devices of the target's shardings that it holds
+    bytes_read: int
+    requests: int
+    peak_host_bytes: int
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    """What `cairn.load` would read and hold, per process: the result of `cairn.plan_load`.
+
+    ``str(plan)`` is a table with what the figures model and what they do not.
+    `bandwidth` is GB/s (10^9 bytes per second) per process, if one was given.
+
+    Example::
+
+        plan = cairn.plan_load(path, target, processes=8, bandwidth=1.5)
+        worst = max(plan.processes, key=lambda p: p.peak_host_bytes)
+        print(plan.bytes_read / plan.array_bytes, worst.process, plan.seconds)
+    """
+
+    path: str
+    format: str
+    processes: tuple[ProcessPlan, ...]
+    leaves: int  # target leaves loaded (arrays and values)
+    array_bytes: int  # bytes of the arrays loaded, as stored
+    read_once_leaves: int  # leaves restored through collectives (read once cluster-wide)
+    waves: int  # their waves (a leaf larger than the budget takes one wave per piece)
+    budget_bytes: int
+    bandwidth: float | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def bytes_read(self) -> int:
+        """Storage bytes read, summed over processes."""
+        return sum(p.bytes_read for p in self.processes)
+
+    @property
+    def seconds(self) -> float | None:
+        """Estimated read time: the slowest process's bytes at `bandwidth`."""
+        return None if not self.bandwidth else max(p.bytes_read for p in self.processes) / (self.bandwidth * 1e9)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "format": self.format, "leaves": self.leaves, "array_bytes": self.array_bytes,
+                "read_once_leaves": self.read_once_leaves, "waves": self.waves, "budget_bytes": self.budget_bytes,
+                "bandwidth_gb_s": self.bandwidth, "seconds": self.seconds, "bytes_read": self.bytes_read,
+                "processes": [vars(p) for p in self.processes], "notes": list(self.notes),
+                "modelled": list(MODELLED), "not_modelled": list(NOT_MODELLED)}
+
+    def __str__(self) -> str:
+        bw = self.bandwidth
+        rows = [[str(p.process), str(p.devices), human_bytes(p.bytes_read), str(p.requests),
+                 human_bytes(p.peak_host_bytes)] + ([f"{p.bytes_read / (bw * 1e9):.3g} s"] if bw else [])
+                for p in self.processes]
+        head = ["process", "devices", "bytes read", "requests", "peak host"] + ([f"time @ {bw:g} GB/s"] if bw else [])
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+        lines = [f"plan for {self.path} ({self.format}): {self.leaves} leaves, {human_bytes(self.array_bytes)} "
+                 f"of arrays, budget {human_bytes(self.budget_bytes)}; {self.read_once_leaves} read once "
+                 f"through collectives in {self.waves} waves",
+                 "  ".join(h.rjust(w) for h, w in zip(head, widths))]
+        lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
+        total = f"total: {human_bytes(self.bytes_read)} read ({self.bytes_read / max(self.array_bytes, 1):.2f}x the arrays)"
+        lines.append(total + (f", about {self.seconds:.3g} s" if self.seconds is not None else ""))
+        lines += [f"note: {n}" for n in self.notes]
+        lines += [f"models: {m}" for m in MODELLED] + [f"does not model: {m}" for m in NOT_MODELLED]
+        return "\n".join(lines)
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+# ---------------------------------------------------------------------- the plan
+
+
+def plan_load(
+    path: Any,
+    target: Any = None,
+    *,
+    processes: int | None = None,
+    partial: bool = False,
+    verify: bool = True,
+    threads: int = 8,
+    read_once: bool | None = None,
+    budget_bytes: int = 1 << 30,
+    bandwidth: float | None = None,
+    storage_options: dict[str, Any] | None = None,
+    format: str | None = None,
+    rename: Rename | None = None,
+    drop: Any = None,
+    fill_missing: Any = False,
+) -> LoadPlan:
+    """What ``cairn.load(path, target, ...)`` would read and hold on every process, without reading data.
+
+    Takes `load`'s arguments, plus `processes` (plan for that many processes,
+    each holding an equal share of the target's devices by device id; default:
+    the devices' real processes) and `bandwidth` (GB/s per process, for the
+    time estimate). Only metadata is read: the manifest, indexes and chunk records.
+
+    Example::
+
+        plan = cairn.plan_load("/ckpt/step_100", {"params": abstract}, processes=64, bandwidth=2.0)
+        print(plan)                 # per process: bytes, requests, peak host memory, time
+        plan.processes[3].bytes_read
+    """
+    loc = resolve(path, storage_options)
+    found = format or _sources.detect(loc)
+    if found is None:
+        raise _sources.not_found(loc)
+    src = None
+    if found != "cairn" or _transforms.wanted(rename, drop, fill_missing):
+        src = _transforms.open_source(loc, target, format=found, rename=rename, drop=drop, fill_missing=fill_missing)
+    manifest = src.manifest if src is not None else read_manifest(loc)
+    n = processes if processes is not None else _real_process_count()
+    if n < 1:
+        raise ValueError(f"processes must be at least 1, got {n}")
+    items = []
+    for name, item_target in _requests(loc, manifest, target):
+        index = src.indexes[name] if src is not None else read_index(loc, manifest.items[name])
+        pp = LoadView(index.structure, name, loc.path, 0, n)
+        wanted = _load._match(loc, name, index, item_target, partial, pp)
+        verify_item = verify and (src is None or src.verify)
+        items.append(_Item(name, index, item_target, wanted, SimpleNamespace(verify=verify_item), pp))
+    process_of, devices = _process_map(items, processes)
+    max_read = getattr(loc.storage, "preferred_read", DEFAULT_MAX_READ)
+    vectored = not isinstance(loc.storage, MemoryStorage)  # its readers: the one kind without preadv
+    staged: list[Staged] = []
+    for it in items:
+        _fetch_records(it)
+        for i in sorted(it.wanted):
+            want, leaf = it.wanted[i], it.index.leaves[i]
+            if want is None or want.sharding is None or not isinstance(leaf, fmt.ArrayLeaf):
+                continue
+            r = route(leaf, want.sharding, it.index.block_size, it.reader.verify, n, read_once, process_of)
+            if not r.direct:
+                staged.append(cut_in_pieces(Staged(it, i, want, r), budget_bytes, n, process_of))
+    waves = plan_waves(staged, budget_bytes, n)
+    skip = {(id(s.item), s.leaf) for s in staged}
+    plans = []
+    for p in range(n):
+        sim = _Process(p, process_of, budget_bytes, threads, max_read, vectored,
+                       run_limits(getattr(loc.storage, "preferred_read", None)))
+        sim.direct([(it, it.wanted if not it.pp.nodes else _load._match(
+            loc, it.name, it.index, it.target, partial, LoadView(it.index.structure, it.name, loc.path, p, n)))
+            for it in items], skip)
+        sim.waves(waves)
+        plans.append(ProcessPlan(p, devices.get(p, 0), sim.bytes, sim.requests, sim.peak + sim.scratch()))
+    arrays = [it.index.leaves[i] for it in items for i in it.wanted]
+    return LoadPlan(loc.path, found, tuple(plans), len(arrays),
+                    sum(leaf.nbytes for leaf in arrays if isinstance(leaf, fmt.ArrayLeaf)),
+                    len(staged), len(waves), budget_bytes, bandwidth)
+
+
+@dataclass
+class _Item:
+    """One requested checkpointable, shaped like the load's `_ItemLoad` where `_waves` looks."""
+
+    name: str
+    index: fmt.ItemIndex
+    target: Any
+    wanted: dict[int, Any]
+    reader: Any  # .verify
+    pp: LoadView
+
+
+def _requests(loc: Location, manifest: fmt.Manifest, target: Any) -> list[tuple[str, Any]]:
+    """(checkpointable, its target) as `_load.load` forms them, with its errors."""
+    if manifest.root:
+        return [("", target)]
+    if target is None:
+        return [(name, None) for name in manifest.items]
+    if not hasattr(target, "items"):
+        raise MismatchError(f"{loc.path}: the checkpoint holds named checkpointables {sorted(manifest.items)}; "
+                            "pass a mapping from (some of) those names to targets")
+    unknown = [k for k in target if k not in manifest.items]
+    if unknown:
+        raise MismatchError(f"{loc.path}: the target asks for checkpointables {unknown} that the checkpoint does "
+                            f"not hold (it holds {sorted(manifest.items)})")
+    return list(target.items())
+
+
+def _real_process_count() -> int:
+    import sys
+
+    return sys.modules["jax"].process_count() if "jax" in sys.modules else 1
+
+
+def _process_map(items: list[_Item], processes: int | None) -> tuple[ProcessOf | None, dict[int, int]]:
+    """Who holds which device: the real processes, or `processes` equal shares of the target's devices."""
+    devices: dict[int, Any] = {}
+    for it in items:
+        for want in it.wanted.values():
+            if want is not None and want.sharding is not None:
+                devices.update((d.id, d) for d in want.sharding.device_set)
+    ordered = [devices[k] for k in sorted(devices)]
+    if processes is None:
+        counts: dict[int, int] = {}
+        for d in ordered:
+            counts[d.process_index] = counts.get(d.process_index, 0) + 1
+        return None, counts
+    if ordered and len(ordered) % processes:
+        raise ValueError(f"{len(ordered)} devices cannot be split into {processes} processes of equal size")
+    per = max(1, len(ordered) // processes)
+    rank = {d.id: i // per for i, d in enumerate(ordered)}
+    return (lambda d: rank[d.id]), {p: per for p in range(processes)} if ordered else {}
+
+
+def _fetch_records(it: _Item) -> None:
+    """Format 2: the chunk records of every wanted leaf (any process may read any chunk)."""
+    table = it.index.table
+    if table is None:
+        return
+    import numpy as np
+
+    need = {i: np.arange(len(table.leaves[i].writers)) for i in it.wanted if i in table.leaves}
+    if need:
+        table.fetch(need)
+
+
+class _Process:
+    """The load engine's bookkeeping for one process, replayed without reading."""
+
+    def __init__(self, p: int, process_of: ProcessOf | None, budget: int, threads: int, max_read: int,
+                 vectored: bool, runs: tuple[int, int]):
+        self.p, self.process_of, self.budget, self.threads, self.max_read = p, process_of, budget, threads, max_read
+        self.vectored = vectored
+        self.small, self.run_bytes = runs  # `_coalesce.run_limits` of the storage
+        self.bytes = self.requests = self.peak = 0
+        self.scratch_reads, self.scratch_max = 0, 0
+
+    def scratch(self) -> int:
+        """Per-thread buffers of reads that cannot land in place (kept for the pool's life)."""
+        return min(self.threads, self.scratch_reads) * max(self.scratch_max, 1 << 20) if self.scratch_reads else 0
+
+    def boxes(self, sharding: Any, shape: tuple[int, ...]) -> list[Box]:
+        """This process's distinct boxes of `sharding`, in device order (as addressable_boxes)."""
+        devices, boxes = device_boxes(sharding, shape)
+        out: dict[Box, None] = {}
+        for d, b in zip(devices, boxes):
+            if (d.process_index if self.process_of is None else self.process_of(d)) == self.p:
+                out[b] = None
+        return list(out)
+
+    def reads(self, reads: list[Read], boxes: list[Box]) -> None:
+        shapes = [tuple(hi - lo for lo, hi in b) for b in boxes]
+        for r in reads:
+            self.bytes += r.nbytes
+            self.requests += 1
+            if not _in_place(r, shapes, self.vectored):
+                self.scratch_reads += 1
+                self.scratch_max = max(self.scratch_max, r.nbytes)
+
+    def direct(self, items: list[tuple[_Item, dict[int, Any]]], skip: set[tuple[int, int]]) -> None:
+        """`_load._read_direct`: one pipeline over every item's leaves, `budget` bytes in flight."""
+        inflight: deque[tuple[int, _Runs, int | None, int, int]] = deque()
+        state = [0, 0, 0]  # bytes in flight; pending batched puts: bytes, count
+
+        def finish() -> None:
+            nbytes, runs, run, put, cast = inflight.popleft()
+            runs.wait(run)
+            self.peak = max(self.peak, state[0] + state[1] + cast)  # a cast copy beside its buffer
+            state[0] -= nbytes
+            if put:
+                state[1] += put
+                state[2] += 1
+                if state[2] >= 1024 or state[1] >= 64 << 20:  # `_jaxutil.PutBatch` flushes
+                    state[1] = state[2] = 0
+
+        for it, wanted in items:
+            runs = _Runs(self)  # one per reader, as `ChunkReader._runs`
+            block, verify = it.index.block_size, it.reader.verify
+            for i in sorted(wanted):
+                leaf = it.index.leaves[i]
+                if (id(it), i) in skip or isinstance(leaf, fmt.ValueLeaf):
+                    continue
+                if leaf.kind in ("bytes", "object"):
+                    runs.wait(self.whole(leaf, runs, block, verify))
+                    self.peak = max(self.peak, state[0] + state[1] + 2 * leaf.nbytes)  # the buffer, then bytes
+                    continue
+                want = wanted[i]
+                sharding = None if want is None else want.sharding
+                whole = sharding is not None and leaf.nbytes <= WHOLE_PUT_BYTES and self.holds_all(sharding)
+                if sharding is None or whole:
+                    run, elems = self.whole(leaf, runs, block, verify), math.prod(leaf.shape)
+                else:
+                    boxes = self.boxes(sharding, leaf.shape)
+                    runs.submit()
+                    self.reads(plan_reads(leaf, boxes, block, verify, max_read=self.max_read), boxes)
+                    run, elems = None, sum(math.prod(hi - lo for lo, hi in b) for b in boxes)
+                nbytes = elems * leaf.dtype.itemsize
+                cast = elems * want.dtype.itemsize if want is not None and want.dtype != leaf.dtype else 0
+                inflight.append((nbytes, runs, run, (cast or nbytes) if whole else 0, cast))
+                state[0] += nbytes
+                self.peak = max(self.peak, state[0] + state[1])
+                while len(inflight) > 1 and state[0] > self.budget:
+                    finish()
+        while inflight:
+            finish()
+
+    def holds_all(self, sharding: Any) -> bool:
+        return all((d.process_index if self.process_of is None else self.process_of(d)) == self.p
+                   for d in sharding.device_set)
+
+    def whole(self, leaf: fmt.ArrayLeaf, runs: _Runs, block: int, verify: bool) -> int | None:
+        """`ChunkReader.read_array(leaf)`: a small array joins a run, anything else is planned."""
+        span = whole_span(leaf) if leaf.nbytes <= self.small else None
+        if span is not None:
+            return runs.add(span[0], span[1], leaf.nbytes)
+        runs.submit()
+        reads = whole_reads(leaf, block, verify, self.max_read)
+        box = full_box(leaf.shape)
+        self.reads(reads if reads is not None else plan_reads(leaf, [box], block, verify, max_read=self.max_read),
+                   [box])
+        return None
+
+    def waves(self, waves: list[list[Any]]) -> None:
+        """`_load._run_wave` for each wave: every unit's blocks held at once, plus open gathers."""
+        gathers: dict[int, int] = {}
+        for wave in waves:
+            held = 0
+            for s, j in wave:
+                leaf, region = s.want.leaf, s.region(j)
+                shape = leaf.shape if region is None else tuple(hi - lo for lo, hi in region)
+                boxes = self.boxes(s.route.read, shape)
+                if region is not None:
+                    boxes = [tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes]
+                self.reads(plan_reads(leaf, boxes, s.item.index.block_size, s.item.reader.verify,
+                                      max_read=self.max_read), boxes)
+                elems = sum(math.prod(hi - lo for lo, hi in b) for b in boxes)
+                held += elems * (leaf.dtype.itemsize + (s.want.dtype.itemsize if s.want.dtype != leaf.dtype else 0))
+                if j == 0:
+                    gathers[id(s)] = sum(math.prod(hi - lo for lo, hi in b)
+                                         for b in self.boxes(s.want.sharding, leaf.shape)) * s.want.dtype.itemsize
+            self.peak = max(self.peak, held + sum(gathers.values()))
+            for s, j in wave:
+                if j is not None and j == len(s.pieces) - 1:
+                    gathers.pop(id(s), None)
+
+
+def _in_place(r: Read, shapes: list[tuple[int, ...]], vectored: bool) -> bool:
+    """Whether `ChunkReader.do_read` lands `r` in its destinations without a scratch buffer."""
+    d = r.direct
+    if d is not None and _contiguous(shapes[d.dest], d.dest_start, d.shape):
+        return True
+    if not vectored:
+        return False
+    pos = 0
+    for c in sorted(r.copies, key=lambda c: c.src_offset):  # `_reader._tiled_regions`
+        if c.src_offset != pos or not is_c_contiguous(c.shape, c.src_strides):
+            return False
+        if not _contiguous(shapes[c.dest], c.dest_start, c.shape) and (
+                len(c.shape) < 2 or c.shape[-1] * c.itemsize < _MIN_RUN):
+            return False
+        pos += c.nbytes
+    return pos == r.nbytes
+
+
+def _contiguous(dest: tuple[int, ...], start: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether box `shape` at `start` of a C-order array of shape `dest` is one run of memory."""
+    last = max((a for a in range(len(shape)) if shape[a] != dest[a]), default=-1)
+    return all(shape[a] == 1 for a in range(last))
+
+
+class _Runs:
+    """`_coalesce.Runs` without the reads: where one run of small whole arrays ends and the next begins."""
+
+    def __init__(self, proc: _Process):
+        self.proc = proc
+        self.file = self.end = self.bytes = self.parts = 0
+        self.id = 0  # the pending run's number
+
+    def add(self, file: int, start: int, nbytes: int) -> int:
+        if self.parts and (file != self.file or start != self.end or self.parts >= _MAX_RUN_PARTS
+                           or self.bytes + nbytes > self.proc.run_bytes):
+            self.submit()
+        self.file, self.end = file, start + nbytes
+        self.bytes += nbytes
+        self.parts += 1
+        return self.id
+
+    def submit(self) -> None:
+        if self.parts:
+            self.proc.bytes += self.bytes
+            self.proc.requests += 1
+            self.bytes = self.parts = 0
+            self.id += 1
+
+    def wait(self, run: int | None) -> None:
+        if run is not None and run == self.id:
+            self.submit()
+
+
+__all__ = ["MODELLED", "NOT_MODELLED", "LoadPlan", "ProcessPlan", "plan_load"]

@@ -1,0 +1,345 @@
+"""Whole-checkpoint reads for tools: full verification and comparison.
+
+`verify` reads every byte of every chunk and checks every block checksum
+(in parallel, a few MiB per task, so memory stays small whatever the size),
+and also checks what the metadata promises about the files: that each data
+file exists and has its recorded size, and that the manifest's totals match
+the indexes. It reports every problem it finds instead of stopping at the
+first, so one run names every corrupt chunk.
+
+`diff` compares two checkpoints leaf by leaf, streaming both arrays in
+matching slabs, and never holds more than two slabs of each leaf at once.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._core.checksum import crc32c
+from .._errors import CheckpointError, CorruptCheckpointError
+from .._format import manifest as fmt
+from .._format import values
+from .._load.metadata import open_checkpoint, read_index, read_manifest
+from .._load.reader import make_reader, read_box, slab_boxes, slab_bytes
+from .._storage.location import Location, resolve
+from .._tree.pytree import display_path
+
+PIECE_BYTES = 8 << 20  # bytes read and checked per task
+
+
+@dataclass
+class Problem:
+    """One thing wrong with a checkpoint, located as precisely as possible."""
+
+    message: str
+    item: str | None = None
+    leaf: str | None = None
+    file: str | None = None
+    chunk: int | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    problems: list[Problem] = field(default_factory=list)
+    bytes_checked: int = 0
+    chunks_checked: int = 0
+    files: int = 0
+    leaves: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
+@dataclass(frozen=True)
+class _Piece:
+    """One verification task: chunk bytes ``lo..hi`` (whole checksum blocks) of one leaf."""
+
+    item: str
+    index: fmt.ItemIndex
+    leaf: fmt.ArrayLeaf
+    cell: int
+    lo: int
+    hi: int
+    reader: Any
+
+
+def bad_blocks(buf: Any, lo: int, hi: int, off: int, crcs: Sequence[int], block: int) -> list[str]:
+    """What is wrong with chunk bytes ``lo..hi`` (whole checksum blocks, held in `buf`): one message per
+    block whose CRC-32C is not the stored one in `crcs`. `off` is the chunk's offset in its file."""
+    bad = []
+    for b in range(lo // block, -(-hi // block)):
+        s, t = b * block - lo, min((b + 1) * block, hi) - lo
+        got = crc32c(buf[s:t])
+        if got != crcs[b]:
+            bad.append(f"block {b} (file bytes {off + lo + s}..{off + lo + t}) has CRC-32C {got:#010x}, "
+                       f"stored {crcs[b]:#010x}")
+    return bad
+
+
+def describe_chunk(leaf: fmt.ArrayLeaf, cell: int) -> str:
+    """``leaf 'w' chunk 3 [0:2, 0:4]``: a chunk as messages name it."""
+    region = "[" + ", ".join(f"{a}:{b}" for a, b in leaf.chunk_box(cell)) + "]"
+    return f"leaf {display_path(leaf.path)!r} chunk {cell} {region}"
+
+
+def _where(item: str, root: bool) -> str:
+    return "" if root else f" [{item}]"
+
+
+def plan_verify(loc: Location) -> tuple[fmt.Manifest, dict[str, fmt.ItemIndex], list[Problem]]:
+    """Read the manifest and every index, collecting metadata problems."""
+    manifest = read_manifest(loc)  # nothing to verify without one: the caller reports it
+    indexes: dict[str, fmt.ItemIndex] = {}
+    problems: list[Problem] = []
+    for name, info in manifest.items.items():
+        try:
+            index = read_index(loc, info)
+        except CorruptCheckpointError as e:
+            problems.append(Problem(str(e), item=name))
+            continue
+        indexes[name] = index
+        nbytes = sum(leaf.nbytes for leaf in index.leaves if isinstance(leaf, fmt.ArrayLeaf))
+        if nbytes != info.nbytes or len(index.leaves) != info.num_leaves:
+            problems.append(Problem(
+                f"{loc.path}{_where(name, manifest.root)}: the manifest promises {info.num_leaves} leaves of "
+                f"{info.nbytes} bytes, the index holds {len(index.leaves)} leaves of {nbytes} bytes", item=name,
+            ))
+    return manifest, indexes, problems
+
+
+def verify(
+    path: str | os.PathLike[str],
+    *,
+    threads: int = 8,
+    storage_options: dict | None = None,
+    on_total: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+) -> VerifyReport:
+    """Read the whole checkpoint at `path` and check every checksum; never raises for corruption.
+
+    Raises `CheckpointNotFoundError` if nothing is committed at `path` and
+    `CorruptCheckpointError` if its manifest cannot be parsed; every other
+    problem is collected into the report. `on_total(bytes)` is called once
+    with the number of bytes to check, `progress(bytes)` as they are checked.
+    """
+    loc = resolve(path, storage_options)
+    manifest, indexes, problems = plan_verify(loc)
+    report = VerifyReport(loc.path, problems)
+    lock = threading.Lock()
+    tasks: list[_Piece] = []
+    readers: list[Any] = []
+    for name, index in indexes.items():
+        info = manifest.items[name]
+        where = f"{loc.path}{_where(name, manifest.root)}"
+        opened: dict[int, Any] = {}
+        for fi, f in enumerate(index.files):
+            key = loc.key(info.dir, f.name)
+            report.files += 1
+            try:
+                size = loc.storage.size(key)
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                problems.append(Problem(f"{where}: data file {f.name!r} is missing", item=name, file=f.name))
+                continue
+            if size < f.size:
+                problems.append(Problem(
+                    f"{where}: data file {f.name!r} is truncated: {size} bytes, the index records {f.size}",
+                    item=name, file=f.name,
+                ))
+            elif size > f.size:
+                problems.append(Problem(
+                    f"{where}: data file {f.name!r} has {size} bytes, the index records {f.size}",
+                    item=name, file=f.name,
+                ))
+            opened[fi] = loc.storage.open_read(key)
+            readers.append(opened[fi])
+        if index.table is not None:  # format 2: every record of the binary index parts, checked
+            try:
+                index.table.fetch_all()
+            except CheckpointError as e:
+                problems.append(Problem(str(e), item=name))
+                continue
+        for leaf in index.leaves:
+            report.leaves += 1
+            if not isinstance(leaf, fmt.ArrayLeaf):
+                continue
+            for cell, (fi, _off) in enumerate(leaf.chunks):
+                size = leaf.chunk_nbytes(cell)
+                if size == 0 or fi not in opened:
+                    continue
+                # Pieces are whole blocks, so each block's CRC is checked within one task.
+                step = max(index.block_size, PIECE_BYTES // index.block_size * index.block_size)
+                for lo in range(0, size, step):
+                    tasks.append(_Piece(name, index, leaf, cell, lo, min(size, lo + step), opened[fi]))
+    if on_total is not None:
+        on_total(sum(t.hi - t.lo for t in tasks))
+    bad_chunks: dict[tuple[str, str, int], list[str]] = {}
+
+    def check(task: _Piece) -> None:
+        name, index, leaf, cell, lo, hi, reader = (
+            task.item, task.index, task.leaf, task.cell, task.lo, task.hi, task.reader)
+        _fi, off = leaf.chunks[cell]
+        block = index.block_size
+        buf = np.empty(hi - lo, dtype=np.uint8)
+        bad: list[str] = []
+        try:
+            reader.read_into(off + lo, memoryview(buf))  # type: ignore[arg-type]
+        except EOFError:
+            bad.append(f"bytes {off + lo}..{off + hi} lie past the end of the file")
+        except OSError as e:
+            bad.append(f"reading bytes {off + lo}..{off + hi} failed: {e}")
+        else:
+            bad.extend(bad_blocks(buf, lo, hi, off, leaf.crcs[cell], block))
+        with lock:
+            report.bytes_checked += hi - lo
+            if bad:
+                bad_chunks.setdefault((name, leaf.path, cell), []).extend(bad)
+        if progress is not None:
+            progress(hi - lo)
+
+    try:
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="cairn-verify") as pool:
+            list(pool.map(check, tasks))
+    finally:
+        for r in readers:
+            with contextlib.suppress(Exception):
+                r.close()
+    report.chunks_checked = len({(t.item, t.leaf.path, t.cell) for t in tasks})
+    for (name, lpath, cell), bad in sorted(bad_chunks.items()):
+        index = indexes[name]
+        leaf = next(x for x in index.leaves if x.path == lpath)
+        assert isinstance(leaf, fmt.ArrayLeaf)
+        fname = index.files[leaf.chunks[cell][0]].name
+        problems.append(Problem(
+            f"{loc.path}{_where(name, manifest.root)}: {describe_chunk(leaf, cell)} in {fname!r} is corrupt: "
+            + "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more blocks" if len(bad) > 3 else ""),
+            item=name, leaf=lpath, file=fname, chunk=cell,
+        ))
+    return report
+
+
+# ---------------------------------------------------------------------- diff
+
+
+@dataclass
+class DiffEntry:
+    item: str
+    path: str
+    status: str  # "equal" | "only in A" | "only in B" | "changed type" | "values changed"
+    detail: str = ""
+    max_abs_diff: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"item": self.item, "path": self.path, "status": self.status}
+        if self.detail:
+            out["detail"] = self.detail
+        if self.max_abs_diff is not None:
+            out["max_abs_diff"] = self.max_abs_diff
+        return out
+
+
+def _describe_leaf(leaf: fmt.Leaf) -> str:
+    if isinstance(leaf, fmt.ArrayLeaf):
+        if leaf.kind == "prng_key":
+            return f"key<{leaf.impl}>[{','.join(map(str, leaf.key_shape))}]"
+        if leaf.kind != "array":
+            return f"{leaf.kind}[{leaf.nbytes}]"
+        return f"{values.dtype_name(leaf.dtype)}[{','.join(map(str, leaf.shape))}]"
+    text = repr(leaf.value)
+    return f"{leaf.kind} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def diff(
+    a: str | os.PathLike[str],
+    b: str | os.PathLike[str],
+    *,
+    budget_bytes: int = 256 << 20,
+    threads: int = 4,
+    storage_options: dict | None = None,
+) -> list[DiffEntry]:
+    """Compare checkpoints `a` and `b` per key path (values compared bitwise)."""
+    ca, cb = open_checkpoint(a, storage_options), open_checkpoint(b, storage_options)
+    out: list[DiffEntry] = []
+    # Two slabs from each side, plus their read buffers, fit in the budget.
+    slab = slab_bytes(budget_bytes // 2)
+    names = list(ca.indexes) + [n for n in cb.indexes if n not in ca.indexes]
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="cairn-diff") as pool:
+        for name in names:
+            la = {leaf.path: leaf for leaf in ca.indexes[name].leaves} if name in ca.indexes else {}
+            lb = {leaf.path: leaf for leaf in cb.indexes[name].leaves} if name in cb.indexes else {}
+            ra = make_reader(ca, name, pool) if name in ca.indexes else None
+            rb = make_reader(cb, name, pool) if name in cb.indexes else None
+            try:
+                for path in list(la) + [p for p in lb if p not in la]:
+                    x, y = la.get(path), lb.get(path)
+                    if y is None:
+                        out.append(DiffEntry(name, path, "only in A", _describe_leaf(x)))  # type: ignore[arg-type]
+                    elif x is None:
+                        out.append(DiffEntry(name, path, "only in B", _describe_leaf(y)))
+                    else:
+                        out.append(_compare(name, path, x, y, ra, rb, slab, pool))
+            finally:
+                for r in (ra, rb):
+                    if r is not None:
+                        r.close()
+    return out
+
+
+def _compare(name: str, path: str, x: fmt.Leaf, y: fmt.Leaf, ra: Any, rb: Any, slab: int,
+             pool: ThreadPoolExecutor) -> DiffEntry:
+    dx, dy = _describe_leaf(x), _describe_leaf(y)
+    if isinstance(x, fmt.ValueLeaf) or isinstance(y, fmt.ValueLeaf):
+        if isinstance(x, fmt.ValueLeaf) and isinstance(y, fmt.ValueLeaf) and x.kind == y.kind:
+            # Compared through their exact encodings, so 0.0 != -0.0 and NaN == the same NaN.
+            same = values.encode_value(x.kind, x.value) == values.encode_value(y.kind, y.value)
+            return DiffEntry(name, path, "equal" if same else "values changed", "" if same else f"{dx} -> {dy}")
+        return DiffEntry(name, path, "changed type", f"{dx} -> {dy}")
+    if x.kind != y.kind or x.dtype != y.dtype or x.shape != y.shape:
+        return DiffEntry(name, path, "changed type", f"{dx} -> {dy}")
+    n_diff, max_abs, nan_mismatch = 0, 0.0, False
+    numeric = x.kind == "array" and x.dtype.kind in "biufcV"
+    for box in slab_boxes(x.shape, x.dtype.itemsize, slab):
+        sa, sb = read_box(ra, x, box, pool), read_box(rb, y, box, pool)
+        # Element-wise bitwise comparison (exact, whatever the dtype).
+        ua = sa.reshape(-1).view(np.uint8).reshape(-1, x.dtype.itemsize)
+        ub = sb.reshape(-1).view(np.uint8).reshape(-1, x.dtype.itemsize)
+        differs = (ua != ub).any(axis=1)
+        k = int(differs.sum())
+        if not k:
+            continue
+        n_diff += k
+        if numeric:
+            fa, fb = _as_float(sa.reshape(-1)[differs]), _as_float(sb.reshape(-1)[differs])
+            d = np.abs(fa - fb)
+            finite = ~np.isnan(d)
+            nan_mismatch |= bool((~finite & ~(np.isnan(fa) & np.isnan(fb))).any())
+            if finite.any():
+                max_abs = max(max_abs, float(d[finite].max()))
+    if n_diff == 0:
+        return DiffEntry(name, path, "equal", dx)
+    total = math.prod(x.shape)
+    unit = "elements" if x.kind in ("array", "prng_key") else "bytes"
+    detail = f"{dx}: {n_diff} of {total} {unit} differ"
+    if not numeric:
+        return DiffEntry(name, path, "values changed", detail)
+    if nan_mismatch:
+        detail += " (some NaN on one side only)"
+    return DiffEntry(name, path, "values changed", detail, max_abs)
+
+
+def _as_float(a: np.ndarray) -> np.ndarray:
+    # float64 (complex128) so that integer differences cannot overflow.
+    return a.astype(np.complex128 if a.dtype.kind == "c" else np.float64)

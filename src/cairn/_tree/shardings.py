@@ -1,0 +1,266 @@
+"""The few places that need JAX objects: shardings, boxes and device transfers.
+
+JAX is imported lazily, so that numpy-only loads work without it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .._core.memo import Memo
+from .._plan.chunking import Box
+
+
+def slices_to_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
+    out = []
+    for sl, n in zip(index, shape):
+        start, stop, step = sl.indices(n)
+        if step != 1:
+            raise ValueError(f"strided shard index {sl} is not supported")
+        out.append((start, max(stop, start)))
+    # Indices may omit trailing axes.
+    out.extend((0, n) for n in shape[len(out):])
+    return tuple(out)
+
+
+def box_to_slices(box: Box) -> tuple[slice, ...]:
+    return tuple(slice(lo, hi) for lo, hi in box)
+
+
+_dmap_cache: Memo[tuple[list[Any], list[Box]]] = Memo()
+
+
+def device_boxes(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Any], list[Box]]:
+    """All devices of `sharding` in its order, and the box each holds."""
+    hit = _dmap_cache.get((sharding, shape))
+    if hit is not None:
+        return hit
+    dmap = sharding.devices_indices_map(shape)
+    devices = list(dmap)
+    return _dmap_cache.put((sharding, shape), (devices, [slices_to_box(dmap[d], shape) for d in devices]))
+
+
+_array_cache: Memo[tuple[tuple[Any, ...], Any, np.ndarray]] = Memo()
+_mesh_cache: Memo[tuple[tuple[Any, ...], np.ndarray]] = Memo(64)
+
+
+def device_box_array(sharding: Any, shape: tuple[int, ...]) -> tuple[tuple[Any, ...], Any, np.ndarray]:
+    """`device_boxes` for the save planner: ``(devices, boxes, processes)``.
+
+    For a `NamedSharding` over a concrete mesh the boxes are an array
+    ``(devices, ndim, 2)`` computed by arithmetic (`_grid.spec_boxes`), and the
+    devices and their processes are the mesh's, memoised per mesh, so that
+    nothing per device runs in Python. Other shardings, and specs the
+    arithmetic does not handle, take `device_boxes` (a list of boxes).
+    """
+    hit = _array_cache.get((sharding, shape))
+    if hit is not None:
+        return hit
+    hit = _named(sharding, shape)
+    if hit is None:
+        devices, boxes = device_boxes(sharding, shape)
+        hit = (tuple(devices), boxes, np.fromiter((d.process_index for d in devices), np.int64, len(devices)))
+    return _array_cache.put((sharding, shape), hit)
+
+
+def _named(sharding: Any, shape: tuple[int, ...]) -> tuple[tuple[Any, ...], np.ndarray, np.ndarray] | None:
+    import jax
+
+    from .._plan.grid import spec_boxes
+
+    if type(sharding) is not jax.sharding.NamedSharding or type(sharding.mesh) is not jax.sharding.Mesh:
+        return None
+    spec = sharding.spec
+    if getattr(spec, "unreduced", None) or getattr(spec, "reduced", None) or not shape:
+        return None
+    mesh = sharding.mesh
+    boxes = spec_boxes(shape, mesh.devices.shape, tuple(mesh.axis_names), tuple(spec))
+    if boxes is None:
+        return None
+    held = _mesh_cache.get(mesh)
+    if held is None:
+        devices = tuple(mesh.devices.flat)  # the sharding's device order (`_device_assignment`)
+        held = _mesh_cache.put(mesh, (devices, np.fromiter((d.process_index for d in devices), np.int64,
+                                                           len(devices))))
+    return held[0], boxes, held[1]
+
+
+_placement_cache: Memo[tuple[list[Box], dict[Box, list[Any]]]] = Memo()
+
+
+def addressable_boxes(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Box], dict[Box, list[Any]]]:
+    """The distinct boxes `sharding` puts on this process's devices, and the devices of each.
+
+    Memoised per (sharding, shape), like `device_boxes`: a load of thousands of
+    leaves asks it for a few shardings over and over. Callers must not modify the result.
+    """
+    hit = _placement_cache.get((sharding, shape))
+    if hit is None:
+        by_box: dict[Box, list[Any]] = {}
+        for device, index in sharding.addressable_devices_indices_map(shape).items():
+            by_box.setdefault(slices_to_box(index, shape), []).append(device)
+        hit = _placement_cache.put((sharding, shape), (list(by_box), by_box))
+    return hit
+
+
+#: A leaf up to this size whose target sharding lies wholly on this process is read into one host
+#: buffer and placed by a batched `jax.device_put` (JAX slices it per device in C++): below this,
+#: a device_put and a read per shard cost more than the bytes (2,000 leaves of 2 KiB over 8
+#: devices: 0.9-1.5 ms per leaf put shard by shard, 0.15-0.24 ms whole); above it, the
+#: per-shard buffers are adopted without a copy on CPU.
+WHOLE_PUT_BYTES = 1 << 20
+
+_whole: Memo[bool] = Memo()
+
+
+def puts_whole(sharding: Any) -> bool:
+    """Whether every device of `sharding` is this process's (then a load may place it from one host array)."""
+    hit = _whole.get(sharding)
+    if hit is None:
+        hit = _whole.put(sharding, bool(sharding.is_fully_addressable))
+    return hit
+
+
+class PutBatch:
+    """Host arrays waiting for one batched `jax.device_put` onto their shardings."""
+
+    def __init__(self, max_items: int = 1024, max_bytes: int = 64 << 20) -> None:
+        self.max_items, self.max_bytes = max_items, max_bytes
+        self._hosts: list[np.ndarray] = []
+        self._shardings: list[Any] = []
+        self._outs: list[tuple[dict[Any, Any], Any]] = []
+        self._bytes = 0
+
+    def add(self, out: dict[Any, Any], key: Any, host: np.ndarray, sharding: Any) -> None:
+        """Set ``out[key]`` to `host` placed on `sharding`, at the latest when `flush` runs."""
+        self._hosts.append(host)
+        self._shardings.append(sharding)
+        self._outs.append((out, key))
+        self._bytes += host.nbytes
+        if len(self._hosts) >= self.max_items or self._bytes >= self.max_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._hosts:
+            return
+        import jax
+
+        arrays = jax.device_put(self._hosts, self._shardings)
+        for (out, key), x in zip(self._outs, arrays):
+            out[key] = x
+        self._hosts, self._shardings, self._outs, self._bytes = [], [], [], 0
+
+
+_order_cache: dict[Any, dict[Any, int]] = {}
+
+
+def shard_arrays(x: Any) -> tuple[list[Any], dict[Any, int]]:
+    """The single-device arrays of `x`'s addressable shards, and each device's position among them.
+
+    `x.addressable_shards` builds a `Shard` per device and looks each one's
+    device up through a new sharding object: about 10 µs per shard, which a
+    state of thousands of small sharded leaves pays thousands of times. JAX
+    keeps an array's buffers in the fixed device order of its sharding, so
+    the device positions are memoised per sharding and the buffers are taken
+    from the array's own list (`_arrays`, what `addressable_shards` walks),
+    with `addressable_shards` as the fallback.
+    """
+    sharding = x.sharding
+    arrays = getattr(x, "_arrays", None)
+    try:
+        order = _order_cache.get(sharding)
+    except TypeError:  # unhashable sharding
+        order, sharding = None, None
+    if order is not None and isinstance(arrays, list) and len(arrays) == len(order):
+        return arrays, order
+    shards = x.addressable_shards
+    order = {s.device: i for i, s in enumerate(shards)}
+    if sharding is not None:
+        if len(_order_cache) > 4096:
+            _order_cache.clear()
+        _order_cache[sharding] = order
+    return [s.data for s in shards], order
+
+
+_described: dict[Any, dict[str, Any]] = {}
+
+
+def describe_sharding(sharding: Any) -> dict[str, Any]:
+    """A JSON description of a sharding, for humans and tools (never used to load).
+
+    Memoised per sharding (a state repeats a few); callers must not modify it.
+    """
+    try:
+        hit = _described.get(sharding)
+    except TypeError:  # unhashable sharding
+        return _describe(sharding)
+    if hit is None:
+        hit = _describe(sharding)
+        if len(_described) > 4096:
+            _described.clear()
+        _described[sharding] = hit
+    return hit
+
+
+def _describe(sharding: Any) -> dict[str, Any]:
+    import jax
+
+    out: dict[str, Any] = {"type": type(sharding).__name__, "num_devices": len(sharding.device_set)}
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        mesh = sharding.mesh
+        out["mesh"] = {"axis_names": [str(a) for a in mesh.axis_names], "shape": [int(s) for s in mesh.devices.shape]}
+        out["spec"] = [_spec_entry(p) for p in sharding.spec]
+    elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        out["device"] = str(next(iter(sharding.device_set)))
+    return out
+
+
+def _spec_entry(p: Any) -> Any:
+    if p is None:
+        return None
+    if isinstance(p, (tuple, list)):
+        return [str(x) for x in p]
+    return str(p)
+
+
+def host_view(a: Any) -> np.ndarray:
+    """A host numpy view of single-device array `a`; zero-copy on CPU.
+
+    On an accelerator the bytes are copied into a CPU jax.Array first, so that
+    the host copy is freed as soon as the caller drops it (numpy views of
+    device arrays are cached on the array for its whole life).
+    """
+    if on_cpu(a):
+        return np.asarray(a)
+    import jax
+
+    return np.asarray(jax.device_put(a, jax.devices("cpu")[0]))
+
+
+_cpu: dict[Any, bool] = {}
+
+
+def on_cpu(a: Any) -> bool:
+    """Whether single-device array `a` lives in host memory (memoised per sharding: `a.device` costs ~1 µs)."""
+    sharding = a.sharding
+    try:
+        hit = _cpu.get(sharding)
+    except TypeError:
+        return bool(a.device.platform == "cpu")
+    if hit is None:
+        hit = _cpu[sharding] = a.device.platform == "cpu"
+        if len(_cpu) > 4096:
+            _cpu.clear()
+    return hit
+
+
+def device_copy(a: Any) -> Any:
+    """A copy of single-device array `a` in a new buffer on the same device.
+
+    Donating or deleting `a` afterwards cannot change the copy.
+    """
+    import jax.numpy as jnp
+
+    return jnp.array(a, copy=True)
