@@ -50,6 +50,16 @@ class StorageConformance:
         assert isinstance(storage.atomic_rename, bool)
         assert "ck/manifest.json" in storage.describe("ck/manifest.json")
 
+    def test_declares_its_read_capabilities(self, storage):
+        # The reader and the dry run ask these instead of testing the storage's class.
+        assert storage.preferred_read is None or (isinstance(storage.preferred_read, int) and storage.preferred_read > 0)
+        self.seed(storage, "ck/cap.bin", b"abcd")
+        reader = storage.open_read("ck/cap.bin")
+        try:
+            assert storage.vectored_reads is type(reader).vectored
+        finally:
+            reader.close()
+
     def test_put_then_read(self, storage):
         storage.put("ck/a.json", b'{"x": 1}')
         assert storage.read("ck/a.json") == b'{"x": 1}'

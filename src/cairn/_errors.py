@@ -56,6 +56,12 @@ _CLASSES: dict[str, type[CheckpointError]] = {
 }
 
 
+def corrupt(where: object, message: str) -> CorruptCheckpointError:
+    """The error for a malformed or damaged part of a checkpoint: `where` (a path, a file and a key
+    path, or an index position) first, then what was wrong. Callers raise it."""
+    return CorruptCheckpointError(f"{where}: {message}")
+
+
 def describe(e: BaseException) -> str:
     """``"Type: message (at file.py:123)"``: an error and where it was raised, in one line."""
     import os

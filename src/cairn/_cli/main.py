@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from .._core.units import human_bytes
 from .._errors import CheckpointError
 from .._format import manifest as fmt
 from .._format import values
@@ -40,16 +41,6 @@ from .._tools.copy import add_commands as add_copy_commands
 from .plan import add_command as add_plan_command
 
 # ---------------------------------------------------------------------- output
-
-
-def human_bytes(n: int | float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(n) < 1024 or unit == "PiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def human_age(seconds: float | None) -> str:

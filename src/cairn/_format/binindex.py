@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .._core.checksum import crc32c
-from .._errors import CorruptCheckpointError
+from .._errors import corrupt
 from .partfile import HEADER_BYTES, RECORD, RECORD_BYTES, PartInfo, check_header
 
 #: Records (or CRCs) closer than this many bytes in one part are fetched in one range.
@@ -37,9 +37,6 @@ MERGE_GAP = 4096
 
 Reader = Callable[[list[tuple[str, int, int]]], list[bytes]]  # (part name, start, length) -> bytes
 
-
-def _fail(where: object, msg: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{where}: {msg}")
 
 
 @dataclass
@@ -174,11 +171,11 @@ class ChunkTable:
         for p, chunks in wanted.items():
             part = self.parts.get(p)
             if part is None:
-                raise _fail(self.where, f"process {p} wrote chunks but the index names no part of it")
+                raise corrupt(self.where, f"process {p} wrote chunks but the index names no part of it")
             rows = np.concatenate(chunks)
             rows = rows[np.argsort(rows[:, 2], kind="stable")]
             if int(rows[:, 2].max()) >= part.records or int((rows[:, 3] + rows[:, 4]).max()) > part.crcs:
-                raise _fail(self.where, f"index part {part.name!r} holds fewer records than its leaves need")
+                raise corrupt(self.where, f"index part {part.name!r} holds fewer records than its leaves need")
             # The header too: it is small, and it pins the part's process and counts.
             crc_at = HEADER_BYTES + part.records * RECORD_BYTES
             has = rows[:, 4] > 0
@@ -191,7 +188,7 @@ class ChunkTable:
         if not requests:
             return
         if self.reader is None:
-            raise _fail(self.where, "the binary index has no reader bound")
+            raise corrupt(self.where, "the binary index has no reader bound")
         blobs = iter(self.reader(requests))
         self.requests += len(requests)
         self.bytes_read += sum(r[2] for r in requests)
@@ -203,7 +200,7 @@ class ChunkTable:
         where = f"{self.where}: index part {part.name!r}"
         for (s, e, _), b in zip(ranges, blobs):
             if len(b) != e - s:
-                raise _fail(where, f"is shorter than its index says (bytes {s}..{e})")
+                raise corrupt(where, f"is shorter than its index says (bytes {s}..{e})")
 
         def at(pos: int, n: int) -> bytes:
             k = _find(ranges, pos)
@@ -211,7 +208,7 @@ class ChunkTable:
             return blobs[k][pos - s : pos - s + n]
 
         if check_header(at(0, HEADER_BYTES), where) != (part.process, part.records, part.crcs):
-            raise _fail(where, "header does not match the part the index names")
+            raise corrupt(where, "header does not match the part the index names")
         crc_at = HEADER_BYTES + part.records * RECORD_BYTES
         # Every record (and, where each has one, every CRC) lies inside one range: gather them all at once.
         blob = np.frombuffer(b"".join(blobs), dtype=np.uint8)
@@ -230,24 +227,24 @@ class ChunkTable:
         stored = rec["rec_crc"].tolist()
         for k in range(n):
             if crc32c(raw_bytes[k * RECORD_BYTES : (k + 1) * RECORD_BYTES - 4]) != stored[k]:
-                raise _fail(where, f"record {int(rows[k, 2])} checksum mismatch")
+                raise corrupt(where, f"record {int(rows[k, 2])} checksum mismatch")
         if len(bad):
             k = int(bad[0])
-            raise _fail(where, f"record {int(rows[k, 2])} is for leaf {int(rec['leaf'][k])} cell "
+            raise corrupt(where, f"record {int(rows[k, 2])} is for leaf {int(rec['leaf'][k])} cell "
                                f"{int(rec['cell'][k])}, not leaf {int(rows[k, 0])} cell {int(rows[k, 1])}")
         sizes = rows[:, 6]
         files = rec["file"].astype(np.int64)
         offsets = rec["offset"].astype(np.int64)
         if np.any((sizes > 0) & (files >= part.files)):
             k = int(np.flatnonzero((sizes > 0) & (files >= part.files))[0])
-            raise _fail(where, f"record {int(rows[k, 2])} names file {int(files[k])} of a part with {part.files}")
+            raise corrupt(where, f"record {int(rows[k, 2])} names file {int(files[k])} of a part with {part.files}")
         files = np.where(sizes > 0, files + part.file_base, 0)
         offsets = np.where(sizes > 0, offsets, 0)
         limits = np.asarray(self.file_sizes, dtype=np.int64)[files] if self.file_sizes else np.zeros_like(files)
         outside = np.flatnonzero((sizes > 0) & (offsets + sizes > limits))
         if len(outside):
             k = int(outside[0])
-            raise _fail(where, f"record {int(rows[k, 2])} (bytes {int(offsets[k])}..{int(offsets[k] + sizes[k])}) "
+            raise corrupt(where, f"record {int(rows[k, 2])} (bytes {int(offsets[k])}..{int(offsets[k] + sizes[k])}) "
                                "lies outside its data file")
         check = rec["crcs_crc"].tolist()
         if bool(np.all(rows[:, 4] == 1)):  # one block per chunk, the common case: all CRCs gathered at once
@@ -255,14 +252,14 @@ class ChunkTable:
             cb_bytes = cbs.tobytes()
             for k in range(n):
                 if crc32c(cb_bytes[4 * k : 4 * k + 4]) != check[k]:
-                    raise _fail(where, f"checksums of record {int(rows[k, 2])} do not match their checksum")
+                    raise corrupt(where, f"checksums of record {int(rows[k, 2])} do not match their checksum")
             crcs_of = [(v,) for v in cbs.reshape(-1).view("<u4").tolist()]
         else:
             crcs_of = []
             for k, (rno, cno, ncrc) in enumerate(rows[:, 2:5].tolist()):
                 cb = at(crc_at + cno * 4, ncrc * 4) if ncrc else b""
                 if crc32c(cb) != check[k]:
-                    raise _fail(where, f"checksums of record {rno} do not match their checksum")
+                    raise corrupt(where, f"checksums of record {rno} do not match their checksum")
                 crcs_of.append(tuple(np.frombuffer(cb, dtype="<u4").tolist()))
         got = self._got
         for k, (leaf, cell, f, off) in enumerate(zip(rows[:, 0].tolist(), rows[:, 1].tolist(), files.tolist(),
@@ -321,10 +318,10 @@ def _field(x: Any, key: str, where: str, lo: int = 0, hi: int = 1 << 56) -> Any:
     v = x.get(key) if isinstance(x, dict) else None
     if key == "name":
         if type(v) is not str or not _PART_NAME.match(v):
-            raise _fail(where, f"bad index part name {v!r:.80}")
+            raise corrupt(where, f"bad index part name {v!r:.80}")
         return v
     if type(v) is not int or not lo <= v <= hi:
-        raise _fail(where, f"field {key!r} must be an integer in [{lo}, {hi}], found {v!r:.80}")
+        raise corrupt(where, f"field {key!r} must be an integer in [{lo}, {hi}], found {v!r:.80}")
     return v
 
 
@@ -333,14 +330,14 @@ def parse_parts(d: dict[str, Any], file_sizes: list[int], where: str) -> ChunkTa
     parts_raw = d.get("parts", [])
     processes = _field(d, "processes", where, 1, 1 << 24) if "processes" in d else 1
     if type(parts_raw) is not list:
-        raise _fail(where, "'parts' must be a list")
+        raise corrupt(where, "'parts' must be a list")
     parts, seen = [], set()
     for i, x in enumerate(parts_raw):
         w = f"{where}: parts[{i}]"
         p = _field(x, "process", w, 0, processes - 1)
         base, nf = _field(x, "file_base", w), _field(x, "files", w)
         if p in seen or base + nf > len(file_sizes):
-            raise _fail(w, "repeated process, or files outside the index's file list")
+            raise corrupt(w, "repeated process, or files outside the index's file list")
         seen.add(p)
         parts.append(PartInfo(_field(x, "name", w), p, _field(x, "records", w), _field(x, "crcs", w), base, nf))
     return ChunkTable(parts, processes, file_sizes, where)

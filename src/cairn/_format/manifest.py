@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CorruptCheckpointError
+from .._errors import corrupt
 from .binindex import ChunkTable, LazyChunks, LazyCrcs, cell_bytes, parse_parts
 from .names import TMP_MARK as TMP_MARK
 from .names import data_file_name as data_file_name
@@ -52,40 +52,37 @@ _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
 # --------------------------------------------------------------------------- helpers
 
 
-def _fail(where: object, msg: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{where}: {msg}")
-
 
 def _req(d: Any, key: str, typ: type | tuple[type, ...], where: object) -> Any:
     if not isinstance(d, dict):
-        raise _fail(where, f"expected a JSON object, found {type(d).__name__}")
+        raise corrupt(where, f"expected a JSON object, found {type(d).__name__}")
     if key not in d:
-        raise _fail(where, f"missing field {key!r}")
+        raise corrupt(where, f"missing field {key!r}")
     v = d[key]
     if (typ is int and isinstance(v, bool)) or not isinstance(v, typ):
-        raise _fail(where, f"field {key!r} has type {type(v).__name__}")
+        raise corrupt(where, f"field {key!r} has type {type(v).__name__}")
     return v
 
 
 def _number(v: Any, where: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise _fail(where, f"expected a finite number, found {v!r:.80}")
+        raise corrupt(where, f"expected a finite number, found {v!r:.80}")
     return float(v)
 
 
 def _int(v: Any, where: object, lo: int = 0, hi: int = MAX_FILE_BYTES) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise _fail(where, f"expected an integer in [{lo}, {hi}], found {v!r}")
+        raise corrupt(where, f"expected an integer in [{lo}, {hi}], found {v!r}")
     return v
 
 
 def parse_json(data: bytes, where: str) -> Any:
     if len(data) > MAX_METADATA_BYTES:
-        raise _fail(where, f"metadata file of {len(data)} bytes exceeds the limit")
+        raise corrupt(where, f"metadata file of {len(data)} bytes exceeds the limit")
     try:
         return json.loads(data)
     except (ValueError, UnicodeDecodeError) as e:
-        raise _fail(where, f"not valid JSON ({e})") from None
+        raise corrupt(where, f"not valid JSON ({e})") from None
 
 
 def dump_json(obj: Any) -> bytes:
@@ -117,10 +114,10 @@ def parse_checked_json(data: bytes, where: str) -> Any:
         or data[_CHECK_LEN - 2 : _CHECK_LEN] != b'",'
         or not re.fullmatch(rb"[0-9a-f]{8}", stored)
     ):
-        raise _fail(where, 'does not start with its checksum field {"crc32c":"<8 hex digits>",')
+        raise corrupt(where, 'does not start with its checksum field {"crc32c":"<8 hex digits>",')
     computed = crc32c(memoryview(data)[_CHECK_LEN:])
     if int(stored, 16) != computed:
-        raise _fail(where, f"checksum mismatch: stored {stored.decode()}, computed {computed:08x}")
+        raise corrupt(where, f"checksum mismatch: stored {stored.decode()}, computed {computed:08x}")
     return parse_json(data, where)
 
 
@@ -170,32 +167,32 @@ class Manifest:
     def from_json(cls, data: bytes, where: str) -> Manifest:
         d = parse_checked_json(data, where)
         if _req(d, "format", str, where) != "cairn":
-            raise _fail(where, "not a cairn manifest")
+            raise corrupt(where, "not a cairn manifest")
         version = _req(d, "version", int, where)
         if version not in READ_VERSIONS:
-            raise _fail(where, f"format version {version} is not supported (this cairn reads versions "
+            raise corrupt(where, f"format version {version} is not supported (this cairn reads versions "
                                f"{', '.join(map(str, READ_VERSIONS))})")
         items = {}
         for name, v in _req(d, "items", dict, where).items():
             w = f"{where}: item {name!r}"
             dirname = _req(v, "dir", str, w)
             if dirname != item_dirname(name) and not (name == "" and dirname == ROOT_ITEM_DIR):
-                raise _fail(w, f"folder {dirname!r} does not match the item name")
+                raise corrupt(w, f"folder {dirname!r} does not match the item name")
             kind = _req(v, "kind", str, w)
             if kind != "pytree":
-                raise _fail(w, f"unknown item kind {kind!r}")
+                raise corrupt(w, f"unknown item kind {kind!r}")
             index = _req(v, "index", str, w)
             if not _FILE_NAME.match(index):
-                raise _fail(w, f"bad index file name {index!r}")
+                raise corrupt(w, f"bad index file name {index!r}")
             items[name] = ItemInfo(
                 dirname, index, _int(_req(v, "nbytes", int, w), w), _int(_req(v, "num_leaves", int, w), w), kind
             )
         root = bool(d.get("root", False))
         if root and list(items) != [""]:
-            raise _fail(where, "a root checkpoint must hold exactly one item")
+            raise corrupt(where, "a root checkpoint must hold exactly one item")
         meta = d.get("metadata", {})
         if not isinstance(meta, dict):
-            raise _fail(where, "metadata must be an object")
+            raise corrupt(where, "metadata must be an object")
         return cls(
             items=items,
             root=root,
@@ -326,10 +323,10 @@ class ItemIndex:
     def from_json(cls, data: bytes, where: str) -> ItemIndex:
         d = parse_checked_json(data, where)
         if _req(d, "format", str, where) != "cairn-index":
-            raise _fail(where, "not a cairn item index")
+            raise corrupt(where, "not a cairn item index")
         version = _req(d, "version", int, where)
         if version not in READ_VERSIONS:
-            raise _fail(where, f"index version {version} is not supported (this cairn reads versions "
+            raise corrupt(where, f"index version {version} is not supported (this cairn reads versions "
                                f"{', '.join(map(str, READ_VERSIONS))})")
         block = _int(_req(d, "block_size", int, where), where, MIN_BLOCK, MAX_BLOCK)
         files = []
@@ -338,7 +335,7 @@ class ItemIndex:
             w = f"{where}: files[{i}]"
             name = _req(f, "name", str, w)
             if not _FILE_NAME.match(name) or name in names:
-                raise _fail(w, f"bad or repeated data file name {name!r}")
+                raise corrupt(w, f"bad or repeated data file name {name!r}")
             names.add(name)
             files.append(FileInfo(name, _int(_req(f, "size", int, w), w)))
         raw_leaves = _req(d, "leaves", list, where)
@@ -350,7 +347,7 @@ class ItemIndex:
         )
         paths = [leaf.path for leaf in leaves]
         if len(set(paths)) != len(paths):
-            raise _fail(where, "repeated leaf key paths")
+            raise corrupt(where, "repeated leaf key paths")
         structure = d.get("structure")
         check_structure(structure, len(leaves), where)
         return cls(structure=structure, leaves=leaves, files=tuple(files), block_size=block,
@@ -402,13 +399,13 @@ def _leaf_from_json(x: Any, files: list[FileInfo], block: int, at: At, version: 
         else:
             chunks_raw = _req(x, "chunks", list, where)
             if len(chunks_raw) != layout.n_chunks:
-                raise _fail(where, f"{len(chunks_raw)} chunks for a grid of {layout.n_chunks} cells")
+                raise corrupt(where, f"{len(chunks_raw)} chunks for a grid of {layout.n_chunks} cells")
             sizes = cell_sizes(grid, dtype.itemsize)
             chunks, crcs = parse_chunks(chunks_raw, sizes, [f.size for f in files], block, where)
         if kind in ("bytes", "object") and (len(shape) != 1 or dtype != np.uint8):
-            raise _fail(where, f"a {kind} leaf must be a 1-D uint8 array")
+            raise corrupt(where, f"a {kind} leaf must be a 1-D uint8 array")
         if kind == "object" and handler is None:
-            raise _fail(where, "an object leaf must name its handler")
+            raise corrupt(where, "an object leaf must name its handler")
         leaf = ArrayLeaf._parsed(path, dtype, shape, grid, chunks, crcs, kind,
                                  x["sharding"] if isinstance(x.get("sharding"), dict) else None, handler,
                                  x["writers"] if layout.writers is not None else None)
@@ -417,9 +414,9 @@ def _leaf_from_json(x: Any, files: list[FileInfo], block: int, at: At, version: 
         return leaf
     if kind in VALUE_KINDS:
         if "value" not in x:
-            raise _fail(where, "missing field 'value'")
+            raise corrupt(where, "missing field 'value'")
         return ValueLeaf(path, kind, decode_value(kind, x["value"], where))
-    raise _fail(where, f"unknown leaf kind {kind!r}")
+    raise corrupt(where, f"unknown leaf kind {kind!r}")
 
 
 @dataclass(frozen=True)
@@ -454,13 +451,13 @@ def _layout(x: dict[str, Any], files: list[FileInfo], block: int, where: At, ver
     dtype = dtype_from_name(x.get("dtype"), At(where.base, where.i, where.path, ": "))
     shape = _ints(_req(x, "shape", list, where), MAX_ARRAY_BYTES, where)
     if len(shape) > MAX_NDIM:
-        raise _fail(where, f"{len(shape)} dimensions exceed the limit of {MAX_NDIM}")
+        raise corrupt(where, f"{len(shape)} dimensions exceed the limit of {MAX_NDIM}")
     nbytes = math.prod(shape) * dtype.itemsize
     if nbytes > MAX_ARRAY_BYTES:
-        raise _fail(where, f"array of {nbytes} bytes exceeds the limit")
+        raise corrupt(where, f"array of {nbytes} bytes exceeds the limit")
     grid_raw = _req(x, "grid", list, where)
     if len(grid_raw) != len(shape):
-        raise _fail(where, "grid rank differs from the shape's")
+        raise corrupt(where, "grid rank differs from the shape's")
     if version < 2:
         grid = tuple(bounds(b, a, shape[a], where) for a, b in enumerate(grid_raw))
     else:
@@ -482,17 +479,17 @@ def _key_fields(x: dict[str, Any], leaf: ArrayLeaf, where: object) -> ArrayLeaf:
     """A prng_key leaf's `impl` and `impl_shape`, checked against its uint32 data."""
     impl, impl_shape = x.get("impl"), x.get("impl_shape")
     if not isinstance(impl, str) or not impl or len(impl) > 200:
-        raise _fail(where, "a prng_key leaf must name its key implementation in 'impl'")
+        raise corrupt(where, "a prng_key leaf must name its key implementation in 'impl'")
     if not isinstance(impl_shape, list) or any(type(n) is not int or n < 1 for n in impl_shape):
-        raise _fail(where, "a prng_key leaf needs 'impl_shape', a list of positive integers")
+        raise corrupt(where, "a prng_key leaf needs 'impl_shape', a list of positive integers")
     n = len(impl_shape)
     if leaf.dtype != np.dtype("uint32") or n > len(leaf.shape) or list(leaf.shape[len(leaf.shape) - n:]) != impl_shape:
-        raise _fail(where, f"a prng_key leaf must be uint32 data whose shape ends with impl_shape {impl_shape}")
+        raise corrupt(where, f"a prng_key leaf must be uint32 data whose shape ends with impl_shape {impl_shape}")
     return ArrayLeaf(**{**leaf.__dict__, "impl": impl, "impl_shape": tuple(impl_shape)})
 
 
 def _ints(v: list[Any], hi: int, where: object) -> tuple[int, ...]:
     for i in v:
         if type(i) is not int or not 0 <= i <= hi:
-            raise _fail(where, f"expected an integer in [0, {hi}], found {i!r}")
+            raise corrupt(where, f"expected an integer in [0, {hi}], found {i!r}")
     return tuple(v)

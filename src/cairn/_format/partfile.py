@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .._core.checksum import crc32c
-from .._errors import CorruptCheckpointError
+from .._errors import corrupt
 
 MAGIC = b"CAIRNIDX"
 PART_VERSION = 2
@@ -25,9 +25,6 @@ RECORD_BYTES = RECORD.itemsize  # 40
 def part_name(process: int, token: str) -> str:
     return f"index.p{process:05d}.{token}.idx"
 
-
-def _fail(where: object, msg: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{where}: {msg}")
 
 
 # --------------------------------------------------------------------------- parts
@@ -60,14 +57,14 @@ def encode_part(process: int, leaf: Sequence[int], cell: Sequence[int], file: Se
 def check_header(head: bytes, where: object) -> tuple[int, int, int]:
     """``(process, records, crcs)`` of a part's 64-byte header, checked."""
     if len(head) < HEADER_BYTES or head[:8] != MAGIC:
-        raise _fail(where, "not a cairn index part (bad magic)")
+        raise corrupt(where, "not a cairn index part (bad magic)")
     if int.from_bytes(head[60:64], "little") != crc32c(head[:60]):
-        raise _fail(where, "index part header checksum mismatch")
+        raise corrupt(where, "index part header checksum mismatch")
     version, rsize = np.frombuffer(head, dtype="<u4", count=2, offset=8)
     process, n, m, crcs_at = (int(v) for v in np.frombuffer(head, dtype="<u8", count=4, offset=16))
     if version != PART_VERSION or rsize != RECORD_BYTES or crcs_at != HEADER_BYTES + n * RECORD_BYTES \
             or head[48:60] != bytes(12):
-        raise _fail(where, f"index part header is not version {PART_VERSION} with {RECORD_BYTES}-byte records")
+        raise corrupt(where, f"index part header is not version {PART_VERSION} with {RECORD_BYTES}-byte records")
     return process, n, m
 
 
@@ -76,7 +73,7 @@ def decode_part(data: bytes, where: object) -> tuple[int, np.ndarray, np.ndarray
     process, n, m = check_header(data[:HEADER_BYTES], where)
     crcs_at = HEADER_BYTES + n * RECORD_BYTES
     if len(data) != crcs_at + 4 * m:
-        raise _fail(where, f"index part of {len(data)} bytes, its header says {crcs_at + 4 * m}")
+        raise corrupt(where, f"index part of {len(data)} bytes, its header says {crcs_at + 4 * m}")
     rec = np.frombuffer(data, dtype=RECORD, count=n, offset=HEADER_BYTES)
     col = np.frombuffer(data, dtype="<u4", count=m, offset=crcs_at)
     _check_records(rec, data[HEADER_BYTES:crcs_at], where)
@@ -87,7 +84,7 @@ def _check_records(rec: np.ndarray, raw: bytes, where: object) -> None:
     for i in range(len(rec)):
         s = i * RECORD_BYTES
         if crc32c(raw[s : s + RECORD_BYTES - 4]) != int(rec["rec_crc"][i]):
-            raise _fail(where, f"index record {i} checksum mismatch")
+            raise corrupt(where, f"index record {i} checksum mismatch")
 
 
 @dataclass(frozen=True)

@@ -11,11 +11,8 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CorruptCheckpointError
-
-
-def _fail(where: object, msg: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{where}: {msg}")
+from .._core.memo import Memo
+from .._errors import corrupt
 
 
 def writer_runs(writers: Sequence[int]) -> list[list[int]]:
@@ -48,7 +45,7 @@ def writer_runs(writers: Sequence[int]) -> list[list[int]]:
     return runs
 
 
-_expanded: dict[Any, np.ndarray] = {}
+_expanded: Memo[np.ndarray] = Memo()
 
 
 def expand_writers(runs: Any, n_cells: int, processes: int, where: object) -> np.ndarray:
@@ -64,34 +61,32 @@ def expand_writers(runs: Any, n_cells: int, processes: int, where: object) -> np
     if hit is not None:
         return hit
     w = _expand(runs, n_cells, processes, where)
-    if len(_expanded) > 4096:
-        _expanded.clear()
     w.flags.writeable = False
-    _expanded[key] = w
+    _expanded.put(key, w)
     return w
 
 
 def _expand(runs: Any, n_cells: int, processes: int, where: object) -> np.ndarray:
     if type(runs) is not list:
-        raise _fail(where, "'writers' must be a list of [groups, first, step, length] runs")
+        raise corrupt(where, "'writers' must be a list of [groups, first, step, length] runs")
     parts, total = [], 0
     for r in runs:
         if type(r) is not list or len(r) != 4 or any(type(v) is not int for v in r) or r[0] < 1 or r[3] < 1:
-            raise _fail(where, f"bad writer run {r!r:.80}")
+            raise corrupt(where, f"bad writer run {r!r:.80}")
         groups, first, step, length = r
         total += groups * length
         if total > n_cells:
             break
         parts.append(np.repeat(first + step * np.arange(groups, dtype=np.int64), length))
     if total != n_cells:
-        raise _fail(where, f"writer runs cover {total} cells of a grid of {n_cells}")
+        raise corrupt(where, f"writer runs cover {total} cells of a grid of {n_cells}")
     w = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
     if len(w) and (int(w.min()) < 0 or int(w.max()) >= processes):
-        raise _fail(where, f"a writer run names a process outside 0..{processes - 1}")
+        raise corrupt(where, f"a writer run names a process outside 0..{processes - 1}")
     return w
 
 
-_grid_runs: dict[tuple[int, ...], list[list[int]]] = {}
+_grid_runs: Memo[list[list[int]]] = Memo()
 
 
 def grid_runs(bounds: tuple[int, ...]) -> list[list[int]]:
@@ -106,24 +101,22 @@ def grid_runs(bounds: tuple[int, ...]) -> list[list[int]]:
             out[-1][0] += 1
         else:
             out.append([1, size])
-    if len(_grid_runs) > 4096:
-        _grid_runs.clear()
-    _grid_runs[bounds] = out
+    _grid_runs.put(bounds, out)
     return out
 
 
-_bounds_cache: dict[tuple[int, tuple[tuple[int, int], ...]], tuple[int, ...]] = {}
+_bounds_cache: Memo[tuple[int, ...]] = Memo()
 
 
 def bounds_from_runs(runs: Any, n: int, a: int, where: object) -> tuple[int, ...]:
     """Axis `a`'s boundaries from its runs, checked to tile 0..n (``[[1, 0]]`` for an empty axis)."""
     if type(runs) is not list or not runs:
-        raise _fail(where, f"grid axis {a} must be a non-empty list of [count, extent] runs")
+        raise corrupt(where, f"grid axis {a} must be a non-empty list of [count, extent] runs")
     key = []
     for r in runs:
         if type(r) is not list or len(r) != 2 or type(r[0]) is not int or type(r[1]) is not int or r[0] < 1 \
                 or r[1] < 0 or r[0] > (1 << 40):
-            raise _fail(where, f"grid axis {a}: bad run {r!r:.80}")
+            raise corrupt(where, f"grid axis {a}: bad run {r!r:.80}")
         key.append((r[0], r[1]))
     k = (n, tuple(key))
     hit = _bounds_cache.get(k)
@@ -131,10 +124,8 @@ def bounds_from_runs(runs: Any, n: int, a: int, where: object) -> tuple[int, ...
         return hit
     total = sum(c * s for c, s in key)
     if total != n or (n > 0 and any(s == 0 for _, s in key)) or (n == 0 and key != [(1, 0)]):
-        raise _fail(where, f"grid axis {a} runs {runs!r:.80} do not tile 0..{n} (an empty axis: [[1, 0]])")
+        raise corrupt(where, f"grid axis {a} runs {runs!r:.80} do not tile 0..{n} (an empty axis: [[1, 0]])")
     ext = np.repeat(np.array([s for _, s in key], dtype=np.int64), [c for c, _ in key])
     b = (0, *np.cumsum(ext).tolist())
-    if len(_bounds_cache) > 4096:
-        _bounds_cache.clear()
-    _bounds_cache[k] = b
+    _bounds_cache.put(k, b)
     return b

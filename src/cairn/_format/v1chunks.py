@@ -14,7 +14,8 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from .._errors import CorruptCheckpointError
+from .._core.memo import Memo
+from .._errors import corrupt
 
 MAX_OFFSET = 1 << 56
 MAX_CRC = 0xFFFFFFFF
@@ -36,7 +37,7 @@ class At:
 
 
 _sizes: dict[tuple[tuple[tuple[int, ...], ...], int], list[int]] = {}
-_checked: dict[tuple[int, tuple[int, ...]], tuple[int, ...]] = {}
+_checked: Memo[tuple[int, ...]] = Memo()
 
 
 def cell_sizes(grid: tuple[tuple[int, ...], ...], itemsize: int) -> list[int]:
@@ -56,20 +57,18 @@ def cell_sizes(grid: tuple[tuple[int, ...], ...], itemsize: int) -> list[int]:
 def bounds(b: Any, a: int, n: int, where: object) -> tuple[int, ...]:
     """Grid axis `a`'s boundaries, checked: integers from 0 to `n`, increasing ([0, 0] for an empty axis)."""
     if type(b) is not list or len(b) < 2:
-        raise _fail(where, f"grid axis {a} needs at least two boundaries")
+        raise corrupt(where, f"grid axis {a} needs at least two boundaries")
     if set(map(type, b)) == {int}:
         hit = _checked.get((n, tuple(b)))
         if hit is not None:  # exact ints, checked before: the same tuple serves every leaf (one object to keep)
             return hit
     for v in b:
         if type(v) is not int or not 0 <= v <= n:
-            raise _fail(where, f"expected an integer in [0, {n}], found {v!r}")
+            raise corrupt(where, f"expected an integer in [0, {n}], found {v!r}")
     t = tuple(b)
     if t != (0, 0) if n == 0 else t[0] or t[-1] != n or any(lo >= hi for lo, hi in itertools.pairwise(t)):
-        raise _fail(where, f"grid axis {a} boundaries {b} do not tile 0..{n} (an empty axis: [0, 0])")
-    if len(_checked) > 4096:
-        _checked.clear()
-    _checked[(n, t)] = t
+        raise corrupt(where, f"grid axis {a} boundaries {b} do not tile 0..{n} (an empty axis: [0, 0])")
+    _checked.put((n, t), t)
     return t
 
 
@@ -103,23 +102,20 @@ def _one_by_one(raw: list[Any], sizes: list[int], file_sizes: list[int], block: 
     last_file = max(len(file_sizes) - 1, 0)
     for i, c in enumerate(raw):
         if type(c) is not list or len(c) < 2:
-            raise _fail(where, f"chunk {i} must be [file, offset, crc...]")
+            raise corrupt(where, f"chunk {i} must be [file, offset, crc...]")
         fi, off = c[0], c[1]
         if type(fi) is not int or type(off) is not int or not 0 <= fi <= last_file or not 0 <= off <= MAX_OFFSET:
-            raise _fail(where, f"chunk {i}: file number and offset must be integers in range, found {c[:2]!r}")
+            raise corrupt(where, f"chunk {i}: file number and offset must be integers in range, found {c[:2]!r}")
         size = sizes[i]
         if size and (not file_sizes or off + size > file_sizes[fi]):
-            raise _fail(where, f"chunk {i} (bytes {off}..{off + size}) lies outside its data file")
+            raise corrupt(where, f"chunk {i} (bytes {off}..{off + size}) lies outside its data file")
         crc = tuple(c[2:])
         if len(crc) != -(-size // block):
-            raise _fail(where, f"chunk {i} has {len(crc)} checksums for {-(-size // block)} blocks")
+            raise corrupt(where, f"chunk {i} has {len(crc)} checksums for {-(-size // block)} blocks")
         for v in crc:
             if type(v) is not int or not 0 <= v <= MAX_CRC:
-                raise _fail(where, f"chunk {i} has a bad checksum {v!r}")
+                raise corrupt(where, f"chunk {i} has a bad checksum {v!r}")
         chunks.append((fi, off))
         crcs.append(crc)
     return tuple(chunks), tuple(crcs)
 
-
-def _fail(where: object, msg: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(f"{where}: {msg}")

@@ -75,8 +75,8 @@ class ChunkReader:
         self.item = name
         self._readers: dict[int, RandomReader] = {}
         self._lock = threading.Lock()
-        self._max_read = getattr(loc.storage, "preferred_read", DEFAULT_MAX_READ)
-        self._small, run_bytes = run_limits(getattr(loc.storage, "preferred_read", None))
+        self._max_read = loc.storage.preferred_read or DEFAULT_MAX_READ
+        self._small, run_bytes = run_limits(loc.storage.preferred_read)
         self._runs = Runs(self, run_bytes)  # small whole arrays, read together
         self._plans = PlanMemo()  # leaves of one layout share a read plan
 

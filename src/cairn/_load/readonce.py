@@ -170,10 +170,7 @@ def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, proce
         return direct  # a process-local target: no other process takes part in its collectives
     # Models repeat a few (grid, sharding) pairs over hundreds of layers: decide each once.
     key: Any = (leaf.grid, leaf.dtype.itemsize, target, block_size, verify, read_once, process_of)
-    try:
-        hit = _routes.get(key)
-    except TypeError:  # an unhashable sharding
-        hit, key = None, None
+    hit = _routes.get(key)  # (None for an unhashable sharding, which is then not remembered)
     if hit is not None:
         return hit
     target_layout = layout_of(target, leaf.shape)
@@ -185,14 +182,11 @@ def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, proce
     steps = tuple(target if s == target_layout else sharding_of(target, s) for s in plan.steps)
     read = target if plan.read == target_layout else sharding_of(target, plan.read)
     out = Route(read, steps, plan.cost)
-    if key is not None:
-        if len(_routes) > 4096:
-            _routes.clear()
-        _routes[key] = out
+    _routes.put(key, out)
     return out
 
 
-_routes: dict[Any, Route] = {}
+_routes: Memo[Route] = Memo()
 
 
 def read_bytes(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool, region: Any = None,

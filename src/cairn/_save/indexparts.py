@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .._core.memo import Memo
 from .._errors import CheckpointError
 from .._format import manifest as fmt
 from .._format.manifest import cell_box
@@ -24,8 +25,8 @@ from .._tree.pytree import display_path
 from .assign import SaveItem
 
 # Keyed by the id of a layout's writer tuple, which each entry holds (so that the id stays its own).
-_own_cells: dict[tuple[int, int], tuple[tuple[int, ...], np.ndarray]] = {}
-_runs: dict[int, tuple[tuple[int, ...], Any]] = {}
+_own_cells: Memo[tuple[tuple[int, ...], np.ndarray]] = Memo()
+_runs: Memo[tuple[tuple[int, ...], Any]] = Memo()
 
 
 def own_cells(writer: tuple[int, ...], me: int) -> np.ndarray:
@@ -33,9 +34,7 @@ def own_cells(writer: tuple[int, ...], me: int) -> np.ndarray:
     key = (id(writer), me)
     hit = _own_cells.get(key)
     if hit is None or hit[0] is not writer:
-        if len(_own_cells) > 4096:
-            _own_cells.clear()
-        hit = _own_cells[key] = (writer, np.flatnonzero(np.asarray(writer, dtype=np.int64) == me))
+        hit = _own_cells.put(key, (writer, np.flatnonzero(np.asarray(writer, dtype=np.int64) == me)))
     return hit[1]
 
 
@@ -93,9 +92,7 @@ def item_index(item: SaveItem, statuses: dict[int, dict[str, Any]], processes: i
         layout = item.layouts[i]
         runs = _runs.get(id(layout.writer))
         if runs is None or runs[0] is not layout.writer:
-            if len(_runs) > 4096:
-                _runs.clear()
-            runs = _runs[id(layout.writer)] = (layout.writer, writer_runs(layout.writer))
+            runs = _runs.put(id(layout.writer), (layout.writer, writer_runs(layout.writer)))
         sharding = None
         if src.is_jax:
             from .._tree.shardings import describe_sharding

@@ -71,8 +71,11 @@ class Storage(Protocol):
     #: Whole directories can be renamed atomically (POSIX); otherwise commit by
     #: a create-if-absent put of the manifest.
     atomic_rename: bool
-    #: OPTIONAL: the largest read a load should plan (adjacent chunks of a file merged up to it);
-    #: readers use 4 MiB where a storage does not say.
+    #: The largest read a load should plan (adjacent chunks of a file merged up to it), or None
+    #: for the reader's default (4 MiB). Object stores, which charge per request, ask for more.
+    preferred_read: int | None
+    #: Whether this storage's readers are `RandomReader.vectored` (one request for many buffers).
+    vectored_reads: ClassVar[bool]
     #: Requests retried after transient failures so far (object stores; 0 elsewhere).
     retries: int
 

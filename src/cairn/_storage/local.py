@@ -68,6 +68,8 @@ class LocalStorage:
 
     atomic_rename = True
     retries = 0
+    preferred_read: int | None = None
+    vectored_reads: ClassVar[bool] = _FileReader.vectored
 
     def __init__(self, url: str):
         scheme, path = split_url(url)

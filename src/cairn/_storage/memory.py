@@ -40,6 +40,8 @@ class MemoryStorage:
 
     atomic_rename = False
     retries = 0
+    preferred_read: int | None = None
+    vectored_reads: ClassVar[bool] = _MemReader.vectored
     _named: ClassVar[dict[str, dict[str, bytes]]] = {}
 
     def __init__(self, url: str = "memory://", objects: dict[str, bytes] | None = None, prefix: str = ""):

@@ -230,6 +230,7 @@ class ObjectStorage:
     """
 
     atomic_rename = False
+    vectored_reads: ClassVar[bool] = _ObjectReader.vectored
 
     def __init__(self, url: str, options: dict[str, Any] | None = None):
         try:
@@ -243,7 +244,7 @@ class ObjectStorage:
             raise ValueError(f"{url!r} is not an object-store URL (like s3://bucket/prefix)")
         self.url = url.rstrip("/")
         self.tuning, client, config = split_options(options)
-        self.preferred_read = self.tuning.plan_read_size  # what a load plans its reads up to
+        self.preferred_read: int | None = self.tuning.plan_read_size  # what a load plans its reads up to
         client_options: Any = client or None
         store_config: Any = config or None
         t = self.tuning

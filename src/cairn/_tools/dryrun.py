@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from .._core.units import human_bytes
 from .._errors import MismatchError
 from .._format import manifest as fmt
 from .._interop import sources as _sources
@@ -35,7 +36,6 @@ from .._load.reader import _MIN_RUN, DEFAULT_MAX_READ, whole_reads
 from .._load.readonce import ProcessOf, route
 from .._load.waves import Staged, cut_in_pieces, plan_waves
 from .._plan.chunking import Box, Read, full_box, is_c_contiguous, plan_reads
-from .._storage import MemoryStorage
 from .._storage.location import Location, resolve
 from .._tree.perprocess import LoadView
 from .._tree.shardings import WHOLE_PUT_BYTES, device_boxes
@@ -129,14 +129,6 @@ class LoadPlan:
         return "\n".join(lines)
 
 
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
 # ---------------------------------------------------------------------- the plan
 
 
@@ -189,8 +181,8 @@ def plan_load(
         verify_item = verify and (src is None or src.verify)
         items.append(_Item(name, index, item_target, wanted, SimpleNamespace(verify=verify_item), pp))
     process_of, devices = _process_map(items, processes)
-    max_read = getattr(loc.storage, "preferred_read", DEFAULT_MAX_READ)
-    vectored = not isinstance(loc.storage, MemoryStorage)  # its readers: the one kind without preadv
+    max_read = loc.storage.preferred_read or DEFAULT_MAX_READ
+    vectored = loc.storage.vectored_reads
     staged: list[Staged] = []
     for it in items:
         _fetch_records(it)

@@ -153,7 +153,7 @@ class PutBatch:
         self._hosts, self._shardings, self._outs, self._bytes = [], [], [], 0
 
 
-_order_cache: dict[Any, dict[Any, int]] = {}
+_order_cache: Memo[dict[Any, int]] = Memo()
 
 
 def shard_arrays(x: Any) -> tuple[list[Any], dict[Any, int]]:
@@ -169,22 +169,16 @@ def shard_arrays(x: Any) -> tuple[list[Any], dict[Any, int]]:
     """
     sharding = x.sharding
     arrays = getattr(x, "_arrays", None)
-    try:
-        order = _order_cache.get(sharding)
-    except TypeError:  # unhashable sharding
-        order, sharding = None, None
+    order = _order_cache.get(sharding)  # (None for an unhashable sharding: never remembered)
     if order is not None and isinstance(arrays, list) and len(arrays) == len(order):
         return arrays, order
     shards = x.addressable_shards
     order = {s.device: i for i, s in enumerate(shards)}
-    if sharding is not None:
-        if len(_order_cache) > 4096:
-            _order_cache.clear()
-        _order_cache[sharding] = order
+    _order_cache.put(sharding, order)
     return [s.data for s in shards], order
 
 
-_described: dict[Any, dict[str, Any]] = {}
+_described: Memo[dict[str, Any]] = Memo()
 
 
 def describe_sharding(sharding: Any) -> dict[str, Any]:
@@ -192,16 +186,8 @@ def describe_sharding(sharding: Any) -> dict[str, Any]:
 
     Memoised per sharding (a state repeats a few); callers must not modify it.
     """
-    try:
-        hit = _described.get(sharding)
-    except TypeError:  # unhashable sharding
-        return _describe(sharding)
-    if hit is None:
-        hit = _describe(sharding)
-        if len(_described) > 4096:
-            _described.clear()
-        _described[sharding] = hit
-    return hit
+    hit = _described.get(sharding)
+    return hit if hit is not None else _described.put(sharding, _describe(sharding))
 
 
 def _describe(sharding: Any) -> dict[str, Any]:
@@ -239,21 +225,14 @@ def host_view(a: Any) -> np.ndarray:
     return np.asarray(jax.device_put(a, jax.devices("cpu")[0]))
 
 
-_cpu: dict[Any, bool] = {}
+_cpu: Memo[bool] = Memo()
 
 
 def on_cpu(a: Any) -> bool:
     """Whether single-device array `a` lives in host memory (memoised per sharding: `a.device` costs ~1 µs)."""
     sharding = a.sharding
-    try:
-        hit = _cpu.get(sharding)
-    except TypeError:
-        return bool(a.device.platform == "cpu")
-    if hit is None:
-        hit = _cpu[sharding] = a.device.platform == "cpu"
-        if len(_cpu) > 4096:
-            _cpu.clear()
-    return hit
+    hit = _cpu.get(sharding)
+    return hit if hit is not None else _cpu.put(sharding, a.device.platform == "cpu")
 
 
 def device_copy(a: Any) -> Any:
