@@ -38,10 +38,11 @@ from cairn._format import manifest as fmt
 from cairn._format.binindex import cell_bytes, cells_in
 from cairn._load.reader import DEFAULT_MAX_READ
 from cairn._load.readonce import Layout, choose
-from cairn._plan.chunking import Box, assign_files, plan_reads
+from cairn._plan.chunking import Box, assign_files
 from cairn._plan.estimate import estimate_read_bytes
 from cairn._plan.grid import spec_boxes as grid_spec_boxes
 from cairn._plan.readmemo import PlanMemo
+from cairn._plan.reads import plan_reads
 from cairn._save.assign import SaveItem, layout_cache, layout_for
 from cairn._save.indexparts import build_part, item_index, own_cells
 from cairn._tree.pytree import flatten

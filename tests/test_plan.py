@@ -12,13 +12,8 @@ from hypothesis import strategies as st
 from cairn._core.checksum import crc32c
 from cairn._format import manifest as fmt
 from cairn._format.manifest import cell_box
-from cairn._plan.chunking import (
-    LayoutError,
-    assign_files,
-    chunk_layout,
-    overlapping_cells,
-    plan_reads,
-)
+from cairn._plan.chunking import LayoutError, assign_files, chunk_layout
+from cairn._plan.reads import overlapping_cells, plan_reads
 
 
 def grid_boxes(shape, parts):

@@ -26,7 +26,8 @@ import numpy as np
 
 from .._core.checksum import BlockChecks, crc32c
 from .._format.binindex import LazyChunks
-from .._plan.chunking import full_box, plan_reads
+from .._plan.chunking import full_box
+from .._plan.reads import plan_reads
 
 #: A whole array up to this size may share a read with its neighbours.
 SMALL_ARRAY = 1 << 20

@@ -32,17 +32,9 @@ from .._core.stats import LoadStats
 from .._dist.coord import activity
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import manifest as fmt
-from .._plan.chunking import (
-    Box,
-    Check,
-    Copy,
-    Read,
-    c_strides,
-    full_box,
-    is_c_contiguous,
-    plan_reads,
-)
+from .._plan.chunking import Box, c_strides, full_box
 from .._plan.readmemo import PlanMemo
+from .._plan.reads import Check, Copy, Read, is_c_contiguous, plan_reads
 from .._storage import PartReader, RandomReader
 from .._storage.location import Location
 from .._tree.pytree import display_path

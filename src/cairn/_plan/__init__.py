@@ -1,1 +1,1 @@
-"""Pure: the arithmetic of chunks and reads. Boxes and regular grids, who writes which chunk (`chunking`, `rowmerge`), which byte ranges a load reads (`chunking.plan_reads` and its memo), and estimates of what a load costs. No I/O, no JAX."""
+"""Pure: the arithmetic of chunks and reads. Boxes and who writes which chunk into which file (`chunking`, `rowmerge`), regular grids (`grid`), which byte ranges a load reads (`reads`, and `readmemo` sharing one plan among the leaves of a layout), and estimates of what a load costs (`estimate`). No I/O, no JAX."""

@@ -28,8 +28,9 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .chunking import Box, Check, Read, _ravel, plan_reads
+from .chunking import Box, _ravel
 from .grid import cell_ranges
+from .reads import Check, Read, plan_reads
 
 #: Distinct layouts kept per memo (a model has a few dozen; a bound keeps odd trees cheap).
 MAX_TEMPLATES = 256

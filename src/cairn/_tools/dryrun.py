@@ -35,7 +35,8 @@ from .._load.metadata import read_index, read_manifest
 from .._load.reader import _MIN_RUN, DEFAULT_MAX_READ, whole_reads
 from .._load.readonce import ProcessOf, route
 from .._load.waves import Staged, cut_in_pieces, plan_waves
-from .._plan.chunking import Box, Read, full_box, is_c_contiguous, plan_reads
+from .._plan.chunking import Box, full_box
+from .._plan.reads import Read, is_c_contiguous, plan_reads
 from .._storage.location import Location, resolve
 from .._tree.perprocess import LoadView
 from .._tree.shardings import WHOLE_PUT_BYTES, device_boxes
