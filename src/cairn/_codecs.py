@@ -59,6 +59,8 @@ PLANE_MAX_BITS = 7.5
 PLANE_PROBE = 4096
 #: A coded plane is stored raw after all when zstd saves less than this fraction.
 PLANE_MIN_SAVING = 0.02
+#: The largest raw block the format allows (FORMAT.md: block_size <= 2^30).
+MAX_BLOCK = 1 << 30
 #: The most planes a "planes" block can have (complex128's 16 bytes).
 MAX_PLANES = 16
 
@@ -228,10 +230,14 @@ def _frame_size(buf: memoryview, n: int, where: str, codec: str) -> int:
     return pos
 
 
-def _unzstd(stored: memoryview, into: Any, n: int, where: str, codec: str) -> None:
-    """Decompress the zstd frame `stored` (exactly one frame, content size n) into `into` (n bytes)."""
+def _check_frame(stored: memoryview, n: int, where: str, codec: str) -> None:
+    """`stored` is exactly one zstd frame declaring n content bytes (checked before allocating n)."""
     if _frame_size(stored, n, where, codec) != len(stored):
         raise _corrupt(where, codec, "has bytes after its zstd frame")
+
+
+def _unzstd(stored: memoryview, into: Any, n: int, where: str, codec: str) -> None:
+    """Decompress the zstd frame `stored` (checked by `_check_frame`) into `into` (n bytes)."""
     try:
         reader = _decompressor(n).stream_reader(stored, read_across_frames=False)
         got = reader.readinto(into) if n else 0
@@ -256,8 +262,9 @@ def decode(codec: str, stored: Any, dtype: Any, raw_size: int, out: Any = None, 
     except ValueError as e:
         raise _corrupt(where, codec, f"has {e}") from None
     k = dt.itemsize
-    if raw_size < 0 or raw_size % k:
-        raise _corrupt(where, codec, f"has a raw size {raw_size} that is not a whole number of {dt} elements")
+    if not 0 <= raw_size <= MAX_BLOCK or raw_size % k:
+        raise _corrupt(where, codec, f"has a raw size {raw_size} that is not a whole number of {dt} elements "
+                                     f"up to {MAX_BLOCK}")
     src = memoryview(stored).cast("B") if not isinstance(stored, np.ndarray) else memoryview(_as_u8(stored))
     if out is not None:
         dst = np.frombuffer(out, np.uint8) if not isinstance(out, np.ndarray) else out.reshape(-1).view(np.uint8)
@@ -272,19 +279,25 @@ def decode(codec: str, stored: Any, dtype: Any, raw_size: int, out: Any = None, 
         return out
     if codec not in ("zstd", "planes"):
         raise _corrupt(where, codec, f"names an unknown codec (known: {', '.join(CODECS)})")
+    # every header field is checked against raw_size and len(stored) before anything is allocated
+    if codec == "zstd":
+        _check_frame(src, raw_size, where, codec)
+    else:
+        layout = _planes_layout(src, raw_size, k, where)
     if out is None:
         dst = np.empty(raw_size, np.uint8)
         out = dst
     if codec == "zstd":
         _unzstd(src, dst, raw_size, where, codec)
     else:
-        _decode_planes(src, dst, k, where)
+        _decode_planes(src, dst, k, layout, where)
     return out
 
 
-def _decode_planes(src: memoryview, dst: np.ndarray, k: int, where: str) -> None:
+def _planes_layout(src: memoryview, raw_size: int, k: int, where: str) -> list[tuple[int, int, bool]]:
+    """(offset, length, coded) of each plane of a "planes" block, every field checked."""
     codec = "planes"
-    n = dst.nbytes // k
+    n = raw_size // k
     if len(src) < 3:
         raise _corrupt(where, codec, f"of {len(src)} bytes is shorter than its 3-byte header")
     got_k, mask = struct.unpack_from("<BH", src)
@@ -300,27 +313,38 @@ def _decode_planes(src: memoryview, dst: np.ndarray, k: int, where: str) -> None
     total = head + sum(lengths.values()) + n * (k - len(coded))
     if total != len(src):
         raise _corrupt(where, codec, f"has {len(src)} bytes where its header adds up to {total}")
+    layout = []
     pos = head
+    for p in range(k):
+        ln = lengths.get(p, n)
+        if p in lengths:
+            _check_frame(src[pos:pos + ln], n, where, codec)
+        layout.append((pos, ln, p in lengths))
+        pos += ln
+    return layout
+
+
+def _decode_planes(src: memoryview, dst: np.ndarray, k: int, layout: list[tuple[int, int, bool]],
+                   where: str) -> None:
+    n = dst.nbytes // k
     if k == 1:
+        pos, ln, coded = layout[0]
         if coded:
-            _unzstd(src[pos:], dst, n, where, codec)
+            _unzstd(src[pos:pos + ln], dst, n, where, "planes")
         else:
             dst[:] = np.frombuffer(src, np.uint8, n, pos)
         return
+    scratch = _scratch(n * sum(c for _, _, c in layout))
     planes: list[np.ndarray] = []
-    scratch = _scratch(n * len(coded))
     s = 0
-    for p in range(k):
-        if p in lengths:
-            ln = lengths[p]
+    for pos, ln, coded in layout:
+        if coded:
             plane = scratch[s:s + n]
-            _unzstd(src[pos:pos + ln], plane, n, where, codec)
+            _unzstd(src[pos:pos + ln], plane, n, where, "planes")
             s += n
         else:
-            ln = n
             plane = np.frombuffer(src, np.uint8, n, pos)
         planes.append(plane)
-        pos += ln
     _merge(planes, dst, k)
 
 
