@@ -1,0 +1,143 @@
+"""Codec ratios and single-thread speeds on realistic trained states: ``python -m benchmarks.codecs``.
+
+For each variant of `benchmarks.trained_state` and each leaf kind (params, mu,
+nu, count) this reports, per codec, the ratio raw / stored and the
+single-thread compress and decompress speed in GiB/s of raw bytes per second of
+this thread's CPU time (`time.thread_time`: wall time is meaningless on a
+shared, loaded machine; best of 3), coding the
+leaves block by block (1 MiB blocks, as cairn's checksum blocks) and decoding
+into a preallocated buffer. Then the whole state: cairn with the codec
+`choose` picks per leaf, plain zstd levels 1 and 3 of each leaf's bytes (about
+what Orbax's zarr zstd gives), and, where orbax-checkpoint imports, the bytes
+Orbax's `StandardCheckpointer` writes for the same state.
+
+Options: ``--size BYTES`` (default 256 MiB per variant), ``--variants a,b``,
+``--no-orbax``, ``--json PATH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from benchmarks.trained_state import VARIANTS, flatten, leaf_kind, make_state
+from cairn import _codecs
+
+BLOCK = 1 << 20
+GiB = float(1 << 30)
+
+
+def _blocks(a: np.ndarray) -> list[np.ndarray]:
+    raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    step = BLOCK - BLOCK % a.dtype.itemsize
+    return [raw[i:i + step] for i in range(0, raw.nbytes, step)] or [raw]
+
+
+def measure(leaves: list[np.ndarray], codec: str) -> dict[str, float]:
+    """Stored bytes and the best of 3 single-thread encode / decode times over all blocks of `leaves`."""
+    work = [(b, a.dtype) for a in leaves for b in _blocks(a)]
+    raw = sum(b.nbytes for b, _ in work)
+    enc_t = dec_t = float("inf")
+    for _ in range(3):
+        t = time.thread_time()
+        stored = [_codecs.encode(codec, b, dt) for b, dt in work]
+        enc_t = min(enc_t, time.thread_time() - t)
+        outs = [np.ones(b.nbytes, np.uint8) for b, _ in work]  # pages touched: decoding into target buffers
+        t = time.thread_time()
+        for s, (b, dt), o in zip(stored, work, outs):
+            _codecs.decode(codec, s, dt, b.nbytes, out=o)
+        dec_t = min(dec_t, time.thread_time() - t)
+    for (b, _), o in zip(work, outs):
+        assert np.array_equal(b, o)
+    size = sum(len(s) for s in stored)
+    return {"raw": raw, "stored": size, "ratio": raw / max(size, 1),
+            "compress_gib_s": raw / enc_t / GiB, "decompress_gib_s": raw / dec_t / GiB}
+
+
+def whole_state(flat: dict[str, np.ndarray]) -> dict[str, Any]:
+    raw = sum(a.nbytes for a in flat.values())
+    out: dict[str, Any] = {"raw": raw}
+    chosen: dict[str, int] = {}
+    stored = 0
+    t = time.perf_counter()
+    for a in flat.values():
+        c = _codecs.choose(a.dtype, _codecs.sample(a))
+        chosen[c] = chosen.get(c, 0) + 1
+        stored += sum(len(_codecs.encode(c, b, a.dtype)) for b in _blocks(a))
+    out["cairn_auto"] = stored
+    out["cairn_auto_s"] = time.perf_counter() - t
+    out["cairn_choices"] = chosen
+    for level in (1, 3):
+        z = zstandard.ZstdCompressor(level=level)
+        out[f"zstd{level}_per_leaf"] = sum(len(z.compress(np.ascontiguousarray(a).tobytes())) for a in flat.values())
+    return out
+
+
+def orbax_bytes(state: dict[str, Any]) -> int | None:
+    try:
+        import jax
+        import orbax.checkpoint as ocp
+    except ImportError:
+        return None
+    tree = jax.tree.map(lambda x: jax.numpy.asarray(x), state)
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "ckpt")
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(path, tree)
+            ckptr.wait_until_finished()
+        total = 0
+        for root, _, files in os.walk(path):
+            for f in files:
+                total += os.path.getsize(os.path.join(root, f))
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", type=int, default=256 << 20)
+    ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--no-orbax", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    report: dict[str, Any] = {"size": args.size, "variants": {}}
+    for variant in args.variants.split(","):
+        t = time.perf_counter()
+        state = make_state(args.size, variant)
+        flat = flatten(state)
+        print(f"\n== {variant}: {sum(a.nbytes for a in flat.values()) / 2**20:.1f} MiB raw, "
+              f"{len(flat)} leaves (made in {time.perf_counter() - t:.1f} s)")
+        kinds: dict[str, Any] = {}
+        print(f"{'kind':6} {'dtype':9} {'MiB':>7} {'codec':7} {'ratio':>6} {'comp GiB/s':>10} {'dec GiB/s':>9}")
+        for kind in ("params", "mu", "nu", "count"):
+            leaves = [a for k, a in flat.items() if leaf_kind(k) == kind]
+            kinds[kind] = {}
+            for codec in _codecs.CODECS:
+                m = measure(leaves, codec)
+                kinds[kind][codec] = m
+                print(f"{kind:6} {leaves[0].dtype!s:9} {m['raw'] / 2**20:7.1f} {codec:7} {m['ratio']:6.3f} "
+                      f"{m['compress_gib_s']:10.2f} {m['decompress_gib_s']:9.2f}")
+        w = whole_state(flat)
+        if not args.no_orbax:
+            w["orbax"] = orbax_bytes(state)
+        raw = w["raw"]
+        print(f"whole state: raw {raw / 2**20:.1f} MiB; cairn auto {w['cairn_auto'] / 2**20:.1f} MiB "
+              f"({raw / w['cairn_auto']:.3f}x, choices {w['cairn_choices']}); zstd-1 per leaf "
+              f"{w['zstd1_per_leaf'] / 2**20:.1f} MiB; zstd-3 per leaf {w['zstd3_per_leaf'] / 2**20:.1f} MiB")
+        if w.get("orbax"):
+            print(f"orbax StandardCheckpointer: {w['orbax'] / 2**20:.1f} MiB on disk; "
+                  f"cairn auto / orbax = {w['cairn_auto'] / w['orbax']:.3f}; raw / orbax = {raw / w['orbax']:.3f}")
+        report["variants"][variant] = {"kinds": kinds, "whole": w}
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,399 @@
+"""Per-block codecs: compress and decompress one checksum block on its own.
+
+Pure: no file or network I/O, no JAX. A block is at most one checksum block
+(cairn writes 1 MiB) of little-endian array bytes, always a whole number of
+elements; each is coded on its own so a range read of a chunk touches only the
+blocks it needs. The stored layouts are specified in docs/FORMAT.md (drafted
+in docs/codecs-draft.md); the codec library is `zstandard` (plain zstd frames,
+so any zstd implementation decodes them).
+
+Codecs, by their stable names (recorded per leaf in the manifest):
+
+- ``"none"``: the raw bytes.
+- ``"zstd"``: one zstd frame of the raw bytes (level 1).
+- ``"planes"``: byte planes. Byte p of every element goes to plane p (p = 0 is
+  the least significant byte); planes that compress (the exponent-carrying
+  ones of floats, the high bytes of small integers, zeros) are zstd frames,
+  near-random planes (mantissa bytes) are stored raw without spending CPU on
+  them. A 3-byte header plus one length per coded plane says which is which.
+
+`choose` picks a leaf's codec by measuring the candidates on a sample of the
+leaf (`sample` takes one). Everything heavy (zstd, numpy copies and integer
+ops on plain dtypes) releases the GIL, so writer and reader threads run in
+parallel. Compression contexts are per thread (zstandard's are not thread-safe).
+
+Decoding never trusts a stored size: the caller passes the raw size it expects
+(known from the index before decompressing), every header field is bounded by
+it and by the stored length, and anything else raises `CorruptCheckpointError`
+with `where` (the caller's checkpoint and key path) in the message. Memory
+allocated while decoding is bounded by the raw size (plus zstd's fixed
+working buffers), whatever a header says.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from ._errors import CorruptCheckpointError
+
+#: The codec names the format knows, in the order `choose` prefers them at equal size.
+CODECS = ("none", "planes", "zstd")
+
+#: `choose` keeps "none" unless a codec stores at most this fraction of the raw sample bytes.
+MIN_SAVING = 0.04
+#: Among codecs within this fraction of the smallest, `choose` takes the first of `CODECS`.
+NEAR = 0.01
+#: How many bytes of a leaf `sample` takes (in up to `SAMPLE_PIECES` pieces spread over it).
+SAMPLE_BYTES = 256 << 10
+SAMPLE_PIECES = 4
+
+#: A plane is coded when its sampled order-0 entropy is below this many bits per byte
+#: (about 6% under 8: a plane above it saves too little to pay for zstd's time).
+PLANE_MAX_BITS = 7.5
+#: A plane probe looks at this many bytes of the plane (evenly strided).
+PLANE_PROBE = 4096
+#: A coded plane is stored raw after all when zstd saves less than this fraction.
+PLANE_MIN_SAVING = 0.02
+#: The largest raw block the format allows (FORMAT.md: block_size <= 2^30).
+MAX_BLOCK = 1 << 30
+#: The most planes a "planes" block can have (complex128's 16 bytes).
+MAX_PLANES = 16
+
+ZSTD_LEVEL = 1  # the "zstd" codec
+_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame's first 4 bytes
+
+
+def _plane_params() -> zstandard.ZstdCompressionParameters:
+    # zstd's fast strategy with the smallest hash table and the longest minimum match:
+    # on exponent planes (2-3 bits of entropy a byte) level 1 spends its time finding short
+    # matches that Huffman coding of the literals does better without; measured on trained
+    # bf16/f32 states these settings compress 2-3x faster, decompress ~1.5x faster and store
+    # fewer bytes than level 1 (docs/codecs-draft.md).
+    return zstandard.ZstdCompressionParameters(
+        strategy=zstandard.STRATEGY_FAST, window_log=17, hash_log=6, chain_log=6, search_log=1,
+        min_match=7, target_length=0, write_content_size=True, write_checksum=False,
+        write_dict_id=False)
+
+
+_local = threading.local()
+
+
+def _compressor(kind: str) -> zstandard.ZstdCompressor:
+    c = getattr(_local, kind, None)
+    if c is None:
+        if kind == "planes":
+            c = zstandard.ZstdCompressor(compression_params=_plane_params())
+        else:
+            c = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_checksum=False, write_content_size=True,
+                                         write_dict_id=False)
+        setattr(_local, kind, c)
+    return c
+
+
+def _decompressor(window: int) -> zstandard.ZstdDecompressor:
+    log = max(10, (max(window, 1) - 1).bit_length())
+    cache = getattr(_local, "d", None)
+    if cache is None:
+        cache = _local.d = {}
+    d = cache.get(log)
+    if d is None:
+        d = cache[log] = zstandard.ZstdDecompressor(max_window_size=1 << log)
+    return d
+
+
+def _scratch(n: int) -> np.ndarray:
+    """A per-thread reusable byte buffer of at least n bytes (fresh pages cost more than zstd)."""
+    buf = getattr(_local, "scratch", None)
+    if buf is None or buf.nbytes < n:
+        buf = _local.scratch = np.empty(max(n, 1 << 16), np.uint8)
+    return buf[:n]
+
+
+def _as_u8(raw: Any) -> np.ndarray:
+    return np.frombuffer(raw, np.uint8) if not isinstance(raw, np.ndarray) else raw.reshape(-1).view(np.uint8)
+
+
+def _check_dtype(dtype: Any) -> np.dtype:
+    dt = np.dtype(dtype)
+    if dt.hasobject or dt.fields is not None or dt.itemsize == 0 or dt.itemsize > MAX_PLANES:
+        raise ValueError(f"no codec for dtype {dt}")
+    return dt
+
+
+# --------------------------------------------------------------------------------- encode
+
+
+def encode(codec: str, raw: Any, dtype: Any) -> bytes:
+    """The stored bytes of one block `raw` (little-endian bytes of whole elements of `dtype`)."""
+    dt = _check_dtype(dtype)
+    u8 = _as_u8(raw)
+    if u8.nbytes % dt.itemsize:
+        raise ValueError(f"a block of {u8.nbytes} bytes is not a whole number of {dt} elements")
+    if codec == "none":
+        return u8.tobytes()
+    if codec == "zstd":
+        return _compressor("zstd").compress(u8)
+    if codec == "planes":
+        return _encode_planes(u8, dt.itemsize)
+    raise ValueError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
+
+
+def _split(u8: np.ndarray, k: int) -> np.ndarray:
+    """The planes of `u8`: a (k, n) uint8 array, row p the bytes p of every element."""
+    n = u8.nbytes // k
+    if k == 1:
+        return u8.reshape(1, n)
+    if k == 2:  # integer shifts vectorise; a strided transpose copy runs ~3x slower here
+        w = u8.view("<u2")
+        out = np.empty((2, n), np.uint8)
+        np.copyto(out[0], w, casting="unsafe")
+        np.copyto(out[1], w >> 8, casting="unsafe")
+        return out
+    return np.ascontiguousarray(u8.reshape(n, k).T)
+
+
+def _plane_worth_coding(plane: np.ndarray) -> bool:
+    n = plane.nbytes
+    probe = plane[:: max(1, n // PLANE_PROBE)] if n > PLANE_PROBE else plane
+    counts = np.bincount(probe, minlength=256)
+    p = counts[counts > 0] / probe.size
+    return float(-(p * np.log2(p)).sum()) < PLANE_MAX_BITS
+
+
+def _encode_planes(u8: np.ndarray, k: int) -> bytes:
+    n = u8.nbytes // k
+    planes = _split(u8, k)
+    mask = 0
+    lengths: list[int] = []
+    parts: list[Any] = []
+    c = _compressor("planes")
+    for p in range(k):
+        plane = planes[p]
+        if n and _plane_worth_coding(plane):
+            z = c.compress(plane)
+            if len(z) <= n * (1 - PLANE_MIN_SAVING):
+                mask |= 1 << p
+                lengths.append(len(z))
+                parts.append(z)
+                continue
+        parts.append(plane)
+    header = struct.pack(f"<BH{len(lengths)}I", k, mask, *lengths)
+    return b"".join([header, *parts])
+
+
+# --------------------------------------------------------------------------------- decode
+
+
+def _corrupt(where: str, codec: str, what: str) -> CorruptCheckpointError:
+    at = f"{where}: " if where else ""
+    return CorruptCheckpointError(f"{at}a {codec!r} block {what}")
+
+
+def _frame_size(buf: memoryview, n: int, where: str, codec: str) -> int:
+    """The length of the zstd frame at the start of `buf`, checking it declares n content bytes."""
+    if len(buf) < 6 or bytes(buf[:4]) != _MAGIC:
+        raise _corrupt(where, codec, "does not start with a zstd frame")
+    fhd = buf[4]
+    fcs_flag, single, did_flag = fhd >> 6, (fhd >> 5) & 1, fhd & 3
+    if fhd & 0x08:
+        raise _corrupt(where, codec, "has a zstd frame header with the reserved bit set")
+    if did_flag:
+        raise _corrupt(where, codec, "names a zstd dictionary (cairn uses none)")
+    fcs_size = (1 if single else 0, 2, 4, 8)[fcs_flag]
+    if fcs_size == 0:
+        raise _corrupt(where, codec, "has a zstd frame without its content size")
+    pos = 5 + (0 if single else 1)
+    if len(buf) < pos + fcs_size + 3:
+        raise _corrupt(where, codec, "is truncated inside a zstd frame header")
+    fcs = int.from_bytes(buf[pos:pos + fcs_size], "little") + (256 if fcs_size == 2 else 0)
+    if fcs != n:
+        raise _corrupt(where, codec, f"declares {fcs} decompressed bytes where the index says {n}")
+    pos += fcs_size
+    while True:
+        if len(buf) < pos + 3:
+            raise _corrupt(where, codec, "is truncated inside a zstd frame")
+        bh = int.from_bytes(buf[pos:pos + 3], "little")
+        btype, bsize = (bh >> 1) & 3, bh >> 3
+        if btype == 3:
+            raise _corrupt(where, codec, "has a zstd block of the reserved type")
+        pos += 3 + (1 if btype == 1 else bsize)
+        if bh & 1:
+            break
+    pos += 4 if fhd & 0x04 else 0
+    if pos > len(buf):
+        raise _corrupt(where, codec, "is truncated inside a zstd frame")
+    return pos
+
+
+def _check_frame(stored: memoryview, n: int, where: str, codec: str) -> None:
+    """`stored` is exactly one zstd frame declaring n content bytes (checked before allocating n)."""
+    if _frame_size(stored, n, where, codec) != len(stored):
+        raise _corrupt(where, codec, "has bytes after its zstd frame")
+
+
+def _unzstd(stored: memoryview, into: Any, n: int, where: str, codec: str) -> None:
+    """Decompress the zstd frame `stored` (checked by `_check_frame`) into `into` (n bytes)."""
+    try:
+        reader = _decompressor(n).stream_reader(stored, read_across_frames=False)
+        got = reader.readinto(into) if n else 0
+        more = reader.read(1)
+    except zstandard.ZstdError as e:
+        raise _corrupt(where, codec, f"does not decompress: {e}") from None
+    if got != n or more:
+        raise _corrupt(where, codec, f"decompresses to {'more than ' if more else ''}{got} bytes, not {n}")
+
+
+def decode(codec: str, stored: Any, dtype: Any, raw_size: int, out: Any = None, where: str = "") -> Any:
+    """The raw bytes of one block from its `stored` bytes.
+
+    `raw_size` is the block's raw byte count from the index. With `out` (a
+    writable buffer of exactly raw_size bytes) the bytes are decoded into it and
+    `out` is returned; without, a new buffer (bytes or a uint8 array) is. An unknown
+    codec, a malformed block, or one that does not decode to exactly raw_size
+    bytes raises `CorruptCheckpointError` naming `where`.
+    """
+    try:
+        dt = _check_dtype(dtype)
+    except ValueError as e:
+        raise _corrupt(where, codec, f"has {e}") from None
+    k = dt.itemsize
+    if not 0 <= raw_size <= MAX_BLOCK or raw_size % k:
+        raise _corrupt(where, codec, f"has a raw size {raw_size} that is not a whole number of {dt} elements "
+                                     f"up to {MAX_BLOCK}")
+    src = memoryview(stored).cast("B") if not isinstance(stored, np.ndarray) else memoryview(_as_u8(stored))
+    if out is not None:
+        dst = np.frombuffer(out, np.uint8) if not isinstance(out, np.ndarray) else out.reshape(-1).view(np.uint8)
+        if dst.nbytes != raw_size:
+            raise ValueError(f"out has {dst.nbytes} bytes, the block {raw_size}")
+    if codec == "none":
+        if len(src) != raw_size:
+            raise _corrupt(where, codec, f"has {len(src)} bytes where the index says {raw_size}")
+        if out is None:
+            return bytes(src)
+        dst[:] = np.frombuffer(src, np.uint8)
+        return out
+    if codec not in ("zstd", "planes"):
+        raise _corrupt(where, codec, f"names an unknown codec (known: {', '.join(CODECS)})")
+    # every header field is checked against raw_size and len(stored) before anything is allocated
+    if codec == "zstd":
+        _check_frame(src, raw_size, where, codec)
+    else:
+        layout = _planes_layout(src, raw_size, k, where)
+    if out is None:
+        dst = np.empty(raw_size, np.uint8)
+        out = dst
+    if codec == "zstd":
+        _unzstd(src, dst, raw_size, where, codec)
+    else:
+        _decode_planes(src, dst, k, layout, where)
+    return out
+
+
+def _planes_layout(src: memoryview, raw_size: int, k: int, where: str) -> list[tuple[int, int, bool]]:
+    """(offset, length, coded) of each plane of a "planes" block, every field checked."""
+    codec = "planes"
+    n = raw_size // k
+    if len(src) < 3:
+        raise _corrupt(where, codec, f"of {len(src)} bytes is shorter than its 3-byte header")
+    got_k, mask = struct.unpack_from("<BH", src)
+    if got_k != k:
+        raise _corrupt(where, codec, f"has {got_k} planes where its dtype has {k}-byte elements")
+    if mask >> k:
+        raise _corrupt(where, codec, f"marks plane(s) beyond its {k} as coded (mask {mask:#06x})")
+    coded = [p for p in range(k) if mask >> p & 1]
+    head = 3 + 4 * len(coded)
+    if len(src) < head:
+        raise _corrupt(where, codec, "is truncated inside its header")
+    lengths = dict(zip(coded, struct.unpack_from(f"<{len(coded)}I", src, 3)))
+    total = head + sum(lengths.values()) + n * (k - len(coded))
+    if total != len(src):
+        raise _corrupt(where, codec, f"has {len(src)} bytes where its header adds up to {total}")
+    layout = []
+    pos = head
+    for p in range(k):
+        ln = lengths.get(p, n)
+        if p in lengths:
+            _check_frame(src[pos:pos + ln], n, where, codec)
+        layout.append((pos, ln, p in lengths))
+        pos += ln
+    return layout
+
+
+def _decode_planes(src: memoryview, dst: np.ndarray, k: int, layout: list[tuple[int, int, bool]],
+                   where: str) -> None:
+    n = dst.nbytes // k
+    if k == 1:
+        pos, ln, coded = layout[0]
+        if coded:
+            _unzstd(src[pos:pos + ln], dst, n, where, "planes")
+        else:
+            dst[:] = np.frombuffer(src, np.uint8, n, pos)
+        return
+    scratch = _scratch(n * sum(c for _, _, c in layout))
+    planes: list[np.ndarray] = []
+    s = 0
+    for pos, ln, coded in layout:
+        if coded:
+            plane = scratch[s:s + n]
+            _unzstd(src[pos:pos + ln], plane, n, where, "planes")
+            s += n
+        else:
+            plane = np.frombuffer(src, np.uint8, n, pos)
+        planes.append(plane)
+    _merge(planes, dst, k)
+
+
+def _merge(planes: list[np.ndarray], dst: np.ndarray, k: int) -> None:
+    """Interleave planes (plane p = byte p of every element) into dst."""
+    if k in (2, 4, 8):  # integer shifts and ors vectorise; strided byte stores do not
+        w = dst.view(f"<u{k}")
+        np.copyto(w, planes[k - 1], casting="unsafe")
+        for p in range(k - 2, -1, -1):
+            w <<= 8
+            w |= planes[p]
+        return
+    grid = dst.reshape(-1, k)
+    for p in range(k):
+        grid[:, p] = planes[p]
+
+
+# --------------------------------------------------------------------------------- choose
+
+
+def sample(a: np.ndarray, nbytes: int = SAMPLE_BYTES, pieces: int = SAMPLE_PIECES) -> np.ndarray:
+    """Up to `nbytes` of `a`'s elements, in `pieces` contiguous runs spread evenly over it (flat)."""
+    flat = np.ascontiguousarray(a).reshape(-1)
+    per = max(1, nbytes // max(1, flat.itemsize) // pieces)
+    if flat.size <= per * pieces:
+        return flat
+    starts = np.linspace(0, flat.size - per, pieces).astype(np.int64)
+    return np.concatenate([flat[s:s + per] for s in starts])
+
+
+def choose(dtype: Any, sample: np.ndarray) -> str:
+    """The codec for a leaf of `dtype`, measured on `sample` (a few blocks' worth of its elements).
+
+    Rule: encode the sample with each codec ("planes" and "zstd"; the sample
+    cut into pieces of at most 1 MiB, each coded as a block) and take the
+    smallest stored size S. If S > (1 - MIN_SAVING) x the raw size (saving
+    under 4%), "none". Otherwise the first of `CODECS` ("planes" before
+    "zstd") whose size is within NEAR (1%) of S: planes is the faster of the
+    two at equal size, since it skips near-random planes. Never by the dtype alone.
+    """
+    dt = _check_dtype(dtype)
+    raw = np.ascontiguousarray(sample).reshape(-1).view(np.uint8)
+    raw = raw[: raw.nbytes - raw.nbytes % dt.itemsize]
+    if raw.nbytes == 0:
+        return "none"
+    step = (1 << 20) - (1 << 20) % dt.itemsize
+    sizes = {c: sum(len(encode(c, raw[i:i + step], dt)) for i in range(0, raw.nbytes, step))
+             for c in ("planes", "zstd")}
+    best = min(sizes.values())
+    if best > (1 - MIN_SAVING) * raw.nbytes:
+        return "none"
+    return next(c for c in CODECS if c in sizes and sizes[c] <= best * (1 + NEAR))

@@ -1,0 +1,242 @@
+"""The per-block codecs (cairn._codecs): round trips, `choose`, and hostile stored blocks."""
+
+from __future__ import annotations
+
+import struct
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from cairn import _codecs
+from cairn._errors import CorruptCheckpointError
+
+FLOAT8 = [getattr(ml_dtypes, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
+                                          "float8_e4m3b11fnuz", "float8_e4m3", "float8_e3m4", "float8_e8m0fnu")
+          if hasattr(ml_dtypes, n)]
+DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
+          np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.complex64, np.complex128, *FLOAT8]
+CODED = ("zstd", "planes")
+
+
+def _values(dtype, n: int, seed: int = 0) -> np.ndarray:
+    dt = np.dtype(dtype)
+    rng = np.random.default_rng(seed)
+    if dt == np.bool_:
+        return rng.random(n) < 0.1
+    if dt.kind in "iu":
+        return rng.integers(0, 100, n).astype(dt)
+    if dt.kind == "c":
+        return (rng.normal(0, 0.02, n) + 1j * rng.normal(0, 0.02, n)).astype(dt)
+    return rng.normal(0, 0.02, n).astype(np.float32).astype(dt)
+
+
+def _roundtrip(codec: str, raw: np.ndarray, dtype) -> None:
+    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    stored = _codecs.encode(codec, raw, dtype)
+    assert isinstance(stored, bytes)
+    got = _codecs.decode(codec, stored, dtype, raw.nbytes)
+    assert bytes(got) == raw.tobytes()
+    out = bytearray(raw.nbytes)
+    assert _codecs.decode(codec, stored, dtype, raw.nbytes, out=out) is out
+    assert bytes(out) == raw.tobytes()
+    arr = np.empty(raw.nbytes, np.uint8)
+    _codecs.decode(codec, memoryview(stored), dtype, raw.nbytes, out=arr)
+    assert arr.tobytes() == raw.tobytes()
+
+
+@pytest.mark.parametrize("codec", _codecs.CODECS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("n", [0, 1, 7, 1000, 65537])
+def test_roundtrip(codec, dtype, n):
+    _roundtrip(codec, _values(dtype, n), dtype)
+
+
+@pytest.mark.parametrize("codec", _codecs.CODECS)
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32, np.float64, np.int32])
+def test_roundtrip_special(codec, dtype):
+    # a full 1 MiB block of random bytes, of zeros, and of the special float values
+    dt = np.dtype(dtype)
+    n = (1 << 20) // dt.itemsize
+    _roundtrip(codec, np.random.default_rng(1).integers(0, 256, n * dt.itemsize, dtype=np.uint8), dtype)
+    _roundtrip(codec, np.zeros(n, dt), dtype)
+    if dt.kind == "f":
+        _roundtrip(codec, np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, 1e-40] * 100, np.float64).astype(dt), dtype)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.sampled_from(DTYPES), st.sampled_from(_codecs.CODECS), st.binary(max_size=4096),
+       st.integers(0, 3))
+def test_roundtrip_property(dtype, codec, data, repeat):
+    dt = np.dtype(dtype)
+    data = data * (1 + repeat * 50)  # some compressible, some not
+    raw = np.frombuffer(data[: len(data) - len(data) % dt.itemsize], np.uint8)
+    if dt == np.bool_:
+        raw = (raw & 1).astype(np.uint8)
+    _roundtrip(codec, raw, dtype)
+
+
+def test_planes_stores_random_planes_raw_and_codes_exponents():
+    x = np.random.default_rng(0).normal(0, 0.02, 1 << 18).astype(ml_dtypes.bfloat16)
+    stored = _codecs.encode("planes", x.view(np.uint8), x.dtype)
+    k, mask = struct.unpack_from("<BH", stored)
+    assert (k, mask) == (2, 0b10)  # the high (exponent) byte coded, the low byte raw
+    (length,) = struct.unpack_from("<I", stored, 3)
+    n = x.size
+    assert stored[7:7 + n] == x.view(np.uint8)[0::2].tobytes()  # plane 0 first, raw
+    assert len(stored) == 7 + n + length
+    assert len(stored) < 0.75 * x.nbytes
+
+
+def test_encode_rejects_bad_input():
+    with pytest.raises(ValueError, match="whole number"):
+        _codecs.encode("planes", b"\0" * 5, np.float32)
+    with pytest.raises(ValueError, match="unknown codec"):
+        _codecs.encode("lz4", b"\0" * 4, np.float32)
+    with pytest.raises(ValueError, match="no codec"):
+        _codecs.encode("zstd", b"", np.dtype(object))
+
+
+# ------------------------------------------------------------------------------------ choose
+
+
+def test_choose_none_on_random_bytes():
+    rnd = np.random.default_rng(0).integers(0, 256, 256 << 10, dtype=np.uint8)
+    for dt in (np.uint8, np.float32, ml_dtypes.bfloat16, np.int64, np.float64):
+        assert _codecs.choose(dt, rnd.view(dt)) == "none"
+    assert _codecs.choose(np.float32, np.zeros(0, np.float32)) == "none"
+
+
+def test_choose_compresses_trained_like_data():
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: benchmarks/
+    from benchmarks.trained_state import flatten, leaf_kind, make_state
+
+    state = flatten(make_state(8 << 20, "bf16-f32", steps=3))
+    for kind in ("params", "mu", "nu"):
+        leaf = max((a for k, a in state.items() if leaf_kind(k) == kind), key=lambda a: a.nbytes)
+        assert _codecs.choose(leaf.dtype, _codecs.sample(leaf)) == "planes", kind
+    assert _codecs.choose(np.float32, np.zeros(1 << 16, np.float32)) != "none"  # fresh Adam moments
+    mask = np.random.default_rng(0).random(1 << 16) < 0.05
+    assert _codecs.choose(np.bool_, mask) != "none"
+    ids = np.random.default_rng(0).integers(0, 32000, 1 << 15).astype(np.int32)
+    assert _codecs.choose(np.int32, ids) != "none"
+
+
+def test_sample_is_bounded_and_spread():
+    a = np.arange(1 << 20, dtype=np.float32)
+    s = _codecs.sample(a, nbytes=64 << 10, pieces=4)
+    assert s.nbytes <= 64 << 10 and s[0] == 0 and s[-1] == a[-1]
+    small = np.arange(10, dtype=np.float32)
+    assert np.array_equal(_codecs.sample(small), small)
+
+
+# ------------------------------------------------------------------------------- corruption
+
+
+def _stored(codec: str, dtype=np.float32, n: int = 4096) -> tuple[bytes, int]:
+    raw = _values(dtype, n).view(np.uint8)
+    return _codecs.encode(codec, raw, dtype), raw.nbytes
+
+
+def _decodes_or_raises(codec: str, stored: bytes, dtype, raw_size: int) -> None:
+    """A damaged block raises CorruptCheckpointError, or (where undetectable without the CRC) decodes to
+    raw_size bytes; never another exception, never another size."""
+    try:
+        got = _codecs.decode(codec, stored, dtype, raw_size, where="ckpt/params.w")
+    except CorruptCheckpointError as e:
+        assert "ckpt/params.w" in str(e)
+        return
+    assert len(bytes(got)) == raw_size
+
+
+@pytest.mark.parametrize("codec", CODED)
+def test_truncated_and_extended(codec):
+    stored, size = _stored(codec)
+    for cut in range(len(stored)):
+        if cut in (0, 1, 2, len(stored) - 1) or cut % 37 == 0:
+            with pytest.raises(CorruptCheckpointError, match="ckpt/x"):
+                _codecs.decode(codec, stored[:cut], np.float32, size, where="ckpt/x")
+    for extra in (b"\0", b"\x28\xb5\x2f\xfd", stored):
+        with pytest.raises(CorruptCheckpointError):
+            _codecs.decode(codec, stored + extra, np.float32, size)
+    with pytest.raises(CorruptCheckpointError):
+        _codecs.decode("none", b"\0" * 7, np.float32, 8)
+
+
+@pytest.mark.parametrize("codec", CODED)
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16, np.int64])
+def test_every_bit_flip(codec, dtype):
+    stored, size = _stored(codec, dtype, 2048)
+    for i in range(len(stored)):
+        for bit in (0, 3, 7):
+            bad = bytearray(stored)
+            bad[i] ^= 1 << bit
+            _decodes_or_raises(codec, bytes(bad), dtype, size)
+
+
+@pytest.mark.parametrize("codec", CODED)
+def test_wrong_sizes_and_dtypes(codec):
+    stored, size = _stored(codec)
+    for wrong in (0, size - 4, size + 4, size * 2, 1 << 40):
+        with pytest.raises(CorruptCheckpointError, match="ckpt"):
+            _codecs.decode(codec, stored, np.float32, wrong, where="ckpt")
+    with pytest.raises(CorruptCheckpointError):
+        _codecs.decode(codec, stored, np.float32, size - 1)  # not whole elements
+    if codec == "planes":
+        with pytest.raises(CorruptCheckpointError, match="planes"):
+            _codecs.decode(codec, stored, np.float64, size)
+    with pytest.raises(CorruptCheckpointError, match="unknown codec"):
+        _codecs.decode("brotli", stored, np.float32, size)
+
+
+def _zstd_frame_claiming(n: int) -> bytes:
+    # a valid-looking frame header declaring n content bytes (8-byte size field), one tiny RLE block
+    fhd = 0b11000000  # content size 8 bytes, not single segment, no checksum
+    window = bytes([(27 - 10) << 3])  # 128 MiB window
+    return b"\x28\xb5\x2f\xfd" + bytes([fhd]) + window + n.to_bytes(8, "little") + (1 | 1 << 1 | 16 << 3).to_bytes(3, "little") + b"\0"
+
+
+def test_hostile_headers_never_allocate_what_they_claim():
+    # A zstd frame that claims 2^40 bytes: rejected from the header against the index's size.
+    with pytest.raises(CorruptCheckpointError, match="declares"):
+        _codecs.decode("zstd", _zstd_frame_claiming(1 << 40), np.uint8, 16)
+    # Claims the right size, but a window (128 MiB) far larger than the block: refused by the window cap.
+    with pytest.raises(CorruptCheckpointError):
+        _codecs.decode("zstd", _zstd_frame_claiming(1 << 12), np.uint8, 1 << 12)
+    # A frame that decompresses to fewer bytes than it and the index say.
+    frame = _zstd_frame_claiming(32)
+    frame = frame[:-4] + (1 | 1 << 1 | 16 << 3).to_bytes(3, "little") + b"\0"
+    with pytest.raises(CorruptCheckpointError):
+        _codecs.decode("zstd", frame, np.uint8, 32)
+    # planes headers: lengths beyond the block, a mask beyond the planes, huge lengths.
+    stored, size = _stored("planes")
+    for header in (struct.pack("<BH", 4, 0xFFFF), struct.pack("<BHI", 4, 0b1000, 0xFFFFFFFF),
+                   struct.pack("<BHIIII", 4, 0b1111, 1, 1, 1, 1), struct.pack("<BH", 0, 0),
+                   struct.pack("<BH", 255, 0)):
+        with pytest.raises(CorruptCheckpointError):
+            _codecs.decode("planes", header + stored[7:], np.float32, size)
+    with pytest.raises(CorruptCheckpointError):
+        _codecs.decode("planes", b"", np.float32, 0)
+    assert bytes(_codecs.decode("planes", struct.pack("<BH", 4, 0), np.float32, 0)) == b""
+
+
+def test_out_must_fit():
+    stored, size = _stored("planes")
+    with pytest.raises(ValueError, match="out has"):
+        _codecs.decode("planes", stored, np.float32, size, out=bytearray(size + 1))
+
+
+def test_threads_share_no_compressor():
+    # zstandard's compressors are not thread-safe (a shared one crashes the process): each thread its own.
+    from concurrent.futures import ThreadPoolExecutor
+
+    blocks = [_values(np.float32, 1 << 16, seed).view(np.uint8) for seed in range(16)]
+    with ThreadPoolExecutor(4) as ex:
+        stored = list(ex.map(lambda b: _codecs.encode("planes", b, np.float32), blocks * 4))
+        back = list(ex.map(lambda s: bytes(_codecs.decode("planes", s, np.float32, 1 << 18)), stored))
+    assert back == [b.tobytes() for b in blocks * 4]
