@@ -28,7 +28,7 @@ import numpy as np
 import zstandard
 
 from benchmarks.trained_state import VARIANTS, flatten, leaf_kind, make_state
-from cairn import _codecs
+from cairn._format import codecs as _codecs
 
 BLOCK = 1 << 20
 GiB = float(1 << 30)

@@ -1,1 +1,1 @@
-"""Pure: the on-disk format (docs/FORMAT.md). The manifest model and its JSON codec, file names, inline values and dtype names, the version-1 chunk tables and the version-2 binary index. No I/O, no JAX."""
+"""Pure: the on-disk format (docs/FORMAT.md). The manifest model and its JSON codec, file names, inline values and dtype names, the version-1 chunk tables, the version-2 binary index, and the per-block codecs (`codecs`: none, zstd, byte planes; not yet written by a save). No I/O, no JAX."""

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from ._errors import CorruptCheckpointError
+from .._errors import CorruptCheckpointError
 
 #: The codec names the format knows, in the order `choose` prefers them at equal size.
 CODECS = ("none", "planes", "zstd")
