@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cairn._format import manifest as fmt
-from cairn._load.readonce import DIRECT_MAX, Layout, choose, refined_layout, staging_layout
 from cairn._plan.estimate import estimate_read_bytes
 from cairn._plan.reads import plan_reads
+from cairn._plan.routes import DIRECT_MAX, Layout, choose, refined_layout, staging_layout
 
 MESH = ("x", "y"), (2, 4)
 

@@ -119,6 +119,7 @@ def load(
     framework: str = "numpy",
     read_once: bool | None = None,
     budget_bytes: int = 1 << 30,
+    bandwidths: dict[str, float] | None = None,
     coordinator: Coordinator | None = None,
     timeout: float = 1800.0,
     format: str | None = None,
@@ -158,15 +159,23 @@ def load(
 
         sd = cairn.load("/ckpt/step_100", framework="torch")["params"]
 
-    Across processes, each byte leaves storage once: an array whose direct
-    reads would cost more than 1.2x its bytes summed over processes (a target
-    replicated over processes, or cut across the saved chunks) is read in
-    distinct blocks, one per device, and moved to its target sharding by
-    XLA's collectives. ``read_once=False`` always reads each process's own
-    shards; ``True`` uses the collectives wherever that reads fewer bytes
-    (then every process must call `load` with the same target, as for any
-    multi-process array). `budget_bytes` bounds the host buffers in flight
-    per process; `timeout` bounds each wait for the other processes.
+    Across processes, each array takes the faster of two routes: every
+    process reads its own shards (direct), or each byte leaves storage once,
+    in distinct blocks, one per device, and XLA's collectives move them to
+    the target sharding (read-once: worth it for a target replicated over
+    processes, or cut across the saved chunks, when storage is slower than
+    the interconnect). Each route's time is its storage bytes and requests
+    at the storage's bandwidth plus the bytes moved between processes at the
+    interconnect's; `bandwidths` declares them per process, e.g.
+    ``{"storage_gbps": 2.0, "interconnect_gbps": 100.0, "request_ms": 1.0}``
+    (any subset); the rest default per storage kind (local disk, object
+    store) and JAX platform (CPU collectives over gloo are slow, GPU and TPU
+    fast). Every process must pass the same figures. ``read_once=False``
+    always reads each process's own shards; ``True`` uses the collectives
+    wherever that reads fewer bytes (then every process must call `load` with
+    the same target, as for any multi-process array). `stats` reports each
+    leaf's route. `budget_bytes` bounds the host buffers in flight per
+    process; `timeout` bounds each wait for the other processes.
 
     Checkpoints of other formats load the same way, onto any mesh, with the
     same errors and `partial`: Hugging Face safetensors (one file, or a
@@ -220,7 +229,7 @@ def load(
         source = _transforms.open_source(loc, target, format=format, **transforms)
     kw: dict[str, Any] = dict(partial=partial, verify=verify, threads=threads, read_once=read_once,
                               budget_bytes=budget_bytes, coordinator=coordinator, timeout=timeout,
-                              stats=stats, started=t0)
+                              stats=stats, started=t0, bandwidths=bandwidths)
     missing: CheckpointNotFoundError | None = None
     try:
         out = _load.load(loc, target, source=source, **kw)

@@ -31,7 +31,16 @@ from .._tree.shardings import WHOLE_PUT_BYTES, puts_whole
 from .metadata import read_index, read_manifest
 from .prefetch import prefetch
 from .reader import ArrayReads, ChunkReader, LoadStats
-from .readonce import Agreement, next_seq, route
+from .readonce import (
+    MAX_READ,
+    Agreement,
+    Bandwidths,
+    bandwidths_for,
+    next_seq,
+    platform_of,
+    resolve_bandwidths,
+    route,
+)
 from .waves import Gather, Staged, Unit, cut_in_pieces, plan_waves
 
 
@@ -176,14 +185,18 @@ def load(
     source: Any = None,
     started: float | None = None,
     publish: bool = True,
+    bandwidths: Any = None,
 ) -> Any:
     """Load the checkpoint at `loc` (see `cairn.load`); `source`: one opened already (`_sources`).
 
-    `stats` is reset, then filled in; `started` (a ``time.perf_counter()``
+    `bandwidths` (a mapping of GB/s figures, `_plan.routes.resolve_bandwidths`) prices the
+    read routes; the defaults follow the storage and the platform. `stats` is reset, then filled in; `started` (a ``time.perf_counter()``
     value, default now) is when the caller's request began. With `publish`
     the stats are logged, sent to `jax.monitoring` and the listeners (`_stats`).
     """
     t0 = time.perf_counter() if started is None else started
+    if bandwidths is not None:
+        resolve_bandwidths(bandwidths, "local", "cpu")  # a bad figure fails here, not at the first sharded leaf
     retries = loc.storage.retries
     manifest = source.manifest if source is not None else read_manifest(loc)
     release_snapshot_buffers()  # a cache for repeated async saves; the load needs the memory
@@ -225,7 +238,7 @@ def load(
             activity.begin(f"loading {loc.path}")
             stats.plan_s = time.perf_counter() - t0  # _read_leaves adds its own planning
             try:
-                _read_leaves(items, loc.path, budget_bytes, _Routing(read_once, coord, timeout))
+                _read_leaves(items, loc.path, budget_bytes, _Routing(read_once, coord, timeout, bandwidths, loc.storage))
             finally:
                 activity.end()
         finally:
@@ -309,11 +322,25 @@ class _InFlight:
     reads: ArrayReads
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Routing:
     read_once: bool | None
     coord: Coordinator
     timeout: float
+    declared: Any = None  # load(bandwidths=...)
+    storage: Any = None
+    _resolved: dict[str, Bandwidths] = field(default_factory=dict)
+
+    def bandwidths(self, sharding: Any) -> Bandwidths:
+        """The figures routes onto `sharding` are priced with (per platform: one load could mix them)."""
+        platform = platform_of(sharding)
+        if platform not in self._resolved:
+            self._resolved[platform] = bandwidths_for(self.declared, self.storage, sharding)
+        return self._resolved[platform]
+
+    @property
+    def max_read(self) -> int:
+        return self.storage.preferred_read or MAX_READ
 
 
 def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Routing) -> None:
@@ -335,7 +362,10 @@ def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Rout
                 leaf = it.index.leaves[i]
                 if want is None or want.sharding is None or not isinstance(leaf, fmt.ArrayLeaf):
                     continue
-                r = route(leaf, want.sharding, it.index.block_size, it.reader.verify, n, routing.read_once)
+                bw = routing.bandwidths(want.sharding) if routing.read_once is None and n > 1 else None
+                r = route(leaf, want.sharding, it.index.block_size, it.reader.verify, n, routing.read_once,
+                          bandwidths=bw, max_read=routing.max_read)
+                note_route(it.reader.stats, display_path(leaf.path, it.name), r, bw)
                 if not r.direct:
                     staged.append(cut_in_pieces(Staged(it, i, want, r), budget, n))
                     reads[i] = r.read
@@ -358,10 +388,23 @@ def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Rout
         raise
 
 
+def note_route(stats: LoadStats, path: str, r: Any, bandwidths: Bandwidths | None) -> None:
+    """Count the route of one array leaf in `stats`: its kind, and the interconnect bytes this
+    process is predicted to receive (the route's total over its processes, an equal share each)."""
+    stats.routes[r.kind] = stats.routes.get(r.kind, 0) + 1
+    stats.leaf_routes[path] = r.kind
+    if not r.direct:
+        stats.interconnect_bytes += -(-r.interconnect // max(r.processes, 1))
+    if bandwidths is not None and stats.bandwidths is None:
+        stats.bandwidths = bandwidths.as_dict()
+
+
 def _run_wave(k: int, wave: list[Unit], agreement: Agreement, gathers: dict[int, Gather]) -> None:
     import jax
 
     t_read = time.perf_counter()
+    stats = wave[0][0].item.reader.stats
+    before = stats.bytes_read
     regions = [s.region(j) for s, j in wave]
     reads = [s.item.reader.read_array(s.want.leaf, s.route.read, region) for (s, _), region in zip(wave, regions)]
     for r in reads:
@@ -380,7 +423,7 @@ def _run_wave(k: int, wave: list[Unit], agreement: Agreement, gathers: dict[int,
         for j, x in zip(moving, moved):
             xs[j] = x  # the previous step's array is released here
     jax.block_until_ready(xs)
-    stats = wave[0][0].item.reader.stats
+    stats.read_once_bytes_read += stats.bytes_read - before
     stats.read_s += t_assemble - t_read
     stats.transfer_s += t0 - t_assemble
     stats.reshard_s += time.perf_counter() - t0
