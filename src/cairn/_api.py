@@ -17,6 +17,7 @@ from ._errors import CheckpointNotFoundError
 from ._interop import sources as _sources
 from ._interop.sources import Rename
 from ._load import engine as _load
+from ._load.options import LoadOptions
 from ._save import engine as _save
 from ._save import future as _async
 from ._storage.location import resolve
@@ -222,24 +223,23 @@ def load(
     t0 = time.perf_counter()
     if framework not in ("numpy", "torch"):
         raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
+    opts = LoadOptions(partial=partial, verify=verify, threads=threads, read_once=read_once,
+                       budget_bytes=budget_bytes, bandwidths=bandwidths, coordinator=coordinator, timeout=timeout,
+                       format=format, rename=rename, drop=drop, fill_missing=fill_missing)
     loc = resolve(path, storage_options)
     source = None
-    transforms: dict[str, Any] = dict(rename=rename, drop=drop, fill_missing=fill_missing)
     if _transforms.wanted(rename, drop, fill_missing) or format not in (None, "cairn"):
-        source = _transforms.open_source(loc, target, format=format, **transforms)
-    kw: dict[str, Any] = dict(partial=partial, verify=verify, threads=threads, read_once=read_once,
-                              budget_bytes=budget_bytes, coordinator=coordinator, timeout=timeout,
-                              stats=stats, started=t0, bandwidths=bandwidths)
+        source = _transforms.open_source(loc, target, format=format, **opts.transforms)
     missing: CheckpointNotFoundError | None = None
     try:
-        out = _load.load(loc, target, source=source, **kw)
+        out = _load.load(loc, target, opts, source=source, stats=stats, started=t0)
     except CheckpointNotFoundError as e:
         if source is not None or format == "cairn":
             raise
         missing = e  # not a cairn checkpoint: perhaps one of another format
     if missing is not None:
-        source = _transforms.open_source(loc, target, missing=missing, **transforms)
-        out = _load.load(loc, target, source=source, **kw)
+        source = _transforms.open_source(loc, target, missing=missing, **opts.transforms)
+        out = _load.load(loc, target, opts, source=source, stats=stats, started=t0)
     _transforms.finish(source, loc.path, report)
     if framework == "torch":
         from ._interop.tensors import tree_to_torch

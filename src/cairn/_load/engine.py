@@ -29,6 +29,7 @@ from .._tree.perprocess import LoadView
 from .._tree.pytree import display_path, map_with_path, unflatten
 from .._tree.shardings import WHOLE_PUT_BYTES, puts_whole
 from .metadata import read_index, read_manifest
+from .options import LoadOptions, options_of
 from .prefetch import prefetch
 from .reader import ArrayReads, ChunkReader, LoadStats
 from .readonce import (
@@ -173,27 +174,23 @@ def _assemble(want: _Want, reads: ArrayReads, shape: tuple[int, ...] | None = No
 def load(
     loc: Location,
     target: Any = None,
+    options: LoadOptions | None = None,
     *,
-    partial: bool = False,
-    verify: bool = True,
-    threads: int = 8,
-    budget_bytes: int = 1 << 30,
     stats: LoadStats | None = None,
-    read_once: bool | None = None,
-    coordinator: Coordinator | None = None,
-    timeout: float = 1800.0,
     source: Any = None,
     started: float | None = None,
     publish: bool = True,
-    bandwidths: Any = None,
+    **changes: Any,
 ) -> Any:
-    """Load the checkpoint at `loc` (see `cairn.load`); `source`: one opened already (`_sources`).
+    """Load the checkpoint at `loc` (see `cairn.load`) with `options` and keyword `changes` to them
+    (`LoadOptions`' names); `source`: one opened already (`_interop.sources`).
 
-    `bandwidths` (a mapping of GB/s figures, `_plan.routes.resolve_bandwidths`) prices the
-    read routes; the defaults follow the storage and the platform. `stats` is reset, then filled in; `started` (a ``time.perf_counter()``
+    `stats` is reset, then filled in; `started` (a ``time.perf_counter()``
     value, default now) is when the caller's request began. With `publish`
-    the stats are logged, sent to `jax.monitoring` and the listeners (`_stats`).
+    the stats are logged, sent to `jax.monitoring` and the listeners (`_core.stats`).
     """
+    opts = options_of(options, changes)
+    partial, verify, threads, bandwidths = opts.partial, opts.verify, opts.threads, opts.bandwidths
     t0 = time.perf_counter() if started is None else started
     if bandwidths is not None:
         resolve_bandwidths(bandwidths, "local", "cpu")  # a bad figure fails here, not at the first sharded leaf
@@ -225,7 +222,7 @@ def load(
         indexes = [source.indexes[r[0]] for r in requests] if source is not None else list(
             pool.map(lambda r: read_index(loc, manifest.items[r[0]]), requests))
         items = []
-        coord = coordinator or default_coordinator()
+        coord = opts.coordinator or default_coordinator()
         try:
             for (name, item_target), index in zip(requests, indexes):
                 reader = (source.reader(name, index, verify, pool, stats) if source is not None
@@ -238,7 +235,8 @@ def load(
             activity.begin(f"loading {loc.path}")
             stats.plan_s = time.perf_counter() - t0  # _read_leaves adds its own planning
             try:
-                _read_leaves(items, loc.path, budget_bytes, _Routing(read_once, coord, timeout, bandwidths, loc.storage))
+                _read_leaves(items, loc.path, opts.budget_bytes,
+                             _Routing(opts.read_once, coord, opts.timeout, bandwidths, loc.storage))
             finally:
                 activity.end()
         finally:

@@ -32,6 +32,7 @@ from .._interop.sources import Rename
 from .._load import engine as _load
 from .._load.coalesce import _MAX_RUN_PARTS, run_limits, whole_span
 from .._load.metadata import read_index, read_manifest
+from .._load.options import LoadOptions
 from .._load.reader import _MIN_RUN, DEFAULT_MAX_READ, whole_reads
 from .._load.readonce import MAX_READ, ProcessOf, Route, bandwidths_for, route, storage_kind
 from .._load.waves import Staged, cut_in_pieces, plan_waves
@@ -234,13 +235,19 @@ def plan_load(
         print(plan)                 # per process: bytes, requests, peak host memory, time
         plan.processes[3].bytes_read
     """
+    # The same options, checked the same way, as the load this plan predicts.
+    opts = LoadOptions(partial=partial, verify=verify, threads=threads, read_once=read_once,
+                       budget_bytes=budget_bytes, bandwidths=bandwidths, format=format, rename=rename, drop=drop,
+                       fill_missing=fill_missing)
+    partial, verify, threads, read_once, budget_bytes = (opts.partial, opts.verify, opts.threads, opts.read_once,
+                                                         opts.budget_bytes)
     loc = resolve(path, storage_options)
-    found = format or _sources.detect(loc)
+    found = opts.format or _sources.detect(loc)
     if found is None:
         raise _sources.not_found(loc)
     src = None
     if found != "cairn" or _transforms.wanted(rename, drop, fill_missing):
-        src = _transforms.open_source(loc, target, format=found, rename=rename, drop=drop, fill_missing=fill_missing)
+        src = _transforms.open_source(loc, target, format=found, **opts.transforms)
     manifest = src.manifest if src is not None else read_manifest(loc)
     n = processes if processes is not None else _real_process_count()
     if n < 1:
