@@ -183,10 +183,10 @@ def _renamed(fn: Callable[[str], str | None], head: str, path: str, where: str) 
 
 def target_paths(target: Any) -> set[str]:
     """The key paths of a load target's leaves (as `_load` will match them)."""
-    from .._load.engine import _is_target_leaf
+    from .._load.engine import is_target_leaf
 
     out: set[str] = set()
-    map_with_path(lambda p, _x: out.add(p), target, is_leaf=_is_target_leaf)
+    map_with_path(lambda p, _x: out.add(p), target, is_leaf=is_target_leaf)
     return out
 
 

@@ -229,7 +229,7 @@ def load(
                           else ChunkReader(loc, name, manifest.items[name], index, verify, pool, stats))
                 pp = LoadView(index.structure, name, loc.path, coord.process_index, coord.process_count)
                 items.append(_ItemLoad(name, index, reader, item_target,
-                                       _match(loc, name, index, item_target, partial, pp), pp))
+                                       match_target(loc, name, index, item_target, partial, pp), pp))
             # One pipeline over the leaves of every requested checkpointable, so that
             # many small checkpointables keep the readers as busy as one large one.
             activity.begin(f"loading {loc.path}")
@@ -269,12 +269,13 @@ class _ItemLoad:
             return unflatten(self.index.structure, self.results, per_process=self.pp.pick)
         by_path = {leaf.path: i for i, leaf in enumerate(self.index.leaves)}
         return map_with_path(lambda path, t: self.pp.value(path, t, self.results) if path in self.pp.nodes
-                             else self.results[by_path[path]], self.target, is_leaf=_is_target_leaf)
+                             else self.results[by_path[path]], self.target, is_leaf=is_target_leaf)
 
 
-def _match(loc: Location, name: str, index: fmt.ItemIndex, target: Any, partial: bool,
-           pp: LoadView) -> dict[int, _Want | None]:
-    """Which stored leaves to load, and how: the target's leaves (all of them without a target)."""
+def match_target(loc: Location, name: str, index: fmt.ItemIndex, target: Any, partial: bool,
+                 pp: LoadView) -> dict[int, _Want | None]:
+    """Which stored leaves to load, and how: the target's leaves (all of them without a target). The one
+    matcher of a target against an index: the load, the dry run and the sources' target paths use it."""
     where = loc.path
     if target is None:
         return pp.all_leaves(len(index.leaves))  # other processes' per-process values left out
@@ -294,7 +295,7 @@ def _match(loc: Location, name: str, index: fmt.ItemIndex, target: Any, partial:
         wanted[i] = _want_for(t, leaf, where, name) if isinstance(leaf, fmt.ArrayLeaf) else None
         return t
 
-    map_with_path(note, target, is_leaf=_is_target_leaf)
+    map_with_path(note, target, is_leaf=is_target_leaf)
     missing = [leaf.path for i, leaf in enumerate(index.leaves) if i not in wanted and i not in pp.covered]
     if missing and not partial:
         shown = ", ".join(repr(display_path(p, name)) for p in missing[:5])
@@ -306,7 +307,7 @@ def _match(loc: Location, name: str, index: fmt.ItemIndex, target: Any, partial:
     return wanted
 
 
-def _is_target_leaf(x: Any) -> bool:
+def is_target_leaf(x: Any) -> bool:
     return _is_sharding(x) or type(x).__name__ == "ShapeDtypeStruct" or isinstance(x, ArrayMetadata)
 
 

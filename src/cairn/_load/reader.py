@@ -314,7 +314,7 @@ def _scratch(nbytes: int) -> np.ndarray:
     return buf[:nbytes]
 
 
-_MIN_RUN = 4096  # a destination row shorter than this is cheaper to fill by a copy
+MIN_RUN = 4096  # a destination row shorter than this is cheaper to fill by a copy
 _MAX_PARTS = 1 << 16
 
 
@@ -338,7 +338,7 @@ def _tiled_regions(read: Read, dests: list[np.ndarray]) -> list[memoryview] | No
         else:
             if region.ndim < 2 or region.strides[-1] != region.itemsize:
                 return None
-            if region.shape[-1] * region.itemsize < _MIN_RUN:
+            if region.shape[-1] * region.itemsize < MIN_RUN:
                 return None
             if len(out) + int(np.prod(region.shape[:-1])) > _MAX_PARTS:
                 return None

@@ -119,7 +119,7 @@ def chunk_layout(
                     f"the shards of this array do not form a regular grid (axis {a}: {lo}..{hi})"
                 )
             idx.append(i)
-        cell = _ravel(idx, grid_shape)
+        cell = ravel(idx, grid_shape)
         holders[cell].append(d)
     if split_elems > 0 and n_cells:
         split = _split_replicated(shape, bounds, holders, device_process, replica_offset, split_elems)
@@ -167,7 +167,7 @@ def _split_replicated(shape: Sequence[int], bounds: list[tuple[int, ...]], holde
     for cell in range(math.prod(new_shape)):
         idx = _unravel(cell, new_shape)
         old, k = parent_of[idx[axis]]
-        parent = _ravel([*idx[:axis], old, *idx[axis + 1 :]], grid_shape)
+        parent = ravel([*idx[:axis], old, *idx[axis + 1 :]], grid_shape)
         p = procs[parent][(k + offset) % len(procs[parent])]
         d = next(h for h in holders[parent] if device_process[h] == p)
         writer.append(int(p))
@@ -191,7 +191,7 @@ def _unravel(flat: int, grid_shape: Sequence[int]) -> list[int]:
     return idx[::-1]
 
 
-def _ravel(idx: Sequence[int], grid_shape: Sequence[int]) -> int:
+def ravel(idx: Sequence[int], grid_shape: Sequence[int]) -> int:
     flat = 0
     for i, n in zip(idx, grid_shape):
         flat = flat * n + i

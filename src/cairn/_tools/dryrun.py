@@ -30,10 +30,10 @@ from .._format import manifest as fmt
 from .._interop import sources as _sources
 from .._interop.sources import Rename
 from .._load import engine as _load
-from .._load.coalesce import _MAX_RUN_PARTS, run_limits, whole_span
+from .._load.coalesce import MAX_RUN_PARTS, run_limits, whole_span
 from .._load.metadata import read_index, read_manifest
 from .._load.options import LoadOptions
-from .._load.reader import _MIN_RUN, DEFAULT_MAX_READ, whole_reads
+from .._load.reader import DEFAULT_MAX_READ, MIN_RUN, whole_reads
 from .._load.readonce import MAX_READ, ProcessOf, Route, bandwidths_for, route, storage_kind
 from .._load.waves import Staged, cut_in_pieces, plan_waves
 from .._plan.chunking import Box, full_box
@@ -256,7 +256,7 @@ def plan_load(
     for name, item_target in _requests(loc, manifest, target):
         index = src.indexes[name] if src is not None else read_index(loc, manifest.items[name])
         pp = LoadView(index.structure, name, loc.path, 0, n)
-        wanted = _load._match(loc, name, index, item_target, partial, pp)
+        wanted = _load.match_target(loc, name, index, item_target, partial, pp)
         verify_item = verify and (src is None or src.verify)
         items.append(_Item(name, index, item_target, wanted, SimpleNamespace(verify=verify_item), pp))
     process_of, devices = _process_map(items, processes)
@@ -287,7 +287,7 @@ def plan_load(
     for p in range(n):
         sim = _Process(p, process_of, budget_bytes, threads, max_read, vectored,
                        run_limits(loc.storage.preferred_read))
-        sim.direct([(it, it.wanted if not it.pp.nodes else _load._match(
+        sim.direct([(it, it.wanted if not it.pp.nodes else _load.match_target(
             loc, it.name, it.index, it.target, partial, LoadView(it.index.structure, it.name, loc.path, p, n)))
             for it in items], skip)
         sim.waves(waves)
@@ -508,7 +508,7 @@ def _in_place(r: Read, shapes: list[tuple[int, ...]], vectored: bool) -> bool:
         if c.src_offset != pos or not is_c_contiguous(c.shape, c.src_strides):
             return False
         if not _contiguous(shapes[c.dest], c.dest_start, c.shape) and (
-                len(c.shape) < 2 or c.shape[-1] * c.itemsize < _MIN_RUN):
+                len(c.shape) < 2 or c.shape[-1] * c.itemsize < MIN_RUN):
             return False
         pos += c.nbytes
     return pos == r.nbytes
@@ -529,7 +529,7 @@ class _Runs:
         self.id = 0  # the pending run's number
 
     def add(self, file: int, start: int, nbytes: int) -> int:
-        if self.parts and (file != self.file or start != self.end or self.parts >= _MAX_RUN_PARTS
+        if self.parts and (file != self.file or start != self.end or self.parts >= MAX_RUN_PARTS
                            or self.bytes + nbytes > self.proc.run_bytes):
             self.submit()
         self.file, self.end = file, start + nbytes
