@@ -40,9 +40,9 @@ from .readonce import (
     next_seq,
     platform_of,
     resolve_bandwidths,
-    route,
 )
-from .waves import Gather, Staged, Unit, cut_in_pieces, plan_waves
+from .schedule import schedule
+from .waves import Gather, Unit
 
 
 @dataclass(frozen=True)
@@ -350,28 +350,24 @@ def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Rout
     need every process.
     """
     t0 = time.perf_counter()
-    staged: list[Staged] = []
     agreement: Agreement | None = None
     n = routing.coord.process_count
     try:
+        # Stats record the figures only where they decide the route (read_once=None).
+        plan = schedule(items, n, routing.read_once,
+                        lambda sharding: routing.bandwidths(sharding) if routing.read_once is None else None,
+                        routing.max_read, budget)
+        reads: dict[int, dict[int, Any]] = {id(it): {} for it in items}  # the sharding each leaf is read with
+        for r in plan.routed:
+            leaf = r.item.index.leaves[r.leaf]
+            note_route(r.item.reader.stats, display_path(leaf.path, r.item.name), r.route, r.bandwidths)
+            if not r.route.direct:
+                reads[id(r.item)][r.leaf] = r.route.read
+            elif not (leaf.nbytes <= WHOLE_PUT_BYTES and puts_whole(r.want.sharding)):
+                reads[id(r.item)][r.leaf] = r.want.sharding  # (absent: read whole)
         for it in items:
-            reads: dict[int, Any] = {}  # leaf -> the sharding this process reads it with (absent: whole)
-            for i in sorted(it.wanted):
-                want = it.wanted[i]
-                leaf = it.index.leaves[i]
-                if want is None or want.sharding is None or not isinstance(leaf, fmt.ArrayLeaf):
-                    continue
-                bw = routing.bandwidths(want.sharding) if routing.read_once is None and n > 1 else None
-                r = route(leaf, want.sharding, it.index.block_size, it.reader.verify, n, routing.read_once,
-                          bandwidths=bw, max_read=routing.max_read)
-                note_route(it.reader.stats, display_path(leaf.path, it.name), r, bw)
-                if not r.direct:
-                    staged.append(cut_in_pieces(Staged(it, i, want, r), budget, n))
-                    reads[i] = r.read
-                elif not (leaf.nbytes <= WHOLE_PUT_BYTES and puts_whole(want.sharding)):
-                    reads[i] = want.sharding
-            prefetch(it.index, it.wanted, reads)
-        waves = plan_waves(staged, budget, n)
+            prefetch(it.index, it.wanted, reads[id(it)])
+        staged, waves = plan.staged, plan.waves
         if waves:
             agreement = Agreement(routing.coord, next_seq(), len(waves), where, routing.timeout)
         for it in items[:1]:  # every item's reader shares the load's stats

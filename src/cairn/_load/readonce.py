@@ -61,6 +61,7 @@ from .._plan.routes import (
     received_elements,
     resolve_bandwidths,
 )
+from .reader import DEFAULT_MAX_READ
 
 log = logging.getLogger("cairn")
 
@@ -88,8 +89,8 @@ class Route:
         return not self.steps
 
 
-#: Planned read size when the storage names none (`_reader.DEFAULT_MAX_READ`).
-MAX_READ = 4 << 20
+#: Planned read size when the storage names none (the reader's).
+MAX_READ = DEFAULT_MAX_READ
 
 
 def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, process_count: int,

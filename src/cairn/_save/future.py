@@ -92,6 +92,8 @@ class SaveFuture:
 
     @property
     def stats(self) -> _save.SaveStats:
+        """The save's `cairn.SaveStats`, filled in as it goes: ``blocking_s`` once this future exists,
+        the write and commit figures once it is done (``f.result()`` returns the same object)."""
         if self._job is not None:
             return self._job.stats
         return self._future.result()

@@ -34,8 +34,8 @@ from .._load.coalesce import MAX_RUN_PARTS, run_limits, whole_span
 from .._load.metadata import read_index, read_manifest
 from .._load.options import LoadOptions
 from .._load.reader import DEFAULT_MAX_READ, MIN_RUN, whole_reads
-from .._load.readonce import MAX_READ, ProcessOf, Route, bandwidths_for, route, storage_kind
-from .._load.waves import Staged, cut_in_pieces, plan_waves
+from .._load.readonce import MAX_READ, ProcessOf, Route, bandwidths_for, storage_kind
+from .._load.schedule import schedule
 from .._plan.chunking import Box, full_box
 from .._plan.reads import Read, is_c_contiguous, plan_reads
 from .._plan.routes import Bandwidths, resolve_bandwidths
@@ -262,26 +262,19 @@ def plan_load(
     process_of, devices = _process_map(items, processes)
     max_read = loc.storage.preferred_read or DEFAULT_MAX_READ
     vectored = loc.storage.vectored_reads
-    staged: list[Staged] = []
-    leaf_routes: list[LeafRoute] = []
-    priced: Bandwidths | None = None
     for it in items:
         _fetch_records(it)
-        for i in sorted(it.wanted):
-            want, leaf = it.wanted[i], it.index.leaves[i]
-            if want is None or want.sharding is None or not isinstance(leaf, fmt.ArrayLeaf):
-                continue
-            bw = None
-            if read_once is not False and n > 1:
-                bw = (resolve_bandwidths(bandwidths, storage_kind(loc.storage), platform) if platform
-                      else bandwidths_for(bandwidths, loc.storage, want.sharding))
-                priced = priced or bw
-            r = route(leaf, want.sharding, it.index.block_size, it.reader.verify, n, read_once, process_of,
-                      bandwidths=bw if read_once is None else None, max_read=max_read or MAX_READ)
-            leaf_routes.append(_leaf_route(display_path(leaf.path, it.name), leaf.shape, r, bw))
-            if not r.direct:
-                staged.append(cut_in_pieces(Staged(it, i, want, r), budget_bytes, n, process_of))
-    waves = plan_waves(staged, budget_bytes, n)
+
+    def bandwidths_of(sharding: Any) -> Bandwidths:
+        return (resolve_bandwidths(bandwidths, storage_kind(loc.storage), platform) if platform
+                else bandwidths_for(bandwidths, loc.storage, sharding))
+
+    # The engine's own schedule (`_load.schedule`), for these processes.
+    plan = schedule(items, n, read_once, bandwidths_of, max_read or MAX_READ, budget_bytes, process_of)
+    leaf_routes = [_leaf_route(display_path(r.item.index.leaves[r.leaf].path, r.item.name),
+                               r.item.index.leaves[r.leaf].shape, r.route, r.bandwidths) for r in plan.routed]
+    priced = next((r.bandwidths for r in plan.routed if r.bandwidths is not None), None)
+    staged, waves = plan.staged, plan.waves
     skip = {(id(s.item), s.leaf) for s in staged}
     plans = []
     for p in range(n):
