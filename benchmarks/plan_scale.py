@@ -34,10 +34,11 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from cairn._core.boxes import Box
 from cairn._format import manifest as fmt
 from cairn._format.binindex import cell_bytes, cells_in
 from cairn._load.reader import DEFAULT_MAX_READ
-from cairn._plan.chunking import Box, assign_files
+from cairn._plan.chunking import assign_files
 from cairn._plan.estimate import estimate_reads
 from cairn._plan.grid import spec_boxes as grid_spec_boxes
 from cairn._plan.readmemo import PlanMemo

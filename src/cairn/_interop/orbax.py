@@ -194,7 +194,7 @@ class TensorStoreReader(ChunkReader):
         self.source = source
 
     def read_array(self, leaf: fmt.ArrayLeaf, sharding: Any = None, region: Any = None) -> ArrayReads:
-        from .._plan.chunking import full_box
+        from .._core.boxes import full_box
 
         placement = None
         shape = leaf.shape if region is None else tuple(hi - lo for lo, hi in region)

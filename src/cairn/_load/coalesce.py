@@ -24,9 +24,9 @@ from typing import Any
 
 import numpy as np
 
+from .._core.boxes import full_box
 from .._core.checksum import BlockChecks, crc32c
 from .._format.binindex import LazyChunks
-from .._plan.chunking import full_box
 from .._plan.reads import plan_reads
 
 #: A whole array up to this size may share a read with its neighbours.

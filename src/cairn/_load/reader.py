@@ -26,13 +26,13 @@ from typing import Any, cast
 
 import numpy as np
 
+from .._core.boxes import Box, c_strides, full_box
 from .._core.buffers import aligned_empty
 from .._core.checksum import BlockChecks
 from .._core.stats import LoadStats
 from .._dist.coord import activity
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import manifest as fmt
-from .._plan.chunking import Box, c_strides, full_box
 from .._plan.readmemo import PlanMemo
 from .._plan.reads import Check, Copy, Read, is_c_contiguous, plan_reads
 from .._storage import PartReader, RandomReader

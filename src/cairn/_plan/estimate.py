@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .chunking import Box, box_size
+from .._core.boxes import Box, box_size
 
 
 def estimate_read_bytes(grid: Sequence[Sequence[int]], itemsize: int, boxes: Sequence[Box],

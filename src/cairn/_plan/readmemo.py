@@ -28,7 +28,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .chunking import Box, ravel
+from .._core.boxes import Box, ravel
 from .grid import cell_ranges
 from .reads import Check, Read, plan_reads
 

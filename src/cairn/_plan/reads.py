@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from .._core.boxes import Box, box_size, c_strides, ravel
 from .._format.manifest import ArrayLeaf
-from .chunking import Box, box_size, c_strides, ravel
 from .grid import cell_ranges
 
 

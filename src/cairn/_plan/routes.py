@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .chunking import Box
+from .._core.boxes import Box
 
 #: A direct read costing at most this much more than the array's bytes is kept when
 #: routes are chosen by bytes (``read_once=True``, or no bandwidths).

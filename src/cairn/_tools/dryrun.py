@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
+from .._core.boxes import Box, full_box
 from .._core.units import human_bytes
 from .._errors import MismatchError
 from .._format import manifest as fmt
@@ -36,7 +37,6 @@ from .._load.options import LoadOptions
 from .._load.reader import DEFAULT_MAX_READ, MIN_RUN, whole_reads
 from .._load.readonce import MAX_READ, ProcessOf, Route, bandwidths_for, storage_kind
 from .._load.schedule import schedule
-from .._plan.chunking import Box, full_box
 from .._plan.reads import Read, is_c_contiguous, plan_reads
 from .._plan.routes import Bandwidths, resolve_bandwidths
 from .._storage.location import Location, resolve

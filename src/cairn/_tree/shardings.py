@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from .._core.boxes import Box
 from .._core.memo import Memo
-from .._plan.chunking import Box
 
 
 def slices_to_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
