@@ -128,3 +128,16 @@ def test_routes_are_priced_and_agreed_on_every_process(tmp_path):
     assert ro["interconnect_bytes"] > 0 and out[0]["cpu defaults"]["interconnect_bytes"] == 0
     # Direct everything: the replicated leaf is read by both processes, the columns reread whole chunks.
     assert sum(r["cpu defaults"]["bytes_read"] for r in out) > sum(r["object store"]["bytes_read"] for r in out)
+
+
+def test_processes_that_choose_different_routes_fail_named_instead_of_hanging(tmp_path):
+    # Process 0 prices an object store (both leaves read once); process 1 a storage as fast as its
+    # interconnect (the replicated leaf direct, the columns read once): the first status exchange
+    # finds the routes differ, and both fail before any collective.
+    same_speed = {"storage_gbps": 1.0, "interconnect_gbps": 1.0, "request_ms": 0.0}
+    out = run(2, "mismatched_routes", {"path": str(tmp_path / "ck"),
+                                       "per_process": [{"bandwidths": OBJECT_STORE}, {"bandwidths": same_speed}]},
+              devices_per_process=2)
+    for r in out:
+        assert r["error"] == "CheckpointError" and "different read routes" in r["message"], out
+        assert "same read_once= and bandwidths=" in r["message"], out

@@ -40,6 +40,7 @@ from .readonce import (
     platform_of,
     resolve_bandwidths,
     route,
+    routes_digest,
 )
 from .waves import Gather, Staged, Unit, cut_in_pieces, plan_waves
 
@@ -374,7 +375,8 @@ def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Rout
             prefetch(it.index, it.wanted, reads)
         waves = plan_waves(staged, budget, n)
         if waves:
-            agreement = Agreement(routing.coord, next_seq(), len(waves), where, routing.timeout)
+            digest = routes_digest([(s.item.name, s.leaf, s.route.kind, len(s.pieces)) for s in staged])
+            agreement = Agreement(routing.coord, next_seq(), len(waves), where, routing.timeout, digest)
         for it in items[:1]:  # every item's reader shares the load's stats
             it.reader.stats.plan_s += time.perf_counter() - t0
         _read_direct(items, where, budget, {(id(s.item), s.leaf) for s in staged})

@@ -4,7 +4,7 @@ When every process reads the bytes of its own target shards (the direct
 path), a target replicated over R processes reads each byte R times, and a
 target cut across the saved chunks (rows saved, columns wanted) reads whole
 chunks for a few strided columns each. Storage bandwidth is what a restore
-at scale waits for; the device interconnect is far faster. So for each array
+at scale often waits for, where the device interconnect is far faster. So for each array
 leaf every process computes, from the index and the target sharding alone
 (no communication), the same *route*:
 
@@ -27,11 +27,14 @@ requests at the storage's bandwidth, plus the bytes the collectives bring
 in from other processes at the interconnect's, with bandwidths declared
 (``load(bandwidths=...)``) or defaults per storage kind and JAX platform.
 The cheapest wins; ties go to fewer collectives. ``read_once=True`` takes
-the route reading the fewest storage bytes, ``False`` always the direct one. The transport is XLA's collectives on the devices, nothing of
-cairn's own. Before any collective, the processes exchange a status through
-the coordinator, so a process that failed to read (a corrupt chunk, a
-missing file) fails the load on every process, named, instead of leaving the
-others blocked in a collective.
+the route reading the fewest storage bytes, ``False`` always the direct one.
+
+The transport is XLA's collectives on the devices, nothing of cairn's own.
+Before any collective, the processes exchange a status through the
+coordinator, so a process that failed to read (a corrupt chunk, a missing
+file) fails the load on every process, named, instead of leaving the others
+blocked in a collective; the first exchange also compares a digest of every
+process's routes, so processes given different bandwidths fail alike.
 """
 
 from __future__ import annotations
@@ -49,7 +52,13 @@ import numpy as np
 
 from .._core.memo import Memo
 from .._dist.coord import Coordinator, drop_keys, gather_json
-from .._errors import CoordinationError, error_from_record, error_record, first_failure
+from .._errors import (
+    CheckpointError,
+    CoordinationError,
+    error_from_record,
+    error_record,
+    first_failure,
+)
 from .._format import manifest as fmt
 from .._plan.estimate import estimate_reads
 from .._plan.routes import (
@@ -346,6 +355,13 @@ def _process(device: Any, process_of: ProcessOf | None) -> int:
 
 # ---------------------------------------------------------------------- agreement before collectives
 
+
+def routes_digest(units: list[tuple[str, int, str, int]]) -> str:
+    """A digest of a load's read-once leaves: (checkpointable, leaf, route kind, pieces) each."""
+    import zlib
+
+    return f"{zlib.crc32(json.dumps(units).encode()):08x}/{len(units)}"
+
 _seq = itertools.count()
 _seq_lock = threading.Lock()
 
@@ -367,15 +383,21 @@ class Agreement:
     reach, so the others learn of it at their next exchange and raise too.
     """
 
-    def __init__(self, coord: Coordinator, seq: int, waves: int, path: str, timeout: float):
+    def __init__(self, coord: Coordinator, seq: int, waves: int, path: str, timeout: float, routes: str = ""):
         self.coord, self.seq, self.waves, self.path, self.timeout = coord, seq, waves, path, timeout
+        self.routes = routes  # a digest of this process's read-once routes and waves (`routes_digest`)
         self.base = f"cairn/load/{seq}"
         self.done = 0  # waves this process has published a status for
 
     def ok(self, wave: int) -> None:
-        """Publish success for `wave`, wait for every process's status, raise if any failed."""
+        """Publish success for `wave`, wait for every process's status, raise if any failed.
+
+        The first wave's status carries the digest of this process's routes: processes that chose
+        differently (different `bandwidths=` or `read_once=` on different processes) fail here,
+        named, instead of entering collectives that do not match."""
         coord, me, n = self.coord, self.coord.process_index, self.coord.process_count
-        coord.publish(f"{self.base}/{wave}/{me}", b'{"ok":true}')
+        body = json.dumps({"ok": True, "routes": self.routes}).encode() if wave == 0 else b'{"ok":true}'
+        coord.publish(f"{self.base}/{wave}/{me}", body)
         self.done = wave + 1
         try:
             statuses = gather_json(coord, f"{self.base}/{wave}", n, self.timeout)
@@ -386,6 +408,15 @@ class Agreement:
         failure = first_failure(statuses)
         if failure is not None:
             raise error_from_record(failure[0], f"loading {self.path} failed: {failure[1]}")
+        digests = {p: s.get("routes", "") for p, s in statuses.items()}
+        if wave == 0 and len(set(digests.values())) > 1:
+            groups: dict[str, list[int]] = {}
+            for p, d in sorted(digests.items()):
+                groups.setdefault(d, []).append(p)
+            shown = "; ".join(f"processes {ps}" for ps in groups.values())
+            raise CheckpointError(
+                f"loading {self.path}: the processes chose different read routes ({shown} agree among "
+                f"themselves); every process must pass the same read_once= and bandwidths= (process {me})")
 
     def fail(self, e: BaseException) -> None:
         """Tell the others this process will not take part in the remaining waves."""
