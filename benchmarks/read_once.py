@@ -60,7 +60,8 @@ def one(case: str, mb: int, read_once: bool | None, cold: bool, workdir: str,
     }
 
 
-ROUTE_OPTIONS = {"default": {}, "read_once=True": {"read_once": True}, "read_once=False": {"read_once": False}}
+ROUTE_OPTIONS = {"default": {}, "measured": {"bandwidths": {"interconnect_gbps": "measure"}},
+                 "read_once=True": {"read_once": True}, "read_once=False": {"read_once": False}}
 
 
 def compare_routes(reps: int, rows: int = 61440, cols: int = 4096) -> dict[str, Any]:
@@ -79,7 +80,7 @@ def compare_routes(reps: int, rows: int = 61440, cols: int = 4096) -> dict[str, 
         print(f"{name:16} load {min(times):.2f}-{max(times):.2f} s (median {statistics.median(times):.2f}); "
               f"process 0: route {last['routes']}, {last['bytes_read'] / 2**20:.0f} MiB read, read "
               f"{last['read_s']:.2f} s, reshard {last['reshard_s']:.2f} s, predicted interconnect "
-              f"{last['interconnect_bytes'] / 2**20:.0f} MiB", flush=True)
+              f"{last['interconnect_bytes'] / 2**20:.0f} MiB; priced with {last.get('bandwidths')}", flush=True)
     return res
 
 

@@ -336,7 +336,7 @@ class _Routing:
         """The figures routes onto `sharding` are priced with (per platform: one load could mix them)."""
         platform = platform_of(sharding)
         if platform not in self._resolved:
-            self._resolved[platform] = bandwidths_for(self.declared, self.storage, sharding)
+            self._resolved[platform] = bandwidths_for(self.declared, self.storage, sharding, self.coord, self.timeout)
         return self._resolved[platform]
 
     @property

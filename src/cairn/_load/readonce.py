@@ -241,11 +241,80 @@ def platform_of(sharding: Any) -> str:
         return str(jax.devices()[0].platform)
 
 
-def bandwidths_for(declared: Any, storage: Any, sharding: Any) -> Bandwidths:
+MEASURE = "measure"
+
+
+def bandwidths_for(declared: Any, storage: Any, sharding: Any, coord: Coordinator | None = None,
+                   timeout: float = 60.0) -> Bandwidths:
     """The bandwidths routes are priced with: `declared` (``load(bandwidths=...)``) over the defaults
     for `storage`'s kind and the platform of `sharding`'s devices. Every input is the same on every
-    process of a load (the same path, the same devices' platform, the same arguments)."""
+    process of a load (the same path, the same devices' platform, the same arguments).
+
+    ``{"interconnect_gbps": "measure"}`` measures the interconnect with `measure_interconnect`
+    over `sharding`'s mesh (with `coord`), once per mesh and cached; the primary's figure is used
+    by every process. A mesh within one process keeps the default.
+    """
+    if isinstance(declared, dict) and declared.get("interconnect_gbps") == MEASURE:
+        rest = {k: v for k, v in declared.items() if k != "interconnect_gbps"}
+        base = resolve_bandwidths(rest or None, storage_kind(storage), platform_of(sharding))
+        measured = measure_interconnect(sharding, coord, timeout) if coord is not None else None
+        if measured is None:
+            return base
+        return Bandwidths(base.storage_gbps, measured, base.request_ms,
+                          f"interconnect measured ({measured:.3g} GB/s); " + base.source)
     return resolve_bandwidths(declared, storage_kind(storage), platform_of(sharding))
+
+
+_measured: dict[Any, float] = {}
+_measure_seq = itertools.count()
+#: Bytes of the measuring array, all-gathered onto every device: about half a second on gloo
+#: between 2 processes of 4 devices, and bounded at any mesh size.
+MEASURE_BYTES = 16 << 20
+
+
+def measure_interconnect(sharding: Any, coord: Coordinator, timeout: float) -> float | None:
+    """Interconnect GB/s per process on `sharding`'s mesh, from one timed all-gather (after a
+    warm-up that compiles it), as the route model counts bytes (`moved_bytes`); the primary's
+    figure, published through `coord`, so that every process prices with the same one.
+
+    Every process must call it at the same point (the first priced leaf of a load): it runs a
+    collective. Cached per mesh; None for a mesh within one process. Bounded: about
+    `MEASURE_BYTES` gathered onto every device, twice.
+    """
+    import time
+
+    import jax
+
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not hasattr(mesh, "devices"):
+        return None
+    devices = list(mesh.devices.flat)
+    key = (tuple(d.id for d in devices), tuple(mesh.axis_names), tuple(mesh.devices.shape))
+    if key in _measured:
+        return _measured[key]
+    if len({d.process_index for d in devices}) < 2:
+        return None
+    axes = tuple(mesh.axis_names)
+    rows = len(devices) * max(1, MEASURE_BYTES // (4 * 1024) // len(devices))
+    shape = (rows, 1024)
+    src = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axes))
+    dst = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    x = jax.make_array_from_callback(shape, src, lambda idx: np.zeros(
+        tuple(len(range(*s.indices(n))) for s, n in zip(idx, shape)), np.float32))
+    jax.block_until_ready(jax.device_put(x, dst))  # compiles
+    t0 = time.perf_counter()
+    jax.block_until_ready(jax.device_put(x, dst))
+    secs = time.perf_counter() - t0
+    moved = moved_bytes(src, dst, shape, 4) / len({d.process_index for d in devices})
+    mine = moved / max(secs, 1e-6) / 1e9
+    seq = next(_measure_seq)
+    base = f"cairn/bandwidth/{seq}"
+    if coord.process_index == 0:
+        coord.publish(f"{base}/0", json.dumps({"gbps": mine}).encode())
+    agreed = float(json.loads(coord.fetch(f"{base}/0", timeout))["gbps"])
+    log.info("cairn: interconnect measured at %.3g GB/s per process (this process: %.3g)", agreed, mine)
+    _measured[key] = agreed
+    return agreed
 
 
 def _is_named(sharding: Any) -> bool:
