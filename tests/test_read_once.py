@@ -109,7 +109,8 @@ def test_routes_are_priced_and_agreed_on_every_process(tmp_path):
     # slower than a local disk); forced either way by read_once. Every process takes the same route
     # for every leaf, and read-once leaves read each byte once.
     options = {"object store": {"bandwidths": OBJECT_STORE}, "cpu defaults": {},
-               "forced on": {"read_once": True}, "forced off": {"read_once": False}}
+               "forced on": {"read_once": True}, "forced off": {"read_once": False},
+               "measured": {"bandwidths": {"interconnect_gbps": "measure"}}}
     out = run(2, "route_choices", {"path": str(tmp_path / "ck"), "options": options}, devices_per_process=2)
     nbytes = out[0]["nbytes"]
     for name in options:
@@ -126,5 +127,21 @@ def test_routes_are_priced_and_agreed_on_every_process(tmp_path):
     # Read-once leaves: 1.00x storage reads cluster-wide; the collectives' share is predicted.
     assert sum(r["object store"]["read_once_bytes_read"] for r in out) == 2 * nbytes, out
     assert ro["interconnect_bytes"] > 0 and out[0]["cpu defaults"]["interconnect_bytes"] == 0
+    # Measured: one figure (the primary's) on every process, whatever the routes it gives.
+    measured = out[0]["measured"]["bandwidths"]
+    assert measured["source"].startswith("interconnect measured") and measured["interconnect_gbps"] > 0, out
     # Direct everything: the replicated leaf is read by both processes, the columns reread whole chunks.
     assert sum(r["cpu defaults"]["bytes_read"] for r in out) > sum(r["object store"]["bytes_read"] for r in out)
+
+
+def test_processes_that_choose_different_routes_fail_named_instead_of_hanging(tmp_path):
+    # Process 0 prices an object store (both leaves read once); process 1 a storage as fast as its
+    # interconnect (the replicated leaf direct, the columns read once): the first status exchange
+    # finds the routes differ, and both fail before any collective.
+    same_speed = {"storage_gbps": 1.0, "interconnect_gbps": 1.0, "request_ms": 0.0}
+    out = run(2, "mismatched_routes", {"path": str(tmp_path / "ck"),
+                                       "per_process": [{"bandwidths": OBJECT_STORE}, {"bandwidths": same_speed}]},
+              devices_per_process=2)
+    for r in out:
+        assert r["error"] == "CheckpointError" and "different read routes" in r["message"], out
+        assert "same read_once= and bandwidths=" in r["message"], out

@@ -129,3 +129,14 @@ def test_load_rejects_bad_bandwidths(tmp_path):
     with pytest.raises(ValueError, match="unknown keys"):
         cairn.load(tmp_path / "ck", bandwidths={"disk": 1})
     assert cairn.load(tmp_path / "ck", bandwidths={"storage_gbps": 1})["a"].tolist() == [0, 1, 2, 3]
+
+
+def test_manager_restore_forwards_bandwidths(tmp_path):
+    import cairn
+
+    with cairn.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"a": np.arange(4)})
+        mgr.wait()
+        assert mgr.restore(bandwidths={"interconnect_gbps": 100})["a"].tolist() == [0, 1, 2, 3]
+        with pytest.raises(ValueError, match="unknown keys"):
+            mgr.restore(bandwidths={"network": 1})

@@ -171,7 +171,9 @@ def load(
     ``{"storage_gbps": 2.0, "interconnect_gbps": 100.0, "request_ms": 1.0}``
     (any subset); the rest default per storage kind (local disk, object
     store) and JAX platform (CPU collectives over gloo are slow, GPU and TPU
-    fast). Every process must pass the same figures. ``read_once=False``
+    fast); ``"interconnect_gbps": "measure"`` times one small all-gather on
+    the target's mesh at the first such load (cached; every process takes the
+    primary's figure). Every process must pass the same figures. ``read_once=False``
     always reads each process's own shards; ``True`` uses the collectives
     wherever that reads fewer bytes (then every process must call `load` with
     the same target, as for any multi-process array). `stats` reports each

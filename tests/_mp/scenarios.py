@@ -518,3 +518,22 @@ def route_choices(path: str, options: dict[str, dict]) -> dict:
                      "bytes_read": stats.bytes_read, "read_once_bytes_read": stats.read_once_bytes_read,
                      "interconnect_bytes": stats.interconnect_bytes, "read_once_leaves": stats.read_once_leaves}
     return out
+
+
+def mismatched_routes(path: str, per_process: list[dict]) -> dict:
+    """`route_choices`' arrays loaded with different keywords on each process (`per_process[i]`)."""
+    m = _mesh([2, 2])
+    shape = (512, 256)
+    full = expected("a", shape, "float32")
+    saved = NamedSharding(m, P(("x", "y")))
+    arr = jax.make_array_from_callback(shape, saved, lambda idx: full[idx])
+    cairn.save(path, {"replicated": arr, "columns": arr})
+    want = {"replicated": jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(m, P())),
+            "columns": jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(m, P(None, ("x", "y"))))}
+    from cairn._dist.coord import default_coordinator
+
+    try:
+        cairn.load(path, want, timeout=60, **per_process[default_coordinator().process_index])
+    except cairn.CheckpointError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None}

@@ -40,6 +40,7 @@ from .readonce import (
     next_seq,
     platform_of,
     resolve_bandwidths,
+    routes_digest,
 )
 from .schedule import schedule
 from .waves import Gather, Unit
@@ -334,7 +335,7 @@ class _Routing:
         """The figures routes onto `sharding` are priced with (per platform: one load could mix them)."""
         platform = platform_of(sharding)
         if platform not in self._resolved:
-            self._resolved[platform] = bandwidths_for(self.declared, self.storage, sharding)
+            self._resolved[platform] = bandwidths_for(self.declared, self.storage, sharding, self.coord, self.timeout)
         return self._resolved[platform]
 
     @property
@@ -369,7 +370,8 @@ def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Rout
             prefetch(it.index, it.wanted, reads[id(it)])
         staged, waves = plan.staged, plan.waves
         if waves:
-            agreement = Agreement(routing.coord, next_seq(), len(waves), where, routing.timeout)
+            digest = routes_digest([(s.item.name, s.leaf, s.route.kind, len(s.pieces)) for s in staged])
+            agreement = Agreement(routing.coord, next_seq(), len(waves), where, routing.timeout, digest)
         for it in items[:1]:  # every item's reader shares the load's stats
             it.reader.stats.plan_s += time.perf_counter() - t0
         _read_direct(items, where, budget, {(id(s.item), s.leaf) for s in staged})

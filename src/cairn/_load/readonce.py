@@ -4,7 +4,7 @@ When every process reads the bytes of its own target shards (the direct
 path), a target replicated over R processes reads each byte R times, and a
 target cut across the saved chunks (rows saved, columns wanted) reads whole
 chunks for a few strided columns each. Storage bandwidth is what a restore
-at scale waits for; the device interconnect is far faster. So for each array
+at scale often waits for, where the device interconnect is far faster. So for each array
 leaf every process computes, from the index and the target sharding alone
 (no communication), the same *route*:
 
@@ -27,11 +27,14 @@ requests at the storage's bandwidth, plus the bytes the collectives bring
 in from other processes at the interconnect's, with bandwidths declared
 (``load(bandwidths=...)``) or defaults per storage kind and JAX platform.
 The cheapest wins; ties go to fewer collectives. ``read_once=True`` takes
-the route reading the fewest storage bytes, ``False`` always the direct one. The transport is XLA's collectives on the devices, nothing of
-cairn's own. Before any collective, the processes exchange a status through
-the coordinator, so a process that failed to read (a corrupt chunk, a
-missing file) fails the load on every process, named, instead of leaving the
-others blocked in a collective.
+the route reading the fewest storage bytes, ``False`` always the direct one.
+
+The transport is XLA's collectives on the devices, nothing of cairn's own.
+Before any collective, the processes exchange a status through the
+coordinator, so a process that failed to read (a corrupt chunk, a missing
+file) fails the load on every process, named, instead of leaving the others
+blocked in a collective; the first exchange also compares a digest of every
+process's routes, so processes given different bandwidths fail alike.
 """
 
 from __future__ import annotations
@@ -49,7 +52,13 @@ import numpy as np
 
 from .._core.memo import Memo
 from .._dist.coord import Coordinator, drop_keys, gather_json
-from .._errors import CoordinationError, error_from_record, error_record, first_failure
+from .._errors import (
+    CheckpointError,
+    CoordinationError,
+    error_from_record,
+    error_record,
+    first_failure,
+)
 from .._format import manifest as fmt
 from .._plan.estimate import estimate_reads
 from .._plan.routes import (
@@ -227,11 +236,80 @@ def platform_of(sharding: Any) -> str:
         return str(jax.devices()[0].platform)
 
 
-def bandwidths_for(declared: Any, storage: Any, sharding: Any) -> Bandwidths:
+MEASURE = "measure"
+
+
+def bandwidths_for(declared: Any, storage: Any, sharding: Any, coord: Coordinator | None = None,
+                   timeout: float = 60.0) -> Bandwidths:
     """The bandwidths routes are priced with: `declared` (``load(bandwidths=...)``) over the defaults
     for `storage`'s kind and the platform of `sharding`'s devices. Every input is the same on every
-    process of a load (the same path, the same devices' platform, the same arguments)."""
+    process of a load (the same path, the same devices' platform, the same arguments).
+
+    ``{"interconnect_gbps": "measure"}`` measures the interconnect with `measure_interconnect`
+    over `sharding`'s mesh (with `coord`), once per mesh and cached; the primary's figure is used
+    by every process. A mesh within one process keeps the default.
+    """
+    if isinstance(declared, dict) and declared.get("interconnect_gbps") == MEASURE:
+        rest = {k: v for k, v in declared.items() if k != "interconnect_gbps"}
+        base = resolve_bandwidths(rest or None, storage_kind(storage), platform_of(sharding))
+        measured = measure_interconnect(sharding, coord, timeout) if coord is not None else None
+        if measured is None:
+            return base
+        return Bandwidths(base.storage_gbps, measured, base.request_ms,
+                          f"interconnect measured ({measured:.3g} GB/s); " + base.source)
     return resolve_bandwidths(declared, storage_kind(storage), platform_of(sharding))
+
+
+_measured: dict[Any, float] = {}
+_measure_seq = itertools.count()
+#: Bytes of the measuring array, all-gathered onto every device: about half a second on gloo
+#: between 2 processes of 4 devices, and bounded at any mesh size.
+MEASURE_BYTES = 16 << 20
+
+
+def measure_interconnect(sharding: Any, coord: Coordinator, timeout: float) -> float | None:
+    """Interconnect GB/s per process on `sharding`'s mesh, from one timed all-gather (after a
+    warm-up that compiles it), as the route model counts bytes (`moved_bytes`); the primary's
+    figure, published through `coord`, so that every process prices with the same one.
+
+    Every process must call it at the same point (the first priced leaf of a load): it runs a
+    collective. Cached per mesh; None for a mesh within one process. Bounded: about
+    `MEASURE_BYTES` gathered onto every device, twice.
+    """
+    import time
+
+    import jax
+
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not hasattr(mesh, "devices"):
+        return None
+    devices = list(mesh.devices.flat)
+    key = (tuple(d.id for d in devices), tuple(mesh.axis_names), tuple(mesh.devices.shape))
+    if key in _measured:
+        return _measured[key]
+    if len({d.process_index for d in devices}) < 2:
+        return None
+    axes = tuple(mesh.axis_names)
+    rows = len(devices) * max(1, MEASURE_BYTES // (4 * 1024) // len(devices))
+    shape = (rows, 1024)
+    src = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axes))
+    dst = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    x = jax.make_array_from_callback(shape, src, lambda idx: np.zeros(
+        tuple(len(range(*s.indices(n))) for s, n in zip(idx, shape)), np.float32))
+    jax.block_until_ready(jax.device_put(x, dst))  # compiles
+    t0 = time.perf_counter()
+    jax.block_until_ready(jax.device_put(x, dst))
+    secs = time.perf_counter() - t0
+    moved = moved_bytes(src, dst, shape, 4) / len({d.process_index for d in devices})
+    mine = moved / max(secs, 1e-6) / 1e9
+    seq = next(_measure_seq)
+    base = f"cairn/bandwidth/{seq}"
+    if coord.process_index == 0:
+        coord.publish(f"{base}/0", json.dumps({"gbps": mine}).encode())
+    agreed = float(json.loads(coord.fetch(f"{base}/0", timeout))["gbps"])
+    log.info("cairn: interconnect measured at %.3g GB/s per process (this process: %.3g)", agreed, mine)
+    _measured[key] = agreed
+    return agreed
 
 
 def _is_named(sharding: Any) -> bool:
@@ -341,6 +419,13 @@ def _process(device: Any, process_of: ProcessOf | None) -> int:
 
 # ---------------------------------------------------------------------- agreement before collectives
 
+
+def routes_digest(units: list[tuple[str, int, str, int]]) -> str:
+    """A digest of a load's read-once leaves: (checkpointable, leaf, route kind, pieces) each."""
+    import zlib
+
+    return f"{zlib.crc32(json.dumps(units).encode()):08x}/{len(units)}"
+
 _seq = itertools.count()
 _seq_lock = threading.Lock()
 
@@ -362,15 +447,21 @@ class Agreement:
     reach, so the others learn of it at their next exchange and raise too.
     """
 
-    def __init__(self, coord: Coordinator, seq: int, waves: int, path: str, timeout: float):
+    def __init__(self, coord: Coordinator, seq: int, waves: int, path: str, timeout: float, routes: str = ""):
         self.coord, self.seq, self.waves, self.path, self.timeout = coord, seq, waves, path, timeout
+        self.routes = routes  # a digest of this process's read-once routes and waves (`routes_digest`)
         self.base = f"cairn/load/{seq}"
         self.done = 0  # waves this process has published a status for
 
     def ok(self, wave: int) -> None:
-        """Publish success for `wave`, wait for every process's status, raise if any failed."""
+        """Publish success for `wave`, wait for every process's status, raise if any failed.
+
+        The first wave's status carries the digest of this process's routes: processes that chose
+        differently (different `bandwidths=` or `read_once=` on different processes) fail here,
+        named, instead of entering collectives that do not match."""
         coord, me, n = self.coord, self.coord.process_index, self.coord.process_count
-        coord.publish(f"{self.base}/{wave}/{me}", b'{"ok":true}')
+        body = json.dumps({"ok": True, "routes": self.routes}).encode() if wave == 0 else b'{"ok":true}'
+        coord.publish(f"{self.base}/{wave}/{me}", body)
         self.done = wave + 1
         try:
             statuses = gather_json(coord, f"{self.base}/{wave}", n, self.timeout)
@@ -381,6 +472,15 @@ class Agreement:
         failure = first_failure(statuses)
         if failure is not None:
             raise error_from_record(failure[0], f"loading {self.path} failed: {failure[1]}")
+        digests = {p: s.get("routes", "") for p, s in statuses.items()}
+        if wave == 0 and len(set(digests.values())) > 1:
+            groups: dict[str, list[int]] = {}
+            for p, d in sorted(digests.items()):
+                groups.setdefault(d, []).append(p)
+            shown = "; ".join(f"processes {ps}" for ps in groups.values())
+            raise CheckpointError(
+                f"loading {self.path}: the processes chose different read routes ({shown} agree among "
+                f"themselves); every process must pass the same read_once= and bandwidths= (process {me})")
 
     def fail(self, e: BaseException) -> None:
         """Tell the others this process will not take part in the remaining waves."""

@@ -20,7 +20,8 @@ cache or local NVMe faster than the network).
 
 Every process must choose the same route, or the collectives hang: every input
 here is a global figure (the index, the shardings, the declared or default
-bandwidths), never a process's own measurement.
+bandwidths, or one measured figure that every process takes from the primary),
+never a process's own measurement.
 """
 
 from __future__ import annotations
@@ -112,7 +113,8 @@ def resolve_bandwidths(declared: Bandwidths | Mapping[str, float] | None, storag
         unknown = sorted(set(declared) - set(_KEYS))
         if unknown:
             raise ValueError(f"bandwidths: unknown keys {unknown}; expected some of {list(_KEYS)}")
-        given = dict(declared)
+        # "measure": the interconnect measured by the caller (`_load.readonce.bandwidths_for`), or defaulted
+        given = {k: v for k, v in declared.items() if not (k == "interconnect_gbps" and v == "measure")}
     else:
         raise ValueError(f"bandwidths must be a mapping such as {{'storage_gbps': 2, 'interconnect_gbps': 100}}, "
                          f"got {declared!r}")
