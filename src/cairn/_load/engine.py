@@ -27,7 +27,7 @@ from .._storage.location import Location
 from .._tree.leaves import check_key_target, handler_named, is_key_dtype, key_dtype, wrap_key
 from .._tree.perprocess import LoadView
 from .._tree.pytree import display_path, map_with_path, unflatten
-from .._tree.shardings import WHOLE_PUT_BYTES, puts_whole
+from .._tree.shardings import WHOLE_PUT_BYTES, concrete_sharding, puts_whole
 from .metadata import read_index, read_manifest
 from .options import LoadOptions, options_of
 from .prefetch import prefetch
@@ -110,11 +110,12 @@ def _want_for(target: Any, leaf: fmt.ArrayLeaf, where: str, item: str) -> _Want 
         if isinstance(target, ArrayMetadata):
             return _Want(leaf, leaf.dtype, None)
         sharding = target if _is_sharding(target) else getattr(target, "sharding", None)
+        sharding = concrete_sharding(sharding, f"{where}: leaf {display_path(leaf.path, item)!r}")
         return _Want(leaf, leaf.dtype, sharding if sharding is not None else _default_sharding(), key_impl=leaf.impl)
     if leaf.kind not in ("array", "prng_key"):  # other targets of a key leaf get its uint32 key data
         return None
     if _is_sharding(target):
-        return _Want(leaf, leaf.dtype, target)
+        return _Want(leaf, leaf.dtype, concrete_sharding(target, f"{where}: leaf {display_path(leaf.path, item)!r}"))
     shape = getattr(target, "shape", None)
     dtype = getattr(target, "dtype", None)
     if shape is None or dtype is None:
@@ -135,7 +136,7 @@ def _want_for(target: Any, leaf: fmt.ArrayLeaf, where: str, item: str) -> _Want 
         import jax
 
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return _Want(leaf, out_dtype, sharding)
+    return _Want(leaf, out_dtype, concrete_sharding(sharding, f"{where}: leaf {display_path(leaf.path, item)!r}"))
 
 
 def _default_sharding() -> Any:

@@ -243,3 +243,28 @@ def device_copy(a: Any) -> Any:
     import jax.numpy as jnp
 
     return jnp.array(a, copy=True)
+
+
+def concrete_sharding(sharding: Any, where: str) -> Any:
+    """`sharding`, or where it is laid over an abstract mesh (what ``jax.eval_shape`` gives under a
+    mesh with Explicit axes), the same spec over the concrete mesh set with ``jax.set_mesh``.
+
+    An abstract mesh names no devices, so without a matching concrete mesh in scope there is
+    nowhere to put the array: that is a `MismatchError` naming `where` and what to do.
+    """
+    import jax
+
+    mesh = getattr(sharding, "mesh", None)
+    abstract = getattr(jax.sharding, "AbstractMesh", None)
+    if mesh is None or abstract is None or not isinstance(mesh, abstract):
+        return sharding
+    get_mesh = getattr(jax.sharding, "get_mesh", None)
+    current = get_mesh() if get_mesh is not None else None
+    if current is not None and not current.empty and current.abstract_mesh == mesh:
+        return jax.sharding.NamedSharding(current, sharding.spec)
+    from .._errors import MismatchError
+
+    raise MismatchError(
+        f"{where}: the target's sharding {sharding} is over an abstract mesh (jax.eval_shape under a mesh "
+        "with Explicit axes gives these), which names no devices; load inside `with jax.set_mesh(mesh):` "
+        "for that mesh, or give NamedSharding(mesh, spec) leaves")
