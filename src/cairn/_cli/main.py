@@ -171,14 +171,17 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
         else:
             out.line(f"no checkpoints in {loc.path}")
         return 0
+    # Orbax step folders and DCP checkpoints are listed too, with their format.
+    foreign = any(e["format"] != "cairn" for e in entries)
     rows = [
-        [e["step"] if e["step"] is not None else "", e["name"], e["status"], human_bytes(e["bytes"]),
-         human_age(e["age_s"]), _fmt_metrics(e["metrics"])]
+        [e["step"] if e["step"] is not None else "", e["name"], *([e["format"]] if foreign else []), e["status"],
+         human_bytes(e["bytes"]), human_age(e["age_s"]), _fmt_metrics(e["metrics"])]
         for e in entries
     ]
-    out.table(["step", "name", "status", "size", "age", "metrics"], rows, title=loc.path, right=["step", "size", "age"])
+    out.table(["step", "name", *(["format"] if foreign else []), "status", "size", "age", "metrics"], rows,
+              title=loc.path, right=["step", "size", "age"])
     committed = sum(e["status"] == "committed" for e in entries)
-    leftovers = len(entries) - committed
+    leftovers = sum(e["status"] in ("temporary", "uncommitted") for e in entries)
     summary = f"{committed} committed"
     if leftovers:
         summary += f", {leftovers} leftover (interrupted or in progress; `cairn gc` removes them)"

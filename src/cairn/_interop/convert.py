@@ -95,7 +95,10 @@ def convert_to_cairn(
                     writer.write_item(name, source.manifest.root, index.structure, leaves, slab, progress)
                 finally:
                     reader.close()
-        writer.commit(source.manifest.root, {"converted_from": f.name, **source.manifest.metadata})
+        # The source's own "format" names what it was, which "converted_from" says; kept, it would
+        # read as a claim about the cairn checkpoint written here.
+        meta = {k: v for k, v in source.manifest.metadata.items() if k != "format"}
+        writer.commit(source.manifest.root, {"converted_from": f.name, **meta})
     except BaseException:
         writer.abort()
         raise

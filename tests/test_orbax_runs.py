@@ -1,0 +1,161 @@
+"""An Orbax run directory as a cairn run, written by orbax-checkpoint itself.
+
+The manager and ``cairn ls`` see Orbax's step folders, restore them onto
+another mesh (an adam TrainState whose ``EmptyState`` Orbax stores as None),
+and continue the run in cairn's format, under cairn's or Orbax's folder names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import cairn
+from cairn._cli.main import main as cli
+
+ocp = pytest.importorskip("orbax.checkpoint")
+optax = pytest.importorskip("optax")
+train_state = pytest.importorskip("flax.training.train_state")
+
+
+def make_state(mesh, seed=0):
+    rng = np.random.default_rng(seed)
+    params = {
+        "dense": {"kernel": jax.device_put(rng.standard_normal((64, 32)).astype(np.float32),
+                                           NamedSharding(mesh, P("x", "y"))),
+                  "bias": jnp.asarray(rng.standard_normal(32).astype(np.float32))},
+    }
+    state = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-3))
+    grads = jax.tree.map(jnp.ones_like, params)
+    return state.apply_gradients(grads=grads)  # nonzero moments and count
+
+
+def abstract(state, mesh):
+    """The target a user builds: jax.eval_shape of the state, placed on `mesh`."""
+    shapes = jax.eval_shape(lambda: state)
+
+    def place(x):
+        spec = P("y", "x") if x.ndim == 2 else P()
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, spec))
+
+    return jax.tree.map(place, shapes)
+
+
+def same(got, want):
+    assert type(got) is type(want)
+    gl, _ = jax.tree_util.tree_flatten_with_path(got)
+    wl, _ = jax.tree_util.tree_flatten_with_path(want)
+    assert [p for p, _ in gl] == [p for p, _ in wl]
+    assert jax.tree.structure(got.opt_state) == jax.tree.structure(want.opt_state)
+    for (_, g), (_, w) in zip(gl, wl):
+        g, w = np.asarray(g), np.asarray(w)
+        assert g.dtype == w.dtype and g.shape == w.shape and g.tobytes() == w.tobytes()
+
+
+def orbax_run(path, mesh, steps=(100, 200), item=None):
+    """Steps written by Orbax's CheckpointManager (a default item, or one named `item`)."""
+    states = {}
+    names = (item,) if item else None
+    options = ocp.CheckpointManagerOptions(best_fn=lambda m: m["loss"], best_mode="min")
+    with ocp.CheckpointManager(os.path.abspath(path), item_names=names, options=options) as mgr:
+        for i, step in enumerate(steps):
+            st = make_state(mesh, seed=i)
+            states[step] = st
+            args = ocp.args.StandardSave(st)
+            mgr.save(step, args=ocp.args.Composite(**{item: args}) if item else args,
+                     metrics={"loss": 1.0 / (i + 1)})
+        mgr.wait_until_finished()
+    return states
+
+
+def test_readme_orbax_example_on_an_adam_train_state(tmp_path, mesh42):
+    states = orbax_run(tmp_path / "run", mesh42, steps=(1000,), item="state")
+    want = states[1000]
+    target_state = abstract(want, jax.make_mesh((2, 4), ("x", "y")))
+    state = cairn.load(tmp_path / "run" / "1000", {"state": target_state})["state"]
+    assert isinstance(state.opt_state[1], optax.EmptyState)
+    assert state.params["dense"]["kernel"].sharding.spec == P("y", "x")
+    same(state, want)
+    # Without a target the None is a None; a target with a leaf there still fails loudly.
+    assert cairn.load(tmp_path / "run" / "1000")["state"]["opt_state"][1] is None
+    with pytest.raises(cairn.MismatchError, match="opt_state/0/mu/dense/bias"):
+        bad = target_state.replace(opt_state=(target_state.opt_state[0]._replace(mu={"dense": {}}),
+                                              target_state.opt_state[1]))
+        cairn.load(tmp_path / "run" / "1000", {"state": bad})
+
+
+def test_manager_lists_restores_and_continues_an_orbax_run(tmp_path, mesh42, capsys):
+    run = tmp_path / "run"
+    states = orbax_run(run, mesh42)
+    other = jax.make_mesh((2, 4), ("x", "y"))
+    target = abstract(states[200], other)
+    with cairn.CheckpointManager(run, handle_sigterm=False, max_to_keep=2) as mgr:
+        assert mgr.steps() == [100, 200] and mgr.latest_step() == 200
+        assert mgr.metrics(100) == {"loss": 1.0} and mgr.path(200) == f"{run}/200"
+        same(mgr.restore(target=target), states[200])
+        assert mgr.restored_step == 200
+        same(mgr.restore(100, target=target), states[100])
+        with pytest.raises(cairn.CheckpointExistsError, match="already saved there by Orbax"):
+            mgr.save(200, mgr.restore(target=target))
+        nxt = make_state(mesh42, seed=7)
+        assert mgr.save(300, nxt, metrics={"loss": 0.1})
+        mgr.wait()
+        assert mgr.steps() == [200, 300]  # retention dropped Orbax's step 100 as it would its own
+        assert sorted(os.listdir(run)) == ["200", "step_00000300"]
+        same(mgr.restore(target=target), nxt)
+        assert mgr.latest_step() == 300
+    assert cli(["ls", str(run), "--json"]) == 0
+    entries = json.loads(capsys.readouterr().out)["entries"]
+    assert [(e["step"], e["name"], e["format"], e["status"]) for e in entries] == [
+        (200, "200", "orbax", "committed"), (300, "step_00000300", "cairn", "committed")]
+    assert entries[0]["metrics"] == {"loss": 0.5}
+    assert cli(["ls", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "orbax" in out and "2 committed" in out and "leftover" not in out
+
+
+def test_step_format_keeps_orbax_names(tmp_path, mesh42, capsys):
+    run = tmp_path / "run"
+    states = orbax_run(run, mesh42)
+    with cairn.CheckpointManager(run, handle_sigterm=False, step_format="{step}", async_save=False) as mgr:
+        assert mgr.steps() == [100, 200]
+        state = mgr.restore(target=abstract(states[200], mesh42))
+        mgr.save(300, state, metadata={"data_epoch": 3})
+        assert mgr.steps() == [100, 200, 300] and mgr.path(300) == f"{run}/300"
+        assert os.path.exists(run / "300" / "manifest.json")
+        assert mgr.metadata(300) == {"data_epoch": 3} and mgr.metadata(100) == {}
+        same(cairn.load(run / "300", abstract(states[200], mesh42)), states[200])
+    # Reopened, nothing of Orbax's is mistaken for an interrupted save of ours.
+    with cairn.CheckpointManager(run, handle_sigterm=False, step_format="{step}") as mgr:
+        assert mgr.steps() == [100, 200, 300]
+        assert mgr.wait_for_step(after=200, timeout=0) == 300
+        assert mgr.wait_for_step(after=100, timeout=0) == 300
+        for step in mgr.new_steps(after=250, timeout=0, poll_s=0.1):
+            assert step == 300
+    assert cli(["ls", str(run), "--json"]) == 0
+    entries = json.loads(capsys.readouterr().out)["entries"]
+    assert [(e["name"], e["format"]) for e in entries] == [("100", "orbax"), ("200", "orbax"), ("300", "cairn")]
+
+
+def test_evaluator_leases_an_orbax_step(tmp_path, mesh42):
+    run = tmp_path / "run"
+    states = orbax_run(run, mesh42, steps=(5,))
+    ev = cairn.CheckpointManager(run, read_only=True)
+    got = [(s, ev.restore(s, target=abstract(states[5], mesh42))) for s in ev.new_steps(timeout=0, poll_s=0.1)]
+    assert [s for s, _ in got] == [5]
+    same(got[0][1], states[5])
+    with ev.reading(5, target=abstract(states[5], mesh42)) as st:
+        same(st, states[5])
+
+
+def test_step_format_is_checked():
+    for bad in ("step", "a/{step}", "{step}_{step}", ".{step}", "{stp}"):
+        with pytest.raises(ValueError, match="step_format"):
+            cairn.CheckpointManager("memory://fmt/run", step_format=bad, handle_sigterm=False)
