@@ -159,3 +159,47 @@ def test_step_format_is_checked():
     for bad in ("step", "a/{step}", "{step}_{step}", ".{step}", "{stp}"):
         with pytest.raises(ValueError, match="step_format"):
             cairn.CheckpointManager("memory://fmt/run", step_format=bad, handle_sigterm=False)
+
+
+def test_what_an_orbax_user_looks_for(tmp_path, mesh42):
+    """Per-step user metadata, best_step and delete, on cairn's steps and Orbax's alike."""
+    run = tmp_path / "run"
+    with ocp.CheckpointManager(os.path.abspath(run)) as omgr:
+        omgr.save(1, args=ocp.args.StandardSave({"w": np.ones(4, np.float32)}), custom_metadata={"epoch": 0})
+        omgr.wait_until_finished()
+    with cairn.CheckpointManager(run, handle_sigterm=False, keep_best=1, best_metric="loss",
+                                 max_to_keep=1) as mgr:
+        assert mgr.metadata(1) == {"epoch": 0}
+        for step, loss in ((2, 0.5), (3, 0.9), (4, 0.7)):
+            mgr.save(step, {"w": np.full(4, step, np.float32)}, metrics={"loss": loss},
+                     metadata={"epoch": step, "tags": ["a"]})
+        mgr.wait()
+        # keep_best and max_to_keep are a union: the best (2) and the newest (4) survive.
+        assert mgr.steps() == [2, 4] and mgr.best_step() == 2
+        assert mgr.best_step("loss", "max") == 4
+        assert mgr.metadata() == {"epoch": 4, "tags": ["a"]} and mgr.metadata(2)["epoch"] == 2
+        mgr.delete(2)
+        assert mgr.steps() == [4] and mgr.best_step() == 4
+        with pytest.raises(cairn.CheckpointNotFoundError, match="step 2 has no committed checkpoint"):
+            mgr.delete(2)
+        with pytest.raises(TypeError, match="JSON-able"):
+            mgr.save(5, {"w": np.ones(4)}, metadata={"x": object()})
+    with cairn.CheckpointManager(run, handle_sigterm=False) as mgr:
+        with pytest.raises(ValueError, match="best_step needs a metric"):
+            mgr.best_step()
+
+
+def test_ls_lists_dcp_step_folders(tmp_path, capsys):
+    import warnings
+
+    torch = pytest.importorskip("torch")
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    for step in (10, 20):  # torchtitan's spelling; DCP itself has no convention for a run
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.save({"w": torch.ones(3) * step}, checkpoint_id=str(tmp_path / f"step-{step}"))
+    assert cli(["ls", str(tmp_path), "--json"]) == 0
+    entries = json.loads(capsys.readouterr().out)["entries"]
+    assert [(e["step"], e["format"], e["status"]) for e in entries] == [(10, "dcp", "committed"),
+                                                                        (20, "dcp", "committed")]
+    np.testing.assert_array_equal(cairn.load(tmp_path / "step-20")["w"], np.full(3, 20, np.float32))
