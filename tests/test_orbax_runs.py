@@ -184,9 +184,9 @@ def test_what_an_orbax_user_looks_for(tmp_path, mesh42):
             mgr.delete(2)
         with pytest.raises(TypeError, match="JSON-able"):
             mgr.save(5, {"w": np.ones(4)}, metadata={"x": object()})
-    with cairn.CheckpointManager(run, handle_sigterm=False) as mgr:
-        with pytest.raises(ValueError, match="best_step needs a metric"):
-            mgr.best_step()
+    with cairn.CheckpointManager(run, handle_sigterm=False) as mgr, \
+            pytest.raises(ValueError, match="best_step needs a metric"):
+        mgr.best_step()
 
 
 def test_ls_lists_dcp_step_folders(tmp_path, capsys):
