@@ -203,3 +203,43 @@ def test_ls_lists_dcp_step_folders(tmp_path, capsys):
     assert [(e["step"], e["format"], e["status"]) for e in entries] == [(10, "dcp", "committed"),
                                                                         (20, "dcp", "committed")]
     np.testing.assert_array_equal(cairn.load(tmp_path / "step-20")["w"], np.full(3, 20, np.float32))
+
+
+# ---------------------------------------------------------------------- back to Orbax
+
+
+def test_export_back_to_orbax_restores_exactly(tmp_path, mesh42):
+    """cairn save -> export_orbax -> orbax-checkpoint restores it, bitwise, typed keys included."""
+    st = make_state(mesh42)
+    extra = {"rng": jax.random.key(3), "epoch": 7, "name": "run-a", "nothing": None}
+    cairn.save(tmp_path / "ck", {"state": st, "extra": extra})
+    # Named checkpointables: a step folder of an Orbax run, restored by Orbax's own manager.
+    assert cairn.export_orbax(tmp_path / "ck", tmp_path / "run" / "300") == str(tmp_path / "run" / "300")
+    other = jax.make_mesh((2, 4), ("x", "y"))
+    with ocp.CheckpointManager(os.path.abspath(tmp_path / "run")) as omgr:
+        assert omgr.all_steps() == [300]
+        got = omgr.restore(300, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract(st, other)), extra=ocp.args.PyTreeRestore()))
+    same(got["state"], st)
+    assert got["state"].params["dense"]["kernel"].sharding.spec == P("y", "x")
+    assert got["extra"]["epoch"] == 7 and got["extra"]["name"] == "run-a" and got["extra"]["nothing"] is None
+    assert jax.dtypes.issubdtype(got["extra"]["rng"].dtype, jax.dtypes.prng_key)
+    np.testing.assert_array_equal(jax.random.key_data(got["extra"]["rng"]), jax.random.key_data(extra["rng"]))
+    # ... and cairn's manager sees the exported step as part of the Orbax run.
+    with cairn.CheckpointManager(tmp_path / "run", handle_sigterm=False) as mgr:
+        assert mgr.steps() == [300]
+        same(mgr.restore(300, target={"state": abstract(st, mesh42), "extra": None}, partial=True)["state"], st)
+
+    # A plain tree: an item folder, as StandardCheckpointer writes it; the CLI, and --overwrite.
+    cairn.save(tmp_path / "plain", [np.arange(6, dtype=np.int16).reshape(2, 3), 2.5])
+    assert cli(["-q", "convert", str(tmp_path / "plain"), str(tmp_path / "o"), "--to", "orbax"]) == 0
+    got = ocp.PyTreeCheckpointer().restore(os.path.abspath(tmp_path / "o"))
+    np.testing.assert_array_equal(got[0], np.arange(6, dtype=np.int16).reshape(2, 3))
+    assert got[0].dtype == np.int16 and got[1] == 2.5
+    with pytest.raises(cairn.CheckpointExistsError, match="overwrite"):
+        cairn.export_orbax(tmp_path / "plain", tmp_path / "o")
+    assert cli(["-q", "convert", str(tmp_path / "plain"), str(tmp_path / "o"), "--to", "orbax", "--overwrite"]) == 0
+
+    cairn.save(tmp_path / "blob", {"w": np.ones(2), "raw": b"\x00\x01"})
+    with pytest.raises(cairn.UnsupportedTypeError, match="'raw' is bytes, which Orbax cannot store"):
+        cairn.export_orbax(tmp_path / "blob", tmp_path / "o2")

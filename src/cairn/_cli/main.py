@@ -434,17 +434,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_diff)
 
-    s = sub.add_parser("convert", help="convert between cairn, safetensors (also sharded, for Hugging Face) and "
-                       "PyTorch files; --to cairn also reads Orbax and DCP checkpoints")
+    s = sub.add_parser("convert", help="convert between cairn, safetensors (also sharded, for Hugging Face), "
+                       "PyTorch files and Orbax (--to orbax writes through orbax-checkpoint); --to cairn also "
+                       "reads Orbax and DCP checkpoints")
     s.add_argument("src")
     s.add_argument("dst")
-    s.add_argument("--to", required=True, choices=["safetensors", "cairn", "torch"])
+    s.add_argument("--to", required=True, choices=["safetensors", "cairn", "torch", "orbax"])
     s.add_argument("--format", choices=FORMATS, help="--to cairn: the source's format (default: detected)")
     s.add_argument("--max-shard-size", help="safetensors: a Hugging Face folder of shards of at most this "
                    "size (5GB = 5*10^9 bytes, 5GiB = 5*2^30), written by every process in parallel")
     s.add_argument("--per-item", action="store_true",
                    help="safetensors: one file per checkpointable in folder DST")
     s.add_argument("--sep", default=".", help="torch: separator joining key-path components (default '.')")
+    s.add_argument("--overwrite", action="store_true", help="orbax: replace DST if it exists")
     s.add_argument("--budget", type=parse_bytes, default=256 << 20,
                    help="memory budget for data in flight (default 256M)")
     s.set_defaults(fn=cmd_convert)

@@ -124,6 +124,10 @@ def run_convert(args: Any, out: Any) -> int:
                                      progress=advance)
         elif args.to == "torch":
             written = [to_torch_file(args.src, args.dst, sep=args.sep, budget_bytes=args.budget, progress=advance)]
+        elif args.to == "orbax":
+            from .orbaxout import export_orbax
+
+            written = [export_orbax(args.src, args.dst, overwrite=args.overwrite)]
         else:
             convert_to_cairn(args.src, args.dst, format=args.format, budget_bytes=args.budget, progress=advance)
             written = [args.dst]
