@@ -446,7 +446,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--per-item", action="store_true",
                    help="safetensors: one file per checkpointable in folder DST")
     s.add_argument("--sep", default=".", help="torch: separator joining key-path components (default '.')")
-    s.add_argument("--overwrite", action="store_true", help="orbax: replace DST if it exists")
+    s.add_argument("--overwrite", action="store_true", help="orbax, sharded safetensors: replace DST's files")
+    s.add_argument("--names", choices=["hf", "raw"], default="hf",
+                   help="safetensors tensor names: hf (default) joins key paths with '.', without the "
+                   "checkpointable when only one holds arrays; raw keeps cairn's '/'-joined key paths")
+    s.add_argument("--item", help="safetensors: this checkpointable only, its key paths as names")
+    s.add_argument("--prng-keys", choices=["error", "data", "drop"], default="error",
+                   help="sharded safetensors: a typed PRNG key is an error (default), its uint32 data, or left out")
     s.add_argument("--budget", type=parse_bytes, default=256 << 20,
                    help="memory budget for data in flight (default 256M)")
     s.set_defaults(fn=cmd_convert)

@@ -117,11 +117,12 @@ def run_convert(args: Any, out: Any) -> int:
         total = sum(leaf.nbytes for i in ck.indexes.values() for leaf in i.leaves if isinstance(leaf, fmt.ArrayLeaf))
     with out.progress(f"converting to {args.to}", total) as (_set_total, advance):
         if args.to == "safetensors" and args.max_shard_size is not None:
-            written = export_safetensors(args.src, args.dst, max_shard_size=args.max_shard_size,
+            written = export_safetensors(args.src, args.dst, max_shard_size=args.max_shard_size, item=args.item,
+                                         names=args.names, prng_keys=args.prng_keys, overwrite=args.overwrite,
                                          budget_bytes=args.budget, progress=advance)
         elif args.to == "safetensors":
-            written = to_safetensors(args.src, args.dst, per_item=args.per_item, budget_bytes=args.budget,
-                                     progress=advance)
+            written = to_safetensors(args.src, args.dst, per_item=args.per_item, names=args.names, item=args.item,
+                                     budget_bytes=args.budget, progress=advance)
         elif args.to == "torch":
             written = [to_torch_file(args.src, args.dst, sep=args.sep, budget_bytes=args.budget, progress=advance)]
         elif args.to == "orbax":
