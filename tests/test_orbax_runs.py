@@ -243,3 +243,61 @@ def test_export_back_to_orbax_restores_exactly(tmp_path, mesh42):
     cairn.save(tmp_path / "blob", {"w": np.ones(2), "raw": b"\x00\x01"})
     with pytest.raises(cairn.UnsupportedTypeError, match="'raw' is bytes, which Orbax cannot store"):
         cairn.export_orbax(tmp_path / "blob", tmp_path / "o2")
+
+
+# ---------------------------------------------------------------------- CLI edges
+
+
+def test_cp_of_a_run_directory_copies_every_committed_step(tmp_path, mesh42, capsys):
+    run, dst = tmp_path / "run", tmp_path / "copy"
+    orbax_run(run, mesh42, steps=(1,))  # Orbax's step: named as skipped, not copied
+    with cairn.CheckpointManager(run, handle_sigterm=False, async_save=False) as mgr:
+        for step in (2, 3):
+            mgr.save(step, {"w": np.full(4, step, np.float32)}, metrics={"loss": 1.0 / step})
+    os.makedirs(run / "step_00000004" / "w")  # an interrupted save: left behind
+    (run / "step_00000004" / "w" / "p00000-0.abcdef.bin").write_bytes(b"x")
+    assert cli(["cp", str(run), str(dst)]) == 0
+    out = capsys.readouterr().out
+    assert "copied 2 committed steps" in out and "skipped 1 orbax checkpoints (1)" in out and "1 leftovers" in out
+    assert sorted(os.listdir(dst)) == ["step_00000002", "step_00000003"]
+    assert cairn.CheckpointManager(dst, read_only=True).metrics(3) == {"loss": 1.0 / 3}
+    assert cli(["cp", str(run), str(dst)]) == 0  # again: a finished copy is only checked
+    capsys.readouterr()
+    # Onto another checkpoint: the CLI's own flag is named.
+    cairn.save(tmp_path / "other", {"w": np.zeros(4, np.float32)})
+    assert cli(["cp", str(tmp_path / "other"), str(dst / "step_00000002")]) == 1
+    err = capsys.readouterr().err
+    assert "--overwrite" in err and "overwrite=True" not in err
+    assert cli(["cp", str(tmp_path / "other"), str(dst / "step_00000002"), "--overwrite"]) == 0
+    # What SRC is, when it is not a checkpoint.
+    (tmp_path / "notes.txt").write_text("hi")
+    os.makedirs(tmp_path / "empty" / "x")
+    (tmp_path / "empty" / "x" / "y.txt").write_text("hi")
+    for src, said in (("notes.txt", "is not a checkpoint (a file, or an empty folder)"),
+                      ("empty", "is not a cairn checkpoint: no manifest.json")):
+        assert cli(["cp", str(tmp_path / src), str(tmp_path / "z")]) == 1
+        assert said in capsys.readouterr().err
+    only_orbax = tmp_path / "orbax_only"
+    orbax_run(only_orbax, mesh42, steps=(7,))
+    assert cli(["cp", str(only_orbax), str(tmp_path / "z")]) == 1
+    assert "holds only orbax checkpoints (7)" in capsys.readouterr().err
+    assert cli(["mv", str(run), str(tmp_path / "moved")]) == 0
+    assert sorted(os.listdir(tmp_path / "moved")) == ["step_00000002", "step_00000003"]
+    assert sorted(os.listdir(run)) == ["1", "step_00000004"]
+
+
+def test_diff_of_an_orbax_and_a_cairn_checkpoint(tmp_path, capsys):
+    params = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.zeros(3, np.float32)}
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.abspath(tmp_path / "orbax"), {"params": params})
+    cairn.save(tmp_path / "same", {"params": params})
+    assert cli(["--plain", "diff", str(tmp_path / "orbax"), str(tmp_path / "same")]) == 0
+    assert "2 equal" in capsys.readouterr().out
+    changed = {"w": params["w"].copy(), "b": params["b"]}
+    changed["w"][1, 2] = -1
+    cairn.save(tmp_path / "changed", {"params": changed, "step": 3})
+    assert cli(["--plain", "diff", str(tmp_path / "orbax"), str(tmp_path / "changed"), "--json"]) == 1
+    got = {(e["path"], e["status"]) for e in json.loads(capsys.readouterr().out)["entries"]}
+    assert got == {("params/w", "values changed"), ("params/b", "equal"), ("", "only in B")}
+    assert cli(["diff", str(tmp_path), str(tmp_path / "same")]) == 1
+    assert "is a directory of checkpoints, not one" in capsys.readouterr().err

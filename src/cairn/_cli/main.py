@@ -32,11 +32,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .._core.units import human_bytes
-from .._errors import CheckpointError
+from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import manifest as fmt
 from .._format import values
 from .._interop.sources import FORMATS
 from .._run import steps as _steps
+from .._storage.location import resolve
 from .._tools.copy import add_commands as add_copy_commands
 from .plan import add_command as add_plan_command
 
@@ -388,6 +389,61 @@ def cmd_diff(args: argparse.Namespace, out: Output) -> int:
     return 0 if same else 1
 
 
+# ---------------------------------------------------------------------- cp / mv of a run
+
+
+def cmd_copy(args: argparse.Namespace, out: Output) -> int:
+    """``cairn cp`` / ``cairn mv``: one checkpoint, or every committed step of a run directory.
+
+    A directory that is no checkpoint itself but holds committed cairn
+    checkpoints (a manager's run) is copied step by step into DST, each step
+    as ``cairn cp`` copies one (resumable, verified); leftovers of
+    interrupted saves are not copied, and Orbax or DCP folders are named as
+    skipped (cairn copies only what a cairn manifest names).
+    """
+    from .._load.metadata import manifest_bytes
+    from .._tools.copy import copy, run_copy
+
+    src = resolve(args.src)
+    try:
+        manifest_bytes(src)
+        return run_copy(args, out)
+    except CheckpointNotFoundError:
+        _, entries = _steps.scan(args.src, None)
+    steps = [e for e in entries if e["status"] == "committed" and e["format"] == "cairn"]
+    foreign = [e for e in entries if e["status"] == "committed" and e["format"] != "cairn"]
+    if not steps:
+        if foreign:
+            raise CheckpointNotFoundError(
+                f"{src.path} holds only {foreign[0]['format']} checkpoints ({', '.join(e['name'] for e in foreign[:3])}"
+                f"{', ...' if len(foreign) > 3 else ''}); cairn cp copies cairn checkpoints: convert them "
+                "(cairn convert ... --to cairn) or copy the folders with your storage's tools")
+        return run_copy(args, out)  # its error says what SRC is
+    done = []
+    for e in steps:
+        stats = copy(f"{src.path.rstrip('/')}/{e['name']}", f"{args.dst.rstrip('/')}/{e['name']}",
+                     overwrite=args.overwrite, move=args.move, verify=not args.no_verify, budget_bytes=args.budget,
+                     threads=args.threads)
+        done.append(stats)
+        if not args.json:
+            kept = f", {stats.files_kept} already there" if stats.files_kept else ""
+            out.line(f"{'moved' if stats.moved else 'copied'} {e['name']}: {stats.files_copied} files, "
+                     f"{stats.bytes_copied / (1 << 20):.1f} MiB{kept}")
+    skipped = [e["name"] for e in entries if e not in steps]
+    if args.json:
+        _dump_json({"src": src.path, "dst": args.dst, "steps": [s.as_dict() for s in done], "skipped": skipped})
+        return 0
+    verb = "moved" if args.move else "copied"
+    out.line(f"{verb} {len(done)} committed steps of {src.path} to {args.dst}"
+             + ("; checksums verified" if not args.no_verify else ""))
+    if foreign:
+        out.line(f"skipped {len(foreign)} {'/'.join(sorted({e['format'] for e in foreign}))} checkpoints "
+                 f"({', '.join(e['name'] for e in foreign[:5])}): cairn copies cairn checkpoints only")
+    if len(skipped) > len(foreign):
+        out.line(f"skipped {len(skipped) - len(foreign)} leftovers of interrupted saves")
+    return 0
+
+
 # ---------------------------------------------------------------------- convert
 
 
@@ -457,6 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="memory budget for data in flight (default 256M)")
     s.set_defaults(fn=cmd_convert)
     add_copy_commands(sub, parse_bytes)  # cp and mv
+    for name in ("cp", "mv"):
+        sub.choices[name].set_defaults(fn=cmd_copy)
     add_plan_command(sub, parse_bytes)  # plan: a dry run of a load
 
     s = sub.add_parser("gc", help="remove leftovers of interrupted saves (temporary and uncommitted folders)")
@@ -488,6 +546,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         known = isinstance(e, (CheckpointError, OSError, ValueError, TypeError))
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if hasattr(args, "overwrite"):  # the library's keyword, as this command spells it
+            text = text.replace("overwrite=True", "--overwrite")
         prefix = "error" if known else f"internal error ({type(e).__name__}; rerun with --debug for the traceback)"
         print(f"cairn: {prefix}: {text}", file=sys.stderr)
         return 1
