@@ -301,3 +301,20 @@ def test_diff_of_an_orbax_and_a_cairn_checkpoint(tmp_path, capsys):
     assert got == {("params/w", "values changed"), ("params/b", "equal"), ("", "only in B")}
     assert cli(["diff", str(tmp_path), str(tmp_path / "same")]) == 1
     assert "is a directory of checkpoints, not one" in capsys.readouterr().err
+
+
+def test_orbax_step_prefix_and_ls_of_one_step(tmp_path, capsys):
+    run = tmp_path / "run"
+    options = ocp.CheckpointManagerOptions(step_prefix="checkpoint")
+    with ocp.CheckpointManager(os.path.abspath(run), options=options) as omgr:
+        omgr.save(40, args=ocp.args.StandardSave({"w": np.arange(4, dtype=np.float32)}))
+        omgr.wait_until_finished()
+    assert os.listdir(run) == ["checkpoint_40"]
+    assert cli(["ls", str(run), "--json"]) == 0
+    entries = json.loads(capsys.readouterr().out)["entries"]
+    assert [(e["step"], e["name"], e["format"]) for e in entries] == [(40, "checkpoint_40", "orbax")]
+    with cairn.CheckpointManager(run, step_format="checkpoint_{step}", handle_sigterm=False) as mgr:
+        assert mgr.steps() == [40]
+        np.testing.assert_array_equal(mgr.restore()["w"], np.arange(4, dtype=np.float32))
+    assert cli(["ls", str(run / "checkpoint_40")]) == 0
+    assert "is a checkpoint in orbax format itself" in capsys.readouterr().out

@@ -167,8 +167,12 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
         _dump_json({"dir": loc.path, "entries": [{k: v for k, v in e.items() if k != "key"} for e in entries]})
         return 0
     if not entries:
-        if loc.storage.exists(loc.key(fmt.MANIFEST)):
-            out.line(f"{loc.path} is a checkpoint itself, not a directory of them; try: cairn inspect {loc.path}")
+        from .._interop.sources import detect
+
+        kind = detect(loc)
+        if kind is not None:
+            what = "a checkpoint" if kind == "cairn" else f"a checkpoint in {kind} format"
+            out.line(f"{loc.path} is {what} itself, not a directory of them; try: cairn inspect {loc.path}")
         else:
             out.line(f"no checkpoints in {loc.path}")
         return 0

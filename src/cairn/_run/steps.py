@@ -49,6 +49,7 @@ from .retention import CheckpointInfo
 META_KEY = "cairn.manager"
 
 _CANONICAL = re.compile(r"^step_(\d{8,})$")
+_ORBAX_NAME = re.compile(r"^(?:.*_)?(\d+)$")  # Orbax's step folders: "100", "<step_prefix>_100"
 _LENIENT = re.compile(r"^(?:step[_-]?)?(\d+)$")
 # Files only a cairn save writes: data files, per-attempt indexes, per-process partial indexes.
 _CAIRN_FILE = re.compile(r"^(p\d{5}-\d+\.[0-9a-f]+\.bin|index\.[0-9a-f]+\.json|_index\.p\d{5}\.[0-9a-f]+\.json)$")
@@ -106,19 +107,21 @@ class StepNames:
 DEFAULT_NAMES = StepNames()
 
 
-def orbax_step(storage: Storage, name: str) -> int | None:
+def orbax_step(storage: Storage, name: str, names: StepNames | None = None) -> int | None:
     """The step of entry `name` if it is a committed Orbax CheckpointManager step folder, else None.
 
     Orbax names steps by their number (``100``; zero-padded with
-    ``step_format_fixed_length``) and writes ``_CHECKPOINT_METADATA`` into
-    each; on a POSIX filesystem it renames the folder into place, on object
-    stores it writes ``commit_success.txt`` last.
+    ``step_format_fixed_length``; ``<prefix>_100`` with ``step_prefix``, which
+    a manager's `names` spelling the same finds) and writes
+    ``_CHECKPOINT_METADATA`` into each; on a POSIX filesystem it renames the
+    folder into place, on object stores it writes ``commit_success.txt`` last.
     """
-    if not name.isdigit() or not storage.exists(f"{name}/{ORBAX_STEP_METADATA}"):
+    step = int(name) if name.isdigit() else names.parse(name) if names is not None else None
+    if step is None or not storage.exists(f"{name}/{ORBAX_STEP_METADATA}"):
         return None
     if not isinstance(storage, LocalDirs) and not storage.exists(f"{name}/commit_success.txt"):
         return None
-    return int(name)
+    return step
 
 
 def parse_step(name: str) -> int | None:
@@ -253,7 +256,7 @@ def step_folders(storage: Storage, names: StepNames = DEFAULT_NAMES) -> dict[int
         step = names.parse(name)
         if step is not None and storage.exists(f"{name}/{fmt.MANIFEST}"):
             out[step] = name
-        elif (o := orbax_step(storage, name)) is not None:
+        elif (o := orbax_step(storage, name, names)) is not None:
             orbax.setdefault(o, name)
     return {s: out.get(s) or orbax[s] for s in sorted({*out, *orbax})}
 
@@ -403,20 +406,22 @@ def scan(dir_path: str, storage_options: dict | None) -> tuple[Location, list[di
 def _foreign_step(storage: Storage, key: str, name: str, where: str) -> dict[str, Any] | None:
     """What ``cairn ls`` shows of a committed Orbax step folder or a DCP checkpoint folder, else None.
 
-    Orbax: a plain integer name holding ``_CHECKPOINT_METADATA`` (metrics and
-    commit time from it). DCP has no convention for step folders: any folder
+    Orbax: a folder holding ``_CHECKPOINT_METADATA`` (metrics and commit time
+    from it; the step from a name like ``100`` or ``checkpoint_100``). DCP has no convention for step folders: any folder
     holding DCP's ``.metadata`` is listed, its step guessed from its name.
     """
-    if name.isdigit() and storage.exists(f"{key}/{ORBAX_STEP_METADATA}"):
+    if storage.exists(f"{key}/{ORBAX_STEP_METADATA}"):
         if not isinstance(storage, LocalDirs) and not storage.exists(f"{key}/commit_success.txt"):
             return None  # an Orbax save in progress on an object store
         loc = Location(storage, key, f"{where.rstrip('/')}/{name}")
+        m = _ORBAX_NAME.match(name)
+        step = int(m.group(1)) if m else None
         try:
-            info = _orbax_info(loc, int(name))
+            info = _orbax_info(loc, step or 0)
         except CorruptCheckpointError as err:
-            return {"status": "corrupt", "format": "orbax", "error": str(err), "step": int(name)}
+            return {"status": "corrupt", "format": "orbax", "error": str(err), "step": step}
         created = info.created_unix or None
-        return {"status": "committed", "format": "orbax", "step": int(name), "created_unix": created,
+        return {"status": "committed", "format": "orbax", "step": step, "created_unix": created,
                 "age_s": time.time() - created if created else None, "metrics": dict(info.metrics)}
     if storage.exists(f"{key}/.metadata"):
         return {"status": "committed", "format": "dcp"}
