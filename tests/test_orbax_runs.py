@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -310,11 +311,14 @@ def test_orbax_step_prefix_and_ls_of_one_step(tmp_path, capsys):
         omgr.save(40, args=ocp.args.StandardSave({"w": np.arange(4, dtype=np.float32)}))
         omgr.wait_until_finished()
     assert os.listdir(run) == ["checkpoint_40"]
+    # What an Orbax save in progress looks like on a local disk: neither a step nor a leftover of ours.
+    shutil.copytree(run / "checkpoint_40", run / "checkpoint_50.orbax-checkpoint-tmp-1234")
     assert cli(["ls", str(run), "--json"]) == 0
     entries = json.loads(capsys.readouterr().out)["entries"]
     assert [(e["step"], e["name"], e["format"]) for e in entries] == [(40, "checkpoint_40", "orbax")]
     with cairn.CheckpointManager(run, step_format="checkpoint_{step}", handle_sigterm=False) as mgr:
         assert mgr.steps() == [40]
         np.testing.assert_array_equal(mgr.restore()["w"], np.arange(4, dtype=np.float32))
+    assert sorted(os.listdir(run)) == ["checkpoint_40", "checkpoint_50.orbax-checkpoint-tmp-1234"]
     assert cli(["ls", str(run / "checkpoint_40")]) == 0
     assert "is a checkpoint in orbax format itself" in capsys.readouterr().out

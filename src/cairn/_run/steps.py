@@ -410,12 +410,12 @@ def _foreign_step(storage: Storage, key: str, name: str, where: str) -> dict[str
     from it; the step from a name like ``100`` or ``checkpoint_100``). DCP has no convention for step folders: any folder
     holding DCP's ``.metadata`` is listed, its step guessed from its name.
     """
-    if storage.exists(f"{key}/{ORBAX_STEP_METADATA}"):
+    m = _ORBAX_NAME.match(name)  # not "100.orbax-checkpoint-tmp-...": a save in progress
+    if m is not None and storage.exists(f"{key}/{ORBAX_STEP_METADATA}"):
         if not isinstance(storage, LocalDirs) and not storage.exists(f"{key}/commit_success.txt"):
             return None  # an Orbax save in progress on an object store
         loc = Location(storage, key, f"{where.rstrip('/')}/{name}")
-        m = _ORBAX_NAME.match(name)
-        step = int(m.group(1)) if m else None
+        step = int(m.group(1))
         try:
             info = _orbax_info(loc, step or 0)
         except CorruptCheckpointError as err:
