@@ -192,7 +192,7 @@ def target_paths(target: Any) -> set[str]:
 
 def target_hollows(target: Any) -> set[str]:
     """The key paths of a load target's empty containers (optax's ``EmptyState()``, ``{}``, ``()``)."""
-    from .._load.engine import _is_target_leaf
+    from .._load.engine import is_target_leaf
     from .._tree.pytree import flatten
 
     out: set[str] = set()
@@ -215,7 +215,7 @@ def target_hollows(target: Any) -> set[str]:
             walk(v, _join(path, k))
 
     try:
-        structure, _ = flatten(target, is_leaf=_is_target_leaf)
+        structure, _ = flatten(target, is_leaf=is_target_leaf)
     except ValueError:
         return out  # `_load` reports what is wrong with the target
     walk(structure, "")
