@@ -27,7 +27,7 @@ from .._storage.location import Location
 from .._tree.leaves import check_key_target, handler_named, is_key_dtype, key_dtype, wrap_key
 from .._tree.perprocess import LoadView
 from .._tree.pytree import display_path, map_with_path, unflatten
-from .._tree.shardings import WHOLE_PUT_BYTES, concrete_sharding, puts_whole
+from .._tree.shardings import WHOLE_PUT_BYTES, concrete_sharding, misfit, puts_whole
 from .metadata import read_index, read_manifest
 from .options import LoadOptions, options_of
 from .prefetch import prefetch
@@ -294,7 +294,11 @@ def match_target(loc: Location, name: str, index: fmt.ItemIndex, target: Any, pa
                 "(fill_missing=True keeps the target's own value there)"
             )
         leaf = index.leaves[i]
-        wanted[i] = _want_for(t, leaf, where, name) if isinstance(leaf, fmt.ArrayLeaf) else None
+        wanted[i] = want = _want_for(t, leaf, where, name) if isinstance(leaf, fmt.ArrayLeaf) else None
+        if want is not None and want.sharding is not None and want.key_impl is None and (
+                why := misfit(want.sharding, leaf.shape)) is not None:
+            raise MismatchError(f"{where}: leaf {display_path(path, name)!r}: the target's sharding does not fit "
+                                f"the checkpoint's array: {why}")
         return t
 
     map_with_path(note, target, is_leaf=is_target_leaf)

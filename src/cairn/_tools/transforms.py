@@ -173,10 +173,13 @@ def finish(src: Source | None, where: str, report: RestoreReport | None) -> None
 
 def load(loc: Location, target: Any = None, *, partial: bool = False, rename: Rename | None = None,
          drop: Patterns | None = None, fill_missing: bool | Patterns = False,
-         report: RestoreReport | None = None, **kw: Any) -> Any:
-    """`_load.load` of a cairn checkpoint with the transforms (what `CheckpointManager.restore` runs)."""
-    src = open_source(loc, target, rename=rename, drop=drop, fill_missing=fill_missing) if wanted(
-        rename, drop, fill_missing) else None
+         report: RestoreReport | None = None, format: str | None = None, **kw: Any) -> Any:
+    """`_load.load` of a checkpoint with the transforms (what `CheckpointManager.restore` runs).
+
+    `format`: another format's checkpoint (an Orbax step of the run) read as a source.
+    """
+    src = open_source(loc, target, format=format, rename=rename, drop=drop, fill_missing=fill_missing) if (
+        wanted(rename, drop, fill_missing) or format not in (None, "cairn")) else None
     out = _load.load(loc, target, partial=partial, source=src, **kw)
     finish(src, loc.path, report)
     return out

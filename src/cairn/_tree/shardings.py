@@ -90,6 +90,33 @@ def _named(sharding: Any, shape: tuple[int, ...]) -> tuple[tuple[Any, ...], np.n
 _placement_cache: Memo[tuple[list[Box], dict[Box, list[Any]]]] = Memo()
 
 
+def misfit(sharding: Any, shape: tuple[int, ...]) -> str | None:
+    """Why `sharding` cannot lay out an array of `shape` (None if it can), in words for an error.
+
+    JAX decides (a JAX that allows uneven shards allows them here too); its
+    own errors (``IndivisibleError``, an ``IndexError`` for a PartitionSpec
+    longer than the array) name neither the checkpoint nor the leaf, so the
+    caller adds both, and a NamedSharding's misfit is said in its terms.
+    """
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if spec is not None and len(spec) > len(shape):
+        return (f"its PartitionSpec {spec} names {len(spec)} dimension{'s' if len(spec) != 1 else ''}, but "
+                f"the array has {len(shape)} (shape {shape})")
+    try:
+        sharding.shard_shape(tuple(shape))
+    except Exception as e:  # JAX refuses this shape
+        if spec is not None and mesh is not None:
+            sizes = dict(mesh.shape)
+            for dim, (n, entry) in enumerate(zip(shape, spec)):
+                axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+                ways = int(np.prod([sizes.get(a, 1) for a in axes])) if axes else 1
+                if ways > 1 and n % ways:
+                    return (f"its PartitionSpec {spec} splits dimension {dim} (size {n}, shape {shape}) {ways} "
+                            f"ways (mesh axes {', '.join(map(repr, axes))}), which does not divide it")
+        return f"JAX cannot lay out shape {shape} with it: {e}"
+    return None
+
+
 def addressable_boxes(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Box], dict[Box, list[Any]]]:
     """The distinct boxes `sharding` puts on this process's devices, and the devices of each.
 
