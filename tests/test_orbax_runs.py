@@ -274,8 +274,8 @@ def test_cp_of_a_run_directory_copies_every_committed_step(tmp_path, mesh42, cap
     (tmp_path / "notes.txt").write_text("hi")
     os.makedirs(tmp_path / "empty" / "x")
     (tmp_path / "empty" / "x" / "y.txt").write_text("hi")
-    for src, said in (("notes.txt", "is not a checkpoint (a file, or an empty folder)"),
-                      ("empty", "is not a cairn checkpoint: no manifest.json")):
+    for src, said in (("notes.txt", "holds no committed checkpoint: it is a file or an empty folder"),
+                      ("empty", "no manifest.json, and no files of a cairn save")):
         assert cli(["cp", str(tmp_path / src), str(tmp_path / "z")]) == 1
         assert said in capsys.readouterr().err
     only_orbax = tmp_path / "orbax_only"
@@ -301,7 +301,7 @@ def test_diff_of_an_orbax_and_a_cairn_checkpoint(tmp_path, capsys):
     got = {(e["path"], e["status"]) for e in json.loads(capsys.readouterr().out)["entries"]}
     assert got == {("params/w", "values changed"), ("params/b", "equal"), ("", "only in B")}
     assert cli(["diff", str(tmp_path), str(tmp_path / "same")]) == 1
-    assert "is a directory of checkpoints, not one" in capsys.readouterr().err
+    assert "it is a directory of checkpoints" in capsys.readouterr().err
 
 
 def test_orbax_step_prefix_and_ls_of_one_step(tmp_path, capsys):

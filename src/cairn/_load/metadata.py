@@ -47,17 +47,16 @@ _SAVE_FILE = re.compile(r"(^|/)(p\d{5}-\d+\.[0-9a-f]+\.bin|index\.[0-9a-f]+\.jso
 def _no_manifest(loc: Location) -> str:
     """What is at `loc`, which exists but has no manifest: said so that the user knows what to do."""
     st = loc.storage
+    head = f"{loc.path} holds no committed checkpoint"
     children = sorted(st.list_dir(loc.name))
     if not children:
-        return f"{loc.path} is not a checkpoint (a file, or an empty folder): a cairn checkpoint is a folder " \
-               f"holding {fmt.MANIFEST}"
+        return f"{head}: it is a file or an empty folder (a cairn checkpoint is a folder holding {fmt.MANIFEST})"
     inside = [c for c in children[:64] if st.exists(f"{loc.key(c)}/{fmt.MANIFEST}")]
     if inside:
-        return (f"{loc.path} is a directory of checkpoints, not one (e.g. {inside[-1]}); `cairn ls {loc.path}` "
-                "lists them")
+        return f"{head}: it is a directory of checkpoints (e.g. {inside[-1]}); `cairn ls {loc.path}` lists them"
     if any(_SAVE_FILE.search(k) for k in st.list(loc.name)):
-        return f"{loc.path} holds no committed checkpoint (no {fmt.MANIFEST}; an interrupted save?)"
-    return f"{loc.path} is not a cairn checkpoint: no {fmt.MANIFEST} in it"
+        return f"{head} (no {fmt.MANIFEST}; an interrupted save?)"
+    return f"{head}: no {fmt.MANIFEST}, and no files of a cairn save"
 
 
 def _read_error(loc: Location, what: str, e: OSError) -> CheckpointError:
