@@ -41,7 +41,7 @@ import numpy as np
 from .._core.checksum import crc32c
 from .._errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .._format import manifest as fmt
-from .._format.partfile import HEADER_BYTES, RECORD_BYTES, decode_part
+from .._format.partfile import PART_VERSION, PART_VERSION_SIZES, decode_part, part_bytes
 from .._load.metadata import index_bytes, manifest_bytes, parse_index
 from .._load.reader import DEFAULT_BUDGET
 from .._save.commit import CommitStrategy, strategy_for
@@ -79,9 +79,11 @@ class _File:
     size: int
     kind: str  # "index" (bytes held), "part" (read whole, decoded), "data" (streamed) or "manifest"
     data: bytes = b""
-    chunks: tuple[tuple[int, int, Any, int], ...] = ()  # data: (offset, nbytes, leaf, cell) by offset
+    # data: (offset, stored bytes, leaf, cell, each block's stored size) by offset
+    chunks: tuple[tuple[int, int, Any, int, tuple[int, ...]], ...] = ()
     block: int = fmt.DEFAULT_BLOCK_SIZE
     item: str = ""
+    part_version: int = PART_VERSION  # part: the version its index's version implies
 
 
 @dataclass
@@ -136,13 +138,15 @@ def _plan(src: Location, raw_manifest: bytes) -> tuple[str, list[_File]]:
             if isinstance(leaf, fmt.ArrayLeaf):
                 for cell, (fi, off) in enumerate(leaf.chunks):
                     if leaf.chunk_nbytes(cell):
-                        by_file.setdefault(fi, []).append((off, leaf.chunk_nbytes(cell), leaf, cell))
+                        sizes = leaf.stored_sizes(cell, index.block_size)
+                        by_file.setdefault(fi, []).append((off, sum(sizes), leaf, cell, sizes))
         for fi, f in enumerate(index.files):
             chunks = tuple(sorted(by_file.get(fi, ()), key=lambda c: c[0]))
             files.append(_File(f"{info.dir}/{f.name}", f.size, "data", chunks=chunks, block=index.block_size,
                                item=name))
+        pv = PART_VERSION_SIZES if index.version >= 3 else PART_VERSION
         for p in index.parts:
-            files.append(_File(f"{info.dir}/{p.name}", HEADER_BYTES + RECORD_BYTES * p.records + 4 * p.crcs, "part"))
+            files.append(_File(f"{info.dir}/{p.name}", part_bytes(p.records, p.crcs, pv), "part", part_version=pv))
     if not manifest.items:
         return "empty", files
     first = next(iter(manifest.items.values())).index
@@ -162,12 +166,13 @@ class _Checker:
     def __init__(self, where: str, f: _File):
         self.where, self.f = where, f
         self.i, self.b, self.crc = 0, 0, 0  # chunk, block of it, running CRC of that block
+        self.at = 0  # where block b starts in its chunk (stored bytes)
 
     def feed(self, pos: int, buf: Any) -> None:
-        chunks, block, end = self.f.chunks, self.f.block, pos + len(buf)
+        chunks, end = self.f.chunks, pos + len(buf)
         while self.i < len(chunks):
-            off, n, leaf, cell = chunks[self.i]
-            bs, be = off + self.b * block, min(off + (self.b + 1) * block, off + n)
+            off, _n, leaf, cell, sizes = chunks[self.i]
+            bs, be = off + self.at, off + self.at + sizes[self.b]
             if bs >= end:
                 return
             lo, hi = max(bs, pos), min(be, end)
@@ -181,9 +186,9 @@ class _Checker:
                     f"{self.where}{'' if not self.f.item else f' [{self.f.item}]'}: {describe_chunk(leaf, cell)} "
                     f"in {self.f.rel!r} is corrupt: block {self.b} (file bytes {bs}..{be}) has CRC-32C "
                     f"{self.crc:#010x}, stored {want:#010x}")
-            self.crc, self.b = 0, self.b + 1
-            if self.b * block >= n:
-                self.i, self.b = self.i + 1, 0
+            self.crc, self.at, self.b = 0, self.at + sizes[self.b], self.b + 1
+            if self.b >= len(sizes):
+                self.i, self.b, self.at = self.i + 1, 0, 0
 
 
 # ---------------------------------------------------------------------- one file
@@ -252,7 +257,7 @@ def _source_part(run: _Run, f: _File) -> bytes:
         raise CorruptCheckpointError(f"{loc.path}: the index part {f.rel!r} named by the index is missing") from None
     except OSError as e:
         raise CheckpointError(f"{loc.path}: reading {f.rel!r} failed: {e}") from e
-    decode_part(data, loc.storage.describe(key))  # every checksum of the part
+    decode_part(data, loc.storage.describe(key), f.part_version)  # every checksum of the part
     return data
 
 
