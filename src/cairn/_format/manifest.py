@@ -325,20 +325,21 @@ class ItemIndex:
     table: ChunkTable | None = None  # set when read; fetches records from the parts
     version: int = FORMAT_VERSION
 
-    def to_json(self, version: int = FORMAT_VERSION) -> bytes:
-        """The index file; `version` 1 writes every chunk explicitly (the parts are then not needed)."""
+    def to_json(self, version: int = FORMAT_VERSION, explicit: bool = False) -> bytes:
+        """The index file; `version` 1 (or `explicit`) writes every chunk explicitly (the parts are then
+        not needed)."""
         d: dict[str, Any] = {
             "format": "cairn-index",
             "version": version,
             "block_size": self.block_size,
             "files": [{"name": f.name, "size": f.size} for f in self.files],
         }
-        if self.parts and version >= 2:
+        if self.parts and version >= 2 and not explicit:
             d["processes"] = self.processes
             d["parts"] = [{"name": p.name, "process": p.process, "records": p.records, "crcs": p.crcs,
                            "file_base": p.file_base, "files": p.files} for p in self.parts]
         d["structure"] = self.structure
-        d["leaves"] = [_leaf_to_json(leaf, version) for leaf in self.leaves]
+        d["leaves"] = [_leaf_to_json(leaf, version, explicit) for leaf in self.leaves]
         return dump_checked_json(d)
 
     @classmethod
@@ -377,7 +378,7 @@ class ItemIndex:
                    table=table if table and table.leaves else None, version=version)
 
 
-def _leaf_to_json(leaf: Leaf, version: int = 1) -> dict[str, Any]:
+def _leaf_to_json(leaf: Leaf, version: int = 1, explicit: bool = False) -> dict[str, Any]:
     if isinstance(leaf, ArrayLeaf):
         out: dict[str, Any] = {
             "path": leaf.path,
@@ -388,7 +389,7 @@ def _leaf_to_json(leaf: Leaf, version: int = 1) -> dict[str, Any]:
         }
         if leaf.codec != "none":
             out["codec"] = leaf.codec
-        if leaf.writers is not None and version >= 2:
+        if leaf.writers is not None and version >= 2 and not explicit:
             out["writers"] = leaf.writers
         else:
             out["chunks"] = [[f, o, *c] for (f, o), c in zip(leaf.chunks, leaf.crcs)]

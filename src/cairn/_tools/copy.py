@@ -315,6 +315,7 @@ def copy(
     dst_storage_options: dict | None = None,
     on_total: Callable[[int], None] | None = None,
     progress: Callable[[int], None] | None = None,
+    compression: str | bool | None = None,
 ) -> CopyStats:
     """Copy the committed checkpoint at `src` to `dst` (any two stores), streamed, verified, resumable.
 
@@ -330,6 +331,14 @@ def copy(
     of up to 16 MiB, `threads` files at a time. `storage_options` are the
     source's (and, unless `dst_storage_options`, the destination's).
 
+    `compression` None (the default) copies the stored bytes as they are,
+    compressed or not. Anything else (as for `cairn.save`: "auto", True,
+    False, "zstd", "planes") recompresses: the checkpoint is loaded (as numpy,
+    every checksum verified) and saved anew at `dst` with that setting, its
+    metadata kept. That holds the whole state in host memory (not
+    `budget_bytes`), does not resume, and refuses typed PRNG keys, user
+    objects and per-process values (copy those without `compression`).
+
     Raises `CheckpointNotFoundError` (nothing committed at `src`),
     `CheckpointExistsError` (`dst` holds another checkpoint),
     `CorruptCheckpointError` (the source fails a check; the partial copy is
@@ -343,6 +352,10 @@ def copy(
     d = resolve(dst, storage_options if dst_storage_options is None else dst_storage_options)
     if (s.storage.url, s.name) == (d.storage.url, d.name):
         raise CheckpointError(f"{d.path}: the source and the destination are the same checkpoint")
+    if compression is not None:
+        if move:
+            raise ValueError("move=True copies stored bytes as they are: pass no compression")
+        return _recompress(s, d, compression, overwrite, t0)
     if budget_bytes < 2 * MIN_PIECE:
         raise ValueError(f"budget_bytes={budget_bytes} is below the minimum of {2 * MIN_PIECE}")
     # Two pieces per file in flight: the one the writer is taking, the next one being read.
@@ -391,6 +404,29 @@ def copy(
     return stats
 
 
+def _recompress(s: Location, d: Location, compression: str | bool, overwrite: bool, t0: float) -> CopyStats:
+    """`copy` with another `compression`: load the source whole (checked), save it anew at `d`."""
+    from .._load.engine import load
+    from .._load.metadata import read_index, read_manifest
+    from .._save.future import save
+
+    manifest = read_manifest(s)
+    for name, info in manifest.items.items():
+        index = read_index(s, info)
+        for leaf in index.leaves:
+            if getattr(leaf, "kind", "") in ("prng_key", "object") or "per_process" in json.dumps(index.structure):
+                raise CheckpointError(f"{s.path}: item {name!r} holds typed PRNG keys, user objects or per-process "
+                                      "values, which recompression does not carry over; copy without compression")
+    state = load(s, None)
+    if not manifest.root and not isinstance(state, dict):
+        raise CheckpointError(f"{s.path}: cannot recompress this checkpoint")
+    saved = save(d, state, overwrite=overwrite, metadata=manifest.metadata, compression=compression)
+    stats = CopyStats(s.path, d.path)
+    stats.files_copied, stats.bytes_copied = saved.files_written, saved.bytes_written
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
 def _check_copy(run: _Run, files: list[_File], threads: int) -> None:
     """Read the committed copy at `run.dst` back; `CorruptCheckpointError` names what is wrong."""
     bad: list[str] = []
@@ -423,14 +459,21 @@ def add_commands(sub: Any, parse_bytes: Callable[[str], int]) -> None:
         s.add_argument("--budget", type=parse_bytes, default=DEFAULT_BUDGET,
                        help="memory budget for data in flight (default 256M)")
         s.add_argument("--threads", type=int, default=8, help="files copied at once (default 8)")
+        if not move:
+            s.add_argument("--compression", default=None, choices=["auto", "true", "false", "none", "zstd", "planes"],
+                           help="recompress (load and save anew; the state is held in memory): auto, true (a "
+                                "codec per leaf), false/none, zstd, planes. Default: copy stored bytes as they are")
         s.add_argument("--json", action="store_true")
         s.set_defaults(fn=run_copy, move=move)
 
 
 def run_copy(args: argparse.Namespace, out: Any) -> int:
     with out.progress("moving" if args.move else "copying", None) as (set_total, advance):
+        comp = getattr(args, "compression", None)
+        comp = {"true": True, "false": False}.get(comp, comp) if comp is not None else None
         stats = copy(args.src, args.dst, overwrite=args.overwrite, move=args.move, verify=not args.no_verify,
-                     budget_bytes=args.budget, threads=args.threads, on_total=set_total, progress=advance)
+                     budget_bytes=args.budget, threads=args.threads, on_total=set_total, progress=advance,
+                     compression=comp)
     if args.json:
         print(json.dumps(stats.as_dict(), indent=2))
         return 0
