@@ -256,3 +256,23 @@ def test_export_to_safetensors_reads_through_the_codecs(tmp_path):
     got = {k.rsplit("/", 1)[-1]: v for k, v in got.items()}
     assert got["ids"].tobytes() == state["params"]["ids"].tobytes()
     assert got["zeros"].tobytes() == state["params"]["zeros"].tobytes()
+
+
+def test_read_once_and_dry_run_on_a_compressed_checkpoint(tmp_path):
+    """A replicated target read once (then moved by collectives) decodes through the same reader; the
+    dry run of a load plans a compressed checkpoint without failing."""
+    full = trained((256, 512))
+    path = where_of("memory", tmp_path)
+    m8 = jax.make_mesh((8,), ("x",))
+    cairn.save(path, {"w": jax.device_put(full, NamedSharding(m8, P("x")))}, compression="planes")
+    _, leaves = leaves_of(path)
+    leaf, block = leaves["w"]
+    stored = sum(sum(leaf.stored_sizes(c, block)) for c in range(len(leaf.chunks)))
+    replicated = NamedSharding(m8, P())
+    stats = cairn.LoadStats()
+    got = cairn.load(path, {"w": jax.ShapeDtypeStruct(full.shape, full.dtype, sharding=replicated)},
+                     read_once=True, stats=stats)
+    assert np.asarray(got["w"]).tobytes() == full.tobytes() and got["w"].sharding == replicated
+    assert stats.bytes_read == stored  # each stored byte once, whatever the replication
+    plan = cairn.plan_load(path, {"w": jax.ShapeDtypeStruct(full.shape, full.dtype, sharding=replicated)})
+    assert plan is not None
