@@ -11,9 +11,11 @@ commits. See docs/ARCHITECTURE.md for the protocol.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -128,7 +130,8 @@ class SaveJob:
     def version(self) -> int:
         return fmt.FORMAT_VERSION if self.compression is None else fmt.COMPRESSED_VERSION
 
-    def _write_file(self, item: SaveItem, k: int, slots: list[FileSlot], crc_pool: ThreadPoolExecutor):
+    def _write_file(self, item: SaveItem, k: int, slots: list[FileSlot], crc_pool: ThreadPoolExecutor,
+                    code_pool: ThreadPoolExecutor | None = None):
         # Per chunk, in slot order: its CRC (one block), or a list of its block CRCs or their futures.
         # Plain ints where possible: a state of thousands of small leaves makes one per chunk, and
         # objects the garbage collector tracks make it run full collections during the save.
@@ -161,8 +164,7 @@ class SaveJob:
                             f"planned {slot.nbytes}")
                     dtype = item.leaves[slot.leaf].dtype
                     sizes, block_crcs = [], []
-                    for o in range(0, len(raw), block):
-                        enc = _codecs.encode(codec, raw[o : o + block], dtype)
+                    for enc in _encoded(code_pool, codec, raw, block, dtype):
                         sizes.append(len(enc))
                         block_crcs.append(crc32c(enc))
                         if len(enc) <= SMALL_CHUNK:
@@ -244,11 +246,16 @@ class SaveJob:
         jobs = []
         if self.compression is not None:
             self.codecs = choose_codecs(self)
+        # Compressed blocks are encoded by a pool of their own, so that a file of large chunks uses
+        # every core (a file's writer thread alone would code its blocks one after another).
+        coders = max(1, min(self.threads, os.cpu_count() or 1)) if self.compression is not None else 0
         with ThreadPoolExecutor(max(1, self.threads), thread_name_prefix="cairn-write") as pool, \
-                ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool:
+                ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool, \
+                ThreadPoolExecutor(max(1, coders), thread_name_prefix="cairn-code") as code_pool:
             for item in self.items:
                 for k, slots in enumerate(item.files):
-                    jobs.append((item, k, pool.submit(self._write_file, item, k, slots, crc_pool)))
+                    jobs.append((item, k, pool.submit(self._write_file, item, k, slots, crc_pool,
+                                                      code_pool if coders > 1 else None)))
             results = [(item, k, f.result()) for item, k, f in jobs]
         for item in self.items:
             partial[item.name] = {"files": [], "chunks": [], "stored": {}}
@@ -387,6 +394,24 @@ class SaveJob:
             created_unix=time.time(), metadata=self.metadata,
         ).to_json(self.version)
         self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite)
+
+
+def _encoded(pool: ThreadPoolExecutor | None, codec: str, raw: memoryview, block: int, dtype: Any) -> Any:
+    """The stored forms of `raw`'s blocks, in order: coded on `pool` (at most a few blocks ahead of the
+    writer, so memory stays bounded by the window, not the chunk) or on this thread."""
+    starts = range(0, len(raw), block)
+    if pool is None or len(starts) < 2:
+        for o in starts:
+            yield _codecs.encode(codec, raw[o : o + block], dtype)
+        return
+    window = 2 * max(1, getattr(pool, "_max_workers", 2))
+    ahead: collections.deque[Any] = collections.deque()
+    for o in starts:
+        ahead.append(pool.submit(_codecs.encode, codec, raw[o : o + block], dtype))
+        if len(ahead) >= window:
+            yield ahead.popleft().result()
+    while ahead:
+        yield ahead.popleft().result()
 
 
 def resolve_compression(compression: str | bool | None, storage: Any) -> str | None:
