@@ -342,3 +342,24 @@ def test_swapped_stored_sizes_are_caught_by_the_block_checksums(coded):
     _forge_part_sizes(coded, swap)
     with pytest.raises(cairn.CorruptCheckpointError):
         cairn.load(coded)
+
+
+def test_an_uncompressed_leaf_of_a_version_3_part_must_store_raw_sizes(tmp_path):
+    """In a version-3 part a leaf of codec "none" still lists its blocks' sizes: they must be the raw ones
+    (a forged split of the same total would otherwise move block boundaries)."""
+    from cairn._save import engine
+    from cairn._storage.location import resolve
+
+    path = tmp_path / "run" / "raw3"
+    noise = np.random.default_rng(4).integers(0, 256, 3 * 4096, dtype=np.uint8)
+    engine.prepare(resolve(str(path)), {"params": {"n": noise}}, block_size=4096, compression=True).run()
+    assert json.loads((path / fmt.MANIFEST).read_bytes())["version"] == 3
+
+    def shift(sizes):
+        sizes[0] += 8
+        sizes[1] -= 8
+        return sizes
+
+    _forge_part_sizes(path, shift)
+    with pytest.raises(cairn.CorruptCheckpointError, match="uncompressed"):
+        cairn.load(path)
