@@ -45,6 +45,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--workdir", default=None,
                     help="where checkpoints are written (default: <out>/work; same disk as --out)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
+    ap.add_argument("--values", choices=["random", "trained"], default="random",
+                    help="array values: random bits (incompressible), or a trained layer's (benchmarks.trained_state: "
+                         "init as a model would, then AdamW steps) for bytes on disk and compression")
+    ap.add_argument("--compression", default="auto", help="cairn's compression= (auto, true, false, zstd, planes)")
     a = ap.parse_args(argv)
     a.systems = [s for s in a.systems.split(",") if s]
     bad = [s for s in a.systems if s not in ALL]
@@ -105,6 +109,8 @@ def run_one(system: str, size_bytes: int, dtype: str, workdir: str, timeout: flo
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
+    os.environ["CAIRN_BENCH_VALUES"] = a.values  # the workers (subprocesses) build their states from it
+    os.environ["CAIRN_BENCH_COMPRESSION"] = a.compression
     os.makedirs(a.out, exist_ok=True)
     # Absolute: Orbax refuses relative checkpoint paths.
     workdir = os.path.abspath(a.workdir or os.path.join(a.out, "work"))

@@ -17,6 +17,7 @@ training state passes it (leaf names below are the dotted key paths).
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -124,10 +125,16 @@ def sized_spec(target_bytes: int, dtype: str) -> list[Leaf]:
 def leaf_values(leaf: Leaf, index: int, dtype: np.dtype, seed: int = 0) -> np.ndarray:
     """Deterministic, incompressible values shaped like trained weights.
 
+    With ``CAIRN_BENCH_VALUES=trained`` (``python -m benchmarks.run --values
+    trained``), the values of a trained layer instead (`trained_values`), so
+    that sizes on disk and compression are measured on realistic bytes.
+
     Uniform in +-1/sqrt(fan_in) with all 23 mantissa bits random (built from
     raw PCG64 output, several times faster than drawing normals, which keeps
     state construction cheap next to the timed operations); norms near 1.
     """
+    if os.environ.get("CAIRN_BENCH_VALUES", "random") == "trained":
+        return trained_values(leaf, index, dtype, seed)
     n = int(np.prod(leaf.shape))
     bits = np.random.Generator(np.random.PCG64([seed, index])).bit_generator.random_raw((n + 1) // 2)
     u = bits.view(np.uint32)[:n]
@@ -142,6 +149,26 @@ def leaf_values(leaf: Leaf, index: int, dtype: np.dtype, seed: int = 0) -> np.nd
         x *= np.float32(2.0 / np.sqrt(leaf.fan_in))
     x = x.reshape(leaf.shape)
     return x if dtype == np.float32 else x.astype(dtype)
+
+
+#: AdamW steps behind `trained_values` (few: a 2 GiB state must build in reasonable time; the bytes'
+#: statistics, which is what compression sees, settle after the first steps).
+TRAINED_STEPS = 3
+
+
+def trained_values(leaf: Leaf, index: int, dtype: np.dtype, seed: int = 0) -> np.ndarray:
+    """A parameter as `benchmarks.trained_state` makes one: initialised as a model would be (std 0.02
+    for embeddings, 1/sqrt(fan_in) for matrices, ones for norm scales), then AdamW steps, in `dtype`."""
+    from .trained_state import _leaf
+
+    rng = np.random.Generator(np.random.PCG64([seed, index, 29]))
+    if leaf.axis is None and len(leaf.shape) == 1:
+        kind, std = "scale", 0.0
+    else:
+        kind, std = ("embed", 0.02) if "embed" in leaf.name else ("matrix", 1 / np.sqrt(leaf.fan_in))
+    shape = leaf.shape if len(leaf.shape) <= 2 else (leaf.shape[0], int(np.prod(leaf.shape[1:])))
+    p, _, _ = _leaf(rng, shape, kind, std, TRAINED_STEPS, np.dtype(dtype), np.dtype(np.float32))
+    return p.reshape(leaf.shape)
 
 
 def fingerprint(a: np.ndarray) -> str:

@@ -16,6 +16,12 @@ import numpy as np
 from . import state as st
 
 
+def _compression() -> Any:
+    """cairn's `compression=` for this run (`python -m benchmarks.run --compression`): "auto" by default."""
+    c = os.environ.get("CAIRN_BENCH_COMPRESSION", "auto")
+    return {"true": True, "false": False}.get(c, c)
+
+
 class System:
     name = ""
     reshards = True  # can load into a different sharding than it saved
@@ -65,16 +71,16 @@ class Cairn(System):
         lsig = inspect.signature(self.cairn.load).parameters
         return {
             "version": getattr(self.cairn, "__version__", "?"),
-            "save": f"cairn.save(path, state) (threads={sig['threads'].default}, defaults)",
+            "save": f"cairn.save(path, state) (threads={sig['threads'].default}, compression={_compression()!r})",
             "async": "cairn.save_async(path, state).result()",
             "load": f"cairn.load(path, abstract ShapeDtypeStruct tree with sharding) (threads={lsig['threads'].default}, verify=True)",
         }
 
     def save(self, state: Any, path: str) -> None:
-        self.cairn.save(path, state)
+        self.cairn.save(path, state, compression=_compression())
 
     def save_async(self, state: Any, path: str) -> Any:
-        return self.cairn.save_async(path, state)
+        return self.cairn.save_async(path, state, compression=_compression())
 
     def wait(self, handle: Any) -> None:
         handle.result()

@@ -24,3 +24,14 @@ def as_version_1(path) -> None:
     m.pop("crc32c")
     m["version"] = 1
     (path / fmt.MANIFEST).write_bytes(fmt.dump_checked_json(m))
+
+
+def as_explicit(path) -> None:
+    """Rewrite a checkpoint's indexes with every chunk in the JSON (its version kept: version 3 keeps
+    its codecs, and each compressed chunk's block sizes go into the JSON ``stored`` list)."""
+    opened = open_checkpoint(path)
+    for name, info in opened.manifest.items.items():
+        index = opened.indexes[name]
+        if index.table is not None:
+            index.table.fetch_all()
+        (path / info.dir / info.index).write_bytes(index.to_json(version=index.version, explicit=True))

@@ -196,7 +196,7 @@ def _interrupted_save(monkeypatch, path, state):
 
         m.setattr(_save.SaveJob, "_commit", die)
         with pytest.raises(cairn.CheckpointError, match="simulated crash"):
-            cairn.save(path, state)
+            cairn.save(path, state, compression=False)
 
 
 def _manager_meta(step, loss):
@@ -209,7 +209,7 @@ def test_ls_and_gc_with_an_interrupted_save(tmp_path, monkeypatch, capsys, where
     state = {"x": np.arange(1000, dtype=np.float32), "n": 1}
     cairn.save(f"{base}/step_00000001", state, metadata=_manager_meta(1, 0.5))
     cairn.save(f"{base}/step_00000002", state, metadata=_manager_meta(2, 0.25))
-    _interrupted_save(monkeypatch, f"{base}/step_00000003", state)
+    _interrupted_save(monkeypatch, f"{base}/step_00000003", state)  # raw: its data file has 4000 bytes
     if where == "local":
         os.makedirs(tmp_path / "run" / "notes")  # not cairn's: never listed, never removed
         (tmp_path / "run" / "notes" / "readme.txt").write_text("mine")

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import cairn
-from _forge import as_version_1
+from _forge import as_explicit, as_version_1
 from _trees import assert_same
 from cairn._format import manifest as fmt
 
@@ -40,10 +40,11 @@ def state():
 
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
+@pytest.fixture(scope="module", params=[False, "zstd", "planes"])
+def pristine(tmp_path_factory, request):
+    """The checkpoint raw (format version 2) and with every array compressed (version 3)."""
     path = tmp_path_factory.mktemp("corrupt") / "ckpt"
-    cairn.save(path, state(), metadata={"note": "original"})
+    cairn.save(path, state(), metadata={"note": "original"}, compression=request.param)
     return path
 
 
@@ -215,10 +216,17 @@ def _paths(node, prefix=()):
             yield from _paths(v, (*prefix, i))
 
 
-@pytest.fixture(scope="module")
-def fuzz_dir(tmp_path_factory):
+@pytest.fixture(scope="module", params=["raw", "compressed"])
+def fuzz_dir(tmp_path_factory, request):
+    """Raw, and compressed with every chunk in the JSON index (so the fuzz reaches each block's
+    `stored` size and the `codec` of format version 3)."""
     path = tmp_path_factory.mktemp("fuzz") / "ckpt"
-    cairn.save(path, state(), metadata={"note": "original"})
+    if request.param == "raw":
+        cairn.save(path, state(), metadata={"note": "original"})
+    else:
+        cairn.save(path, state(), metadata={"note": "original"}, compression="zstd")
+        as_explicit(path)
+        assert b'"stored"' in index_file(path, "params").read_bytes()
     return path
 
 

@@ -169,7 +169,23 @@ EXPECTED_V2: dict[str, Any] = {
                   "rbg": np.arange(4, dtype=np.uint32) * 1000 + 1, "step": 1},
 }
 
-CHECKPOINTS = sorted([f"{v}/{name}" for v in VERSIONS for name in EXPECTED] + [f"v2/{n}" for n in EXPECTED_V2])
+
+def _codecs_state() -> dict[str, Any]:
+    rng = np.random.default_rng(29)
+    weights = rng.normal(0, 0.02, (64, 256)).astype(ml_dtypes.bfloat16)
+    return {"state": {"weights": weights, "moments": np.zeros((4096,), np.float32),
+                      "ids": np.arange(6000, dtype=np.int64) % 7,
+                      "noise": rng.integers(0, 256, 10000, dtype=np.uint8), "step": 3}}
+
+
+# Goldens of version 3 only (compressed blocks, FORMAT.md §6.4). The other v3 goldens are the v1/v2
+# cases saved with `compression=True` (a codec per leaf by measurement), all but two_processes.
+EXPECTED_V3: dict[str, Any] = {"codecs": _codecs_state()}
+V3_CASES = [n for n in EXPECTED if not n.startswith("two_processes")] + list(EXPECTED_V2) + list(EXPECTED_V3)
+ALL_VERSIONS = (*VERSIONS, "v3")
+
+CHECKPOINTS = sorted([f"{v}/{name}" for v in VERSIONS for name in EXPECTED] + [f"v2/{n}" for n in EXPECTED_V2]
+                     + [f"v3/{n}" for n in V3_CASES])
 
 
 def _base(name: str) -> str:
@@ -178,13 +194,15 @@ def _base(name: str) -> str:
 
 def _expected(name: str) -> Any:
     base = _base(name)
+    if base in EXPECTED_V3:
+        return EXPECTED_V3[base]
     return EXPECTED_V2[base] if base in EXPECTED_V2 else EXPECTED[base]
 
 
 def test_every_golden_is_checked():
     on_disk = sorted(
         p.parent.relative_to(GOLDEN_ROOT).as_posix() for p in GOLDEN_ROOT.rglob("manifest.json")
-        if p.parent.parent.name in VERSIONS or p.parent.parent.parent.name in VERSIONS
+        if p.parent.parent.name in ALL_VERSIONS or p.parent.parent.parent.name in ALL_VERSIONS
     )
     assert on_disk == CHECKPOINTS, "a golden checkpoint without expected values in test_golden.py (or vice versa)"
 
@@ -326,12 +344,14 @@ def _target_shardings(mesh) -> dict[str, dict[str, Any]]:
     }
 
 
-@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("version", ALL_VERSIONS)
 @pytest.mark.parametrize(
     "name", ["jax_arrays", "step_5", "two_items", "small_blocks", "two_processes", "root_tree", "root_leaf"]
 )
 def test_loads_onto_another_mesh(version, name, mesh24):
     """Each array comes back with the target's sharding on a mesh the checkpoint never saw."""
+    if version == "v3" and name == "two_processes":
+        pytest.skip("no two-process golden of version 3")
     shardings = _target_shardings(mesh24)[name]
     is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
     target = _map(lambda s, w: jax.ShapeDtypeStruct(w.shape, w.dtype, sharding=s) if is_sharding(s) else s,
@@ -418,14 +438,15 @@ def test_a_flipped_data_byte_is_corruption(name, tmp_path):
     assert_identical(cairn.load(ckpt), _expected(name), name)  # the copy itself was sound
 
 
-@pytest.mark.parametrize("name", [f"{v}/{n}" for v in VERSIONS for n in ("step_5", "values", "two_processes")])
+@pytest.mark.parametrize("name", [f"{v}/{n}" for v in VERSIONS for n in ("step_5", "values", "two_processes")]
+                         + ["v3/step_5", "v3/values", "v3/codecs"])
 def test_a_flipped_metadata_byte_is_corruption(name, tmp_path):
     ckpt = _copy(name, tmp_path)
     manifest = json.loads((ckpt / "manifest.json").read_bytes())
     item = next(iter(manifest["items"].values()))
     for f in (ckpt / "manifest.json", ckpt / item["dir"] / item["index"]):
         original = f.read_bytes()
-        digit = re.search(rb'"version":[12]', original).end() - 1  # "version":1 -> "version":0 (2 -> 3)
+        digit = re.search(rb'"version":[123]', original).end() - 1  # "version":1 -> "version":0 (2 -> 3)
         _flip(f, digit)
         with pytest.raises(cairn.CorruptCheckpointError):
             cairn.load(ckpt)

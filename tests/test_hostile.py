@@ -186,7 +186,7 @@ def allocations(monkeypatch):
 
 
 @pytest.mark.parametrize("which", ["manifest", "index"])
-@pytest.mark.parametrize("version", [0, 3, 99, "1", None])
+@pytest.mark.parametrize("version", [0, 4, 99, "1", None])
 def test_unknown_format_versions(ckpt, which, version):
     file = ckpt / fmt.MANIFEST if which == "manifest" else index_file(ckpt, "params")
     rewrite(file, lambda d: d.__setitem__("version", version))
@@ -238,3 +238,128 @@ def test_no_code_loading_primitives_in_the_loader():
         src = inspect.getsource(mod)
         for banned in ("pickle", "eval(", "exec(", "importlib", "__import__", "allow_pickle=True", "marshal.load"):
             assert banned not in src, (mod.__name__, banned)
+
+
+# ---------------------------------------------------------------------- hostile sizes of compressed blocks (v3)
+
+
+@pytest.fixture
+def coded(tmp_path):
+    """A compressed checkpoint (format version 3) whose leaf 'w' has chunks of several 4 KiB blocks."""
+    from cairn._save import engine
+    from cairn._storage.location import resolve
+
+    path = tmp_path / "run" / "coded"
+    w = (np.random.default_rng(3).normal(0, 0.02, (64, 512))).astype(np.float32)  # 128 KiB: 32 blocks
+    engine.prepare(resolve(str(path)), {"params": {"w": w}}, block_size=4096, compression="zstd").run()
+    return path
+
+
+HOSTILE_SIZES = [0, 1, 4095, 2**31, 2**32 - 1]
+
+
+@pytest.mark.parametrize("value", [*HOSTILE_SIZES, -1, 2.5, "7", None, 4096 + 4096 // 8 + 4097])
+@pytest.mark.parametrize("block", [0, 5, -1])
+def test_hostile_stored_sizes_in_the_json(coded, allocations, value, block):
+    """A forged ``stored`` size (with a valid index checksum) is refused or caught by the block checks."""
+    from _forge import as_explicit
+
+    as_explicit(coded)
+    rewrite(index_file(coded, "params"), lambda d: d["leaves"][0]["stored"][0].__setitem__(block, value))
+    with pytest.raises(cairn.CorruptCheckpointError) as e:
+        cairn.load(coded)
+    assert str(coded) in str(e.value)
+    assert sum(allocations) <= 64 * 512 * 4
+
+
+@pytest.mark.parametrize("edit", [
+    lambda leaf: leaf.__setitem__("codec", "lz4"),
+    lambda leaf: leaf.__setitem__("codec", 3),
+    lambda leaf: leaf.__setitem__("codec", "none"),  # the stored blocks are then read as raw
+    lambda leaf: leaf.__delitem__("stored"),
+    lambda leaf: leaf["stored"].pop(),
+    lambda leaf: leaf["stored"][0].pop(),
+    lambda leaf: leaf.__setitem__("stored", {"a": 1}),
+])
+def test_hostile_codec_fields(coded, edit):
+    from _forge import as_explicit
+
+    as_explicit(coded)
+    rewrite(index_file(coded, "params"), lambda d: edit(d["leaves"][0]))
+    with pytest.raises(cairn.CorruptCheckpointError):
+        cairn.load(coded)
+
+
+def _forge_part_sizes(path, edit) -> None:
+    """Rewrite the size column of params' binary part with `edit(sizes)`, re-checksummed as a forger would."""
+    from cairn._core.checksum import crc32c
+    from cairn._format.partfile import HEADER_BYTES, RECORD, RECORD_BYTES
+
+    part = next((path / "params").glob("index.p*.idx"))
+    data = bytearray(part.read_bytes())
+    n, m = (int(v) for v in np.frombuffer(bytes(data[24:40]), "<u8"))
+    crc_at = HEADER_BYTES + n * RECORD_BYTES
+    sizes = np.frombuffer(bytes(data[crc_at + 4 * m : crc_at + 8 * m]), "<u4").astype(np.int64)
+    sizes = np.asarray(edit(sizes.copy()), dtype=np.int64) & 0xFFFFFFFF
+    data[crc_at + 4 * m : crc_at + 8 * m] = sizes.astype("<u4").tobytes()
+    rec = np.frombuffer(bytes(data[HEADER_BYTES:crc_at]), RECORD).copy()
+    starts = rec["crc_start"].astype(np.int64)
+    ends = np.append(starts[1:], m)
+    for i in range(n):
+        s, e = int(starts[i]) * 4, int(ends[i]) * 4
+        col = bytes(data[crc_at + s : crc_at + e])
+        rec["crcs_crc"][i] = crc32c(bytes(data[crc_at + 4 * m + s : crc_at + 4 * m + e]), crc32c(col))
+        raw = rec[i : i + 1].tobytes()
+        rec["rec_crc"][i] = crc32c(raw[: RECORD_BYTES - 4])
+    data[HEADER_BYTES:crc_at] = rec.tobytes()
+    part.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("value", HOSTILE_SIZES)
+@pytest.mark.parametrize("block", [0, 7, -1])
+def test_hostile_stored_sizes_in_the_binary_part(coded, allocations, value, block):
+    """The stored-size column of a version-3 part, forged with valid checksums: a clean error, no allocation
+    beyond the real data."""
+
+    def edit(sizes):
+        sizes[block] = value
+        return sizes
+
+    _forge_part_sizes(coded, edit)
+    with pytest.raises(cairn.CorruptCheckpointError) as e:
+        cairn.load(coded)
+    assert str(coded) in str(e.value)
+    assert sum(allocations) <= 64 * 512 * 4
+
+
+def test_swapped_stored_sizes_are_caught_by_the_block_checksums(coded):
+    """Two blocks' sizes swapped (the sum unchanged, every index checksum valid): the CRCs of the stored
+    blocks no longer match, so the load fails instead of decoding the wrong bytes."""
+    def swap(sizes):
+        sizes[[0, 1]] = sizes[[1, 0]]
+        return sizes
+
+    _forge_part_sizes(coded, swap)
+    with pytest.raises(cairn.CorruptCheckpointError):
+        cairn.load(coded)
+
+
+def test_an_uncompressed_leaf_of_a_version_3_part_must_store_raw_sizes(tmp_path):
+    """In a version-3 part a leaf of codec "none" still lists its blocks' sizes: they must be the raw ones
+    (a forged split of the same total would otherwise move block boundaries)."""
+    from cairn._save import engine
+    from cairn._storage.location import resolve
+
+    path = tmp_path / "run" / "raw3"
+    noise = np.random.default_rng(4).integers(0, 256, 3 * 4096, dtype=np.uint8)
+    engine.prepare(resolve(str(path)), {"params": {"n": noise}}, block_size=4096, compression=True).run()
+    assert json.loads((path / fmt.MANIFEST).read_bytes())["version"] == 3
+
+    def shift(sizes):
+        sizes[0] += 8
+        sizes[1] -= 8
+        return sizes
+
+    _forge_part_sizes(path, shift)
+    with pytest.raises(cairn.CorruptCheckpointError, match="uncompressed"):
+        cairn.load(path)

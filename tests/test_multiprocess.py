@@ -125,6 +125,25 @@ def test_save_on_2_load_on_4(tmp_path):
     _check_numpy(cairn.load(path))
 
 
+def test_compressed_save_on_2_agrees_on_codecs_and_loads_on_4(tmp_path):
+    """Each leaf's codec is chosen by the writer of its first chunk and learnt by the other writers
+    (replicated leaves split between processes), so every chunk of a leaf is stored alike."""
+    from cairn._load.metadata import open_checkpoint
+
+    path = str(tmp_path / "ckpt2z")
+    saved = run(2, "save", {"path": path, "mesh": MESH_2, "split_replicas": True, "compression": True})
+    on_disk = _data_bytes_on_disk(path)
+    assert sum(r["bytes_written"] for r in saved) == on_disk < _total_nbytes()
+    ck = open_checkpoint(path)
+    assert ck.manifest.version == 3
+    index = ck.indexes["params"]
+    index.table.fetch_all()
+    assert any(leaf.codec != "none" for leaf in index.leaves)
+    loaded = run(4, "load", {"path": path, "mesh": MESH_4})
+    assert all(r["shards_checked"] == 8 for r in loaded)
+    _check_numpy(cairn.load(path))
+
+
 def test_split_replicas_spreads_replicated_writes(tmp_path):
     plain = run(4, "save", {"path": str(tmp_path / "plain"), "mesh": MESH_4})
     split = run(4, "save", {"path": str(tmp_path / "split"), "mesh": MESH_4, "split_replicas": True})

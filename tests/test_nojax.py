@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 import textwrap
@@ -81,17 +82,22 @@ _RECORD = np.dtype([("cell", "<u8"), ("offset", "<u8"), ("crc_start", "<u8"), ("
 
 
 def _read_parts(folder, index):
-    """Version 2 (§5.2): every part read whole, its records by (leaf, cell) -> [file, offset, *crcs]."""
+    """Versions 2 and 3 (§5.2): every part read whole, its records by (leaf, cell) -> [file, offset, *crcs]."""
     table = {}
+    v3 = index["version"] == 3
     for part in index.get("parts", []):
         with open(os.path.join(folder, part["name"]), "rb") as f:
             raw = f.read()
         assert raw[:8] == b"CAIRNIDX" and crc32c_reference(raw[:60]) == int.from_bytes(raw[60:64], "little")
+        assert int.from_bytes(raw[8:12], "little") == (3 if v3 else 2)
         n, m = part["records"], part["crcs"]
         assert np.frombuffer(raw, "<u8", 4, 16).tolist() == [part["process"], n, m, 64 + 40 * n]
-        assert len(raw) == 64 + 40 * n + 4 * m
+        assert len(raw) == 64 + 40 * n + (8 if v3 else 4) * m
         records = np.frombuffer(raw, _RECORD, n, 64)
         column = np.frombuffer(raw, "<u4", m, 64 + 40 * n)
+        if v3:  # the stored-size column follows the CRC column; keep both, side by side
+            assert int.from_bytes(raw[48:56], "little") == 64 + 40 * n + 4 * m
+            column = np.stack([column, np.frombuffer(raw, "<u4", m, 64 + 40 * n + 4 * m)], axis=1)
         for k, r in enumerate(records):
             assert crc32c_reference(raw[64 + 40 * k : 64 + 40 * k + 36]) == int(r["rec_crc"]), f"bad record {k}"
             if k:
@@ -139,20 +145,63 @@ def _read_array(folder, index, leaf, number=0, parts=None):
         box = [(grid[a][i], grid[a][i + 1]) for a, i in enumerate(idx)]
         extents = tuple(hi - lo for lo, hi in box)
         nbytes = int(np.prod(extents, dtype=np.int64)) * dtype.itemsize
+        codec = leaf.get("codec", "none")
+        raws = [min(block, nbytes - j * block) for j in range(-(-nbytes // block))]  # §6.4: raw block sizes
+        stored = leaf["stored"][cell] if "stored" in leaf else raws
         if isinstance(entry, tuple):
-            crcs = column[first : first + -(-nbytes // block)].tolist()
-            assert crc32c_reference(np.asarray(crcs, "<u4").tobytes()) == crcs_crc, f"bad checksums of chunk {cell}"
+            cols = column[first : first + len(raws)]
+            if index["version"] == 3:
+                crcs, stored = cols[:, 0].tolist(), cols[:, 1].tolist()
+                check = np.asarray(crcs, "<u4").tobytes() + np.asarray(stored, "<u4").tobytes()
+            else:
+                crcs = cols.tolist()
+                check = np.asarray(crcs, "<u4").tobytes()
+            assert crc32c_reference(check) == crcs_crc, f"bad checksums of chunk {cell}"
         if nbytes == 0:
             continue
+        assert codec != "none" or stored == raws
         with open(os.path.join(folder, index["files"][file_no]["name"]), "rb") as f:
             f.seek(offset)
-            raw = f.read(nbytes)
-        assert len(raw) == nbytes, "truncated data file"
-        assert len(crcs) == -(-nbytes // block)
-        for j, crc in enumerate(crcs):
-            assert crc32c_reference(raw[j * block : (j + 1) * block]) == crc, f"bad block {j} of chunk {cell}"
+            data = f.read(sum(stored))
+        assert len(data) == sum(stored), "truncated data file"
+        assert len(crcs) == len(raws)
+        pieces, pos = [], 0
+        for j, crc in enumerate(crcs):  # each block: its stored bytes, checked, then decoded on its own
+            s = data[pos : pos + stored[j]]
+            pos += stored[j]
+            assert crc32c_reference(s) == crc, f"bad block {j} of chunk {cell}"
+            pieces.append(_decode_block(codec, s, dtype.itemsize, raws[j]))
+        raw = b"".join(pieces)
         out[tuple(slice(lo, hi) for lo, hi in box)] = np.frombuffer(raw, dtype=dtype).reshape(extents)
     return out
+
+
+def _decode_block(codec: str, stored: bytes, itemsize: int, raw_size: int) -> bytes:
+    """One block by FORMAT.md §6.4, with numpy and a zstd library alone."""
+    if codec == "none":
+        return stored
+    import zstandard
+
+    if codec == "zstd":
+        out = zstandard.ZstdDecompressor().decompress(stored)
+        assert len(out) == raw_size
+        return out
+    assert codec == "planes"
+    k, n = itemsize, raw_size // itemsize
+    got_k, mask = struct.unpack_from("<BH", stored)
+    assert got_k == k and mask >> k == 0
+    coded = [p for p in range(k) if mask >> p & 1]
+    lengths = dict(zip(coded, struct.unpack_from(f"<{len(coded)}I", stored, 3)))
+    pos, out = 3 + 4 * len(coded), np.empty((n, k), np.uint8)
+    for p in range(k):
+        ln = lengths.get(p, n)
+        piece = stored[pos : pos + ln]
+        plane = zstandard.ZstdDecompressor().decompress(piece) if p in lengths else piece
+        assert len(plane) == n
+        out[:, p] = np.frombuffer(plane, np.uint8)
+        pos += ln
+    assert pos == len(stored)
+    return out.tobytes()
 
 
 def _build(node, values):
@@ -172,14 +221,14 @@ def spec_reader(ckpt: str):
     """Read a whole checkpoint following docs/FORMAT.md: {item: tree} (or the tree, for a root one)."""
     with open(os.path.join(ckpt, "manifest.json"), "rb") as f:
         manifest = json.loads(f.read())
-    assert manifest["format"] == "cairn" and manifest["version"] in (1, 2)
+    assert manifest["format"] == "cairn" and manifest["version"] in (1, 2, 3)
     out = {}
     for name, item in manifest["items"].items():
         assert item["dir"] == ("%root" if manifest["root"] else _item_dir(name))
         folder = os.path.join(ckpt, item["dir"])
         with open(os.path.join(folder, item["index"]), "rb") as f:
             index = json.loads(f.read())
-        assert index["format"] == "cairn-index" and index["version"] in (1, 2)
+        assert index["format"] == "cairn-index" and index["version"] in (1, 2, 3)
         for f_ in index["files"]:
             assert os.path.getsize(os.path.join(folder, f_["name"])) == f_["size"]
         parts = _read_parts(folder, index)
@@ -236,6 +285,27 @@ def test_spec_reader_reads_what_cairn_writes(tmp_path, mesh42):
     key_data = np.asarray(jax.random.key_data(state["rng"]))
     assert got["rng"].dtype == np.uint32 and got["rng"].shape == (4, 4) and np.array_equal(got["rng"], key_data)
     assert sorted(os.listdir(tmp_path / "ck")) == sorted(["manifest.json", "params", "opt%2Estate", "step", "rng", "conf"])
+
+
+@pytest.mark.parametrize("explicit", [False, True])
+def test_spec_reader_reads_compressed_checkpoints(tmp_path, mesh42, explicit):
+    """Format version 3 (§6.4) read from the spec with numpy and zstandard: the same values cairn loads."""
+    from _forge import as_explicit
+
+    state = _state(mesh42)
+    rng = np.random.default_rng(1)
+    state["params"]["trained"] = rng.normal(0, 0.02, (64, 300)).astype(np.float32)
+    state["params"]["zeros"] = np.zeros((3000,), np.int16)
+    cairn.save(tmp_path / "ck", state, compression=True)
+    if explicit:
+        as_explicit(tmp_path / "ck")
+    got = spec_reader(str(tmp_path / "ck"))
+    want = cairn.load(tmp_path / "ck")
+    for k, v in want["params"].items():
+        assert got["params"][k].tobytes() == np.asarray(v).tobytes(), k
+    index = json.loads(next((tmp_path / "ck" / "params").glob("index.*.json")).read_bytes())
+    assert index["version"] == 3 and {leaf.get("codec", "none") for leaf in index["leaves"]} >= {"planes"}
+    assert explicit == any("stored" in leaf for leaf in index["leaves"])
 
 
 def test_spec_reader_detects_a_flipped_byte(tmp_path):

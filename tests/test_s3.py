@@ -79,7 +79,7 @@ def test_save_load_metadata_roundtrip(store, bucket, opts, mesh8):
     w = sharded(mesh8, (64, 32), P("x"))
     state = {"params": {"w": w, "b": np.arange(5, dtype=np.int64)},
              "meta": {"step": 1, "name": "run a", "none": None, "blob": b"\x00\x01"}}
-    stats = cairn.save(path, state, storage_options=opts)
+    stats = cairn.save(path, state, storage_options=opts, compression=False)  # raw: sizes below are exact
     assert stats.bytes_written >= w.nbytes + 40 and stats.retries == 0
     keys = store.keys(bucket, "runs/a/step_1/")
     assert "runs/a/step_1/manifest.json" in keys
@@ -125,7 +125,7 @@ def test_whole_arrays_back_to_back_share_requests_up_to_plan_read_size(store, bu
     rng = np.random.default_rng(5)
     tree = {f"w{i:02d}": rng.standard_normal((512, 1024), dtype=np.float32) for i in range(12)}  # 2 MiB each
     path = store.url(bucket, "medium")
-    cairn.save(path, {"params": tree}, storage_options=opts)
+    cairn.save(path, {"params": tree}, storage_options=opts, compression=False)  # raw whole arrays, in runs
     data = [k for k in store.keys(bucket, "medium/") if k.endswith(".bin")]
     reads = {}
     for size in (4 * MiB, 8 * MiB):
@@ -202,7 +202,7 @@ def test_corrupt_byte_inside_a_part_or_straddling_two_fails_naming_it(store, buc
 
     x = np.random.default_rng(6).standard_normal(3 * MiB // 4, dtype=np.float32)  # 3 MiB: three blocks
     path = store.url(bucket, "flip")
-    cairn.save(path, {"x": x}, storage_options=opts)
+    cairn.save(path, {"x": x}, storage_options=opts, compression=False)  # raw: the byte positions below
     key = next(k for k in store.keys(bucket, "flip/") if k.startswith("flip/x/") and k.endswith(".bin"))
     data = store.get_object(bucket, key)
     assert data == x.tobytes()  # the array's only chunk, from byte 0
@@ -231,7 +231,7 @@ def test_every_block_verified_once_inside_parts_where_they_land(store, bucket, o
 
     x = np.random.default_rng(8).standard_normal(3 * MiB // 4, dtype=np.float32)
     path = store.url(bucket, "once")
-    cairn.save(path, {"x": x}, storage_options=opts)
+    cairn.save(path, {"x": x}, storage_options=opts, compression=False)  # raw 1 MiB blocks
     verified: list[tuple[int, str]] = []
     real = _checksum.BlockChecks._verify
 
@@ -349,7 +349,7 @@ def test_transient_errors_are_retried_and_counted(s3_bucket, s3_opts, proxy):
     proxy.fail(429, times=1, method="GET", query_contains="list-type")  # listing (the destination check)
     value = np.arange(3 * MiB, dtype=np.int32)  # 12 MiB: a multipart upload
     proxy.fail(503, times=2, method="PUT", query_contains="uploadId=")  # parts: retried inside obstore
-    stats = cairn.save(path, {"v": value}, storage_options=o)
+    stats = cairn.save(path, {"v": value}, storage_options=o, compression=False)  # raw: 12 MiB, multipart
     assert proxy.injected() == 6
     assert stats.retries >= 3  # manifest x2, index x1 (plus the listing when it fell in the save)
     proxy.fail(503, times=2, method="GET", path_contains=".bin")

@@ -38,6 +38,7 @@ def save(
     threads: int = 4,
     split_replicas: bool = False,
     timeout: float = 1800.0,
+    compression: str | bool = "auto",
 ) -> _save.SaveStats:
     """Save `state` at `path` and return once it is committed.
 
@@ -59,11 +60,17 @@ def save(
     The `SaveStats` returned (for `save_async`, once committed) are also logged
     (INFO, logger ``cairn``), recorded as ``jax.monitoring`` events
     (``/cairn/save/...``) and passed to the listeners of `cairn.add_listener`.
+
+    `compression` stores each checksum block compressed (format version 3):
+    ``"auto"`` (the default) compresses on object stores and not on local
+    disks; ``True`` chooses a codec per leaf by measuring a sample of it;
+    ``"zstd"`` or ``"planes"`` use that codec for every array; ``False`` or
+    ``"none"`` store raw bytes (format version 2). Loads need no option.
     """
     _async.raise_unreported()  # before resolving `path`, whatever is wrong with it
     return _async.save(
         resolve(path, storage_options), state, overwrite=overwrite, metadata=metadata, coordinator=coordinator,
-        threads=threads, split_replicas=split_replicas, timeout=timeout,
+        threads=threads, split_replicas=split_replicas, timeout=timeout, compression=compression,
     )
 
 
@@ -79,6 +86,7 @@ def save_async(
     split_replicas: bool = False,
     timeout: float = 1800.0,
     snapshot_budget_bytes: int | None = None,
+    compression: str | bool = "auto",
 ) -> _async.SaveFuture:
     """Start saving `state` at `path`; return after validation and the snapshot.
 
@@ -89,7 +97,8 @@ def save_async(
 
     `snapshot_budget_bytes` bounds the host memory of the snapshot: shards
     beyond it are protected by on-device copies and brought to host while
-    writing. With two saves already pending, this call first waits for the
+    writing. `compression` is as for `save` (codecs run in the background
+    writer threads, not in the blocking phase). With two saves already pending, this call first waits for the
     oldest to finish. If an earlier async save failed and nobody collected its
     error, this call raises that error instead of starting (it is also logged
     when it happens), so a failing disk cannot go unnoticed.
@@ -105,7 +114,7 @@ def save_async(
     return _async.save_async(
         resolve(path, storage_options), state, overwrite=overwrite, metadata=metadata, coordinator=coordinator,
         threads=threads, split_replicas=split_replicas, timeout=timeout,
-        snapshot_budget_bytes=snapshot_budget_bytes, started=t0,
+        snapshot_budget_bytes=snapshot_budget_bytes, started=t0, compression=compression,
     )
 
 

@@ -78,7 +78,8 @@ def _count_published() -> list[int]:
     return sent
 
 
-def save(path: str, mesh: list[int], split_replicas: bool = False, big_mb: int = 0) -> dict:
+def save(path: str, mesh: list[int], split_replicas: bool = False, big_mb: int = 0,
+         compression: Any = "auto") -> dict:
     state = make_state(mesh)
     if big_mb:  # a separate checkpointable, so that loads of the test state may leave it out
         rows = big_mb * 256
@@ -87,7 +88,7 @@ def save(path: str, mesh: list[int], split_replicas: bool = False, big_mb: int =
             (rows, 1024), s, lambda idx: np.ones((rows, 1024), np.float32)[idx]
         )
     sent = _count_published()
-    stats = cairn.save(path, state, split_replicas=split_replicas, timeout=60)
+    stats = cairn.save(path, state, split_replicas=split_replicas, timeout=60, compression=compression)
     return {"bytes_written": stats.bytes_written, "files_written": stats.files_written,
             "published_bytes": sent[0]}
 

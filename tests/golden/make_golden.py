@@ -272,6 +272,30 @@ GOLDENS = {f.__name__: f for f in (step_5, numpy_arrays, jax_arrays, values, roo
 NOT_IN_V1 = {"prng_keys"}
 
 
+def codecs(path: Path) -> None:
+    """Format version 3 only: one save whose leaves get each codec by measurement (`compression=True`),
+    sharded over 4 devices, with 4 KiB blocks so that chunks hold several compressed blocks."""
+    from cairn._save import engine as _save
+    from cairn._storage import location as _location
+
+    rng = np.random.default_rng(29)
+    mesh = jax.make_mesh((4,), ("x",))
+    weights = jax.device_put((rng.normal(0, 0.02, (64, 256))).astype(ml_dtypes.bfloat16),
+                             NamedSharding(mesh, P("x")))
+    state = {"weights": weights,  # trained-like bf16: "planes"
+             "moments": np.zeros((4096,), np.float32),  # zeros
+             "ids": (np.arange(6000, dtype=np.int64) % 7),  # small integers
+             "noise": rng.integers(0, 256, 10000, dtype=np.uint8),  # incompressible: "none"
+             "step": 3}
+    job = _save.prepare(_location.resolve(path), {"state": state}, block_size=4096, threads=2,
+                        min_file_bytes=16384, compression=True)
+    job.run()
+
+
+GOLDENS["codecs"] = codecs
+NOT_IN_V1.add("codecs")
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["--worker"]:
         _two_processes_worker(int(argv[1]), int(argv[2]), argv[3])
@@ -279,7 +303,22 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("names", nargs="*", help=f"goldens to write (default: every missing one of {list(GOLDENS)})")
     ap.add_argument("--out", type=Path, default=V1, help="folder of the goldens (default: %(default)s)")
+    ap.add_argument("--compression", default=None,
+                    help="the `compression=` of every save (v3: True, i.e. a codec per leaf by measurement)")
     args = ap.parse_args(argv)
+    if args.compression is not None:
+        import functools
+
+        from cairn._save import engine as _engine
+
+        comp = True if args.compression == "True" else args.compression
+        real = _engine.prepare
+
+        @functools.wraps(real)
+        def forced(*a, **kw):  # every save goes through it
+            return real(*a, **{**kw, "compression": comp})
+
+        _engine.prepare = forced
     names = args.names or [n for n in GOLDENS if not (args.out / n).exists() and not (args.out == V1 and n in NOT_IN_V1)]
     for name in names:
         if name not in GOLDENS:

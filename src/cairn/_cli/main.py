@@ -278,12 +278,16 @@ def inspect_data(path: str, format: str | None = None) -> dict[str, Any]:
     totals = {"leaves": 0, "arrays": 0, "array_bytes": 0, "files": 0, "file_bytes": 0}
     for name, index in ck.indexes.items():
         leaves = []
+        if index.version >= 3 and index.table is not None:
+            index.table.fetch_all()  # stored sizes are in the binary parts
         for leaf in index.leaves:
             if isinstance(leaf, fmt.ArrayLeaf):
                 d: dict[str, Any] = {
                     "path": leaf.path, "kind": leaf.kind, "dtype": values.dtype_name(leaf.dtype),
                     "shape": list(leaf.shape), "nbytes": leaf.nbytes, "grid": list(leaf.grid_shape),
-                    "chunks": len(leaf.chunks),
+                    "chunks": len(leaf.chunks), "codec": leaf.codec,
+                    "stored_bytes": leaf.nbytes if leaf.codec == "none" else sum(
+                        sum(leaf.stored_sizes(c, index.block_size)) for c in range(len(leaf.chunks))),
                 }
                 if leaf.sharding is not None:
                     d["sharding"] = leaf.sharding
@@ -325,13 +329,15 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
                 grid = "x".join(map(str, leaf["grid"])) or "1"
                 dtype = leaf["dtype"] if leaf["kind"] == "array" else leaf["kind"]
                 dtype = f"key<{leaf['impl']}> data" if "impl" in leaf else dtype
-                rows.append([key or "<root>", dtype, shape, human_bytes(leaf["nbytes"]), grid,
-                             _sharding_text(leaf.get("sharding"))])
+                stored = leaf.get("stored_bytes", leaf["nbytes"])
+                rows.append([key or "<root>", dtype, shape, human_bytes(leaf["nbytes"]), human_bytes(stored),
+                             leaf.get("codec", "none"), grid, _sharding_text(leaf.get("sharding"))])
             else:
                 text = repr(leaf["value"])
-                rows.append([key or "<root>", leaf["kind"], text if len(text) <= 60 else text[:57] + "...", "", "", ""])
-    out.table(["key path", "dtype", "shape / value", "size", "chunks", "saved sharding"], rows,
-              title=data["path"], right=["size"])
+                rows.append([key or "<root>", leaf["kind"], text if len(text) <= 60 else text[:57] + "...", "", "",
+                             "", "", ""])
+    out.table(["key path", "dtype", "shape / value", "size", "stored", "codec", "chunks", "saved sharding"], rows,
+              title=data["path"], right=["size", "stored"])
     t = data["totals"]
     created = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(data["created_unix"])) if data["created_unix"] else "?"
     origin = (f"a checkpoint in {data['format']} format, read in place" if data.get("format") else

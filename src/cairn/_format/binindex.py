@@ -30,7 +30,15 @@ import numpy as np
 
 from .._core.checksum import crc32c
 from .._errors import corrupt
-from .partfile import HEADER_BYTES, RECORD, RECORD_BYTES, PartInfo, check_header
+from .partfile import (
+    HEADER_BYTES,
+    PART_VERSION,
+    PART_VERSION_SIZES,
+    RECORD,
+    RECORD_BYTES,
+    PartInfo,
+    check_header,
+)
 
 #: Records (or CRCs) closer than this many bytes in one part are fetched in one range.
 MERGE_GAP = 4096
@@ -51,8 +59,14 @@ class _LeafCells:
 class ChunkTable:
     """Chunk places of one item's part-indexed leaves: fetched in ranges, on demand, then kept."""
 
-    def __init__(self, parts: Sequence[PartInfo], processes: int, file_sizes: Sequence[int], where: str):
+    def __init__(self, parts: Sequence[PartInfo], processes: int, file_sizes: Sequence[int], where: str,
+                 index_version: int = 2):
         self.parts = {p.process: p for p in parts}
+        # An index of version 3 has parts of version 3: a stored-size column after the CRC column.
+        self.part_version = PART_VERSION_SIZES if index_version >= 3 else PART_VERSION
+        self._stored: dict[int, dict[int, tuple[int, ...]]] = {}
+        self._codec: dict[int, str] = {}
+        self.block = 1 << 20
         self.processes = processes
         self.file_sizes = list(file_sizes)
         self.where = where
@@ -68,7 +82,10 @@ class ChunkTable:
         self._ncrc: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
         self._rank_memo: dict[tuple[int, int], tuple[_LeafCells, np.ndarray, np.ndarray]] = {}
 
-    def add_leaf(self, i: int, writers: np.ndarray, sizes: np.ndarray, block: int) -> None:
+    def add_leaf(self, i: int, writers: np.ndarray, sizes: np.ndarray, block: int, codec: str = "none") -> None:
+        self.block = block
+        if codec != "none":
+            self._codec[i] = codec
         # Leaves of one layout share `writers` and `sizes` (memoised by the parser): so do their counts.
         key = (id(sizes), block)
         ncrc = self._ncrc.get(key)
@@ -181,6 +198,9 @@ class ChunkTable:
             has = rows[:, 4] > 0
             starts = np.concatenate([[0], HEADER_BYTES + rows[:, 2] * RECORD_BYTES, crc_at + rows[has, 3] * 4])
             lengths = np.concatenate([[HEADER_BYTES], np.full(len(rows), RECORD_BYTES), rows[has, 4] * 4])
+            if self.part_version == PART_VERSION_SIZES:  # and the stored sizes beside the CRCs
+                starts = np.concatenate([starts, crc_at + part.crcs * 4 + rows[has, 3] * 4])
+                lengths = np.concatenate([lengths, rows[has, 4] * 4])
             order = np.argsort(starts, kind="stable")
             ranges = _ranges(starts[order], lengths[order])
             requests += [(part.name, s, e - s) for s, e, _ in ranges]
@@ -207,7 +227,7 @@ class ChunkTable:
             s = ranges[k][0]
             return blobs[k][pos - s : pos - s + n]
 
-        if check_header(at(0, HEADER_BYTES), where) != (part.process, part.records, part.crcs):
+        if check_header(at(0, HEADER_BYTES), where, self.part_version) != (part.process, part.records, part.crcs):
             raise corrupt(where, "header does not match the part the index names")
         crc_at = HEADER_BYTES + part.records * RECORD_BYTES
         # Every record (and, where each has one, every CRC) lies inside one range: gather them all at once.
@@ -240,6 +260,18 @@ class ChunkTable:
             raise corrupt(where, f"record {int(rows[k, 2])} names file {int(files[k])} of a part with {part.files}")
         files = np.where(sizes > 0, files + part.file_base, 0)
         offsets = np.where(sizes > 0, offsets, 0)
+        v3 = self.part_version == PART_VERSION_SIZES
+        stored_of: list[tuple[int, ...]] = []
+        if v3:  # each block's stored size, beside its CRC; a chunk's stored bytes are their sum
+            size_at = crc_at + part.crcs * 4
+            totals = []
+            for cno, ncrc in rows[:, 3:5].tolist():
+                sb = at(size_at + cno * 4, ncrc * 4) if ncrc else b""
+                st = tuple(np.frombuffer(sb, dtype="<u4").tolist())
+                stored_of.append(st)
+                totals.append(sum(st))
+            stored_total = np.asarray(totals, dtype=np.int64)
+            sizes = np.where(sizes > 0, stored_total, 0)
         limits = np.asarray(self.file_sizes, dtype=np.int64)[files] if self.file_sizes else np.zeros_like(files)
         outside = np.flatnonzero((sizes > 0) & (offsets + sizes > limits))
         if len(outside):
@@ -251,16 +283,29 @@ class ChunkTable:
             cbs = gather(crc_at + rows[:, 3] * 4, 4)
             cb_bytes = cbs.tobytes()
             for k in range(n):
-                if crc32c(cb_bytes[4 * k : 4 * k + 4]) != check[k]:
+                if (crc32c(cb_bytes[4 * k : 4 * k + 4]) if not v3 else
+                        crc32c(np.asarray(stored_of[k], "<u4").tobytes(), crc32c(cb_bytes[4 * k : 4 * k + 4]))) \
+                        != check[k]:
                     raise corrupt(where, f"checksums of record {int(rows[k, 2])} do not match their checksum")
             crcs_of = [(v,) for v in cbs.reshape(-1).view("<u4").tolist()]
         else:
             crcs_of = []
             for k, (rno, cno, ncrc) in enumerate(rows[:, 2:5].tolist()):
                 cb = at(crc_at + cno * 4, ncrc * 4) if ncrc else b""
-                if crc32c(cb) != check[k]:
+                got_crc = crc32c(cb) if not v3 else crc32c(np.asarray(stored_of[k], "<u4").tobytes(), crc32c(cb))
+                if got_crc != check[k]:
                     raise corrupt(where, f"checksums of record {rno} do not match their checksum")
                 crcs_of.append(tuple(np.frombuffer(cb, dtype="<u4").tolist()))
+        if v3:
+            for k, (leaf, cell, rno) in enumerate(rows[:, 0:3].tolist()):
+                st = stored_of[k]
+                codec = self._codec.get(leaf, "none")
+                raws = raw_blocks(int(rows[k, 6]), self.block)
+                if codec == "none" and list(st) != raws:
+                    raise corrupt(where, f"record {rno}: stored sizes of an uncompressed chunk differ from its bytes")
+                if codec != "none" and any(v > stored_bound(b) for v, b in zip(st, raws)):
+                    raise corrupt(where, f"record {rno}: a stored block size is out of bounds")
+                self._stored.setdefault(leaf, {})[cell] = st
         got = self._got
         for k, (leaf, cell, f, off) in enumerate(zip(rows[:, 0].tolist(), rows[:, 1].tolist(), files.tolist(),
                                                      offsets.tolist())):
@@ -285,6 +330,23 @@ class ChunkTable:
             self.fetch({leaf: np.arange(len(self.leaves[leaf].writers))})
             hit = self._got[leaf][cell]
         return hit
+
+
+    def stored(self, leaf: int, cell: int) -> tuple[int, ...]:
+        """Each block's stored size for a chunk of a version-3 part (fetched with its record)."""
+        self.entry(leaf, cell)
+        return self._stored[leaf][cell]
+
+
+def stored_bound(raw: int) -> int:
+    """The most bytes a coded block of `raw` raw bytes may store (zstd's and planes' worst cases, generously)."""
+    return raw + raw // 8 + 4096
+
+
+def raw_blocks(nbytes: int, block: int) -> list[int]:
+    """The raw size of each checksum block of a chunk of `nbytes` bytes."""
+    n = -(-nbytes // block)
+    return [block] * (n - 1) + [nbytes - block * (n - 1)] if n else []
 
 
 def _ranges(starts: np.ndarray, lengths: Any) -> list[tuple[int, int, int]]:
@@ -325,7 +387,7 @@ def _field(x: Any, key: str, where: str, lo: int = 0, hi: int = 1 << 56) -> Any:
     return v
 
 
-def parse_parts(d: dict[str, Any], file_sizes: list[int], where: str) -> ChunkTable:
+def parse_parts(d: dict[str, Any], file_sizes: list[int], where: str, version: int = 2) -> ChunkTable:
     """The `parts` of a version-2 index, checked, as a `ChunkTable` its leaves are added to."""
     parts_raw = d.get("parts", [])
     processes = _field(d, "processes", where, 1, 1 << 24) if "processes" in d else 1
@@ -340,7 +402,7 @@ def parse_parts(d: dict[str, Any], file_sizes: list[int], where: str) -> ChunkTa
             raise corrupt(w, "repeated process, or files outside the index's file list")
         seen.add(p)
         parts.append(PartInfo(_field(x, "name", w), p, _field(x, "records", w), _field(x, "crcs", w), base, nf))
-    return ChunkTable(parts, processes, file_sizes, where)
+    return ChunkTable(parts, processes, file_sizes, where, version)
 
 
 _cell_bytes_cache: dict[tuple[Any, int], np.ndarray] = {}
@@ -387,6 +449,19 @@ class LazyChunks(Sequence[tuple[int, int]]):
         """``(file, offset, block CRCs)`` of every cell, in one walk (where both are needed)."""
         self.table.fetch_leaf(self.leaf, self.n)
         return [self.table.entry(self.leaf, c) for c in range(self.n)]
+
+
+class LazyStored(LazyChunks):
+    """A leaf's stored block sizes per cell, from its `ChunkTable` (version 3)."""
+
+    __slots__ = ()
+
+    def __getitem__(self, cell: Any) -> Any:
+        if isinstance(cell, slice):
+            return [self[c] for c in range(*cell.indices(self.n))]
+        if not 0 <= cell < self.n:
+            raise IndexError(cell)
+        return self.table.stored(self.leaf, cell)
 
 
 class LazyCrcs(LazyChunks):

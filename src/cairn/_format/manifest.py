@@ -20,7 +20,16 @@ import numpy as np
 
 from .._core.boxes import cell_box
 from .._errors import corrupt
-from .binindex import ChunkTable, LazyChunks, LazyCrcs, cell_bytes, parse_parts
+from .binindex import (
+    ChunkTable,
+    LazyChunks,
+    LazyCrcs,
+    LazyStored,
+    cell_bytes,
+    parse_parts,
+    raw_blocks,
+    stored_bound,
+)
 from .names import TMP_MARK as TMP_MARK
 from .names import data_file_name as data_file_name
 from .names import index_name as index_name
@@ -34,8 +43,10 @@ from .structure import check_structure
 from .v1chunks import At, bounds, cell_sizes, parse_chunks
 from .values import VALUE_KINDS, decode_value, dtype_from_name, dtype_name, encode_value
 
-FORMAT_VERSION = 2  # what this cairn writes
-READ_VERSIONS = (1, 2)  # what it reads (docs/FORMAT.md: version 1 is a subset of 2 but for the grid form)
+FORMAT_VERSION = 2  # what this cairn writes when no leaf is compressed
+COMPRESSED_VERSION = 3  # what it writes when one is (docs/FORMAT.md §6.4)
+READ_VERSIONS = (1, 2, 3)  # what it reads (docs/FORMAT.md: version 1 is a subset of 2 but for the grid form)
+CODECS = ("none", "zstd", "planes")  # the block codecs of version 3 (`codecs`)
 MANIFEST = "manifest.json"
 INDEX = "index.json"
 ROOT_ITEM_DIR = "%root"
@@ -146,11 +157,11 @@ class Manifest:
     metadata: dict[str, Any] = field(default_factory=dict)
     version: int = FORMAT_VERSION  # the format version it was read as (written: always FORMAT_VERSION)
 
-    def to_json(self) -> bytes:
+    def to_json(self, version: int = FORMAT_VERSION) -> bytes:
         return dump_checked_json(
             {
                 "format": "cairn",
-                "version": FORMAT_VERSION,
+                "version": version,
                 "cairn_version": self.cairn_version,
                 "created_unix": self.created_unix,
                 "process_count": self.process_count,
@@ -232,6 +243,15 @@ class ArrayLeaf:
     impl: str | None = None  # for kind "prng_key": the JAX key implementation ("threefry2x32", ...)
     impl_shape: tuple[int, ...] = ()  # for kind "prng_key": the trailing data dimensions of one key
     writers: Any = None  # version 2, part-indexed: the cells' writers as runs (docs/FORMAT.md §5.2)
+    codec: str = "none"  # version 3: how each block is stored (`codecs`)
+    # Version 3, a compressed leaf: per grid cell, each block's stored size (tuples, or `LazyStored`).
+    stored: Sequence[tuple[int, ...]] = ()
+
+    def stored_sizes(self, cell: int, block: int) -> tuple[int, ...]:
+        """Each checksum block's stored size in chunk `cell` (the raw sizes for codec "none")."""
+        if self.codec == "none":
+            return tuple(raw_blocks(self.chunk_nbytes(cell), block))
+        return tuple(self.stored[cell])
 
     @property
     def key_shape(self) -> tuple[int, ...]:
@@ -255,13 +275,15 @@ class ArrayLeaf:
     @classmethod
     def _parsed(cls, path: str, dtype: np.dtype, shape: tuple[int, ...], grid: tuple[tuple[int, ...], ...],
                 chunks: Sequence[tuple[int, int]], crcs: Sequence[tuple[int, ...]], kind: str,
-                sharding: dict[str, Any] | None, handler: str | None, writers: Any) -> ArrayLeaf:
+                sharding: dict[str, Any] | None, handler: str | None, writers: Any, codec: str = "none",
+                stored: Sequence[tuple[int, ...]] = ()) -> ArrayLeaf:
         """A leaf from checked parts, as the constructor builds it, without its per-field
         ``object.__setattr__`` (a frozen dataclass's ``__init__`` pays ~0.3 µs per field:
         about a quarter of parsing a leaf of a tree of thousands)."""
         leaf = object.__new__(cls)
         leaf.__dict__.update(path=path, dtype=dtype, shape=shape, grid=grid, chunks=chunks, crcs=crcs, kind=kind,
-                             sharding=sharding, handler=handler, impl=None, impl_shape=(), writers=writers)
+                             sharding=sharding, handler=handler, impl=None, impl_shape=(), writers=writers,
+                             codec=codec, stored=stored)
         return leaf
 
 
@@ -292,20 +314,21 @@ class ItemIndex:
     table: ChunkTable | None = None  # set when read; fetches records from the parts
     version: int = FORMAT_VERSION
 
-    def to_json(self, version: int = FORMAT_VERSION) -> bytes:
-        """The index file; `version` 1 writes every chunk explicitly (the parts are then not needed)."""
+    def to_json(self, version: int = FORMAT_VERSION, explicit: bool = False) -> bytes:
+        """The index file; `version` 1 (or `explicit`) writes every chunk explicitly (the parts are then
+        not needed)."""
         d: dict[str, Any] = {
             "format": "cairn-index",
             "version": version,
             "block_size": self.block_size,
             "files": [{"name": f.name, "size": f.size} for f in self.files],
         }
-        if self.parts and version >= 2:
+        if self.parts and version >= 2 and not explicit:
             d["processes"] = self.processes
             d["parts"] = [{"name": p.name, "process": p.process, "records": p.records, "crcs": p.crcs,
                            "file_base": p.file_base, "files": p.files} for p in self.parts]
         d["structure"] = self.structure
-        d["leaves"] = [_leaf_to_json(leaf, version) for leaf in self.leaves]
+        d["leaves"] = [_leaf_to_json(leaf, version, explicit) for leaf in self.leaves]
         return dump_checked_json(d)
 
     @classmethod
@@ -328,7 +351,7 @@ class ItemIndex:
             names.add(name)
             files.append(FileInfo(name, _int(_req(f, "size", int, w), w)))
         raw_leaves = _req(d, "leaves", list, where)
-        table = parse_parts(d, [f.size for f in files], where) if version >= 2 else None
+        table = parse_parts(d, [f.size for f in files], where, version) if version >= 2 else None
         layouts: dict[Any, _Layout] = {}
         leaves = tuple(
             _leaf_from_json(x, files, block, At(where, i), version, table, i, layouts)
@@ -344,7 +367,7 @@ class ItemIndex:
                    table=table if table and table.leaves else None, version=version)
 
 
-def _leaf_to_json(leaf: Leaf, version: int = 1) -> dict[str, Any]:
+def _leaf_to_json(leaf: Leaf, version: int = 1, explicit: bool = False) -> dict[str, Any]:
     if isinstance(leaf, ArrayLeaf):
         out: dict[str, Any] = {
             "path": leaf.path,
@@ -353,10 +376,14 @@ def _leaf_to_json(leaf: Leaf, version: int = 1) -> dict[str, Any]:
             "shape": list(leaf.shape),
             "grid": [list(b) for b in leaf.grid] if version < 2 else [grid_runs(b) for b in leaf.grid],
         }
-        if leaf.writers is not None and version >= 2:
+        if leaf.codec != "none":
+            out["codec"] = leaf.codec
+        if leaf.writers is not None and version >= 2 and not explicit:
             out["writers"] = leaf.writers
         else:
             out["chunks"] = [[f, o, *c] for (f, o), c in zip(leaf.chunks, leaf.crcs)]
+            if leaf.codec != "none":
+                out["stored"] = [list(x) for x in leaf.stored]
         if leaf.sharding is not None:
             out["sharding"] = leaf.sharding
         if leaf.handler is not None:
@@ -379,25 +406,38 @@ def _leaf_from_json(x: Any, files: list[FileInfo], block: int, at: At, version: 
         layout = _layout(x, files, block, where, version, table, layouts)
         dtype, shape, grid = layout.dtype, layout.shape, layout.grid
         handler = x["handler"] if isinstance(x.get("handler"), str) else None
+        codec = "none"
+        if version >= 3 and "codec" in x:
+            codec = x["codec"]
+            if codec not in CODECS:
+                raise corrupt(where, f"unknown codec {codec!r:.80} (known: {', '.join(CODECS)})")
         chunks: Sequence[tuple[int, int]]
         crcs: Sequence[tuple[int, ...]]
+        stored: Sequence[tuple[int, ...]] = ()
         if layout.writers is not None:
             assert table is not None and layout.sizes is not None
-            table.add_leaf(number, layout.writers, layout.sizes, block)
+            table.add_leaf(number, layout.writers, layout.sizes, block, codec)
             chunks, crcs = LazyChunks(table, number, layout.n_chunks), LazyCrcs(table, number, layout.n_chunks)
+            if codec != "none":
+                stored = LazyStored(table, number, layout.n_chunks)
         else:
             chunks_raw = _req(x, "chunks", list, where)
             if len(chunks_raw) != layout.n_chunks:
                 raise corrupt(where, f"{len(chunks_raw)} chunks for a grid of {layout.n_chunks} cells")
             sizes = cell_sizes(grid, dtype.itemsize)
-            chunks, crcs = parse_chunks(chunks_raw, sizes, [f.size for f in files], block, where)
+            file_sizes = [f.size for f in files]
+            if codec == "none":
+                chunks, crcs = parse_chunks(chunks_raw, sizes, file_sizes, block, where)
+            else:  # the range check is on the stored sizes, below
+                chunks, crcs = parse_chunks(chunks_raw, sizes, [MAX_FILE_BYTES] * len(files), block, where)
+                stored = _stored_sizes(x, sizes, chunks, file_sizes, block, where)
         if kind in ("bytes", "object") and (len(shape) != 1 or dtype != np.uint8):
             raise corrupt(where, f"a {kind} leaf must be a 1-D uint8 array")
         if kind == "object" and handler is None:
             raise corrupt(where, "an object leaf must name its handler")
         leaf = ArrayLeaf._parsed(path, dtype, shape, grid, chunks, crcs, kind,
                                  x["sharding"] if isinstance(x.get("sharding"), dict) else None, handler,
-                                 x["writers"] if layout.writers is not None else None)
+                                 x["writers"] if layout.writers is not None else None, codec, stored)
         if kind == "prng_key":
             leaf = _key_fields(x, leaf, where)
         return leaf
@@ -406,6 +446,30 @@ def _leaf_from_json(x: Any, files: list[FileInfo], block: int, at: At, version: 
             raise corrupt(where, "missing field 'value'")
         return ValueLeaf(path, kind, decode_value(kind, x["value"], where))
     raise corrupt(where, f"unknown leaf kind {kind!r}")
+
+
+def _stored_sizes(x: dict[str, Any], sizes: list[int], chunks: Sequence[tuple[int, int]], file_sizes: list[int],
+                  block: int, where: object) -> tuple[tuple[int, ...], ...]:
+    """A compressed explicit-chunk leaf's ``stored`` list (per chunk, each block's stored size), checked:
+    one size per block, each within what its codec can store of its raw block, and every chunk's
+    stored bytes inside its data file."""
+    raw = x.get("stored")
+    if type(raw) is not list or len(raw) != len(sizes):
+        raise corrupt(where, "a compressed leaf needs 'stored': one list of block sizes per chunk")
+    out = []
+    for i, (st, size, (fi, off)) in enumerate(zip(raw, sizes, chunks)):
+        raws = raw_blocks(size, block)
+        if type(st) is not list or len(st) != len(raws):
+            raise corrupt(where, f"chunk {i} has {len(st) if type(st) is list else 'no'} stored sizes for "
+                                 f"{len(raws)} blocks")
+        for v, r in zip(st, raws):
+            if type(v) is not int or not 0 <= v <= stored_bound(r):
+                raise corrupt(where, f"chunk {i} has a bad stored block size {v!r:.40}")
+        total = sum(st)
+        if size and (not file_sizes or off + total > file_sizes[fi]):
+            raise corrupt(where, f"chunk {i} (stored bytes {off}..{off + total}) lies outside its data file")
+        out.append(tuple(st))
+    return tuple(out)
 
 
 @dataclass(frozen=True)

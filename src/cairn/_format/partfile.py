@@ -15,7 +15,9 @@ from .._core.checksum import crc32c
 from .._errors import corrupt
 
 MAGIC = b"CAIRNIDX"
-PART_VERSION = 2
+PART_VERSION = 2  # a part of a version-2 index
+PART_VERSION_SIZES = 3  # a part of a version-3 index: a stored-size column follows the CRC column
+PART_VERSIONS = (PART_VERSION, PART_VERSION_SIZES)
 HEADER_BYTES = 64
 RECORD = np.dtype([("cell", "<u8"), ("offset", "<u8"), ("crc_start", "<u8"), ("leaf", "<u4"),
                    ("file", "<u4"), ("crcs_crc", "<u4"), ("rec_crc", "<u4")])
@@ -31,8 +33,14 @@ def part_name(process: int, token: str) -> str:
 
 
 def encode_part(process: int, leaf: Sequence[int], cell: Sequence[int], file: Sequence[int],
-                offset: Sequence[int], crcs: Sequence[Sequence[int]]) -> bytes:
-    """One process's part: header, records in the given order (sorted by (leaf, cell)), CRC column."""
+                offset: Sequence[int], crcs: Sequence[Sequence[int]],
+                stored: Sequence[Sequence[int]] | None = None) -> bytes:
+    """One process's part: header, records in the given order (sorted by (leaf, cell)), CRC column.
+
+    With `stored` (per record, each block's stored size), a version-3 part: the
+    size column follows the CRC column, and each record's `crcs_crc` covers its
+    CRCs and then its sizes.
+    """
     n = len(leaf)
     rec = np.zeros(n, dtype=RECORD)
     rec["leaf"], rec["cell"], rec["file"], rec["offset"] = leaf, cell, file, offset
@@ -41,43 +49,70 @@ def encode_part(process: int, leaf: Sequence[int], cell: Sequence[int], file: Se
     rec["crc_start"] = starts
     column = np.fromiter((v for c in crcs for v in c), dtype="<u4", count=int(counts.sum()))
     col = column.tobytes()
+    scol = b""
+    if stored is not None:
+        if [len(x) for x in stored] != counts.tolist():
+            raise ValueError("every block needs its stored size")
+        scol = np.fromiter((v for c in stored for v in c), dtype="<u4", count=int(counts.sum())).tobytes()
     for i in range(n):
         s = int(starts[i]) * 4
-        rec["crcs_crc"][i] = crc32c(col[s : s + int(counts[i]) * 4])
+        e = s + int(counts[i]) * 4
+        rec["crcs_crc"][i] = crc32c(scol[s:e], crc32c(col[s:e])) if stored is not None else crc32c(col[s:e])
     raw = rec.view(np.uint8).reshape(n, RECORD_BYTES)
     rec["rec_crc"] = [crc32c(raw[i, : RECORD_BYTES - 4].tobytes()) for i in range(n)]
     head = bytearray(HEADER_BYTES)
     head[0:8] = MAGIC
-    np.frombuffer(head, dtype="<u4", count=2, offset=8)[:] = (PART_VERSION, RECORD_BYTES)
+    version = PART_VERSION if stored is None else PART_VERSION_SIZES
+    np.frombuffer(head, dtype="<u4", count=2, offset=8)[:] = (version, RECORD_BYTES)
     np.frombuffer(head, dtype="<u8", count=4, offset=16)[:] = (process, n, len(column), HEADER_BYTES + n * RECORD_BYTES)
+    if stored is not None:
+        np.frombuffer(head, dtype="<u8", count=1, offset=48)[:] = HEADER_BYTES + n * RECORD_BYTES + 4 * len(column)
     np.frombuffer(head, dtype="<u4", count=1, offset=60)[:] = crc32c(bytes(head[:60]))
-    return bytes(head) + rec.tobytes() + col
+    return bytes(head) + rec.tobytes() + col + scol
 
 
-def check_header(head: bytes, where: object) -> tuple[int, int, int]:
-    """``(process, records, crcs)`` of a part's 64-byte header, checked."""
+def part_bytes(records: int, crcs: int, version: int = PART_VERSION) -> int:
+    """The size of a part of `records` records and `crcs` checksums."""
+    return HEADER_BYTES + RECORD_BYTES * records + (4 if version == PART_VERSION else 8) * crcs
+
+
+def check_header(head: bytes, where: object, expect: int = PART_VERSION) -> tuple[int, int, int]:
+    """``(process, records, crcs)`` of a part's 64-byte header of part version `expect`, checked."""
     if len(head) < HEADER_BYTES or head[:8] != MAGIC:
         raise corrupt(where, "not a cairn index part (bad magic)")
     if int.from_bytes(head[60:64], "little") != crc32c(head[:60]):
         raise corrupt(where, "index part header checksum mismatch")
     version, rsize = np.frombuffer(head, dtype="<u4", count=2, offset=8)
     process, n, m, crcs_at = (int(v) for v in np.frombuffer(head, dtype="<u8", count=4, offset=16))
-    if version != PART_VERSION or rsize != RECORD_BYTES or crcs_at != HEADER_BYTES + n * RECORD_BYTES \
-            or head[48:60] != bytes(12):
-        raise corrupt(where, f"index part header is not version {PART_VERSION} with {RECORD_BYTES}-byte records")
+    sizes_at = int(np.frombuffer(head, dtype="<u8", count=1, offset=48)[0])
+    tail_ok = head[48:60] == bytes(12) if expect == PART_VERSION else (
+        sizes_at == crcs_at + 4 * m and head[56:60] == bytes(4))
+    if version != expect or rsize != RECORD_BYTES or crcs_at != HEADER_BYTES + n * RECORD_BYTES or not tail_ok:
+        raise corrupt(where, f"index part header is not version {expect} with {RECORD_BYTES}-byte records")
     return process, n, m
 
 
-def decode_part(data: bytes, where: object) -> tuple[int, np.ndarray, np.ndarray]:
-    """``(process, records, crc column)`` of a whole part, every checksum verified (for tools)."""
-    process, n, m = check_header(data[:HEADER_BYTES], where)
+def decode_part(data: bytes, where: object, expect: int = PART_VERSION
+                ) -> tuple[int, np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(process, records, crc column, size column or None)`` of a whole part, every checksum
+    verified (for tools)."""
+    process, n, m = check_header(data[:HEADER_BYTES], where, expect)
     crcs_at = HEADER_BYTES + n * RECORD_BYTES
-    if len(data) != crcs_at + 4 * m:
-        raise corrupt(where, f"index part of {len(data)} bytes, its header says {crcs_at + 4 * m}")
+    total = part_bytes(n, m, expect)
+    if len(data) != total:
+        raise corrupt(where, f"index part of {len(data)} bytes, its header says {total}")
     rec = np.frombuffer(data, dtype=RECORD, count=n, offset=HEADER_BYTES)
     col = np.frombuffer(data, dtype="<u4", count=m, offset=crcs_at)
+    sizes = np.frombuffer(data, dtype="<u4", count=m, offset=crcs_at + 4 * m) if expect != PART_VERSION else None
     _check_records(rec, data[HEADER_BYTES:crcs_at], where)
-    return process, rec, col
+    starts, counts = rec["crc_start"].astype(np.int64), np.diff(np.append(rec["crc_start"].astype(np.int64), m))
+    cb, sb = col.tobytes(), sizes.tobytes() if sizes is not None else b""
+    for i in range(n):
+        s, e = int(starts[i]) * 4, (int(starts[i]) + int(counts[i])) * 4
+        if s > e or e > 4 * m or (crc32c(sb[s:e], crc32c(cb[s:e])) if sizes is not None else crc32c(cb[s:e])) \
+                != int(rec["crcs_crc"][i]):
+            raise corrupt(where, f"checksums of index record {i} do not match their checksum")
+    return process, rec, col, sizes
 
 
 def _check_records(rec: np.ndarray, raw: bytes, where: object) -> None:

@@ -71,6 +71,8 @@ def whole_span(leaf: Any) -> tuple[int, int] | None:
     all) whose chunks were written back to back, as a save writes them.
     """
     shape, grid, chunks = leaf.shape, leaf.grid, leaf.chunks
+    if getattr(leaf, "codec", "none") != "none":  # compressed blocks: read (and decoded) on their own
+        return None
     if not shape or 0 in shape or any(len(b) != 2 for b in grid[1:]):
         return None
     file, start = chunks[0]

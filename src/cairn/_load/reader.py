@@ -28,10 +28,11 @@ import numpy as np
 
 from .._core.boxes import Box, c_strides, full_box
 from .._core.buffers import aligned_empty
-from .._core.checksum import BlockChecks
+from .._core.checksum import BlockChecks, crc32c
 from .._core.stats import LoadStats
 from .._dist.coord import activity
 from .._errors import CheckpointError, CorruptCheckpointError
+from .._format import codecs as _codecs
 from .._format import manifest as fmt
 from .._plan.readmemo import PlanMemo
 from .._plan.reads import Check, Copy, Read, is_c_contiguous, plan_reads
@@ -179,6 +180,9 @@ class ChunkReader:
         checks.rest()
 
     def do_read(self, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> None:
+        if leaf.codec != "none":
+            self._do_read_coded(read, leaf, dests)
+            return
         direct = read.direct
         if direct is not None:
             region = dests[direct.dest][_region(direct.dest_start, direct.shape)]
@@ -200,6 +204,50 @@ class ChunkReader:
             src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)
             dests[c.dest][_region(c.dest_start, c.shape)] = src
 
+    def _do_read_coded(self, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> None:
+        """A read of a compressed leaf, planned in raw addressing (`plan_leaf_reads`): ``read.file`` is the
+        chunk, ``[start, end)`` whole blocks of its raw bytes. Reads those blocks' stored bytes (one
+        range), checks each block's CRC-32C on them, and decodes them into the destination where the
+        read is one contiguous region of it, else into a buffer the copies take from."""
+        cell, block = read.file, self.index.block_size
+        file, off = leaf.chunks[cell]
+        sizes = leaf.stored_sizes(cell, block)
+        crcs = leaf.crcs[cell]
+        b0, b1 = read.start // block, -(-read.end // block)
+        first = off + sum(sizes[:b0])
+        n = sum(sizes[b0:b1])
+        stored = _scratch(n, "stored")
+        self._fill(file, first, memoryview(stored), leaf)  # type: ignore[arg-type]
+        out: np.ndarray | None = None
+        direct = read.direct
+        if direct is not None:
+            region = dests[direct.dest][_region(direct.dest_start, direct.shape)]
+            if region.flags.c_contiguous:
+                out = region.reshape(-1).view(np.uint8)
+        raw = out if out is not None else _scratch(read.nbytes)
+        name = self.index.files[file].name
+        pos = 0
+        for b in range(b0, b1):
+            sb = stored[pos : pos + sizes[b]]
+            got = crc32c(sb)
+            if got != crcs[b]:
+                raise CorruptCheckpointError(
+                    f"{self.loc.path}: checksum mismatch in {name!r} block {b} of chunk {cell} (stored bytes "
+                    f"{first + pos}..{first + pos + sizes[b]}, leaf {display_path(leaf.path, self.item)!r}): "
+                    f"stored {crcs[b]:#010x}, computed {got:#010x}")
+            lo = b * block - read.start
+            hi = min(lo + block, read.nbytes)
+            _codecs.decode(leaf.codec, sb, leaf.dtype, hi - lo, raw[lo:hi],
+                           where=f"{self.loc.path}: leaf {display_path(leaf.path, self.item)!r}, "
+                                 f"{name!r} block {b} of chunk {cell}")
+            pos += sizes[b]
+        with self._lock:
+            self.stats.direct_reads += out is not None
+        if out is None:
+            for c in read.copies:
+                src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)
+                dests[c.dest][_region(c.dest_start, c.shape)] = src
+
     def read_array(self, leaf: fmt.ArrayLeaf, sharding: Any = None, region: Box | None = None) -> ArrayReads:
         """Start reading `leaf`: whole into one buffer, or the boxes `sharding` puts on this process.
 
@@ -214,7 +262,8 @@ class ChunkReader:
             from .._tree.shardings import addressable_boxes
 
             boxes, placement = addressable_boxes(sharding, shape)
-        span = whole_span(leaf) if sharding is None and region is None and leaf.nbytes <= self._small else None
+        span = (whole_span(leaf) if sharding is None and region is None and leaf.nbytes <= self._small
+                and leaf.codec == "none" else None)
         if span is not None:  # small, whole, one run of bytes: read together with its neighbours
             self._reader(span[0])  # checks the file first: a false size claim allocates nothing
             dest = np.empty(leaf.shape, leaf.dtype)  # no alignment needed: placed by one device_put of the whole
@@ -222,11 +271,16 @@ class ChunkReader:
         absolute = boxes if region is None else [
             tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes]
         max_read = self._max_read
-        reads = (whole_reads(leaf, self.index.block_size, self.verify, max_read)
-                 if region is None and sharding is None else None)
-        if reads is None:
-            reads = self._plans.plan(leaf, absolute, self.index.block_size, self.verify, max_read)
-        for file in sorted({r.file for r in reads}):
+        if leaf.codec != "none":
+            reads = plan_leaf_reads(leaf, absolute, self.index.block_size, self.verify, max_read)
+            files = {leaf.chunks[r.file][0] for r in reads}
+        else:
+            reads = (whole_reads(leaf, self.index.block_size, self.verify, max_read)
+                     if region is None and sharding is None else None)
+            if reads is None:
+                reads = self._plans.plan(leaf, absolute, self.index.block_size, self.verify, max_read)
+            files = {r.file for r in reads}
+        for file in sorted(files):
             self._reader(file)  # checks the files first: a false size claim allocates nothing
         try:
             dests = [aligned_empty(tuple(hi - lo for lo, hi in b), leaf.dtype) for b in boxes]
@@ -249,6 +303,55 @@ class ChunkReader:
 
 #: The largest read a load plans where the storage states no `preferred_read`.
 DEFAULT_MAX_READ = 4 << 20
+
+
+class _Zeros:
+    __slots__ = ()
+
+    def __getitem__(self, i: Any) -> int:
+        return 0
+
+
+class _RawChunks:
+    """Chunk c of a compressed leaf as raw addressing sees it: file c (the cell), offset 0."""
+
+    __slots__ = ("n",)
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, cell: int) -> Any:
+        return cell, 0
+
+
+class _RawCrcs:
+    __slots__ = ()
+
+    def __getitem__(self, cell: int) -> _Zeros:
+        return _Zeros()
+
+
+class _RawView:
+    """A compressed leaf in raw addressing, for `plan_reads`: each chunk alone in a file of its own."""
+
+    def __init__(self, leaf: fmt.ArrayLeaf) -> None:
+        self.dtype, self.shape, self.grid, self.path = leaf.dtype, leaf.shape, leaf.grid, leaf.path
+        self.grid_shape = leaf.grid_shape
+        self.chunks = _RawChunks(math.prod(self.grid_shape))
+        self.crcs = _RawCrcs()
+
+
+def plan_leaf_reads(leaf: fmt.ArrayLeaf, boxes: Sequence[Box], block: int, verify: bool,
+                    max_read: int = DEFAULT_MAX_READ) -> list[Read]:
+    """The reads that fill `boxes` from `leaf`. For a compressed leaf, planned over its raw bytes
+    widened to whole blocks (every read within one chunk, its `file` the chunk's cell number,
+    its range raw bytes of that chunk); `ChunkReader.do_read` maps them to stored blocks."""
+    if leaf.codec == "none":
+        return plan_reads(leaf, boxes, block, verify, max_read=max_read)
+    return plan_reads(cast(fmt.ArrayLeaf, _RawView(leaf)), boxes, block, True, max_read=max_read)
 
 
 def whole_reads(leaf: fmt.ArrayLeaf, block: int, verify: bool, max_read: int = 4 << 20) -> list[Read] | None:
@@ -300,17 +403,17 @@ def whole_reads(leaf: fmt.ArrayLeaf, block: int, verify: bool, max_read: int = 4
 _local = threading.local()
 
 
-def _scratch(nbytes: int) -> np.ndarray:
+def _scratch(nbytes: int, which: str = "buf") -> np.ndarray:
     """This reader thread's temporary buffer, reused from read to read.
 
     A fresh buffer per read costs first-touch page faults on every read, which
     on some hosts is slower than the read itself. The buffer lives as long as
     the load's thread pool.
     """
-    buf = getattr(_local, "buf", None)
+    buf = getattr(_local, which, None)
     if buf is None or buf.nbytes < nbytes:
         buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
-        _local.buf = buf
+        setattr(_local, which, buf)
     return buf[:nbytes]
 
 
@@ -392,7 +495,7 @@ def read_box(reader: ChunkReader, leaf: fmt.ArrayLeaf, box: Box, pool: ThreadPoo
              verify: bool = True) -> np.ndarray:
     """Read one box of a stored array into a new numpy array (checksums verified)."""
     dest = np.empty(tuple(hi - lo for lo, hi in box), dtype=leaf.dtype)
-    reads = plan_reads(leaf, [box], reader.index.block_size, verify)
+    reads = plan_leaf_reads(leaf, [box], reader.index.block_size, verify)
     for f in [pool.submit(reader.do_read, r, leaf, [dest]) for r in reads]:
         f.result()
     return dest

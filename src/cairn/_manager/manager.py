@@ -147,6 +147,7 @@ class CheckpointManager(StepWatch):
         read_only: bool = False,
         local: LocalTier | None = None,
         step_format: str = DEFAULT_STEP_FORMAT,
+        compression: str | bool = "auto",
     ):
         if save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
@@ -160,7 +161,9 @@ class CheckpointManager(StepWatch):
         self._coord = coordinator or default_coordinator()
         self._primary = self._coord.process_index == 0
         self._decisions = Decisions(self._coord, self.directory)
-        self._save_kwargs: dict[str, Any] = {"coordinator": coordinator, "threads": threads}
+        # `compression`: as for `cairn.save` ("auto": on for object stores, off on local disks)
+        self._save_kwargs: dict[str, Any] = {"coordinator": coordinator, "threads": threads,
+                                             "compression": compression}
         self._snapshot_budget = snapshot_budget_bytes
         self._preempt_saved: int | None = None  # step committed after preemption was detected
         self._pending: list[_Pending] = []

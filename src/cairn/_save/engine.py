@@ -11,9 +11,11 @@ commits. See docs/ARCHITECTURE.md for the protocol.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import logging
+import os
 import secrets
 import threading
 import time
@@ -44,6 +46,7 @@ from .._errors import (
     error_record,
     first_failure,
 )
+from .._format import codecs as _codecs
 from .._format import manifest as fmt
 from .._plan.chunking import FileSlot
 from .._storage.location import Location
@@ -87,7 +90,12 @@ class SaveJob:
     threads: int
     metadata: dict[str, Any]
     strategy: CommitStrategy
+    # None: blocks stored raw (format version 2); "choose": a codec per leaf measured on a sample;
+    # else the one codec every array leaf gets (`codecs.CODECS`). Any but None writes version 3.
+    compression: str | None = None
     stats: SaveStats = field(default_factory=SaveStats)
+    # item name -> leaf number -> codec, for the leaves this process writes (set by `write_data`)
+    codecs: dict[str, dict[int, str]] = field(default_factory=dict)
     # (item, file number) -> the snapshot buffers holding that file's chunks, for the next snapshot
     pooled: dict[tuple[str, int], list[np.ndarray]] = field(default_factory=dict)
 
@@ -118,19 +126,63 @@ class SaveJob:
 
         return host_view(src)
 
-    def _write_file(self, item: SaveItem, k: int, slots: list[FileSlot], crc_pool: ThreadPoolExecutor):
+    @property
+    def version(self) -> int:
+        return fmt.FORMAT_VERSION if self.compression is None else fmt.COMPRESSED_VERSION
+
+    def _write_file(self, item: SaveItem, k: int, slots: list[FileSlot], crc_pool: ThreadPoolExecutor,
+                    code_pool: ThreadPoolExecutor | None = None):
         # Per chunk, in slot order: its CRC (one block), or a list of its block CRCs or their futures.
         # Plain ints where possible: a state of thousands of small leaves makes one per chunk, and
         # objects the garbage collector tracks make it run full collections during the save.
         crcs: list[Any] = []
         block = self.block_size
+        leaf_codecs = self.codecs.get(item.name, {})
+        # Compressed chunks: where each lands (stored sizes shift the chunks after it) and its blocks' sizes.
+        moved: dict[int, int] = {}
+        stored: dict[int, tuple[int, ...]] = {}
 
         def parts():
             batch = bytearray()
             pop = item.sources.pop
-            for slot in slots:
+            shift = 0  # stored bytes minus raw bytes of the compressed chunks so far
+            for n_slot, slot in enumerate(slots):
                 # pop: a device copy made by `snapshot` is freed once its host bytes exist.
                 src = pop((slot.leaf, slot.cell))
+                codec = leaf_codecs.get(slot.leaf, "none")
+                if shift:
+                    moved[n_slot] = slot.offset + shift
+                if codec != "none":
+                    if type(src) is Concat:
+                        raw = memoryview(b"".join(_bytes_of(self._host(p)) for p in src.parts))
+                    else:
+                        raw = _bytes_of(self._host(src))
+                    if len(raw) != slot.nbytes:
+                        raise CheckpointError(
+                            f"{self.loc.path}: chunk {slot.cell} of "
+                            f"{display_path(item.leaves[slot.leaf].path, item.name)!r} has {len(raw)} bytes, "
+                            f"planned {slot.nbytes}")
+                    dtype = item.leaves[slot.leaf].dtype
+                    sizes, block_crcs = [], []
+                    for enc in _encoded(code_pool, codec, raw, block, dtype):
+                        sizes.append(len(enc))
+                        block_crcs.append(crc32c(enc))
+                        if len(enc) <= SMALL_CHUNK:
+                            batch += enc
+                            if len(batch) >= BATCH_BYTES:
+                                yield batch
+                                batch = bytearray()
+                            continue
+                        if batch:
+                            yield batch
+                            batch = bytearray()
+                        yield enc
+                    del raw
+                    stored[n_slot] = tuple(sizes)
+                    crcs.append(block_crcs)
+                    shift += sum(sizes) - slot.nbytes
+                    activity.advance()
+                    continue
                 if type(src) is Concat:  # a merged chunk: its pieces' bytes, one after another
                     mvs = [_bytes_of(self._host(p)) for p in src.parts]
                     n = sum(len(m) for m in mvs)
@@ -182,7 +234,7 @@ class SaveJob:
         key = self.data_key(item, k)
         size = self.loc.storage.write(key, parts())
         out = key, size, [(c,) if type(c) is int else tuple(x if type(x) is int else x.result() for x in c)
-                          for c in crcs]
+                          for c in crcs], moved, stored
         for buf in self.pooled.pop((item.name, k), ()):  # written and checksummed: the buffers serve the next save
             _snapshot_pool.give(buf)
         return out
@@ -192,20 +244,31 @@ class SaveJob:
         t0 = time.perf_counter()
         partial: dict[str, Any] = {}
         jobs = []
+        if self.compression is not None:
+            self.codecs = choose_codecs(self)
+        # Compressed blocks are encoded by a pool of their own, so that a file of large chunks uses
+        # every core (a file's writer thread alone would code its blocks one after another).
+        coders = max(1, min(self.threads, os.cpu_count() or 1)) if self.compression is not None else 0
         with ThreadPoolExecutor(max(1, self.threads), thread_name_prefix="cairn-write") as pool, \
-                ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool:
+                ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool, \
+                ThreadPoolExecutor(max(1, coders), thread_name_prefix="cairn-code") as code_pool:
             for item in self.items:
                 for k, slots in enumerate(item.files):
-                    jobs.append((item, k, pool.submit(self._write_file, item, k, slots, crc_pool)))
+                    jobs.append((item, k, pool.submit(self._write_file, item, k, slots, crc_pool,
+                                                      code_pool if coders > 1 else None)))
             results = [(item, k, f.result()) for item, k, f in jobs]
         for item in self.items:
-            partial[item.name] = {"files": [], "chunks": []}
-        for item, k, (key, size, chunks) in results:
+            partial[item.name] = {"files": [], "chunks": [], "stored": {}}
+        for item, k, (key, size, chunks, moved, stored) in results:
             p = partial[item.name]
             file_no = len(p["files"])
             p["files"].append({"name": key.rsplit("/", 1)[1], "size": size})
             # Tuples of ints: the collector stops tracking them (lists it would track to the end).
-            p["chunks"].extend((slot.leaf, slot.cell, file_no, slot.offset, *crc) for slot, crc in zip(item.files[k], chunks))
+            p["chunks"].extend((slot.leaf, slot.cell, file_no, moved.get(j, slot.offset), *crc)
+                               for j, (slot, crc) in enumerate(zip(item.files[k], chunks)))
+            for j, sizes in stored.items():
+                slot = item.files[k][j]
+                p["stored"][(slot.leaf, slot.cell)] = sizes
             self.stats.bytes_written += size
             self.stats.files_written += 1
         # Drop host copies and device references as soon as they are written.
@@ -266,7 +329,11 @@ class SaveJob:
         for item in self.items:
             p = partial[item.name]
             mine: dict[str, Any] = {"files": [[f["name"], f["size"]] for f in p["files"]]}
-            part = build_part(item, me, self.token, p["chunks"], self.loc.path)
+            part = build_part(item, me, self.token, p["chunks"], self.loc.path,
+                              p["stored"] if self.compression is not None else None, self.block_size)
+            if self.compression is not None:  # the codecs of the leaves whose first cell this process wrote
+                mine["codecs"] = {str(i): c for i, c in self.codecs.get(item.name, {}).items()
+                                  if item.layouts[i].writer[0] == me and c != "none"}
             if part is not None:
                 name, data, records, crcs = part
                 self.loc.storage.put(f"{self.write_root}/{item.dir}/{name}", data)
@@ -306,7 +373,7 @@ class SaveJob:
         def write_index(item: SaveItem) -> fmt.ItemIndex:
             with paused():
                 index = item_index(item, statuses, n, self.block_size)
-                data = index.to_json()
+                data = index.to_json(self.version)
             storage.put(f"{root}/{item.dir}/{fmt.index_name(self.token)}", data)
             return index
 
@@ -325,8 +392,94 @@ class SaveJob:
         manifest = fmt.Manifest(
             items=items, root=self.root, process_count=self.coord.process_count, cairn_version=__version__,
             created_unix=time.time(), metadata=self.metadata,
-        ).to_json()
+        ).to_json(self.version)
         self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite)
+
+
+def _encoded(pool: ThreadPoolExecutor | None, codec: str, raw: memoryview, block: int, dtype: Any) -> Any:
+    """The stored forms of `raw`'s blocks, in order: coded on `pool` (at most a few blocks ahead of the
+    writer, so memory stays bounded by the window, not the chunk) or on this thread."""
+    starts = range(0, len(raw), block)
+    if pool is None or len(starts) < 2:
+        for o in starts:
+            yield _codecs.encode(codec, raw[o : o + block], dtype)
+        return
+    window = 2 * max(1, getattr(pool, "_max_workers", 2))
+    ahead: collections.deque[Any] = collections.deque()
+    for o in starts:
+        ahead.append(pool.submit(_codecs.encode, codec, raw[o : o + block], dtype))
+        if len(ahead) >= window:
+            yield ahead.popleft().result()
+    while ahead:
+        yield ahead.popleft().result()
+
+
+def resolve_compression(compression: str | bool | None, storage: Any) -> str | None:
+    """What a save's `compression=` means: None (blocks stored raw), "choose" (per leaf), or one codec.
+
+    "auto" (the default) compresses on storage without an atomic rename (object
+    stores, where bytes are money and time) and not on local disks, where the
+    codecs (about 1 GiB/s per core) are slower than the disk (docs/compression-draft.md).
+    True chooses per leaf; False, None and "none" store raw bytes.
+    """
+    if compression == "auto":
+        return None if getattr(storage, "atomic_rename", False) else "choose"
+    if compression is True:
+        return "choose"
+    if compression in (False, None, "none"):
+        return None
+    if compression in ("zstd", "planes"):
+        return str(compression)
+    raise ValueError(f"compression must be 'auto', True, False, 'none', 'zstd' or 'planes', not {compression!r}")
+
+
+def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
+    """The codec of each array leaf this process writes a chunk of, alike on every process.
+
+    A fixed codec applies to every leaf. With "choose", the writer of a leaf's
+    first cell measures `codecs.choose` on a sample of that chunk's host bytes;
+    with several processes, the others learn its choice through the coordinator
+    (a background step, with the save's timeout), before any of them writes.
+    """
+    from .._tree.leaves import ArraySource
+
+    coord, me = job.coord, job.coord.process_index
+    out: dict[str, dict[int, str]] = {}
+    need: dict[int, list[tuple[str, int]]] = {}  # owner -> (item, leaf) this process writes and does not own
+    for item in job.items:
+        mine = out[item.name] = {}
+        written = {leaf for leaf, _cell in item.sources}
+        for i, layout in item.layouts.items():
+            src = item.leaves[i]
+            if not isinstance(src, ArraySource):
+                continue
+            owner = layout.writer[0]
+            if job.compression != "choose":
+                mine[i] = job.compression if i in written or owner == me else "none"
+            elif owner == me:
+                first = item.sources.get((i, 0))
+                mine[i] = _choose_leaf(job, first, src.dtype) if first is not None else "none"
+            elif i in written:
+                need.setdefault(owner, []).append((item.name, i))
+    if job.compression == "choose" and coord.process_count > 1:
+        base = f"cairn/save/{job.seq}/codecs"
+        coord.publish(f"{base}/{me}", json.dumps({name: {str(i): c for i, c in m.items()}
+                                                  for name, m in out.items()}).encode())
+        for owner, wanted in need.items():
+            theirs = json.loads(fetch_from(coord, f"{base}/{owner}", job.timeout, writer=owner))
+            for name, i in wanted:
+                out[name][i] = theirs.get(name, {}).get(str(i), "none")
+    return out
+
+
+def _choose_leaf(job: SaveJob, first: Any, dtype: Any) -> str:
+    if type(first) is Concat:
+        first = first.parts[0]
+    host = job._host(first)
+    try:
+        return _codecs.choose(dtype, _codecs.sample(host))
+    except ValueError:  # a dtype no codec knows
+        return "none"
 
 
 def _block_crcs(mvs: list[memoryview], block: int) -> list[int]:
@@ -384,6 +537,7 @@ def prepare(
     split_replicas: bool = False,
     timeout: float = 1800.0,
     metadata: dict[str, Any] | None = None,
+    compression: str | bool | None = "auto",
 ) -> SaveJob:
     """Validate `state`, plan this process's chunks and agree on an attempt token."""
     t0 = time.perf_counter()
@@ -421,6 +575,7 @@ def prepare(
     job = SaveJob(
         loc=loc, items=items, root=root, token=token, seq=seq, coord=coord, overwrite=overwrite,
         block_size=block_size, timeout=timeout, threads=threads, metadata=metadata or {}, strategy=strategy,
+        compression=resolve_compression(compression, loc.storage),
     )
     job.stats.blocking_s = time.perf_counter() - t0
     return job

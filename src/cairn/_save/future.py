@@ -266,13 +266,14 @@ def save(
     threads: int = 4,
     split_replicas: bool = False,
     timeout: float = 1800.0,
+    compression: str | bool | None = "auto",
 ) -> _save.SaveStats:
     """Save `state` at `loc` and return once committed (see `cairn.save`); queues behind async saves."""
     _background.raise_unreported()
     _background.wait_all()  # a blocking save queues behind async ones
     job = _save.prepare(
         loc, state, overwrite=overwrite, coordinator=coordinator, threads=threads,
-        split_replicas=split_replicas, timeout=timeout, metadata=metadata,
+        split_replicas=split_replicas, timeout=timeout, metadata=metadata, compression=compression,
     )
     stats = job.run()
     _stats.saved(loc.path, stats)
@@ -291,6 +292,7 @@ def save_async(
     timeout: float = 1800.0,
     snapshot_budget_bytes: int | None = None,
     started: float | None = None,
+    compression: str | bool | None = "auto",
 ) -> SaveFuture:
     """Start saving `state` at `loc`; return after validation and the snapshot (see `cairn.save_async`).
 
@@ -302,7 +304,7 @@ def save_async(
     admit()
     job = _save.prepare(
         loc, state, overwrite=overwrite, coordinator=coordinator, threads=threads,
-        split_replicas=split_replicas, timeout=timeout, metadata=metadata,
+        split_replicas=split_replicas, timeout=timeout, metadata=metadata, compression=compression,
     )
     job.snapshot(snapshot_budget_bytes)
     # What the caller waited for: back-pressure, validation, planning, snapshot.

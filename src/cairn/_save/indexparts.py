@@ -18,6 +18,7 @@ from .._core.boxes import cell_box
 from .._core.memo import Memo
 from .._errors import CheckpointError
 from .._format import manifest as fmt
+from .._format.binindex import raw_blocks
 from .._format.partfile import PartInfo, encode_part, part_name
 from .._format.runlength import writer_runs
 from .._tree.leaves import ValueSource
@@ -39,10 +40,13 @@ def own_cells(writer: tuple[int, ...], me: int) -> np.ndarray:
 
 
 def build_part(item: SaveItem, me: int, token: str, rows: list[tuple[int, ...]], where: str,
+               stored: dict[tuple[int, int], tuple[int, ...]] | None = None, block: int = fmt.DEFAULT_BLOCK_SIZE,
                ) -> tuple[str, bytes, int, int] | None:
     """This process's part of `item`: ``(name, bytes, records, crcs)``, None when it wrote no cell.
 
-    `rows`: what the writers report per chunk, ``(leaf, cell, file, offset, *crcs)``.
+    `rows`: what the writers report per chunk, ``(leaf, cell, file, offset, *crcs)``. With
+    `stored` (format version 3: each compressed chunk's stored block sizes), a version-3 part
+    whose size column gives every block's stored size (the raw size where not compressed).
     """
     got = {(r[0], r[1]): r for r in rows}
     leaf_col: list[int] = []
@@ -50,6 +54,7 @@ def build_part(item: SaveItem, me: int, token: str, rows: list[tuple[int, ...]],
     file_col: list[int] = []
     off_col: list[int] = []
     crc_col: list[tuple[int, ...]] = []
+    size_col: list[tuple[int, ...]] = []
     for i in sorted(item.layouts):
         layout = item.layouts[i]
         for cell in own_cells(layout.writer, me).tolist():
@@ -67,9 +72,18 @@ def build_part(item: SaveItem, me: int, token: str, rows: list[tuple[int, ...]],
             file_col.append(r[2])
             off_col.append(r[3])
             crc_col.append(tuple(r[4:]))
+            if stored is not None:
+                st = stored.get((i, cell))
+                if st is None:
+                    src = item.leaves[i]
+                    assert not isinstance(src, ValueSource)
+                    nbytes = int(np.prod([hi - lo for lo, hi in cell_box(layout.grid, cell)])) * src.dtype.itemsize
+                    st = tuple(raw_blocks(nbytes, block))
+                size_col.append(st)
     if not leaf_col:
         return None
-    data = encode_part(me, leaf_col, cell_col, file_col, off_col, crc_col)
+    data = encode_part(me, leaf_col, cell_col, file_col, off_col, crc_col,
+                       size_col if stored is not None else None)
     return part_name(me, token), data, len(leaf_col), sum(len(c) for c in crc_col)
 
 
@@ -77,8 +91,10 @@ def item_index(item: SaveItem, statuses: dict[int, dict[str, Any]], processes: i
     """The primary's JSON index of `item` from the layouts and every process's reported files and part."""
     files: list[fmt.FileInfo] = []
     parts: list[PartInfo] = []
+    codecs: dict[str, str] = {}
     for p in range(processes):
         mine = statuses[p].get("items", {}).get(item.name, {})
+        codecs.update(mine.get("codecs", {}))
         base = len(files)
         files.extend(fmt.FileInfo(name, size) for name, size in mine.get("files", ()))
         part = mine.get("part")
@@ -100,6 +116,7 @@ def item_index(item: SaveItem, statuses: dict[int, dict[str, Any]], processes: i
             sharding = describe_sharding(src.value.sharding)
         leaves.append(fmt.ArrayLeaf(
             path=src.path, dtype=src.dtype, shape=src.shape, grid=layout.grid, chunks=(), crcs=(), kind=src.kind,
-            sharding=sharding, handler=src.handler, impl=src.impl, impl_shape=src.impl_shape, writers=runs[1]))
+            sharding=sharding, handler=src.handler, impl=src.impl, impl_shape=src.impl_shape, writers=runs[1],
+            codec=codecs.get(str(i), "none")))
     return fmt.ItemIndex(item.structure, tuple(leaves), tuple(files), block_size, parts=tuple(parts),
                          processes=processes)

@@ -41,7 +41,7 @@ import numpy as np
 from .._core.checksum import crc32c
 from .._errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .._format import manifest as fmt
-from .._format.partfile import HEADER_BYTES, RECORD_BYTES, decode_part
+from .._format.partfile import PART_VERSION, PART_VERSION_SIZES, decode_part, part_bytes
 from .._load.metadata import index_bytes, manifest_bytes, parse_index
 from .._load.reader import DEFAULT_BUDGET
 from .._save.commit import CommitStrategy, strategy_for
@@ -79,9 +79,11 @@ class _File:
     size: int
     kind: str  # "index" (bytes held), "part" (read whole, decoded), "data" (streamed) or "manifest"
     data: bytes = b""
-    chunks: tuple[tuple[int, int, Any, int], ...] = ()  # data: (offset, nbytes, leaf, cell) by offset
+    # data: (offset, stored bytes, leaf, cell, each block's stored size) by offset
+    chunks: tuple[tuple[int, int, Any, int, tuple[int, ...]], ...] = ()
     block: int = fmt.DEFAULT_BLOCK_SIZE
     item: str = ""
+    part_version: int = PART_VERSION  # part: the version its index's version implies
 
 
 @dataclass
@@ -136,13 +138,15 @@ def _plan(src: Location, raw_manifest: bytes) -> tuple[str, list[_File]]:
             if isinstance(leaf, fmt.ArrayLeaf):
                 for cell, (fi, off) in enumerate(leaf.chunks):
                     if leaf.chunk_nbytes(cell):
-                        by_file.setdefault(fi, []).append((off, leaf.chunk_nbytes(cell), leaf, cell))
+                        sizes = leaf.stored_sizes(cell, index.block_size)
+                        by_file.setdefault(fi, []).append((off, sum(sizes), leaf, cell, sizes))
         for fi, f in enumerate(index.files):
             chunks = tuple(sorted(by_file.get(fi, ()), key=lambda c: c[0]))
             files.append(_File(f"{info.dir}/{f.name}", f.size, "data", chunks=chunks, block=index.block_size,
                                item=name))
+        pv = PART_VERSION_SIZES if index.version >= 3 else PART_VERSION
         for p in index.parts:
-            files.append(_File(f"{info.dir}/{p.name}", HEADER_BYTES + RECORD_BYTES * p.records + 4 * p.crcs, "part"))
+            files.append(_File(f"{info.dir}/{p.name}", part_bytes(p.records, p.crcs, pv), "part", part_version=pv))
     if not manifest.items:
         return "empty", files
     first = next(iter(manifest.items.values())).index
@@ -162,12 +166,13 @@ class _Checker:
     def __init__(self, where: str, f: _File):
         self.where, self.f = where, f
         self.i, self.b, self.crc = 0, 0, 0  # chunk, block of it, running CRC of that block
+        self.at = 0  # where block b starts in its chunk (stored bytes)
 
     def feed(self, pos: int, buf: Any) -> None:
-        chunks, block, end = self.f.chunks, self.f.block, pos + len(buf)
+        chunks, end = self.f.chunks, pos + len(buf)
         while self.i < len(chunks):
-            off, n, leaf, cell = chunks[self.i]
-            bs, be = off + self.b * block, min(off + (self.b + 1) * block, off + n)
+            off, _n, leaf, cell, sizes = chunks[self.i]
+            bs, be = off + self.at, off + self.at + sizes[self.b]
             if bs >= end:
                 return
             lo, hi = max(bs, pos), min(be, end)
@@ -181,9 +186,9 @@ class _Checker:
                     f"{self.where}{'' if not self.f.item else f' [{self.f.item}]'}: {describe_chunk(leaf, cell)} "
                     f"in {self.f.rel!r} is corrupt: block {self.b} (file bytes {bs}..{be}) has CRC-32C "
                     f"{self.crc:#010x}, stored {want:#010x}")
-            self.crc, self.b = 0, self.b + 1
-            if self.b * block >= n:
-                self.i, self.b = self.i + 1, 0
+            self.crc, self.at, self.b = 0, self.at + sizes[self.b], self.b + 1
+            if self.b >= len(sizes):
+                self.i, self.b, self.at = self.i + 1, 0, 0
 
 
 # ---------------------------------------------------------------------- one file
@@ -252,7 +257,7 @@ def _source_part(run: _Run, f: _File) -> bytes:
         raise CorruptCheckpointError(f"{loc.path}: the index part {f.rel!r} named by the index is missing") from None
     except OSError as e:
         raise CheckpointError(f"{loc.path}: reading {f.rel!r} failed: {e}") from e
-    decode_part(data, loc.storage.describe(key))  # every checksum of the part
+    decode_part(data, loc.storage.describe(key), f.part_version)  # every checksum of the part
     return data
 
 
@@ -310,6 +315,7 @@ def copy(
     dst_storage_options: dict | None = None,
     on_total: Callable[[int], None] | None = None,
     progress: Callable[[int], None] | None = None,
+    compression: str | bool | None = None,
 ) -> CopyStats:
     """Copy the committed checkpoint at `src` to `dst` (any two stores), streamed, verified, resumable.
 
@@ -325,6 +331,14 @@ def copy(
     of up to 16 MiB, `threads` files at a time. `storage_options` are the
     source's (and, unless `dst_storage_options`, the destination's).
 
+    `compression` None (the default) copies the stored bytes as they are,
+    compressed or not. Anything else (as for `cairn.save`: "auto", True,
+    False, "zstd", "planes") recompresses: the checkpoint is loaded (as numpy,
+    every checksum verified) and saved anew at `dst` with that setting, its
+    metadata kept. That holds the whole state in host memory (not
+    `budget_bytes`), does not resume, and refuses typed PRNG keys, user
+    objects and per-process values (copy those without `compression`).
+
     Raises `CheckpointNotFoundError` (nothing committed at `src`),
     `CheckpointExistsError` (`dst` holds another checkpoint),
     `CorruptCheckpointError` (the source fails a check; the partial copy is
@@ -338,6 +352,10 @@ def copy(
     d = resolve(dst, storage_options if dst_storage_options is None else dst_storage_options)
     if (s.storage.url, s.name) == (d.storage.url, d.name):
         raise CheckpointError(f"{d.path}: the source and the destination are the same checkpoint")
+    if compression is not None:
+        if move:
+            raise ValueError("move=True copies stored bytes as they are: pass no compression")
+        return _recompress(s, d, compression, overwrite, t0)
     if budget_bytes < 2 * MIN_PIECE:
         raise ValueError(f"budget_bytes={budget_bytes} is below the minimum of {2 * MIN_PIECE}")
     # Two pieces per file in flight: the one the writer is taking, the next one being read.
@@ -386,6 +404,29 @@ def copy(
     return stats
 
 
+def _recompress(s: Location, d: Location, compression: str | bool, overwrite: bool, t0: float) -> CopyStats:
+    """`copy` with another `compression`: load the source whole (checked), save it anew at `d`."""
+    from .._load.engine import load
+    from .._load.metadata import read_index, read_manifest
+    from .._save.future import save
+
+    manifest = read_manifest(s)
+    for name, info in manifest.items.items():
+        index = read_index(s, info)
+        for leaf in index.leaves:
+            if getattr(leaf, "kind", "") in ("prng_key", "object") or "per_process" in json.dumps(index.structure):
+                raise CheckpointError(f"{s.path}: item {name!r} holds typed PRNG keys, user objects or per-process "
+                                      "values, which recompression does not carry over; copy without compression")
+    state = load(s, None)
+    if not manifest.root and not isinstance(state, dict):
+        raise CheckpointError(f"{s.path}: cannot recompress this checkpoint")
+    saved = save(d, state, overwrite=overwrite, metadata=manifest.metadata, compression=compression)
+    stats = CopyStats(s.path, d.path)
+    stats.files_copied, stats.bytes_copied = saved.files_written, saved.bytes_written
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
 def _check_copy(run: _Run, files: list[_File], threads: int) -> None:
     """Read the committed copy at `run.dst` back; `CorruptCheckpointError` names what is wrong."""
     bad: list[str] = []
@@ -418,14 +459,21 @@ def add_commands(sub: Any, parse_bytes: Callable[[str], int]) -> None:
         s.add_argument("--budget", type=parse_bytes, default=DEFAULT_BUDGET,
                        help="memory budget for data in flight (default 256M)")
         s.add_argument("--threads", type=int, default=8, help="files copied at once (default 8)")
+        if not move:
+            s.add_argument("--compression", default=None, choices=["auto", "true", "false", "none", "zstd", "planes"],
+                           help="recompress (load and save anew; the state is held in memory): auto, true (a "
+                                "codec per leaf), false/none, zstd, planes. Default: copy stored bytes as they are")
         s.add_argument("--json", action="store_true")
         s.set_defaults(fn=run_copy, move=move)
 
 
 def run_copy(args: argparse.Namespace, out: Any) -> int:
     with out.progress("moving" if args.move else "copying", None) as (set_total, advance):
+        comp = getattr(args, "compression", None)
+        comp = {"true": True, "false": False}.get(comp, comp) if comp is not None else None
         stats = copy(args.src, args.dst, overwrite=args.overwrite, move=args.move, verify=not args.no_verify,
-                     budget_bytes=args.budget, threads=args.threads, on_total=set_total, progress=advance)
+                     budget_bytes=args.budget, threads=args.threads, on_total=set_total, progress=advance,
+                     compression=comp)
     if args.json:
         print(json.dumps(stats.as_dict(), indent=2))
         return 0

@@ -1,0 +1,278 @@
+"""Format version 3: compressed blocks through save and load (docs/FORMAT.md §6.4).
+
+Round trips of every codec on local disk and the in-memory object store,
+multi-device meshes, resharded and partial loads that read only the stored
+blocks they need (counted with LoadStats), async saves, the compression
+switch ("auto" on object stores only), and what tools make of compressed leaves.
+Corruption of compressed checkpoints is in test_corruption.py and test_hostile.py.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import cairn
+from cairn._format import manifest as fmt
+from cairn._load.metadata import open_checkpoint
+
+BLOCK = 4096
+
+
+@pytest.fixture
+def mesh():
+    return jax.make_mesh((4, 2), ("x", "y"))
+
+
+def trained(shape, dtype=ml_dtypes.bfloat16, seed=0):
+    """Values like a trained layer's: normal with std 0.02, so the exponent planes compress."""
+    return np.random.default_rng(seed).normal(0, 0.02, shape).astype(dtype)
+
+
+def state_of(mesh=None):
+    w = trained((256, 512))
+    if mesh is not None:
+        w = jax.device_put(w, NamedSharding(mesh, P("x", "y")))
+    return {
+        "params": {"w": w, "b": trained((512,), np.float32, 1), "ids": np.arange(3000, dtype=np.int32) % 5,
+                   "zeros": np.zeros((100, 70), np.float32), "noise": np.random.default_rng(2).integers(
+                       0, 256, 5000, dtype=np.uint8), "empty": np.zeros((0, 4), np.float32), "step": 7},
+    }
+
+
+def where_of(kind, tmp_path, name="c"):
+    return str(tmp_path / name) if kind == "local" else f"memory://cmp-{uuid.uuid4().hex}/{name}"
+
+
+def assert_same(got, want):
+    for k, v in want["params"].items():
+        g = got["params"][k]
+        if isinstance(v, int):
+            assert g == v
+            continue
+        g = np.asarray(g)
+        assert g.dtype == np.asarray(v).dtype and g.shape == v.shape, k
+        assert np.asarray(g).tobytes() == np.asarray(v).tobytes(), k
+
+
+def leaves_of(path):
+    ck = open_checkpoint(path)
+    out = {}
+    for item, index in ck.indexes.items():
+        if index.table is not None:
+            index.table.fetch_all()
+        for leaf in index.leaves:
+            if isinstance(leaf, fmt.ArrayLeaf):
+                out[leaf.path or item] = (leaf, index.block_size)
+    return ck, out
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+@pytest.mark.parametrize("compression", ["zstd", "planes", True])
+def test_round_trip_every_codec(tmp_path, kind, compression, mesh):
+    state = state_of(mesh)
+    path = where_of(kind, tmp_path)
+    stats = cairn.save(path, state, compression=compression)
+    ck, leaves = leaves_of(path)
+    assert ck.manifest.version == 3
+    codecs = {p: leaf.codec for p, (leaf, _) in leaves.items()}
+    if compression is True:
+        assert codecs["w"] == "planes" and codecs["noise"] == "none" and codecs["zeros"] != "none"
+    else:
+        assert set(codecs.values()) == {compression}
+    raw = sum(leaf.nbytes for leaf, _ in leaves.values())
+    assert stats.bytes_written < 0.85 * raw  # bf16 weights, zeros and small ints all shrink
+    assert_same(cairn.load(path), state)
+    from cairn._tools.verify import verify
+
+    assert verify(path).ok
+
+
+def test_auto_is_off_on_local_disk_and_on_for_object_stores(tmp_path):
+    state = state_of()
+    local = tmp_path / "local"
+    cairn.save(local, state)
+    assert json.loads((local / "manifest.json").read_bytes())["version"] == 2
+    mem = where_of("memory", tmp_path)
+    cairn.save(mem, state)
+    ck, leaves = leaves_of(mem)
+    assert ck.manifest.version == 3 and leaves["w"][0].codec == "planes"
+    off = where_of("memory", tmp_path)
+    for value in (False, "none"):
+        cairn.save(off, state, compression=value, overwrite=True)
+        assert open_checkpoint(off).manifest.version == 2
+    with pytest.raises(ValueError, match="compression"):
+        cairn.save(tmp_path / "bad", state, compression="lz4")
+
+
+def test_uncompressed_save_is_version_2_byte_for_byte(tmp_path):
+    """compression off writes exactly what cairn wrote before version 3 (same files, same index)."""
+    state = state_of()
+    cairn.save(tmp_path / "a", state, compression=False)
+    ck = open_checkpoint(tmp_path / "a")
+    for index in ck.indexes.values():
+        assert index.version == 2
+        assert all(leaf.codec == "none" for leaf in index.leaves if isinstance(leaf, fmt.ArrayLeaf))
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_resharded_load_reads_only_the_blocks_it_needs(tmp_path, kind, mesh):
+    """A load onto another sharding reads at most 1.1x the stored bytes of the blocks its boxes touch."""
+    rng = np.random.default_rng(5)
+    full = rng.normal(0, 0.02, (512, 1024)).astype(ml_dtypes.bfloat16)
+    path = where_of(kind, tmp_path)
+    saved = jax.device_put(full, NamedSharding(jax.make_mesh((8,), ("x",)), P("x")))  # 8 row chunks of 128 KiB
+    from cairn._save import engine
+
+    job = engine.prepare(cairn._storage.location.resolve(path), {"w": saved}, block_size=BLOCK,
+                         compression="planes")
+    job.run()
+    _, leaves = leaves_of(path)
+    leaf, block = leaves["w"]
+    assert leaf.codec == "planes"
+    # One process's share of a (2, 4) mesh, as column blocks: rows 0..255 x columns 0..255 on device 0, ...
+    target_mesh = jax.make_mesh((2, 4), ("a", "b"))
+    sharding = NamedSharding(target_mesh, P("a", "b"))
+    stats = cairn.LoadStats()
+    got = cairn.load(path, {"w": jax.ShapeDtypeStruct(full.shape, full.dtype, sharding=sharding)}, stats=stats,
+                     read_once=False)
+    assert np.asarray(got["w"]).tobytes() == full.tobytes()
+    assert got["w"].sharding == sharding
+    total = sum(sum(leaf.stored_sizes(c, block)) for c in range(len(leaf.chunks)))
+    assert stats.bytes_read <= 1.1 * total  # every block needed: read once, not once per box
+    # Partial: one box of 64 rows x 128 columns reads only the blocks holding those rows' bytes.
+    small = NamedSharding(jax.make_mesh((8, 1), ("a", "b")), P("a", "b"))
+    stats = cairn.LoadStats()
+    got = cairn.load(path, {"w": jax.ShapeDtypeStruct(full.shape, full.dtype, sharding=small)}, stats=stats,
+                     read_once=False)
+    assert np.asarray(got["w"]).tobytes() == full.tobytes()
+    assert stats.bytes_read <= 1.1 * total
+
+
+def test_a_region_reads_only_its_blocks(tmp_path):
+    """Reading one box of a compressed leaf touches only the stored blocks that hold its raw bytes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from cairn._load.reader import make_reader, read_box
+    from cairn._save import engine
+
+    full = trained((256, 1024))  # one chunk of 512 KiB: 128 blocks of 4 KiB (2 rows each)
+    path = tmp_path / "c"
+    engine.prepare(cairn._storage.location.resolve(str(path)), {"w": full}, block_size=BLOCK,
+                   compression="planes").run()
+    ck, leaves = leaves_of(path)
+    leaf, block = leaves["w"]
+    sizes = leaf.stored_sizes(0, block)
+    assert len(sizes) == 128
+    with ThreadPoolExecutor(2) as pool:
+        reader = make_reader(ck, "w", pool)
+        box = ((10, 30), (0, 1024))  # rows 10..29: blocks 5..14
+        out = read_box(reader, leaf, box, pool)
+        assert out.tobytes() == full[10:30].tobytes()
+        assert reader.stats.bytes_read == sum(sizes[5:15])
+        reader.close()
+
+
+def test_async_save_compresses_in_the_background(tmp_path, mesh):
+    state = state_of(mesh)
+    path = where_of("memory", tmp_path)
+    f = cairn.save_async(path, state, compression=True)
+    # The saved values are those at the call, whatever happens to the arrays after it.
+    state["params"]["b"][:] = 1.0
+    stats = f.result(timeout=120)
+    assert stats.bytes_written > 0
+    want = state_of(mesh)
+    assert_same(cairn.load(path), want)
+
+
+def test_manager_and_copy_keep_compressed_checkpoints(tmp_path):
+    state = state_of()
+    mgr = cairn.CheckpointManager(tmp_path / "run", async_save=False, handle_sigterm=False, compression="zstd")
+    try:
+        mgr.save(1, state)
+        mgr.wait()
+        got = mgr.restore(1)
+    finally:
+        mgr.close()
+    assert_same(got, state)
+    step = next((tmp_path / "run").iterdir())
+    assert json.loads((step / "manifest.json").read_bytes())["version"] == 3
+    dst = f"memory://cmp-{uuid.uuid4().hex}/copy"
+    cairn.copy(step, dst)
+    assert_same(cairn.load(dst), state)
+    assert open_checkpoint(dst).manifest.version == 3
+
+
+def test_copy_recompresses_when_asked(tmp_path, capsys):
+    from cairn._cli.main import main
+
+    state = state_of()
+    cairn.save(tmp_path / "raw", state, compression=False, metadata={"note": 1})
+    stats = cairn.copy(tmp_path / "raw", tmp_path / "planes", compression="planes")
+    ck, leaves = leaves_of(tmp_path / "planes")
+    assert ck.manifest.version == 3 and ck.manifest.metadata == {"note": 1}
+    assert {leaf.codec for leaf, _ in leaves.values()} == {"planes"}
+    assert stats.bytes_copied < sum(leaf.nbytes for leaf, _ in leaves.values())
+    assert_same(cairn.load(tmp_path / "planes"), state)
+    assert main(["cp", str(tmp_path / "planes"), str(tmp_path / "back"), "--compression", "false"]) == 0
+    assert open_checkpoint(tmp_path / "back").manifest.version == 2
+    assert_same(cairn.load(tmp_path / "back"), state)
+    key = np.asarray(jax.random.key_data(jax.random.key(0)))
+    cairn.save(tmp_path / "keys", {"k": jax.random.key(0)}, compression=False)
+    with pytest.raises(cairn.CheckpointError, match="PRNG"):
+        cairn.copy(tmp_path / "keys", tmp_path / "keys2", compression=True)
+    cairn.copy(tmp_path / "keys", tmp_path / "keys3")  # stored bytes as they are
+    assert np.array_equal(jax.random.key_data(cairn.load(tmp_path / "keys3", {"k": jax.random.key(1)})["k"]), key)
+
+
+def test_inspect_shows_codec_and_stored_bytes(tmp_path):
+    from cairn._cli.main import inspect_data
+
+    cairn.save(tmp_path / "c", state_of(), compression=True)
+    data = inspect_data(str(tmp_path / "c"))
+    leaves = {leaf["path"]: leaf for leaf in data["items"]["params"]["leaves"] if "codec" in leaf}
+    assert leaves["w"]["codec"] == "planes" and leaves["w"]["stored_bytes"] < leaves["w"]["nbytes"]
+    assert leaves["noise"]["codec"] == "none" and leaves["noise"]["stored_bytes"] == leaves["noise"]["nbytes"]
+
+
+def test_export_to_safetensors_reads_through_the_codecs(tmp_path):
+    pytest.importorskip("safetensors")
+    from safetensors.numpy import load_file
+
+    state = state_of()
+    cairn.save(tmp_path / "c", state, compression=True)
+    cairn.export_safetensors(tmp_path / "c", tmp_path / "out", item="params")
+    files = sorted((tmp_path / "out").rglob("*.safetensors")) if (tmp_path / "out").is_dir() else [tmp_path / "out"]
+    got = {}
+    for f in files:
+        got.update(load_file(str(f)))
+    got = {k.rsplit("/", 1)[-1]: v for k, v in got.items()}
+    assert got["ids"].tobytes() == state["params"]["ids"].tobytes()
+    assert got["zeros"].tobytes() == state["params"]["zeros"].tobytes()
+
+
+def test_read_once_and_dry_run_on_a_compressed_checkpoint(tmp_path):
+    """A replicated target read once (then moved by collectives) decodes through the same reader; the
+    dry run of a load plans a compressed checkpoint without failing."""
+    full = trained((256, 512))
+    path = where_of("memory", tmp_path)
+    m8 = jax.make_mesh((8,), ("x",))
+    cairn.save(path, {"w": jax.device_put(full, NamedSharding(m8, P("x")))}, compression="planes")
+    _, leaves = leaves_of(path)
+    leaf, block = leaves["w"]
+    stored = sum(sum(leaf.stored_sizes(c, block)) for c in range(len(leaf.chunks)))
+    replicated = NamedSharding(m8, P())
+    stats = cairn.LoadStats()
+    got = cairn.load(path, {"w": jax.ShapeDtypeStruct(full.shape, full.dtype, sharding=replicated)},
+                     read_once=True, stats=stats)
+    assert np.asarray(got["w"]).tobytes() == full.tobytes() and got["w"].sharding == replicated
+    assert stats.bytes_read == stored  # each stored byte once, whatever the replication
+    plan = cairn.plan_load(path, {"w": jax.ShapeDtypeStruct(full.shape, full.dtype, sharding=replicated)})
+    assert plan is not None
