@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 
 from .._core.memo import Memo
-from .._dist.coord import Coordinator, drop_keys, gather_json
+from .._dist.coord import Coordinator, agree, announce, drop_keys
 from .._errors import CoordinationError, error_from_record, error_record, first_failure
 from .._format import manifest as fmt
 from .._plan.estimate import estimate_read_bytes
@@ -350,26 +350,28 @@ class Agreement:
 
     def ok(self, wave: int) -> None:
         """Publish success for `wave`, wait for every process's status, raise if any failed."""
-        coord, me, n = self.coord, self.coord.process_index, self.coord.process_count
-        coord.publish(f"{self.base}/{wave}/{me}", b'{"ok":true}')
+        coord, me = self.coord, self.coord.process_index
         self.done = wave + 1
-        try:
-            statuses = gather_json(coord, f"{self.base}/{wave}", n, self.timeout)
+        try:  # through the primary: it sends back the first failure (or none)
+            failure = agree(coord, f"{self.base}/{wave}", {"ok": True}, self.timeout, decide=first_failure)
         except CoordinationError as e:
             raise CoordinationError(f"loading {self.path}: {e}") from e
         if wave == 0 and me == 0 and self.seq > 0:
             drop_keys(coord, f"cairn/load/{self.seq - 1}")  # every process is past that load now
-        failure = first_failure(statuses)
         if failure is not None:
             raise error_from_record(failure[0], f"loading {self.path} failed: {failure[1]}")
 
     def fail(self, e: BaseException) -> None:
         """Tell the others this process will not take part in the remaining waves."""
         me = self.coord.process_index
-        body = json.dumps({"ok": False, "error": error_record(e, me)}).encode()
+        record = error_record(e, me)
+        body = json.dumps({"ok": False, "error": record}).encode()
         for wave in range(self.done, self.waves):
             try:
-                self.coord.publish(f"{self.base}/{wave}/{me}", body)
+                if me == 0:  # the others wait for the primary's decision: it is this failure
+                    announce(self.coord, f"{self.base}/{wave}", [record, f"process 0: {record['message']}"])
+                else:
+                    self.coord.publish(f"{self.base}/{wave}/{me}", body)
             except Exception:
                 break  # the coordinator is gone: the others will time out and say so
 
