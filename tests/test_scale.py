@@ -46,10 +46,10 @@ def _scale(tmp_path, monkeypatch, big: int) -> None:
     monkeypatch.setenv("CAIRN_PEER_TIMEOUT", str(PEER_TIMEOUT))
     small = big // 2
     t0 = time.monotonic()
-    a = _cluster(big, str(tmp_path / "a"), OPS, big, timeout=60 + 6 * big)
+    a = _cluster(big, str(tmp_path / "a"), [*OPS, "local_tier_shared"], big, timeout=60 + 6 * big)
     t1 = time.monotonic()
     b = _cluster(small, str(tmp_path / "b"), [*OPS, "local_restore_other", "dead_peer"], big,
-                 timeout=60 + 6 * big, tier_from=str(tmp_path / "a" / "tier"), dead=True)
+                 timeout=60 + 6 * big, tier_from=str(tmp_path / "a" / "shared"), dead=True)
     t2 = time.monotonic()
     report = {"clusters_s": {big: round(t1 - t0, 1), small: round(t2 - t1, 1)},
               big: summarize(a), small: summarize(b)}

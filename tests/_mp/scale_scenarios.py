@@ -254,7 +254,7 @@ def _op_local_restore_other(ctx: dict[str, Any]) -> dict[str, Any]:
     """Restore the local tier another cluster (of a different process count) saved into `ctx['tier_from']`."""
     n, me = ctx["n"], jax.process_index()
     src = ctx["tier_from"]
-    local = cairn.LocalTier(os.path.join(src, "host"), every=1, keep=2)
+    local = cairn.LocalTier(os.path.join(src, "host"), every=1, keep=2, replicas=1)
     with cairn.CheckpointManager(os.path.join(src, "persist"), save_every=10_000, local=local,
                                  handle_sigterm=False) as mgr:
         got = mgr.restore(target=_tier_target(n))
@@ -264,22 +264,33 @@ def _op_local_restore_other(ctx: dict[str, Any]) -> dict[str, Any]:
     return {"restored_step": 2}
 
 
-def _op_local_tier(ctx: dict[str, Any]) -> dict[str, Any]:
-    """Save three steps to the local tier (every process in one host directory, as on one machine), then
-    restore the newest from it on the same processes."""
+def _tier_save(ctx: dict[str, Any], folder: str, host: str, restore: bool) -> dict[str, Any]:
     n, me = ctx["n"], jax.process_index()
-    base = os.path.join(ctx["root"], "tier")
-    local = cairn.LocalTier(os.path.join(base, "host"), every=1, keep=2)
+    base = os.path.join(ctx["root"], folder)
+    local = cairn.LocalTier(os.path.join(base, host), every=1, keep=2, replicas=1)
     with cairn.CheckpointManager(os.path.join(base, "persist"), save_every=10_000, local=local,
                                  handle_sigterm=False) as mgr:
         for step in range(3):
             mgr.save(step, _tier_state(n, step))
         local.wait()
-        got = mgr.restore(target=_tier_target(n))
-        assert local.restored_step == 2, local.restored_step
-    assert got["step"] == 2 and got["iter"].value == _per_process_value(me), got["iter"]
-    check(got["params"], n, abstract(n))
+        if restore:
+            got = mgr.restore(target=_tier_target(n))
+            assert local.restored_step == 2, local.restored_step
+            assert got["step"] == 2 and got["iter"].value == _per_process_value(me), got["iter"]
+            check(got["params"], n, abstract(n))
     return {"local_steps": local.steps()}
+
+
+def _op_local_tier(ctx: dict[str, Any]) -> dict[str, Any]:
+    """Save three steps to the local tier, a host directory per process and one peer replica each,
+    then restore the newest from it on the same processes."""
+    return _tier_save(ctx, "tier", f"host{jax.process_index()}", True)
+
+
+def _op_local_tier_shared(ctx: dict[str, Any]) -> dict[str, Any]:
+    """Save three steps to the local tier with every process in one host directory (as on one machine),
+    for another process count to restore (`_op_local_restore_other`): there every process sees every blob."""
+    return _tier_save(ctx, "shared", "host", False)
 
 
 def _op_dead_peer(ctx: dict[str, Any]) -> dict[str, Any]:
@@ -302,6 +313,7 @@ def _op_dead_peer(ctx: dict[str, Any]) -> dict[str, Any]:
 OPS = {
     "save": _op_save, "load": _op_load, "load_resharded": _op_load_resharded, "metadata": _op_metadata,
     "manager": _op_manager, "per_process": _op_per_process, "local_tier": _op_local_tier,
+    "local_tier_shared": _op_local_tier_shared,
     "local_restore_other": _op_local_restore_other, "dead_peer": _op_dead_peer,
 }
 

@@ -69,6 +69,11 @@ class Decisions:
             return {0: outcome}
         return agree(self.coord, f"{self.base}/{next(self._seq)}/{what}", outcome, TIMEOUT)
 
+    def each(self, what: str, mine: Any, decide: Any) -> Any:
+        """This process's part of the primary's ``decide(values by process)``, which returns
+        ``{process: part}``: a process receives its own part only (`agree` with ``each``)."""
+        return agree(self.coord, f"{self.base}/{next(self._seq)}/{what}", mine, TIMEOUT, decide=decide, each=True)
+
     def failures(self, what: str, error: str | None) -> dict[int, str]:
         """The processes whose `error` is not None, and their errors (the same on every process).
 

@@ -12,6 +12,7 @@ outcomes: a few hundred bytes per process per save); array bytes never do.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -163,9 +164,14 @@ class JaxCoordinator:
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="cairn-heartbeat", daemon=True)
         self._beat.start()
+        # Stopped before the interpreter finalizes: a daemon thread caught inside a client call
+        # then aborts the process ("terminate called ... exception not rethrown").
+        atexit.register(self.close)
 
     def close(self) -> None:
         self._stop.set()
+        if self._beat.is_alive() and self._beat is not threading.current_thread():
+            self._beat.join(timeout=5)
 
     def _heartbeat(self) -> None:
         """Publish this process's heartbeat: a beat count, what it is doing and its progress."""
@@ -479,7 +485,7 @@ def gather_json(coord: Coordinator, prefix: str, count: int, timeout: float) -> 
 
 
 def agree(coord: Coordinator, prefix: str, mine: Any, timeout: float,
-          decide: Callable[[dict[int, Any]], Any] | None = None) -> Any:
+          decide: Callable[[dict[int, Any]], Any] | None = None, each: bool = False) -> Any:
     """Every process's JSON value `mine` goes to the primary, which sends one decision back.
 
     The decision is ``decide(values by process)`` (default: the values themselves, by process
@@ -487,11 +493,18 @@ def agree(coord: Coordinator, prefix: str, mine: Any, timeout: float,
     count; the primary one get per process and one publish. If the primary cannot gather (a peer
     died, a timeout), every process raises its error, naming the process at fault.
 
+    With `each`, `decide` returns each process's own part (``{process: part}``) and a process
+    receives only its part (the primary publishes one per process): what a process reads stays
+    the size of its part, whatever the process count.
+
     Example::
 
         worst = agree(coord, "cairn/x/7", my_loss, 60, decide=lambda v: max(v.values()))
     """
     n, me = coord.process_count, coord.process_index
+    if each:
+        assert decide is not None, "agree(each=True) needs a decide that returns each process's part"
+        return _agree_each(coord, prefix, mine, timeout, decide)
     if n == 1:
         return _decided(decide, {0: json.loads(json.dumps(mine))})
     key = f"{prefix}/decision"
@@ -515,6 +528,34 @@ def agree(coord: Coordinator, prefix: str, mine: Any, timeout: float,
         raise error_from_record(msg["error"], msg["message"])
     out = msg["ok"]
     return {int(p): v for p, v in out.items()} if decide is None else out
+
+
+def _agree_each(coord: Coordinator, prefix: str, mine: Any, timeout: float,
+                decide: Callable[[dict[int, Any]], dict[int, Any]]) -> Any:
+    n, me = coord.process_count, coord.process_index
+    if n == 1:
+        return json.loads(json.dumps(decide({0: json.loads(json.dumps(mine))})[0]))
+    if me:
+        coord.publish(f"{prefix}/{me}", json.dumps(mine).encode())
+        msg = json.loads(fetch_from(coord, f"{prefix}/decision/{me}", timeout, writer=0))
+    else:
+        try:
+            values = {0: json.loads(json.dumps(mine))}
+            if isinstance(coord, JaxCoordinator):
+                values.update({p: json.loads(v) for p, v in coord.collect(prefix, list(range(1, n)), timeout).items()})
+            else:
+                coord.publish(f"{prefix}/0", json.dumps(mine).encode())
+                values = gather_json(coord, prefix, n, timeout)
+            parts = decide(values)
+            msgs = {p: {"ok": parts[p]} for p in range(n)}
+        except CoordinationError as e:
+            msgs = {p: {"error": error_record(e, 0), "message": str(e)} for p in range(n)}
+        for p in range(1, n):
+            coord.publish(f"{prefix}/decision/{p}", json.dumps(msgs[p]).encode())
+        msg = json.loads(json.dumps(msgs[0]))
+    if "error" in msg:
+        raise error_from_record(msg["error"], msg["message"])
+    return msg["ok"]
 
 
 def announce(coord: Coordinator, prefix: str, decision: Any) -> None:

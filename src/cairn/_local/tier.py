@@ -154,16 +154,26 @@ class LocalTier:
         header = header_bytes({"step": step, "process": self._me, "count": self._count, "layout": key,
                                "values": values})
         devices = process_devices(self._count)[self._me]
-        info = self._decisions.gather(f"save-{step}", {"step": step, "layout": key,
-                                                        "rows": row_lengths(pieces, len(header), len(devices))})
-        odd = {p: v for p, v in info.items() if v["step"] != step or v["layout"] != key}
-        if odd:
-            raise CheckpointError(f"{self._where(step)}: processes disagree on the local save: process "
-                                  f"{self._me} saves step {step} (layout {key}), but "
-                                  + "; ".join(f"process {p} step {v['step']} (layout {v['layout']})"
-                                              for p, v in sorted(odd.items())))
-        rows = {p: [int(n) for n in v["rows"]] for p, v in info.items()}
-        width = max(max(r) for r in rows.values())
+        holders = self._holders
+
+        def decide(info: dict[int, Any]) -> dict[int, Any]:
+            """On the primary: one check of every process, then each its width and the row lengths of the
+            blobs it keeps (its own, the replicas it holds): its part does not grow with the processes."""
+            odd = {p: v for p, v in info.items() if v["step"] != step or v["layout"] != key}
+            if odd:
+                why = (f"process 0 saves step {step} (layout {key}), but "
+                       + "; ".join(f"process {p} step {v['step']} (layout {v['layout']})" for p, v in sorted(odd.items())))
+                return {p: {"odd": why} for p in info}
+            width = max(max(v["rows"]) for v in info.values())
+            return {p: {"width": width, "rows": {str(q): info[q]["rows"] for q in {p, *(d.index(p) for d in holders)}}}
+                    for p in info}
+
+        mine = self._decisions.each(f"save-{step}", {"step": step, "layout": key,
+                                                     "rows": row_lengths(pieces, len(header), len(devices))}, decide)
+        if "odd" in mine:
+            raise CheckpointError(f"{self._where(step)}: processes disagree on the local save: {mine['odd']}")
+        rows = {int(q): [int(n) for n in r] for q, r in mine["rows"].items()}
+        width = int(mine["width"])
         own = pack_rows(header, pieces, shards, width, devices)  # one row per device: no device holds more
         received = {}
         for dest in self._holders:
