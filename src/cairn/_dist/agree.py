@@ -69,6 +69,13 @@ class Decisions:
             return {0: outcome}
         return agree(self.coord, f"{self.base}/{next(self._seq)}/{what}", outcome, TIMEOUT)
 
+    def decide(self, what: str, mine: Any, decide: Any) -> Any:
+        """The primary's ``decide(values by process)`` of every process's `mine`, on every process
+        (`agree`): what comes back is the decision, not everyone's values."""
+        if self.alone:
+            return json.loads(json.dumps(decide({0: json.loads(json.dumps(mine))})))
+        return agree(self.coord, f"{self.base}/{next(self._seq)}/{what}", mine, TIMEOUT, decide=decide)
+
     def each(self, what: str, mine: Any, decide: Any) -> Any:
         """This process's part of the primary's ``decide(values by process)``, which returns
         ``{process: part}``: a process receives its own part only (`agree` with ``each``)."""
