@@ -67,8 +67,12 @@ def start(
     recoverable: bool = False,
     heartbeat_s: int = 10,
     workdir: str | None = None,
+    sync_exit: list[int] | None = None,
 ) -> list[Proc]:
-    """Start `n` processes running `scenario` (a function name in scenarios.py)."""
+    """Start `n` processes running `scenario` (a function name in scenarios.py).
+
+    `sync_exit`: the processes expected to finish (the others die on purpose); they exit once all
+    of them have their result, skipping JAX's shutdown (which a dead peer makes abort)."""
     workdir = workdir or tempfile.mkdtemp(prefix="cairn-mp-")
     port = free_port()
     env = dict(os.environ)
@@ -80,7 +84,7 @@ def start(
     env.setdefault("OMP_NUM_THREADS", "1")
     spec = {
         "n": n, "port": port, "scenario": scenario, "args": args or {},
-        "recoverable": recoverable, "heartbeat_s": heartbeat_s,
+        "recoverable": recoverable, "heartbeat_s": heartbeat_s, "sync_exit": sync_exit,
     }
     procs = []
     for i in range(n):

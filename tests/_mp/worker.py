@@ -46,8 +46,26 @@ def main() -> None:
         json.dump(out, f)
     os.replace(tmp, result_path)
     sys.stdout.flush()
+    if n > 1 and spec.get("sync_exit") is not None:
+        _sync_exit(index, spec["sync_exit"])
     if n > 1:
         jax.distributed.shutdown()
+
+
+def _sync_exit(index: int, survivors: list[int]) -> None:
+    """Exit once every survivor has its result, without JAX's shutdown: with recoverable tasks the
+    shutdown does not wait for the others, so process 0 (which hosts the service) could end it
+    under processes still working, and they abort."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if index:
+        client.key_value_set("mp/exited/" + str(index), "1")
+        os._exit(0)
+    for p in survivors:
+        if p:
+            client.blocking_key_value_get("mp/exited/" + str(p), 120_000)
+    os._exit(0)
 
 
 if __name__ == "__main__":

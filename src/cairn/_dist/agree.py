@@ -10,7 +10,9 @@ once here and shared through the coordinator:
   the answer; the others take it.
 - `gather`: every process reports its own outcome (the step loaded, or the
   error it hit) and every process gets all of them, so all act on the same
-  facts (fall back together).
+  facts (fall back together). The outcomes go to the primary, which sends
+  them back in one message (`failures`: only the failed ones): a process
+  makes the same few requests at any process count.
 
 Every process makes the same decisions in the same order (they are the same
 program), so a per-scope counter names each decision without talking.
@@ -24,7 +26,7 @@ import threading
 import zlib
 from typing import Any
 
-from .coord import Coordinator, fetch_from, gather_json
+from .coord import Coordinator, agree, fetch_from
 
 _instances: dict[str, itertools.count[int]] = {}
 _lock = threading.Lock()
@@ -59,9 +61,32 @@ class Decisions:
         return json.loads(fetch_from(self.coord, key, TIMEOUT, writer=0))
 
     def gather(self, what: str, outcome: Any) -> dict[int, Any]:
-        """Every process's `outcome` (JSON), by process index."""
+        """Every process's `outcome` (JSON), by process index.
+
+        Through the primary: each process publishes its outcome and waits for the primary's one
+        message of all of them (one publish and one blocking get, whatever the process count)."""
         if self.alone:
             return {0: outcome}
-        prefix = f"{self.base}/{next(self._seq)}/{what}"
-        self.coord.publish(f"{prefix}/{self.coord.process_index}", json.dumps(outcome).encode())
-        return gather_json(self.coord, prefix, self.coord.process_count, TIMEOUT)
+        return agree(self.coord, f"{self.base}/{next(self._seq)}/{what}", outcome, TIMEOUT)
+
+    def decide(self, what: str, mine: Any, decide: Any) -> Any:
+        """The primary's ``decide(values by process)`` of every process's `mine`, on every process
+        (`agree`): what comes back is the decision, not everyone's values."""
+        if self.alone:
+            return json.loads(json.dumps(decide({0: json.loads(json.dumps(mine))})))
+        return agree(self.coord, f"{self.base}/{next(self._seq)}/{what}", mine, TIMEOUT, decide=decide)
+
+    def each(self, what: str, mine: Any, decide: Any) -> Any:
+        """This process's part of the primary's ``decide(values by process)``, which returns
+        ``{process: part}``: a process receives its own part only (`agree` with ``each``)."""
+        return agree(self.coord, f"{self.base}/{next(self._seq)}/{what}", mine, TIMEOUT, decide=decide, each=True)
+
+    def failures(self, what: str, error: str | None) -> dict[int, str]:
+        """The processes whose `error` is not None, and their errors (the same on every process).
+
+        As `gather`, but the primary sends back the failures only: a few bytes when all went well."""
+        if self.alone:
+            return {} if error is None else {0: error}
+        found = agree(self.coord, f"{self.base}/{next(self._seq)}/{what}", error, TIMEOUT,
+                      decide=lambda got: {str(p): e for p, e in sorted(got.items()) if e is not None})
+        return {int(p): e for p, e in found.items()}

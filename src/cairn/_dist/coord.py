@@ -12,13 +12,15 @@ outcomes: a few hundred bytes per process per save); array bytes never do.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol, runtime_checkable
 
-from .._errors import CoordinationError, CoordinationTimeoutError
+from .._errors import CoordinationError, CoordinationTimeoutError, error_from_record, error_record
 
 _PROGRESS = "cairn/progress"
 _ALIVE = "cairn/alive"
@@ -162,9 +164,14 @@ class JaxCoordinator:
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="cairn-heartbeat", daemon=True)
         self._beat.start()
+        # Stopped before the interpreter finalizes: a daemon thread caught inside a client call
+        # then aborts the process ("terminate called ... exception not rethrown").
+        atexit.register(self.close)
 
     def close(self) -> None:
         self._stop.set()
+        if self._beat.is_alive() and self._beat is not threading.current_thread():
+            self._beat.join(timeout=5)
 
     def _heartbeat(self) -> None:
         """Publish this process's heartbeat: a beat count, what it is doing and its progress."""
@@ -182,17 +189,19 @@ class JaxCoordinator:
                 continue  # the service is gone or shutting down: nothing to tell
             self._stop.wait(interval)
 
-    def check_peers(self, processes: list[int], waiting_for: str) -> None:
+    def check_peers(self, processes: list[int], waiting_for: str) -> bool:
         """Raise `CoordinationError` if one of `processes` died (no heartbeat for `peer_timeout`)
-        or, inside a save or load, made no progress for that long."""
+        or, inside a save or load, made no progress for that long. Returns whether one of them
+        was seen making progress."""
         now = time.monotonic()
         if now - self._last_check < min(1.0, self.peer_timeout / 10):
-            return  # a few requests per peer per second at most, however fast the caller polls
+            return False  # a few requests per second at most, however fast the caller polls
+        moving = False
         self._last_check = now
+        beats = self._beats(processes)
         for p in processes:
-            try:
-                raw = bytes(self._client.key_value_try_get_bytes(f"{_ALIVE}/{p}")).decode()
-            except Exception:
+            raw = beats.get(p)
+            if raw is None:
                 continue  # no heartbeat seen yet (it has not reached cairn): cannot judge
             state = json.loads(raw)
             doing = json.dumps([state.get("op"), state.get("progress")])
@@ -202,6 +211,7 @@ class JaxCoordinator:
                 continue
             beat_at = now if raw != old[0] else old[1]
             doing_at = now if doing != old[2] else old[3]
+            moving = moving or doing != old[2]
             self._seen[p] = (raw, beat_at, doing, doing_at)
             if now - beat_at > self.peer_timeout:
                 raise CoordinationError(
@@ -215,6 +225,28 @@ class JaxCoordinator:
                     f"{state['op']} (process {self.process_index} was waiting for {waiting_for}; "
                     f"CAIRN_PEER_TIMEOUT is {self.peer_timeout:g}s)"
                 )
+        return moving
+
+    def _beats(self, processes: list[int]) -> dict[int, str]:
+        """The heartbeats of `processes`: one request each for one or two, else one listing of all
+        (one request, whatever the count; only the process that watches many, the primary, lists)."""
+        out: dict[int, str] = {}
+        if len(processes) <= 2:
+            for p in processes:
+                try:
+                    out[p] = bytes(self._client.key_value_try_get_bytes(f"{_ALIVE}/{p}")).decode()
+                except Exception:
+                    pass
+            return out
+        wanted = set(processes)
+        try:
+            for k, v in self._client.key_value_dir_get_bytes(_ALIVE):
+                last = _last(k)
+                if last.isdigit() and int(last) in wanted:
+                    out[int(last)] = bytes(v).decode()
+        except Exception:
+            pass
+        return out
 
     # -------------------------------------------------------------- protocol
 
@@ -293,6 +325,40 @@ class JaxCoordinator:
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+
+    def collect(self, prefix: str, processes: list[int], timeout: float) -> dict[int, bytes]:
+        """Wait for ``prefix/<p>`` of each of `processes`, by process index (the primary's gather).
+
+        One blocking get per process, in slices; between slices the heartbeats of the processes
+        still missing are checked (one listing), so a dead one is named within `peer_timeout`.
+        No listing of the values: the requests and bytes are O(processes), each value read once.
+        """
+        self._mark(f"waiting for {len(processes)} values under {prefix!r}")
+        deadline = time.monotonic() + timeout
+        piece = max(0.2, min(2.0, self.peer_timeout / 10))
+        got: dict[int, bytes] = {}
+        for k, p in enumerate(processes):
+            while True:
+                left = deadline - time.monotonic()
+                try:
+                    got[p] = bytes(self._client.blocking_key_value_get_bytes(
+                        f"{prefix}/{p}", _ms(max(min(piece, left), 0.001))))
+                    activity.advance()  # the processes waiting for this one see it is not stuck
+                    break
+                except Exception as e:
+                    if not _is_timeout(e):
+                        raise CoordinationError(
+                            f"process {self.process_index}: fetching '{prefix}/{p}' failed: {e}") from e
+                missing = processes[k:]
+                if time.monotonic() >= deadline:
+                    raise CoordinationTimeoutError(
+                        f"{self._whereabouts(missing)} published nothing under {prefix!r} within "
+                        f"{timeout:g}s ({len(got)} of {len(processes)} did; process {self.process_index} waited)"
+                    )
+                if self.check_peers(missing, f"{len(processes)} values under {prefix!r}"):
+                    activity.advance()  # waiting for peers that work: not stuck either
+        self._mark(f"got {len(processes)} values under {prefix!r}")
+        return got
 
     def drop(self, prefix: str) -> None:
         """Delete every key under `prefix` (the service deletes directories recursively)."""
@@ -408,6 +474,95 @@ def preemption_sync_manager() -> Any:
 
 
 def gather_json(coord: Coordinator, prefix: str, count: int, timeout: float) -> dict[int, Any]:
-    """`coord.fetch_all` of JSON values published under ``prefix/<process>``, by process index."""
+    """The JSON values processes ``0..count-1`` published under ``prefix/<process>``, by process index.
+
+    Called by the primary alone (everything cairn gathers goes through it); cairn's own
+    coordinator waits for each key in turn (`JaxCoordinator.collect`), others poll `fetch_all`."""
+    if isinstance(coord, JaxCoordinator):
+        return {p: json.loads(v) for p, v in coord.collect(prefix, list(range(count)), timeout).items()}
     raw = coord.fetch_all(prefix, count, timeout)
     return {int(k.rsplit("/", 1)[1]): json.loads(v) for k, v in raw.items()}
+
+
+def agree(coord: Coordinator, prefix: str, mine: Any, timeout: float,
+          decide: Callable[[dict[int, Any]], Any] | None = None, each: bool = False) -> Any:
+    """Every process's JSON value `mine` goes to the primary, which sends one decision back.
+
+    The decision is ``decide(values by process)`` (default: the values themselves, by process
+    index). A non-primary process makes one publish and one blocking get, whatever the process
+    count; the primary one get per process and one publish. If the primary cannot gather (a peer
+    died, a timeout), every process raises its error, naming the process at fault.
+
+    With `each`, `decide` returns each process's own part (``{process: part}``) and a process
+    receives only its part (the primary publishes one per process): what a process reads stays
+    the size of its part, whatever the process count.
+
+    Example::
+
+        worst = agree(coord, "cairn/x/7", my_loss, 60, decide=lambda v: max(v.values()))
+    """
+    n, me = coord.process_count, coord.process_index
+    if each:
+        assert decide is not None, "agree(each=True) needs a decide that returns each process's part"
+        return _agree_each(coord, prefix, mine, timeout, decide)
+    if n == 1:
+        return _decided(decide, {0: json.loads(json.dumps(mine))})
+    key = f"{prefix}/decision"
+    if me:
+        coord.publish(f"{prefix}/{me}", json.dumps(mine).encode())
+        msg = json.loads(fetch_from(coord, key, timeout, writer=0))
+    else:
+        try:
+            values = {0: json.loads(json.dumps(mine))}
+            if isinstance(coord, JaxCoordinator):
+                values.update({p: json.loads(v) for p, v in coord.collect(prefix, list(range(1, n)), timeout).items()})
+            else:
+                coord.publish(f"{prefix}/0", json.dumps(mine).encode())
+                values = gather_json(coord, prefix, n, timeout)
+            msg = {"ok": _decided(decide, values)}
+        except CoordinationError as e:
+            msg = {"error": error_record(e, 0), "message": str(e)}
+        coord.publish(key, json.dumps(msg).encode())
+        msg = json.loads(json.dumps(msg))  # the primary sees what the others see (string keys and all)
+    if "error" in msg:
+        raise error_from_record(msg["error"], msg["message"])
+    out = msg["ok"]
+    return {int(p): v for p, v in out.items()} if decide is None else out
+
+
+def _agree_each(coord: Coordinator, prefix: str, mine: Any, timeout: float,
+                decide: Callable[[dict[int, Any]], dict[int, Any]]) -> Any:
+    n, me = coord.process_count, coord.process_index
+    if n == 1:
+        return json.loads(json.dumps(decide({0: json.loads(json.dumps(mine))})[0]))
+    if me:
+        coord.publish(f"{prefix}/{me}", json.dumps(mine).encode())
+        msg = json.loads(fetch_from(coord, f"{prefix}/decision/{me}", timeout, writer=0))
+    else:
+        try:
+            values = {0: json.loads(json.dumps(mine))}
+            if isinstance(coord, JaxCoordinator):
+                values.update({p: json.loads(v) for p, v in coord.collect(prefix, list(range(1, n)), timeout).items()})
+            else:
+                coord.publish(f"{prefix}/0", json.dumps(mine).encode())
+                values = gather_json(coord, prefix, n, timeout)
+            parts = decide(values)
+            msgs = {p: {"ok": parts[p]} for p in range(n)}
+        except CoordinationError as e:
+            msgs = {p: {"error": error_record(e, 0), "message": str(e)} for p in range(n)}
+        for p in range(1, n):
+            coord.publish(f"{prefix}/decision/{p}", json.dumps(msgs[p]).encode())
+        msg = json.loads(json.dumps(msgs[0]))
+    if "error" in msg:
+        raise error_from_record(msg["error"], msg["message"])
+    return msg["ok"]
+
+
+def announce(coord: Coordinator, prefix: str, decision: Any) -> None:
+    """The primary's `decision` for the `agree` under `prefix`, published without gathering: for a
+    primary that fails before it gathers and already knows what the others must be told."""
+    coord.publish(f"{prefix}/decision", json.dumps({"ok": decision}).encode())
+
+
+def _decided(decide: Callable[[dict[int, Any]], Any] | None, values: dict[int, Any]) -> Any:
+    return values if decide is None else decide(values)

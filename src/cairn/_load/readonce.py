@@ -51,7 +51,7 @@ from typing import Any
 import numpy as np
 
 from .._core.memo import Memo
-from .._dist.coord import Coordinator, drop_keys, gather_json
+from .._dist.coord import Coordinator, agree, announce, drop_keys
 from .._errors import (
     CheckpointError,
     CoordinationError,
@@ -454,41 +454,54 @@ class Agreement:
         self.done = 0  # waves this process has published a status for
 
     def ok(self, wave: int) -> None:
-        """Publish success for `wave`, wait for every process's status, raise if any failed.
+        """Publish success for `wave`, wait for the primary's decision on every process's status, and
+        raise if any failed.
 
         The first wave's status carries the digest of this process's routes: processes that chose
         differently (different `bandwidths=` or `read_once=` on different processes) fail here,
         named, instead of entering collectives that do not match."""
-        coord, me, n = self.coord, self.coord.process_index, self.coord.process_count
-        body = json.dumps({"ok": True, "routes": self.routes}).encode() if wave == 0 else b'{"ok":true}'
-        coord.publish(f"{self.base}/{wave}/{me}", body)
+        coord, me = self.coord, self.coord.process_index
         self.done = wave + 1
-        try:
-            statuses = gather_json(coord, f"{self.base}/{wave}", n, self.timeout)
+        mine = {"ok": True, "routes": self.routes} if wave == 0 else {"ok": True}
+        try:  # through the primary: it sends back the first failure, or the groups of routes (or neither)
+            decision = agree(coord, f"{self.base}/{wave}", mine, self.timeout, decide=_wave_decision)
         except CoordinationError as e:
             raise CoordinationError(f"loading {self.path}: {e}") from e
         if wave == 0 and me == 0 and self.seq > 0:
             drop_keys(coord, f"cairn/load/{self.seq - 1}")  # every process is past that load now
-        failure = first_failure(statuses)
-        if failure is not None:
-            raise error_from_record(failure[0], f"loading {self.path} failed: {failure[1]}")
-        digests = {p: s.get("routes", "") for p, s in statuses.items()}
-        if wave == 0 and len(set(digests.values())) > 1:
-            groups: dict[str, list[int]] = {}
-            for p, d in sorted(digests.items()):
-                groups.setdefault(d, []).append(p)
-            shown = "; ".join(f"processes {ps}" for ps in groups.values())
-            raise CheckpointError(
-                f"loading {self.path}: the processes chose different read routes ({shown} agree among "
-                f"themselves); every process must pass the same read_once= and bandwidths= (process {me})")
+        if decision is None:
+            return
+        if decision[0] == "failed":
+            raise error_from_record(decision[1], f"loading {self.path} failed: {decision[2]}")
+        raise CheckpointError(
+            f"loading {self.path}: the processes chose different read routes ({decision[1]} agree among "
+            f"themselves); every process must pass the same read_once= and bandwidths= (process {me})")
 
     def fail(self, e: BaseException) -> None:
         """Tell the others this process will not take part in the remaining waves."""
         me = self.coord.process_index
-        body = json.dumps({"ok": False, "error": error_record(e, me)}).encode()
+        record = error_record(e, me)
+        body = json.dumps({"ok": False, "error": record}).encode()
         for wave in range(self.done, self.waves):
             try:
-                self.coord.publish(f"{self.base}/{wave}/{me}", body)
+                if me == 0:  # the others wait for the primary's decision: it is this failure
+                    announce(self.coord, f"{self.base}/{wave}", [record, f"process 0: {record['message']}"])
+                else:
+                    self.coord.publish(f"{self.base}/{wave}/{me}", body)
             except Exception:
                 break  # the coordinator is gone: the others will time out and say so
 
+
+def _wave_decision(statuses: dict[int, dict[str, Any]]) -> list[Any] | None:
+    """The primary's decision on a wave's statuses: ``["failed", record, message]`` for the first
+    failure, ``["routes", groups]`` where the first wave's route digests differ, else None."""
+    failure = first_failure(statuses)
+    if failure is not None:
+        return ["failed", failure[0], failure[1]]
+    digests = {p: s.get("routes", "") for p, s in statuses.items()}
+    if len(set(digests.values())) <= 1:
+        return None
+    groups: dict[str, list[int]] = {}
+    for p, d in sorted(digests.items()):
+        groups.setdefault(d, []).append(p)
+    return ["routes", "; ".join(f"processes {ps}" for ps in groups.values())]

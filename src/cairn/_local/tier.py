@@ -56,7 +56,7 @@ from .replicas import (
     send_rows,
     shard_tables,
 )
-from .restoreplan import choose, encode_table
+from .restoreplan import Choice, choose, encode_table
 from .transfer import Exchange
 
 log = logging.getLogger("cairn")
@@ -154,16 +154,26 @@ class LocalTier:
         header = header_bytes({"step": step, "process": self._me, "count": self._count, "layout": key,
                                "values": values})
         devices = process_devices(self._count)[self._me]
-        info = self._decisions.gather(f"save-{step}", {"step": step, "layout": key,
-                                                        "rows": row_lengths(pieces, len(header), len(devices))})
-        odd = {p: v for p, v in info.items() if v["step"] != step or v["layout"] != key}
-        if odd:
-            raise CheckpointError(f"{self._where(step)}: processes disagree on the local save: process "
-                                  f"{self._me} saves step {step} (layout {key}), but "
-                                  + "; ".join(f"process {p} step {v['step']} (layout {v['layout']})"
-                                              for p, v in sorted(odd.items())))
-        rows = {p: [int(n) for n in v["rows"]] for p, v in info.items()}
-        width = max(max(r) for r in rows.values())
+        holders = self._holders
+
+        def decide(info: dict[int, Any]) -> dict[int, Any]:
+            """On the primary: one check of every process, then each its width and the row lengths of the
+            blobs it keeps (its own, the replicas it holds): its part does not grow with the processes."""
+            odd = {p: v for p, v in info.items() if v["step"] != step or v["layout"] != key}
+            if odd:
+                why = (f"process 0 saves step {step} (layout {key}), but "
+                       + "; ".join(f"process {p} step {v['step']} (layout {v['layout']})" for p, v in sorted(odd.items())))
+                return {p: {"odd": why} for p in info}
+            width = max(max(v["rows"]) for v in info.values())
+            return {p: {"width": width, "rows": {str(q): info[q]["rows"] for q in {p, *(d.index(p) for d in holders)}}}
+                    for p in info}
+
+        mine = self._decisions.each(f"save-{step}", {"step": step, "layout": key,
+                                                     "rows": row_lengths(pieces, len(header), len(devices))}, decide)
+        if "odd" in mine:
+            raise CheckpointError(f"{self._where(step)}: processes disagree on the local save: {mine['odd']}")
+        rows = {int(q): [int(n) for n in r] for q, r in mine["rows"].items()}
+        width = int(mine["width"])
         own = pack_rows(header, pieces, shards, width, devices)  # one row per device: no device holds more
         received = {}
         for dest in self._holders:
@@ -265,8 +275,21 @@ class LocalTier:
         self._collect()
         layout = target_layout(target, self.path)
         held, found = self._holdings()
-        reports = self._decisions.gather("restore", {"held": held, "layout": layout, "count": self._count})
-        choice = choose(reports, self._count, newer_than)
+        count = self._count
+
+        def decide(reports: dict[int, Any]) -> dict[str, Any]:
+            """On the primary: the step and who serves each blob, and the blobs' lengths (the
+            others need no one's report: a process receives O(processes) numbers, not every report)."""
+            c = choose(reports, count, newer_than)
+            lengths = {} if c.step is None else {
+                str(q): int(reports[p]["held"][str(c.step)][str(q)]["length"]) for q, p in c.servers.items()}
+            return {"choice": [c.step, c.saved_by, c.same, {str(q): p for q, p in c.servers.items()}, c.why],
+                    "lengths": lengths}
+
+        got = self._decisions.decide("restore", {"held": held, "layout": layout, "count": count}, decide)
+        step_, saved_by, same, servers, why = got["choice"]
+        choice = Choice(step_, saved_by, same, {int(q): int(p) for q, p in servers.items()}, why)
+        lengths = {int(q): int(n) for q, n in got["lengths"].items()}
         if choice.step is None:
             if choice.why and self._me == 0:
                 log.warning("cairn: not restoring from the local tier in %s: %s; restoring from the persistent "
@@ -286,31 +309,40 @@ class LocalTier:
         except (CorruptCheckpointError, OSError, CheckpointError) as e:
             error = f"{type(e).__name__}: {e}"
         try:
-            plan = Exchange(choice, reports, target, tables, self._me, self._count, layout, where)
+            plan = Exchange(choice, lengths, target, tables, self._me, self._count, layout, where)
         except CheckpointError as e:  # the same on every process: all fall back, none sends
             if self._me == 0:
                 log.warning("cairn: the local step %d does not restore onto this target (%s); restoring from the "
                             "persistent tier instead", step, e)
             return None
         outcome = plan.run(blobs, error)
-        outcomes = self._decisions.gather(f"restored-{step}", outcome)
-        bad = {p: o["error"] for p, o in sorted(outcomes.items()) if o["error"] is not None}
-        for s_, o in outcomes.items():
-            for r, c in o["sent"].items():
-                if outcomes[int(r)]["got"].get(str(s_)) != c:
-                    bad.setdefault(int(r), f"the bytes from process {s_} fail their checksum")
+
+        def verdict(outcomes: dict[int, Any]) -> dict[str, Any]:
+            """On the primary: which processes failed (their error, or bytes that arrived other than
+            sent), the shared values, and the saved per-process values (a reshard needs them all)."""
+            bad = {p: o["error"] for p, o in sorted(outcomes.items()) if o["error"] is not None}
+            for s_, o in outcomes.items():
+                for r, c in o["sent"].items():
+                    if outcomes[int(r)]["got"].get(str(s_)) != c:
+                        bad.setdefault(int(r), f"the bytes from process {s_} fail their checksum")
+            values = next((o["values"] for o in outcomes.values() if o.get("values") is not None), None)
+            held = {q: v for o in outcomes.values() for q, v in o.get("per_process", {}).items()}
+            return {"bad": {str(p): e for p, e in sorted(bad.items())}, "values": values, "per_process": held}
+
+        told = self._decisions.decide(f"restored-{step}", outcome, verdict)
+        bad = {int(p): e for p, e in told["bad"].items()}
         if bad:
             if self._me == 0:
                 log.warning("cairn: the local step %d does not restore (%s); restoring from the persistent tier "
                             "instead", step, "; ".join(f"process {p}: {e}" for p, e in sorted(bad.items())))
             return None
-        values = next((o["values"] for o in outcomes.values() if o.get("values") is not None), plan.values) or {}
+        values = (told["values"] if told["values"] is not None else plan.values) or {}
         if lost := missing_values(target, values):  # a reshard: the same values on every process
             if self._me == 0:
                 log.warning("cairn: the local step %d lacks the target's leaves %s; restoring from the persistent "
                             "tier instead", step, lost)
             return None
-        resolved = None if choice.same else self._per_process(target, outcomes, choice.saved_by, step)
+        resolved = None if choice.same else self._per_process(target, told["per_process"], choice.saved_by, step)
         if resolved is None and not choice.same:
             return None  # logged
         out = assemble(target, plan.hosts, self._me, values, where, resolved)
@@ -320,10 +352,11 @@ class LocalTier:
         self.restored_step = step
         return step, out
 
-    def _per_process(self, target: Any, outcomes: dict[int, Any], saved_by: int, step: int) -> dict[str, Any] | None:
+    def _per_process(self, target: Any, by_process: dict[str, Any], saved_by: int, step: int) -> dict[str, Any] | None:
         """A reshard's `PerProcess` values for this process: its own saved one on the same process
-        count, else the target's ``reshard(saved, index, count)``; None (logged) when neither serves."""
-        held = {int(q): v for o in outcomes.values() for q, v in o.get("per_process", {}).items()}
+        count, else the target's ``reshard(saved, index, count)``; None (logged) when neither serves.
+        `by_process`: each saved process's per-process values, by its index."""
+        held = {int(q): v for q, v in by_process.items()}
         wanted: dict[str, Any] = {}
         map_with_path(lambda p, x: wanted.__setitem__(p, x) if isinstance(x, PerProcess) else None, target)
         out: dict[str, Any] = {}

@@ -25,19 +25,19 @@ from .restoreplan import Choice, Segment, decode_table, local_box, segments, siz
 class Exchange:
     """What this process sends and receives in a restore of `choice`, and the arrays it ends with."""
 
-    def __init__(self, choice: Choice, reports: dict[int, Any], target: Any, tables: dict[int, Any], me: int,
+    def __init__(self, choice: Choice, lengths: dict[int, int], target: Any, tables: dict[int, Any], me: int,
                  count: int, layout: str | None, where: str):
+        """`lengths`: each saved blob's length, by its saved process."""
         self.choice, self.me, self.count, self.where, self.layout = choice, me, count, where, layout
         self.target = target
         self.values: dict[str, Any] | None = None
         self.per_process: dict[int, dict[str, Any]] = {}  # reshard: each served blob's PerProcess values
         self.hosts: list[np.ndarray] = []
         self._blob: np.ndarray | None = None
-        step = str(choice.step)
         if choice.same:  # process q receives blob q, whole
             self._sizes: dict[int, dict[int, int]] = {}
             for q, s in choice.servers.items():
-                self._sizes.setdefault(s, {})[q] = int(reports[s]["held"][step][str(q)]["length"])
+                self._sizes.setdefault(s, {})[q] = int(lengths[q])
             return
         self._saved = decode_table([t for t in tables.values() if t.get("leaves") is not None], where)
         paths, leaves = target_arrays(target)

@@ -574,8 +574,7 @@ class CheckpointManager(StepWatch):
                 error = e
             # Every process reads only its own bytes: one may find corruption the others do not.
             # All fall back together, or all fail together.
-            outcomes = self._decisions.gather(f"restore-{s}", None if error is None else str(error))
-            bad = {p: e for p, e in sorted(outcomes.items()) if e is not None}
+            bad = self._decisions.failures(f"restore-{s}", None if error is None else str(error))
             if bad and (not fallback or step is not None):
                 if error is not None:
                     raise error

@@ -40,7 +40,6 @@ from .._dist.coord import (
 from .._errors import (
     CheckpointError,
     CoordinationError,
-    CoordinationTimeoutError,
     UnsupportedTypeError,
     error_from_record,
     error_record,
@@ -345,7 +344,7 @@ class SaveJob:
         coord, n = self.coord, self.coord.process_count
         try:
             statuses = gather_json(coord, f"{base}/status", n, self.timeout)
-        except CoordinationTimeoutError as e:
+        except CoordinationError as e:  # a timeout, or a dead peer: every process is told, naming it
             self.strategy.abort(self.loc, self.token)
             return _failed(error_record(e), str(e))
         # Every process has finished the previous save (its status for this one
