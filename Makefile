@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: install test test-fast demo lint bench stress clean
+.PHONY: install test test-fast demo lint bench docs stress clean
 
 # Azurite, the Azure Blob emulator the object-store tests run against (Node; installed only where
 # npm is; without it those tests skip, saying so). fake-gcs-server comes with the dev extra.
@@ -46,9 +46,14 @@ bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m benchmarks.run $(ARGS)
 
+# The documentation site, warnings as errors, into site/ (its code blocks run in tests/test_docs.py).
+docs: $(STAMP)
+	$(BIN)/pip install -q -e '.[docs]'
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
 # The slow cases at full size, and the property tests exploring at random (tests/conftest.py).
 stress: install
 	CAIRN_STRESS=1 $(BIN)/python -m pytest -q -m "slow or property" tests $(ARGS)
 
 clean:
-	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) build dist site src/*.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

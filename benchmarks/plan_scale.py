@@ -34,15 +34,16 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from cairn._core.boxes import Box
 from cairn._format import manifest as fmt
 from cairn._format.binindex import cell_bytes, cells_in
 from cairn._load.reader import DEFAULT_MAX_READ
-from cairn._load.readonce import Layout, choose
-from cairn._plan.chunking import Box, assign_files
-from cairn._plan.estimate import estimate_read_bytes
+from cairn._plan.chunking import assign_files
+from cairn._plan.estimate import estimate_reads
 from cairn._plan.grid import spec_boxes as grid_spec_boxes
 from cairn._plan.readmemo import PlanMemo
 from cairn._plan.reads import plan_reads
+from cairn._plan.routes import Bandwidths, Layout, choose, received_elements
 from cairn._save.assign import SaveItem, layout_cache, layout_for
 from cairn._save.indexparts import build_part, item_index, own_cells
 from cairn._tree.pytree import flatten
@@ -327,10 +328,12 @@ def _process_boxes(cluster: Cluster, mesh: Mesh, shape: tuple[int, ...], spec: S
     return sorted(dict.fromkeys(boxes[d] for d in mine))
 
 
-def plan_read_once(cluster: Cluster, built: dict[str, Any], params: list[Param], me: int, verify: bool = True):
-    """What process `me` plans in a read-once `cairn.load` onto the load mesh (`_readonce.choose`):
-    parse the index, a route per leaf (computed by every process alike, from process 0's boxes),
-    fetch the records of the chunks it reads, then its own reads."""
+def plan_read_once(cluster: Cluster, built: dict[str, Any], params: list[Param], me: int, verify: bool = True,
+                   bandwidths: Bandwidths | None = None):
+    """What process `me` plans in a multi-process `cairn.load` onto the load mesh (`_readonce.route`):
+    parse the index, a route per leaf (computed by every process alike, from process 0's boxes; by
+    bytes, or priced in seconds with `bandwidths`), fetch the records of the chunks it reads, then
+    its own reads."""
     mesh = cluster.load_mesh
     index, seen = open_index(built)
     procs = mesh.size // mesh.devices_per_process
@@ -344,11 +347,19 @@ def plan_read_once(cluster: Cluster, built: dict[str, Any], params: list[Param],
             routes.append(memo[key])
             continue
 
-        def cost(layout: Layout, leaf: fmt.ArrayLeaf = leaf, isz: int = isz) -> int:
+        def cost(layout: Layout, leaf: fmt.ArrayLeaf = leaf, isz: int = isz) -> tuple[int, int]:
             boxes = _process_boxes(cluster, mesh, leaf.shape, _spec(layout), 0)
-            return procs * estimate_read_bytes(leaf.grid, isz, boxes, index.block_size, verify)
+            nbytes, requests = estimate_reads(leaf.grid, isz, boxes, index.block_size, verify, DEFAULT_MAX_READ)
+            return procs * nbytes, procs * requests
 
-        memo[key] = choose(_layout(mesh, prm.shape, prm.load), prm.shape, leaf.nbytes, cost, forced=False)
+        def moved(a: Layout, b: Layout, leaf: fmt.ArrayLeaf = leaf, isz: int = isz) -> int:
+            # `_readonce.moved_bytes`: each device of process 0 less what process 0 holds already.
+            have = _process_boxes(cluster, mesh, leaf.shape, _spec(a), 0)
+            want = cluster.boxes(mesh, leaf.shape, _spec(b))[:mesh.devices_per_process]
+            return procs * received_elements(want, have) * isz
+
+        memo[key] = choose(_layout(mesh, prm.shape, prm.load), prm.shape, leaf.nbytes, cost, forced=False,
+                           moved=moved, bandwidths=bandwidths, processes=procs)
         routes.append(memo[key])
     prefetch_for(cluster, index, mesh, [_spec(r.read) for r in routes], me)
     reads = read_bytes = 0
@@ -377,11 +388,56 @@ def global_read_once(cluster: Cluster, params: list[Param], itemsize: int, route
             boxes = _process_boxes(cluster, mesh, leaf.shape, _spec(step), 0)
             collective += sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * leaf.dtype.itemsize
     kinds = {k: sum(r.kind == k for r in routes) for k in ("direct", "refined", "staged")}
-    return {"storage_bytes_read_total": total, "direct_storage_bytes_read_total": direct_total,
-            "collective_bytes_per_process_max": collective, "routes": kinds}
+    procs = mesh.size // mesh.devices_per_process
+    out = {"storage_bytes_read_total": total, "direct_storage_bytes_read_total": direct_total,
+           "collective_bytes_per_process_max": collective, "routes": kinds,
+           "interconnect_bytes_per_process": sum(r.interconnect for r in routes) // procs}
+    if routes and all(r.seconds is not None for r in routes):
+        # Predicted seconds per process: the chosen routes, every leaf direct, every leaf on its
+        # fewest-storage-bytes route (read_once=True).
+        def fewest(r: Any) -> Any:
+            return min(r.alternatives, key=lambda a: (a.storage_bytes, a.kind != "direct"))
+        out["seconds"] = {"chosen": sum(r.seconds for r in routes),
+                          "all_direct": sum(r.alternatives[0].seconds for r in routes),
+                          "read_once_true": sum(fewest(r).seconds for r in routes)}
+    return out
 
 
 # ---------------------------------------------------------------------- driver
+
+
+#: --route-cases: (label, storage GB/s, interconnect GB/s, ms per request), per process.
+ROUTE_CASES = {
+    "object": ("object store 2 GB/s per host, 100 GB/s interconnect", 2.0, 100.0, 2.0),
+    "slow-net": ("fast local disk 8 GB/s, 1 GB/s interconnect", 8.0, 1.0, 0.02),
+}
+
+
+def route_cases(devices: int, layers: int, itemsize: int, block: int, cases: dict[str, Bandwidths],
+                verify: bool = True) -> dict[str, Any]:
+    """The routes of the FSDP -> TP load priced under each of `cases`: route kinds, cluster storage
+    reads, interconnect bytes and predicted seconds per process (process 0's plan)."""
+    save_mesh = Mesh(("fsdp",), (devices,))
+    load_mesh = Mesh(("fsdp", "tp"), (devices // 16, 16))
+    cluster = Cluster(save_mesh, load_mesh)
+    params = [fit_fsdp(prm, devices) for prm in llama_405b(layers)]
+    built = build_index(cluster, params, itemsize, block)
+    nbytes = sum(math.prod(p.shape) for p in params) * itemsize
+    out: dict[str, Any] = {"bytes": nbytes, "cases": {}}
+    for name, bw in cases.items():
+        t, (routes, mine) = _timed(plan_read_once, cluster, built, params, 0, verify, bw)
+        g = global_read_once(cluster, params, itemsize, routes)
+        read_once = [r for r in routes if r.kind != "direct"]
+        g.update(bandwidths=bw.as_dict(), plan_s=t, storage_ratio=g["storage_bytes_read_total"] / nbytes,
+                 read_once_storage_ratio=(sum(r.cost for r in read_once) / sum(
+                     _nbytes(prm, itemsize) for r, prm in zip(routes, params) if r.kind != "direct"))
+                 if read_once else None, process0=mine)
+        out["cases"][name] = g
+    return out
+
+
+def _nbytes(prm: Param, itemsize: int) -> int:
+    return math.prod(prm.shape) * itemsize
 
 
 def _timed(fn, *a, **kw):
@@ -473,8 +529,40 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--block", type=int, default=fmt.DEFAULT_BLOCK_SIZE)
     ap.add_argument("--quick", action="store_true", help="skip the sweep")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--route-cases", metavar="CASES", help="only price the FSDP -> TP load's routes under "
+                    f"bandwidth cases, a comma list of {sorted(ROUTE_CASES)} or storage:interconnect[:ms] "
+                    "figures in GB/s per process (e.g. 2:100:2)")
     args = ap.parse_args(argv)
     results: dict[str, Any] = {}
+    if args.route_cases:
+        cases = {}
+        for c in args.route_cases.split(","):
+            if c in ROUTE_CASES:
+                label, sto, net, ms = ROUTE_CASES[c]
+            else:
+                figs = [float(x) for x in c.split(":")]
+                sto, net, ms = [*figs, 0.0][:3]
+                label = f"storage {sto:g} GB/s, interconnect {net:g} GB/s"
+            cases[c] = Bandwidths(sto, net, ms, label)
+        r = route_cases(args.devices, args.layers, 2, args.block, cases)
+        print(f"Llama-3.1-405B-shaped parameters (bf16), {args.layers} layers, {_fmt_bytes(r['bytes'])}; FSDP save "
+              f"on {args.devices} devices / {args.devices // 8} processes, load onto ({args.devices // 16}, 16) "
+              "fsdp x tp; routes priced per process")
+        for g in r["cases"].values():
+            secs = g["seconds"]
+            ro = g["read_once_storage_ratio"]
+            print(f"  {g['bandwidths']['source']}: routes {g['routes']}; cluster storage reads "
+                  f"{g['storage_ratio']:.3f}x the checkpoint"
+                  + (f" (read-once leaves {ro:.3f}x their bytes)" if ro is not None else "")
+                  + f", direct everywhere {g['direct_storage_bytes_read_total'] / r['bytes']:.2f}x; interconnect "
+                  f"{_fmt_bytes(g['interconnect_bytes_per_process'])} per process; predicted "
+                  f"{secs['chosen']:.2f} s per process (all direct {secs['all_direct']:.2f} s, read_once=True "
+                  f"{secs['read_once_true']:.2f} s); routes planned in {g['plan_s'] * 1e3:.0f} ms")
+        results["route_cases"] = r
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(results, f, indent=1, default=str)
+        return
 
     full = run_scale(args.devices, args.layers, 2, args.block, args.samples, unmemoised=True)
     results["full"] = full

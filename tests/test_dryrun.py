@@ -92,14 +92,24 @@ def test_no_data_file_is_opened(ckpt, mesh8, mesh42, capsys):
     assert json.loads(capsys.readouterr().out)["bytes_read"] > 0
 
 
+OBJECT_STORE = {"storage_gbps": 2.0, "interconnect_gbps": 100.0, "request_ms": 2.0}
+
+
 def test_simulated_processes_follow_the_read_once_routes(tmp_path, mesh8):
     w = jax.device_put(jnp.arange(np.prod(SHAPE), dtype=jnp.float32).reshape(SHAPE), NamedSharding(mesh8, P("x")))
     cairn.save(tmp_path / "ck", {"w": w})
     nbytes = w.nbytes
     repl = {"w": jax.ShapeDtypeStruct(SHAPE, jnp.float32, sharding=NamedSharding(mesh8, P()))}
-    # Replicated over 4 processes: read once and all-gathered, each process a quarter.
-    plan = cairn.plan_load(tmp_path / "ck", repl, processes=4)
+    # Replicated over 4 processes, storage slower than the interconnect: read once and all-gathered,
+    # each process a quarter.
+    plan = cairn.plan_load(tmp_path / "ck", repl, processes=4, bandwidths=OBJECT_STORE)
     assert plan.read_once_leaves == 1 and plan.waves == 1
+    assert [(r.kind, r.by) for r in plan.routes] == [("refined", "seconds")]
+    # On the CPU defaults (collectives over gloo, slower than a local disk), read directly.
+    cpu = cairn.plan_load(tmp_path / "ck", repl, processes=4)
+    assert cpu.read_once_leaves == 0 and [(r.kind, r.by) for r in cpu.routes] == [("direct", "seconds")]
+    alts = {a.kind: a for a in cpu.routes[0].alternatives}
+    assert alts["direct"].seconds < alts["refined"].seconds and alts["refined"].interconnect_bytes > 0
     assert [p.devices for p in plan.processes] == [2, 2, 2, 2]
     assert plan.bytes_read <= 1.1 * nbytes and all(p.bytes_read <= 0.3 * nbytes for p in plan.processes)
     # Without read-once, every process reads the whole array.
@@ -112,7 +122,7 @@ def test_simulated_processes_follow_the_read_once_routes(tmp_path, mesh8):
     assert all(nbytes // 4 <= p.peak_host_bytes < nbytes for p in plan.processes)
     # A budget below the leaf: restored in pieces, one wave each, gathered into host buffers of the
     # process's target shards (the whole array, replicated), which the plan counts.
-    small = cairn.plan_load(tmp_path / "ck", repl, processes=4, budget_bytes=1 << 20)
+    small = cairn.plan_load(tmp_path / "ck", repl, processes=4, budget_bytes=1 << 20, bandwidths=OBJECT_STORE)
     assert small.waves > 1 and small.bytes_read <= 1.2 * nbytes
     assert all(nbytes <= p.peak_host_bytes <= nbytes + (2 << 20) for p in small.processes)
     with pytest.raises(ValueError, match="cannot be split into 3 processes"):

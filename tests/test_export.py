@@ -83,10 +83,14 @@ def test_export_names_rename_and_values(tmp_path, llama_ckpt):
     from safetensors.numpy import load_file
 
     _hf, ckpt, sd = llama_ckpt
-    # Without item: the checkpointable is the first component; values ("step", "note") are left out.
+    # Without item: "params" is the only checkpointable with arrays, so HF's names come out bare;
+    # values ("step", "note") are left out. names="raw": cairn's key paths, checkpointable first.
     cairn.export_safetensors(ckpt, tmp_path / "all", max_shard_size="10MB")
     got = load_file(str(tmp_path / "all" / "model.safetensors"))
-    assert set(got) == {f"params.{k}" for k in sd}
+    assert set(got) == set(sd)
+    cairn.export_safetensors(ckpt, tmp_path / "raw", max_shard_size="10MB", names="raw")
+    got = load_file(str(tmp_path / "raw" / "model.safetensors"))
+    assert set(got) == {"params/" + k.replace(".", "/") for k in sd}
     cairn.export_safetensors(ckpt, tmp_path / "renamed", item="params",
                              rename=[(r"^model/layers/(\d+)/", r"blocks/\1/"), (r"^lm_head/", None)])
     got = load_file(str(tmp_path / "renamed" / "model.safetensors"))
@@ -147,3 +151,54 @@ def test_two_processes_load_a_hugging_face_folder(llama_ckpt):
              "model.layers.1.mlp.down_proj.weight"]
     results = run(2, "export_scenarios:load_hf", {"path": str(hf), "names": names}, timeout=200)
     assert [r["checked"] for r in results] == [4, 4]
+
+
+GPT2 = dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=128)
+
+
+def test_gpt2_converted_by_the_cli_loads_in_transformers_with_no_missing_keys(tmp_path, capsys):
+    """`cairn convert CKPT model.safetensors --to safetensors` writes HF's names by default."""
+    import jax
+
+    from cairn._cli.main import main
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
+    model.save_pretrained(tmp_path / "hf")
+    tree = cairn.load(tmp_path / "hf")
+    assert "transformer" in tree and "h" in tree["transformer"]
+    cairn.save(tmp_path / "ck", {"params": tree, "step": 3, "rng": jax.random.key(0)})
+    want = {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+    def loads(folder):
+        shutil.copy(tmp_path / "hf" / "config.json", folder / "config.json")
+        got, info = transformers.GPT2LMHeadModel.from_pretrained(folder, output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+        for name, t in got.state_dict().items():
+            assert torch.equal(t, want[name]), name
+
+    # Only "params" holds tensors: its HF names come out bare. With the key beside it, --item picks it.
+    cairn.save(tmp_path / "ck1", {"params": tree, "step": 3})
+    (tmp_path / "one").mkdir()
+    assert main(["-q", "convert", str(tmp_path / "ck1"), str(tmp_path / "one" / "model.safetensors"),
+                 "--to", "safetensors"]) == 0
+    loads(tmp_path / "one")
+    (tmp_path / "two").mkdir()
+    assert main(["-q", "convert", str(tmp_path / "ck"), str(tmp_path / "two" / "model.safetensors"),
+                 "--to", "safetensors", "--item", "params"]) == 0
+    loads(tmp_path / "two")
+    # The sharded export: a typed PRNG key is refused by name, unless asked for.
+    capsys.readouterr()
+    assert main(["-q", "convert", str(tmp_path / "ck"), str(tmp_path / "sharded"), "--to", "safetensors",
+                 "--max-shard-size", "50KB"]) == 1
+    assert "'rng' is a typed PRNG key" in capsys.readouterr().err
+    assert main(["-q", "convert", str(tmp_path / "ck"), str(tmp_path / "sharded"), "--to", "safetensors",
+                 "--max-shard-size", "50KB", "--prng-keys", "drop"]) == 0
+    loads(tmp_path / "sharded")
+    files = cairn.export_safetensors(tmp_path / "ck", tmp_path / "keys", prng_keys="data", names="raw")
+    from safetensors import safe_open
+
+    with safe_open(files[0], "np") as f:
+        assert json.loads(f.metadata()["cairn.prng_keys"]) == {"rng": "threefry2x32"}
+        np.testing.assert_array_equal(f.get_tensor("rng"), np.asarray(jax.random.key_data(jax.random.key(0))))
+        assert "params/transformer/h/0/attn/c_attn/weight" in list(f.keys())

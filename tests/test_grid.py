@@ -146,7 +146,7 @@ def test_cells_in_are_the_cells_the_planner_overlaps(steps, data):
             lo = data.draw(st.integers(0, b[-1]))
             box.append((lo, data.draw(st.integers(lo, b[-1]))))
         boxes.append(tuple(box))
-    want = sorted({_plan._ravel(idx, shape) for box in boxes for idx in _reads.overlapping_cells(grid, box)})
+    want = sorted({_plan.ravel(idx, shape) for box in boxes for idx in _reads.overlapping_cells(grid, box)})
     got = cells_in(grid, boxes)
     assert got.dtype == np.int64 and got.tolist() == want
     with pytest.raises(ValueError):

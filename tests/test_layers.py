@@ -61,7 +61,7 @@ ROOT_MODULES = {"cairn", "cairn._api", "cairn._errors", "cairn._version"}
 
 PURE_ROOMS = ("cairn._format", "cairn._plan")
 # What the pure rooms may import besides themselves.
-PURE_MAY_IMPORT = {"cairn._core.checksum", "cairn._core.memo", "cairn._errors"}
+PURE_MAY_IMPORT = {"cairn._core.boxes", "cairn._core.checksum", "cairn._core.memo", "cairn._errors"}
 
 JAX_DISTRIBUTED = ("jax.distributed", "jax._src.distributed")
 MAY_TOUCH_JAX_DISTRIBUTED = ("cairn._dist",)
@@ -118,7 +118,7 @@ PUBLIC_API = [
     "CorruptCheckpointError", "KeepAll", "KeepAny", "KeepBest", "KeepEvery", "KeepIf", "KeepLatest",
     "KeepNewerThan", "KeepOnePer", "LoadPlan", "LoadStats", "LocalTier", "MismatchError",
     "PerProcess", "RestoreReport", "RetentionPolicy", "SaveFuture", "SaveStats", "StatsEvent", "UnsupportedTypeError", "__version__",
-    "add_listener", "copy", "export_safetensors", "load", "metadata", "plan_load", "register_type", "release_snapshot_buffers", "remove_listener", "save", "save_async", "wait_all",
+    "add_listener", "copy", "export_orbax", "export_safetensors", "load", "metadata", "plan_load", "register_type", "release_snapshot_buffers", "remove_listener", "save", "save_async", "wait_all",
 ]
 
 

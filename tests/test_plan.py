@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cairn._core.boxes import cell_box
 from cairn._core.checksum import crc32c
 from cairn._format import manifest as fmt
-from cairn._format.manifest import cell_box
 from cairn._plan.chunking import LayoutError, assign_files, chunk_layout
 from cairn._plan.reads import overlapping_cells, plan_reads
 

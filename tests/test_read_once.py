@@ -16,9 +16,13 @@ from _mp import run
 pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
 
 SHAPE = [1024, 1024]  # 4 MiB of float32
+# Storage slower than the interconnect (an object store next to an accelerator interconnect): routes
+# priced in seconds choose read-once where it reads fewer bytes. The CPU defaults (gloo) would not.
+OBJECT_STORE = {"storage_gbps": 2.0, "interconnect_gbps": 100.0, "request_ms": 2.0}
 
 
 def _load(tmp_path, n, mesh, save_spec, load_spec, devices=2, shape=SHAPE, **kw):
+    kw.setdefault("bandwidths", OBJECT_STORE)
     out = run(n, "save_then_load", {"path": str(tmp_path / "ck"), "mesh": mesh, "save_spec": save_spec,
                                     "load_spec": load_spec, "shape": shape, **kw},
               devices_per_process=devices)
@@ -64,7 +68,7 @@ def test_replicated_fsdp_to_tp_on_4_processes(tmp_path):
 
 def test_a_corrupt_chunk_fails_every_process_naming_the_reader(tmp_path):
     out = run(2, "save_then_load", {"path": str(tmp_path / "ck"), "mesh": [2, 2], "save_spec": [["x", "y"]],
-                                    "load_spec": [], "shape": SHAPE, "corrupt": True})
+                                    "load_spec": [], "shape": SHAPE, "corrupt": True, "bandwidths": OBJECT_STORE})
     for me, r in enumerate(out):
         assert r.get("error") == "CorruptCheckpointError", r
         assert "checksum mismatch" in r["message"], r
@@ -75,7 +79,8 @@ def test_a_corrupt_chunk_fails_every_process_naming_the_reader(tmp_path):
 def test_a_replicated_array_is_written_by_all_its_holders(tmp_path):
     # 16 MiB on every device of 2 processes: each process writes half, each byte once,
     # and the replicated load reads each byte once too.
-    out = run(2, "save_replicated", {"path": str(tmp_path / "ck"), "mesh": [2, 2], "mb": 16})
+    out = run(2, "save_replicated", {"path": str(tmp_path / "ck"), "mesh": [2, 2], "mb": 16,
+                                     "bandwidths": OBJECT_STORE})
     nbytes = out[0]["nbytes"]
     assert sum(r["bytes_written"] for r in out) == nbytes
     assert all(r["bytes_written"] == nbytes // 2 for r in out), out
@@ -97,3 +102,46 @@ def test_pieces_never_cost_extra_storage_reads(tmp_path):
     # block several times, so the leaf is not cut and reads each byte once.
     out, ratio, _ = _load(tmp_path, 2, [2, 2], [["x", "y"]], [], budget=1 << 20)
     assert ratio <= 1.1, (ratio, out)
+
+
+def test_routes_are_priced_and_agreed_on_every_process(tmp_path):
+    # Three leaves, three routes under an object store's figures; all direct on the CPU defaults (gloo
+    # slower than a local disk); forced either way by read_once. Every process takes the same route
+    # for every leaf, and read-once leaves read each byte once.
+    options = {"object store": {"bandwidths": OBJECT_STORE}, "cpu defaults": {},
+               "forced on": {"read_once": True}, "forced off": {"read_once": False},
+               "measured": {"bandwidths": {"interconnect_gbps": "measure"}}}
+    out = run(2, "route_choices", {"path": str(tmp_path / "ck"), "options": options}, devices_per_process=2)
+    nbytes = out[0]["nbytes"]
+    for name in options:
+        assert out[0][name]["leaf_routes"] == out[1][name]["leaf_routes"], (name, out)
+        assert out[0][name]["bandwidths"] == out[1][name]["bandwidths"], (name, out)
+    routes = {name: out[0][name]["leaf_routes"] for name in options}
+    assert routes["object store"] == {"replicated": "refined", "columns": "staged", "same": "direct"}, routes
+    assert routes["forced on"] == routes["object store"], routes
+    assert set(routes["cpu defaults"].values()) == {"direct"} and set(routes["forced off"].values()) == {"direct"}
+    assert out[0]["cpu defaults"]["bandwidths"]["source"] == "default: local storage, cpu interconnect"
+    assert out[0]["forced off"]["bandwidths"] is None
+    ro = out[0]["object store"]
+    assert ro["read_once_leaves"] == 2 and ro["routes"] == {"refined": 1, "staged": 1, "direct": 1}
+    # Read-once leaves: 1.00x storage reads cluster-wide; the collectives' share is predicted.
+    assert sum(r["object store"]["read_once_bytes_read"] for r in out) == 2 * nbytes, out
+    assert ro["interconnect_bytes"] > 0 and out[0]["cpu defaults"]["interconnect_bytes"] == 0
+    # Measured: one figure (the primary's) on every process, whatever the routes it gives.
+    measured = out[0]["measured"]["bandwidths"]
+    assert measured["source"].startswith("interconnect measured") and measured["interconnect_gbps"] > 0, out
+    # Direct everything: the replicated leaf is read by both processes, the columns reread whole chunks.
+    assert sum(r["cpu defaults"]["bytes_read"] for r in out) > sum(r["object store"]["bytes_read"] for r in out)
+
+
+def test_processes_that_choose_different_routes_fail_named_instead_of_hanging(tmp_path):
+    # Process 0 prices an object store (both leaves read once); process 1 a storage as fast as its
+    # interconnect (the replicated leaf direct, the columns read once): the first status exchange
+    # finds the routes differ, and both fail before any collective.
+    same_speed = {"storage_gbps": 1.0, "interconnect_gbps": 1.0, "request_ms": 0.0}
+    out = run(2, "mismatched_routes", {"path": str(tmp_path / "ck"),
+                                       "per_process": [{"bandwidths": OBJECT_STORE}, {"bandwidths": same_speed}]},
+              devices_per_process=2)
+    for r in out:
+        assert r["error"] == "CheckpointError" and "different read routes" in r["message"], out
+        assert "same read_once= and bandwidths=" in r["message"], out

@@ -6,10 +6,11 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cairn._core.boxes import cell_box
 from cairn._format import manifest as fmt
-from cairn._load.readonce import DIRECT_MAX, Layout, choose, refined_layout, staging_layout
 from cairn._plan.estimate import estimate_read_bytes
 from cairn._plan.reads import plan_reads
+from cairn._plan.routes import DIRECT_MAX, Layout, choose, refined_layout, staging_layout
 
 MESH = ("x", "y"), (2, 4)
 
@@ -73,7 +74,7 @@ def leaves_and_boxes(draw):
     grid = tuple(tuple(sorted({0, n, *draw(st.lists(st.integers(0, n), max_size=3))})) for n in shape)
     chunks, crcs, off = [], [], 0
     for c in range(int(np.prod([len(g) - 1 for g in grid]))):
-        nbytes = int(np.prod([hi - lo for lo, hi in fmt.cell_box(grid, c)])) * 4
+        nbytes = int(np.prod([hi - lo for lo, hi in cell_box(grid, c)])) * 4
         chunks.append((0, off))
         crcs.append((0,) * max(1, -(-nbytes // 4096)))
         off += nbytes

@@ -526,3 +526,23 @@ def test_a_user_coordinator_without_drop(tmp_path):
     assert [cairn.load(tmp_path / f"c{i}", coordinator=coord)["x"][0] for i in range(3)] == [0, 1, 2]
     saves = {k.split("/")[2] for k in coord.kv if k.startswith("cairn/save/")}
     assert len(saves) == 3  # nothing dropped the keys of the earlier saves
+
+
+def test_eval_shape_targets_over_an_abstract_mesh(tmp_path):
+    """jax.eval_shape under a mesh with Explicit axes gives shardings over an AbstractMesh: they load
+    onto the concrete mesh set with jax.set_mesh, and without one the error names the leaf and the fix."""
+    if not hasattr(jax.sharding, "AbstractMesh") or not hasattr(jax, "set_mesh"):
+        pytest.skip("this JAX has no abstract meshes")
+    mesh = jax.make_mesh((8,), ("x",))
+    s = NamedSharding(mesh, P("x"))
+    w = jax.device_put(np.arange(32, dtype=np.float32), s)
+    cairn.save(tmp_path / "c", {"w": w})
+    target = jax.eval_shape(lambda: {"w": jax.device_put(np.zeros(32, np.float32), s)})
+    if not isinstance(target["w"].sharding.mesh, jax.sharding.AbstractMesh):
+        pytest.skip("this JAX's eval_shape keeps the concrete mesh")
+    with pytest.raises(cairn.MismatchError, match=r"c: leaf 'w'.*abstract mesh.*jax.set_mesh"):
+        cairn.load(tmp_path / "c", target)
+    with jax.set_mesh(mesh):
+        got = cairn.load(tmp_path / "c", target)["w"]
+    assert got.sharding == s
+    np.testing.assert_array_equal(np.asarray(got), np.arange(32, dtype=np.float32))

@@ -8,6 +8,7 @@ mesh and loaded onto another sharding, compared bitwise.
 
 from __future__ import annotations
 
+import json
 import os
 
 import jax
@@ -161,3 +162,6 @@ def test_cli_inspect_and_convert_orbax(tmp_path, mesh42, capsys):
     assert main(["-q", "convert", str(tmp_path / "ck"), str(tmp_path / "cairn"), "--to", "cairn", "--budget", "1M"]) == 0
     check(cairn.load(tmp_path / "cairn"), numpy_of(tree))
     assert main(["verify", str(tmp_path / "cairn")]) == 0
+    manifest = json.loads((tmp_path / "cairn" / "manifest.json").read_text())
+    # A cairn checkpoint converted from Orbax says so, and claims no other format.
+    assert manifest["metadata"]["converted_from"] == "orbax" and "format" not in manifest["metadata"]

@@ -27,6 +27,7 @@ from ._errors import CorruptCheckpointError as CorruptCheckpointError
 from ._errors import MismatchError as MismatchError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
 from ._interop.export import export_safetensors as export_safetensors
+from ._interop.orbaxout import export_orbax as export_orbax
 from ._load.engine import ArrayMetadata as ArrayMetadata
 from ._local.tier import LocalTier as LocalTier
 from ._manager.manager import CheckpointManager as CheckpointManager
@@ -83,6 +84,7 @@ __all__ = [
     "__version__",
     "add_listener",
     "copy",
+    "export_orbax",
     "export_safetensors",
     "load",
     "metadata",

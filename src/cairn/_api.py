@@ -17,6 +17,7 @@ from ._errors import CheckpointNotFoundError
 from ._interop import sources as _sources
 from ._interop.sources import Rename
 from ._load import engine as _load
+from ._load.options import LoadOptions
 from ._save import engine as _save
 from ._save import future as _async
 from ._storage.location import resolve
@@ -128,6 +129,7 @@ def load(
     framework: str = "numpy",
     read_once: bool | None = None,
     budget_bytes: int = 1 << 30,
+    bandwidths: dict[str, float] | None = None,
     coordinator: Coordinator | None = None,
     timeout: float = 1800.0,
     format: str | None = None,
@@ -167,15 +169,25 @@ def load(
 
         sd = cairn.load("/ckpt/step_100", framework="torch")["params"]
 
-    Across processes, each byte leaves storage once: an array whose direct
-    reads would cost more than 1.2x its bytes summed over processes (a target
-    replicated over processes, or cut across the saved chunks) is read in
-    distinct blocks, one per device, and moved to its target sharding by
-    XLA's collectives. ``read_once=False`` always reads each process's own
-    shards; ``True`` uses the collectives wherever that reads fewer bytes
-    (then every process must call `load` with the same target, as for any
-    multi-process array). `budget_bytes` bounds the host buffers in flight
-    per process; `timeout` bounds each wait for the other processes.
+    Across processes, each array takes the faster of two routes: every
+    process reads its own shards (direct), or each byte leaves storage once,
+    in distinct blocks, one per device, and XLA's collectives move them to
+    the target sharding (read-once: worth it for a target replicated over
+    processes, or cut across the saved chunks, when storage is slower than
+    the interconnect). Each route's time is its storage bytes and requests
+    at the storage's bandwidth plus the bytes moved between processes at the
+    interconnect's; `bandwidths` declares them per process, e.g.
+    ``{"storage_gbps": 2.0, "interconnect_gbps": 100.0, "request_ms": 1.0}``
+    (any subset); the rest default per storage kind (local disk, object
+    store) and JAX platform (CPU collectives over gloo are slow, GPU and TPU
+    fast); ``"interconnect_gbps": "measure"`` times one small all-gather on
+    the target's mesh at the first such load (cached; every process takes the
+    primary's figure). Every process must pass the same figures. ``read_once=False``
+    always reads each process's own shards; ``True`` uses the collectives
+    wherever that reads fewer bytes (then every process must call `load` with
+    the same target, as for any multi-process array). `stats` reports each
+    leaf's route. `budget_bytes` bounds the host buffers in flight per
+    process; `timeout` bounds each wait for the other processes.
 
     Checkpoints of other formats load the same way, onto any mesh, with the
     same errors and `partial`: Hugging Face safetensors (one file, or a
@@ -222,24 +234,23 @@ def load(
     t0 = time.perf_counter()
     if framework not in ("numpy", "torch"):
         raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
+    opts = LoadOptions(partial=partial, verify=verify, threads=threads, read_once=read_once,
+                       budget_bytes=budget_bytes, bandwidths=bandwidths, coordinator=coordinator, timeout=timeout,
+                       format=format, rename=rename, drop=drop, fill_missing=fill_missing)
     loc = resolve(path, storage_options)
     source = None
-    transforms: dict[str, Any] = dict(rename=rename, drop=drop, fill_missing=fill_missing)
     if _transforms.wanted(rename, drop, fill_missing) or format not in (None, "cairn"):
-        source = _transforms.open_source(loc, target, format=format, **transforms)
-    kw: dict[str, Any] = dict(partial=partial, verify=verify, threads=threads, read_once=read_once,
-                              budget_bytes=budget_bytes, coordinator=coordinator, timeout=timeout,
-                              stats=stats, started=t0)
+        source = _transforms.open_source(loc, target, format=format, **opts.transforms)
     missing: CheckpointNotFoundError | None = None
     try:
-        out = _load.load(loc, target, source=source, **kw)
+        out = _load.load(loc, target, opts, source=source, stats=stats, started=t0)
     except CheckpointNotFoundError as e:
         if source is not None or format == "cairn":
             raise
         missing = e  # not a cairn checkpoint: perhaps one of another format
     if missing is not None:
-        source = _transforms.open_source(loc, target, missing=missing, **transforms)
-        out = _load.load(loc, target, source=source, **kw)
+        source = _transforms.open_source(loc, target, missing=missing, **opts.transforms)
+        out = _load.load(loc, target, opts, source=source, stats=stats, started=t0)
     _transforms.finish(source, loc.path, report)
     if framework == "torch":
         from ._interop.tensors import tree_to_torch

@@ -312,7 +312,8 @@ def _rchar() -> int:
 
 def save_then_load(path: str, mesh: list[int], save_spec: list[Any], load_spec: list[Any],
                    shape: list[int], read_once: bool | None = None, corrupt: bool = False,
-                   cold: bool = False, storage_options: dict | None = None, budget: int = 1 << 30) -> dict:
+                   cold: bool = False, storage_options: dict | None = None, budget: int = 1 << 30,
+                   bandwidths: dict | None = None) -> dict:
     """Save one array with `save_spec`, load it with `load_spec`; count the bytes each process read.
 
     With `corrupt`, process 0 flips a byte of process 1's data file between the
@@ -344,7 +345,8 @@ def save_then_load(path: str, mesh: list[int], save_spec: list[Any], load_spec: 
     try:
         # Once to warm up (the first load imports and compiles: rchar would count module files),
         # then the measured load.
-        engine_load(resolve(path, storage_options), want, read_once=read_once, timeout=60, budget_bytes=budget)
+        engine_load(resolve(path, storage_options), want, read_once=read_once, timeout=60, budget_bytes=budget,
+                    bandwidths=bandwidths)
         if cold:
             if coord.process_index == 0 and os.path.exists(path):
                 os.sync()
@@ -358,7 +360,7 @@ def save_then_load(path: str, mesh: list[int], save_spec: list[Any], load_spec: 
         before = _rchar()
         t0 = time.perf_counter()
         out = engine_load(resolve(path, storage_options), want, stats=stats, read_once=read_once, timeout=60,
-                          budget_bytes=budget)["a"]
+                          budget_bytes=budget, bandwidths=bandwidths)["a"]
         load_s = time.perf_counter() - t0
         rchar = _rchar() - before
         peak = _status_bytes("VmHWM") - rss0
@@ -369,7 +371,9 @@ def save_then_load(path: str, mesh: list[int], save_spec: list[Any], load_spec: 
         np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
     return {"bytes_read": stats.bytes_read, "rchar": rchar, "read_once_leaves": stats.read_once_leaves,
             "nbytes": int(full.nbytes), "shards": len(out.addressable_shards), "load_s": load_s,
-            "reshard_s": stats.reshard_s, "peak_rss_growth": peak, "pieces": stats.read_once_pieces}
+            "reshard_s": stats.reshard_s, "peak_rss_growth": peak, "pieces": stats.read_once_pieces,
+            "routes": stats.routes, "interconnect_bytes": stats.interconnect_bytes,
+            "read_once_bytes_read": stats.read_once_bytes_read}
 
 
 def _status_bytes(field: str) -> int:
@@ -380,7 +384,7 @@ def _status_bytes(field: str) -> int:
     raise KeyError(field)
 
 
-def save_replicated(path: str, mesh: list[int], mb: int) -> dict:
+def save_replicated(path: str, mesh: list[int], mb: int, bandwidths: dict | None = None) -> dict:
     """Save an array replicated on every device; load it back replicated; report bytes per process."""
     from cairn._load.engine import LoadStats
     from cairn._load.engine import load as engine_load
@@ -393,7 +397,7 @@ def save_replicated(path: str, mesh: list[int], mb: int) -> dict:
     stats = cairn.save(path, {"r": arr}, timeout=60)
     load_stats = LoadStats()
     out = engine_load(resolve(path), {"r": jax.ShapeDtypeStruct(shp, np.float32, sharding=NamedSharding(m, P()))},
-                      stats=load_stats, timeout=60)["r"]
+                      stats=load_stats, timeout=60, bandwidths=bandwidths)["r"]
     for shard in out.addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
     return {"bytes_written": stats.bytes_written, "bytes_read": load_stats.bytes_read, "nbytes": int(full.nbytes)}
@@ -452,3 +456,85 @@ def manager_agreement(directory: str, mesh: list[int]) -> dict:
             _steps.committed_steps = lambda storage: []  # what a stale listing would say
         latest = mgr.latest_step()
     return {"restored": restored, "latest": latest}
+
+
+def compare_routes(path: str, mesh: list[int], save_spec: list[Any], load_spec: list[Any], shape: list[int],
+                   options: dict[str, dict], reps: int = 3) -> dict:
+    """Save one array once, then load it with each of `options` (name -> load keywords), `reps`
+    rounds in rotating order (warm page cache); per option, each round's seconds and stats."""
+    from cairn._dist.coord import default_coordinator
+
+    m = _mesh(mesh)
+    shp = tuple(shape)
+    full = expected("a", shp, "float32")
+    arr = jax.make_array_from_callback(shp, NamedSharding(m, _spec(save_spec)), lambda idx: full[idx])
+    t0 = time.perf_counter()
+    cairn.save(path, {"a": arr})
+    save_s = time.perf_counter() - t0
+    del arr
+    target = NamedSharding(m, _spec(load_spec))
+    want = {"a": jax.ShapeDtypeStruct(shp, np.float32, sharding=target)}
+    coord = default_coordinator()
+    names = list(options)
+    out: dict[str, Any] = {"save_s": save_s, "nbytes": int(full.nbytes), "runs": {n: [] for n in names}}
+    for name in names:  # once each to warm up (imports, compilation, page cache)
+        jax.block_until_ready(cairn.load(path, want, **options[name]))
+    for r in range(reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            coord.barrier(f"t/cmp/{r}/{name}", 120)
+            stats = cairn.LoadStats()
+            t0 = time.perf_counter()
+            got = cairn.load(path, want, stats=stats, **options[name])["a"]
+            jax.block_until_ready(got)
+            s = time.perf_counter() - t0
+            out["runs"][name].append({"load_s": s, **{k: v for k, v in stats.as_dict().items()
+                                                      if isinstance(v, (int, float, str, dict))}})
+            del got
+    check = cairn.load(path, want)["a"]
+    for shard in check.addressable_shards:
+        np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+    return out
+
+
+def route_choices(path: str, options: dict[str, dict]) -> dict:
+    """Save arrays whose loads take different routes, load them with each of `options` (name ->
+    load keywords), and report each process's routes and bytes per route."""
+    m = _mesh([2, 2])
+    shape = (512, 256)
+    full = expected("a", shape, "float32")
+    saved = NamedSharding(m, P(("x", "y")))
+    arr = jax.make_array_from_callback(shape, saved, lambda idx: full[idx])
+    cairn.save(path, {"replicated": arr, "columns": arr, "same": arr})
+    want = {"replicated": jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(m, P())),
+            "columns": jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(m, P(None, ("x", "y")))),
+            "same": jax.ShapeDtypeStruct(shape, np.float32, sharding=saved)}
+    out: dict[str, Any] = {"nbytes": int(full.nbytes)}
+    for name, kw in options.items():
+        stats = cairn.LoadStats()
+        got = cairn.load(path, want, stats=stats, **kw)
+        for leaf in got.values():
+            for shard in leaf.addressable_shards:
+                np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+        out[name] = {"leaf_routes": stats.leaf_routes, "routes": stats.routes, "bandwidths": stats.bandwidths,
+                     "bytes_read": stats.bytes_read, "read_once_bytes_read": stats.read_once_bytes_read,
+                     "interconnect_bytes": stats.interconnect_bytes, "read_once_leaves": stats.read_once_leaves}
+    return out
+
+
+def mismatched_routes(path: str, per_process: list[dict]) -> dict:
+    """`route_choices`' arrays loaded with different keywords on each process (`per_process[i]`)."""
+    m = _mesh([2, 2])
+    shape = (512, 256)
+    full = expected("a", shape, "float32")
+    saved = NamedSharding(m, P(("x", "y")))
+    arr = jax.make_array_from_callback(shape, saved, lambda idx: full[idx])
+    cairn.save(path, {"replicated": arr, "columns": arr})
+    want = {"replicated": jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(m, P())),
+            "columns": jax.ShapeDtypeStruct(shape, np.float32, sharding=NamedSharding(m, P(None, ("x", "y"))))}
+    from cairn._dist.coord import default_coordinator
+
+    try:
+        cairn.load(path, want, timeout=60, **per_process[default_coordinator().process_index])
+    except cairn.CheckpointError as e:
+        return {"error": type(e).__name__, "message": str(e)}
+    return {"error": None}

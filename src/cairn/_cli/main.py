@@ -32,11 +32,12 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from .._core.units import human_bytes
-from .._errors import CheckpointError
+from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import manifest as fmt
 from .._format import values
 from .._interop.sources import FORMATS
 from .._run import steps as _steps
+from .._storage.location import resolve
 from .._tools.copy import add_commands as add_copy_commands
 from .plan import add_command as add_plan_command
 
@@ -166,19 +167,26 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
         _dump_json({"dir": loc.path, "entries": [{k: v for k, v in e.items() if k != "key"} for e in entries]})
         return 0
     if not entries:
-        if loc.storage.exists(loc.key(fmt.MANIFEST)):
-            out.line(f"{loc.path} is a checkpoint itself, not a directory of them; try: cairn inspect {loc.path}")
+        from .._interop.sources import detect
+
+        kind = detect(loc)
+        if kind is not None:
+            what = "a checkpoint" if kind == "cairn" else f"a checkpoint in {kind} format"
+            out.line(f"{loc.path} is {what} itself, not a directory of them; try: cairn inspect {loc.path}")
         else:
             out.line(f"no checkpoints in {loc.path}")
         return 0
+    # Orbax step folders and DCP checkpoints are listed too, with their format.
+    foreign = any(e["format"] != "cairn" for e in entries)
     rows = [
-        [e["step"] if e["step"] is not None else "", e["name"], e["status"], human_bytes(e["bytes"]),
-         human_age(e["age_s"]), _fmt_metrics(e["metrics"])]
+        [e["step"] if e["step"] is not None else "", e["name"], *([e["format"]] if foreign else []), e["status"],
+         human_bytes(e["bytes"]), human_age(e["age_s"]), _fmt_metrics(e["metrics"])]
         for e in entries
     ]
-    out.table(["step", "name", "status", "size", "age", "metrics"], rows, title=loc.path, right=["step", "size", "age"])
+    out.table(["step", "name", *(["format"] if foreign else []), "status", "size", "age", "metrics"], rows,
+              title=loc.path, right=["step", "size", "age"])
     committed = sum(e["status"] == "committed" for e in entries)
-    leftovers = len(entries) - committed
+    leftovers = sum(e["status"] in ("temporary", "uncommitted") for e in entries)
     summary = f"{committed} committed"
     if leftovers:
         summary += f", {leftovers} leftover (interrupted or in progress; `cairn gc` removes them)"
@@ -391,6 +399,61 @@ def cmd_diff(args: argparse.Namespace, out: Output) -> int:
     return 0 if same else 1
 
 
+# ---------------------------------------------------------------------- cp / mv of a run
+
+
+def cmd_copy(args: argparse.Namespace, out: Output) -> int:
+    """``cairn cp`` / ``cairn mv``: one checkpoint, or every committed step of a run directory.
+
+    A directory that is no checkpoint itself but holds committed cairn
+    checkpoints (a manager's run) is copied step by step into DST, each step
+    as ``cairn cp`` copies one (resumable, verified); leftovers of
+    interrupted saves are not copied, and Orbax or DCP folders are named as
+    skipped (cairn copies only what a cairn manifest names).
+    """
+    from .._load.metadata import manifest_bytes
+    from .._tools.copy import copy, run_copy
+
+    src = resolve(args.src)
+    try:
+        manifest_bytes(src)
+        return run_copy(args, out)
+    except CheckpointNotFoundError:
+        _, entries = _steps.scan(args.src, None)
+    steps = [e for e in entries if e["status"] == "committed" and e["format"] == "cairn"]
+    foreign = [e for e in entries if e["status"] == "committed" and e["format"] != "cairn"]
+    if not steps:
+        if foreign:
+            raise CheckpointNotFoundError(
+                f"{src.path} holds only {foreign[0]['format']} checkpoints ({', '.join(e['name'] for e in foreign[:3])}"
+                f"{', ...' if len(foreign) > 3 else ''}); cairn cp copies cairn checkpoints: convert them "
+                "(cairn convert ... --to cairn) or copy the folders with your storage's tools")
+        return run_copy(args, out)  # its error says what SRC is
+    done = []
+    for e in steps:
+        stats = copy(f"{src.path.rstrip('/')}/{e['name']}", f"{args.dst.rstrip('/')}/{e['name']}",
+                     overwrite=args.overwrite, move=args.move, verify=not args.no_verify, budget_bytes=args.budget,
+                     threads=args.threads)
+        done.append(stats)
+        if not args.json:
+            kept = f", {stats.files_kept} already there" if stats.files_kept else ""
+            out.line(f"{'moved' if stats.moved else 'copied'} {e['name']}: {stats.files_copied} files, "
+                     f"{stats.bytes_copied / (1 << 20):.1f} MiB{kept}")
+    skipped = [e["name"] for e in entries if e not in steps]
+    if args.json:
+        _dump_json({"src": src.path, "dst": args.dst, "steps": [s.as_dict() for s in done], "skipped": skipped})
+        return 0
+    verb = "moved" if args.move else "copied"
+    out.line(f"{verb} {len(done)} committed steps of {src.path} to {args.dst}"
+             + ("; checksums verified" if not args.no_verify else ""))
+    if foreign:
+        out.line(f"skipped {len(foreign)} {'/'.join(sorted({e['format'] for e in foreign}))} checkpoints "
+                 f"({', '.join(e['name'] for e in foreign[:5])}): cairn copies cairn checkpoints only")
+    if len(skipped) > len(foreign):
+        out.line(f"skipped {len(skipped) - len(foreign)} leftovers of interrupted saves")
+    return 0
+
+
 # ---------------------------------------------------------------------- convert
 
 
@@ -437,21 +500,31 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", action="store_true")
     s.set_defaults(fn=cmd_diff)
 
-    s = sub.add_parser("convert", help="convert between cairn, safetensors (also sharded, for Hugging Face) and "
-                       "PyTorch files; --to cairn also reads Orbax and DCP checkpoints")
+    s = sub.add_parser("convert", help="convert between cairn, safetensors (also sharded, for Hugging Face), "
+                       "PyTorch files and Orbax (--to orbax writes through orbax-checkpoint); --to cairn also "
+                       "reads Orbax and DCP checkpoints")
     s.add_argument("src")
     s.add_argument("dst")
-    s.add_argument("--to", required=True, choices=["safetensors", "cairn", "torch"])
+    s.add_argument("--to", required=True, choices=["safetensors", "cairn", "torch", "orbax"])
     s.add_argument("--format", choices=FORMATS, help="--to cairn: the source's format (default: detected)")
     s.add_argument("--max-shard-size", help="safetensors: a Hugging Face folder of shards of at most this "
                    "size (5GB = 5*10^9 bytes, 5GiB = 5*2^30), written by every process in parallel")
     s.add_argument("--per-item", action="store_true",
                    help="safetensors: one file per checkpointable in folder DST")
     s.add_argument("--sep", default=".", help="torch: separator joining key-path components (default '.')")
+    s.add_argument("--overwrite", action="store_true", help="orbax, sharded safetensors: replace DST's files")
+    s.add_argument("--names", choices=["hf", "raw"], default="hf",
+                   help="safetensors tensor names: hf (default) joins key paths with '.', without the "
+                   "checkpointable when only one holds arrays; raw keeps cairn's '/'-joined key paths")
+    s.add_argument("--item", help="safetensors: this checkpointable only, its key paths as names")
+    s.add_argument("--prng-keys", choices=["error", "data", "drop"], default="error",
+                   help="sharded safetensors: a typed PRNG key is an error (default), its uint32 data, or left out")
     s.add_argument("--budget", type=parse_bytes, default=256 << 20,
                    help="memory budget for data in flight (default 256M)")
     s.set_defaults(fn=cmd_convert)
     add_copy_commands(sub, parse_bytes)  # cp and mv
+    for name in ("cp", "mv"):
+        sub.choices[name].set_defaults(fn=cmd_copy)
     add_plan_command(sub, parse_bytes)  # plan: a dry run of a load
 
     s = sub.add_parser("gc", help="remove leftovers of interrupted saves (temporary and uncommitted folders)")
@@ -483,6 +556,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         known = isinstance(e, (CheckpointError, OSError, ValueError, TypeError))
         text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if hasattr(args, "overwrite"):  # the library's keyword, as this command spells it
+            text = text.replace("overwrite=True", "--overwrite")
         prefix = "error" if known else f"internal error ({type(e).__name__}; rerun with --debug for the traceback)"
         print(f"cairn: {prefix}: {text}", file=sys.stderr)
         return 1

@@ -2,7 +2,8 @@
 
 The mesh is made of virtual CPU devices (the planner needs only each
 sharding's ``devices_indices_map``), ``--processes`` splits it into processes by
-device id, and ``--sharding`` gives every array the same spec: ``fsdp`` (axis 0
+device id, ``--storage-gbps``/``--interconnect-gbps``/``--platform`` price
+each leaf's route, and ``--sharding`` gives every array the same spec: ``fsdp`` (axis 0
 over every mesh axis), ``replicated``, or a PartitionSpec. An array the spec
 does not fit (too few axes, or not divisible) is planned replicated, and the
 output says which.
@@ -33,6 +34,13 @@ def add_command(sub: Any, parse_bytes: Any) -> None:
     s.add_argument("--processes", type=int, default=1, help="plan for N processes, each holding 1/N of the "
                    "mesh's devices (default 1)")
     s.add_argument("--bandwidth", type=float, metavar="GB/s", help="storage read bandwidth per process")
+    s.add_argument("--storage-gbps", type=float, metavar="GB/s", help="storage read bandwidth per process that "
+                   "routes are priced with (default: per storage kind, as cairn.load)")
+    s.add_argument("--interconnect-gbps", type=float, metavar="GB/s", help="interconnect bandwidth per process "
+                   "that routes are priced with (default: per --platform)")
+    s.add_argument("--request-ms", type=float, metavar="ms", help="effective time per storage request")
+    s.add_argument("--platform", choices=["cpu", "gpu", "tpu"], help="the platform whose interconnect default "
+                   "prices the routes (default cpu: the plan's virtual devices)")
     s.add_argument("--budget", type=parse_bytes, default=1 << 30, help="the load's budget_bytes (default 1G)")
     s.add_argument("--read-once", choices=["auto", "on", "off"], default="auto")
     s.add_argument("--format", choices=_sources.FORMATS, help="the source's format (default: detected)")
@@ -48,8 +56,11 @@ def cmd_plan(args: Any, out: Any) -> int:
     devices = sorted(jax.devices(), key=lambda d: d.id)[: math.prod(sizes)]
     mesh = jax.sharding.Mesh(np.array(devices).reshape(sizes), names)
     target, odd = cli_target(args.path, mesh, args.sharding, args.format)
+    declared = {k: v for k, v in (("storage_gbps", args.storage_gbps), ("interconnect_gbps", args.interconnect_gbps),
+                                  ("request_ms", args.request_ms)) if v is not None}
     plan = plan_load(args.path, target, processes=args.processes, budget_bytes=args.budget, bandwidth=args.bandwidth,
-                     read_once={"auto": None, "on": True, "off": False}[args.read_once], format=args.format)
+                     read_once={"auto": None, "on": True, "off": False}[args.read_once], format=args.format,
+                     bandwidths=declared or None, platform=args.platform)
     where = f"mesh {dict(zip(names, sizes))} of virtual CPU devices, sharding {args.sharding!r}"
     notes = [where] + ([f"{len(odd)} array{'s' if len(odd) != 1 else ''} replicated, the sharding does not fit: "
                         + ", ".join(odd[:3]) + (" ..." if len(odd) > 3 else "")] if odd else [])

@@ -22,7 +22,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 log = logging.getLogger("cairn")
@@ -68,6 +68,14 @@ class LoadStats:
     copies, which JAX may finish later); `reshard_s` the collectives that
     move read-once leaves onto their target sharding.
 
+    Each sharded array leaf takes a route (`routes`, `leaf_routes`): "direct"
+    (this process reads its own shards) or read-once ("refined", "staged":
+    distinct blocks read once cluster-wide, then moved by XLA collectives).
+    `read_once_bytes_read` is the storage bytes of the read-once leaves, the
+    rest of `bytes_read` the direct ones; `interconnect_bytes` what the
+    collectives were predicted to bring in from other processes (the cost
+    model's figure, not a measurement); `bandwidths` what routes were priced with.
+
     Example::
 
         stats = cairn.LoadStats()
@@ -80,6 +88,11 @@ class LoadStats:
     direct_reads: int = 0  # of which: straight into the result buffers, no copy
     read_once_leaves: int = 0  # leaves read once cluster-wide and moved by collectives
     read_once_pieces: int = 0  # pieces of read-once leaves too large for the budget, one wave each
+    read_once_bytes_read: int = 0  # of bytes_read: the blocks of read-once leaves
+    interconnect_bytes: int = 0  # predicted: what the read-once collectives bring in from other processes
+    routes: dict[str, int] = field(default_factory=dict)  # array leaves per route: direct, refined, staged
+    leaf_routes: dict[str, str] = field(default_factory=dict)  # each sharded array leaf's route, by key path
+    bandwidths: dict[str, Any] | None = None  # the figures the routes were priced with (None: not priced)
     plan_s: float = 0.0
     read_s: float = 0.0
     transfer_s: float = 0.0

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .._core.boxes import cell_box
 from .._errors import corrupt
 from .binindex import (
     ChunkTable,
@@ -222,18 +223,6 @@ class Manifest:
 class FileInfo:
     name: str
     size: int
-
-
-def cell_box(grid: Sequence[Sequence[int]], flat: int) -> tuple[tuple[int, int], ...]:
-    """The box of grid cell number `flat` (C order over the cells); `grid` holds each axis's boundaries."""
-    # Plain arithmetic, not np.unravel_index: the planners call this per chunk.
-    idx = []
-    for b in reversed(grid):
-        n = len(b) - 1
-        idx.append(flat % n)
-        flat //= n
-    idx.reverse()
-    return tuple((grid[a][i], grid[a][i + 1]) for a, i in enumerate(idx))
 
 
 @dataclass(frozen=True)

@@ -183,10 +183,42 @@ def _renamed(fn: Callable[[str], str | None], head: str, path: str, where: str) 
 
 def target_paths(target: Any) -> set[str]:
     """The key paths of a load target's leaves (as `_load` will match them)."""
-    from .._load.engine import _is_target_leaf
+    from .._load.engine import is_target_leaf
 
     out: set[str] = set()
-    map_with_path(lambda p, _x: out.add(p), target, is_leaf=_is_target_leaf)
+    map_with_path(lambda p, _x: out.add(p), target, is_leaf=is_target_leaf)
+    return out
+
+
+def target_hollows(target: Any) -> set[str]:
+    """The key paths of a load target's empty containers (optax's ``EmptyState()``, ``{}``, ``()``)."""
+    from .._load.engine import is_target_leaf
+    from .._tree.pytree import flatten
+
+    out: set[str] = set()
+
+    def walk(node: Any, path: str) -> None:
+        if not isinstance(node, dict) or "leaf" in node:
+            return
+        if "dict" in node:
+            pairs = [(escape_key(str(k)), v) for k, v in node["dict"]]
+        elif "list" in node or "tuple" in node:
+            pairs = [(str(i), v) for i, v in enumerate(node.get("list", node.get("tuple")))]
+        elif "children" in node:
+            keys = node.get("fields") or node.get("keys") or []
+            pairs = [(escape_key(str(k)), v) for k, v in zip(keys, node["children"])]
+        else:
+            return
+        if not pairs:
+            out.add(path)
+        for k, v in pairs:
+            walk(v, _join(path, k))
+
+    try:
+        structure, _ = flatten(target, is_leaf=is_target_leaf)
+    except ValueError:
+        return out  # `_load` reports what is wrong with the target
+    walk(structure, "")
     return out
 
 
@@ -275,6 +307,11 @@ class Format:
     def empty(self, item: str) -> dict[str, str]:
         """Empty containers of the source's tree (path -> "dict" | "list" | "tuple")."""
         return {}
+
+    def nones(self, item: str) -> set[str]:
+        """Paths of `None` values that stand for an empty node (Orbax writes optax's
+        ``EmptyState()`` as None): an empty container of the target matches them."""
+        return set()
 
     def reader(self, item: str, index: fmt.ItemIndex, verify: bool, pool: ThreadPoolExecutor,
                stats: LoadStats) -> ChunkReader:
@@ -367,20 +404,26 @@ def open_format(f: Format, target: Any, rename: Rename | None, where: str,
                 raise CheckpointError(f"{where}: rename maps both {seen[q]!r} and {p!r} to {q!r}")
             seen[q] = p
             renamed.append((p, q))
+        hollow: dict[str, str] = {}
         if skip:
             wanted: set[str] = set()
         elif item_target is None:
             wanted = {p for p, _ in renamed}
         else:
             asked = target_paths(item_target)
+            nones = f.nones(name)
+            if nones:  # a None where the target has an empty node is that node, not a leaf it omits
+                hollows = target_hollows(item_target)
+                hollow = {q: "dict" for p, q in renamed if p in nones and q not in asked and q in hollows}
+                renamed = [(p, q) for p, q in renamed if q not in hollow]
             wanted = {p for p, q in renamed if q in asked}
         resolved = f.leaves(name, [p for p, _ in renamed if p in wanted]) if wanted else {}
         leaves = [replace(resolved[p], path=q) if p in resolved else placeholder(q) for p, q in renamed]
         structure = f.structure(name) if fn is None and dropped is None else None
         if structure is None and fn is None and dropped is None:
-            structure = structure_of([q for _, q in renamed], f.kinds(name), f.empty(name))
+            structure = structure_of([q for _, q in renamed], f.kinds(name), {**f.empty(name), **hollow})
         elif structure is None:
-            structure = structure_of([q for _, q in renamed])
+            structure = structure_of([q for _, q in renamed], empty=hollow)
         index = f.item_index(name, structure, tuple(leaves))
         indexes[name] = index
         nbytes = sum(leaf.nbytes for leaf in leaves if isinstance(leaf, fmt.ArrayLeaf))

@@ -95,7 +95,10 @@ def convert_to_cairn(
                     writer.write_item(name, source.manifest.root, index.structure, leaves, slab, progress)
                 finally:
                     reader.close()
-        writer.commit(source.manifest.root, {"converted_from": f.name, **source.manifest.metadata})
+        # The source's own "format" names what it was, which "converted_from" says; kept, it would
+        # read as a claim about the cairn checkpoint written here.
+        meta = {k: v for k, v in source.manifest.metadata.items() if k != "format"}
+        writer.commit(source.manifest.root, {"converted_from": f.name, **meta})
     except BaseException:
         writer.abort()
         raise
@@ -114,13 +117,18 @@ def run_convert(args: Any, out: Any) -> int:
         total = sum(leaf.nbytes for i in ck.indexes.values() for leaf in i.leaves if isinstance(leaf, fmt.ArrayLeaf))
     with out.progress(f"converting to {args.to}", total) as (_set_total, advance):
         if args.to == "safetensors" and args.max_shard_size is not None:
-            written = export_safetensors(args.src, args.dst, max_shard_size=args.max_shard_size,
+            written = export_safetensors(args.src, args.dst, max_shard_size=args.max_shard_size, item=args.item,
+                                         names=args.names, prng_keys=args.prng_keys, overwrite=args.overwrite,
                                          budget_bytes=args.budget, progress=advance)
         elif args.to == "safetensors":
-            written = to_safetensors(args.src, args.dst, per_item=args.per_item, budget_bytes=args.budget,
-                                     progress=advance)
+            written = to_safetensors(args.src, args.dst, per_item=args.per_item, names=args.names, item=args.item,
+                                     budget_bytes=args.budget, progress=advance)
         elif args.to == "torch":
             written = [to_torch_file(args.src, args.dst, sep=args.sep, budget_bytes=args.budget, progress=advance)]
+        elif args.to == "orbax":
+            from .orbaxout import export_orbax
+
+            written = [export_orbax(args.src, args.dst, overwrite=args.overwrite)]
         else:
             convert_to_cairn(args.src, args.dst, format=args.format, budget_bytes=args.budget, progress=advance)
             written = [args.dst]

@@ -41,9 +41,9 @@ from .._load.metadata import open_checkpoint
 from .._load.reader import DEFAULT_BUDGET, iter_array, make_reader, slab_bytes
 from .._save.commit import strategy_for
 from .._storage.location import resolve
-from .._tree.pytree import escape_key
+from .._tree.pytree import display_path, escape_key
 from .base import Rename, compile_rename, join_name
-from .safetensors import _TO_ST, _st_header
+from .safetensors import _TO_ST, _st_header, check_names, tensor_item
 
 log = logging.getLogger("cairn")
 
@@ -75,30 +75,44 @@ class _Tensor:
     leaf: fmt.ArrayLeaf
 
 
-def _tensors(ck: Any, item: str | None, rename: Rename | None) -> list[_Tensor]:
+PRNG_KEYS = ("error", "data", "drop")
+
+
+def _tensors(ck: Any, item: str | None, rename: Rename | None, names: str = "hf",
+             prng_keys: str = "error") -> list[_Tensor]:
     fn = compile_rename(rename)
     if item is not None and item not in ck.manifest.items:
         raise CheckpointError(f"{ck.loc.path} has no checkpointable {item!r} (it has {sorted(ck.manifest.items)})")
     items = [item] if item is not None else list(ck.manifest.items)
-    prefix = not ck.manifest.root and item is None
+    kinds = ("array", "prng_key") if prng_keys == "data" else ("array",)
+    prefix = not ck.manifest.root and item is None and not (names == "hf" and tensor_item(ck, kinds) is not None)
     out: list[_Tensor] = []
-    names: dict[str, str] = {}
+    seen: dict[str, str] = {}
     for it in items:
         for leaf in ck.indexes[it].leaves:
-            if not isinstance(leaf, fmt.ArrayLeaf) or leaf.kind != "array":
+            if not isinstance(leaf, fmt.ArrayLeaf) or leaf.kind not in ("array", "prng_key"):
                 continue  # values, bytes and objects have no place in safetensors
             path = f"{escape_key(it)}/{leaf.path}" if prefix and leaf.path else escape_key(it) if prefix else leaf.path
             new = fn(path) if fn is not None else path
             if new is None:
                 continue
+            if leaf.kind == "prng_key" and prng_keys != "data":
+                if prng_keys == "drop":
+                    log.info("cairn: export of %s leaves out the PRNG key %r", ck.loc.path, path)
+                    continue
+                raise UnsupportedTypeError(
+                    f"{ck.loc.path}: leaf {display_path(leaf.path, it)!r} is a typed PRNG key ({leaf.impl}), which "
+                    "safetensors cannot hold; prng_keys='data' (--prng-keys data) writes its uint32 key data, "
+                    "'drop' leaves it out (or rename it to None, or export one item=)")
             if _TO_ST.get(values.dtype_name(leaf.dtype) or "") is None:
                 raise UnsupportedTypeError(f"{ck.loc.path}: leaf {path!r} has dtype {leaf.dtype}, "
                                            "which safetensors cannot hold")
-            name = join_name(new) or "%root"
-            if name in names:
-                raise CheckpointError(f"{ck.loc.path}: leaves {names[name]!r} and {path!r} both become "
-                                      f"tensor {name!r}")
-            names[name] = path
+            name = (new or "%root") if names == "raw" else join_name(new) or "%root"
+            if name in seen:
+                raise CheckpointError(f"{ck.loc.path}: leaves {seen[name]!r} and {path!r} both become "
+                                      f"tensor {name!r}" + ("; names='raw' keeps key paths apart"
+                                                            if names == "hf" else ""))
+            seen[name] = path
             out.append(_Tensor(name, it, leaf))
     return out
 
@@ -135,6 +149,8 @@ def export_safetensors(
     max_shard_size: int | str = "5GB",
     item: str | None = None,
     rename: Rename | None = None,
+    names: str = "hf",
+    prng_keys: str = "error",
     overwrite: bool = False,
     budget_bytes: int = DEFAULT_BUDGET,
     threads: int = 4,
@@ -152,11 +168,19 @@ def export_safetensors(
     with ``safetensors`` and with ``transformers``' ``from_pretrained`` (add
     the model's ``config.json``).
 
-    Tensor names are key paths joined with '.' (checkpointable first, unless
-    `item` picks one checkpointable or the state was not a mapping); `rename`
-    maps the '/'-joined key path first, as in `cairn.load` (None drops a
-    tensor). Only arrays are written: scalars, strings and bytes leaves have
-    no place in safetensors and are left out. `max_shard_size` follows
+    Tensor names (``names="hf"``, the default) are key paths joined with '.'
+    as Hugging Face names them (``transformer.h.0.attn.weight``; a key
+    ``"0.weight"`` stays whole), after the checkpointable's name unless
+    `item` picks one checkpointable, the state was not a mapping, or only
+    one checkpointable holds arrays (``{"params": ..., "step": 3}`` exports
+    ``params``' names bare). ``names="raw"`` writes cairn's '/'-joined key
+    paths, checkpointable first. `rename` maps the '/'-joined key path the
+    name is made from, as in `cairn.load` (None drops a tensor). Only arrays
+    are written: scalars, strings and bytes leaves have no place in
+    safetensors and are left out. A typed PRNG key is an
+    `UnsupportedTypeError` unless ``prng_keys="data"`` (its uint32 key data,
+    the implementation recorded in the header's ``__metadata__``) or
+    ``"drop"``. `max_shard_size` follows
     Hugging Face (``"5GB"`` is 5*10^9 bytes, ``"5GiB"`` 5*2^30).
 
     Example::
@@ -165,6 +189,10 @@ def export_safetensors(
                                  rename=[(r"^", "model/")], max_shard_size="2GB")
     """
     limit = parse_size(max_shard_size)
+    check_names(names)
+    naming = names  # `names` below: the files
+    if prng_keys not in PRNG_KEYS:
+        raise ValueError(f"prng_keys must be one of {', '.join(PRNG_KEYS)}, got {prng_keys!r}")
     coord = coordinator or default_coordinator()
     me, n = coord.process_index, coord.process_count
     seq = next(_seq)
@@ -177,7 +205,7 @@ def export_safetensors(
     names: list[str] = []
     try:  # a failure anywhere, planning included, is published: nobody waits for this process in vain
         ck = open_checkpoint(path, storage_options)
-        tensors = _tensors(ck, item, rename)
+        tensors = _tensors(ck, item, rename, naming, prng_keys)
         if not tensors:
             raise CheckpointError(f"{ck.loc.path}: no arrays to export")
         shards = pack([t.leaf.nbytes for t in tensors], limit)
@@ -217,7 +245,9 @@ def _write(ck: Any, out: Any, files: list[list[_Tensor]], names: list[str], budg
             for group, name in zip(files, names):
                 entries = [(t.name, _TO_ST[values.dtype_name(t.leaf.dtype) or ""], t.leaf.shape, t.leaf.nbytes)
                            for t in group]
-                header = _st_header(entries, {"format": "pt"})
+                keys = {t.name: t.leaf.impl for t in group if t.leaf.kind == "prng_key"}
+                header = _st_header(entries, {"format": "pt", **(
+                    {"cairn.prng_keys": json.dumps(keys, separators=(",", ":"))} if keys else {})})
 
                 def parts(group: list[_Tensor] = group, header: bytes = header) -> Any:
                     yield header

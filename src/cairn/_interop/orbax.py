@@ -46,6 +46,7 @@ from .base import FlatLocation, Format, expand_value
 
 METADATA = "_METADATA"
 STEP_METADATA = "_CHECKPOINT_METADATA"
+METRICS = "metrics"  # the item in which Orbax's CheckpointManager keeps a step's metrics
 _ARRAYS = ("jax.Array", "np.ndarray", "scalar")
 _EMPTY = {"Dict": "dict", "List": "list", "Tuple": "tuple", "NamedTuple": "dict"}
 
@@ -94,6 +95,10 @@ class Orbax(Format):
 
     def empty(self, item: str) -> dict[str, str]:
         return self._items[item].empty
+
+    def nones(self, item: str) -> set[str]:
+        it = self._items[item]
+        return {p for p, leaf in it.values.items() if isinstance(leaf, fmt.ValueLeaf) and leaf.kind == "none"}
 
     def metadata(self) -> dict[str, Any]:
         out: dict[str, Any] = {"format": "orbax"}
@@ -194,7 +199,7 @@ class TensorStoreReader(ChunkReader):
         self.source = source
 
     def read_array(self, leaf: fmt.ArrayLeaf, sharding: Any = None, region: Any = None) -> ArrayReads:
-        from .._plan.chunking import full_box
+        from .._core.boxes import full_box
 
         placement = None
         shape = leaf.shape if region is None else tuple(hi - lo for lo, hi in region)
@@ -300,6 +305,12 @@ def open_orbax(loc: Location) -> Orbax:
     items: dict[str, _Item] = {}
     for sub in st.list_dir(name):
         key = f"{name}/{sub}"
+        if sub == METRICS and not step_meta.get("metrics"):
+            # Orbax's manager reserves the item name for the metrics of `save(metrics=)`
+            # (written when it tracks the best step): the step's metrics, not a checkpointable.
+            metrics = _json_item(st, key, f"{loc.path}/{sub}")
+            step_meta = {**step_meta, "metrics": {p: v.value for p, v in metrics.values.items()}}
+            continue
         if st.exists(f"{key}/{METADATA}"):
             items[sub] = _pytree_item(st, key, f"{loc.path}/{sub}")
         elif isinstance(handlers, dict) and "JsonCheckpointHandler" in str(handlers.get(sub, "")):
@@ -309,6 +320,15 @@ def open_orbax(loc: Location) -> Orbax:
     if list(items) == ["default"]:
         items = {"": items["default"]}
     return Orbax(flat, items, loc.path, step_meta)
+
+
+def step_metrics(st: Any, key: str, where: str) -> dict[str, Any]:
+    """The metrics of the Orbax step folder at `key`: ``_CHECKPOINT_METADATA``'s, else its ``metrics`` item."""
+    raw = fmt.parse_json(st.read(f"{key}/{STEP_METADATA}"), f"{where}/{STEP_METADATA}")
+    got = raw.get("metrics") if isinstance(raw, dict) else None
+    if not got and st.exists(f"{key}/{METRICS}/{METRICS}"):
+        got = fmt.parse_json(st.read(f"{key}/{METRICS}/{METRICS}"), f"{where}/{METRICS}/{METRICS}")
+    return got if isinstance(got, dict) else {}
 
 
 def manager_steps(loc: Location) -> list[str]:

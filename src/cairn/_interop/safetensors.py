@@ -35,6 +35,7 @@ from .._save.commit import strategy_for
 from .._save.stream import StreamWriter
 from .._storage.location import Location, resolve
 from .._tree.pytree import display_path, escape_key
+from .base import join_name
 
 ST_METADATA_KEY = "cairn"
 ST_FORMAT = "cairn-safetensors"
@@ -54,10 +55,41 @@ _FROM_ST = {v: k for k, v in _TO_ST.items()}
 # ---------------------------------------------------------------------- safetensors header
 
 
-def _flat_name(item: str, path: str, root: bool, per_item: bool) -> str:
-    if root or per_item:
-        return path or "%root"
-    return f"{escape_key(item)}/{path}" if path else escape_key(item)
+#: How tensors are named: "hf" (Hugging Face's dotted names) or "raw" (cairn's '/'-joined key paths).
+NAMES = ("hf", "raw")
+
+
+def check_names(names: str) -> None:
+    if names not in NAMES:
+        raise ValueError(f"names must be 'hf' (dotted, as Hugging Face names tensors) or 'raw' (cairn's "
+                         f"'/'-joined key paths), got {names!r}")
+
+
+def tensor_item(ck: Any, kinds: tuple[str, ...]) -> str | None:
+    """The one checkpointable holding tensors (leaves of `kinds`), if exactly one does; else None.
+
+    HF names leave it out: ``cairn.save(p, {"params": hf_tree, "step": 3})``
+    exports ``transformer.h.0.attn.weight``, not ``params.transformer...``.
+    """
+    holders = [n for n, index in ck.indexes.items()
+               if any(isinstance(leaf, fmt.ArrayLeaf) and leaf.kind in kinds for leaf in index.leaves)]
+    return holders[0] if len(holders) == 1 and not ck.manifest.root else None
+
+
+def tensor_name(item: str, path: str, prefix: bool, names: str) -> str:
+    """A leaf's tensor name: its key path, after its checkpointable's name when `prefix`.
+
+    ``names="hf"`` joins the components with '.' (unescaped: a key ``"0.weight"``
+    stays as it is); ``"raw"`` keeps cairn's '/'-joined, escaped key path.
+    """
+    full = (f"{escape_key(item)}/{path}" if path else escape_key(item)) if prefix else path
+    if names == "raw":
+        return full or "%root"
+    return join_name(full) or "%root"
+
+
+def _flat_name(item: str, path: str, root: bool, per_item: bool, names: str = "raw", single: bool = False) -> str:
+    return tensor_name(item, path, not (root or per_item or single), names)
 
 
 def parse_safetensors_header(head: bytes, size: int, where: str) -> tuple[dict[str, Any], dict[str, str], int]:
@@ -128,6 +160,8 @@ def to_safetensors(
     dst: str | os.PathLike[str],
     *,
     per_item: bool = False,
+    names: str = "hf",
+    item: str | None = None,
     budget_bytes: int = DEFAULT_BUDGET,
     threads: int = 4,
     storage_options: dict | None = None,
@@ -135,10 +169,21 @@ def to_safetensors(
 ) -> list[str]:
     """Write checkpoint `src` as one safetensors file `dst` (or, with `per_item`, a
     folder `dst` holding ``<checkpointable>.safetensors`` files); returns the files written.
+
+    Tensor names (`names`): ``"hf"`` joins key paths with '.', as Hugging Face
+    names tensors, after the checkpointable's name unless it is the only one
+    holding tensors (or `per_item`); ``"raw"`` writes cairn's '/'-joined key
+    paths, checkpointable first. Either converts back exactly. `item`
+    writes that checkpointable only, its key paths bare.
     """
+    check_names(names)
     ck = open_checkpoint(src, storage_options)
     root = ck.manifest.root
-    groups = [[n] for n in ck.manifest.items] if per_item and not root else [list(ck.manifest.items)]
+    if item is not None and (root or item not in ck.manifest.items):
+        raise CheckpointError(f"{ck.loc.path} has no checkpointable {item!r} (it has {sorted(ck.manifest.items)})")
+    single = item is not None or (names == "hf" and tensor_item(ck, fmt.ARRAY_KINDS) is not None)
+    groups = [[item]] if item is not None else [[n] for n in ck.manifest.items] if per_item and not root else [
+        list(ck.manifest.items)]
     out_loc = resolve(dst, storage_options)
     written = []
     slab = slab_bytes(budget_bytes)
@@ -148,26 +193,30 @@ def to_safetensors(
         else:
             key = out_loc.name
         entries, plan, items_meta = [], [], {}
-        for item in group:
-            index = ck.indexes[item]
-            names: list[str | None] = []
+        for it in group:
+            index = ck.indexes[it]
+            tnames: list[str | None] = []
             for leaf in index.leaves:
                 if not isinstance(leaf, fmt.ArrayLeaf):
-                    names.append(None)
+                    tnames.append(None)
                     continue
                 st = _TO_ST.get(values.dtype_name(leaf.dtype) or "")
                 if st is None:
                     raise UnsupportedTypeError(
-                        f"{ck.loc.path} [{item}]: leaf {display_path(leaf.path)!r} has dtype {leaf.dtype}, "
+                        f"{ck.loc.path} [{it}]: leaf {display_path(leaf.path)!r} has dtype {leaf.dtype}, "
                         "which safetensors cannot hold"
                     )
-                name = _flat_name(item, leaf.path, root, per_item)
-                names.append(name)
+                name = _flat_name(it, leaf.path, root, per_item, names, single)
+                tnames.append(name)
                 entries.append((name, st, leaf.shape, leaf.nbytes))
-                plan.append((item, leaf))
-            items_meta[item] = _item_meta(index, names)
-        if len({e[0] for e in entries}) != len(entries):
-            raise CheckpointError(f"{ck.loc.path}: two leaves map to the same safetensors tensor name")
+                plan.append((it, leaf))
+            items_meta[it] = _item_meta(index, tnames)
+        seen: dict[str, str] = {}
+        for (name, *_), (it, leaf) in zip(entries, plan):
+            if name in seen:
+                raise CheckpointError(f"{ck.loc.path}: leaves {seen[name]!r} and {display_path(leaf.path, it)!r} "
+                                      f"both become tensor {name!r}; names='raw' (--names raw) keeps key paths apart")
+            seen[name] = display_path(leaf.path, it)
         cmeta = {"format": ST_FORMAT, "version": fmt.FORMAT_VERSION, "root": root,
                  "metadata": ck.manifest.metadata, "items": items_meta}
         header = _st_header(entries, {ST_METADATA_KEY: json.dumps(cmeta, separators=(",", ":"))})

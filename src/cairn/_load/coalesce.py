@@ -24,15 +24,15 @@ from typing import Any
 
 import numpy as np
 
+from .._core.boxes import full_box
 from .._core.checksum import BlockChecks, crc32c
 from .._format.binindex import LazyChunks
-from .._plan.chunking import full_box
 from .._plan.reads import plan_reads
 
 #: A whole array up to this size may share a read with its neighbours.
 SMALL_ARRAY = 1 << 20
 _MAX_RUN_BYTES = 4 << 20
-_MAX_RUN_PARTS = 1024
+MAX_RUN_PARTS = 1024
 
 
 def run_limits(preferred_read: int | None) -> tuple[int, int]:
@@ -100,7 +100,7 @@ class Runs:
     def add(self, leaf: Any, file: int, start: int, dest: np.ndarray) -> Future[None]:
         """Queue reading all of `leaf` (bytes `start`.. of `file`) into `dest`; resolves once verified."""
         with self._lock:
-            if self._parts and (file != self._file or start != self._end or len(self._parts) >= _MAX_RUN_PARTS
+            if self._parts and (file != self._file or start != self._end or len(self._parts) >= MAX_RUN_PARTS
                                 or self._bytes + dest.nbytes > self.max_bytes):
                 self._submit_locked()
             if self._future is None:

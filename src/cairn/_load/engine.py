@@ -27,12 +27,23 @@ from .._storage.location import Location
 from .._tree.leaves import check_key_target, handler_named, is_key_dtype, key_dtype, wrap_key
 from .._tree.perprocess import LoadView
 from .._tree.pytree import display_path, map_with_path, unflatten
-from .._tree.shardings import WHOLE_PUT_BYTES, puts_whole
+from .._tree.shardings import WHOLE_PUT_BYTES, concrete_sharding, misfit, puts_whole
 from .metadata import read_index, read_manifest
+from .options import LoadOptions, options_of
 from .prefetch import prefetch
 from .reader import ArrayReads, ChunkReader, LoadStats
-from .readonce import Agreement, next_seq, route
-from .waves import Gather, Staged, Unit, cut_in_pieces, plan_waves
+from .readonce import (
+    MAX_READ,
+    Agreement,
+    Bandwidths,
+    bandwidths_for,
+    next_seq,
+    platform_of,
+    resolve_bandwidths,
+    routes_digest,
+)
+from .schedule import schedule
+from .waves import Gather, Unit
 
 
 @dataclass(frozen=True)
@@ -99,11 +110,12 @@ def _want_for(target: Any, leaf: fmt.ArrayLeaf, where: str, item: str) -> _Want 
         if isinstance(target, ArrayMetadata):
             return _Want(leaf, leaf.dtype, None)
         sharding = target if _is_sharding(target) else getattr(target, "sharding", None)
+        sharding = concrete_sharding(sharding, f"{where}: leaf {display_path(leaf.path, item)!r}")
         return _Want(leaf, leaf.dtype, sharding if sharding is not None else _default_sharding(), key_impl=leaf.impl)
     if leaf.kind not in ("array", "prng_key"):  # other targets of a key leaf get its uint32 key data
         return None
     if _is_sharding(target):
-        return _Want(leaf, leaf.dtype, target)
+        return _Want(leaf, leaf.dtype, concrete_sharding(target, f"{where}: leaf {display_path(leaf.path, item)!r}"))
     shape = getattr(target, "shape", None)
     dtype = getattr(target, "dtype", None)
     if shape is None or dtype is None:
@@ -124,7 +136,7 @@ def _want_for(target: Any, leaf: fmt.ArrayLeaf, where: str, item: str) -> _Want 
         import jax
 
         sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return _Want(leaf, out_dtype, sharding)
+    return _Want(leaf, out_dtype, concrete_sharding(sharding, f"{where}: leaf {display_path(leaf.path, item)!r}"))
 
 
 def _default_sharding() -> Any:
@@ -164,26 +176,26 @@ def _assemble(want: _Want, reads: ArrayReads, shape: tuple[int, ...] | None = No
 def load(
     loc: Location,
     target: Any = None,
+    options: LoadOptions | None = None,
     *,
-    partial: bool = False,
-    verify: bool = True,
-    threads: int = 8,
-    budget_bytes: int = 1 << 30,
     stats: LoadStats | None = None,
-    read_once: bool | None = None,
-    coordinator: Coordinator | None = None,
-    timeout: float = 1800.0,
     source: Any = None,
     started: float | None = None,
     publish: bool = True,
+    **changes: Any,
 ) -> Any:
-    """Load the checkpoint at `loc` (see `cairn.load`); `source`: one opened already (`_sources`).
+    """Load the checkpoint at `loc` (see `cairn.load`) with `options` and keyword `changes` to them
+    (`LoadOptions`' names); `source`: one opened already (`_interop.sources`).
 
     `stats` is reset, then filled in; `started` (a ``time.perf_counter()``
     value, default now) is when the caller's request began. With `publish`
-    the stats are logged, sent to `jax.monitoring` and the listeners (`_stats`).
+    the stats are logged, sent to `jax.monitoring` and the listeners (`_core.stats`).
     """
+    opts = options_of(options, changes)
+    partial, verify, threads, bandwidths = opts.partial, opts.verify, opts.threads, opts.bandwidths
     t0 = time.perf_counter() if started is None else started
+    if bandwidths is not None:
+        resolve_bandwidths(bandwidths, "local", "cpu")  # a bad figure fails here, not at the first sharded leaf
     retries = loc.storage.retries
     manifest = source.manifest if source is not None else read_manifest(loc)
     release_snapshot_buffers()  # a cache for repeated async saves; the load needs the memory
@@ -212,20 +224,21 @@ def load(
         indexes = [source.indexes[r[0]] for r in requests] if source is not None else list(
             pool.map(lambda r: read_index(loc, manifest.items[r[0]]), requests))
         items = []
-        coord = coordinator or default_coordinator()
+        coord = opts.coordinator or default_coordinator()
         try:
             for (name, item_target), index in zip(requests, indexes):
                 reader = (source.reader(name, index, verify, pool, stats) if source is not None
                           else ChunkReader(loc, name, manifest.items[name], index, verify, pool, stats))
                 pp = LoadView(index.structure, name, loc.path, coord.process_index, coord.process_count)
                 items.append(_ItemLoad(name, index, reader, item_target,
-                                       _match(loc, name, index, item_target, partial, pp), pp))
+                                       match_target(loc, name, index, item_target, partial, pp), pp))
             # One pipeline over the leaves of every requested checkpointable, so that
             # many small checkpointables keep the readers as busy as one large one.
             activity.begin(f"loading {loc.path}")
             stats.plan_s = time.perf_counter() - t0  # _read_leaves adds its own planning
             try:
-                _read_leaves(items, loc.path, budget_bytes, _Routing(read_once, coord, timeout))
+                _read_leaves(items, loc.path, opts.budget_bytes,
+                             _Routing(opts.read_once, coord, opts.timeout, bandwidths, loc.storage))
             finally:
                 activity.end()
         finally:
@@ -258,12 +271,13 @@ class _ItemLoad:
             return unflatten(self.index.structure, self.results, per_process=self.pp.pick)
         by_path = {leaf.path: i for i, leaf in enumerate(self.index.leaves)}
         return map_with_path(lambda path, t: self.pp.value(path, t, self.results) if path in self.pp.nodes
-                             else self.results[by_path[path]], self.target, is_leaf=_is_target_leaf)
+                             else self.results[by_path[path]], self.target, is_leaf=is_target_leaf)
 
 
-def _match(loc: Location, name: str, index: fmt.ItemIndex, target: Any, partial: bool,
-           pp: LoadView) -> dict[int, _Want | None]:
-    """Which stored leaves to load, and how: the target's leaves (all of them without a target)."""
+def match_target(loc: Location, name: str, index: fmt.ItemIndex, target: Any, partial: bool,
+                 pp: LoadView) -> dict[int, _Want | None]:
+    """Which stored leaves to load, and how: the target's leaves (all of them without a target). The one
+    matcher of a target against an index: the load, the dry run and the sources' target paths use it."""
     where = loc.path
     if target is None:
         return pp.all_leaves(len(index.leaves))  # other processes' per-process values left out
@@ -280,10 +294,14 @@ def _match(loc: Location, name: str, index: fmt.ItemIndex, target: Any, partial:
                 "(fill_missing=True keeps the target's own value there)"
             )
         leaf = index.leaves[i]
-        wanted[i] = _want_for(t, leaf, where, name) if isinstance(leaf, fmt.ArrayLeaf) else None
+        wanted[i] = want = _want_for(t, leaf, where, name) if isinstance(leaf, fmt.ArrayLeaf) else None
+        if want is not None and want.sharding is not None and want.key_impl is None and (
+                why := misfit(want.sharding, leaf.shape)) is not None:
+            raise MismatchError(f"{where}: leaf {display_path(path, name)!r}: the target's sharding does not fit "
+                                f"the checkpoint's array: {why}")
         return t
 
-    map_with_path(note, target, is_leaf=_is_target_leaf)
+    map_with_path(note, target, is_leaf=is_target_leaf)
     missing = [leaf.path for i, leaf in enumerate(index.leaves) if i not in wanted and i not in pp.covered]
     if missing and not partial:
         shown = ", ".join(repr(display_path(p, name)) for p in missing[:5])
@@ -295,7 +313,7 @@ def _match(loc: Location, name: str, index: fmt.ItemIndex, target: Any, partial:
     return wanted
 
 
-def _is_target_leaf(x: Any) -> bool:
+def is_target_leaf(x: Any) -> bool:
     return _is_sharding(x) or type(x).__name__ == "ShapeDtypeStruct" or isinstance(x, ArrayMetadata)
 
 
@@ -309,11 +327,25 @@ class _InFlight:
     reads: ArrayReads
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Routing:
     read_once: bool | None
     coord: Coordinator
     timeout: float
+    declared: Any = None  # load(bandwidths=...)
+    storage: Any = None
+    _resolved: dict[str, Bandwidths] = field(default_factory=dict)
+
+    def bandwidths(self, sharding: Any) -> Bandwidths:
+        """The figures routes onto `sharding` are priced with (per platform: one load could mix them)."""
+        platform = platform_of(sharding)
+        if platform not in self._resolved:
+            self._resolved[platform] = bandwidths_for(self.declared, self.storage, sharding, self.coord, self.timeout)
+        return self._resolved[platform]
+
+    @property
+    def max_read(self) -> int:
+        return self.storage.preferred_read or MAX_READ
 
 
 def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Routing) -> None:
@@ -324,27 +356,27 @@ def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Rout
     need every process.
     """
     t0 = time.perf_counter()
-    staged: list[Staged] = []
     agreement: Agreement | None = None
     n = routing.coord.process_count
     try:
+        # Stats record the figures only where they decide the route (read_once=None).
+        plan = schedule(items, n, routing.read_once,
+                        lambda sharding: routing.bandwidths(sharding) if routing.read_once is None else None,
+                        routing.max_read, budget)
+        reads: dict[int, dict[int, Any]] = {id(it): {} for it in items}  # the sharding each leaf is read with
+        for r in plan.routed:
+            leaf = r.item.index.leaves[r.leaf]
+            note_route(r.item.reader.stats, display_path(leaf.path, r.item.name), r.route, r.bandwidths)
+            if not r.route.direct:
+                reads[id(r.item)][r.leaf] = r.route.read
+            elif not (leaf.nbytes <= WHOLE_PUT_BYTES and puts_whole(r.want.sharding)):
+                reads[id(r.item)][r.leaf] = r.want.sharding  # (absent: read whole)
         for it in items:
-            reads: dict[int, Any] = {}  # leaf -> the sharding this process reads it with (absent: whole)
-            for i in sorted(it.wanted):
-                want = it.wanted[i]
-                leaf = it.index.leaves[i]
-                if want is None or want.sharding is None or not isinstance(leaf, fmt.ArrayLeaf):
-                    continue
-                r = route(leaf, want.sharding, it.index.block_size, it.reader.verify, n, routing.read_once)
-                if not r.direct:
-                    staged.append(cut_in_pieces(Staged(it, i, want, r), budget, n))
-                    reads[i] = r.read
-                elif not (leaf.nbytes <= WHOLE_PUT_BYTES and puts_whole(want.sharding)):
-                    reads[i] = want.sharding
-            prefetch(it.index, it.wanted, reads)
-        waves = plan_waves(staged, budget, n)
+            prefetch(it.index, it.wanted, reads[id(it)])
+        staged, waves = plan.staged, plan.waves
         if waves:
-            agreement = Agreement(routing.coord, next_seq(), len(waves), where, routing.timeout)
+            digest = routes_digest([(s.item.name, s.leaf, s.route.kind, len(s.pieces)) for s in staged])
+            agreement = Agreement(routing.coord, next_seq(), len(waves), where, routing.timeout, digest)
         for it in items[:1]:  # every item's reader shares the load's stats
             it.reader.stats.plan_s += time.perf_counter() - t0
         _read_direct(items, where, budget, {(id(s.item), s.leaf) for s in staged})
@@ -358,10 +390,23 @@ def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Rout
         raise
 
 
+def note_route(stats: LoadStats, path: str, r: Any, bandwidths: Bandwidths | None) -> None:
+    """Count the route of one array leaf in `stats`: its kind, and the interconnect bytes this
+    process is predicted to receive (the route's total over its processes, an equal share each)."""
+    stats.routes[r.kind] = stats.routes.get(r.kind, 0) + 1
+    stats.leaf_routes[path] = r.kind
+    if not r.direct:
+        stats.interconnect_bytes += -(-r.interconnect // max(r.processes, 1))
+    if bandwidths is not None and stats.bandwidths is None:
+        stats.bandwidths = bandwidths.as_dict()
+
+
 def _run_wave(k: int, wave: list[Unit], agreement: Agreement, gathers: dict[int, Gather]) -> None:
     import jax
 
     t_read = time.perf_counter()
+    stats = wave[0][0].item.reader.stats
+    before = stats.bytes_read
     regions = [s.region(j) for s, j in wave]
     reads = [s.item.reader.read_array(s.want.leaf, s.route.read, region) for (s, _), region in zip(wave, regions)]
     for r in reads:
@@ -380,7 +425,7 @@ def _run_wave(k: int, wave: list[Unit], agreement: Agreement, gathers: dict[int,
         for j, x in zip(moving, moved):
             xs[j] = x  # the previous step's array is released here
     jax.block_until_ready(xs)
-    stats = wave[0][0].item.reader.stats
+    stats.read_once_bytes_read += stats.bytes_read - before
     stats.read_s += t_assemble - t_read
     stats.transfer_s += t0 - t_assemble
     stats.reshard_s += time.perf_counter() - t0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -30,15 +31,32 @@ def manifest_bytes(loc: Location) -> bytes:
         data = loc.storage.read(key)
     except (FileNotFoundError, NotADirectoryError):
         if loc.storage.exists(loc.name):
-            raise CheckpointNotFoundError(
-                f"{loc.path} holds no committed checkpoint (no {fmt.MANIFEST}; an interrupted save?)"
-            ) from None
+            raise CheckpointNotFoundError(_no_manifest(loc)) from None
         raise CheckpointNotFoundError(f"no checkpoint at {loc.path}") from None
     except IsADirectoryError:
         raise CorruptCheckpointError(f"{loc.path}: {fmt.MANIFEST} is not a file") from None
     except OSError as e:
         raise _read_error(loc, fmt.MANIFEST, e) from e
     return data
+
+
+# The data files and indexes a save writes (`_format.manifest`'s names), also before it commits.
+_SAVE_FILE = re.compile(r"(^|/)(p\d{5}-\d+\.[0-9a-f]+\.bin|index\.[0-9a-f]+\.json|index\.p\d{5}\.[0-9a-f]+\.idx)$")
+
+
+def _no_manifest(loc: Location) -> str:
+    """What is at `loc`, which exists but has no manifest: said so that the user knows what to do."""
+    st = loc.storage
+    head = f"{loc.path} holds no committed checkpoint"
+    children = sorted(st.list_dir(loc.name))
+    if not children:
+        return f"{head}: it is a file or an empty folder (a cairn checkpoint is a folder holding {fmt.MANIFEST})"
+    inside = [c for c in children[:64] if st.exists(f"{loc.key(c)}/{fmt.MANIFEST}")]
+    if inside:
+        return f"{head}: it is a directory of checkpoints (e.g. {inside[-1]}); `cairn ls {loc.path}` lists them"
+    if any(_SAVE_FILE.search(k) for k in st.list(loc.name)):
+        return f"{head} (no {fmt.MANIFEST}; an interrupted save?)"
+    return f"{head}: no {fmt.MANIFEST}, and no files of a cairn save"
 
 
 def _read_error(loc: Location, what: str, e: OSError) -> CheckpointError:

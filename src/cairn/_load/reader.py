@@ -26,6 +26,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from .._core.boxes import Box, c_strides, full_box
 from .._core.buffers import aligned_empty
 from .._core.checksum import BlockChecks, crc32c
 from .._core.stats import LoadStats
@@ -33,7 +34,6 @@ from .._dist.coord import activity
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import codecs as _codecs
 from .._format import manifest as fmt
-from .._plan.chunking import Box, c_strides, full_box
 from .._plan.readmemo import PlanMemo
 from .._plan.reads import Check, Copy, Read, is_c_contiguous, plan_reads
 from .._storage import PartReader, RandomReader
@@ -417,7 +417,7 @@ def _scratch(nbytes: int, which: str = "buf") -> np.ndarray:
     return buf[:nbytes]
 
 
-_MIN_RUN = 4096  # a destination row shorter than this is cheaper to fill by a copy
+MIN_RUN = 4096  # a destination row shorter than this is cheaper to fill by a copy
 _MAX_PARTS = 1 << 16
 
 
@@ -441,7 +441,7 @@ def _tiled_regions(read: Read, dests: list[np.ndarray]) -> list[memoryview] | No
         else:
             if region.ndim < 2 or region.strides[-1] != region.itemsize:
                 return None
-            if region.shape[-1] * region.itemsize < _MIN_RUN:
+            if region.shape[-1] * region.itemsize < MIN_RUN:
                 return None
             if len(out) + int(np.prod(region.shape[:-1])) > _MAX_PARTS:
                 return None

@@ -4,13 +4,13 @@ When every process reads the bytes of its own target shards (the direct
 path), a target replicated over R processes reads each byte R times, and a
 target cut across the saved chunks (rows saved, columns wanted) reads whole
 chunks for a few strided columns each. Storage bandwidth is what a restore
-at scale waits for; the device interconnect is far faster. So for each array
+at scale often waits for, where the device interconnect is far faster. So for each array
 leaf every process computes, from the index and the target sharding alone
 (no communication), the same *route*:
 
-- **direct** when the direct path costs at most `DIRECT_MAX` times the
-  array's bytes, summed over processes (same sharding, reshards along chunk
-  boundaries, one process): nothing changes.
+- **direct**: every process reads its own target boxes (same sharding,
+  reshards along chunk boundaries, one process, or wherever re-reading is
+  faster than the interconnect): nothing changes.
 - **refined**: the target with its replicated mesh axes folded onto an array
   axis, so that each device holds a distinct block. Each process reads its
   blocks; one all-gather over the folded axes (`jax.device_put` to the
@@ -22,12 +22,19 @@ leaf every process computes, from the index and the target sharding alone
   Going through the refined sharding keeps XLA from replicating the whole
   array on every device, which it does for some direct transitions.
 
-The route whose storage bytes are smallest wins; ties go to fewer
-collectives. The transport is XLA's collectives on the devices, nothing of
-cairn's own. Before any collective, the processes exchange a status through
-the coordinator, so a process that failed to read (a corrupt chunk, a
-missing file) fails the load on every process, named, instead of leaving the
-others blocked in a collective.
+Each route is priced in seconds (`_plan.routes`): its storage bytes and
+requests at the storage's bandwidth, plus the bytes the collectives bring
+in from other processes at the interconnect's, with bandwidths declared
+(``load(bandwidths=...)``) or defaults per storage kind and JAX platform.
+The cheapest wins; ties go to fewer collectives. ``read_once=True`` takes
+the route reading the fewest storage bytes, ``False`` always the direct one.
+
+The transport is XLA's collectives on the devices, nothing of cairn's own.
+Before any collective, the processes exchange a status through the
+coordinator, so a process that failed to read (a corrupt chunk, a missing
+file) fails the load on every process, named, instead of leaving the others
+blocked in a collective; the first exchange also compares a digest of every
+process's routes, so processes given different bandwidths fail alike.
 """
 
 from __future__ import annotations
@@ -45,98 +52,30 @@ import numpy as np
 
 from .._core.memo import Memo
 from .._dist.coord import Coordinator, drop_keys, gather_json
-from .._errors import CoordinationError, error_from_record, error_record, first_failure
+from .._errors import (
+    CheckpointError,
+    CoordinationError,
+    error_from_record,
+    error_record,
+    first_failure,
+)
 from .._format import manifest as fmt
-from .._plan.estimate import estimate_read_bytes
+from .._plan.estimate import estimate_reads
+from .._plan.routes import (
+    DIRECT_MAX,
+    Bandwidths,
+    Layout,
+    Plan,
+    choose,
+    received_elements,
+    resolve_bandwidths,
+)
+from .reader import DEFAULT_MAX_READ
 
 log = logging.getLogger("cairn")
 
 #: A device's process: ``process_index`` unless the dry run simulates others.
 ProcessOf = Callable[[Any], int]
-
-#: A direct read costing at most this much more than the array's bytes is kept.
-DIRECT_MAX = 1.2
-
-
-@dataclass(frozen=True)
-class Layout:
-    """A NamedSharding described without JAX: mesh axes and, per array axis, the mesh axes it is cut over."""
-
-    axis_names: tuple[str, ...]
-    axis_sizes: tuple[int, ...]
-    spec: tuple[tuple[str, ...], ...]  # one entry per array axis
-
-    def size(self, axes: tuple[str, ...]) -> int:
-        return math.prod(self.axis_sizes[self.axis_names.index(a)] for a in axes)
-
-    def with_spec(self, spec: list[tuple[str, ...]]) -> Layout:
-        return Layout(self.axis_names, self.axis_sizes, tuple(spec))
-
-
-def refined_layout(target: Layout, shape: tuple[int, ...]) -> Layout | None:
-    """`target` with its replicated mesh axes folded onto one array axis (each device a distinct
-    block), or None when no axis divides; `target` itself when nothing is replicated."""
-    used = {a for e in target.spec for a in e}
-    free = tuple(a for a in target.axis_names if a not in used and target.size((a,)) > 1)
-    if not free:
-        return target
-    extra = target.size(free)
-    # Prefer the leading axis: its blocks are contiguous runs of the saved C-order chunks.
-    for d, n in enumerate(shape):
-        if n % (target.size(target.spec[d]) * extra) == 0:
-            spec = list(target.spec)
-            spec[d] = target.spec[d] + free
-            return target.with_spec(spec)
-    return None
-
-
-def staging_layout(target: Layout, shape: tuple[int, ...]) -> Layout | None:
-    """The array cut into one block per device of the mesh along the first axis that divides
-    (the leading one where it can), or None."""
-    axes = tuple(a for a in target.axis_names if target.size((a,)) > 1)
-    for d, n in enumerate(shape):
-        if n % target.size(axes) == 0:
-            spec: list[tuple[str, ...]] = [()] * len(shape)
-            spec[d] = axes
-            return target.with_spec(spec)
-    return None
-
-
-@dataclass(frozen=True)
-class Plan:
-    """The chosen route in `Layout` terms: what each process reads, then the reshards."""
-
-    read: Layout
-    steps: tuple[Layout, ...]  # ending at the target; () = direct
-    cost: int  # storage bytes read, summed over processes
-    direct_cost: int
-    kind: str = "direct"  # "direct" | "refined" | "staged"
-
-
-def choose(target: Layout, shape: tuple[int, ...], nbytes: int, cost: Callable[[Layout], int],
-           forced: bool) -> Plan:
-    """The cheapest route in storage bytes (ties: fewer collectives). `cost(layout)` is the
-    storage bytes summed over processes when each reads its own boxes of `layout`."""
-    direct_cost = cost(target)
-    best = Plan(target, (), direct_cost, direct_cost)
-    if not forced and direct_cost <= DIRECT_MAX * nbytes:
-        return best
-    refined = refined_layout(target, shape)
-    if refined is None:
-        return best  # no fully tiled layout to go through: XLA could replicate the whole array
-    if refined != target:
-        c = cost(refined)
-        if c < best.cost:
-            best = Plan(refined, (target,), c, direct_cost, "refined")
-    if best.cost > DIRECT_MAX * nbytes:
-        stage = staging_layout(target, shape)
-        if stage is not None and stage not in (target, refined):
-            c = cost(stage)
-            if c < best.cost:
-                steps = (refined, target) if refined != target else (target,)
-                best = Plan(stage, steps, c, direct_cost, "staged")
-    return best
-
 
 # ---------------------------------------------------------------------- JAX shardings
 
@@ -148,40 +87,65 @@ class Route:
     read: Any  # the jax sharding whose addressable boxes this process reads
     steps: tuple[Any, ...]  # jax shardings to move through with jax.device_put, ending at the target
     cost: int  # storage bytes read, summed over processes (-1: not computed)
+    kind: str = "direct"  # "direct" | "refined" | "staged"
+    interconnect: int = 0  # bytes the collectives bring in from other processes, summed over processes
+    processes: int = 1  # processes taking part
+    plan: Plan | None = None  # the choice, with every route's figures (None: no choice was made)
+    why: str = ""  # why no choice was made (read_once=False, one process, ...)
 
     @property
     def direct(self) -> bool:
         return not self.steps
 
 
+#: Planned read size when the storage names none (the reader's).
+MAX_READ = DEFAULT_MAX_READ
+
+
 def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, process_count: int,
-          read_once: bool | None, process_of: ProcessOf | None = None) -> Route:
+          read_once: bool | None, process_of: ProcessOf | None = None, bandwidths: Bandwidths | None = None,
+          max_read: int = MAX_READ) -> Route:
     """The route of `leaf` onto `target` (a jax Sharding); the same on every process.
 
-    `process_of` maps a device to its process (default: its ``process_index``); the
-    dry run (`_dryrun`) plans for processes that are not there by passing its own.
+    With `bandwidths` (the same on every process) and ``read_once=None`` the
+    cheapest route in seconds wins (`_plan.routes.choose`); without them, or
+    with ``read_once=True``, the one reading the fewest storage bytes.
+    `process_of` maps a device to its process (default: its ``process_index``);
+    the dry run (`_dryrun`) plans for processes that are not there by passing its own.
     """
-    direct = Route(target, (), -1)
-    if read_once is False or leaf.nbytes == 0 or not _is_named(target):
-        return direct
+    if read_once is False:
+        return Route(target, (), -1, why="read_once=False")
+    if leaf.nbytes == 0 or not _is_named(target):
+        return Route(target, (), -1, why="empty" if leaf.nbytes == 0 else "not a NamedSharding")
     if read_once is None and process_count == 1:
-        return direct  # one process deduplicates its own boxes already
+        return Route(target, (), -1, why="one process")  # one process deduplicates its own boxes already
     if process_count > 1 and len({_process(d, process_of) for d in target.device_set}) == 1:
-        return direct  # a process-local target: no other process takes part in its collectives
+        return Route(target, (), -1, why="process-local target")  # no other process takes part in its collectives
     # Models repeat a few (grid, sharding) pairs over hundreds of layers: decide each once.
-    key: Any = (leaf.grid, leaf.dtype.itemsize, target, block_size, verify, read_once, process_of)
+    key: Any = (leaf.grid, leaf.dtype.itemsize, target, block_size, verify, read_once, process_of, bandwidths,
+                max_read)
     hit = _routes.get(key)  # (None for an unhashable sharding, which is then not remembered)
     if hit is not None:
         return hit
     target_layout = layout_of(target, leaf.shape)
+    shardings = {target_layout: target}
 
-    def cost(layout: Layout) -> int:
-        return read_bytes(leaf, sharding_of(target, layout), block_size, verify, process_of=process_of)
+    def sharding(layout: Layout) -> Any:
+        if layout not in shardings:
+            shardings[layout] = sharding_of(target, layout)
+        return shardings[layout]
 
-    plan = choose(target_layout, leaf.shape, leaf.nbytes, cost, forced=read_once is True)
-    steps = tuple(target if s == target_layout else sharding_of(target, s) for s in plan.steps)
-    read = target if plan.read == target_layout else sharding_of(target, plan.read)
-    out = Route(read, steps, plan.cost)
+    def cost(layout: Layout) -> tuple[int, int]:
+        return read_cost(leaf, sharding(layout), block_size, verify, max_read=max_read, process_of=process_of)
+
+    def moved(a: Layout, b: Layout) -> int:
+        return moved_bytes(sharding(a), sharding(b), leaf.shape, leaf.dtype.itemsize, process_of)
+
+    processes = _representative(target, leaf.shape, process_of)[0]
+    plan = choose(target_layout, leaf.shape, leaf.nbytes, cost, forced=read_once is True, moved=moved,
+                  bandwidths=bandwidths, processes=processes)
+    steps = tuple(sharding(s) for s in plan.steps)
+    out = Route(sharding(plan.read), steps, plan.cost, plan.kind, plan.interconnect, processes, plan)
     _routes.put(key, out)
     return out
 
@@ -191,9 +155,15 @@ _routes: Memo[Route] = Memo()
 
 def read_bytes(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool, region: Any = None,
                process_of: ProcessOf | None = None) -> int:
-    """Storage bytes read, summed over processes, when each reads its boxes of `sharding`.
+    """Storage bytes read, summed over processes, when each reads its boxes of `sharding`; see `read_cost`."""
+    return read_cost(leaf, sharding, block_size, verify, region, process_of=process_of)[0]
 
-    Estimated (`_plan.estimate_read_bytes`, an upper bound of the planner's
+
+def read_cost(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool, region: Any = None,
+              max_read: int = 0, process_of: ProcessOf | None = None) -> tuple[int, int]:
+    """Storage bytes and requests, summed over processes, when each reads its boxes of `sharding`.
+
+    Estimated (`_plan.estimate_reads`, an upper bound of the planner's
     bytes) for one representative process, the one holding the sharding's
     first device, and scaled by the number of processes: under a
     NamedSharding every process holds as many boxes of the same shapes, so
@@ -206,7 +176,140 @@ def read_bytes(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool
     processes, boxes = _representative(sharding, shape, process_of)
     if region is not None:  # a piece of the leaf: its boxes sit at the piece's origin
         boxes = frozenset(tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes)
-    return processes * estimate_read_bytes(leaf.grid, leaf.dtype.itemsize, sorted(boxes), block_size, verify)
+    nbytes, requests = estimate_reads(leaf.grid, leaf.dtype.itemsize, sorted(boxes), block_size, verify, max_read)
+    return processes * nbytes, processes * requests
+
+
+def moved_bytes(src: Any, dst: Any, shape: tuple[int, ...], itemsize: int, process_of: ProcessOf | None = None) -> int:
+    """Bytes the collectives bring in from other processes, summed over processes, to go from
+    `src` to `dst` (NamedShardings on one mesh): for each device of a representative process,
+    its box under `dst` less what that process's devices hold under `src`
+    (`_plan.routes.received_elements`), times the processes."""
+    processes, have = _representative(src, shape, process_of)
+    want = _representative_devices(dst, shape, process_of)
+    return processes * received_elements(want, sorted(have)) * itemsize
+
+
+_dev_cache: Memo[tuple[Any, ...]] = Memo()
+
+
+def _representative_devices(sharding: Any, shape: tuple[int, ...], process_of: ProcessOf | None = None,
+                            ) -> tuple[Any, ...]:
+    """The box of every device of the process holding `sharding`'s first device (repeats kept)."""
+    hit = _dev_cache.get((sharding, shape, process_of))
+    if hit is not None:
+        return hit
+    from .._tree.shardings import device_box_array
+
+    devices, boxes, procs = device_box_array(sharding, shape)
+    if process_of is not None:
+        procs = np.fromiter((process_of(d) for d in devices), np.int64, len(devices))
+    mine = procs == procs[0]
+    if isinstance(boxes, np.ndarray):
+        out = tuple(tuple(map(tuple, b)) for b in boxes[mine].tolist())
+    else:
+        out = tuple(b for b, m in zip(boxes, mine.tolist()) if m)
+    return _dev_cache.put((sharding, shape, process_of), out)
+
+
+# ---------------------------------------------------------------------- bandwidths
+
+
+def storage_kind(storage: Any) -> str:
+    """Which defaults of `_plan.routes.STORAGE_DEFAULTS` fit `storage`: "local", "object" or "memory"."""
+    from .._storage import LocalStorage, MemoryStorage
+
+    if isinstance(storage, MemoryStorage):
+        return "memory"
+    if isinstance(storage, LocalStorage):
+        return "local"
+    return "object" if getattr(storage, "preferred_read", None) is not None else "local"
+
+
+def platform_of(sharding: Any) -> str:
+    """The JAX platform of `sharding`'s devices ("cpu", "gpu", "tpu")."""
+    try:
+        return str(next(iter(sharding.device_set)).platform)
+    except Exception:
+        import jax
+
+        return str(jax.devices()[0].platform)
+
+
+MEASURE = "measure"
+
+
+def bandwidths_for(declared: Any, storage: Any, sharding: Any, coord: Coordinator | None = None,
+                   timeout: float = 60.0) -> Bandwidths:
+    """The bandwidths routes are priced with: `declared` (``load(bandwidths=...)``) over the defaults
+    for `storage`'s kind and the platform of `sharding`'s devices. Every input is the same on every
+    process of a load (the same path, the same devices' platform, the same arguments).
+
+    ``{"interconnect_gbps": "measure"}`` measures the interconnect with `measure_interconnect`
+    over `sharding`'s mesh (with `coord`), once per mesh and cached; the primary's figure is used
+    by every process. A mesh within one process keeps the default.
+    """
+    if isinstance(declared, dict) and declared.get("interconnect_gbps") == MEASURE:
+        rest = {k: v for k, v in declared.items() if k != "interconnect_gbps"}
+        base = resolve_bandwidths(rest or None, storage_kind(storage), platform_of(sharding))
+        measured = measure_interconnect(sharding, coord, timeout) if coord is not None else None
+        if measured is None:
+            return base
+        return Bandwidths(base.storage_gbps, measured, base.request_ms,
+                          f"interconnect measured ({measured:.3g} GB/s); " + base.source)
+    return resolve_bandwidths(declared, storage_kind(storage), platform_of(sharding))
+
+
+_measured: dict[Any, float] = {}
+_measure_seq = itertools.count()
+#: Bytes of the measuring array, all-gathered onto every device: about half a second on gloo
+#: between 2 processes of 4 devices, and bounded at any mesh size.
+MEASURE_BYTES = 16 << 20
+
+
+def measure_interconnect(sharding: Any, coord: Coordinator, timeout: float) -> float | None:
+    """Interconnect GB/s per process on `sharding`'s mesh, from one timed all-gather (after a
+    warm-up that compiles it), as the route model counts bytes (`moved_bytes`); the primary's
+    figure, published through `coord`, so that every process prices with the same one.
+
+    Every process must call it at the same point (the first priced leaf of a load): it runs a
+    collective. Cached per mesh; None for a mesh within one process. Bounded: about
+    `MEASURE_BYTES` gathered onto every device, twice.
+    """
+    import time
+
+    import jax
+
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or not hasattr(mesh, "devices"):
+        return None
+    devices = list(mesh.devices.flat)
+    key = (tuple(d.id for d in devices), tuple(mesh.axis_names), tuple(mesh.devices.shape))
+    if key in _measured:
+        return _measured[key]
+    if len({d.process_index for d in devices}) < 2:
+        return None
+    axes = tuple(mesh.axis_names)
+    rows = len(devices) * max(1, MEASURE_BYTES // (4 * 1024) // len(devices))
+    shape = (rows, 1024)
+    src = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axes))
+    dst = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    x = jax.make_array_from_callback(shape, src, lambda idx: np.zeros(
+        tuple(len(range(*s.indices(n))) for s, n in zip(idx, shape)), np.float32))
+    jax.block_until_ready(jax.device_put(x, dst))  # compiles
+    t0 = time.perf_counter()
+    jax.block_until_ready(jax.device_put(x, dst))
+    secs = time.perf_counter() - t0
+    moved = moved_bytes(src, dst, shape, 4) / len({d.process_index for d in devices})
+    mine = moved / max(secs, 1e-6) / 1e9
+    seq = next(_measure_seq)
+    base = f"cairn/bandwidth/{seq}"
+    if coord.process_index == 0:
+        coord.publish(f"{base}/0", json.dumps({"gbps": mine}).encode())
+    agreed = float(json.loads(coord.fetch(f"{base}/0", timeout))["gbps"])
+    log.info("cairn: interconnect measured at %.3g GB/s per process (this process: %.3g)", agreed, mine)
+    _measured[key] = agreed
+    return agreed
 
 
 def _is_named(sharding: Any) -> bool:
@@ -316,6 +419,13 @@ def _process(device: Any, process_of: ProcessOf | None) -> int:
 
 # ---------------------------------------------------------------------- agreement before collectives
 
+
+def routes_digest(units: list[tuple[str, int, str, int]]) -> str:
+    """A digest of a load's read-once leaves: (checkpointable, leaf, route kind, pieces) each."""
+    import zlib
+
+    return f"{zlib.crc32(json.dumps(units).encode()):08x}/{len(units)}"
+
 _seq = itertools.count()
 _seq_lock = threading.Lock()
 
@@ -337,15 +447,21 @@ class Agreement:
     reach, so the others learn of it at their next exchange and raise too.
     """
 
-    def __init__(self, coord: Coordinator, seq: int, waves: int, path: str, timeout: float):
+    def __init__(self, coord: Coordinator, seq: int, waves: int, path: str, timeout: float, routes: str = ""):
         self.coord, self.seq, self.waves, self.path, self.timeout = coord, seq, waves, path, timeout
+        self.routes = routes  # a digest of this process's read-once routes and waves (`routes_digest`)
         self.base = f"cairn/load/{seq}"
         self.done = 0  # waves this process has published a status for
 
     def ok(self, wave: int) -> None:
-        """Publish success for `wave`, wait for every process's status, raise if any failed."""
+        """Publish success for `wave`, wait for every process's status, raise if any failed.
+
+        The first wave's status carries the digest of this process's routes: processes that chose
+        differently (different `bandwidths=` or `read_once=` on different processes) fail here,
+        named, instead of entering collectives that do not match."""
         coord, me, n = self.coord, self.coord.process_index, self.coord.process_count
-        coord.publish(f"{self.base}/{wave}/{me}", b'{"ok":true}')
+        body = json.dumps({"ok": True, "routes": self.routes}).encode() if wave == 0 else b'{"ok":true}'
+        coord.publish(f"{self.base}/{wave}/{me}", body)
         self.done = wave + 1
         try:
             statuses = gather_json(coord, f"{self.base}/{wave}", n, self.timeout)
@@ -356,6 +472,15 @@ class Agreement:
         failure = first_failure(statuses)
         if failure is not None:
             raise error_from_record(failure[0], f"loading {self.path} failed: {failure[1]}")
+        digests = {p: s.get("routes", "") for p, s in statuses.items()}
+        if wave == 0 and len(set(digests.values())) > 1:
+            groups: dict[str, list[int]] = {}
+            for p, d in sorted(digests.items()):
+                groups.setdefault(d, []).append(p)
+            shown = "; ".join(f"processes {ps}" for ps in groups.values())
+            raise CheckpointError(
+                f"loading {self.path}: the processes chose different read routes ({shown} agree among "
+                f"themselves); every process must pass the same read_once= and bandwidths= (process {me})")
 
     def fail(self, e: BaseException) -> None:
         """Tell the others this process will not take part in the remaining waves."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .._plan.chunking import Box
+from .._core.boxes import Box
 from .readonce import ProcessOf, Route, layout_of, process_bytes, read_bytes, slabs
 
 

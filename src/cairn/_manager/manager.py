@@ -3,8 +3,10 @@
 A manager owns one directory (local or object store). Each step is one
 ordinary cairn checkpoint in a folder named ``step_<step>``, the step number
 zero-padded to at least 8 digits (``step_00000100``; ``step_123456789`` for
-larger steps). Only folders with that exact name and a committed
-``manifest.json`` count as steps: interrupted saves are never listed,
+larger steps), or as ``step_format`` spells it (``"{step}"``: Orbax's
+``100``). Only folders with that exact name and a committed
+``manifest.json`` count as cairn steps, and Orbax's committed step folders
+(``<step>/_CHECKPOINT_METADATA``) as Orbax steps of the same run: interrupted saves are never listed,
 restored or counted for retention, and the primary process removes them
 (``.step_*.cairn-tmp-*`` folders, and on object stores step prefixes without a
 manifest) when the manager opens and after each commit.
@@ -37,11 +39,12 @@ from .._errors import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
 )
+from .._format.manifest import MANIFEST
 from .._local.tier import LocalTier
 from .._run import leases as _leases
 from .._run import steps as _steps
-from .._run.retention import CheckpointInfo, RetentionPolicy, policy_from, retained
-from .._run.steps import show_steps, step_dirname
+from .._run.retention import CheckpointInfo, KeepBest, RetentionPolicy, policy_from, retained
+from .._run.steps import DEFAULT_STEP_FORMAT, StepNames, show_steps
 from .._save import future as _async
 from .._storage.location import Location
 from .._tools import transforms as _transforms
@@ -65,7 +68,17 @@ class CheckpointManager(StepWatch):
 
     `directory` is a local path or an object-store URL (``memory://``,
     ``s3://``, ...). Step `N` is saved as the cairn checkpoint
-    ``<directory>/step_<N zero-padded to 8 digits>``.
+    ``<directory>/step_<N zero-padded to 8 digits>``; `step_format` spells it
+    otherwise (a format string with one ``{step}`` field: ``"{step}"`` keeps
+    Orbax's plain ``100``).
+
+    - Orbax runs: the committed step folders of an Orbax CheckpointManager in
+      `directory` (``<step>/_CHECKPOINT_METADATA``) are steps of the run too:
+      `steps`, `latest_step`, `restore` (onto any mesh, as `cairn.load` reads
+      them), `metrics`, `metadata` and retention see them, and `save`
+      continues the run in cairn's format beside them (a step Orbax already
+      saved is a `CheckpointExistsError`). To keep Orbax's folder names for
+      the new steps, pass ``step_format="{step}"``.
 
     - `save_every`: `save` writes a step only when ``step % save_every == 0``
       (or with ``force=True``, or once preemption was detected).
@@ -74,6 +87,10 @@ class CheckpointManager(StepWatch):
       `max_to_keep` newest, every step divisible by `keep_every`, the
       `keep_best` best by metric `best_metric` (`best_mode` ``"min"`` or
       ``"max"``), and any `retention` policies (see `RetentionPolicy`).
+      The rules are a union, unlike Orbax's: with ``max_to_keep=3,
+      keep_best=1`` the three newest steps and the best one survive (up to
+      four steps); use ``retention=cairn.KeepLatest(3) & ...`` for an
+      intersection. `best_step` names the best step.
       Retention runs after each commit, never before it, and skips steps
       an evaluator holds a reader lease on (until the lease is released or
       expires; see `new_steps` and `reading`).
@@ -129,12 +146,16 @@ class CheckpointManager(StepWatch):
         threads: int = 4,
         read_only: bool = False,
         local: LocalTier | None = None,
+        step_format: str = DEFAULT_STEP_FORMAT,
         compression: str | bool = "auto",
     ):
         if save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
+        self._names = StepNames(step_format)
         self.directory, self._storage = _steps.open_directory(directory, storage_options)
         self.policy = policy_from(max_to_keep, keep_every, keep_best, best_metric, best_mode, retention)
+        self._best = (best_metric, best_mode) if best_metric is not None else None
+        self._folders: dict[int, str] = {}  # committed step -> its folder, as last listed
         self.save_every = save_every
         self.async_save = async_save
         self._coord = coordinator or default_coordinator()
@@ -160,6 +181,14 @@ class CheckpointManager(StepWatch):
             with self._retention_lock:
                 _leases.remove_stale_markers(self._storage)
                 self._cleanup_uncommitted()
+        # An Orbax run continued here: `save` then checks that Orbax has not saved its step.
+        orbax = sorted(s for s, f in _steps.step_folders(self._storage, self._names).items()
+                       if self._names.parse(f) is None) if self._primary or self._decisions.alone else []
+        orbax = self._decisions.shared("orbax-steps", orbax[-1:])
+        self._foreign = bool(orbax)
+        if orbax and self._primary:
+            log.info("cairn: %s holds Orbax steps (newest %d): they restore as steps of this run, and new steps "
+                     "are saved in cairn's format as %r", self.directory, orbax[-1], self._names.name(orbax[-1] + 1))
 
     # ------------------------------------------------------------------ naming and listing
 
@@ -170,10 +199,18 @@ class CheckpointManager(StepWatch):
 
             cairn.metadata(mgr.path(mgr.latest_step()))
         """
-        return f"{self.directory}/{step_dirname(step)}"
+        return f"{self.directory}/{self._folder(step)}"
+
+    def _folder(self, step: int) -> str:
+        folder = self._folders.get(step)
+        if folder is None:
+            folder = _steps.folder_of(self._storage, step, self._names) or self._names.name(step)
+        return folder
 
     def steps(self) -> list[int]:
         """The committed steps, oldest first. Interrupted saves are not listed.
+
+        Committed Orbax step folders in the directory are steps too (see the class docstring).
 
         With several processes the primary lists and every process gets its
         list (call it on every process, as any collective step).
@@ -182,8 +219,11 @@ class CheckpointManager(StepWatch):
 
             mgr.steps()    # [1000, 2800, 2900, 3000]
         """
-        mine = _steps.committed_steps(self._storage) if self._primary or self._decisions.alone else []
-        return [int(s) for s in self._decisions.shared("steps", mine)]
+        mine = ([[s, f] for s, f in _steps.step_folders(self._storage, self._names).items()]
+                if self._primary or self._decisions.alone else [])
+        pairs = [(int(s), str(f)) for s, f in self._decisions.shared("steps", mine)]
+        self._folders = dict(pairs)
+        return [s for s, _ in pairs]
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None if there is none.
@@ -205,8 +245,87 @@ class CheckpointManager(StepWatch):
         """
         return dict(self._info(step).metrics)
 
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The user metadata saved with `step` (default: the newest), as given to `save(metadata=)`.
+
+        For an Orbax step: its ``custom_metadata``. Raises
+        `CheckpointNotFoundError` if `step` is not committed.
+
+        Example::
+
+            mgr.save(100, state, metadata={"data_epoch": 3, "git": "abc123"}); mgr.wait()
+            mgr.metadata(100)    # {"data_epoch": 3, "git": "abc123"}
+        """
+        step = self._committed(step)
+        loc = self._location(step)
+        if self._is_orbax(step):
+            got = _steps.orbax_step_metadata(loc).get("custom_metadata")
+            return dict(got) if isinstance(got, dict) else {}
+        return _steps.user_metadata(loc)
+
+    def best_step(self, metric: str | None = None, mode: str | None = None) -> int | None:
+        """The committed step with the best value of `metric`, or None if no step has it (finite).
+
+        `metric` and `mode` (``"min"`` or ``"max"``) default to the manager's
+        `best_metric` and `best_mode`. Ties go to the newer step, as `KeepBest`.
+
+        Example::
+
+            mgr = cairn.CheckpointManager(run, keep_best=2, best_metric="eval_loss")
+            state = mgr.restore(mgr.best_step(), target=abstract_state)
+        """
+        metric = metric if metric is not None else (self._best[0] if self._best else None)
+        mode = mode if mode is not None else (self._best[1] if self._best else "min")
+        if metric is None:
+            raise ValueError(f"{self.directory}: best_step needs a metric: pass metric= or create the manager "
+                             "with best_metric=")
+        if mode not in ("min", "max"):
+            raise ValueError(f"{self.directory}: mode must be 'min' or 'max', got {mode!r}")
+        best = KeepBest(1, metric, mode).keep([self._info(s) for s in self.steps()])
+        return next(iter(best), None)
+
+    def delete(self, step: int) -> None:
+        """Delete committed `step` now (an Orbax step too), whatever the retention rules say.
+
+        Waits for pending saves first. Raises `CheckpointNotFoundError` if it is
+        not committed, `CheckpointError` on a read-only manager. Call it on
+        every process; the primary deletes.
+
+        Example::
+
+            mgr.delete(1000)
+        """
+        self._check_open()
+        if self.read_only:
+            raise CheckpointError(f"{self.directory}: this CheckpointManager is read-only; it does not delete")
+        self.wait()
+        step = self._committed(operator.index(step))
+        if self._primary:
+            with self._retention_lock:
+                self._delete_step(step, why="deleted")
+        self._decisions.shared(f"deleted-{step}", True)  # every process returns once it is gone
+
+    def _committed(self, step: int | None) -> int:
+        steps = self.steps()
+        if step is None:
+            if not steps:
+                raise CheckpointNotFoundError(f"{self.directory} holds no committed checkpoint")
+            return steps[-1]
+        step = operator.index(step)
+        if step not in steps:
+            raise CheckpointNotFoundError(
+                f"{self.directory}: step {step} has no committed checkpoint (committed steps: {show_steps(steps)})"
+            )
+        return step
+
+    def _is_orbax(self, step: int) -> bool:
+        folder = self._folder(step)
+        return (not self._storage.exists(f"{folder}/{MANIFEST}")
+                and self._storage.exists(f"{folder}/{_steps.ORBAX_STEP_METADATA}"))
+
     def _location(self, step: int) -> Location:
-        return Location(self._storage, step_dirname(step), self.path(step))
+        folder = self._folder(step)
+        return Location(self._storage, folder, f"{self.directory}/{folder}")
 
     def _info(self, step: int) -> CheckpointInfo:
         info = self._infos.get(step)
@@ -227,18 +346,21 @@ class CheckpointManager(StepWatch):
         return step % self.save_every == 0 or self._preemption.detected(step)
 
     def save(
-        self, step: int, state: Any, metrics: Mapping[str, Any] | None = None, force: bool = False
+        self, step: int, state: Any, metrics: Mapping[str, Any] | None = None, force: bool = False, *,
+        metadata: Mapping[str, Any] | None = None,
     ) -> bool:
         """Save `state` as `step` if the interval (or `force`, or preemption) says so.
 
         Returns False when the step is skipped. `state` is what `cairn.save`
         accepts, typically a mapping of named checkpointables (arrays, JSON-able
         config, ``bytes`` blobs, registered types). `metrics` (numbers) are
-        stored in the checkpoint's manifest for `KeepBest` and `metrics`.
-        After preemption the save is synchronous: it returns once committed.
+        stored in the checkpoint's manifest for `KeepBest` and `metrics`;
+        `metadata` (a JSON-able mapping: data position, config, git hash) too,
+        read back with `metadata`. After preemption the save is synchronous:
+        it returns once committed.
 
-        Raises `CheckpointExistsError` if `step` is already saved or being
-        saved, and `CheckpointError` (before saving anything) if an earlier
+        Raises `CheckpointExistsError` if `step` is already saved (by cairn
+        or, in an Orbax run's directory, by Orbax) or being saved, and `CheckpointError` (before saving anything) if an earlier
         background save failed.
 
         Example::
@@ -256,7 +378,10 @@ class CheckpointManager(StepWatch):
         local_saved = self.local is not None and self.local.save(step, state)
         if not (force or preempted or step % self.save_every == 0):
             return local_saved
-        meta = _steps.step_metadata(step, metrics, f"{self.directory} step {step}")
+        meta = _steps.step_metadata(step, metrics, f"{self.directory} step {step}", metadata)
+        if self._foreign and _steps.orbax_step(self._storage, str(step)) is not None:
+            raise CheckpointExistsError(f"{self.directory}/{step}: step {step} is already saved there by Orbax; "
+                                        "save a new step (or mgr.delete it first)")
         with self._lock:
             if step in self._inflight:
                 raise CheckpointExistsError(f"{self.path(step)}: step {step} is already being saved")
@@ -313,7 +438,8 @@ class CheckpointManager(StepWatch):
         decision is its alone, so nothing here is exchanged with the other processes.
         Steps under a live reader lease are spared; a later pass deletes them.
         """
-        steps = _steps.committed_steps(self._storage)
+        self._folders = _steps.step_folders(self._storage, self._names)
+        steps = list(self._folders)
         infos = [self._info(s) for s in steps]
         keep = retained(self.policy, infos)
         doomed = [s for s in steps if s not in keep]
@@ -322,10 +448,11 @@ class CheckpointManager(StepWatch):
                 for s in free:
                     self._delete_step(s)
 
-    def _delete_step(self, step: int) -> None:
-        _steps.delete_step(self._storage, step)
+    def _delete_step(self, step: int, why: str = "retention deleted") -> None:
+        _steps.delete_step(self._storage, step, self._folder(step))
         self._infos.pop(step, None)
-        log.info("cairn: retention deleted step %d from %s", step, self.directory)
+        self._folders.pop(step, None)
+        log.info("cairn: %s step %d from %s", why, step, self.directory)
 
     def _cleanup_uncommitted(self) -> None:
         """Remove interrupted saves and half-deleted steps (caller holds _retention_lock).
@@ -333,7 +460,7 @@ class CheckpointManager(StepWatch):
         A step joins `_inflight` before its save creates any file, so a save
         in progress is never mistaken for an interrupted one.
         """
-        for name in _steps.leftovers(self._storage, self._inflight):
+        for name in _steps.leftovers(self._storage, self._inflight, self._names):
             try:
                 _steps.remove_leftover(self._storage, name)
                 log.info("cairn: removed the interrupted save %s from %s", name, self.directory)
@@ -441,7 +568,8 @@ class CheckpointManager(StepWatch):
         for s in candidates:
             error: BaseException | None = None
             try:
-                out = _transforms.load(self._location(s), target, partial=partial, **transforms)
+                out = _transforms.load(self._location(s), target, partial=partial,
+                                       format="orbax" if self._is_orbax(s) else None, **transforms)
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:
                 error = e
             # Every process reads only its own bytes: one may find corruption the others do not.

@@ -53,6 +53,8 @@ class StepWatch:
     restore: Callable[..., Any]
     latest_step: Callable[[], int | None]
     path: Callable[[int], str]
+    _folder: Callable[[int], str]
+    _names: Any
 
     def wait_for_step(self, after: int | None = None, timeout: float | None = None, *,
                       poll_s: float = DEFAULT_POLL_S) -> int | None:
@@ -76,7 +78,7 @@ class StepWatch:
         while True:
             found, expired = None, False
             if self._primary or self._decisions.alone:
-                found = newest_committed(self._storage, after)
+                found = newest_committed(self._storage, after, self._names, orbax=True)
                 expired = deadline is not None and time.monotonic() >= deadline
             # The primary decides when to give up too, so every process stops at the same poll.
             found, expired = self._decisions.shared("wait-for-step", [found, expired])
@@ -180,7 +182,7 @@ class StepWatch:
 
     def _lease(self, step: int, ttl_s: float) -> Lease | None:
         """This process's lease on `step` if every process got one; else None (and nothing held)."""
-        mine = take(self._storage, step, self.directory, ttl_s)
+        mine = take(self._storage, step, self.directory, ttl_s, folder=self._folder(step))
         outcomes = self._decisions.gather(f"lease-{step}", mine is not None)
         if all(outcomes.values()):
             return mine

@@ -16,27 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from .._core.boxes import Box, cell_box, ravel, unravel
 from .grid import regular_layout
-
-Box = tuple[tuple[int, int], ...]
-
-
-def full_box(shape: Sequence[int]) -> Box:
-    return tuple((0, int(s)) for s in shape)
-
-
-def box_size(box: Box) -> int:
-    return math.prod(hi - lo for lo, hi in box)
-
-
-def c_strides(shape: Sequence[int], itemsize: int) -> tuple[int, ...]:
-    strides = []
-    acc = itemsize
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(int(s), 1)
-    return tuple(reversed(strides))
-
 
 # --------------------------------------------------------------------------- save
 
@@ -119,7 +100,7 @@ def chunk_layout(
                     f"the shards of this array do not form a regular grid (axis {a}: {lo}..{hi})"
                 )
             idx.append(i)
-        cell = _ravel(idx, grid_shape)
+        cell = ravel(idx, grid_shape)
         holders[cell].append(d)
     if split_elems > 0 and n_cells:
         split = _split_replicated(shape, bounds, holders, device_process, replica_offset, split_elems)
@@ -149,7 +130,7 @@ def _split_replicated(shape: Sequence[int], bounds: list[tuple[int, ...]], holde
     r = min(len(p) for p in procs)
     grid_shape = tuple(len(b) - 1 for b in bounds)
     sizes = [[b[i + 1] - b[i] for i in range(len(b) - 1)] for b in bounds]
-    if r < 2 or min(math.prod(hi - lo for lo, hi in _cell_box(bounds, c)) for c in range(len(holders))) < split_elems:
+    if r < 2 or min(math.prod(hi - lo for lo, hi in cell_box(bounds, c)) for c in range(len(holders))) < split_elems:
         return None
     axis = next((a for a in range(len(shape)) if min(sizes[a]) >= r), None)
     if axis is None:
@@ -165,37 +146,14 @@ def _split_replicated(shape: Sequence[int], bounds: list[tuple[int, ...]], holde
     new_shape = tuple(len(b) - 1 for b in new_bounds)
     writer, source = [], []
     for cell in range(math.prod(new_shape)):
-        idx = _unravel(cell, new_shape)
+        idx = unravel(cell, new_shape)
         old, k = parent_of[idx[axis]]
-        parent = _ravel([*idx[:axis], old, *idx[axis + 1 :]], grid_shape)
+        parent = ravel([*idx[:axis], old, *idx[axis + 1 :]], grid_shape)
         p = procs[parent][(k + offset) % len(procs[parent])]
         d = next(h for h in holders[parent] if device_process[h] == p)
         writer.append(int(p))
         source.append(d)
     return ChunkLayout(tuple(new_bounds), tuple(writer), tuple(source))
-
-
-def _cell_box(bounds: Sequence[Sequence[int]], cell: int) -> Box:
-    idx = _unravel(cell, tuple(len(b) - 1 for b in bounds))
-    return tuple((bounds[a][i], bounds[a][i + 1]) for a, i in enumerate(idx))
-
-
-cell_box_of = _cell_box
-
-
-def _unravel(flat: int, grid_shape: Sequence[int]) -> list[int]:
-    idx = []
-    for n in reversed(grid_shape):
-        idx.append(flat % n)
-        flat //= n
-    return idx[::-1]
-
-
-def _ravel(idx: Sequence[int], grid_shape: Sequence[int]) -> int:
-    flat = 0
-    for i, n in zip(idx, grid_shape):
-        flat = flat * n + i
-    return flat
 
 
 class FileSlot(NamedTuple):

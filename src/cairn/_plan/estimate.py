@@ -12,11 +12,17 @@ from typing import Any
 
 import numpy as np
 
-from .chunking import Box, box_size
+from .._core.boxes import Box, box_size
 
 
 def estimate_read_bytes(grid: Sequence[Sequence[int]], itemsize: int, boxes: Sequence[Box],
                         block_size: int, verify: bool = True) -> int:
+    """About the bytes `plan_reads` reads for `boxes` (one process's); see `estimate_reads`."""
+    return estimate_reads(grid, itemsize, boxes, block_size, verify)[0]
+
+
+def estimate_reads(grid: Sequence[Sequence[int]], itemsize: int, boxes: Sequence[Box], block_size: int,
+                   verify: bool = True, max_read: int = 0) -> tuple[int, int]:
     """About the bytes `plan_reads` reads for `boxes` (one process's), without planning them.
 
     Per overlap of a box with a chunk it charges the covering range (from the
@@ -26,12 +32,16 @@ def estimate_read_bytes(grid: Sequence[Sequence[int]], itemsize: int, boxes: Seq
     row by row, so this is an upper bound, computed with numpy over the
     overlapped chunks (no per-piece Python objects): cheap enough to decide a
     read route for every leaf on every process of a large cluster.
+
+    Returns (bytes, requests): one request per merged range, split every
+    `max_read` bytes when it is positive (a lower bound of the planner's
+    requests where it splits rows).
     """
     if not boxes:
-        return 0
+        return 0, 0
     ndim = len(grid)
     if ndim == 0:
-        return itemsize
+        return itemsize, 1
     bounds = [np.asarray(b, dtype=np.int64) for b in grid]
     ncells = [len(b) - 1 for b in bounds]
     cells, los, his = [], [], []
@@ -71,18 +81,26 @@ def estimate_read_bytes(grid: Sequence[Sequence[int]], itemsize: int, boxes: Seq
         los.append(lo_b.reshape(-1))
         his.append(hi_b.reshape(-1))
     if not cells:
-        return 0
+        return 0, 0
     cell_a, lo_a, hi_a = np.concatenate(cells), np.concatenate(los), np.concatenate(his)
     # Union of intervals per chunk, as one union over a line where each chunk has a stretch of its own.
     span = int(hi_a.max()) + 1
     if int(cell_a.max()) * span >= 1 << 62:
         # Cannot happen for real grids (64 PiB arrays at most); stay exact in int64 anyway and
         # charge overlapping ranges twice, which keeps the figure an upper bound.
-        return int((hi_a - lo_a).sum())
+        sizes = hi_a - lo_a
+        return int(sizes.sum()), _requests(sizes, max_read)
     order = np.lexsort((lo_a, cell_a))
     lo_k, hi_k = (cell_a * span + lo_a)[order], (cell_a * span + hi_a)[order]
     reach = np.maximum.accumulate(hi_k)
     starts = np.concatenate(([True], lo_k[1:] > reach[:-1]))
     run_starts = np.flatnonzero(starts)
     run_ends = np.concatenate((run_starts[1:] - 1, [len(lo_k) - 1]))
-    return int((reach[run_ends] - lo_k[run_starts]).sum())
+    sizes = reach[run_ends] - lo_k[run_starts]
+    return int(sizes.sum()), _requests(sizes, max_read)
+
+
+def _requests(sizes: Any, max_read: int) -> int:
+    if max_read <= 0:
+        return len(sizes)
+    return int((-(-sizes // max_read)).sum())

@@ -28,7 +28,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from .chunking import Box, _ravel
+from .._core.boxes import Box, ravel
 from .grid import cell_ranges
 from .reads import Check, Read, plan_reads
 
@@ -98,7 +98,7 @@ class PlanMemo:
                 continue
             if len(cells) + math.prod(len(r) for r in ranges) > MAX_CELLS:
                 return None
-            cells.update(_ravel(idx, shape) for idx in itertools.product(*ranges))
+            cells.update(ravel(idx, shape) for idx in itertools.product(*ranges))
         return sorted(cells) or None
 
 

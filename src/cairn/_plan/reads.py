@@ -16,8 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from .._core.boxes import Box, box_size, c_strides, ravel
 from .._format.manifest import ArrayLeaf
-from .chunking import Box, _ravel, box_size, c_strides
 from .grid import cell_ranges
 
 
@@ -135,7 +135,7 @@ def plan_reads(
         if box_size(box) == 0:
             continue
         for idx in overlapping_cells(grid, box):
-            cell = _ravel(idx, grid_shape)
+            cell = ravel(idx, grid_shape)
             chunk = chunks.get(cell)
             if chunk is None:
                 cbox = tuple((grid[a][i], grid[a][i + 1]) for a, i in enumerate(idx))

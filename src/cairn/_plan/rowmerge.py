@@ -7,7 +7,8 @@ import itertools
 
 import numpy as np
 
-from .chunking import Box, ChunkLayout, cell_box_of
+from .._core.boxes import Box, cell_box
+from .chunking import ChunkLayout
 
 #: Shards of one process that follow each other along axis 0 are written as one chunk while it
 #: stays under this size: fewer chunks and index records, and still chunks enough to write in parallel.
@@ -79,8 +80,8 @@ def pieces(layout: ChunkLayout, cell: int) -> tuple[tuple[Box, int], ...]:
     C-order bytes, one after another, are the chunk's."""
     base = layout.merged_from
     if base is None:
-        return ((cell_box_of(layout.grid, cell), layout.source[cell]),)
+        return ((cell_box(layout.grid, cell), layout.source[cell]),)
     per_row = len(layout.writer) // (len(layout.grid[0]) - 1)
     row, k = divmod(cell, per_row)
-    return tuple((cell_box_of(base.grid, j * per_row + k), base.source[j * per_row + k])
+    return tuple((cell_box(base.grid, j * per_row + k), base.source[j * per_row + k])
                  for j in layout.row_groups[row])

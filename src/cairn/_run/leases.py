@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from .._format import manifest as fmt
 from .._storage import Storage
-from .steps import parse_step, step_dirname
+from .steps import ORBAX_STEP_METADATA, parse_step, step_dirname
 
 log = logging.getLogger("cairn")
 
@@ -159,17 +159,21 @@ class Lease:
 
 
 def take(storage: Storage, step: int, where: str, ttl_s: float = DEFAULT_TTL_S,
-         reader: str | None = None) -> Lease | None:
+         reader: str | None = None, folder: str | None = None) -> Lease | None:
     """Lease committed `step`; None if it is gone or being deleted (then nothing is left behind).
 
-    `where` (the directory) is for messages. The lease is renewed until released.
+    `where` (the directory) is for messages; `folder` is the step's folder
+    (default: its canonical name; an Orbax step's counts when it holds
+    ``_CHECKPOINT_METADATA``). The lease is renewed until released.
     """
     if not ttl_s > 0:
         raise ValueError(f"{where}: lease ttl_s must be > 0, got {ttl_s}")
     lease = Lease(storage, step, where, float(ttl_s), reader or reader_id())
     lease._put()
     # Only now look at the trainer's flag: see the module docstring.
-    if storage.exists(_marker_key(step)) or not storage.exists(f"{step_dirname(step)}/{fmt.MANIFEST}"):
+    folder = folder or step_dirname(step)
+    if storage.exists(_marker_key(step)) or not (storage.exists(f"{folder}/{fmt.MANIFEST}")
+                                                  or storage.exists(f"{folder}/{ORBAX_STEP_METADATA}")):
         lease.release()
         return None
     lease._start_renewing()

@@ -5,8 +5,12 @@ that both agree on what a step, a committed step and a leftover are. Every
 function takes the storage whose root is the directory (`open_directory`).
 
 Step `N` is the ordinary cairn checkpoint ``step_<N zero-padded to 8
-digits>``; the manager records its step and metrics in the manifest's
-metadata under `META_KEY`. Creating, deleting and taking away folders goes
+digits>`` (another spelling with `StepNames`, e.g. Orbax's plain ``100``);
+the manager records its step, metrics and user metadata in the manifest's
+metadata under `META_KEY`. A step folder of an Orbax CheckpointManager (a
+plain integer name holding ``_CHECKPOINT_METADATA``) is a step too
+(`step_folders`), so a run Orbax began lists, restores and continues here;
+it is never taken for a leftover. Creating, deleting and taking away folders goes
 through the directory's commit strategy (`cairn._save.commit`).
 
 Two notions of a leftover, one per caller:
@@ -23,6 +27,7 @@ Two notions of a leftover, one per caller:
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -33,6 +38,7 @@ from typing import Any
 
 from .._errors import CorruptCheckpointError
 from .._format import manifest as fmt
+from .._interop.orbax import step_metrics
 from .._load.engine import read_manifest
 from .._save.commit import strategy_for
 from .._storage import LocalDirs, Storage, open_storage
@@ -43,14 +49,79 @@ from .retention import CheckpointInfo
 META_KEY = "cairn.manager"
 
 _CANONICAL = re.compile(r"^step_(\d{8,})$")
-_LENIENT = re.compile(r"^(?:step_?)?(\d+)$")
+_ORBAX_NAME = re.compile(r"^(?:.*_)?(\d+)$")  # Orbax's step folders: "100", "<step_prefix>_100"
+_LENIENT = re.compile(r"^(?:step[_-]?)?(\d+)$")
 # Files only a cairn save writes: data files, per-attempt indexes, per-process partial indexes.
 _CAIRN_FILE = re.compile(r"^(p\d{5}-\d+\.[0-9a-f]+\.bin|index\.[0-9a-f]+\.json|_index\.p\d{5}\.[0-9a-f]+\.json)$")
+
+
+#: The file an Orbax CheckpointManager writes into each step folder it commits.
+ORBAX_STEP_METADATA = "_CHECKPOINT_METADATA"
+#: cairn's own spelling of step folders.
+DEFAULT_STEP_FORMAT = "step_{step:08d}"
+_FIELD = re.compile(r"\{step(?::0?(\d*)d)?\}")
 
 
 def step_dirname(step: int) -> str:
     """The folder name of `step`: ``step_`` and the step zero-padded to 8 digits."""
     return f"step_{step:08d}"
+
+
+class StepNames:
+    """How a manager spells its step folders: a format string with one ``{step}`` field.
+
+    ``"step_{step:08d}"`` (the default: ``step_00000100``), ``"{step}"``
+    (Orbax's ``100``), ``"checkpoint_{step}"``, ... Only the exact spelling
+    the format writes parses back (`parse`), so a folder the manager did not
+    name is never taken for one of its steps.
+
+    Example::
+
+        StepNames("{step}").name(100)    # "100"
+    """
+
+    def __init__(self, format: str = DEFAULT_STEP_FORMAT):
+        fields = _FIELD.findall(format) if isinstance(format, str) else []
+        if len(fields) != 1 or "/" in format or format.startswith(".") or \
+                format.count("{") != 1 or format.count("}") != 1:
+            raise ValueError(f"step_format must be a folder name with one {{step}} field (e.g. 'step_{{step:08d}}' "
+                             f"or '{{step}}'), got {format!r}")
+        self.format = format
+        head, tail = _FIELD.split(format, maxsplit=1)[0], _FIELD.split(format, maxsplit=1)[-1]
+        self._rx = re.compile(f"^{re.escape(head)}(\\d+){re.escape(tail)}$")
+
+    def name(self, step: int) -> str:
+        return self.format.format(step=step)
+
+    def parse(self, name: str) -> int | None:
+        m = self._rx.match(name)
+        if m is None:
+            return None
+        step = int(m.group(1))
+        return step if self.name(step) == name else None
+
+    def __repr__(self) -> str:
+        return f"StepNames({self.format!r})"
+
+
+DEFAULT_NAMES = StepNames()
+
+
+def orbax_step(storage: Storage, name: str, names: StepNames | None = None) -> int | None:
+    """The step of entry `name` if it is a committed Orbax CheckpointManager step folder, else None.
+
+    Orbax names steps by their number (``100``; zero-padded with
+    ``step_format_fixed_length``; ``<prefix>_100`` with ``step_prefix``, which
+    a manager's `names` spelling the same finds) and writes
+    ``_CHECKPOINT_METADATA`` into each; on a POSIX filesystem it renames the
+    folder into place, on object stores it writes ``commit_success.txt`` last.
+    """
+    step = int(name) if name.isdigit() else names.parse(name) if names is not None else None
+    if step is None or not storage.exists(f"{name}/{ORBAX_STEP_METADATA}"):
+        return None
+    if not isinstance(storage, LocalDirs) and not storage.exists(f"{name}/commit_success.txt"):
+        return None
+    return step
 
 
 def parse_step(name: str) -> int | None:
@@ -70,7 +141,7 @@ def parse_step(name: str) -> int | None:
 def guess_step(name: str) -> int | None:
     """A step number to show for entry `name` in ``cairn ls``, or None.
 
-    Lenient: also ``step_12``, ``step12`` and ``12``, spellings of checkpoints
+    Lenient: also ``step_12``, ``step12``, ``step-12`` (torchtitan's DCP folders) and ``12``, spellings of checkpoints
     saved without a manager. For display and sorting only; what is a step,
     what is kept and what is removed is decided by `parse_step`.
     """
@@ -78,8 +149,10 @@ def guess_step(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def step_metadata(step: int, metrics: Mapping[str, Any] | None, where: str) -> dict[str, Any]:
-    """The manifest metadata of `step` saved with `metrics` (numbers; non-finite ones stored as None)."""
+def step_metadata(step: int, metrics: Mapping[str, Any] | None, where: str,
+                  user: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The manifest metadata of `step` saved with `metrics` (numbers; non-finite ones stored as None)
+    and the `user` metadata (a JSON-able mapping, under ``"user"``)."""
     clean: dict[str, float | None] = {}
     for k, v in (metrics or {}).items():
         if not isinstance(k, str):
@@ -89,19 +162,53 @@ def step_metadata(step: int, metrics: Mapping[str, Any] | None, where: str) -> d
         except (TypeError, ValueError):
             raise TypeError(f"{where}: metric {k!r} is a {type(v).__name__}; metrics must be numbers") from None
         clean[k] = f if math.isfinite(f) else None  # JSON has no NaN; a NaN loss is never "best"
-    return {META_KEY: {"step": step, "metrics": clean}}
+    out: dict[str, Any] = {"step": step, "metrics": clean}
+    if user is not None:
+        if not isinstance(user, Mapping) or not all(isinstance(k, str) for k in user):
+            raise TypeError(f"{where}: metadata must be a mapping with str keys, got {user!r:.200}")
+        try:
+            out["user"] = json.loads(json.dumps(dict(user), allow_nan=False))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{where}: metadata must be JSON-able (finite numbers, strings, lists, dicts): {e}") from None
+    return {META_KEY: out}
+
+
+def user_metadata(loc: Location) -> dict[str, Any]:
+    """The user metadata saved with the manager's step at `loc` (`step_metadata`'s ``user``; {} if none)."""
+    meta = read_manifest(loc).metadata.get(META_KEY, {})
+    user = meta.get("user") if isinstance(meta, dict) else None
+    return dict(user) if isinstance(user, dict) else {}
 
 
 def read_info(loc: Location, step: int) -> CheckpointInfo:
     """What retention sees of committed `step` at `loc`: its metrics (non-numbers as None) and commit time."""
+    if not loc.storage.exists(loc.key(fmt.MANIFEST)) and loc.storage.exists(loc.key(ORBAX_STEP_METADATA)):
+        return _orbax_info(loc, step)
     manifest = read_manifest(loc)
     meta = manifest.metadata.get(META_KEY, {})
     raw = meta.get("metrics", {}) if isinstance(meta, dict) else {}
+    return CheckpointInfo(step, _numbers(raw), float(manifest.created_unix or 0.0))
+
+
+def _numbers(raw: Any) -> MappingProxyType:
     metrics = {
         str(k): (float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else None)
         for k, v in (raw.items() if isinstance(raw, dict) else ())
     }
-    return CheckpointInfo(step, MappingProxyType(metrics), float(manifest.created_unix or 0.0))
+    return MappingProxyType(metrics)
+
+
+def orbax_step_metadata(loc: Location) -> dict[str, Any]:
+    """An Orbax step folder's ``_CHECKPOINT_METADATA`` (metrics, custom_metadata, timestamps)."""
+    raw = fmt.parse_json(loc.storage.read(loc.key(ORBAX_STEP_METADATA)), f"{loc.path}/{ORBAX_STEP_METADATA}")
+    return raw if isinstance(raw, dict) else {}
+
+
+def _orbax_info(loc: Location, step: int) -> CheckpointInfo:
+    meta = orbax_step_metadata(loc)
+    t = meta.get("commit_timestamp_nsecs") or meta.get("init_timestamp_nsecs") or 0
+    metrics = step_metrics(loc.storage, loc.name, loc.path)
+    return CheckpointInfo(step, _numbers(metrics), float(t) / 1e9 if isinstance(t, (int, float)) else 0.0)
 
 
 def open_directory(directory: str | os.PathLike[str], options: dict[str, Any] | None = None) -> tuple[str, Storage]:
@@ -123,27 +230,64 @@ def written_by_save(keys: Iterable[str]) -> bool:
     return any(_CAIRN_FILE.match(k.rsplit("/", 1)[-1]) for k in keys)
 
 
-def committed_steps(storage: Storage) -> list[int]:
-    """The steps with a committed checkpoint (canonical name and a manifest), oldest first."""
+def committed_steps(storage: Storage, names: StepNames = DEFAULT_NAMES, orbax: bool = False) -> list[int]:
+    """The steps with a committed checkpoint (canonical name and a manifest), oldest first.
+
+    With `orbax`, committed Orbax step folders count too (`step_folders`).
+    """
+    if orbax:
+        return sorted(step_folders(storage, names))
     out = []
     for name in storage.list_dir(""):
-        step = parse_step(name)
+        step = names.parse(name)
         if step is not None and storage.exists(f"{name}/{fmt.MANIFEST}"):
             out.append(step)
     return sorted(out)
 
 
-def newest_committed(storage: Storage, after: int | None = None) -> int | None:
+def step_folders(storage: Storage, names: StepNames = DEFAULT_NAMES) -> dict[int, str]:
+    """Committed step -> its folder: cairn's (named by `names`, with a manifest) and Orbax's.
+
+    Where both spell one step, cairn's folder is the step.
+    """
+    out: dict[int, str] = {}
+    orbax: dict[int, str] = {}
+    for name in storage.list_dir(""):
+        step = names.parse(name)
+        if step is not None and storage.exists(f"{name}/{fmt.MANIFEST}"):
+            out[step] = name
+        elif (o := orbax_step(storage, name, names)) is not None:
+            orbax.setdefault(o, name)
+    return {s: out.get(s) or orbax[s] for s in sorted({*out, *orbax})}
+
+
+def folder_of(storage: Storage, step: int, names: StepNames = DEFAULT_NAMES) -> str | None:
+    """The folder of committed `step`: cairn's (spelt by `names`) or Orbax's (``<step>``), else None."""
+    if storage.exists(f"{names.name(step)}/{fmt.MANIFEST}"):
+        return names.name(step)
+    if orbax_step(storage, str(step)) is not None:
+        return str(step)
+    return None
+
+
+def newest_committed(storage: Storage, after: int | None = None, names: StepNames = DEFAULT_NAMES,
+                     orbax: bool = False) -> int | None:
     """The newest committed step newer than `after` (any, if None), or None.
 
     One listing, then one `exists` per candidate, newest first: usually one,
-    so that polling an object store costs two requests.
+    so that polling an object store costs two requests. With `orbax`,
+    committed Orbax step folders count too.
     """
-    names = storage.list_dir("")
-    found = sorted((s for s in map(parse_step, names) if s is not None and (after is None or s > after)),
-                   reverse=True)
-    for step in found:
-        if storage.exists(f"{step_dirname(step)}/{fmt.MANIFEST}"):
+    listed = storage.list_dir("")
+    found: list[tuple[int, str]] = []
+    for name in listed:
+        s = names.parse(name)
+        if s is None and orbax and name.isdigit():
+            s = int(name)
+        if s is not None and (after is None or s > after):
+            found.append((s, name))
+    for step, name in sorted(found, reverse=True):
+        if storage.exists(f"{name}/{fmt.MANIFEST}") or (orbax and orbax_step(storage, name) is not None):
             return step
     return None
 
@@ -155,12 +299,13 @@ def show_steps(steps: list[int]) -> str:
     return ", ".join(map(str, steps[-5:])) + (f" (and {len(steps) - 5} older)" if len(steps) > 5 else "")
 
 
-def delete_step(storage: Storage, step: int) -> None:
-    """Delete committed `step`: uncommitted in one step first, so a crash leaves only a leftover."""
-    strategy_for(storage).delete(step_dirname(step))
+def delete_step(storage: Storage, step: int, folder: str | None = None) -> None:
+    """Delete committed `step` (in `folder`, default its canonical name): uncommitted in one step
+    first, so a crash leaves only a leftover."""
+    strategy_for(storage).delete(folder or step_dirname(step))
 
 
-def leftovers(storage: Storage, busy: Container[int] = ()) -> Iterator[str]:
+def leftovers(storage: Storage, busy: Container[int] = (), names: StepNames = DEFAULT_NAMES) -> Iterator[str]:
     """The entries of a manager's directory that interrupted saves or deletions left.
 
     Steps in `busy` (saves in progress) are skipped; `busy` is consulted as
@@ -170,13 +315,15 @@ def leftovers(storage: Storage, busy: Container[int] = ()) -> Iterator[str]:
     for name in storage.list_dir(""):
         of = attempt_of(storage, name)
         if of is not None:
-            step = parse_step(of)
+            step = names.parse(of)
             if step is None or step in busy:
                 continue
         else:
-            step = parse_step(name)
+            step = names.parse(name)
             if step is None or step in busy or storage.exists(f"{name}/{fmt.MANIFEST}"):
                 continue
+            if storage.exists(f"{name}/{ORBAX_STEP_METADATA}"):
+                continue  # an Orbax step (step_format="{step}"): never ours to remove
         yield name
 
 
@@ -198,7 +345,9 @@ def scan(dir_path: str, storage_options: dict | None) -> tuple[Location, list[di
     Each entry is a dict: ``name``, ``key``, ``status`` (``committed``,
     ``corrupt``, ``temporary`` or ``uncommitted``), ``step`` (the manager's, or
     `guess_step`), ``age_s``, ``metrics``, ``created_unix``, ``files``,
-    ``bytes``, and ``of`` (temporary) or ``error`` (corrupt). Sorted by step.
+    ``bytes``, ``format`` (``cairn``, or ``orbax`` for an Orbax step folder,
+    ``dcp`` for a PyTorch DCP checkpoint) and ``of`` (temporary) or ``error``
+    (corrupt). Sorted by step.
     """
     loc = resolve(dir_path, storage_options)
     storage = loc.storage
@@ -213,7 +362,7 @@ def scan(dir_path: str, storage_options: dict | None) -> tuple[Location, list[di
         if of is None and not files:
             continue  # a plain file, not a checkpoint folder
         e: dict[str, Any] = {"name": child, "key": key, "status": "", "step": None, "age_s": None,
-                             "metrics": {}, "created_unix": None}
+                             "metrics": {}, "created_unix": None, "format": "cairn"}
         if of is not None:
             e["status"] = "temporary"
             e["of"] = of
@@ -233,6 +382,8 @@ def scan(dir_path: str, storage_options: dict | None) -> tuple[Location, list[di
                     e["metrics"] = mgr.get("metrics") or {}
                 elif isinstance(m.metadata.get("metrics"), dict):
                     e["metrics"] = m.metadata["metrics"]
+        elif (foreign := _foreign_step(storage, key, child, loc.path)) is not None:
+            e.update(foreign)
         elif written_by_save(files) and not any(k.endswith(f"/{fmt.MANIFEST}") for k in files):
             # Written by a save that never committed (on object stores files go in place). A
             # folder with manifests below it holds checkpoints (another run's, a local tier's
@@ -250,6 +401,31 @@ def scan(dir_path: str, storage_options: dict | None) -> tuple[Location, list[di
         entries.append(e)
     entries.sort(key=lambda e: (e["step"] is None, e["step"] or 0, e["name"]))
     return loc, entries
+
+
+def _foreign_step(storage: Storage, key: str, name: str, where: str) -> dict[str, Any] | None:
+    """What ``cairn ls`` shows of a committed Orbax step folder or a DCP checkpoint folder, else None.
+
+    Orbax: a folder holding ``_CHECKPOINT_METADATA`` (metrics and commit time
+    from it; the step from a name like ``100`` or ``checkpoint_100``). DCP has no convention for step folders: any folder
+    holding DCP's ``.metadata`` is listed, its step guessed from its name.
+    """
+    m = _ORBAX_NAME.match(name)  # not "100.orbax-checkpoint-tmp-...": a save in progress
+    if m is not None and storage.exists(f"{key}/{ORBAX_STEP_METADATA}"):
+        if not isinstance(storage, LocalDirs) and not storage.exists(f"{key}/commit_success.txt"):
+            return None  # an Orbax save in progress on an object store
+        loc = Location(storage, key, f"{where.rstrip('/')}/{name}")
+        step = int(m.group(1))
+        try:
+            info = _orbax_info(loc, step or 0)
+        except CorruptCheckpointError as err:
+            return {"status": "corrupt", "format": "orbax", "error": str(err), "step": step}
+        created = info.created_unix or None
+        return {"status": "committed", "format": "orbax", "step": step, "created_unix": created,
+                "age_s": time.time() - created if created else None, "metrics": dict(info.metrics)}
+    if storage.exists(f"{key}/.metadata"):
+        return {"status": "committed", "format": "dcp"}
+    return None
 
 
 def _size(storage: Storage, key: str) -> int:

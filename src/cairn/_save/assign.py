@@ -13,10 +13,10 @@ from typing import Any
 
 import numpy as np
 
+from .._core.boxes import cell_box, full_box
 from .._core.memo import Memo
 from .._errors import UnsupportedTypeError
-from .._format.manifest import cell_box
-from .._plan.chunking import ChunkLayout, FileSlot, assign_files, chunk_layout, full_box
+from .._plan.chunking import ChunkLayout, FileSlot, assign_files, chunk_layout
 from .._plan.rowmerge import merge_rows, pieces
 from .._tree.leaves import ArraySource, ValueSource
 from .._tree.pytree import display_path

@@ -40,11 +40,15 @@ class SaveFuture:
 
     ``result()`` re-raises any error from the background phase; ``stats`` holds
     per-phase timings (``blocking_s``, ``queued_s``, ``write_s``, ``commit_s``)
-    and byte counts, filled in as the phases finish.
+    and byte counts, filled in as the phases finish. ``done()``,
+    ``exception()`` and ``add_done_callback(fn)`` (``fn(future)`` runs on the
+    background thread once the save has committed or failed) are as for a
+    `concurrent.futures.Future`.
 
     Example::
 
         f = cairn.save_async("/ckpt/step_100", state)
+        f.add_done_callback(lambda f: print(f.path, "failed" if f.exception() else "committed"))
         f.result(timeout=600)          # raises the save's error, if any
         print(f.stats.blocking_s, f.stats.write_s, f.stats.bytes_written)
     """
@@ -92,6 +96,8 @@ class SaveFuture:
 
     @property
     def stats(self) -> _save.SaveStats:
+        """The save's `cairn.SaveStats`, filled in as it goes: ``blocking_s`` once this future exists,
+        the write and commit figures once it is done (``f.result()`` returns the same object)."""
         if self._job is not None:
             return self._job.stats
         return self._future.result()

@@ -14,11 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from .._core.boxes import cell_box
 from .._core.memo import Memo
 from .._errors import CheckpointError
 from .._format import manifest as fmt
 from .._format.binindex import raw_blocks
-from .._format.manifest import cell_box
 from .._format.partfile import PartInfo, encode_part, part_name
 from .._format.runlength import writer_runs
 from .._tree.leaves import ValueSource

@@ -20,25 +20,28 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
+from .._core.boxes import Box, full_box
 from .._core.units import human_bytes
 from .._errors import MismatchError
 from .._format import manifest as fmt
 from .._interop import sources as _sources
 from .._interop.sources import Rename
 from .._load import engine as _load
-from .._load.coalesce import _MAX_RUN_PARTS, run_limits, whole_span
+from .._load.coalesce import MAX_RUN_PARTS, run_limits, whole_span
 from .._load.metadata import read_index, read_manifest
-from .._load.reader import _MIN_RUN, DEFAULT_MAX_READ, whole_reads
-from .._load.readonce import ProcessOf, route
-from .._load.waves import Staged, cut_in_pieces, plan_waves
-from .._plan.chunking import Box, full_box
+from .._load.options import LoadOptions
+from .._load.reader import DEFAULT_MAX_READ, MIN_RUN, whole_reads
+from .._load.readonce import MAX_READ, ProcessOf, Route, bandwidths_for, storage_kind
+from .._load.schedule import schedule
 from .._plan.reads import Read, is_c_contiguous, plan_reads
+from .._plan.routes import Bandwidths, resolve_bandwidths
 from .._storage.location import Location, resolve
 from .._tree.perprocess import LoadView
+from .._tree.pytree import display_path
 from .._tree.shardings import WHOLE_PUT_BYTES, device_boxes
 from . import transforms as _transforms
 
@@ -50,8 +53,9 @@ MODELLED = (
     "time: each process's bytes at the given bandwidth, all processes in parallel",
 )
 NOT_MODELLED = (
-    "request latency, checksum and copy cost, device transfers and the read-once collectives (their "
-    "interconnect bytes), a shared store's aggregate bandwidth limit",
+    "in the time per process: request latency, checksum and copy cost, device transfers and the read-once "
+    "collectives (the routes' own predicted seconds do count requests and interconnect bytes), a shared "
+    "store's aggregate bandwidth limit",
     "object stores splitting a read into ranged GETs (read_part_size); Orbax arrays read through "
     "tensorstore (counted as their uncompressed boxes)",
     "the loaded arrays themselves, JAX's own buffers, and the metadata reads (manifest, indexes, records)",
@@ -67,6 +71,28 @@ class ProcessPlan:
     bytes_read: int
     requests: int
     peak_host_bytes: int
+
+
+@dataclass(frozen=True)
+class LeafRoute:
+    """One array leaf's route in a `LoadPlan`: what was chosen, and every route considered.
+
+    `alternatives` hold each route's storage bytes, interconnect bytes and
+    requests summed over processes, and its predicted seconds (None when
+    routes were not priced); `why` says why no choice was made (one process,
+    ``read_once=False``, ...).
+    """
+
+    path: str
+    shape: tuple[int, ...]
+    kind: str  # "direct" | "refined" | "staged"
+    by: str  # "seconds", "bytes", "forced", "shortcut", or "" (no choice made)
+    alternatives: tuple[Any, ...]  # _plan.routes.RouteCost
+    why: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {"path": self.path, "shape": list(self.shape), "route": self.kind, "by": self.by, "why": self.why,
+                "alternatives": [a.as_dict() for a in self.alternatives]}
 
 
 @dataclass(frozen=True)
@@ -93,6 +119,8 @@ class LoadPlan:
     budget_bytes: int
     bandwidth: float | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
+    routes: tuple[LeafRoute, ...] = ()  # each sharded array leaf's route
+    route_bandwidths: dict[str, Any] | None = None  # what the routes were priced with (None: not priced)
 
     @property
     def bytes_read(self) -> int:
@@ -109,6 +137,7 @@ class LoadPlan:
                 "read_once_leaves": self.read_once_leaves, "waves": self.waves, "budget_bytes": self.budget_bytes,
                 "bandwidth_gb_s": self.bandwidth, "seconds": self.seconds, "bytes_read": self.bytes_read,
                 "processes": [vars(p) for p in self.processes], "notes": list(self.notes),
+                "route_bandwidths": self.route_bandwidths, "routes": [r.to_json() for r in self.routes],
                 "modelled": list(MODELLED), "not_modelled": list(NOT_MODELLED)}
 
     def __str__(self) -> str:
@@ -125,9 +154,45 @@ class LoadPlan:
         lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
         total = f"total: {human_bytes(self.bytes_read)} read ({self.bytes_read / max(self.array_bytes, 1):.2f}x the arrays)"
         lines.append(total + (f", about {self.seconds:.3g} s" if self.seconds is not None else ""))
+        lines += self.route_lines()
         lines += [f"note: {n}" for n in self.notes]
         lines += [f"models: {m}" for m in MODELLED] + [f"does not model: {m}" for m in NOT_MODELLED]
         return "\n".join(lines)
+
+
+    def route_lines(self, limit: int = 20) -> list[str]:
+        """The routes, leaves with the same figures on one row: route, then each alternative's
+        predicted seconds (and storage / interconnect bytes over processes)."""
+        if not self.routes:
+            return []
+        bw = self.route_bandwidths
+        head = ("routes priced at " + (f"storage {bw['storage_gbps']:g} GB/s, interconnect {bw['interconnect_gbps']:g} "
+                f"GB/s, {bw['request_ms']:g} ms/request per process ({bw['source']})" if bw else
+                "storage bytes (not priced in seconds)"))
+        groups: dict[Any, list[LeafRoute]] = {}
+        for r in self.routes:
+            key = (r.kind, r.by, r.why, r.shape, tuple((a.kind, a.storage_bytes, a.interconnect_bytes, a.requests)
+                                                        for a in r.alternatives))
+            groups.setdefault(key, []).append(r)
+        rows = [["leaves", "route", "chosen by", "direct", "refined", "staged"]]
+        for members in sorted(groups.values(), key=lambda g: -len(g))[:limit]:
+            r = members[0]
+            alts = {a.kind: a for a in r.alternatives}
+
+            def cell(kind: str, alts: dict[str, Any] = alts) -> str:
+                a = alts.get(kind)
+                if a is None:
+                    return "-"
+                t = f"{a.seconds:.3g} s " if a.seconds is not None else ""
+                return (f"{t}({human_bytes(a.storage_bytes)} read"
+                        + (f", {human_bytes(a.interconnect_bytes)} moved)" if a.interconnect_bytes else ")"))
+            name = r.path + (f" and {len(members) - 1} like it" if len(members) > 1 else "")
+            rows.append([name, r.kind, r.by or r.why, cell("direct"), cell("refined"), cell("staged")])
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        out = [head] + ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        if len(groups) > limit:
+            out.append(f"... {len(groups) - limit} more kinds of leaves (all in --json)")
+        return out
 
 
 # ---------------------------------------------------------------------- the plan
@@ -144,6 +209,8 @@ def plan_load(
     read_once: bool | None = None,
     budget_bytes: int = 1 << 30,
     bandwidth: float | None = None,
+    bandwidths: dict[str, float] | None = None,
+    platform: str | None = None,
     storage_options: dict[str, Any] | None = None,
     format: str | None = None,
     rename: Rename | None = None,
@@ -156,6 +223,11 @@ def plan_load(
     each holding an equal share of the target's devices by device id; default:
     the devices' real processes) and `bandwidth` (GB/s per process, for the
     time estimate). Only metadata is read: the manifest, indexes and chunk records.
+    `bandwidths` prices the read routes as `load` does (the same defaults),
+    with `platform` ("cpu", "gpu", "tpu") choosing the interconnect's default
+    (default: the target devices' platform, CPU for `cairn plan`'s virtual
+    devices). `plan.routes` holds each sharded leaf's route with every
+    alternative's predicted seconds.
 
     Example::
 
@@ -163,13 +235,19 @@ def plan_load(
         print(plan)                 # per process: bytes, requests, peak host memory, time
         plan.processes[3].bytes_read
     """
+    # The same options, checked the same way, as the load this plan predicts.
+    opts = LoadOptions(partial=partial, verify=verify, threads=threads, read_once=read_once,
+                       budget_bytes=budget_bytes, bandwidths=bandwidths, format=format, rename=rename, drop=drop,
+                       fill_missing=fill_missing)
+    partial, verify, threads, read_once, budget_bytes = (opts.partial, opts.verify, opts.threads, opts.read_once,
+                                                         opts.budget_bytes)
     loc = resolve(path, storage_options)
-    found = format or _sources.detect(loc)
+    found = opts.format or _sources.detect(loc)
     if found is None:
         raise _sources.not_found(loc)
     src = None
     if found != "cairn" or _transforms.wanted(rename, drop, fill_missing):
-        src = _transforms.open_source(loc, target, format=found, rename=rename, drop=drop, fill_missing=fill_missing)
+        src = _transforms.open_source(loc, target, format=found, **opts.transforms)
     manifest = src.manifest if src is not None else read_manifest(loc)
     n = processes if processes is not None else _real_process_count()
     if n < 1:
@@ -178,29 +256,31 @@ def plan_load(
     for name, item_target in _requests(loc, manifest, target):
         index = src.indexes[name] if src is not None else read_index(loc, manifest.items[name])
         pp = LoadView(index.structure, name, loc.path, 0, n)
-        wanted = _load._match(loc, name, index, item_target, partial, pp)
+        wanted = _load.match_target(loc, name, index, item_target, partial, pp)
         verify_item = verify and (src is None or src.verify)
         items.append(_Item(name, index, item_target, wanted, SimpleNamespace(verify=verify_item), pp))
     process_of, devices = _process_map(items, processes)
     max_read = loc.storage.preferred_read or DEFAULT_MAX_READ
     vectored = loc.storage.vectored_reads
-    staged: list[Staged] = []
     for it in items:
         _fetch_records(it)
-        for i in sorted(it.wanted):
-            want, leaf = it.wanted[i], it.index.leaves[i]
-            if want is None or want.sharding is None or not isinstance(leaf, fmt.ArrayLeaf):
-                continue
-            r = route(leaf, want.sharding, it.index.block_size, it.reader.verify, n, read_once, process_of)
-            if not r.direct:
-                staged.append(cut_in_pieces(Staged(it, i, want, r), budget_bytes, n, process_of))
-    waves = plan_waves(staged, budget_bytes, n)
+
+    def bandwidths_of(sharding: Any) -> Bandwidths:
+        return (resolve_bandwidths(bandwidths, storage_kind(loc.storage), platform) if platform
+                else bandwidths_for(bandwidths, loc.storage, sharding))
+
+    # The engine's own schedule (`_load.schedule`), for these processes.
+    plan = schedule(items, n, read_once, bandwidths_of, max_read or MAX_READ, budget_bytes, process_of)
+    leaf_routes = [_leaf_route(display_path(r.item.index.leaves[r.leaf].path, r.item.name),
+                               r.item.index.leaves[r.leaf].shape, r.route, r.bandwidths) for r in plan.routed]
+    priced = next((r.bandwidths for r in plan.routed if r.bandwidths is not None), None)
+    staged, waves = plan.staged, plan.waves
     skip = {(id(s.item), s.leaf) for s in staged}
     plans = []
     for p in range(n):
         sim = _Process(p, process_of, budget_bytes, threads, max_read, vectored,
-                       run_limits(getattr(loc.storage, "preferred_read", None)))
-        sim.direct([(it, it.wanted if not it.pp.nodes else _load._match(
+                       run_limits(loc.storage.preferred_read))
+        sim.direct([(it, it.wanted if not it.pp.nodes else _load.match_target(
             loc, it.name, it.index, it.target, partial, LoadView(it.index.structure, it.name, loc.path, p, n)))
             for it in items], skip)
         sim.waves(waves)
@@ -208,7 +288,19 @@ def plan_load(
     arrays = [it.index.leaves[i] for it in items for i in it.wanted]
     return LoadPlan(loc.path, found, tuple(plans), len(arrays),
                     sum(leaf.nbytes for leaf in arrays if isinstance(leaf, fmt.ArrayLeaf)),
-                    len(staged), len(waves), budget_bytes, bandwidth)
+                    len(staged), len(waves), budget_bytes, bandwidth, routes=tuple(leaf_routes),
+                    route_bandwidths=priced.as_dict() if priced is not None else None)
+
+
+def _leaf_route(path: str, shape: tuple[int, ...], r: Route, bw: Bandwidths | None) -> LeafRoute:
+    if r.plan is None:
+        return LeafRoute(path, shape, r.kind, "", (), r.why)
+    alts = r.plan.alternatives
+    if bw is not None and any(a.seconds is None for a in alts):  # chosen by bytes (read_once=True): price them
+        p = max(r.processes, 1)
+        alts = tuple(replace(a, seconds=bw.seconds(a.storage_bytes / p, a.interconnect_bytes / p, a.requests / p))
+                     for a in alts)
+    return LeafRoute(path, shape, r.kind, r.plan.by, alts)
 
 
 @dataclass
@@ -409,7 +501,7 @@ def _in_place(r: Read, shapes: list[tuple[int, ...]], vectored: bool) -> bool:
         if c.src_offset != pos or not is_c_contiguous(c.shape, c.src_strides):
             return False
         if not _contiguous(shapes[c.dest], c.dest_start, c.shape) and (
-                len(c.shape) < 2 or c.shape[-1] * c.itemsize < _MIN_RUN):
+                len(c.shape) < 2 or c.shape[-1] * c.itemsize < MIN_RUN):
             return False
         pos += c.nbytes
     return pos == r.nbytes
@@ -430,7 +522,7 @@ class _Runs:
         self.id = 0  # the pending run's number
 
     def add(self, file: int, start: int, nbytes: int) -> int:
-        if self.parts and (file != self.file or start != self.end or self.parts >= _MAX_RUN_PARTS
+        if self.parts and (file != self.file or start != self.end or self.parts >= MAX_RUN_PARTS
                            or self.bytes + nbytes > self.proc.run_bytes):
             self.submit()
         self.file, self.end = file, start + nbytes

@@ -112,7 +112,7 @@ def open_source(loc: Location, target: Any, *, format: str | None = None, rename
 
 def _any_allowed(target: Any, item: str, allowed: Any) -> bool:
     paths: list[str] = []
-    map_with_path(lambda p, x: paths.append(display_path(p, item)), target, is_leaf=_load._is_target_leaf)
+    map_with_path(lambda p, x: paths.append(display_path(p, item)), target, is_leaf=_load.is_target_leaf)
     return any(allowed(p) for p in paths)
 
 
@@ -139,7 +139,7 @@ def _fill(index: fmt.ItemIndex, target: Any, item: str, allowed: Any, where: str
         shown = display_path(path, item)
         if not allowed(shown):
             return t  # `_load` raises its MismatchError for it
-        if _load._is_target_leaf(t):
+        if _load.is_target_leaf(t):
             raise MismatchError(
                 f"{where}: leaf {shown!r} of the target is not in the checkpoint and cannot be filled: "
                 f"its target is a {type(t).__name__}, which has no values; give a concrete array "
@@ -148,7 +148,7 @@ def _fill(index: fmt.ItemIndex, target: Any, item: str, allowed: Any, where: str
         filled.append(shown)
         return t
 
-    map_with_path(visit, target, is_leaf=lambda x: _load._is_target_leaf(x) or isinstance(x, PerProcess))
+    map_with_path(visit, target, is_leaf=lambda x: _load.is_target_leaf(x) or isinstance(x, PerProcess))
     return replace(index, leaves=index.leaves + tuple(extra)) if extra else index
 
 
@@ -173,10 +173,13 @@ def finish(src: Source | None, where: str, report: RestoreReport | None) -> None
 
 def load(loc: Location, target: Any = None, *, partial: bool = False, rename: Rename | None = None,
          drop: Patterns | None = None, fill_missing: bool | Patterns = False,
-         report: RestoreReport | None = None, **kw: Any) -> Any:
-    """`_load.load` of a cairn checkpoint with the transforms (what `CheckpointManager.restore` runs)."""
-    src = open_source(loc, target, rename=rename, drop=drop, fill_missing=fill_missing) if wanted(
-        rename, drop, fill_missing) else None
+         report: RestoreReport | None = None, format: str | None = None, **kw: Any) -> Any:
+    """`_load.load` of a checkpoint with the transforms (what `CheckpointManager.restore` runs).
+
+    `format`: another format's checkpoint (an Orbax step of the run) read as a source.
+    """
+    src = open_source(loc, target, format=format, rename=rename, drop=drop, fill_missing=fill_missing) if (
+        wanted(rename, drop, fill_missing) or format not in (None, "cairn")) else None
     out = _load.load(loc, target, partial=partial, source=src, **kw)
     finish(src, loc.path, report)
     return out

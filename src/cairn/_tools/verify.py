@@ -305,6 +305,49 @@ def _describe_leaf(leaf: fmt.Leaf) -> str:
     return f"{leaf.kind} {text if len(text) <= 40 else text[:37] + '...'}"
 
 
+class _Side:
+    """One checkpoint of a diff, of any format `cairn.load` reads: its leaves by full key path, and its bytes.
+
+    A cairn checkpoint's reads verify their checksums; another format's are read
+    as a load reads them (a `Source`: byte ranges, or tensorstore for Orbax).
+    Full key paths (the checkpointable's name first) let a checkpoint of named
+    checkpointables be compared with one tree holding the same keys (Orbax's
+    ``StandardCheckpointer`` output against ``cairn.save(p, {"params": ...})``).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], storage_options: dict | None):
+        from .._errors import CheckpointNotFoundError
+        from .._interop.sources import open_source
+
+        self.src: Any = None
+        try:
+            self.ck: Any = open_checkpoint(path, storage_options)
+            indexes = self.ck.indexes
+        except CheckpointNotFoundError as e:
+            self.src = open_source(resolve(path, storage_options), None, missing=e)
+            indexes = self.src.indexes
+        self.format = "cairn" if self.src is None else self.src.format.name
+        self.leaves: dict[str, tuple[str, fmt.Leaf]] = {}
+        for name, index in indexes.items():
+            for leaf in index.leaves:
+                self.leaves[display_path(leaf.path, name)] = (name, leaf)
+        self._indexes = indexes
+        self._readers: dict[str, Any] = {}
+
+    def read(self, item: str, leaf: fmt.ArrayLeaf, box: Any, pool: ThreadPoolExecutor) -> np.ndarray:
+        r = self._readers.get(item)
+        if r is None:
+            from .._load.reader import LoadStats
+
+            r = self._readers[item] = (make_reader(self.ck, item, pool) if self.src is None else
+                                       self.src.reader(item, self._indexes[item], False, pool, LoadStats()))
+        return read_box(r, leaf, box, pool) if self.src is None else self.src.format.read_box(r, leaf, box, pool)
+
+    def close(self) -> None:
+        for r in self._readers.values():
+            r.close()
+
+
 def diff(
     a: str | os.PathLike[str],
     b: str | os.PathLike[str],
@@ -313,36 +356,35 @@ def diff(
     threads: int = 4,
     storage_options: dict | None = None,
 ) -> list[DiffEntry]:
-    """Compare checkpoints `a` and `b` per key path (values compared bitwise)."""
-    ca, cb = open_checkpoint(a, storage_options), open_checkpoint(b, storage_options)
+    """Compare checkpoints `a` and `b` per key path (values compared bitwise).
+
+    Either may be of any format `cairn.load` reads (Orbax, DCP, safetensors);
+    leaves are matched by their full key path, the checkpointable's name first.
+    """
+    sa, sb = _Side(a, storage_options), _Side(b, storage_options)
     out: list[DiffEntry] = []
     # Two slabs from each side, plus their read buffers, fit in the budget.
     slab = slab_bytes(budget_bytes // 2)
-    names = list(ca.indexes) + [n for n in cb.indexes if n not in ca.indexes]
-    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="cairn-diff") as pool:
-        for name in names:
-            la = {leaf.path: leaf for leaf in ca.indexes[name].leaves} if name in ca.indexes else {}
-            lb = {leaf.path: leaf for leaf in cb.indexes[name].leaves} if name in cb.indexes else {}
-            ra = make_reader(ca, name, pool) if name in ca.indexes else None
-            rb = make_reader(cb, name, pool) if name in cb.indexes else None
-            try:
-                for path in list(la) + [p for p in lb if p not in la]:
-                    x, y = la.get(path), lb.get(path)
-                    if y is None:
-                        out.append(DiffEntry(name, path, "only in A", _describe_leaf(x)))  # type: ignore[arg-type]
-                    elif x is None:
-                        out.append(DiffEntry(name, path, "only in B", _describe_leaf(y)))
-                    else:
-                        out.append(_compare(name, path, x, y, ra, rb, slab, pool))
-            finally:
-                for r in (ra, rb):
-                    if r is not None:
-                        r.close()
+    try:
+        with ThreadPoolExecutor(max(1, threads), thread_name_prefix="cairn-diff") as pool:
+            for full in list(sa.leaves) + [p for p in sb.leaves if p not in sa.leaves]:
+                x, y = sa.leaves.get(full), sb.leaves.get(full)
+                name, path = (x or y)[0], (x or y)[1].path  # type: ignore[index]
+                if y is None:
+                    out.append(DiffEntry(name, path, "only in A", _describe_leaf(x[1])))  # type: ignore[index]
+                elif x is None:
+                    out.append(DiffEntry(name, path, "only in B", _describe_leaf(y[1])))
+                else:
+                    out.append(_compare(name, path, x[1], y[1], lambda leaf, box, it=x[0]: sa.read(it, leaf, box, pool),
+                                        lambda leaf, box, it=y[0]: sb.read(it, leaf, box, pool), slab))
+    finally:
+        sa.close()
+        sb.close()
     return out
 
 
-def _compare(name: str, path: str, x: fmt.Leaf, y: fmt.Leaf, ra: Any, rb: Any, slab: int,
-             pool: ThreadPoolExecutor) -> DiffEntry:
+def _compare(name: str, path: str, x: fmt.Leaf, y: fmt.Leaf, ra: Callable[..., np.ndarray],
+             rb: Callable[..., np.ndarray], slab: int) -> DiffEntry:
     dx, dy = _describe_leaf(x), _describe_leaf(y)
     if isinstance(x, fmt.ValueLeaf) or isinstance(y, fmt.ValueLeaf):
         if isinstance(x, fmt.ValueLeaf) and isinstance(y, fmt.ValueLeaf) and x.kind == y.kind:
@@ -355,7 +397,7 @@ def _compare(name: str, path: str, x: fmt.Leaf, y: fmt.Leaf, ra: Any, rb: Any, s
     n_diff, max_abs, nan_mismatch = 0, 0.0, False
     numeric = x.kind == "array" and x.dtype.kind in "biufcV"
     for box in slab_boxes(x.shape, x.dtype.itemsize, slab):
-        sa, sb = read_box(ra, x, box, pool), read_box(rb, y, box, pool)
+        sa, sb = ra(x, box), rb(y, box)
         # Element-wise bitwise comparison (exact, whatever the dtype).
         ua = sa.reshape(-1).view(np.uint8).reshape(-1, x.dtype.itemsize)
         ub = sb.reshape(-1).view(np.uint8).reshape(-1, x.dtype.itemsize)

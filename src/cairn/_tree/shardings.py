@@ -9,8 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from .._core.boxes import Box
 from .._core.memo import Memo
-from .._plan.chunking import Box
 
 
 def slices_to_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
@@ -88,6 +88,33 @@ def _named(sharding: Any, shape: tuple[int, ...]) -> tuple[tuple[Any, ...], np.n
 
 
 _placement_cache: Memo[tuple[list[Box], dict[Box, list[Any]]]] = Memo()
+
+
+def misfit(sharding: Any, shape: tuple[int, ...]) -> str | None:
+    """Why `sharding` cannot lay out an array of `shape` (None if it can), in words for an error.
+
+    JAX decides (a JAX that allows uneven shards allows them here too); its
+    own errors (``IndivisibleError``, an ``IndexError`` for a PartitionSpec
+    longer than the array) name neither the checkpoint nor the leaf, so the
+    caller adds both, and a NamedSharding's misfit is said in its terms.
+    """
+    spec, mesh = getattr(sharding, "spec", None), getattr(sharding, "mesh", None)
+    if spec is not None and len(spec) > len(shape):
+        return (f"its PartitionSpec {spec} names {len(spec)} dimension{'s' if len(spec) != 1 else ''}, but "
+                f"the array has {len(shape)} (shape {shape})")
+    try:
+        sharding.shard_shape(tuple(shape))
+    except Exception as e:  # JAX refuses this shape
+        if spec is not None and mesh is not None:
+            sizes = dict(mesh.shape)
+            for dim, (n, entry) in enumerate(zip(shape, spec)):
+                axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+                ways = int(np.prod([sizes.get(a, 1) for a in axes])) if axes else 1
+                if ways > 1 and n % ways:
+                    return (f"its PartitionSpec {spec} splits dimension {dim} (size {n}, shape {shape}) {ways} "
+                            f"ways (mesh axes {', '.join(map(repr, axes))}), which does not divide it")
+        return f"JAX cannot lay out shape {shape} with it: {e}"
+    return None
 
 
 def addressable_boxes(sharding: Any, shape: tuple[int, ...]) -> tuple[list[Box], dict[Box, list[Any]]]:
@@ -243,3 +270,28 @@ def device_copy(a: Any) -> Any:
     import jax.numpy as jnp
 
     return jnp.array(a, copy=True)
+
+
+def concrete_sharding(sharding: Any, where: str) -> Any:
+    """`sharding`, or where it is laid over an abstract mesh (what ``jax.eval_shape`` gives under a
+    mesh with Explicit axes), the same spec over the concrete mesh set with ``jax.set_mesh``.
+
+    An abstract mesh names no devices, so without a matching concrete mesh in scope there is
+    nowhere to put the array: that is a `MismatchError` naming `where` and what to do.
+    """
+    import jax
+
+    mesh = getattr(sharding, "mesh", None)
+    abstract = getattr(jax.sharding, "AbstractMesh", None)
+    if mesh is None or abstract is None or not isinstance(mesh, abstract):
+        return sharding
+    get_mesh = getattr(jax.sharding, "get_mesh", None)
+    current = get_mesh() if get_mesh is not None else None
+    if current is not None and not current.empty and current.abstract_mesh == mesh:
+        return jax.sharding.NamedSharding(current, sharding.spec)
+    from .._errors import MismatchError
+
+    raise MismatchError(
+        f"{where}: the target's sharding {sharding} is over an abstract mesh (jax.eval_shape under a mesh "
+        "with Explicit axes gives these), which names no devices; load inside `with jax.set_mesh(mesh):` "
+        "for that mesh, or give NamedSharding(mesh, spec) leaves")

@@ -1,0 +1,142 @@
+"""The load routes' cost model (`_plan.routes`): seconds per route, bandwidths, the choice."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from cairn._plan.estimate import estimate_reads
+from cairn._plan.routes import (
+    INTERCONNECT_DEFAULTS,
+    STORAGE_DEFAULTS,
+    Bandwidths,
+    Layout,
+    choose,
+    default_bandwidths,
+    received_elements,
+    resolve_bandwidths,
+)
+
+MESH = ("x", "y"), (2, 4)
+MIB = 1 << 20
+
+
+def _layout(*spec):
+    return Layout(*MESH, tuple(tuple(e) for e in spec))
+
+
+# Rows saved, columns wanted, 2 processes: the direct path rereads whole row chunks (2x the array),
+# the staged route reads each byte once and moves a quarter of it between processes.
+TARGET, STAGE = _layout((), ("x", "y")), _layout(("x", "y"), ())
+NBYTES = 1024 * MIB
+COSTS = {TARGET: (2 * NBYTES, 16), STAGE: (NBYTES, 8)}
+MOVED = {(STAGE, TARGET): NBYTES // 2}
+
+
+def _choose(bw, forced=False):
+    return choose(TARGET, (4096, 4096), NBYTES, COSTS.__getitem__, forced, moved=lambda a, b: MOVED[a, b],
+                  bandwidths=bw, processes=2)
+
+
+def test_slow_interconnect_and_fast_disk_read_directly():
+    plan = _choose(Bandwidths(storage_gbps=4.0, interconnect_gbps=1.0))
+    assert plan.kind == "direct" and plan.steps == () and plan.by == "seconds"
+    alts = {a.kind: a for a in plan.alternatives}
+    # direct: 1 GiB per process at 4 GB/s; staged: 0.5 GiB at 4 GB/s + 256 MiB at 1 GB/s.
+    assert alts["direct"].seconds == pytest.approx(NBYTES / 4e9)
+    assert alts["staged"].seconds == pytest.approx(NBYTES / 2 / 4e9 + NBYTES / 4 / 1e9)
+    assert alts["staged"].interconnect_bytes == NBYTES // 2 and alts["direct"].interconnect_bytes == 0
+
+
+def test_object_store_and_fast_interconnect_read_once():
+    plan = _choose(Bandwidths(storage_gbps=2.0, interconnect_gbps=100.0, request_ms=2.0))
+    assert plan.kind == "staged" and plan.read == STAGE and plan.steps == (TARGET,)
+    assert plan.cost == NBYTES and plan.interconnect == NBYTES // 2
+    assert plan.seconds == min(a.seconds for a in plan.alternatives)
+
+
+def test_requests_are_priced():
+    # Equal bytes, equal interconnect: the route with fewer requests wins on its latency alone.
+    costs = {TARGET: (NBYTES, 100_000), STAGE: (NBYTES, 8)}
+    plan = choose(TARGET, (4096, 4096), NBYTES, costs.__getitem__, False, moved=lambda a, b: 0,
+                  bandwidths=Bandwidths(2.0, 100.0, request_ms=1.0), processes=2)
+    assert plan.kind == "staged"
+    plan = choose(TARGET, (4096, 4096), NBYTES, costs.__getitem__, False, moved=lambda a, b: 0,
+                  bandwidths=Bandwidths(2.0, 100.0, request_ms=0.0), processes=2)
+    assert plan.kind == "direct"  # a tie in seconds: fewer collectives
+
+
+def test_read_once_true_still_forces_the_fewest_bytes_and_prices_them():
+    bw = Bandwidths(storage_gbps=4.0, interconnect_gbps=0.1)
+    plan = _choose(bw, forced=True)
+    assert plan.kind == "staged" and plan.by == "forced"
+    alts = {a.kind: a for a in plan.alternatives}
+    assert alts["staged"].seconds > alts["direct"].seconds  # slower, and taken because it was asked for
+
+
+def test_without_bandwidths_routes_are_chosen_by_bytes():
+    plan = _choose(None)
+    assert plan.kind == "staged" and plan.by == "bytes" and all(a.seconds is None for a in plan.alternatives)
+
+
+def test_defaults_per_backend_and_platform():
+    local_cpu = default_bandwidths("local", "cpu")
+    assert (local_cpu.storage_gbps, local_cpu.interconnect_gbps) == (STORAGE_DEFAULTS["local"][0],
+                                                                     INTERCONNECT_DEFAULTS["cpu"])
+    obj_gpu, obj_tpu = default_bandwidths("object", "gpu"), default_bandwidths("object", "tpu")
+    assert obj_gpu.storage_gbps < local_cpu.storage_gbps and obj_gpu.request_ms > local_cpu.request_ms
+    assert local_cpu.interconnect_gbps < local_cpu.storage_gbps < obj_gpu.interconnect_gbps <= obj_tpu.interconnect_gbps
+    assert obj_gpu.source == "default: object storage, gpu interconnect"
+    # The two regimes of the issue, from the defaults alone: CPU hosts read directly, an object store
+    # behind a GPU interconnect reads once.
+    assert _choose(local_cpu).kind == "direct" and _choose(obj_gpu).kind == "staged"
+
+
+def test_declared_bandwidths_override_the_defaults():
+    bw = resolve_bandwidths({"interconnect_gbps": 100}, "local", "cpu")
+    assert bw.interconnect_gbps == 100.0 and bw.storage_gbps == STORAGE_DEFAULTS["local"][0]
+    assert bw.source.startswith("declared interconnect_gbps;")
+    full = resolve_bandwidths({"storage_gbps": 1, "interconnect_gbps": 2, "request_ms": 0}, "object", "gpu")
+    assert (full.storage_gbps, full.interconnect_gbps, full.request_ms, full.source) == (1.0, 2.0, 0.0, "declared")
+    assert resolve_bandwidths(Bandwidths(3.0, 4.0), "object", "tpu").storage_gbps == 3.0
+    for bad in ({"storage": 1}, {"storage_gbps": 0}, {"interconnect_gbps": -1}, {"storage_gbps": "fast"},
+                {"request_ms": float("nan")}, [("storage_gbps", 1)]):
+        with pytest.raises(ValueError, match="bandwidths"):
+            resolve_bandwidths(bad, "local", "cpu")
+
+
+def test_received_elements_counts_each_device_less_what_its_process_holds():
+    # Two devices of a process want columns 0-2 and 2-4 of a 4x4 array; the process holds rows 0-2.
+    want = [((0, 4), (0, 2)), ((0, 4), (2, 4))]
+    assert received_elements(want, [((0, 2), (0, 4))]) == 8
+    assert received_elements(want, [((0, 4), (0, 4))]) == 0
+    # Replicas on two devices of one process each receive their copy.
+    assert received_elements([((0, 4), (0, 4))] * 2, [((0, 2), (0, 4))]) == 16
+
+
+def test_estimate_counts_requests():
+    grid = ((0, 8, 16), (0, 16))  # two row chunks of 8 x 16 float32 (512 bytes each)
+    nbytes, requests = estimate_reads(grid, 4, [((0, 16), (0, 16))], block_size=4096, verify=True)
+    assert (nbytes, requests) == (1024, 2)
+    assert estimate_reads(grid, 4, [((0, 16), (0, 16))], 4096, True, max_read=128) == (1024, 8)
+    assert estimate_reads(grid, 4, [], 4096) == (0, 0)
+
+
+def test_load_rejects_bad_bandwidths(tmp_path):
+    import cairn
+
+    cairn.save(tmp_path / "ck", {"a": np.arange(4)})
+    with pytest.raises(ValueError, match="unknown keys"):
+        cairn.load(tmp_path / "ck", bandwidths={"disk": 1})
+    assert cairn.load(tmp_path / "ck", bandwidths={"storage_gbps": 1})["a"].tolist() == [0, 1, 2, 3]
+
+
+def test_manager_restore_forwards_bandwidths(tmp_path):
+    import cairn
+
+    with cairn.CheckpointManager(tmp_path / "run") as mgr:
+        mgr.save(1, {"a": np.arange(4)})
+        mgr.wait()
+        assert mgr.restore(bandwidths={"interconnect_gbps": 100})["a"].tolist() == [0, 1, 2, 3]
+        with pytest.raises(ValueError, match="unknown keys"):
+            mgr.restore(bandwidths={"network": 1})
