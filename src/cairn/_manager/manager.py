@@ -82,6 +82,8 @@ class CheckpointManager(StepWatch):
 
     - `save_every`: `save` writes a step only when ``step % save_every == 0``
       (or with ``force=True``, or once preemption was detected).
+    - `compression`: as `cairn.save`'s, for every step (``"auto"``: on for
+      object stores, off on local disks; ``True``: a codec per leaf).
     - Retention (combined: a step survives if any rule keeps it; the newest
       committed step always survives; without any rule every step is kept):
       `max_to_keep` newest, every step divisible by `keep_every`, the
