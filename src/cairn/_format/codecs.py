@@ -4,7 +4,7 @@ Pure: no file or network I/O, no JAX. A block is at most one checksum block
 (cairn writes 1 MiB) of little-endian array bytes, always a whole number of
 elements; each is coded on its own so a range read of a chunk touches only the
 blocks it needs. The stored layouts are specified in docs/FORMAT.md (drafted
-in docs/codecs-draft.md); the codec library is `zstandard` (plain zstd frames,
+in docs/compression.md); the codec library is `zstandard` (plain zstd frames,
 so any zstd implementation decodes them).
 
 Codecs, by their stable names (recorded per leaf in the manifest):
@@ -73,7 +73,7 @@ def _plane_params() -> zstandard.ZstdCompressionParameters:
     # on exponent planes (2-3 bits of entropy a byte) level 1 spends its time finding short
     # matches that Huffman coding of the literals does better without; measured on trained
     # bf16/f32 states these settings compress 2-3x faster, decompress ~1.5x faster and store
-    # fewer bytes than level 1 (docs/codecs-draft.md).
+    # fewer bytes than level 1 (docs/compression.md).
     return zstandard.ZstdCompressionParameters(
         strategy=zstandard.STRATEGY_FAST, window_log=17, hash_log=6, chain_log=6, search_log=1,
         min_match=7, target_length=0, write_content_size=True, write_checksum=False,

@@ -79,7 +79,7 @@ STORAGE_DEFAULTS: dict[str, tuple[float, float]] = {
 
 #: Interconnect bandwidth (GB/s per process) per JAX platform. "cpu": XLA's CPU collectives over
 #: gloo (TCP), measured at tens to a few hundred MB/s per process on loopback
-#: (docs/routes-draft.md); "gpu": NVLink within a host and InfiniBand/RoCE between hosts;
+#: (docs/performance-routes.md); "gpu": NVLink within a host and InfiniBand/RoCE between hosts;
 #: "tpu": ICI. Accelerator figures are conservative per-host numbers, meant to be declared
 #: (`bandwidths=`) where they are known.
 INTERCONNECT_DEFAULTS: dict[str, float] = {

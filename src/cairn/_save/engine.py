@@ -418,7 +418,7 @@ def resolve_compression(compression: str | bool | None, storage: Any) -> str | N
 
     "auto" (the default) compresses on storage without an atomic rename (object
     stores, where bytes are money and time) and not on local disks, where the
-    codecs (about 1 GiB/s per core) are slower than the disk (docs/compression-draft.md).
+    codecs (about 1 GiB/s per core) are slower than the disk (docs/compression.md).
     True chooses per leaf; False, None and "none" store raw bytes.
     """
     if compression == "auto":
