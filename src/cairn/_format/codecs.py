@@ -137,7 +137,7 @@ def encode(codec: str, raw: Any, dtype: Any) -> bytes:
     if codec == "none":
         return u8.tobytes()
     if codec == "zstd":
-        return _compressor("zstd").compress(u8)
+        return _compressor("zstd").compress(u8.data)
     if codec == "planes":
         return _encode_planes(u8, dt.itemsize)
     raise ValueError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
@@ -265,7 +265,7 @@ def decode(codec: str, stored: Any, dtype: Any, raw_size: int, out: Any = None, 
     if not 0 <= raw_size <= MAX_BLOCK or raw_size % k:
         raise _corrupt(where, codec, f"has a raw size {raw_size} that is not a whole number of {dt} elements "
                                      f"up to {MAX_BLOCK}")
-    src = memoryview(stored).cast("B") if not isinstance(stored, np.ndarray) else memoryview(_as_u8(stored))
+    src = memoryview(stored).cast("B") if not isinstance(stored, np.ndarray) else _as_u8(stored).data
     if out is not None:
         dst = np.frombuffer(out, np.uint8) if not isinstance(out, np.ndarray) else out.reshape(-1).view(np.uint8)
         if dst.nbytes != raw_size:

@@ -203,7 +203,7 @@ def target_hollows(target: Any) -> set[str]:
         if "dict" in node:
             pairs = [(escape_key(str(k)), v) for k, v in node["dict"]]
         elif "list" in node or "tuple" in node:
-            pairs = [(str(i), v) for i, v in enumerate(node.get("list", node.get("tuple")))]
+            pairs = [(str(i), v) for i, v in enumerate(node.get("list", node.get("tuple")) or ())]
         elif "children" in node:
             keys = node.get("fields") or node.get("keys") or []
             pairs = [(escape_key(str(k)), v) for k, v in zip(keys, node["children"])]

@@ -190,7 +190,6 @@ def export_safetensors(
     """
     limit = parse_size(max_shard_size)
     check_names(names)
-    naming = names  # `names` below: the files
     if prng_keys not in PRNG_KEYS:
         raise ValueError(f"prng_keys must be one of {', '.join(PRNG_KEYS)}, got {prng_keys!r}")
     coord = coordinator or default_coordinator()
@@ -202,27 +201,27 @@ def export_safetensors(
     own_error: BaseException | None = None
     tensors: list[_Tensor] = []
     shards: list[list[int]] = []
-    names: list[str] = []
+    files: list[str] = []
     try:  # a failure anywhere, planning included, is published: nobody waits for this process in vain
         ck = open_checkpoint(path, storage_options)
-        tensors = _tensors(ck, item, rename, naming, prng_keys)
+        tensors = _tensors(ck, item, rename, names, prng_keys)
         if not tensors:
             raise CheckpointError(f"{ck.loc.path}: no arrays to export")
         shards = pack([t.leaf.nbytes for t in tensors], limit)
-        names = [SINGLE] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        files = [SINGLE] if len(shards) == 1 else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
                                                      for k in range(len(shards))]
         owner = assign([sum(tensors[i].leaf.nbytes for i in s) for s in shards], n)
         if not overwrite and (out.storage.exists(out.key(INDEX)) or out.storage.exists(out.key(SINGLE))):
             raise CheckpointExistsError(f"{out.path} already holds safetensors; pass overwrite=True to replace them")
         mine = [k for k in range(len(shards)) if owner[k] == me]
-        _write(ck, out, [[tensors[i] for i in shards[k]] for k in mine], [names[k] for k in mine],
+        _write(ck, out, [[tensors[i] for i in shards[k]] for k in mine], [files[k] for k in mine],
                budget_bytes, threads, progress)
     except BaseException as e:
         own_error = e
         status = {"ok": False, "error": error_record(e, me)}
     coord.publish(f"{base}/status/{me}", json.dumps(status).encode())
     if me == 0:
-        outcome = _finish(coord, base, seq, n, timeout, out, tensors, shards, names)
+        outcome = _finish(coord, base, seq, n, timeout, out, tensors, shards, files)
         coord.publish(f"{base}/outcome", json.dumps(outcome).encode())
     else:
         outcome = json.loads(fetch_from(coord, f"{base}/outcome", timeout, writer=0))
@@ -232,7 +231,7 @@ def export_safetensors(
         error = error_from_record(outcome["error"], f"exporting {os.fspath(path)} to {out.path} failed: "
                                                     f"{outcome['message']}")
         raise error
-    return [out.storage.describe(out.key(name)) for name in ([*names, INDEX] if len(names) > 1 else names)]
+    return [out.storage.describe(out.key(name)) for name in ([*files, INDEX] if len(files) > 1 else files)]
 
 
 def _write(ck: Any, out: Any, files: list[list[_Tensor]], names: list[str], budget: int, threads: int,

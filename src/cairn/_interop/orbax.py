@@ -309,7 +309,8 @@ def open_orbax(loc: Location) -> Orbax:
             # Orbax's manager reserves the item name for the metrics of `save(metrics=)`
             # (written when it tracks the best step): the step's metrics, not a checkpointable.
             metrics = _json_item(st, key, f"{loc.path}/{sub}")
-            step_meta = {**step_meta, "metrics": {p: v.value for p, v in metrics.values.items()}}
+            step_meta = {**step_meta, "metrics": {p: v.value for p, v in metrics.values.items()
+                                                  if isinstance(v, fmt.ValueLeaf)}}
             continue
         if st.exists(f"{key}/{METADATA}"):
             items[sub] = _pytree_item(st, key, f"{loc.path}/{sub}")

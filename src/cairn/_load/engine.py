@@ -296,7 +296,7 @@ def match_target(loc: Location, name: str, index: fmt.ItemIndex, target: Any, pa
         leaf = index.leaves[i]
         wanted[i] = want = _want_for(t, leaf, where, name) if isinstance(leaf, fmt.ArrayLeaf) else None
         if want is not None and want.sharding is not None and want.key_impl is None and (
-                why := misfit(want.sharding, leaf.shape)) is not None:
+                why := misfit(want.sharding, want.leaf.shape)) is not None:
             raise MismatchError(f"{where}: leaf {display_path(path, name)!r}: the target's sharding does not fit "
                                 f"the checkpoint's array: {why}")
         return t

@@ -275,10 +275,10 @@ class ChunkReader:
             reads = plan_leaf_reads(leaf, absolute, self.index.block_size, self.verify, max_read)
             files = {leaf.chunks[r.file][0] for r in reads}
         else:
-            reads = (whole_reads(leaf, self.index.block_size, self.verify, max_read)
+            whole = (whole_reads(leaf, self.index.block_size, self.verify, max_read)
                      if region is None and sharding is None else None)
-            if reads is None:
-                reads = self._plans.plan(leaf, absolute, self.index.block_size, self.verify, max_read)
+            reads = whole if whole is not None else self._plans.plan(
+                leaf, absolute, self.index.block_size, self.verify, max_read)
             files = {r.file for r in reads}
         for file in sorted(files):
             self._reader(file)  # checks the files first: a false size claim allocates nothing

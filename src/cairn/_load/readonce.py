@@ -295,7 +295,7 @@ def measure_interconnect(sharding: Any, coord: Coordinator, timeout: float) -> f
     src = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(axes))
     dst = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     x = jax.make_array_from_callback(shape, src, lambda idx: np.zeros(
-        tuple(len(range(*s.indices(n))) for s, n in zip(idx, shape)), np.float32))
+        [len(range(*s.indices(n))) for s, n in zip(idx or (), shape)], np.float32))
     jax.block_until_ready(jax.device_put(x, dst))  # compiles
     t0 = time.perf_counter()
     jax.block_until_ready(jax.device_put(x, dst))

@@ -270,7 +270,7 @@ def _pick(options: list[tuple[str, Layout, tuple[Layout, ...], int, int]], moved
         score = [(c.seconds, len(o[2])) for c, o in zip(costs, options)]
     else:
         score = [(c.storage_bytes, len(o[2])) for c, o in zip(costs, options)]
-    candidates = range(len(options))
+    candidates: Sequence[int] = range(len(options))
     if forced and len(options) > 1:  # read_once=True: a collective route wherever one reads fewer bytes
         fewer = [i for i in candidates if i > 0 and costs[i].storage_bytes < costs[0].storage_bytes]
         candidates = fewer or [0]

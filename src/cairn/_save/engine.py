@@ -161,7 +161,7 @@ class SaveJob:
                             f"{self.loc.path}: chunk {slot.cell} of "
                             f"{display_path(item.leaves[slot.leaf].path, item.name)!r} has {len(raw)} bytes, "
                             f"planned {slot.nbytes}")
-                    dtype = item.leaves[slot.leaf].dtype
+                    dtype = item.leaves[slot.leaf].dtype  # type: ignore[union-attr]  # slots are arrays
                     sizes, block_crcs = [], []
                     for enc in _encoded(code_pool, codec, raw, block, dtype):
                         sizes.append(len(enc))
@@ -443,6 +443,8 @@ def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
     from .._tree.leaves import ArraySource
 
     coord, me = job.coord, job.coord.process_index
+    fixed = job.compression
+    assert fixed is not None, "leaf codecs are chosen only for a compressed save"
     out: dict[str, dict[int, str]] = {}
     need: dict[int, list[tuple[str, int]]] = {}  # owner -> (item, leaf) this process writes and does not own
     for item in job.items:
@@ -453,8 +455,8 @@ def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
             if not isinstance(src, ArraySource):
                 continue
             owner = layout.writer[0]
-            if job.compression != "choose":
-                mine[i] = job.compression if i in written or owner == me else "none"
+            if fixed != "choose":
+                mine[i] = fixed if i in written or owner == me else "none"
             elif owner == me:
                 first = item.sources.get((i, 0))
                 mine[i] = _choose_leaf(job, first, src.dtype) if first is not None else "none"

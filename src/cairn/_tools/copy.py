@@ -133,7 +133,7 @@ def _plan(src: Location, raw_manifest: bytes) -> tuple[str, list[_File]]:
         files.append(_File(f"{info.dir}/{info.index}", len(raw), "index", data=raw))
         if index.table is not None:
             index.table.fetch_all()  # every record, checked; data checks need their offsets and CRCs
-        by_file: dict[int, list[tuple[int, int, Any, int]]] = {}
+        by_file: dict[int, list[tuple[int, int, Any, int, tuple[int, ...]]]] = {}
         for leaf in index.leaves:
             if isinstance(leaf, fmt.ArrayLeaf):
                 for cell, (fi, off) in enumerate(leaf.chunks):

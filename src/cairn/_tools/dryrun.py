@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
@@ -465,7 +466,7 @@ class _Process:
                    [box])
         return None
 
-    def waves(self, waves: list[list[Any]]) -> None:
+    def waves(self, waves: Sequence[list[Any]]) -> None:
         """`_load._run_wave` for each wave: every unit's blocks held at once, plus open gathers."""
         gathers: dict[int, int] = {}
         for wave in waves:
