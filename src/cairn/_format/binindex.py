@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from .._core.checksum import crc32c
+from .._core.memo import Memo
 from .._errors import corrupt
 from .partfile import (
     HEADER_BYTES,
@@ -405,7 +406,7 @@ def parse_parts(d: dict[str, Any], file_sizes: list[int], where: str, version: i
     return ChunkTable(parts, processes, file_sizes, where, version)
 
 
-_cell_bytes_cache: dict[tuple[Any, int], np.ndarray] = {}
+_cell_bytes_cache: Memo[np.ndarray] = Memo(limit=1024)
 
 
 def cell_bytes(grid: tuple[tuple[int, ...], ...], itemsize: int) -> np.ndarray:
@@ -416,9 +417,7 @@ def cell_bytes(grid: tuple[tuple[int, ...], ...], itemsize: int) -> np.ndarray:
         hit = np.array([itemsize], dtype=np.int64)
         for b in grid:
             hit = np.multiply.outer(hit, np.diff(np.asarray(b, dtype=np.int64))).reshape(-1)
-        if len(_cell_bytes_cache) > 1024:
-            _cell_bytes_cache.clear()
-        _cell_bytes_cache[key] = hit
+        _cell_bytes_cache.put(key, hit)
     return hit
 
 
@@ -438,6 +437,9 @@ class LazyChunks(Sequence[tuple[int, int]]):
             return [self[c] for c in range(*cell.indices(self.n))]
         if not 0 <= cell < self.n:
             raise IndexError(cell)
+        return self._cell(cell)
+
+    def _cell(self, cell: int) -> Any:
         f, off, _ = self.table.entry(self.leaf, cell)
         return f, off
 
@@ -456,11 +458,7 @@ class LazyStored(LazyChunks):
 
     __slots__ = ()
 
-    def __getitem__(self, cell: Any) -> Any:
-        if isinstance(cell, slice):
-            return [self[c] for c in range(*cell.indices(self.n))]
-        if not 0 <= cell < self.n:
-            raise IndexError(cell)
+    def _cell(self, cell: int) -> Any:
         return self.table.stored(self.leaf, cell)
 
 
@@ -469,11 +467,7 @@ class LazyCrcs(LazyChunks):
 
     __slots__ = ()
 
-    def __getitem__(self, cell: Any) -> Any:
-        if isinstance(cell, slice):
-            return [self[c] for c in range(*cell.indices(self.n))]
-        if not 0 <= cell < self.n:
-            raise IndexError(cell)
+    def _cell(self, cell: int) -> Any:
         return self.table.entry(self.leaf, cell)[2]
 
 

@@ -36,7 +36,7 @@ class At:
         return f"{self.base}: leaves[{self.i}]{shown}{self.tail}"
 
 
-_sizes: dict[tuple[tuple[tuple[int, ...], ...], int], list[int]] = {}
+_sizes: Memo[list[int]] = Memo(limit=1024)
 _checked: Memo[tuple[int, ...]] = Memo()
 
 
@@ -48,9 +48,7 @@ def cell_sizes(grid: tuple[tuple[int, ...], ...], itemsize: int) -> list[int]:
         for bounds in grid:
             hit = [s * (hi - lo) for s in hit for lo, hi in itertools.pairwise(bounds)]
         if len(hit) <= 1 << 16:
-            if len(_sizes) > 1024:
-                _sizes.clear()
-            _sizes[(grid, itemsize)] = hit
+            _sizes.put((grid, itemsize), hit)
     return hit
 
 

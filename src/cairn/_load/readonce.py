@@ -199,6 +199,12 @@ def _representative_devices(sharding: Any, shape: tuple[int, ...], process_of: P
     hit = _dev_cache.get((sharding, shape, process_of))
     if hit is not None:
         return hit
+    return _dev_cache.put((sharding, shape, process_of), _first_process_boxes(sharding, shape, process_of)[1])
+
+
+def _first_process_boxes(sharding: Any, shape: tuple[int, ...], process_of: ProcessOf | None,
+                         ) -> tuple[np.ndarray, tuple[Any, ...]]:
+    """Every device's process, and the boxes of the devices of the first device's process, in device order."""
     from .._tree.shardings import device_box_array
 
     devices, boxes, procs = device_box_array(sharding, shape)
@@ -206,10 +212,8 @@ def _representative_devices(sharding: Any, shape: tuple[int, ...], process_of: P
         procs = np.fromiter((process_of(d) for d in devices), np.int64, len(devices))
     mine = procs == procs[0]
     if isinstance(boxes, np.ndarray):
-        out = tuple(tuple(map(tuple, b)) for b in boxes[mine].tolist())
-    else:
-        out = tuple(b for b, m in zip(boxes, mine.tolist()) if m)
-    return _dev_cache.put((sharding, shape, process_of), out)
+        return procs, tuple(tuple(map(tuple, b)) for b in boxes[mine].tolist())
+    return procs, tuple(b for b, m in zip(boxes, mine.tolist()) if m)
 
 
 # ---------------------------------------------------------------------- bandwidths
@@ -400,17 +404,8 @@ def _representative(sharding: Any, shape: tuple[int, ...], process_of: ProcessOf
     hit = _rep_cache.get((sharding, shape, process_of))
     if hit is not None:
         return hit
-    from .._tree.shardings import device_box_array
-
-    devices, boxes, procs = device_box_array(sharding, shape)
-    if process_of is not None:
-        procs = np.fromiter((process_of(d) for d in devices), np.int64, len(devices))
-    mine = procs == procs[0]
-    if isinstance(boxes, np.ndarray):
-        held = frozenset(tuple(map(tuple, b)) for b in boxes[mine].tolist())
-    else:
-        held = frozenset(b for b, m in zip(boxes, mine.tolist()) if m)
-    return _rep_cache.put((sharding, shape, process_of), (len(np.unique(procs)), held))
+    procs, boxes = _first_process_boxes(sharding, shape, process_of)
+    return _rep_cache.put((sharding, shape, process_of), (len(np.unique(procs)), frozenset(boxes)))
 
 
 def _process(device: Any, process_of: ProcessOf | None) -> int:
