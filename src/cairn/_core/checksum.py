@@ -31,11 +31,12 @@ class BlockChecks:
     its bytes are still in cache and the other parts are still on the wire.
     `rest` then verifies the blocks no part held whole (those straddling two
     parts; all of them, for a reader that reports no parts). A mismatch raises
-    ``fail(check, computed crc)``.
+    ``fail(check, computed crc)``; a `fail` that returns None records the
+    mismatch itself and lets the checks go on (`cairn verify` lists every bad block).
     """
 
     def __init__(self, checks: Sequence[tuple[int, int, int]], segments: Sequence[Buffer], base: int,
-                 fail: Callable[[tuple[int, int, int], int], BaseException]):
+                 fail: Callable[[tuple[int, int, int], int], BaseException | None]):
         self.checks, self.segments, self.base, self.fail = checks, segments, base, fail
         self._starts = [c[0] for c in checks]
         # Where each segment starts (relative to `base`): a block finds its first segment by
@@ -61,8 +62,8 @@ class BlockChecks:
     def _verify(self, i: int) -> None:
         c = self.checks[i]
         got = self._crc(c[0] - self.base, c[1] - self.base)
-        if got != c[2]:
-            raise self.fail(c, got)
+        if got != c[2] and (error := self.fail(c, got)) is not None:
+            raise error
         self._done[i] = 1
 
     def _crc(self, start: int, end: int) -> int:

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from .._core.checksum import crc32c
+from .._core.checksum import BlockChecks, crc32c
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import manifest as fmt
 from .._format import values
@@ -65,7 +65,7 @@ class VerifyReport:
 
 
 @dataclass(frozen=True)
-class _Piece:
+class _Task:
     """One verification task: chunk bytes ``lo..hi`` (whole checksum blocks) of one leaf."""
 
     item: str
@@ -80,13 +80,14 @@ class _Piece:
 def bad_blocks(buf: Any, lo: int, hi: int, off: int, crcs: Sequence[int], block: int) -> list[str]:
     """What is wrong with chunk bytes ``lo..hi`` (whole checksum blocks, held in `buf`): one message per
     block whose CRC-32C is not the stored one in `crcs`. `off` is the chunk's offset in its file."""
-    bad = []
-    for b in range(lo // block, -(-hi // block)):
-        s, t = b * block - lo, min((b + 1) * block, hi) - lo
-        got = crc32c(buf[s:t])
-        if got != crcs[b]:
-            bad.append(f"block {b} (file bytes {off + lo + s}..{off + lo + t}) has CRC-32C {got:#010x}, "
-                       f"stored {crcs[b]:#010x}")
+    bad: list[str] = []
+
+    def note(c: tuple[int, int, int], got: int) -> None:
+        bad.append(f"block {c[0] // block} (file bytes {off + c[0]}..{off + c[1]}) has CRC-32C {got:#010x}, "
+                   f"stored {c[2]:#010x}")
+
+    checks = [(b * block, min((b + 1) * block, hi), crcs[b]) for b in range(lo // block, -(-hi // block))]
+    BlockChecks(checks, [buf], lo, note).rest()
     return bad
 
 
@@ -171,7 +172,7 @@ def verify(
     manifest, indexes, problems = plan_verify(loc)
     report = VerifyReport(loc.path, problems)
     lock = threading.Lock()
-    tasks: list[_Piece] = []
+    tasks: list[_Task] = []
     readers: list[Any] = []
     for name, index in indexes.items():
         info = manifest.items[name]
@@ -212,17 +213,17 @@ def verify(
                 if size == 0 or fi not in opened:
                     continue
                 if leaf.codec != "none":  # one task per chunk: its stored blocks, checked and decoded
-                    tasks.append(_Piece(name, index, leaf, cell, 0, size, opened[fi]))
+                    tasks.append(_Task(name, index, leaf, cell, 0, size, opened[fi]))
                     continue
                 # Pieces are whole blocks, so each block's CRC is checked within one task.
                 step = max(index.block_size, PIECE_BYTES // index.block_size * index.block_size)
                 for lo in range(0, size, step):
-                    tasks.append(_Piece(name, index, leaf, cell, lo, min(size, lo + step), opened[fi]))
+                    tasks.append(_Task(name, index, leaf, cell, lo, min(size, lo + step), opened[fi]))
     if on_total is not None:
         on_total(sum(t.hi - t.lo for t in tasks))
     bad_chunks: dict[tuple[str, str, int], list[str]] = {}
 
-    def check(task: _Piece) -> None:
+    def check(task: _Task) -> None:
         name, index, leaf, cell, lo, hi, reader = (
             task.item, task.index, task.leaf, task.cell, task.lo, task.hi, task.reader)
         _fi, off = leaf.chunks[cell]
