@@ -29,7 +29,8 @@ def _sharded(mesh8, n=8 * 4096, offset=0.0):
 
 
 def _fail_writes(monkeypatch, cls, marker):
-    """Make `cls.write` fail for keys containing `marker`, as a full disk would."""
+    """Make `cls.write` fail for keys containing `marker`, as a full disk would (a marker that is no
+    hex string: save tokens in file names are hex, and one may contain "bad")."""
     orig = cls.write
 
     def write(self, key, parts):
@@ -120,40 +121,40 @@ def test_stats_cover_each_phase(tmp_path, mesh8):
 
 
 def test_background_error_surfaces_from_result_log_and_next_save(tmp_path, monkeypatch, caplog):
-    _fail_writes(monkeypatch, LocalStorage, "bad")
+    _fail_writes(monkeypatch, LocalStorage, "nospace")
     x = np.arange(10)
     with caplog.at_level(logging.ERROR, logger="cairn"):
-        f = cairn.save_async(tmp_path / "bad", {"x": x})
+        f = cairn.save_async(tmp_path / "nospace", {"x": x})
         with pytest.raises(cairn.CheckpointError, match="No space left") as info:
             f.result(timeout=60)
-    assert str(tmp_path / "bad") in str(info.value)
-    assert any("background save" in r.message and "bad" in r.message for r in caplog.records)
-    assert not (tmp_path / "bad").exists(), "a failed save leaves nothing visible"
+    assert str(tmp_path / "nospace") in str(info.value)
+    assert any("background save" in r.message and "nospace" in r.message for r in caplog.records)
+    assert not (tmp_path / "nospace").exists(), "a failed save leaves nothing visible"
     # result() collected the error: the next save is not blocked by it.
     cairn.save_async(tmp_path / "ok1", {"x": x}).result(timeout=60)
 
     # Nobody collects this one: the next save raises it, once, and does not start.
-    cairn.save_async(tmp_path / "bad2", {"x": x})
+    cairn.save_async(tmp_path / "nospace2", {"x": x})
     _async._background.wait_all(60)
-    with pytest.raises(cairn.CheckpointError, match="earlier async save to .*bad2") as info:
+    with pytest.raises(cairn.CheckpointError, match="earlier async save to .*nospace2") as info:
         cairn.save_async(tmp_path / "ok2", {"x": x})
     assert "No space left" in str(info.value.__cause__)
     assert not (tmp_path / "ok2").exists()
     cairn.save_async(tmp_path / "ok2", {"x": x}).result(timeout=60)
     # The blocking save surfaces it too, and so does wait_all.
-    cairn.save_async(tmp_path / "bad3", {"x": x})
+    cairn.save_async(tmp_path / "nospace3", {"x": x})
     _async._background.wait_all(60)
-    with pytest.raises(cairn.CheckpointError, match="bad3"):
+    with pytest.raises(cairn.CheckpointError, match="nospace3"):
         cairn.save(tmp_path / "ok3", {"x": x})
-    cairn.save_async(tmp_path / "bad4", {"x": x})
-    with pytest.raises(cairn.CheckpointError, match="bad4"):
+    cairn.save_async(tmp_path / "nospace4", {"x": x})
+    with pytest.raises(cairn.CheckpointError, match="nospace4"):
         cairn.wait_all()
     cairn.wait_all()  # reported once
 
 
 def test_exception_collects_the_error(tmp_path, monkeypatch):
-    _fail_writes(monkeypatch, MemoryStorage, "bad")
-    f = cairn.save_async("memory://async-exc/bad", {"x": np.ones(3)})
+    _fail_writes(monkeypatch, MemoryStorage, "nospace")
+    f = cairn.save_async("memory://async-exc/nospace", {"x": np.ones(3)})
     assert isinstance(f.exception(timeout=60), OSError | cairn.CheckpointError)
     cairn.save_async("memory://async-exc/ok", {"x": np.ones(3)}).result(timeout=60)
 
