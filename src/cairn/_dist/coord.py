@@ -513,13 +513,7 @@ def agree(coord: Coordinator, prefix: str, mine: Any, timeout: float,
         msg = json.loads(fetch_from(coord, key, timeout, writer=0))
     else:
         try:
-            values = {0: json.loads(json.dumps(mine))}
-            if isinstance(coord, JaxCoordinator):
-                values.update({p: json.loads(v) for p, v in coord.collect(prefix, list(range(1, n)), timeout).items()})
-            else:
-                coord.publish(f"{prefix}/0", json.dumps(mine).encode())
-                values = gather_json(coord, prefix, n, timeout)
-            msg = {"ok": _decided(decide, values)}
+            msg = {"ok": _decided(decide, _primary_gathers(coord, prefix, mine, n, timeout))}
         except CoordinationError as e:
             msg = {"error": error_record(e, 0), "message": str(e)}
         coord.publish(key, json.dumps(msg).encode())
@@ -528,6 +522,17 @@ def agree(coord: Coordinator, prefix: str, mine: Any, timeout: float,
         raise error_from_record(msg["error"], msg["message"])
     out = msg["ok"]
     return {int(p): v for p, v in out.items()} if decide is None else out
+
+
+def _primary_gathers(coord: Coordinator, prefix: str, mine: Any, n: int, timeout: float) -> dict[int, Any]:
+    """On the primary: every process's JSON value under `prefix`, its own first (one blocking get per
+    process through JAX's client; a gather of the keys through any other coordinator)."""
+    values = {0: json.loads(json.dumps(mine))}
+    if isinstance(coord, JaxCoordinator):
+        values.update({p: json.loads(v) for p, v in coord.collect(prefix, list(range(1, n)), timeout).items()})
+        return values
+    coord.publish(f"{prefix}/0", json.dumps(mine).encode())
+    return gather_json(coord, prefix, n, timeout)
 
 
 def _agree_each(coord: Coordinator, prefix: str, mine: Any, timeout: float,
@@ -540,13 +545,7 @@ def _agree_each(coord: Coordinator, prefix: str, mine: Any, timeout: float,
         msg = json.loads(fetch_from(coord, f"{prefix}/decision/{me}", timeout, writer=0))
     else:
         try:
-            values = {0: json.loads(json.dumps(mine))}
-            if isinstance(coord, JaxCoordinator):
-                values.update({p: json.loads(v) for p, v in coord.collect(prefix, list(range(1, n)), timeout).items()})
-            else:
-                coord.publish(f"{prefix}/0", json.dumps(mine).encode())
-                values = gather_json(coord, prefix, n, timeout)
-            parts = decide(values)
+            parts = decide(_primary_gathers(coord, prefix, mine, n, timeout))
             msgs = {p: {"ok": parts[p]} for p in range(n)}
         except CoordinationError as e:
             msgs = {p: {"error": error_record(e, 0), "message": str(e)} for p in range(n)}

@@ -231,22 +231,16 @@ def verify(
         bad: list[str] = []
         if leaf.codec != "none":
             bad = _check_coded(leaf, cell, off, block, reader)
-            with lock:
-                report.bytes_checked += hi - lo
-                if bad:
-                    bad_chunks.setdefault((name, leaf.path, cell), []).extend(bad)
-            if progress is not None:
-                progress(hi - lo)
-            return
-        buf = np.empty(hi - lo, dtype=np.uint8)
-        try:
-            reader.read_into(off + lo, memoryview(buf))  # type: ignore[arg-type]
-        except EOFError:
-            bad.append(f"bytes {off + lo}..{off + hi} lie past the end of the file")
-        except OSError as e:
-            bad.append(f"reading bytes {off + lo}..{off + hi} failed: {e}")
         else:
-            bad.extend(bad_blocks(buf, lo, hi, off, leaf.crcs[cell], block))
+            buf = np.empty(hi - lo, dtype=np.uint8)
+            try:
+                reader.read_into(off + lo, memoryview(buf))  # type: ignore[arg-type]
+            except EOFError:
+                bad.append(f"bytes {off + lo}..{off + hi} lie past the end of the file")
+            except OSError as e:
+                bad.append(f"reading bytes {off + lo}..{off + hi} failed: {e}")
+            else:
+                bad.extend(bad_blocks(buf, lo, hi, off, leaf.crcs[cell], block))
         with lock:
             report.bytes_checked += hi - lo
             if bad:
