@@ -18,6 +18,7 @@ import cairn
 from cairn._save import future as _async
 from cairn._storage.local import LocalStorage
 from cairn._storage.memory import MemoryStorage
+from cairn._tree import shardings
 
 _PROCS = os.path.join(os.path.dirname(__file__), "_procs")
 
@@ -57,14 +58,23 @@ def _hold_writes(monkeypatch):
     return go
 
 
+@pytest.mark.parametrize("to_host", [None, "pinned"])
 @pytest.mark.parametrize("budget", [None, 0, 3 * 8 * 4096])
-def test_donating_step_right_after_save_async(tmp_path, mesh8, monkeypatch, budget):
+def test_donating_step_right_after_save_async(tmp_path, mesh8, monkeypatch, budget, to_host):
     """The checkpoint holds the values at save time although the step donates them.
 
     budget None: everything is copied to host; 0: every shard is protected by
     an on-device copy; in between: some of each. The writes are held back
     until the donating steps have run, so they cannot win a race by luck.
+    to_host: None takes the CPU path (host views copied into slabs);
+    "pinned" treats the CPU devices as an accelerator's, so the snapshot's
+    device-to-host transfers into pinned host memory (`start_to_host`) are
+    what protects the values. (Its "cpu" method cannot be tried here: onto
+    the CPU backend from a CPU device, JAX aliases the buffer.)
     """
+    if to_host is not None:
+        monkeypatch.setattr(shardings, "on_cpu", lambda a: False)
+        monkeypatch.setattr(shardings, "TO_HOST", to_host)
     step = jax.jit(lambda w, b: (w * 2.0 + 1.0, b - 1), donate_argnums=(0, 1))
     w, b = _sharded(mesh8), _sharded(mesh8, offset=7.0).astype(jnp.int32)
     jax.block_until_ready(step(w.copy(), b.copy()))  # compile before the save
@@ -88,6 +98,21 @@ def test_donating_step_right_after_save_async(tmp_path, mesh8, monkeypatch, budg
         assert f.stats.snapshot_bytes <= budget
         assert f.stats.snapshot_bytes + f.stats.device_copy_bytes == total
         assert f.stats.device_copy_bytes > 0
+
+
+def test_start_to_host_copies_outlive_the_arrays():
+    xs = [jnp.arange(1000, dtype=jnp.float32) + i for i in range(3)]
+    want = [np.asarray(x).copy() for x in xs]
+    ys = [x.copy() for x in xs]
+    hosts = shardings.start_to_host(ys, "pinned")
+    for y in ys:
+        y.delete()
+    for h, w in zip(hosts, want):
+        np.testing.assert_array_equal(np.asarray(h), w)
+    for h, w in zip(shardings.start_to_host(xs, "cpu"), want):  # (on a CPU device, the same buffer)
+        np.testing.assert_array_equal(np.asarray(h), w)
+    with pytest.raises(ValueError, match="unknown device-to-host method 'nope'"):
+        shardings.start_to_host(xs, "nope")
 
 
 def test_updates_and_deletes_after_save_async(tmp_path, mesh8, monkeypatch):

@@ -22,8 +22,10 @@ Where the time goes, and what is done about it:
   half of the bytes in one go (numpy releases the GIL while it copies): no
   hand-off per chunk, which a state of thousands of small chunks would pay
   thousands of times.
-- Chunks on an accelerator start their device-to-host transfers in one
-  batched `jax.device_put`, not one call per chunk.
+- Chunks on an accelerator start all their device-to-host transfers in one
+  batched ``device_put`` into pinned host memory (`start_to_host`), as Orbax
+  does on GPUs. The method before, a batched ``device_put`` onto the CPU
+  backend, ran at 0.6-2 GiB/s on an H200 (docs/performance-gpu.md).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ SLAB_BYTES = 8 << 20
 
 def snapshot(job: Any, budget_bytes: int | None = None) -> None:
     """Protect the chunks of `job` (a `_save.SaveJob`), filling `job.stats` and `job.pooled`."""
-    from .._tree.shardings import device_copy, on_cpu
+    from .._tree.shardings import device_copy, on_cpu, start_to_host
 
     t0 = time.perf_counter()
     used = device_bytes = 0
@@ -75,12 +77,9 @@ def snapshot(job: Any, budget_bytes: int | None = None) -> None:
                     to_host.append((item, key, src))
     hosts: Iterator[Any] = iter(())
     if to_host:
-        import jax
-
-        # The transfers make fresh host arrays (the copy): one call starts all of them, and
-        # they run while the host-visible chunks are copied below.
-        flat = [p for _, _, a in to_host for p in (a.parts if type(a) is Concat else [a])]
-        hosts = iter(jax.device_put(flat, jax.devices("cpu")[0]))
+        # The transfers make fresh host arrays (the copy): all of them start here, and they
+        # run while the host-visible chunks are copied below.
+        hosts = iter(start_to_host([p for _, _, a in to_host for p in (a.parts if type(a) is Concat else [a])]))
     _copy(job, host)
     for item, key, a in to_host:
         if type(a) is Concat:  # a merged chunk: its pieces one after another along axis 0

@@ -241,15 +241,50 @@ def _spec_entry(p: Any) -> Any:
 def host_view(a: Any) -> np.ndarray:
     """A host numpy view of single-device array `a`; zero-copy on CPU.
 
-    On an accelerator the bytes are copied into a CPU jax.Array first, so that
-    the host copy is freed as soon as the caller drops it (numpy views of
-    device arrays are cached on the array for its whole life).
+    On an accelerator the bytes are copied into a new host array first
+    (`start_to_host`), so that the host copy is freed as soon as the caller
+    drops it (numpy views of device arrays are cached on the array for its
+    whole life).
     """
     if on_cpu(a):
         return np.asarray(a)
+    return np.asarray(start_to_host([a])[0])
+
+
+#: How accelerator chunks come to host memory (see `start_to_host`); benchmarks.gpu_save compares them.
+TO_HOST = "pinned"
+
+
+def start_to_host(arrays: list[Any], method: str | None = None) -> list[Any]:
+    """Start device-to-host copies of single-device `arrays`, all before any is waited for; each
+    result gives a host copy to ``np.asarray`` (which waits for its transfer) that no later
+    donation or deletion of the array can change.
+
+    - ``"pinned"`` (the default): one batched ``device_put`` into each device's pinned host memory
+      (``memory_kind="pinned_host"``): DMA at the link's speed, into new arrays that are freed
+      with the snapshot. Where the platform has no pinned host memory, as ``"cpu"``.
+    - ``"cpu"``: one batched ``device_put`` onto the CPU backend.
+    - ``"async"``: ``copy_to_host_async`` on each array. For measurement only: JAX keeps the host
+      value on the array for the array's life, so the caller's arrays would hold a host copy.
+    """
     import jax
 
-    return np.asarray(jax.device_put(a, jax.devices("cpu")[0]))
+    method = method or TO_HOST
+    if not arrays:
+        return []
+    if method == "async":
+        for a in arrays:
+            a.copy_to_host_async()
+        return arrays
+    if method == "pinned":
+        try:
+            pinned = [jax.sharding.SingleDeviceSharding(a.device, memory_kind="pinned_host") for a in arrays]
+            return list(jax.device_put(arrays, pinned))
+        except (ValueError, TypeError, RuntimeError, NotImplementedError):  # no pinned host memory here
+            pass
+    elif method != "cpu":
+        raise ValueError(f"unknown device-to-host method {method!r}")
+    return list(jax.device_put(arrays, jax.devices("cpu")[0]))
 
 
 _cpu: Memo[bool] = Memo()

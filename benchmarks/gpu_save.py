@@ -1,0 +1,168 @@
+"""Compression's effect on a save from device memory, and Orbax beside it, on one accelerator.
+
+    python -m benchmarks.gpu_save [--gib 1] [--reps 3] [--json out.json]
+
+Run where JAX sees a GPU (or TPU); on CPU it runs too, as a rehearsal. The state is
+`benchmarks.trained_state.make_state` (bf16 parameters with f32 AdamW moments, a small
+GPT-like model after training steps: what compression meets in practice), built on the
+host and put on the first device. Then, settings interleaved per repetition so a change
+in the machine hits them alike:
+
+- the raw device-to-host copy of a fresh copy of the whole state by each of the snapshot's
+  methods (`cairn._tree.shardings.start_to_host`: pinned host memory, the CPU backend,
+  ``copy_to_host_async``), waited for with ``np.asarray``;
+- for each storage (a local folder; the in-process ``memory://`` object store) and each
+  ``compression=`` (False: raw blocks; True: a codec per leaf by measurement), and each
+  writer thread count (and, for the raw local save, each device-to-host method):
+  ``save_async``'s blocking time (what training waits for: the
+  device-to-host snapshot) and its total time, a blocking ``save``, and a ``load`` back
+  onto the device (decode included), with bytes written and read;
+- Orbax's ``StandardCheckpointer`` (its default zstd) saving and restoring the same state
+  on the local folder, with its bytes on disk.
+
+Medians over the repetitions; every repetition is kept in the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from typing import Any
+
+import jax
+import numpy as np
+
+import cairn
+from benchmarks.trained_state import make_state, raw_bytes
+from cairn._tree import shardings
+
+MiB = 1 << 20
+GiB = float(1 << 30)
+
+
+def _ready(tree: Any) -> Any:
+    return jax.block_until_ready(tree)
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def _cairn_round(path: str, state: Any, target: Any, compression: Any, threads: int, to_host: str) -> dict[str, float]:
+    shardings.TO_HOST = to_host
+    t0 = time.perf_counter()
+    fut = cairn.save_async(path, state, compression=compression, overwrite=True, threads=threads)
+    blocking = time.perf_counter() - t0
+    done = fut.result()
+    async_total = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    saved = cairn.save(path, state, compression=compression, overwrite=True, threads=threads)
+    save_s = time.perf_counter() - t0
+    ls = cairn.LoadStats()
+    t0 = time.perf_counter()
+    _ready(cairn.load(path, target, stats=ls))
+    load_s = time.perf_counter() - t0
+    return {"async_blocking_s": blocking, "async_snapshot_s": done.snapshot_s, "async_total_s": async_total,
+            "save_s": save_s, "load_s": load_s, "bytes_written": saved.bytes_written, "bytes_read": ls.bytes_read}
+
+
+def _orbax_round(path: str, state: Any, target: Any) -> dict[str, float]:
+    import orbax.checkpoint as ocp
+
+    shutil.rmtree(path, ignore_errors=True)
+    ckptr = ocp.StandardCheckpointer()
+    t0 = time.perf_counter()
+    ckptr.save(path, state)
+    blocking = time.perf_counter() - t0
+    ckptr.wait_until_finished()
+    save_s = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    _ready(ckptr.restore(path, target))
+    load_s = time.perf_counter() - t0
+    ckptr.close()
+    return {"async_blocking_s": blocking, "save_s": save_s, "load_s": load_s, "bytes_written": _dir_bytes(path)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=1.0, help="raw size of the state (GiB)")
+    ap.add_argument("--variant", default="bf16-f32")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", default="4,16", help="writer thread counts to run (comma separated)")
+    ap.add_argument("--to-host", default="pinned,cpu,async", help="device-to-host methods to compare")
+    ap.add_argument("--no-orbax", action="store_true")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+
+    dev = jax.devices()[0]
+    print(f"jax {jax.__version__}, device {dev.platform}: {getattr(dev, 'device_kind', '')}; "
+          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}", flush=True)
+    t0 = time.perf_counter()
+    host = make_state(int(args.gib * GiB), args.variant)
+    raw = raw_bytes(host)
+    print(f"state: {args.variant}, {raw / MiB:.0f} MiB raw, built in {time.perf_counter() - t0:.0f} s", flush=True)
+    state = _ready(jax.device_put(host, dev))
+    del host
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
+
+    work = tempfile.mkdtemp(prefix="cairn-gpu-", dir=args.workdir)
+    where = {"local": os.path.join(work, "ckpt"), "memory": f"memory://gpu-{uuid.uuid4().hex}/ckpt"}
+    threads = [int(t) for t in args.threads.split(",")]
+    methods = args.to_host.split(",")
+    cases = [(s, c, t, methods[0]) for s in where for c in (False, True) for t in threads]
+    cases += [("local", False, threads[0], m) for m in methods[1:]]
+    runs: dict[Any, list[dict[str, float]]] = {c: [] for c in cases}
+    runs["orbax"] = []
+    gets: dict[str, list[float]] = {m: [] for m in methods}
+    leaves = jax.tree.leaves(state)
+    try:
+        for rep in range(args.reps):
+            for m in methods:
+                fresh = _ready([x.copy() for x in leaves])  # arrays no host value is cached on yet
+                t0 = time.perf_counter()
+                for h in shardings.start_to_host(fresh, m):
+                    np.asarray(h)
+                gets[m].append(time.perf_counter() - t0)
+                del fresh
+            for case in cases:
+                runs[case].append(_cairn_round(where[case[0]], state, target, *case[1:]))
+            if not args.no_orbax:
+                runs["orbax"].append(_orbax_round(os.path.join(work, "orbax"), state, target))
+            print(f"round {rep + 1}/{args.reps} done", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    med = statistics.median
+    for m, ts in gets.items():
+        print(f"device-to-host of the whole state, {m}: median {med(ts):.3f} s ({raw / GiB / med(ts):.1f} GiB/s)")
+    print("\n| system | storage | compression | threads | to host | stored / raw | async blocking s | async total s | "
+          "save s | load s | save GiB/s | load GiB/s |\n" + "|---" * 12 + "|")
+    rows = []
+    for key, rs in runs.items():
+        if not rs:
+            continue
+        system, storage, comp, thr, how = ("orbax", "local", "zstd (default)", "", "") if key == "orbax" else ("cairn", *key)
+        row = {k: med(r[k] for r in rs) for k in rs[0]}
+        row.update(system=system, storage=storage, compression=comp, threads=thr, to_host=how, all=rs)
+        rows.append(row)
+        print(f"| {system} | {storage} | {comp} | {thr} | {how} | {row['bytes_written'] / raw:.3f} | "
+              f"{row['async_blocking_s']:.3f} | {row.get('async_total_s', float('nan')):.2f} | {row['save_s']:.2f} | "
+              f"{row['load_s']:.2f} | {raw / GiB / row['save_s']:.2f} | {raw / GiB / row['load_s']:.2f} |")
+    print(f"\nload average after: {os.getloadavg()[0]:.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"variant": args.variant, "raw_bytes": raw, "device": str(dev), "jax": jax.__version__,
+                       "cores": os.cpu_count(), "to_host_s": gets, "rows": rows}, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
