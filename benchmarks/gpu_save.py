@@ -17,6 +17,9 @@ in the machine hits them alike:
   ``save_async``'s blocking time (what training waits for: the
   device-to-host snapshot) and its total time, a blocking ``save``, and a ``load`` back
   onto the device (decode included), with bytes written and read;
+- the disk's floor: the same number of bytes written to 4 files by 4 threads, each fsync'd;
+- a raw local save with a snapshot budget (``--budget-mib``): the chunks past it are protected
+  by on-device copies that the writer threads bring to host one at a time;
 - Orbax's ``StandardCheckpointer`` (its default zstd) saving and restoring the same state
   on the local folder, with its bytes on disk.
 
@@ -39,6 +42,7 @@ import jax
 import numpy as np
 
 import cairn
+from benchmarks.systems import raw_write_parallel
 from benchmarks.trained_state import make_state, raw_bytes
 from cairn._tree import shardings
 
@@ -54,10 +58,12 @@ def _dir_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def _cairn_round(path: str, state: Any, target: Any, compression: Any, threads: int, to_host: str) -> dict[str, float]:
+def _cairn_round(path: str, state: Any, target: Any, compression: Any, threads: int, to_host: str,
+                 budget: int | None) -> dict[str, float]:
     shardings.TO_HOST = to_host
     t0 = time.perf_counter()
-    fut = cairn.save_async(path, state, compression=compression, overwrite=True, threads=threads)
+    fut = cairn.save_async(path, state, compression=compression, overwrite=True, threads=threads,
+                           snapshot_budget_bytes=budget)
     blocking = time.perf_counter() - t0
     done = fut.result()
     async_total = time.perf_counter() - t0
@@ -96,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", default="4,16", help="writer thread counts to run (comma separated)")
     ap.add_argument("--to-host", default="pinned,cpu,async", help="device-to-host methods to compare")
+    ap.add_argument("--budget-mib", type=int, default=256,
+                    help="also a raw local save with this snapshot budget (the rest protected by device copies)")
     ap.add_argument("--no-orbax", action="store_true")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
@@ -117,14 +125,19 @@ def main(argv: list[str] | None = None) -> int:
     where = {"local": os.path.join(work, "ckpt"), "memory": f"memory://gpu-{uuid.uuid4().hex}/ckpt"}
     threads = [int(t) for t in args.threads.split(",")]
     methods = args.to_host.split(",")
-    cases = [(s, c, t, methods[0]) for s in where for c in (False, True) for t in threads]
-    cases += [("local", False, threads[0], m) for m in methods[1:]]
+    cases: list[Any] = [(s, c, t, methods[0], None) for s in where for c in (False, True) for t in threads]
+    cases += [("local", False, threads[0], m, None) for m in methods[1:]]
+    if args.budget_mib:
+        cases.append(("local", False, threads[0], methods[0], args.budget_mib * MiB))
     runs: dict[Any, list[dict[str, float]]] = {c: [] for c in cases}
     runs["orbax"] = []
     gets: dict[str, list[float]] = {m: [] for m in methods}
     leaves = jax.tree.leaves(state)
+    floor = np.ones(raw, dtype=np.uint8)
+    floors: list[float] = []
     try:
         for rep in range(args.reps):
+            floors.append(raw_write_parallel(floor, [os.path.join(work, f"floor{i}") for i in range(4)]))
             for m in methods:
                 fresh = _ready([x.copy() for x in leaves])  # arrays no host value is cached on yet
                 t0 = time.perf_counter()
@@ -141,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(work, ignore_errors=True)
 
     med = statistics.median
+    print(f"raw write floor (4 files, 4 threads, fsync'd): median {med(floors):.2f} s "
+          f"({raw / GiB / med(floors):.2f} GiB/s)")
     for m, ts in gets.items():
         print(f"device-to-host of the whole state, {m}: median {med(ts):.3f} s ({raw / GiB / med(ts):.1f} GiB/s)")
     print("\n| system | storage | compression | threads | to host | stored / raw | async blocking s | async total s | "
@@ -149,7 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     for key, rs in runs.items():
         if not rs:
             continue
-        system, storage, comp, thr, how = ("orbax", "local", "zstd (default)", "", "") if key == "orbax" else ("cairn", *key)
+        system, storage, comp, thr, how, budget = (("orbax", "local", "zstd (default)", "", "", None) if key == "orbax"
+                                                   else ("cairn", *key))
+        how = f"{how}, budget {budget // MiB} MiB" if budget else how
         row = {k: med(r[k] for r in rs) for k in rs[0]}
         row.update(system=system, storage=storage, compression=comp, threads=thr, to_host=how, all=rs)
         rows.append(row)
@@ -160,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"variant": args.variant, "raw_bytes": raw, "device": str(dev), "jax": jax.__version__,
-                       "cores": os.cpu_count(), "to_host_s": gets, "rows": rows}, f, indent=1, default=str)
+                       "cores": os.cpu_count(), "to_host_s": gets, "raw_write_s": floors, "rows": rows}, f, indent=1, default=str)
     return 0
 
 
