@@ -42,6 +42,7 @@ import jax
 import numpy as np
 
 import cairn
+from benchmarks.measure import rss
 from benchmarks.systems import raw_write_parallel
 from benchmarks.trained_state import make_state, raw_bytes
 from cairn._tree import shardings
@@ -135,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     leaves = jax.tree.leaves(state)
     floor = np.ones(raw, dtype=np.uint8)
     floors: list[float] = []
+    rss_seen = [rss()]
+    print(f"process RSS before the first save: {rss_seen[0] / GiB:.2f} GiB", flush=True)
     try:
         for rep in range(args.reps):
             floors.append(raw_write_parallel(floor, [os.path.join(work, f"floor{i}") for i in range(4)]))
@@ -149,7 +152,8 @@ def main(argv: list[str] | None = None) -> int:
                 runs[case].append(_cairn_round(where[case[0]], state, target, *case[1:]))
             if not args.no_orbax:
                 runs["orbax"].append(_orbax_round(os.path.join(work, "orbax"), state, target))
-            print(f"round {rep + 1}/{args.reps} done", flush=True)
+            rss_seen.append(rss())
+            print(f"round {rep + 1}/{args.reps} done; process RSS {rss_seen[-1] / GiB:.2f} GiB", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -177,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"variant": args.variant, "raw_bytes": raw, "device": str(dev), "jax": jax.__version__,
-                       "cores": os.cpu_count(), "to_host_s": gets, "raw_write_s": floors, "rows": rows}, f, indent=1, default=str)
+                       "cores": os.cpu_count(), "to_host_s": gets, "raw_write_s": floors, "rss_bytes": rss_seen, "rows": rows}, f, indent=1, default=str)
     return 0
 
 
