@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -516,8 +516,9 @@ def _read_direct(items: list[_ItemLoad], where: str, budget: int, skip: set[tupl
 # ---------------------------------------------------------------------- metadata
 
 
-def metadata(loc: Location) -> Any:
-    """The stored tree with `ArrayMetadata` in place of arrays; reads no array data."""
+def metadata(loc: Location, per_process: Callable[[list[Any], Callable[[Any], Any]], Any] | None = None) -> Any:
+    """The stored tree with `ArrayMetadata` in place of arrays; reads no array data. A per-process node
+    is the list of every saved process's value, or what ``per_process(children, build)`` makes of it."""
     manifest = read_manifest(loc)
     out = {}
     for name, info in manifest.items.items():
@@ -532,7 +533,7 @@ def metadata(loc: Location) -> Any:
                 leaves.append(ArrayMetadata._of(leaf.shape, leaf.dtype, leaf.nbytes, leaf.sharding, leaf.kind))
             else:
                 leaves.append(leaf.value)
-        out[name] = unflatten(index.structure, leaves)
+        out[name] = unflatten(index.structure, leaves, per_process=per_process)
     return out[""] if manifest.root else out
 
 

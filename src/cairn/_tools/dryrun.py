@@ -41,7 +41,7 @@ from .._load.schedule import schedule
 from .._plan.reads import Read, is_c_contiguous, plan_reads
 from .._plan.routes import Bandwidths, resolve_bandwidths
 from .._storage.location import Location, resolve
-from .._tree.perprocess import LoadView
+from .._tree.perprocess import LoadView, leaf_numbers
 from .._tree.pytree import display_path
 from .._tree.shardings import WHOLE_PUT_BYTES, device_boxes
 from . import transforms as _transforms
@@ -97,6 +97,26 @@ class LeafRoute:
 
 
 @dataclass(frozen=True)
+class PerProcessRead:
+    """A ``cairn.PerProcess`` value in a `LoadPlan`: host-local, read by each process for itself.
+
+    `saved_by` processes saved one value each. Each loading process reads
+    ``"own"`` (its own value: as many processes load as saved) or ``"all"``
+    (every saved value: another process count, for ``reshard`` or a load
+    without a target).
+    """
+
+    path: str
+    saved_by: int
+    reads: str  # "own" | "all"
+
+    def __str__(self) -> str:
+        what = "its own" if self.reads == "own" else f"all {self.saved_by} saved values"
+        return (f"per-process value {self.path!r}: saved by {self.saved_by} process"
+                f"{'es' if self.saved_by != 1 else ''}, each process reads {what}")
+
+
+@dataclass(frozen=True)
 class LoadPlan:
     """What `cairn.load` would read and hold, per process: the result of `cairn.plan_load`.
 
@@ -122,6 +142,7 @@ class LoadPlan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     routes: tuple[LeafRoute, ...] = ()  # each sharded array leaf's route
     route_bandwidths: dict[str, Any] | None = None  # what the routes were priced with (None: not priced)
+    per_process: tuple[PerProcessRead, ...] = ()  # the cairn.PerProcess values the load reads
 
     @property
     def bytes_read(self) -> int:
@@ -139,6 +160,7 @@ class LoadPlan:
                 "bandwidth_gb_s": self.bandwidth, "seconds": self.seconds, "bytes_read": self.bytes_read,
                 "processes": [vars(p) for p in self.processes], "notes": list(self.notes),
                 "route_bandwidths": self.route_bandwidths, "routes": [r.to_json() for r in self.routes],
+                "per_process": [vars(r) for r in self.per_process],
                 "modelled": list(MODELLED), "not_modelled": list(NOT_MODELLED)}
 
     def __str__(self) -> str:
@@ -156,6 +178,7 @@ class LoadPlan:
         total = f"total: {human_bytes(self.bytes_read)} read ({self.bytes_read / max(self.array_bytes, 1):.2f}x the arrays)"
         lines.append(total + (f", about {self.seconds:.3g} s" if self.seconds is not None else ""))
         lines += self.route_lines()
+        lines += [str(r) for r in self.per_process]
         lines += [f"note: {n}" for n in self.notes]
         lines += [f"models: {m}" for m in MODELLED] + [f"does not model: {m}" for m in NOT_MODELLED]
         return "\n".join(lines)
@@ -290,7 +313,18 @@ def plan_load(
     return LoadPlan(loc.path, found, tuple(plans), len(arrays),
                     sum(leaf.nbytes for leaf in arrays if isinstance(leaf, fmt.ArrayLeaf)),
                     len(staged), len(waves), budget_bytes, bandwidth, routes=tuple(leaf_routes),
-                    route_bandwidths=priced.as_dict() if priced is not None else None)
+                    route_bandwidths=priced.as_dict() if priced is not None else None,
+                    per_process=tuple(_per_process_reads(items, n)))
+
+
+def _per_process_reads(items: list[_Item], n: int) -> list[PerProcessRead]:
+    """The per-process nodes the load reads (a target may leave one out: partial=True)."""
+    out = []
+    for it in items:
+        for path, subs in sorted(it.pp.nodes.items()):
+            if any(i in it.wanted for sub in subs for i in leaf_numbers(sub)):
+                out.append(PerProcessRead(display_path(path, it.name), len(subs), "own" if len(subs) == n else "all"))
+    return out
 
 
 def _leaf_route(path: str, shape: tuple[int, ...], r: Route, bw: Bandwidths | None) -> LeafRoute:
