@@ -138,6 +138,7 @@ def load(
     fill_missing: bool | Patterns = False,
     report: RestoreReport | None = None,
     stats: LoadStats | None = None,
+    mesh: Any = None,
 ) -> Any:
     """Load a checkpoint, whole or in part, onto any sharding.
 
@@ -156,6 +157,17 @@ def load(
 
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params)
         params = cairn.load("/ckpt/step_100", {"params": abstract})["params"]
+
+    `mesh` (a ``jax.sharding.Mesh``) restores onto the saved shardings: each
+    array the target gives no sharding (no target, a None leaf, an
+    `ArrayMetadata`, a ``ShapeDtypeStruct`` without one) comes back as a
+    ``jax.Array`` with its saved ``PartitionSpec`` over `mesh`, whose axes need
+    the saved names but may have other sizes (a ``MismatchError`` names the
+    leaf when an axis is missing or does not divide it). Arrays saved
+    without a ``NamedSharding`` come back replicated on `mesh`; numpy and
+    per-process values stay numpy::
+
+        state = cairn.load("/ckpt/step_100", mesh=jax.make_mesh((4, 2), ("data", "model")))
 
     Raises `CheckpointNotFoundError` if nothing is committed at `path`,
     `CorruptCheckpointError` if a checksum or the metadata is wrong, and
@@ -236,7 +248,7 @@ def load(
         raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
     opts = LoadOptions(partial=partial, verify=verify, threads=threads, read_once=read_once,
                        budget_bytes=budget_bytes, bandwidths=bandwidths, coordinator=coordinator, timeout=timeout,
-                       format=format, rename=rename, drop=drop, fill_missing=fill_missing)
+                       format=format, rename=rename, drop=drop, fill_missing=fill_missing, mesh=mesh)
     loc = resolve(path, storage_options)
     source = None
     if _transforms.wanted(rename, drop, fill_missing) or format not in (None, "cairn"):

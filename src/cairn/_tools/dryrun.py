@@ -240,6 +240,7 @@ def plan_load(
     rename: Rename | None = None,
     drop: Any = None,
     fill_missing: Any = False,
+    mesh: Any = None,
 ) -> LoadPlan:
     """What ``cairn.load(path, target, ...)`` would read and hold on every process, without reading data.
 
@@ -251,7 +252,8 @@ def plan_load(
     with `platform` ("cpu", "gpu", "tpu") choosing the interconnect's default
     (default: the target devices' platform, CPU for `cairn plan`'s virtual
     devices). `plan.routes` holds each sharded leaf's route with every
-    alternative's predicted seconds.
+    alternative's predicted seconds. `mesh` plans `load`'s restore onto
+    the saved shardings over that mesh.
 
     Example::
 
@@ -262,7 +264,7 @@ def plan_load(
     # The same options, checked the same way, as the load this plan predicts.
     opts = LoadOptions(partial=partial, verify=verify, threads=threads, read_once=read_once,
                        budget_bytes=budget_bytes, bandwidths=bandwidths, format=format, rename=rename, drop=drop,
-                       fill_missing=fill_missing)
+                       fill_missing=fill_missing, mesh=mesh)
     partial, verify, threads, read_once, budget_bytes = (opts.partial, opts.verify, opts.threads, opts.read_once,
                                                          opts.budget_bytes)
     loc = resolve(path, storage_options)
@@ -280,7 +282,7 @@ def plan_load(
     for name, item_target in _requests(loc, manifest, target):
         index = src.indexes[name] if src is not None else read_index(loc, manifest.items[name])
         pp = LoadView(index.structure, name, loc.path, 0, n)
-        wanted = _load.match_target(loc, name, index, item_target, partial, pp)
+        wanted = _load.match_target(loc, name, index, item_target, partial, pp, opts.mesh)
         verify_item = verify and (src is None or src.verify)
         items.append(_Item(name, index, item_target, wanted, SimpleNamespace(verify=verify_item), pp))
     process_of, devices = _process_map(items, processes)
@@ -305,7 +307,8 @@ def plan_load(
         sim = _Process(p, process_of, budget_bytes, threads, max_read, vectored,
                        run_limits(loc.storage.preferred_read))
         sim.direct([(it, it.wanted if not it.pp.nodes else _load.match_target(
-            loc, it.name, it.index, it.target, partial, LoadView(it.index.structure, it.name, loc.path, p, n)))
+            loc, it.name, it.index, it.target, partial, LoadView(it.index.structure, it.name, loc.path, p, n),
+            opts.mesh))
             for it in items], skip)
         sim.waves(waves)
         plans.append(ProcessPlan(p, devices.get(p, 0), sim.bytes, sim.requests, sim.peak + sim.scratch()))
