@@ -1,4 +1,4 @@
-"""The public functions on paths: save, save_async, load, metadata.
+"""The public functions on paths: save, save_async, load, metadata, user_metadata.
 
 A thin facade: each resolves the user's path into a `Location` and calls the
 engine on it (`_async` for saves, `_load` for loads), as `CheckpointManager`
@@ -18,6 +18,7 @@ from ._interop import sources as _sources
 from ._interop.sources import Rename
 from ._load import engine as _load
 from ._load.options import LoadOptions
+from ._run import steps as _steps
 from ._save import engine as _save
 from ._save import future as _async
 from ._storage.location import resolve
@@ -292,3 +293,21 @@ def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None, f
                 raise
             missing = e
     return _sources.metadata(loc, format, missing)
+
+
+def user_metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The user metadata saved with the checkpoint at `path`: the ``metadata=`` its save was given.
+
+    That is ``cairn.save(path, state, metadata=...)``'s dict; for a step of a
+    `CheckpointManager` run, ``mgr.save(step, state, metadata=...)``'s (as
+    ``mgr.metadata(step)``; the metrics are the manager's); for an Orbax
+    ``CheckpointManager`` step folder, its ``custom_metadata``. A checkpoint
+    saved without any gives ``{}``. Reads only the manifest. Raises
+    `CheckpointNotFoundError` if nothing is committed at `path`.
+
+    Example::
+
+        cairn.save("/ckpt/step_100", state, metadata={"data_epoch": 3, "git": "abc123"})
+        cairn.user_metadata("/ckpt/step_100")    # {"data_epoch": 3, "git": "abc123"}
+    """
+    return _steps.saved_metadata(resolve(path, storage_options))
