@@ -75,7 +75,7 @@ class StepNames:
     the format writes parses back (`parse`), so a folder the manager did not
     name is never taken for one of its steps.
 
-    Example::
+    Example:
 
         StepNames("{step}").name(100)    # "100"
     """

@@ -123,7 +123,7 @@ class LoadPlan:
     ``str(plan)`` is a table with what the figures model and what they do not.
     `bandwidth` is GB/s (10^9 bytes per second) per process, if one was given.
 
-    Example::
+    Example:
 
         plan = cairn.plan_load(path, target, processes=8, bandwidth=1.5)
         worst = max(plan.processes, key=lambda p: p.peak_host_bytes)
@@ -255,7 +255,7 @@ def plan_load(
     alternative's predicted seconds. `mesh` plans `load`'s restore onto
     the saved shardings over that mesh.
 
-    Example::
+    Example:
 
         plan = cairn.plan_load("/ckpt/step_100", {"params": abstract}, processes=64, bandwidth=2.0)
         print(plan)                 # per process: bytes, requests, peak host memory, time

@@ -72,7 +72,7 @@ class PerProcess:
     process. A `value` in a target is a template: the loaded value takes its
     containers.
 
-    Example::
+    Example:
 
         cairn.save(path, {"params": params, "data": cairn.PerProcess(iterator.get_state())})
         restored = cairn.load(path, {"params": abstract, "data": cairn.PerProcess()})
