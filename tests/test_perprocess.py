@@ -172,6 +172,9 @@ def test_a_load_without_a_target_on_another_count_returns_every_saved_value(save
         assert r["pos"] == [1, 11, 21] and r["config"] == {"lr": 0.5}, r  # old processes 0, 1, 2, on both
         assert r["same"] == [True, True, True, True], r
         assert r["mine"]["pos"] == 10 * p + 1 and r["mine"]["name"] == f"p{p}", r  # indexed by the saving process
+        # load(mesh=) across real processes: the saved P("x") over 2 processes' devices (24 elements: 12 each).
+        assert r["spec"] in ("P('x',)", "PartitionSpec('x',)") and r["index"] == [[12 * p, 12 * p + 12]], r
+        assert r["shard"] == [float(x) for x in range(12 * p, 12 * p + 12)], r
 
 
 def test_restore_in_one_process_of_a_three_process_checkpoint(saved_on_3):

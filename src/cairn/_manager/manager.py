@@ -533,7 +533,8 @@ class CheckpointManager(StepWatch):
 
         `target` is what `cairn.load` takes, e.g. ``{"params": abstract_params}``
         to read only that checkpointable; so are `transforms`: ``rename``,
-        ``drop``, ``fill_missing``, ``report`` and ``stats`` (a `cairn.LoadStats`, left
+        ``drop``, ``fill_missing``, ``report``, ``mesh`` (restore onto the saved
+        shardings over that mesh) and ``stats`` (a `cairn.LoadStats`, left
         empty when the local tier serves the restore). With ``fallback=True`` and no `step`, a
         checkpoint that fails verification (corrupt, or deleted meanwhile) is
         skipped, with a log line, for the next older one; `restored_step`
