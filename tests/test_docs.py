@@ -160,6 +160,23 @@ def test_api_pages_name_public_objects_only() -> None:
     assert not missing, f"public names without an API page: {sorted(missing)}"
 
 
+def test_public_docstrings_are_markdown_not_rst() -> None:
+    """The API pages render docstrings as Markdown: an RST literal-block marker (``Example::``) would
+    show as "Example::" there (the indented block after a single colon is already code)."""
+    import inspect
+
+    import cairn
+
+    found = []
+    for name in cairn.__all__:
+        obj = getattr(cairn, name)
+        members = [obj] + ([m for k, m in vars(obj).items() if not k.startswith("_")] if inspect.isclass(obj) else [])
+        for m in members:
+            doc = inspect.getdoc(m) if callable(m) or isinstance(m, property) else None
+            found += [f"{name}: {line.strip()}" for line in (doc or "").splitlines() if line.rstrip().endswith("::")]
+    assert not found, found
+
+
 @pytest.mark.slow
 def test_site_builds(tmp_path: Path) -> None:
     mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent))
@@ -169,3 +186,9 @@ def test_site_builds(tmp_path: Path) -> None:
     proc = subprocess.run([mkdocs, "build", "--strict", "--site-dir", str(tmp_path / "site")], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # The API pages show public names only: no private module paths in text, signatures or link titles.
+    for page in sorted((tmp_path / "site" / "api").glob("*/index.html")):
+        html = page.read_text()
+        private = sorted(set(re.findall(r"cairn\._\w+|\b_(?:save|async|load|api|run|core)\.\w+", html)))
+        assert not private, f"{page.parent.name}: {private}"
+        assert "::</p>" not in html, page.parent.name

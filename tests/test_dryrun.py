@@ -179,3 +179,19 @@ def test_plan_from_one_process_matches_each_process_of_a_real_load(tmp_path, loa
     plan = cairn.plan_load(tmp_path / "ck", t, processes=2)
     assert [p.bytes_read for p in plan.processes] == [r["bytes_read"] for r in out]
     assert plan.read_once_leaves == out[0]["read_once_leaves"]
+
+
+def test_cli_plan_onto_the_saved_shardings(tmp_path, capsys):
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    w = jax.device_put(np.zeros((1024, 512), np.float32), NamedSharding(mesh, P("data", "model")))  # 2 MiB
+    cairn.save(tmp_path / "ck", {"params": {"w": w, "host": np.arange(4)}})
+    assert _cli.main(["plan", str(tmp_path / "ck"), "--mesh", "data=2,model=4", "--sharding", "saved",
+                      "--processes", "2", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    # w is planned as a sharded array on the mesh's 2 x 4 devices (the host array as numpy: no route).
+    assert [p["devices"] for p in got["processes"]] == [4, 4]
+    assert all(p["bytes_read"] >= w.nbytes // 2 for p in got["processes"]), got["processes"]
+    assert [(r["path"], r["shape"]) for r in got["routes"]] == [("params/w", [1024, 512])]
+    assert _cli.main(["plan", str(tmp_path / "ck"), "--mesh", "x=8", "--sharding", "saved"]) == 1
+    err = capsys.readouterr().err
+    assert "leaf 'params/w' was saved with PartitionSpec" in err and "without 'data', 'model'" in err, err

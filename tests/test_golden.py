@@ -301,10 +301,13 @@ def test_metadata(name):
 
 @pytest.mark.parametrize("name", CHECKPOINTS)
 def test_user_metadata(name):
-    """The manifest's `metadata`, read as FORMAT.md §3 says (no public API returns it)."""
+    """The manifest's `metadata`, read as FORMAT.md §3 says, and by `cairn.user_metadata`."""
     manifest = json.loads((GOLDEN_ROOT / name / "manifest.json").read_bytes())
     assert manifest["format"] == "cairn" and manifest["version"] == int(name[1])
     assert manifest["metadata"] == USER_METADATA.get(_base(name), {})
+    manager = manifest["metadata"].get("cairn.manager")  # a manager's step: the user's part of its record
+    want = manager.get("user", {}) if manager is not None else manifest["metadata"]
+    assert cairn.user_metadata(GOLDEN_ROOT / name) == want
     assert manifest["root"] is _base(name).startswith("root_")
 
 

@@ -110,7 +110,7 @@ IO_MODULES = ("shutil", "tempfile", "socket", "obstore", "urllib.request", "http
 ZIP_WRITERS = ("zipfile.ZipFile", "zipfile.PyZipFile")
 
 
-# The public API, exactly (cairn.__all__ at commit 8b322df, plus export_safetensors). Changing it is an
+# The public API, exactly (cairn.__all__ at commit 8b322df, plus export_safetensors, user_metadata). Changing it is an
 # API change: update this list in the same commit, and the docs.
 PUBLIC_API = [
     "ArrayMetadata", "CheckpointError", "CheckpointExistsError", "CheckpointInfo", "CheckpointManager",
@@ -118,7 +118,8 @@ PUBLIC_API = [
     "CorruptCheckpointError", "KeepAll", "KeepAny", "KeepBest", "KeepEvery", "KeepIf", "KeepLatest",
     "KeepNewerThan", "KeepOnePer", "LoadPlan", "LoadStats", "LocalTier", "MismatchError",
     "PerProcess", "RestoreReport", "RetentionPolicy", "SaveFuture", "SaveStats", "StatsEvent", "UnsupportedTypeError", "__version__",
-    "add_listener", "copy", "export_orbax", "export_safetensors", "load", "metadata", "plan_load", "register_type", "release_snapshot_buffers", "remove_listener", "save", "save_async", "wait_all",
+    "add_listener", "copy", "export_orbax", "export_safetensors", "load", "metadata", "plan_load", "register_type", "release_snapshot_buffers", "remove_listener", "save", "save_async",
+    "user_metadata", "wait_all",
 ]
 
 

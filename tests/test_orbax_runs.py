@@ -171,6 +171,7 @@ def test_what_an_orbax_user_looks_for(tmp_path, mesh42):
     with cairn.CheckpointManager(run, handle_sigterm=False, keep_best=1, best_metric="loss",
                                  max_to_keep=1) as mgr:
         assert mgr.metadata(1) == {"epoch": 0}
+        assert cairn.user_metadata(run / "1") == {"epoch": 0}  # an Orbax step folder: its custom_metadata
         for step, loss in ((2, 0.5), (3, 0.9), (4, 0.7)):
             mgr.save(step, {"w": np.full(4, step, np.float32)}, metrics={"loss": loss},
                      metadata={"epoch": step, "tags": ["a"]})
@@ -179,6 +180,7 @@ def test_what_an_orbax_user_looks_for(tmp_path, mesh42):
         assert mgr.steps() == [2, 4] and mgr.best_step() == 2
         assert mgr.best_step("loss", "max") == 4
         assert mgr.metadata() == {"epoch": 4, "tags": ["a"]} and mgr.metadata(2)["epoch"] == 2
+        assert cairn.user_metadata(mgr.path(4)) == {"epoch": 4, "tags": ["a"]}  # not the manager's metrics
         mgr.delete(2)
         assert mgr.steps() == [4] and mgr.best_step() == 4
         with pytest.raises(cairn.CheckpointNotFoundError, match="step 2 has no committed checkpoint"):

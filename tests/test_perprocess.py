@@ -163,12 +163,54 @@ def test_restore_on_fewer_processes_needs_the_hook(saved_on_3):
         assert "cairn.PerProcess(reshard=fn)" in msg, msg
 
 
+def test_a_load_without_a_target_on_another_count_returns_every_saved_value(saved_on_3):
+    directory, _ = saved_on_3
+    path = os.path.join(directory, "declared")
+    out = run(2, f"{SCENARIOS}:load_other_count", {"path": path, "kind": "targetless"}, devices_per_process=1,
+              timeout=120)
+    for p, r in enumerate(out):
+        assert r["pos"] == [1, 11, 21] and r["config"] == {"lr": 0.5}, r  # old processes 0, 1, 2, on both
+        assert r["same"] == [True, True, True, True], r
+        assert r["mine"]["pos"] == 10 * p + 1 and r["mine"]["name"] == f"p{p}", r  # indexed by the saving process
+        # load(mesh=) across real processes: the saved P("x") over 2 processes' devices (24 elements: 12 each).
+        assert r["spec"] in ("P('x',)", "PartitionSpec('x',)") and r["index"] == [[12 * p, 12 * p + 12]], r
+        assert r["shard"] == [float(x) for x in range(12 * p, 12 * p + 12)], r
+
+
 def test_restore_in_one_process_of_a_three_process_checkpoint(saved_on_3):
     directory, _ = saved_on_3
     path = os.path.join(directory, "declared")
-    with pytest.raises(cairn.MismatchError, match="saved by 3 processes, and 1 is loading"):
-        cairn.load(path)
+    whole = cairn.load(path)  # without a target: the list of the three saved values
+    assert isinstance(whole["data"], list) and len(whole["data"]) == 3
+    for p, v in enumerate(whole["data"]):
+        _check(v, p)
+    assert whole["config"] == {"lr": 0.5}
+    # A PerProcess() target asks for this process's own value, which no process saved for a count of 1.
+    with pytest.raises(cairn.MismatchError, match=r"declared: 'data' holds per-process values saved by 3 processes, "
+                       r"and 1 is loading; give the target cairn.PerProcess\(reshard=fn\) there"):
+        cairn.load(path, {"data": cairn.PerProcess(), "config": None})
     got = cairn.load(path, {"data": cairn.PerProcess(reshard=lambda saved, i, n: saved), "config": None})
     for p, v in enumerate(got["data"].value):
         _check(v, p)
     assert got["config"] == {"lr": 0.5}
+
+
+def test_cairn_plan_plans_per_process_values_as_per_process_reads(saved_on_3, capsys):
+    from cairn._cli.main import main
+
+    directory, _ = saved_on_3
+    path = os.path.join(directory, "declared")
+    plans = {}
+    for n in (3, 2, 1):
+        assert main(["plan", path, "--mesh", str(n), "--processes", str(n), "--json"]) == 0
+        plans[n] = json.loads(capsys.readouterr().out)
+    assert plans[3]["per_process"] == [{"path": "data", "saved_by": 3, "reads": "own"}]
+    assert plans[2]["per_process"] == [{"path": "data", "saved_by": 3, "reads": "all"}]
+    assert plans[1]["per_process"] == [{"path": "data", "saved_by": 3, "reads": "all"}]
+    read = {n: [p["bytes_read"] for p in plans[n]["processes"]] for n in plans}
+    assert read[3][0] < read[3][1] < read[3][2], read  # each its own value: process p's window holds p + 1 rows
+    assert read[2][0] == read[2][1] > read[3][2], read  # each every saved value
+    assert plans[2]["array_bytes"] > plans[3]["array_bytes"], plans
+    assert main(["--plain", "plan", path, "--mesh", "2", "--processes", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "per-process value 'data': saved by 3 processes, each process reads all 3 saved values" in text, text

@@ -546,3 +546,22 @@ def test_eval_shape_targets_over_an_abstract_mesh(tmp_path):
         got = cairn.load(tmp_path / "c", target)["w"]
     assert got.sharding == s
     np.testing.assert_array_equal(np.asarray(got), np.arange(32, dtype=np.float32))
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_user_metadata_reads_back_what_save_was_given(tmp_path, where):
+    import uuid
+
+    base = str(tmp_path) if where == "local" else f"memory://meta-{uuid.uuid4().hex}"
+    given = {"data_epoch": 3, "git": "abc123", "nested": {"lr": [0.1, 0.01], "ok": True, "none": None}, "é": "ü"}
+    cairn.save(f"{base}/with", {"x": np.arange(3)}, metadata=given)
+    cairn.save_async(f"{base}/async", {"x": np.arange(3)}, metadata={"k": 1}).result(timeout=60)
+    cairn.save(f"{base}/without", {"x": np.arange(3)})
+    assert cairn.user_metadata(f"{base}/with") == given
+    assert cairn.user_metadata(f"{base}/async") == {"k": 1}
+    assert cairn.user_metadata(f"{base}/without") == {}
+    got = cairn.user_metadata(f"{base}/with")
+    got["git"] = "changed"  # a copy: reading again gives the saved value
+    assert cairn.user_metadata(f"{base}/with")["git"] == "abc123"
+    with pytest.raises(cairn.CheckpointNotFoundError, match=f"{base}/nothing"):
+        cairn.user_metadata(f"{base}/nothing")

@@ -11,6 +11,7 @@ from ._api import load as load
 from ._api import metadata as metadata
 from ._api import save as save
 from ._api import save_async as save_async
+from ._api import user_metadata as user_metadata
 from ._core.buffers import release_snapshot_buffers as release_snapshot_buffers
 from ._core.stats import LoadStats as LoadStats
 from ._core.stats import SaveStats as SaveStats
@@ -94,5 +95,6 @@ __all__ = [
     "remove_listener",
     "save",
     "save_async",
+    "user_metadata",
     "wait_all",
 ]

@@ -1,4 +1,4 @@
-"""The public functions on paths: save, save_async, load, metadata.
+"""The public functions on paths: save, save_async, load, metadata, user_metadata.
 
 A thin facade: each resolves the user's path into a `Location` and calls the
 engine on it (`_async` for saves, `_load` for loads), as `CheckpointManager`
@@ -11,15 +11,16 @@ import os
 import time
 from typing import Any
 
-from ._core.stats import LoadStats
+from ._core.stats import LoadStats, SaveStats
 from ._dist.coord import Coordinator
 from ._errors import CheckpointNotFoundError
 from ._interop import sources as _sources
 from ._interop.sources import Rename
 from ._load import engine as _load
 from ._load.options import LoadOptions
-from ._save import engine as _save
+from ._run import steps as _steps
 from ._save import future as _async
+from ._save.future import SaveFuture
 from ._storage.location import resolve
 from ._tools import transforms as _transforms
 from ._tools.transforms import Patterns, RestoreReport
@@ -39,7 +40,7 @@ def save(
     split_replicas: bool = False,
     timeout: float = 1800.0,
     compression: str | bool = "auto",
-) -> _save.SaveStats:
+) -> SaveStats:
     """Save `state` at `path` and return once it is committed.
 
     `state` is any pytree of ``jax.Array`` (typed PRNG keys too), numpy arrays, scalars, strings,
@@ -48,7 +49,7 @@ def save(
     multi-process program calls `save` with its part of the same global state;
     each writes only the shards it owns.
 
-    Example::
+    Example:
 
         cairn.save("/ckpt/step_100", {"params": params, "opt": opt_state, "step": 100})
 
@@ -87,7 +88,7 @@ def save_async(
     timeout: float = 1800.0,
     snapshot_budget_bytes: int | None = None,
     compression: str | bool = "auto",
-) -> _async.SaveFuture:
+) -> SaveFuture:
     """Start saving `state` at `path`; return after validation and the snapshot.
 
     The arrays may be updated, deleted or donated as soon as this returns: the
@@ -103,7 +104,7 @@ def save_async(
     error, this call raises that error instead of starting (it is also logged
     when it happens), so a failing disk cannot go unnoticed.
 
-    Example::
+    Example:
 
         f = cairn.save_async(f"/ckpt/step_{step}", state)
         state = train_step(state)      # may donate the saved buffers
@@ -138,6 +139,7 @@ def load(
     fill_missing: bool | Patterns = False,
     report: RestoreReport | None = None,
     stats: LoadStats | None = None,
+    mesh: Any = None,
 ) -> Any:
     """Load a checkpoint, whole or in part, onto any sharding.
 
@@ -152,10 +154,21 @@ def load(
     ``jax.eval_shape``) or a sharding; without one, as their ``uint32`` key
     data (``jax.random.key_data``).
 
-    Example::
+    Example:
 
         abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), params)
         params = cairn.load("/ckpt/step_100", {"params": abstract})["params"]
+
+    `mesh` (a ``jax.sharding.Mesh``) restores onto the saved shardings: each
+    array the target gives no sharding (no target, a None leaf, an
+    `ArrayMetadata`, a ``ShapeDtypeStruct`` without one) comes back as a
+    ``jax.Array`` with its saved ``PartitionSpec`` over `mesh`, whose axes need
+    the saved names but may have other sizes (a ``MismatchError`` names the
+    leaf when an axis is missing or does not divide it). Arrays saved
+    without a ``NamedSharding`` come back replicated on `mesh`; numpy and
+    per-process values stay numpy:
+
+        state = cairn.load("/ckpt/step_100", mesh=jax.make_mesh((4, 2), ("data", "model")))
 
     Raises `CheckpointNotFoundError` if nothing is committed at `path`,
     `CorruptCheckpointError` if a checksum or the metadata is wrong, and
@@ -165,7 +178,7 @@ def load(
     ``framework="torch"`` returns ``torch.Tensor`` in place of arrays (sharing
     their memory; bfloat16 and float8 stay as they are), so PyTorch code can
     read a checkpoint saved from JAX. Loading needs no JAX unless the target
-    asks for JAX arrays::
+    asks for JAX arrays:
 
         sd = cairn.load("/ckpt/step_100", framework="torch")["params"]
 
@@ -206,7 +219,7 @@ def load(
     a function returning the new path or None (drop the leaf), or
     ``(regex, replacement)`` pairs applied in order with ``re.sub`` (a None
     replacement drops what the regex matches). It works for cairn
-    checkpoints too::
+    checkpoints too:
 
         params = cairn.load("hf_model/", target, rename=[(r"^model/", ""), (r"/self_attn/", "/attn/")])
 
@@ -217,7 +230,7 @@ def load(
     ``ShapeDtypeStruct`` has none, which is a `MismatchError`): True for any,
     or regexes of the target key paths allowed. Without it a missing leaf is
     a `MismatchError`. What was renamed, dropped and filled is logged (INFO,
-    logger ``cairn``) and written into `report`, a `cairn.RestoreReport`::
+    logger ``cairn``) and written into `report`, a `cairn.RestoreReport`:
 
         report = cairn.RestoreReport()
         state = cairn.load(old_ckpt, new_state, rename=[(r"/enc/", "/encoder/")], fill_missing=True, report=report)
@@ -225,7 +238,7 @@ def load(
     What the load cost on this process (bytes, requests, seconds per phase,
     GiB/s) is written into `stats`, a `cairn.LoadStats`, logged (INFO, logger
     ``cairn``), recorded as ``jax.monitoring`` events (``/cairn/load/...``)
-    and passed to the listeners of `cairn.add_listener`::
+    and passed to the listeners of `cairn.add_listener`:
 
         stats = cairn.LoadStats()
         state = cairn.load("/ckpt/step_100", target, stats=stats)
@@ -236,7 +249,7 @@ def load(
         raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
     opts = LoadOptions(partial=partial, verify=verify, threads=threads, read_once=read_once,
                        budget_bytes=budget_bytes, bandwidths=bandwidths, coordinator=coordinator, timeout=timeout,
-                       format=format, rename=rename, drop=drop, fill_missing=fill_missing)
+                       format=format, rename=rename, drop=drop, fill_missing=fill_missing, mesh=mesh)
     loc = resolve(path, storage_options)
     source = None
     if _transforms.wanted(rename, drop, fill_missing) or format not in (None, "cairn"):
@@ -265,7 +278,7 @@ def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None, f
     Reads only the manifest and indexes, never array data. Checkpoints of
     the other formats `load` reads are described too (``format=`` as there).
 
-    Example::
+    Example:
 
         info = cairn.metadata("/ckpt/step_100")
         info["params"]["w"].shape
@@ -280,3 +293,21 @@ def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None, f
                 raise
             missing = e
     return _sources.metadata(loc, format, missing)
+
+
+def user_metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The user metadata saved with the checkpoint at `path`: the ``metadata=`` its save was given.
+
+    That is ``cairn.save(path, state, metadata=...)``'s dict; for a step of a
+    `CheckpointManager` run, ``mgr.save(step, state, metadata=...)``'s (as
+    ``mgr.metadata(step)``; the metrics are the manager's); for an Orbax
+    ``CheckpointManager`` step folder, its ``custom_metadata``. A checkpoint
+    saved without any gives ``{}``. Reads only the manifest. Raises
+    `CheckpointNotFoundError` if nothing is committed at `path`.
+
+    Example:
+
+        cairn.save("/ckpt/step_100", state, metadata={"data_epoch": 3, "git": "abc123"})
+        cairn.user_metadata("/ckpt/step_100")    # {"data_epoch": 3, "git": "abc123"}
+    """
+    return _steps.saved_metadata(resolve(path, storage_options))

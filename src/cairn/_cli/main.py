@@ -11,7 +11,7 @@ traceback instead.
 Exit status: 0 success (for ``verify``: intact; for ``diff``: no
 differences), 1 the check found problems or the command failed, 2 bad usage.
 
-Example::
+Example:
 
     $ cairn ls /ckpt/run1
     $ cairn inspect /ckpt/run1/step_00001000

@@ -4,7 +4,7 @@ The mesh is made of virtual CPU devices (the planner needs only each
 sharding's ``devices_indices_map``), ``--processes`` splits it into processes by
 device id, ``--storage-gbps``/``--interconnect-gbps``/``--platform`` price
 each leaf's route, and ``--sharding`` gives every array the same spec: ``fsdp`` (axis 0
-over every mesh axis), ``replicated``, or a PartitionSpec. An array the spec
+over every mesh axis), ``replicated``, or a PartitionSpec; or ``saved``, its saved spec. An array the spec
 does not fit (too few axes, or not divisible) is planned replicated, and the
 output says which.
 """
@@ -20,6 +20,7 @@ from .._load import engine as _load
 from .._storage.location import resolve
 from .._tools.dryrun import LoadPlan, plan_load
 from .._tree.pytree import map_with_path
+from .._tree.shardings import on_mesh
 
 
 def add_command(sub: Any, parse_bytes: Any) -> None:
@@ -30,7 +31,8 @@ def add_command(sub: Any, parse_bytes: Any) -> None:
     s.add_argument("--mesh", required=True, help="a device count (8: one axis 'data') or axes (data=4,model=2), "
                    "made of virtual CPU devices")
     s.add_argument("--sharding", default="fsdp", help="for every array: fsdp (axis 0 over every mesh axis), "
-                   "replicated, or a PartitionSpec such as 'data,model' or \"P(('data', 'model'), None)\"")
+                   "replicated, saved (its saved PartitionSpec, as cairn.load(mesh=)), or a PartitionSpec such as "
+                   "'data,model' or \"P(('data', 'model'), None)\"")
     s.add_argument("--processes", type=int, default=1, help="plan for N processes, each holding 1/N of the "
                    "mesh's devices (default 1)")
     s.add_argument("--bandwidth", type=float, metavar="GB/s", help="storage read bandwidth per process")
@@ -108,18 +110,24 @@ def parse_spec(text: str, axes: tuple[str, ...]) -> tuple[tuple[str, ...], ...] 
 
 
 def cli_target(path: str, mesh: Any, sharding: str, format: str | None) -> tuple[Any, list[str]]:
-    """The checkpoint's tree with `sharding` on `mesh` for every array (replicated where it does not fit)."""
+    """The checkpoint's tree with `sharding` on `mesh` for every array (replicated where it does not fit);
+    ``saved``: each array's recorded PartitionSpec on `mesh`, as ``cairn.load(mesh=)`` (its errors too)."""
     import jax
 
     loc = resolve(path)
     found = format or _sources.detect(loc)
-    meta = _load.metadata(loc) if found == "cairn" else _sources.metadata(loc, found)
-    spec = parse_spec(sharding, tuple(mesh.axis_names))
+    # A per-process value (cairn.PerProcess) is host-local: None in the target, so each process plans to read
+    # its own value, or every saved one on another process count, as a load without a target does.
+    meta = _load.metadata(loc, per_process=lambda subs, build: None) if found == "cairn" else _sources.metadata(
+        loc, found)
+    spec = "saved" if sharding.strip() == "saved" else parse_spec(sharding, tuple(mesh.axis_names))
     odd: list[str] = []
 
     def leaf(p: str, x: Any) -> Any:
         if not isinstance(x, _load.ArrayMetadata) or x.kind not in ("array", "prng_key"):
             return None
+        if spec == "saved":
+            return on_mesh(x.sharding, mesh, f"{loc.path}: leaf {p!r}") if x.sharding is not None else None
         entries = ((tuple(mesh.axis_names),) if x.shape else ()) if spec == "fsdp" else () if spec == "replicated" \
             else spec
         fits = len(entries) <= len(x.shape) and all(

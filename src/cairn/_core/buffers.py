@@ -100,7 +100,7 @@ def release_snapshot_buffers() -> None:
     snapshot copies into memory already touched, at memcpy speed. `cairn.load` releases them itself, since it
     needs the memory; call this to get it back at any other time.
 
-    Example::
+    Example:
 
         cairn.save_async(path, state).result()
         cairn.release_snapshot_buffers()

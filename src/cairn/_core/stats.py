@@ -76,7 +76,7 @@ class LoadStats:
     collectives were predicted to bring in from other processes (the cost
     model's figure, not a measurement); `bandwidths` what routes were priced with.
 
-    Example::
+    Example:
 
         stats = cairn.LoadStats()
         state = cairn.load("/ckpt/step_100", target, stats=stats)
@@ -136,7 +136,7 @@ def add_listener(fn: Listener) -> Listener:
     thread); an exception it raises is logged as a warning and otherwise
     ignored. Remove it with `cairn.remove_listener`.
 
-    Example::
+    Example:
 
         @cairn.add_listener
         def to_wandb(event):
@@ -152,7 +152,7 @@ def add_listener(fn: Listener) -> Listener:
 def remove_listener(fn: Listener) -> None:
     """Stop calling `fn` (added with `cairn.add_listener`); nothing happens if it is not added.
 
-    Example::
+    Example:
 
         cairn.remove_listener(to_wandb)
     """

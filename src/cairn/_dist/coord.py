@@ -69,7 +69,7 @@ class Coordinator(Protocol):
     once per program run; every wait raises `CoordinationTimeoutError`
     after `timeout` seconds.
 
-    Example::
+    Example:
 
         class MyCoordinator:
             process_index, process_count = rank, world_size
@@ -497,7 +497,7 @@ def agree(coord: Coordinator, prefix: str, mine: Any, timeout: float,
     receives only its part (the primary publishes one per process): what a process reads stays
     the size of its part, whatever the process count.
 
-    Example::
+    Example:
 
         worst = agree(coord, "cairn/x/7", my_loss, 60, decide=lambda v: max(v.values()))
     """

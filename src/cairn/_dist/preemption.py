@@ -23,7 +23,7 @@ log = logging.getLogger("cairn")
 class PreemptionWatch:
     """Latches once a preemption is noticed; `detected(step)` asks every source.
 
-    Example::
+    Example:
 
         watch = PreemptionWatch("/ckpt/run1", check=None, handle_sigterm=True, process_count=1)
         if watch.detected(step):

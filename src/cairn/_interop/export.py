@@ -183,7 +183,7 @@ def export_safetensors(
     ``"drop"``. `max_shard_size` follows
     Hugging Face (``"5GB"`` is 5*10^9 bytes, ``"5GiB"`` 5*2^30).
 
-    Example::
+    Example:
 
         cairn.export_safetensors("/ckpt/step_100", "/export/hf", item="params",
                                  rename=[(r"^", "model/")], max_shard_size="2GB")

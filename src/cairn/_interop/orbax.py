@@ -21,6 +21,7 @@ through cairn's `Storage`; array bytes through tensorstore's own drivers
 
 from __future__ import annotations
 
+import base64
 import json
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,6 +62,7 @@ class _Item:
     values: dict[str, fmt.Leaf] = field(default_factory=dict)
     ocdbt: bool = True
     zarr3: bool = False
+    shardings: dict[str, dict[str, Any]] = field(default_factory=dict)  # param name -> as describe_sharding
 
 
 def _ts() -> Any:
@@ -175,7 +177,8 @@ class Orbax(Format):
             with self._lock:
                 self._stores[file] = s
             shape = tuple(int(n) for n in s.shape)
-            out[p] = fmt.ArrayLeaf(p, dtype, shape, tuple((0, n) for n in shape), ((file, 0),))
+            out[p] = fmt.ArrayLeaf(p, dtype, shape, tuple((0, n) for n in shape), ((file, 0),),
+                                   sharding=it.shardings.get(it.entries[p][0]))
         return out
 
     def reader(self, item: str, index: fmt.ItemIndex, verify: bool, pool: ThreadPoolExecutor,
@@ -271,7 +274,30 @@ def _pytree_item(st: Any, key: str, where: str) -> _Item:
             continue
         else:
             it.entries[path] = (param, vtype)
+    if st.exists(f"{key}/_sharding"):
+        it.shardings = _shardings(st.read(f"{key}/_sharding"), f"{where}/_sharding")
     return it
+
+
+def _shardings(raw: bytes, where: str) -> dict[str, dict[str, Any]]:
+    """Orbax's ``_sharding`` file (base64 of each param name -> a JSON string), as `describe_sharding`
+    describes shardings; what cairn does not understand is left out (the array loads as if unsharded)."""
+    d = fmt.parse_json(raw, where)
+    out: dict[str, dict[str, Any]] = {}
+    for name, text in (d.items() if isinstance(d, dict) else ()):
+        try:
+            param, x = base64.b64decode(name).decode(), json.loads(text)
+        except (ValueError, TypeError):
+            continue
+        if not isinstance(x, dict):
+            continue
+        if x.get("sharding_type") == "NamedSharding" and isinstance(x.get("partition_spec"), list):
+            out[param] = {"type": "NamedSharding", "spec": [e if e is None or isinstance(e, (str, list)) else str(e)
+                                                          for e in x["partition_spec"]],
+                          "mesh": {"axis_names": list(x.get("axis_names", [])), "shape": list(x.get("shape", []))}}
+        elif isinstance(x.get("sharding_type"), str):
+            out[param] = {"type": x["sharding_type"]}
+    return out
 
 
 def _json_item(st: Any, key: str, where: str) -> _Item:

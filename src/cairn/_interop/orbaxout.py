@@ -73,7 +73,7 @@ def export_orbax(
 
     Raises `CheckpointExistsError` if `out` exists, unless `overwrite`.
 
-    Example::
+    Example:
 
         cairn.export_orbax("/ckpt/step_00001000", "/orbax/run/1000")
         with ocp.CheckpointManager("/orbax/run") as mgr:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,7 +27,7 @@ from .._storage.location import Location
 from .._tree.leaves import check_key_target, handler_named, is_key_dtype, key_dtype, wrap_key
 from .._tree.perprocess import LoadView
 from .._tree.pytree import display_path, map_with_path, unflatten
-from .._tree.shardings import WHOLE_PUT_BYTES, concrete_sharding, misfit, puts_whole
+from .._tree.shardings import WHOLE_PUT_BYTES, concrete_sharding, misfit, on_mesh, puts_whole
 from .metadata import read_index, read_manifest
 from .options import LoadOptions, options_of
 from .prefetch import prefetch
@@ -231,7 +231,7 @@ def load(
                           else ChunkReader(loc, name, manifest.items[name], index, verify, pool, stats))
                 pp = LoadView(index.structure, name, loc.path, coord.process_index, coord.process_count)
                 items.append(_ItemLoad(name, index, reader, item_target,
-                                       match_target(loc, name, index, item_target, partial, pp), pp))
+                                       match_target(loc, name, index, item_target, partial, pp, opts.mesh), pp))
             # One pipeline over the leaves of every requested checkpointable, so that
             # many small checkpointables keep the readers as busy as one large one.
             activity.begin(f"loading {loc.path}")
@@ -275,14 +275,41 @@ class _ItemLoad:
 
 
 def match_target(loc: Location, name: str, index: fmt.ItemIndex, target: Any, partial: bool,
-                 pp: LoadView) -> dict[int, _Want | None]:
+                 pp: LoadView, mesh: Any = None) -> dict[int, _Want | None]:
     """Which stored leaves to load, and how: the target's leaves (all of them without a target). The one
-    matcher of a target against an index: the load, the dry run and the sources' target paths use it."""
+    matcher of a target against an index: the load, the dry run and the sources' target paths use it.
+    With `mesh`, an array the target gives no sharding takes its saved PartitionSpec on `mesh`."""
     where = loc.path
-    if target is None:
-        return pp.all_leaves(len(index.leaves))  # other processes' per-process values left out
-    by_path = {leaf.path: i for i, leaf in enumerate(index.leaves)}
     wanted: dict[int, _Want | None] = {}
+
+    def want(i: int, t: Any) -> None:
+        leaf = index.leaves[i]
+        if not isinstance(leaf, fmt.ArrayLeaf):
+            wanted[i] = None
+            return
+        saved = leaf.sharding if mesh is not None and (t is None or isinstance(t, ArrayMetadata) or (
+            type(t).__name__ == "ShapeDtypeStruct" and getattr(t, "sharding", None) is None)) else None
+        if saved is not None:
+            s = on_mesh(saved, mesh, f"{where}: leaf {display_path(leaf.path, name)!r}")
+            t = s if t is None or isinstance(t, ArrayMetadata) else type(t)(t.shape, t.dtype, sharding=s)
+        wanted[i] = w = _want_for(t, leaf, where, name)
+        if w is not None and w.sharding is not None and w.key_impl is None and (
+                why := misfit(w.sharding, w.leaf.shape)) is not None:
+            whose = "its saved PartitionSpec on the mesh given" if saved is not None else "the target's sharding"
+            raise MismatchError(f"{where}: leaf {display_path(leaf.path, name)!r}: {whose} does not fit "
+                                f"the checkpoint's array: {why}")
+
+    if target is None:
+        every = pp.all_leaves(len(index.leaves))  # other processes' per-process values left out
+        if mesh is None:
+            return every
+        for i, w in every.items():
+            if getattr(index.leaves[i], "sharding", None) is not None:
+                want(i, None)
+            else:
+                wanted[i] = w  # saved from numpy (or per process): numpy, as without a mesh
+        return wanted
+    by_path = {leaf.path: i for i, leaf in enumerate(index.leaves)}
 
     def note(path: str, t: Any) -> Any:
         if pp.claims(path, t, wanted):
@@ -293,12 +320,7 @@ def match_target(loc: Location, name: str, index: fmt.ItemIndex, target: Any, pa
                 f"{where}: leaf {display_path(path, name)!r} of the target is not in the checkpoint "
                 "(fill_missing=True keeps the target's own value there)"
             )
-        leaf = index.leaves[i]
-        wanted[i] = want = _want_for(t, leaf, where, name) if isinstance(leaf, fmt.ArrayLeaf) else None
-        if want is not None and want.sharding is not None and want.key_impl is None and (
-                why := misfit(want.sharding, want.leaf.shape)) is not None:
-            raise MismatchError(f"{where}: leaf {display_path(path, name)!r}: the target's sharding does not fit "
-                                f"the checkpoint's array: {why}")
+        want(i, t)
         return t
 
     map_with_path(note, target, is_leaf=is_target_leaf)
@@ -516,8 +538,9 @@ def _read_direct(items: list[_ItemLoad], where: str, budget: int, skip: set[tupl
 # ---------------------------------------------------------------------- metadata
 
 
-def metadata(loc: Location) -> Any:
-    """The stored tree with `ArrayMetadata` in place of arrays; reads no array data."""
+def metadata(loc: Location, per_process: Callable[[list[Any], Callable[[Any], Any]], Any] | None = None) -> Any:
+    """The stored tree with `ArrayMetadata` in place of arrays; reads no array data. A per-process node
+    is the list of every saved process's value, or what ``per_process(children, build)`` makes of it."""
     manifest = read_manifest(loc)
     out = {}
     for name, info in manifest.items.items():
@@ -532,7 +555,7 @@ def metadata(loc: Location) -> Any:
                 leaves.append(ArrayMetadata._of(leaf.shape, leaf.dtype, leaf.nbytes, leaf.sharding, leaf.kind))
             else:
                 leaves.append(leaf.value)
-        out[name] = unflatten(index.structure, leaves)
+        out[name] = unflatten(index.structure, leaves, per_process=per_process)
     return out[""] if manifest.root else out
 
 

@@ -32,6 +32,7 @@ class LoadOptions:
     rename: Any = None  # source key path -> target key path (a function or regex pairs)
     drop: Any = None  # regexes of source key paths left out
     fill_missing: Any = False  # target leaves the checkpoint lacks keep their value (True or regexes)
+    mesh: Any = None  # a jax Mesh: arrays the target gives no sharding take their saved PartitionSpec on it
 
     def __post_init__(self) -> None:
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
@@ -42,6 +43,8 @@ class LoadOptions:
             raise ValueError(f"read_once must be None, True or False, got {self.read_once!r}")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be positive (seconds), got {self.timeout!r}")
+        if self.mesh is not None and not (hasattr(self.mesh, "axis_names") and hasattr(self.mesh, "devices")):
+            raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
 
     def replace(self, **changes: Any) -> LoadOptions:
         """These options with `changes` (keyword names as in `cairn.load`); unknown names are a TypeError."""

@@ -82,7 +82,7 @@ class LocalTier:
     numpy arrays. The restore needs a `target` with shardings
     (``jax.ShapeDtypeStruct`` or arrays).
 
-    Example::
+    Example:
 
         local = cairn.LocalTier("/dev/shm/run1", every=10, keep=2, replicas=1)
         with cairn.CheckpointManager("s3://bucket/run1", save_every=500, local=local) as mgr:

@@ -113,7 +113,7 @@ class CheckpointManager(StepWatch):
       process reaches all), so call `save` (or `should_save`) on every step.
       A `preemption_check` must then answer the same on every process.
 
-    Example::
+    Example:
 
         with cairn.CheckpointManager("/ckpt/run1", max_to_keep=3, save_every=100) as mgr:
             start = 0
@@ -197,7 +197,7 @@ class CheckpointManager(StepWatch):
     def path(self, step: int) -> str:
         """The checkpoint path of `step` (whether or not it exists).
 
-        Example::
+        Example:
 
             cairn.metadata(mgr.path(mgr.latest_step()))
         """
@@ -217,7 +217,7 @@ class CheckpointManager(StepWatch):
         With several processes the primary lists and every process gets its
         list (call it on every process, as any collective step).
 
-        Example::
+        Example:
 
             mgr.steps()    # [1000, 2800, 2900, 3000]
         """
@@ -230,7 +230,7 @@ class CheckpointManager(StepWatch):
     def latest_step(self) -> int | None:
         """The newest committed step, or None if there is none.
 
-        Example::
+        Example:
 
             start = 0 if mgr.latest_step() is None else mgr.latest_step() + 1
         """
@@ -240,7 +240,7 @@ class CheckpointManager(StepWatch):
     def metrics(self, step: int) -> dict[str, float | None]:
         """The metrics saved with `step` (non-finite values read back as None).
 
-        Example::
+        Example:
 
             mgr.save(100, state, metrics={"loss": 0.25}); mgr.wait()
             mgr.metrics(100)     # {"loss": 0.25}
@@ -253,7 +253,7 @@ class CheckpointManager(StepWatch):
         For an Orbax step: its ``custom_metadata``. Raises
         `CheckpointNotFoundError` if `step` is not committed.
 
-        Example::
+        Example:
 
             mgr.save(100, state, metadata={"data_epoch": 3, "git": "abc123"}); mgr.wait()
             mgr.metadata(100)    # {"data_epoch": 3, "git": "abc123"}
@@ -271,7 +271,7 @@ class CheckpointManager(StepWatch):
         `metric` and `mode` (``"min"`` or ``"max"``) default to the manager's
         `best_metric` and `best_mode`. Ties go to the newer step, as `KeepBest`.
 
-        Example::
+        Example:
 
             mgr = cairn.CheckpointManager(run, keep_best=2, best_metric="eval_loss")
             state = mgr.restore(mgr.best_step(), target=abstract_state)
@@ -293,7 +293,7 @@ class CheckpointManager(StepWatch):
         not committed, `CheckpointError` on a read-only manager. Call it on
         every process; the primary deletes.
 
-        Example::
+        Example:
 
             mgr.delete(1000)
         """
@@ -340,7 +340,7 @@ class CheckpointManager(StepWatch):
     def should_save(self, step: int) -> bool:
         """Whether `save(step, ...)` would write: on the interval, or after preemption.
 
-        Example::
+        Example:
 
             if mgr.should_save(step):
                 state = expensive_gather(state)
@@ -365,7 +365,7 @@ class CheckpointManager(StepWatch):
         or, in an Orbax run's directory, by Orbax) or being saved, and `CheckpointError` (before saving anything) if an earlier
         background save failed.
 
-        Example::
+        Example:
 
             saved = mgr.save(step, {"params": params, "opt": opt}, metrics={"loss": loss})
         """
@@ -490,7 +490,7 @@ class CheckpointManager(StepWatch):
 
         Raises the error of a failed save (and TimeoutError if `timeout` passes).
 
-        Example::
+        Example:
 
             mgr.save(step, state); mgr.wait()    # now mgr.latest_step() == step
         """
@@ -514,7 +514,7 @@ class CheckpointManager(StepWatch):
         arrives after this step's `save` returned yields False until the next
         `save` has written its step, so the loop never stops unsaved.
 
-        Example::
+        Example:
 
             mgr.save(step, state)
             if mgr.reached_preemption(step):
@@ -533,7 +533,8 @@ class CheckpointManager(StepWatch):
 
         `target` is what `cairn.load` takes, e.g. ``{"params": abstract_params}``
         to read only that checkpointable; so are `transforms`: ``rename``,
-        ``drop``, ``fill_missing``, ``report`` and ``stats`` (a `cairn.LoadStats`, left
+        ``drop``, ``fill_missing``, ``report``, ``mesh`` (restore onto the saved
+        shardings over that mesh) and ``stats`` (a `cairn.LoadStats`, left
         empty when the local tier serves the restore). With ``fallback=True`` and no `step`, a
         checkpoint that fails verification (corrupt, or deleted meanwhile) is
         skipped, with a log line, for the next older one; `restored_step`
@@ -543,7 +544,7 @@ class CheckpointManager(StepWatch):
         `CorruptCheckpointError` if it (or, with `fallback`, every step) fails
         verification.
 
-        Example::
+        Example:
 
             state = mgr.restore(target={"params": abstract_params}, fallback=True)
             print("resumed from", mgr.restored_step)
@@ -604,7 +605,7 @@ class CheckpointManager(StepWatch):
     def close(self) -> None:
         """Wait for pending saves (raising a failure), then release the SIGTERM handler.
 
-        Example::
+        Example:
 
             mgr.close()    # or use the manager as a context manager
         """

@@ -65,7 +65,7 @@ class StepWatch:
         (``timeout=None`` waits forever; ``0`` looks once). The step is not
         leased: to read it safely, use `new_steps` or `reading`.
 
-        Example::
+        Example:
 
             step = mgr.wait_for_step(after=last_seen, timeout=3600)
             if step is None:
@@ -106,7 +106,7 @@ class StepWatch:
         as the iterator is dropped): the trainer's retention does not delete
         it meanwhile. A step deleted before its lease took is skipped.
 
-        Example::
+        Example:
 
             evaluator = cairn.CheckpointManager("/ckpt/run1", read_only=True)
             for step in evaluator.new_steps(timeout=3600):
@@ -155,7 +155,7 @@ class StepWatch:
         Raises `CheckpointNotFoundError` if there is no such committed step,
         or retention deleted it before the lease took.
 
-        Example::
+        Example:
 
             with evaluator.reading(step, target={"params": abstract_params}) as state:
                 metrics = evaluate(state["params"])

@@ -98,7 +98,7 @@ class LeaseRecord:
 class Lease:
     """A reader's lease on one step, renewed on a daemon thread until `release`.
 
-    Example::
+    Example:
 
         lease = take(storage, 100, "/ckpt/run1")
         if lease is not None:

@@ -39,7 +39,7 @@ class RetentionPolicy:
     newest committed checkpoint as well, so the policies can never delete the
     only (or the latest) good checkpoint.
 
-    Example::
+    Example:
 
         policy = cairn.KeepLatest(3) | cairn.KeepEvery(1000) | cairn.KeepIf(lambda c: c.step < 10)
         mgr = cairn.CheckpointManager("/ckpt", retention=policy)
@@ -60,7 +60,7 @@ class RetentionPolicy:
 class KeepLatest(RetentionPolicy):
     """Keep the `n` newest checkpoints.
 
-    Example::
+    Example:
 
         cairn.CheckpointManager("/ckpt", retention=cairn.KeepLatest(3))   # same as max_to_keep=3
     """
@@ -80,7 +80,7 @@ class KeepLatest(RetentionPolicy):
 class KeepEvery(RetentionPolicy):
     """Keep every checkpoint whose step is a multiple of `n` (a permanent trail).
 
-    Example::
+    Example:
 
         cairn.KeepEvery(1000)   # keeps steps 0, 1000, 2000, ...
     """
@@ -126,7 +126,7 @@ class KeepOnePer(RetentionPolicy):
     first, adding or deleting other checkpoints never changes the choice: like
     `KeepEvery`, it leaves a permanent trail (unless combined with ``&``).
 
-    Example::
+    Example:
 
         cairn.KeepLatest(3) | cairn.KeepOnePer(hours=6)   # plus the first of each 6 hours, forever
     """
@@ -163,7 +163,7 @@ class KeepNewerThan(RetentionPolicy):
     Alone it keeps everything recent. To delete checkpoints older than the
     duration whatever other policies say, intersect with ``&``.
 
-    Example::
+    Example:
 
         (cairn.KeepLatest(5) | cairn.KeepOnePer(days=1)) & cairn.KeepNewerThan(days=14)
     """
@@ -192,7 +192,7 @@ class KeepBest(RetentionPolicy):
     Ties go to the newer step. The metrics live in each checkpoint's manifest,
     so the choice stays right across restarts.
 
-    Example::
+    Example:
 
         cairn.KeepBest(2, "eval_loss")               # the two lowest eval losses
         cairn.KeepBest(1, "accuracy", mode="max")
@@ -222,7 +222,7 @@ class KeepBest(RetentionPolicy):
 class KeepIf(RetentionPolicy):
     """Keep every checkpoint for which `predicate(info)` is true.
 
-    Example::
+    Example:
 
         cairn.KeepIf(lambda c: c.metrics.get("milestone") == 1.0)
     """
@@ -240,7 +240,7 @@ class KeepIf(RetentionPolicy):
 class KeepAny(RetentionPolicy):
     """Keep what any of `policies` keeps (what ``a | b`` builds).
 
-    Example::
+    Example:
 
         cairn.KeepAny(cairn.KeepLatest(2), cairn.KeepBest(1, "loss"))
     """
@@ -264,7 +264,7 @@ class KeepAll(RetentionPolicy):
     Evaluated on the checkpoints present at each pass (after each commit),
     like every policy.
 
-    Example::
+    Example:
 
         cairn.KeepEvery(1000) & cairn.KeepNewerThan(days=7)   # multiples of 1000 from the last week
     """

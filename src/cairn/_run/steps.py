@@ -36,7 +36,7 @@ from collections.abc import Container, Iterable, Iterator, Mapping
 from types import MappingProxyType
 from typing import Any
 
-from .._errors import CorruptCheckpointError
+from .._errors import CheckpointNotFoundError, CorruptCheckpointError
 from .._format import manifest as fmt
 from .._interop.orbax import step_metrics
 from .._load.engine import read_manifest
@@ -75,7 +75,7 @@ class StepNames:
     the format writes parses back (`parse`), so a folder the manager did not
     name is never taken for one of its steps.
 
-    Example::
+    Example:
 
         StepNames("{step}").name(100)    # "100"
     """
@@ -178,6 +178,22 @@ def user_metadata(loc: Location) -> dict[str, Any]:
     meta = read_manifest(loc).metadata.get(META_KEY, {})
     user = meta.get("user") if isinstance(meta, dict) else None
     return dict(user) if isinstance(user, dict) else {}
+
+
+def saved_metadata(loc: Location) -> dict[str, Any]:
+    """The user metadata of the checkpoint at `loc`, as given to its save: ``cairn.save(metadata=)``, a
+    manager step's ``mgr.save(metadata=)`` (without the manager's own record), or an Orbax step folder's
+    ``custom_metadata``; {} if none was given."""
+    try:
+        meta = read_manifest(loc).metadata
+    except CheckpointNotFoundError:
+        if not loc.storage.exists(loc.key(ORBAX_STEP_METADATA)):
+            raise
+        got = orbax_step_metadata(loc).get("custom_metadata")
+        return dict(got) if isinstance(got, dict) else {}
+    if META_KEY in meta and isinstance(meta[META_KEY], dict):
+        return user_metadata(loc)
+    return dict(meta)
 
 
 def read_info(loc: Location, step: int) -> CheckpointInfo:

@@ -27,6 +27,7 @@ from typing import Any
 
 from .._core import stats as _stats
 from .._core.buffers import MAX_SNAPSHOTS
+from .._core.stats import SaveStats
 from .._dist.coord import Coordinator
 from .._errors import CheckpointError
 from .._storage.location import Location
@@ -45,7 +46,7 @@ class SaveFuture:
     background thread once the save has committed or failed) are as for a
     `concurrent.futures.Future`.
 
-    Example::
+    Example:
 
         f = cairn.save_async("/ckpt/step_100", state)
         f.add_done_callback(lambda f: print(f.path, "failed" if f.exception() else "committed"))
@@ -53,7 +54,7 @@ class SaveFuture:
         print(f.stats.blocking_s, f.stats.write_s, f.stats.bytes_written)
     """
 
-    def __init__(self, path: str, job: _save.SaveJob | None, future: Future[_save.SaveStats]):
+    def __init__(self, path: str, job: _save.SaveJob | None, future: Future[SaveStats]):
         self.path = path
         self._job = job
         self._future = future
@@ -62,7 +63,7 @@ class SaveFuture:
         """True once the save has committed or failed."""
         return self._future.done()
 
-    def result(self, timeout: float | None = None) -> _save.SaveStats:
+    def result(self, timeout: float | None = None) -> SaveStats:
         """Wait for the commit; returns the stats or raises the save's error."""
         try:
             return self._future.result(timeout)
@@ -87,7 +88,7 @@ class SaveFuture:
         ``result()`` or ``exception()`` inside `fn` collects the save's error,
         as anywhere else: the next save then no longer raises it.
 
-        Example::
+        Example:
 
             f = cairn.save_async("/ckpt/step_100", state)
             f.add_done_callback(lambda f: print(f.path, "failed" if f.exception() else "committed"))
@@ -95,7 +96,7 @@ class SaveFuture:
         self._future.add_done_callback(lambda _f: fn(self))
 
     @property
-    def stats(self) -> _save.SaveStats:
+    def stats(self) -> SaveStats:
         """The save's `cairn.SaveStats`, filled in as it goes: ``blocking_s`` once this future exists,
         the write and commit figures once it is done (``f.result()`` returns the same object)."""
         if self._job is not None:
@@ -135,8 +136,8 @@ class _Background:
         self._last: Future[Any] | None = None
         self._unreported: list[tuple[Future[Any], str, BaseException]] = []
 
-    def submit(self, job: _save.SaveJob) -> Future[_save.SaveStats]:
-        fut: Future[_save.SaveStats] = Future()
+    def submit(self, job: _save.SaveJob) -> Future[SaveStats]:
+        fut: Future[SaveStats] = Future()
         with self._lock:
             before = self._last
             self._last = fut
@@ -232,7 +233,7 @@ def wait_all(timeout: float | None = None) -> None:
     Raises the error of a failed save whose future nobody collected (once),
     like the next save would.
 
-    Example::
+    Example:
 
         cairn.save_async("/ckpt/final", state)
         cairn.wait_all()               # e.g. before leaving the training script
@@ -267,7 +268,7 @@ def save(
     split_replicas: bool = False,
     timeout: float = 1800.0,
     compression: str | bool | None = "auto",
-) -> _save.SaveStats:
+) -> SaveStats:
     """Save `state` at `loc` and return once committed (see `cairn.save`); queues behind async saves."""
     _background.raise_unreported()
     _background.wait_all()  # a blocking save queues behind async ones

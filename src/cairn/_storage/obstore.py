@@ -222,7 +222,7 @@ class _ObjectReader:
 class ObjectStorage:
     """Storage rooted at an object-store prefix: ``s3://bucket/prefix``, ``gs://...``, ``az://...``.
 
-    Example::
+    Example:
 
         storage = ObjectStorage("s3://bucket/runs/7", {"endpoint": "http://127.0.0.1:9000",
                                                       "allow_http": True})

@@ -28,7 +28,7 @@ def staged_file(storage: Storage, key: str, piece_bytes: int = _UPLOAD_PIECE) ->
 
     An upload reads the finished file back `piece_bytes` at a time (the caller's memory budget).
 
-    Example::
+    Example:
 
         with staged_file(storage, "model.pt") as f:
             write_zip(f)

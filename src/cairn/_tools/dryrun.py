@@ -41,7 +41,7 @@ from .._load.schedule import schedule
 from .._plan.reads import Read, is_c_contiguous, plan_reads
 from .._plan.routes import Bandwidths, resolve_bandwidths
 from .._storage.location import Location, resolve
-from .._tree.perprocess import LoadView
+from .._tree.perprocess import LoadView, leaf_numbers
 from .._tree.pytree import display_path
 from .._tree.shardings import WHOLE_PUT_BYTES, device_boxes
 from . import transforms as _transforms
@@ -97,13 +97,33 @@ class LeafRoute:
 
 
 @dataclass(frozen=True)
+class PerProcessRead:
+    """A ``cairn.PerProcess`` value in a `LoadPlan`: host-local, read by each process for itself.
+
+    `saved_by` processes saved one value each. Each loading process reads
+    ``"own"`` (its own value: as many processes load as saved) or ``"all"``
+    (every saved value: another process count, for ``reshard`` or a load
+    without a target).
+    """
+
+    path: str
+    saved_by: int
+    reads: str  # "own" | "all"
+
+    def __str__(self) -> str:
+        what = "its own" if self.reads == "own" else f"all {self.saved_by} saved values"
+        return (f"per-process value {self.path!r}: saved by {self.saved_by} process"
+                f"{'es' if self.saved_by != 1 else ''}, each process reads {what}")
+
+
+@dataclass(frozen=True)
 class LoadPlan:
     """What `cairn.load` would read and hold, per process: the result of `cairn.plan_load`.
 
     ``str(plan)`` is a table with what the figures model and what they do not.
     `bandwidth` is GB/s (10^9 bytes per second) per process, if one was given.
 
-    Example::
+    Example:
 
         plan = cairn.plan_load(path, target, processes=8, bandwidth=1.5)
         worst = max(plan.processes, key=lambda p: p.peak_host_bytes)
@@ -122,6 +142,7 @@ class LoadPlan:
     notes: tuple[str, ...] = field(default_factory=tuple)
     routes: tuple[LeafRoute, ...] = ()  # each sharded array leaf's route
     route_bandwidths: dict[str, Any] | None = None  # what the routes were priced with (None: not priced)
+    per_process: tuple[PerProcessRead, ...] = ()  # the cairn.PerProcess values the load reads
 
     @property
     def bytes_read(self) -> int:
@@ -139,6 +160,7 @@ class LoadPlan:
                 "bandwidth_gb_s": self.bandwidth, "seconds": self.seconds, "bytes_read": self.bytes_read,
                 "processes": [vars(p) for p in self.processes], "notes": list(self.notes),
                 "route_bandwidths": self.route_bandwidths, "routes": [r.to_json() for r in self.routes],
+                "per_process": [vars(r) for r in self.per_process],
                 "modelled": list(MODELLED), "not_modelled": list(NOT_MODELLED)}
 
     def __str__(self) -> str:
@@ -156,6 +178,7 @@ class LoadPlan:
         total = f"total: {human_bytes(self.bytes_read)} read ({self.bytes_read / max(self.array_bytes, 1):.2f}x the arrays)"
         lines.append(total + (f", about {self.seconds:.3g} s" if self.seconds is not None else ""))
         lines += self.route_lines()
+        lines += [str(r) for r in self.per_process]
         lines += [f"note: {n}" for n in self.notes]
         lines += [f"models: {m}" for m in MODELLED] + [f"does not model: {m}" for m in NOT_MODELLED]
         return "\n".join(lines)
@@ -217,6 +240,7 @@ def plan_load(
     rename: Rename | None = None,
     drop: Any = None,
     fill_missing: Any = False,
+    mesh: Any = None,
 ) -> LoadPlan:
     """What ``cairn.load(path, target, ...)`` would read and hold on every process, without reading data.
 
@@ -228,9 +252,10 @@ def plan_load(
     with `platform` ("cpu", "gpu", "tpu") choosing the interconnect's default
     (default: the target devices' platform, CPU for `cairn plan`'s virtual
     devices). `plan.routes` holds each sharded leaf's route with every
-    alternative's predicted seconds.
+    alternative's predicted seconds. `mesh` plans `load`'s restore onto
+    the saved shardings over that mesh.
 
-    Example::
+    Example:
 
         plan = cairn.plan_load("/ckpt/step_100", {"params": abstract}, processes=64, bandwidth=2.0)
         print(plan)                 # per process: bytes, requests, peak host memory, time
@@ -239,7 +264,7 @@ def plan_load(
     # The same options, checked the same way, as the load this plan predicts.
     opts = LoadOptions(partial=partial, verify=verify, threads=threads, read_once=read_once,
                        budget_bytes=budget_bytes, bandwidths=bandwidths, format=format, rename=rename, drop=drop,
-                       fill_missing=fill_missing)
+                       fill_missing=fill_missing, mesh=mesh)
     partial, verify, threads, read_once, budget_bytes = (opts.partial, opts.verify, opts.threads, opts.read_once,
                                                          opts.budget_bytes)
     loc = resolve(path, storage_options)
@@ -257,7 +282,7 @@ def plan_load(
     for name, item_target in _requests(loc, manifest, target):
         index = src.indexes[name] if src is not None else read_index(loc, manifest.items[name])
         pp = LoadView(index.structure, name, loc.path, 0, n)
-        wanted = _load.match_target(loc, name, index, item_target, partial, pp)
+        wanted = _load.match_target(loc, name, index, item_target, partial, pp, opts.mesh)
         verify_item = verify and (src is None or src.verify)
         items.append(_Item(name, index, item_target, wanted, SimpleNamespace(verify=verify_item), pp))
     process_of, devices = _process_map(items, processes)
@@ -282,7 +307,8 @@ def plan_load(
         sim = _Process(p, process_of, budget_bytes, threads, max_read, vectored,
                        run_limits(loc.storage.preferred_read))
         sim.direct([(it, it.wanted if not it.pp.nodes else _load.match_target(
-            loc, it.name, it.index, it.target, partial, LoadView(it.index.structure, it.name, loc.path, p, n)))
+            loc, it.name, it.index, it.target, partial, LoadView(it.index.structure, it.name, loc.path, p, n),
+            opts.mesh))
             for it in items], skip)
         sim.waves(waves)
         plans.append(ProcessPlan(p, devices.get(p, 0), sim.bytes, sim.requests, sim.peak + sim.scratch()))
@@ -290,7 +316,18 @@ def plan_load(
     return LoadPlan(loc.path, found, tuple(plans), len(arrays),
                     sum(leaf.nbytes for leaf in arrays if isinstance(leaf, fmt.ArrayLeaf)),
                     len(staged), len(waves), budget_bytes, bandwidth, routes=tuple(leaf_routes),
-                    route_bandwidths=priced.as_dict() if priced is not None else None)
+                    route_bandwidths=priced.as_dict() if priced is not None else None,
+                    per_process=tuple(_per_process_reads(items, n)))
+
+
+def _per_process_reads(items: list[_Item], n: int) -> list[PerProcessRead]:
+    """The per-process nodes the load reads (a target may leave one out: partial=True)."""
+    out = []
+    for it in items:
+        for path, subs in sorted(it.pp.nodes.items()):
+            if any(i in it.wanted for sub in subs for i in leaf_numbers(sub)):
+                out.append(PerProcessRead(display_path(path, it.name), len(subs), "own" if len(subs) == n else "all"))
+    return out
 
 
 def _leaf_route(path: str, shape: tuple[int, ...], r: Route, bw: Bandwidths | None) -> LeafRoute:

@@ -44,7 +44,7 @@ class RestoreReport:
     (by `drop`, or a rename to None); `filled` lists target paths that kept the
     target's own value because the checkpoint lacks them.
 
-    Example::
+    Example:
 
         report = cairn.RestoreReport()
         params = cairn.load(path, target, rename=[(r"^params/enc/", "params/encoder/")],

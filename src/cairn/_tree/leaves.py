@@ -40,7 +40,7 @@ def register_type(
     The handler's `name` (by default the type's qualified name) is recorded in
     the checkpoint, so a loader registers the same name to read it back.
 
-    Example::
+    Example:
 
         cairn.register_type(MyIterState, save=lambda s: s.to_bytes(),
                             load=MyIterState.from_bytes)

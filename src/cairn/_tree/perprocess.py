@@ -15,8 +15,10 @@ bytes in its own data files), and the index holds a tree node
 path ``<path>/<p>`` (docs/FORMAT.md §7.1). Only the primary needs the other
 processes' leaf descriptions (for the index); it learns them in the same
 exchange and tells every process where its leaves go in the item's numbering.
-On load, process p gets value p back; on another process count, only through
-the target's ``PerProcess(reshard=fn)``.
+On load, process p gets value p back. On another process count, a target's
+``PerProcess`` needs ``reshard=fn``; a load without a target returns the list
+of every saved value there (what ``cairn.metadata`` shows), so a look at the
+checkpoint from one process never fails.
 """
 
 from __future__ import annotations
@@ -66,9 +68,11 @@ class PerProcess:
     Restoring on a different number of processes needs ``reshard``, a function
     ``reshard(saved, index, count)`` from the list of saved values (indexed by the
     process that saved them) to this process's new value; give it in the target.
-    A `value` in a target is a template: the loaded value takes its containers.
+    Without a target, such a load returns that list itself, the same on every
+    process. A `value` in a target is a template: the loaded value takes its
+    containers.
 
-    Example::
+    Example:
 
         cairn.save(path, {"params": params, "data": cairn.PerProcess(iterator.get_state())})
         restored = cairn.load(path, {"params": abstract, "data": cairn.PerProcess()})
@@ -401,14 +405,15 @@ class LoadView:
             f"{self.where}: {display_path(path, self.item)!r} holds per-process values saved by {saved} "
             f"process{'es' if saved != 1 else ''}, and {self.n} {'are' if self.n != 1 else 'is'} loading; "
             "give the target cairn.PerProcess(reshard=fn) there, where fn(saved, index, count) makes this "
-            "process's value from the list of saved ones")
+            "process's value from the list of saved ones (a load without a target returns that list)")
 
     def all_leaves(self, n_leaves: int) -> dict[int, Any]:
-        """Without a target: every leaf but other processes' per-process ones."""
+        """Without a target: every leaf but other processes' per-process ones. Where the checkpoint was
+        saved by another number of processes, every process's (`pick` returns them all)."""
         wanted: dict[int, Any] = dict.fromkeys(range(n_leaves))
-        for path, subs in self.nodes.items():
+        for subs in self.nodes.values():
             if len(subs) != self.n:
-                raise self._counts(path, len(subs))
+                continue
             for q, sub in enumerate(subs):
                 if q != self.me:
                     for i in leaf_numbers(sub):
@@ -430,8 +435,8 @@ class LoadView:
             return False
         if len(subs) == self.n:
             take = [subs[self.me]]
-        elif isinstance(t, PerProcess) and t.reshard is not None:
-            take = subs
+        elif not isinstance(t, PerProcess) or t.reshard is not None:
+            take = subs  # reshard's input, or (a None target leaf, as without a target) the list of them all
         else:
             raise self._counts(path, len(subs))
         for sub in take:
@@ -441,8 +446,10 @@ class LoadView:
         return True
 
     def pick(self, subs: list[Structure], build: Callable[[Structure], Any]) -> Any:
-        """`unflatten`'s choice at a per-process node (no target): this process's value."""
-        return build(subs[self.me])
+        """`unflatten`'s choice at a per-process node (no target): this process's value where as many
+        processes saved it as load it; else the list of every saved value, by the process that saved it
+        (which of them is this process's is the caller's decision, as ``reshard``'s is)."""
+        return build(subs[self.me]) if len(subs) == self.n else [build(c) for c in subs]
 
     def value(self, path: str, t: Any, results: dict[int, Any]) -> Any:
         """The loaded value for target leaf `t` at per-process node `path`."""
@@ -451,9 +458,11 @@ class LoadView:
             v = unflatten(subs[self.me], results)
             if isinstance(t, PerProcess) and t.value is not None:
                 v = self._like(path, t.value, v)
-        else:
-            assert isinstance(t, PerProcess) and t.reshard is not None  # `claims` checked
+        elif isinstance(t, PerProcess):
+            assert t.reshard is not None  # `claims` checked
             v = t.reshard([unflatten(sub, results) for sub in subs], self.me, self.n)
+        else:
+            return [unflatten(sub, results) for sub in subs]
         return PerProcess(v, t.reshard) if isinstance(t, PerProcess) else v
 
     def _like(self, path: str, template: Any, v: Any) -> Any:

@@ -11,6 +11,7 @@ import numpy as np
 
 from .._core.boxes import Box
 from .._core.memo import Memo
+from .._errors import MismatchError
 
 
 def slices_to_box(index: tuple[slice, ...], shape: tuple[int, ...]) -> Box:
@@ -209,7 +210,7 @@ _described: Memo[dict[str, Any]] = Memo()
 
 
 def describe_sharding(sharding: Any) -> dict[str, Any]:
-    """A JSON description of a sharding, for humans and tools (never used to load).
+    """A JSON description of a sharding, for humans and tools; a load reads it only for ``mesh=`` (`on_mesh`).
 
     Memoised per sharding (a state repeats a few); callers must not modify it.
     """
@@ -228,6 +229,29 @@ def _describe(sharding: Any) -> dict[str, Any]:
     elif isinstance(sharding, jax.sharding.SingleDeviceSharding):
         out["device"] = str(next(iter(sharding.device_set)))
     return out
+
+
+def on_mesh(saved: dict[str, Any], mesh: Any, where: str) -> Any:
+    """The sharding an array saved with sharding description `saved` (`describe_sharding`) gets on `mesh`:
+    its saved PartitionSpec over the same axis names (whatever their sizes now); replicated where it was
+    not saved with a NamedSharding. `where` names the checkpoint and leaf in the error."""
+    import jax
+
+    entries = saved.get("spec") if saved.get("type") == "NamedSharding" else None
+    if not isinstance(entries, list):
+        return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    spec = jax.sharding.PartitionSpec(*[tuple(e) if isinstance(e, list) else e for e in entries])
+    names = [str(a) for a in mesh.axis_names]
+    used = [a for e in entries if e is not None for a in (e if isinstance(e, list) else [e])]
+    lacking = [a for a in dict.fromkeys(used) if a not in names]
+    if lacking:
+        saved_mesh = saved.get("mesh") or {}
+        was = dict(zip(saved_mesh.get("axis_names", []), saved_mesh.get("shape", [])))
+        raise MismatchError(
+            f"{where} was saved with PartitionSpec {spec} on a mesh with axes {was}; the mesh given has axes "
+            f"{dict(mesh.shape)}, without {', '.join(map(repr, lacking))}. Pass a mesh with those axis names "
+            "(of any sizes), or a target with a sharding for this leaf")
+    return jax.sharding.NamedSharding(mesh, spec)
 
 
 def _spec_entry(p: Any) -> Any:
