@@ -213,10 +213,7 @@ def _split(out: list[_Piece], rule: _SplitRule, chunk: _Chunk, box: Box, dest: i
             _slabs(out, rule, chunk, box, dest, lo, hi, rows)
             return
     if not split or a is None:
-        off = chunk.offset
-        copy = Copy(dest, 0, strides, shape, tuple(lo_a - b[0] for lo_a, b in zip(lo, box)), itemsize)
-        out.append(_Piece(chunk.file, off + first_byte, off + end_byte, off + first_byte, copy, chunk.cell, off,
-                          chunk.nbytes))
+        _emit(out, chunk, box, dest, lo, shape, first_byte, end_byte, itemsize)
         return
     for i in range(lo[a], hi[a]):
         sub_lo = tuple(i if k == a else v for k, v in enumerate(lo))
@@ -245,23 +242,23 @@ def _slabs(out: list[_Piece], rule: _SplitRule, chunk: _Chunk, box: Box, dest: i
     each, but a slab's bytes are checked and scattered while still in cache,
     and the slabs spread over the reader threads.
     """
-    c0 = chunk.box[0][0]
-    first = c0 + (lo[0] - c0) // rows * rows
-    for r in range(first, hi[0], rows):
-        sub_lo = (max(r, lo[0]), *lo[1:])
-        sub_hi = (min(r + rows, hi[0]), *hi[1:])
-        _emit(out, rule, chunk, box, dest, sub_lo, sub_hi)
-
-
-def _emit(out: list[_Piece], rule: _SplitRule, chunk: _Chunk, box: Box, dest: int,
-          lo: tuple[int, ...], hi: tuple[int, ...]) -> None:
-    """The overlap ``lo..hi`` as one covering piece."""
     cbox, strides, itemsize = chunk.box, chunk.strides, rule.itemsize
-    first_byte = sum((lo_a - c[0]) * s for lo_a, c, s in zip(lo, cbox, strides))
-    end_byte = sum((hi_a - 1 - c[0]) * s for hi_a, c, s in zip(hi, cbox, strides)) + itemsize
-    shape = tuple(h - lo_a for lo_a, h in zip(lo, hi))
+    c0 = cbox[0][0]
+    # Bytes of the overlap's rows from the chunk's first row: the first and the last element of a row.
+    inner_first = sum((lo_a - c[0]) * s for lo_a, c, s in zip(lo[1:], cbox[1:], strides[1:]))
+    inner_last = sum((hi_a - 1 - c[0]) * s for hi_a, c, s in zip(hi[1:], cbox[1:], strides[1:])) + itemsize
+    inner_shape = tuple(hi_a - lo_a for lo_a, hi_a in zip(lo[1:], hi[1:]))
+    for r in range(c0 + (lo[0] - c0) // rows * rows, hi[0], rows):
+        r0, r1 = max(r, lo[0]), min(r + rows, hi[0])
+        _emit(out, chunk, box, dest, (r0, *lo[1:]), (r1 - r0, *inner_shape),
+              (r0 - c0) * strides[0] + inner_first, (r1 - 1 - c0) * strides[0] + inner_last, itemsize)
+
+
+def _emit(out: list[_Piece], chunk: _Chunk, box: Box, dest: int, lo: tuple[int, ...], shape: tuple[int, ...],
+          first_byte: int, end_byte: int, itemsize: int) -> None:
+    """The overlap of `shape` from `lo` as one covering piece: chunk bytes [first_byte, end_byte)."""
     off = chunk.offset
-    copy = Copy(dest, 0, strides, shape, tuple(lo_a - b[0] for lo_a, b in zip(lo, box)), itemsize)
+    copy = Copy(dest, 0, chunk.strides, shape, tuple(lo_a - b[0] for lo_a, b in zip(lo, box)), itemsize)
     out.append(_Piece(chunk.file, off + first_byte, off + end_byte, off + first_byte, copy, chunk.cell, off,
                       chunk.nbytes))
 
