@@ -39,11 +39,11 @@ from cairn._format import manifest as fmt
 from cairn._format.binindex import cell_bytes, cells_in
 from cairn._load.reader import DEFAULT_MAX_READ
 from cairn._plan.chunking import assign_files
-from cairn._plan.estimate import estimate_reads
+from cairn._plan.estimate import estimate_read_work
 from cairn._plan.grid import spec_boxes as grid_spec_boxes
 from cairn._plan.readmemo import PlanMemo
 from cairn._plan.reads import plan_reads
-from cairn._plan.routes import Bandwidths, Layout, choose, received_elements
+from cairn._plan.routes import HOST_DEFAULTS, Bandwidths, Layout, choose, received_elements
 from cairn._save.assign import SaveItem, layout_cache, layout_for
 from cairn._save.indexparts import build_part, item_index, own_cells
 from cairn._tree.pytree import flatten
@@ -347,10 +347,11 @@ def plan_read_once(cluster: Cluster, built: dict[str, Any], params: list[Param],
             routes.append(memo[key])
             continue
 
-        def cost(layout: Layout, leaf: fmt.ArrayLeaf = leaf, isz: int = isz) -> tuple[int, int]:
+        def cost(layout: Layout, leaf: fmt.ArrayLeaf = leaf, isz: int = isz) -> tuple[int, int, int]:
+            # `_readonce.read_cost`: storage bytes, requests, host bytes (checked, and copied out strided)
             boxes = _process_boxes(cluster, mesh, leaf.shape, _spec(layout), 0)
-            nbytes, requests = estimate_reads(leaf.grid, isz, boxes, index.block_size, verify, DEFAULT_MAX_READ)
-            return procs * nbytes, procs * requests
+            w = estimate_read_work(leaf.grid, isz, boxes, index.block_size, verify, DEFAULT_MAX_READ)
+            return procs * w.nbytes, procs * w.requests, procs * ((w.nbytes if verify else 0) + w.scattered)
 
         def moved(a: Layout, b: Layout, leaf: fmt.ArrayLeaf = leaf, isz: int = isz) -> int:
             # `_readonce.moved_bytes`: each device of process 0 less what process 0 holds already.
@@ -406,7 +407,8 @@ def global_read_once(cluster: Cluster, params: list[Param], itemsize: int, route
 # ---------------------------------------------------------------------- driver
 
 
-#: --route-cases: (label, storage GB/s, interconnect GB/s, ms per request), per process.
+#: --route-cases: (label, storage GB/s, interconnect GB/s, ms per request), per process; host work
+#: at the default rate (`HOST_DEFAULTS`).
 ROUTE_CASES = {
     "object": ("object store 2 GB/s per host, 100 GB/s interconnect", 2.0, 100.0, 2.0),
     "slow-net": ("fast local disk 8 GB/s, 1 GB/s interconnect", 8.0, 1.0, 0.02),
@@ -530,20 +532,22 @@ def main(argv: Sequence[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="skip the sweep")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--route-cases", metavar="CASES", help="only price the FSDP -> TP load's routes under "
-                    f"bandwidth cases, a comma list of {sorted(ROUTE_CASES)} or storage:interconnect[:ms] "
-                    "figures in GB/s per process (e.g. 2:100:2)")
+                    f"bandwidth cases, a comma list of {sorted(ROUTE_CASES)} or storage:interconnect[:ms[:host]] "
+                    "figures in GB/s per process (e.g. 2:100:2; host 0 leaves host work out)")
     args = ap.parse_args(argv)
     results: dict[str, Any] = {}
     if args.route_cases:
         cases = {}
         for c in args.route_cases.split(","):
+            host = HOST_DEFAULTS["cpu"]
             if c in ROUTE_CASES:
                 label, sto, net, ms = ROUTE_CASES[c]
             else:
                 figs = [float(x) for x in c.split(":")]
                 sto, net, ms = [*figs, 0.0][:3]
+                host = figs[3] if len(figs) > 3 else host
                 label = f"storage {sto:g} GB/s, interconnect {net:g} GB/s"
-            cases[c] = Bandwidths(sto, net, ms, label)
+            cases[c] = Bandwidths(sto, net, ms, label + f", host {host:g} GB/s", host)
         r = route_cases(args.devices, args.layers, 2, args.block, cases)
         print(f"Llama-3.1-405B-shaped parameters (bf16), {args.layers} layers, {_fmt_bytes(r['bytes'])}; FSDP save "
               f"on {args.devices} devices / {args.devices // 8} processes, load onto ({args.devices // 16}, 16) "

@@ -3,7 +3,8 @@
     python -m benchmarks.read_once                 # 64 MiB leaf, local disk, cold and warm cache
     python -m benchmarks.read_once --mb 16 --s3    # also on a moto S3 server (needs moto)
     python -m benchmarks.read_once --routes        # issue 32: 0.94 GiB FSDP dim 0 -> dim 1, 2 x 4 devices,
-                                                   # default vs read_once=True vs False, warm cache
+                                                   # default vs read_once=True vs False vs Orbax, and the
+                                                   # same-sharding load (--cold: drop caches first)
 
 Each case saves one float32 array on a 2- or 4-process cluster (the test
 harness in tests/_mp: real `jax.distributed` processes on 127.0.0.1, CPU
@@ -60,27 +61,44 @@ def one(case: str, mb: int, read_once: bool | None, cold: bool, workdir: str,
     }
 
 
-ROUTE_OPTIONS = {"default": {}, "measured": {"bandwidths": {"interconnect_gbps": "measure"}},
-                 "read_once=True": {"read_once": True}, "read_once=False": {"read_once": False}}
+# name -> load keywords; "system": "orbax" restores Orbax's checkpoint of the same array instead,
+# "target": "saved" loads onto the saved sharding (see the compare_routes scenario)
+ROUTE_OPTIONS: dict[str, dict[str, Any]] = {
+    "default": {}, "read_once=True": {"read_once": True}, "read_once=False": {"read_once": False},
+    "orbax": {"system": "orbax"},
+    "same sharding: default": {"target": "saved"}, "same sharding: orbax": {"system": "orbax", "target": "saved"},
+}
+MEASURED = {"measured": {"bandwidths": {"interconnect_gbps": "measure"}}}
 
 
-def compare_routes(reps: int, rows: int = 61440, cols: int = 4096) -> dict[str, Any]:
-    """One save, then the load with each of `ROUTE_OPTIONS`, `reps` rounds in rotating order (warm
-    page cache); per option the slowest process's seconds of each round, and process 0's stats."""
+def compare_routes(reps: int, rows: int = 61440, cols: int = 4096, cold: bool = False,
+                   options: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
+    """One save each by cairn and Orbax, then the load with each of `options` (default
+    `ROUTE_OPTIONS`), `reps` rounds in rotating order; per option the slowest process's seconds
+    of each round, and process 0's stats."""
+    options = options or ROUTE_OPTIONS
+    load0 = os.getloadavg()
     with tempfile.TemporaryDirectory(prefix="cairn-routes-") as d:
         out = run(2, "compare_routes", {"path": os.path.join(d, "ck"), "mesh": [2, 4], "save_spec": [["x", "y"]],
                                         "load_spec": [None, ["x", "y"]], "shape": [rows, cols],
-                                        "options": ROUTE_OPTIONS, "reps": reps},
+                                        "options": options, "reps": reps, "cold": cold},
                   devices_per_process=4, timeout=3000)
-    res: dict[str, Any] = {"gib": out[0]["nbytes"] / 2**30, "save_s": max(o["save_s"] for o in out), "options": {}}
-    for name in ROUTE_OPTIONS:
+    res: dict[str, Any] = {"gib": out[0]["nbytes"] / 2**30, "save_s": max(o["save_s"] for o in out),
+                           "orbax_save_s": max(o.get("orbax_save_s", 0.0) for o in out), "cold": cold,
+                           "loadavg_before": load0, "loadavg_after": os.getloadavg(), "options": {}}
+    print(f"{res['gib']:.2f} GiB, {'cold' if cold else 'warm'} page cache; save: cairn {res['save_s']:.2f} s, "
+          f"orbax {res['orbax_save_s']:.2f} s; load average before {load0[0]:.1f}, after "
+          f"{res['loadavg_after'][0]:.1f}", flush=True)
+    for name in options:
         times = [max(o["runs"][name][r]["load_s"] for o in out) for r in range(reps)]
         last = out[0]["runs"][name][-1]
-        res["options"][name] = {"load_s": times, "median_s": statistics.median(times), "stats_p0": last}
-        print(f"{name:16} load {min(times):.2f}-{max(times):.2f} s (median {statistics.median(times):.2f}); "
-              f"process 0: route {last['routes']}, {last['bytes_read'] / 2**20:.0f} MiB read, read "
-              f"{last['read_s']:.2f} s, reshard {last['reshard_s']:.2f} s, predicted interconnect "
-              f"{last['interconnect_bytes'] / 2**20:.0f} MiB; priced with {last.get('bandwidths')}", flush=True)
+        res["options"][name] = {"load_s": times, "median_s": statistics.median(times), "min_s": min(times),
+                                "stats_p0": last}
+        line = f"{name:24} load min {min(times):.2f}, median {statistics.median(times):.2f}, max {max(times):.2f} s"
+        if "routes" in last:
+            line += (f"; process 0: route {last['routes']}, {last['bytes_read'] / 2**20:.0f} MiB read, read "
+                     f"{last['read_s']:.2f} s, reshard {last['reshard_s']:.2f} s")
+        print(line, flush=True)
     return res
 
 
@@ -89,11 +107,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--mb", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--routes", action="store_true", help="only the issue 32 comparison of the load's options")
+    ap.add_argument("--cold", action="store_true", help="with --routes: drop the page cache before every load (root)")
+    ap.add_argument("--measured", action="store_true", help="with --routes: also a load that measures the interconnect")
     ap.add_argument("--s3", action="store_true", help="also run against a moto S3 server on 127.0.0.1")
     ap.add_argument("--json")
     a = ap.parse_args(argv)
     if a.routes:
-        res = compare_routes(a.reps)
+        res = compare_routes(a.reps, cold=a.cold, options={**ROUTE_OPTIONS, **(MEASURED if a.measured else {})})
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(res, f, indent=1)

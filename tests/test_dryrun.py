@@ -142,6 +142,15 @@ def test_cli_plan(ckpt, capsys):
     assert _cli.main(["--plain", "plan", str(ckpt), "--mesh", "8", "--sharding", "P(None, 'data')"]) == 0
     text = capsys.readouterr().out
     assert "process" in text and "bytes read" in text and "does not model" in text
+    # Host work priced as declared (0 leaves it out), shown with the other figures.
+    assert _cli.main(["plan", str(ckpt), "--mesh", "8", "--sharding", "P(None, 'data')", "--processes", "2",
+                      "--host-gbps", "0", "--json"]) == 0
+    priced = json.loads(capsys.readouterr().out)
+    assert priced["route_bandwidths"]["host_gbps"] == 0.0 and priced["routes"]
+    assert all(a["host_bytes"] >= a["storage_bytes"] for r in priced["routes"] for a in r["alternatives"])
+    assert _cli.main(["--plain", "plan", str(ckpt), "--mesh", "8", "--sharding", "P(None, 'data')",
+                      "--processes", "2"]) == 0
+    assert "host 4 GB/s per process" in capsys.readouterr().out
     assert _cli.main(["plan", str(ckpt), "--mesh", "8", "--sharding", "model"]) == 1
     assert "not axes of the mesh" in capsys.readouterr().err
     assert _cli.main(["plan", str(ckpt), "--mesh", "data:8"]) == 1

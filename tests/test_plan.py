@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -105,13 +106,13 @@ def layouts(draw):
 
 
 @settings(max_examples=150, deadline=None)
-@given(layouts(), st.integers(0, 3))
-def test_reads_rebuild_every_target_box(case, seed):
+@given(layouts(), st.integers(0, 3), st.sampled_from([4 << 20, 64, 200]))
+def test_reads_rebuild_every_target_box(case, seed, max_read):
     shape, parts, tparts, block, verify = case
     arr = np.arange(math.prod(shape), dtype=np.int32).reshape(shape)
     leaf, data = build_leaf(arr, parts, block, seed)
     boxes = grid_boxes(shape, tparts)
-    reads = plan_reads(leaf, boxes, block, verify=verify, small_read=0)
+    reads = plan_reads(leaf, boxes, block, verify=verify, small_read=0, max_read=max_read)
     dests = execute(reads, leaf, data, boxes)
     for b, d in zip(boxes, dests):
         np.testing.assert_array_equal(d, arr[tuple(slice(lo, hi) for lo, hi in b)])
@@ -145,6 +146,32 @@ def test_column_split_reads_only_needed_rows_when_sparse():
     reads_v = plan_reads(leaf, boxes, 4096, verify=True, small_read=0)
     assert sum(r.nbytes for r in reads_v) == 4 * 4096  # widened to one checksum block per row
     np.testing.assert_array_equal(execute(reads_v, leaf, data, boxes)[0], arr[:, :1024])
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_column_strips_of_row_chunks_are_read_in_shared_row_slabs(verify):
+    # Saved in row chunks, loaded as column strips (FSDP dim 0 -> dim 1): each chunk is read once,
+    # in slabs of whole rows of about max_read bytes that every strip takes its copy from, rather
+    # than in one read of the whole chunk (checked and scattered from memory, not from cache).
+    arr = np.arange(256 * 512, dtype=np.float32).reshape(256, 512)  # rows of 2 KiB, 2 chunks of 256 KiB
+    block = 8192  # 4 rows
+    leaf, data = build_leaf(arr, (2, 1), block)
+    boxes = grid_boxes(arr.shape, (1, 4))
+    reads = plan_reads(leaf, boxes, block, verify=verify, max_read=24 << 10)
+    rows = 12  # 24 KiB of 2 KiB rows, a whole number of 4-row blocks
+    assert len(reads) == 2 * -(-128 // rows)
+    assert sorted(len(r.copies) for r in reads) == [4] * len(reads)
+    assert all(r.nbytes <= rows * 2048 for r in reads)
+    assert sum(r.nbytes for r in reads) == arr.nbytes  # every byte read once
+    spans = sorted((r.start, r.end) for r in reads)
+    assert all(a[1] <= b[0] for a, b in itertools.pairwise(spans))
+    if verify:  # every slab starts on a checksum block of its chunk
+        starts = sorted(off for _, off in leaf.chunks)
+        assert all((r.start - max(o for o in starts if o <= r.start)) % block == 0 for r in reads)
+    for b, d in zip(boxes, execute(reads, leaf, data, boxes)):
+        np.testing.assert_array_equal(d, arr[tuple(slice(lo, hi) for lo, hi in b)])
+    whole = plan_reads(leaf, boxes, block, verify=verify)  # up to 4 MiB: both chunks in one read, as before
+    assert len(whole) == 1 and len(whole[0].copies) == 8
 
 
 def test_overlapping_cells_bisection():

@@ -9,6 +9,8 @@ checked against the expected values.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from _mp import run
@@ -145,3 +147,21 @@ def test_processes_that_choose_different_routes_fail_named_instead_of_hanging(tm
     for r in out:
         assert r["error"] == "CheckpointError" and "different read routes" in r["message"], out
         assert "same read_once= and bandwidths=" in r["message"], out
+
+
+def test_the_routes_benchmark_runs_cairn_and_orbax_on_the_same_processes(tmp_path):
+    # benchmarks.read_once --routes, small: one save by each library, every option loaded (and its
+    # warm-up checked against the expected values in the scenario), rounds timed on every process.
+    pytest.importorskip("orbax.checkpoint")
+    options = {"default": {}, "read_once=True": {"read_once": True}, "orbax": {"system": "orbax"},
+               "same: default": {"target": "saved"}, "same: orbax": {"system": "orbax", "target": "saved"}}
+    out = run(2, "compare_routes", {"path": str(tmp_path / "ck"), "mesh": [2, 2], "save_spec": [["x", "y"]],
+                                    "load_spec": [None, ["x", "y"]], "shape": [512, 256], "options": options,
+                                    "reps": 1}, devices_per_process=2)
+    for o in out:
+        assert o["orbax_save_s"] > 0 and os.path.isdir(tmp_path / "ck-orbax")
+        assert all(len(o["runs"][name]) == 1 and o["runs"][name][0]["load_s"] > 0 for name in options), o
+        assert o["runs"]["default"][0]["leaf_routes"] == {"a": "direct"}  # the CPU defaults
+        assert o["runs"]["read_once=True"][0]["leaf_routes"] == {"a": "staged"}
+        assert o["runs"]["same: default"][0]["leaf_routes"] == {"a": "direct"}
+        assert "leaf_routes" not in o["runs"]["orbax"][0]

@@ -5,8 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from cairn._plan.estimate import estimate_reads
+from cairn._plan.estimate import estimate_read_work, estimate_reads
 from cairn._plan.routes import (
+    HOST_DEFAULTS,
     INTERCONNECT_DEFAULTS,
     STORAGE_DEFAULTS,
     Bandwidths,
@@ -87,6 +88,7 @@ def test_defaults_per_backend_and_platform():
     assert obj_gpu.storage_gbps < local_cpu.storage_gbps and obj_gpu.request_ms > local_cpu.request_ms
     assert local_cpu.interconnect_gbps < local_cpu.storage_gbps < obj_gpu.interconnect_gbps <= obj_tpu.interconnect_gbps
     assert obj_gpu.source == "default: object storage, gpu interconnect"
+    assert local_cpu.host_gbps == HOST_DEFAULTS["cpu"] > 0 and obj_tpu.host_gbps == HOST_DEFAULTS["tpu"] > 0
     # The two regimes of the issue, from the defaults alone: CPU hosts read directly, an object store
     # behind a GPU interconnect reads once.
     assert _choose(local_cpu).kind == "direct" and _choose(obj_gpu).kind == "staged"
@@ -96,11 +98,13 @@ def test_declared_bandwidths_override_the_defaults():
     bw = resolve_bandwidths({"interconnect_gbps": 100}, "local", "cpu")
     assert bw.interconnect_gbps == 100.0 and bw.storage_gbps == STORAGE_DEFAULTS["local"][0]
     assert bw.source.startswith("declared interconnect_gbps;")
-    full = resolve_bandwidths({"storage_gbps": 1, "interconnect_gbps": 2, "request_ms": 0}, "object", "gpu")
-    assert (full.storage_gbps, full.interconnect_gbps, full.request_ms, full.source) == (1.0, 2.0, 0.0, "declared")
+    full = resolve_bandwidths({"storage_gbps": 1, "interconnect_gbps": 2, "request_ms": 0, "host_gbps": 0},
+                              "object", "gpu")
+    assert (full.storage_gbps, full.interconnect_gbps, full.request_ms, full.host_gbps, full.source) == (
+        1.0, 2.0, 0.0, 0.0, "declared")
     assert resolve_bandwidths(Bandwidths(3.0, 4.0), "object", "tpu").storage_gbps == 3.0
     for bad in ({"storage": 1}, {"storage_gbps": 0}, {"interconnect_gbps": -1}, {"storage_gbps": "fast"},
-                {"request_ms": float("nan")}, [("storage_gbps", 1)]):
+                {"request_ms": float("nan")}, {"host_gbps": -1}, [("storage_gbps", 1)]):
         with pytest.raises(ValueError, match="bandwidths"):
             resolve_bandwidths(bad, "local", "cpu")
 
@@ -140,3 +144,36 @@ def test_manager_restore_forwards_bandwidths(tmp_path):
         assert mgr.restore(bandwidths={"interconnect_gbps": 100})["a"].tolist() == [0, 1, 2, 3]
         with pytest.raises(ValueError, match="unknown keys"):
             mgr.restore(bandwidths={"network": 1})
+
+
+def test_host_work_is_priced_and_can_change_the_route():
+    # Direct reads read twice the bytes (all checked) and copy half of them out strided; the staged
+    # route checks its bytes once and lands them in place. With a fast disk and a 1 GB/s interconnect
+    # the bytes alone favour direct; the host's CRC and copies at 4 GB/s tip it to staged.
+    costs = {TARGET: (2 * NBYTES, 16, 3 * NBYTES), STAGE: (NBYTES, 8, NBYTES)}
+
+    def pick(host_gbps):
+        return choose(TARGET, (4096, 4096), NBYTES, costs.__getitem__, False, moved=lambda a, b: MOVED[a, b],
+                      bandwidths=Bandwidths(8.0, 1.0, host_gbps=host_gbps), processes=2)
+
+    assert pick(0.0).kind == "direct"  # host work left out
+    plan = pick(4.0)
+    assert plan.kind == "staged"
+    alts = {a.kind: a for a in plan.alternatives}
+    assert alts["direct"].host_bytes == 3 * NBYTES and alts["staged"].host_bytes == NBYTES
+    assert alts["direct"].seconds == pytest.approx(NBYTES / 8e9 + 1.5 * NBYTES / 4e9)
+    assert alts["staged"].seconds == pytest.approx(NBYTES / 2 / 8e9 + NBYTES / 4 / 1e9 + NBYTES / 2 / 4e9)
+    # The same inputs give the same route however often and in whatever order they are priced.
+    assert {pick(4.0).kind for _ in range(3)} == {"staged"}
+
+
+def test_estimate_counts_bytes_that_cannot_land_in_place():
+    grid = ((0, 64, 128), (0, 32))  # two row chunks of 64 x 32 float32 (8 KiB each)
+    strips = [((0, 128), (8 * i, 8 * (i + 1))) for i in range(4)]  # column strips: strided in every chunk
+    work = estimate_read_work(grid, 4, strips, block_size=4096)
+    assert work.nbytes == 2 * 8192 and work.scattered == 128 * 32 * 4
+    rows = [((32 * i, 32 * (i + 1)), (0, 32)) for i in range(4)]  # row blocks: contiguous in chunk and box
+    assert estimate_read_work(grid, 4, rows, block_size=4096).scattered == 0
+    # Whole rows of a chunk into part of a wider box: contiguous in the chunk, strided in the box.
+    assert estimate_read_work(((0, 128), (0, 16, 32)), 4, [((0, 4), (0, 32))], 4096).scattered == 4 * 32 * 4
+    assert estimate_read_work(grid, 4, [((0, 1), (0, 32))], 4096).scattered == 0  # one row: one run

@@ -188,9 +188,11 @@ def load(
     the target sharding (read-once: worth it for a target replicated over
     processes, or cut across the saved chunks, when storage is slower than
     the interconnect). Each route's time is its storage bytes and requests
-    at the storage's bandwidth plus the bytes moved between processes at the
-    interconnect's; `bandwidths` declares them per process, e.g.
-    ``{"storage_gbps": 2.0, "interconnect_gbps": 100.0, "request_ms": 1.0}``
+    at the storage's bandwidth, plus the bytes moved between processes at the
+    interconnect's, plus the host's work (checking every byte read, copying
+    out the reads that cannot land in place) at ``host_gbps``; `bandwidths`
+    declares them per process, e.g. ``{"storage_gbps": 2.0,
+    "interconnect_gbps": 100.0, "request_ms": 1.0, "host_gbps": 4.0}``
     (any subset); the rest default per storage kind (local disk, object
     store) and JAX platform (CPU collectives over gloo are slow, GPU and TPU
     fast); ``"interconnect_gbps": "measure"`` times one small all-gather on

@@ -459,40 +459,86 @@ def manager_agreement(directory: str, mesh: list[int]) -> dict:
 
 
 def compare_routes(path: str, mesh: list[int], save_spec: list[Any], load_spec: list[Any], shape: list[int],
-                   options: dict[str, dict], reps: int = 3) -> dict:
-    """Save one array once, then load it with each of `options` (name -> load keywords), `reps`
-    rounds in rotating order (warm page cache); per option, each round's seconds and stats."""
+                   options: dict[str, dict], reps: int = 3, cold: bool = False) -> dict:
+    """Save one array once, then load it with each of `options`, `reps` rounds in rotating order;
+    per option, each round's seconds and stats.
+
+    An option is load keywords, plus two optional keys: ``"system": "orbax"`` restores an Orbax
+    checkpoint of the same array instead (saved once, beside cairn's, by orbax-checkpoint on the
+    same `jax.distributed` processes), and ``"target": "saved"`` loads onto the saved sharding
+    instead of `load_spec`. With `cold`, process 0 drops the page cache before every load
+    (warm-ups included; needs root)."""
     from cairn._dist.coord import default_coordinator
 
     m = _mesh(mesh)
     shp = tuple(shape)
     full = expected("a", shp, "float32")
-    arr = jax.make_array_from_callback(shp, NamedSharding(m, _spec(save_spec)), lambda idx: full[idx])
+    saved = NamedSharding(m, _spec(save_spec))
+    arr = jax.make_array_from_callback(shp, saved, lambda idx: full[idx])
+    coord = default_coordinator()
+    out: dict[str, Any] = {"nbytes": int(full.nbytes), "runs": {n: [] for n in options}}
     t0 = time.perf_counter()
     cairn.save(path, {"a": arr})
-    save_s = time.perf_counter() - t0
+    out["save_s"] = time.perf_counter() - t0
+    orbax = [n for n, o in options.items() if o.get("system") == "orbax"]
+    ckptr = None
+    if orbax:
+        import logging
+
+        import orbax.checkpoint as ocp
+
+        logging.getLogger("absl").setLevel(logging.WARNING)
+        ckptr = ocp.AsyncCheckpointer(ocp.PyTreeCheckpointHandler(use_ocdbt=True, use_zarr3=True))
+        coord.barrier("t/cmp/orbax-save", 120)
+        t0 = time.perf_counter()
+        ckptr.save(path + "-orbax", args=ocp.args.PyTreeSave({"a": arr}))
+        ckptr.wait_until_finished()
+        out["orbax_save_s"] = time.perf_counter() - t0
     del arr
-    target = NamedSharding(m, _spec(load_spec))
-    want = {"a": jax.ShapeDtypeStruct(shp, np.float32, sharding=target)}
-    coord = default_coordinator()
+    targets = {"saved": saved, "resharded": NamedSharding(m, _spec(load_spec))}
+    seq = iter(range(1 << 30))  # barrier names are used once
+
+    def load(name: str, stats: Any = None) -> Any:
+        opt = dict(options[name])
+        system = opt.pop("system", "cairn")
+        target = targets[opt.pop("target", "resharded")]
+        want = {"a": jax.ShapeDtypeStruct(shp, np.float32, sharding=target)}
+        if cold:
+            coord.barrier(f"t/cmp/drop/{next(seq)}", 120)
+            if coord.process_index == 0:
+                os.sync()
+                with open("/proc/sys/vm/drop_caches", "w") as f:
+                    f.write("3\n")
+        coord.barrier(f"t/cmp/go/{next(seq)}", 120)
+        t0 = time.perf_counter()
+        if system == "orbax":
+            import orbax.checkpoint as ocp
+
+            restore_args = ocp.checkpoint_utils.construct_restore_args(want)
+            got = ckptr.restore(path + "-orbax", args=ocp.args.PyTreeRestore(item=want, restore_args=restore_args))
+        else:
+            got = cairn.load(path, want, stats=stats, **opt)
+        jax.block_until_ready(got)
+        return got["a"], time.perf_counter() - t0, target
+
     names = list(options)
-    out: dict[str, Any] = {"save_s": save_s, "nbytes": int(full.nbytes), "runs": {n: [] for n in names}}
-    for name in names:  # once each to warm up (imports, compilation, page cache)
-        jax.block_until_ready(cairn.load(path, want, **options[name]))
+    for name in names:  # once each to warm up (imports, compilation, page cache), checked
+        got, _, target = load(name)
+        assert got.sharding == target, (name, got.sharding, target)
+        for shard in got.addressable_shards:
+            np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+        del got
     for r in range(reps):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            coord.barrier(f"t/cmp/{r}/{name}", 120)
             stats = cairn.LoadStats()
-            t0 = time.perf_counter()
-            got = cairn.load(path, want, stats=stats, **options[name])["a"]
-            jax.block_until_ready(got)
-            s = time.perf_counter() - t0
-            out["runs"][name].append({"load_s": s, **{k: v for k, v in stats.as_dict().items()
-                                                      if isinstance(v, (int, float, str, dict))}})
+            got, s, _ = load(name, stats)
+            row: dict[str, Any] = {"load_s": s}
+            if options[name].get("system") != "orbax":
+                row.update({k: v for k, v in stats.as_dict().items() if isinstance(v, (int, float, str, dict))})
+            out["runs"][name].append(row)
             del got
-    check = cairn.load(path, want)["a"]
-    for shard in check.addressable_shards:
-        np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])
+    if ckptr is not None:
+        ckptr.close()
     return out
 
 

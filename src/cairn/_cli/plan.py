@@ -2,7 +2,7 @@
 
 The mesh is made of virtual CPU devices (the planner needs only each
 sharding's ``devices_indices_map``), ``--processes`` splits it into processes by
-device id, ``--storage-gbps``/``--interconnect-gbps``/``--platform`` price
+device id, ``--storage-gbps``/``--interconnect-gbps``/``--host-gbps``/``--platform`` price
 each leaf's route, and ``--sharding`` gives every array the same spec: ``fsdp`` (axis 0
 over every mesh axis), ``replicated``, or a PartitionSpec; or ``saved``, its saved spec. An array the spec
 does not fit (too few axes, or not divisible) is planned replicated, and the
@@ -41,6 +41,8 @@ def add_command(sub: Any, parse_bytes: Any) -> None:
     s.add_argument("--interconnect-gbps", type=float, metavar="GB/s", help="interconnect bandwidth per process "
                    "that routes are priced with (default: per --platform)")
     s.add_argument("--request-ms", type=float, metavar="ms", help="effective time per storage request")
+    s.add_argument("--host-gbps", type=float, metavar="GB/s", help="rate per process at which the host checks "
+                   "(CRC-32C) and copies out bytes read (0: leave host work out)")
     s.add_argument("--platform", choices=["cpu", "gpu", "tpu"], help="the platform whose interconnect default "
                    "prices the routes (default cpu: the plan's virtual devices)")
     s.add_argument("--budget", type=parse_bytes, default=1 << 30, help="the load's budget_bytes (default 1G)")
@@ -59,7 +61,7 @@ def cmd_plan(args: Any, out: Any) -> int:
     mesh = jax.sharding.Mesh(np.array(devices).reshape(sizes), names)
     target, odd = cli_target(args.path, mesh, args.sharding, args.format)
     declared = {k: v for k, v in (("storage_gbps", args.storage_gbps), ("interconnect_gbps", args.interconnect_gbps),
-                                  ("request_ms", args.request_ms)) if v is not None}
+                                  ("request_ms", args.request_ms), ("host_gbps", args.host_gbps)) if v is not None}
     plan = plan_load(args.path, target, processes=args.processes, budget_bytes=args.budget, bandwidth=args.bandwidth,
                      read_once={"auto": None, "on": True, "off": False}[args.read_once], format=args.format,
                      bandwidths=declared or None, platform=args.platform)

@@ -45,7 +45,7 @@ import logging
 import math
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -60,7 +60,7 @@ from .._errors import (
     first_failure,
 )
 from .._format import manifest as fmt
-from .._plan.estimate import estimate_reads
+from .._plan.estimate import estimate_read_work
 from .._plan.routes import (
     DIRECT_MAX,
     Bandwidths,
@@ -135,7 +135,7 @@ def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, proce
             shardings[layout] = sharding_of(target, layout)
         return shardings[layout]
 
-    def cost(layout: Layout) -> tuple[int, int]:
+    def cost(layout: Layout) -> tuple[int, int, int]:
         return read_cost(leaf, sharding(layout), block_size, verify, max_read=max_read, process_of=process_of)
 
     def moved(a: Layout, b: Layout) -> int:
@@ -160,8 +160,9 @@ def read_bytes(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool
 
 
 def read_cost(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool, region: Any = None,
-              max_read: int = 0, process_of: ProcessOf | None = None) -> tuple[int, int]:
-    """Storage bytes and requests, summed over processes, when each reads its boxes of `sharding`.
+              max_read: int = 0, process_of: ProcessOf | None = None) -> tuple[int, int, int]:
+    """Storage bytes, requests and host bytes (checked when `verify`, plus those copied out strided),
+    summed over processes, when each reads its boxes of `sharding`.
 
     Estimated (`_plan.estimate_reads`, an upper bound of the planner's
     bytes) for one representative process, the one holding the sharding's
@@ -176,8 +177,9 @@ def read_cost(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool,
     processes, boxes = _representative(sharding, shape, process_of)
     if region is not None:  # a piece of the leaf: its boxes sit at the piece's origin
         boxes = frozenset(tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes)
-    nbytes, requests = estimate_reads(leaf.grid, leaf.dtype.itemsize, sorted(boxes), block_size, verify, max_read)
-    return processes * nbytes, processes * requests
+    work = estimate_read_work(leaf.grid, leaf.dtype.itemsize, sorted(boxes), block_size, verify, max_read)
+    host = (work.nbytes if verify else 0) + work.scattered
+    return processes * work.nbytes, processes * work.requests, processes * host
 
 
 def moved_bytes(src: Any, dst: Any, shape: tuple[int, ...], itemsize: int, process_of: ProcessOf | None = None) -> int:
@@ -259,8 +261,8 @@ def bandwidths_for(declared: Any, storage: Any, sharding: Any, coord: Coordinato
         measured = measure_interconnect(sharding, coord, timeout) if coord is not None else None
         if measured is None:
             return base
-        return Bandwidths(base.storage_gbps, measured, base.request_ms,
-                          f"interconnect measured ({measured:.3g} GB/s); " + base.source)
+        return replace(base, interconnect_gbps=measured,
+                       source=f"interconnect measured ({measured:.3g} GB/s); " + base.source)
     return resolve_bandwidths(declared, storage_kind(storage), platform_of(sharding))
 
 

@@ -8,7 +8,7 @@ with numpy over the overlapped chunks instead of building its pieces.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -21,8 +21,23 @@ def estimate_read_bytes(grid: Sequence[Sequence[int]], itemsize: int, boxes: Seq
     return estimate_reads(grid, itemsize, boxes, block_size, verify)[0]
 
 
+class ReadWork(NamedTuple):
+    """What one process's reads come to (`estimate_read_work`)."""
+
+    nbytes: int  # storage bytes read
+    requests: int
+    scattered: int  # bytes of the target that cannot land in place: read into a buffer, then copied
+
+
 def estimate_reads(grid: Sequence[Sequence[int]], itemsize: int, boxes: Sequence[Box], block_size: int,
                    verify: bool = True, max_read: int = 0) -> tuple[int, int]:
+    """(bytes, requests) of `estimate_read_work`."""
+    work = estimate_read_work(grid, itemsize, boxes, block_size, verify, max_read)
+    return work.nbytes, work.requests
+
+
+def estimate_read_work(grid: Sequence[Sequence[int]], itemsize: int, boxes: Sequence[Box], block_size: int,
+                       verify: bool = True, max_read: int = 0) -> ReadWork:
     """About the bytes `plan_reads` reads for `boxes` (one process's), without planning them.
 
     Per overlap of a box with a chunk it charges the covering range (from the
@@ -33,18 +48,23 @@ def estimate_reads(grid: Sequence[Sequence[int]], itemsize: int, boxes: Sequence
     overlapped chunks (no per-piece Python objects): cheap enough to decide a
     read route for every leaf on every process of a large cluster.
 
-    Returns (bytes, requests): one request per merged range, split every
-    `max_read` bytes when it is positive (a lower bound of the planner's
-    requests where it splits rows).
+    Returns bytes, requests (one per merged range, split every `max_read`
+    bytes when it is positive: a lower bound of the planner's requests where
+    it splits rows) and the bytes scattered: the overlaps that are not one
+    contiguous run both in their chunk and in their target box, which the
+    reader lands in a buffer and copies out strided (host CPU work the other
+    overlaps do not cost). Vectored reads of long rows into place count as
+    scattered here.
     """
     if not boxes:
-        return 0, 0
+        return ReadWork(0, 0, 0)
     ndim = len(grid)
     if ndim == 0:
-        return itemsize, 1
+        return ReadWork(itemsize, 1, 0)
     bounds = [np.asarray(b, dtype=np.int64) for b in grid]
     ncells = [len(b) - 1 for b in bounds]
     cells, los, his = [], [], []
+    scattered = 0
     for box in boxes:
         if box_size(box) == 0:
             continue
@@ -72,6 +92,7 @@ def estimate_reads(grid: Sequence[Sequence[int]], itemsize: int, boxes: Sequence
             stride = stride * along(cext, a)
         for a in range(ndim):
             cell = cell * ncells[a] + along(axes[a][0], a)
+        scattered += _scattered(axes, [hi - lo for lo, hi in box], shape, along) * itemsize
         lo_b, hi_b = first * itemsize, (last + 1) * itemsize
         if verify:
             chunk_bytes = stride * itemsize
@@ -81,7 +102,7 @@ def estimate_reads(grid: Sequence[Sequence[int]], itemsize: int, boxes: Sequence
         los.append(lo_b.reshape(-1))
         his.append(hi_b.reshape(-1))
     if not cells:
-        return 0, 0
+        return ReadWork(0, 0, 0)
     cell_a, lo_a, hi_a = np.concatenate(cells), np.concatenate(los), np.concatenate(his)
     # Union of intervals per chunk, as one union over a line where each chunk has a stretch of its own.
     span = int(hi_a.max()) + 1
@@ -89,7 +110,7 @@ def estimate_reads(grid: Sequence[Sequence[int]], itemsize: int, boxes: Sequence
         # Cannot happen for real grids (64 PiB arrays at most); stay exact in int64 anyway and
         # charge overlapping ranges twice, which keeps the figure an upper bound.
         sizes = hi_a - lo_a
-        return int(sizes.sum()), _requests(sizes, max_read)
+        return ReadWork(int(sizes.sum()), _requests(sizes, max_read), scattered)
     order = np.lexsort((lo_a, cell_a))
     lo_k, hi_k = (cell_a * span + lo_a)[order], (cell_a * span + hi_a)[order]
     reach = np.maximum.accumulate(hi_k)
@@ -97,7 +118,28 @@ def estimate_reads(grid: Sequence[Sequence[int]], itemsize: int, boxes: Sequence
     run_starts = np.flatnonzero(starts)
     run_ends = np.concatenate((run_starts[1:] - 1, [len(lo_k) - 1]))
     sizes = reach[run_ends] - lo_k[run_starts]
-    return int(sizes.sum()), _requests(sizes, max_read)
+    return ReadWork(int(sizes.sum()), _requests(sizes, max_read), scattered)
+
+
+def _scattered(axes: list[tuple[Any, Any, Any, Any]], box_extents: list[int], shape: list[int], along: Any) -> int:
+    """Elements of one box's overlaps with its chunks that are not one contiguous run in both:
+    a region is contiguous in an array when every axis after its first longer than 1 is whole."""
+    ndim = len(axes)
+    ext = [along(axes[a][2], a) for a in range(ndim)]
+    ok_chunk = np.ones(shape, dtype=bool)
+    ok_box = np.ones(shape, dtype=bool)
+    partial_chunk = np.zeros(shape, dtype=bool)  # an axis after this one is not whole
+    partial_box = np.zeros(shape, dtype=bool)
+    for a in reversed(range(ndim)):
+        long = ext[a] > 1
+        ok_chunk &= ~(partial_chunk & long)
+        ok_box &= ~(partial_box & long)
+        partial_chunk = partial_chunk | (ext[a] < along(axes[a][3], a))
+        partial_box = partial_box | (ext[a] < box_extents[a])
+    size = np.ones(shape, dtype=np.int64)
+    for e in ext:
+        size = size * e
+    return int(size[~(ok_chunk & ok_box)].sum())
 
 
 def _requests(sizes: Any, max_read: int) -> int:

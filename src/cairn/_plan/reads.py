@@ -128,7 +128,7 @@ def plan_reads(
     itemsize = leaf.dtype.itemsize
     grid = leaf.grid
     grid_shape = leaf.grid_shape
-    rule = _SplitRule(itemsize, dense_fraction, small_read, block_size if verify else 0)
+    rule = _SplitRule(itemsize, dense_fraction, small_read, block_size if verify else 0, max_read)
     chunks: dict[int, _Chunk] = {}  # a chunk that several boxes overlap is described once
     pieces: list[_Piece] = []
     for dest, box in enumerate(boxes):
@@ -163,6 +163,7 @@ class _SplitRule:
     dense: float  # a covering read is kept if at least this fraction of it is needed...
     small: int  # ...or if it is under this many bytes
     block: int  # the checksum block each piece widens to; 0 when not verifying
+    slab: int  # a covering read of a strided region is cut into row slabs of about this many bytes
 
 
 class _Chunk(NamedTuple):
@@ -206,16 +207,60 @@ def _split(out: list[_Piece], rule: _SplitRule, chunk: _Chunk, box: Box, dest: i
         # A separate request costs about as much as reading this many bytes more.
         per_piece = max(per_piece, _PIECE_COST)
         split = n * min(per_piece, span) < rule.dense * span
+    if not split and a == 0 and needed < span and span > rule.slab > 0:
+        rows = _slab_rows(strides[0], rule)
+        if rows:
+            _slabs(out, rule, chunk, box, dest, lo, hi, rows)
+            return
     if not split or a is None:
-        off = chunk.offset
-        copy = Copy(dest, 0, strides, shape, tuple(lo_a - b[0] for lo_a, b in zip(lo, box)), itemsize)
-        out.append(_Piece(chunk.file, off + first_byte, off + end_byte, off + first_byte, copy, chunk.cell, off,
-                          chunk.nbytes))
+        _emit(out, chunk, box, dest, lo, shape, first_byte, end_byte, itemsize)
         return
     for i in range(lo[a], hi[a]):
         sub_lo = tuple(i if k == a else v for k, v in enumerate(lo))
         sub_hi = tuple(i + 1 if k == a else v for k, v in enumerate(hi))
         _split(out, rule, chunk, box, dest, sub_lo, sub_hi)
+
+
+def _slab_rows(stride: int, rule: _SplitRule) -> int:
+    """Rows of the chunk per slab: about `rule.slab` bytes, a whole number of checksum blocks
+    (so that slabs widened to blocks never overlap); 0 when no such slab is near that size."""
+    unit = rule.block // math.gcd(rule.block, stride) if rule.block else 1  # rows per whole blocks
+    rows = rule.slab // stride // unit * unit
+    if rows == 0:
+        rows = unit
+    return rows if rows * stride <= 2 * rule.slab else 0
+
+
+def _slabs(out: list[_Piece], rule: _SplitRule, chunk: _Chunk, box: Box, dest: int,
+           lo: tuple[int, ...], hi: tuple[int, ...], rows: int) -> None:
+    """The strided overlap ``lo..hi`` as one covering piece per slab of `rows` chunk rows.
+
+    One covering read of a whole chunk (a column strip of a row chunk, loaded
+    across its rows) would land in a buffer of the chunk's size, be checked
+    and then copied from memory; cut at the same chunk rows for every target
+    box, the slabs of the boxes that share a chunk still merge into one read
+    each, but a slab's bytes are checked and scattered while still in cache,
+    and the slabs spread over the reader threads.
+    """
+    cbox, strides, itemsize = chunk.box, chunk.strides, rule.itemsize
+    c0 = cbox[0][0]
+    # Bytes of the overlap's rows from the chunk's first row: the first and the last element of a row.
+    inner_first = sum((lo_a - c[0]) * s for lo_a, c, s in zip(lo[1:], cbox[1:], strides[1:]))
+    inner_last = sum((hi_a - 1 - c[0]) * s for hi_a, c, s in zip(hi[1:], cbox[1:], strides[1:])) + itemsize
+    inner_shape = tuple(hi_a - lo_a for lo_a, hi_a in zip(lo[1:], hi[1:]))
+    for r in range(c0 + (lo[0] - c0) // rows * rows, hi[0], rows):
+        r0, r1 = max(r, lo[0]), min(r + rows, hi[0])
+        _emit(out, chunk, box, dest, (r0, *lo[1:]), (r1 - r0, *inner_shape),
+              (r0 - c0) * strides[0] + inner_first, (r1 - 1 - c0) * strides[0] + inner_last, itemsize)
+
+
+def _emit(out: list[_Piece], chunk: _Chunk, box: Box, dest: int, lo: tuple[int, ...], shape: tuple[int, ...],
+          first_byte: int, end_byte: int, itemsize: int) -> None:
+    """The overlap of `shape` from `lo` as one covering piece: chunk bytes [first_byte, end_byte)."""
+    off = chunk.offset
+    copy = Copy(dest, 0, chunk.strides, shape, tuple(lo_a - b[0] for lo_a, b in zip(lo, box)), itemsize)
+    out.append(_Piece(chunk.file, off + first_byte, off + end_byte, off + first_byte, copy, chunk.cell, off,
+                      chunk.nbytes))
 
 
 def _widen(p: _Piece, leaf: ArrayLeaf, block: int) -> _Piece:

@@ -7,10 +7,14 @@ A multi-process load can restore an array two ways (`_load.readonce` runs them):
   a fully tiled layout, then XLA's collectives move them to the target.
 
 Each route has storage bytes, interconnect bytes (what the collectives bring
-to each device from devices of other processes) and storage requests, all
-summed over processes. With `Bandwidths` (per process, GB/s) a route's time is
+to each device from devices of other processes), storage requests and host
+bytes (what the processes' CPUs check and place: every byte read is checked
+against its CRC-32C, and the reads that cannot land in place are copied out
+strided), all summed over processes. With `Bandwidths` (per process, GB/s) a
+route's time is
 
-    seconds = (storage / storage_bw + requests * request_s + interconnect / interconnect_bw) / processes
+    seconds = (storage / storage_bw + requests * request_s + interconnect / interconnect_bw
+               + host / host_bw) / processes
 
 (processes work in parallel, each on an equal share), and the cheapest route
 wins. Bytes alone were the measure before: right when storage is the
@@ -49,23 +53,27 @@ class Bandwidths:
 
     `request_ms` is the effective time one request adds with the reader's
     threads working in parallel (a round trip divided by the requests in
-    flight), not a single request's latency. `source` says where the figures
-    came from, for the plan and the stats.
+    flight), not a single request's latency. `host_gbps` is the rate at which
+    a process's CPUs check (CRC-32C) and place bytes read; 0 leaves host work
+    out. `source` says where the figures came from, for the plan and the stats.
     """
 
     storage_gbps: float
     interconnect_gbps: float
     request_ms: float = 0.0
     source: str = "declared"
+    host_gbps: float = 0.0
 
-    def seconds(self, storage: float, interconnect: float, requests: float) -> float:
-        """Seconds for one process to read `storage` bytes in `requests` and receive `interconnect` bytes."""
+    def seconds(self, storage: float, interconnect: float, requests: float, host: float = 0.0) -> float:
+        """Seconds for one process to read `storage` bytes in `requests`, receive `interconnect` bytes
+        and check and place `host` bytes."""
         return (storage / (self.storage_gbps * _GB) + requests * self.request_ms / 1e3
-                + (interconnect / (self.interconnect_gbps * _GB) if interconnect else 0.0))
+                + (interconnect / (self.interconnect_gbps * _GB) if interconnect else 0.0)
+                + (host / (self.host_gbps * _GB) if host and self.host_gbps else 0.0))
 
     def as_dict(self) -> dict[str, Any]:
         return {"storage_gbps": self.storage_gbps, "interconnect_gbps": self.interconnect_gbps,
-                "request_ms": self.request_ms, "source": self.source}
+                "request_ms": self.request_ms, "host_gbps": self.host_gbps, "source": self.source}
 
 
 #: Storage read bandwidth (GB/s per process) and effective time per request (ms), per backend kind.
@@ -90,20 +98,29 @@ INTERCONNECT_DEFAULTS: dict[str, float] = {
     "tpu": 100.0,
 }
 
-_KEYS = ("storage_gbps", "interconnect_gbps", "request_ms")
+#: Host bytes (CRC-32C checked, or copied out strided) per second per process, GB/s, per JAX
+#: platform: one reader thread on this project's 2-core VM checks 11 GB/s of cached bytes and copies
+#: 2 KiB strided runs at 1.6-3.3 GB/s (into fresh or touched memory; docs/performance-routes.md),
+#: and a process runs several; the figure is the same for every platform until one is measured.
+HOST_DEFAULTS: dict[str, float] = {"cpu": 4.0, "gpu": 4.0, "cuda": 4.0, "rocm": 4.0, "tpu": 4.0}
+
+_KEYS = ("storage_gbps", "interconnect_gbps", "request_ms", "host_gbps")
 
 
 def default_bandwidths(storage_kind: str, platform: str) -> Bandwidths:
     """The defaults for a storage backend kind ("local", "object", "memory") and a JAX platform."""
     storage, request = STORAGE_DEFAULTS.get(storage_kind, STORAGE_DEFAULTS["local"])
     interconnect = INTERCONNECT_DEFAULTS.get(platform.lower(), INTERCONNECT_DEFAULTS["gpu"])
-    return Bandwidths(storage, interconnect, request, f"default: {storage_kind} storage, {platform.lower()} interconnect")
+    host = HOST_DEFAULTS.get(platform.lower(), HOST_DEFAULTS["gpu"])
+    return Bandwidths(storage, interconnect, request,
+                      f"default: {storage_kind} storage, {platform.lower()} interconnect", host)
 
 
 def resolve_bandwidths(declared: Bandwidths | Mapping[str, float] | None, storage_kind: str,
                        platform: str) -> Bandwidths:
     """`declared` (a `Bandwidths`, or a mapping with some of ``storage_gbps``, ``interconnect_gbps``,
-    ``request_ms``) over the defaults; raises ValueError on unknown keys or non-positive figures."""
+    ``request_ms``, ``host_gbps``) over the defaults; raises ValueError on unknown keys or non-positive
+    figures (``request_ms`` may be 0, and ``host_gbps`` 0 leaves host work out)."""
     base = default_bandwidths(storage_kind, platform)
     if declared is None:
         return base
@@ -120,11 +137,11 @@ def resolve_bandwidths(declared: Bandwidths | Mapping[str, float] | None, storag
                          f"got {declared!r}")
     for k, v in given.items():
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v) or v < 0 or (
-                v == 0 and k != "request_ms"):
+                v == 0 and k not in ("request_ms", "host_gbps")):
             raise ValueError(f"bandwidths: {k} must be a positive number, got {v!r}")
     declared_keys = ", ".join(k for k in _KEYS if k in given)
     return replace(base, **{k: float(v) for k, v in given.items()},
-                   source=f"declared {declared_keys}; " + base.source if len(given) < 3 else "declared")
+                   source=f"declared {declared_keys}; " + base.source if len(given) < len(_KEYS) else "declared")
 
 
 # ---------------------------------------------------------------------- layouts
@@ -186,10 +203,12 @@ class RouteCost:
     interconnect_bytes: int
     requests: int
     seconds: float | None = None
+    host_bytes: int = 0  # bytes checked and bytes copied out strided by the processes' CPUs
 
     def as_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "storage_bytes": self.storage_bytes,
-                "interconnect_bytes": self.interconnect_bytes, "requests": self.requests, "seconds": self.seconds}
+                "interconnect_bytes": self.interconnect_bytes, "requests": self.requests,
+                "host_bytes": self.host_bytes, "seconds": self.seconds}
 
 
 @dataclass(frozen=True)
@@ -210,23 +229,26 @@ class Plan:
         return next((a.seconds for a in self.alternatives if a.kind == self.kind), None)
 
 
-#: Storage bytes of a layout (summed over processes), or (bytes, requests).
-CostFn = Callable[[Layout], "int | tuple[int, int]"]
+#: Storage bytes of a layout (summed over processes), or (bytes, requests), or (bytes, requests, host bytes).
+CostFn = Callable[[Layout], "int | tuple[int, int] | tuple[int, int, int]"]
 #: Interconnect bytes (summed over processes) of moving from one layout to the next.
 MovedFn = Callable[[Layout, Layout], int]
 
 
-def _io(cost: CostFn, layout: Layout) -> tuple[int, int]:
+def _io(cost: CostFn, layout: Layout) -> tuple[int, int, int]:
     c = cost(layout)
-    return (c, 0) if isinstance(c, int) else (int(c[0]), int(c[1]))
+    if isinstance(c, int):
+        return c, 0, 0
+    return int(c[0]), int(c[1]), int(c[2]) if len(c) > 2 else 0
 
 
 def choose(target: Layout, shape: tuple[int, ...], nbytes: int, cost: CostFn, forced: bool,
            moved: MovedFn | None = None, bandwidths: Bandwidths | None = None, processes: int = 1) -> Plan:
     """The route of one leaf onto `target`, the same on every process given the same inputs.
 
-    `cost(layout)` is the storage bytes (or ``(bytes, requests)``) summed over
-    processes when each reads its own boxes of `layout`; `moved(a, b)` the
+    `cost(layout)` is the storage bytes (or ``(bytes, requests)``, or
+    ``(bytes, requests, host bytes)``) summed over processes when each reads
+    its own boxes of `layout`; `moved(a, b)` the
     interconnect bytes of resharding from `a` to `b`. With `bandwidths` (and
     not `forced`) every route is priced in seconds and the cheapest wins (ties:
     fewer collectives). Without them, or with `forced` (``read_once=True``), the
@@ -234,9 +256,8 @@ def choose(target: Layout, shape: tuple[int, ...], nbytes: int, cost: CostFn, fo
     `DIRECT_MAX` of the array's bytes is kept unless forced.
     """
     by_time = bandwidths is not None and not forced
-    direct_bytes, direct_requests = _io(cost, target)
-    options: list[tuple[str, Layout, tuple[Layout, ...], int, int]] = [("direct", target, (), direct_bytes,
-                                                                        direct_requests)]
+    direct_bytes, direct_requests, direct_host = _io(cost, target)
+    options: list[_Option] = [("direct", target, (), direct_bytes, direct_requests, direct_host)]
     if not forced and not by_time and direct_bytes <= DIRECT_MAX * nbytes:
         return _pick(options, moved, bandwidths, processes, nbytes, "shortcut")
     refined = refined_layout(target, shape)
@@ -254,18 +275,22 @@ def choose(target: Layout, shape: tuple[int, ...], nbytes: int, cost: CostFn, fo
                  "forced" if forced else "seconds" if by_time else "bytes", forced)
 
 
-def _pick(options: list[tuple[str, Layout, tuple[Layout, ...], int, int]], moved: MovedFn | None,
+#: (kind, layout read, reshard steps, storage bytes, requests, host bytes)
+_Option = tuple[str, Layout, tuple[Layout, ...], int, int, int]
+
+
+def _pick(options: list[_Option], moved: MovedFn | None,
           bandwidths: Bandwidths | None, processes: int, nbytes: int, by: str, forced: bool = False) -> Plan:
     costs = []
-    for kind, read, steps, sbytes, requests in options:
+    for kind, read, steps, sbytes, requests, host in options:
         inter = 0
         if moved is not None and steps:
             inter = sum(moved(a, b) for a, b in zip((read, *steps), steps))
         secs = None
         if bandwidths is not None:
             p = max(processes, 1)
-            secs = bandwidths.seconds(sbytes / p, inter / p, requests / p)
-        costs.append(RouteCost(kind, sbytes, inter, requests, secs))
+            secs = bandwidths.seconds(sbytes / p, inter / p, requests / p, host / p)
+        costs.append(RouteCost(kind, sbytes, inter, requests, secs, host))
     if by == "seconds":
         score = [(c.seconds, len(o[2])) for c, o in zip(costs, options)]
     else:
@@ -275,7 +300,7 @@ def _pick(options: list[tuple[str, Layout, tuple[Layout, ...], int, int]], moved
         fewer = [i for i in candidates if i > 0 and costs[i].storage_bytes < costs[0].storage_bytes]
         candidates = fewer or [0]
     best = min(candidates, key=lambda i: score[i])
-    kind, read, steps, sbytes, _ = options[best]
+    kind, read, steps, sbytes = options[best][:4]
     return Plan(read, steps, sbytes, options[0][3], kind, costs[best].interconnect_bytes, tuple(costs), by)
 
 
@@ -300,6 +325,6 @@ def received_elements(want: Sequence[Box], have: Sequence[Box]) -> int:
     return total
 
 
-__all__ = ["DIRECT_MAX", "INTERCONNECT_DEFAULTS", "STORAGE_DEFAULTS", "Bandwidths", "Layout", "Plan", "RouteCost",
+__all__ = ["DIRECT_MAX", "HOST_DEFAULTS", "INTERCONNECT_DEFAULTS", "STORAGE_DEFAULTS", "Bandwidths", "Layout", "Plan", "RouteCost",
            "choose", "default_bandwidths", "received_elements", "refined_layout", "resolve_bandwidths",
            "staging_layout"]

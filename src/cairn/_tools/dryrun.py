@@ -191,7 +191,8 @@ class LoadPlan:
             return []
         bw = self.route_bandwidths
         head = ("routes priced at " + (f"storage {bw['storage_gbps']:g} GB/s, interconnect {bw['interconnect_gbps']:g} "
-                f"GB/s, {bw['request_ms']:g} ms/request per process ({bw['source']})" if bw else
+                f"GB/s, {bw['request_ms']:g} ms/request, host {bw.get('host_gbps', 0):g} GB/s per process ({bw['source']})"
+                if bw else
                 "storage bytes (not priced in seconds)"))
         groups: dict[Any, list[LeafRoute]] = {}
         for r in self.routes:
@@ -336,7 +337,8 @@ def _leaf_route(path: str, shape: tuple[int, ...], r: Route, bw: Bandwidths | No
     alts = r.plan.alternatives
     if bw is not None and any(a.seconds is None for a in alts):  # chosen by bytes (read_once=True): price them
         p = max(r.processes, 1)
-        alts = tuple(replace(a, seconds=bw.seconds(a.storage_bytes / p, a.interconnect_bytes / p, a.requests / p))
+        alts = tuple(replace(a, seconds=bw.seconds(a.storage_bytes / p, a.interconnect_bytes / p, a.requests / p,
+                                                      a.host_bytes / p))
                      for a in alts)
     return LeafRoute(path, shape, r.kind, r.plan.by, alts)
 
