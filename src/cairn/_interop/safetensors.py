@@ -34,6 +34,7 @@ from .._load.reader import DEFAULT_BUDGET, ChunkReader, iter_array, make_reader,
 from .._save.commit import strategy_for
 from .._save.stream import StreamWriter
 from .._storage.location import Location, resolve
+from .._tree.perprocess import export_leaf_path, nodes_of
 from .._tree.pytree import display_path, escape_key
 from .base import join_name
 
@@ -174,7 +175,10 @@ def to_safetensors(
     names tensors, after the checkpointable's name unless it is the only one
     holding tensors (or `per_item`); ``"raw"`` writes cairn's '/'-joined key
     paths, checkpointable first. Either converts back exactly. `item`
-    writes that checkpointable only, its key paths bare.
+    writes that checkpointable only, its key paths bare. The arrays of a
+    `cairn.PerProcess` value are named by the process that saved them
+    (``data.process_1.window``); the cairn tree in the header keeps them
+    per process, so converting back gives the per-process value again.
     """
     check_names(names)
     ck = open_checkpoint(src, storage_options)
@@ -195,6 +199,7 @@ def to_safetensors(
         entries, plan, items_meta = [], [], {}
         for it in group:
             index = ck.indexes[it]
+            nodes = nodes_of(index.structure)
             tnames: list[str | None] = []
             for leaf in index.leaves:
                 if not isinstance(leaf, fmt.ArrayLeaf):
@@ -206,7 +211,8 @@ def to_safetensors(
                         f"{ck.loc.path} [{it}]: leaf {display_path(leaf.path)!r} has dtype {leaf.dtype}, "
                         "which safetensors cannot hold"
                     )
-                name = _flat_name(it, leaf.path, root, per_item, names, single)
+                under = export_leaf_path(nodes, leaf.path)  # a PerProcess value's: named by its process
+                name = _flat_name(it, under[1] if under is not None else leaf.path, root, per_item, names, single)
                 tnames.append(name)
                 entries.append((name, st, leaf.shape, leaf.nbytes))
                 plan.append((it, leaf))
