@@ -40,7 +40,9 @@ from .._errors import (
     CorruptCheckpointError,
 )
 from .._format.manifest import MANIFEST
+from .._load.options import LoadOptions
 from .._local.tier import LocalTier
+from .._plan.routes import resolve_bandwidths
 from .._run import leases as _leases
 from .._run import steps as _steps
 from .._run.retention import CheckpointInfo, KeepBest, RetentionPolicy, policy_from, retained
@@ -48,9 +50,57 @@ from .._run.steps import DEFAULT_STEP_FORMAT, StepNames, show_steps
 from .._save import future as _async
 from .._storage.location import Location
 from .._tools import transforms as _transforms
+from .._tree.pytree import map_with_path
 from .watch import StepWatch
 
 log = logging.getLogger("cairn")
+
+
+# ---------------------------------------------------------------------- restore's keywords and the local tier
+
+#: `restore` keywords that are not `LoadOptions` (checked there): what a restore records.
+_NOT_OPTIONS = ("stats", "report")
+
+
+def _local_refusal(target: Any, partial: bool, kw: dict[str, Any], coord: Coordinator) -> str | None:
+    """Why the local tier cannot serve a restore with these keywords; None where it can.
+
+    It serves every keyword that leaves what is restored alone: ``bandwidths``
+    and ``read_once`` (they choose how a persistent checkpoint is read; the
+    local tier's transfers are its own), ``verify``, ``threads`` and
+    ``budget_bytes`` (its reads of the blobs take them), ``timeout`` (the
+    persistent path's waits; the tier's exchanges wait as the manager's
+    others do) and ``stats`` (left empty). ``mesh`` changes only arrays the
+    target gives no sharding; the tier serves a target that gives each one.
+    """
+    if partial:
+        return "partial=True (the local tier restores the whole target)"
+    changed = [k for k in ("rename", "drop") if kw.get(k) is not None]
+    changed += ["fill_missing"] if kw.get("fill_missing", False) is not False else []
+    if changed:
+        return f"{'=, '.join(changed)}= transform the saved tree, which the local tier does not"
+    if kw.get("report") is not None:
+        return "report= records what transforms did, which only the persistent path runs"
+    if kw.get("format") not in (None, "cairn"):
+        return f"format={kw['format']!r} names a persistent checkpoint's format"
+    if kw.get("coordinator") not in (None, coord):
+        return "coordinator= differs from the manager's own, which the local tier's exchanges use"
+    if kw.get("mesh") is not None:
+        if target is None:
+            return "mesh= without a target (the local tier restores onto the target's shardings)"
+        bare: list[str] = []
+
+        def visit(path: str, x: Any) -> None:
+            if x is None or type(x).__name__ == "ArrayMetadata" or (
+                    hasattr(x, "shape") and hasattr(x, "dtype") and getattr(x, "sharding", None) is None
+                    and type(x).__name__ == "ShapeDtypeStruct"):
+                bare.append(path or "<root>")
+
+        map_with_path(visit, target)
+        if bare:
+            return (f"mesh= places leaves the target gives no sharding ({', '.join(repr(b) for b in bare[:3])}"
+                    f"{', ...' if len(bare) > 3 else ''}), which the local tier cannot")
+    return None
 
 
 # ---------------------------------------------------------------------- the manager
@@ -534,8 +584,21 @@ class CheckpointManager(StepWatch):
         `target` is what `cairn.load` takes, e.g. ``{"params": abstract_params}``
         to read only that checkpointable; so are `transforms`: ``rename``,
         ``drop``, ``fill_missing``, ``report``, ``mesh`` (restore onto the saved
-        shardings over that mesh) and ``stats`` (a `cairn.LoadStats`, left
-        empty when the local tier serves the restore). With ``fallback=True`` and no `step`, a
+        shardings over that mesh), ``stats`` (a `cairn.LoadStats`, left
+        empty when the local tier serves the restore) and the reading options
+        of `cairn.load` (``verify``, ``threads``, ``budget_bytes``,
+        ``read_once``, ``bandwidths``, ``timeout``); all are checked before
+        any tier is asked.
+
+        With a `LocalTier` and no `step`, the local tier serves what it can:
+        the reading options (it reads its blobs with ``verify``, ``threads``
+        and ``budget_bytes``; ``read_once`` and ``bandwidths`` choose how a
+        persistent checkpoint is read and change nothing there), and ``mesh``
+        where the target gives every array a sharding. ``partial``, the
+        transforms (``rename``, ``drop``, ``fill_missing``, ``report``),
+        ``format``, another ``coordinator`` and ``mesh`` for arrays the
+        target leaves unsharded restore from the persistent tier, with one
+        log line saying why. With ``fallback=True`` and no `step`, a
         checkpoint that fails verification (corrupt, or deleted meanwhile) is
         skipped, with a log line, for the next older one; `restored_step`
         records which step was loaded.
@@ -550,12 +613,23 @@ class CheckpointManager(StepWatch):
             print("resumed from", mgr.restored_step)
         """
         self._check_open()
+        opts = LoadOptions(partial=partial).replace(**{k: v for k, v in transforms.items() if k not in _NOT_OPTIONS})
+        if opts.bandwidths is not None:  # checked here too: the local tier, which prices no route, may serve
+            resolve_bandwidths(opts.bandwidths, "local", "cpu")
         self.wait()
         steps = self.steps()
-        if got := (self.local and step is None and not partial and not transforms.keys() - {"stats"}
-                   and self.local.restore(target, steps[-1] if steps else None)):
-            self.restored_step, out = got
-            return out
+        if self.local:
+            self.local.restored_step = None  # set again only if the local tier serves this restore
+        if self.local and step is None:
+            why = _local_refusal(target, partial, transforms, self._coord)
+            if why is None:
+                reading = {k: transforms[k] for k in ("verify", "threads", "budget_bytes") if k in transforms}
+                if got := self.local.restore(target, steps[-1] if steps else None, **reading):
+                    self.restored_step, out = got
+                    return out
+            elif self._primary:
+                log.info("cairn: not restoring from the local tier in %s: %s; restoring from the persistent "
+                         "tier", self.directory, why)
         if step is not None:
             step = operator.index(step)
             if step not in steps:
