@@ -48,6 +48,7 @@ from .._run import steps as _steps
 from .._run.retention import CheckpointInfo, KeepBest, RetentionPolicy, policy_from, retained
 from .._run.steps import DEFAULT_STEP_FORMAT, StepNames, show_steps
 from .._save import future as _async
+from .._save.options import SaveOptions
 from .._storage.location import Location
 from .._tools import transforms as _transforms
 from .._tree.pytree import map_with_path
@@ -134,6 +135,9 @@ class CheckpointManager(StepWatch):
       (or with ``force=True``, or once preemption was detected).
     - `compression`: as `cairn.save`'s, for every step (``"auto"``: on for
       object stores, off on local disks; ``True``: a codec per leaf).
+      `compression`, `threads` and `snapshot_budget_bytes` are checked as
+      `cairn.save_async` checks them, when the manager is made (a
+      ValueError naming the option), not at its first save.
     - Retention (combined: a step survives if any rule keeps it; the newest
       committed step always survives; without any rule every step is kept):
       `max_to_keep` newest, every step divisible by `keep_every`, the
@@ -213,10 +217,8 @@ class CheckpointManager(StepWatch):
         self._coord = coordinator or default_coordinator()
         self._primary = self._coord.process_index == 0
         self._decisions = Decisions(self._coord, self.directory)
-        # `compression`: as for `cairn.save` ("auto": on for object stores, off on local disks)
-        self._save_kwargs: dict[str, Any] = {"coordinator": coordinator, "threads": threads,
-                                             "compression": compression}
-        self._snapshot_budget = snapshot_budget_bytes
+        self._save_options = SaveOptions(coordinator=coordinator, threads=threads, compression=compression,
+                                         snapshot_budget_bytes=snapshot_budget_bytes)  # checked here, not at a save
         self._preempt_saved: int | None = None  # step committed after preemption was detected
         self._pending: list[_Pending] = []
         self._lock = threading.Lock()  # guards _inflight (held only briefly)
@@ -441,12 +443,10 @@ class CheckpointManager(StepWatch):
         loc = self._location(step)
         try:
             if self.async_save and not preempted:
-                fut = _async.save_async(
-                    loc, state, metadata=meta, snapshot_budget_bytes=self._snapshot_budget, **self._save_kwargs
-                )
+                fut = _async.save_async(loc, state, self._save_options, metadata=meta)
             else:
                 self.wait()
-                _async.save(loc, state, metadata=meta, **self._save_kwargs)
+                _async.save(loc, state, self._save_options, metadata=meta)
         except BaseException:
             with self._lock:
                 self._inflight.discard(step)
