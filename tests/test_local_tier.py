@@ -314,6 +314,10 @@ def test_restore_keywords_the_local_tier_cannot_serve_fall_back_saying_why(tmp_p
         got = mgr.restore(target=unsharded, mesh=mesh)  # "w" takes its saved P("x", "y") on the mesh
     assert tier.restored_step is None and got["w"].sharding.spec == P("x", "y")
     assert "mesh= places leaves the target gives no sharding ('w')" in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="cairn"), _manager(tmp_path) as mgr:
+        got = mgr.restore(target=rows, format="cairn", partial=True)  # format= reaches the persistent load
+    assert mgr.restored_step == 2 and got["n"] == 7 and "partial=True" in caplog.text
 
 
 def test_old_steps_of_processes_this_run_lacks_are_removed_once_it_saves_newer(tmp_path):

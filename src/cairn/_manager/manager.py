@@ -642,11 +642,12 @@ class CheckpointManager(StepWatch):
         else:
             candidates = list(reversed(steps)) if fallback else [steps[-1]]
         failures: list[str] = []
+        asked = transforms.pop("format", None)  # an Orbax step of the run is read as one whatever was asked
         for s in candidates:
             error: BaseException | None = None
             try:
                 out = _transforms.load(self._location(s), target, partial=partial,
-                                       format="orbax" if self._is_orbax(s) else None, **transforms)
+                                       format="orbax" if self._is_orbax(s) else asked, **transforms)
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:
                 error = e
             # Every process reads only its own bytes: one may find corruption the others do not.
