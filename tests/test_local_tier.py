@@ -360,10 +360,10 @@ def _expected(root: str, persist: str, upto: int) -> tuple[str | None, int | Non
 
 
 def _run(root: str, persist: str, total: int, die_at: int | None, timeout: float = 180, n: int = N,
-         elastic: bool = False) -> list:
+         elastic: bool = False, restore_kw: dict | None = None) -> list:
     """Run the scenario; a run that dies returns, per process, the "resumed <tier> <step>" line it printed."""
     procs = start(n, SCENARIO, {"root": root, "persist": persist, "total": total, "die_at": die_at,
-                                "elastic": elastic})
+                                "elastic": elastic, "restore_kw": restore_kw})
     out = wait(procs, timeout, expect_exit=lambda i: die_at is None)
     if die_at is None:
         return out
@@ -405,7 +405,10 @@ def test_a_replaced_host_gets_its_shards_from_its_peer(tmp_path):
     _wipe(root, 3)
     want = _expected(root, persist, 9)
     assert want[0] == "local" and want[1] in (6, 8), want
-    _check_resumed(_run(root, persist, 12, die_at=None), want)
+    # Reading options change how bytes are read, not what is restored: the local tier still serves.
+    kw = {"threads": 2, "read_once": True, "budget_bytes": 64 << 20, "bandwidths": {"storage_gbps": 1.0},
+          "verify": True, "timeout": 120.0}
+    _check_resumed(_run(root, persist, 12, die_at=None, restore_kw=kw), want)
 
 
 @pytest.mark.timeout(400)
