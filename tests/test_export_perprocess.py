@@ -54,8 +54,9 @@ def test_safetensors_export_names_each_saving_process(saved_on_3, tmp_path):
     # rename sees the exported key path; drop leaves them out; error names the leaf and the ways out.
     cairn.export_safetensors(saved_on_3, tmp_path / "renamed", rename=[(r"^data/process_(\d)/", r"iter/\1/")])
     assert "iter.2.window" in _st_tensors(tmp_path / "renamed")
+    # Dropped, "params" is the one checkpointable holding arrays: its names are bare, as Hugging Face's.
     cairn.export_safetensors(saved_on_3, tmp_path / "dropped", per_process="drop")
-    assert sorted(_st_tensors(tmp_path / "dropped")) == ["params.w"]
+    assert sorted(_st_tensors(tmp_path / "dropped")) == ["w"]
     with pytest.raises(cairn.UnsupportedTypeError, match=r"ck: 'data' holds per-process values \(cairn.PerProcess, "
                        r"saved by 3 processes\).*per_process='keys'.*'drop'"):
         cairn.export_safetensors(saved_on_3, tmp_path / "refused", per_process="error")
@@ -85,7 +86,7 @@ def test_convert_to_safetensors_names_processes_and_converts_back_per_process(sa
         np.testing.assert_array_equal(v["window"], _window(p))
     assert cli(["convert", saved_on_3, str(tmp_path / "hf"), "--to", "safetensors", "--max-shard-size", "1GB",
                 "--per-process", "drop"]) == 0
-    assert sorted(_st_tensors(tmp_path / "hf")) == ["params.w"]
+    assert sorted(_st_tensors(tmp_path / "hf")) == ["w"]
 
 
 def test_orbax_export_keys_each_saving_process(saved_on_3, tmp_path):

@@ -86,7 +86,8 @@ def _tensors(ck: Any, item: str | None, rename: Rename | None, names: str = "hf"
         raise CheckpointError(f"{ck.loc.path} has no checkpointable {item!r} (it has {sorted(ck.manifest.items)})")
     items = [item] if item is not None else list(ck.manifest.items)
     kinds = ("array", "prng_key") if prng_keys == "data" else ("array",)
-    prefix = not ck.manifest.root and item is None and not (names == "hf" and tensor_item(ck, kinds) is not None)
+    prefix = not ck.manifest.root and item is None and not (names == "hf" and tensor_item(
+        ck, kinds, per_process=per_process != "drop") is not None)
     out: list[_Tensor] = []
     seen: dict[str, str] = {}
     for it in items:
@@ -195,7 +196,8 @@ def export_safetensors(
     every process that saved one, named by it: ``data.process_1.window``
     is process 1's ``window`` (the key path `rename` sees is
     ``data/process_1/window``), whichever processes export;
-    ``per_process="drop"`` leaves them out, ``"error"`` refuses them
+    ``per_process="drop"`` leaves them out (and they no longer count as a
+    checkpointable's arrays for the names), ``"error"`` refuses them
     (`UnsupportedTypeError` naming the leaf). `max_shard_size` follows
     Hugging Face (``"5GB"`` is 5*10^9 bytes, ``"5GiB"`` 5*2^30).
 

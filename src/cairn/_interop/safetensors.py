@@ -66,14 +66,21 @@ def check_names(names: str) -> None:
                          f"'/'-joined key paths), got {names!r}")
 
 
-def tensor_item(ck: Any, kinds: tuple[str, ...]) -> str | None:
+def tensor_item(ck: Any, kinds: tuple[str, ...], per_process: bool = True) -> str | None:
     """The one checkpointable holding tensors (leaves of `kinds`), if exactly one does; else None.
 
     HF names leave it out: ``cairn.save(p, {"params": hf_tree, "step": 3})``
     exports ``transformer.h.0.attn.weight``, not ``params.transformer...``.
+    Without `per_process`, a `cairn.PerProcess` value's arrays (left out of the
+    export) do not count.
     """
-    holders = [n for n, index in ck.indexes.items()
-               if any(isinstance(leaf, fmt.ArrayLeaf) and leaf.kind in kinds for leaf in index.leaves)]
+
+    def holds(index: fmt.ItemIndex) -> bool:
+        nodes = {} if per_process else nodes_of(index.structure)
+        return any(isinstance(leaf, fmt.ArrayLeaf) and leaf.kind in kinds
+                   and (not nodes or export_leaf_path(nodes, leaf.path) is None) for leaf in index.leaves)
+
+    holders = [n for n, index in ck.indexes.items() if holds(index)]
     return holders[0] if len(holders) == 1 and not ck.manifest.root else None
 
 
