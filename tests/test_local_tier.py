@@ -254,6 +254,72 @@ def test_a_leaf_the_local_step_lacks_falls_back_to_the_persistent_tier(tmp_path,
         assert "saved as float32[16, 8]; the target is float32[16, 16]" in caplog.text
 
 
+def test_restore_keywords_that_keep_what_is_restored_are_served_by_the_local_tier(tmp_path, caplog):
+    """bandwidths, read_once, budget_bytes, verify, threads, timeout, stats, and mesh= with a target
+    that shards every array: the local step 4 serves (newer than the persistent step 2)."""
+    state, rows = _mesh_state(("x", "y"))
+    with _manager(tmp_path, save_every=2) as mgr:
+        mgr.save(2, state)
+        mgr.save(4, dict(state, n=8))  # save_every=2: steps 2 and 4 are persistent too...
+    shutil.rmtree(tmp_path / "p" / "step_00000004")  # ...so the persistent tier's newest is 2
+    mesh = rows["w"].sharding.mesh
+    asks = [{"bandwidths": {"storage_gbps": 0.5}}, {"read_once": False}, {"read_once": True}, {"budget_bytes": 1 << 20},
+            {"verify": False}, {"threads": 1}, {"timeout": 30.0}, {"mesh": mesh},
+            {"rename": None, "drop": None, "fill_missing": False}]  # given, but as the defaults
+    for kw in asks:
+        tier = cairn.LocalTier(tmp_path / "l", every=2, replicas=0)
+        stats = cairn.LoadStats()
+        with caplog.at_level("INFO", logger="cairn"), _manager(tmp_path, tier) as mgr:
+            got = mgr.restore(target=rows, stats=stats, **kw)
+            assert (tier.restored_step, mgr.restored_step) == (4, 4), kw
+        assert got["n"] == 8 and np.array_equal(np.asarray(got["w"]), np.asarray(state["w"])), kw
+        assert got["w"].sharding == rows["w"].sharding, kw
+        assert stats.bytes_read == 0, kw  # nothing read from the persistent tier
+        assert "not restoring from the local tier" not in caplog.text, (kw, caplog.text)
+    # A bad option fails as it would on the persistent path, before any tier is asked.
+    with _manager(tmp_path, cairn.LocalTier(tmp_path / "l", every=2, replicas=0)) as mgr:
+        with pytest.raises(ValueError, match="budget_bytes must be a positive integer, got 0"):
+            mgr.restore(target=rows, budget_bytes=0)
+        with pytest.raises(ValueError, match=r"bandwidths: unknown keys \['local'\]"):
+            mgr.restore(target=rows, bandwidths={"local": 0.5})
+        with pytest.raises(TypeError, match="read_onse"):
+            mgr.restore(target=rows, read_onse=True)
+
+
+def test_restore_keywords_the_local_tier_cannot_serve_fall_back_saying_why(tmp_path, caplog):
+    state, rows = _mesh_state(("x", "y"))
+    with _manager(tmp_path, save_every=2) as mgr:
+        mgr.save(2, state)
+    mesh = rows["w"].sharding.mesh
+    unsharded = dict(rows, w=jax.ShapeDtypeStruct((16, 8), np.float32))
+    cases = [({"partial": True}, "partial=True"),
+             ({"rename": [(r"^w$", "w")]}, "rename= transform the saved tree"),
+             ({"drop": [r"^nothing$"]}, "drop= transform"),
+             ({"fill_missing": True}, "fill_missing= transform"),
+             ({"report": cairn.RestoreReport()}, "report= records what transforms did")]
+    for kw, why in cases:
+        tier = cairn.LocalTier(tmp_path / "l", every=2, replicas=0)
+        stats = cairn.LoadStats()
+        caplog.clear()
+        with caplog.at_level("INFO", logger="cairn"), _manager(tmp_path, tier) as mgr:
+            got = mgr.restore(target=rows, stats=stats, **kw)
+            assert tier.restored_step is None and mgr.restored_step == 2, kw
+        assert np.array_equal(np.asarray(got["w"]), np.asarray(state["w"])), kw
+        assert stats.bytes_read > 0, kw  # the persistent tier served
+        lines = [r.getMessage() for r in caplog.records if "not restoring from the local tier" in r.getMessage()]
+        assert len(lines) == 1 and why in lines[0] and "restoring from the persistent tier" in lines[0], (kw, lines)
+    tier = cairn.LocalTier(tmp_path / "l", every=2, replicas=0)
+    caplog.clear()
+    with caplog.at_level("INFO", logger="cairn"), _manager(tmp_path, tier) as mgr:
+        got = mgr.restore(target=unsharded, mesh=mesh)  # "w" takes its saved P("x", "y") on the mesh
+    assert tier.restored_step is None and got["w"].sharding.spec == P("x", "y")
+    assert "mesh= places leaves the target gives no sharding ('w')" in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="cairn"), _manager(tmp_path) as mgr:
+        got = mgr.restore(target=rows, format="cairn", partial=True)  # format= reaches the persistent load
+    assert mgr.restored_step == 2 and got["n"] == 7 and "partial=True" in caplog.text
+
+
 def test_old_steps_of_processes_this_run_lacks_are_removed_once_it_saves_newer(tmp_path):
     state, rows = _mesh_state(("x", "y"))
     with _manager(tmp_path) as mgr:
@@ -294,10 +360,10 @@ def _expected(root: str, persist: str, upto: int) -> tuple[str | None, int | Non
 
 
 def _run(root: str, persist: str, total: int, die_at: int | None, timeout: float = 180, n: int = N,
-         elastic: bool = False) -> list:
+         elastic: bool = False, restore_kw: dict | None = None) -> list:
     """Run the scenario; a run that dies returns, per process, the "resumed <tier> <step>" line it printed."""
     procs = start(n, SCENARIO, {"root": root, "persist": persist, "total": total, "die_at": die_at,
-                                "elastic": elastic})
+                                "elastic": elastic, "restore_kw": restore_kw})
     out = wait(procs, timeout, expect_exit=lambda i: die_at is None)
     if die_at is None:
         return out
@@ -339,7 +405,10 @@ def test_a_replaced_host_gets_its_shards_from_its_peer(tmp_path):
     _wipe(root, 3)
     want = _expected(root, persist, 9)
     assert want[0] == "local" and want[1] in (6, 8), want
-    _check_resumed(_run(root, persist, 12, die_at=None), want)
+    # Reading options change how bytes are read, not what is restored: the local tier still serves.
+    kw = {"threads": 2, "read_once": True, "budget_bytes": 64 << 20, "bandwidths": {"storage_gbps": 1.0},
+          "verify": True, "timeout": 120.0}
+    _check_resumed(_run(root, persist, 12, die_at=None, restore_kw=kw), want)
 
 
 @pytest.mark.timeout(400)

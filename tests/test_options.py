@@ -1,4 +1,5 @@
-"""One options object for a load: the same checks for `cairn.load`, `plan_load` and the engine."""
+"""One options object for a load (`cairn.load`, `plan_load`, the engine) and one for a save (save, save_async,
+the manager, a recompressing copy): the same checks everywhere."""
 
 import dataclasses
 
@@ -7,6 +8,7 @@ import pytest
 
 import cairn
 from cairn._load.options import LoadOptions, options_of
+from cairn._save.options import SaveOptions, save_options_of
 
 
 @pytest.mark.parametrize("bad", [dict(threads=0), dict(threads=True), dict(budget_bytes=0), dict(budget_bytes=1.5),
@@ -46,3 +48,56 @@ def test_every_public_load_keyword_is_an_option_or_says_why_not():
     plan_keywords = set(inspect.signature(cairn.plan_load).parameters)
     # The dry run has no coordinator and waits for nobody; it adds what it simulates.
     assert plan_keywords - outside - {"processes", "bandwidth", "platform"} == options - {"coordinator", "timeout"}
+
+
+# ---------------------------------------------------------------------- saves: SaveOptions, the twin
+
+
+@pytest.mark.parametrize("bad", [dict(threads=0), dict(threads=True), dict(threads=2.0), dict(timeout=0),
+                                 dict(timeout="60"), dict(overwrite="yes"), dict(split_replicas=1),
+                                 dict(compression="gzip"), dict(compression=1)])
+def test_bad_save_options_are_refused_by_every_save_before_anything_is_written(tmp_path, bad):
+    name = next(iter(bad))
+    state = {"x": np.arange(4)}
+    with pytest.raises(ValueError, match=rf"^{name} must be .*got {bad[name]!r}|^{name} must be .*not {bad[name]!r}"):
+        cairn.save(tmp_path / "c", state, **bad)
+    with pytest.raises(ValueError, match=name):
+        cairn.save_async(tmp_path / "c", state, **bad)
+    if name in ("threads", "compression"):  # the manager's own save options: refused when it is made
+        with pytest.raises(ValueError, match=name):
+            cairn.CheckpointManager(tmp_path / "run", handle_sigterm=False, **bad)
+    assert not (tmp_path / "c").exists()
+
+
+def test_snapshot_budget_and_a_recompressing_copy_are_checked_first(tmp_path):
+    with pytest.raises(ValueError, match=r"snapshot_budget_bytes must be None or a non-negative integer, got -1"):
+        cairn.save_async(tmp_path / "c", {"x": np.arange(4)}, snapshot_budget_bytes=-1)
+    with pytest.raises(ValueError, match="snapshot_budget_bytes"):
+        cairn.CheckpointManager(tmp_path / "run", handle_sigterm=False, snapshot_budget_bytes=1.5)
+    cairn.save(tmp_path / "c", {"x": np.arange(4)})
+    with pytest.raises(ValueError, match="compression must be 'auto', True, False, 'none', 'zstd' or 'planes', "
+                       "not 'lz4'"):
+        cairn.copy(tmp_path / "missing", tmp_path / "d", compression="lz4")  # before the source is looked at
+    assert cairn.save_async(tmp_path / "e", {"x": np.arange(4)}, snapshot_budget_bytes=0).result().bytes_written
+
+
+def test_save_option_changes_and_unknown_names():
+    base = SaveOptions(threads=2, overwrite=True)
+    assert save_options_of(base, {"threads": 3}) == SaveOptions(threads=3, overwrite=True)
+    assert save_options_of(None, {}) == SaveOptions() and save_options_of(base, {}) is base
+    with pytest.raises(TypeError):
+        save_options_of(base, {"thread": 4})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.threads = 3  # type: ignore[misc]
+
+
+def test_every_public_save_keyword_is_an_option_or_says_why_not():
+    """A new save option is added to SaveOptions (one place), not threaded through by hand."""
+    import inspect
+
+    options = {f.name for f in dataclasses.fields(SaveOptions)}
+    # Not options of how to write: where the checkpoint goes, and what it holds.
+    outside = {"path", "state", "storage_options", "metadata"}
+    assert set(inspect.signature(cairn.save_async).parameters) - outside == options
+    # A blocking save takes no snapshot: nothing to budget.
+    assert set(inspect.signature(cairn.save).parameters) - outside == options - {"snapshot_budget_bytes"}

@@ -21,6 +21,7 @@ from ._load.options import LoadOptions
 from ._run import steps as _steps
 from ._save import future as _async
 from ._save.future import SaveFuture
+from ._save.options import SaveOptions
 from ._storage.location import resolve
 from ._tools import transforms as _transforms
 from ._tools.transforms import Patterns, RestoreReport
@@ -68,11 +69,10 @@ def save(
     ``"zstd"`` or ``"planes"`` use that codec for every array; ``False`` or
     ``"none"`` store raw bytes (format version 2). Loads need no option.
     """
+    opts = SaveOptions(overwrite=overwrite, coordinator=coordinator, threads=threads, split_replicas=split_replicas,
+                       timeout=timeout, compression=compression)
     _async.raise_unreported()  # before resolving `path`, whatever is wrong with it
-    return _async.save(
-        resolve(path, storage_options), state, overwrite=overwrite, metadata=metadata, coordinator=coordinator,
-        threads=threads, split_replicas=split_replicas, timeout=timeout, compression=compression,
-    )
+    return _async.save(resolve(path, storage_options), state, opts, metadata=metadata)
 
 
 def save_async(
@@ -111,12 +111,10 @@ def save_async(
         f.result()
     """
     t0 = time.perf_counter()
+    opts = SaveOptions(overwrite=overwrite, coordinator=coordinator, threads=threads, split_replicas=split_replicas,
+                       timeout=timeout, snapshot_budget_bytes=snapshot_budget_bytes, compression=compression)
     _async.admit()  # an uncollected error and back-pressure come before resolving `path`
-    return _async.save_async(
-        resolve(path, storage_options), state, overwrite=overwrite, metadata=metadata, coordinator=coordinator,
-        threads=threads, split_replicas=split_replicas, timeout=timeout,
-        snapshot_budget_bytes=snapshot_budget_bytes, started=t0, compression=compression,
-    )
+    return _async.save_async(resolve(path, storage_options), state, opts, metadata=metadata, started=t0)
 
 
 def load(

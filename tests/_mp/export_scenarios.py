@@ -56,3 +56,19 @@ def load_hf(path: str, names: list[str]) -> dict:
         for shard in x.addressable_shards:
             np.testing.assert_array_equal(np.asarray(shard.data), want[n][shard.index], err_msg=n)
     return {"process": jax.process_index(), "checked": len(names)}
+
+
+def save_per_process(path: str) -> dict:
+    """Every process saves sharded params and a per-process value of its own (arrays and inline values)."""
+    import numpy as np
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    me = jax.process_index()
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
+    full = np.arange(4 * len(jax.devices()), dtype=np.float32)
+    params = jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("x")), lambda idx: full[idx])
+    cairn.save(path, {"params": {"w": params},
+                      "data": cairn.PerProcess({"window": np.full((2, me + 1), me, np.int32), "pos": 10 * me + 1}),
+                      "step": 7})
+    return {"process": me}

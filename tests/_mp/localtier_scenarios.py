@@ -115,9 +115,11 @@ def _e_abstract() -> dict[str, Any]:
 
 
 def train(root: str, persist: str, total: int, local_every: int = 2, save_every: int = 6,
-          die_at: int | None = None, replicas: int = 1, elastic: bool = False) -> dict[str, Any]:
+          die_at: int | None = None, replicas: int = 1, elastic: bool = False,
+          restore_kw: dict[str, Any] | None = None) -> dict[str, Any]:
     """`elastic`: a state and an update that give the same bits on any process count (exact
-    arithmetic only), for runs that restart on another number of processes."""
+    arithmetic only), for runs that restart on another number of processes. `restore_kw`: keywords
+    of the restore (reading options, which the local tier serves)."""
     init, step_fn, abstract, advance = ((_e_init, _e_step_fn, _e_abstract, _e_advance) if elastic
                                         else (_init, _step_fn, _abstract, _advance))
     me = jax.process_index()
@@ -126,7 +128,7 @@ def train(root: str, persist: str, total: int, local_every: int = 2, save_every:
     mgr = cairn.CheckpointManager(persist, save_every=save_every, local=local, handle_sigterm=False)
     state, start, tier = init(), 0, None
     try:
-        state = mgr.restore(target=abstract())
+        state = mgr.restore(target=abstract(), **(restore_kw or {}))
         start = mgr.restored_step + 1
         tier = "local" if local.restored_step is not None else "persistent"
     except cairn.CheckpointNotFoundError:

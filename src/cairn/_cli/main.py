@@ -519,6 +519,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--item", help="safetensors: this checkpointable only, its key paths as names")
     s.add_argument("--prng-keys", choices=["error", "data", "drop"], default="error",
                    help="sharded safetensors: a typed PRNG key is an error (default), its uint32 data, or left out")
+    s.add_argument("--per-process", choices=["keys", "drop", "error"], default="keys",
+                   help="orbax, sharded safetensors: a cairn.PerProcess value is written for every saving "
+                   "process under process_<p> (default), left out, or an error")
     s.add_argument("--budget", type=parse_bytes, default=256 << 20,
                    help="memory budget for data in flight (default 256M)")
     s.set_defaults(fn=cmd_convert)

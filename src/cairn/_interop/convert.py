@@ -118,7 +118,8 @@ def run_convert(args: Any, out: Any) -> int:
     with out.progress(f"converting to {args.to}", total) as (_set_total, advance):
         if args.to == "safetensors" and args.max_shard_size is not None:
             written = export_safetensors(args.src, args.dst, max_shard_size=args.max_shard_size, item=args.item,
-                                         names=args.names, prng_keys=args.prng_keys, overwrite=args.overwrite,
+                                         names=args.names, prng_keys=args.prng_keys, per_process=args.per_process,
+                                         overwrite=args.overwrite,
                                          budget_bytes=args.budget, progress=advance)
         elif args.to == "safetensors":
             written = to_safetensors(args.src, args.dst, per_item=args.per_item, names=args.names, item=args.item,
@@ -128,7 +129,7 @@ def run_convert(args: Any, out: Any) -> int:
         elif args.to == "orbax":
             from .orbaxout import export_orbax
 
-            written = [export_orbax(args.src, args.dst, overwrite=args.overwrite)]
+            written = [export_orbax(args.src, args.dst, overwrite=args.overwrite, per_process=args.per_process)]
         else:
             convert_to_cairn(args.src, args.dst, format=args.format, budget_bytes=args.budget, progress=advance)
             written = [args.dst]

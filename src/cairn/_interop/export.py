@@ -41,6 +41,7 @@ from .._load.metadata import open_checkpoint
 from .._load.reader import DEFAULT_BUDGET, iter_array, make_reader, slab_bytes
 from .._save.commit import strategy_for
 from .._storage.location import resolve
+from .._tree.perprocess import check_export_choice, export_leaf_path, nodes_of, refuse_per_process
 from .._tree.pytree import display_path, escape_key
 from .base import Rename, compile_rename, join_name
 from .safetensors import _TO_ST, _st_header, check_names, tensor_item
@@ -79,20 +80,30 @@ PRNG_KEYS = ("error", "data", "drop")
 
 
 def _tensors(ck: Any, item: str | None, rename: Rename | None, names: str = "hf",
-             prng_keys: str = "error") -> list[_Tensor]:
+             prng_keys: str = "error", per_process: str = "keys") -> list[_Tensor]:
     fn = compile_rename(rename)
     if item is not None and item not in ck.manifest.items:
         raise CheckpointError(f"{ck.loc.path} has no checkpointable {item!r} (it has {sorted(ck.manifest.items)})")
     items = [item] if item is not None else list(ck.manifest.items)
     kinds = ("array", "prng_key") if prng_keys == "data" else ("array",)
-    prefix = not ck.manifest.root and item is None and not (names == "hf" and tensor_item(ck, kinds) is not None)
+    prefix = not ck.manifest.root and item is None and not (names == "hf" and tensor_item(
+        ck, kinds, per_process=per_process != "drop") is not None)
     out: list[_Tensor] = []
     seen: dict[str, str] = {}
     for it in items:
+        nodes = nodes_of(ck.indexes[it].structure)
         for leaf in ck.indexes[it].leaves:
             if not isinstance(leaf, fmt.ArrayLeaf) or leaf.kind not in ("array", "prng_key"):
                 continue  # values, bytes and objects have no place in safetensors
-            path = f"{escape_key(it)}/{leaf.path}" if prefix and leaf.path else escape_key(it) if prefix else leaf.path
+            under = export_leaf_path(nodes, leaf.path)
+            if under is not None:  # a PerProcess value's array: named by the process that saved it
+                if per_process == "drop":
+                    log.info("cairn: export of %s leaves out the per-process array %r", ck.loc.path,
+                             display_path(under[1], it))
+                    continue
+                refuse_per_process(nodes, ck.loc.path, it, per_process)
+            lpath = under[1] if under is not None else leaf.path
+            path = f"{escape_key(it)}/{lpath}" if prefix and lpath else escape_key(it) if prefix else lpath
             new = fn(path) if fn is not None else path
             if new is None:
                 continue
@@ -151,6 +162,7 @@ def export_safetensors(
     rename: Rename | None = None,
     names: str = "hf",
     prng_keys: str = "error",
+    per_process: str = "keys",
     overwrite: bool = False,
     budget_bytes: int = DEFAULT_BUDGET,
     threads: int = 4,
@@ -180,7 +192,13 @@ def export_safetensors(
     safetensors and are left out. A typed PRNG key is an
     `UnsupportedTypeError` unless ``prng_keys="data"`` (its uint32 key data,
     the implementation recorded in the header's ``__metadata__``) or
-    ``"drop"``. `max_shard_size` follows
+    ``"drop"``. The arrays of a `cairn.PerProcess` value are written for
+    every process that saved one, named by it: ``data.process_1.window``
+    is process 1's ``window`` (the key path `rename` sees is
+    ``data/process_1/window``), whichever processes export;
+    ``per_process="drop"`` leaves them out (and they no longer count as a
+    checkpointable's arrays for the names), ``"error"`` refuses them
+    (`UnsupportedTypeError` naming the leaf). `max_shard_size` follows
     Hugging Face (``"5GB"`` is 5*10^9 bytes, ``"5GiB"`` 5*2^30).
 
     Example:
@@ -192,6 +210,7 @@ def export_safetensors(
     check_names(names)
     if prng_keys not in PRNG_KEYS:
         raise ValueError(f"prng_keys must be one of {', '.join(PRNG_KEYS)}, got {prng_keys!r}")
+    check_export_choice(per_process)
     coord = coordinator or default_coordinator()
     me, n = coord.process_index, coord.process_count
     seq = next(_seq)
@@ -204,7 +223,7 @@ def export_safetensors(
     files: list[str] = []
     try:  # a failure anywhere, planning included, is published: nobody waits for this process in vain
         ck = open_checkpoint(path, storage_options)
-        tensors = _tensors(ck, item, rename, names, prng_keys)
+        tensors = _tensors(ck, item, rename, names, prng_keys, per_process)
         if not tensors:
             raise CheckpointError(f"{ck.loc.path}: no arrays to export")
         shards = pack([t.leaf.nbytes for t in tensors], limit)

@@ -25,6 +25,13 @@ from .._format import manifest as fmt
 from .._load import engine as _load
 from .._load.metadata import open_checkpoint
 from .._storage import split_url
+from .._tree.perprocess import (
+    check_export_choice,
+    export_leaf_path,
+    export_tree,
+    nodes_of,
+    refuse_per_process,
+)
 from .._tree.pytree import display_path, map_with_path
 
 #: Leaf kinds Orbax has no place for.
@@ -55,6 +62,7 @@ def export_orbax(
     *,
     step_folder: bool | None = None,
     overwrite: bool = False,
+    per_process: str = "keys",
     storage_options: dict[str, Any] | None = None,
 ) -> str:
     """Write cairn checkpoint `path` as the Orbax checkpoint `out`, through orbax-checkpoint.
@@ -71,6 +79,13 @@ def export_orbax(
     there (`UnsupportedTypeError` naming them). Needs orbax-checkpoint
     (imported lazily); runs on one process. Returns `out`.
 
+    Orbax has no per-process values: a `cairn.PerProcess` value is exported
+    as a mapping from ``process_<p>`` to the value process p saved, for
+    every process that saved one (``{"data": {"process_0": ..., "process_1":
+    ...}}``), however many processes saved and whichever exports.
+    ``per_process="drop"`` writes None there instead, ``"error"`` refuses
+    the checkpoint (`UnsupportedTypeError` naming the leaf).
+
     Raises `CheckpointExistsError` if `out` exists, unless `overwrite`.
 
     Example:
@@ -79,15 +94,24 @@ def export_orbax(
         with ocp.CheckpointManager("/orbax/run") as mgr:
             state = mgr.restore(1000, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))
     """
+    check_export_choice(per_process)
     ck = open_checkpoint(path, storage_options)
     where = ck.loc.path
     dest = _local_or_gcs(os.fspath(out))
     for name, index in ck.indexes.items():
+        nodes = nodes_of(index.structure)
+        refuse_per_process(nodes, where, name, per_process)
         for leaf in index.leaves:
+            under = export_leaf_path(nodes, leaf.path)
+            if under is not None and per_process == "drop":
+                continue
             if leaf.kind in _UNSUPPORTED:
+                shown = under[1] if under is not None else leaf.path
                 raise UnsupportedTypeError(
-                    f"{where}: leaf {display_path(leaf.path, name)!r} is {_UNSUPPORTED[leaf.kind]}, which Orbax "
-                    "cannot store; load the checkpoint with cairn.load and save what Orbax holds with Orbax")
+                    f"{where}: leaf {display_path(shown, name)!r} is {_UNSUPPORTED[leaf.kind]}, which Orbax "
+                    "cannot store; " + ("per_process='drop' (--per-process drop) leaves the per-process value out"
+                                        if under is not None else
+                                        "load the checkpoint with cairn.load and save what Orbax holds with Orbax"))
     ocp = _orbax()
     import jax
 
@@ -100,7 +124,8 @@ def export_orbax(
         raise CheckpointExistsError(f"{dest} exists; pass overwrite=True (cairn convert: --overwrite) to replace it")
     tree = _load.load(ck.loc, None, publish=False)
     items = {"": tree} if ck.manifest.root else dict(tree)
-    keyed = {name: _with_keys(items[name], ck.indexes[name]) for name in items}
+    keyed = {name: export_tree(_with_keys(items[name], ck.indexes[name]), ck.indexes[name].structure, where,
+                               name, per_process) for name in items}
     if step_folder is None:  # Orbax's items are trees: checkpointables that are bare leaves stay one tree
         step_folder = not ck.manifest.root and all(
             isinstance(ck.indexes[n].structure, dict) and "leaf" not in ck.indexes[n].structure for n in keyed)

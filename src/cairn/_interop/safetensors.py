@@ -34,6 +34,7 @@ from .._load.reader import DEFAULT_BUDGET, ChunkReader, iter_array, make_reader,
 from .._save.commit import strategy_for
 from .._save.stream import StreamWriter
 from .._storage.location import Location, resolve
+from .._tree.perprocess import export_leaf_path, nodes_of
 from .._tree.pytree import display_path, escape_key
 from .base import join_name
 
@@ -65,14 +66,21 @@ def check_names(names: str) -> None:
                          f"'/'-joined key paths), got {names!r}")
 
 
-def tensor_item(ck: Any, kinds: tuple[str, ...]) -> str | None:
+def tensor_item(ck: Any, kinds: tuple[str, ...], per_process: bool = True) -> str | None:
     """The one checkpointable holding tensors (leaves of `kinds`), if exactly one does; else None.
 
     HF names leave it out: ``cairn.save(p, {"params": hf_tree, "step": 3})``
     exports ``transformer.h.0.attn.weight``, not ``params.transformer...``.
+    Without `per_process`, a `cairn.PerProcess` value's arrays (left out of the
+    export) do not count.
     """
-    holders = [n for n, index in ck.indexes.items()
-               if any(isinstance(leaf, fmt.ArrayLeaf) and leaf.kind in kinds for leaf in index.leaves)]
+
+    def holds(index: fmt.ItemIndex) -> bool:
+        nodes = {} if per_process else nodes_of(index.structure)
+        return any(isinstance(leaf, fmt.ArrayLeaf) and leaf.kind in kinds
+                   and (not nodes or export_leaf_path(nodes, leaf.path) is None) for leaf in index.leaves)
+
+    holders = [n for n, index in ck.indexes.items() if holds(index)]
     return holders[0] if len(holders) == 1 and not ck.manifest.root else None
 
 
@@ -174,7 +182,10 @@ def to_safetensors(
     names tensors, after the checkpointable's name unless it is the only one
     holding tensors (or `per_item`); ``"raw"`` writes cairn's '/'-joined key
     paths, checkpointable first. Either converts back exactly. `item`
-    writes that checkpointable only, its key paths bare.
+    writes that checkpointable only, its key paths bare. The arrays of a
+    `cairn.PerProcess` value are named by the process that saved them
+    (``data.process_1.window``); the cairn tree in the header keeps them
+    per process, so converting back gives the per-process value again.
     """
     check_names(names)
     ck = open_checkpoint(src, storage_options)
@@ -195,6 +206,7 @@ def to_safetensors(
         entries, plan, items_meta = [], [], {}
         for it in group:
             index = ck.indexes[it]
+            nodes = nodes_of(index.structure)
             tnames: list[str | None] = []
             for leaf in index.leaves:
                 if not isinstance(leaf, fmt.ArrayLeaf):
@@ -206,7 +218,8 @@ def to_safetensors(
                         f"{ck.loc.path} [{it}]: leaf {display_path(leaf.path)!r} has dtype {leaf.dtype}, "
                         "which safetensors cannot hold"
                     )
-                name = _flat_name(it, leaf.path, root, per_item, names, single)
+                under = export_leaf_path(nodes, leaf.path)  # a PerProcess value's: named by its process
+                name = _flat_name(it, under[1] if under is not None else leaf.path, root, per_item, names, single)
                 tnames.append(name)
                 entries.append((name, st, leaf.shape, leaf.nbytes))
                 plan.append((it, leaf))

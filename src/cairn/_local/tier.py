@@ -268,9 +268,16 @@ class LocalTier:
 
     # ------------------------------------------------------------------ restoring
 
-    def restore(self, target: Any, newer_than: int | None = None) -> tuple[int, Any] | None:
+    def restore(self, target: Any, newer_than: int | None = None, **reading: Any) -> tuple[int, Any] | None:
         """The newest complete local step and its state on `target`, if at least as new as
-        `newer_than`; None (on every process alike) when the persistent tier must serve."""
+        `newer_than`; None (on every process alike) when the persistent tier must serve.
+
+        `reading`: ``verify``, ``threads`` and ``budget_bytes``, as `cairn.load` takes them, for
+        the reads of the blobs from disk (the transfers between processes are checksummed anyway).
+        """
+        unknown = reading.keys() - {"verify", "threads", "budget_bytes"}
+        if unknown:
+            raise TypeError(f"LocalTier.restore got unexpected keywords {sorted(unknown)}")
         self.restored_step = None
         self._collect()
         layout = target_layout(target, self.path)
@@ -305,7 +312,7 @@ class LocalTier:
         tables = {} if choice.same else self._decisions.gather(f"tables-{step}", parts)
         error, blobs = None, {}
         try:
-            blobs = {q: self._read_blob(step, q, found[(step, q)]) for q in mine}
+            blobs = {q: self._read_blob(step, q, found[(step, q)], reading) for q in mine}
         except (CorruptCheckpointError, OSError, CheckpointError) as e:
             error = f"{type(e).__name__}: {e}"
         try:
@@ -417,10 +424,11 @@ class LocalTier:
                     found[(s, q)] = (loc, "own" if q == k else "peers", meta)
         return held, found
 
-    def _read_blob(self, step: int, q: int, at: tuple[Location, str, dict[str, Any]]) -> np.ndarray:
+    def _read_blob(self, step: int, q: int, at: tuple[Location, str, dict[str, Any]],
+                   reading: dict[str, Any]) -> np.ndarray:
         loc, item, meta = at
-        got = _load.load(loc, {item: None}, partial=True, coordinator=SingleProcess(),
-                         read_once=False, publish=False)  # part of a restore, not a load of its own
+        got = _load.load(loc, {item: None}, partial=True, coordinator=SingleProcess(), read_once=False,
+                         publish=False, **{"threads": self._threads, **reading})  # part of a restore
         blob = got[item] if item == "own" else got[item][str(q)]
         if not isinstance(blob, np.ndarray) or blob.dtype != np.uint8 or blob.size != int(meta["lengths"][str(q)]):
             raise CorruptCheckpointError(f"{loc.path}: the blob of process {q} is not {meta['lengths'][str(q)]} bytes")

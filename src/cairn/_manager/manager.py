@@ -40,17 +40,68 @@ from .._errors import (
     CorruptCheckpointError,
 )
 from .._format.manifest import MANIFEST
+from .._load.options import LoadOptions
 from .._local.tier import LocalTier
+from .._plan.routes import resolve_bandwidths
 from .._run import leases as _leases
 from .._run import steps as _steps
 from .._run.retention import CheckpointInfo, KeepBest, RetentionPolicy, policy_from, retained
 from .._run.steps import DEFAULT_STEP_FORMAT, StepNames, show_steps
 from .._save import future as _async
+from .._save.options import SaveOptions
 from .._storage.location import Location
 from .._tools import transforms as _transforms
+from .._tree.pytree import map_with_path
 from .watch import StepWatch
 
 log = logging.getLogger("cairn")
+
+
+# ---------------------------------------------------------------------- restore's keywords and the local tier
+
+#: `restore` keywords that are not `LoadOptions` (checked there): what a restore records.
+_NOT_OPTIONS = ("stats", "report")
+
+
+def _local_refusal(target: Any, partial: bool, kw: dict[str, Any], coord: Coordinator) -> str | None:
+    """Why the local tier cannot serve a restore with these keywords; None where it can.
+
+    It serves every keyword that leaves what is restored alone: ``bandwidths``
+    and ``read_once`` (they choose how a persistent checkpoint is read; the
+    local tier's transfers are its own), ``verify``, ``threads`` and
+    ``budget_bytes`` (its reads of the blobs take them), ``timeout`` (the
+    persistent path's waits; the tier's exchanges wait as the manager's
+    others do) and ``stats`` (left empty). ``mesh`` changes only arrays the
+    target gives no sharding; the tier serves a target that gives each one.
+    """
+    if partial:
+        return "partial=True (the local tier restores the whole target)"
+    changed = [k for k in ("rename", "drop") if kw.get(k) is not None]
+    changed += ["fill_missing"] if kw.get("fill_missing", False) is not False else []
+    if changed:
+        return f"{'=, '.join(changed)}= transform the saved tree, which the local tier does not"
+    if kw.get("report") is not None:
+        return "report= records what transforms did, which only the persistent path runs"
+    if kw.get("format") not in (None, "cairn"):
+        return f"format={kw['format']!r} names a persistent checkpoint's format"
+    if kw.get("coordinator") not in (None, coord):
+        return "coordinator= differs from the manager's own, which the local tier's exchanges use"
+    if kw.get("mesh") is not None:
+        if target is None:
+            return "mesh= without a target (the local tier restores onto the target's shardings)"
+        bare: list[str] = []
+
+        def visit(path: str, x: Any) -> None:
+            if x is None or type(x).__name__ == "ArrayMetadata" or (
+                    hasattr(x, "shape") and hasattr(x, "dtype") and getattr(x, "sharding", None) is None
+                    and type(x).__name__ == "ShapeDtypeStruct"):
+                bare.append(path or "<root>")
+
+        map_with_path(visit, target)
+        if bare:
+            return (f"mesh= places leaves the target gives no sharding ({', '.join(repr(b) for b in bare[:3])}"
+                    f"{', ...' if len(bare) > 3 else ''}), which the local tier cannot")
+    return None
 
 
 # ---------------------------------------------------------------------- the manager
@@ -84,6 +135,9 @@ class CheckpointManager(StepWatch):
       (or with ``force=True``, or once preemption was detected).
     - `compression`: as `cairn.save`'s, for every step (``"auto"``: on for
       object stores, off on local disks; ``True``: a codec per leaf).
+      `compression`, `threads` and `snapshot_budget_bytes` are checked as
+      `cairn.save_async` checks them, when the manager is made (a
+      ValueError naming the option), not at its first save.
     - Retention (combined: a step survives if any rule keeps it; the newest
       committed step always survives; without any rule every step is kept):
       `max_to_keep` newest, every step divisible by `keep_every`, the
@@ -163,10 +217,8 @@ class CheckpointManager(StepWatch):
         self._coord = coordinator or default_coordinator()
         self._primary = self._coord.process_index == 0
         self._decisions = Decisions(self._coord, self.directory)
-        # `compression`: as for `cairn.save` ("auto": on for object stores, off on local disks)
-        self._save_kwargs: dict[str, Any] = {"coordinator": coordinator, "threads": threads,
-                                             "compression": compression}
-        self._snapshot_budget = snapshot_budget_bytes
+        self._save_options = SaveOptions(coordinator=coordinator, threads=threads, compression=compression,
+                                         snapshot_budget_bytes=snapshot_budget_bytes)  # checked here, not at a save
         self._preempt_saved: int | None = None  # step committed after preemption was detected
         self._pending: list[_Pending] = []
         self._lock = threading.Lock()  # guards _inflight (held only briefly)
@@ -391,12 +443,10 @@ class CheckpointManager(StepWatch):
         loc = self._location(step)
         try:
             if self.async_save and not preempted:
-                fut = _async.save_async(
-                    loc, state, metadata=meta, snapshot_budget_bytes=self._snapshot_budget, **self._save_kwargs
-                )
+                fut = _async.save_async(loc, state, self._save_options, metadata=meta)
             else:
                 self.wait()
-                _async.save(loc, state, metadata=meta, **self._save_kwargs)
+                _async.save(loc, state, self._save_options, metadata=meta)
         except BaseException:
             with self._lock:
                 self._inflight.discard(step)
@@ -534,8 +584,21 @@ class CheckpointManager(StepWatch):
         `target` is what `cairn.load` takes, e.g. ``{"params": abstract_params}``
         to read only that checkpointable; so are `transforms`: ``rename``,
         ``drop``, ``fill_missing``, ``report``, ``mesh`` (restore onto the saved
-        shardings over that mesh) and ``stats`` (a `cairn.LoadStats`, left
-        empty when the local tier serves the restore). With ``fallback=True`` and no `step`, a
+        shardings over that mesh), ``stats`` (a `cairn.LoadStats`, left
+        empty when the local tier serves the restore) and the reading options
+        of `cairn.load` (``verify``, ``threads``, ``budget_bytes``,
+        ``read_once``, ``bandwidths``, ``timeout``); all are checked before
+        any tier is asked.
+
+        With a `LocalTier` and no `step`, the local tier serves what it can:
+        the reading options (it reads its blobs with ``verify``, ``threads``
+        and ``budget_bytes``; ``read_once`` and ``bandwidths`` choose how a
+        persistent checkpoint is read and change nothing there), and ``mesh``
+        where the target gives every array a sharding. ``partial``, the
+        transforms (``rename``, ``drop``, ``fill_missing``, ``report``),
+        ``format``, another ``coordinator`` and ``mesh`` for arrays the
+        target leaves unsharded restore from the persistent tier, with one
+        log line saying why. With ``fallback=True`` and no `step`, a
         checkpoint that fails verification (corrupt, or deleted meanwhile) is
         skipped, with a log line, for the next older one; `restored_step`
         records which step was loaded.
@@ -550,12 +613,23 @@ class CheckpointManager(StepWatch):
             print("resumed from", mgr.restored_step)
         """
         self._check_open()
+        opts = LoadOptions(partial=partial).replace(**{k: v for k, v in transforms.items() if k not in _NOT_OPTIONS})
+        if opts.bandwidths is not None:  # checked here too: the local tier, which prices no route, may serve
+            resolve_bandwidths(opts.bandwidths, "local", "cpu")
         self.wait()
         steps = self.steps()
-        if got := (self.local and step is None and not partial and not transforms.keys() - {"stats"}
-                   and self.local.restore(target, steps[-1] if steps else None)):
-            self.restored_step, out = got
-            return out
+        if self.local:
+            self.local.restored_step = None  # set again only if the local tier serves this restore
+        if self.local and step is None:
+            why = _local_refusal(target, partial, transforms, self._coord)
+            if why is None:
+                reading = {k: transforms[k] for k in ("verify", "threads", "budget_bytes") if k in transforms}
+                if got := self.local.restore(target, steps[-1] if steps else None, **reading):
+                    self.restored_step, out = got
+                    return out
+            elif self._primary:
+                log.info("cairn: not restoring from the local tier in %s: %s; restoring from the persistent "
+                         "tier", self.directory, why)
         if step is not None:
             step = operator.index(step)
             if step not in steps:
@@ -568,11 +642,12 @@ class CheckpointManager(StepWatch):
         else:
             candidates = list(reversed(steps)) if fallback else [steps[-1]]
         failures: list[str] = []
+        asked = transforms.pop("format", None)  # an Orbax step of the run is read as one whatever was asked
         for s in candidates:
             error: BaseException | None = None
             try:
                 out = _transforms.load(self._location(s), target, partial=partial,
-                                       format="orbax" if self._is_orbax(s) else None, **transforms)
+                                       format="orbax" if self._is_orbax(s) else asked, **transforms)
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:
                 error = e
             # Every process reads only its own bytes: one may find corruption the others do not.

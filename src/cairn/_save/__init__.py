@@ -1,1 +1,1 @@
-"""The save path, in the order it runs: assign chunks to this process's files, snapshot device buffers, write, build the index part, commit (the only module here that does I/O); the async front end and the single-process stream writer."""
+"""The save path, in the order it runs: the options of one save (`SaveOptions`), assign chunks to this process's files, snapshot device buffers, write, build the index part, commit (the only module here that does I/O); the async front end and the single-process stream writer."""

@@ -56,6 +56,7 @@ from .._version import __version__
 from .assign import Concat, SaveItem, plan_item
 from .commit import CommitStrategy, strategy_for
 from .indexparts import build_part, item_index
+from .options import SaveOptions, save_options_of
 
 log = logging.getLogger("cairn")
 
@@ -529,20 +530,22 @@ def _split_items(state: Any) -> tuple[bool, list[tuple[str, Any]]]:
 def prepare(
     loc: Location,
     state: Any,
+    options: SaveOptions | None = None,
     *,
-    overwrite: bool = False,
-    coordinator: Coordinator | None = None,
     block_size: int = fmt.DEFAULT_BLOCK_SIZE,
-    threads: int = 4,
     min_file_bytes: int = 32 << 20,
-    split_replicas: bool = False,
-    timeout: float = 1800.0,
     metadata: dict[str, Any] | None = None,
-    compression: str | bool | None = "auto",
+    **changes: Any,
 ) -> SaveJob:
-    """Validate `state`, plan this process's chunks and agree on an attempt token."""
+    """Validate `state`, plan this process's chunks and agree on an attempt token.
+
+    `options` with keyword `changes` to them (`SaveOptions`' names) say how to
+    save; `block_size` and `min_file_bytes` are the format's knobs, for tests.
+    """
     t0 = time.perf_counter()
-    coord = coordinator or default_coordinator()
+    opts = save_options_of(options, changes)
+    overwrite, threads, split_replicas, timeout = opts.overwrite, opts.threads, opts.split_replicas, opts.timeout
+    coord = opts.coordinator or default_coordinator()
     me = coord.process_index
     if not fmt.MIN_BLOCK <= block_size <= fmt.MAX_BLOCK:
         raise ValueError(f"block_size must be in [{fmt.MIN_BLOCK}, {fmt.MAX_BLOCK}], got {block_size}")
@@ -576,7 +579,7 @@ def prepare(
     job = SaveJob(
         loc=loc, items=items, root=root, token=token, seq=seq, coord=coord, overwrite=overwrite,
         block_size=block_size, timeout=timeout, threads=threads, metadata=metadata or {}, strategy=strategy,
-        compression=resolve_compression(compression, loc.storage),
+        compression=resolve_compression(opts.compression, loc.storage),
     )
     job.stats.blocking_s = time.perf_counter() - t0
     return job

@@ -28,10 +28,10 @@ from typing import Any
 from .._core import stats as _stats
 from .._core.buffers import MAX_SNAPSHOTS
 from .._core.stats import SaveStats
-from .._dist.coord import Coordinator
 from .._errors import CheckpointError
 from .._storage.location import Location
 from . import engine as _save
+from .options import SaveOptions, save_options_of
 
 log = logging.getLogger("cairn")
 
@@ -257,57 +257,36 @@ def admit() -> None:
     _background.wait_for_room(MAX_PENDING)
 
 
-def save(
-    loc: Location,
-    state: Any,
-    *,
-    overwrite: bool = False,
-    metadata: dict[str, Any] | None = None,
-    coordinator: Coordinator | None = None,
-    threads: int = 4,
-    split_replicas: bool = False,
-    timeout: float = 1800.0,
-    compression: str | bool | None = "auto",
-) -> SaveStats:
-    """Save `state` at `loc` and return once committed (see `cairn.save`); queues behind async saves."""
+def save(loc: Location, state: Any, options: SaveOptions | None = None, *,
+         metadata: dict[str, Any] | None = None, **changes: Any) -> SaveStats:
+    """Save `state` at `loc` and return once committed (see `cairn.save`); queues behind async saves.
+
+    `options` with keyword `changes` (`SaveOptions`' names); a snapshot budget does not apply here.
+    """
+    opts = save_options_of(options, changes)
     _background.raise_unreported()
     _background.wait_all()  # a blocking save queues behind async ones
-    job = _save.prepare(
-        loc, state, overwrite=overwrite, coordinator=coordinator, threads=threads,
-        split_replicas=split_replicas, timeout=timeout, metadata=metadata, compression=compression,
-    )
+    job = _save.prepare(loc, state, opts, metadata=metadata)
     stats = job.run()
     _stats.saved(loc.path, stats)
     return stats
 
 
-def save_async(
-    loc: Location,
-    state: Any,
-    *,
-    overwrite: bool = False,
-    metadata: dict[str, Any] | None = None,
-    coordinator: Coordinator | None = None,
-    threads: int = 4,
-    split_replicas: bool = False,
-    timeout: float = 1800.0,
-    snapshot_budget_bytes: int | None = None,
-    started: float | None = None,
-    compression: str | bool | None = "auto",
-) -> SaveFuture:
+def save_async(loc: Location, state: Any, options: SaveOptions | None = None, *,
+               metadata: dict[str, Any] | None = None, started: float | None = None,
+               **changes: Any) -> SaveFuture:
     """Start saving `state` at `loc`; return after validation and the snapshot (see `cairn.save_async`).
 
-    `started` (a ``time.perf_counter()`` value, default now) is when the
-    caller's request began, so that ``stats.blocking_s`` counts the caller's
-    own work before this call (resolving a path, its own `admit`).
+    `options` with keyword `changes` (`SaveOptions`' names). `started` (a
+    ``time.perf_counter()`` value, default now) is when the caller's request
+    began, so that ``stats.blocking_s`` counts the caller's own work before
+    this call (resolving a path, its own `admit`).
     """
     t0 = time.perf_counter() if started is None else started
+    opts = save_options_of(options, changes)
     admit()
-    job = _save.prepare(
-        loc, state, overwrite=overwrite, coordinator=coordinator, threads=threads,
-        split_replicas=split_replicas, timeout=timeout, metadata=metadata, compression=compression,
-    )
-    job.snapshot(snapshot_budget_bytes)
+    job = _save.prepare(loc, state, opts, metadata=metadata)
+    job.snapshot(opts.snapshot_budget_bytes)
     # What the caller waited for: back-pressure, validation, planning, snapshot.
     job.stats.blocking_s = time.perf_counter() - t0
     return SaveFuture(loc.path, job, _background.submit(job))

@@ -45,6 +45,7 @@ from .._format.partfile import PART_VERSION, PART_VERSION_SIZES, decode_part, pa
 from .._load.metadata import index_bytes, manifest_bytes, parse_index
 from .._load.reader import DEFAULT_BUDGET
 from .._save.commit import CommitStrategy, strategy_for
+from .._save.options import SaveOptions
 from .._storage.location import Location, resolve
 from .verify import describe_chunk
 
@@ -348,14 +349,16 @@ def copy(
         cairn.copy("/ckpt/run1/step_00001000", "s3://bucket/run1/step_00001000")
     """
     t0 = time.perf_counter()
+    # A recompressing copy is a save: its options are checked before anything is read.
+    recompress = SaveOptions(overwrite=overwrite, compression=compression) if compression is not None else None
     s = resolve(src, storage_options)
     d = resolve(dst, storage_options if dst_storage_options is None else dst_storage_options)
     if (s.storage.url, s.name) == (d.storage.url, d.name):
         raise CheckpointError(f"{d.path}: the source and the destination are the same checkpoint")
-    if compression is not None:
+    if recompress is not None:
         if move:
             raise ValueError("move=True copies stored bytes as they are: pass no compression")
-        return _recompress(s, d, compression, overwrite, t0)
+        return _recompress(s, d, recompress, t0)
     if budget_bytes < 2 * MIN_PIECE:
         raise ValueError(f"budget_bytes={budget_bytes} is below the minimum of {2 * MIN_PIECE}")
     # Two pieces per file in flight: the one the writer is taking, the next one being read.
@@ -404,7 +407,7 @@ def copy(
     return stats
 
 
-def _recompress(s: Location, d: Location, compression: str | bool, overwrite: bool, t0: float) -> CopyStats:
+def _recompress(s: Location, d: Location, options: SaveOptions, t0: float) -> CopyStats:
     """`copy` with another `compression`: load the source whole (checked), save it anew at `d`."""
     from .._load.engine import load
     from .._load.metadata import read_index, read_manifest
@@ -420,7 +423,7 @@ def _recompress(s: Location, d: Location, compression: str | bool, overwrite: bo
     state = load(s, None)
     if not manifest.root and not isinstance(state, dict):
         raise CheckpointError(f"{s.path}: cannot recompress this checkpoint")
-    saved = save(d, state, overwrite=overwrite, metadata=manifest.metadata, compression=compression)
+    saved = save(d, state, options, metadata=manifest.metadata)
     stats = CopyStats(s.path, d.path)
     stats.files_copied, stats.bytes_copied = saved.files_written, saved.bytes_written
     stats.seconds = time.perf_counter() - t0

@@ -172,6 +172,97 @@ def nodes_of(structure: Structure) -> dict[str, list[Structure]]:
     return out
 
 
+# ---------------------------------------------------------------------- export
+
+#: What exports do with per-process values: each saved process's value under ``process_<p>``, none, or an error.
+EXPORT_CHOICES = ("keys", "drop", "error")
+
+
+def process_key(p: int) -> str:
+    """The key an export gives saved process `p`'s value (``data/process_0/...``)."""
+    return f"process_{p}"
+
+
+def check_export_choice(per_process: str) -> None:
+    if per_process not in EXPORT_CHOICES:
+        raise ValueError(f"per_process must be one of {', '.join(EXPORT_CHOICES)}, got {per_process!r}")
+
+
+def export_leaf_path(nodes: dict[str, list[Structure]], path: str) -> tuple[str, str] | None:
+    """For a stored leaf path under a per-process node, (the node's path, the leaf's path with the
+    saving process's component written ``process_<p>``); None for any other leaf.
+
+    Stored, process p's leaves sit at ``<node>/<p>/...`` (FORMAT.md §7.1), which a reader of an
+    exported file could not tell from a list index; the export names the process.
+    """
+    for node in nodes:
+        if node and not (path == node or path.startswith(node + "/")):
+            continue
+        rest = path[len(node) + 1:] if node else path
+        p, _, tail = rest.partition("/")
+        named = join_path(node, process_key(int(p)))
+        return node, join_path(named, tail) if tail else named
+    return None
+
+
+def refuse_per_process(nodes: dict[str, list[Structure]], where: str, item: str, per_process: str) -> None:
+    """With ``per_process="error"``, the `UnsupportedTypeError` naming the first per-process node."""
+    if per_process != "error" or not nodes:
+        return
+    path, subs = min(nodes.items())
+    raise UnsupportedTypeError(
+        f"{where}: {display_path(path, item)!r} holds per-process values (cairn.PerProcess, saved by "
+        f"{len(subs)} process{'es' if len(subs) != 1 else ''}), which the export has no place for; "
+        "per_process='keys' (--per-process keys) writes each saved process's value under process_<p>, "
+        "'drop' leaves them out")
+
+
+def _at(node: Structure, path: str, fn: Callable[[Structure], Structure]) -> Structure:
+    """`node` with its descendant at key path `path` replaced by ``fn(descendant)``."""
+    if not path:
+        return fn(node)
+    head, _, rest = path.partition("/")
+    kids = [name for name, _ in _children(node)]
+    if head not in kids:
+        raise CheckpointError(f"no {head!r} in the loaded tree's structure")  # the caller's bug
+    at = kids.index(head)
+    count = iter(range(len(kids)))
+    return _map(node, lambda c: _at(c, rest, fn) if next(count) == at else c)
+
+
+def _const(node: Structure) -> Callable[[Structure], Structure]:
+    return lambda _old: node
+
+
+def export_tree(tree: Any, stored: Structure, where: str, item: str, per_process: str) -> Any:
+    """`tree`, loaded without a target on one process, with each per-process node of `stored` (the
+    item's stored structure) as `per_process` says: ``"keys"`` a mapping ``{"process_<p>": value}``
+    over every saving process (one too), ``"drop"`` None, ``"error"`` an `UnsupportedTypeError`.
+
+    A load on one process gives the value itself where one process saved it and the list of
+    every saved value where several did; an export names the processes either way, so what it
+    writes does not depend on how many processes saved.
+    """
+    nodes = nodes_of(stored)
+    if not nodes:
+        return tree
+    refuse_per_process(nodes, where, item, per_process)
+    structure, flat = flatten(tree)
+    leaves = [leaf for _, leaf in flat]
+    for path, subs in nodes.items():
+        if per_process == "drop":
+            leaves.append(None)
+            structure = _at(structure, path, _const({"leaf": len(leaves) - 1}))
+            continue
+
+        def keyed(node: Structure, saved: int = len(subs)) -> Structure:
+            values = [node] if saved == 1 else node["list"]
+            return {"dict": [[process_key(p), c] for p, c in enumerate(values)]}
+
+        structure = _at(structure, path, keyed)
+    return unflatten(structure, leaves)
+
+
 # ---------------------------------------------------------------------- save
 
 
