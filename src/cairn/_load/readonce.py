@@ -122,9 +122,11 @@ def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, proce
     if process_count > 1 and len({_process(d, process_of) for d in target.device_set}) == 1:
         return Route(target, (), -1, why="process-local target")  # no other process takes part in its collectives
     # Models repeat a few (grid, sharding) pairs over hundreds of layers: decide each once.
-    key: Any = (leaf.grid, leaf.dtype.itemsize, target, block_size, verify, read_once, process_of, bandwidths,
-                max_read)
-    hit = _routes.get(key)  # (None for an unhashable sharding, which is then not remembered)
+    # A compressed leaf's costs depend on its own stored sizes, not only on its layout: never shared.
+    coded = leaf.codec != "none"
+    key: Any = None if coded else (leaf.grid, leaf.dtype.itemsize, target, block_size, verify, read_once,
+                                   process_of, bandwidths, max_read)
+    hit = _routes.get(key) if key is not None else None  # (None for an unhashable sharding: not remembered)
     if hit is not None:
         return hit
     target_layout = layout_of(target, leaf.shape)
@@ -142,12 +144,23 @@ def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, proce
         return moved_bytes(sharding(a), sharding(b), leaf.shape, leaf.dtype.itemsize, process_of)
 
     processes = _representative(target, leaf.shape, process_of)[0]
-    plan = choose(target_layout, leaf.shape, leaf.nbytes, cost, forced=read_once is True, moved=moved,
+    # Storage bytes are stored bytes: a compressed leaf's direct read is held against its stored size.
+    nbytes = stored_nbytes(leaf, block_size) if coded else leaf.nbytes
+    plan = choose(target_layout, leaf.shape, nbytes, cost, forced=read_once is True, moved=moved,
                   bandwidths=bandwidths, processes=processes)
     steps = tuple(sharding(s) for s in plan.steps)
     out = Route(sharding(plan.read), steps, plan.cost, plan.kind, plan.interconnect, processes, plan)
-    _routes.put(key, out)
+    if key is not None:
+        _routes.put(key, out)
     return out
+
+
+def stored_nbytes(leaf: fmt.ArrayLeaf, block_size: int) -> int:
+    """A leaf's bytes in storage: its raw bytes, or the sum of its compressed blocks' stored sizes
+    (for a part-indexed leaf, its records are fetched whole on the first look, as any read of it does)."""
+    if leaf.codec == "none":
+        return leaf.nbytes
+    return sum(sum(leaf.stored_sizes(c, block_size)) for c in range(len(leaf.chunks)))
 
 
 _routes: Memo[Route] = Memo()
@@ -161,7 +174,8 @@ def read_bytes(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool
 
 def read_cost(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool, region: Any = None,
               max_read: int = 0, process_of: ProcessOf | None = None) -> tuple[int, int]:
-    """Storage bytes and requests, summed over processes, when each reads its boxes of `sharding`.
+    """Storage bytes and requests, summed over processes, when each reads its boxes of `sharding`
+    (stored bytes: for a compressed leaf, the stored sizes of the blocks the boxes touch).
 
     Estimated (`_plan.estimate_reads`, an upper bound of the planner's
     bytes) for one representative process, the one holding the sharding's
@@ -176,7 +190,9 @@ def read_cost(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool,
     processes, boxes = _representative(sharding, shape, process_of)
     if region is not None:  # a piece of the leaf: its boxes sit at the piece's origin
         boxes = frozenset(tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes)
-    nbytes, requests = estimate_reads(leaf.grid, leaf.dtype.itemsize, sorted(boxes), block_size, verify, max_read)
+    stored = None if leaf.codec == "none" else (lambda cell: leaf.stored_sizes(cell, block_size))
+    nbytes, requests = estimate_reads(leaf.grid, leaf.dtype.itemsize, sorted(boxes), block_size, verify, max_read,
+                                      stored)
     return processes * nbytes, processes * requests
 
 
