@@ -8,7 +8,11 @@ than its bytes. `Runs` gathers the direct reads of whole small arrays into
 runs of consecutive file bytes and reads each run with one vectored read
 (local files, object stores) or one ranged read plus copies (other stores),
 then verifies every array's checksums as before (an object store's parts as
-they land).
+they land). A compressed leaf joins a run the same way when its stored blocks
+lie back to back (`stored_whole_span`): the run reads its stored bytes into a
+buffer of their own, checks each block's CRC on them, and decodes the blocks
+into the array (on object stores, one request for many small compressed
+leaves instead of one each).
 
 A run is sent to the pool when it is full, when a read of another kind is
 planned, or as soon as anyone waits for one of its arrays: the futures handed
@@ -26,8 +30,9 @@ import numpy as np
 
 from .._core.boxes import full_box
 from .._core.checksum import BlockChecks, crc32c
+from .._format import codecs as _codecs
 from .._format.binindex import LazyChunks
-from .._plan.reads import plan_reads
+from .._tree.pytree import display_path
 
 #: A whole array up to this size may share a read with its neighbours.
 SMALL_ARRAY = 1 << 20
@@ -85,6 +90,25 @@ def whole_span(leaf: Any) -> tuple[int, int] | None:
     return file, start
 
 
+def stored_whole_span(leaf: Any, block: int) -> tuple[int, int, int] | None:
+    """``(file, first byte, stored bytes)`` when the whole of compressed `leaf` is one run of stored
+    blocks in one file: cut along its first axis only, its chunks' stored blocks back to back."""
+    shape, grid, chunks = leaf.shape, leaf.grid, leaf.chunks
+    if not shape or 0 in shape or any(len(b) != 2 for b in grid[1:]):
+        return None
+    file, start = chunks[0]
+    pos = start
+    for c in range(len(chunks)):
+        if c and chunks[c] != (file, pos):
+            return None
+        pos += sum(leaf.stored_sizes(c, block))
+    return file, start, pos - start
+
+
+def _coded(leaf: Any) -> bool:
+    return getattr(leaf, "codec", "none") != "none"
+
+
 class Runs:
     """The pending run of one `ChunkReader` (which it calls back for reads and checks)."""
 
@@ -97,18 +121,20 @@ class Runs:
         self._bytes = 0
         self._future: _RunFuture | None = None
 
-    def add(self, leaf: Any, file: int, start: int, dest: np.ndarray) -> Future[None]:
-        """Queue reading all of `leaf` (bytes `start`.. of `file`) into `dest`; resolves once verified."""
+    def add(self, leaf: Any, file: int, start: int, dest: np.ndarray, stored: int = -1) -> Future[None]:
+        """Queue reading all of `leaf` (bytes `start`.. of `file`) into `dest`; resolves once verified.
+        A compressed leaf passes its `stored` bytes (`stored_whole_span`), which are read and decoded."""
+        n = dest.nbytes if stored < 0 else stored
         with self._lock:
             if self._parts and (file != self._file or start != self._end or len(self._parts) >= MAX_RUN_PARTS
-                                or self._bytes + dest.nbytes > self.max_bytes):
+                                or self._bytes + n > self.max_bytes):
                 self._submit_locked()
             if self._future is None:
                 self._future = _RunFuture(self)
                 self._file = file
             self._parts.append((leaf, start, dest))
-            self._end = start + dest.nbytes
-            self._bytes += dest.nbytes
+            self._end = start + n
+            self._bytes += n
             return self._future
 
     def submit(self, future: Future[None] | None = None) -> None:
@@ -127,13 +153,18 @@ class Runs:
         if not future.set_running_or_notify_cancel():
             return
         reader = self._reader
+        block = reader.index.block_size
         try:
-            views = [_byte_view(dest) for _, _, dest in parts]
+            # A compressed leaf's stored bytes land in a buffer of their own, decoded below.
+            views = [memoryview(np.empty(_stored_total(leaf, block), np.uint8).data) if _coded(leaf)
+                     else _byte_view(dest) for leaf, _, dest in parts]
+            coded = any(_coded(leaf) for leaf, _, _ in parts)
             start = parts[0][1]
             try:
                 if reader._reader(file).vectored:
                     # Checked part by part as they land (object stores); a mismatch fails the run.
-                    checks = _run_checks(parts, views, reader.index.block_size) if reader.verify else None
+                    # (compressed blocks are always checked: they are decoded, not copied)
+                    checks = _run_checks(parts, views, block) if reader.verify or coded else None
                     reader._fill(file, start, views, parts[0][0], checks)
                     if checks is not None:
                         checks.rest()
@@ -145,7 +176,7 @@ class Runs:
                     for view in views:
                         view[:] = memoryview(raw)[pos : pos + len(view)]  # type: ignore[arg-type]
                         pos += len(view)
-                    bad = [] if not reader.verify else [
+                    bad = [] if not (reader.verify or coded) else [
                         (leaf, dest) for (leaf, first, dest), view in zip(parts, views)
                         if not _verified(leaf, first, view, reader.index.block_size)]
             except _Mismatch:  # the arrays that do not match (or, the read cut short, did not land)
@@ -153,11 +184,17 @@ class Runs:
                        if not _verified(leaf, first, view, reader.index.block_size)]
             except Exception:
                 bad = [(leaf, dest) for leaf, _, dest in parts]
+            failed = {id(dest) for _, dest in bad}
+            for (leaf, _, dest), view in zip(parts, views):
+                if _coded(leaf) and id(dest) not in failed:
+                    _decode_whole(leaf, view, dest, block,
+                                  f"{reader.loc.path}: leaf {display_path(leaf.path, reader.item)!r}")
             # Read again on the planned path, array by array, so that the error names the leaf
             # and the bytes that fail (a read that now succeeds leaves its array correct).
+            from .reader import plan_leaf_reads
+
             for leaf, dest in bad:
-                reads = plan_reads(leaf, [full_box(leaf.shape)], reader.index.block_size, reader.verify)
-                for read in reads:
+                for read in plan_leaf_reads(leaf, [full_box(leaf.shape)], block, reader.verify):
                     reader.do_read(read, leaf, [dest])
             with reader._lock:
                 reader.stats.direct_reads += 1
@@ -189,14 +226,43 @@ def _verified(leaf: Any, first: int, view: memoryview, block: int) -> bool:
     return all(crc32c(view[lo - first : hi - first]) == crc for lo, hi, crc in _blocks(leaf, block))
 
 
+def _entries(leaf: Any) -> list[tuple[int, int, tuple[int, ...]]]:
+    return (leaf.chunks.entries() if isinstance(leaf.chunks, LazyChunks)
+            else [(f, off, crcs) for (f, off), crcs in zip(leaf.chunks, leaf.crcs)])
+
+
 def _blocks(leaf: Any, block: int) -> list[tuple[int, int, int]]:
-    """The ``(start, end, crc)`` file ranges of the checksum blocks of `leaf` (a `whole_span` leaf)."""
+    """The ``(start, end, crc)`` file ranges of the checksum blocks of `leaf` (a `whole_span` leaf,
+    or a compressed `stored_whole_span` one: its stored blocks)."""
     row = leaf.nbytes // leaf.shape[0]
     rows = leaf.grid[0]
     out: list[tuple[int, int, int]] = []
-    entries = (leaf.chunks.entries() if isinstance(leaf.chunks, LazyChunks)
-               else [(f, off, crcs) for (f, off), crcs in zip(leaf.chunks, leaf.crcs)])
-    for c, (_, off, crcs) in enumerate(entries):
+    for c, (_, off, crcs) in enumerate(_entries(leaf)):
+        if _coded(leaf):
+            for size, crc in zip(leaf.stored_sizes(c, block), crcs):
+                out.append((off, off + size, crc))
+                off += size
+            continue
         end = off + (rows[c + 1] - rows[c]) * row
         out.extend((off + k * block, min(off + (k + 1) * block, end), crc) for k, crc in enumerate(crcs))
     return out
+
+
+def _stored_total(leaf: Any, block: int) -> int:
+    return sum(sum(leaf.stored_sizes(c, block)) for c in range(len(leaf.chunks)))
+
+
+def _decode_whole(leaf: Any, stored: memoryview, dest: np.ndarray, block: int, where: str) -> None:
+    """Decode every stored block of compressed `leaf` (its stored bytes, back to back) into `dest`."""
+    raw = dest.reshape(-1).view(np.uint8)
+    row = leaf.nbytes // leaf.shape[0]
+    rows = leaf.grid[0]
+    pos = 0
+    for c in range(len(leaf.chunks)):
+        lo, hi = rows[c] * row, rows[c + 1] * row
+        for k, size in enumerate(leaf.stored_sizes(c, block)):
+            a = lo + k * block
+            b = min(a + block, hi)
+            _codecs.decode(leaf.codec, stored[pos : pos + size], leaf.dtype, b - a, raw[a:b],
+                           where=f"{where}, block {k} of chunk {c}")
+            pos += size

@@ -39,7 +39,7 @@ from .._plan.reads import Check, Copy, Read, is_c_contiguous, plan_reads
 from .._storage import PartReader, RandomReader
 from .._storage.location import Location
 from .._tree.pytree import display_path
-from .coalesce import Runs, run_limits, whole_span
+from .coalesce import Runs, run_limits, stored_whole_span, whole_span
 from .metadata import Opened
 
 DEFAULT_BUDGET = 256 << 20  # the memory budget of a streaming conversion, by default
@@ -274,12 +274,14 @@ class ChunkReader:
             from .._tree.shardings import addressable_boxes
 
             boxes, placement = addressable_boxes(sharding, shape)
-        span = (whole_span(leaf) if sharding is None and region is None and leaf.nbytes <= self._small
-                and leaf.codec == "none" else None)
+        span: tuple[int, ...] | None = None
+        if sharding is None and region is None and leaf.nbytes <= self._small:
+            span = whole_span(leaf) if leaf.codec == "none" else stored_whole_span(leaf, self.index.block_size)
         if span is not None:  # small, whole, one run of bytes: read together with its neighbours
             self._reader(span[0])  # checks the file first: a false size claim allocates nothing
             dest = np.empty(leaf.shape, leaf.dtype)  # no alignment needed: placed by one device_put of the whole
-            return ArrayReads([self._runs.add(leaf, span[0], span[1], dest)], [dest], boxes, placement)
+            stored = span[2] if len(span) > 2 else -1
+            return ArrayReads([self._runs.add(leaf, span[0], span[1], dest, stored)], [dest], boxes, placement)
         absolute = boxes if region is None else [
             tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes]
         max_read = self._max_read

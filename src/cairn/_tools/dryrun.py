@@ -32,7 +32,7 @@ from .._format import manifest as fmt
 from .._interop import sources as _sources
 from .._interop.sources import Rename
 from .._load import engine as _load
-from .._load.coalesce import MAX_RUN_PARTS, run_limits, whole_span
+from .._load.coalesce import MAX_RUN_PARTS, run_limits, stored_whole_span, whole_span
 from .._load.metadata import read_index, read_manifest
 from .._load.options import LoadOptions
 from .._load.reader import DEFAULT_MAX_READ, MIN_RUN, plan_leaf_reads, stored_span, whole_reads
@@ -482,9 +482,14 @@ class _Process:
 
     def whole(self, leaf: fmt.ArrayLeaf, runs: _Runs, block: int, verify: bool) -> int | None:
         """`ChunkReader.read_array(leaf)`: a small array joins a run, anything else is planned."""
-        span = whole_span(leaf) if leaf.nbytes <= self.small and leaf.codec == "none" else None
+        span: tuple[int, int, int] | None = None  # (file, first byte, bytes in storage)
+        if leaf.nbytes <= self.small:
+            if leaf.codec != "none":
+                span = stored_whole_span(leaf, block)
+            elif (raw := whole_span(leaf)) is not None:
+                span = (*raw, leaf.nbytes)
         if span is not None:
-            return runs.add(span[0], span[1], leaf.nbytes)
+            return runs.add(*span)
         runs.submit()
         box = full_box(leaf.shape)
         reads = whole_reads(leaf, block, verify, self.max_read) if leaf.codec == "none" else None
