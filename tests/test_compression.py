@@ -406,3 +406,30 @@ def test_recompressing_copy_streams_within_its_budget(tmp_path):
     got = cairn.load(tmp_path / "packed")
     assert np.asarray(got["big"]).tobytes() == big.tobytes() and got["step"] == 3 and got["blob"] == b"abc"
     assert np.asarray(got["small"]).tobytes() == state["small"].tobytes()
+
+
+def test_a_compressed_route_fetches_only_the_records_it_prices(tmp_path):
+    """Pricing a compressed leaf's route reads the stored sizes of the chunks the representative process
+    touches, not the records of the whole leaf (metadata work proportional to a process's reads)."""
+    from cairn._load.metadata import open_checkpoint
+    from cairn._load.readonce import route
+
+    full = trained((512, 1024))
+    m8 = jax.make_mesh((8,), ("x",))
+    path = where_of("memory", tmp_path)
+    from cairn._save import engine
+    from cairn._storage.location import resolve
+
+    columns = NamedSharding(m8, P(None, "x"))  # 8 column chunks: no two merge into one
+    engine.prepare(resolve(path), {"w": jax.device_put(full, columns)}, block_size=BLOCK,
+                   compression="planes").run()
+    ck = open_checkpoint(path)
+    index = next(iter(ck.indexes.values()))
+    (i, leaf), = [(i, lf) for i, lf in enumerate(index.leaves) if isinstance(lf, fmt.ArrayLeaf)]
+    assert index.table is not None and len(leaf.chunks) == 8 and leaf.codec == "planes"
+    rank = {d.id: k // 2 for k, d in enumerate(sorted(m8.devices.flat, key=lambda d: d.id))}  # 4 processes
+    r = route(leaf, columns, index.block_size, True, 4, True, process_of=lambda d: rank[d.id])
+    assert r.kind == "direct" and r.plan is not None
+    got = index.table._got.get(i, {})
+    assert sorted(got) == [0, 1]  # process 0's two chunks
+    assert r.cost == 4 * sum(sum(leaf.stored_sizes(c, index.block_size)) for c in (0, 1))

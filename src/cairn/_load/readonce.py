@@ -60,6 +60,7 @@ from .._errors import (
     first_failure,
 )
 from .._format import manifest as fmt
+from .._format.binindex import LazyStored, cells_in
 from .._plan.estimate import estimate_reads
 from .._plan.routes import (
     DIRECT_MAX,
@@ -144,8 +145,13 @@ def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, proce
         return moved_bytes(sharding(a), sharding(b), leaf.shape, leaf.dtype.itemsize, process_of)
 
     processes = _representative(target, leaf.shape, process_of)[0]
-    # Storage bytes are stored bytes: a compressed leaf's direct read is held against its stored size.
-    nbytes = stored_nbytes(leaf, block_size) if coded else leaf.nbytes
+    # Storage bytes are stored bytes: a compressed leaf's direct read is held against its stored size,
+    # estimated from the blocks the direct read touches (their stored / raw bytes), so that no process
+    # fetches the records of chunks it neither reads nor prices.
+    nbytes = leaf.nbytes
+    if coded:
+        raw = read_cost(leaf, target, block_size, True, process_of=process_of, stored=False)[0]
+        nbytes = round(leaf.nbytes * cost(target_layout)[0] / max(raw, 1))
     plan = choose(target_layout, leaf.shape, nbytes, cost, forced=read_once is True, moved=moved,
                   bandwidths=bandwidths, processes=processes)
     steps = tuple(sharding(s) for s in plan.steps)
@@ -173,9 +179,10 @@ def read_bytes(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool
 
 
 def read_cost(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool, region: Any = None,
-              max_read: int = 0, process_of: ProcessOf | None = None) -> tuple[int, int]:
+              max_read: int = 0, process_of: ProcessOf | None = None, stored: bool = True) -> tuple[int, int]:
     """Storage bytes and requests, summed over processes, when each reads its boxes of `sharding`
-    (stored bytes: for a compressed leaf, the stored sizes of the blocks the boxes touch).
+    (stored bytes: for a compressed leaf, the stored sizes of the blocks the boxes touch, unless
+    `stored` is False: then its raw bytes widened to those blocks).
 
     Estimated (`_plan.estimate_reads`, an upper bound of the planner's
     bytes) for one representative process, the one holding the sharding's
@@ -190,9 +197,13 @@ def read_cost(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool,
     processes, boxes = _representative(sharding, shape, process_of)
     if region is not None:  # a piece of the leaf: its boxes sit at the piece's origin
         boxes = frozenset(tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes)
-    stored = None if leaf.codec == "none" else (lambda cell: leaf.stored_sizes(cell, block_size))
+    sizes = None
+    if leaf.codec != "none" and stored:
+        if isinstance(leaf.stored, LazyStored):  # this process's records of just those chunks, in one fetch
+            leaf.stored.table.fetch({leaf.stored.leaf: cells_in(leaf.grid, sorted(boxes))})
+        sizes = lambda cell: leaf.stored_sizes(cell, block_size)  # noqa: E731
     nbytes, requests = estimate_reads(leaf.grid, leaf.dtype.itemsize, sorted(boxes), block_size, verify, max_read,
-                                      stored)
+                                      sizes)
     return processes * nbytes, processes * requests
 
 
