@@ -60,6 +60,8 @@ NOT_MODELLED = (
     "object stores splitting a read into ranged GETs (read_part_size); Orbax arrays read through "
     "tensorstore (counted as their uncompressed boxes)",
     "the loaded arrays themselves, JAX's own buffers, and the metadata reads (manifest, indexes, records)",
+    "in the peak host memory: the stored bytes of compressed small arrays read together in one run, held "
+    "beside their arrays until the run is decoded (at most one run per reader thread)",
 )
 
 
