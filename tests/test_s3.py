@@ -446,12 +446,13 @@ def test_multiprocess_save_and_load(store, bucket, opts, monkeypatch):
 
 
 def test_compressed_blocks_checked_and_decoded_as_parts_land(s3, s3_bucket, s3_opts, mesh8, monkeypatch):
-    """A compressed leaf on S3: each stored block wholly inside a ranged part is checked (and, on the
-    planned path, decoded) in the thread that received the part; a corrupt block fails the load naming
-    it, and with one part in flight no part after the corrupt one is fetched."""
+    """A compressed leaf on S3: each stored block wholly inside a ranged part is checked and decoded in
+    the thread that received the part (read whole in a run, or planned); a corrupt block fails the load
+    naming it, and with one part in flight no part after the corrupt one is fetched."""
     import ml_dtypes
 
     from cairn._core import checksum as _checksum
+    from cairn._format import codecs as _codecs
     from cairn._load.metadata import open_checkpoint
     from cairn._storage import obstore as _obstore
 
@@ -479,10 +480,19 @@ def test_compressed_blocks_checked_and_decoded_as_parts_land(s3, s3_bucket, s3_o
         gets.append((self.key, a, b))
         return real_get(self, a, b, *rest)
 
+    decoded: list[str] = []
+    real_decode = _codecs.decode
+
+    def decode(*args, **kwargs):
+        decoded.append(threading.current_thread().name)
+        return real_decode(*args, **kwargs)
+
     monkeypatch.setattr(_checksum.BlockChecks, "_verify", verify)
     monkeypatch.setattr(_obstore._ObjectReader, "_get", get)
-    for target in (None, _replicated(mesh8, x)):
+    monkeypatch.setattr(_codecs, "decode", decode)
+    for target in (None, _replicated(mesh8, x)):  # a run of whole arrays; a planned direct read
         verified.clear()
+        decoded.clear()
         np.testing.assert_array_equal(np.asarray(cairn.load(path, target, storage_options=o)["x"]), x)
         starts = list(itertools.accumulate(sizes[:-1], initial=off))
         assert sorted(s for s, _ in verified) == starts  # every block once
@@ -490,6 +500,8 @@ def test_compressed_blocks_checked_and_decoded_as_parts_land(s3, s3_bucket, s3_o
         inside = [s for s, e in zip(starts, ends) if (s - off) // part == (e - off - 1) // part]
         where = dict(verified)
         assert inside and all(where[s].startswith("cairn-get") for s in inside)
+        # each block decoded once, those inside a part by the thread that received it
+        assert len(decoded) == len(sizes) and sum(t.startswith("cairn-get") for t in decoded) == len(inside)
     # A flipped byte in block 1 (inside the first part): the load fails naming the block, after one part.
     data = s3.get_object(s3_bucket, key)
     bad = bytearray(data)

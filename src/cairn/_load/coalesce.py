@@ -23,6 +23,7 @@ never started.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -155,19 +156,24 @@ class Runs:
         reader = self._reader
         block = reader.index.block_size
         try:
-            # A compressed leaf's stored bytes land in a buffer of their own, decoded below.
+            # A compressed leaf's stored bytes land in a buffer of their own, then are decoded.
             views = [memoryview(np.empty(_stored_total(leaf, block), np.uint8).data) if _coded(leaf)
                      else _byte_view(dest) for leaf, _, dest in parts]
             coded = any(_coded(leaf) for leaf, _, _ in parts)
             start = parts[0][1]
+            where = f"{reader.loc.path}: leaf "
+            decoded = False  # every compressed block decoded as its check passed
             try:
                 if reader._reader(file).vectored:
-                    # Checked part by part as they land (object stores); a mismatch fails the run.
-                    # (compressed blocks are always checked: they are decoded, not copied)
-                    checks = _run_checks(parts, views, block) if reader.verify or coded else None
+                    # Checked part by part as they land (object stores), a compressed block decoded right
+                    # after its check; a mismatch fails the run. (Compressed blocks are always checked:
+                    # they are decoded, not copied.)
+                    checks = (_run_checks(parts, views, block, lambda leaf: where + repr(
+                        display_path(leaf.path, reader.item))) if reader.verify or coded else None)
                     reader._fill(file, start, views, parts[0][0], checks)
                     if checks is not None:
                         checks.rest()
+                        decoded = True
                     bad = []
                 else:  # one ranged request, then a copy per array
                     raw = np.empty(sum(len(v) for v in views), dtype=np.uint8)
@@ -186,9 +192,8 @@ class Runs:
                 bad = [(leaf, dest) for leaf, _, dest in parts]
             failed = {id(dest) for _, dest in bad}
             for (leaf, _, dest), view in zip(parts, views):
-                if _coded(leaf) and id(dest) not in failed:
-                    _decode_whole(leaf, view, dest, block,
-                                  f"{reader.loc.path}: leaf {display_path(leaf.path, reader.item)!r}")
+                if _coded(leaf) and id(dest) not in failed and not decoded:
+                    _decode_whole(leaf, view, dest, block, where + repr(display_path(leaf.path, reader.item)))
             # Read again on the planned path, array by array, so that the error names the leaf
             # and the bytes that fail (a read that now succeeds leaves its array correct).
             from .reader import plan_leaf_reads
@@ -215,10 +220,29 @@ class _Mismatch(Exception):
     """A checksum of a run failed; the planned re-read of its arrays names the leaf and the bytes."""
 
 
-def _run_checks(parts: list[tuple[Any, int, np.ndarray]], views: list[memoryview], block: int) -> BlockChecks:
-    """The checksum blocks of a run's arrays (all `whole_span` leaves, back to back in one file)."""
-    checks = sorted(c for leaf, _, _ in parts for c in _blocks(leaf, block))
-    return BlockChecks(checks, views, parts[0][1], lambda c, got: _Mismatch())
+def _run_checks(parts: list[tuple[Any, int, np.ndarray]], views: list[memoryview], block: int,
+                where: Callable[[Any], str]) -> BlockChecks:
+    """The checksum blocks of a run's arrays (all `whole_span` or `stored_whole_span` leaves, back to
+    back in one file); each compressed block is decoded into its array once its check passes."""
+    rows: list[tuple[int, int, int, Any]] = []
+    for (leaf, first, dest), view in zip(parts, views):
+        blocks = _blocks(leaf, block)
+        if not _coded(leaf):
+            rows.extend((*c, None) for c in blocks)
+            continue
+        raw = dest.reshape(-1).view(np.uint8)
+        for (lo, hi, crc), (a, b, name) in zip(blocks, _raw_blocks(leaf, block)):
+            rows.append((lo, hi, crc, (leaf, view[lo - first : hi - first], raw[a:b], f"{where(leaf)}, {name}")))
+    rows.sort(key=lambda r: r[0])
+    decode = [r[3] for r in rows]
+
+    def then(i: int) -> None:
+        d = decode[i]
+        if d is not None:
+            leaf, stored, out, at = d
+            _codecs.decode(leaf.codec, stored, leaf.dtype, len(out), out, where=at)
+
+    return BlockChecks([r[:3] for r in rows], views, parts[0][1], lambda c, got: _Mismatch(), then)
 
 
 def _verified(leaf: Any, first: int, view: memoryview, block: int) -> bool:
@@ -252,17 +276,24 @@ def _stored_total(leaf: Any, block: int) -> int:
     return sum(sum(leaf.stored_sizes(c, block)) for c in range(len(leaf.chunks)))
 
 
+def _raw_blocks(leaf: Any, block: int) -> list[tuple[int, int, str]]:
+    """Where each block of compressed `leaf` (a `stored_whole_span` one) decodes to in the whole
+    array's bytes, in stored order: ``(start, end, "block k of chunk c")``."""
+    row = leaf.nbytes // leaf.shape[0]
+    rows = leaf.grid[0]
+    out = []
+    for c in range(len(leaf.chunks)):
+        lo, hi = rows[c] * row, rows[c + 1] * row
+        for k in range(len(leaf.stored_sizes(c, block))):
+            a = lo + k * block
+            out.append((a, min(a + block, hi), f"block {k} of chunk {c}"))
+    return out
+
+
 def _decode_whole(leaf: Any, stored: memoryview, dest: np.ndarray, block: int, where: str) -> None:
     """Decode every stored block of compressed `leaf` (its stored bytes, back to back) into `dest`."""
     raw = dest.reshape(-1).view(np.uint8)
-    row = leaf.nbytes // leaf.shape[0]
-    rows = leaf.grid[0]
     pos = 0
-    for c in range(len(leaf.chunks)):
-        lo, hi = rows[c] * row, rows[c + 1] * row
-        for k, size in enumerate(leaf.stored_sizes(c, block)):
-            a = lo + k * block
-            b = min(a + block, hi)
-            _codecs.decode(leaf.codec, stored[pos : pos + size], leaf.dtype, b - a, raw[a:b],
-                           where=f"{where}, block {k} of chunk {c}")
-            pos += size
+    for (a, b, name), (lo, hi, _) in zip(_raw_blocks(leaf, block), _blocks(leaf, block)):
+        _codecs.decode(leaf.codec, stored[pos : pos + hi - lo], leaf.dtype, b - a, raw[a:b], where=f"{where}, {name}")
+        pos += hi - lo
