@@ -12,7 +12,11 @@ what Orbax's zarr zstd gives), and, where orbax-checkpoint imports, the bytes
 Orbax's `StandardCheckpointer` writes for the same state.
 
 Options: ``--size BYTES`` (default 256 MiB per variant), ``--variants a,b``,
-``--no-orbax``, ``--json PATH``.
+``--no-orbax``, ``--json PATH``, and ``--against FILE``: another version of
+``codecs.py`` (``git show REV:src/cairn/_format/codecs.py > old.py``), whose
+"planes" codec is then measured against the current one per leaf kind,
+interleaved (alternating order, best of 9 each), so that a change of the
+machine's load hits both alike.
 """
 
 from __future__ import annotations
@@ -61,6 +65,44 @@ def measure(leaves: list[np.ndarray], codec: str) -> dict[str, float]:
             "compress_gib_s": raw / enc_t / GiB, "decompress_gib_s": raw / dec_t / GiB}
 
 
+def load_codecs(path: str) -> Any:
+    """A `codecs.py` from another revision, imported as a module of its own."""
+    import importlib.util
+
+    with open(path) as f:
+        text = f.read().replace("from .._errors import", "from cairn._errors import")
+    spec = importlib.util.spec_from_loader("cairn_codecs_against", loader=None)
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    exec(compile(text, path, "exec"), module.__dict__)
+    return module
+
+
+def interleaved(leaves: list[np.ndarray], modules: dict[str, Any], reps: int = 9) -> dict[str, dict[str, float]]:
+    """Ratio and best compress / decompress GiB/s (thread CPU time) of "planes" per module, runs alternating."""
+    work = [(b, a.dtype) for a in leaves for b in _blocks(a)]
+    raw = sum(b.nbytes for b, _ in work)
+    outs = [np.ones(b.nbytes, np.uint8) for b, _ in work]
+    best = {name: {"stored": 0.0, "enc": float("inf"), "dec": float("inf")} for name in modules}
+    names = list(modules)
+    for r in range(reps):
+        for name in names if r % 2 == 0 else names[::-1]:
+            m = modules[name]
+            t = time.thread_time()
+            stored = [m.encode("planes", b, dt) for b, dt in work]
+            enc = time.thread_time() - t
+            t = time.thread_time()
+            for s, (b, dt), o in zip(stored, work, outs):
+                m.decode("planes", s, dt, b.nbytes, out=o)
+            dec = time.thread_time() - t
+            assert all(np.array_equal(b, o) for (b, _), o in zip(work, outs)), name
+            got = best[name]
+            got["stored"] = sum(len(s) for s in stored)
+            got["enc"], got["dec"] = min(got["enc"], enc), min(got["dec"], dec)
+    return {name: {"ratio": raw / max(v["stored"], 1), "compress_gib_s": raw / v["enc"] / GiB,
+                   "decompress_gib_s": raw / v["dec"] / GiB} for name, v in best.items()}
+
+
 def whole_state(flat: dict[str, np.ndarray]) -> dict[str, Any]:
     raw = sum(a.nbytes for a in flat.values())
     out: dict[str, Any] = {"raw": raw}
@@ -105,7 +147,9 @@ def main() -> None:
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--no-orbax", action="store_true")
     ap.add_argument("--json")
+    ap.add_argument("--against", help="another codecs.py to measure 'planes' against, interleaved")
     args = ap.parse_args()
+    against = load_codecs(args.against) if args.against else None
     report: dict[str, Any] = {"size": args.size, "variants": {}}
     for variant in args.variants.split(","):
         t = time.perf_counter()
@@ -123,6 +167,19 @@ def main() -> None:
                 kinds[kind][codec] = m
                 print(f"{kind:6} {leaves[0].dtype!s:9} {m['raw'] / 2**20:7.1f} {codec:7} {m['ratio']:6.3f} "
                       f"{m['compress_gib_s']:10.2f} {m['decompress_gib_s']:9.2f}")
+        if against is not None:
+            print(f"'planes', {args.against} against this tree's, interleaved, best of 9 "
+                  f"(load average {os.getloadavg()[0]:.1f}):")
+            print("| kind | dtype | raw MiB | ratio them / now | compress GiB/s them / now | "
+                  "decompress GiB/s them / now |\n|---|---|---|---|---|---|")
+            for kind in ("params", "mu", "nu"):
+                leaves = [a for k, a in flat.items() if leaf_kind(k) == kind]
+                got = interleaved(leaves, {"them": against, "now": _codecs})
+                kinds[kind]["against"] = got
+                a, b = got["them"], got["now"]
+                print(f"| {kind} | {leaves[0].dtype} | {sum(x.nbytes for x in leaves) / 2**20:.1f} | "
+                      f"{a['ratio']:.3f} / {b['ratio']:.3f} | {a['compress_gib_s']:.2f} / {b['compress_gib_s']:.2f} | "
+                      f"{a['decompress_gib_s']:.2f} / {b['decompress_gib_s']:.2f} |")
         w = whole_state(flat)
         if not args.no_orbax:
             w["orbax"] = orbax_bytes(state)

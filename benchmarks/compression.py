@@ -1,12 +1,16 @@
 """Compression on vs off, in one run: bytes on disk, save and load time of a trained state.
 
     python -m benchmarks.compression [--mib 256] [--variant bf16-f32] [--reps 3] [--json out.json]
+    python -m benchmarks.compression --mib 1024 --storages moto,azurite --settings false,auto --no-async
 
 The state is `benchmarks.trained_state.make_state` (a small GPT-like model
 after AdamW steps; numpy arrays, so no device copies are timed). For each
-storage (a local folder, the in-process ``memory://`` object store) and each
-setting of ``compression=`` (False: raw blocks, format version 2; True: a
-codec per leaf by measurement, version 3) it saves the state `reps` times
+storage (a local folder, the in-process ``memory://`` object store, and with
+``--storages`` moto's S3 server and Azurite's blob service, each on 127.0.0.1 in
+a process of its own, started as `benchmarks.bench_objstore` starts them) and
+each setting of ``compression=`` (False: raw blocks, format version 2; True: a
+codec per leaf by measurement, version 3; "auto": True on object stores, False
+on a local disk) it saves the state `reps` times
 and loads it back as numpy as many times, and reports the median times, the
 bytes written (data files, as `SaveStats.bytes_written` counts them) and the
 bytes a load reads (`LoadStats.bytes_read`). Settings are interleaved per
@@ -33,18 +37,29 @@ from benchmarks.trained_state import make_state, raw_bytes
 MiB = 1 << 20
 
 
-def _one(path: str, state: Any, compression: Any) -> dict[str, float]:
+STORAGES = ("local", "memory", "moto", "azurite")
+
+
+def _one(path: str, state: Any, compression: Any, opts: dict[str, Any] | None,
+         timed_async: bool = True) -> dict[str, float]:
     t0 = time.perf_counter()
-    saved = cairn.save(path, state, compression=compression, overwrite=True)
+    saved = cairn.save(path, state, compression=compression, overwrite=True, storage_options=opts)
     t_save = time.perf_counter() - t0
     ls = cairn.LoadStats()
     t0 = time.perf_counter()
-    cairn.load(path, stats=ls)
+    cairn.load(path, stats=ls, storage_options=opts)
     t_load = time.perf_counter() - t0
-    fut = cairn.save_async(path, state, compression=compression, overwrite=True)
-    done = fut.result()  # its stats: blocking_s is the caller's wait (validation and the snapshot)
-    return {"save_s": t_save, "load_s": t_load, "bytes_written": saved.bytes_written, "bytes_read": ls.bytes_read,
-            "async_blocking_s": done.blocking_s, "async_total_s": done.total_s}
+    out = {"save_s": t_save, "load_s": t_load, "bytes_written": saved.bytes_written, "bytes_read": ls.bytes_read,
+           "async_blocking_s": float("nan"), "async_total_s": float("nan")}
+    if timed_async:
+        fut = cairn.save_async(path, state, compression=compression, overwrite=True, storage_options=opts)
+        done = fut.result()  # its stats: blocking_s is the caller's wait (validation and the snapshot)
+        out.update(async_blocking_s=done.blocking_s, async_total_s=done.total_s)
+    return out
+
+
+def _setting(text: str) -> Any:
+    return {"false": False, "true": True}.get(text.lower(), text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,23 +69,46 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workdir", default=None, help="local folder for the local-disk rows (default: a temp dir)")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--storages", default="local,memory", help=f"comma-separated, of {', '.join(STORAGES)}")
+    ap.add_argument("--settings", default="false,true", help="compression= values to compare (false, true, auto, ...)")
+    ap.add_argument("--no-async", action="store_true", help="skip the save_async run of each repetition")
     args = ap.parse_args(argv)
+    kinds = [k for k in args.storages.split(",") if k]
+    unknown = sorted(set(kinds) - set(STORAGES))
+    if unknown:
+        ap.error(f"unknown storages {unknown}; known: {', '.join(STORAGES)}")
     t0 = time.perf_counter()
     state = make_state(args.mib * MiB, args.variant)
     raw = raw_bytes(state)
     print(f"state: {args.variant}, {raw / MiB:.1f} MiB raw, built in {time.perf_counter() - t0:.1f} s; "
           f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
     work = tempfile.mkdtemp(prefix="cairn-cmp-", dir=args.workdir)
-    where = {"local": os.path.join(work, "ckpt"), "memory": f"memory://bench-{uuid.uuid4().hex}/ckpt"}
-    settings = [False, True]
-    runs: dict[tuple[str, bool], list[dict[str, float]]] = {(s, c): [] for s in where for c in settings}
+    where: dict[str, tuple[str, dict[str, Any] | None]] = {}
+    servers = []
+    settings = [_setting(c) for c in args.settings.split(",") if c]
+    runs: dict[tuple[str, Any], list[dict[str, float]]] = {}
     try:
+        for kind in kinds:
+            if kind == "local":
+                where[kind] = (os.path.join(work, "ckpt"), None)
+            elif kind == "memory":
+                where[kind] = (f"memory://bench-{uuid.uuid4().hex}/ckpt", None)
+            else:  # a loopback server in its own process
+                from benchmarks.bench_objstore import start
+
+                server = start(kind)
+                servers.append(server)
+                where[kind] = (server.url(server.bucket(), "ckpt"), server.options())
+        runs = {(s, c): [] for s in where for c in settings}
         for _ in range(args.reps):
-            for s, path in where.items():
+            for s, (path, opts) in where.items():
                 for c in settings:
-                    runs[(s, c)].append(_one(path, state, c))
+                    runs[(s, c)].append(_one(path, state, c, opts, not args.no_async))
+            print(f"  repetition done, load average {os.getloadavg()[0]:.1f}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+        for server in servers:
+            server.stop()
     rows = []
     print("\n| storage | compression | auto picks it | bytes written | ratio | save s | load s | "
           "save MiB/s | load MiB/s | async blocking s | async total s |\n|---|---|---|---|---|---|---|---|---|---|---|")
@@ -78,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         save_s = statistics.median(r["save_s"] for r in rs)
         load_s = statistics.median(r["load_s"] for r in rs)
         written = rs[-1]["bytes_written"]
-        auto = (s == "memory") == c
+        auto = c == "auto" or (s != "local") == (c is True)
         blocking = statistics.median(r["async_blocking_s"] for r in rs)
         async_total = statistics.median(r["async_total_s"] for r in rs)
         rows.append({"storage": s, "compression": c, "auto": auto, "raw_bytes": raw, "bytes_written": written,
@@ -88,6 +126,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{save_s:.2f} | {load_s:.2f} | {raw / MiB / save_s:.0f} | {raw / MiB / load_s:.0f} | "
               f"{blocking:.3f} | {async_total:.2f} |")
     print(f"\nload average after: {os.getloadavg()[0]:.1f}")
+    if args.json:
+        for r in rows:  # JSON-friendly: NaN (no async run) as null
+            r["async_blocking_s"], r["async_total_s"] = (None if x != x else x for x in
+                                                         (r["async_blocking_s"], r["async_total_s"]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"variant": args.variant, "raw_bytes": raw, "rows": rows}, f, indent=1)

@@ -276,3 +276,160 @@ def test_read_once_and_dry_run_on_a_compressed_checkpoint(tmp_path):
     assert stats.bytes_read == stored  # each stored byte once, whatever the replication
     plan = cairn.plan_load(path, {"w": jax.ShapeDtypeStruct(full.shape, full.dtype, sharding=replicated)})
     assert plan is not None
+
+
+@pytest.mark.parametrize("kind", ["local", "memory"])
+@pytest.mark.parametrize("case", ["numpy", "same", "columns", "mesh42", "replicated"])
+def test_plan_predicts_the_stored_bytes_a_load_reads(tmp_path, kind, case, mesh):
+    """`cairn.plan_load` counts what a load of a compressed checkpoint reads from storage: the stored
+    (compressed) bytes of the blocks it needs, equal to the real load's `LoadStats.bytes_read`, as the
+    same, a resharded and a read-once (route-estimated) load."""
+    from cairn._load import engine as _load
+    from cairn._load.readonce import stored_nbytes
+    from cairn._storage.location import resolve
+
+    full = trained((512, 1024))  # 1 MiB of bf16 in 8 row chunks, 32 blocks of 4 KiB each
+    m8 = jax.make_mesh((8,), ("x",))
+    path = where_of(kind, tmp_path)
+    state = {"w": jax.device_put(full, NamedSharding(m8, P("x"))), "b": trained((4096,), np.float32, 1),
+             "ids": np.arange(50_000, dtype=np.int32) % 7}
+    from cairn._save import engine
+
+    engine.prepare(resolve(path), state, block_size=BLOCK, compression=True).run()
+    _, leaves = leaves_of(path)
+    stored = {k: stored_nbytes(leaf, block) for k, (leaf, block) in leaves.items()}
+    assert leaves["w"][0].codec == "planes" and stored["w"] < 0.75 * full.nbytes
+    sharding = {"same": NamedSharding(m8, P("x")), "columns": NamedSharding(m8, P(None, "x")),
+                "mesh42": NamedSharding(mesh, P("y", "x")), "replicated": NamedSharding(m8, P()),
+                "numpy": None}[case]
+    target = None if sharding is None else {
+        "w": jax.ShapeDtypeStruct(full.shape, full.dtype, sharding=sharding), "b": None, "ids": None}
+    read_once = True if case == "replicated" else None
+    stats = cairn.LoadStats()
+    got = _load.load(resolve(path), target, stats=stats, read_once=read_once)
+    assert np.asarray(got["w"]).tobytes() == full.tobytes()
+    plan = cairn.plan_load(path, target, read_once=read_once)
+    (p,) = plan.processes
+    assert (p.bytes_read, p.requests) == (stats.bytes_read, stats.reads)
+    assert plan.array_bytes == full.nbytes + 4 * 4096 + 4 * 50_000
+    assert plan.stored == sum(stored.values()) < 0.8 * plan.array_bytes
+    # Each stored block read once, except a reshard's: every column box needs a piece of every block.
+    assert stats.bytes_read == plan.stored  # each stored block once (one process merges its boxes' reads)
+    if case == "replicated":  # one process: the read-once route is the direct one, priced in stored bytes
+        (r,) = plan.routes
+        assert r.kind == "direct" and r.by == "forced"
+        assert [a.storage_bytes for a in r.alternatives if a.kind == "direct"] == [stored["w"]]
+
+
+def test_routes_count_stored_bytes(tmp_path):
+    """The read routes' estimates of a compressed leaf are its stored bytes: with four (simulated)
+    processes on an object store, the replicated target is read once, and the chosen route's estimate
+    is what the planned reads of all processes add up to: the leaf's stored bytes, not its raw ones."""
+    from cairn._load.readonce import stored_nbytes
+
+    full = trained((512, 1024))
+    m8 = jax.make_mesh((8,), ("x",))
+    from cairn._save import engine
+    from cairn._storage.location import resolve
+
+    path = where_of("memory", tmp_path)
+    engine.prepare(resolve(path), {"w": jax.device_put(full, NamedSharding(m8, P("x")))}, block_size=BLOCK,
+                   compression="planes").run()
+    _, leaves = leaves_of(path)
+    stored = stored_nbytes(*leaves["w"])
+    assert stored < 0.75 * full.nbytes
+    repl = {"w": jax.ShapeDtypeStruct(full.shape, full.dtype, sharding=NamedSharding(m8, P()))}
+    bw = {"storage_gbps": 2.0, "interconnect_gbps": 100.0, "request_ms": 2.0}
+    plan = cairn.plan_load(path, repl, processes=4, bandwidths=bw)
+    (r,) = plan.routes
+    alts = {a.kind: a for a in r.alternatives}
+    assert r.kind == "refined" and plan.read_once_leaves == 1
+    assert plan.bytes_read == stored  # the planned reads: each stored block once, cluster-wide
+    # The estimate scales one process's stored bytes by the processes (blocks compress unequally).
+    assert alts["refined"].storage_bytes == pytest.approx(stored, rel=0.01)
+    assert alts["direct"].storage_bytes == 4 * stored  # each process would read all of it
+    assert all(p.bytes_read <= 0.3 * stored for p in plan.processes)
+    # The dry run of the direct route reads what the direct route's estimate says.
+    direct = cairn.plan_load(path, repl, processes=4, read_once=False)
+    assert direct.bytes_read == alts["direct"].storage_bytes
+
+
+def test_small_compressed_leaves_share_reads(tmp_path):
+    """Whole small compressed leaves whose stored blocks lie back to back are read together, as raw ones
+    are (one request for many on an object store), checked block by block and decoded; the dry run
+    counts the same reads; a flipped stored byte fails the load naming the leaf and its block."""
+    from cairn._load.readonce import stored_nbytes
+
+    state = {"p": [trained((64, 64), seed=i) for i in range(40)]}  # 8 KiB each
+    path = tmp_path / "c"
+    cairn.save(path, state, compression="planes")
+    _, leaves = leaves_of(path)
+    assert {leaf.codec for leaf, _ in leaves.values()} == {"planes"}
+    stored = sum(stored_nbytes(leaf, block) for leaf, block in leaves.values())
+    stats = cairn.LoadStats()
+    got = cairn.load(path, stats=stats)
+    assert all(np.asarray(g).tobytes() == w.tobytes() for g, w in zip(got["p"], state["p"]))
+    assert stats.reads == 1 and stats.bytes_read == stored  # one run of every leaf's stored blocks
+    (p,) = cairn.plan_load(path).processes
+    assert (p.bytes_read, p.requests) == (stats.bytes_read, stats.reads)
+    leaf, _ = leaves["7"]  # item "p", leaf 7
+    _, off = leaf.chunks[0]
+    (data,) = (path / "p").glob("p*.bin")
+    raw = bytearray(data.read_bytes())
+    raw[off + 10] ^= 0x08
+    data.write_bytes(bytes(raw))
+    with pytest.raises(cairn.CorruptCheckpointError, match=rf"{path}: checksum mismatch .* block 0 of chunk 0 .*"
+                                                           r"leaf 'p/7'"):
+        cairn.load(path)
+
+
+def test_recompressing_copy_streams_within_its_budget(tmp_path):
+    """`copy(..., compression=...)` reads and writes slab by slab: a 24 MiB array recompressed with a
+    4 MiB budget never has the array (or the state) in memory at once, and comes back the same."""
+    import tracemalloc
+
+    from cairn._load.readonce import stored_nbytes
+
+    big = trained((3 << 20, 4), seed=4)  # 24 MiB of bf16
+    state = {"big": big, "small": trained((100, 7), np.float32, 5), "step": 3, "blob": b"abc"}
+    cairn.save(tmp_path / "raw", state, compression=False)
+    tracemalloc.start()
+    try:
+        stats = cairn.copy(tmp_path / "raw", tmp_path / "packed", compression=True, budget_bytes=4 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 12 << 20, peak  # slabs of 1 MiB, a few in flight; the array is 24 MiB
+    ck, leaves = leaves_of(tmp_path / "packed")
+    assert ck.manifest.version == 3 and leaves["big"][0].codec == "planes"
+    assert stats.bytes_copied == sum(stored_nbytes(leaf, block) for leaf, block in leaves.values()) < 0.75 * big.nbytes
+    got = cairn.load(tmp_path / "packed")
+    assert np.asarray(got["big"]).tobytes() == big.tobytes() and got["step"] == 3 and got["blob"] == b"abc"
+    assert np.asarray(got["small"]).tobytes() == state["small"].tobytes()
+
+
+def test_a_compressed_route_fetches_only_the_records_it_prices(tmp_path):
+    """Pricing a compressed leaf's route reads the stored sizes of the chunks the representative process
+    touches, not the records of the whole leaf (metadata work proportional to a process's reads)."""
+    from cairn._load.metadata import open_checkpoint
+    from cairn._load.readonce import route
+
+    full = trained((512, 1024))
+    m8 = jax.make_mesh((8,), ("x",))
+    path = where_of("memory", tmp_path)
+    from cairn._save import engine
+    from cairn._storage.location import resolve
+
+    columns = NamedSharding(m8, P(None, "x"))  # 8 column chunks: no two merge into one
+    engine.prepare(resolve(path), {"w": jax.device_put(full, columns)}, block_size=BLOCK,
+                   compression="planes").run()
+    ck = open_checkpoint(path)
+    index = next(iter(ck.indexes.values()))
+    (i, leaf), = [(i, lf) for i, lf in enumerate(index.leaves) if isinstance(lf, fmt.ArrayLeaf)]
+    assert index.table is not None and len(leaf.chunks) == 8 and leaf.codec == "planes"
+    rank = {d.id: k // 2 for k, d in enumerate(sorted(m8.devices.flat, key=lambda d: d.id))}  # 4 processes
+    r = route(leaf, columns, index.block_size, True, 4, True, process_of=lambda d: rank[d.id])
+    assert r.kind == "direct" and r.plan is not None
+    got = index.table._got.get(i, {})
+    assert sorted(got) == [0, 1]  # process 0's two chunks
+    assert r.cost == 4 * sum(sum(leaf.stored_sizes(c, index.block_size)) for c in (0, 1))

@@ -126,6 +126,27 @@ def test_estimate_counts_requests():
     assert estimate_reads(grid, 4, [], 4096) == (0, 0)
 
 
+def test_estimate_of_a_compressed_leaf_counts_stored_blocks():
+    """With `stored` (a compressed leaf), each range is widened to whole blocks, charged their stored
+    sizes, and blocks that several boxes touch are charged once; requests still count raw ranges."""
+    grid = ((0, 8, 16), (0, 16))  # two row chunks of 8 x 16 float32: 512 bytes, 4 blocks of 128 each
+    sizes = {0: (10, 20, 30, 40), 1: (1, 2, 3, 4)}
+    calls = []
+
+    def stored(cell):
+        calls.append(cell)
+        return sizes[cell]
+
+    # Rows 1..2 of chunk 0 (bytes 64..192: blocks 0 and 1), row 12 of chunk 1 (bytes 256..320: block 2).
+    boxes = [((1, 3), (0, 16)), ((12, 13), (0, 16))]
+    assert estimate_reads(grid, 4, boxes, 128, verify=False, stored=stored) == (10 + 20 + 3, 2)
+    assert estimate_reads(grid, 4, boxes, 128, verify=False) == (128 + 64, 2)  # raw, unwidened
+    # Two boxes sharing block 1 of chunk 0: charged once. Column boxes touch every block of their rows.
+    assert estimate_reads(grid, 4, [((0, 3), (0, 16)), ((3, 4), (0, 16))], 128, stored=stored)[0] == 30
+    assert estimate_reads(grid, 4, [((0, 16), (0, 4)), ((0, 16), (8, 12))], 128, stored=stored)[0] == 100 + 10
+    assert sorted(set(calls)) == [0, 1]
+
+
 def test_load_rejects_bad_bandwidths(tmp_path):
     import cairn
 

@@ -8,7 +8,11 @@ than its bytes. `Runs` gathers the direct reads of whole small arrays into
 runs of consecutive file bytes and reads each run with one vectored read
 (local files, object stores) or one ranged read plus copies (other stores),
 then verifies every array's checksums as before (an object store's parts as
-they land).
+they land). A compressed leaf joins a run the same way when its stored blocks
+lie back to back (`stored_whole_span`): the run reads its stored bytes into a
+buffer of their own, checks each block's CRC on them, and decodes the blocks
+into the array (on object stores, one request for many small compressed
+leaves instead of one each).
 
 A run is sent to the pool when it is full, when a read of another kind is
 planned, or as soon as anyone waits for one of its arrays: the futures handed
@@ -19,6 +23,7 @@ never started.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -26,8 +31,9 @@ import numpy as np
 
 from .._core.boxes import full_box
 from .._core.checksum import BlockChecks, crc32c
+from .._format import codecs as _codecs
 from .._format.binindex import LazyChunks
-from .._plan.reads import plan_reads
+from .._tree.pytree import display_path
 
 #: A whole array up to this size may share a read with its neighbours.
 SMALL_ARRAY = 1 << 20
@@ -85,6 +91,25 @@ def whole_span(leaf: Any) -> tuple[int, int] | None:
     return file, start
 
 
+def stored_whole_span(leaf: Any, block: int) -> tuple[int, int, int] | None:
+    """``(file, first byte, stored bytes)`` when the whole of compressed `leaf` is one run of stored
+    blocks in one file: cut along its first axis only, its chunks' stored blocks back to back."""
+    shape, grid, chunks = leaf.shape, leaf.grid, leaf.chunks
+    if not shape or 0 in shape or any(len(b) != 2 for b in grid[1:]):
+        return None
+    file, start = chunks[0]
+    pos = start
+    for c in range(len(chunks)):
+        if c and chunks[c] != (file, pos):
+            return None
+        pos += sum(leaf.stored_sizes(c, block))
+    return file, start, pos - start
+
+
+def _coded(leaf: Any) -> bool:
+    return getattr(leaf, "codec", "none") != "none"
+
+
 class Runs:
     """The pending run of one `ChunkReader` (which it calls back for reads and checks)."""
 
@@ -97,18 +122,20 @@ class Runs:
         self._bytes = 0
         self._future: _RunFuture | None = None
 
-    def add(self, leaf: Any, file: int, start: int, dest: np.ndarray) -> Future[None]:
-        """Queue reading all of `leaf` (bytes `start`.. of `file`) into `dest`; resolves once verified."""
+    def add(self, leaf: Any, file: int, start: int, dest: np.ndarray, stored: int = -1) -> Future[None]:
+        """Queue reading all of `leaf` (bytes `start`.. of `file`) into `dest`; resolves once verified.
+        A compressed leaf passes its `stored` bytes (`stored_whole_span`), which are read and decoded."""
+        n = dest.nbytes if stored < 0 else stored
         with self._lock:
             if self._parts and (file != self._file or start != self._end or len(self._parts) >= MAX_RUN_PARTS
-                                or self._bytes + dest.nbytes > self.max_bytes):
+                                or self._bytes + n > self.max_bytes):
                 self._submit_locked()
             if self._future is None:
                 self._future = _RunFuture(self)
                 self._file = file
             self._parts.append((leaf, start, dest))
-            self._end = start + dest.nbytes
-            self._bytes += dest.nbytes
+            self._end = start + n
+            self._bytes += n
             return self._future
 
     def submit(self, future: Future[None] | None = None) -> None:
@@ -127,16 +154,26 @@ class Runs:
         if not future.set_running_or_notify_cancel():
             return
         reader = self._reader
+        block = reader.index.block_size
         try:
-            views = [_byte_view(dest) for _, _, dest in parts]
+            # A compressed leaf's stored bytes land in a buffer of their own, then are decoded.
+            views = [memoryview(np.empty(_stored_total(leaf, block), np.uint8).data) if _coded(leaf)
+                     else _byte_view(dest) for leaf, _, dest in parts]
+            coded = any(_coded(leaf) for leaf, _, _ in parts)
             start = parts[0][1]
+            where = f"{reader.loc.path}: leaf "
+            decoded = False  # every compressed block decoded as its check passed
             try:
                 if reader._reader(file).vectored:
-                    # Checked part by part as they land (object stores); a mismatch fails the run.
-                    checks = _run_checks(parts, views, reader.index.block_size) if reader.verify else None
+                    # Checked part by part as they land (object stores), a compressed block decoded right
+                    # after its check; a mismatch fails the run. (Compressed blocks are always checked:
+                    # they are decoded, not copied.)
+                    checks = (_run_checks(parts, views, block, lambda leaf: where + repr(
+                        display_path(leaf.path, reader.item))) if reader.verify or coded else None)
                     reader._fill(file, start, views, parts[0][0], checks)
                     if checks is not None:
                         checks.rest()
+                        decoded = True
                     bad = []
                 else:  # one ranged request, then a copy per array
                     raw = np.empty(sum(len(v) for v in views), dtype=np.uint8)
@@ -145,7 +182,7 @@ class Runs:
                     for view in views:
                         view[:] = memoryview(raw)[pos : pos + len(view)]  # type: ignore[arg-type]
                         pos += len(view)
-                    bad = [] if not reader.verify else [
+                    bad = [] if not (reader.verify or coded) else [
                         (leaf, dest) for (leaf, first, dest), view in zip(parts, views)
                         if not _verified(leaf, first, view, reader.index.block_size)]
             except _Mismatch:  # the arrays that do not match (or, the read cut short, did not land)
@@ -153,11 +190,16 @@ class Runs:
                        if not _verified(leaf, first, view, reader.index.block_size)]
             except Exception:
                 bad = [(leaf, dest) for leaf, _, dest in parts]
+            failed = {id(dest) for _, dest in bad}
+            for (leaf, _, dest), view in zip(parts, views):
+                if _coded(leaf) and id(dest) not in failed and not decoded:
+                    _decode_whole(leaf, view, dest, block, where + repr(display_path(leaf.path, reader.item)))
             # Read again on the planned path, array by array, so that the error names the leaf
             # and the bytes that fail (a read that now succeeds leaves its array correct).
+            from .reader import plan_leaf_reads
+
             for leaf, dest in bad:
-                reads = plan_reads(leaf, [full_box(leaf.shape)], reader.index.block_size, reader.verify)
-                for read in reads:
+                for read in plan_leaf_reads(leaf, [full_box(leaf.shape)], block, reader.verify):
                     reader.do_read(read, leaf, [dest])
             with reader._lock:
                 reader.stats.direct_reads += 1
@@ -178,10 +220,29 @@ class _Mismatch(Exception):
     """A checksum of a run failed; the planned re-read of its arrays names the leaf and the bytes."""
 
 
-def _run_checks(parts: list[tuple[Any, int, np.ndarray]], views: list[memoryview], block: int) -> BlockChecks:
-    """The checksum blocks of a run's arrays (all `whole_span` leaves, back to back in one file)."""
-    checks = sorted(c for leaf, _, _ in parts for c in _blocks(leaf, block))
-    return BlockChecks(checks, views, parts[0][1], lambda c, got: _Mismatch())
+def _run_checks(parts: list[tuple[Any, int, np.ndarray]], views: list[memoryview], block: int,
+                where: Callable[[Any], str]) -> BlockChecks:
+    """The checksum blocks of a run's arrays (all `whole_span` or `stored_whole_span` leaves, back to
+    back in one file); each compressed block is decoded into its array once its check passes."""
+    rows: list[tuple[int, int, int, Any]] = []
+    for (leaf, first, dest), view in zip(parts, views):
+        blocks = _blocks(leaf, block)
+        if not _coded(leaf):
+            rows.extend((*c, None) for c in blocks)
+            continue
+        raw = dest.reshape(-1).view(np.uint8)
+        for (lo, hi, crc), (a, b, name) in zip(blocks, _raw_blocks(leaf, block)):
+            rows.append((lo, hi, crc, (leaf, view[lo - first : hi - first], raw[a:b], f"{where(leaf)}, {name}")))
+    rows.sort(key=lambda r: r[0])
+    decode = [r[3] for r in rows]
+
+    def then(i: int) -> None:
+        d = decode[i]
+        if d is not None:
+            leaf, stored, out, at = d
+            _codecs.decode(leaf.codec, stored, leaf.dtype, len(out), out, where=at)
+
+    return BlockChecks([r[:3] for r in rows], views, parts[0][1], lambda c, got: _Mismatch(), then)
 
 
 def _verified(leaf: Any, first: int, view: memoryview, block: int) -> bool:
@@ -189,14 +250,50 @@ def _verified(leaf: Any, first: int, view: memoryview, block: int) -> bool:
     return all(crc32c(view[lo - first : hi - first]) == crc for lo, hi, crc in _blocks(leaf, block))
 
 
+def _entries(leaf: Any) -> list[tuple[int, int, tuple[int, ...]]]:
+    return (leaf.chunks.entries() if isinstance(leaf.chunks, LazyChunks)
+            else [(f, off, crcs) for (f, off), crcs in zip(leaf.chunks, leaf.crcs)])
+
+
 def _blocks(leaf: Any, block: int) -> list[tuple[int, int, int]]:
-    """The ``(start, end, crc)`` file ranges of the checksum blocks of `leaf` (a `whole_span` leaf)."""
+    """The ``(start, end, crc)`` file ranges of the checksum blocks of `leaf` (a `whole_span` leaf,
+    or a compressed `stored_whole_span` one: its stored blocks)."""
     row = leaf.nbytes // leaf.shape[0]
     rows = leaf.grid[0]
     out: list[tuple[int, int, int]] = []
-    entries = (leaf.chunks.entries() if isinstance(leaf.chunks, LazyChunks)
-               else [(f, off, crcs) for (f, off), crcs in zip(leaf.chunks, leaf.crcs)])
-    for c, (_, off, crcs) in enumerate(entries):
+    for c, (_, off, crcs) in enumerate(_entries(leaf)):
+        if _coded(leaf):
+            for size, crc in zip(leaf.stored_sizes(c, block), crcs):
+                out.append((off, off + size, crc))
+                off += size
+            continue
         end = off + (rows[c + 1] - rows[c]) * row
         out.extend((off + k * block, min(off + (k + 1) * block, end), crc) for k, crc in enumerate(crcs))
     return out
+
+
+def _stored_total(leaf: Any, block: int) -> int:
+    return sum(sum(leaf.stored_sizes(c, block)) for c in range(len(leaf.chunks)))
+
+
+def _raw_blocks(leaf: Any, block: int) -> list[tuple[int, int, str]]:
+    """Where each block of compressed `leaf` (a `stored_whole_span` one) decodes to in the whole
+    array's bytes, in stored order: ``(start, end, "block k of chunk c")``."""
+    row = leaf.nbytes // leaf.shape[0]
+    rows = leaf.grid[0]
+    out = []
+    for c in range(len(leaf.chunks)):
+        lo, hi = rows[c] * row, rows[c + 1] * row
+        for k in range(len(leaf.stored_sizes(c, block))):
+            a = lo + k * block
+            out.append((a, min(a + block, hi), f"block {k} of chunk {c}"))
+    return out
+
+
+def _decode_whole(leaf: Any, stored: memoryview, dest: np.ndarray, block: int, where: str) -> None:
+    """Decode every stored block of compressed `leaf` (its stored bytes, back to back) into `dest`."""
+    raw = dest.reshape(-1).view(np.uint8)
+    pos = 0
+    for (a, b, name), (lo, hi, _) in zip(_raw_blocks(leaf, block), _blocks(leaf, block)):
+        _codecs.decode(leaf.codec, stored[pos : pos + hi - lo], leaf.dtype, b - a, raw[a:b], where=f"{where}, {name}")
+        pos += hi - lo

@@ -28,7 +28,7 @@ import numpy as np
 
 from .._core.boxes import Box, c_strides, full_box
 from .._core.buffers import aligned_empty
-from .._core.checksum import BlockChecks, crc32c
+from .._core.checksum import BlockChecks
 from .._core.stats import LoadStats
 from .._dist.coord import activity
 from .._errors import CheckpointError, CorruptCheckpointError
@@ -39,7 +39,7 @@ from .._plan.reads import Check, Copy, Read, is_c_contiguous, plan_reads
 from .._storage import PartReader, RandomReader
 from .._storage.location import Location
 from .._tree.pytree import display_path
-from .coalesce import Runs, run_limits, whole_span
+from .coalesce import Runs, run_limits, stored_whole_span, whole_span
 from .metadata import Opened
 
 DEFAULT_BUDGET = 256 << 20  # the memory budget of a streaming conversion, by default
@@ -208,16 +208,19 @@ class ChunkReader:
         """A read of a compressed leaf, planned in raw addressing (`plan_leaf_reads`): ``read.file`` is the
         chunk, ``[start, end)`` whole blocks of its raw bytes. Reads those blocks' stored bytes (one
         range), checks each block's CRC-32C on them, and decodes them into the destination where the
-        read is one contiguous region of it, else into a buffer the copies take from."""
+        read is one contiguous region of it, else into a buffer the copies take from.
+
+        Where the storage fetches the range in parts (object stores), each block wholly inside a part
+        is checked and decoded in the thread that received the part, as it lands: a corrupt block fails
+        the read while later parts are still on the wire, and decoding overlaps the transfer. Blocks
+        across two parts are checked and decoded once the whole range has landed.
+        """
         cell, block = read.file, self.index.block_size
-        file, off = leaf.chunks[cell]
+        file, first, n = stored_span(leaf, read, block)
         sizes = leaf.stored_sizes(cell, block)
         crcs = leaf.crcs[cell]
-        b0, b1 = read.start // block, -(-read.end // block)
-        first = off + sum(sizes[:b0])
-        n = sum(sizes[b0:b1])
+        b0 = read.start // block
         stored = _scratch(n, "stored")
-        self._fill(file, first, memoryview(stored), leaf)  # type: ignore[arg-type]
         out: np.ndarray | None = None
         direct = read.direct
         if direct is not None:
@@ -226,21 +229,30 @@ class ChunkReader:
                 out = region.reshape(-1).view(np.uint8)
         raw = out if out is not None else _scratch(read.nbytes)
         name = self.index.files[file].name
-        pos = 0
-        for b in range(b0, b1):
-            sb = stored[pos : pos + sizes[b]]
-            got = crc32c(sb)
-            if got != crcs[b]:
-                raise CorruptCheckpointError(
-                    f"{self.loc.path}: checksum mismatch in {name!r} block {b} of chunk {cell} (stored bytes "
-                    f"{first + pos}..{first + pos + sizes[b]}, leaf {display_path(leaf.path, self.item)!r}): "
-                    f"stored {crcs[b]:#010x}, computed {got:#010x}")
+        where = f"{self.loc.path}: leaf {display_path(leaf.path, self.item)!r}, {name!r}"
+        # Each block as a check over file bytes, its position in the read kept for decoding.
+        checks: list[tuple[int, int, int]] = []
+        pos = first
+        for b in _block_range(read, block):
+            checks.append((pos, pos + sizes[b], crcs[b]))
+            pos += sizes[b]
+        def fail(c: tuple[int, int, int], got: int) -> CorruptCheckpointError:
+            return CorruptCheckpointError(
+                f"{self.loc.path}: checksum mismatch in {name!r} block {b0 + checks.index(c)} of chunk {cell} (stored "
+                f"bytes {c[0]}..{c[1]}, leaf {display_path(leaf.path, self.item)!r}): stored {c[2]:#010x}, "
+                f"computed {got:#010x}")
+
+        def decode(i: int) -> None:  # block b0 + i, after its check passed
+            b, c = b0 + i, checks[i]
             lo = b * block - read.start
             hi = min(lo + block, read.nbytes)
-            _codecs.decode(leaf.codec, sb, leaf.dtype, hi - lo, raw[lo:hi],
-                           where=f"{self.loc.path}: leaf {display_path(leaf.path, self.item)!r}, "
-                                 f"{name!r} block {b} of chunk {cell}")
-            pos += sizes[b]
+            _codecs.decode(leaf.codec, stored[c[0] - first : c[1] - first], leaf.dtype, hi - lo, raw[lo:hi],
+                           where=f"{where} block {b} of chunk {cell}")
+
+        view = memoryview(stored.data)
+        bc = BlockChecks(checks, [view], first, fail, then=decode)
+        self._fill(file, first, view, leaf, bc)
+        bc.rest()
         with self._lock:
             self.stats.direct_reads += out is not None
         if out is None:
@@ -262,12 +274,14 @@ class ChunkReader:
             from .._tree.shardings import addressable_boxes
 
             boxes, placement = addressable_boxes(sharding, shape)
-        span = (whole_span(leaf) if sharding is None and region is None and leaf.nbytes <= self._small
-                and leaf.codec == "none" else None)
+        span: tuple[int, ...] | None = None
+        if sharding is None and region is None and leaf.nbytes <= self._small:
+            span = whole_span(leaf) if leaf.codec == "none" else stored_whole_span(leaf, self.index.block_size)
         if span is not None:  # small, whole, one run of bytes: read together with its neighbours
             self._reader(span[0])  # checks the file first: a false size claim allocates nothing
             dest = np.empty(leaf.shape, leaf.dtype)  # no alignment needed: placed by one device_put of the whole
-            return ArrayReads([self._runs.add(leaf, span[0], span[1], dest)], [dest], boxes, placement)
+            stored = span[2] if len(span) > 2 else -1
+            return ArrayReads([self._runs.add(leaf, span[0], span[1], dest, stored)], [dest], boxes, placement)
         absolute = boxes if region is None else [
             tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes]
         max_read = self._max_read
@@ -352,6 +366,20 @@ def plan_leaf_reads(leaf: fmt.ArrayLeaf, boxes: Sequence[Box], block: int, verif
     if leaf.codec == "none":
         return plan_reads(leaf, boxes, block, verify, max_read=max_read)
     return plan_reads(cast(fmt.ArrayLeaf, _RawView(leaf)), boxes, block, True, max_read=max_read)
+
+
+def _block_range(read: Read, block: int) -> range:
+    """The checksum blocks of its chunk that a read of a compressed leaf covers."""
+    return range(read.start // block, -(-read.end // block))
+
+
+def stored_span(leaf: fmt.ArrayLeaf, read: Read, block: int) -> tuple[int, int, int]:
+    """Where a read of a compressed leaf (`plan_leaf_reads`, raw addressing) lies in storage:
+    ``(file, first byte, stored bytes)`` of the stored blocks it covers, read as one range."""
+    file, off = leaf.chunks[read.file]
+    sizes = leaf.stored_sizes(read.file, block)
+    blocks = _block_range(read, block)
+    return file, off + sum(sizes[: blocks.start]), sum(sizes[blocks.start : blocks.stop])
 
 
 def whole_reads(leaf: fmt.ArrayLeaf, block: int, verify: bool, max_read: int = 4 << 20) -> list[Read] | None:

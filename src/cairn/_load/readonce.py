@@ -60,6 +60,7 @@ from .._errors import (
     first_failure,
 )
 from .._format import manifest as fmt
+from .._format.binindex import LazyStored, cells_in
 from .._plan.estimate import estimate_read_work
 from .._plan.routes import (
     DIRECT_MAX,
@@ -122,9 +123,11 @@ def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, proce
     if process_count > 1 and len({_process(d, process_of) for d in target.device_set}) == 1:
         return Route(target, (), -1, why="process-local target")  # no other process takes part in its collectives
     # Models repeat a few (grid, sharding) pairs over hundreds of layers: decide each once.
-    key: Any = (leaf.grid, leaf.dtype.itemsize, target, block_size, verify, read_once, process_of, bandwidths,
-                max_read)
-    hit = _routes.get(key)  # (None for an unhashable sharding, which is then not remembered)
+    # A compressed leaf's costs depend on its own stored sizes, not only on its layout: never shared.
+    coded = leaf.codec != "none"
+    key: Any = None if coded else (leaf.grid, leaf.dtype.itemsize, target, block_size, verify, read_once,
+                                   process_of, bandwidths, max_read)
+    hit = _routes.get(key) if key is not None else None  # (None for an unhashable sharding: not remembered)
     if hit is not None:
         return hit
     target_layout = layout_of(target, leaf.shape)
@@ -142,12 +145,28 @@ def route(leaf: fmt.ArrayLeaf, target: Any, block_size: int, verify: bool, proce
         return moved_bytes(sharding(a), sharding(b), leaf.shape, leaf.dtype.itemsize, process_of)
 
     processes = _representative(target, leaf.shape, process_of)[0]
-    plan = choose(target_layout, leaf.shape, leaf.nbytes, cost, forced=read_once is True, moved=moved,
+    # Storage bytes are stored bytes: a compressed leaf's direct read is held against its stored size,
+    # estimated from the blocks the direct read touches (their stored / raw bytes), so that no process
+    # fetches the records of chunks it neither reads nor prices.
+    nbytes = leaf.nbytes
+    if coded:
+        raw = read_cost(leaf, target, block_size, True, process_of=process_of, stored=False)[0]
+        nbytes = round(leaf.nbytes * cost(target_layout)[0] / max(raw, 1))
+    plan = choose(target_layout, leaf.shape, nbytes, cost, forced=read_once is True, moved=moved,
                   bandwidths=bandwidths, processes=processes)
     steps = tuple(sharding(s) for s in plan.steps)
     out = Route(sharding(plan.read), steps, plan.cost, plan.kind, plan.interconnect, processes, plan)
-    _routes.put(key, out)
+    if key is not None:
+        _routes.put(key, out)
     return out
+
+
+def stored_nbytes(leaf: fmt.ArrayLeaf, block_size: int) -> int:
+    """A leaf's bytes in storage: its raw bytes, or the sum of its compressed blocks' stored sizes
+    (for a part-indexed leaf, its records are fetched whole on the first look, as any read of it does)."""
+    if leaf.codec == "none":
+        return leaf.nbytes
+    return sum(sum(leaf.stored_sizes(c, block_size)) for c in range(len(leaf.chunks)))
 
 
 _routes: Memo[Route] = Memo()
@@ -160,9 +179,11 @@ def read_bytes(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool
 
 
 def read_cost(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool, region: Any = None,
-              max_read: int = 0, process_of: ProcessOf | None = None) -> tuple[int, int, int]:
+              max_read: int = 0, process_of: ProcessOf | None = None, stored: bool = True) -> tuple[int, int, int]:
     """Storage bytes, requests and host bytes (checked when `verify`, plus those copied out strided),
-    summed over processes, when each reads its boxes of `sharding`.
+    summed over processes, when each reads its boxes of `sharding` (stored bytes: for a compressed
+    leaf, the stored sizes of the blocks the boxes touch, unless `stored` is False: then its raw
+    bytes widened to those blocks). Decoding compressed blocks is not priced as host work.
 
     Estimated (`_plan.estimate_reads`, an upper bound of the planner's
     bytes) for one representative process, the one holding the sharding's
@@ -177,7 +198,12 @@ def read_cost(leaf: fmt.ArrayLeaf, sharding: Any, block_size: int, verify: bool,
     processes, boxes = _representative(sharding, shape, process_of)
     if region is not None:  # a piece of the leaf: its boxes sit at the piece's origin
         boxes = frozenset(tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes)
-    work = estimate_read_work(leaf.grid, leaf.dtype.itemsize, sorted(boxes), block_size, verify, max_read)
+    sizes = None
+    if leaf.codec != "none" and stored:
+        if isinstance(leaf.stored, LazyStored):  # this process's records of just those chunks, in one fetch
+            leaf.stored.table.fetch({leaf.stored.leaf: cells_in(leaf.grid, sorted(boxes))})
+        sizes = lambda cell: leaf.stored_sizes(cell, block_size)  # noqa: E731
+    work = estimate_read_work(leaf.grid, leaf.dtype.itemsize, sorted(boxes), block_size, verify, max_read, sizes)
     host = (work.nbytes if verify else 0) + work.scattered
     return processes * work.nbytes, processes * work.requests, processes * host
 

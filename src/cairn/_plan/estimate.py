@@ -7,7 +7,8 @@ with numpy over the overlapped chunks instead of building its pieces.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -24,20 +25,24 @@ def estimate_read_bytes(grid: Sequence[Sequence[int]], itemsize: int, boxes: Seq
 class ReadWork(NamedTuple):
     """What one process's reads come to (`estimate_read_work`)."""
 
-    nbytes: int  # storage bytes read
+    nbytes: int  # storage bytes read (stored bytes, for a compressed leaf)
     requests: int
     scattered: int  # bytes of the target that cannot land in place: read into a buffer, then copied
 
 
+#: Each checksum block's stored size in a chunk (grid cell): a compressed leaf's `stored_sizes`.
+StoredSizes = Callable[[int], Sequence[int]]
+
+
 def estimate_reads(grid: Sequence[Sequence[int]], itemsize: int, boxes: Sequence[Box], block_size: int,
-                   verify: bool = True, max_read: int = 0) -> tuple[int, int]:
+                   verify: bool = True, max_read: int = 0, stored: StoredSizes | None = None) -> tuple[int, int]:
     """(bytes, requests) of `estimate_read_work`."""
-    work = estimate_read_work(grid, itemsize, boxes, block_size, verify, max_read)
+    work = estimate_read_work(grid, itemsize, boxes, block_size, verify, max_read, stored)
     return work.nbytes, work.requests
 
 
 def estimate_read_work(grid: Sequence[Sequence[int]], itemsize: int, boxes: Sequence[Box], block_size: int,
-                       verify: bool = True, max_read: int = 0) -> ReadWork:
+                       verify: bool = True, max_read: int = 0, stored: StoredSizes | None = None) -> ReadWork:
     """About the bytes `plan_reads` reads for `boxes` (one process's), without planning them.
 
     Per overlap of a box with a chunk it charges the covering range (from the
@@ -55,7 +60,15 @@ def estimate_read_work(grid: Sequence[Sequence[int]], itemsize: int, boxes: Sequ
     reader lands in a buffer and copies out strided (host CPU work the other
     overlaps do not cost). Vectored reads of long rows into place count as
     scattered here.
+
+    With `stored` (a compressed leaf: each block's stored size per cell),
+    ranges are always widened to whole blocks (a compressed block is read and
+    checked whole) and the bytes are the stored sizes of the blocks they
+    cover, which is what the reader fetches; requests still count raw ranges,
+    as the planner cuts them.
     """
+    if stored is not None:
+        verify = True
     if not boxes:
         return ReadWork(0, 0, 0)
     ndim = len(grid)
@@ -110,6 +123,8 @@ def estimate_read_work(grid: Sequence[Sequence[int]], itemsize: int, boxes: Sequ
         # Cannot happen for real grids (64 PiB arrays at most); stay exact in int64 anyway and
         # charge overlapping ranges twice, which keeps the figure an upper bound.
         sizes = hi_a - lo_a
+        if stored is not None:
+            return ReadWork(_stored(stored, cell_a, lo_a, hi_a, block_size), _requests(sizes, max_read), scattered)
         return ReadWork(int(sizes.sum()), _requests(sizes, max_read), scattered)
     order = np.lexsort((lo_a, cell_a))
     lo_k, hi_k = (cell_a * span + lo_a)[order], (cell_a * span + hi_a)[order]
@@ -118,6 +133,11 @@ def estimate_read_work(grid: Sequence[Sequence[int]], itemsize: int, boxes: Sequ
     run_starts = np.flatnonzero(starts)
     run_ends = np.concatenate((run_starts[1:] - 1, [len(lo_k) - 1]))
     sizes = reach[run_ends] - lo_k[run_starts]
+    if stored is not None:
+        run_cells = cell_a[order][run_starts]
+        base = run_cells * span
+        return ReadWork(_stored(stored, run_cells, lo_k[run_starts] - base, reach[run_ends] - base, block_size),
+                        _requests(sizes, max_read), scattered)
     return ReadWork(int(sizes.sum()), _requests(sizes, max_read), scattered)
 
 
@@ -140,6 +160,19 @@ def _scattered(axes: list[tuple[Any, Any, Any, Any]], box_extents: list[int], sh
     for e in ext:
         size = size * e
     return int(size[~(ok_chunk & ok_box)].sum())
+
+
+def _stored(stored: StoredSizes, cells: Any, lo: Any, hi: Any, block: int) -> int:
+    """Stored bytes of the blocks that raw ranges [lo, hi) of chunks `cells` cover (block-aligned ranges)."""
+    total = 0
+    prefix: dict[int, list[int]] = {}
+    for cell, a, b in zip(cells.tolist(), lo.tolist(), hi.tolist()):
+        sums = prefix.get(cell)
+        if sums is None:
+            sums = prefix[cell] = list(itertools.accumulate(stored(cell), initial=0))
+        last = len(sums) - 1
+        total += sums[min(-(-b // block), last)] - sums[min(a // block, last)]
+    return total
 
 
 def _requests(sizes: Any, max_read: int) -> int:

@@ -1,10 +1,13 @@
 """A single-process writer of cairn checkpoints, one slab at a time.
 
-Importers (safetensors today) use it to turn arrays read from another format
-into a checkpoint without holding any array whole in memory: each array
-becomes one chunk, streamed from its source with its block checksums computed
-on the way, and the checkpoint is committed through the same strategy as
-`cairn.save`.
+Importers (safetensors today) and `cairn.copy(..., compression=...)` use it
+to turn arrays read from another checkpoint into a new one without holding
+any array whole in memory: each array becomes one chunk, streamed from its
+source with its block checksums computed on the way, and the checkpoint is
+committed through the same strategy as `cairn.save`. With `compression`
+each block of an array leaf is coded on its own as a save codes it (format
+version 3); with "choose" the codec of a leaf is measured on a sample of its
+first slab (`codecs.choose`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 
 from .._core.checksum import crc32c
 from .._errors import CorruptCheckpointError
+from .._format import codecs as _codecs
 from .._format import manifest as fmt
 from .._storage.location import Location
 from .._tree.pytree import display_path
@@ -65,10 +69,16 @@ class StreamWriter:
     create-if-absent.
     """
 
-    def __init__(self, loc: Location, block_size: int):
+    def __init__(self, loc: Location, block_size: int, compression: str | None = None, overwrite: bool = False,
+                 pool: Any = None):
+        """`compression`: None (raw blocks), "choose" (a codec per array leaf, measured) or a codec name,
+        as `_save.engine.resolve_compression` gives; `pool` codes blocks in parallel."""
         self.strategy = strategy_for(loc.storage)
-        self.strategy.check_destination(loc, overwrite=False)
-        self.loc, self.block = loc, block_size
+        self.strategy.check_destination(loc, overwrite=overwrite)
+        self.loc, self.block, self.compression, self.overwrite, self.pool = (loc, block_size, compression, overwrite,
+                                                                               pool)
+        self.version = fmt.FORMAT_VERSION
+        self.bytes_written = 0  # data bytes (stored, so compressed where a leaf is)
         self.token = secrets.token_hex(6)
         self.root = self.strategy.attempt_root(loc.name, self.token)
         self.items: dict[str, fmt.ItemInfo] = {}
@@ -79,23 +89,37 @@ class StreamWriter:
         """`leaves`: ValueLeaf, or (kind, path, _SrcTensor, extra ArrayLeaf fields) for data read from a source."""
         dirname = fmt.ROOT_ITEM_DIR if root else fmt.item_dirname(name)
         file_name = fmt.data_file_name(0, 0, self.token)
-        placed: dict[int, tuple[int, list[int]]] = {}
+        placed: dict[int, tuple[int, list[int], list[int]]] = {}  # leaf -> offset, block CRCs, stored sizes
+        codecs: dict[int, str] = {}
         offset = 0
 
         def parts() -> Iterator[Any]:
+            from .engine import _encoded
+
             nonlocal offset
             for i, leaf in enumerate(leaves):
                 if isinstance(leaf, fmt.ValueLeaf):
                     continue
-                _kind, _path, src, _h = leaf
+                kind, _path, src, _h = leaf
                 crcs: list[int] = []
-                placed[i] = (offset, crcs)
+                sizes: list[int] = []
+                placed[i] = (offset, crcs, sizes)
                 pieces = src.slabs(slab) if isinstance(src, SlabSource) else _file_slabs(src, slab, _path)
                 for buf in pieces:
-                    # Slabs are whole blocks (but the last), so block CRCs line up with the chunk's.
-                    crcs.extend(crc32c(buf[b : b + self.block]) for b in range(0, len(buf), self.block))
-                    offset += len(buf)
-                    yield memoryview(buf)  # type: ignore[arg-type]
+                    codec = codecs.get(i)
+                    if codec is None:
+                        codec = codecs[i] = self._codec(kind, src.dtype, buf)
+                    if codec == "none":
+                        # Slabs are whole blocks (but the last), so block CRCs line up with the chunk's.
+                        crcs.extend(crc32c(buf[b : b + self.block]) for b in range(0, len(buf), self.block))
+                        offset += len(buf)
+                        yield memoryview(buf)  # type: ignore[arg-type]
+                    else:
+                        for stored in _encoded(self.pool, codec, buf.data, self.block, src.dtype):
+                            crcs.append(crc32c(stored))
+                            sizes.append(len(stored))
+                            offset += len(stored)
+                            yield memoryview(stored)
                     if progress is not None:
                         progress(len(buf))
 
@@ -103,6 +127,7 @@ class StreamWriter:
         if any(not isinstance(leaf, fmt.ValueLeaf) and leaf[2].nbytes for leaf in leaves):
             size = self.loc.storage.write(f"{self.root}/{dirname}/{file_name}", parts())
             self.needed.append(f"{self.root}/{dirname}/{file_name}")
+            self.bytes_written += size
         files = (fmt.FileInfo(file_name, size),) if size else ()
         out: list[fmt.Leaf] = []
         for i, leaf in enumerate(leaves):
@@ -110,22 +135,41 @@ class StreamWriter:
                 out.append(leaf)
                 continue
             kind, path, src, extra = leaf
-            off, crcs = placed.get(i, (0, []))
+            off, crcs, sizes = placed.get(i, (0, [], []))
             grid = tuple((0, n) for n in src.shape)  # one chunk: the whole array
+            codec = codecs.get(i) or self._codec(kind, src.dtype, np.empty(0, np.uint8))  # (an empty array)
+            if codec != "none":
+                codecs[i] = codec
+            stored = ((tuple(sizes),) if codec != "none" else ())
             out.append(fmt.ArrayLeaf(path=path, dtype=src.dtype, shape=src.shape, grid=grid,
-                                     chunks=((0, off),), crcs=(tuple(crcs),), kind=kind, **extra))
-        index = fmt.ItemIndex(structure, tuple(out), files, self.block)
-        data = index.to_json()
+                                     chunks=((0, off),), crcs=(tuple(crcs),), kind=kind, **extra, codec=codec,
+                                     stored=stored))
+        version = fmt.COMPRESSED_VERSION if codecs and set(codecs.values()) != {"none"} else fmt.FORMAT_VERSION
+        self.version = max(self.version, version)
+        index = fmt.ItemIndex(structure, tuple(out), files, self.block, version=version)
+        data = index.to_json(version)
         fmt.ItemIndex.from_json(data, f"{self.loc.path} [{name}]")  # never commit what cairn cannot read back
         self.loc.storage.put(f"{self.root}/{dirname}/{fmt.index_name(self.token)}", data)
         self.needed.append(f"{self.root}/{dirname}/{fmt.index_name(self.token)}")
         nbytes = sum(leaf.nbytes for leaf in out if isinstance(leaf, fmt.ArrayLeaf))
         self.items[name] = fmt.ItemInfo(dirname, fmt.index_name(self.token), nbytes, len(out))
 
+    def _codec(self, kind: str, dtype: np.dtype, first: np.ndarray) -> str:
+        """A leaf's codec, from the writer's setting and (for "choose") its first slab's bytes."""
+        if self.compression is None or kind != "array":
+            return "none"
+        if self.compression != "choose":
+            return self.compression
+        try:
+            n = first.nbytes - first.nbytes % dtype.itemsize
+            return _codecs.choose(dtype, _codecs.sample(first[:n].view(dtype)))
+        except ValueError:  # a dtype no codec knows
+            return "none"
+
     def commit(self, root: bool, metadata: dict[str, Any]) -> None:
         manifest = fmt.Manifest(items=self.items, root=root, process_count=1, cairn_version=__version__,
-                                created_unix=time.time(), metadata=metadata).to_json()
-        self.strategy.commit(self.loc, self.token, manifest, self.needed, overwrite=False)
+                                created_unix=time.time(), metadata=metadata).to_json(self.version)
+        self.strategy.commit(self.loc, self.token, manifest, self.needed, overwrite=self.overwrite)
 
     def abort(self) -> None:
         self.strategy.abort(self.loc, self.token)

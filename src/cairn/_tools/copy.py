@@ -334,11 +334,12 @@ def copy(
 
     `compression` None (the default) copies the stored bytes as they are,
     compressed or not. Anything else (as for `cairn.save`: "auto", True,
-    False, "zstd", "planes") recompresses: the checkpoint is loaded (as numpy,
-    every checksum verified) and saved anew at `dst` with that setting, its
-    metadata kept. That holds the whole state in host memory (not
-    `budget_bytes`), does not resume, and refuses typed PRNG keys, user
-    objects and per-process values (copy those without `compression`).
+    False, "zstd", "planes") recompresses: every array is read (every
+    checksum verified) and written anew at `dst` with that setting, leaf by
+    leaf in slabs of a quarter of `budget_bytes` (each array one chunk, as a
+    conversion writes it), its metadata kept. That does not resume, and
+    refuses typed PRNG keys, user objects and per-process values (copy
+    those without `compression`).
 
     Raises `CheckpointNotFoundError` (nothing committed at `src`),
     `CheckpointExistsError` (`dst` holds another checkpoint),
@@ -358,7 +359,7 @@ def copy(
     if recompress is not None:
         if move:
             raise ValueError("move=True copies stored bytes as they are: pass no compression")
-        return _recompress(s, d, recompress, t0)
+        return _recompress(s, d, compression, overwrite, t0, budget_bytes, threads, progress)
     if budget_bytes < 2 * MIN_PIECE:
         raise ValueError(f"budget_bytes={budget_bytes} is below the minimum of {2 * MIN_PIECE}")
     # Two pieces per file in flight: the one the writer is taking, the next one being read.
@@ -407,25 +408,53 @@ def copy(
     return stats
 
 
-def _recompress(s: Location, d: Location, options: SaveOptions, t0: float) -> CopyStats:
-    """`copy` with another `compression`: load the source whole (checked), save it anew at `d`."""
-    from .._load.engine import load
-    from .._load.metadata import read_index, read_manifest
-    from .._save.future import save
+def _recompress(s: Location, d: Location, compression: str | bool | None, overwrite: bool, t0: float,
+                budget_bytes: int = DEFAULT_BUDGET, threads: int = 8,
+                progress: Callable[[int], None] | None = None) -> CopyStats:
+    """`copy` with another `compression`: each array read (checked) slab by slab and written anew at `d`
+    (`_save.stream.StreamWriter`), never a whole state in memory."""
+    from .._interop.convert import _Slabs
+    from .._load.metadata import Opened, read_index, read_manifest
+    from .._load.reader import iter_array, make_reader, slab_bytes
+    from .._save.engine import resolve_compression
+    from .._save.stream import StreamWriter
 
+    codec = resolve_compression(compression, d.storage)
     manifest = read_manifest(s)
-    for name, info in manifest.items.items():
-        index = read_index(s, info)
+    ck = Opened(s, manifest, {name: read_index(s, info) for name, info in manifest.items.items()})
+    for name, index in ck.indexes.items():
         for leaf in index.leaves:
             if getattr(leaf, "kind", "") in ("prng_key", "object") or "per_process" in json.dumps(index.structure):
                 raise CheckpointError(f"{s.path}: item {name!r} holds typed PRNG keys, user objects or per-process "
                                       "values, which recompression does not carry over; copy without compression")
-    state = load(s, None)
-    if not manifest.root and not isinstance(state, dict):
-        raise CheckpointError(f"{s.path}: cannot recompress this checkpoint")
-    saved = save(d, state, options, metadata=manifest.metadata)
+
+    class _Cairn:  # the source's arrays, for `_Slabs`: C-order slabs read through the load's reader
+        @staticmethod
+        def slabs(reader: Any, leaf: fmt.ArrayLeaf, slab: int, pool: ThreadPoolExecutor) -> Iterator[np.ndarray]:
+            return iter_array(reader, leaf, slab, pool)
+
+    slab = slab_bytes(budget_bytes)
     stats = CopyStats(s.path, d.path)
-    stats.files_copied, stats.bytes_copied = saved.files_written, saved.bytes_written
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="cairn-recompress") as pool, \
+            ThreadPoolExecutor(max(1, min(threads, os.cpu_count() or 1)), thread_name_prefix="cairn-code") as coders:
+        writer = StreamWriter(d, fmt.DEFAULT_BLOCK_SIZE, codec, overwrite=overwrite, pool=coders)
+        try:
+            for name, index in ck.indexes.items():
+                reader = make_reader(ck, name, pool)
+                try:
+                    leaves: list[Any] = [
+                        leaf if isinstance(leaf, fmt.ValueLeaf)
+                        else (leaf.kind, leaf.path, _Slabs(_Cairn(), reader, leaf, pool), {})  # type: ignore[arg-type]
+                        for leaf in index.leaves
+                    ]
+                    writer.write_item(name, manifest.root, index.structure, leaves, slab, progress)
+                finally:
+                    reader.close()
+            writer.commit(manifest.root, manifest.metadata)
+        except BaseException:
+            writer.abort()
+            raise
+    stats.files_copied, stats.bytes_copied = len(writer.needed) + 1, writer.bytes_written  # + the manifest
     stats.seconds = time.perf_counter() - t0
     return stats
 
@@ -464,7 +493,7 @@ def add_commands(sub: Any, parse_bytes: Callable[[str], int]) -> None:
         s.add_argument("--threads", type=int, default=8, help="files copied at once (default 8)")
         if not move:
             s.add_argument("--compression", default=None, choices=["auto", "true", "false", "none", "zstd", "planes"],
-                           help="recompress (load and save anew; the state is held in memory): auto, true (a "
+                           help="recompress (every array read and written anew, slab by slab): auto, true (a "
                                 "codec per leaf), false/none, zstd, planes. Default: copy stored bytes as they are")
         s.add_argument("--json", action="store_true")
         s.set_defaults(fn=run_copy, move=move)

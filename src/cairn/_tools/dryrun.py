@@ -32,13 +32,13 @@ from .._format import manifest as fmt
 from .._interop import sources as _sources
 from .._interop.sources import Rename
 from .._load import engine as _load
-from .._load.coalesce import MAX_RUN_PARTS, run_limits, whole_span
+from .._load.coalesce import MAX_RUN_PARTS, run_limits, stored_whole_span, whole_span
 from .._load.metadata import read_index, read_manifest
 from .._load.options import LoadOptions
-from .._load.reader import DEFAULT_MAX_READ, MIN_RUN, whole_reads
-from .._load.readonce import MAX_READ, ProcessOf, Route, bandwidths_for, storage_kind
+from .._load.reader import DEFAULT_MAX_READ, MIN_RUN, plan_leaf_reads, stored_span, whole_reads
+from .._load.readonce import MAX_READ, ProcessOf, Route, bandwidths_for, storage_kind, stored_nbytes
 from .._load.schedule import schedule
-from .._plan.reads import Read, is_c_contiguous, plan_reads
+from .._plan.reads import Read, is_c_contiguous
 from .._plan.routes import Bandwidths, resolve_bandwidths
 from .._storage.location import Location, resolve
 from .._tree.perprocess import LoadView, leaf_numbers
@@ -60,6 +60,8 @@ NOT_MODELLED = (
     "object stores splitting a read into ranged GETs (read_part_size); Orbax arrays read through "
     "tensorstore (counted as their uncompressed boxes)",
     "the loaded arrays themselves, JAX's own buffers, and the metadata reads (manifest, indexes, records)",
+    "in the peak host memory: the stored bytes of compressed small arrays read together in one run, held "
+    "beside their arrays until the run is decoded (at most one run per reader thread)",
 )
 
 
@@ -134,7 +136,7 @@ class LoadPlan:
     format: str
     processes: tuple[ProcessPlan, ...]
     leaves: int  # target leaves loaded (arrays and values)
-    array_bytes: int  # bytes of the arrays loaded, as stored
+    array_bytes: int  # bytes of the arrays loaded (raw, as the arrays hold them)
     read_once_leaves: int  # leaves restored through collectives (read once cluster-wide)
     waves: int  # their waves (a leaf larger than the budget takes one wave per piece)
     budget_bytes: int
@@ -143,6 +145,12 @@ class LoadPlan:
     routes: tuple[LeafRoute, ...] = ()  # each sharded array leaf's route
     route_bandwidths: dict[str, Any] | None = None  # what the routes were priced with (None: not priced)
     per_process: tuple[PerProcessRead, ...] = ()  # the cairn.PerProcess values the load reads
+    stored_bytes: int = -1  # the same arrays' bytes in storage (less where compressed); -1: array_bytes
+
+    @property
+    def stored(self) -> int:
+        """Bytes of the loaded arrays in storage: `array_bytes`, less what their codecs saved."""
+        return self.array_bytes if self.stored_bytes < 0 else self.stored_bytes
 
     @property
     def bytes_read(self) -> int:
@@ -157,6 +165,7 @@ class LoadPlan:
     def to_json(self) -> dict[str, Any]:
         return {"path": self.path, "format": self.format, "leaves": self.leaves, "array_bytes": self.array_bytes,
                 "read_once_leaves": self.read_once_leaves, "waves": self.waves, "budget_bytes": self.budget_bytes,
+                "stored_bytes": self.stored,
                 "bandwidth_gb_s": self.bandwidth, "seconds": self.seconds, "bytes_read": self.bytes_read,
                 "processes": [vars(p) for p in self.processes], "notes": list(self.notes),
                 "route_bandwidths": self.route_bandwidths, "routes": [r.to_json() for r in self.routes],
@@ -170,12 +179,13 @@ class LoadPlan:
                 for p in self.processes]
         head = ["process", "devices", "bytes read", "requests", "peak host"] + ([f"time @ {bw:g} GB/s"] if bw else [])
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+        packed = (f" ({human_bytes(self.stored)} stored, compressed)" if self.stored != self.array_bytes else "")
         lines = [f"plan for {self.path} ({self.format}): {self.leaves} leaves, {human_bytes(self.array_bytes)} "
-                 f"of arrays, budget {human_bytes(self.budget_bytes)}; {self.read_once_leaves} read once "
+                 f"of arrays{packed}, budget {human_bytes(self.budget_bytes)}; {self.read_once_leaves} read once "
                  f"through collectives in {self.waves} waves",
                  "  ".join(h.rjust(w) for h, w in zip(head, widths))]
         lines += ["  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows]
-        total = f"total: {human_bytes(self.bytes_read)} read ({self.bytes_read / max(self.array_bytes, 1):.2f}x the arrays)"
+        total = f"total: {human_bytes(self.bytes_read)} read ({self.bytes_read / max(self.stored, 1):.2f}x the arrays' stored bytes)"
         lines.append(total + (f", about {self.seconds:.3g} s" if self.seconds is not None else ""))
         lines += self.route_lines()
         lines += [str(r) for r in self.per_process]
@@ -318,7 +328,10 @@ def plan_load(
                     sum(leaf.nbytes for leaf in arrays if isinstance(leaf, fmt.ArrayLeaf)),
                     len(staged), len(waves), budget_bytes, bandwidth, routes=tuple(leaf_routes),
                     route_bandwidths=priced.as_dict() if priced is not None else None,
-                    per_process=tuple(_per_process_reads(items, n)))
+                    per_process=tuple(_per_process_reads(items, n)),
+                    stored_bytes=sum(stored_nbytes(leaf, it.index.block_size) for it in items
+                                     for leaf in (it.index.leaves[i] for i in it.wanted)
+                                     if isinstance(leaf, fmt.ArrayLeaf)))
 
 
 def _per_process_reads(items: list[_Item], n: int) -> list[PerProcessRead]:
@@ -433,11 +446,25 @@ class _Process:
                 out[b] = None
         return list(out)
 
-    def reads(self, reads: list[Read], boxes: list[Box]) -> None:
+    def plan(self, leaf: fmt.ArrayLeaf, boxes: list[Box], block: int, verify: bool) -> None:
+        """Count the reads `ChunkReader.read_array` plans for `boxes` of `leaf` (`plan_leaf_reads`)."""
+        self.reads(plan_leaf_reads(leaf, boxes, block, verify, max_read=self.max_read), boxes, leaf, block)
+
+    def reads(self, reads: list[Read], boxes: list[Box], leaf: fmt.ArrayLeaf | None = None, block: int = 0) -> None:
         shapes = [tuple(hi - lo for lo, hi in b) for b in boxes]
+        coded = leaf is not None and leaf.codec != "none"
         for r in reads:
-            self.bytes += r.nbytes
             self.requests += 1
+            if coded:  # `ChunkReader._do_read_coded`: the stored bytes of the blocks, into a buffer, decoded
+                assert leaf is not None
+                stored = stored_span(leaf, r, block)[2]
+                self.bytes += stored
+                d = r.direct
+                lands = d is not None and _contiguous(shapes[d.dest], d.dest_start, d.shape)
+                self.scratch_reads += 1
+                self.scratch_max = max(self.scratch_max, stored + (0 if lands else r.nbytes))
+                continue
+            self.bytes += r.nbytes
             if not _in_place(r, shapes, self.vectored):
                 self.scratch_reads += 1
                 self.scratch_max = max(self.scratch_max, r.nbytes)
@@ -477,7 +504,7 @@ class _Process:
                 else:
                     boxes = self.boxes(sharding, leaf.shape)
                     runs.submit()
-                    self.reads(plan_reads(leaf, boxes, block, verify, max_read=self.max_read), boxes)
+                    self.plan(leaf, boxes, block, verify)
                     run, elems = None, sum(math.prod(hi - lo for lo, hi in b) for b in boxes)
                 nbytes = elems * leaf.dtype.itemsize
                 cast = elems * want.dtype.itemsize if want is not None and want.dtype != leaf.dtype else 0
@@ -495,14 +522,21 @@ class _Process:
 
     def whole(self, leaf: fmt.ArrayLeaf, runs: _Runs, block: int, verify: bool) -> int | None:
         """`ChunkReader.read_array(leaf)`: a small array joins a run, anything else is planned."""
-        span = whole_span(leaf) if leaf.nbytes <= self.small else None
+        span: tuple[int, int, int] | None = None  # (file, first byte, bytes in storage)
+        if leaf.nbytes <= self.small:
+            if leaf.codec != "none":
+                span = stored_whole_span(leaf, block)
+            elif (raw := whole_span(leaf)) is not None:
+                span = (*raw, leaf.nbytes)
         if span is not None:
-            return runs.add(span[0], span[1], leaf.nbytes)
+            return runs.add(*span)
         runs.submit()
-        reads = whole_reads(leaf, block, verify, self.max_read)
         box = full_box(leaf.shape)
-        self.reads(reads if reads is not None else plan_reads(leaf, [box], block, verify, max_read=self.max_read),
-                   [box])
+        reads = whole_reads(leaf, block, verify, self.max_read) if leaf.codec == "none" else None
+        if reads is None:
+            self.plan(leaf, [box], block, verify)
+        else:
+            self.reads(reads, [box])
         return None
 
     def waves(self, waves: Sequence[list[Any]]) -> None:
@@ -516,8 +550,7 @@ class _Process:
                 boxes = self.boxes(s.route.read, shape)
                 if region is not None:
                     boxes = [tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes]
-                self.reads(plan_reads(leaf, boxes, s.item.index.block_size, s.item.reader.verify,
-                                      max_read=self.max_read), boxes)
+                self.plan(leaf, boxes, s.item.index.block_size, s.item.reader.verify)
                 elems = sum(math.prod(hi - lo for lo, hi in b) for b in boxes)
                 held += elems * (leaf.dtype.itemsize + (s.want.dtype.itemsize if s.want.dtype != leaf.dtype else 0))
                 if j == 0:
