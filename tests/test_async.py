@@ -115,6 +115,20 @@ def test_start_to_host_copies_outlive_the_arrays():
         shardings.start_to_host(xs, "nope")
 
 
+def test_the_device_to_host_method_is_chosen_per_platform(monkeypatch):
+    """With no method named, the platform's (measured: pinned on GPUs, the CPU backend elsewhere,
+    TPUs included); the host arrays it returns are what the writer threads read (`host_view`)."""
+    x = jnp.arange(100, dtype=jnp.float32)
+    assert shardings.TO_HOST is None
+    assert shardings.TO_HOST_BY_PLATFORM["gpu"] == "pinned" and "tpu" not in shardings.TO_HOST_BY_PLATFORM
+    [h] = shardings.start_to_host([x])
+    assert h.sharding.memory_kind == "device"  # "cpu": onto the CPU backend (here the same device)
+    monkeypatch.setitem(shardings.TO_HOST_BY_PLATFORM, "cpu", "pinned")
+    [h] = shardings.start_to_host([x])
+    assert h.sharding.memory_kind == "pinned_host"
+    np.testing.assert_array_equal(shardings.host_view(h), np.arange(100, dtype=np.float32))
+
+
 def test_updates_and_deletes_after_save_async(tmp_path, mesh8, monkeypatch):
     w = _sharded(mesh8)
     host = np.arange(1000, dtype=np.int64)

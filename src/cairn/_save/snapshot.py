@@ -23,15 +23,16 @@ Where the time goes, and what is done about it:
   hand-off per chunk, which a state of thousands of small chunks would pay
   thousands of times.
 - Chunks on an accelerator start all their device-to-host transfers in one
-  batched ``device_put`` into pinned host memory (`start_to_host`), as Orbax
-  does on GPUs. The method before, a batched ``device_put`` onto the CPU
-  backend, ran at 0.6-2 GiB/s on an H200 (docs/performance-gpu.md).
+  batched ``device_put`` (`start_to_host`): into pinned host memory on GPUs,
+  as Orbax does there (onto the CPU backend it ran at 0.6-2 GiB/s on an
+  H200), onto the CPU backend elsewhere (on a TPU v5e it was 2.9x faster than
+  pinned memory; docs/performance-gpu.md). The blocking phase only starts
+  them; the writer threads wait for each chunk's bytes.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -75,17 +76,16 @@ def snapshot(job: Any, budget_bytes: int | None = None) -> None:
                     host.append((item, k, key, src, nbytes))
                 else:
                     to_host.append((item, key, src))
-    hosts: Iterator[Any] = iter(())
     if to_host:
-        # The transfers make fresh host arrays (the copy): all of them start here, and they
-        # run while the host-visible chunks are copied below.
+        # The transfers make fresh host arrays (the copy): all of them start here and run on
+        # while the host-visible chunks are copied below and after this returns. A transfer's
+        # result is a new array that no later donation, update or deletion of its source can
+        # change (the runtime orders them after it), so the blocking phase does not wait for
+        # the bytes: the writer threads do, chunk by chunk (`shardings.host_view`).
         hosts = iter(start_to_host([p for _, _, a in to_host for p in (a.parts if type(a) is Concat else [a])]))
+        for item, key, a in to_host:
+            item.sources[key] = Concat([next(hosts) for _ in a.parts]) if type(a) is Concat else next(hosts)
     _copy(job, host)
-    for item, key, a in to_host:
-        if type(a) is Concat:  # a merged chunk: its pieces one after another along axis 0
-            item.sources[key] = np.concatenate([np.asarray(next(hosts)) for _ in a.parts])
-        else:
-            item.sources[key] = np.asarray(next(hosts))
     if protected:
         import jax
 
