@@ -13,7 +13,8 @@ what Orbax's zarr zstd gives), and, where orbax-checkpoint imports, the bytes
 Orbax's `StandardCheckpointer` writes for the same state.
 
 Options: ``--size BYTES`` (default 256 MiB per variant), ``--variants a,b``,
-``--no-orbax``, ``--json PATH``, and ``--against FILE``: another version of
+``--no-orbax``, ``--json PATH``, ``--threads 1,2,4`` (the whole state coded on that
+many threads at once: do the codecs scale over cores?), and ``--against FILE``: another version of
 ``codecs.py`` (``git show REV:src/cairn/_format/codecs.py > old.py``), whose
 "planes" codec is then measured against the current one per leaf kind,
 interleaved (alternating order, best of 9 each), so that a change of the
@@ -138,6 +139,37 @@ def whole_state(flat: dict[str, np.ndarray]) -> dict[str, Any]:
     return out
 
 
+def scaling(flat: dict[str, np.ndarray], counts: list[int]) -> list[dict[str, float]]:
+    """Whole-state encode and decode (each leaf's chosen codec, 1 MiB blocks) on n threads at once:
+    wall time, best of 3, in GiB/s of raw bytes. Shows whether the codecs scale over cores (they
+    release the GIL in zstd and numpy; the Python between them does not)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    work = [(b, a.dtype, _codecs.choose(a.dtype, _codecs.sample(a))) for a in flat.values() for b in _blocks(a)]
+    raw = sum(b.nbytes for b, _, _ in work)
+    stored = [_codecs.encode(c, b, dt) for b, dt, c in work]
+    outs = [np.empty(b.nbytes, np.uint8) for b, _, _ in work]
+    rows = []
+    for n in counts:
+        with ThreadPoolExecutor(n) as pool:
+            enc = dec = float("inf")
+            for _ in range(3):
+                t = time.perf_counter()
+                list(pool.map(lambda w: _codecs.encode(w[2], w[0], w[1]), work, chunksize=4))
+                enc = min(enc, time.perf_counter() - t)
+                t = time.perf_counter()
+                list(pool.map(lambda i: _codecs.decode(work[i][2], stored[i], work[i][1], work[i][0].nbytes,
+                                                       out=outs[i]), range(len(work)), chunksize=4))
+                dec = min(dec, time.perf_counter() - t)
+        rows.append({"threads": n, "compress_gib_s": raw / enc / GiB, "decompress_gib_s": raw / dec / GiB})
+    base = rows[0]
+    for r in rows:
+        print(f"  {r['threads']:3} threads: compress {r['compress_gib_s']:.2f} GiB/s "
+              f"({r['compress_gib_s'] / base['compress_gib_s']:.1f}x), decompress {r['decompress_gib_s']:.2f} GiB/s "
+              f"({r['decompress_gib_s'] / base['decompress_gib_s']:.1f}x)")
+    return rows
+
+
 def orbax_bytes(state: dict[str, Any]) -> int | None:
     try:
         import jax
@@ -164,6 +196,7 @@ def main() -> None:
     ap.add_argument("--no-orbax", action="store_true")
     ap.add_argument("--json")
     ap.add_argument("--against", help="another codecs.py to measure 'planes' against, interleaved")
+    ap.add_argument("--threads", help="also the whole state coded on these thread counts at once, e.g. 1,2,4")
     args = ap.parse_args()
     against = load_codecs(args.against) if args.against else None
     report: dict[str, Any] = {"size": args.size, "variants": {}}
@@ -206,6 +239,9 @@ def main() -> None:
         if w.get("orbax"):
             print(f"orbax StandardCheckpointer: {w['orbax'] / 2**20:.1f} MiB on disk; "
                   f"cairn auto / orbax = {w['cairn_auto'] / w['orbax']:.3f}; raw / orbax = {raw / w['orbax']:.3f}")
+        if args.threads:
+            print(f"whole state on threads at once ({os.cpu_count()} cores, wall time):")
+            w["threads"] = scaling(flat, [int(n) for n in args.threads.split(",")])
         report["variants"][variant] = {"kinds": kinds, "whole": w}
     if args.json:
         with open(args.json, "w") as f:

@@ -143,24 +143,69 @@ def encode(codec: str, raw: Any, dtype: Any) -> bytes:
     raise ValueError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
 
 
-def _split(u8: np.ndarray, k: int) -> np.ndarray:
-    """The planes of `u8`: a (k, n) uint8 array, row p the bytes p of every element."""
+def encode_run(codec: str, raw: Any, block: int, dtype: Any) -> list[bytes]:
+    """The stored forms of the consecutive `block`-byte blocks of `raw` (the last may be shorter),
+    byte for byte what `encode` gives each block on its own. For "planes" the probes of every
+    block and plane are one gather and one bincount over the run: a thread coding a run takes
+    the GIL a few times per block, not a dozen, so many threads coding at once scale further
+    (the zstd calls, the bulk of the time, run without it either way). Each block is still split
+    into planes on its own, while its bytes are in cache."""
+    dt = _check_dtype(dtype)
+    u8 = _as_u8(raw)
+    k = dt.itemsize
+    if block <= 0 or block % k or u8.nbytes % k:
+        raise ValueError(f"blocks of {block} bytes over {u8.nbytes} bytes are not whole {dt} elements")
+    if codec != "planes" or u8.nbytes <= block:
+        return [encode(codec, u8[o:o + block], dt) for o in range(0, u8.nbytes, block)]
+    n = block // k
+    worth = _planes_worth_coding(u8, k, n)
+    c = _compressor("planes")
+    out = []
+    for j, o in enumerate(range(0, u8.nbytes, block)):
+        planes = _split(u8[o:o + block], k, scratch=True)
+        m = planes.shape[1]
+        mask = 0
+        lengths: list[int] = []
+        parts: list[Any] = []
+        for p in range(k):
+            if worth[j, p]:
+                z = c.compress(planes[p])
+                if len(z) <= m * (1 - PLANE_MIN_SAVING):
+                    mask |= 1 << p
+                    lengths.append(len(z))
+                    parts.append(z)
+                    continue
+            parts.append(planes[p])
+        out.append(b"".join([struct.pack(f"<BH{len(lengths)}I", k, mask, *lengths), *parts]))
+    return out
+
+
+def _split(u8: np.ndarray, k: int, scratch: bool = False) -> np.ndarray:
+    """The planes of `u8`: a (k, n) uint8 array, row p the bytes p of every element. With
+    `scratch`, in this thread's reusable buffer (valid until its next use): no fresh pages per
+    block, which under a sandbox's slow page faults serialised threads coding at once."""
     n = u8.nbytes // k
     if k == 1:
         return u8.reshape(1, n)
+    if scratch:
+        buf = getattr(_local, "split", None)
+        if buf is None or buf.nbytes < k * n:
+            buf = _local.split = np.empty(max(k * n, 1 << 16), np.uint8)
+        out = buf[:k * n].reshape(k, n)
+    else:
+        out = np.empty((k, n), np.uint8)
     if k == 2:  # integer shifts vectorise; a strided transpose copy runs ~3x slower here
         w = u8.view("<u2")
-        out = np.empty((2, n), np.uint8)
         np.copyto(out[0], w, casting="unsafe")
-        np.copyto(out[1], w >> 8, casting="unsafe")
+        np.right_shift(w, 8, out=out[1], casting="unsafe")
         return out
     if k in (4, 8):  # each plane one shift of the words, truncated into it: ~1.8x the transpose's speed
         w = u8.view(f"<u{k}")
-        out = np.empty((k, n), np.uint8)
         for p in range(k):
             np.right_shift(w, 8 * p, out=out[p], casting="unsafe")
         return out
-    return np.ascontiguousarray(u8.reshape(n, k).T)
+    out[...] = u8.reshape(n, k).T
+    return out
 
 
 #: c * log2(c) for c = 0 .. PLANE_PROBE (0 for 0): a probe's entropy from its byte counts with one lookup.
@@ -177,9 +222,28 @@ def _plane_worth_coding(plane: np.ndarray) -> bool:
     return float(np.log2(size) - _CLOGC[counts].sum() / size) < PLANE_MAX_BITS
 
 
+def _planes_worth_coding(u8: np.ndarray, k: int, n: int) -> np.ndarray:
+    """`_plane_worth_coding` of every plane of every n-element block of `u8` (elements of k bytes;
+    the last block may be shorter), as a (blocks, k) bool array, from one gather and one bincount
+    of the raw bytes: the same probe positions and the same answers."""
+    total = u8.nbytes // k
+    starts = np.arange(0, total, n)
+    sizes = np.minimum(n, total - starts)
+    strides = np.where(sizes > PLANE_PROBE, -(-sizes // PLANE_PROBE), 1)
+    counts = -(-sizes // strides)  # elements probed in each block
+    blk = np.repeat(np.arange(len(starts)), counts)
+    first = np.cumsum(counts) - counts
+    elem = starts[blk] + (np.arange(int(counts.sum())) - first[blk]) * strides[blk]
+    got = u8.reshape(total, k)[elem]  # (probed elements, k): byte p of each is plane p's probe
+    rows = (blk[:, None] * k + np.arange(k)) * 256
+    hist = np.bincount((rows + got).reshape(-1), minlength=256 * k * len(starts)).reshape(len(starts), k, 256)
+    bits = np.log2(counts)[:, None] - _CLOGC[hist].sum(axis=2) / counts[:, None]
+    return bits < PLANE_MAX_BITS
+
+
 def _encode_planes(u8: np.ndarray, k: int) -> bytes:
     n = u8.nbytes // k
-    planes = _split(u8, k)
+    planes = _split(u8, k, scratch=True)
     mask = 0
     lengths: list[int] = []
     parts: list[Any] = []

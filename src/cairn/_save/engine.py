@@ -396,22 +396,30 @@ class SaveJob:
         self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite)
 
 
+#: Blocks per coding task of a compressed save (`_encoded`): few enough that a chunk of a few MiB
+#: still spreads over the coding threads, enough that each task's numpy passes and hand-offs are
+#: shared by several 1 MiB blocks.
+RUN_BLOCKS = 4
+
+
 def _encoded(pool: ThreadPoolExecutor | None, codec: str, raw: memoryview, block: int, dtype: Any) -> Any:
-    """The stored forms of `raw`'s blocks, in order: coded on `pool` (at most a few blocks ahead of the
-    writer, so memory stays bounded by the window, not the chunk) or on this thread."""
-    starts = range(0, len(raw), block)
+    """The stored forms of `raw`'s blocks, in order: coded in runs of `RUN_BLOCKS` on `pool` (at most
+    one run per coding thread, plus one, ahead of the writer, so memory stays bounded by the window,
+    not the chunk) or on this thread."""
+    run = block * RUN_BLOCKS  # blocks are coded in runs: one task and one numpy pass per plane per run
+    starts = range(0, len(raw), run)
     if pool is None or len(starts) < 2:
         for o in starts:
-            yield _codecs.encode(codec, raw[o : o + block], dtype)
+            yield from _codecs.encode_run(codec, raw[o : o + run], block, dtype)
         return
-    window = 2 * max(1, getattr(pool, "_max_workers", 2))
+    window = max(2, getattr(pool, "_max_workers", 2) + 1)
     ahead: collections.deque[Any] = collections.deque()
     for o in starts:
-        ahead.append(pool.submit(_codecs.encode, codec, raw[o : o + block], dtype))
+        ahead.append(pool.submit(_codecs.encode_run, codec, raw[o : o + run], block, dtype))
         if len(ahead) >= window:
-            yield ahead.popleft().result()
+            yield from ahead.popleft().result()
     while ahead:
-        yield ahead.popleft().result()
+        yield from ahead.popleft().result()
 
 
 def resolve_compression(compression: str | bool | None, storage: Any) -> str | None:
