@@ -242,26 +242,27 @@ def test_threads_share_no_compressor():
     assert back == [b.tobytes() for b in blocks * 4]
 
 
+def _direct_entropy(plane: np.ndarray) -> float:
+    """The order-0 entropy (bits a byte) of the probe's evenly strided sample of `plane`, computed directly."""
+    n = plane.nbytes
+    probe = plane[:: -(-n // _codecs.PLANE_PROBE)] if n > _codecs.PLANE_PROBE else plane
+    p = np.bincount(probe, minlength=256) / probe.size
+    p = p[p > 0]
+    return float(-(p * np.log2(p)).sum())
+
+
 def test_plane_probe_entropy_matches_the_formula():
     """The probe's entropy (one table lookup over the byte counts) decides as the order-0 entropy of the
     same evenly strided sample computed directly would, on both sides of the threshold."""
     rng = np.random.default_rng(3)
-
-    def direct(plane):
-        n = plane.nbytes
-        probe = plane[:: -(-n // _codecs.PLANE_PROBE)] if n > _codecs.PLANE_PROBE else plane
-        p = np.bincount(probe, minlength=256) / probe.size
-        p = p[p > 0]
-        return float(-(p * np.log2(p)).sum())
-
     seen = set()
     for n in (1, 100, 4096, 4097, 5000, 1 << 19):
         for spread in (1, 16, 100, 180, 200, 256):
             plane = rng.integers(0, spread, n).astype(np.uint8)
-            h = direct(plane)
+            h = _direct_entropy(plane)
             if abs(h - _codecs.PLANE_MAX_BITS) < 1e-9:
                 continue
-            assert _codecs._plane_worth_coding(plane) == (h < _codecs.PLANE_MAX_BITS), (n, spread, h)
+            assert _codecs._planes_worth_coding(plane, 1, n)[0, 0] == (h < _codecs.PLANE_MAX_BITS), (n, spread, h)
             seen.add(h < _codecs.PLANE_MAX_BITS)
     assert seen == {True, False}
 
@@ -285,16 +286,17 @@ def test_encode_run_is_encode_of_each_block(codec, dtype):
             _codecs.encode_run(codec, raw, 64 * k + 1, dtype)
 
 
-def test_the_run_probe_is_the_block_probe():
+def test_the_run_probe_is_each_block_and_planes_probe():
     """`encode_run` probes every block and plane at once from the raw bytes; the answers must be
-    those of the per-block probe, including blocks shorter than the probe and a short last block."""
+    each plane of each block's own, including blocks shorter than the probe and a short last block."""
     rng = np.random.default_rng(5)
     x = np.concatenate([rng.normal(0, 0.02, 20000), rng.normal(0, 1e3, 7000)]).astype(np.float32)
     raw = x.view(np.uint8)
     for n in (100, 4096, 5000, 9999, 30000):
         got = _codecs._planes_worth_coding(raw, 4, n)
         planes = _codecs._split(raw, 4)
-        want = [[_codecs._plane_worth_coding(planes[p, s:s + n]) for p in range(4)] for s in range(0, x.size, n)]
+        want = [[_direct_entropy(planes[p, s:s + n]) < _codecs.PLANE_MAX_BITS for p in range(4)]
+                for s in range(0, x.size, n)]
         assert got.tolist() == want
         if n >= 4096:  # (a probe of fewer bytes cannot see 7.5 bits of entropy: every plane looks codable)
             assert got.any() and not got.all()

@@ -157,27 +157,8 @@ def encode_run(codec: str, raw: Any, block: int, dtype: Any) -> list[bytes]:
         raise ValueError(f"blocks of {block} bytes over {u8.nbytes} bytes are not whole {dt} elements")
     if codec != "planes" or u8.nbytes <= block:
         return [encode(codec, u8[o:o + block], dt) for o in range(0, u8.nbytes, block)]
-    n = block // k
-    worth = _planes_worth_coding(u8, k, n)
-    c = _compressor("planes")
-    out = []
-    for j, o in enumerate(range(0, u8.nbytes, block)):
-        planes = _split(u8[o:o + block], k, scratch=True)
-        m = planes.shape[1]
-        mask = 0
-        lengths: list[int] = []
-        parts: list[Any] = []
-        for p in range(k):
-            if worth[j, p]:
-                z = c.compress(planes[p])
-                if len(z) <= m * (1 - PLANE_MIN_SAVING):
-                    mask |= 1 << p
-                    lengths.append(len(z))
-                    parts.append(z)
-                    continue
-            parts.append(planes[p])
-        out.append(b"".join([struct.pack(f"<BH{len(lengths)}I", k, mask, *lengths), *parts]))
-    return out
+    worth = _planes_worth_coding(u8, k, block // k)
+    return [_encode_planes(u8[o:o + block], k, worth[j]) for j, o in enumerate(range(0, u8.nbytes, block))]
 
 
 def _split(u8: np.ndarray, k: int, scratch: bool = False) -> np.ndarray:
@@ -212,20 +193,12 @@ def _split(u8: np.ndarray, k: int, scratch: bool = False) -> np.ndarray:
 _CLOGC = np.concatenate(([0.0], np.arange(1, PLANE_PROBE + 1) * np.log2(np.arange(1, PLANE_PROBE + 1))))
 
 
-def _plane_worth_coding(plane: np.ndarray) -> bool:
-    """Whether the order-0 entropy of up to PLANE_PROBE bytes sampled evenly from `plane` is under
-    PLANE_MAX_BITS a byte: H = log2(N) - sum(c log2 c) / N over the N sampled bytes' counts c."""
-    n = plane.nbytes
-    probe = plane[:: -(-n // PLANE_PROBE)] if n > PLANE_PROBE else plane
-    size = probe.size
-    counts = np.bincount(probe, minlength=256)
-    return float(np.log2(size) - _CLOGC[counts].sum() / size) < PLANE_MAX_BITS
-
-
 def _planes_worth_coding(u8: np.ndarray, k: int, n: int) -> np.ndarray:
-    """`_plane_worth_coding` of every plane of every n-element block of `u8` (elements of k bytes;
-    the last block may be shorter), as a (blocks, k) bool array, from one gather and one bincount
-    of the raw bytes: the same probe positions and the same answers."""
+    """Whether each plane of each n-element block of `u8` (elements of k bytes; the last block may
+    be shorter) is worth coding, as a (blocks, k) bool array: the order-0 entropy of up to
+    PLANE_PROBE bytes sampled evenly from the plane (every ceil(m / PLANE_PROBE)-th of its m bytes)
+    is under PLANE_MAX_BITS a byte, H = log2(N) - sum(c log2 c) / N over the N sampled bytes'
+    counts c. One gather and one bincount of the raw bytes for all blocks and planes."""
     total = u8.nbytes // k
     starts = np.arange(0, total, n)
     sizes = np.minimum(n, total - starts)
@@ -241,8 +214,11 @@ def _planes_worth_coding(u8: np.ndarray, k: int, n: int) -> np.ndarray:
     return bits < PLANE_MAX_BITS
 
 
-def _encode_planes(u8: np.ndarray, k: int) -> bytes:
+def _encode_planes(u8: np.ndarray, k: int, worth: Any = None) -> bytes:
+    """One block's "planes" form; `worth`: which planes to try zstd on (default: this block's probe)."""
     n = u8.nbytes // k
+    if worth is None:
+        worth = _planes_worth_coding(u8, k, n)[0] if n else [False] * k
     planes = _split(u8, k, scratch=True)
     mask = 0
     lengths: list[int] = []
@@ -250,7 +226,7 @@ def _encode_planes(u8: np.ndarray, k: int) -> bytes:
     c = _compressor("planes")
     for p in range(k):
         plane = planes[p]
-        if n and _plane_worth_coding(plane):
+        if worth[p]:
             z = c.compress(plane)
             if len(z) <= n * (1 - PLANE_MIN_SAVING):
                 mask |= 1 << p
