@@ -32,7 +32,7 @@ LIMITS = [
     ("raw_read_warm_4", "raw read, 4 files by 4 threads, warm cache"),
     ("raw_read_warm", "raw read limit, warm (faster of the two)"),
 ]
-SYSTEMS = ["cairn", "orbax", "dcp", "dcp_jax"]
+SYSTEMS = ["cairn", "cairn_compressed", "orbax", "dcp", "dcp_jax"]
 MEM_OPS = ["save", "async_commit", "load_cold", "reshard_cold"]
 # The buffer budget the memory targets allow on top of state + 10%: cairn's load
 # keeps at most this many bytes of reads in flight (_load.load budget_bytes); a
@@ -139,6 +139,17 @@ def _checks(systems: dict[str, Any]) -> list[dict[str, Any]]:
         (f"peak RSS, resharding load <= state + 10% + {LOAD_BUDGET >> 20} MiB budget (x state)",
          mem("reshard_cold"), 1.1 + LOAD_BUDGET / state),
     ]
+    if "cairn_compressed" in systems:  # issue 29: compression on (cairn_compressed) against the run's setting
+        z = lambda op: _med(systems, "cairn_compressed", op)  # noqa: E731
+        zb = systems["cairn_compressed"].get("bytes", {}).get("save")
+        ob = systems.get("orbax", {}).get("bytes", {}).get("save")
+        rows += [
+            ("compression on: async blocking <= 1.05x the run's setting's (first save)",
+             _div(z("async_return"), c("async_return")), 1.05),
+            ("compression on: async blocking <= 1.05x the run's setting's (repeated save)",
+             _div(z("async_return_again"), c("async_return_again")), 1.05),
+            ("compression on: bytes <= 0.9x Orbax's", _div(zb[0], ob[0]) if zb and ob else None, 0.9),
+        ]
     strict = {name for name, _, _ in rows if "< 1)" in name}
     out = []
     for name, value, bound in rows:

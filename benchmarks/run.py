@@ -1,10 +1,15 @@
 """Benchmark cairn against Orbax, PyTorch DCP and the machine's limits.
 
     python -m benchmarks.run                       # defaults: 2 GiB float32, 3 reps, plot at 0.5/1/2 GiB
+    python -m benchmarks.run --systems cairn,cairn_compressed,orbax,limits --size-gib 0.5 --sizes ''
     python -m benchmarks.run --size-gib 0.25 --reps 1 --sizes 0.0625,0.125,0.25 --systems cairn,limits
 
 Every (system, size, repetition) runs in a fresh subprocess (`benchmarks.worker`),
 so peak RSS is per system; the order of systems rotates between repetitions.
+The values are a trained model's by default (``--values random`` for random
+mantissas), built once per run and read back by each worker; ``cairn`` saves with
+``--compression`` (default "auto": raw on a local disk) and ``cairn_compressed``
+with ``compression=True``, so the bytes table compares both with Orbax's.
 Writes results.json, results.md and time_vs_size.png into --out.
 """
 
@@ -18,13 +23,15 @@ import platform
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
 from . import report
 from . import state as st
 
-ALL = ["cairn", "orbax", "dcp", "dcp_jax", "limits"]  # dcp_jax: DCP in a process that also holds the JAX state
+# dcp_jax: DCP in a process that also holds the JAX state; cairn_compressed: cairn with compression=True
+ALL = ["cairn", "cairn_compressed", "orbax", "dcp", "dcp_jax", "limits"]
 
 
 def _floats(s: str) -> list[float]:
@@ -45,9 +52,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--workdir", default=None,
                     help="where checkpoints are written (default: <out>/work; same disk as --out)")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per subprocess")
-    ap.add_argument("--values", choices=["random", "trained"], default="random",
-                    help="array values: random bits (incompressible), or a trained layer's (benchmarks.trained_state: "
-                         "init as a model would, then AdamW steps) for bytes on disk and compression")
+    ap.add_argument("--values", choices=["random", "trained"], default="trained",
+                    help="array values: a trained layer's (the default; benchmarks.trained_state: init as a model "
+                         "would, then AdamW steps), so that bytes on disk and compression are realistic; or random "
+                         "mantissas (what zstd cannot compress; the figures before 2026-12-05)")
     ap.add_argument("--compression", default="auto", help="cairn's compression= (auto, true, false, zstd, planes)")
     a = ap.parse_args(argv)
     a.systems = [s for s in a.systems.split(",") if s]
@@ -112,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["CAIRN_BENCH_VALUES"] = a.values  # the workers (subprocesses) build their states from it
     os.environ["CAIRN_BENCH_COMPRESSION"] = a.compression
     os.makedirs(a.out, exist_ok=True)
+    cache = None
+    if a.values == "trained":  # trained values take about a minute per GiB to build: once per run, then read
+        cache = tempfile.mkdtemp(prefix="values-", dir=a.out)
+        os.environ["CAIRN_BENCH_VALUES_CACHE"] = cache
     # Absolute: Orbax refuses relative checkpoint paths.
     workdir = os.path.abspath(a.workdir or os.path.join(a.out, "work"))
     main_size = int(a.size_gib * 2**30)
@@ -138,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"    FAILED: {r.get('error')}", file=sys.stderr, flush=True)
                 runs.append(r)
     shutil.rmtree(workdir, ignore_errors=True)
+    if cache:
+        shutil.rmtree(cache, ignore_errors=True)
     meta["finished"] = datetime.datetime.now().isoformat(timespec="seconds")
     meta["machine"]["loadavg_end"] = os.getloadavg()
     meta["elapsed_s"] = time.perf_counter() - t_start

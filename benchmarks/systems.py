@@ -92,6 +92,24 @@ class Cairn(System):
         return jax.block_until_ready(out)
 
 
+class CairnCompressed(Cairn):
+    """cairn with `compression=True` whatever the run's `--compression`: beside "cairn" in one run
+    (``--systems cairn,cairn_compressed``), compression on against the run's setting, interleaved."""
+
+    name = "cairn_compressed"
+
+    def settings(self) -> dict[str, Any]:
+        out = super().settings()
+        out["save"] = out["save"].replace(f"compression={_compression()!r}", "compression=True")
+        return out
+
+    def save(self, state: Any, path: str) -> None:
+        self.cairn.save(path, state, compression=True)
+
+    def save_async(self, state: Any, path: str) -> Any:
+        return self.cairn.save_async(path, state, compression=True)
+
+
 # ---------------------------------------------------------------------- Orbax
 
 
@@ -254,7 +272,7 @@ class DCPBesideJAX(DCP):
         super().close()
 
 
-SYSTEMS: dict[str, type[System]] = {"cairn": Cairn, "orbax": Orbax, "dcp": DCP, "dcp_jax": DCPBesideJAX}
+SYSTEMS: dict[str, type[System]] = {"cairn": Cairn, "cairn_compressed": CairnCompressed, "orbax": Orbax, "dcp": DCP, "dcp_jax": DCPBesideJAX}
 
 
 # ---------------------------------------------------------------------- physical limits
