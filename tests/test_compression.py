@@ -10,6 +10,7 @@ Corruption of compressed checkpoints is in test_corruption.py and test_hostile.p
 from __future__ import annotations
 
 import json
+import os
 import uuid
 
 import jax
@@ -433,3 +434,51 @@ def test_a_compressed_route_fetches_only_the_records_it_prices(tmp_path):
     got = index.table._got.get(i, {})
     assert sorted(got) == [0, 1]  # process 0's two chunks
     assert r.cost == 4 * sum(sum(leaf.stored_sizes(c, index.block_size)) for c in (0, 1))
+
+
+MOUNTINFO = """\
+22 1 259:1 / / rw,relatime shared:1 - ext4 /dev/nvme0n1p1 rw
+30 22 0:40 / /mnt/lustre rw,relatime shared:5 - lustre 10.0.0.1@tcp:/fs rw,flock
+31 30 259:2 / /mnt/lustre/scratch rw shared:6 - xfs /dev/nvme1n1 rw
+32 22 0:41 / /mnt/my\\040bucket rw,nosuid,nodev shared:7 master:2 - fuse.gcsfuse my-bucket rw,user_id=0
+33 22 0:42 / /media/usb rw - fuseblk /dev/sdb1 rw
+34 22 0:43 / /srv/nfs rw - nfs4 server:/export rw,vers=4.2
+"""
+
+
+@pytest.mark.parametrize("path, fstype, network", [
+    ("/home/me/ckpt", "ext4", False),
+    ("/mnt/lustre/run1/step_10", "lustre", True),  # below the mount, not yet created
+    ("/mnt/lustre/scratch/x", "xfs", False),  # a local disk mounted inside the network one
+    ("/mnt/lustre2/x", "ext4", False),  # a name that only starts like a mount point
+    ("/mnt/my bucket/ckpt", "fuse.gcsfuse", True),  # an escaped space in the mount point
+    ("/media/usb/ckpt", "fuseblk", False),  # FUSE over a local block device
+    ("/srv/nfs", "nfs4", True),
+])
+def test_the_filesystem_of_a_path_is_read_from_mountinfo(path, fstype, network):
+    from cairn._storage.fstype import is_network, mount_type
+
+    assert mount_type(path, MOUNTINFO) == fstype
+    assert is_network(fstype) is network
+    assert mount_type(path, "") is None and not is_network(None)
+
+
+@pytest.mark.parametrize("fstype, version", [("nfs4", 3), ("fuse.gcsfuse", 3), ("lustre", 3), ("fuseblk", 2),
+                                             ("ext4", 2)])
+def test_auto_compresses_on_network_filesystems(tmp_path, monkeypatch, fstype, version):
+    """A local path on NFS, Lustre or a FUSE mount of a bucket gets "auto" compression, as object stores do."""
+    from cairn._storage import fstype as fs
+
+    real = os.path.realpath(tmp_path)
+    info = tmp_path / "mountinfo"
+    info.write_text(f"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n40 22 0:50 / {real} rw - {fstype} srv:/x rw\n")
+    monkeypatch.setattr(fs, "MOUNTINFO", str(info))
+    state = state_of()
+    cairn.save(tmp_path / "ck", state)
+    assert json.loads((tmp_path / "ck" / "manifest.json").read_bytes())["version"] == version
+    if version == 3:
+        _, leaves = leaves_of(tmp_path / "ck")
+        assert leaves["w"][0].codec == "planes"
+    assert_same(cairn.load(tmp_path / "ck"), state)
+    cairn.save(tmp_path / "off", state, compression=False)  # an explicit setting still holds there
+    assert json.loads((tmp_path / "off" / "manifest.json").read_bytes())["version"] == 2

@@ -64,7 +64,8 @@ def save(
     (``/cairn/save/...``) and passed to the listeners of `cairn.add_listener`.
 
     `compression` stores each checksum block compressed (format version 3):
-    ``"auto"`` (the default) compresses on object stores and not on local
+    ``"auto"`` (the default) compresses on object stores and network
+    filesystems (NFS, Lustre, gcsfuse and other FUSE mounts) and not on local
     disks; ``True`` chooses a codec per leaf by measuring a sample of it;
     ``"zstd"`` or ``"planes"`` use that codec for every array; ``False`` or
     ``"none"`` store raw bytes (format version 2). Loads need no option.

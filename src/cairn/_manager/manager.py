@@ -134,7 +134,7 @@ class CheckpointManager(StepWatch):
     - `save_every`: `save` writes a step only when ``step % save_every == 0``
       (or with ``force=True``, or once preemption was detected).
     - `compression`: as `cairn.save`'s, for every step (``"auto"``: on for
-      object stores, off on local disks; ``True``: a codec per leaf).
+      object stores and network filesystems, off on local disks; ``True``: a codec per leaf).
       `compression`, `threads` and `snapshot_budget_bytes` are checked as
       `cairn.save_async` checks them, when the manager is made (a
       ValueError naming the option), not at its first save.

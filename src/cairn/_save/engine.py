@@ -426,12 +426,15 @@ def resolve_compression(compression: str | bool | None, storage: Any) -> str | N
     """What a save's `compression=` means: None (blocks stored raw), "choose" (per leaf), or one codec.
 
     "auto" (the default) compresses on storage without an atomic rename (object
-    stores, where bytes are money and time) and not on local disks, where the
-    codecs (about 1 GiB/s per core) are slower than the disk (docs/compression.md).
-    True chooses per leaf; False, None and "none" store raw bytes.
+    stores, where bytes are money and time) and on local paths of a network
+    filesystem (NFS, Lustre, a FUSE mount of an object store: `storage.network`),
+    and not on local disks, where the codecs (about 1 GiB/s per core) are slower
+    than the disk (docs/compression.md). True chooses per leaf; False, None and
+    "none" store raw bytes. In a save, the primary's answer holds for every process.
     """
     if compression == "auto":
-        return None if getattr(storage, "atomic_rename", False) else "choose"
+        local_disk = getattr(storage, "atomic_rename", False) and not getattr(storage, "network", False)
+        return None if local_disk else "choose"
     if compression is True:
         return "choose"
     if compression in (False, None, "none"):
@@ -580,26 +583,27 @@ def prepare(
             hosts.add(item)
             items.append(item)
     strategy = strategy_for(loc.storage)
-    token = _agree_token(loc, strategy, coord, seq, overwrite, timeout, hosts)
+    compression = resolve_compression(opts.compression, loc.storage)
+    token, compression = _agree_token(loc, strategy, coord, seq, overwrite, timeout, hosts, compression)
     for item in items:
         if item.name in hosts.own:  # its per-process leaves have their numbers now
             plan_item(item, me, split_replicas, threads, min_file_bytes, loc.path)
     job = SaveJob(
         loc=loc, items=items, root=root, token=token, seq=seq, coord=coord, overwrite=overwrite,
         block_size=block_size, timeout=timeout, threads=threads, metadata=metadata or {}, strategy=strategy,
-        compression=resolve_compression(opts.compression, loc.storage),
+        compression=compression,
     )
     job.stats.blocking_s = time.perf_counter() - t0
     return job
 
 
 def _agree_token(loc: Location, strategy: CommitStrategy, coord: Coordinator, seq: int, overwrite: bool,
-                 timeout: float, hosts: HostValues) -> str:
-    """The primary checks the destination and the processes' host values, and picks the attempt token;
-    all processes learn the outcome."""
+                 timeout: float, hosts: HostValues, compression: str | None) -> tuple[str, str | None]:
+    """The primary checks the destination and the processes' host values, and picks the attempt token
+    and the compression (what "auto" means can depend on a process's mounts); all processes learn them."""
     key = f"cairn/save/{seq}/token"
     if coord.process_index == 0:
-        msg: dict[str, Any] = {"token": secrets.token_hex(6)}
+        msg: dict[str, Any] = {"token": secrets.token_hex(6), "compression": compression}
         try:
             strategy.check_destination(loc, overwrite)
             msg.update(hosts.gather(timeout))
@@ -612,4 +616,4 @@ def _agree_token(loc: Location, strategy: CommitStrategy, coord: Coordinator, se
     if "error" in msg:
         raise error_from_record(msg["error"], msg["message"])
     hosts.place(msg)
-    return msg["token"]
+    return msg["token"], msg.get("compression", compression)

@@ -77,6 +77,17 @@ class LocalStorage:
             raise ValueError(f"not a local path: {url!r}")
         self.root = os.path.abspath(os.path.expanduser(path))
         self.url = self.root
+        self._network: bool | None = None
+
+    @property
+    def network(self) -> bool:
+        """Whether the root is on a network filesystem (NFS, Lustre, a FUSE mount of an object
+        store, ...: `fstype.is_network`), where `compression="auto"` compresses."""
+        if self._network is None:
+            from .fstype import is_network, mount_type
+
+            self._network = is_network(mount_type(self.root))
+        return self._network
 
     def _p(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/")) if key else self.root
