@@ -63,6 +63,17 @@ def assert_same(got, want):
         assert np.asarray(g).tobytes() == np.asarray(v).tobytes(), k
 
 
+class Opaque:
+    """A user type, saved through `cairn.register_type`."""
+
+    def __init__(self, n):
+        self.n = n
+
+
+cairn.register_type(Opaque, save=lambda o: str(o.n).encode(), load=lambda b: Opaque(int(b)),
+                    name="test_compression.Opaque")
+
+
 def leaves_of(path):
     ck = open_checkpoint(path)
     out = {}
@@ -225,12 +236,45 @@ def test_copy_recompresses_when_asked(tmp_path, capsys):
     assert main(["cp", str(tmp_path / "planes"), str(tmp_path / "back"), "--compression", "false"]) == 0
     assert open_checkpoint(tmp_path / "back").manifest.version == 2
     assert_same(cairn.load(tmp_path / "back"), state)
-    key = np.asarray(jax.random.key_data(jax.random.key(0)))
-    cairn.save(tmp_path / "keys", {"k": jax.random.key(0)}, compression=False)
-    with pytest.raises(cairn.CheckpointError, match="PRNG"):
-        cairn.copy(tmp_path / "keys", tmp_path / "keys2", compression=True)
+    keys = jax.random.split(jax.random.key(0), 5)
+    w = state["params"]["w"]
+    cairn.save(tmp_path / "keys", {"k": keys, "w": w}, compression=False)
+    cairn.copy(tmp_path / "keys", tmp_path / "keys2", compression=True)  # typed keys keep their implementation
+    _, src = leaves_of(tmp_path / "keys")
+    _, dst = leaves_of(tmp_path / "keys2")
+    assert (dst["k"][0].kind, dst["k"][0].impl, dst["k"][0].impl_shape) == (
+        "prng_key", src["k"][0].impl, src["k"][0].impl_shape)
+    got = cairn.load(tmp_path / "keys2", {"k": keys, "w": w})
+    assert jax.dtypes.issubdtype(got["k"].dtype, jax.dtypes.prng_key)
+    assert np.array_equal(jax.random.key_data(got["k"]), jax.random.key_data(keys))
+    assert np.asarray(got["w"]).tobytes() == np.asarray(w).tobytes()
     cairn.copy(tmp_path / "keys", tmp_path / "keys3")  # stored bytes as they are
-    assert np.array_equal(jax.random.key_data(cairn.load(tmp_path / "keys3", {"k": jax.random.key(1)})["k"]), key)
+    got = cairn.load(tmp_path / "keys3", {"k": keys, "w": w})
+    assert np.array_equal(jax.random.key_data(got["k"]), jax.random.key_data(keys))
+    cairn.save(tmp_path / "obj", {"o": Opaque(3)}, compression=False)
+    with pytest.raises(cairn.CheckpointError, match="user objects"):
+        cairn.copy(tmp_path / "obj", tmp_path / "obj2", compression=True)
+
+
+def test_recompressing_copy_keeps_chunks_and_shardings(tmp_path, mesh8):
+    """A recompressed copy differs from its source only in how blocks are stored: the same grid of
+    chunks (a load onto the saved sharding reads one run per shard, not the whole array per shard),
+    the same sharding record (a load given only a mesh restores the saved shardings)."""
+    w = trained((64, 256), seed=7)
+    s = NamedSharding(mesh8, P(None, "x"))  # column shards: each a strided region of the whole array
+    state = {"w": jax.device_put(w, s), "b": jax.device_put(trained((256,), seed=8), NamedSharding(mesh8, P("x")))}
+    cairn.save(tmp_path / "raw", state, compression=False)
+    cairn.copy(tmp_path / "raw", tmp_path / "z", compression="planes")
+    _, src = leaves_of(tmp_path / "raw")
+    ck, dst = leaves_of(tmp_path / "z")
+    assert ck.manifest.version == 3
+    for name in ("w", "b"):
+        a, b = src[name][0], dst[name][0]
+        assert b.codec == "planes" and b.grid == a.grid and b.sharding == a.sharding and b.sharding is not None
+    assert len(dst["w"][0].grid[1]) == 9  # 8 column chunks, kept
+    got = cairn.load(tmp_path / "z", mesh=mesh8)
+    assert got["w"].sharding.spec == s.spec
+    assert np.asarray(got["w"]).tobytes() == w.tobytes()
 
 
 def test_inspect_shows_codec_and_stored_bytes(tmp_path):

@@ -10,7 +10,7 @@ metadata) go back through `_safetensors.from_safetensors`, exactly.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -39,19 +39,25 @@ class _Slabs:
         return self.leaf.nbytes
 
     def slabs(self, slab: int) -> Iterator[np.ndarray]:
-        left = self.nbytes
-        buf, fill = np.empty(min(slab, left), np.uint8), 0
-        for arr in self.source.slabs(self.reader, self.leaf, slab, self.pool):
-            raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
-            pos = 0
-            while pos < len(raw):
-                k = min(len(buf) - fill, len(raw) - pos)
-                buf[fill : fill + k] = raw[pos : pos + k]
-                fill, pos = fill + k, pos + k
-                if fill == len(buf):
-                    left -= fill
-                    yield buf  # a fresh buffer next: the writer may still hold this one
-                    buf, fill = np.empty(min(slab, left), np.uint8), 0
+        return exact_slabs(self.source.slabs(self.reader, self.leaf, slab, self.pool), self.nbytes, slab)
+
+
+def exact_slabs(arrays: Iterable[np.ndarray], nbytes: int, slab: int) -> Iterator[np.ndarray]:
+    """The C-order bytes of `arrays` (`nbytes` in all) as fresh buffers of exactly `slab` bytes (the last
+    may be shorter), so that a writer's checksum blocks line up with the slabs."""
+    left = nbytes
+    buf, fill = np.empty(min(slab, left), np.uint8), 0
+    for arr in arrays:
+        raw = np.ascontiguousarray(arr).reshape(-1).view(np.uint8)
+        pos = 0
+        while pos < len(raw):
+            k = min(len(buf) - fill, len(raw) - pos)
+            buf[fill : fill + k] = raw[pos : pos + k]
+            fill, pos = fill + k, pos + k
+            if fill == len(buf):
+                left -= fill
+                yield buf  # a fresh buffer next: the writer may still hold this one
+                buf, fill = np.empty(min(slab, left), np.uint8), 0
 
 
 def convert_to_cairn(

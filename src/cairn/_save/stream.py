@@ -60,8 +60,23 @@ def _file_slabs(src: Any, slab: int, path: str) -> Iterator[np.ndarray]:
         reader.close()
 
 
+class Chunked:
+    """An array to write with a grid of chunks (`fmt.ArrayLeaf.grid`): one `SlabSource` per grid
+    cell, in C order, each giving that cell's C-order bytes. A recompressing copy keeps the
+    source's chunks this way, so a load onto the saved sharding still reads each shard in one run."""
+
+    def __init__(self, dtype: np.dtype, shape: tuple[int, ...], grid: tuple[tuple[int, ...], ...],
+                 cells: list[SlabSource]):
+        self.dtype, self.shape, self.grid, self.cells = dtype, shape, grid, cells
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.cells)
+
+
 class StreamWriter:
-    """Writes a cairn checkpoint one slab at a time (single process, one chunk per array).
+    """Writes a cairn checkpoint one slab at a time (single process; one chunk per array, or the
+    grid of a `Chunked` source).
 
     It follows the same layout and commit strategy as `cairn.save` (`_commit`):
     on local disk everything goes under ``.<name>.cairn-tmp-<token>/`` and is
@@ -86,10 +101,12 @@ class StreamWriter:
 
     def write_item(self, name: str, root: bool, structure: Any, leaves: list[Any], slab: int,
                    progress: Callable[[int], None] | None = None) -> None:
-        """`leaves`: ValueLeaf, or (kind, path, _SrcTensor, extra ArrayLeaf fields) for data read from a source."""
+        """`leaves`: ValueLeaf, or (kind, path, source, extra ArrayLeaf fields) for data read from a source:
+        a `SlabSource`, a `Chunked` one, or a tensor in a file (`_SrcTensor`)."""
         dirname = fmt.ROOT_ITEM_DIR if root else fmt.item_dirname(name)
         file_name = fmt.data_file_name(0, 0, self.token)
-        placed: dict[int, tuple[int, list[int], list[int]]] = {}  # leaf -> offset, block CRCs, stored sizes
+        # leaf -> per chunk: offset, block CRCs, stored sizes
+        placed: dict[int, list[tuple[int, list[int], list[int]]]] = {}
         codecs: dict[int, str] = {}
         offset = 0
 
@@ -101,27 +118,29 @@ class StreamWriter:
                 if isinstance(leaf, fmt.ValueLeaf):
                     continue
                 kind, _path, src, _h = leaf
-                crcs: list[int] = []
-                sizes: list[int] = []
-                placed[i] = (offset, crcs, sizes)
-                pieces = src.slabs(slab) if isinstance(src, SlabSource) else _file_slabs(src, slab, _path)
-                for buf in pieces:
-                    codec = codecs.get(i)
-                    if codec is None:
-                        codec = codecs[i] = self._codec(kind, src.dtype, buf)
-                    if codec == "none":
-                        # Slabs are whole blocks (but the last), so block CRCs line up with the chunk's.
-                        crcs.extend(crc32c(buf[b : b + self.block]) for b in range(0, len(buf), self.block))
-                        offset += len(buf)
-                        yield memoryview(buf)  # type: ignore[arg-type]
-                    else:
-                        for stored in _encoded(self.pool, codec, buf.data, self.block, src.dtype):
-                            crcs.append(crc32c(stored))
-                            sizes.append(len(stored))
-                            offset += len(stored)
-                            yield memoryview(stored)
-                    if progress is not None:
-                        progress(len(buf))
+                placed[i] = []
+                for cell in (src.cells if isinstance(src, Chunked) else [src]):
+                    crcs: list[int] = []
+                    sizes: list[int] = []
+                    placed[i].append((offset, crcs, sizes))
+                    pieces = cell.slabs(slab) if isinstance(cell, SlabSource) else _file_slabs(cell, slab, _path)
+                    for buf in pieces:
+                        codec = codecs.get(i)
+                        if codec is None:
+                            codec = codecs[i] = self._codec(kind, src.dtype, buf)
+                        if codec == "none":
+                            # Slabs are whole blocks (but the last), so block CRCs line up with the chunk's.
+                            crcs.extend(crc32c(buf[b : b + self.block]) for b in range(0, len(buf), self.block))
+                            offset += len(buf)
+                            yield memoryview(buf)  # type: ignore[arg-type]
+                        else:
+                            for stored in _encoded(self.pool, codec, buf.data, self.block, src.dtype):
+                                crcs.append(crc32c(stored))
+                                sizes.append(len(stored))
+                                offset += len(stored)
+                                yield memoryview(stored)
+                        if progress is not None:
+                            progress(len(buf))
 
         size = 0
         if any(not isinstance(leaf, fmt.ValueLeaf) and leaf[2].nbytes for leaf in leaves):
@@ -135,15 +154,17 @@ class StreamWriter:
                 out.append(leaf)
                 continue
             kind, path, src, extra = leaf
-            off, crcs, sizes = placed.get(i, (0, [], []))
-            grid = tuple((0, n) for n in src.shape)  # one chunk: the whole array
+            cells = placed.get(i) or [(0, [], [])]
+            # one chunk, the whole array, unless the source brings its grid
+            grid = src.grid if isinstance(src, Chunked) and placed.get(i) else tuple((0, n) for n in src.shape)
             codec = codecs.get(i) or self._codec(kind, src.dtype, np.empty(0, np.uint8))  # (an empty array)
             if codec != "none":
                 codecs[i] = codec
-            stored = ((tuple(sizes),) if codec != "none" else ())
+            stored = tuple(tuple(sizes) for _, _, sizes in cells) if codec != "none" else ()
             out.append(fmt.ArrayLeaf(path=path, dtype=src.dtype, shape=src.shape, grid=grid,
-                                     chunks=((0, off),), crcs=(tuple(crcs),), kind=kind, **extra, codec=codec,
-                                     stored=stored))
+                                     chunks=tuple((0, off) for off, _, _ in cells),
+                                     crcs=tuple(tuple(crcs) for _, crcs, _ in cells), kind=kind, **extra,
+                                     codec=codec, stored=stored))
         version = fmt.COMPRESSED_VERSION if codecs and set(codecs.values()) != {"none"} else fmt.FORMAT_VERSION
         self.version = max(self.version, version)
         index = fmt.ItemIndex(structure, tuple(out), files, self.block, version=version)

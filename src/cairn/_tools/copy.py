@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import threading
 import time
@@ -335,10 +336,10 @@ def copy(
     `compression` None (the default) copies the stored bytes as they are,
     compressed or not. Anything else (as for `cairn.save`: "auto", True,
     False, "zstd", "planes") recompresses: every array is read (every
-    checksum verified) and written anew at `dst` with that setting, leaf by
-    leaf in slabs of a quarter of `budget_bytes` (each array one chunk, as a
-    conversion writes it), its metadata kept. That does not resume, and
-    refuses typed PRNG keys, user objects and per-process values (copy
+    checksum verified) and written anew at `dst` with that setting, chunk by
+    chunk in slabs of a quarter of `budget_bytes`, keeping each array's
+    chunks, sharding record and key implementation, and the metadata. That
+    does not resume, and refuses user objects and per-process values (copy
     those without `compression`).
 
     Raises `CheckpointNotFoundError` (nothing committed at `src`),
@@ -411,27 +412,42 @@ def copy(
 def _recompress(s: Location, d: Location, compression: str | bool | None, overwrite: bool, t0: float,
                 budget_bytes: int = DEFAULT_BUDGET, threads: int = 8,
                 progress: Callable[[int], None] | None = None) -> CopyStats:
-    """`copy` with another `compression`: each array read (checked) slab by slab and written anew at `d`
-    (`_save.stream.StreamWriter`), never a whole state in memory."""
-    from .._interop.convert import _Slabs
+    """`copy` with another `compression`: each chunk of each array read (checked) slab by slab and written
+    anew at `d` (`_save.stream.StreamWriter`), never a whole state in memory. The copy keeps each array's
+    grid of chunks, its sharding record, and a typed key's implementation: it differs from the source only
+    in how its blocks are stored (and in having one data file per item)."""
+    from .._interop.convert import exact_slabs
     from .._load.metadata import Opened, read_index, read_manifest
-    from .._load.reader import iter_array, make_reader, slab_bytes
+    from .._load.reader import make_reader, read_box, slab_boxes, slab_bytes
     from .._save.engine import resolve_compression
-    from .._save.stream import StreamWriter
+    from .._save.stream import Chunked, StreamWriter
 
     codec = resolve_compression(compression, d.storage)
     manifest = read_manifest(s)
     ck = Opened(s, manifest, {name: read_index(s, info) for name, info in manifest.items.items()})
     for name, index in ck.indexes.items():
         for leaf in index.leaves:
-            if getattr(leaf, "kind", "") in ("prng_key", "object") or "per_process" in json.dumps(index.structure):
-                raise CheckpointError(f"{s.path}: item {name!r} holds typed PRNG keys, user objects or per-process "
-                                      "values, which recompression does not carry over; copy without compression")
+            if getattr(leaf, "kind", "") == "object" or "per_process" in json.dumps(index.structure):
+                raise CheckpointError(f"{s.path}: item {name!r} holds user objects or per-process values, "
+                                      "which recompression does not carry over; copy without compression")
 
-    class _Cairn:  # the source's arrays, for `_Slabs`: C-order slabs read through the load's reader
-        @staticmethod
-        def slabs(reader: Any, leaf: fmt.ArrayLeaf, slab: int, pool: ThreadPoolExecutor) -> Iterator[np.ndarray]:
-            return iter_array(reader, leaf, slab, pool)
+    class _Cell:  # one chunk of a source array, as a `SlabSource`: C-order slabs read through the load's reader
+        def __init__(self, reader: Any, leaf: fmt.ArrayLeaf, box: tuple[tuple[int, int], ...]):
+            self.reader, self.leaf, self.box, self.dtype = reader, leaf, box, leaf.dtype
+            self.shape = tuple(hi - lo for lo, hi in box)
+            self.nbytes = math.prod(self.shape) * leaf.dtype.itemsize
+
+        def slabs(self, slab: int) -> Iterator[np.ndarray]:
+            def pieces() -> Iterator[np.ndarray]:
+                for sub in slab_boxes(self.shape, self.dtype.itemsize, slab):
+                    at = tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(sub, self.box))
+                    yield read_box(self.reader, self.leaf, at, pool)
+            return exact_slabs(pieces(), self.nbytes, slab)
+
+    def source(reader: Any, leaf: fmt.ArrayLeaf) -> tuple[Any, dict[str, Any]]:
+        cells: list[Any] = [_Cell(reader, leaf, leaf.chunk_box(c)) for c in range(math.prod(leaf.grid_shape))]
+        extra = {"sharding": leaf.sharding, "handler": leaf.handler, "impl": leaf.impl, "impl_shape": leaf.impl_shape}
+        return Chunked(leaf.dtype, leaf.shape, leaf.grid, cells), extra
 
     slab = slab_bytes(budget_bytes)
     stats = CopyStats(s.path, d.path)
@@ -443,8 +459,7 @@ def _recompress(s: Location, d: Location, compression: str | bool | None, overwr
                 reader = make_reader(ck, name, pool)
                 try:
                     leaves: list[Any] = [
-                        leaf if isinstance(leaf, fmt.ValueLeaf)
-                        else (leaf.kind, leaf.path, _Slabs(_Cairn(), reader, leaf, pool), {})  # type: ignore[arg-type]
+                        leaf if isinstance(leaf, fmt.ValueLeaf) else (leaf.kind, leaf.path, *source(reader, leaf))
                         for leaf in index.leaves
                     ]
                     writer.write_item(name, manifest.root, index.structure, leaves, slab, progress)
