@@ -251,9 +251,10 @@ def test_copy_recompresses_when_asked(tmp_path, capsys):
     cairn.copy(tmp_path / "keys", tmp_path / "keys3")  # stored bytes as they are
     got = cairn.load(tmp_path / "keys3", {"k": keys, "w": w})
     assert np.array_equal(jax.random.key_data(got["k"]), jax.random.key_data(keys))
-    cairn.save(tmp_path / "obj", {"o": Opaque(3)}, compression=False)
-    with pytest.raises(cairn.CheckpointError, match="user objects"):
-        cairn.copy(tmp_path / "obj", tmp_path / "obj2", compression=True)
+    cairn.save(tmp_path / "obj", {"o": Opaque(3), "pp": cairn.PerProcess({"pos": 4})}, compression=False)
+    cairn.copy(tmp_path / "obj", tmp_path / "obj2", compression=True)  # user objects and per-process values
+    got = cairn.load(tmp_path / "obj2")
+    assert type(got["o"]) is Opaque and got["o"].n == 3 and got["pp"] == {"pos": 4}
 
 
 def test_recompressing_copy_keeps_chunks_and_shardings(tmp_path, mesh8):

@@ -122,3 +122,19 @@ def test_one_saving_process_is_named_too_and_bytes_inside_say_drop(tmp_path):
     got = ocp.PyTreeCheckpointer().restore(cairn.export_orbax(tmp_path / "b", tmp_path / "ob2", per_process="drop"))
     assert got.get("data") is None
     np.testing.assert_array_equal(got["w"], np.ones(2))
+
+
+def test_a_recompressing_copy_keeps_every_processs_value(saved_on_3, tmp_path):
+    """`copy(compression=...)` carries per-process values over as saved (3 processes' windows), with the
+    saving process count, and a target-less load of the copy returns all of them as of the source."""
+    from cairn._load.metadata import open_checkpoint
+
+    cairn.copy(saved_on_3, tmp_path / "z", compression=True)
+    ck = open_checkpoint(tmp_path / "z")
+    assert ck.manifest.version == 3 and ck.manifest.process_count == open_checkpoint(saved_on_3).manifest.process_count
+    src, got = cairn.load(saved_on_3), cairn.load(tmp_path / "z")
+    assert len(got["data"]) == 3
+    for p in range(3):
+        np.testing.assert_array_equal(got["data"][p]["window"], _window(p))
+        np.testing.assert_array_equal(got["data"][p]["window"], src["data"][p]["window"])
+    np.testing.assert_array_equal(got["params"]["w"], src["params"]["w"])

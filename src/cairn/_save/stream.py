@@ -187,8 +187,9 @@ class StreamWriter:
         except ValueError:  # a dtype no codec knows
             return "none"
 
-    def commit(self, root: bool, metadata: dict[str, Any]) -> None:
-        manifest = fmt.Manifest(items=self.items, root=root, process_count=1, cairn_version=__version__,
+    def commit(self, root: bool, metadata: dict[str, Any], process_count: int = 1) -> None:
+        """Put the manifest; `process_count`: the processes that saved the source (a copy keeps it)."""
+        manifest = fmt.Manifest(items=self.items, root=root, process_count=process_count, cairn_version=__version__,
                                 created_unix=time.time(), metadata=metadata).to_json(self.version)
         self.strategy.commit(self.loc, self.token, manifest, self.needed, overwrite=self.overwrite)
 

@@ -338,9 +338,8 @@ def copy(
     False, "zstd", "planes") recompresses: every array is read (every
     checksum verified) and written anew at `dst` with that setting, chunk by
     chunk in slabs of a quarter of `budget_bytes`, keeping each array's
-    chunks, sharding record and key implementation, and the metadata. That
-    does not resume, and refuses user objects and per-process values (copy
-    those without `compression`).
+    chunks, sharding record and key implementation, user objects,
+    per-process values and the metadata. That does not resume.
 
     Raises `CheckpointNotFoundError` (nothing committed at `src`),
     `CheckpointExistsError` (`dst` holds another checkpoint),
@@ -414,8 +413,9 @@ def _recompress(s: Location, d: Location, compression: str | bool | None, overwr
                 progress: Callable[[int], None] | None = None) -> CopyStats:
     """`copy` with another `compression`: each chunk of each array read (checked) slab by slab and written
     anew at `d` (`_save.stream.StreamWriter`), never a whole state in memory. The copy keeps each array's
-    grid of chunks, its sharding record, and a typed key's implementation: it differs from the source only
-    in how its blocks are stored (and in having one data file per item)."""
+    grid of chunks, its sharding record, a typed key's implementation, user objects and per-process values
+    (the structure is the source's): it differs from the source only in how its blocks are stored (and in
+    having one data file per item)."""
     from .._interop.convert import exact_slabs
     from .._load.metadata import Opened, read_index, read_manifest
     from .._load.reader import make_reader, read_box, slab_boxes, slab_bytes
@@ -425,12 +425,6 @@ def _recompress(s: Location, d: Location, compression: str | bool | None, overwr
     codec = resolve_compression(compression, d.storage)
     manifest = read_manifest(s)
     ck = Opened(s, manifest, {name: read_index(s, info) for name, info in manifest.items.items()})
-    for name, index in ck.indexes.items():
-        for leaf in index.leaves:
-            if getattr(leaf, "kind", "") == "object" or "per_process" in json.dumps(index.structure):
-                raise CheckpointError(f"{s.path}: item {name!r} holds user objects or per-process values, "
-                                      "which recompression does not carry over; copy without compression")
-
     class _Cell:  # one chunk of a source array, as a `SlabSource`: C-order slabs read through the load's reader
         def __init__(self, reader: Any, leaf: fmt.ArrayLeaf, box: tuple[tuple[int, int], ...]):
             self.reader, self.leaf, self.box, self.dtype = reader, leaf, box, leaf.dtype
@@ -465,7 +459,7 @@ def _recompress(s: Location, d: Location, compression: str | bool | None, overwr
                     writer.write_item(name, manifest.root, index.structure, leaves, slab, progress)
                 finally:
                     reader.close()
-            writer.commit(manifest.root, manifest.metadata)
+            writer.commit(manifest.root, manifest.metadata, manifest.process_count)
         except BaseException:
             writer.abort()
             raise
