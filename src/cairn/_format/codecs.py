@@ -198,19 +198,30 @@ def _planes_worth_coding(u8: np.ndarray, k: int, n: int) -> np.ndarray:
     be shorter) is worth coding, as a (blocks, k) bool array: the order-0 entropy of up to
     PLANE_PROBE bytes sampled evenly from the plane (every ceil(m / PLANE_PROBE)-th of its m bytes)
     is under PLANE_MAX_BITS a byte, H = log2(N) - sum(c log2 c) / N over the N sampled bytes'
-    counts c. One gather and one bincount of the raw bytes for all blocks and planes."""
+    counts c. The full blocks are one strided view, one add and one bincount; a short last block
+    is probed the same way on its own (a fixed cost of a few numpy calls, not one per block or plane)."""
     total = u8.nbytes // k
-    starts = np.arange(0, total, n)
-    sizes = np.minimum(n, total - starts)
-    strides = np.where(sizes > PLANE_PROBE, -(-sizes // PLANE_PROBE), 1)
-    counts = -(-sizes // strides)  # elements probed in each block
-    blk = np.repeat(np.arange(len(starts)), counts)
-    first = np.cumsum(counts) - counts
-    elem = starts[blk] + (np.arange(int(counts.sum())) - first[blk]) * strides[blk]
-    got = u8.reshape(total, k)[elem]  # (probed elements, k): byte p of each is plane p's probe
-    rows = (blk[:, None] * k + np.arange(k)) * 256
-    hist = np.bincount((rows + got).reshape(-1), minlength=256 * k * len(starts)).reshape(len(starts), k, 256)
-    bits = np.log2(counts)[:, None] - _CLOGC[hist].sum(axis=2) / counts[:, None]
+    rows = u8.reshape(total, k)
+    full = total // n
+    parts = []
+    if full:
+        parts.append(_probe(rows[: full * n].reshape(full, n, k), n))
+    if total > full * n:
+        parts.append(_probe(rows[full * n :].reshape(1, total - full * n, k), total - full * n))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
+def _probe(blocks: np.ndarray, size: int) -> np.ndarray:
+    """`_planes_worth_coding` of (nb, size, k) equal blocks."""
+    nb, _, k = blocks.shape
+    # (nb, k, c), a view: the sampled bytes innermost, so numpy's loops run along them
+    sample = blocks[:, :: -(-size // PLANE_PROBE) if size > PLANE_PROBE else 1, :].transpose(0, 2, 1)
+    c = sample.shape[2]
+    wide = np.uint16 if nb * k <= 256 else np.uint32
+    offsets = ((np.arange(nb)[:, None] * k + np.arange(k)) * 256).astype(wide).reshape(nb, k, 1)
+    keys = np.add(sample, offsets, dtype=wide)  # (block, plane, byte) as one histogram bin
+    hist = np.bincount(keys.reshape(-1), minlength=256 * k * nb).reshape(nb, k, 256)
+    bits = np.log2(c) - _CLOGC[hist].sum(axis=2) / c
     return bits < PLANE_MAX_BITS
 
 
