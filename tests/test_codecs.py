@@ -273,13 +273,17 @@ def test_encode_run_is_encode_of_each_block(codec, dtype):
     """A save codes a chunk's blocks in runs (`encode_run`): the bytes must be exactly what `encode`
     gives each block, whatever the dtype, run length, short last block or mix of coded planes."""
     k = np.dtype(dtype).itemsize
-    x = _values(dtype, 3 * 4096 + 5, seed=3)
-    if np.dtype(dtype).kind == "f" and k >= 2:  # a random stretch: some blocks' planes stored raw
-        x[: 4096 // 2] = np.random.default_rng(4).integers(0, 256, 4096 // 2 * k, np.uint8).view(dtype)
-    raw = x.view(np.uint8)
-    for block in (k, 64 * k, 4096 * k, raw.nbytes, 1 << 20):
-        want = [_codecs.encode(codec, raw[o:o + block], dtype) for o in range(0, raw.nbytes, block)]
-        assert _codecs.encode_run(codec, raw, block, dtype) == want
+    big = _codecs.PLANE_PROBE_MIN_BYTES  # blocks from this size on are probed, smaller ones not
+    for n, blocks in ((3 * 4096 + 5, (k, 64 * k, 4096 * k, None, 1 << 20)),
+                      (3 * big // k + 5, (big, 2 * big, None))):  # short last blocks under and over `big`
+        x = _values(dtype, n, seed=3)
+        if np.dtype(dtype).kind == "f" and k >= 2:  # a random stretch: some blocks' planes stored raw
+            x[: n // 6] = np.random.default_rng(4).integers(0, 256, n // 6 * k, np.uint8).view(dtype)
+        raw = x.view(np.uint8)
+        for block in blocks:
+            block = block or raw.nbytes
+            want = [_codecs.encode(codec, raw[o:o + block], dtype) for o in range(0, raw.nbytes, block)]
+            assert _codecs.encode_run(codec, raw, block, dtype) == want
     assert _codecs.encode_run(codec, raw[:0], 64 * k, dtype) == []
     if k > 1:
         with pytest.raises(ValueError, match="not whole"):
@@ -300,3 +304,28 @@ def test_the_run_probe_is_each_block_and_planes_probe():
         assert got.tolist() == want
         if n >= 4096:  # (a probe of fewer bytes cannot see 7.5 bits of entropy: every plane looks codable)
             assert got.any() and not got.all()
+
+
+def test_blocks_under_the_probe_size_try_every_plane():
+    """A block under PLANE_PROBE_MIN_BYTES is not probed: zstd tries every plane. A plane of a repeated
+    random pattern looks random to the probe (about 8 bits a byte) but zstd stores it in a fraction:
+    coded in a small block, raw in a probed one, and `encode_run`'s short last block is coded as
+    `encode` codes it on its own."""
+    big = _codecs.PLANE_PROBE_MIN_BYTES
+    pattern = np.random.default_rng(6).integers(0, 256, 4099, np.uint8)  # prime: the probe sees 4096 of it
+
+    def block(nbytes: int) -> np.ndarray:  # uint16 elements: plane 0 repeats `pattern`, plane 1 is zero
+        x = np.zeros(nbytes // 2, np.uint16)
+        x[:] = np.resize(pattern, x.size)
+        return x.view(np.uint8)
+
+    def coded(stored: bytes) -> int:
+        return struct.unpack_from("<BH", stored)[1]  # the mask of coded planes
+
+    small, probed = block(big - 2048), block(big)
+    assert coded(_codecs.encode("planes", small, np.uint16)) & 1
+    assert not coded(_codecs.encode("planes", probed, np.uint16)) & 1
+    run = np.concatenate([probed, small])  # a probed block, then a short one
+    got = _codecs.encode_run("planes", run, big, np.uint16)
+    assert got == [_codecs.encode("planes", probed, np.uint16), _codecs.encode("planes", small, np.uint16)]
+    assert coded(got[1]) & 1
