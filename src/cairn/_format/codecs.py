@@ -161,11 +161,7 @@ def encode_run(codec: str, raw: Any, block: int, dtype: Any) -> list[bytes]:
         raise ValueError(f"blocks of {block} bytes over {u8.nbytes} bytes are not whole {dt} elements")
     if codec != "planes" or u8.nbytes <= block:
         return [encode(codec, u8[o:o + block], dt) for o in range(0, u8.nbytes, block)]
-    if block < PLANE_PROBE_MIN_BYTES:
-        return [_encode_planes(u8[o:o + block], k, [True] * k) for o in range(0, u8.nbytes, block)]
-    worth = _planes_worth_coding(u8, k, block // k)
-    if u8.nbytes % block and u8.nbytes % block < PLANE_PROBE_MIN_BYTES:
-        worth[-1] = True  # a short last block, as `encode` codes it on its own
+    worth = _planes_to_try(u8, k, block // k)
     return [_encode_planes(u8[o:o + block], k, worth[j]) for j, o in enumerate(range(0, u8.nbytes, block))]
 
 
@@ -201,6 +197,20 @@ def _split(u8: np.ndarray, k: int, scratch: bool = False) -> np.ndarray:
 _CLOGC = np.concatenate(([0.0], np.arange(1, PLANE_PROBE + 1) * np.log2(np.arange(1, PLANE_PROBE + 1))))
 
 
+def _planes_to_try(u8: np.ndarray, k: int, n: int) -> np.ndarray:
+    """Which planes of each n-element block of `u8` zstd is tried on, as a (blocks, k) bool array:
+    every plane of a block under PLANE_PROBE_MIN_BYTES (the short last one too), the probe's answer
+    (`_planes_worth_coding`) for the others."""
+    total = u8.nbytes // k
+    full, tail = divmod(total, n)
+    worth = np.ones((full + (tail > 0), k), bool)
+    if full and n * k >= PLANE_PROBE_MIN_BYTES:
+        worth[:full] = _planes_worth_coding(u8[: full * n * k], k, n)
+    if tail * k >= PLANE_PROBE_MIN_BYTES:
+        worth[full] = _planes_worth_coding(u8[full * n * k :], k, tail)[0]
+    return worth
+
+
 def _planes_worth_coding(u8: np.ndarray, k: int, n: int) -> np.ndarray:
     """Whether each plane of each n-element block of `u8` (elements of k bytes; the last block may
     be shorter) is worth coding, as a (blocks, k) bool array: the order-0 entropy of up to
@@ -234,11 +244,10 @@ def _probe(blocks: np.ndarray, size: int) -> np.ndarray:
 
 
 def _encode_planes(u8: np.ndarray, k: int, worth: Any = None) -> bytes:
-    """One block's "planes" form; `worth`: which planes to try zstd on (default: this block's probe, or
-    every plane in a block under PLANE_PROBE_MIN_BYTES)."""
+    """One block's "planes" form; `worth`: which planes to try zstd on (default: `_planes_to_try`)."""
     n = u8.nbytes // k
     if worth is None:
-        worth = [True] * k if u8.nbytes < PLANE_PROBE_MIN_BYTES else _planes_worth_coding(u8, k, n)[0]
+        worth = _planes_to_try(u8, k, n)[0] if n else [False] * k
     planes = _split(u8, k, scratch=True)
     mask = 0
     lengths: list[int] = []
