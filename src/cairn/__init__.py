@@ -19,6 +19,7 @@ from ._core.stats import StatsEvent as StatsEvent
 from ._core.stats import add_listener as add_listener
 from ._core.stats import remove_listener as remove_listener
 from ._dist.coord import Coordinator as Coordinator
+from ._dist.coord import shutdown as shutdown
 from ._errors import CheckpointError as CheckpointError
 from ._errors import CheckpointExistsError as CheckpointExistsError
 from ._errors import CheckpointNotFoundError as CheckpointNotFoundError
@@ -95,6 +96,7 @@ __all__ = [
     "remove_listener",
     "save",
     "save_async",
+    "shutdown",
     "user_metadata",
     "wait_all",
 ]

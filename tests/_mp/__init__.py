@@ -68,11 +68,13 @@ def start(
     heartbeat_s: int = 10,
     workdir: str | None = None,
     sync_exit: list[int] | None = None,
+    natural_exit: bool = False,
 ) -> list[Proc]:
     """Start `n` processes running `scenario` (a function name in scenarios.py).
 
     `sync_exit`: the processes expected to finish (the others die on purpose); they exit once all
-    of them have their result, skipping JAX's shutdown (which a dead peer makes abort)."""
+    of them have their result, skipping JAX's shutdown (which a dead peer makes abort).
+    `natural_exit`: no shutdown call at all: each process ends as a script that returns does."""
     workdir = workdir or tempfile.mkdtemp(prefix="cairn-mp-")
     port = free_port()
     env = dict(os.environ)
@@ -85,6 +87,7 @@ def start(
     spec = {
         "n": n, "port": port, "scenario": scenario, "args": args or {},
         "recoverable": recoverable, "heartbeat_s": heartbeat_s, "sync_exit": sync_exit,
+        "natural_exit": natural_exit,
     }
     procs = []
     for i in range(n):

@@ -48,25 +48,29 @@ def main() -> None:
     sys.stdout.flush()
     if n > 1 and spec.get("sync_exit") is not None:
         _sync_exit(index, spec["sync_exit"])
-    if n > 1:
+    if n > 1 and not spec.get("natural_exit"):
         jax.distributed.shutdown()
+    # natural_exit: leave as a script that just ends does (cairn's exit hooks, then the interpreter's)
 
 
 def _sync_exit(index: int, survivors: list[int]) -> None:
-    """Exit once every survivor has its result, without JAX's shutdown: with recoverable tasks the
-    shutdown does not wait for the others, so process 0 (which hosts the service) could end it
-    under processes still working, and they abort."""
-    from jax._src import distributed
+    """Exit once every survivor has its result, without JAX's shutdown barrier (a dead peer makes it
+    abort). Process 0 hosts the coordination service: it must be the last to go, or a survivor still
+    connected loses the service and JAX aborts it. `cairn.shutdown` makes it so: a survivor leaves
+    the service (after which nothing it does can be aborted by process 0's exit), and process 0
+    waits until every survivor has left (not merely said it would). `survivors` are the processes
+    expected to get here."""
+    import cairn
+    from cairn._dist import coord
 
-    client = distributed.global_state.client
     if index:
-        client.key_value_set("mp/exited/" + str(index), "1")
+        cairn.shutdown()
         os._exit(0)
-    for p in survivors:
-        if p:
-            client.blocking_key_value_get("mp/exited/" + str(p), 120_000)
+    # Process 0 knows which process died only if its own save named it; the harness knows for sure.
+    dead = set(range(coord.default_coordinator().process_count)) - set(survivors)  # type: ignore[attr-defined]
+    coord.default_coordinator().dead |= dead  # type: ignore[attr-defined]
+    cairn.shutdown(timeout=120)
     os._exit(0)
-
 
 if __name__ == "__main__":
     main()

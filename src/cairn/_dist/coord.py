@@ -164,9 +164,14 @@ class JaxCoordinator:
         self._stop = threading.Event()
         self._beat = threading.Thread(target=self._heartbeat, name="cairn-heartbeat", daemon=True)
         self._beat.start()
+        #: Processes this one found dead (no heartbeat for peer_timeout): `shutdown` does not wait for them.
+        self.dead: set[int] = set()
         # Stopped before the interpreter finalizes: a daemon thread caught inside a client call
         # then aborts the process ("terminate called ... exception not rethrown").
         atexit.register(self.close)
+        if process_index == 0 and _recoverable():
+            # Registered after `close`, so it runs before it (atexit is last in, first out).
+            atexit.register(_wait_for_others_at_exit, self)
 
     def close(self) -> None:
         self._stop.set()
@@ -214,6 +219,7 @@ class JaxCoordinator:
             moving = moving or doing != old[2]
             self._seen[p] = (raw, beat_at, doing, doing_at)
             if now - beat_at > self.peer_timeout:
+                self.dead.add(p)
                 raise CoordinationError(
                     f"{self._whereabouts([p])} sent no heartbeat for {now - beat_at:.0f}s: it died or hangs "
                     f"entirely (process {self.process_index} was waiting for {waiting_for}; CAIRN_PEER_TIMEOUT "
@@ -405,6 +411,107 @@ class JaxCoordinator:
             return list(self._dir(prefix))
         except Exception:
             return []
+
+
+#: How long process 0 waits at exit for the others to leave (seconds; env CAIRN_EXIT_TIMEOUT).
+EXIT_TIMEOUT = 120.0
+
+
+def _recoverable() -> bool:
+    try:
+        import jax
+
+        return bool(jax.config.jax_enable_recoverability)
+    except (ImportError, AttributeError):
+        return False
+
+
+def shutdown(timeout: float | None = None) -> None:
+    """Leave the JAX cluster so that every other process gets to finish: ``jax.distributed.shutdown``
+    that cannot cut the others off.
+
+    Process 0 hosts JAX's coordination service. With ``jax_enable_recoverability`` (which keeps the
+    survivors of a dead peer alive), JAX's own shutdown does not wait for anyone, so when process 0
+    exits, a process still running (say, in the handler of a `CoordinationError`: logging, a
+    save to the local tier, a clean exit for the scheduler) loses the service and JAX aborts it.
+    Here process 0 first waits until every other process has left (called this, or exited), at
+    most `timeout` seconds (default ``CAIRN_EXIT_TIMEOUT``, 120), not waiting for processes cairn
+    found dead; every other process leaves at once. Without recoverability JAX's shutdown already
+    waits for every process, and this is ``jax.distributed.shutdown()``. Does nothing when
+    ``jax.distributed`` is not initialised. Process 0 does the same wait at exit on its own, so a
+    script that just raises or returns is safe too; call this where the program ends some other
+    way (``os._exit``) or should leave the cluster early::
+
+        try:
+            train()
+        except cairn.CoordinationError:
+            save_what_you_can()  # every survivor gets here, whenever process 0 exits
+            raise
+        finally:
+            cairn.shutdown()
+    """
+    import sys
+
+    if "jax" not in sys.modules:
+        return
+    from jax._src import distributed
+
+    state = distributed.global_state
+    if state.client is None:
+        return
+    coord = _default if isinstance(_default, JaxCoordinator) and _default._client is state.client else None
+    if state.process_id == 0 and _recoverable():
+        _wait_for_others(state.client, state.num_processes, coord.dead if coord else set(), timeout)
+    if coord is not None:
+        coord.close()
+    import jax
+
+    jax.distributed.shutdown()
+
+
+def _wait_for_others(client: Any, count: int, dead: set[int], timeout: float | None) -> bool:
+    """Process 0: wait until every process but the `dead` has left the coordination service, at most
+    `timeout` seconds; whether they all did.
+
+    JAX's live-node query returns once each live process it names has made the same query or left
+    (disconnected, or found dead by the service): the others never make it, so it returns when they
+    have all left. It cannot be given a deadline, so it runs in a daemon thread."""
+    others = [p for p in range(1, count) if p not in dead]
+    if not others:
+        return True
+    if timeout is None:
+        timeout = float(os.environ.get("CAIRN_EXIT_TIMEOUT") or EXIT_TIMEOUT)
+    done = threading.Event()
+
+    def query() -> None:
+        try:
+            client.get_live_nodes([0, *others])
+        except Exception:
+            pass  # the service is going or gone: nothing left to wait for
+        done.set()
+
+    threading.Thread(target=query, name="cairn-exit-wait", daemon=True).start()
+    if done.wait(timeout):
+        return True
+    import logging
+
+    logging.getLogger("cairn").warning(
+        "process 0 leaves the cluster after waiting %.0fs for processes %s to leave first (CAIRN_EXIT_TIMEOUT); "
+        "those still running lose the coordination service", timeout, others)
+    return False
+
+
+def _wait_for_others_at_exit(coord: JaxCoordinator) -> None:
+    """At process 0's exit (recoverability on): `_wait_for_others`, unless the cluster is already shut down."""
+    try:
+        from jax._src import distributed
+
+        state = distributed.global_state
+        if state.client is not coord._client:
+            return  # shut down already (cairn.shutdown or jax.distributed.shutdown), or a new cluster
+        _wait_for_others(state.client, state.num_processes or coord.process_count, coord.dead, None)
+    except Exception:
+        pass  # never turn an exit into a crash
 
 
 def _ms(timeout: float) -> int:
