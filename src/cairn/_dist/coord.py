@@ -421,7 +421,7 @@ def _recoverable() -> bool:
     try:
         import jax
 
-        return bool(jax.config.jax_enable_recoverability)
+        return bool(getattr(jax.config, "jax_enable_recoverability", False))
     except (ImportError, AttributeError):
         return False
 
