@@ -20,11 +20,14 @@ $(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 
+# The distribution was named `cairn` until 0.3.0: a venv made then loses that name first.
 $(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip uninstall -q -y cairn 2>/dev/null || true
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
 
 $(DEMO_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip uninstall -q -y cairn 2>/dev/null || true
 	$(BIN)/pip install -q -e '.[jax]'
 	touch $(DEMO_STAMP)
 
