@@ -204,6 +204,8 @@ class CheckpointManager(StepWatch):
         local: LocalTier | None = None,
         step_format: str = DEFAULT_STEP_FORMAT,
         compression: str | bool = "auto",
+        start_fresh: bool = False,
+        delete_orbax_steps: bool = False,
     ):
         if save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
@@ -235,14 +237,54 @@ class CheckpointManager(StepWatch):
             with self._retention_lock:
                 _leases.remove_stale_markers(self._storage)
                 self._cleanup_uncommitted()
-        # An Orbax run continued here: `save` then checks that Orbax has not saved its step.
-        orbax = sorted(s for s, f in _steps.step_folders(self._storage, self._names).items()
-                       if self._names.parse(f) is None) if self._primary or self._decisions.alone else []
-        orbax = self._decisions.shared("orbax-steps", orbax[-1:])
-        self._foreign = bool(orbax)
-        if orbax and self._primary:
-            log.info("cairn: %s holds Orbax steps (newest %d): they restore as steps of this run, and new steps "
-                     "are saved in cairn's format as %r", self.directory, orbax[-1], self._names.name(orbax[-1] + 1))
+        self.start_fresh = start_fresh
+        self.delete_orbax_steps = delete_orbax_steps
+        self._orbax: set[int] = set()  # the run's steps that are Orbax step folders, as last listed
+        self._check_strays()
+
+    def _survey(self) -> tuple[list[tuple[int, str, bool]], list[list[Any]]]:
+        """The primary's `_steps.survey` on every process: (step, folder, is Orbax's) and the strays."""
+        mine: Any = None
+        if self._primary or self._decisions.alone:
+            got = _steps.survey(self._storage, self._names)
+            mine = [[[s, f, s in got.orbax] for s, f in got.steps.items()],
+                    [[x.name, x.step, x.kind, x.why] for x in got.strays]]
+        steps, strays = self._decisions.shared("survey", mine)
+        pairs = [(int(s), str(f), bool(o)) for s, f, o in steps]
+        self._folders = {s: f for s, f, _ in pairs}
+        self._orbax = {s for s, _, o in pairs if o}
+        return pairs, strays
+
+    def _check_strays(self) -> None:
+        """Refuse to start from nothing, or from an older step, beside folders that look like newer steps.
+
+        Each such folder would otherwise be passed over in silence (`latest_step`
+        None: the training loop starts again from step 0), so unless
+        `start_fresh` the manager raises, naming them; older ones are named in
+        a warning.
+        """
+        pairs, strays = self._survey()
+        if not strays:
+            if self._orbax and self._primary:
+                newest = max(self._orbax)
+                log.info("cairn: %s holds Orbax steps (newest %d): they restore as steps of this run, and new "
+                         "steps are saved in cairn's format as %r", self.directory, newest, self._names.name(newest + 1))
+            return
+        latest = pairs[-1][0] if pairs else None
+        newer = [x for x in strays if latest is None or x[1] > latest]
+        shown = "; ".join(f"{n} ({k}: {w})" for n, _, k, w in (newer or strays)[:5])
+        more = f" and {len(newer or strays) - 5} more" if len(newer or strays) > 5 else ""
+        if newer and not self.start_fresh:
+            start = "no step it counts" if latest is None else f"steps up to {latest}"
+            raise CheckpointError(
+                f"{self.directory}: the manager finds {start}, but folders that look like newer steps: {shown}{more}. "
+                "Resuming here would pass over them. Name the run's steps with step_format= (e.g. "
+                "'checkpoint_{step}' for Orbax's step_prefix='checkpoint'), move the folders away, or pass "
+                "start_fresh=True to start from " + ("nothing" if latest is None else f"step {latest}") +
+                " anyway")
+        if self._primary:
+            log.warning("cairn: %s: these folders look like steps but are not steps of this run: %s%s",
+                        self.directory, shown, more)
 
     # ------------------------------------------------------------------ naming and listing
 
@@ -273,11 +315,7 @@ class CheckpointManager(StepWatch):
 
             mgr.steps()    # [1000, 2800, 2900, 3000]
         """
-        mine = ([[s, f] for s, f in _steps.step_folders(self._storage, self._names).items()]
-                if self._primary or self._decisions.alone else [])
-        pairs = [(int(s), str(f)) for s, f in self._decisions.shared("steps", mine)]
-        self._folders = dict(pairs)
-        return [s for s, _ in pairs]
+        return [s for s, _, _ in self._survey()[0]]
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None if there is none.
@@ -433,9 +471,15 @@ class CheckpointManager(StepWatch):
         if not (force or preempted or step % self.save_every == 0):
             return local_saved
         meta = _steps.step_metadata(step, metrics, f"{self.directory} step {step}", metadata)
-        if self._foreign and _steps.orbax_step(self._storage, str(step)) is not None:
-            raise CheckpointExistsError(f"{self.directory}/{step}: step {step} is already saved there by Orbax; "
-                                        "save a new step (or mgr.delete it first)")
+        taken = (_steps.folders_of_step(self._storage, step, self._names)
+                 if self._primary or self._decisions.alone else None)
+        taken = self._decisions.shared(f"taken-{step}", taken)
+        if taken:  # one step, one folder: never a second one in another naming
+            raise CheckpointExistsError(
+                f"{self.directory}/{taken[0]}: step {step} is already saved there"
+                f"{' by Orbax' if self._storage.exists(f'{taken[0]}/{_steps.ORBAX_STEP_METADATA}') else ''}"
+                f"{' (and in ' + ', '.join(taken[1:]) + ')' if taken[1:] else ''}; save a new step, or delete it "
+                "first (mgr.delete for a step of this run)")
         with self._lock:
             if step in self._inflight:
                 raise CheckpointExistsError(f"{self.path(step)}: step {step} is already being saved")
@@ -490,8 +534,10 @@ class CheckpointManager(StepWatch):
         decision is its alone, so nothing here is exchanged with the other processes.
         Steps under a live reader lease are spared; a later pass deletes them.
         """
-        self._folders = _steps.step_folders(self._storage, self._names)
-        steps = list(self._folders)
+        got = _steps.survey(self._storage, self._names)
+        self._folders, self._orbax = got.steps, got.orbax
+        # Another format's steps are the way back to it: deleted only when asked (`delete_orbax_steps`).
+        steps = [s for s in self._folders if self.delete_orbax_steps or s not in self._orbax]
         infos = [self._info(s) for s in steps]
         keep = retained(self.policy, infos)
         doomed = [s for s in steps if s not in keep]
@@ -613,6 +659,10 @@ class CheckpointManager(StepWatch):
             print("resumed from", mgr.restored_step)
         """
         self._check_open()
+        if step is not None and not isinstance(step, int) and not hasattr(step, "__index__"):
+            raise TypeError(f"{self.directory}: restore(step, target): the first argument is the step to restore, "
+                            f"got a {type(step).__name__}; pass the tree as target= (mgr.restore(target=abstract), "
+                            "or mgr.restore(step, abstract))")
         opts = LoadOptions(partial=partial).replace(**{k: v for k, v in transforms.items() if k not in _NOT_OPTIONS})
         if opts.bandwidths is not None:  # checked here too: the local tier, which prices no route, may serve
             resolve_bandwidths(opts.bandwidths, "local", "cpu")
