@@ -277,7 +277,8 @@ class CheckpointManager(StepWatch):
         if newer and not self.start_fresh:
             start = "no step it counts" if latest is None else f"steps up to {latest}"
             raise CheckpointError(
-                f"{self.directory}: the manager finds {start}, but folders that look like newer steps: {shown}{more}. "
+                f"{self.directory}: the manager finds {start}, but folders that look like "
+                f"{'' if latest is None else 'newer '}steps: {shown}{more}. "
                 "Resuming here would pass over them. Name the run's steps with step_format= (e.g. "
                 "'checkpoint_{step}' for Orbax's step_prefix='checkpoint'), move the folders away, or pass "
                 "start_fresh=True to start from " + ("nothing" if latest is None else f"step {latest}") +
