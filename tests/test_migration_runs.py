@@ -130,9 +130,9 @@ def test_a_step_is_never_saved_in_a_second_naming(tmp_path, mesh42, capsys):
     with pytest.raises(cairn.CheckpointError, match="steps up to 10, but folders that look like newer steps: "
                                                     "step_00000020 \\(cairn"):
         mgr_of(run, step_format="{step}")  # cairn's own step under another spelling
-    with mgr_of(run, step_format="{step}", start_fresh=True) as mgr:  # even then, no second folder
-        with pytest.raises(cairn.CheckpointExistsError, match=r"step_00000020: step 20 is already saved there"):
-            mgr.save(20, state_of(mesh42, 20))
+    with mgr_of(run, step_format="{step}", start_fresh=True) as mgr, \
+            pytest.raises(cairn.CheckpointExistsError, match=r"step_00000020: step 20 is already saved there"):
+        mgr.save(20, state_of(mesh42, 20))  # even then, no second folder
     assert sorted(os.listdir(run)) == ["ckpt_10", "step_00000020"]
     assert cli(["ls", str(run), "--json"]) == 0
     entries = json.loads(capsys.readouterr().out)["entries"]
@@ -178,3 +178,113 @@ def test_restore_with_the_tree_as_first_argument_says_what_to_do(tmp_path, mesh4
             mgr.restore(target_of(mesh42))
         got = mgr.restore(1, target_of(mesh42))
         assert got["params"]["w"].sharding == NamedSharding(mesh42, P("x", "y"))
+
+
+# ---------------------------------------------------------------------- 2 and 6. the way back to Orbax
+
+
+def composite_restore(mesh):
+    return ocp.args.Composite(state=ocp.args.StandardRestore(target_of(mesh)), extra=ocp.args.JsonRestore())
+
+
+def test_orbax_to_cairn_and_back_in_place_keeps_every_step_in_order(tmp_path, mesh42, capsys):
+    run = tmp_path / "run"
+    orbax_job(run, mesh42, (10, 20), step_prefix="ckpt")
+    # cairn continues the run: its own steps beside Orbax's, with metrics and metadata.
+    with cairn.CheckpointManager(run, handle_sigterm=False, max_to_keep=2) as mgr:
+        got = mgr.restore(target={"state": target_of(mesh42), "extra": None})
+        assert mgr.restored_step == 20 and got["extra"] == {"epoch": 2, "seen": 20}
+        for step in (30, 40, 50):
+            mgr.save(step, {"state": state_of(mesh42, step), "extra": {"epoch": step // 10, "seen": step}},
+                     metrics={"loss": 1.0 / (step + 1)}, metadata={"git": "abc"})
+        mgr.wait()
+        assert mgr.steps() == [10, 20, 40, 50]
+    # Back: the run's cairn steps become Orbax steps under the run's own naming, in place.
+    written = cairn.export_orbax_run(run)
+    assert written == [f"{run}/ckpt_40", f"{run}/ckpt_50"]
+    assert sorted(os.listdir(run)) == ["ckpt_10", "ckpt_20", "ckpt_40", "ckpt_50"]
+    # The user's original Orbax script resumes from cairn's newest step, items and metrics intact.
+    opts = ocp.CheckpointManagerOptions(step_prefix="ckpt", best_fn=lambda m: m["loss"], best_mode="min")
+    with ocp.CheckpointManager(os.path.abspath(run), options=opts) as omgr:
+        assert omgr.all_steps() == [10, 20, 40, 50] and omgr.latest_step() == 50
+        back = omgr.restore(50, args=composite_restore(mesh42))
+        np.testing.assert_array_equal(np.asarray(back["state"]["params"]["w"]),
+                                      np.asarray(state_of(mesh42, 50)["params"]["w"]))
+        assert back["state"]["params"]["w"].sharding.spec == P("x", "y")
+        assert back["extra"] == {"epoch": 5, "seen": 50}  # a JSON item again, as JsonRestore wants
+        assert omgr.metrics(50) == {"loss": pytest.approx(1 / 51)}
+        assert omgr.best_step() == 50
+        meta = omgr.item_metadata(50)["state"]["params"]["w"]
+        assert tuple(meta.sharding.partition_spec) == ("x", "y") and tuple(meta.sharding.axis_names) == ("x", "y")
+        assert omgr.metadata(50).custom_metadata == {"git": "abc"}
+        omgr.save(60, args=ocp.args.Composite(state=ocp.args.StandardSave(state_of(mesh42, 60)),
+                                              extra=ocp.args.JsonSave({"epoch": 6, "seen": 60})),
+                  metrics={"loss": 0.001})
+        omgr.wait_until_finished()
+    assert cli(["ls", str(run), "--json"]) == 0
+    entries = json.loads(capsys.readouterr().out)["entries"]
+    assert [(e["step"], e["format"]) for e in entries] == [(s, "orbax") for s in (10, 20, 40, 50, 60)]
+
+
+def test_export_in_place_under_the_same_name_swaps_atomically(tmp_path, mesh42):
+    run = tmp_path / "run"
+    orbax_job(run, mesh42, (10,))
+    with mgr_of(run, step_format="{step}") as mgr:
+        mgr.save(20, {"state": state_of(mesh42, 20), "extra": {"epoch": 2, "seen": 20}})
+    assert os.path.exists(run / "20" / "manifest.json")
+    assert cairn.export_orbax_run(run, step_format="{step}") == [f"{run}/20"]
+    assert sorted(os.listdir(run)) == ["10", "20"] and not os.path.exists(run / "20" / "manifest.json")
+    with ocp.CheckpointManager(os.path.abspath(run)) as omgr:
+        assert omgr.all_steps() == [10, 20]
+        assert omgr.restore(20, args=composite_restore(mesh42))["extra"] == {"epoch": 2, "seen": 20}
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(cairn.CheckpointNotFoundError, match="holds no committed step"):
+        cairn.export_orbax_run(tmp_path / "empty")
+
+
+def test_export_a_whole_run_into_a_new_directory(tmp_path, mesh42):
+    run, out = tmp_path / "run", tmp_path / "orbax_run"
+    orbax_job(run, mesh42, (10,), step_prefix="step", step_format_fixed_length=6)
+    with mgr_of(run) as mgr:
+        for step in (20, 30):
+            mgr.save(step, {"state": state_of(mesh42, step), "extra": {"epoch": step // 10, "seen": step}})
+    before = sorted(os.listdir(run))
+    cairn.export_orbax_run(run, out)
+    assert sorted(os.listdir(run)) == before == ["step_00000020", "step_00000030", "step_000010"]
+    assert sorted(os.listdir(out)) == ["step_000010", "step_000020", "step_000030"]
+    opts = ocp.CheckpointManagerOptions(step_prefix="step", step_format_fixed_length=6)
+    with ocp.CheckpointManager(os.path.abspath(out), options=opts) as omgr:
+        assert omgr.all_steps() == [10, 20, 30]
+        for step in (10, 30):
+            assert omgr.restore(step, args=composite_restore(mesh42))["extra"]["seen"] == step
+    with pytest.raises(cairn.CheckpointExistsError, match="is not empty"):
+        cairn.export_orbax_run(run, out)
+
+
+def test_export_orbax_keeps_item_kinds_and_says_what_cannot_be_json(tmp_path):
+    cairn.save(tmp_path / "ck", {"params": {"w": np.ones(3, np.float32)}, "config": {"lr": 0.1, "name": "a"},
+                                 "loader": {"epoch": 3, "files": ["x", "y"]}}, metadata={"note": "n"})
+    out = cairn.export_orbax(tmp_path / "ck", tmp_path / "o")
+    handlers = json.loads((tmp_path / "o" / "_CHECKPOINT_METADATA").read_text())["item_handlers"]
+    assert "JsonCheckpointHandler" in handlers["config"] and "JsonCheckpointHandler" in handlers["loader"]
+    assert "PyTreeCheckpointHandler" in handlers["params"]
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ck:
+        got = ck.restore(out, args=ocp.args.Composite(config=ocp.args.JsonRestore(),
+                                                      loader=ocp.args.JsonRestore()))
+        assert got["config"] == {"lr": 0.1, "name": "a"} and got["loader"] == {"epoch": 3, "files": ["x", "y"]}
+        assert ck.metadata(out).custom_metadata == {"note": "n"}
+    # Named otherwise: json_items=() keeps every item a PyTree; a leaf JSON cannot hold is refused.
+    cairn.export_orbax(tmp_path / "ck", tmp_path / "o2", json_items=())
+    handlers = json.loads((tmp_path / "o2" / "_CHECKPOINT_METADATA").read_text())["item_handlers"]
+    assert "PyTreeCheckpointHandler" in handlers["config"]
+    with pytest.raises(cairn.UnsupportedTypeError, match="'params' cannot be a JSON item: leaf 'params/w'"):
+        cairn.export_orbax(tmp_path / "ck", tmp_path / "o3", json_items=["params"])
+    with pytest.raises(ValueError, match=r"json_items names \['nope'\]"):
+        cairn.export_orbax(tmp_path / "ck", tmp_path / "o3", json_items=["nope"])
+
+
+def test_the_manager_key_export_reads_is_the_managers():
+    from cairn._interop.orbaxout import MANAGER_KEY
+    from cairn._run.steps import META_KEY
+
+    assert MANAGER_KEY == META_KEY

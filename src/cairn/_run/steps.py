@@ -32,8 +32,8 @@ import math
 import os
 import re
 import time
-from dataclasses import dataclass
 from collections.abc import Container, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -361,7 +361,7 @@ def survey(storage: Storage, names: StepNames = DEFAULT_NAMES) -> Survey:
         spelt = [p for p, got in orbax.items() if any(names.parse(n) is not None for ns in got.values() for n in ns)]
         chosen = orbax[spelt[0]] if len(spelt) == 1 else {}
         shown = ", ".join(repr(p) if p else "none" for p in sorted(orbax))
-        for p, got in orbax.items():
+        for got in orbax.values():
             if got is not chosen:
                 strays += [Stray(n, s, "orbax", f"Orbax steps under several step_prefix namings ({shown}); "
                                  "step_format spelling one of them picks it") for s, ns in got.items() for n in ns]
