@@ -288,3 +288,28 @@ def test_the_manager_key_export_reads_is_the_managers():
     from cairn._run.steps import META_KEY
 
     assert MANAGER_KEY == META_KEY
+
+
+# ---------------------------------------------------------------------- 6. per process
+
+
+@pytest.mark.timeout(240)
+def test_export_per_process_writes_each_processs_shards_through_orbax(tmp_path):
+    from _mp import run
+
+    path, out = str(tmp_path / "ck"), str(tmp_path / "orbax")
+    results = run(2, "migration_scenarios:save_and_export", {"path": path, "out": out}, timeout=200)
+    assert sorted(r["process"] for r in results) == [0, 1]
+    # Orbax's per-process OCDBT folders: each process wrote its own shards.
+    assert {d for d in os.listdir(os.path.join(out, "state")) if d.startswith("ocdbt.process_")} == {
+        "ocdbt.process_0", "ocdbt.process_1"}
+    with ocp.Checkpointer(ocp.CompositeCheckpointHandler()) as ck:
+        one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+        target = {"w": jax.ShapeDtypeStruct((8, 4), np.float32, sharding=one)}
+        got = ck.restore(out, args=ocp.args.Composite(state=ocp.args.StandardRestore(target),
+                                                      extra=ocp.args.JsonRestore()))
+    np.testing.assert_array_equal(np.asarray(got["state"]["w"]), np.arange(32, dtype=np.float32).reshape(8, 4))
+    assert got["extra"] == {"seen": 3}
+    with open(os.path.join(out, "state", "_sharding")) as f:
+        sharding = json.load(f)
+    assert [json.loads(v)["partition_spec"] for v in sharding.values()] == [["x", "y"]]
