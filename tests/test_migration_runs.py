@@ -313,3 +313,109 @@ def test_export_per_process_writes_each_processs_shards_through_orbax(tmp_path):
     with open(os.path.join(out, "state", "_sharding")) as f:
         sharding = json.load(f)
     assert [json.loads(v)["partition_spec"] for v in sharding.values()] == [["x", "y"]]
+
+
+# ---------------------------------------------------------------------- what an Orbax user looks for
+
+
+def test_time_based_save_policy_and_should_save_fn(tmp_path, monkeypatch):
+    import cairn._manager.manager as manager_module
+
+    now = [1000.0]
+    monkeypatch.setattr(manager_module.time, "monotonic", lambda: now[0])
+    w = {"w": np.ones(2, np.float32)}
+    with mgr_of(tmp_path / "a", save_interval_s=60) as mgr:
+        assert mgr.save(1, w) and not mgr.should_save(2) and not mgr.save(2, w)
+        now[0] += 59.9
+        assert not mgr.save(3, w)
+        assert mgr.save(4, w, force=True)  # force still saves, and restarts the clock
+        now[0] += 60
+        assert mgr.should_save(5) and mgr.save(5, w)
+        assert mgr.steps() == [1, 4, 5]
+    seen = []
+
+    def hook(step, last):
+        seen.append((step, last))
+        return step % 3 == 0
+
+    with mgr_of(tmp_path / "b", should_save_fn=hook, save_every=1) as mgr:
+        for step in range(1, 8):
+            mgr.save(step, w)
+        assert mgr.steps() == [3, 6]
+    assert seen == [(1, None), (2, None), (3, None), (4, 3), (5, 3), (6, 3), (7, 6)]
+    with mgr_of(tmp_path / "b", should_save_fn=hook) as mgr:  # reopened: the last saved step is the newest
+        assert not mgr.save(8, w) and seen[-1] == (8, 6)
+    with pytest.raises(ValueError, match="save_interval_s must be a finite number"):
+        mgr_of(tmp_path / "c", save_interval_s=-1)
+
+
+def test_is_saving_in_progress_until_commit_and_retention(tmp_path, monkeypatch):
+    import threading
+
+    import cairn._manager.manager as manager_module
+
+    gate, entered = threading.Event(), threading.Event()
+    real = manager_module._steps.survey
+
+    def held(*a, **k):  # retention after the commit waits here, on the background thread only
+        if threading.current_thread() is not threading.main_thread():
+            entered.set()
+            assert gate.wait(60)
+        return real(*a, **k)
+
+    with cairn.CheckpointManager(tmp_path / "run", handle_sigterm=False, max_to_keep=1) as mgr:
+        assert not mgr.is_saving_in_progress()
+        monkeypatch.setattr(manager_module._steps, "survey", held)
+        mgr.save(1, {"w": np.ones(2, np.float32)})
+        assert entered.wait(60)
+        assert mgr.is_saving_in_progress()
+        gate.set()
+        mgr.wait(timeout=60)
+        assert not mgr.is_saving_in_progress() and mgr.steps() == [1]
+
+
+def test_reload_looks_again(tmp_path, mesh42):
+    run = tmp_path / "run"
+    with mgr_of(run) as mgr:
+        mgr.save(1, {"w": np.ones(2, np.float32)})
+        orbax_job(run, mesh42, (5,), step_prefix="step", step_format_fixed_length=8)  # Orbax writes beside it
+        # step_00000005 holds _CHECKPOINT_METADATA: Orbax's step 5 under the manager's own spelling.
+        mgr.reload()
+        assert mgr.steps() == [1, 5] and mgr.metrics(5) == {"loss": pytest.approx(1 / 6)}
+        os.makedirs(run / "step-9")
+        (run / "step-9" / ".metadata").write_bytes(b"dcp")
+        with pytest.raises(cairn.CheckpointError, match=r"steps up to 5, but folders that look like newer steps: "
+                                                        r"step-9 \(dcp"):
+            mgr.reload()
+
+
+def test_cast_on_save_is_explicit_and_checked(tmp_path):
+    state = {"params": {"w": jnp.ones((4,), jnp.float32), "n": jnp.arange(3)}, "opt": {"mu": np.zeros(4, np.float32)}}
+    with mgr_of(tmp_path / "run") as mgr:
+        mgr.save(1, state, cast={"params": jnp.bfloat16})
+        meta = cairn.metadata(mgr.path(1))
+        assert meta["params"]["w"].dtype == jnp.bfloat16 and meta["params"]["n"].dtype == state["params"]["n"].dtype
+        assert meta["opt"]["mu"].dtype == np.float32
+        mgr.save(2, state, cast=jnp.float16)  # every floating-point array
+        assert cairn.metadata(mgr.path(2))["opt"]["mu"].dtype == np.float16
+        with pytest.raises(ValueError, match="only floating-point casts"):
+            mgr.save(3, state, cast=jnp.int8)
+        with pytest.raises(ValueError, match=r"cast names \['nope'\], which match no array"):
+            mgr.save(3, state, cast={"nope": jnp.bfloat16})
+        assert mgr.steps() == [1, 2]
+
+
+def test_trash_dir_moves_deleted_steps_instead_of_deleting(tmp_path, mesh42):
+    run = tmp_path / "run"
+    orbax_job(run, mesh42, (1,))
+    with mgr_of(run, max_to_keep=1, trash_dir=".trash", delete_orbax_steps=True) as mgr:
+        for step in (2, 3):
+            mgr.save(step, {"w": np.full(2, step, np.float32)})
+        assert mgr.steps() == [3]
+        mgr.save(4, {"w": np.full(2, 4, np.float32)})
+    assert sorted(os.listdir(run / ".trash")) == ["1", "step_00000002", "step_00000003"]
+    np.testing.assert_array_equal(cairn.load(run / ".trash" / "step_00000002")["w"], np.full(2, 2, np.float32))
+    with pytest.raises(ValueError, match="looks like a step folder"):
+        mgr_of(run, trash_dir="step_7")
+    with pytest.raises(ValueError, match="trash_dir needs a local directory"):
+        cairn.CheckpointManager("memory://trash-test", handle_sigterm=False, trash_dir=".trash")

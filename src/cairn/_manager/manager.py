@@ -26,6 +26,7 @@ import logging
 import operator
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +50,7 @@ from .._run.retention import CheckpointInfo, KeepBest, RetentionPolicy, policy_f
 from .._run.steps import DEFAULT_STEP_FORMAT, StepNames, show_steps
 from .._save import future as _async
 from .._save.options import SaveOptions
+from .._storage import LocalDirs
 from .._storage.location import Location
 from .._tools import transforms as _transforms
 from .._tree.pytree import map_with_path
@@ -206,6 +208,9 @@ class CheckpointManager(StepWatch):
         compression: str | bool = "auto",
         start_fresh: bool = False,
         delete_orbax_steps: bool = False,
+        save_interval_s: float | None = None,
+        should_save_fn: Callable[[int, int | None], bool] | None = None,
+        trash_dir: str | None = None,
     ):
         if save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
@@ -239,6 +244,13 @@ class CheckpointManager(StepWatch):
                 self._cleanup_uncommitted()
         self.start_fresh = start_fresh
         self.delete_orbax_steps = delete_orbax_steps
+        if save_interval_s is not None and not (save_interval_s >= 0 and save_interval_s < float("inf")):
+            raise ValueError(f"{self.directory}: save_interval_s must be a finite number of seconds >= 0, "
+                             f"got {save_interval_s}")
+        self.save_interval_s, self.should_save_fn = save_interval_s, should_save_fn
+        self._last_save_t: float | None = None  # time.monotonic() when this manager's last save began
+        self._last_saved_step: int | None = None
+        self.trash_dir = _trash_dir(trash_dir, self._storage, self.directory)
         self._orbax: set[int] = set()  # the run's steps that are Orbax step folders, as last listed
         self._check_strays()
 
@@ -264,6 +276,7 @@ class CheckpointManager(StepWatch):
         a warning.
         """
         pairs, strays = self._survey()
+        self._last_saved_step = pairs[-1][0] if pairs else None
         if not strays:
             if self._orbax and self._primary:
                 newest = max(self._orbax)
@@ -436,11 +449,56 @@ class CheckpointManager(StepWatch):
             if mgr.should_save(step):
                 state = expensive_gather(state)
         """
-        return step % self.save_every == 0 or self._preemption.detected(step)
+        return self._preemption.detected(step) or self._on_schedule(step)
+
+    def _on_schedule(self, step: int) -> bool:
+        """Whether the save policy writes `step`: `save_every`, then `save_interval_s` and `should_save_fn`.
+
+        The time and the hook are the primary's to judge (clocks differ); every process gets its answer.
+        """
+        if step % self.save_every:
+            return False
+        if self.save_interval_s is None and self.should_save_fn is None:
+            return True
+        mine = None
+        if self._primary or self._decisions.alone:
+            mine = self._last_save_t is None or self.save_interval_s is None or \
+                time.monotonic() - self._last_save_t >= self.save_interval_s
+            if mine and self.should_save_fn is not None:
+                mine = bool(self.should_save_fn(step, self._last_saved_step))
+        return bool(self._decisions.shared(f"schedule-{step}", mine))
+
+    def is_saving_in_progress(self) -> bool:
+        """Whether a background save of this manager has not finished yet (its commit and retention).
+
+        Example:
+
+            mgr.save(step, state)
+            if not mgr.is_saving_in_progress():
+                print("step", step, "is committed")
+        """
+        return any(not (p.future.done() and p.settled.is_set()) for p in self._pending)
+
+    def reload(self) -> None:
+        """Forget what the manager remembers of the directory and look again, as when it was made.
+
+        For a directory another program writes too (an Orbax job, a second
+        manager): cached metrics and folders are dropped, and step-like folders
+        it does not count raise or warn as at construction (`start_fresh`).
+
+        Example:
+
+            mgr.reload(); mgr.latest_step()
+        """
+        self._check_open()
+        self.wait()
+        self._infos.clear()
+        self._folders.clear()
+        self._check_strays()
 
     def save(
         self, step: int, state: Any, metrics: Mapping[str, Any] | None = None, force: bool = False, *,
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None, cast: Any = None,
     ) -> bool:
         """Save `state` as `step` if the interval (or `force`, or preemption) says so.
 
@@ -469,9 +527,11 @@ class CheckpointManager(StepWatch):
         self._reap()
         preempted = self._preemption.detected(step)
         local_saved = self.local is not None and self.local.save(step, state)
-        if not (force or preempted or step % self.save_every == 0):
+        if not (force or preempted or self._on_schedule(step)):
             return local_saved
         meta = _steps.step_metadata(step, metrics, f"{self.directory} step {step}", metadata)
+        if cast is not None:
+            state = _cast(state, cast, f"{self.directory} step {step}")
         taken = (_steps.folders_of_step(self._storage, step, self._names)
                  if self._primary or self._decisions.alone else None)
         taken = self._decisions.shared(f"taken-{step}", taken)
@@ -486,6 +546,7 @@ class CheckpointManager(StepWatch):
                 raise CheckpointExistsError(f"{self.path(step)}: step {step} is already being saved")
             self._inflight.add(step)  # before any file exists, so cleanup leaves it alone
         loc = self._location(step)
+        self._last_save_t, self._last_saved_step = time.monotonic(), step
         try:
             if self.async_save and not preempted:
                 fut = _async.save_async(loc, state, self._save_options, metadata=meta)
@@ -548,7 +609,10 @@ class CheckpointManager(StepWatch):
                     self._delete_step(s)
 
     def _delete_step(self, step: int, why: str = "retention deleted") -> None:
-        _steps.delete_step(self._storage, step, self._folder(step))
+        if self.trash_dir is not None:
+            _steps.trash_step(self._storage, self._folder(step), self.trash_dir)
+        else:
+            _steps.delete_step(self._storage, step, self._folder(step))
         self._infos.pop(step, None)
         self._folders.pop(step, None)
         log.info("cairn: %s step %d from %s", why, step, self.directory)
@@ -757,3 +821,53 @@ class CheckpointManager(StepWatch):
 
     def __repr__(self) -> str:
         return f"<cairn.CheckpointManager {self.directory!r} policy={self.policy!r}>"
+
+
+# ---------------------------------------------------------------------- save's cast and the trash
+
+
+def _trash_dir(name: str | None, storage: Any, where: str) -> str | None:
+    """`trash_dir` checked: a plain folder name in the directory, on a filesystem that can move folders."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"{where}: trash_dir must be a folder name inside the directory (e.g. '.trash'), "
+                         f"got {name!r}")
+    if _steps.orbax_name(name) is not None or _steps.guess_step(name) is not None:
+        raise ValueError(f"{where}: trash_dir {name!r} looks like a step folder; choose another name")
+    if not isinstance(storage, LocalDirs):
+        raise ValueError(f"{where}: trash_dir needs a local directory (steps are moved there in one rename); "
+                         "object stores have no rename")
+    return name
+
+
+def _cast(state: Any, cast: Any, where: str) -> Any:
+    """`state` with its floating-point arrays cast as `cast` says: a dtype for every one, or a mapping
+    from key paths (``"params"``, ``"params/dense/kernel"``) to the dtype of the arrays under each."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rules = dict(cast) if isinstance(cast, Mapping) else {"": cast}
+    try:
+        wanted = {str(k).strip("/"): np.dtype(v) for k, v in rules.items()}
+    except TypeError as e:
+        raise TypeError(f"{where}: cast must be a dtype or a mapping from key paths to dtypes: {e}") from None
+    for k, dt in wanted.items():
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise ValueError(f"{where}: cast {k or '<every array>'!r} to {dt}: only floating-point casts are "
+                             "done on save (to an integer dtype, cast the arrays yourself)")
+    used: set[str] = set()
+
+    def visit(path: str, x: Any) -> Any:
+        rule = max((k for k in wanted if k == "" or path == k or path.startswith(k + "/")), key=len, default=None)
+        if rule is None or not hasattr(x, "dtype") or not hasattr(x, "astype"):
+            return x
+        used.add(rule)
+        return x.astype(wanted[rule]) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    out = map_with_path(visit, state)
+    unused = sorted(set(wanted) - used)
+    if unused:
+        raise ValueError(f"{where}: cast names {unused}, which match no array of the state")
+    return out
+

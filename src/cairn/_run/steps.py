@@ -447,6 +447,19 @@ def delete_step(storage: Storage, step: int, folder: str | None = None) -> None:
     strategy_for(storage).delete(folder or step_dirname(step))
 
 
+def trash_step(storage: Storage, folder: str, trash: str) -> str:
+    """Move step `folder` into the folder `trash` of the directory in one rename (local directories);
+    a name already there gets ``.1``, ``.2``, ... Returns its key in the trash."""
+    assert isinstance(storage, LocalDirs)
+    storage.makedirs(trash)
+    dest, n = f"{trash}/{folder}", 0
+    while storage.exists(dest) or storage.list_dir(dest):
+        n += 1
+        dest = f"{trash}/{folder}.{n}"
+    storage.rename_dir(folder, dest)
+    return dest
+
+
 def leftovers(storage: Storage, busy: Container[int] = (), names: StepNames = DEFAULT_NAMES) -> Iterator[str]:
     """The entries of a manager's directory that interrupted saves or deletions left.
 
