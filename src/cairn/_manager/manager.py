@@ -6,7 +6,9 @@ zero-padded to at least 8 digits (``step_00000100``; ``step_123456789`` for
 larger steps), or as ``step_format`` spells it (``"{step}"``: Orbax's
 ``100``). Only folders with that exact name and a committed
 ``manifest.json`` count as cairn steps, and Orbax's committed step folders
-(``<step>/_CHECKPOINT_METADATA``) as Orbax steps of the same run: interrupted saves are never listed,
+(``_CHECKPOINT_METADATA``, any Orbax naming) as Orbax steps of the same run
+(`_steps.survey`); other folders that look like steps are named, never
+passed over in silence (`_check_strays`). Interrupted saves are never listed,
 restored or counted for retention, and the primary process removes them
 (``.step_*.cairn-tmp-*`` folders, and on object stores step prefixes without a
 manifest) when the manager opens and after each commit.
@@ -126,15 +128,34 @@ class CheckpointManager(StepWatch):
     Orbax's plain ``100``).
 
     - Orbax runs: the committed step folders of an Orbax CheckpointManager in
-      `directory` (``<step>/_CHECKPOINT_METADATA``) are steps of the run too:
+      `directory` (``<step>/_CHECKPOINT_METADATA``, under any of Orbax's
+      namings: ``10``, ``0010`` with ``step_format_fixed_length``,
+      ``ckpt_10`` with ``step_prefix="ckpt"``) are steps of the run too:
       `steps`, `latest_step`, `restore` (onto any mesh, as `cairn.load` reads
-      them), `metrics`, `metadata` and retention see them, and `save`
-      continues the run in cairn's format beside them (a step Orbax already
-      saved is a `CheckpointExistsError`). To keep Orbax's folder names for
-      the new steps, pass ``step_format="{step}"``.
+      them), `metrics`, `metadata` and `best_step` see them, and `save`
+      continues the run in cairn's format beside them. To keep Orbax's folder
+      names for the new steps, pass ``step_format="{step}"`` (or
+      ``"ckpt_{step}"``); `cairn.export_orbax_run` turns the cairn steps
+      into Orbax's for the way back.
+    - One step, one folder: `save` raises `CheckpointExistsError` for a step
+      that has a folder in any naming (Orbax's, cairn's under another
+      `step_format`, DCP's ``step-10``), and a step saved in two folders is
+      no step of the run until one is removed.
+    - Folders that look like steps but are not steps of the run (a DCP
+      checkpoint, a cairn checkpoint named otherwise, Orbax steps of two
+      namings, ``step_10`` holding something else) are never passed over in
+      silence: where one looks newer than the newest step (or there is no
+      step at all), making the manager raises `CheckpointError` naming
+      them, unless ``start_fresh=True`` (resume from the steps it counts,
+      or from nothing); older ones are named in a warning.
 
     - `save_every`: `save` writes a step only when ``step % save_every == 0``
-      (or with ``force=True``, or once preemption was detected).
+      (or with ``force=True``, or once preemption was detected), and then
+      only if `save_interval_s` seconds have passed since this manager's last
+      save began (Orbax's ``ContinuousCheckpointingPolicy``) and
+      ``should_save_fn(step, last_saved_step)`` is true (Orbax's
+      ``should_save_fn``), each where given. With several processes the
+      primary judges both (clocks differ) and every process gets its answer.
     - `compression`: as `cairn.save`'s, for every step (``"auto"``: on for
       object stores and network filesystems, off on local disks; ``True``: a codec per leaf).
       `compression`, `threads` and `snapshot_budget_bytes` are checked as
@@ -151,7 +172,13 @@ class CheckpointManager(StepWatch):
       intersection. `best_step` names the best step.
       Retention runs after each commit, never before it, and skips steps
       an evaluator holds a reader lease on (until the lease is released or
-      expires; see `new_steps` and `reading`).
+      expires; see `new_steps` and `reading`). It counts and deletes cairn's
+      steps only: a run's Orbax steps are the way back to Orbax, deleted by
+      retention only with ``delete_orbax_steps=True`` (`delete` deletes any).
+      With `trash_dir` (a folder name in a local `directory`, e.g.
+      ``".trash"``), retention and `delete` move steps there in one rename
+      instead of deleting them (Orbax's ``todelete_subdir``); emptying it is
+      yours to do.
     - `read_only`: for an evaluator beside the trainer. It never saves,
       deletes or cleans up (the trainer's saves in progress look like
       interrupted ones) and installs no SIGTERM handler; use `wait_for_step`,
@@ -510,13 +537,23 @@ class CheckpointManager(StepWatch):
         read back with `metadata`. After preemption the save is synchronous:
         it returns once committed.
 
-        Raises `CheckpointExistsError` if `step` is already saved (by cairn
-        or, in an Orbax run's directory, by Orbax) or being saved, and `CheckpointError` (before saving anything) if an earlier
+        `cast` saves floating-point arrays in another floating-point dtype
+        (Orbax's ``SaveArgs(dtype=)``), only where asked: a dtype for every
+        floating-point array, or a mapping from key paths to dtypes
+        (``{"params": jnp.bfloat16}``: the arrays under ``params``; the
+        longest matching path wins). Integer and other leaves are left as
+        they are; a cast to a non-float dtype, or a path that matches no
+        array, is a ValueError before anything is saved.
+
+        Raises `CheckpointExistsError` if `step` already has a folder in the
+        directory, in any naming (cairn's, Orbax's, DCP's), or is being
+        saved, and `CheckpointError` (before saving anything) if an earlier
         background save failed.
 
         Example:
 
             saved = mgr.save(step, {"params": params, "opt": opt}, metrics={"loss": loss})
+            mgr.save(step, state, cast={"params": jnp.bfloat16})   # params stored as bfloat16
         """
         self._check_open()
         if self.read_only:
