@@ -108,18 +108,19 @@ def test_manager_lists_restores_and_continues_an_orbax_run(tmp_path, mesh42, cap
         nxt = make_state(mesh42, seed=7)
         assert mgr.save(300, nxt, metrics={"loss": 0.1})
         mgr.wait()
-        assert mgr.steps() == [200, 300]  # retention dropped Orbax's step 100 as it would its own
-        assert sorted(os.listdir(run)) == ["200", "step_00000300"]
+        assert mgr.steps() == [100, 200, 300]  # retention deletes cairn's steps only: Orbax's are the way back
+        assert sorted(os.listdir(run)) == ["100", "200", "step_00000300"]
         same(mgr.restore(target=target), nxt)
         assert mgr.latest_step() == 300
     assert cli(["ls", str(run), "--json"]) == 0
     entries = json.loads(capsys.readouterr().out)["entries"]
     assert [(e["step"], e["name"], e["format"], e["status"]) for e in entries] == [
-        (200, "200", "orbax", "committed"), (300, "step_00000300", "cairn", "committed")]
-    assert entries[0]["metrics"] == {"loss": 0.5}
+        (100, "100", "orbax", "committed"), (200, "200", "orbax", "committed"),
+        (300, "step_00000300", "cairn", "committed")]
+    assert entries[1]["metrics"] == {"loss": 0.5}
     assert cli(["ls", str(run)]) == 0
     out = capsys.readouterr().out
-    assert "orbax" in out and "2 committed" in out and "leftover" not in out
+    assert "orbax" in out and "3 committed" in out and "leftover" not in out
 
 
 def test_step_format_keeps_orbax_names(tmp_path, mesh42, capsys):
@@ -176,13 +177,13 @@ def test_what_an_orbax_user_looks_for(tmp_path, mesh42):
             mgr.save(step, {"w": np.full(4, step, np.float32)}, metrics={"loss": loss},
                      metadata={"epoch": step, "tags": ["a"]})
         mgr.wait()
-        # keep_best and max_to_keep are a union: the best (2) and the newest (4) survive.
-        assert mgr.steps() == [2, 4] and mgr.best_step() == 2
+        # keep_best and max_to_keep are a union: the best (2) and the newest (4) survive, and Orbax's 1.
+        assert mgr.steps() == [1, 2, 4] and mgr.best_step() == 2
         assert mgr.best_step("loss", "max") == 4
         assert mgr.metadata() == {"epoch": 4, "tags": ["a"]} and mgr.metadata(2)["epoch"] == 2
         assert cairn.user_metadata(mgr.path(4)) == {"epoch": 4, "tags": ["a"]}  # not the manager's metrics
         mgr.delete(2)
-        assert mgr.steps() == [4] and mgr.best_step() == 4
+        assert mgr.steps() == [1, 4] and mgr.best_step() == 4
         with pytest.raises(cairn.CheckpointNotFoundError, match="step 2 has no committed checkpoint"):
             mgr.delete(2)
         with pytest.raises(TypeError, match="JSON-able"):

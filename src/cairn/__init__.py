@@ -43,6 +43,7 @@ from ._run.retention import KeepLatest as KeepLatest
 from ._run.retention import KeepNewerThan as KeepNewerThan
 from ._run.retention import KeepOnePer as KeepOnePer
 from ._run.retention import RetentionPolicy as RetentionPolicy
+from ._run.toorbax import export_orbax_run as export_orbax_run
 from ._save.future import SaveFuture as SaveFuture
 from ._save.future import wait_all as wait_all
 from ._tools.copy import copy as copy
@@ -87,6 +88,7 @@ __all__ = [
     "add_listener",
     "copy",
     "export_orbax",
+    "export_orbax_run",
     "export_safetensors",
     "load",
     "metadata",

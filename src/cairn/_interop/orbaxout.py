@@ -1,23 +1,30 @@
-"""Export a cairn checkpoint as an Orbax checkpoint, written by orbax-checkpoint itself.
+"""Export cairn checkpoints, and whole runs, as Orbax's, written by orbax-checkpoint itself.
 
-Leaving cairn should be as easy as arriving: the checkpoint is loaded (numpy
-arrays on the host, checksums verified; typed PRNG keys wrapped back into
-keys) and handed to Orbax's own ``PyTreeCheckpointHandler``, so whatever
-Orbax version is installed reads the result as its own. A plain tree becomes
-an item folder (what ``StandardCheckpointer`` / ``PyTreeCheckpointer``
-write); named checkpointables become the items of a step folder (what
-Orbax's ``CheckpointManager`` writes for ``args.Composite``), so the output
-can be the next step of an Orbax run: ``export_orbax(ck, "run/1000")``.
+Leaving cairn should be as easy as arriving: the checkpoint is loaded
+(checksums verified; typed PRNG keys wrapped back into keys) and handed to
+Orbax's own handlers, so whatever Orbax version is installed reads the result
+as its own. A plain tree becomes an item folder (what ``StandardCheckpointer``
+/ ``PyTreeCheckpointer`` write); named checkpointables become the items of a
+step folder (what Orbax's ``CheckpointManager`` writes for
+``args.Composite``): a checkpointable of JSON values only becomes a JSON item
+(``JsonRestore`` reads it), the others PyTree items, and a manager step's
+metrics become the ``metrics`` item Orbax's manager reads. So the output can
+be the next step of an Orbax run: ``export_orbax(ck, "run/1000")``
+(`cairn._run.toorbax` turns a whole run into Orbax's steps with it).
 
-orbax-checkpoint is imported only here, only when called (the ``orbax``
-extra). The export runs on one process and holds the whole state in host
-memory; for a multi-host state, ``cairn.load`` it onto the mesh and save it
-with Orbax directly.
+Arrays saved with a `NamedSharding` are loaded onto a mesh of the saved axis
+names (`mesh`, or one built from the local devices where they suffice), so
+Orbax records their shardings; in a multi-process job every process loads
+only its own shards onto the global `mesh` and writes them through Orbax.
+orbax-checkpoint is imported only here, only when called (the ``orbax`` extra).
 """
 
 from __future__ import annotations
 
+import logging
+import math
 import os
+from collections.abc import Iterable
 from typing import Any
 
 from .._errors import CheckpointError, CheckpointExistsError, UnsupportedTypeError
@@ -34,8 +41,16 @@ from .._tree.perprocess import (
 )
 from .._tree.pytree import display_path, map_with_path
 
+log = logging.getLogger("cairn")
+
 #: Leaf kinds Orbax has no place for.
 _UNSUPPORTED = {"bytes": "bytes", "object": "an object of a registered type"}
+#: Value kinds JSON holds as they are: a checkpointable of these only is a JSON item.
+_JSON_KINDS = {"none", "bool", "int", "float", "str"}
+#: The item in which Orbax's CheckpointManager keeps a step's metrics.
+_METRICS = "metrics"
+#: Where a cairn CheckpointManager records a step's metrics in the manifest (`cairn._run.steps.META_KEY`).
+MANAGER_KEY = "cairn.manager"
 
 
 def _orbax() -> Any:
@@ -63,27 +78,49 @@ def export_orbax(
     step_folder: bool | None = None,
     overwrite: bool = False,
     per_process: str = "keys",
+    json_items: Iterable[str] | None = None,
+    mesh: Any = None,
     storage_options: dict[str, Any] | None = None,
 ) -> str:
     """Write cairn checkpoint `path` as the Orbax checkpoint `out`, through orbax-checkpoint.
 
     A checkpoint of named checkpointables (``cairn.save(p, {"params": ...,
-    "opt_state": ...})``) becomes an Orbax step folder with one PyTree item
-    per checkpointable, as Orbax's CheckpointManager writes for
+    "opt_state": ...})``) becomes an Orbax step folder with one item per
+    checkpointable, as Orbax's CheckpointManager writes for
     ``args.Composite``; with ``step_folder=False`` (and by default where a
     checkpointable is a bare leaf) it becomes one PyTree item folder holding
     the whole mapping, as ``StandardCheckpointer`` writes. A plain tree
     becomes an item folder, or with ``step_folder=True`` a step folder whose
-    one item is ``default`` (the name Orbax's manager gives an unnamed item). Arrays, Python scalars, strings, None and typed PRNG keys are
-    written as Orbax writes them; bytes and registered objects have no place
-    there (`UnsupportedTypeError` naming them). Needs orbax-checkpoint
-    (imported lazily); runs on one process. Returns `out`.
+    one item is ``default`` (the name Orbax's manager gives an unnamed item).
+
+    In a step folder, a checkpointable that is a mapping or list of JSON values
+    only (None, bools, ints, floats, strings; no arrays) is a JSON item, as
+    ``args.JsonSave`` writes it (read back with ``args.JsonRestore``), and
+    the others PyTree items; `json_items` names the JSON items instead (``()``:
+    none). A step saved by a `CheckpointManager` keeps its metrics (Orbax's
+    ``metrics`` item, which its manager's ``best_fn`` and ``metrics(step)``
+    read) and its user metadata (``custom_metadata``); so does
+    ``cairn.save(metadata=)``'s.
+
+    Arrays saved with a `NamedSharding` keep it: they are loaded onto `mesh`
+    (a `jax.sharding.Mesh` with the saved axis names; by default one of the
+    saved shape built from the local devices, where they suffice) and Orbax
+    records each sharding (its ``_sharding`` file, what Orbax's restore and
+    ``metadata`` read). In a job of several processes pass the job's global
+    `mesh` and call this on every process: each loads only its own shards
+    and writes them through Orbax. Without a mesh, arrays are written from
+    host memory with no sharding (a log line says so).
+
+    Arrays, Python scalars, strings, None and typed PRNG keys are written as
+    Orbax writes them; bytes and registered objects have no place there
+    (`UnsupportedTypeError` naming them). Needs orbax-checkpoint (imported
+    lazily). Returns `out`.
 
     Orbax has no per-process values: a `cairn.PerProcess` value is exported
     as a mapping from ``process_<p>`` to the value process p saved, for
     every process that saved one (``{"data": {"process_0": ..., "process_1":
-    ...}}``), however many processes saved and whichever exports.
-    ``per_process="drop"`` writes None there instead, ``"error"`` refuses
+    ...}}``), however many processes saved and whichever exports (from one
+    process). ``per_process="drop"`` writes None there instead, ``"error"`` refuses
     the checkpoint (`UnsupportedTypeError` naming the leaf).
 
     Raises `CheckpointExistsError` if `out` exists, unless `overwrite`.
@@ -116,33 +153,114 @@ def export_orbax(
     import jax
 
     if jax.process_count() > 1:
-        raise CheckpointError(f"{where}: export_orbax runs on one process; with {jax.process_count()} processes, "
-                              "cairn.load the state onto the mesh and save it with Orbax")
+        if mesh is None:
+            raise CheckpointError(f"{where}: with {jax.process_count()} processes, pass mesh= (the job's global "
+                                  "mesh): every process then loads its own shards onto it and writes them through "
+                                  "Orbax")
+        if any(nodes_of(index.structure) for index in ck.indexes.values()):
+            raise UnsupportedTypeError(f"{where}: per-process values are exported from one process only "
+                                       "(each process's value is read there); export this checkpoint from one")
+    mesh = mesh if mesh is not None else _saved_mesh(ck)
     from etils import epath  # orbax-checkpoint's own path library
 
     if epath.Path(dest).exists() and not overwrite:
         raise CheckpointExistsError(f"{dest} exists; pass overwrite=True (cairn convert: --overwrite) to replace it")
-    tree = _load.load(ck.loc, None, publish=False)
+    tree = _load.load(ck.loc, None, publish=False, **({"mesh": mesh} if mesh is not None else {}))
     items = {"": tree} if ck.manifest.root else dict(tree)
     keyed = {name: export_tree(_with_keys(items[name], ck.indexes[name]), ck.indexes[name].structure, where,
                                name, per_process) for name in items}
     if step_folder is None:  # Orbax's items are trees: checkpointables that are bare leaves stay one tree
         step_folder = not ck.manifest.root and all(
             isinstance(ck.indexes[n].structure, dict) and "leaf" not in ck.indexes[n].structure for n in keyed)
+    json_names = _json_items(ck, json_items, where)
+    if json_names and not step_folder:
+        raise ValueError(f"{where}: json_items={sorted(json_names)} needs a step folder (step_folder=True): "
+                         "an item folder is one PyTree")
+    metrics, custom = _step_metadata(ck)
     if step_folder:
         named = {"default" if name == "" else name: t for name, t in keyed.items()}
-        ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler())
-        args = ocp.args.Composite(**{n: ocp.args.PyTreeSave(t) for n, t in named.items()})
+        if metrics and _METRICS in named:
+            raise CheckpointError(f"{where}: checkpointable {_METRICS!r} has the name Orbax's manager keeps a step's "
+                                  "metrics under; rename it before exporting (cairn.load, then cairn.save)")
+        args = {n: ocp.args.JsonSave(t) if n in json_names else ocp.args.PyTreeSave(t) for n, t in named.items()}
+        if metrics:
+            args[_METRICS] = ocp.args.JsonSave(metrics)
+        # Orbax's manager reads a step's metrics from the file "metrics" of that item.
+        handlers = {n: ocp.JsonCheckpointHandler() if n in json_names else ocp.PyTreeCheckpointHandler()
+                    for n in named}
+        if metrics:
+            handlers[_METRICS] = ocp.JsonCheckpointHandler(filename=_METRICS)
+        ckptr = ocp.Checkpointer(ocp.CompositeCheckpointHandler(**handlers))
+        save_args = ocp.args.Composite(**args)
     else:
         ckptr = ocp.Checkpointer(ocp.PyTreeCheckpointHandler())
-        args = ocp.args.PyTreeSave(keyed[""] if ck.manifest.root else keyed)
+        save_args = ocp.args.PyTreeSave(keyed[""] if ck.manifest.root else keyed)
     try:
-        ckptr.save(dest, args=args, force=overwrite)
+        ckptr.save(dest, args=save_args, force=overwrite, custom_metadata=custom or None)
         if hasattr(ckptr, "wait_until_finished"):
             ckptr.wait_until_finished()
     finally:
         ckptr.close()
     return dest
+
+
+def _json_items(ck: Any, asked: Iterable[str] | None, where: str) -> set[str]:
+    """The checkpointables to write as JSON items: `asked`, or those holding JSON values only."""
+    if ck.manifest.root:
+        if asked:
+            raise ValueError(f"{where}: json_items names checkpointables, but this checkpoint is one plain tree")
+        return set()
+    if asked is not None:
+        names = {asked} if isinstance(asked, str) else set(asked)
+        unknown = sorted(names - set(ck.indexes))
+        if unknown:
+            raise ValueError(f"{where}: json_items names {unknown}, which the checkpoint does not hold "
+                             f"(checkpointables: {sorted(ck.indexes)})")
+        for n in sorted(names):
+            bad = [leaf.path for leaf in ck.indexes[n].leaves
+                   if not isinstance(leaf, fmt.ValueLeaf) or leaf.kind not in _JSON_KINDS]
+            if bad:
+                raise UnsupportedTypeError(f"{where}: checkpointable {n!r} cannot be a JSON item: leaf "
+                                           f"{display_path(bad[0], n)!r} is no JSON value")
+        return names
+    return {n for n, index in ck.indexes.items()
+            if isinstance(index.structure, dict) and "leaf" not in index.structure
+            and not nodes_of(index.structure)
+            and all(isinstance(leaf, fmt.ValueLeaf) and leaf.kind in _JSON_KINDS for leaf in index.leaves)}
+
+
+def _step_metadata(ck: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A manager step's metrics (non-finite ones left out: JSON has none) and the user metadata saved with it."""
+    meta = dict(ck.manifest.metadata)
+    mgr = meta.pop(MANAGER_KEY, None)
+    if not isinstance(mgr, dict):
+        return {}, meta
+    raw = mgr.get("metrics")
+    metrics = {str(k): v for k, v in (raw.items() if isinstance(raw, dict) else ())
+               if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    user = mgr.get("user")
+    return metrics, dict(user) if isinstance(user, dict) else {}
+
+
+def _saved_mesh(ck: Any) -> Any:
+    """A mesh of the one mesh shape and axis names the checkpoint's arrays were saved over, from the local
+    devices; None where there is none, several, or too few devices (arrays then go from host memory)."""
+    import jax
+
+    meshes = {(tuple(leaf.sharding["mesh"]["axis_names"]), tuple(leaf.sharding["mesh"]["shape"]))
+              for index in ck.indexes.values() for leaf in index.leaves
+              if isinstance(leaf, fmt.ArrayLeaf) and isinstance(leaf.sharding, dict)
+              and leaf.sharding.get("type") == "NamedSharding" and isinstance(leaf.sharding.get("mesh"), dict)}
+    if not meshes:
+        return None
+    if len(meshes) == 1 and jax.process_count() == 1:
+        (names, shape), = meshes
+        if math.prod(shape) <= jax.device_count():
+            return jax.make_mesh(shape, names, devices=jax.devices()[:math.prod(shape)])
+    log.info("cairn: %s: arrays are exported without their shardings (saved over %s; %d local devices): pass "
+             "mesh= to keep them", ck.loc.path, ", ".join(f"{dict(zip(n, s))}" for n, s in sorted(meshes)),
+             jax.device_count())
+    return None
 
 
 def _with_keys(tree: Any, index: fmt.ItemIndex) -> Any:
@@ -153,7 +271,12 @@ def _with_keys(tree: Any, index: fmt.ItemIndex) -> Any:
         return tree
     import jax
 
-    return map_with_path(lambda p, x: jax.random.wrap_key_data(x, impl=impls[p]) if p in impls else x, tree)
+    def wrap(p: str, x: Any) -> Any:  # loaded onto a mesh, keys come back as keys already
+        if p not in impls or jax.dtypes.issubdtype(getattr(x, "dtype", None), jax.dtypes.prng_key):
+            return x
+        return jax.random.wrap_key_data(x, impl=impls[p])
+
+    return map_with_path(wrap, tree)
 
 
 __all__ = ["export_orbax"]

@@ -6,7 +6,9 @@ zero-padded to at least 8 digits (``step_00000100``; ``step_123456789`` for
 larger steps), or as ``step_format`` spells it (``"{step}"``: Orbax's
 ``100``). Only folders with that exact name and a committed
 ``manifest.json`` count as cairn steps, and Orbax's committed step folders
-(``<step>/_CHECKPOINT_METADATA``) as Orbax steps of the same run: interrupted saves are never listed,
+(``_CHECKPOINT_METADATA``, any Orbax naming) as Orbax steps of the same run
+(`_steps.survey`); other folders that look like steps are named, never
+passed over in silence (`_check_strays`). Interrupted saves are never listed,
 restored or counted for retention, and the primary process removes them
 (``.step_*.cairn-tmp-*`` folders, and on object stores step prefixes without a
 manifest) when the manager opens and after each commit.
@@ -26,6 +28,7 @@ import logging
 import operator
 import os
 import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -49,6 +52,7 @@ from .._run.retention import CheckpointInfo, KeepBest, RetentionPolicy, policy_f
 from .._run.steps import DEFAULT_STEP_FORMAT, StepNames, show_steps
 from .._save import future as _async
 from .._save.options import SaveOptions
+from .._storage import LocalDirs
 from .._storage.location import Location
 from .._tools import transforms as _transforms
 from .._tree.pytree import map_with_path
@@ -124,15 +128,34 @@ class CheckpointManager(StepWatch):
     Orbax's plain ``100``).
 
     - Orbax runs: the committed step folders of an Orbax CheckpointManager in
-      `directory` (``<step>/_CHECKPOINT_METADATA``) are steps of the run too:
+      `directory` (``<step>/_CHECKPOINT_METADATA``, under any of Orbax's
+      namings: ``10``, ``0010`` with ``step_format_fixed_length``,
+      ``ckpt_10`` with ``step_prefix="ckpt"``) are steps of the run too:
       `steps`, `latest_step`, `restore` (onto any mesh, as `cairn.load` reads
-      them), `metrics`, `metadata` and retention see them, and `save`
-      continues the run in cairn's format beside them (a step Orbax already
-      saved is a `CheckpointExistsError`). To keep Orbax's folder names for
-      the new steps, pass ``step_format="{step}"``.
+      them), `metrics`, `metadata` and `best_step` see them, and `save`
+      continues the run in cairn's format beside them. To keep Orbax's folder
+      names for the new steps, pass ``step_format="{step}"`` (or
+      ``"ckpt_{step}"``); `cairn.export_orbax_run` turns the cairn steps
+      into Orbax's for the way back.
+    - One step, one folder: `save` raises `CheckpointExistsError` for a step
+      that has a folder in any naming (Orbax's, cairn's under another
+      `step_format`, DCP's ``step-10``), and a step saved in two folders is
+      no step of the run until one is removed.
+    - Folders that look like steps but are not steps of the run (a DCP
+      checkpoint, a cairn checkpoint named otherwise, Orbax steps of two
+      namings, ``step_10`` holding something else) are never passed over in
+      silence: where one looks newer than the newest step (or there is no
+      step at all), making the manager raises `CheckpointError` naming
+      them, unless ``start_fresh=True`` (resume from the steps it counts,
+      or from nothing); older ones are named in a warning.
 
     - `save_every`: `save` writes a step only when ``step % save_every == 0``
-      (or with ``force=True``, or once preemption was detected).
+      (or with ``force=True``, or once preemption was detected), and then
+      only if `save_interval_s` seconds have passed since this manager's last
+      save began (Orbax's ``ContinuousCheckpointingPolicy``) and
+      ``should_save_fn(step, last_saved_step)`` is true (Orbax's
+      ``should_save_fn``), each where given. With several processes the
+      primary judges both (clocks differ) and every process gets its answer.
     - `compression`: as `cairn.save`'s, for every step (``"auto"``: on for
       object stores and network filesystems, off on local disks; ``True``: a codec per leaf).
       `compression`, `threads` and `snapshot_budget_bytes` are checked as
@@ -149,7 +172,13 @@ class CheckpointManager(StepWatch):
       intersection. `best_step` names the best step.
       Retention runs after each commit, never before it, and skips steps
       an evaluator holds a reader lease on (until the lease is released or
-      expires; see `new_steps` and `reading`).
+      expires; see `new_steps` and `reading`). It counts and deletes cairn's
+      steps only: a run's Orbax steps are the way back to Orbax, deleted by
+      retention only with ``delete_orbax_steps=True`` (`delete` deletes any).
+      With `trash_dir` (a folder name in a local `directory`, e.g.
+      ``".trash"``), retention and `delete` move steps there in one rename
+      instead of deleting them (Orbax's ``todelete_subdir``); emptying it is
+      yours to do.
     - `read_only`: for an evaluator beside the trainer. It never saves,
       deletes or cleans up (the trainer's saves in progress look like
       interrupted ones) and installs no SIGTERM handler; use `wait_for_step`,
@@ -204,6 +233,11 @@ class CheckpointManager(StepWatch):
         local: LocalTier | None = None,
         step_format: str = DEFAULT_STEP_FORMAT,
         compression: str | bool = "auto",
+        start_fresh: bool = False,
+        delete_orbax_steps: bool = False,
+        save_interval_s: float | None = None,
+        should_save_fn: Callable[[int, int | None], bool] | None = None,
+        trash_dir: str | None = None,
     ):
         if save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
@@ -235,14 +269,63 @@ class CheckpointManager(StepWatch):
             with self._retention_lock:
                 _leases.remove_stale_markers(self._storage)
                 self._cleanup_uncommitted()
-        # An Orbax run continued here: `save` then checks that Orbax has not saved its step.
-        orbax = sorted(s for s, f in _steps.step_folders(self._storage, self._names).items()
-                       if self._names.parse(f) is None) if self._primary or self._decisions.alone else []
-        orbax = self._decisions.shared("orbax-steps", orbax[-1:])
-        self._foreign = bool(orbax)
-        if orbax and self._primary:
-            log.info("cairn: %s holds Orbax steps (newest %d): they restore as steps of this run, and new steps "
-                     "are saved in cairn's format as %r", self.directory, orbax[-1], self._names.name(orbax[-1] + 1))
+        self.start_fresh = start_fresh
+        self.delete_orbax_steps = delete_orbax_steps
+        if save_interval_s is not None and not (save_interval_s >= 0 and save_interval_s < float("inf")):
+            raise ValueError(f"{self.directory}: save_interval_s must be a finite number of seconds >= 0, "
+                             f"got {save_interval_s}")
+        self.save_interval_s, self.should_save_fn = save_interval_s, should_save_fn
+        self._last_save_t: float | None = None  # time.monotonic() when this manager's last save began
+        self._last_saved_step: int | None = None
+        self.trash_dir = _trash_dir(trash_dir, self._storage, self.directory)
+        self._orbax: set[int] = set()  # the run's steps that are Orbax step folders, as last listed
+        self._check_strays()
+
+    def _survey(self) -> tuple[list[tuple[int, str, bool]], list[list[Any]]]:
+        """The primary's `_steps.survey` on every process: (step, folder, is Orbax's) and the strays."""
+        mine: Any = None
+        if self._primary or self._decisions.alone:
+            got = _steps.survey(self._storage, self._names)
+            mine = [[[s, f, s in got.orbax] for s, f in got.steps.items()],
+                    [[x.name, x.step, x.kind, x.why] for x in got.strays]]
+        steps, strays = self._decisions.shared("survey", mine)
+        pairs = [(int(s), str(f), bool(o)) for s, f, o in steps]
+        self._folders = {s: f for s, f, _ in pairs}
+        self._orbax = {s for s, _, o in pairs if o}
+        return pairs, strays
+
+    def _check_strays(self) -> None:
+        """Refuse to start from nothing, or from an older step, beside folders that look like newer steps.
+
+        Each such folder would otherwise be passed over in silence (`latest_step`
+        None: the training loop starts again from step 0), so unless
+        `start_fresh` the manager raises, naming them; older ones are named in
+        a warning.
+        """
+        pairs, strays = self._survey()
+        self._last_saved_step = pairs[-1][0] if pairs else None
+        if not strays:
+            if self._orbax and self._primary:
+                newest = max(self._orbax)
+                log.info("cairn: %s holds Orbax steps (newest %d): they restore as steps of this run, and new "
+                         "steps are saved in cairn's format as %r", self.directory, newest, self._names.name(newest + 1))
+            return
+        latest = pairs[-1][0] if pairs else None
+        newer = [x for x in strays if latest is None or x[1] > latest]
+        shown = "; ".join(f"{n} ({k}: {w})" for n, _, k, w in (newer or strays)[:5])
+        more = f" and {len(newer or strays) - 5} more" if len(newer or strays) > 5 else ""
+        if newer and not self.start_fresh:
+            start = "no step it counts" if latest is None else f"steps up to {latest}"
+            raise CheckpointError(
+                f"{self.directory}: the manager finds {start}, but folders that look like "
+                f"{'' if latest is None else 'newer '}steps: {shown}{more}. "
+                "Resuming here would pass over them. Name the run's steps with step_format= (e.g. "
+                "'checkpoint_{step}' for Orbax's step_prefix='checkpoint'), move the folders away, or pass "
+                "start_fresh=True to start from " + ("nothing" if latest is None else f"step {latest}") +
+                " anyway")
+        if self._primary:
+            log.warning("cairn: %s: these folders look like steps but are not steps of this run: %s%s",
+                        self.directory, shown, more)
 
     # ------------------------------------------------------------------ naming and listing
 
@@ -273,11 +356,7 @@ class CheckpointManager(StepWatch):
 
             mgr.steps()    # [1000, 2800, 2900, 3000]
         """
-        mine = ([[s, f] for s, f in _steps.step_folders(self._storage, self._names).items()]
-                if self._primary or self._decisions.alone else [])
-        pairs = [(int(s), str(f)) for s, f in self._decisions.shared("steps", mine)]
-        self._folders = dict(pairs)
-        return [s for s, _ in pairs]
+        return [s for s, _, _ in self._survey()[0]]
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None if there is none.
@@ -397,11 +476,56 @@ class CheckpointManager(StepWatch):
             if mgr.should_save(step):
                 state = expensive_gather(state)
         """
-        return step % self.save_every == 0 or self._preemption.detected(step)
+        return self._preemption.detected(step) or self._on_schedule(step)
+
+    def _on_schedule(self, step: int) -> bool:
+        """Whether the save policy writes `step`: `save_every`, then `save_interval_s` and `should_save_fn`.
+
+        The time and the hook are the primary's to judge (clocks differ); every process gets its answer.
+        """
+        if step % self.save_every:
+            return False
+        if self.save_interval_s is None and self.should_save_fn is None:
+            return True
+        mine = None
+        if self._primary or self._decisions.alone:
+            mine = self._last_save_t is None or self.save_interval_s is None or \
+                time.monotonic() - self._last_save_t >= self.save_interval_s
+            if mine and self.should_save_fn is not None:
+                mine = bool(self.should_save_fn(step, self._last_saved_step))
+        return bool(self._decisions.shared(f"schedule-{step}", mine))
+
+    def is_saving_in_progress(self) -> bool:
+        """Whether a background save of this manager has not finished yet (its commit and retention).
+
+        Example:
+
+            mgr.save(step, state)
+            if not mgr.is_saving_in_progress():
+                print("step", step, "is committed")
+        """
+        return any(not (p.future.done() and p.settled.is_set()) for p in self._pending)
+
+    def reload(self) -> None:
+        """Forget what the manager remembers of the directory and look again, as when it was made.
+
+        For a directory another program writes too (an Orbax job, a second
+        manager): cached metrics and folders are dropped, and step-like folders
+        it does not count raise or warn as at construction (`start_fresh`).
+
+        Example:
+
+            mgr.reload(); mgr.latest_step()
+        """
+        self._check_open()
+        self.wait()
+        self._infos.clear()
+        self._folders.clear()
+        self._check_strays()
 
     def save(
         self, step: int, state: Any, metrics: Mapping[str, Any] | None = None, force: bool = False, *,
-        metadata: Mapping[str, Any] | None = None,
+        metadata: Mapping[str, Any] | None = None, cast: Any = None,
     ) -> bool:
         """Save `state` as `step` if the interval (or `force`, or preemption) says so.
 
@@ -413,13 +537,23 @@ class CheckpointManager(StepWatch):
         read back with `metadata`. After preemption the save is synchronous:
         it returns once committed.
 
-        Raises `CheckpointExistsError` if `step` is already saved (by cairn
-        or, in an Orbax run's directory, by Orbax) or being saved, and `CheckpointError` (before saving anything) if an earlier
+        `cast` saves floating-point arrays in another floating-point dtype
+        (Orbax's ``SaveArgs(dtype=)``), only where asked: a dtype for every
+        floating-point array, or a mapping from key paths to dtypes
+        (``{"params": jnp.bfloat16}``: the arrays under ``params``; the
+        longest matching path wins). Integer and other leaves are left as
+        they are; a cast to a non-float dtype, or a path that matches no
+        array, is a ValueError before anything is saved.
+
+        Raises `CheckpointExistsError` if `step` already has a folder in the
+        directory, in any naming (cairn's, Orbax's, DCP's), or is being
+        saved, and `CheckpointError` (before saving anything) if an earlier
         background save failed.
 
         Example:
 
             saved = mgr.save(step, {"params": params, "opt": opt}, metrics={"loss": loss})
+            mgr.save(step, state, cast={"params": jnp.bfloat16})   # params stored as bfloat16
         """
         self._check_open()
         if self.read_only:
@@ -430,17 +564,26 @@ class CheckpointManager(StepWatch):
         self._reap()
         preempted = self._preemption.detected(step)
         local_saved = self.local is not None and self.local.save(step, state)
-        if not (force or preempted or step % self.save_every == 0):
+        if not (force or preempted or self._on_schedule(step)):
             return local_saved
         meta = _steps.step_metadata(step, metrics, f"{self.directory} step {step}", metadata)
-        if self._foreign and _steps.orbax_step(self._storage, str(step)) is not None:
-            raise CheckpointExistsError(f"{self.directory}/{step}: step {step} is already saved there by Orbax; "
-                                        "save a new step (or mgr.delete it first)")
+        if cast is not None:
+            state = _cast(state, cast, f"{self.directory} step {step}")
+        taken = (_steps.folders_of_step(self._storage, step, self._names)
+                 if self._primary or self._decisions.alone else None)
+        taken = self._decisions.shared(f"taken-{step}", taken)
+        if taken:  # one step, one folder: never a second one in another naming
+            raise CheckpointExistsError(
+                f"{self.directory}/{taken[0]}: step {step} is already saved there"
+                f"{' by Orbax' if self._storage.exists(f'{taken[0]}/{_steps.ORBAX_STEP_METADATA}') else ''}"
+                f"{' (and in ' + ', '.join(taken[1:]) + ')' if taken[1:] else ''}; save a new step, or delete it "
+                "first (mgr.delete for a step of this run)")
         with self._lock:
             if step in self._inflight:
                 raise CheckpointExistsError(f"{self.path(step)}: step {step} is already being saved")
             self._inflight.add(step)  # before any file exists, so cleanup leaves it alone
         loc = self._location(step)
+        self._last_save_t, self._last_saved_step = time.monotonic(), step
         try:
             if self.async_save and not preempted:
                 fut = _async.save_async(loc, state, self._save_options, metadata=meta)
@@ -490,8 +633,10 @@ class CheckpointManager(StepWatch):
         decision is its alone, so nothing here is exchanged with the other processes.
         Steps under a live reader lease are spared; a later pass deletes them.
         """
-        self._folders = _steps.step_folders(self._storage, self._names)
-        steps = list(self._folders)
+        got = _steps.survey(self._storage, self._names)
+        self._folders, self._orbax = got.steps, got.orbax
+        # Another format's steps are the way back to it: deleted only when asked (`delete_orbax_steps`).
+        steps = [s for s in self._folders if self.delete_orbax_steps or s not in self._orbax]
         infos = [self._info(s) for s in steps]
         keep = retained(self.policy, infos)
         doomed = [s for s in steps if s not in keep]
@@ -501,7 +646,10 @@ class CheckpointManager(StepWatch):
                     self._delete_step(s)
 
     def _delete_step(self, step: int, why: str = "retention deleted") -> None:
-        _steps.delete_step(self._storage, step, self._folder(step))
+        if self.trash_dir is not None:
+            _steps.trash_step(self._storage, self._folder(step), self.trash_dir)
+        else:
+            _steps.delete_step(self._storage, step, self._folder(step))
         self._infos.pop(step, None)
         self._folders.pop(step, None)
         log.info("cairn: %s step %d from %s", why, step, self.directory)
@@ -613,6 +761,10 @@ class CheckpointManager(StepWatch):
             print("resumed from", mgr.restored_step)
         """
         self._check_open()
+        if step is not None and not isinstance(step, int) and not hasattr(step, "__index__"):
+            raise TypeError(f"{self.directory}: restore(step, target): the first argument is the step to restore, "
+                            f"got a {type(step).__name__}; pass the tree as target= (mgr.restore(target=abstract), "
+                            "or mgr.restore(step, abstract))")
         opts = LoadOptions(partial=partial).replace(**{k: v for k, v in transforms.items() if k not in _NOT_OPTIONS})
         if opts.bandwidths is not None:  # checked here too: the local tier, which prices no route, may serve
             resolve_bandwidths(opts.bandwidths, "local", "cpu")
@@ -706,3 +858,53 @@ class CheckpointManager(StepWatch):
 
     def __repr__(self) -> str:
         return f"<cairn.CheckpointManager {self.directory!r} policy={self.policy!r}>"
+
+
+# ---------------------------------------------------------------------- save's cast and the trash
+
+
+def _trash_dir(name: str | None, storage: Any, where: str) -> str | None:
+    """`trash_dir` checked: a plain folder name in the directory, on a filesystem that can move folders."""
+    if name is None:
+        return None
+    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
+        raise ValueError(f"{where}: trash_dir must be a folder name inside the directory (e.g. '.trash'), "
+                         f"got {name!r}")
+    if _steps.orbax_name(name) is not None or _steps.guess_step(name) is not None:
+        raise ValueError(f"{where}: trash_dir {name!r} looks like a step folder; choose another name")
+    if not isinstance(storage, LocalDirs):
+        raise ValueError(f"{where}: trash_dir needs a local directory (steps are moved there in one rename); "
+                         "object stores have no rename")
+    return name
+
+
+def _cast(state: Any, cast: Any, where: str) -> Any:
+    """`state` with its floating-point arrays cast as `cast` says: a dtype for every one, or a mapping
+    from key paths (``"params"``, ``"params/dense/kernel"``) to the dtype of the arrays under each."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rules = dict(cast) if isinstance(cast, Mapping) else {"": cast}
+    try:
+        wanted = {str(k).strip("/"): np.dtype(v) for k, v in rules.items()}
+    except TypeError as e:
+        raise TypeError(f"{where}: cast must be a dtype or a mapping from key paths to dtypes: {e}") from None
+    for k, dt in wanted.items():
+        if not jnp.issubdtype(dt, jnp.floating):
+            raise ValueError(f"{where}: cast {k or '<every array>'!r} to {dt}: only floating-point casts are "
+                             "done on save (to an integer dtype, cast the arrays yourself)")
+    used: set[str] = set()
+
+    def visit(path: str, x: Any) -> Any:
+        rule = max((k for k in wanted if k == "" or path == k or path.startswith(k + "/")), key=len, default=None)
+        if rule is None or not hasattr(x, "dtype") or not hasattr(x, "astype"):
+            return x
+        used.add(rule)
+        return x.astype(wanted[rule]) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+    out = map_with_path(visit, state)
+    unused = sorted(set(wanted) - used)
+    if unused:
+        raise ValueError(f"{where}: cast names {unused}, which match no array of the state")
+    return out
+

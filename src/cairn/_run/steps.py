@@ -33,6 +33,7 @@ import os
 import re
 import time
 from collections.abc import Container, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -49,7 +50,7 @@ from .retention import CheckpointInfo
 META_KEY = "cairn.manager"
 
 _CANONICAL = re.compile(r"^step_(\d{8,})$")
-_ORBAX_NAME = re.compile(r"^(?:.*_)?(\d+)$")  # Orbax's step folders: "100", "<step_prefix>_100"
+_ORBAX_NAME = re.compile(r"^(?:(.+)_)?(\d+)$")  # Orbax's step folders: "100", "<step_prefix>_100"
 _LENIENT = re.compile(r"^(?:step[_-]?)?(\d+)$")
 # Files only a cairn save writes: data files, per-attempt indexes, per-process partial indexes.
 _CAIRN_FILE = re.compile(r"^(p\d{5}-\d+\.[0-9a-f]+\.bin|index\.[0-9a-f]+\.json|_index\.p\d{5}\.[0-9a-f]+\.json)$")
@@ -111,17 +112,16 @@ def orbax_step(storage: Storage, name: str, names: StepNames | None = None) -> i
     """The step of entry `name` if it is a committed Orbax CheckpointManager step folder, else None.
 
     Orbax names steps by their number (``100``; zero-padded with
-    ``step_format_fixed_length``; ``<prefix>_100`` with ``step_prefix``, which
-    a manager's `names` spelling the same finds) and writes
+    ``step_format_fixed_length``; ``<prefix>_100`` with ``step_prefix``: any
+    of them, `orbax_name`, or the spelling of `names`) and writes
     ``_CHECKPOINT_METADATA`` into each; on a POSIX filesystem it renames the
     folder into place, on object stores it writes ``commit_success.txt`` last.
     """
-    step = int(name) if name.isdigit() else names.parse(name) if names is not None else None
-    if step is None or not storage.exists(f"{name}/{ORBAX_STEP_METADATA}"):
-        return None
-    if not isinstance(storage, LocalDirs) and not storage.exists(f"{name}/commit_success.txt"):
-        return None
-    return step
+    step = names.parse(name) if names is not None else None
+    if step is None:
+        on = orbax_name(name)
+        step = on[1] if on is not None else None
+    return step if step is not None and _orbax_committed(storage, name) else None
 
 
 def parse_step(name: str) -> int | None:
@@ -262,28 +262,154 @@ def committed_steps(storage: Storage, names: StepNames = DEFAULT_NAMES, orbax: b
 
 
 def step_folders(storage: Storage, names: StepNames = DEFAULT_NAMES) -> dict[int, str]:
-    """Committed step -> its folder: cairn's (named by `names`, with a manifest) and Orbax's.
+    """Committed step -> its folder: cairn's (named by `names`, with a manifest) and Orbax's (`survey`)."""
+    return survey(storage, names).steps
 
-    Where both spell one step, cairn's folder is the step.
+
+def orbax_name(name: str) -> tuple[str, int] | None:
+    """``(prefix, step)`` if `name` is one Orbax's CheckpointManager could give a step folder, else None.
+
+    Orbax spells step 10 ``10``, ``0010`` (``step_format_fixed_length=4``),
+    ``ckpt_10`` (``step_prefix="ckpt"``) or ``ckpt_0010``; the prefix of a
+    plain number is ``""``. Its temporary folders (``10.orbax-checkpoint-tmp-...``) are not step names.
     """
-    out: dict[int, str] = {}
-    orbax: dict[int, str] = {}
+    m = _ORBAX_NAME.match(name)
+    return (m.group(1) or "", int(m.group(2))) if m else None
+
+
+@dataclass(frozen=True)
+class Stray:
+    """A folder of a manager's directory that looks like a step but is not counted as one.
+
+    `kind` is what it holds: ``"orbax"`` (an Orbax step the manager cannot
+    place in the run), ``"cairn"`` (a cairn checkpoint named otherwise than
+    the manager's `step_format`), ``"dcp"`` (a PyTorch DCP checkpoint) or
+    ``"unknown"``; `why` says why it is not a step of the run.
+    """
+
+    name: str
+    step: int
+    kind: str
+    why: str
+
+    def show(self) -> str:
+        return f"{self.name} ({self.kind}: {self.why})"
+
+
+@dataclass
+class Survey:
+    """What a manager's directory holds: the run's committed steps and the step-like folders it does not count.
+
+    `steps` maps each committed step to its folder (cairn's, named by the
+    manager's `StepNames`, or Orbax's, under the one Orbax naming of the
+    directory); `orbax` holds those that are Orbax's; `strays` the rest
+    that look like steps (`Stray`), newest first.
+    """
+
+    steps: dict[int, str]
+    orbax: set[int]
+    strays: list[Stray]
+
+
+def _stray_kind(storage: Storage, name: str) -> str | None:
+    if storage.exists(f"{name}/{fmt.MANIFEST}"):
+        return "cairn"
+    if storage.exists(f"{name}/.metadata"):
+        return "dcp"
+    if storage.exists(f"{name}/{ORBAX_STEP_METADATA}"):
+        return None  # an Orbax save in progress on an object store (no commit_success.txt yet)
+    return "unknown" if storage.list(name) else None  # a plain file or an empty folder holds nothing
+
+
+def survey(storage: Storage, names: StepNames = DEFAULT_NAMES) -> Survey:
+    """The run in a manager's directory (see `Survey`): one listing, a few ``exists`` per step folder.
+
+    Orbax's step folders count under any of its namings (`orbax_name`) when
+    they hold ``_CHECKPOINT_METADATA`` (on object stores also
+    ``commit_success.txt``). A directory should hold one Orbax naming:
+    with several, the one `names` spells counts, or none (they are all
+    strays). A step saved in two folders (two namings, or cairn's and
+    Orbax's) is no step of the run but two strays, so that nothing picks one
+    of them by chance.
+    """
+    cairn: dict[int, list[str]] = {}
+    orbax: dict[str, dict[int, list[str]]] = {}
+    strays: list[Stray] = []
     for name in storage.list_dir(""):
+        if name.startswith("."):
+            continue  # attempt folders, trash, leases, ...
         step = names.parse(name)
         if step is not None and storage.exists(f"{name}/{fmt.MANIFEST}"):
-            out[step] = name
-        elif (o := orbax_step(storage, name, names)) is not None:
-            orbax.setdefault(o, name)
-    return {s: out.get(s) or orbax[s] for s in sorted({*out, *orbax})}
+            cairn.setdefault(step, []).append(name)
+            continue
+        on = orbax_name(name)
+        if on is not None and _orbax_committed(storage, name):
+            orbax.setdefault(on[0], {}).setdefault(on[1], []).append(name)
+            continue
+        if step is not None:
+            continue  # the manager's own spelling without a manifest: a leftover, cleaned up elsewhere
+        guess = on[1] if on is not None else guess_step(name)
+        kind = _stray_kind(storage, name) if guess is not None else None
+        if guess is not None and kind is not None:
+            why = {"cairn": f"a cairn checkpoint not named as step_format {names.format!r} spells",
+                   "dcp": "a PyTorch DCP checkpoint", "unknown": "no checkpoint cairn recognizes"}[kind]
+            strays.append(Stray(name, guess, kind, why))
+    chosen: dict[int, list[str]] = {}
+    if len(orbax) == 1:
+        chosen = next(iter(orbax.values()))
+    elif orbax:
+        spelt = [p for p, got in orbax.items() if any(names.parse(n) is not None for ns in got.values() for n in ns)]
+        chosen = orbax[spelt[0]] if len(spelt) == 1 else {}
+        shown = ", ".join(repr(p) if p else "none" for p in sorted(orbax))
+        for got in orbax.values():
+            if got is not chosen:
+                strays += [Stray(n, s, "orbax", f"Orbax steps under several step_prefix namings ({shown}); "
+                                 "step_format spelling one of them picks it") for s, ns in got.items() for n in ns]
+    steps: dict[int, str] = {}
+    for s in sorted({*cairn, *chosen}):
+        both = [*cairn.get(s, []), *chosen.get(s, [])]
+        if len(both) == 1:
+            steps[s] = both[0]
+            continue
+        for n in both:
+            kind = "cairn" if n in cairn.get(s, []) else "orbax"
+            strays.append(Stray(n, s, kind, f"step {s} is saved in {len(both)} folders ({', '.join(both)}); "
+                                "delete all but one"))
+    strays.sort(key=lambda x: (-x.step, x.name))
+    return Survey(steps, {s for s in steps if s in chosen}, strays)
+
+
+def _orbax_committed(storage: Storage, name: str) -> bool:
+    if not storage.exists(f"{name}/{ORBAX_STEP_METADATA}"):
+        return False
+    return isinstance(storage, LocalDirs) or storage.exists(f"{name}/commit_success.txt")
+
+
+def folders_of_step(storage: Storage, step: int, names: StepNames = DEFAULT_NAMES) -> list[str]:
+    """The visible folders of the directory whose name reads as `step` in any naming (cairn's `names`,
+    Orbax's, DCP's): where a save of `step` would make a second folder for it."""
+    out = []
+    for name in storage.list_dir(""):
+        if name.startswith("."):
+            continue
+        got = names.parse(name)
+        if got is not None and not storage.exists(f"{name}/{fmt.MANIFEST}") and \
+                not storage.exists(f"{name}/{ORBAX_STEP_METADATA}"):
+            continue  # the manager's own spelling without a manifest: its leftover, not another naming
+        if got is None:
+            on = orbax_name(name)
+            got = on[1] if on is not None else guess_step(name)
+        if got == step and storage.list(name):
+            out.append(name)
+    return out
 
 
 def folder_of(storage: Storage, step: int, names: StepNames = DEFAULT_NAMES) -> str | None:
     """The folder of committed `step`: cairn's (spelt by `names`) or Orbax's (``<step>``), else None."""
     if storage.exists(f"{names.name(step)}/{fmt.MANIFEST}"):
         return names.name(step)
-    if orbax_step(storage, str(step)) is not None:
-        return str(step)
-    return None
+    got = [n for n in folders_of_step(storage, step, names) if orbax_step(storage, n) == step]
+    return got[0] if len(got) == 1 else None
 
 
 def newest_committed(storage: Storage, after: int | None = None, names: StepNames = DEFAULT_NAMES,
@@ -298,8 +424,8 @@ def newest_committed(storage: Storage, after: int | None = None, names: StepName
     found: list[tuple[int, str]] = []
     for name in listed:
         s = names.parse(name)
-        if s is None and orbax and name.isdigit():
-            s = int(name)
+        if s is None and orbax and (on := orbax_name(name)) is not None:
+            s = on[1]
         if s is not None and (after is None or s > after):
             found.append((s, name))
     for step, name in sorted(found, reverse=True):
@@ -319,6 +445,19 @@ def delete_step(storage: Storage, step: int, folder: str | None = None) -> None:
     """Delete committed `step` (in `folder`, default its canonical name): uncommitted in one step
     first, so a crash leaves only a leftover."""
     strategy_for(storage).delete(folder or step_dirname(step))
+
+
+def trash_step(storage: Storage, folder: str, trash: str) -> str:
+    """Move step `folder` into the folder `trash` of the directory in one rename (local directories);
+    a name already there gets ``.1``, ``.2``, ... Returns its key in the trash."""
+    assert isinstance(storage, LocalDirs)
+    storage.makedirs(trash)
+    dest, n = f"{trash}/{folder}", 0
+    while storage.exists(dest) or storage.list_dir(dest):
+        n += 1
+        dest = f"{trash}/{folder}.{n}"
+    storage.rename_dir(folder, dest)
+    return dest
 
 
 def leftovers(storage: Storage, busy: Container[int] = (), names: StepNames = DEFAULT_NAMES) -> Iterator[str]:
@@ -431,7 +570,7 @@ def _foreign_step(storage: Storage, key: str, name: str, where: str) -> dict[str
         if not isinstance(storage, LocalDirs) and not storage.exists(f"{key}/commit_success.txt"):
             return None  # an Orbax save in progress on an object store
         loc = Location(storage, key, f"{where.rstrip('/')}/{name}")
-        step = int(m.group(1))
+        step = int(m.group(2))
         try:
             info = _orbax_info(loc, step or 0)
         except CorruptCheckpointError as err:
