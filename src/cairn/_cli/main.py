@@ -502,7 +502,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("convert", help="convert between cairn, safetensors (also sharded, for Hugging Face), "
                        "PyTorch files and Orbax (--to orbax writes through orbax-checkpoint); --to cairn also "
-                       "reads Orbax and DCP checkpoints")
+                       "reads Orbax and DCP checkpoints. --to safetensors: a DST not ending in .safetensors "
+                       "is a folder, written as DST/model.safetensors")
     s.add_argument("src")
     s.add_argument("dst")
     s.add_argument("--to", required=True, choices=["safetensors", "cairn", "torch", "orbax"])
@@ -517,6 +518,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="safetensors tensor names: hf (default) joins key paths with '.', without the "
                    "checkpointable when only one holds arrays; raw keeps cairn's '/'-joined key paths")
     s.add_argument("--item", help="safetensors: this checkpointable only, its key paths as names")
+    s.add_argument("--all-items", action="store_true",
+                   help="safetensors: where several checkpointables hold arrays, write them all, each name "
+                   "after its checkpointable's (params.w, opt.mu.w); without it (or --item) that is an error")
     s.add_argument("--prng-keys", choices=["error", "data", "drop"], default="error",
                    help="sharded safetensors: a typed PRNG key is an error (default), its uint32 data, or left out")
     s.add_argument("--per-process", choices=["keys", "drop", "error"], default="keys",
