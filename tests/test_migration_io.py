@@ -96,3 +96,119 @@ def test_manager_restore_takes_cast(tmp_path):
     assert got["opt"]["count"].tolist() == [44]
     with pytest.raises(ValueError, match="cast must be 'safe'"):
         cairn.load(tmp_path / "run", cast="lossy")
+
+
+# ---------------------------------------------------------------------- item 3: exports that load as random weights
+
+GPT2 = dict(n_embd=32, n_layer=2, n_head=4, n_positions=64, vocab_size=128)
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory):
+    """(hf folder, cairn checkpoint {"params": HF tree, "opt": adam-like moments, "step": 3}, state dict)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))
+    base = tmp_path_factory.mktemp("gpt2")
+    model.save_pretrained(base / "hf")
+    params = cairn.load(base / "hf")
+    opt = {"mu": jax.tree.map(np.zeros_like, params), "nu": jax.tree.map(np.ones_like, params)}
+    cairn.save(base / "ck", {"params": params, "opt": opt, "step": 3})
+    sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return base / "hf", base / "ck", sd
+
+
+def _from_pretrained(folder, hf, sd):
+    """The exported folder loads in transformers with every weight found and equal to the model's."""
+    import shutil
+
+    import torch
+    import transformers
+
+    shutil.copy(hf / "config.json", folder / "config.json")
+    model, info = transformers.GPT2LMHeadModel.from_pretrained(folder, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    for name, t in model.state_dict().items():
+        assert torch.equal(t, sd[name]), name
+
+
+def test_export_of_params_and_opt_without_item_is_refused_naming_them(gpt2, tmp_path):
+    """The user's step: export_safetensors(ckpt, out) wrote params.* and opt.* names, and
+    from_pretrained built a randomly initialised model without a word."""
+    hf, ck, sd = gpt2
+    with pytest.raises(cairn.CheckpointError) as e:
+        cairn.export_safetensors(ck, tmp_path / "out")
+    msg = str(e.value)
+    for part in (str(ck), "'params', 'opt'", "item='params'", "all_items=True"):
+        assert part in msg, (part, msg)
+    assert not (tmp_path / "out").exists() or not os.listdir(tmp_path / "out")  # nothing written
+    # the CLI says the same, and writes nothing
+    from cairn._cli.main import main
+
+    assert main(["-q", "convert", str(ck), str(tmp_path / "cli"), "--to", "safetensors",
+                 "--max-shard-size", "50KB"]) == 1
+    assert main(["-q", "convert", str(ck), str(tmp_path / "cli.safetensors"), "--to", "safetensors"]) == 1
+    assert not (tmp_path / "cli.safetensors").exists()
+    # item= picks the model's weights: from_pretrained finds every one
+    cairn.export_safetensors(ck, tmp_path / "params", item="params", max_shard_size="50KB")
+    _from_pretrained(tmp_path / "params", hf, sd)
+    # all_items=True asks for the prefixed names
+    from safetensors.numpy import load_file
+
+    cairn.export_safetensors(ck, tmp_path / "all", all_items=True)
+    names = set(load_file(str(tmp_path / "all" / "model.safetensors")))
+    saved = set(load_file(str(hf / "model.safetensors")))  # lm_head.weight is tied: not saved
+    assert names == {f"{p}{k}" for k in saved for p in ("params.", "opt.mu.", "opt.nu.")}
+
+
+def test_export_rename_rule_that_matches_nothing_is_refused(gpt2, tmp_path):
+    hf, ck, sd = gpt2
+    # "model." is Llama's prefix, not GPT-2's: the rule renames nothing
+    with pytest.raises(cairn.CheckpointError, match=r"rename rule \('\^model/', ''\) matched no tensor's key path"):
+        cairn.export_safetensors(ck, tmp_path / "out", item="params", rename=[(r"^model/", ""), (r"^transformer/", "transformer/")])
+    assert not (tmp_path / "out" / "model.safetensors").exists()
+    # the rules that match: written, and the renamed folder still loads
+    cairn.export_safetensors(ck, tmp_path / "ok", item="params", rename=[(r"^transformer/", "transformer/")])
+    _from_pretrained(tmp_path / "ok", hf, sd)
+
+
+def test_load_with_a_rename_rule_that_matches_nothing_warns_and_reports_it(gpt2, caplog):
+    _hf, ck, _sd = gpt2
+    report = cairn.RestoreReport()
+    with caplog.at_level(logging.WARNING, logger="cairn"):
+        got = cairn.load(ck, {"params": None}, partial=True, report=report,
+                         rename=[(r"^params/transformer/h/", "params/transformer/blocks/"), (r"/enc/", "/encoder/")])
+    assert "blocks" in got["params"]["transformer"]
+    assert report.unmatched_rules == ["('/enc/', '/encoder/')"]
+    assert any("rename rule ('/enc/', '/encoder/') matched no key path" in r.getMessage() and str(ck) in r.getMessage()
+               for r in caplog.records if r.levelno == logging.WARNING)
+
+
+def test_convert_to_safetensors_without_a_suffix_reads_back(gpt2, tmp_path, capsys):
+    """The user's step: `cairn convert ck out --to safetensors` wrote a file named "out" that
+    cairn could not read back. Now "out" is a folder holding out/model.safetensors."""
+    from safetensors.numpy import load_file
+
+    from cairn._cli.main import main
+
+    hf, ck, sd = gpt2
+    assert main(["convert", str(ck), str(tmp_path / "out"), "--to", "safetensors", "--item", "params"]) == 0
+    assert f"wrote {tmp_path / 'out' / 'model.safetensors'}" in capsys.readouterr().out
+    assert os.listdir(tmp_path / "out") == ["model.safetensors"]
+    # cairn reads it back: the folder, and as a checkpoint converted back
+    back = cairn.load(tmp_path / "out")  # cairn's tree, recorded in the file: the checkpointable first
+    want = cairn.load(ck, {"params": None}, partial=True)
+    jax.tree.map(np.testing.assert_array_equal, back, want)
+    assert main(["-q", "convert", str(tmp_path / "out"), str(tmp_path / "again"), "--to", "cairn"]) == 0
+    jax.tree.map(np.testing.assert_array_equal, cairn.load(tmp_path / "again"), want)
+    # the safetensors library and transformers read it too
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert set(got) == set(load_file(str(hf / "model.safetensors")))
+    for k, v in got.items():
+        np.testing.assert_array_equal(v, sd[k].numpy())
+    _from_pretrained(tmp_path / "out", hf, sd)
+    # a .safetensors name stays one file, as before
+    assert main(["-q", "convert", str(ck), str(tmp_path / "m.safetensors"), "--to", "safetensors",
+                 "--item", "params"]) == 0
+    assert (tmp_path / "m.safetensors").is_file()
