@@ -245,3 +245,82 @@ def test_dcp_checkpoint_loaded_with_mesh_comes_back_on_the_mesh(tmp_path):
     save_file({"w": np.arange(8, dtype=np.float32)}, str(tmp_path / "m.safetensors"))
     w = cairn.load(tmp_path / "m.safetensors", mesh=mesh)["w"]
     assert isinstance(w, jax.Array) and w.sharding == NamedSharding(mesh, P())
+
+
+# ---------------------------------------------------------------------- item 8: verify and cp on Orbax / DCP
+
+
+def _dcp_folder(path):
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 2))
+    with pytest.warns(UserWarning):  # DCP: "assuming the intent is to save in a single process"
+        dcp.save({"model": model.state_dict(), "step": 3}, checkpoint_id=str(path))
+    return path
+
+
+def _orbax_step(run):
+    """An Orbax CheckpointManager step, as the user's training job wrote it: Composite(state=StandardSave,
+    extra=JsonSave), params sharded on a (4, 2) mesh."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    mesh = jax.make_mesh((4, 2), ("data", "model"))
+    s = NamedSharding(mesh, P("data", "model"))
+    tree = {"params": {"w": jax.device_put(jnp.arange(64 * 16, dtype=jnp.float32).reshape(64, 16), s)},
+            "opt": {"mu": jnp.zeros((64, 16)), "count": jnp.int32(10)}}
+    with ocp.CheckpointManager(os.path.abspath(run), item_names=("state", "extra")) as mgr:
+        mgr.save(10, args=ocp.args.Composite(state=ocp.args.StandardSave(tree),
+                                              extra=ocp.args.JsonSave({"lr": 0.1})))
+        mgr.wait_until_finished()
+    return run / "10"
+
+
+def test_cli_verify_reads_a_dcp_checkpoint_and_names_a_broken_one(tmp_path, capsys):
+    """The user's step: `cairn verify dcp_dir` said "no manifest.json", which reads as a broken checkpoint."""
+    from cairn._cli.main import main
+
+    folder = _dcp_folder(tmp_path / "dcp")
+    assert main(["--plain", "verify", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert f"OK: {folder}: a PyTorch DCP checkpoint" in out and "every array reads" in out and "no checksums" in out
+    from cairn._tools.verify import verify
+
+    report = verify(folder)
+    assert report.ok and report.format == "dcp" and report.bytes_checked == (64 * 32 + 32 + 32 * 2 + 2) * 4
+    # a truncated data file: FAILED, exit 1, the file named
+    data = next(f for f in os.listdir(folder) if f.endswith(".distcp"))
+    with open(folder / data, "r+b") as f:
+        f.truncate(os.path.getsize(folder / data) // 2)
+    assert main(["--plain", "verify", str(folder)]) == 1
+    captured = capsys.readouterr()
+    assert "FAILED" in captured.out and "truncated" in captured.err and "manifest.json" not in captured.err
+
+
+def test_cli_verify_reads_an_orbax_manager_step(tmp_path, capsys):
+    from cairn._cli.main import main
+    from cairn._tools.verify import verify
+
+    step = _orbax_step(tmp_path / "run")
+    assert main(["--plain", "verify", str(step)]) == 0
+    assert f"OK: {step}: an Orbax checkpoint" in capsys.readouterr().out
+    report = verify(step)
+    assert report.ok and report.format == "orbax" and report.bytes_checked >= 2 * 64 * 16 * 4
+
+
+@pytest.mark.parametrize("verb", ["cp", "mv"])
+def test_cli_cp_and_mv_of_orbax_and_dcp_say_what_the_folder_is(tmp_path, capsys, verb):
+    """The user's step: `cairn cp orbax_step dst` said "no manifest.json". Now it names the format and
+    what to do, and touches nothing."""
+    from cairn._cli.main import main
+
+    for src, name in ((_dcp_folder(tmp_path / "dcp"), "a PyTorch DCP checkpoint"),
+                      (_orbax_step(tmp_path / "run"), "an Orbax checkpoint")):
+        before = sorted(os.listdir(src))
+        assert main(["--plain", verb, str(src), str(tmp_path / f"copy_{verb}")]) == 1
+        err = capsys.readouterr().err
+        assert f"{src} is {name}, not a cairn one" in err and "cairn convert" in err and "cp -r" in err, err
+        assert "manifest.json" not in err
+        assert sorted(os.listdir(src)) == before and not (tmp_path / f"copy_{verb}").exists()
+        with pytest.raises(cairn.CheckpointNotFoundError, match=f"is {name}"):
+            cairn.copy(src, tmp_path / "api_copy")
