@@ -324,3 +324,14 @@ def test_cli_cp_and_mv_of_orbax_and_dcp_say_what_the_folder_is(tmp_path, capsys,
         assert sorted(os.listdir(src)) == before and not (tmp_path / f"copy_{verb}").exists()
         with pytest.raises(cairn.CheckpointNotFoundError, match=f"is {name}"):
             cairn.copy(src, tmp_path / "api_copy")
+
+
+def test_load_that_fails_names_the_rename_rule_that_matched_nothing(gpt2):
+    """Where the load cannot succeed, the unmatched rule is the likely cause: the error says so."""
+    _hf, ck, _sd = gpt2
+    target = {"params": {"embed": np.zeros((128, 32), np.float32)}}
+    with pytest.raises(cairn.MismatchError, match=r"'params/embed' of the target is not in the checkpoint.*"
+                       r"rename rule \('\^params/model/embed_tokens/weight\$', 'params/embed'\) matched no key path"):
+        cairn.load(ck, target, partial=True, rename=[(r"^params/model/embed_tokens/weight$", "params/embed")])
+    got = cairn.load(ck, target, partial=True, rename=[(r"^params/transformer/wte/weight$", "params/embed")])
+    assert got["params"]["embed"].shape == (128, 32)

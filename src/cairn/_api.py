@@ -13,7 +13,7 @@ from typing import Any
 
 from ._core.stats import LoadStats, SaveStats
 from ._dist.coord import Coordinator
-from ._errors import CheckpointNotFoundError
+from ._errors import CheckpointNotFoundError, MismatchError
 from ._interop import sources as _sources
 from ._interop.sources import Rename
 from ._load import engine as _load
@@ -273,9 +273,14 @@ def load(
         if source is not None or format == "cairn":
             raise
         missing = e  # not a cairn checkpoint: perhaps one of another format
+    except MismatchError as e:
+        raise _transforms.explained(source, e) from None
     if missing is not None:
         source = _transforms.open_source(loc, target, missing=missing, **opts.transforms)
-        out = _load.load(loc, target, opts, source=source, stats=stats, started=t0)
+        try:
+            out = _load.load(loc, target, opts, source=source, stats=stats, started=t0)
+        except MismatchError as e:
+            raise _transforms.explained(source, e) from None
     _transforms.finish(source, loc.path, report)
     if framework == "torch":
         from ._interop.tensors import tree_to_torch

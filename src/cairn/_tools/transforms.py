@@ -179,6 +179,16 @@ def finish(src: Source | None, where: str, report: RestoreReport | None) -> None
         log.info("cairn: loading %s: %s", where, got)
 
 
+def explained(src: Source | None, error: MismatchError) -> MismatchError:
+    """`error` (a target that does not fit), naming the rename rules that matched nothing: where the
+    load fails, such a rule is the likely cause (a typo, or another model's names)."""
+    if src is None or not src.unmatched:
+        return error
+    rules = ", ".join(src.unmatched)
+    return MismatchError(f"{error}; note that the rename rule{'s' if len(src.unmatched) > 1 else ''} {rules} "
+                         "matched no key path of the checkpoint")
+
+
 def load(loc: Location, target: Any = None, *, partial: bool = False, rename: Rename | None = None,
          drop: Patterns | None = None, fill_missing: bool | Patterns = False,
          report: RestoreReport | None = None, format: str | None = None, **kw: Any) -> Any:
@@ -188,9 +198,12 @@ def load(loc: Location, target: Any = None, *, partial: bool = False, rename: Re
     """
     src = open_source(loc, target, format=format, rename=rename, drop=drop, fill_missing=fill_missing) if (
         wanted(rename, drop, fill_missing) or format not in (None, "cairn")) else None
-    out = _load.load(loc, target, partial=partial, source=src, **kw)
+    try:
+        out = _load.load(loc, target, partial=partial, source=src, **kw)
+    except MismatchError as e:
+        raise explained(src, e) from None
     finish(src, loc.path, report)
     return out
 
 
-__all__ = ["Patterns", "RestoreReport", "finish", "load", "open_source", "wanted"]
+__all__ = ["Patterns", "RestoreReport", "explained", "finish", "load", "open_source", "wanted"]
