@@ -14,12 +14,14 @@ says ``cast="unsafe"``:
   some value does not fit (int64 steps into an int32 target load silently
   while they fit);
 - any cast that overflows: a finite value that becomes inf or NaN (1e6 into
-  float16, 70000 into float16).
+  float16, 70000 into float16, 1e300 into float32). float32 -> bfloat16 is
+  not checked: their ranges differ only in rounding at the very top.
 
 The decision is taken from the two dtypes first, so a cast that can never
-lose values (the common widening and float-to-float ones) costs no look at
-the data; only casts that might lose values look at them (one vectorised
-pass over the piece being cast).
+lose values (widening, float32 -> bfloat16) costs no look at the data; only
+casts that might lose values look at them: one vectorised pass over the
+piece being cast (an `isfinite` over the cast values for float64 -> float32,
+a min and max for int64 -> int32).
 """
 
 from __future__ import annotations
@@ -123,8 +125,10 @@ def cast(src: np.ndarray, dtype: np.dtype, where: str, unsafe: bool = False) -> 
         raise _refused(src, dtype, where, why, _example(src, None, dtype, mask))
     with np.errstate(over="ignore", invalid="ignore"):  # an overflow is reported below, as an error
         out = src.astype(dtype)
-    if s in ("i", "u", "f", "c") and d in ("f", "c") and _largest(dtype, d) < _largest(src.dtype, s) and not np.isfinite(out).all():
-        # Only a target of smaller range can overflow; the check runs on the cast values.
+    if s in ("i", "u", "f", "c") and d in ("f", "c") and 2 * _largest(dtype, d) < _largest(src.dtype, s) \
+            and not np.isfinite(out).all():
+        # Only a target of much smaller range can overflow (float16, float8, float64 -> float32; not
+        # float32 -> bfloat16, whose largest finite is float32's rounded): the check runs on the cast values.
         over = ~np.isfinite(out) & np.isfinite(src)
         if over.any():
             raise _refused(src, dtype, where, f"values beyond {dtype.name}'s largest finite "
