@@ -306,6 +306,13 @@ def test_cli_verify_reads_an_orbax_manager_step(tmp_path, capsys):
     assert f"OK: {step}: an Orbax checkpoint" in capsys.readouterr().out
     report = verify(step)
     assert report.ok and report.format == "orbax" and report.bytes_checked >= 2 * 64 * 16 * 4
+    # the data files the step's OCDBT manifest names, truncated: FAILED, with tensorstore's reason
+    for f in os.listdir(step / "state" / "d"):
+        with open(step / "state" / "d" / f, "r+b") as fh:
+            fh.truncate(10)
+    assert main(["--plain", "verify", str(step)]) == 1
+    captured = capsys.readouterr()
+    assert "FAILED" in captured.out and "CORRUPT" in captured.err and "of item 'state'" in captured.err
 
 
 @pytest.mark.parametrize("verb", ["cp", "mv"])
