@@ -314,7 +314,7 @@ def test_console_script(ckpt):
 
 def test_convert_commands(ckpt, tmp_path, capsys):
     st = tmp_path / "m.safetensors"
-    rc, out, _ = run(capsys, "convert", ckpt, st, "--to", "safetensors", "--budget", "4M")
+    rc, out, _ = run(capsys, "convert", ckpt, st, "--to", "safetensors", "--budget", "4M", "--all-items")
     assert rc == 0 and f"wrote {st}" in out
     rc, _, _ = run(capsys, "convert", st, tmp_path / "back", "--to", "cairn")
     assert rc == 0

@@ -69,7 +69,7 @@ def test_safetensors_round_trip_is_bitwise(tmp_path, mesh8, per_item):
     state = rich_state(mesh8)
     cairn.save(tmp_path / "ck", state, metadata={"run": "r1"})
     dst = tmp_path / ("dir" if per_item else "m.safetensors")
-    written = to_safetensors(tmp_path / "ck", dst, per_item=per_item, budget_bytes=1 << 20)
+    written = to_safetensors(tmp_path / "ck", dst, per_item=per_item, all_items=True, budget_bytes=1 << 20)
     assert len(written) == (4 if per_item else 1)
     from_safetensors(dst, tmp_path / "back")
     assert_trees_bitwise(cairn.load(tmp_path / "ck"), cairn.load(tmp_path / "back"))
@@ -84,7 +84,7 @@ def test_safetensors_output_reads_with_the_safetensors_library(tmp_path, mesh8):
     state = rich_state(mesh8)
     del state["params"]["w2"], state["params"]["f8"]  # numpy has no bfloat16 / float8
     cairn.save(tmp_path / "ck", state)
-    to_safetensors(tmp_path / "ck", tmp_path / "m.safetensors")
+    to_safetensors(tmp_path / "ck", tmp_path / "m.safetensors", all_items=True)
     got = load_file(str(tmp_path / "m.safetensors"))
     assert_bitwise(got["params.w"], state["params"]["w"])  # HF's dotted names, checkpointable first
     assert_bitwise(got["params.i64"], state["params"]["i64"])
@@ -103,7 +103,7 @@ def test_bfloat16_safetensors_reads_in_torch(tmp_path, mesh8):
 
     state = rich_state(mesh8)
     cairn.save(tmp_path / "ck", state)
-    to_safetensors(tmp_path / "ck", tmp_path / "m.safetensors")
+    to_safetensors(tmp_path / "ck", tmp_path / "m.safetensors", all_items=True)
     got = load_file(str(tmp_path / "m.safetensors"))
     assert got["params.w2"].dtype == torch.bfloat16
     assert got["params.w2"].view(torch.int16).numpy().tobytes() == np.asarray(state["params"]["w2"]).tobytes()
@@ -150,7 +150,7 @@ def test_memory_url_round_trip(mesh8):
     base = f"memory://conv-{uuid.uuid4().hex}"
     state = rich_state(mesh8)
     cairn.save(f"{base}/ck", state)
-    to_safetensors(f"{base}/ck", f"{base}/m.safetensors")
+    to_safetensors(f"{base}/ck", f"{base}/m.safetensors", all_items=True)
     from_safetensors(f"{base}/m.safetensors", f"{base}/back")
     assert_trees_bitwise(cairn.load(f"{base}/ck"), cairn.load(f"{base}/back"))
 
@@ -204,7 +204,7 @@ _RSS_SCRIPT = textwrap.dedent(
 
     def convert(src, dst):
         if kind == "safetensors":
-            to_safetensors(src, dst, budget_bytes=budget)
+            to_safetensors(src, dst, all_items=True, budget_bytes=budget)
         elif kind == "cairn":
             from_safetensors(src, dst, budget_bytes=budget)
         else:
@@ -251,7 +251,7 @@ def test_convert_memory_stays_within_budget(tmp_path, mesh8):
     cairn.save(tmp_path / "ck", state)
     del state
     cairn.save(tmp_path / "tiny", {"a": np.ones(3), "b": {"c": np.zeros(2)}})
-    to_safetensors(tmp_path / "tiny", tmp_path / "tiny.safetensors")
+    to_safetensors(tmp_path / "tiny", tmp_path / "tiny.safetensors", all_items=True)
     growth = {
         "safetensors": _peak_growth("safetensors", tmp_path / "ck", tmp_path / "m.safetensors", budget,
                                     tmp_path, tmp_path / "tiny"),

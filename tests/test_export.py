@@ -107,7 +107,7 @@ def test_cli_convert_to_sharded_safetensors(llama_ckpt, tmp_path, capsys):
     hf, _ckpt, sd = llama_ckpt
     cairn.save(tmp_path / "flat", cairn.load(hf))  # the HF tree at the root: names come out as HF's
     assert main(["-q", "convert", str(tmp_path / "flat"), str(tmp_path / "out"), "--to", "safetensors",
-                 "--max-shard-size", "100KB"]) == 0
+                 "--max-shard-size", "100KB", "--all-items"]) == 0  # "model" and "lm_head": HF's own names
     assert "model.safetensors.index.json" in capsys.readouterr().out
     check_folder(tmp_path / "out", hf, sd)
 

@@ -45,14 +45,15 @@ def _st_tensors(folder) -> dict[str, np.ndarray]:
 
 
 def test_safetensors_export_names_each_saving_process(saved_on_3, tmp_path):
-    cairn.export_safetensors(saved_on_3, tmp_path / "hf")
+    cairn.export_safetensors(saved_on_3, tmp_path / "hf", all_items=True)
     got = _st_tensors(tmp_path / "hf")
     assert sorted(got) == ["data.process_0.window", "data.process_1.window", "data.process_2.window", "params.w"]
     for p in range(3):
         np.testing.assert_array_equal(got[f"data.process_{p}.window"], _window(p))
     np.testing.assert_array_equal(got["params.w"], np.arange(12, dtype=np.float32))
     # rename sees the exported key path; drop leaves them out; error names the leaf and the ways out.
-    cairn.export_safetensors(saved_on_3, tmp_path / "renamed", rename=[(r"^data/process_(\d)/", r"iter/\1/")])
+    cairn.export_safetensors(saved_on_3, tmp_path / "renamed", rename=[(r"^data/process_(\d)/", r"iter/\1/")],
+                             all_items=True)
     assert "iter.2.window" in _st_tensors(tmp_path / "renamed")
     # Dropped, "params" is the one checkpointable holding arrays: its names are bare, as Hugging Face's.
     cairn.export_safetensors(saved_on_3, tmp_path / "dropped", per_process="drop")
@@ -67,7 +68,7 @@ def test_safetensors_export_names_each_saving_process(saved_on_3, tmp_path):
 def test_safetensors_export_from_two_processes_names_the_same(saved_on_3, tmp_path):
     """Two processes share the files out: the names depend on who saved, not on who exports."""
     out = run(2, "export_scenarios:export", {"ckpt": saved_on_3, "dst": str(tmp_path / "hf"),
-                                             "max_shard_size": "40B"}, devices_per_process=1, timeout=120)
+                                             "max_shard_size": "40B", "all_items": True}, devices_per_process=1, timeout=120)
     assert sorted(f for r in out for f in r["written"]) == out[0]["files"][:-1]  # each file written once
     got = _st_tensors(tmp_path / "hf")
     for p in range(3):
@@ -76,7 +77,7 @@ def test_safetensors_export_from_two_processes_names_the_same(saved_on_3, tmp_pa
 
 def test_convert_to_safetensors_names_processes_and_converts_back_per_process(saved_on_3, tmp_path, capsys):
     st = str(tmp_path / "one.safetensors")
-    assert cli(["convert", saved_on_3, st, "--to", "safetensors"]) == 0
+    assert cli(["convert", saved_on_3, st, "--to", "safetensors", "--all-items"]) == 0
     got = safetensors_numpy.load_file(st)
     assert sorted(got) == ["data.process_0.window", "data.process_1.window", "data.process_2.window", "params.w"]
     assert cli(["convert", st, str(tmp_path / "back"), "--to", "cairn"]) == 0
@@ -114,7 +115,7 @@ def test_one_saving_process_is_named_too_and_bytes_inside_say_drop(tmp_path):
     opt = ocp.PyTreeCheckpointer().restore(os.path.join(out, "opt"))
     assert opt["data"]["process_0"]["pos"] == 4 and opt["lr"] == 0.1
     np.testing.assert_array_equal(opt["data"]["process_0"]["rng"], np.arange(2))
-    cairn.export_safetensors(tmp_path / "c", tmp_path / "hf")
+    cairn.export_safetensors(tmp_path / "c", tmp_path / "hf", all_items=True)
     assert sorted(_st_tensors(tmp_path / "hf")) == ["opt.data.process_0.rng", "params.w"]
     cairn.save(tmp_path / "b", {"w": np.ones(2), "data": cairn.PerProcess({"state": b"\x00it"})})
     with pytest.raises(cairn.UnsupportedTypeError, match=r"leaf 'data/process_0/state' is bytes.*per_process='drop'"):

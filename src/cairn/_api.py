@@ -13,7 +13,7 @@ from typing import Any
 
 from ._core.stats import LoadStats, SaveStats
 from ._dist.coord import Coordinator
-from ._errors import CheckpointNotFoundError
+from ._errors import CheckpointNotFoundError, MismatchError
 from ._interop import sources as _sources
 from ._interop.sources import Rename
 from ._load import engine as _load
@@ -139,6 +139,7 @@ def load(
     report: RestoreReport | None = None,
     stats: LoadStats | None = None,
     mesh: Any = None,
+    cast: str = "safe",
 ) -> Any:
     """Load a checkpoint, whole or in part, onto any sharding.
 
@@ -152,6 +153,15 @@ def load(
     as keys of their saved implementation for a key-dtype target (e.g. from
     ``jax.eval_shape``) or a sharding; without one, as their ``uint32`` key
     data (``jax.random.key_data``).
+
+    A cast that would change values is a `MismatchError` naming the leaf,
+    both dtypes and a value, unless ``cast="unsafe"``: float to integer,
+    integers that do not fit the target (int8 -> uint8 with negatives,
+    int64 -> int32 beyond its range) and overflows (1e6 into float16).
+    Widening, float-to-float (float32 -> bfloat16) and int64 -> int32 casts
+    whose values fit load silently:
+
+        q = cairn.load(path, {"w": np.zeros(3, np.int8)}, cast="unsafe")  # wraps as numpy astype does
 
     Example:
 
@@ -250,7 +260,8 @@ def load(
         raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
     opts = LoadOptions(partial=partial, verify=verify, threads=threads, read_once=read_once,
                        budget_bytes=budget_bytes, bandwidths=bandwidths, coordinator=coordinator, timeout=timeout,
-                       format=format, rename=rename, drop=drop, fill_missing=fill_missing, mesh=mesh)
+                       format=format, rename=rename, drop=drop, fill_missing=fill_missing, mesh=mesh,
+                       cast=cast)
     loc = resolve(path, storage_options)
     source = None
     if _transforms.wanted(rename, drop, fill_missing) or format not in (None, "cairn"):
@@ -262,9 +273,14 @@ def load(
         if source is not None or format == "cairn":
             raise
         missing = e  # not a cairn checkpoint: perhaps one of another format
+    except MismatchError as e:
+        raise _transforms.explained(source, e) from None
     if missing is not None:
         source = _transforms.open_source(loc, target, missing=missing, **opts.transforms)
-        out = _load.load(loc, target, opts, source=source, stats=stats, started=t0)
+        try:
+            out = _load.load(loc, target, opts, source=source, stats=stats, started=t0)
+        except MismatchError as e:
+            raise _transforms.explained(source, e) from None
     _transforms.finish(source, loc.path, report)
     if framework == "torch":
         from ._interop.tensors import tree_to_torch

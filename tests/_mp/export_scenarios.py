@@ -10,7 +10,7 @@ import cairn
 from cairn._save import commit as _commit
 
 
-def export(ckpt: str, dst: str, max_shard_size: str, item: str | None = None) -> dict:
+def export(ckpt: str, dst: str, max_shard_size: str, item: str | None = None, all_items: bool = False) -> dict:
     """Every process exports; returns the files this process wrote and every file's name."""
     written: list[str] = []
     real = _commit.RenameCommit.write_whole
@@ -21,7 +21,8 @@ def export(ckpt: str, dst: str, max_shard_size: str, item: str | None = None) ->
 
     _commit.RenameCommit.write_whole = record  # type: ignore[method-assign]
     try:
-        files = cairn.export_safetensors(ckpt, dst, max_shard_size=max_shard_size, item=item)
+        files = cairn.export_safetensors(ckpt, dst, max_shard_size=max_shard_size, item=item,
+                                         all_items=all_items)
     finally:
         _commit.RenameCommit.write_whole = real  # type: ignore[method-assign]
     return {"process": jax.process_index(), "written": written, "files": [os.path.basename(f) for f in files]}

@@ -361,7 +361,7 @@ def cmd_verify(args: argparse.Namespace, out: Output) -> int:
     with out.progress("verifying", None) as (set_total, advance):
         report = verify(args.path, threads=args.threads, on_total=set_total, progress=advance)
     if args.json:
-        _dump_json({"path": report.path, "ok": report.ok, "bytes_checked": report.bytes_checked,
+        _dump_json({"path": report.path, "format": report.format, "ok": report.ok, "bytes_checked": report.bytes_checked,
                     "chunks_checked": report.chunks_checked, "files": report.files, "leaves": report.leaves,
                     "problems": [p.as_dict() for p in report.problems]})
         return 0 if report.ok else 1
@@ -369,6 +369,14 @@ def cmd_verify(args: argparse.Namespace, out: Output) -> int:
         print(f"CORRUPT: {p.message}", file=sys.stderr)
     summary = (f"{report.leaves} leaves, {report.chunks_checked} chunks, {report.files} files, "
                f"{human_bytes(report.bytes_checked)} checked")
+    if report.format != "cairn":  # Orbax, DCP, safetensors: read whole, no checksums to compare
+        name = {"dcp": "PyTorch DCP", "orbax": "Orbax"}.get(report.format, report.format)
+        summary = (f"{'an' if name[0] in 'AEIOU' else 'a'} {name} checkpoint, {report.leaves} leaves, {report.files} files, "
+                   f"{human_bytes(report.bytes_checked)} read")
+    if report.ok and report.format != "cairn":
+        out.line(f"OK: {report.path}: {summary}; every array reads (the format has no checksums: "
+                 f"`cairn convert {report.path} DST --to cairn` makes a checkpoint that has them)")
+        return 0
     if report.ok:
         out.line(f"OK: {report.path}: {summary}; every checksum matches")
         return 0
@@ -412,13 +420,14 @@ def cmd_copy(args: argparse.Namespace, out: Output) -> int:
     skipped (cairn copies only what a cairn manifest names).
     """
     from .._load.metadata import manifest_bytes
-    from .._tools.copy import copy, run_copy
+    from .._tools.copy import copy, refuse_foreign, run_copy
 
     src = resolve(args.src)
     try:
         manifest_bytes(src)
         return run_copy(args, out)
     except CheckpointNotFoundError:
+        refuse_foreign(src, "mv" if args.move else "cp")  # an Orbax or DCP checkpoint: say so, and what to do
         _, entries = _steps.scan(args.src, None)
     steps = [e for e in entries if e["status"] == "committed" and e["format"] == "cairn"]
     foreign = [e for e in entries if e["status"] == "committed" and e["format"] != "cairn"]
@@ -502,7 +511,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("convert", help="convert between cairn, safetensors (also sharded, for Hugging Face), "
                        "PyTorch files and Orbax (--to orbax writes through orbax-checkpoint); --to cairn also "
-                       "reads Orbax and DCP checkpoints")
+                       "reads Orbax and DCP checkpoints. --to safetensors: a DST not ending in .safetensors "
+                       "is a folder, written as DST/model.safetensors")
     s.add_argument("src")
     s.add_argument("dst")
     s.add_argument("--to", required=True, choices=["safetensors", "cairn", "torch", "orbax"])
@@ -517,6 +527,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="safetensors tensor names: hf (default) joins key paths with '.', without the "
                    "checkpointable when only one holds arrays; raw keeps cairn's '/'-joined key paths")
     s.add_argument("--item", help="safetensors: this checkpointable only, its key paths as names")
+    s.add_argument("--all-items", action="store_true",
+                   help="safetensors: where several checkpointables hold arrays, write them all, each name "
+                   "after its checkpointable's (params.w, opt.mu.w); without it (or --item) that is an error")
     s.add_argument("--prng-keys", choices=["error", "data", "drop"], default="error",
                    help="sharded safetensors: a typed PRNG key is an error (default), its uint32 data, or left out")
     s.add_argument("--per-process", choices=["keys", "drop", "error"], default="keys",

@@ -86,17 +86,37 @@ def compile_rename(rename: Rename | None) -> Callable[[str], str | None] | None:
                 and (pair[1] is None or isinstance(pair[1], str))):
             raise TypeError(f"rename pairs must be (regex, replacement or None), got {pair!r}")
         pairs.append((re.compile(pair[0]), pair[1]))
+    return RenameRules(pairs)
 
-    def apply(path: str) -> str | None:
-        for rx, rep in pairs:
+
+class RenameRules:
+    """Compiled ``(regex, replacement)`` rename pairs, remembering which matched any key path:
+    a rule that matched nothing is a typo the exports refuse and loads warn of (`unmatched`)."""
+
+    def __init__(self, pairs: list[tuple[re.Pattern[str], str | None]]):
+        self.pairs = pairs
+        self.hit = [False] * len(pairs)
+
+    def __call__(self, path: str) -> str | None:
+        for k, (rx, rep) in enumerate(self.pairs):
             if rep is None:
                 if rx.search(path):
+                    self.hit[k] = True
                     return None
             else:
-                path = rx.sub(rep, path)
+                path, n = rx.subn(rep, path)
+                if n:
+                    self.hit[k] = True
         return path
 
-    return apply
+    def unmatched(self) -> list[str]:
+        """The rules (as ``(pattern, replacement)`` reprs) that matched no key path so far."""
+        return [repr((rx.pattern, rep)) for (rx, rep), hit in zip(self.pairs, self.hit) if not hit]
+
+
+def unmatched_rules(fn: Any) -> list[str]:
+    """The rules of a compiled `rename` that matched nothing ([] for a function: it cannot tell)."""
+    return fn.unmatched() if isinstance(fn, RenameRules) else []
 
 
 def split_name(name: str, sep: str = ".") -> str:
@@ -347,6 +367,7 @@ class Source:
     moved: list[tuple[str, str | None]] = field(default_factory=list)
     filled: list[str] = field(default_factory=list)
     added: set[str] = field(default_factory=set)  # checkpointables made of filled leaves only
+    unmatched: list[str] = field(default_factory=list)  # rename rules that matched no key path
 
     def reader(self, name: str, index: fmt.ItemIndex, verify: bool, pool: ThreadPoolExecutor,
                stats: LoadStats) -> ChunkReader:
@@ -429,4 +450,4 @@ def open_format(f: Format, target: Any, rename: Rename | None, where: str,
         nbytes = sum(leaf.nbytes for leaf in leaves if isinstance(leaf, fmt.ArrayLeaf))
         infos[name] = fmt.ItemInfo("", "", nbytes, len(leaves))
     manifest = fmt.Manifest(items=infos, root=root, metadata=f.metadata())
-    return Source(f, f.loc, manifest, indexes, verify=f.verified, moved=moved)
+    return Source(f, f.loc, manifest, indexes, verify=f.verified, moved=moved, unmatched=unmatched_rules(fn))

@@ -125,11 +125,11 @@ def run_convert(args: Any, out: Any) -> int:
         if args.to == "safetensors" and args.max_shard_size is not None:
             written = export_safetensors(args.src, args.dst, max_shard_size=args.max_shard_size, item=args.item,
                                          names=args.names, prng_keys=args.prng_keys, per_process=args.per_process,
-                                         overwrite=args.overwrite,
+                                         all_items=args.all_items, overwrite=args.overwrite,
                                          budget_bytes=args.budget, progress=advance)
         elif args.to == "safetensors":
             written = to_safetensors(args.src, args.dst, per_item=args.per_item, names=args.names, item=args.item,
-                                     budget_bytes=args.budget, progress=advance)
+                                     all_items=args.all_items, budget_bytes=args.budget, progress=advance)
         elif args.to == "torch":
             written = [to_torch_file(args.src, args.dst, sep=args.sep, budget_bytes=args.budget, progress=advance)]
         elif args.to == "orbax":

@@ -253,7 +253,11 @@ class DCP(Format):
                 r.close()
         for p, (shape, dtype, grid, n) in plans.items():
             chunks = tuple(located[(p, k)] for k in range(n))
-            out[p] = fmt.ArrayLeaf(p, dtype, shape, grid, chunks)
+            # A torch tensor, sharded or not, is an array to a JAX program: with load(mesh=) it comes back
+            # on the mesh (replicated: DCP records no JAX axis names), never as numpy. Its saved chunk
+            # counts per axis say how it was split.
+            sharding = {"type": "DCP", "chunks": [len(b) - 1 for b in grid]}
+            out[p] = fmt.ArrayLeaf(p, dtype, shape, grid, chunks, sharding=sharding)
         return out
 
 

@@ -43,8 +43,8 @@ from .._save.commit import strategy_for
 from .._storage.location import resolve
 from .._tree.perprocess import check_export_choice, export_leaf_path, nodes_of, refuse_per_process
 from .._tree.pytree import display_path, escape_key
-from .base import Rename, compile_rename, join_name
-from .safetensors import _TO_ST, _st_header, check_names, tensor_item
+from .base import Rename, compile_rename, join_name, unmatched_rules
+from .safetensors import _TO_ST, _st_header, check_names, refuse_several, tensor_item, tensor_items
 
 log = logging.getLogger("cairn")
 
@@ -80,7 +80,7 @@ PRNG_KEYS = ("error", "data", "drop")
 
 
 def _tensors(ck: Any, item: str | None, rename: Rename | None, names: str = "hf",
-             prng_keys: str = "error", per_process: str = "keys") -> list[_Tensor]:
+             prng_keys: str = "error", per_process: str = "keys", all_items: bool = False) -> list[_Tensor]:
     fn = compile_rename(rename)
     if item is not None and item not in ck.manifest.items:
         raise CheckpointError(f"{ck.loc.path} has no checkpointable {item!r} (it has {sorted(ck.manifest.items)})")
@@ -125,6 +125,16 @@ def _tensors(ck: Any, item: str | None, rename: Rename | None, names: str = "hf"
                                                             if names == "hf" else ""))
             seen[name] = path
             out.append(_Tensor(name, it, leaf))
+    if prefix and names == "hf" and not all_items:
+        refuse_several(ck.loc.path, tensor_items(ck, kinds, per_process=per_process != "drop"))
+    unmatched = unmatched_rules(fn)
+    if unmatched:
+        some = ", ".join(repr(t) for t in list(seen.values())[:3])
+        raise CheckpointError(
+            f"{ck.loc.path}: rename rule{'s' if len(unmatched) > 1 else ''} {', '.join(unmatched)} matched no "
+            f"tensor's key path (they look like {some}{', ...' if len(seen) > 3 else ''}); an export with a "
+            "rule that renames nothing would write names the model does not expect. Fix or remove the rule "
+            "(`cairn inspect` lists the key paths)")
     return out
 
 
@@ -163,6 +173,7 @@ def export_safetensors(
     names: str = "hf",
     prng_keys: str = "error",
     per_process: str = "keys",
+    all_items: bool = False,
     overwrite: bool = False,
     budget_bytes: int = DEFAULT_BUDGET,
     threads: int = 4,
@@ -182,12 +193,18 @@ def export_safetensors(
 
     Tensor names (``names="hf"``, the default) are key paths joined with '.'
     as Hugging Face names them (``transformer.h.0.attn.weight``; a key
-    ``"0.weight"`` stays whole), after the checkpointable's name unless
+    ``"0.weight"`` stays whole), without the checkpointable's name when
     `item` picks one checkpointable, the state was not a mapping, or only
     one checkpointable holds arrays (``{"params": ..., "step": 3}`` exports
-    ``params``' names bare). ``names="raw"`` writes cairn's '/'-joined key
-    paths, checkpointable first. `rename` maps the '/'-joined key path the
-    name is made from, as in `cairn.load` (None drops a tensor). Only arrays
+    ``params``' names bare). Where several hold arrays (``params`` and
+    ``opt``) the export is refused (a `CheckpointError` naming them), since a
+    model would find none of its weights under ``params.``: pass `item`, or
+    ``all_items=True`` to write every checkpointable's arrays, its name
+    first. ``names="raw"`` writes cairn's '/'-joined key paths,
+    checkpointable first. `rename` maps the '/'-joined key path the name is
+    made from, as in `cairn.load` (None drops a tensor); a
+    ``(regex, replacement)`` rule that matches no exported tensor's key path
+    is a `CheckpointError` naming it. Only arrays
     are written: scalars, strings and bytes leaves have no place in
     safetensors and are left out. A typed PRNG key is an
     `UnsupportedTypeError` unless ``prng_keys="data"`` (its uint32 key data,
@@ -223,7 +240,7 @@ def export_safetensors(
     files: list[str] = []
     try:  # a failure anywhere, planning included, is published: nobody waits for this process in vain
         ck = open_checkpoint(path, storage_options)
-        tensors = _tensors(ck, item, rename, names, prng_keys, per_process)
+        tensors = _tensors(ck, item, rename, names, prng_keys, per_process, all_items)
         if not tensors:
             raise CheckpointError(f"{ck.loc.path}: no arrays to export")
         shards = pack([t.leaf.nbytes for t in tensors], limit)

@@ -28,6 +28,7 @@ from .base import FlatLocation, Format, one_chunk, split_name
 from .safetensors import ST_METADATA_KEY, _items_from_safetensors, _open_safetensors, _SrcTensor
 
 INDEX_NAMES = ("model.safetensors.index.json",)
+_TENSOR = {"type": "safetensors"}  # the sharding description of a tensor (none recorded)
 _PLAIN_NAME = re.compile(r"^[^/\\]+$")
 
 
@@ -112,7 +113,9 @@ class Safetensors(Format):
             if t is None:
                 raise CorruptCheckpointError(f"{self.where}: the index puts tensor {name!r} in {file!r}, "
                                              "whose header does not list it")
-            out[p] = one_chunk(p, t.dtype, t.shape, file_no[file], t.start)
+            # A tensor, an array to a JAX program: with load(mesh=) it comes back on the mesh, replicated
+            # (safetensors records no sharding), never as numpy.
+            out[p] = replace(one_chunk(p, t.dtype, t.shape, file_no[file], t.start), sharding=_TENSOR)
         return out
 
     def metadata(self) -> dict[str, Any]:

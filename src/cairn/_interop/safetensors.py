@@ -40,7 +40,8 @@ from .base import join_name
 
 ST_METADATA_KEY = "cairn"
 ST_FORMAT = "cairn-safetensors"
-MAX_ST_HEADER = 100 << 20  # what the safetensors reference implementation accepts
+MAX_ST_HEADER = 100 << 20
+SINGLE_FILE = "model.safetensors"  # the file of a one-file export into a folder  # what the safetensors reference implementation accepts
 
 # cairn dtype name -> safetensors dtype name (the subset safetensors can hold).
 _TO_ST = {
@@ -74,14 +75,33 @@ def tensor_item(ck: Any, kinds: tuple[str, ...], per_process: bool = True) -> st
     Without `per_process`, a `cairn.PerProcess` value's arrays (left out of the
     export) do not count.
     """
+    holders = tensor_items(ck, kinds, per_process)
+    return holders[0] if len(holders) == 1 and not ck.manifest.root else None
+
+
+def tensor_items(ck: Any, kinds: tuple[str, ...], per_process: bool = True) -> list[str]:
+    """The checkpointables holding tensors (leaves of `kinds`; see `tensor_item`)."""
 
     def holds(index: fmt.ItemIndex) -> bool:
         nodes = {} if per_process else nodes_of(index.structure)
         return any(isinstance(leaf, fmt.ArrayLeaf) and leaf.kind in kinds
                    and (not nodes or export_leaf_path(nodes, leaf.path) is None) for leaf in index.leaves)
 
-    holders = [n for n, index in ck.indexes.items() if holds(index)]
-    return holders[0] if len(holders) == 1 and not ck.manifest.root else None
+    return [n for n, index in ck.indexes.items() if holds(index)]
+
+
+def refuse_several(where: str, holders: list[str]) -> None:
+    """Several checkpointables hold arrays and nothing said how to name them: Hugging Face names
+    would start with the checkpointable's ("params.", "opt."), under which no model finds its weights."""
+    if len(holders) < 2:
+        return
+    raise CheckpointError(
+        f"{where}: checkpointables {', '.join(map(repr, holders))} all hold arrays, so the tensor names "
+        f"would start with theirs ({', '.join(repr(h + '.') for h in holders[:2])}...), and a model loading "
+        f"them (from_pretrained) would find none of its weights. Pass item={holders[0]!r} (--item "
+        f"{holders[0]}) to export one, or all_items=True (--all-items) to write all of them, each name after "
+        "its checkpointable's (right where they are the model's own top-level names, as 'model' and "
+        "'lm_head' are in a Hugging Face state dict saved as it is)")
 
 
 def tensor_name(item: str, path: str, prefix: bool, names: str) -> str:
@@ -170,6 +190,7 @@ def to_safetensors(
     per_item: bool = False,
     names: str = "hf",
     item: str | None = None,
+    all_items: bool = False,
     budget_bytes: int = DEFAULT_BUDGET,
     threads: int = 4,
     storage_options: dict | None = None,
@@ -178,11 +199,17 @@ def to_safetensors(
     """Write checkpoint `src` as one safetensors file `dst` (or, with `per_item`, a
     folder `dst` holding ``<checkpointable>.safetensors`` files); returns the files written.
 
+    A `dst` whose name does not end in ``.safetensors`` is a folder: the file
+    is ``dst/model.safetensors``, the name Hugging Face and `cairn.load` look
+    for in a folder.
+
     Tensor names (`names`): ``"hf"`` joins key paths with '.', as Hugging Face
-    names tensors, after the checkpointable's name unless it is the only one
-    holding tensors (or `per_item`); ``"raw"`` writes cairn's '/'-joined key
-    paths, checkpointable first. Either converts back exactly. `item`
-    writes that checkpointable only, its key paths bare. The arrays of a
+    names tensors, bare when one checkpointable holds tensors (or `per_item`);
+    where several do, a `CheckpointError` names them unless `item` picks one
+    or `all_items` writes them all, each name after its checkpointable's.
+    ``"raw"`` writes cairn's '/'-joined key paths, checkpointable first.
+    Either converts back exactly. `item` writes that checkpointable only,
+    its key paths bare. The arrays of a
     `cairn.PerProcess` value are named by the process that saved them
     (``data.process_1.window``); the cairn tree in the header keeps them
     per process, so converting back gives the per-process value again.
@@ -193,6 +220,8 @@ def to_safetensors(
     if item is not None and (root or item not in ck.manifest.items):
         raise CheckpointError(f"{ck.loc.path} has no checkpointable {item!r} (it has {sorted(ck.manifest.items)})")
     single = item is not None or (names == "hf" and tensor_item(ck, fmt.ARRAY_KINDS) is not None)
+    if names == "hf" and not (single or per_item or root or all_items):
+        refuse_several(ck.loc.path, tensor_items(ck, fmt.ARRAY_KINDS))
     groups = [[item]] if item is not None else [[n] for n in ck.manifest.items] if per_item and not root else [
         list(ck.manifest.items)]
     out_loc = resolve(dst, storage_options)
@@ -201,6 +230,8 @@ def to_safetensors(
     for group in groups:
         if per_item and not root:
             key = out_loc.key(fmt.item_dirname(group[0]) + ".safetensors")
+        elif not out_loc.name.endswith(".safetensors"):
+            key = out_loc.key(SINGLE_FILE)  # a folder, read back as one (by cairn and by from_pretrained)
         else:
             key = out_loc.name
         entries, plan, items_meta = [], [], {}

@@ -28,6 +28,7 @@ from .._tree.leaves import check_key_target, handler_named, is_key_dtype, key_dt
 from .._tree.perprocess import LoadView
 from .._tree.pytree import display_path, map_with_path, unflatten
 from .._tree.shardings import WHOLE_PUT_BYTES, concrete_sharding, misfit, on_mesh, puts_whole
+from . import casts
 from .metadata import read_index, read_manifest
 from .options import LoadOptions, options_of
 from .prefetch import prefetch
@@ -153,16 +154,22 @@ def _wrap_keys(it: _ItemLoad, where: str) -> None:
             it.results[i] = wrap_key(it.results[i], want.key_impl, f"{where}: leaf {shown!r}")
 
 
-def _assemble(want: _Want, reads: ArrayReads, shape: tuple[int, ...] | None = None) -> Any:
+def _cast(host: np.ndarray, want: _Want, it: _ItemLoad, where: str) -> np.ndarray:
+    """`host` in the target's dtype; a cast that would change values needs ``cast="unsafe"`` (`casts`)."""
+    if host.dtype == want.dtype:
+        return host
+    return casts.cast(host, want.dtype, f"{where}: leaf {display_path(want.leaf.path, it.name)!r}", it.cast == "unsafe")
+
+
+def _assemble(want: _Want, reads: ArrayReads, it: _ItemLoad, where: str, shape: tuple[int, ...] | None = None) -> Any:
     if want.sharding is None:
-        out = reads.dests[0]
-        return out if out.dtype == want.dtype else out.astype(want.dtype)
+        return _cast(reads.dests[0], want, it, where)
     import jax
 
     assert reads.placement is not None  # read with a sharding
     hosts, devices = [], []
     for box, dest in zip(reads.boxes, reads.dests):
-        host = dest if dest.dtype == want.dtype else dest.astype(want.dtype)
+        host = _cast(dest, want, it, where)
         for device in reads.placement[box]:
             hosts.append(host)
             devices.append(device)
@@ -231,7 +238,8 @@ def load(
                           else ChunkReader(loc, name, manifest.items[name], index, verify, pool, stats))
                 pp = LoadView(index.structure, name, loc.path, coord.process_index, coord.process_count)
                 items.append(_ItemLoad(name, index, reader, item_target,
-                                       match_target(loc, name, index, item_target, partial, pp, opts.mesh), pp))
+                                       match_target(loc, name, index, item_target, partial, pp, opts.mesh), pp,
+                                       cast=opts.cast))
             # One pipeline over the leaves of every requested checkpointable, so that
             # many small checkpointables keep the readers as busy as one large one.
             activity.begin(f"loading {loc.path}")
@@ -265,6 +273,7 @@ class _ItemLoad:
     wanted: dict[int, _Want | None]
     pp: LoadView  # its per-process values (`_perprocess`)
     results: dict[int, Any] = field(default_factory=dict)
+    cast: str = "safe"  # `LoadOptions.cast`
 
     def output(self) -> Any:
         if self.target is None:
@@ -435,7 +444,7 @@ def _run_wave(k: int, wave: list[Unit], agreement: Agreement, gathers: dict[int,
         for f in r.futures:
             f.result()
     t_assemble = time.perf_counter()
-    xs = [_assemble(_Want(s.want.leaf, s.want.dtype, s.route.read), r,
+    xs = [_assemble(_Want(s.want.leaf, s.want.dtype, s.route.read), r, s.item, agreement.path,
                     None if region is None else tuple(hi - lo for lo, hi in region))
           for (s, _), r, region in zip(wave, reads, regions)]
     del reads
@@ -489,10 +498,10 @@ def _read_direct(items: list[_ItemLoad], where: str, budget: int, skip: set[tupl
         t = time.perf_counter()
         if done.reads.placement is None and done.want.sharding is not None:  # read whole: a batched put
             host = done.reads.dests[0]
-            host = host if host.dtype == done.want.dtype else host.astype(done.want.dtype)
+            host = _cast(host, done.want, done.item, where)
             puts.add(done.item.results, done.leaf, host, done.want.sharding)
         else:
-            done.item.results[done.leaf] = _assemble(done.want, done.reads)
+            done.item.results[done.leaf] = _assemble(done.want, done.reads, done.item, where)
         transfer += time.perf_counter() - t
         inflight_bytes -= done.reads.nbytes
 

@@ -15,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .casts import check_cast_option
+
 
 @dataclass(frozen=True)
 class LoadOptions:
@@ -33,6 +35,7 @@ class LoadOptions:
     drop: Any = None  # regexes of source key paths left out
     fill_missing: Any = False  # target leaves the checkpoint lacks keep their value (True or regexes)
     mesh: Any = None  # a jax Mesh: arrays the target gives no sharding take their saved PartitionSpec on it
+    cast: str = "safe"  # "unsafe": casts that change values (float -> int, wrapping, overflow) are allowed
 
     def __post_init__(self) -> None:
         if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
@@ -43,6 +46,7 @@ class LoadOptions:
             raise ValueError(f"read_once must be None, True or False, got {self.read_once!r}")
         if not self.timeout > 0:
             raise ValueError(f"timeout must be positive (seconds), got {self.timeout!r}")
+        check_cast_option(self.cast)
         if self.mesh is not None and not (hasattr(self.mesh, "axis_names") and hasattr(self.mesh, "devices")):
             raise ValueError(f"mesh must be a jax.sharding.Mesh, got {type(self.mesh).__name__}")
 

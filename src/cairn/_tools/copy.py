@@ -40,7 +40,12 @@ from typing import Any
 import numpy as np
 
 from .._core.checksum import crc32c
-from .._errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
+from .._errors import (
+    CheckpointError,
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+)
 from .._format import manifest as fmt
 from .._format.partfile import PART_VERSION, PART_VERSION_SIZES, decode_part, part_bytes
 from .._load.metadata import index_bytes, manifest_bytes, parse_index
@@ -303,6 +308,26 @@ def _each(run: _Run, files: list[_File], threads: int, fn: Callable[[_File], Non
 
 # ---------------------------------------------------------------------- the copy
 
+_FORMAT_NAMES = {"dcp": "PyTorch DCP", "orbax": "Orbax", "safetensors": "safetensors"}
+
+
+def refuse_foreign(loc: Location, verb: str = "cp") -> None:
+    """Raise a `CheckpointNotFoundError` that says what `loc` is when it is another format's checkpoint
+    (Orbax, DCP, safetensors: `ls` and `inspect` read them; a copy, which checks cairn's checksums and
+    commits with cairn's manifest, cannot)."""
+    from .._interop.sources import detect
+
+    found = detect(loc)
+    if found in (None, "cairn"):
+        return
+    name = _FORMAT_NAMES.get(found, found)
+    raise CheckpointNotFoundError(
+        f"{loc.path} is a{'n' if name[0] in 'AEIOU' else ''} {name} checkpoint, not a cairn one: cairn {verb} "
+        f"{'moves' if verb == 'mv' else 'copies'} cairn checkpoints (manifest, checksums, atomic commit). To "
+        f"{'move' if verb == 'mv' else 'copy'} it as it is, use your storage's "
+        f"tools (cp -r, aws s3 cp --recursive, gsutil cp -r); to make a cairn checkpoint of it, "
+        f"`cairn convert {loc.path} DST --to cairn` (then `cairn {verb}` works on DST)")
+
 
 def copy(
     src: str | os.PathLike[str],
@@ -359,14 +384,22 @@ def copy(
     if recompress is not None:
         if move:
             raise ValueError("move=True copies stored bytes as they are: pass no compression")
-        return _recompress(s, d, compression, overwrite, t0, budget_bytes, threads, progress)
+        try:
+            return _recompress(s, d, compression, overwrite, t0, budget_bytes, threads, progress)
+        except CheckpointNotFoundError:
+            refuse_foreign(s, "cp")
+            raise
     if budget_bytes < 2 * MIN_PIECE:
         raise ValueError(f"budget_bytes={budget_bytes} is below the minimum of {2 * MIN_PIECE}")
     # Two pieces per file in flight: the one the writer is taking, the next one being read.
     threads = max(1, threads)
     piece = min(PIECE_BYTES, max(MIN_PIECE, budget_bytes // (2 * threads)))
     threads = max(1, min(threads, budget_bytes // (2 * piece)))
-    raw = manifest_bytes(s)
+    try:
+        raw = manifest_bytes(s)
+    except CheckpointNotFoundError:
+        refuse_foreign(s, "mv" if move else "cp")
+        raise
     token, files = _plan(s, raw)
     stats = CopyStats(s.path, d.path)
     strategy = strategy_for(d.storage)

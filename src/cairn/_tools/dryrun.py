@@ -252,6 +252,7 @@ def plan_load(
     drop: Any = None,
     fill_missing: Any = False,
     mesh: Any = None,
+    cast: str = "safe",
 ) -> LoadPlan:
     """What ``cairn.load(path, target, ...)`` would read and hold on every process, without reading data.
 
@@ -264,7 +265,8 @@ def plan_load(
     (default: the target devices' platform, CPU for `cairn plan`'s virtual
     devices). `plan.routes` holds each sharded leaf's route with every
     alternative's predicted seconds. `mesh` plans `load`'s restore onto
-    the saved shardings over that mesh.
+    the saved shardings over that mesh. `cast` is checked as `load` checks it (the
+    values a cast would change are known only when they are read).
 
     Example:
 
@@ -275,7 +277,7 @@ def plan_load(
     # The same options, checked the same way, as the load this plan predicts.
     opts = LoadOptions(partial=partial, verify=verify, threads=threads, read_once=read_once,
                        budget_bytes=budget_bytes, bandwidths=bandwidths, format=format, rename=rename, drop=drop,
-                       fill_missing=fill_missing, mesh=mesh)
+                       fill_missing=fill_missing, mesh=mesh, cast=cast)
     partial, verify, threads, read_once, budget_bytes = (opts.partial, opts.verify, opts.threads, opts.read_once,
                                                          opts.budget_bytes)
     loc = resolve(path, storage_options)

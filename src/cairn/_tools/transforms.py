@@ -55,9 +55,10 @@ class RestoreReport:
     renamed: list[tuple[str, str]] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     filled: list[str] = field(default_factory=list)
+    unmatched_rules: list[str] = field(default_factory=list)
 
     def __bool__(self) -> bool:
-        return bool(self.renamed or self.dropped or self.filled)
+        return bool(self.renamed or self.dropped or self.filled or self.unmatched_rules)
 
     def __str__(self) -> str:
         def few(xs: list[str]) -> str:
@@ -70,6 +71,8 @@ class RestoreReport:
             parts.append(f"dropped {len(self.dropped)} ({few(self.dropped)})")
         if self.filled:
             parts.append(f"filled {len(self.filled)} from the target ({few(self.filled)})")
+        if self.unmatched_rules:
+            parts.append(f"rename rules that matched nothing: {', '.join(self.unmatched_rules)}")
         return "; ".join(parts) or "nothing renamed, dropped or filled"
 
 
@@ -159,6 +162,7 @@ def report_of(src: Source | None) -> RestoreReport:
         out.renamed = [(a, b) for a, b in src.moved if b is not None]
         out.dropped = [a for a, b in src.moved if b is None]
         out.filled = list(src.filled)
+        out.unmatched_rules = list(src.unmatched)
     return out
 
 
@@ -167,8 +171,22 @@ def finish(src: Source | None, where: str, report: RestoreReport | None) -> None
     got = report_of(src)
     if report is not None:
         report.renamed, report.dropped, report.filled = got.renamed, got.dropped, got.filled
+        report.unmatched_rules = got.unmatched_rules
+    for rule in got.unmatched_rules:
+        log.warning("cairn: loading %s: the rename rule %s matched no key path of the checkpoint (a typo? "
+                    "`cairn inspect` lists its key paths)", where, rule)
     if got:
         log.info("cairn: loading %s: %s", where, got)
+
+
+def explained(src: Source | None, error: MismatchError) -> MismatchError:
+    """`error` (a target that does not fit), naming the rename rules that matched nothing: where the
+    load fails, such a rule is the likely cause (a typo, or another model's names)."""
+    if src is None or not src.unmatched:
+        return error
+    rules = ", ".join(src.unmatched)
+    return MismatchError(f"{error}; note that the rename rule{'s' if len(src.unmatched) > 1 else ''} {rules} "
+                         "matched no key path of the checkpoint")
 
 
 def load(loc: Location, target: Any = None, *, partial: bool = False, rename: Rename | None = None,
@@ -180,9 +198,12 @@ def load(loc: Location, target: Any = None, *, partial: bool = False, rename: Re
     """
     src = open_source(loc, target, format=format, rename=rename, drop=drop, fill_missing=fill_missing) if (
         wanted(rename, drop, fill_missing) or format not in (None, "cairn")) else None
-    out = _load.load(loc, target, partial=partial, source=src, **kw)
+    try:
+        out = _load.load(loc, target, partial=partial, source=src, **kw)
+    except MismatchError as e:
+        raise explained(src, e) from None
     finish(src, loc.path, report)
     return out
 
 
-__all__ = ["Patterns", "RestoreReport", "finish", "load", "open_source", "wanted"]
+__all__ = ["Patterns", "RestoreReport", "explained", "finish", "load", "open_source", "wanted"]

@@ -58,6 +58,7 @@ class VerifyReport:
     chunks_checked: int = 0
     files: int = 0
     leaves: int = 0
+    format: str = "cairn"  # another format's checkpoint (Orbax, DCP, safetensors): read whole, no checksums
 
     @property
     def ok(self) -> bool:
@@ -132,6 +133,83 @@ def _where(item: str, root: bool) -> str:
     return "" if root else f" [{item}]"
 
 
+def _foreign(loc: Location) -> str | None:
+    """The format of the checkpoint at `loc` when it is not cairn's (None: cairn's, or nothing known)."""
+    from .._interop.sources import detect
+
+    if loc.storage.exists(loc.key(fmt.MANIFEST)):
+        return None
+    found = detect(loc)
+    return None if found in (None, "cairn") else found
+
+
+def verify_foreign(loc: Location, format: str, threads: int = 8, on_total: Callable[[int], None] | None = None,
+                   progress: Callable[[int], None] | None = None) -> VerifyReport:
+    """Read every array of an Orbax, DCP or safetensors checkpoint through the reader a load uses.
+
+    These formats carry no checksums, so this shows that the checkpoint is
+    complete and readable (its metadata parses, every file holds the bytes
+    it should, every array decodes), not that its values are the ones saved;
+    converting once (``cairn convert SRC DST --to cairn``) gives checksums.
+    Problems are collected per leaf, as for a cairn checkpoint.
+    """
+    from .._interop.base import open_format
+    from .._interop.sources import open_foreign
+    from .._load.reader import LoadStats
+
+    report = VerifyReport(loc.path, format=format)
+    try:
+        f = open_foreign(loc, format)
+        src = open_format(f, None, None, loc.path)
+    except (CorruptCheckpointError, OSError, EOFError) as e:  # metadata or a file's layout is broken
+        report.problems.append(Problem(f"{loc.path}: {format} checkpoint: {e}"))
+        return report
+    if format == "orbax":  # its arrays are zarr folders, read through tensorstore below
+        report.files = len(f.files)
+    for fi in f.files if format != "orbax" else ():
+        report.files += 1
+        try:
+            size = f.loc.storage.size(f.loc.key(fi.name))
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            report.problems.append(Problem(f"{loc.path}: data file {fi.name!r} is missing", file=fi.name))
+            continue
+        if size < fi.size:
+            report.problems.append(Problem(f"{loc.path}: data file {fi.name!r} is truncated: {size} bytes, its "
+                                           f"tensors need {fi.size}", file=fi.name))
+    arrays = [(name, leaf) for name, index in src.indexes.items() for leaf in index.leaves
+              if isinstance(leaf, fmt.ArrayLeaf)]
+    if on_total is not None:
+        on_total(sum(leaf.nbytes for _, leaf in arrays))
+    slab = slab_bytes(4 * PIECE_BYTES)
+    with ThreadPoolExecutor(max(1, threads), thread_name_prefix="cairn-verify") as pool:
+        for name, index in src.indexes.items():
+            report.leaves += len(index.leaves)
+            reader = src.reader(name, index, False, pool, LoadStats())
+            try:
+                for leaf in index.leaves:
+                    if not isinstance(leaf, fmt.ArrayLeaf):
+                        continue
+                    shown = display_path(leaf.path, name)
+                    try:
+                        if leaf.kind == "bytes":
+                            n = len(reader.read_bytes(leaf))
+                            report.bytes_checked += n
+                            if progress is not None:
+                                progress(n)
+                            continue
+                        for arr in src.slabs(reader, leaf, slab, pool):
+                            report.bytes_checked += arr.nbytes
+                            if progress is not None:
+                                progress(arr.nbytes)
+                        report.chunks_checked += len(leaf.chunks)
+                    except (CheckpointError, OSError, EOFError, ValueError) as e:
+                        report.problems.append(Problem(f"{loc.path}: leaf {shown!r} cannot be read: {e}",
+                                                       item=name or None, leaf=leaf.path))
+            finally:
+                reader.close()
+    return report
+
+
 def plan_verify(loc: Location) -> tuple[fmt.Manifest, dict[str, fmt.ItemIndex], list[Problem]]:
     """Read the manifest and every index, collecting metadata problems."""
     manifest = read_manifest(loc)  # nothing to verify without one: the caller reports it
@@ -167,8 +245,13 @@ def verify(
     `CorruptCheckpointError` if its manifest cannot be parsed; every other
     problem is collected into the report. `on_total(bytes)` is called once
     with the number of bytes to check, `progress(bytes)` as they are checked.
+    A checkpoint of another format (Orbax, PyTorch DCP, safetensors) is
+    checked as `verify_foreign` says.
     """
     loc = resolve(path, storage_options)
+    found = _foreign(loc)
+    if found is not None:
+        return verify_foreign(loc, found, threads, on_total, progress)
     manifest, indexes, problems = plan_verify(loc)
     report = VerifyReport(loc.path, problems)
     lock = threading.Lock()
