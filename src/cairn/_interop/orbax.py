@@ -69,7 +69,7 @@ def _ts() -> Any:
     try:
         import tensorstore
     except ImportError:
-        raise CheckpointError("reading Orbax checkpoints needs tensorstore: pip install 'cairn[orbax]'") from None
+        raise CheckpointError("reading Orbax checkpoints needs tensorstore: pip install 'cairn-ckpt[orbax]'") from None
     return tensorstore
 
 

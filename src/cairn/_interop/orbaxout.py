@@ -57,7 +57,7 @@ def _orbax() -> Any:
     try:
         import orbax.checkpoint as ocp
     except ImportError:
-        raise CheckpointError("exporting to Orbax needs orbax-checkpoint: pip install 'cairn[orbax]' "
+        raise CheckpointError("exporting to Orbax needs orbax-checkpoint: pip install 'cairn-ckpt[orbax]' "
                               "orbax-checkpoint") from None
     return ocp
 

@@ -20,7 +20,7 @@ def import_torch() -> Any:
     try:
         import torch
     except ImportError:
-        raise CheckpointError("this needs PyTorch, which is not installed (pip install 'cairn[torch]')") from None
+        raise CheckpointError("this needs PyTorch, which is not installed (pip install 'cairn-ckpt[torch]')") from None
     return torch
 
 

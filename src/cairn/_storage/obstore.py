@@ -237,7 +237,7 @@ class ObjectStorage:
             from obstore.store import from_url
         except ImportError:
             raise ImportError(
-                f"{url}: object-store paths need obstore; install it with `pip install 'cairn[cloud]'`"
+                f"{url}: object-store paths need obstore; install it with `pip install 'cairn-ckpt[cloud]'`"
             ) from None
         scheme, rest = split_url(url)
         if not scheme or not rest.strip("/"):
