@@ -366,7 +366,8 @@ def copy(
     chunks, sharding record and key implementation, user objects,
     per-process values and the metadata. That does not resume.
 
-    Raises `CheckpointNotFoundError` (nothing committed at `src`),
+    Raises `CheckpointNotFoundError` (nothing committed at `src`; an Orbax,
+    DCP or safetensors checkpoint there is named as such, with what to do),
     `CheckpointExistsError` (`dst` holds another checkpoint),
     `CorruptCheckpointError` (the source fails a check; the partial copy is
     removed) or `CheckpointError` (a read or write failed; calling again
