@@ -127,3 +127,46 @@ def _named(reader: Any, file: int, e: CorruptCheckpointError) -> CorruptCheckpoi
     return CorruptCheckpointError(
         f"{reader.loc.path} refers to its base checkpoint {entry.base!r} (beside it), whose data file "
         f"{entry.name!r} cannot be read: {e}")
+
+
+def check_chunk(leaf: fmt.ArrayLeaf, cell: int, block: int, files: list[fmt.FileInfo], opened: dict[int, Any],
+                ) -> list[str]:
+    """What is wrong with chunk `cell` of a version-4 leaf, block by block: each block's stored bytes
+    (own, or a reference into a base's file) against its CRC-32C, its decoding, and the xxh3-128 of the
+    decoded bytes against the hash the index records (`cairn verify`). `opened`: file number -> reader."""
+    from .._format.blocks import block_hash
+
+    table = leaf.chunks.table  # type: ignore[attr-defined]
+    got = table.sources(leaf.chunks.leaf, cell)  # type: ignore[attr-defined]
+    if got is None:
+        return ["the index records no block hashes or sources for it"]
+    hashes = got[0]
+    raws = raw_blocks(leaf.chunk_nbytes(cell), block)
+    bad: list[str] = []
+    for b, (f, off, size, crc, codec) in enumerate(block_places(leaf, cell, block)):
+        entry = files[f]
+        where = f"{'base ' + repr(entry.base) + ' ' if entry.base else ''}file {entry.name!r} bytes {off}..{off + size}"
+        r = opened.get(f)
+        if r is None:
+            bad.append(f"block {b} ({where}): its data file is missing")
+            continue
+        buf = np.empty(size, dtype=np.uint8)
+        try:
+            r.read_into(off, memoryview(buf))  # type: ignore[arg-type]
+        except EOFError:
+            bad.append(f"block {b} ({where}) lies past the end of the file")
+            continue
+        except OSError as e:
+            bad.append(f"block {b} ({where}): reading failed: {e}")
+            continue
+        if crc32c(buf) != crc:
+            bad.append(f"block {b} ({where}) has CRC-32C {crc32c(buf):#010x}, stored {crc:#010x}")
+            continue
+        try:
+            raw = bytes(buf) if codec == 0 else _codecs.decode(CODEC_NAMES[codec], buf, leaf.dtype, raws[b])
+        except (CorruptCheckpointError, IndexError) as e:
+            bad.append(f"block {b} ({where}) does not decode: {e}")
+            continue
+        if block_hash(raw) != hashes[b * 16 : (b + 1) * 16]:
+            bad.append(f"block {b} ({where}): its bytes' xxh3-128 is not the recorded hash")
+    return bad
