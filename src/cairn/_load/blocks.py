@@ -170,3 +170,22 @@ def check_chunk(leaf: fmt.ArrayLeaf, cell: int, block: int, files: list[fmt.File
         if block_hash(raw) != hashes[b * 16 : (b + 1) * 16]:
             bad.append(f"block {b} ({where}): its bytes' xxh3-128 is not the recorded hash")
     return bad
+
+
+def own_and_referenced(leaf: fmt.ArrayLeaf, block: int) -> tuple[int, int]:
+    """A version-4 leaf's stored bytes in its own files and in its bases' files (`cairn inspect`)."""
+    own = ref = 0
+    table = getattr(leaf.chunks, "table", None)
+    if table is None:
+        return leaf.nbytes, 0
+    for cell in range(len(leaf.chunks)):
+        got = table.sources(leaf.chunks.leaf, cell)  # type: ignore[attr-defined]
+        sizes = table.stored(leaf.chunks.leaf, cell)  # type: ignore[attr-defined]
+        if got is None:
+            continue
+        for (f, _codec, _off), size in zip(got[1], sizes):
+            if f < 0:
+                own += size
+            else:
+                ref += size
+    return own, ref
