@@ -38,10 +38,10 @@ from .partfile import (
     PART_VERSION,
     PART_VERSION_BLOCKS,
     PART_VERSION_SIZES,
-    SOURCE,
-    SOURCE_BYTES,
     RECORD,
     RECORD_BYTES,
+    SOURCE,
+    SOURCE_BYTES,
     PartInfo,
     check_header,
 )

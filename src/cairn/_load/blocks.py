@@ -22,8 +22,8 @@ from .._core.checksum import crc32c
 from .._errors import CorruptCheckpointError
 from .._format import codecs as _codecs
 from .._format import manifest as fmt
-from .._format.blocks import CODEC_NAMES
 from .._format.binindex import raw_blocks
+from .._format.blocks import CODEC_NAMES
 from .._plan.reads import Read
 from .._tree.pytree import display_path
 

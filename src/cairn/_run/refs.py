@@ -19,6 +19,7 @@ from .._errors import CheckpointNotFoundError
 from .._storage import Storage
 from .._storage.location import Location
 
+
 def bases_of(storage: Storage, folder: str) -> tuple[str, ...]:
     """The sibling checkpoints committed `folder` refers to (none for a self-contained or foreign step).
 
