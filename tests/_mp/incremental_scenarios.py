@@ -13,9 +13,9 @@ import cairn
 
 
 def _w(first_row: float | None) -> jax.Array:
-    """4 x 512 rows sharded over every device of every process: each process writes its own chunks."""
+    """8 MiB of rows sharded over every device of every process: each process writes its own chunks."""
     mesh = jax.sharding.Mesh(np.array(jax.devices()), ("x",))
-    full = np.arange(4 * 512 * 256, dtype=np.float32).reshape(4 * 512, 256)
+    full = np.arange(4 * 2048 * 256, dtype=np.float32).reshape(4 * 2048, 256)
     if first_row is not None:
         full[0, :] = first_row
     return jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("x")), lambda idx: full[idx])
@@ -37,8 +37,11 @@ def chain(directory: str) -> dict:
         out["full_bytes"] = full
         out["incremental_bytes"] = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(last)
                                        for f in fs if f.endswith(".bin"))
+        mine = f"p{jax.process_index():05d}-"  # what this process wrote of step 2: its own data files
+        out["own_bytes"] = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(last)
+                               for f in fs if f.startswith(mine) and f.endswith(".bin"))
         mesh = jax.sharding.Mesh(np.array(jax.devices()).reshape(2, -1), ("a", "b"))
-        want = np.arange(4 * 512 * 256, dtype=np.float32).reshape(4 * 512, 256)
+        want = np.arange(4 * 2048 * 256, dtype=np.float32).reshape(4 * 2048, 256)
         want[0, :] = 2
         for spec, read_once in ((P(None, ("a", "b")), None), (P(), True), (P("b", "a"), False)):
             got = mgr.restore(2, {"w": NamedSharding(mesh, spec), "step": None}, read_once=read_once)
