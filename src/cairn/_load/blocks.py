@@ -78,8 +78,12 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
     for g in groups:
         f, first = places[g[0]][0], places[g[0]][1]
         n = sum(places[b][2] for b in g)
-        stored = _scratch(n, "stored")
-        view = memoryview(stored.data)  # type: ignore[arg-type]
+        raw_group = all(places[b][4] == 0 for b in g)
+        if raw_group:  # stored raw: straight into place (the blocks are consecutive raw bytes of the read)
+            lo = g[0] * block - read.start
+            view = memoryview(raw[lo : lo + n].data)  # type: ignore[arg-type]
+        else:
+            view = memoryview(_scratch(n, "stored").data)  # type: ignore[arg-type]
         try:
             reader._fill(f, first, view, leaf)
         except CorruptCheckpointError as e:
@@ -106,7 +110,8 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
                 if size != raws[b]:
                     raise CorruptCheckpointError(f"{reader.loc.path}: leaf {leaf.path!r} chunk {cell} block {b} "
                                                  f"stores {size} bytes, its raw size is {raws[b]}")
-                raw[lo:hi] = np.frombuffer(piece, np.uint8)
+                if not raw_group:
+                    raw[lo:hi] = np.frombuffer(piece, np.uint8)
                 continue
             _codecs.decode(CODEC_NAMES[codec], piece, leaf.dtype, raws[b], raw[lo:hi],
                            where=f"{reader.loc.path}: leaf {leaf.path!r} block {b} of chunk {cell}")
