@@ -50,7 +50,7 @@ def _leaves(tree: Any, prefix: str = "") -> list[tuple[str, np.ndarray]]:
 
 def _adamw(state: dict, lr: float, rng: np.random.Generator, t: int) -> None:
     """One AdamW step in place: fresh gradients at the trained state's scale, f32 arithmetic, params cast back."""
-    for (name, p), (_, mu), (_, nu) in zip(_leaves(state["params"]), _leaves(state["opt_state"]["mu"]),
+    for (_, p), (_, mu), (_, nu) in zip(_leaves(state["params"]), _leaves(state["opt_state"]["mu"]),
                                            _leaves(state["opt_state"]["nu"])):
         g = rng.standard_normal(p.shape, dtype=np.float32) * np.float32(3e-3)
         mu *= np.float32(B1)

@@ -18,6 +18,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import jax
 import ml_dtypes
@@ -124,9 +125,9 @@ def test_damaged_or_missing_base_is_named(tmp_path):
     cairn.save(tmp_path / "base", s, base=tmp_path / "base0")
     cairn.save(tmp_path / "next", s, base=tmp_path / "base")
     data = sorted(glob.glob(str(tmp_path / "base" / "params" / "*.bin")))[0]
-    raw = bytearray(open(data, "rb").read())
+    raw = bytearray(Path(data).read_bytes())
     raw[10] ^= 0x40
-    open(data, "wb").write(raw)
+    Path(data).write_bytes(raw)
     with pytest.raises(cairn.CorruptCheckpointError, match=r"next: checksum mismatch in its base checkpoint 'base'"):
         cairn.load(tmp_path / "next")
     report = verify(tmp_path / "next")
@@ -318,7 +319,7 @@ def test_golden_v4_loads_exactly(step, mesh8):
                                        "ids": None}})
     assert np.asarray(got["params"]["w"]).tobytes() == _golden_state(step)["params"]["w"].tobytes()
     assert verify(path).ok
-    m = fmt.Manifest.from_json(open(os.path.join(path, "manifest.json"), "rb").read(), path)
+    m = fmt.Manifest.from_json(Path(path, "manifest.json").read_bytes(), path)
     assert m.version == 4 and m.bases == {1: (), 2: ("step_00000001",), 3: ("step_00000001", "step_00000002")}[step]
 
 
@@ -326,9 +327,9 @@ def test_golden_v4_base_damage_is_named(tmp_path):
     shutil.copytree(GOLDEN, tmp_path / "chain")
     data = sorted(glob.glob(str(tmp_path / "chain" / "step_00000001" / "params" / "*.bin")))
     for f in data:  # every data file of step 1, one at a time: step 3 refers to each
-        original = open(f, "rb").read()
-        open(f, "wb").write(bytes(b ^ 1 for b in original))  # every block, so each one step 3 refers to
+        original = Path(f).read_bytes()
+        Path(f).write_bytes(bytes(b ^ 1 for b in original))  # every block, so each one step 3 refers to
         with pytest.raises(cairn.CorruptCheckpointError, match="step_00000003.*'step_00000001'"):
             cairn.load(tmp_path / "chain" / "step_00000003")
-        open(f, "wb").write(original)
+        Path(f).write_bytes(original)
     _same(_golden_state(3), cairn.load(tmp_path / "chain" / "step_00000003"))

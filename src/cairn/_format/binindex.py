@@ -72,7 +72,8 @@ class ChunkTable:
         # version 4 adds a hash and a source per block (incremental checkpoints, `BlockSource`).
         self.part_version = (PART_VERSION_BLOCKS if index_version >= 4 else
                              PART_VERSION_SIZES if index_version >= 3 else PART_VERSION)
-        self._blocks: dict[int, dict[int, tuple[bytes, np.ndarray]]] = {}
+        # version 4: leaf -> cell -> (hash bytes, per block (file or -1, codec id, offset))
+        self._blocks: dict[int, dict[int, tuple[bytes, tuple[tuple[int, int, int], ...]]]] = {}
         self._stored: dict[int, dict[int, tuple[int, ...]]] = {}
         self._codec: dict[int, str] = {}
         self.block = 1 << 20

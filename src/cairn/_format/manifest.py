@@ -211,9 +211,11 @@ class Manifest:
             raise corrupt(where, "metadata must be an object")
         bases: tuple[str, ...] = ()
         if version >= INCREMENTAL_VERSION:
-            bases = tuple(d.get("bases", []) if isinstance(d.get("bases", []), list) else [None])
-            if any(not isinstance(b, str) or not _FILE_NAME.match(b) for b in bases):
+            raw_bases = d.get("bases", [])
+            if not isinstance(raw_bases, list) or any(not isinstance(b, str) or not _FILE_NAME.match(b)
+                                                      for b in raw_bases):
                 raise corrupt(where, "'bases' must be a list of sibling checkpoint names")
+            bases = tuple(raw_bases)
         return cls(
             items=items,
             root=root,

@@ -23,7 +23,7 @@ the chunks it writes itself.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -164,7 +164,7 @@ class Incremental:
 
     def write_chunk(self, item: SaveItem, leaf: int, cell: int, raw: memoryview, codec: str, dtype: Any,
                     pool: ThreadPoolExecutor | None, batch: bytearray
-                    ) -> Iterator[Any]:
+                    ) -> Generator[Any, None, tuple[bytearray, tuple[int, ...], list[int], int]]:
         """The writer's generator for one chunk: yields buffers to write, returns ``(batch, stored sizes,
         CRCs, own stored bytes)``. Blocks equal to the base's become references; the rest are coded
         with `codec` (in runs on `pool`, a window ahead of the writer)."""
