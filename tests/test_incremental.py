@@ -333,3 +333,16 @@ def test_golden_v4_base_damage_is_named(tmp_path):
             cairn.load(tmp_path / "chain" / "step_00000003")
         Path(f).write_bytes(original)
     _same(_golden_state(3), cairn.load(tmp_path / "chain" / "step_00000003"))
+
+
+def test_save_async_metadata_and_plan(tmp_path, mesh8):
+    x = np.random.default_rng(8).standard_normal((512, 1024)).astype(np.float32)
+    cairn.save(tmp_path / "a", {"w": x, "b": np.ones(4)}, base=None)
+    cairn.save_async(tmp_path / "b", {"w": x, "b": np.ones(4)}, base=tmp_path / "a").result()
+    fut = cairn.save_async(tmp_path / "c", {"w": x, "b": np.ones(4) * 2}, base=tmp_path / "b")
+    assert fut.result().bytes_written == 32  # `b`'s one block; `w` refers to a's bytes
+    assert cairn.metadata(tmp_path / "c")["w"].shape == (512, 1024)
+    plan = cairn.plan_load(tmp_path / "c", {"w": NamedSharding(mesh8, P("x")), "b": None})
+    assert plan.bytes_read >= x.nbytes  # referred-to blocks are read like own ones (from the base's file)
+    got = cairn.load(tmp_path / "c", {"w": NamedSharding(mesh8, P("x")), "b": None})
+    assert np.asarray(got["w"]).tobytes() == x.tobytes() and got["b"].tobytes() == (np.ones(4) * 2).tobytes()
