@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from .._core.checksum import crc32c
-from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import codecs as _codecs
 from .._format import manifest as fmt
 from .._format.blocks import CODEC_IDS, HASH_BYTES, block_hash
@@ -88,11 +88,8 @@ class Incremental:
         """Read the base's manifest and indexes, match leaves, fetch the records of our chunks."""
         if self.base is None:
             return
-        from .._load.metadata import read_index, read_manifest
-
-        try:
-            manifest = read_manifest(self.base)
-        except CheckpointNotFoundError:
+        manifest = _read_manifest(self.base)
+        if manifest is None:
             if self.required:
                 raise CheckpointError(f"{where}: the base checkpoint {self.base.path} is not committed") from None
             return
@@ -108,7 +105,7 @@ class Incremental:
             info = manifest.items.get(item.name)
             if info is None:
                 continue
-            index = read_index(self.base, info)
+            index = _read_index(self.base, info)
             if index.block_size != self.block or index.table is None:
                 continue
             by_path = {leaf.path: n for n, leaf in enumerate(index.leaves) if isinstance(leaf, fmt.ArrayLeaf)}
@@ -270,6 +267,49 @@ def _run(raw: memoryview, base: list[tuple[bytes, Ref]] | None, block: int, code
             enc = piece if codec == "none" else _codecs.encode(codec, piece, dtype)
             out[k] = (out[k][0], enc, len(enc), crc32c(enc))
     return out
+
+
+def _read_manifest(loc: Location) -> fmt.Manifest | None:
+    """The base's manifest, None when nothing is committed there. (The load room's readers sit above
+    this one: these two are their minimal twins, with the same parsers and limits.)"""
+    key = loc.key(fmt.MANIFEST)
+    try:
+        data = loc.storage.read(key)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return fmt.Manifest.from_json(data, loc.storage.describe(key))
+
+
+def _read_index(loc: Location, info: fmt.ItemInfo) -> fmt.ItemIndex:
+    """The base's index of one item, its binary parts read in ranges on demand."""
+    key = loc.key(info.dir, info.index)
+    try:
+        data = loc.storage.read(key)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise CorruptCheckpointError(f"{loc.path}: the index {key!r} named by the manifest is missing") from None
+    index = fmt.ItemIndex.from_json(data, loc.storage.describe(key))
+
+    def read(requests: list[tuple[str, int, int]]) -> list[bytes]:
+        out = []
+        for name, start, length in requests:
+            part = loc.key(info.dir, name)
+            buf = bytearray(length)
+            try:
+                r = loc.storage.open_read(part)
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                raise CorruptCheckpointError(f"{loc.path}: the index part {part!r} is missing") from None
+            try:
+                r.read_into(start, memoryview(buf))
+            except EOFError:
+                raise CorruptCheckpointError(f"{loc.path}: the index part {part!r} is truncated") from None
+            finally:
+                r.close()
+            out.append(bytes(buf))
+        return out
+
+    if index.table is not None:
+        index.table.reader = read
+    return index
 
 
 def setup(loc: Location, base: Location | None, hashes: bool, required: bool) -> Incremental | None:
