@@ -113,6 +113,7 @@ def _delta_estimate(old: list[np.ndarray], new: list[np.ndarray]) -> dict[str, f
 def run_case(name: str, state: dict, step_fn: Any, saves: int, root: str) -> dict[str, Any]:
     rng = np.random.default_rng(1)
     full_t, inc_t, full_b, inc_b, param_full, param_inc = [], [], [], [], [], []
+    full_cpu, inc_cpu = [], []  # CPU seconds of this process (all its threads): what a busy host does not hide
     extra: dict[str, Any] = {}
     prev = None
     for t in range(1, saves + 1):
@@ -127,15 +128,16 @@ def run_case(name: str, state: dict, step_fn: Any, saves: int, root: str) -> dic
         # Alternate which goes first, so that neither always meets a cold or a warm page cache.
         order = [("full", full), ("inc", inc)] if t % 2 else [("inc", inc), ("full", full)]
         for kind, path in order:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             if kind == "full":
                 st = cairn.save(path, state, compression=False)
             else:
                 st = cairn.save(path, state, compression=False, base=prev)
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if t == 1:
                 continue
             (full_t if kind == "full" else inc_t).append(dt)
+            (full_cpu if kind == "full" else inc_cpu).append(dc)
             (full_b if kind == "full" else inc_b).append(st.bytes_written)
             (param_full if kind == "full" else param_inc).append(_own_bytes(path, "params"))
         if t == 1:  # the chain starts with a self-contained save with hashes
@@ -144,18 +146,22 @@ def run_case(name: str, state: dict, step_fn: Any, saves: int, root: str) -> dic
         if prev is not None and t > 2:
             shutil.rmtree(os.path.join(root, f"{name}_full_{t - 1}"))
         prev = inc
-    t0 = time.perf_counter()
-    cairn.load(prev)
-    load_inc = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    cairn.load(os.path.join(root, f"{name}_full_{saves}"))
-    load_full = time.perf_counter() - t0
+    loads: dict[str, list[float]] = {"inc": [], "full": [], "inc_cpu": [], "full_cpu": []}
+    for _ in range(3):  # alternated, medians
+        for kind, path in (("inc", prev), ("full", os.path.join(root, f"{name}_full_{saves}"))):
+            t0, c0 = time.perf_counter(), time.process_time()
+            cairn.load(path)
+            loads[kind].append(time.perf_counter() - t0)
+            loads[kind + "_cpu"].append(time.process_time() - c0)
+    load_inc, load_full = statistics.median(loads["inc"]), statistics.median(loads["full"])
     out = {
         "case": name, "state_bytes": _nbytes(state), "saves_timed": len(inc_t),
         "full_bytes": statistics.median(full_b), "inc_bytes": statistics.median(inc_b),
         "full_save_s": statistics.median(full_t), "inc_save_s": statistics.median(inc_t),
         "params_full_bytes": statistics.median(param_full), "params_inc_bytes": statistics.median(param_inc),
         "load_full_s": load_full, "load_inc_s": load_inc,
+        "full_save_cpu_s": statistics.median(full_cpu), "inc_save_cpu_s": statistics.median(inc_cpu),
+        "load_full_cpu_s": statistics.median(loads["full_cpu"]), "load_inc_cpu_s": statistics.median(loads["inc_cpu"]),
     }
     out.update({k: statistics.median(v) for k, v in extra.items()})
     return out
@@ -200,9 +206,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  parameters' own bytes: full {r['params_full_bytes'] / MiB:.1f} MiB, incremental "
               f"{r['params_inc_bytes'] / MiB:.1f} MiB ({r['params_inc_bytes'] / max(r['params_full_bytes'], 1):.3f}x)")
         print(f"  save time (median): full {r['full_save_s']:.3f} s, incremental {r['inc_save_s']:.3f} s "
-              f"({r['inc_save_s'] / r['full_save_s']:.2f}x)")
-        print(f"  load of the last step: full {r['load_full_s']:.3f} s, incremental {r['load_inc_s']:.3f} s "
-              f"({r['load_inc_s'] / r['load_full_s']:.2f}x)")
+              f"({r['inc_save_s'] / r['full_save_s']:.2f}x); CPU {r['full_save_cpu_s']:.3f} s vs "
+              f"{r['inc_save_cpu_s']:.3f} s ({r['inc_save_cpu_s'] / r['full_save_cpu_s']:.2f}x)")
+        print(f"  load of the last step (median of 3): full {r['load_full_s']:.3f} s, incremental "
+              f"{r['load_inc_s']:.3f} s ({r['load_inc_s'] / r['load_full_s']:.2f}x); CPU {r['load_full_cpu_s']:.3f} s "
+              f"vs {r['load_inc_cpu_s']:.3f} s ({r['load_inc_cpu_s'] / r['load_full_cpu_s']:.2f}x)")
         if "elements_changed" in r:
             print(f"  parameters per step: {100 * r['elements_changed']:.2f}% of elements and "
                   f"{100 * r['blocks_changed']:.1f}% of 1 MiB blocks changed; XOR+zstd of the changed blocks "
