@@ -49,7 +49,7 @@ def mutate(doc, path, value):
 @pytest.mark.parametrize(
     "path,value,msg",
     [
-        (("version",), 4, "version"),
+        (("version",), 5, "version"),
         (("block_size",), 7, "block_size|integer"),
         (("files", 0, "name"), "../../etc/passwd", "file name"),
         (("files", 0, "size"), 8, "outside"),

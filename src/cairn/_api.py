@@ -41,6 +41,7 @@ def save(
     split_replicas: bool = False,
     timeout: float = 1800.0,
     compression: str | bool = "auto",
+    base: PathLike | None = None,
 ) -> SaveStats:
     """Save `state` at `path` and return once it is committed.
 
@@ -69,11 +70,22 @@ def save(
     disks; ``True`` chooses a codec per leaf by measuring a sample of it;
     ``"zstd"`` or ``"planes"`` use that codec for every array; ``False`` or
     ``"none"`` store raw bytes (format version 2). Loads need no option.
+
+    `base` (an earlier committed checkpoint in the same folder or prefix as
+    `path`) makes the save incremental (format version 4): each checksum block
+    whose hash equals `base`'s block at the same position is not written but
+    referred to (docs/incremental.md). Load it like any checkpoint; keep `base`
+    while it is referred to (a `CheckpointManager` with ``incremental=True``
+    does). A base saved without hashes (no `base` of its own, or format < 4)
+    gives a save that writes every block, with hashes, for the next one.
+
+        cairn.save("/ckpt/step_101", state, base="/ckpt/step_100")
     """
     opts = SaveOptions(overwrite=overwrite, coordinator=coordinator, threads=threads, split_replicas=split_replicas,
                        timeout=timeout, compression=compression)
     _async.raise_unreported()  # before resolving `path`, whatever is wrong with it
-    return _async.save(resolve(path, storage_options), state, opts, metadata=metadata)
+    return _async.save(resolve(path, storage_options), state, opts, metadata=metadata,
+                       incremental=None if base is None else {"base": _base_of(path, base, storage_options)})
 
 
 def save_async(
@@ -89,6 +101,7 @@ def save_async(
     timeout: float = 1800.0,
     snapshot_budget_bytes: int | None = None,
     compression: str | bool = "auto",
+    base: PathLike | None = None,
 ) -> SaveFuture:
     """Start saving `state` at `path`; return after validation and the snapshot.
 
@@ -103,7 +116,7 @@ def save_async(
     writer threads, not in the blocking phase). With two saves already pending, this call first waits for the
     oldest to finish. If an earlier async save failed and nobody collected its
     error, this call raises that error instead of starting (it is also logged
-    when it happens), so a failing disk cannot go unnoticed.
+    when it happens), so a failing disk cannot go unnoticed. `base` is as for `save`.
 
     Example:
 
@@ -115,7 +128,15 @@ def save_async(
     opts = SaveOptions(overwrite=overwrite, coordinator=coordinator, threads=threads, split_replicas=split_replicas,
                        timeout=timeout, snapshot_budget_bytes=snapshot_budget_bytes, compression=compression)
     _async.admit()  # an uncollected error and back-pressure come before resolving `path`
-    return _async.save_async(resolve(path, storage_options), state, opts, metadata=metadata, started=t0)
+    return _async.save_async(resolve(path, storage_options), state, opts, metadata=metadata, started=t0,
+                             incremental=None if base is None else {"base": _base_of(path, base, storage_options)})
+
+
+def _base_of(path: PathLike, base: PathLike, storage_options: dict[str, Any] | None) -> Any:
+    """`base` as the `Location` of a sibling of `path` (incremental saves; ValueError otherwise)."""
+    from ._save.incremental import sibling
+
+    return sibling(resolve(path, storage_options), base, storage_options)
 
 
 def load(

@@ -289,6 +289,11 @@ def inspect_data(path: str, format: str | None = None) -> dict[str, Any]:
                     "stored_bytes": leaf.nbytes if leaf.codec == "none" else sum(
                         sum(leaf.stored_sizes(c, index.block_size)) for c in range(len(leaf.chunks))),
                 }
+                if index.version >= fmt.INCREMENTAL_VERSION:  # incremental: own bytes, bytes in its bases
+                    from .._load.blocks import own_and_referenced
+
+                    d["stored_bytes"], d["referenced_bytes"] = own_and_referenced(leaf, index.block_size)
+                    totals["referenced_bytes"] = totals.get("referenced_bytes", 0) + d["referenced_bytes"]
                 if leaf.sharding is not None:
                     d["sharding"] = leaf.sharding
                 if leaf.handler is not None:
@@ -301,17 +306,18 @@ def inspect_data(path: str, format: str | None = None) -> dict[str, Any]:
                 d = {"path": leaf.path, "kind": leaf.kind, "value": _value_json(leaf.value)}
             leaves.append(d)
         totals["leaves"] += len(leaves)
-        totals["files"] += len(index.files)
-        totals["file_bytes"] += sum(f.size for f in index.files)
+        totals["files"] += sum(f.base is None for f in index.files)  # a base's files are not its own
+        totals["file_bytes"] += sum(f.size for f in index.files if f.base is None)
         items[name] = {
             "dir": m.items[name].dir, "index": m.items[name].index, "block_size": index.block_size,
-            "files": [{"name": f.name, "size": f.size} for f in index.files], "leaves": leaves,
+            "files": [{"name": f.name, "size": f.size, **({"base": f.base} if f.base else {})} for f in index.files],
+            "leaves": leaves,
             "index_parts": [p.name for p in index.parts],
         }
     return {
         "path": ck.loc.path, "format_version": m.version, "cairn_version": m.cairn_version,
         "created_unix": m.created_unix, "process_count": m.process_count, "root": m.root,
-        "metadata": m.metadata, "items": items, "totals": totals,
+        "metadata": m.metadata, "items": items, "totals": totals, **({"bases": list(m.bases)} if m.bases else {}),
     }
 
 
@@ -347,6 +353,9 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
         f"{t['leaves']} leaves ({t['arrays']} arrays, {human_bytes(t['array_bytes'])}) in {len(data['items'])} "
         f"checkpointable(s), {t['files']} data files ({human_bytes(t['file_bytes'])}); {origin}"
     )
+    if "referenced_bytes" in t:  # incremental (format 4)
+        out.line(f"incremental: {human_bytes(t['file_bytes'])} of its own, {human_bytes(t['referenced_bytes'])} "
+                 f"referred to in {', '.join(data.get('bases', [])) or 'no base'}")
     if data["metadata"]:
         out.line("metadata: " + json.dumps(data["metadata"], default=_json_default))
     return 0

@@ -32,11 +32,16 @@ from .._core.checksum import crc32c
 from .._core.memo import Memo
 from .._errors import corrupt
 from .partfile import (
+    HASH_BYTES,
     HEADER_BYTES,
+    OWN,
     PART_VERSION,
+    PART_VERSION_BLOCKS,
     PART_VERSION_SIZES,
     RECORD,
     RECORD_BYTES,
+    SOURCE,
+    SOURCE_BYTES,
     PartInfo,
     check_header,
 )
@@ -63,8 +68,12 @@ class ChunkTable:
     def __init__(self, parts: Sequence[PartInfo], processes: int, file_sizes: Sequence[int], where: str,
                  index_version: int = 2):
         self.parts = {p.process: p for p in parts}
-        # An index of version 3 has parts of version 3: a stored-size column after the CRC column.
-        self.part_version = PART_VERSION_SIZES if index_version >= 3 else PART_VERSION
+        # An index of version 3 has parts of version 3: a stored-size column after the CRC column;
+        # version 4 adds a hash and a source per block (incremental checkpoints, `BlockSource`).
+        self.part_version = (PART_VERSION_BLOCKS if index_version >= 4 else
+                             PART_VERSION_SIZES if index_version >= 3 else PART_VERSION)
+        # version 4: leaf -> cell -> (hash bytes, per block (file or -1, codec id, offset))
+        self._blocks: dict[int, dict[int, tuple[bytes, tuple[tuple[int, int, int], ...]]]] = {}
         self._stored: dict[int, dict[int, tuple[int, ...]]] = {}
         self._codec: dict[int, str] = {}
         self.block = 1 << 20
@@ -199,9 +208,15 @@ class ChunkTable:
             has = rows[:, 4] > 0
             starts = np.concatenate([[0], HEADER_BYTES + rows[:, 2] * RECORD_BYTES, crc_at + rows[has, 3] * 4])
             lengths = np.concatenate([[HEADER_BYTES], np.full(len(rows), RECORD_BYTES), rows[has, 4] * 4])
-            if self.part_version == PART_VERSION_SIZES:  # and the stored sizes beside the CRCs
+            if self.part_version >= PART_VERSION_SIZES:  # and the stored sizes beside the CRCs
                 starts = np.concatenate([starts, crc_at + part.crcs * 4 + rows[has, 3] * 4])
                 lengths = np.concatenate([lengths, rows[has, 4] * 4])
+            if self.part_version == PART_VERSION_BLOCKS:  # and the hashes and sources (version 4)
+                hash_at = crc_at + part.crcs * 8
+                src_at = hash_at + part.crcs * HASH_BYTES
+                starts = np.concatenate([starts, hash_at + rows[has, 3] * HASH_BYTES,
+                                         src_at + rows[has, 3] * SOURCE_BYTES])
+                lengths = np.concatenate([lengths, rows[has, 4] * HASH_BYTES, rows[has, 4] * SOURCE_BYTES])
             order = np.argsort(starts, kind="stable")
             ranges = _ranges(starts[order], lengths[order])
             requests += [(part.name, s, e - s) for s, e, _ in ranges]
@@ -261,8 +276,10 @@ class ChunkTable:
             raise corrupt(where, f"record {int(rows[k, 2])} names file {int(files[k])} of a part with {part.files}")
         files = np.where(sizes > 0, files + part.file_base, 0)
         offsets = np.where(sizes > 0, offsets, 0)
-        v3 = self.part_version == PART_VERSION_SIZES
+        v3 = self.part_version >= PART_VERSION_SIZES
+        v4 = self.part_version == PART_VERSION_BLOCKS
         stored_of: list[tuple[int, ...]] = []
+        blocks_of: list[tuple[bytes, bytes]] = []  # version 4: per record, its hashes' and sources' bytes
         if v3:  # each block's stored size, beside its CRC; a chunk's stored bytes are their sum
             size_at = crc_at + part.crcs * 4
             totals = []
@@ -270,6 +287,13 @@ class ChunkTable:
                 sb = at(size_at + cno * 4, ncrc * 4) if ncrc else b""
                 st = tuple(np.frombuffer(sb, dtype="<u4").tolist())
                 stored_of.append(st)
+                if v4:  # a chunk's own stored bytes are those of its blocks that are not references
+                    hb = at(size_at + part.crcs * 4 + cno * HASH_BYTES, ncrc * HASH_BYTES) if ncrc else b""
+                    ob = at(size_at + part.crcs * 20 + cno * SOURCE_BYTES, ncrc * SOURCE_BYTES) if ncrc else b""
+                    blocks_of.append((hb, ob))
+                    src = np.frombuffer(ob, dtype=SOURCE)
+                    totals.append(sum(v for v, f in zip(st, src["file"].tolist()) if f == OWN))
+                    continue
                 totals.append(sum(st))
             stored_total = np.asarray(totals, dtype=np.int64)
             sizes = np.where(sizes > 0, stored_total, 0)
@@ -280,7 +304,7 @@ class ChunkTable:
             raise corrupt(where, f"record {int(rows[k, 2])} (bytes {int(offsets[k])}..{int(offsets[k] + sizes[k])}) "
                                "lies outside its data file")
         check = rec["crcs_crc"].tolist()
-        if bool(np.all(rows[:, 4] == 1)):  # one block per chunk, the common case: all CRCs gathered at once
+        if bool(np.all(rows[:, 4] == 1)) and not v4:  # one block per chunk, the common case: all CRCs gathered at once
             cbs = gather(crc_at + rows[:, 3] * 4, 4)
             cb_bytes = cbs.tobytes()
             for k in range(n):
@@ -294,10 +318,21 @@ class ChunkTable:
             for k, (rno, cno, ncrc) in enumerate(rows[:, 2:5].tolist()):
                 cb = at(crc_at + cno * 4, ncrc * 4) if ncrc else b""
                 got_crc = crc32c(cb) if not v3 else crc32c(np.asarray(stored_of[k], "<u4").tobytes(), crc32c(cb))
+                if v4:
+                    got_crc = crc32c(blocks_of[k][1], crc32c(blocks_of[k][0], got_crc))
                 if got_crc != check[k]:
                     raise corrupt(where, f"checksums of record {rno} do not match their checksum")
                 crcs_of.append(tuple(np.frombuffer(cb, dtype="<u4").tolist()))
-        if v3:
+        if v4:
+            for k, (leaf, cell, rno) in enumerate(rows[:, 0:3].tolist()):
+                self._check_sources(where, rno, stored_of[k], blocks_of[k][1], int(rows[k, 6]), leaf,
+                                    part)
+                self._stored.setdefault(leaf, {})[cell] = stored_of[k]
+                src = np.frombuffer(blocks_of[k][1], SOURCE)
+                self._blocks.setdefault(leaf, {})[cell] = (blocks_of[k][0], tuple(
+                    (-1 if f == OWN else part.file_base + f, c, o)
+                    for f, c, o in zip(src["file"].tolist(), src["codec"].tolist(), src["offset"].tolist())))
+        elif v3:
             for k, (leaf, cell, rno) in enumerate(rows[:, 0:3].tolist()):
                 st = stored_of[k]
                 codec = self._codec.get(leaf, "none")
@@ -311,6 +346,34 @@ class ChunkTable:
         for k, (leaf, cell, f, off) in enumerate(zip(rows[:, 0].tolist(), rows[:, 1].tolist(), files.tolist(),
                                                      offsets.tolist())):
             got.setdefault(leaf, {})[cell] = (f, off, crcs_of[k])
+
+    def _check_sources(self, where: str, rno: int, st: tuple[int, ...], ob: bytes, nbytes: int, leaf: int,
+                       part: PartInfo) -> None:
+        """Version 4: a record's block sources: own blocks of codec "none" hold their raw size, every
+        block at most `stored_bound`, every reference inside a file of the part (`incremental`)."""
+        from .blocks import CODEC_NAMES
+
+        src = np.frombuffer(ob, dtype=SOURCE)
+        codec = self._codec.get(leaf, "none")
+        for b, (v, r, f, c, off) in enumerate(zip(st, raw_blocks(nbytes, self.block), src["file"].tolist(),
+                                                  src["codec"].tolist(), src["offset"].tolist())):
+            if c >= len(CODEC_NAMES) or v > stored_bound(r) or (CODEC_NAMES[c] == "none" and v != r):
+                raise corrupt(where, f"record {rno} block {b}: a bad codec or stored size")
+            if f == OWN:
+                if CODEC_NAMES[c] != codec:
+                    raise corrupt(where, f"record {rno} block {b}: codec {CODEC_NAMES[c]!r}, its leaf's is {codec!r}")
+                continue
+            if f >= part.files:
+                raise corrupt(where, f"record {rno} block {b} refers to file {f} of a part with {part.files}")
+            g = part.file_base + f
+            if self.file_sizes and off + v > self.file_sizes[g]:
+                raise corrupt(where, f"record {rno} block {b} (bytes {off}..{off + v}) lies outside its file")
+
+    def sources(self, leaf: int, cell: int) -> tuple[bytes, tuple[tuple[int, int, int], ...]] | None:
+        """Version 4: a chunk's block hashes (16 bytes each) and, per block, ``(file, codec id, offset)``:
+        a reference's file as the index's file number, -1 for a block in the chunk's own bytes."""
+        self.entry(leaf, cell)
+        return self._blocks.get(leaf, {}).get(cell)
 
     def fetch_leaf(self, leaf: int, n: int) -> None:
         """Every record of `leaf` (of `n` cells), unless all are here already (a load's checks

@@ -45,7 +45,8 @@ from .values import VALUE_KINDS, decode_value, dtype_from_name, dtype_name, enco
 
 FORMAT_VERSION = 2  # what this cairn writes when no leaf is compressed
 COMPRESSED_VERSION = 3  # what it writes when one is (docs/FORMAT.md §6.4)
-READ_VERSIONS = (1, 2, 3)  # what it reads (docs/FORMAT.md: version 1 is a subset of 2 but for the grid form)
+INCREMENTAL_VERSION = 4  # what it writes with block hashes and references (docs/FORMAT.md §6.5)
+READ_VERSIONS = (1, 2, 3, 4)  # what it reads (docs/FORMAT.md: version 1 is a subset of 2 but for the grid form)
 CODECS = ("none", "zstd", "planes")  # the block codecs of version 3 (`codecs`)
 MANIFEST = "manifest.json"
 INDEX = "index.json"
@@ -156,6 +157,8 @@ class Manifest:
     created_unix: float = 0.0
     metadata: dict[str, Any] = field(default_factory=dict)
     version: int = FORMAT_VERSION  # the format version it was read as (written: always FORMAT_VERSION)
+    # Version 4: the sibling checkpoints whose data files this one's indexes refer to (§6.5).
+    bases: tuple[str, ...] = ()
 
     def to_json(self, version: int = FORMAT_VERSION) -> bytes:
         return dump_checked_json(
@@ -172,6 +175,7 @@ class Manifest:
                     for k, v in self.items.items()
                 },
                 "metadata": self.metadata,
+                **({"bases": list(self.bases)} if version >= INCREMENTAL_VERSION else {}),
             }
         )
 
@@ -205,6 +209,13 @@ class Manifest:
         meta = d.get("metadata", {})
         if not isinstance(meta, dict):
             raise corrupt(where, "metadata must be an object")
+        bases: tuple[str, ...] = ()
+        if version >= INCREMENTAL_VERSION:
+            raw_bases = d.get("bases", [])
+            if not isinstance(raw_bases, list) or any(not isinstance(b, str) or not _FILE_NAME.match(b)
+                                                      for b in raw_bases):
+                raise corrupt(where, "'bases' must be a list of sibling checkpoint names")
+            bases = tuple(raw_bases)
         return cls(
             items=items,
             root=root,
@@ -213,6 +224,7 @@ class Manifest:
             created_unix=_number(d.get("created_unix", 0.0), f"{where}: created_unix"),
             metadata=meta,
             version=version,
+            bases=bases,
         )
 
 
@@ -223,6 +235,7 @@ class Manifest:
 class FileInfo:
     name: str
     size: int
+    base: str | None = None  # version 4: the sibling checkpoint whose item folder holds it (§6.5)
 
 
 @dataclass(frozen=True)
@@ -246,6 +259,7 @@ class ArrayLeaf:
     codec: str = "none"  # version 3: how each block is stored (`codecs`)
     # Version 3, a compressed leaf: per grid cell, each block's stored size (tuples, or `LazyStored`).
     stored: Sequence[tuple[int, ...]] = ()
+    refs: bool = False  # version 4: some blocks are references to a base checkpoint's (§6.5)
 
     def stored_sizes(self, cell: int, block: int) -> tuple[int, ...]:
         """Each checksum block's stored size in chunk `cell` (the raw sizes for codec "none")."""
@@ -276,14 +290,14 @@ class ArrayLeaf:
     def _parsed(cls, path: str, dtype: np.dtype, shape: tuple[int, ...], grid: tuple[tuple[int, ...], ...],
                 chunks: Sequence[tuple[int, int]], crcs: Sequence[tuple[int, ...]], kind: str,
                 sharding: dict[str, Any] | None, handler: str | None, writers: Any, codec: str = "none",
-                stored: Sequence[tuple[int, ...]] = ()) -> ArrayLeaf:
+                stored: Sequence[tuple[int, ...]] = (), refs: bool = False) -> ArrayLeaf:
         """A leaf from checked parts, as the constructor builds it, without its per-field
         ``object.__setattr__`` (a frozen dataclass's ``__init__`` pays ~0.3 µs per field:
         about a quarter of parsing a leaf of a tree of thousands)."""
         leaf = object.__new__(cls)
         leaf.__dict__.update(path=path, dtype=dtype, shape=shape, grid=grid, chunks=chunks, crcs=crcs, kind=kind,
                              sharding=sharding, handler=handler, impl=None, impl_shape=(), writers=writers,
-                             codec=codec, stored=stored)
+                             codec=codec, stored=stored, refs=refs)
         return leaf
 
 
@@ -321,7 +335,8 @@ class ItemIndex:
             "format": "cairn-index",
             "version": version,
             "block_size": self.block_size,
-            "files": [{"name": f.name, "size": f.size} for f in self.files],
+            "files": [{"name": f.name, "size": f.size, **({"base": f.base} if f.base is not None else {})}
+                      for f in self.files],
         }
         if self.parts and version >= 2 and not explicit:
             d["processes"] = self.processes
@@ -346,10 +361,15 @@ class ItemIndex:
         for i, f in enumerate(_req(d, "files", list, where)):
             w = f"{where}: files[{i}]"
             name = _req(f, "name", str, w)
-            if not _FILE_NAME.match(name) or name in names:
+            base = f.get("base") if version >= INCREMENTAL_VERSION else None
+            if base is not None and (not isinstance(base, str) or not _FILE_NAME.match(base)):
+                raise corrupt(w, f"bad base checkpoint name {base!r:.80}")
+            # Several processes may refer to one file of a base: only the item's own files are unique.
+            if not _FILE_NAME.match(name) or (base is None and name in names):
                 raise corrupt(w, f"bad or repeated data file name {name!r}")
-            names.add(name)
-            files.append(FileInfo(name, _int(_req(f, "size", int, w), w)))
+            if base is None:
+                names.add(name)
+            files.append(FileInfo(name, _int(_req(f, "size", int, w), w), base))
         raw_leaves = _req(d, "leaves", list, where)
         table = parse_parts(d, [f.size for f in files], where, version) if version >= 2 else None
         layouts: dict[Any, _Layout] = {}
@@ -378,6 +398,8 @@ def _leaf_to_json(leaf: Leaf, version: int = 1, explicit: bool = False) -> dict[
         }
         if leaf.codec != "none":
             out["codec"] = leaf.codec
+        if leaf.refs and version >= INCREMENTAL_VERSION:
+            out["refs"] = True
         if leaf.writers is not None and version >= 2 and not explicit:
             out["writers"] = leaf.writers
         else:
@@ -435,9 +457,12 @@ def _leaf_from_json(x: Any, files: list[FileInfo], block: int, at: At, version: 
             raise corrupt(where, f"a {kind} leaf must be a 1-D uint8 array")
         if kind == "object" and handler is None:
             raise corrupt(where, "an object leaf must name its handler")
+        refs = version >= INCREMENTAL_VERSION and x.get("refs") is True
+        if refs and layout.writers is None:
+            raise corrupt(where, "a leaf with references must list its chunks in the binary parts")
         leaf = ArrayLeaf._parsed(path, dtype, shape, grid, chunks, crcs, kind,
                                  x["sharding"] if isinstance(x.get("sharding"), dict) else None, handler,
-                                 x["writers"] if layout.writers is not None else None, codec, stored)
+                                 x["writers"] if layout.writers is not None else None, codec, stored, refs)
         if kind == "prng_key":
             leaf = _key_fields(x, leaf, where)
         return leaf

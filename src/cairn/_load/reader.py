@@ -74,7 +74,10 @@ class ChunkReader:
         self._plans = PlanMemo()  # leaves of one layout share a read plan
 
     def _key(self, file: int) -> str:
-        return self.loc.key(self.info.dir, self.index.files[file].name)
+        f = self.index.files[file]
+        if f.base is not None:  # incremental (format 4): a data file of a sibling base checkpoint
+            return "/".join((f.base, self.info.dir, f.name))
+        return self.loc.key(self.info.dir, f.name)
 
     def _reader(self, file: int) -> RandomReader:
         r = self._readers.get(file)  # opened already: no lock (a reader thread may hold it through a GIL switch)
@@ -180,6 +183,11 @@ class ChunkReader:
         checks.rest()
 
     def do_read(self, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> None:
+        if leaf.refs:  # incremental (format 4): blocks that may be references (`blocks`)
+            from .blocks import read_blocks
+
+            read_blocks(self, read, leaf, dests)
+            return
         if leaf.codec != "none":
             self._do_read_coded(read, leaf, dests)
             return
@@ -275,7 +283,7 @@ class ChunkReader:
 
             boxes, placement = addressable_boxes(sharding, shape)
         span: tuple[int, ...] | None = None
-        if sharding is None and region is None and leaf.nbytes <= self._small:
+        if sharding is None and region is None and leaf.nbytes <= self._small and not leaf.refs:
             span = whole_span(leaf) if leaf.codec == "none" else stored_whole_span(leaf, self.index.block_size)
         if span is not None:  # small, whole, one run of bytes: read together with its neighbours
             self._reader(span[0])  # checks the file first: a false size claim allocates nothing
@@ -285,7 +293,7 @@ class ChunkReader:
         absolute = boxes if region is None else [
             tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes]
         max_read = self._max_read
-        if leaf.codec != "none":
+        if leaf.codec != "none" or leaf.refs:  # refs: blocks in raw addressing, as compressed ones
             reads = plan_leaf_reads(leaf, absolute, self.index.block_size, self.verify, max_read)
             files = {leaf.chunks[r.file][0] for r in reads}
         else:
@@ -363,7 +371,7 @@ def plan_leaf_reads(leaf: fmt.ArrayLeaf, boxes: Sequence[Box], block: int, verif
     """The reads that fill `boxes` from `leaf`. For a compressed leaf, planned over its raw bytes
     widened to whole blocks (every read within one chunk, its `file` the chunk's cell number,
     its range raw bytes of that chunk); `ChunkReader.do_read` maps them to stored blocks."""
-    if leaf.codec == "none":
+    if leaf.codec == "none" and not leaf.refs:  # refs (format 4) are read block by block too
         return plan_reads(leaf, boxes, block, verify, max_read=max_read)
     return plan_reads(cast(fmt.ArrayLeaf, _RawView(leaf)), boxes, block, True, max_read=max_read)
 

@@ -47,6 +47,7 @@ from .._load.options import LoadOptions
 from .._local.tier import LocalTier
 from .._plan.routes import resolve_bandwidths
 from .._run import leases as _leases
+from .._run import refs as _refs
 from .._run import steps as _steps
 from .._run.retention import CheckpointInfo, KeepBest, RetentionPolicy, policy_from, retained
 from .._run.steps import DEFAULT_STEP_FORMAT, StepNames, show_steps
@@ -184,6 +185,11 @@ class CheckpointManager(StepWatch):
       interrupted ones) and installs no SIGTERM handler; use `wait_for_step`,
       `new_steps`, `reading` and `restore`.
     - `local`: a `LocalTier` (frequent per-host saves, peer replicas); `restore` prefers it when as new.
+    - `incremental`: each save writes only the checksum blocks that differ
+      from the previous save of this manager and refers to the rest (format
+      version 4, see `cairn.save`'s `base`); every `full_every`-th save (and
+      the first after the manager is made) is self-contained. A step that a
+      kept step refers to is kept too, and `delete` refuses it.
     - `async_save`: saves return after the snapshot; the write and commit run
       in the background (see `cairn.save_async`). If a background save failed,
       the next `save` (or `wait`/`close`) raises its error.
@@ -238,6 +244,8 @@ class CheckpointManager(StepWatch):
         save_interval_s: float | None = None,
         should_save_fn: Callable[[int, int | None], bool] | None = None,
         trash_dir: str | None = None,
+        incremental: bool = False,
+        full_every: int = 10,
     ):
         if save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
@@ -254,6 +262,14 @@ class CheckpointManager(StepWatch):
         self._save_options = SaveOptions(coordinator=coordinator, threads=threads, compression=compression,
                                          snapshot_budget_bytes=snapshot_budget_bytes)  # checked here, not at a save
         self._preempt_saved: int | None = None  # step committed after preemption was detected
+        # Incremental saves (`_save.incremental`): the previous save's folder, saves since a full one,
+        # and the bases of saves in progress (retention keeps them, `_run.refs`).
+        if isinstance(full_every, bool) or not isinstance(full_every, int) or full_every < 1:
+            raise ValueError(f"full_every must be a positive integer, got {full_every!r}")
+        self.incremental, self.full_every = bool(incremental), full_every
+        self._last_folder: str | None = None
+        self._since_full = 0
+        self._inflight_bases: dict[int, str] = {}
         self._pending: list[_Pending] = []
         self._lock = threading.Lock()  # guards _inflight (held only briefly)
         self._retention_lock = threading.Lock()  # one retention / cleanup pass at a time
@@ -433,6 +449,11 @@ class CheckpointManager(StepWatch):
             raise CheckpointError(f"{self.directory}: this CheckpointManager is read-only; it does not delete")
         self.wait()
         step = self._committed(operator.index(step))
+        # Incremental: a step that others refer to stays (every process sees the same manifests).
+        users = _refs.referrers(self._storage, _steps.step_folders(self._storage, self._names), step)
+        if users:
+            raise CheckpointError(f"{self.path(step)}: step {step} holds data that steps {show_steps(users)} "
+                                  "refer to (incremental saves); delete those first")
         if self._primary:
             with self._retention_lock:
                 self._delete_step(step, why="deleted")
@@ -584,15 +605,18 @@ class CheckpointManager(StepWatch):
             self._inflight.add(step)  # before any file exists, so cleanup leaves it alone
         loc = self._location(step)
         self._last_save_t, self._last_saved_step = time.monotonic(), step
+        inc = self._incremental_for(step, loc)
         try:
             if self.async_save and not preempted:
-                fut = _async.save_async(loc, state, self._save_options, metadata=meta)
+                fut = _async.save_async(loc, state, self._save_options, metadata=meta, incremental=inc)
             else:
                 self.wait()
-                _async.save(loc, state, self._save_options, metadata=meta)
+                _async.save(loc, state, self._save_options, metadata=meta, incremental=inc)
         except BaseException:
             with self._lock:
                 self._inflight.discard(step)
+            self._inflight_bases.pop(step, None)
+            self._last_folder = None  # the next save is self-contained
             raise
         if self.async_save and not preempted:
             pending = _Pending(step, fut, threading.Event())
@@ -605,6 +629,21 @@ class CheckpointManager(StepWatch):
                 log.warning("cairn: preemption: saved step %d to %s", step, loc.path)
         return True
 
+    def _incremental_for(self, step: int, loc: Location) -> dict[str, Any] | None:
+        """An incremental manager's save of `step`: against the previous save (a self-contained one
+        every `full_every` saves), its base registered so that retention keeps it (`_run.refs`)."""
+        if not self.incremental:
+            return None
+        base = self._last_folder if self._since_full % self.full_every else None
+        self._since_full = self._since_full + 1 if base is not None else 1
+        self._last_folder = loc.name
+        if base is None:
+            return {"hashes": True}
+        with self._retention_lock:  # a retention pass in progress finishes first, then sees this base
+            self._inflight_bases[step] = base
+        return {"base": Location(self._storage, base, f"{self.directory}/{base}"), "hashes": True,
+                "base_required": False}
+
     def _after_commit(self, pending: _Pending) -> None:
         """Runs on the background thread once the save is resolved."""
         try:
@@ -616,6 +655,7 @@ class CheckpointManager(StepWatch):
     def _settle(self, step: int, ok: bool) -> None:
         with self._lock:
             self._inflight.discard(step)
+        self._inflight_bases.pop(step, None)  # committed: its manifest protects its bases now
         if not (ok and self._primary):
             return
         with self._retention_lock:
@@ -639,6 +679,8 @@ class CheckpointManager(StepWatch):
         steps = [s for s in self._folders if self.delete_orbax_steps or s not in self._orbax]
         infos = [self._info(s) for s in steps]
         keep = retained(self.policy, infos)
+        # Incremental: steps that kept steps, or saves in progress, refer to stay (`_run.refs`).
+        keep |= _refs.protected(self._storage, self._folders, keep, list(self._inflight_bases.values()))
         doomed = [s for s in steps if s not in keep]
         if doomed:
             with _leases.spare_leased(self._storage, doomed, self.directory) as free:

@@ -98,6 +98,8 @@ class SaveJob:
     codecs: dict[str, dict[int, str]] = field(default_factory=dict)
     # (item, file number) -> the snapshot buffers holding that file's chunks, for the next snapshot
     pooled: dict[tuple[str, int], list[np.ndarray]] = field(default_factory=dict)
+    # Incremental saves (format version 4): block hashes and references to a base (`incremental`).
+    inc: Any = None
 
     # ------------------------------------------------------------------ layout
 
@@ -128,6 +130,8 @@ class SaveJob:
 
     @property
     def version(self) -> int:
+        if self.inc is not None:
+            return fmt.INCREMENTAL_VERSION
         return fmt.FORMAT_VERSION if self.compression is None else fmt.COMPRESSED_VERSION
 
     def _write_file(self, item: SaveItem, k: int, slots: list[FileSlot], crc_pool: ThreadPoolExecutor,
@@ -152,6 +156,21 @@ class SaveJob:
                 codec = leaf_codecs.get(slot.leaf, "none")
                 if shift:
                     moved[n_slot] = slot.offset + shift
+                if self.inc is not None:  # incremental (format 4): hashes, references (`incremental`)
+                    raw = (memoryview(b"".join(_bytes_of(self._host(p)) for p in src.parts)) if type(src) is Concat
+                           else _bytes_of(self._host(src)))
+                    if len(raw) != slot.nbytes:
+                        raise CheckpointError(f"{self.loc.path}: chunk {slot.cell} of {item.leaves[slot.leaf].path!r}"
+                                              f" has {len(raw)} bytes, planned {slot.nbytes}")
+                    batch, sizes_, crcs_, own = yield from self.inc.write_chunk(
+                        item, slot.leaf, slot.cell, raw, codec, getattr(item.leaves[slot.leaf], "dtype", None),
+                        code_pool, batch)
+                    del raw
+                    stored[n_slot] = sizes_
+                    crcs.append(crcs_)
+                    shift += own - slot.nbytes
+                    activity.advance()
+                    continue
                 if codec != "none":
                     if type(src) is Concat:
                         raw = memoryview(b"".join(_bytes_of(self._host(p)) for p in src.parts))
@@ -246,9 +265,13 @@ class SaveJob:
         jobs = []
         if self.compression is not None:
             self.codecs = choose_codecs(self)
+        if self.inc is not None:  # incremental: the base's indexes and the records of our chunks
+            self.inc.open(self.items, self.loc.path)
         # Compressed blocks are encoded by a pool of their own, so that a file of large chunks uses
         # every core (a file's writer thread alone would code its blocks one after another).
         coders = max(1, min(self.threads, os.cpu_count() or 1)) if self.compression is not None else 0
+        if self.inc is not None:  # incremental: blocks are hashed on that pool too
+            coders = max(2, min(self.threads, os.cpu_count() or 1))
         with ThreadPoolExecutor(max(1, self.threads), thread_name_prefix="cairn-write") as pool, \
                 ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool, \
                 ThreadPoolExecutor(max(1, coders), thread_name_prefix="cairn-code") as code_pool:
@@ -329,8 +352,14 @@ class SaveJob:
         for item in self.items:
             p = partial[item.name]
             mine: dict[str, Any] = {"files": [[f["name"], f["size"]] for f in p["files"]]}
+            inc = self.inc
+            if inc is not None:  # incremental: the base files the part refers to, after its own
+                mine["ext"] = [list(x) for x in inc.ext_files(item.name)]
+                mine["refs"] = inc.leaves_with_refs(item.name)
             part = build_part(item, me, self.token, p["chunks"], self.loc.path,
-                              p["stored"] if self.compression is not None else None, self.block_size)
+                              p["stored"] if self.compression is not None or inc is not None else None,
+                              self.block_size,
+                              inc.columns(item, len(p["files"])) if inc is not None else None)
             if self.compression is not None:  # the codecs of the leaves whose first cell this process wrote
                 mine["codecs"] = {str(i): c for i, c in self.codecs.get(item.name, {}).items()
                                   if item.layouts[i].writer[0] == me and c != "none"}
@@ -388,10 +417,12 @@ class SaveJob:
             nbytes = sum(leaf.nbytes for leaf in index.leaves if isinstance(leaf, fmt.ArrayLeaf))
             items[item.name] = fmt.ItemInfo(item.dir, fmt.index_name(self.token), nbytes, len(index.leaves))
             needed += [f"{root}/{item.dir}/{f}" for f in
-                       (fmt.index_name(self.token), *(x.name for x in index.files), *(x.name for x in index.parts))]
+                       (fmt.index_name(self.token), *(x.name for x in index.files if x.base is None),
+                        *(x.name for x in index.parts))]
+        bases = sorted({x.base for index in indexes for x in index.files if x.base is not None})  # incremental
         manifest = fmt.Manifest(
             items=items, root=self.root, process_count=self.coord.process_count, cairn_version=__version__,
-            created_unix=time.time(), metadata=self.metadata,
+            created_unix=time.time(), metadata=self.metadata, bases=tuple(bases),
         ).to_json(self.version)
         self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite)
 
@@ -546,12 +577,18 @@ def prepare(
     block_size: int = fmt.DEFAULT_BLOCK_SIZE,
     min_file_bytes: int = 32 << 20,
     metadata: dict[str, Any] | None = None,
+    base: Any = None,
+    hashes: bool = False,
+    base_required: bool = True,
     **changes: Any,
 ) -> SaveJob:
     """Validate `state`, plan this process's chunks and agree on an attempt token.
 
     `options` with keyword `changes` to them (`SaveOptions`' names) say how to
     save; `block_size` and `min_file_bytes` are the format's knobs, for tests.
+    `base` (a sibling checkpoint's path or `Location`) or `hashes` make the save
+    incremental (format version 4, `incremental`); with `base_required` False a
+    base that is not committed when the save runs gives a self-contained save.
     """
     t0 = time.perf_counter()
     opts = save_options_of(options, changes)
@@ -593,6 +630,12 @@ def prepare(
         block_size=block_size, timeout=timeout, threads=threads, metadata=metadata or {}, strategy=strategy,
         compression=compression,
     )
+    if base is not None or hashes:  # incremental (format version 4)
+        from .incremental import setup
+
+        job.inc = setup(loc, base, hashes, base_required)
+        if job.inc is not None:
+            job.inc.block = block_size
     job.stats.blocking_s = time.perf_counter() - t0
     return job
 

@@ -258,7 +258,8 @@ def admit() -> None:
 
 
 def save(loc: Location, state: Any, options: SaveOptions | None = None, *,
-         metadata: dict[str, Any] | None = None, **changes: Any) -> SaveStats:
+         metadata: dict[str, Any] | None = None, incremental: dict[str, Any] | None = None,
+         **changes: Any) -> SaveStats:
     """Save `state` at `loc` and return once committed (see `cairn.save`); queues behind async saves.
 
     `options` with keyword `changes` (`SaveOptions`' names); a snapshot budget does not apply here.
@@ -266,7 +267,8 @@ def save(loc: Location, state: Any, options: SaveOptions | None = None, *,
     opts = save_options_of(options, changes)
     _background.raise_unreported()
     _background.wait_all()  # a blocking save queues behind async ones
-    job = _save.prepare(loc, state, opts, metadata=metadata)
+    # `incremental`: `prepare`'s base, hashes and base_required (an incremental save, format 4)
+    job = _save.prepare(loc, state, opts, metadata=metadata, **(incremental or {}))
     stats = job.run()
     _stats.saved(loc.path, stats)
     return stats
@@ -274,7 +276,7 @@ def save(loc: Location, state: Any, options: SaveOptions | None = None, *,
 
 def save_async(loc: Location, state: Any, options: SaveOptions | None = None, *,
                metadata: dict[str, Any] | None = None, started: float | None = None,
-               **changes: Any) -> SaveFuture:
+               incremental: dict[str, Any] | None = None, **changes: Any) -> SaveFuture:
     """Start saving `state` at `loc`; return after validation and the snapshot (see `cairn.save_async`).
 
     `options` with keyword `changes` (`SaveOptions`' names). `started` (a
@@ -285,7 +287,8 @@ def save_async(loc: Location, state: Any, options: SaveOptions | None = None, *,
     t0 = time.perf_counter() if started is None else started
     opts = save_options_of(options, changes)
     admit()
-    job = _save.prepare(loc, state, opts, metadata=metadata)
+    # `incremental`: `prepare`'s base, hashes and base_required (an incremental save, format 4)
+    job = _save.prepare(loc, state, opts, metadata=metadata, **(incremental or {}))
     job.snapshot(opts.snapshot_budget_bytes)
     # What the caller waited for: back-pressure, validation, planning, snapshot.
     job.stats.blocking_s = time.perf_counter() - t0

@@ -41,12 +41,15 @@ def own_cells(writer: tuple[int, ...], me: int) -> np.ndarray:
 
 def build_part(item: SaveItem, me: int, token: str, rows: list[tuple[int, ...]], where: str,
                stored: dict[tuple[int, int], tuple[int, ...]] | None = None, block: int = fmt.DEFAULT_BLOCK_SIZE,
+               blocks: dict[tuple[int, int], tuple[bytes, bytes]] | None = None,
                ) -> tuple[str, bytes, int, int] | None:
     """This process's part of `item`: ``(name, bytes, records, crcs)``, None when it wrote no cell.
 
     `rows`: what the writers report per chunk, ``(leaf, cell, file, offset, *crcs)``. With
     `stored` (format version 3: each compressed chunk's stored block sizes), a version-3 part
     whose size column gives every block's stored size (the raw size where not compressed).
+    With `blocks` too (format version 4: each chunk's hash and source column bytes,
+    `incremental.Incremental.columns`), a version-4 part.
     """
     got = {(r[0], r[1]): r for r in rows}
     leaf_col: list[int] = []
@@ -55,6 +58,8 @@ def build_part(item: SaveItem, me: int, token: str, rows: list[tuple[int, ...]],
     off_col: list[int] = []
     crc_col: list[tuple[int, ...]] = []
     size_col: list[tuple[int, ...]] = []
+    hash_col: list[bytes] = []
+    src_col: list[bytes] = []
     for i in sorted(item.layouts):
         layout = item.layouts[i]
         for cell in own_cells(layout.writer, me).tolist():
@@ -80,10 +85,15 @@ def build_part(item: SaveItem, me: int, token: str, rows: list[tuple[int, ...]],
                     nbytes = int(np.prod([hi - lo for lo, hi in cell_box(layout.grid, cell)])) * src.dtype.itemsize
                     st = tuple(raw_blocks(nbytes, block))
                 size_col.append(st)
+            if blocks is not None:  # a chunk of no bytes has no blocks
+                h, o = blocks.get((i, cell), (b"", b""))
+                hash_col.append(h)
+                src_col.append(o)
     if not leaf_col:
         return None
     data = encode_part(me, leaf_col, cell_col, file_col, off_col, crc_col,
-                       size_col if stored is not None else None)
+                       size_col if stored is not None else None,
+                       (b"".join(hash_col), b"".join(src_col)) if blocks is not None else None)
     return part_name(me, token), data, len(leaf_col), sum(len(c) for c in crc_col)
 
 
@@ -92,11 +102,15 @@ def item_index(item: SaveItem, statuses: dict[int, dict[str, Any]], processes: i
     files: list[fmt.FileInfo] = []
     parts: list[PartInfo] = []
     codecs: dict[str, str] = {}
+    refs: set[int] = set()  # incremental: the leaves some of whose blocks are references
     for p in range(processes):
         mine = statuses[p].get("items", {}).get(item.name, {})
         codecs.update(mine.get("codecs", {}))
         base = len(files)
         files.extend(fmt.FileInfo(name, size) for name, size in mine.get("files", ()))
+        # Incremental (format 4): the base files its part refers to, numbered after its own.
+        files.extend(fmt.FileInfo(name, size, b) for b, name, size in mine.get("ext", ()))
+        refs.update(mine.get("refs", ()))
         part = mine.get("part")
         if part is not None:
             parts.append(PartInfo(part[0], p, part[1], part[2], base, len(files) - base))
@@ -117,6 +131,6 @@ def item_index(item: SaveItem, statuses: dict[int, dict[str, Any]], processes: i
         leaves.append(fmt.ArrayLeaf(
             path=src.path, dtype=src.dtype, shape=src.shape, grid=layout.grid, chunks=(), crcs=(), kind=src.kind,
             sharding=sharding, handler=src.handler, impl=src.impl, impl_shape=src.impl_shape, writers=runs[1],
-            codec=codecs.get(str(i), "none")))
+            codec=codecs.get(str(i), "none"), refs=i in refs))
     return fmt.ItemIndex(item.structure, tuple(leaves), tuple(files), block_size, parts=tuple(parts),
                          processes=processes)

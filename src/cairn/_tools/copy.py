@@ -48,7 +48,7 @@ from .._errors import (
 )
 from .._format import manifest as fmt
 from .._format.partfile import PART_VERSION, PART_VERSION_SIZES, decode_part, part_bytes
-from .._load.metadata import index_bytes, manifest_bytes, parse_index
+from .._load.metadata import index_bytes, manifest_bytes, parse_index, read_manifest
 from .._load.reader import DEFAULT_BUDGET
 from .._save.commit import CommitStrategy, strategy_for
 from .._save.options import SaveOptions
@@ -359,7 +359,9 @@ def copy(
     source's (and, unless `dst_storage_options`, the destination's).
 
     `compression` None (the default) copies the stored bytes as they are,
-    compressed or not. Anything else (as for `cairn.save`: "auto", True,
+    compressed or not, except from an incremental checkpoint (one saved with
+    a `base`): that copy is self-contained, every array read through its
+    references and written anew, raw. Anything else (as for `cairn.save`: "auto", True,
     False, "zstd", "planes") recompresses: every array is read (every
     checksum verified) and written anew at `dst` with that setting, chunk by
     chunk in slabs of a quarter of `budget_bytes`, keeping each array's
@@ -390,6 +392,18 @@ def copy(
         except CheckpointNotFoundError:
             refuse_foreign(s, "cp")
             raise
+    # Incremental (format 4): blocks in a base's files are read through their references, and the copy
+    # is self-contained (raw blocks): its bytes copied as they are would refer to files beside `src`.
+    try:
+        bases = read_manifest(s).bases
+    except CheckpointNotFoundError:
+        refuse_foreign(s, "mv" if move else "cp")
+        raise
+    if bases:
+        if move:
+            raise CheckpointError(f"{s.path} refers to its base checkpoints (an incremental save): move=True "
+                                  "would copy references; copy it (a self-contained copy), then delete it")
+        return _recompress(s, d, False, overwrite, t0, budget_bytes, threads, progress)
     if budget_bytes < 2 * MIN_PIECE:
         raise ValueError(f"budget_bytes={budget_bytes} is below the minimum of {2 * MIN_PIECE}")
     # Two pieces per file in flight: the one the writer is taking, the next one being read.
@@ -451,7 +465,7 @@ def _recompress(s: Location, d: Location, compression: str | bool | None, overwr
     (the structure is the source's): it differs from the source only in how its blocks are stored (and in
     having one data file per item)."""
     from .._interop.convert import exact_slabs
-    from .._load.metadata import Opened, read_index, read_manifest
+    from .._load.metadata import Opened, read_index
     from .._load.reader import make_reader, read_box, slab_boxes, slab_bytes
     from .._save.engine import resolve_compression
     from .._save.stream import Chunked, StreamWriter

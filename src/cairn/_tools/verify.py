@@ -263,11 +263,14 @@ def verify(
         opened: dict[int, Any] = {}
         for fi, f in enumerate(index.files):
             key = loc.key(info.dir, f.name)
+            if f.base is not None:  # incremental (format 4): a file of a sibling base checkpoint
+                key = "/".join((f.base, info.dir, f.name))
             report.files += 1
             try:
                 size = loc.storage.size(key)
             except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                problems.append(Problem(f"{where}: data file {f.name!r} is missing", item=name, file=f.name))
+                of = f" of its base checkpoint {f.base!r}" if f.base is not None else ""
+                problems.append(Problem(f"{where}: data file {f.name!r}{of} is missing", item=name, file=f.name))
                 continue
             if size < f.size:
                 problems.append(Problem(
@@ -293,6 +296,9 @@ def verify(
                 continue
             for cell, (fi, _off) in enumerate(leaf.chunks):
                 size = leaf.chunk_nbytes(cell)
+                if size and index.version >= fmt.INCREMENTAL_VERSION:  # every block, references too, hashed
+                    tasks.append(_Task(name, index, leaf, cell, 0, size, opened))
+                    continue
                 if size == 0 or fi not in opened:
                     continue
                 if leaf.codec != "none":  # one task per chunk: its stored blocks, checked and decoded
@@ -312,7 +318,11 @@ def verify(
         _fi, off = leaf.chunks[cell]
         block = index.block_size
         bad: list[str] = []
-        if leaf.codec != "none":
+        if index.version >= fmt.INCREMENTAL_VERSION:  # format 4: `_load.blocks.check_chunk`
+            from .._load.blocks import check_chunk
+
+            bad = check_chunk(leaf, cell, block, list(index.files), reader)
+        elif leaf.codec != "none":
             bad = _check_coded(leaf, cell, off, block, reader)
         else:
             buf = np.empty(hi - lo, dtype=np.uint8)

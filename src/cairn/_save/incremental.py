@@ -1,0 +1,331 @@
+"""Incremental saves (format version 4): write only the blocks that differ from a base checkpoint's.
+
+A save with block hashes (`cairn.save(..., base=)`, or a `CheckpointManager`
+with ``incremental=True``) writes format version 4: every checksum block of
+every chunk records the xxh3-128 hash of its raw bytes (`_format.blocks`) and
+its *source*. Against a base (a committed sibling checkpoint of the same
+run, docs/FORMAT.md §6.5), each process decides for the chunks it writes:
+a block whose hash equals the base's block at the same (item, leaf path,
+cell, block) position, in a leaf of the same dtype, shape, grid and block
+size, is not written but recorded as a reference to the bytes that hold it.
+References stay one hop from self-contained data: where the base's block is
+itself a reference, the new one points where that one points, so reading a
+block never follows more than one reference.
+
+The base is opened when the save's job runs (`open`), not when it is
+prepared: saves run one at a time in the order asked, so a manager's save
+against the step it asked to save just before finds that step committed
+(or, if that save failed, falls back to a self-contained save: `required`).
+Each process reads the base's manifest, its indexes and only the records of
+the chunks it writes itself.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Generator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .._core.checksum import crc32c
+from .._errors import CheckpointError, CorruptCheckpointError
+from .._format import codecs as _codecs
+from .._format import manifest as fmt
+from .._format.blocks import CODEC_IDS, HASH_BYTES, block_hash
+from .._format.partfile import OWN, SOURCE
+from .._storage.location import Location, resolve
+from .._tree.leaves import ArraySource
+from .assign import SaveItem
+
+#: Blocks per hashing task: a task hashes (and, where changed, codes and checksums) this many blocks.
+RUN_BLOCKS = 4
+SMALL = 64 << 10  # own blocks up to this size join the writer's batch (`engine.SMALL_CHUNK`)
+BATCH = 4 << 20
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A block of the base, as the new checkpoint refers to it: a data file of some sibling checkpoint."""
+
+    base: str  # the sibling checkpoint whose item folder holds the file
+    name: str
+    size: int  # the file's size
+    offset: int  # the block's first stored byte in it
+    stored: int  # its stored bytes
+    crc: int
+    codec: int  # `blocks.CODEC_NAMES` id of its stored form
+
+
+@dataclass
+class _Chunk:
+    """What one written chunk records per block: hashes, and the references among its blocks."""
+
+    hashes: list[bytes]
+    refs: dict[int, Ref]  # block number -> reference
+    codec: int  # the codec id of its own blocks
+
+
+@dataclass
+class Incremental:
+    """One save's incremental state: its base (or none: hashes only) and what each chunk recorded."""
+
+    loc: Location
+    base: Location | None
+    required: bool  # a missing base is an error (cairn.save) rather than a self-contained save (a manager)
+    block: int = fmt.DEFAULT_BLOCK_SIZE
+    # item name -> our leaf number -> (base index, base leaf number) where the layouts agree
+    matches: dict[str, dict[int, tuple[fmt.ItemIndex, int]]] = field(default_factory=dict)
+    chunks: dict[tuple[str, int, int], _Chunk] = field(default_factory=dict)
+    base_name: str | None = None  # set by `open` when a base is in use
+    stats_refs: int = 0  # bytes referred to instead of written, by this process
+
+    # ------------------------------------------------------------------ the base
+
+    def open(self, items: list[SaveItem], where: str) -> None:
+        """Read the base's manifest and indexes, match leaves, fetch the records of our chunks."""
+        if self.base is None:
+            return
+        manifest = _read_manifest(self.base)
+        if manifest is None:
+            if self.required:
+                raise CheckpointError(f"{where}: the base checkpoint {self.base.path} is not committed") from None
+            return
+        if manifest.version < fmt.INCREMENTAL_VERSION:
+            return  # no hashes to compare with: every block is written (with hashes, for the next save)
+        if self.base.name in manifest.bases or self.base.name == self.loc.name:
+            raise CheckpointError(f"{where}: the base {self.base.path} cannot refer to itself")
+        if self.loc.name in manifest.bases:
+            raise CheckpointError(f"{where}: the base {self.base.path} refers to {self.loc.name}, which this "
+                                  "save would replace")
+        self.base_name = self.base.name
+        for item in items:
+            info = manifest.items.get(item.name)
+            if info is None:
+                continue
+            index = _read_index(self.base, info)
+            if index.block_size != self.block or index.table is None:
+                continue
+            by_path = {leaf.path: n for n, leaf in enumerate(index.leaves) if isinstance(leaf, fmt.ArrayLeaf)}
+            mine = self.matches[item.name] = {}
+            want: dict[int, list[int]] = collections.defaultdict(list)
+            for (i, cell) in item.sources:
+                src = item.leaves[i]
+                n = by_path.get(src.path)
+                if n is None or not isinstance(src, ArraySource):
+                    continue
+                theirs = index.leaves[n]
+                assert isinstance(theirs, fmt.ArrayLeaf)
+                if (theirs.kind, theirs.dtype, theirs.shape, theirs.grid) != (
+                        src.kind, src.dtype, src.shape, item.layouts[i].grid) or theirs.writers is None:
+                    continue
+                mine[i] = (index, n)
+                want[n].append(cell)
+            if want:
+                index.table.fetch({n: np.asarray(cells, dtype=np.int64) for n, cells in want.items()})
+
+    def _base_blocks(self, item: str, leaf: int, cell: int) -> list[tuple[bytes, Ref]] | None:
+        """The base's blocks at this position: (hash, where its bytes are), or None without a match."""
+        hit = self.matches.get(item, {}).get(leaf)
+        if hit is None or self.base_name is None:
+            return None
+        index, n = hit
+        table = index.table
+        assert table is not None
+        got = table.sources(n, cell)
+        if got is None:
+            return None
+        hashes, sources = got
+        file, offset, crcs = table.entry(n, cell)
+        sizes = table.stored(n, cell)
+        out = []
+        pos = offset
+        for b, (f, codec, off) in enumerate(sources):
+            size = sizes[b]
+            if f < 0:  # the base's own bytes
+                entry = index.files[file]
+                ref = Ref(self.base_name, entry.name, entry.size, pos, size, crcs[b], codec)
+                pos += size
+            else:  # the base refers further: point where it points (one hop from the bytes)
+                entry = index.files[f]
+                if entry.base is None:
+                    raise CorruptCheckpointError(f"{self.base.path if self.base else ''}: a reference to a "
+                                                 "file of its own")
+                ref = Ref(entry.base, entry.name, entry.size, off, size, crcs[b], codec)
+            out.append((hashes[b * HASH_BYTES : (b + 1) * HASH_BYTES], ref))
+        return out
+
+    # ------------------------------------------------------------------ writing
+
+    def write_chunk(self, item: SaveItem, leaf: int, cell: int, raw: memoryview, codec: str, dtype: Any,
+                    pool: ThreadPoolExecutor | None, batch: bytearray
+                    ) -> Generator[Any, None, tuple[bytearray, tuple[int, ...], list[int], int]]:
+        """The writer's generator for one chunk: yields buffers to write, returns ``(batch, stored sizes,
+        CRCs, own stored bytes)``. Blocks equal to the base's become references; the rest are coded
+        with `codec` (in runs on `pool`, a window ahead of the writer)."""
+        block = self.block
+        base = self._base_blocks(item.name, leaf, cell)
+        runs = range(0, len(raw), block * RUN_BLOCKS)
+        work = [(raw[o : o + block * RUN_BLOCKS], None if base is None else
+                 base[o // block : o // block + RUN_BLOCKS]) for o in runs]
+        sizes: list[int] = []
+        crcs: list[int] = []
+        hashes: list[bytes] = []
+        refs: dict[int, Ref] = {}
+        own = 0
+
+        def results() -> Iterator[list[tuple[bytes, Any, int, int]]]:
+            if pool is None or len(work) < 2:
+                for w in work:
+                    yield _run(w[0], w[1], block, codec, dtype)
+                return
+            window = max(2, getattr(pool, "_max_workers", 2) + 1)
+            ahead: collections.deque[Any] = collections.deque()
+            for w in work:
+                ahead.append(pool.submit(_run, w[0], w[1], block, codec, dtype))
+                if len(ahead) >= window:
+                    yield ahead.popleft().result()
+            while ahead:
+                yield ahead.popleft().result()
+
+        for run in results():
+            for h, payload, size, crc in run:
+                b = len(sizes)
+                hashes.append(h)
+                sizes.append(size)
+                crcs.append(crc)
+                if isinstance(payload, Ref):
+                    refs[b] = payload
+                    self.stats_refs += size
+                    continue
+                own += size
+                if size <= SMALL:
+                    batch += payload
+                    if len(batch) >= BATCH:
+                        yield batch
+                        batch = bytearray()
+                    continue
+                if batch:
+                    yield batch
+                    batch = bytearray()
+                yield payload
+        self.chunks[(item.name, leaf, cell)] = _Chunk(hashes, refs, CODEC_IDS[codec])
+        return batch, tuple(sizes), crcs, own
+
+    # ------------------------------------------------------------------ the part
+
+    def ext_files(self, item: str) -> list[tuple[str, str, int]]:
+        """The base files this process's part of `item` refers to, in order: ``(base, name, size)``."""
+        seen: dict[tuple[str, str], int] = {}
+        for (name, _leaf, _cell), ch in sorted(self.chunks.items()):
+            if name != item:
+                continue
+            for ref in ch.refs.values():
+                seen.setdefault((ref.base, ref.name), ref.size)
+        return [(b, n, s) for (b, n), s in sorted(seen.items())]
+
+    def columns(self, item: SaveItem, own_files: int) -> dict[tuple[int, int], tuple[bytes, bytes]]:
+        """Per written chunk of `item`: its hash column bytes and its source column bytes, references
+        numbered after the process's `own_files` own data files (`ext_files` order)."""
+        ext = {(b, n): own_files + k for k, (b, n, _s) in enumerate(self.ext_files(item.name))}
+        out = {}
+        for (name, leaf, cell), ch in self.chunks.items():
+            if name != item.name:
+                continue
+            src = np.zeros(len(ch.hashes), dtype=SOURCE)
+            src["file"] = OWN
+            src["codec"] = ch.codec
+            for b, ref in ch.refs.items():
+                src[b]["file"] = ext[(ref.base, ref.name)]
+                src[b]["codec"] = ref.codec
+                src[b]["offset"] = ref.offset
+            out[(leaf, cell)] = (b"".join(ch.hashes), src.tobytes())
+        return out
+
+    def leaves_with_refs(self, item: str) -> list[int]:
+        return sorted({leaf for (name, leaf, _c), ch in self.chunks.items() if name == item and ch.refs})
+
+
+def _run(raw: memoryview, base: list[tuple[bytes, Ref]] | None, block: int, codec: str, dtype: Any
+         ) -> list[tuple[bytes, Any, int, int]]:
+    """One run of blocks: per block ``(hash, bytes to write or the `Ref` in its place, stored size, CRC)``."""
+    out: list[tuple[bytes, Any, int, int]] = []
+    changed: list[int] = []
+    for k, o in enumerate(range(0, len(raw), block)):
+        h = block_hash(raw[o : o + block])
+        if base is not None and k < len(base) and base[k][0] == h:
+            ref = base[k][1]
+            out.append((h, ref, ref.stored, ref.crc))
+        else:
+            out.append((h, None, 0, 0))
+            changed.append(k)
+    if changed:
+        for k in changed:
+            piece = raw[k * block : (k + 1) * block]
+            enc = piece if codec == "none" else _codecs.encode(codec, piece, dtype)
+            out[k] = (out[k][0], enc, len(enc), crc32c(enc))
+    return out
+
+
+def _read_manifest(loc: Location) -> fmt.Manifest | None:
+    """The base's manifest, None when nothing is committed there. (The load room's readers sit above
+    this one: these two are their minimal twins, with the same parsers and limits.)"""
+    key = loc.key(fmt.MANIFEST)
+    try:
+        data = loc.storage.read(key)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    return fmt.Manifest.from_json(data, loc.storage.describe(key))
+
+
+def _read_index(loc: Location, info: fmt.ItemInfo) -> fmt.ItemIndex:
+    """The base's index of one item, its binary parts read in ranges on demand."""
+    key = loc.key(info.dir, info.index)
+    try:
+        data = loc.storage.read(key)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise CorruptCheckpointError(f"{loc.path}: the index {key!r} named by the manifest is missing") from None
+    index = fmt.ItemIndex.from_json(data, loc.storage.describe(key))
+
+    def read(requests: list[tuple[str, int, int]]) -> list[bytes]:
+        out = []
+        for name, start, length in requests:
+            part = loc.key(info.dir, name)
+            buf = bytearray(length)
+            try:
+                r = loc.storage.open_read(part)
+            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+                raise CorruptCheckpointError(f"{loc.path}: the index part {part!r} is missing") from None
+            try:
+                r.read_into(start, memoryview(buf))
+            except EOFError:
+                raise CorruptCheckpointError(f"{loc.path}: the index part {part!r} is truncated") from None
+            finally:
+                r.close()
+            out.append(bytes(buf))
+        return out
+
+    if index.table is not None:
+        index.table.reader = read
+    return index
+
+
+def setup(loc: Location, base: Location | None, hashes: bool, required: bool) -> Incremental | None:
+    """The incremental state of a save at `loc`: against `base` (a sibling's `Location`, `sibling`),
+    or, with `hashes`, self-contained with block hashes; None for a plain save."""
+    if base is None:
+        return Incremental(loc, None, False) if hashes else None
+    return Incremental(loc, base, required)
+
+
+def sibling(loc: Location, base: Any, storage_options: dict | None = None) -> Location:
+    """`base` (a path) as the `Location` of a checkpoint in the same folder or prefix as `loc`."""
+    base_loc = resolve(base, storage_options)
+    if getattr(base_loc.storage, "url", None) != getattr(loc.storage, "url", object()):
+        raise ValueError(f"{loc.path}: the base {str(base)!r} must be in the same folder or prefix as the "
+                         "checkpoint: references name it relative to the checkpoint")
+    if base_loc.name == loc.name:
+        raise ValueError(f"{loc.path}: a checkpoint cannot be its own base")
+    return Location(loc.storage, base_loc.name, base_loc.path)
