@@ -392,14 +392,16 @@ def folders_of_step(storage: Storage, step: int, names: StepNames = DEFAULT_NAME
     for name in storage.list_dir(""):
         if name.startswith("."):
             continue
-        got = names.parse(name)
-        if got is not None and not storage.exists(f"{name}/{fmt.MANIFEST}") and \
+        got, own = names.parse(name), True
+        if got is None:
+            on, own = orbax_name(name), False
+            got = on[1] if on is not None else guess_step(name)
+        if got != step:
+            continue  # one listing, and requests only for the folders of this step
+        if own and not storage.exists(f"{name}/{fmt.MANIFEST}") and \
                 not storage.exists(f"{name}/{ORBAX_STEP_METADATA}"):
             continue  # the manager's own spelling without a manifest: its leftover, not another naming
-        if got is None:
-            on = orbax_name(name)
-            got = on[1] if on is not None else guess_step(name)
-        if got == step and storage.list(name):
+        if storage.list(name):
             out.append(name)
     return out
 
