@@ -145,6 +145,10 @@ def test_a_step_saved_twice_by_hand_is_no_step_until_one_goes(tmp_path, mesh42):
     cairn.save(run / "step_00000010", {"state": state_of(mesh42, 99)})  # made beside Orbax's, by hand
     with pytest.raises(cairn.CheckpointError, match=r"step 10 is saved in 2 folders \(step_00000010, 10\)"):
         mgr_of(run)
+    with mgr_of(run, start_fresh=True) as mgr:  # told to go on: still no folder is picked by chance
+        assert mgr.steps() == []
+        with pytest.raises(cairn.CheckpointError, match=r"step 10 has 2 folders \(10, step_00000010\)"):
+            mgr.path(10)
     shutil.rmtree(run / "step_00000010")
     with mgr_of(run) as mgr:
         assert mgr.steps() == [10] and mgr.path(10) == f"{run}/10"

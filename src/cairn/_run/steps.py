@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from .._errors import CheckpointNotFoundError, CorruptCheckpointError
+from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import manifest as fmt
 from .._interop.orbax import step_metrics
 from .._load.engine import read_manifest
@@ -367,7 +367,7 @@ def survey(storage: Storage, names: StepNames = DEFAULT_NAMES) -> Survey:
                                  "step_format spelling one of them picks it") for s, ns in got.items() for n in ns]
     steps: dict[int, str] = {}
     for s in sorted({*cairn, *chosen}):
-        both = [*cairn.get(s, []), *chosen.get(s, [])]
+        both = [*sorted(cairn.get(s, [])), *sorted(chosen.get(s, []))]
         if len(both) == 1:
             steps[s] = both[0]
             continue
@@ -403,15 +403,21 @@ def folders_of_step(storage: Storage, step: int, names: StepNames = DEFAULT_NAME
             continue  # the manager's own spelling without a manifest: its leftover, not another naming
         if storage.list(name):
             out.append(name)
-    return out
+    return sorted(out)
 
 
 def folder_of(storage: Storage, step: int, names: StepNames = DEFAULT_NAMES) -> str | None:
-    """The folder of committed `step`: cairn's (spelt by `names`) or Orbax's (``<step>``), else None."""
-    if storage.exists(f"{names.name(step)}/{fmt.MANIFEST}"):
-        return names.name(step)
-    got = [n for n in folders_of_step(storage, step, names) if orbax_step(storage, n) == step]
-    return got[0] if len(got) == 1 else None
+    """The folder of committed `step`: cairn's (spelt by `names`) or Orbax's (any naming), else None;
+    `CheckpointError` if the step has several folders (nothing picks one by chance)."""
+    found = folders_of_step(storage, step, names)
+    if len(found) > 1:
+        raise CheckpointError(f"{storage.describe('')}: step {step} has {len(found)} folders ({', '.join(found)}); "
+                              "which is the step cannot be told: delete all but one")
+    if not found:
+        return None
+    if names.parse(found[0]) == step and storage.exists(f"{found[0]}/{fmt.MANIFEST}"):
+        return found[0]
+    return found[0] if orbax_step(storage, found[0]) == step else None
 
 
 def newest_committed(storage: Storage, after: int | None = None, names: StepNames = DEFAULT_NAMES,
