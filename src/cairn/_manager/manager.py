@@ -308,7 +308,9 @@ class CheckpointManager(StepWatch):
             if self._orbax and self._primary:
                 newest = max(self._orbax)
                 log.info("cairn: %s holds Orbax steps (newest %d): they restore as steps of this run, and new "
-                         "steps are saved in cairn's format as %r", self.directory, newest, self._names.name(newest + 1))
+                         "steps are saved in cairn's format as %r, which Orbax's CheckpointManager does not list; "
+                         "cairn.export_orbax_run(%r) makes them Orbax steps for the way back", self.directory,
+                         newest, self._names.name(newest + 1), self.directory)
             return
         latest = pairs[-1][0] if pairs else None
         newer = [x for x in strays if latest is None or x[1] > latest]
