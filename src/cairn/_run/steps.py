@@ -52,6 +52,8 @@ META_KEY = "cairn.manager"
 _CANONICAL = re.compile(r"^step_(\d{8,})$")
 _ORBAX_NAME = re.compile(r"^(?:(.+)_)?(\d+)$")  # Orbax's step folders: "100", "<step_prefix>_100"
 _LENIENT = re.compile(r"^(?:step[_-]?)?(\d+)$")
+# Names that say "checkpoint of step N" whatever the folder holds (what a stray of unknown content must be called).
+_STEPLIKE = re.compile(r"^(?:(?:step|checkpoint|ckpt)[_-]?)?\d+$")
 # Files only a cairn save writes: data files, per-attempt indexes, per-process partial indexes.
 _CAIRN_FILE = re.compile(r"^(p\d{5}-\d+\.[0-9a-f]+\.bin|index\.[0-9a-f]+\.json|_index\.p\d{5}\.[0-9a-f]+\.json)$")
 
@@ -318,6 +320,8 @@ def _stray_kind(storage: Storage, name: str) -> str | None:
         return "dcp"
     if storage.exists(f"{name}/{ORBAX_STEP_METADATA}"):
         return None  # an Orbax save in progress on an object store (no commit_success.txt yet)
+    if not _STEPLIKE.match(name):
+        return None  # "eval_100", "samples_3": a folder of something else, not a checkpoint's name
     return "unknown" if storage.list(name) else None  # a plain file or an empty folder holds nothing
 
 
