@@ -478,7 +478,7 @@ class CheckpointManager(StepWatch):
             if mgr.should_save(step):
                 state = expensive_gather(state)
         """
-        return self._preemption.detected(step) or self._on_schedule(step)
+        return self._on_schedule(step) or self._preemption.detected(step)
 
     def _on_schedule(self, step: int) -> bool:
         """Whether the save policy writes `step`: `save_every`, then `save_interval_s` and `should_save_fn`.
