@@ -83,6 +83,8 @@ def test_a_run_of_unknown_step_folders_raises_unless_start_fresh(tmp_path, mesh4
     os.makedirs(run / "step-3")
     (run / "step-3" / ".metadata").write_bytes(b"dcp")  # what PyTorch DCP leaves
     (run / "notes.txt").write_text("not a step")
+    os.makedirs(run / "eval_100")
+    (run / "eval_100" / "scores.json").write_text("{}")  # a folder of something else: not a step
     with pytest.raises(cairn.CheckpointError, match=r"no step it counts, but folders that look like steps: checkpoint_5 \(cairn.*step-3 \(dcp.*"
                                                     r"start_fresh=True"):
         mgr_of(run)
@@ -102,9 +104,11 @@ def test_older_strays_are_named_in_a_warning(tmp_path, mesh42, caplog):
     cairn.save(run / "old_3", state_of(mesh42, 3))
     with mgr_of(run, start_fresh=True) as mgr:
         mgr.save(10, state_of(mesh42, 10))
+    os.makedirs(run / "ckpt_4")
+    (run / "ckpt_4" / "weights.pkl").write_bytes(b"?")  # named as a step, holding nothing cairn knows
     with caplog.at_level(logging.WARNING, logger="cairn"), mgr_of(run) as mgr:
         assert mgr.steps() == [10]
-    assert "old_3 (cairn" in caplog.text
+    assert "old_3 (cairn" in caplog.text and "ckpt_4 (unknown: no checkpoint cairn recognizes)" in caplog.text
 
 
 def test_two_orbax_namings_are_not_guessed(tmp_path, mesh42):
@@ -145,6 +149,10 @@ def test_a_step_saved_twice_by_hand_is_no_step_until_one_goes(tmp_path, mesh42):
     cairn.save(run / "step_00000010", {"state": state_of(mesh42, 99)})  # made beside Orbax's, by hand
     with pytest.raises(cairn.CheckpointError, match=r"step 10 is saved in 2 folders \(step_00000010, 10\)"):
         mgr_of(run)
+    with mgr_of(run, start_fresh=True) as mgr:  # told to go on: still no folder is picked by chance
+        assert mgr.steps() == []
+        with pytest.raises(cairn.CheckpointError, match=r"step 10 has 2 folders \(10, step_00000010\)"):
+            mgr.path(10)
     shutil.rmtree(run / "step_00000010")
     with mgr_of(run) as mgr:
         assert mgr.steps() == [10] and mgr.path(10) == f"{run}/10"

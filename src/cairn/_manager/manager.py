@@ -324,7 +324,9 @@ class CheckpointManager(StepWatch):
             if self._orbax and self._primary:
                 newest = max(self._orbax)
                 log.info("cairn: %s holds Orbax steps (newest %d): they restore as steps of this run, and new "
-                         "steps are saved in cairn's format as %r", self.directory, newest, self._names.name(newest + 1))
+                         "steps are saved in cairn's format as %r, which Orbax's CheckpointManager does not list; "
+                         "cairn.export_orbax_run(%r) makes them Orbax steps for the way back", self.directory,
+                         newest, self._names.name(newest + 1), self.directory)
             return
         latest = pairs[-1][0] if pairs else None
         newer = [x for x in strays if latest is None or x[1] > latest]
@@ -497,7 +499,7 @@ class CheckpointManager(StepWatch):
             if mgr.should_save(step):
                 state = expensive_gather(state)
         """
-        return self._preemption.detected(step) or self._on_schedule(step)
+        return self._on_schedule(step) or self._preemption.detected(step)
 
     def _on_schedule(self, step: int) -> bool:
         """Whether the save policy writes `step`: `save_every`, then `save_interval_s` and `should_save_fn`.

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
-from .._errors import CheckpointNotFoundError, CorruptCheckpointError
+from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import manifest as fmt
 from .._interop.orbax import step_metrics
 from .._load.engine import read_manifest
@@ -52,6 +52,8 @@ META_KEY = "cairn.manager"
 _CANONICAL = re.compile(r"^step_(\d{8,})$")
 _ORBAX_NAME = re.compile(r"^(?:(.+)_)?(\d+)$")  # Orbax's step folders: "100", "<step_prefix>_100"
 _LENIENT = re.compile(r"^(?:step[_-]?)?(\d+)$")
+# Names that say "checkpoint of step N" whatever the folder holds (what a stray of unknown content must be called).
+_STEPLIKE = re.compile(r"^(?:(?:step|checkpoint|ckpt)[_-]?)?\d+$")
 # Files only a cairn save writes: data files, per-attempt indexes, per-process partial indexes.
 _CAIRN_FILE = re.compile(r"^(p\d{5}-\d+\.[0-9a-f]+\.bin|index\.[0-9a-f]+\.json|_index\.p\d{5}\.[0-9a-f]+\.json)$")
 
@@ -318,6 +320,8 @@ def _stray_kind(storage: Storage, name: str) -> str | None:
         return "dcp"
     if storage.exists(f"{name}/{ORBAX_STEP_METADATA}"):
         return None  # an Orbax save in progress on an object store (no commit_success.txt yet)
+    if not _STEPLIKE.match(name):
+        return None  # "eval_100", "samples_3": a folder of something else, not a checkpoint's name
     return "unknown" if storage.list(name) else None  # a plain file or an empty folder holds nothing
 
 
@@ -367,7 +371,7 @@ def survey(storage: Storage, names: StepNames = DEFAULT_NAMES) -> Survey:
                                  "step_format spelling one of them picks it") for s, ns in got.items() for n in ns]
     steps: dict[int, str] = {}
     for s in sorted({*cairn, *chosen}):
-        both = [*cairn.get(s, []), *chosen.get(s, [])]
+        both = [*sorted(cairn.get(s, [])), *sorted(chosen.get(s, []))]
         if len(both) == 1:
             steps[s] = both[0]
             continue
@@ -392,24 +396,32 @@ def folders_of_step(storage: Storage, step: int, names: StepNames = DEFAULT_NAME
     for name in storage.list_dir(""):
         if name.startswith("."):
             continue
-        got = names.parse(name)
-        if got is not None and not storage.exists(f"{name}/{fmt.MANIFEST}") and \
+        got, own = names.parse(name), True
+        if got is None:
+            on, own = orbax_name(name), False
+            got = on[1] if on is not None else guess_step(name)
+        if got != step:
+            continue  # one listing, and requests only for the folders of this step
+        if own and not storage.exists(f"{name}/{fmt.MANIFEST}") and \
                 not storage.exists(f"{name}/{ORBAX_STEP_METADATA}"):
             continue  # the manager's own spelling without a manifest: its leftover, not another naming
-        if got is None:
-            on = orbax_name(name)
-            got = on[1] if on is not None else guess_step(name)
-        if got == step and storage.list(name):
+        if storage.list(name):
             out.append(name)
-    return out
+    return sorted(out)
 
 
 def folder_of(storage: Storage, step: int, names: StepNames = DEFAULT_NAMES) -> str | None:
-    """The folder of committed `step`: cairn's (spelt by `names`) or Orbax's (``<step>``), else None."""
-    if storage.exists(f"{names.name(step)}/{fmt.MANIFEST}"):
-        return names.name(step)
-    got = [n for n in folders_of_step(storage, step, names) if orbax_step(storage, n) == step]
-    return got[0] if len(got) == 1 else None
+    """The folder of committed `step`: cairn's (spelt by `names`) or Orbax's (any naming), else None;
+    `CheckpointError` if the step has several folders (nothing picks one by chance)."""
+    found = folders_of_step(storage, step, names)
+    if len(found) > 1:
+        raise CheckpointError(f"{storage.describe('')}: step {step} has {len(found)} folders ({', '.join(found)}); "
+                              "which is the step cannot be told: delete all but one")
+    if not found:
+        return None
+    if names.parse(found[0]) == step and storage.exists(f"{found[0]}/{fmt.MANIFEST}"):
+        return found[0]
+    return found[0] if orbax_step(storage, found[0]) == step else None
 
 
 def newest_committed(storage: Storage, after: int | None = None, names: StepNames = DEFAULT_NAMES,
