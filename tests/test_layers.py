@@ -118,7 +118,7 @@ PUBLIC_API = [
     "CorruptCheckpointError", "KeepAll", "KeepAny", "KeepBest", "KeepEvery", "KeepIf", "KeepLatest",
     "KeepNewerThan", "KeepOnePer", "LoadPlan", "LoadStats", "LocalTier", "MismatchError",
     "PerProcess", "RestoreReport", "RetentionPolicy", "SaveFuture", "SaveStats", "StatsEvent", "UnsupportedTypeError", "__version__",
-    "add_listener", "copy", "export_orbax", "export_orbax_run", "export_safetensors", "load", "metadata", "plan_load", "register_type", "release_snapshot_buffers", "remove_listener", "save", "save_async",
+    "add_listener", "copy", "export_orbax", "export_orbax_run", "export_safetensors", "load", "metadata", "plan_load", "register_type", "release_snapshot_buffers", "remove_listener", "save", "save_async", "shutdown",
     "user_metadata", "wait_all",
 ]
 
