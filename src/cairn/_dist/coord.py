@@ -440,7 +440,10 @@ def shutdown(timeout: float | None = None) -> None:
     waits for every process, and this is ``jax.distributed.shutdown()``. Does nothing when
     ``jax.distributed`` is not initialised. Process 0 does the same wait at exit on its own, so a
     script that just raises or returns is safe too; call this where the program ends some other
-    way (``os._exit``) or should leave the cluster early::
+    way (``os._exit``) or should leave the cluster early.
+
+    Example:
+
 
         try:
             train()
