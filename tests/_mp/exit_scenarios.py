@@ -8,7 +8,8 @@ from typing import Any
 
 import jax
 import numpy as np
-from scenarios import make_state
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import cairn
 
@@ -19,7 +20,9 @@ def dead_peer_handlers(root: str, handler_s: float, leave: str) -> dict[str, Any
     fsyncs a file, as a handler that saves what it can would. `leave`: "exit" (return, and let the
     interpreter exit: process 0 waits at exit on its own) or "shutdown" (call `cairn.shutdown()`)."""
     n, me = jax.process_count(), jax.process_index()
-    state = make_state([n, 1])
+    mesh = jax.make_mesh((n,), ("x",))
+    full = np.arange(n * 4096, dtype=np.float32).reshape(n, 4096)
+    state = {"w": jax.make_array_from_callback(full.shape, NamedSharding(mesh, P("x")), lambda i: full[i])}
     cairn.save(os.path.join(root, "good"), state, timeout=120)
     if me == n - 1:
         time.sleep(0.5)
