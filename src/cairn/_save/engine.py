@@ -142,29 +142,71 @@ class SaveJob:
         moved: dict[int, int] = {}
         stored: dict[int, tuple[int, ...]] = {}
 
+        def host_raw(slot: FileSlot, src: Any) -> memoryview:
+            if type(src) is Concat:
+                raw = memoryview(b"".join(_bytes_of(self._host(p)) for p in src.parts))
+            else:
+                raw = _bytes_of(self._host(src))
+            if len(raw) != slot.nbytes:
+                raise CheckpointError(
+                    f"{self.loc.path}: chunk {slot.cell} of "
+                    f"{display_path(item.leaves[slot.leaf].path, item.name)!r} has {len(raw)} bytes, "
+                    f"planned {slot.nbytes}")
+            return raw
+
+        def code_tasks() -> Any:
+            # The compressed chunks' host bytes, in slot order, as coding tasks (`_code_task`): a large
+            # chunk in runs of RUN_BLOCKS blocks, small ones together up to a run's bytes (one task
+            # codes many small leaves). (pop: a device copy made by `snapshot` is freed once its host
+            # bytes exist.)
+            group: list[tuple[int, bool, tuple[Any, ...]]] = []
+            size, run = 0, block * RUN_BLOCKS
+            for n_slot, slot in enumerate(slots):
+                codec = leaf_codecs.get(slot.leaf, "none")
+                if codec == "none":
+                    continue
+                raw = host_raw(slot, item.sources.pop((slot.leaf, slot.cell)))
+                dtype = item.leaves[slot.leaf].dtype  # type: ignore[union-attr]  # slots are arrays
+                if len(raw) > run:
+                    if group:
+                        yield group
+                        group, size = [], 0
+                    for o in range(0, len(raw), run):
+                        yield [(n_slot, o + run >= len(raw), (codec, raw[o:o + run], block, dtype))]
+                    continue
+                group.append((n_slot, True, (codec, raw, block, dtype)))
+                size += len(raw)
+                if size >= run:
+                    yield group
+                    group, size = [], 0
+            if group:
+                yield group
+
+        coded = _in_order(code_pool, _code_task, code_tasks()) if leaf_codecs else iter(())
+        done: collections.deque[tuple[int, bool, list[Any]]] = collections.deque()
+
+        def blocks_of(n_slot: int) -> Any:
+            """The stored blocks of compressed slot `n_slot`, as its coding tasks finish."""
+            while True:
+                if not done:
+                    done.extend(next(coded))
+                got, last, blocks = done.popleft()
+                assert got == n_slot, (got, n_slot)
+                yield from blocks
+                if last:
+                    return
+
         def parts():
             batch = bytearray()
             pop = item.sources.pop
             shift = 0  # stored bytes minus raw bytes of the compressed chunks so far
             for n_slot, slot in enumerate(slots):
-                # pop: a device copy made by `snapshot` is freed once its host bytes exist.
-                src = pop((slot.leaf, slot.cell))
                 codec = leaf_codecs.get(slot.leaf, "none")
                 if shift:
                     moved[n_slot] = slot.offset + shift
                 if codec != "none":
-                    if type(src) is Concat:
-                        raw = memoryview(b"".join(_bytes_of(self._host(p)) for p in src.parts))
-                    else:
-                        raw = _bytes_of(self._host(src))
-                    if len(raw) != slot.nbytes:
-                        raise CheckpointError(
-                            f"{self.loc.path}: chunk {slot.cell} of "
-                            f"{display_path(item.leaves[slot.leaf].path, item.name)!r} has {len(raw)} bytes, "
-                            f"planned {slot.nbytes}")
-                    dtype = item.leaves[slot.leaf].dtype  # type: ignore[union-attr]  # slots are arrays
                     sizes, block_crcs = [], []
-                    for enc in _encoded(code_pool, codec, raw, block, dtype):
+                    for enc in blocks_of(n_slot):
                         sizes.append(len(enc))
                         block_crcs.append(crc32c(enc))
                         if len(enc) <= SMALL_CHUNK:
@@ -177,12 +219,13 @@ class SaveJob:
                             yield batch
                             batch = bytearray()
                         yield enc
-                    del raw
                     stored[n_slot] = tuple(sizes)
                     crcs.append(block_crcs)
                     shift += sum(sizes) - slot.nbytes
                     activity.advance()
                     continue
+                # pop: a device copy made by `snapshot` is freed once its host bytes exist.
+                src = pop((slot.leaf, slot.cell))
                 if type(src) is Concat:  # a merged chunk: its pieces' bytes, one after another
                     mvs = [_bytes_of(self._host(p)) for p in src.parts]
                     n = sum(len(m) for m in mvs)
@@ -248,7 +291,7 @@ class SaveJob:
             self.codecs = choose_codecs(self)
         # Compressed blocks are encoded by a pool of their own, so that a file of large chunks uses
         # every core (a file's writer thread alone would code its blocks one after another).
-        coders = max(1, min(self.threads, os.cpu_count() or 1)) if self.compression is not None else 0
+        coders = _cores() if self.compression is not None else 0
         with ThreadPoolExecutor(max(1, self.threads), thread_name_prefix="cairn-write") as pool, \
                 ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool, \
                 ThreadPoolExecutor(max(1, coders), thread_name_prefix="cairn-code") as code_pool:
@@ -396,30 +439,53 @@ class SaveJob:
         self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite)
 
 
-#: Blocks per coding task of a compressed save (`_encoded`): few enough that a chunk of a few MiB
-#: still spreads over the coding threads, enough that each task's numpy passes and hand-offs are
-#: shared by several 1 MiB blocks.
-RUN_BLOCKS = 4
+#: Blocks per coding task of a compressed save: a large chunk is coded in runs of this many blocks,
+#: small chunks together up to as many bytes (`_code_task`). Measured on the TPU host's 13 cores
+#: (docs/compression.md, "Many cores"): 16 MiB a task keeps a task's GIL-holding steps (Python, the
+#: join of its stored blocks) a small share of its GIL-free ones, while a chunk of 64 MiB still
+#: spreads over 4 coders.
+RUN_BLOCKS = 16
 
 
-def _encoded(pool: ThreadPoolExecutor | None, codec: str, raw: memoryview, block: int, dtype: Any) -> Any:
-    """The stored forms of `raw`'s blocks, in order: coded in runs of `RUN_BLOCKS` on `pool` (at most
-    one run per coding thread, plus one, ahead of the writer, so memory stays bounded by the window,
-    not the chunk) or on this thread."""
-    run = block * RUN_BLOCKS  # blocks are coded in runs: one task and one numpy pass per plane per run
-    starts = range(0, len(raw), run)
-    if pool is None or len(starts) < 2:
-        for o in starts:
-            yield from _codecs.encode_run(codec, raw[o : o + run], block, dtype)
+def _cores() -> int:
+    """The cores this process may run on: a compressed save codes on all of them (the writer threads,
+    `threads`, bound how many files are written at once, not how many cores code)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(n, 64))
+
+
+def _code_task(task: list[tuple[int, bool, tuple[Any, ...]]]) -> list[tuple[int, bool, list[Any]]]:
+    """Code one task of `code_tasks`: (slot, last run of the slot, run) -> (slot, last, stored blocks)."""
+    coded = _codecs.encode_runs([run for _, _, run in task])
+    return [(n_slot, last, blocks) for (n_slot, last, _), blocks in zip(task, coded)]
+
+
+def _in_order(pool: ThreadPoolExecutor | None, fn: Any, tasks: Any) -> Any:
+    """fn(task) for each of `tasks`, in order: on `pool`, at most one task per worker plus one ahead of
+    the consumer (memory stays bounded by the window, not the file), or here without a pool."""
+    if pool is None:
+        yield from map(fn, tasks)
         return
     window = max(2, getattr(pool, "_max_workers", 2) + 1)
     ahead: collections.deque[Any] = collections.deque()
-    for o in starts:
-        ahead.append(pool.submit(_codecs.encode_run, codec, raw[o : o + run], block, dtype))
+    for task in tasks:
+        ahead.append(pool.submit(fn, task))
         if len(ahead) >= window:
-            yield from ahead.popleft().result()
+            yield ahead.popleft().result()
     while ahead:
-        yield from ahead.popleft().result()
+        yield ahead.popleft().result()
+
+
+def _encoded(pool: ThreadPoolExecutor | None, codec: str, raw: memoryview, block: int, dtype: Any) -> Any:
+    """The stored forms of `raw`'s blocks, in order, coded in runs of `RUN_BLOCKS` on `pool` (see `_in_order`)."""
+    run = block * RUN_BLOCKS
+    for blocks in _in_order(pool if len(raw) > run else None,
+                            lambda o: _codecs.encode_run(codec, raw[o : o + run], block, dtype),
+                            range(0, len(raw), run)):
+        yield from blocks
 
 
 def resolve_compression(compression: str | bool | None, storage: Any) -> str | None:
