@@ -48,6 +48,7 @@ from .._errors import (
 from .._format import codecs as _codecs
 from .._format import manifest as fmt
 from .._plan.chunking import FileSlot
+from .._storage.base import bandwidth_of
 from .._storage.location import Location
 from .._tree.leaves import classify
 from .._tree.perprocess import HostValues, is_per_process
@@ -56,7 +57,7 @@ from .._version import __version__
 from .assign import Concat, SaveItem, plan_item
 from .commit import CommitStrategy, strategy_for
 from .indexparts import build_part, item_index
-from .options import SaveOptions, save_options_of
+from .options import SaveOptions, compression_can_pay, compression_pays, save_options_of
 
 log = logging.getLogger("cairn")
 
@@ -289,6 +290,7 @@ class SaveJob:
         jobs = []
         if self.compression is not None:
             self.codecs = choose_codecs(self)
+        self.stats.compression = describe_compression(self.compression, self.loc.storage, self.codecs)
         # Compressed blocks are encoded by a pool of their own, so that a file of large chunks uses
         # every core (a file's writer thread alone would code its blocks one after another).
         coders = _cores() if self.compression is not None else 0
@@ -489,18 +491,19 @@ def _encoded(pool: ThreadPoolExecutor | None, codec: str, raw: memoryview, block
 
 
 def resolve_compression(compression: str | bool | None, storage: Any) -> str | None:
-    """What a save's `compression=` means: None (blocks stored raw), "choose" (per leaf), or one codec.
+    """What a save's `compression=` means: None (blocks stored raw), "choose" (a codec per leaf),
+    "auto" (a codec per leaf where it pays), or one codec.
 
-    "auto" (the default) compresses on storage without an atomic rename (object
-    stores, where bytes are money and time) and on local paths of a network
-    filesystem (NFS, Lustre, a FUSE mount of an object store: `storage.network`),
-    and not on local disks, where the codecs (about 1 GiB/s per core) are slower
-    than the disk (docs/compression.md). True chooses per leaf; False, None and
-    "none" store raw bytes. In a save, the primary's answer holds for every process.
+    "auto" (the default) decides by predicted time (`options.compression_pays`): the codecs'
+    speed on this platform's cores against the storage's bandwidth (`Storage.kind` and
+    `Storage.bandwidth`, `_storage.base.bandwidth_of`). Where no leaf could pay, not even one
+    that codes to nothing (`options.compression_can_pay`: a local disk, faster than the codecs),
+    None; else "auto", and each leaf is coded only if its sample's ratio pays
+    (`leaf_codec`). True chooses per leaf by size alone; False, None and "none" store raw bytes.
+    In a save, the primary's answer holds for every process.
     """
     if compression == "auto":
-        local_disk = getattr(storage, "atomic_rename", False) and not getattr(storage, "network", False)
-        return None if local_disk else "choose"
+        return "auto" if compression_can_pay(bandwidth_of(storage), _cores()) else None
     if compression is True:
         return "choose"
     if compression in (False, None, "none"):
@@ -508,6 +511,35 @@ def resolve_compression(compression: str | bool | None, storage: Any) -> str | N
     if compression in ("zstd", "planes"):
         return str(compression)
     raise ValueError(f"compression must be 'auto', True, False, 'none', 'zstd' or 'planes', not {compression!r}")
+
+
+def leaf_codec(mode: str, dtype: Any, host: Any, storage: Any) -> str:
+    """The codec of a leaf under `mode` ("choose" or "auto", as `resolve_compression` gives), measured
+    on a sample of `host` (its first chunk's host bytes): `codecs.choose`'s codec, which "auto" keeps
+    only where its sample's ratio pays on this storage (`options.compression_pays`)."""
+    try:
+        sample = _codecs.sample(host)
+        codec, raw, stored = _codecs.choose_sized(dtype, sample)
+    except ValueError:  # a dtype no codec knows
+        return "none"
+    if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth_of(storage), _cores()):
+        return "none"
+    return codec
+
+
+def describe_compression(mode: str | None, storage: Any, codecs: dict[str, dict[int, str]]) -> str:
+    """One line for `SaveStats.compression`: the setting, the storage it priced, the leaves' codecs."""
+    if mode is None:
+        return "raw"
+    counts: dict[str, int] = {}
+    for per_item in codecs.values():
+        for c in per_item.values():
+            counts[c] = counts.get(c, 0) + 1
+    leaves = ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
+    if mode != "auto":
+        return f"{mode}: {leaves}"
+    return (f"auto ({storage.kind} storage at {bandwidth_of(storage) / (1 << 30):.2f} GiB/s, {_cores()} cores): "
+            f"{leaves}")
 
 
 def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
@@ -525,6 +557,7 @@ def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
     assert fixed is not None, "leaf codecs are chosen only for a compressed save"
     out: dict[str, dict[int, str]] = {}
     need: dict[int, list[tuple[str, int]]] = {}  # owner -> (item, leaf) this process writes and does not own
+    todo: list[tuple[dict[int, str], int, Any, Any]] = []  # leaves this process measures
     for item in job.items:
         mine = out[item.name] = {}
         written = {leaf for leaf, _cell in item.sources}
@@ -533,14 +566,23 @@ def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
             if not isinstance(src, ArraySource):
                 continue
             owner = layout.writer[0]
-            if fixed != "choose":
+            if fixed not in ("choose", "auto"):
                 mine[i] = fixed if i in written or owner == me else "none"
             elif owner == me:
                 first = item.sources.get((i, 0))
-                mine[i] = _choose_leaf(job, first, src.dtype) if first is not None else "none"
+                if first is not None:
+                    mine[i] = "none"
+                    todo.append((mine, i, first, src.dtype))
+                else:
+                    mine[i] = "none"
             elif i in written:
                 need.setdefault(owner, []).append((item.name, i))
-    if job.compression == "choose" and coord.process_count > 1:
+    if todo:  # each owned leaf measured on a sample, on every core (a state may have thousands)
+        with ThreadPoolExecutor(min(_cores(), len(todo)), thread_name_prefix="cairn-choose") as pool:
+            chosen = list(pool.map(lambda t: _choose_leaf(job, t[2], t[3]), todo))
+        for (mine, i, _, _), c in zip(todo, chosen):
+            mine[i] = c
+    if job.compression in ("choose", "auto") and coord.process_count > 1:
         base = f"cairn/save/{job.seq}/codecs"
         coord.publish(f"{base}/{me}", json.dumps({name: {str(i): c for i, c in m.items()}
                                                   for name, m in out.items()}).encode())
@@ -554,11 +596,8 @@ def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
 def _choose_leaf(job: SaveJob, first: Any, dtype: Any) -> str:
     if type(first) is Concat:
         first = first.parts[0]
-    host = job._host(first)
-    try:
-        return _codecs.choose(dtype, _codecs.sample(host))
-    except ValueError:  # a dtype no codec knows
-        return "none"
+    assert job.compression is not None
+    return leaf_codec(job.compression, dtype, job._host(first), job.loc.storage)
 
 
 def _block_crcs(mvs: list[memoryview], block: int) -> list[int]:
