@@ -191,14 +191,15 @@ def scaling(flat: dict[str, np.ndarray], counts: list[int]) -> list[dict[str, fl
                 list(pool.map(lambda i: _codecs.decode_run(runs[i][0], stored[i], runs[i][3], sizes[i], outs[i]),
                               range(len(runs))))
                 dec = min(dec, time.perf_counter() - t)
-        rows.append({"threads": n, "compress_gib_s": raw / enc / GiB, "decompress_gib_s": raw / dec / GiB})
+        rows.append({"threads": n, "compress_gib_s": raw / enc / GiB, "decompress_gib_s": raw / dec / GiB,
+                     "ratio": raw / sum(len(b) for bs in stored for b in bs)})
     for r, o in zip(runs, outs):
         assert np.array_equal(r[1], o)
     base = rows[0]
     for r in rows:
         print(f"  {r['threads']:3} threads: compress {r['compress_gib_s']:.2f} GiB/s "
               f"({r['compress_gib_s'] / base['compress_gib_s']:.1f}x), decompress {r['decompress_gib_s']:.2f} GiB/s "
-              f"({r['decompress_gib_s'] / base['decompress_gib_s']:.1f}x)")
+              f"({r['decompress_gib_s'] / base['decompress_gib_s']:.1f}x), ratio {r['ratio']:.3f}")
     return rows
 
 
@@ -229,6 +230,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--against", help="another codecs.py to measure 'planes' against, interleaved")
     ap.add_argument("--threads", help="also the whole state coded on these thread counts at once, e.g. 1,2,4")
+    ap.add_argument("--threads-only", action="store_true", help="skip the per-kind and whole-state tables")
     args = ap.parse_args()
     against = load_codecs(args.against) if args.against else None
     report: dict[str, Any] = {"size": args.size, "variants": {}}
@@ -239,6 +241,10 @@ def main() -> None:
         print(f"\n== {variant}: {sum(a.nbytes for a in flat.values()) / 2**20:.1f} MiB raw, "
               f"{len(flat)} leaves (made in {time.perf_counter() - t:.1f} s)")
         kinds: dict[str, Any] = {}
+        if args.threads_only:
+            print(f"whole state on threads at once ({os.cpu_count()} cores, wall time):")
+            report["variants"][variant] = {"threads": scaling(flat, [int(n) for n in (args.threads or "1").split(",")])}
+            continue
         print(f"{'kind':6} {'dtype':9} {'MiB':>7} {'codec':7} {'ratio':>6} {'comp GiB/s':>10} {'dec GiB/s':>9}")
         for kind in ("params", "mu", "nu", "count"):
             leaves = [a for k, a in flat.items() if leaf_kind(k) == kind]
