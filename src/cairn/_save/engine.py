@@ -94,6 +94,8 @@ class SaveJob:
     # None: blocks stored raw (format version 2); "choose": a codec per leaf measured on a sample;
     # else the one codec every array leaf gets (`codecs.CODECS`). Any but None writes version 3.
     compression: str | None = None
+    # bytes/s of the storage, as the primary sees it: what "auto" prices each leaf against
+    bandwidth: float = 0.0
     stats: SaveStats = field(default_factory=SaveStats)
     # item name -> leaf number -> codec, for the leaves this process writes (set by `write_data`)
     codecs: dict[str, dict[int, str]] = field(default_factory=dict)
@@ -290,7 +292,8 @@ class SaveJob:
         jobs = []
         if self.compression is not None:
             self.codecs = choose_codecs(self)
-        self.stats.compression = describe_compression(self.compression, self.loc.storage, self.codecs)
+        self.stats.compression = describe_compression(self.compression, self.loc.storage, self.codecs,
+                                                      self.bandwidth or bandwidth_of(self.loc.storage))
         # Compressed blocks are encoded by a pool of their own, so that a file of large chunks uses
         # every core (a file's writer thread alone would code its blocks one after another).
         coders = _cores() if self.compression is not None else 0
@@ -513,21 +516,21 @@ def resolve_compression(compression: str | bool | None, storage: Any) -> str | N
     raise ValueError(f"compression must be 'auto', True, False, 'none', 'zstd' or 'planes', not {compression!r}")
 
 
-def leaf_codec(mode: str, dtype: Any, host: Any, storage: Any) -> str:
+def leaf_codec(mode: str, dtype: Any, host: Any, bandwidth: float) -> str:
     """The codec of a leaf under `mode` ("choose" or "auto", as `resolve_compression` gives), measured
     on a sample of `host` (its first chunk's host bytes): `codecs.choose`'s codec, which "auto" keeps
-    only where its sample's ratio pays on this storage (`options.compression_pays`)."""
+    only where its sample's ratio pays on a storage of `bandwidth` bytes/s (`options.compression_pays`)."""
     try:
         sample = _codecs.sample(host)
         codec, raw, stored = _codecs.choose_sized(dtype, sample)
     except ValueError:  # a dtype no codec knows
         return "none"
-    if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth_of(storage), _cores()):
+    if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth, _cores()):
         return "none"
     return codec
 
 
-def describe_compression(mode: str | None, storage: Any, codecs: dict[str, dict[int, str]]) -> str:
+def describe_compression(mode: str | None, storage: Any, codecs: dict[str, dict[int, str]], bandwidth: float) -> str:
     """One line for `SaveStats.compression`: the setting, the storage it priced, the leaves' codecs."""
     if mode is None:
         return "raw"
@@ -538,7 +541,7 @@ def describe_compression(mode: str | None, storage: Any, codecs: dict[str, dict[
     leaves = ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
     if mode != "auto":
         return f"{mode}: {leaves}"
-    return (f"auto ({storage.kind} storage at {bandwidth_of(storage) / (1 << 30):.2f} GiB/s, {_cores()} cores): "
+    return (f"auto ({storage.kind} storage at {bandwidth / (1 << 30):.2f} GiB/s, {_cores()} cores): "
             f"{leaves}")
 
 
@@ -597,7 +600,7 @@ def _choose_leaf(job: SaveJob, first: Any, dtype: Any) -> str:
     if type(first) is Concat:
         first = first.parts[0]
     assert job.compression is not None
-    return leaf_codec(job.compression, dtype, job._host(first), job.loc.storage)
+    return leaf_codec(job.compression, dtype, job._host(first), job.bandwidth or bandwidth_of(job.loc.storage))
 
 
 def _block_crcs(mvs: list[memoryview], block: int) -> list[int]:
@@ -689,26 +692,28 @@ def prepare(
             items.append(item)
     strategy = strategy_for(loc.storage)
     compression = resolve_compression(opts.compression, loc.storage)
-    token, compression = _agree_token(loc, strategy, coord, seq, overwrite, timeout, hosts, compression)
+    token, compression, bandwidth = _agree_token(loc, strategy, coord, seq, overwrite, timeout, hosts, compression)
     for item in items:
         if item.name in hosts.own:  # its per-process leaves have their numbers now
             plan_item(item, me, split_replicas, threads, min_file_bytes, loc.path)
     job = SaveJob(
         loc=loc, items=items, root=root, token=token, seq=seq, coord=coord, overwrite=overwrite,
         block_size=block_size, timeout=timeout, threads=threads, metadata=metadata or {}, strategy=strategy,
-        compression=compression,
+        compression=compression, bandwidth=bandwidth,
     )
     job.stats.blocking_s = time.perf_counter() - t0
     return job
 
 
 def _agree_token(loc: Location, strategy: CommitStrategy, coord: Coordinator, seq: int, overwrite: bool,
-                 timeout: float, hosts: HostValues, compression: str | None) -> tuple[str, str | None]:
-    """The primary checks the destination and the processes' host values, and picks the attempt token
-    and the compression (what "auto" means can depend on a process's mounts); all processes learn them."""
+                 timeout: float, hosts: HostValues, compression: str | None) -> tuple[str, str | None, float]:
+    """The primary checks the destination and the processes' host values, and picks the attempt token,
+    the compression and the storage bandwidth "auto" prices leaves against (what "auto" means can
+    depend on a process's mounts); all processes learn them."""
     key = f"cairn/save/{seq}/token"
     if coord.process_index == 0:
-        msg: dict[str, Any] = {"token": secrets.token_hex(6), "compression": compression}
+        msg: dict[str, Any] = {"token": secrets.token_hex(6), "compression": compression,
+                               "bandwidth": bandwidth_of(loc.storage)}
         try:
             strategy.check_destination(loc, overwrite)
             msg.update(hosts.gather(timeout))
@@ -721,4 +726,4 @@ def _agree_token(loc: Location, strategy: CommitStrategy, coord: Coordinator, se
     if "error" in msg:
         raise error_from_record(msg["error"], msg["message"])
     hosts.place(msg)
-    return msg["token"], msg.get("compression", compression)
+    return msg["token"], msg.get("compression", compression), float(msg.get("bandwidth") or bandwidth_of(loc.storage))

@@ -181,10 +181,11 @@ class StreamWriter:
             return "none"
         if self.compression not in ("choose", "auto"):
             return self.compression
+        from .._storage.base import bandwidth_of
         from .engine import leaf_codec
 
         n = first.nbytes - first.nbytes % dtype.itemsize
-        return leaf_codec(self.compression, dtype, first[:n].view(dtype), self.loc.storage)
+        return leaf_codec(self.compression, dtype, first[:n].view(dtype), bandwidth_of(self.loc.storage))
 
     def commit(self, root: bool, metadata: dict[str, Any], process_count: int = 1) -> None:
         """Put the manifest; `process_count`: the processes that saved the source (a copy keeps it)."""
