@@ -87,11 +87,13 @@ class CodecSpeed:
 
 _GiB = float(1 << 30)
 #: Per-platform codec speeds, measured on the bf16-f32 trained state (1 MiB blocks) on the TPU v5e
-#: host's 13 AMD cores (docs/bench/tpu-v5e-host-codecs-after.json: planes 0.61 / 0.87 GiB/s on one
-#: thread, 2.72 / 1.79 on 12, runs of 16 blocks) and on this project's 2-core VM (idle: 0.8-1.4 /
-#: 1.1-2.2 GiB/s per core by leaf kind). Fixed figures, not a measurement at save time: what "auto"
-#: decides must not depend on the machine's load at that moment (every process must agree, and a
-#: save is repeated many times).
+#: host's 13 AMD cores: planes 0.54-0.61 / 0.87-0.99 GiB/s on one thread, 2.48-2.72 / 1.79-1.80 on 12
+#: (docs/bench/tpu-v5e-host-codecs-after.json, -codec-threads-after.json); zstd level 1 0.53-0.57
+#: GiB/s compress on one, 4.43 on 12 (-codec-candidates-256mb.json), decompress 0.82-0.87 on one and
+#: 4.7-7.2 on 12 (issue 38's table); this project's 2-core VM, idle, 0.8-1.4 / 1.1-2.2 GiB/s per
+#: core by leaf kind. Fixed figures, not a measurement at save time: what "auto" decides must not
+#: depend on the machine's load at that moment (every process must agree, and a save is repeated
+#: many times).
 CODEC_SPEEDS = {
     "planes": CodecSpeed(encode=0.65 * _GiB, decode=0.9 * _GiB, encode_scale=0.31, decode_scale=0.1),
     "zstd": CodecSpeed(encode=0.55 * _GiB, decode=0.85 * _GiB, encode_scale=0.6, decode_scale=0.5),
