@@ -139,44 +139,67 @@ def whole_state(flat: dict[str, np.ndarray]) -> dict[str, Any]:
     return out
 
 
+def coding_tasks(leaves: list[tuple[np.ndarray, str]], blocks: int) -> list[list[tuple[Any, ...]]]:
+    """The tasks a compressed save codes `leaves` in (as `_save.engine` groups a file's chunks): a leaf
+    over `blocks` blocks in runs of that many blocks, smaller leaves together up to as many bytes;
+    each task a list of ``(codec, raw, block, dtype)`` for `codecs.encode_runs`."""
+    tasks: list[list[tuple[Any, ...]]] = []
+    group: list[tuple[Any, ...]] = []
+    size = 0
+    for a, c in leaves:
+        raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+        block = BLOCK - BLOCK % a.dtype.itemsize
+        run = block * blocks
+        if raw.nbytes > run:
+            tasks += [[(c, raw[o:o + run], block, a.dtype)] for o in range(0, raw.nbytes, run)]
+            continue
+        group.append((c, raw, block, a.dtype))
+        size += raw.nbytes
+        if size >= run:
+            tasks.append(group)
+            group, size = [], 0
+    return tasks + ([group] if group else [])
+
+
 def scaling(flat: dict[str, np.ndarray], counts: list[int]) -> list[dict[str, float]]:
     """Whole-state encode and decode (each leaf's chosen codec, 1 MiB blocks) on n threads at once:
-    wall time, best of 3, in GiB/s of raw bytes. Encoding codes runs of `RUN_BLOCKS` blocks per task
-    (`codecs.encode_run`, as a save does), decoding one block per call (as a load does). Shows whether
-    the codecs scale over cores (they release the GIL in zstd and numpy; the Python between them does not)."""
+    wall time, best of 3, in GiB/s of raw bytes. Encoding codes the tasks a save codes
+    (`coding_tasks`: runs of `RUN_BLOCKS` blocks, small leaves together; `codecs.encode_runs`),
+    decoding a run of blocks per call (`codecs.decode_run`, as a load of a local file does). Shows
+    whether the codecs scale over cores."""
     from concurrent.futures import ThreadPoolExecutor
 
     from cairn._save.engine import RUN_BLOCKS
 
-    leaves = [(a, _codecs.choose(a.dtype, _codecs.sample(a))) for a in flat.values()]
-    work = [(b, a.dtype, c) for a, c in leaves for b in _blocks(a)]
-    runs = []  # (raw bytes of up to RUN_BLOCKS consecutive blocks of one leaf, dtype, codec, block size)
-    for a, c in leaves:
-        raw_a = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        block = BLOCK - BLOCK % a.dtype.itemsize
-        runs += [(raw_a[o:o + block * RUN_BLOCKS], a.dtype, c, block)
-                 for o in range(0, raw_a.nbytes, block * RUN_BLOCKS)]
-    raw = sum(b.nbytes for b, _, _ in work)
-    stored = [_codecs.encode(c, b, dt) for b, dt, c in work]
-    outs = [np.empty(b.nbytes, np.uint8) for b, _, _ in work]
+    leaves = [(a, _codecs.choose(a.dtype, _codecs.sample(a))) for a in flat.values() if a.nbytes]
+    tasks = coding_tasks(leaves, RUN_BLOCKS)
+    runs = [r for t in tasks for r in t]
+    raw = sum(r[1].nbytes for r in runs)
+    stored = [_codecs.encode_run(*r) for r in runs]
+    sizes = [[min(r[2], r[1].nbytes - o) for o in range(0, r[1].nbytes, r[2])] for r in runs]
+    outs = [np.empty(r[1].nbytes, np.uint8) for r in runs]
     rows = []
     for n in counts:
         with ThreadPoolExecutor(n) as pool:
             enc = dec = float("inf")
+            list(pool.map(_codecs.encode_runs, tasks[:n]))
             for _ in range(3):
                 t = time.perf_counter()
-                list(pool.map(lambda r: _codecs.encode_run(r[2], r[0], r[3], r[1]), runs))
+                list(pool.map(_codecs.encode_runs, tasks))
                 enc = min(enc, time.perf_counter() - t)
                 t = time.perf_counter()
-                list(pool.map(lambda i: _codecs.decode(work[i][2], stored[i], work[i][1], work[i][0].nbytes,
-                                                       out=outs[i]), range(len(work)), chunksize=4))
+                list(pool.map(lambda i: _codecs.decode_run(runs[i][0], stored[i], runs[i][3], sizes[i], outs[i]),
+                              range(len(runs))))
                 dec = min(dec, time.perf_counter() - t)
-        rows.append({"threads": n, "compress_gib_s": raw / enc / GiB, "decompress_gib_s": raw / dec / GiB})
+        rows.append({"threads": n, "compress_gib_s": raw / enc / GiB, "decompress_gib_s": raw / dec / GiB,
+                     "ratio": raw / sum(len(b) for bs in stored for b in bs)})
+    for r, o in zip(runs, outs):
+        assert np.array_equal(r[1], o)
     base = rows[0]
     for r in rows:
         print(f"  {r['threads']:3} threads: compress {r['compress_gib_s']:.2f} GiB/s "
               f"({r['compress_gib_s'] / base['compress_gib_s']:.1f}x), decompress {r['decompress_gib_s']:.2f} GiB/s "
-              f"({r['decompress_gib_s'] / base['decompress_gib_s']:.1f}x)")
+              f"({r['decompress_gib_s'] / base['decompress_gib_s']:.1f}x), ratio {r['ratio']:.3f}")
     return rows
 
 
@@ -207,6 +230,7 @@ def main() -> None:
     ap.add_argument("--json")
     ap.add_argument("--against", help="another codecs.py to measure 'planes' against, interleaved")
     ap.add_argument("--threads", help="also the whole state coded on these thread counts at once, e.g. 1,2,4")
+    ap.add_argument("--threads-only", action="store_true", help="skip the per-kind and whole-state tables")
     args = ap.parse_args()
     against = load_codecs(args.against) if args.against else None
     report: dict[str, Any] = {"size": args.size, "variants": {}}
@@ -217,6 +241,10 @@ def main() -> None:
         print(f"\n== {variant}: {sum(a.nbytes for a in flat.values()) / 2**20:.1f} MiB raw, "
               f"{len(flat)} leaves (made in {time.perf_counter() - t:.1f} s)")
         kinds: dict[str, Any] = {}
+        if args.threads_only:
+            print(f"whole state on threads at once ({os.cpu_count()} cores, wall time):")
+            report["variants"][variant] = {"threads": scaling(flat, [int(n) for n in (args.threads or "1").split(",")])}
+            continue
         print(f"{'kind':6} {'dtype':9} {'MiB':>7} {'codec':7} {'ratio':>6} {'comp GiB/s':>10} {'dec GiB/s':>9}")
         for kind in ("params", "mu", "nu", "count"):
             leaves = [a for k, a in flat.items() if leaf_kind(k) == kind]

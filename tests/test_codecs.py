@@ -329,3 +329,46 @@ def test_blocks_under_the_probe_size_try_every_plane():
     got = _codecs.encode_run("planes", run, big, np.uint16)
     assert got == [_codecs.encode("planes", probed, np.uint16), _codecs.encode("planes", small, np.uint16)]
     assert coded(got[1]) & 1
+
+
+def test_a_batch_of_runs_is_encode_of_each_block():
+    """A save codes many small chunks (leaves of several dtypes and codecs) in one `encode_runs` call:
+    each run's blocks must be exactly what `encode` gives them, whatever the mix in the batch."""
+    runs = []
+    for i, dtype in enumerate(DTYPES):
+        k = np.dtype(dtype).itemsize
+        x = _values(dtype, 1000 + 37 * i, seed=i)
+        codec = _codecs.CODECS[i % len(_codecs.CODECS)]
+        runs.append((codec, x.view(np.uint8), 256 * k, dtype))
+        runs.append(("planes", x.view(np.uint8)[: 5 * k], 4 * k, dtype))  # a tiny run, a short last block
+    runs.append(("planes", np.zeros(0, np.uint8), 64, np.float32))  # an empty chunk
+    got = _codecs.encode_runs(runs)
+    assert len(got) == len(runs)
+    for (codec, raw, block, dtype), blocks in zip(runs, got):
+        assert blocks == [_codecs.encode(codec, raw[o:o + block], dtype) for o in range(0, raw.nbytes, block)]
+    with pytest.raises(ValueError, match="unknown codec"):
+        _codecs.encode_runs([("lz4", np.zeros(8, np.uint8), 8, np.uint8)])
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32, np.float64, np.uint8, np.complex128],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("codec", _codecs.CODECS)
+def test_decode_run_is_decode_of_each_block(codec, dtype):
+    """A load of a local file decodes a read's blocks by one `decode_run`: the same bytes as `decode`
+    of each block, and a corrupt block of the run is a CorruptCheckpointError naming that block."""
+    k = np.dtype(dtype).itemsize
+    x = _values(dtype, 5000, seed=7)
+    raw = x.view(np.uint8)
+    block = 1024 * k
+    stored = [bytes(b) for b in _codecs.encode_run(codec, raw, block, dtype)]
+    sizes = [min(block, raw.nbytes - o) for o in range(0, raw.nbytes, block)]
+    out = np.empty(raw.nbytes, np.uint8)
+    names = [f"ck: block {i}" for i in range(len(stored))]
+    _codecs.decode_run(codec, stored, dtype, sizes, out, names)
+    assert out.tobytes() == raw.tobytes()
+    if codec == "none":
+        return
+    bad = list(stored)
+    bad[2] = bytes([bad[2][0] ^ 0x40]) + bad[2][1:]  # the planes header's k, or the zstd magic
+    with pytest.raises(CorruptCheckpointError, match="ck: block 2"):
+        _codecs.decode_run(codec, bad, dtype, sizes, out, names)

@@ -107,7 +107,12 @@ def test_round_trip_every_codec(tmp_path, kind, compression, mesh):
     assert verify(path).ok
 
 
-def test_auto_is_off_on_local_disk_and_on_for_object_stores(tmp_path):
+def test_auto_is_off_on_local_disk_and_on_for_object_stores(tmp_path, monkeypatch):
+    """By the one formula (`options.compression_pays`), with this platform's codec speeds on 12 cores:
+    a local disk (8 GiB/s) is faster than the codecs, an object store (0.5 GiB/s) is not."""
+    from cairn._save import engine
+
+    monkeypatch.setattr(engine, "_cores", lambda: 12)
     state = state_of()
     local = tmp_path / "local"
     cairn.save(local, state)
@@ -511,13 +516,19 @@ def test_the_filesystem_of_a_path_is_read_from_mountinfo(path, fstype, network):
 @pytest.mark.parametrize("fstype, version", [("nfs4", 3), ("fuse.gcsfuse", 3), ("lustre", 3), ("fuseblk", 2),
                                              ("ext4", 2)])
 def test_auto_compresses_on_network_filesystems(tmp_path, monkeypatch, fstype, version):
-    """A local path on NFS, Lustre or a FUSE mount of a bucket gets "auto" compression, as object stores do."""
+    """A local path on NFS, Lustre or a FUSE mount of a bucket is storage of kind "network" (1 GiB/s by
+    default), where "auto" compresses on a host of 12 cores; a local disk's kind is "local"."""
+    from cairn._save import engine
+    from cairn._storage import LocalStorage
     from cairn._storage import fstype as fs
+
+    monkeypatch.setattr(engine, "_cores", lambda: 12)
 
     real = os.path.realpath(tmp_path)
     info = tmp_path / "mountinfo"
     info.write_text(f"22 1 8:1 / / rw - ext4 /dev/sda1 rw\n40 22 0:50 / {real} rw - {fstype} srv:/x rw\n")
     monkeypatch.setattr(fs, "MOUNTINFO", str(info))
+    assert LocalStorage(str(tmp_path)).kind == ("network" if version == 3 else "local")
     state = state_of()
     cairn.save(tmp_path / "ck", state)
     assert json.loads((tmp_path / "ck" / "manifest.json").read_bytes())["version"] == version
@@ -527,3 +538,55 @@ def test_auto_compresses_on_network_filesystems(tmp_path, monkeypatch, fstype, v
     assert_same(cairn.load(tmp_path / "ck"), state)
     cairn.save(tmp_path / "off", state, compression=False)  # an explicit setting still holds there
     assert json.loads((tmp_path / "off" / "manifest.json").read_bytes())["version"] == 2
+
+
+def test_the_auto_formula():
+    """`compression_pays`: each direction takes the longer of the transfer of the stored bytes and the
+    codec's work on the raw ones (the two overlap), against the raw transfer both ways."""
+    from cairn._save.options import (
+        CODEC_SPEEDS,
+        compression_can_pay,
+        compression_pays,
+        predicted_seconds,
+    )
+
+    gib = float(1 << 30)
+    enc, dec = CODEC_SPEEDS["planes"].on(12)
+    assert enc > CODEC_SPEEDS["planes"].encode and CODEC_SPEEDS["planes"].on(1) == (
+        CODEC_SPEEDS["planes"].encode, CODEC_SPEEDS["planes"].decode)
+    plain, coded = predicted_seconds(gib, gib / 2, "planes", 0.1 * gib, 12)
+    assert plain == pytest.approx(20.0) and coded == pytest.approx(10.0)  # a slow link: the bytes decide
+    plain, coded = predicted_seconds(gib, gib / 2, "planes", 100 * gib, 12)
+    assert coded == pytest.approx(gib / enc + gib / dec)  # a fast one: the codec decides
+    assert compression_pays(gib, gib / 2, "planes", 0.1 * gib, 12)
+    assert not compression_pays(gib, gib / 2, "planes", 100 * gib, 12)
+    assert not compression_pays(gib, 0.97 * gib, "planes", 0.1 * gib, 12)  # saves under AUTO_MIN_GAIN
+    assert not compression_pays(gib, 0.0, "none", 0.1 * gib, 12)
+    # the local-disk rule is the same formula: not even a leaf that codes to nothing pays at 8 GiB/s
+    assert not compression_can_pay(8 * gib, 12) and compression_can_pay(0.5 * gib, 1)
+
+
+def test_auto_prices_each_leaf(tmp_path, monkeypatch):
+    """On a fast object store (4 GiB/s declared, 12 cores) "auto" codes a leaf only where it pays:
+    zeros (zstd codes them to almost nothing, faster than the link) yes, trained bf16 weights
+    (1.5x, but planes decode slower than 4 GiB/s) no, random bytes no. SaveStats says so."""
+    from cairn._save import engine
+    from cairn._storage import MemoryStorage
+
+    monkeypatch.setattr(engine, "_cores", lambda: 12)
+    monkeypatch.setattr(MemoryStorage, "bandwidth", 4.0 * (1 << 30))
+    state = state_of()
+    path = where_of("memory", tmp_path)
+    stats = cairn.save(path, state)
+    ck, leaves = leaves_of(path)
+    assert ck.manifest.version == 3
+    assert leaves["zeros"][0].codec == "zstd"
+    assert leaves["w"][0].codec == "none" and leaves["noise"][0].codec == "none"
+    assert stats.compression.startswith("auto (object storage at 4.00 GiB/s, 12 cores): ")
+    assert "zstd" in stats.compression and "none" in stats.compression
+    assert_same(cairn.load(path), state)
+    monkeypatch.setattr(MemoryStorage, "bandwidth", None)  # the kind's default, 0.5 GiB/s: weights pay
+    stats = cairn.save(path, state, overwrite=True)
+    _, leaves = leaves_of(path)
+    assert leaves["w"][0].codec == "planes" and leaves["noise"][0].codec == "none"
+    assert cairn.save(tmp_path / "raw", state).compression == "raw"  # a local disk

@@ -48,6 +48,20 @@ class StorageConformance:
     def test_is_a_storage(self, storage):
         assert isinstance(storage, Storage)
         assert isinstance(storage.atomic_rename, bool)
+
+    def test_declares_its_capabilities(self, storage):
+        """What the engines ask a storage instead of guessing from its class: its kind (and so its
+        default bandwidth, which `compression="auto"` prices against) and whether it renames folders
+        atomically, which only a POSIX filesystem does (the rename commit needs `LocalDirs`)."""
+        from cairn._storage import LocalDirs
+        from cairn._storage.base import DEFAULT_BANDWIDTH, KINDS, bandwidth_of
+
+        assert storage.kind in KINDS
+        assert storage.bandwidth is None and bandwidth_of(storage) == DEFAULT_BANDWIDTH[storage.kind] > 0
+        assert storage.atomic_rename == (storage.kind != "object")
+        assert not storage.atomic_rename or isinstance(storage, LocalDirs)
+        storage.bandwidth = 2e9  # a user's declared figure wins over the kind's default
+        assert bandwidth_of(storage) == 2e9
         assert "ck/manifest.json" in storage.describe("ck/manifest.json")
 
     def test_declares_its_read_capabilities(self, storage):

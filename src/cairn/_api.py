@@ -65,9 +65,11 @@ def save(
     (``/cairn/save/...``) and passed to the listeners of `cairn.add_listener`.
 
     `compression` stores each checksum block compressed (format version 3):
-    ``"auto"`` (the default) compresses on object stores and network
-    filesystems (NFS, Lustre, gcsfuse and other FUSE mounts) and not on local
-    disks; ``True`` chooses a codec per leaf by measuring a sample of it;
+    ``"auto"`` (the default) compresses a leaf where that is predicted to
+    make a save and a load faster: the codecs' speed on this host's cores
+    against the bytes saved at the storage's bandwidth (object stores and
+    network filesystems, not local disks; docs/compression.md); ``True``
+    chooses a codec per leaf by measuring a sample of it;
     ``"zstd"`` or ``"planes"`` use that codec for every array; ``False`` or
     ``"none"`` store raw bytes (format version 2). Loads need no option.
 

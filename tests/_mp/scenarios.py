@@ -79,11 +79,15 @@ def _count_published() -> list[int]:
 
 
 def save(path: str, mesh: list[int], split_replicas: bool = False, big_mb: int = 0,
-         compression: Any = "auto", mountinfo: list[str] | None = None) -> dict:
+         compression: Any = "auto", mountinfo: list[str] | None = None, cores: int | None = None) -> dict:
     if mountinfo:  # this process's view of the mounts (what "auto" compression looks at)
         from cairn._storage import fstype
 
         fstype.MOUNTINFO = mountinfo[jax.process_index()]
+    if cores:  # the cores "auto" prices the codecs on, whatever this machine has
+        from cairn._save import engine
+
+        engine._cores = lambda: cores
     state = make_state(mesh)
     if big_mb:  # a separate checkpointable, so that loads of the test state may leave it out
         rows = big_mb * 256

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -59,8 +60,10 @@ PLANE_MAX_BITS = 7.5
 PLANE_PROBE = 4096
 #: A block smaller than this is not probed: zstd tries every plane. Its own check of a
 #: near-random plane costs less than the probe's numpy calls there (measured on trained states:
-#: 2.5x faster for leaves under 64 KiB, 1.1-1.3x up to 1 MiB; docs/compression.md).
-PLANE_PROBE_MIN_BYTES = 256 << 10
+#: 2.5x faster for leaves under 64 KiB, 1.1-1.3x up to 1 MiB; docs/compression.md), and it runs
+#: without the GIL where the probe's small numpy calls hold it: 256 KiB leaves of f32 moments
+#: coded 7-10% faster on one thread unprobed, and stored 0.6% smaller (issue 38).
+PLANE_PROBE_MIN_BYTES = 512 << 10
 #: A coded plane is stored raw after all when zstd saves less than this fraction.
 PLANE_MIN_SAVING = 0.02
 #: The largest raw block the format allows (FORMAT.md: block_size <= 2^30).
@@ -110,11 +113,12 @@ def _decompressor(window: int) -> zstandard.ZstdDecompressor:
     return d
 
 
-def _scratch(n: int) -> np.ndarray:
-    """A per-thread reusable byte buffer of at least n bytes (fresh pages cost more than zstd)."""
-    buf = getattr(_local, "scratch", None)
+def _scratch(n: int, name: str = "scratch") -> np.ndarray:
+    """A per-thread reusable byte buffer `name` of at least n bytes (fresh pages cost more than zstd)."""
+    buf = getattr(_local, name, None)
     if buf is None or buf.nbytes < n:
-        buf = _local.scratch = np.empty(max(n, 1 << 16), np.uint8)
+        buf = np.empty(max(n, 1 << 16), np.uint8)
+        setattr(_local, name, buf)
     return buf[:n]
 
 
@@ -147,35 +151,147 @@ def encode(codec: str, raw: Any, dtype: Any) -> bytes:
     raise ValueError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
 
 
-def encode_run(codec: str, raw: Any, block: int, dtype: Any) -> list[bytes]:
+def encode_run(codec: str, raw: Any, block: int, dtype: Any, threads: int = 1) -> list[Any]:
     """The stored forms of the consecutive `block`-byte blocks of `raw` (the last may be shorter),
-    byte for byte what `encode` gives each block on its own. For "planes" the probes of every
-    block and plane are one gather and one bincount over the run: a thread coding a run takes
-    the GIL a few times per block, not a dozen, so many threads coding at once scale further
-    (the zstd calls, the bulk of the time, run without it either way). Each block is still split
-    into planes on its own, while its bytes are in cache."""
-    dt = _check_dtype(dtype)
-    u8 = _as_u8(raw)
-    k = dt.itemsize
-    if block <= 0 or block % k or u8.nbytes % k:
-        raise ValueError(f"blocks of {block} bytes over {u8.nbytes} bytes are not whole {dt} elements")
-    if codec != "planes" or u8.nbytes <= block:
-        return [encode(codec, u8[o:o + block], dt) for o in range(0, u8.nbytes, block)]
-    worth = _planes_to_try(u8, k, block // k)
-    return [_encode_planes(u8[o:o + block], k, worth[j]) for j, o in enumerate(range(0, u8.nbytes, block))]
+    byte for byte what `encode` gives each block on its own, as bytes-like objects (memoryviews of
+    one buffer the run's blocks share). `encode_runs` of one run."""
+    return encode_runs([(codec, raw, block, dtype)], threads)[0]
 
 
-def _split(u8: np.ndarray, k: int, scratch: bool = False) -> np.ndarray:
+def encode_runs(runs: Sequence[tuple[str, Any, int, Any]], threads: int = 1) -> list[list[Any]]:
+    """`encode_run` of each ``(codec, raw, block, dtype)`` of `runs`, coded as one batch.
+
+    The work is a few large calls that release the GIL, not a dozen per block: the probes of every
+    block and plane of a run are one gather and one bincount; the planes of all runs of one
+    element size are split by one numpy pass per plane (several runs, such as many small leaves,
+    first joined into one array); every plane (and every "zstd" block) of the batch is compressed
+    by one `multi_compress_to_buffer` call of zstandard, in C, on `threads` threads of its own;
+    and each run's stored blocks are joined into one buffer. Threads coding batches at once then
+    scale over cores, where per-block numpy and zstd calls each had to take the GIL back
+    (docs/compression.md, "Many cores").
+    """
+    checked = []
+    for codec, raw, block, dtype in runs:
+        dt = _check_dtype(dtype)
+        u8 = _as_u8(raw)
+        k = dt.itemsize
+        if block <= 0 or block % k or u8.nbytes % k:
+            raise ValueError(f"blocks of {block} bytes over {u8.nbytes} bytes are not whole {dt} elements")
+        if codec not in CODECS:
+            raise ValueError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
+        checked.append((codec, u8, block, k))
+    out: list[list[Any]] = [[] for _ in checked]
+    zstd_runs: list[int] = []
+    planes_by_k: dict[int, list[int]] = {}
+    for r, (codec, u8, block, k) in enumerate(checked):
+        if codec == "none":
+            out[r] = [u8[o:o + block].tobytes() for o in range(0, u8.nbytes, block)]
+        elif codec == "zstd" and u8.nbytes:
+            zstd_runs.append(r)
+        elif codec == "planes" and u8.nbytes:
+            planes_by_k.setdefault(k, []).append(r)
+    if zstd_runs:
+        frames: list[Any] = [u8[o:o + block] for r in zstd_runs for _, u8, block, _ in [checked[r]]
+                  for o in range(0, u8.nbytes, block)]
+        coded = _compressor("zstd").multi_compress_to_buffer(frames, threads=max(1, threads))
+        i = 0
+        for r in zstd_runs:
+            _, u8, block, _ = checked[r]
+            nb = -(-u8.nbytes // block)
+            out[r] = _joined([coded[j] for j in range(i, i + nb)], [1] * nb)
+            i += nb
+    for slot, (k, members) in enumerate(planes_by_k.items()):
+        for r, blocks in zip(members, _encode_planes_runs([checked[r] for r in members], k, slot, threads)):
+            out[r] = blocks
+    return out
+
+
+#: A run's stored bytes from this size on are joined by numpy (which copies without the GIL), smaller
+#: ones by bytes.join (fewer calls; it holds the GIL while it copies, about 10 GiB/s on the TPU host).
+JOIN_NUMPY_BYTES = 256 << 10
+
+
+def _joined(parts: list[Any], counts: list[int]) -> list[Any]:
+    """`parts` joined into one buffer by one call, as one bytes-like object per block (block i is the
+    next counts[i] parts)."""
+    total = sum(len(p) for p in parts)
+    if total >= JOIN_NUMPY_BYTES:
+        whole: Any = np.concatenate([p if isinstance(p, np.ndarray) else np.frombuffer(p, np.uint8) for p in parts])
+    else:
+        whole = b"".join(parts)
+    if len(counts) == 1:
+        return [whole.data if isinstance(whole, np.ndarray) else whole]
+    view = memoryview(whole)
+    blocks, o, i = [], 0, 0
+    for c in counts:
+        n = 0
+        for p in parts[i:i + c]:
+            n += len(p)
+        blocks.append(view[o:o + n])
+        o, i = o + n, i + c
+    return blocks
+
+
+def _encode_planes_runs(runs: list[tuple[str, np.ndarray, int, int]], k: int, slot: int,
+                        threads: int) -> list[list[Any]]:
+    """The "planes" blocks of each of `runs` (all of element size k); `slot`: which of this thread's
+    split buffers holds their planes."""
+    worth = [_planes_to_try(u8, k, block // k) for _, u8, block, _ in runs]
+    whole = runs[0][1] if len(runs) == 1 else np.concatenate([u8 for _, u8, _, _ in runs])
+    planes = _split(whole, k, scratch=True, slot=slot)
+    spans = []  # per run, its blocks' element ranges in `planes`
+    frames: list[Any] = []
+    base = 0
+    for (_, u8, block, _), w in zip(runs, worth):
+        n_run, nb = u8.nbytes // k, block // k
+        span = [(base + a, base + min(a + nb, n_run)) for a in range(0, n_run, nb)]
+        for j, (a, b) in enumerate(span):
+            frames.extend(planes[p, a:b] for p in range(k) if w[j, p])
+        spans.append(span)
+        base += n_run
+    coded: Any = _compressor("planes").multi_compress_to_buffer(frames, threads=max(1, threads)) if frames else []
+    i = 0
+    parts: list[Any] = []  # every block of every run, joined by one call (`_joined`)
+    for span, w in zip(spans, worth):
+        for j, (a, b) in enumerate(span):
+            limit = (b - a) * (1 - PLANE_MIN_SAVING)
+            mask = 0
+            lengths: list[int] = []
+            head = len(parts)
+            parts.append(b"")
+            for p in range(k):
+                if w[j, p]:
+                    z = coded[i]
+                    i += 1
+                    if len(z) <= limit:
+                        mask |= 1 << p
+                        lengths.append(len(z))
+                        parts.append(z)
+                        continue
+                parts.append(planes[p, a:b])
+            parts[head] = struct.pack(f"<BH{len(lengths)}I", k, mask, *lengths)
+    blocks = _joined(parts, [k + 1] * sum(len(span) for span in spans))
+    out, o = [], 0
+    for span in spans:
+        out.append(blocks[o:o + len(span)])
+        o += len(span)
+    return out
+
+
+def _split(u8: np.ndarray, k: int, scratch: bool = False, slot: int = 0) -> np.ndarray:
     """The planes of `u8`: a (k, n) uint8 array, row p the bytes p of every element. With
     `scratch`, in this thread's reusable buffer (valid until its next use): no fresh pages per
     block, which under a sandbox's slow page faults serialised threads coding at once."""
     n = u8.nbytes // k
     if k == 1:
         return u8.reshape(1, n)
-    if scratch:
-        buf = getattr(_local, "split", None)
+    if scratch:  # buffer `slot` of this thread's (a batch of several element sizes holds several)
+        bufs = getattr(_local, "split", None)
+        if bufs is None:
+            bufs = _local.split = {}
+        buf = bufs.get(slot)
         if buf is None or buf.nbytes < k * n:
-            buf = _local.split = np.empty(max(k * n, 1 << 16), np.uint8)
+            buf = bufs[slot] = np.empty(max(k * n, 1 << 16), np.uint8)
         out = buf[:k * n].reshape(k, n)
     else:
         out = np.empty((k, n), np.uint8)
@@ -375,6 +491,68 @@ def decode(codec: str, stored: Any, dtype: Any, raw_size: int, out: Any = None, 
     return out
 
 
+def decode_run(codec: str, stored: Sequence[Any], dtype: Any, raw_sizes: Sequence[int], out: Any,
+               wheres: Sequence[str] = (), threads: int = 1) -> None:
+    """Decode consecutive blocks into `out`, their raw bytes back to back (``sum(raw_sizes)`` bytes):
+    block i from ``stored[i]``, `raw_sizes[i]` raw bytes; ``wheres[i]`` names it in errors.
+
+    The same checks and errors as `decode` of each block. For "planes" every coded plane of the
+    run is decompressed by one `multi_decompress_to_buffer` call of zstandard (in C, on `threads`
+    threads, outside the GIL) before the planes of each block are merged; other codecs decode
+    block by block."""
+    dst = np.frombuffer(out, np.uint8) if not isinstance(out, np.ndarray) else out.reshape(-1).view(np.uint8)
+    if dst.nbytes != sum(raw_sizes) or len(stored) != len(raw_sizes):
+        raise ValueError(f"out has {dst.nbytes} bytes, the {len(raw_sizes)} blocks {sum(raw_sizes)}")
+    names = list(wheres) or [""] * len(raw_sizes)
+    offsets = np.cumsum([0, *raw_sizes]).tolist()
+    if codec != "planes" or len(stored) < 2:
+        for i, s in enumerate(stored):
+            decode(codec, s, dtype, raw_sizes[i], dst[offsets[i]:offsets[i + 1]], names[i])
+        return
+    try:
+        k = _check_dtype(dtype).itemsize
+    except ValueError as e:
+        raise _corrupt(names[0], codec, f"has {e}") from None
+    srcs, layouts, sizes = [], [], []
+    frames: list[Any] = []
+    for i, s in enumerate(stored):
+        raw_size = raw_sizes[i]
+        if not 0 <= raw_size <= MAX_BLOCK or raw_size % k:
+            raise _corrupt(names[i], codec, f"has a raw size {raw_size} that is not a whole number of "
+                                            f"{k}-byte elements up to {MAX_BLOCK}")
+        src = memoryview(s).cast("B") if not isinstance(s, np.ndarray) else _as_u8(s).data
+        layout = _planes_layout(src, raw_size, k, names[i])
+        srcs.append(src)
+        layouts.append(layout)
+        for pos, ln, coded in layout:
+            if coded:
+                frames.append(src[pos:pos + ln])
+                sizes.append(raw_size // k)
+    planes_out: Any = ()
+    if frames:
+        try:
+            planes_out = _decompressor(max(sizes)).multi_decompress_to_buffer(
+                frames, decompressed_sizes=struct.pack(f"<{len(sizes)}Q", *sizes), threads=max(1, threads))
+        except zstandard.ZstdError:  # a frame that does not decode: say which, block by block
+            for i, s in enumerate(stored):
+                decode(codec, s, dtype, raw_sizes[i], dst[offsets[i]:offsets[i + 1]], names[i])
+            raise _corrupt(names[0], codec, "run does not decompress") from None
+    j = 0
+    for i, (src, layout) in enumerate(zip(srcs, layouts)):
+        n = raw_sizes[i] // k
+        planes = []
+        for pos, _, coded in layout:
+            if coded:
+                seg = planes_out[j]
+                j += 1
+                if len(seg) != n:
+                    raise _corrupt(names[i], codec, f"decompresses to {len(seg)} bytes, not {n}")
+                planes.append(np.frombuffer(seg, np.uint8))
+            else:
+                planes.append(np.frombuffer(src, np.uint8, n, pos))
+        _merge(planes, dst[offsets[i]:offsets[i + 1]], k)
+
+
 def _planes_layout(src: memoryview, raw_size: int, k: int, where: str) -> list[tuple[int, int, bool]]:
     """(offset, length, coded) of each plane of a "planes" block, every field checked."""
     codec = "planes"
@@ -432,11 +610,17 @@ def _decode_planes(src: memoryview, dst: np.ndarray, k: int, layout: list[tuple[
 def _merge(planes: list[np.ndarray], dst: np.ndarray, k: int) -> None:
     """Interleave planes (plane p = byte p of every element) into dst."""
     if k in (2, 4, 8):  # integer shifts and ors vectorise; strided byte stores do not
-        w = dst.view(f"<u{k}")
-        np.copyto(w, planes[k - 1], casting="unsafe")
-        for p in range(k - 2, -1, -1):
-            w <<= 8
-            w |= planes[p]
+        # Each plane shifted into place as it is widened (one pass of the words per plane, plus one
+        # into a per-thread buffer for the middle planes), not Horner's shift-all-then-or.
+        wide = np.dtype(f"<u{k}")
+        w = dst.view(wide)
+        np.left_shift(planes[k - 1], 8 * (k - 1), out=w, dtype=wide)
+        if k > 2:
+            tmp = _scratch(w.nbytes, "merge").view(wide)
+            for p in range(k - 2, 0, -1):
+                np.left_shift(planes[p], 8 * p, out=tmp, dtype=wide)
+                w |= tmp
+        np.bitwise_or(w, planes[0], out=w)
         return
     grid = dst.reshape(-1, k)
     for p in range(k):
@@ -457,6 +641,11 @@ def sample(a: np.ndarray, nbytes: int = SAMPLE_BYTES, pieces: int = SAMPLE_PIECE
 
 
 def choose(dtype: Any, sample: np.ndarray) -> str:
+    """The codec for a leaf of `dtype`, measured on `sample`: `choose_sized`'s codec."""
+    return choose_sized(dtype, sample)[0]
+
+
+def choose_sized(dtype: Any, sample: np.ndarray) -> tuple[str, int, int]:
     """The codec for a leaf of `dtype`, measured on `sample` (a few blocks' worth of its elements).
 
     Rule: encode the sample with each codec ("planes" and "zstd"; the sample
@@ -465,16 +654,18 @@ def choose(dtype: Any, sample: np.ndarray) -> str:
     under 4%), "none". Otherwise the first of `CODECS` ("planes" before
     "zstd") whose size is within NEAR (1%) of S: planes is the faster of the
     two at equal size, since it skips near-random planes. Never by the dtype alone.
+    Returns (codec, the sample's raw bytes, their stored size under that codec).
     """
     dt = _check_dtype(dtype)
     raw = np.ascontiguousarray(sample).reshape(-1).view(np.uint8)
     raw = raw[: raw.nbytes - raw.nbytes % dt.itemsize]
     if raw.nbytes == 0:
-        return "none"
+        return "none", 0, 0
     step = (1 << 20) - (1 << 20) % dt.itemsize
     sizes = {c: sum(len(encode(c, raw[i:i + step], dt)) for i in range(0, raw.nbytes, step))
              for c in ("planes", "zstd")}
     best = min(sizes.values())
     if best > (1 - MIN_SAVING) * raw.nbytes:
-        return "none"
-    return next(c for c in CODECS if c in sizes and sizes[c] <= best * (1 + NEAR))
+        return "none", raw.nbytes, raw.nbytes
+    codec = next(c for c in CODECS if c in sizes and sizes[c] <= best * (1 + NEAR))
+    return codec, raw.nbytes, sizes[codec]

@@ -258,9 +258,16 @@ class ChunkReader:
                            where=f"{where} block {b} of chunk {cell}")
 
         view = memoryview(stored.data)
-        bc = BlockChecks(checks, [view], first, fail, then=decode)
+        # A reader that reports parts: each block decoded as its part lands; else all checked, then
+        # the read's blocks decoded by one call (`codecs.decode_run`: one zstd batch for the run).
+        as_parts = getattr(self._reader(file), "reports_parts", False)
+        bc = BlockChecks(checks, [view], first, fail, then=decode if as_parts else None)
         self._fill(file, first, view, leaf, bc)
         bc.rest()
+        if not as_parts and checks:
+            _codecs.decode_run(leaf.codec, [stored[c[0] - first : c[1] - first] for c in checks], leaf.dtype,
+                               [min(block, read.nbytes - i * block) for i in range(len(checks))],
+                               raw[: read.nbytes], [f"{where} block {b0 + i} of chunk {cell}" for i in range(len(checks))])
         with self._lock:
             self.stats.direct_reads += out is not None
         if out is None:

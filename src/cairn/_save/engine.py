@@ -48,6 +48,7 @@ from .._errors import (
 from .._format import codecs as _codecs
 from .._format import manifest as fmt
 from .._plan.chunking import FileSlot
+from .._storage.base import bandwidth_of
 from .._storage.location import Location
 from .._tree.leaves import classify
 from .._tree.perprocess import HostValues, is_per_process
@@ -56,7 +57,7 @@ from .._version import __version__
 from .assign import Concat, SaveItem, plan_item
 from .commit import CommitStrategy, strategy_for
 from .indexparts import build_part, item_index
-from .options import SaveOptions, save_options_of
+from .options import SaveOptions, compression_can_pay, compression_pays, save_options_of
 
 log = logging.getLogger("cairn")
 
@@ -93,6 +94,8 @@ class SaveJob:
     # None: blocks stored raw (format version 2); "choose": a codec per leaf measured on a sample;
     # else the one codec every array leaf gets (`codecs.CODECS`). Any but None writes version 3.
     compression: str | None = None
+    # bytes/s of the storage, as the primary sees it: what "auto" prices each leaf against
+    bandwidth: float = 0.0
     stats: SaveStats = field(default_factory=SaveStats)
     # item name -> leaf number -> codec, for the leaves this process writes (set by `write_data`)
     codecs: dict[str, dict[int, str]] = field(default_factory=dict)
@@ -146,22 +149,71 @@ class SaveJob:
         moved: dict[int, int] = {}
         stored: dict[int, tuple[int, ...]] = {}
 
+        def host_raw(slot: FileSlot, src: Any) -> memoryview:
+            if type(src) is Concat:
+                raw = memoryview(b"".join(_bytes_of(self._host(p)) for p in src.parts))
+            else:
+                raw = _bytes_of(self._host(src))
+            if len(raw) != slot.nbytes:
+                raise CheckpointError(
+                    f"{self.loc.path}: chunk {slot.cell} of "
+                    f"{display_path(item.leaves[slot.leaf].path, item.name)!r} has {len(raw)} bytes, "
+                    f"planned {slot.nbytes}")
+            return raw
+
+        def code_tasks() -> Any:
+            # The compressed chunks' host bytes, in slot order, as coding tasks (`_code_task`): a large
+            # chunk in runs of RUN_BLOCKS blocks, small ones together up to a run's bytes (one task
+            # codes many small leaves). (pop: a device copy made by `snapshot` is freed once its host
+            # bytes exist.)
+            group: list[tuple[int, bool, tuple[Any, ...]]] = []
+            size, run = 0, block * RUN_BLOCKS
+            for n_slot, slot in enumerate(slots):
+                codec = leaf_codecs.get(slot.leaf, "none")
+                if codec == "none":
+                    continue
+                raw = host_raw(slot, item.sources.pop((slot.leaf, slot.cell)))
+                dtype = item.leaves[slot.leaf].dtype  # type: ignore[union-attr]  # slots are arrays
+                if len(raw) > run:
+                    if group:
+                        yield group
+                        group, size = [], 0
+                    for o in range(0, len(raw), run):
+                        yield [(n_slot, o + run >= len(raw), (codec, raw[o:o + run], block, dtype))]
+                    continue
+                group.append((n_slot, True, (codec, raw, block, dtype)))
+                size += len(raw)
+                if size >= run:
+                    yield group
+                    group, size = [], 0
+            if group:
+                yield group
+
+        # (An incremental save codes the blocks it writes itself: `incremental.write_chunk`.)
+        coded = _in_order(code_pool, _code_task, code_tasks()) if leaf_codecs and self.inc is None else iter(())
+        done: collections.deque[tuple[int, bool, list[Any]]] = collections.deque()
+
+        def blocks_of(n_slot: int) -> Any:
+            """The stored blocks of compressed slot `n_slot`, as its coding tasks finish."""
+            while True:
+                if not done:
+                    done.extend(next(coded))
+                got, last, blocks = done.popleft()
+                assert got == n_slot, (got, n_slot)
+                yield from blocks
+                if last:
+                    return
+
         def parts():
             batch = bytearray()
             pop = item.sources.pop
             shift = 0  # stored bytes minus raw bytes of the compressed chunks so far
             for n_slot, slot in enumerate(slots):
-                # pop: a device copy made by `snapshot` is freed once its host bytes exist.
-                src = pop((slot.leaf, slot.cell))
                 codec = leaf_codecs.get(slot.leaf, "none")
                 if shift:
                     moved[n_slot] = slot.offset + shift
                 if self.inc is not None:  # incremental (format 4): hashes, references (`incremental`)
-                    raw = (memoryview(b"".join(_bytes_of(self._host(p)) for p in src.parts)) if type(src) is Concat
-                           else _bytes_of(self._host(src)))
-                    if len(raw) != slot.nbytes:
-                        raise CheckpointError(f"{self.loc.path}: chunk {slot.cell} of {item.leaves[slot.leaf].path!r}"
-                                              f" has {len(raw)} bytes, planned {slot.nbytes}")
+                    raw = host_raw(slot, pop((slot.leaf, slot.cell)))
                     batch, sizes_, crcs_, own = yield from self.inc.write_chunk(
                         item, slot.leaf, slot.cell, raw, codec, getattr(item.leaves[slot.leaf], "dtype", None),
                         code_pool, batch)
@@ -172,18 +224,8 @@ class SaveJob:
                     activity.advance()
                     continue
                 if codec != "none":
-                    if type(src) is Concat:
-                        raw = memoryview(b"".join(_bytes_of(self._host(p)) for p in src.parts))
-                    else:
-                        raw = _bytes_of(self._host(src))
-                    if len(raw) != slot.nbytes:
-                        raise CheckpointError(
-                            f"{self.loc.path}: chunk {slot.cell} of "
-                            f"{display_path(item.leaves[slot.leaf].path, item.name)!r} has {len(raw)} bytes, "
-                            f"planned {slot.nbytes}")
-                    dtype = item.leaves[slot.leaf].dtype  # type: ignore[union-attr]  # slots are arrays
                     sizes, block_crcs = [], []
-                    for enc in _encoded(code_pool, codec, raw, block, dtype):
+                    for enc in blocks_of(n_slot):
                         sizes.append(len(enc))
                         block_crcs.append(crc32c(enc))
                         if len(enc) <= SMALL_CHUNK:
@@ -196,12 +238,13 @@ class SaveJob:
                             yield batch
                             batch = bytearray()
                         yield enc
-                    del raw
                     stored[n_slot] = tuple(sizes)
                     crcs.append(block_crcs)
                     shift += sum(sizes) - slot.nbytes
                     activity.advance()
                     continue
+                # pop: a device copy made by `snapshot` is freed once its host bytes exist.
+                src = pop((slot.leaf, slot.cell))
                 if type(src) is Concat:  # a merged chunk: its pieces' bytes, one after another
                     mvs = [_bytes_of(self._host(p)) for p in src.parts]
                     n = sum(len(m) for m in mvs)
@@ -265,13 +308,15 @@ class SaveJob:
         jobs = []
         if self.compression is not None:
             self.codecs = choose_codecs(self)
+        self.stats.compression = describe_compression(self.compression, self.loc.storage, self.codecs,
+                                                      self.bandwidth or bandwidth_of(self.loc.storage))
         if self.inc is not None:  # incremental: the base's indexes and the records of our chunks
             self.inc.open(self.items, self.loc.path)
         # Compressed blocks are encoded by a pool of their own, so that a file of large chunks uses
         # every core (a file's writer thread alone would code its blocks one after another).
-        coders = max(1, min(self.threads, os.cpu_count() or 1)) if self.compression is not None else 0
+        coders = _cores() if self.compression is not None else 0
         if self.inc is not None:  # incremental: blocks are hashed on that pool too
-            coders = max(2, min(self.threads, os.cpu_count() or 1))
+            coders = max(2, _cores())
         with ThreadPoolExecutor(max(1, self.threads), thread_name_prefix="cairn-write") as pool, \
                 ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool, \
                 ThreadPoolExecutor(max(1, coders), thread_name_prefix="cairn-code") as code_pool:
@@ -427,45 +472,69 @@ class SaveJob:
         self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite)
 
 
-#: Blocks per coding task of a compressed save (`_encoded`): few enough that a chunk of a few MiB
-#: still spreads over the coding threads, enough that each task's numpy passes and hand-offs are
-#: shared by several 1 MiB blocks.
-RUN_BLOCKS = 4
+#: Blocks per coding task of a compressed save: a large chunk is coded in runs of this many blocks,
+#: small chunks together up to as many bytes (`_code_task`). Measured on the TPU host's 13 cores
+#: (docs/compression.md, "Many cores"): 16 MiB a task keeps a task's GIL-holding steps (Python, the
+#: join of its stored blocks) a small share of its GIL-free ones, while a chunk of 64 MiB still
+#: spreads over 4 coders.
+RUN_BLOCKS = 16
 
 
-def _encoded(pool: ThreadPoolExecutor | None, codec: str, raw: memoryview, block: int, dtype: Any) -> Any:
-    """The stored forms of `raw`'s blocks, in order: coded in runs of `RUN_BLOCKS` on `pool` (at most
-    one run per coding thread, plus one, ahead of the writer, so memory stays bounded by the window,
-    not the chunk) or on this thread."""
-    run = block * RUN_BLOCKS  # blocks are coded in runs: one task and one numpy pass per plane per run
-    starts = range(0, len(raw), run)
-    if pool is None or len(starts) < 2:
-        for o in starts:
-            yield from _codecs.encode_run(codec, raw[o : o + run], block, dtype)
+def _cores() -> int:
+    """The cores this process may run on: a compressed save codes on all of them (the writer threads,
+    `threads`, bound how many files are written at once, not how many cores code)."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(n, 64))
+
+
+def _code_task(task: list[tuple[int, bool, tuple[Any, ...]]]) -> list[tuple[int, bool, list[Any]]]:
+    """Code one task of `code_tasks`: (slot, last run of the slot, run) -> (slot, last, stored blocks)."""
+    coded = _codecs.encode_runs([run for _, _, run in task])
+    return [(n_slot, last, blocks) for (n_slot, last, _), blocks in zip(task, coded)]
+
+
+def _in_order(pool: ThreadPoolExecutor | None, fn: Any, tasks: Any) -> Any:
+    """fn(task) for each of `tasks`, in order: on `pool`, at most one task per worker plus one ahead of
+    the consumer (memory stays bounded by the window, not the file), or here without a pool."""
+    if pool is None:
+        yield from map(fn, tasks)
         return
     window = max(2, getattr(pool, "_max_workers", 2) + 1)
     ahead: collections.deque[Any] = collections.deque()
-    for o in starts:
-        ahead.append(pool.submit(_codecs.encode_run, codec, raw[o : o + run], block, dtype))
+    for task in tasks:
+        ahead.append(pool.submit(fn, task))
         if len(ahead) >= window:
-            yield from ahead.popleft().result()
+            yield ahead.popleft().result()
     while ahead:
-        yield from ahead.popleft().result()
+        yield ahead.popleft().result()
+
+
+def _encoded(pool: ThreadPoolExecutor | None, codec: str, raw: memoryview, block: int, dtype: Any) -> Any:
+    """The stored forms of `raw`'s blocks, in order, coded in runs of `RUN_BLOCKS` on `pool` (see `_in_order`)."""
+    run = block * RUN_BLOCKS
+    for blocks in _in_order(pool if len(raw) > run else None,
+                            lambda o: _codecs.encode_run(codec, raw[o : o + run], block, dtype),
+                            range(0, len(raw), run)):
+        yield from blocks
 
 
 def resolve_compression(compression: str | bool | None, storage: Any) -> str | None:
-    """What a save's `compression=` means: None (blocks stored raw), "choose" (per leaf), or one codec.
+    """What a save's `compression=` means: None (blocks stored raw), "choose" (a codec per leaf),
+    "auto" (a codec per leaf where it pays), or one codec.
 
-    "auto" (the default) compresses on storage without an atomic rename (object
-    stores, where bytes are money and time) and on local paths of a network
-    filesystem (NFS, Lustre, a FUSE mount of an object store: `storage.network`),
-    and not on local disks, where the codecs (about 1 GiB/s per core) are slower
-    than the disk (docs/compression.md). True chooses per leaf; False, None and
-    "none" store raw bytes. In a save, the primary's answer holds for every process.
+    "auto" (the default) decides by predicted time (`options.compression_pays`): the codecs'
+    speed on this platform's cores against the storage's bandwidth (`Storage.kind` and
+    `Storage.bandwidth`, `_storage.base.bandwidth_of`). Where no leaf could pay, not even one
+    that codes to nothing (`options.compression_can_pay`: a local disk, faster than the codecs),
+    None; else "auto", and each leaf is coded only if its sample's ratio pays
+    (`leaf_codec`). True chooses per leaf by size alone; False, None and "none" store raw bytes.
+    In a save, the primary's answer holds for every process.
     """
     if compression == "auto":
-        local_disk = getattr(storage, "atomic_rename", False) and not getattr(storage, "network", False)
-        return None if local_disk else "choose"
+        return "auto" if compression_can_pay(bandwidth_of(storage), _cores()) else None
     if compression is True:
         return "choose"
     if compression in (False, None, "none"):
@@ -473,6 +542,35 @@ def resolve_compression(compression: str | bool | None, storage: Any) -> str | N
     if compression in ("zstd", "planes"):
         return str(compression)
     raise ValueError(f"compression must be 'auto', True, False, 'none', 'zstd' or 'planes', not {compression!r}")
+
+
+def leaf_codec(mode: str, dtype: Any, host: Any, bandwidth: float) -> str:
+    """The codec of a leaf under `mode` ("choose" or "auto", as `resolve_compression` gives), measured
+    on a sample of `host` (its first chunk's host bytes): `codecs.choose`'s codec, which "auto" keeps
+    only where its sample's ratio pays on a storage of `bandwidth` bytes/s (`options.compression_pays`)."""
+    try:
+        sample = _codecs.sample(host)
+        codec, raw, stored = _codecs.choose_sized(dtype, sample)
+    except ValueError:  # a dtype no codec knows
+        return "none"
+    if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth, _cores()):
+        return "none"
+    return codec
+
+
+def describe_compression(mode: str | None, storage: Any, codecs: dict[str, dict[int, str]], bandwidth: float) -> str:
+    """One line for `SaveStats.compression`: the setting, the storage it priced, the leaves' codecs."""
+    if mode is None:
+        return "raw"
+    counts: dict[str, int] = {}
+    for per_item in codecs.values():
+        for c in per_item.values():
+            counts[c] = counts.get(c, 0) + 1
+    leaves = ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
+    if mode != "auto":
+        return f"{mode}: {leaves}"
+    return (f"auto ({storage.kind} storage at {bandwidth / (1 << 30):.2f} GiB/s, {_cores()} cores): "
+            f"{leaves}")
 
 
 def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
@@ -490,6 +588,7 @@ def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
     assert fixed is not None, "leaf codecs are chosen only for a compressed save"
     out: dict[str, dict[int, str]] = {}
     need: dict[int, list[tuple[str, int]]] = {}  # owner -> (item, leaf) this process writes and does not own
+    todo: list[tuple[dict[int, str], int, Any, Any]] = []  # leaves this process measures
     for item in job.items:
         mine = out[item.name] = {}
         written = {leaf for leaf, _cell in item.sources}
@@ -498,14 +597,23 @@ def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
             if not isinstance(src, ArraySource):
                 continue
             owner = layout.writer[0]
-            if fixed != "choose":
+            if fixed not in ("choose", "auto"):
                 mine[i] = fixed if i in written or owner == me else "none"
             elif owner == me:
                 first = item.sources.get((i, 0))
-                mine[i] = _choose_leaf(job, first, src.dtype) if first is not None else "none"
+                if first is not None:
+                    mine[i] = "none"
+                    todo.append((mine, i, first, src.dtype))
+                else:
+                    mine[i] = "none"
             elif i in written:
                 need.setdefault(owner, []).append((item.name, i))
-    if job.compression == "choose" and coord.process_count > 1:
+    if todo:  # each owned leaf measured on a sample, on every core (a state may have thousands)
+        with ThreadPoolExecutor(min(_cores(), len(todo)), thread_name_prefix="cairn-choose") as pool:
+            chosen = list(pool.map(lambda t: _choose_leaf(job, t[2], t[3]), todo))
+        for (mine, i, _, _), c in zip(todo, chosen):
+            mine[i] = c
+    if job.compression in ("choose", "auto") and coord.process_count > 1:
         base = f"cairn/save/{job.seq}/codecs"
         coord.publish(f"{base}/{me}", json.dumps({name: {str(i): c for i, c in m.items()}
                                                   for name, m in out.items()}).encode())
@@ -519,11 +627,8 @@ def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
 def _choose_leaf(job: SaveJob, first: Any, dtype: Any) -> str:
     if type(first) is Concat:
         first = first.parts[0]
-    host = job._host(first)
-    try:
-        return _codecs.choose(dtype, _codecs.sample(host))
-    except ValueError:  # a dtype no codec knows
-        return "none"
+    assert job.compression is not None
+    return leaf_codec(job.compression, dtype, job._host(first), job.bandwidth or bandwidth_of(job.loc.storage))
 
 
 def _block_crcs(mvs: list[memoryview], block: int) -> list[int]:
@@ -621,14 +726,14 @@ def prepare(
             items.append(item)
     strategy = strategy_for(loc.storage)
     compression = resolve_compression(opts.compression, loc.storage)
-    token, compression = _agree_token(loc, strategy, coord, seq, overwrite, timeout, hosts, compression)
+    token, compression, bandwidth = _agree_token(loc, strategy, coord, seq, overwrite, timeout, hosts, compression)
     for item in items:
         if item.name in hosts.own:  # its per-process leaves have their numbers now
             plan_item(item, me, split_replicas, threads, min_file_bytes, loc.path)
     job = SaveJob(
         loc=loc, items=items, root=root, token=token, seq=seq, coord=coord, overwrite=overwrite,
         block_size=block_size, timeout=timeout, threads=threads, metadata=metadata or {}, strategy=strategy,
-        compression=compression,
+        compression=compression, bandwidth=bandwidth,
     )
     if base is not None or hashes:  # incremental (format version 4)
         from .incremental import setup
@@ -641,12 +746,14 @@ def prepare(
 
 
 def _agree_token(loc: Location, strategy: CommitStrategy, coord: Coordinator, seq: int, overwrite: bool,
-                 timeout: float, hosts: HostValues, compression: str | None) -> tuple[str, str | None]:
-    """The primary checks the destination and the processes' host values, and picks the attempt token
-    and the compression (what "auto" means can depend on a process's mounts); all processes learn them."""
+                 timeout: float, hosts: HostValues, compression: str | None) -> tuple[str, str | None, float]:
+    """The primary checks the destination and the processes' host values, and picks the attempt token,
+    the compression and the storage bandwidth "auto" prices leaves against (what "auto" means can
+    depend on a process's mounts); all processes learn them."""
     key = f"cairn/save/{seq}/token"
     if coord.process_index == 0:
-        msg: dict[str, Any] = {"token": secrets.token_hex(6), "compression": compression}
+        msg: dict[str, Any] = {"token": secrets.token_hex(6), "compression": compression,
+                               "bandwidth": bandwidth_of(loc.storage)}
         try:
             strategy.check_destination(loc, overwrite)
             msg.update(hosts.gather(timeout))
@@ -659,4 +766,4 @@ def _agree_token(loc: Location, strategy: CommitStrategy, coord: Coordinator, se
     if "error" in msg:
         raise error_from_record(msg["error"], msg["message"])
     hosts.place(msg)
-    return msg["token"], msg.get("compression", compression)
+    return msg["token"], msg.get("compression", compression), float(msg.get("bandwidth") or bandwidth_of(loc.storage))

@@ -61,3 +61,68 @@ def save_options_of(options: SaveOptions | None, changes: dict[str, Any]) -> Sav
 
 
 _DEFAULT = SaveOptions()
+
+
+# ------------------------------------------------------------------ compression="auto": does it pay?
+
+#: Compression must save at least this fraction of the predicted time (a save and a load) to be used.
+AUTO_MIN_GAIN = 0.05
+
+
+@dataclass(frozen=True)
+class CodecSpeed:
+    """A codec's speed on this platform, in bytes of raw data per second: one core's, and how many
+    cores' worth n threads give (``1 + scale * (n - 1)``)."""
+
+    encode: float
+    decode: float
+    encode_scale: float
+    decode_scale: float
+
+    def on(self, cores: int) -> tuple[float, float]:
+        """(encode, decode) bytes/s on `cores` cores."""
+        n = max(1, cores) - 1
+        return self.encode * (1 + self.encode_scale * n), self.decode * (1 + self.decode_scale * n)
+
+
+_GiB = float(1 << 30)
+#: Per-platform codec speeds, measured on the bf16-f32 trained state (1 MiB blocks) on the TPU v5e
+#: host's 13 AMD cores: planes 0.54-0.61 / 0.87-0.99 GiB/s on one thread, 2.48-2.72 / 1.79-1.80 on 12
+#: (docs/bench/tpu-v5e-host-codecs-after.json, -codec-threads-after.json); zstd level 1 0.53-0.57
+#: GiB/s compress on one, 4.43 on 12 (-codec-candidates-256mb.json), decompress 0.82-0.87 on one and
+#: 4.7-7.2 on 12 (issue 38's table); this project's 2-core VM, idle, 0.8-1.4 / 1.1-2.2 GiB/s per
+#: core by leaf kind. Fixed figures, not a measurement at save time: what "auto" decides must not
+#: depend on the machine's load at that moment (every process must agree, and a save is repeated
+#: many times).
+CODEC_SPEEDS = {
+    "planes": CodecSpeed(encode=0.65 * _GiB, decode=0.9 * _GiB, encode_scale=0.31, decode_scale=0.1),
+    "zstd": CodecSpeed(encode=0.55 * _GiB, decode=0.85 * _GiB, encode_scale=0.6, decode_scale=0.5),
+}
+
+
+def predicted_seconds(raw: float, stored: float, codec: str, bandwidth: float, cores: int) -> tuple[float, float]:
+    """(raw, coded): predicted seconds to save `raw` bytes and load them back, stored raw or coded by
+    `codec` into `stored` bytes, over a storage of `bandwidth` bytes/s, coding on `cores` cores. The
+    codec works while the bytes move (a save codes the next blocks while it writes the last; a load
+    decodes each read as it lands), so each direction takes the longer of the transfer and the codec:
+    ``max(stored / bandwidth, raw / encode) + max(stored / bandwidth, raw / decode)``, against
+    ``2 * raw / bandwidth``."""
+    enc, dec = CODEC_SPEEDS[codec].on(cores)
+    move = stored / bandwidth
+    return 2 * raw / bandwidth, max(move, raw / enc) + max(move, raw / dec)
+
+
+def compression_pays(raw: float, stored: float, codec: str, bandwidth: float, cores: int) -> bool:
+    """Whether storing `raw` bytes as `stored` coded bytes saves at least AUTO_MIN_GAIN of the
+    predicted time of a save and a load (`predicted_seconds`)."""
+    if codec == "none" or raw <= 0:
+        return False
+    plain, coded = predicted_seconds(raw, stored, codec, bandwidth, cores)
+    return coded <= (1 - AUTO_MIN_GAIN) * plain
+
+
+def compression_can_pay(bandwidth: float, cores: int) -> bool:
+    """Whether any leaf could be worth coding on this storage: even a leaf that codes to nothing
+    takes ``raw / encode + raw / decode``. Where that is no faster than the raw transfer (a local
+    disk, whose bandwidth beats the codecs), "auto" stores every block raw (format version 2)."""
+    return any(compression_pays(1.0, 0.0, codec, bandwidth, cores) for codec in CODEC_SPEEDS)

@@ -21,7 +21,6 @@ import numpy as np
 
 from .._core.checksum import crc32c
 from .._errors import CorruptCheckpointError
-from .._format import codecs as _codecs
 from .._format import manifest as fmt
 from .._storage.location import Location
 from .._tree.pytree import display_path
@@ -86,7 +85,8 @@ class StreamWriter:
 
     def __init__(self, loc: Location, block_size: int, compression: str | None = None, overwrite: bool = False,
                  pool: Any = None):
-        """`compression`: None (raw blocks), "choose" (a codec per array leaf, measured) or a codec name,
+        """`compression`: None (raw blocks), "choose" (a codec per array leaf, measured), "auto" (the same,
+        where it pays: `engine.leaf_codec`) or a codec name,
         as `_save.engine.resolve_compression` gives; `pool` codes blocks in parallel."""
         self.strategy = strategy_for(loc.storage)
         self.strategy.check_destination(loc, overwrite=overwrite)
@@ -179,13 +179,13 @@ class StreamWriter:
         """A leaf's codec, from the writer's setting and (for "choose") its first slab's bytes."""
         if self.compression is None or kind != "array":
             return "none"
-        if self.compression != "choose":
+        if self.compression not in ("choose", "auto"):
             return self.compression
-        try:
-            n = first.nbytes - first.nbytes % dtype.itemsize
-            return _codecs.choose(dtype, _codecs.sample(first[:n].view(dtype)))
-        except ValueError:  # a dtype no codec knows
-            return "none"
+        from .._storage.base import bandwidth_of
+        from .engine import leaf_codec
+
+        n = first.nbytes - first.nbytes % dtype.itemsize
+        return leaf_codec(self.compression, dtype, first[:n].view(dtype), bandwidth_of(self.loc.storage))
 
     def commit(self, root: bool, metadata: dict[str, Any], process_count: int = 1) -> None:
         """Put the manifest; `process_count`: the processes that saved the source (a copy keeps it)."""

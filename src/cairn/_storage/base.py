@@ -65,12 +65,42 @@ class PartReader(RandomReader, Protocol):
         """
 
 
+#: The kinds of storage (`Storage.kind`): a local disk, a network filesystem mounted locally (NFS,
+#: Lustre, a FUSE mount of a bucket), an object store (S3, GCS, Azure, and ``memory://``, which
+#: stands in for one in tests).
+KINDS = ("local", "network", "object")
+
+#: The bandwidth one process is assumed to get from a storage of each kind, in bytes per second,
+#: where the storage declares none (`Storage.bandwidth`): what `compression="auto"` weighs the
+#: codecs' speed against (`_save.options.compression_pays`). A local disk: 8 GiB/s, what writer
+#: threads copy into the page cache at (NVMe gen4 drives sustain 5-7 GB/s). A network filesystem:
+#: 1 GiB/s (a 10 GbE link). An object store: 0.5 GiB/s per process (S3 gives 0.1-0.2 GiB/s per
+#: connection; cairn keeps a few in flight).
+DEFAULT_BANDWIDTH = {"local": 8.0 * (1 << 30), "network": 1.0 * (1 << 30), "object": 0.5 * (1 << 30)}
+
+
+def bandwidth_of(storage: Storage) -> float:
+    """The storage's declared bandwidth (bytes/s), else its kind's default (`DEFAULT_BANDWIDTH`)."""
+    declared = getattr(storage, "bandwidth", None)
+    if declared is not None:
+        return float(declared)
+    return DEFAULT_BANDWIDTH[storage.kind]
+
+
 @runtime_checkable
 class Storage(Protocol):
     url: str
     #: Whole directories can be renamed atomically (POSIX); otherwise commit by
     #: a create-if-absent put of the manifest.
     atomic_rename: bool
+    @property
+    def kind(self) -> str:
+        """What kind of storage this is, one of `KINDS` (declared by the backend; a local path's
+        depends on the filesystem it is on)."""
+    #: The bandwidth (bytes/s) one process gets from this storage, where known (declared by the
+    #: backend or set by the user: ``storage.bandwidth = 2e9``); None: the kind's default
+    #: (`bandwidth_of`).
+    bandwidth: float | None
     #: The largest read a load should plan (adjacent chunks of a file merged up to it), or None
     #: for the reader's default (4 MiB). Object stores, which charge per request, ask for more.
     preferred_read: int | None

@@ -70,6 +70,7 @@ class LocalStorage:
     retries = 0
     preferred_read: int | None = None
     vectored_reads: ClassVar[bool] = _FileReader.vectored
+    bandwidth: float | None = None  # the kind's default (`base.DEFAULT_BANDWIDTH`) unless set
 
     def __init__(self, url: str):
         scheme, path = split_url(url)
@@ -88,6 +89,11 @@ class LocalStorage:
 
             self._network = is_network(mount_type(self.root))
         return self._network
+
+    @property
+    def kind(self) -> str:
+        """"network" on a network filesystem (`network`), else "local"."""
+        return "network" if self.network else "local"
 
     def _p(self, key: str) -> str:
         return os.path.join(self.root, *key.split("/")) if key else self.root

@@ -39,6 +39,8 @@ class MemoryStorage:
     """A dict of keys to bytes; behaves like an object store (no rename)."""
 
     atomic_rename = False
+    kind = "object"  # it stands in for an object store
+    bandwidth: float | None = None
     retries = 0
     preferred_read: int | None = None
     vectored_reads: ClassVar[bool] = _MemReader.vectored

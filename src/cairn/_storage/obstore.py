@@ -230,6 +230,8 @@ class ObjectStorage:
     """
 
     atomic_rename = False
+    kind = "object"
+    bandwidth: float | None = None  # the kind's default (`base.DEFAULT_BANDWIDTH`) unless set
     vectored_reads: ClassVar[bool] = _ObjectReader.vectored
 
     def __init__(self, url: str, options: dict[str, Any] | None = None):
