@@ -34,8 +34,10 @@ object's size.
 
 from __future__ import annotations
 
+import bisect
 import builtins
 import functools
+import itertools
 import random
 import re
 import threading
@@ -78,6 +80,8 @@ _RANGE_NOT_SATISFIABLE = "status code: 416"
 # free thread): with 16 MiB parts at most 256 MiB of answers in flight, besides the reads of
 # at most one part, which their calling threads send themselves.
 _READ_THREADS = 16
+# A streamed answer is handed over in chunks of at least this size (the last may be smaller).
+_STREAM_CHUNK = 4 << 20
 
 
 def _summary(e: BaseException) -> str:
@@ -196,24 +200,48 @@ class _ObjectReader:
 
     def _get(self, a: int, b: int, base: int, views: list[memoryview],
              on_part: Callable[[int, int], None] | None) -> None:
-        """Object bytes [a, b) into `views` (which hold the bytes from `base` on, one after another)."""
+        """Object bytes [a, b) into `views` (which hold the bytes from `base` on, one after another).
+
+        One ranged GET whose answer is streamed: each chunk the client hands over (at least
+        `_STREAM_CHUNK` bytes, or the rest) is copied straight into the views it covers, the only
+        copy between the client and the destination, and its blocks are checked (`on_part`) while
+        the next chunk is still on the wire. The client holds one chunk at a time, not the answer. A
+        transient failure mid-answer resumes from the first byte not yet landed."""
         import obstore
 
         s, key = self.storage, self.key
-        data = s.call("read", key, lambda: obstore.get_range(s.store, key, start=a, length=b - a))
-        got = memoryview(data)
-        if len(got) != b - a:
-            raise EOFError(f"{s.describe(key)}: asked for bytes {a}..{b}, the store returned {len(got)} bytes")
-        pos = base
-        for v in views:
-            lo, hi = max(a, pos), min(b, pos + len(v))
-            if lo < hi:  # numpy copies without holding the GIL
-                np.copyto(np.frombuffer(v[lo - pos : hi - pos], np.uint8), np.frombuffer(got[lo - a : hi - a], np.uint8))
-            pos += len(v)
-            if pos >= b:
-                break
-        if on_part is not None:
-            on_part(a, b)
+        landed = a
+        starts = list(itertools.accumulate((len(v) for v in views), initial=base))
+
+        def fetch() -> None:
+            nonlocal landed
+            if landed >= b:
+                return
+            checked = landed
+            result = obstore.get(s.store, key, options={"range": (landed, b)})
+            for chunk in result.stream(min_chunk_size=_STREAM_CHUNK):
+                got = memoryview(chunk)
+                n = len(got)
+                if n == 0:
+                    continue
+                if landed + n > b:
+                    raise EOFError(f"{s.describe(key)}: asked for bytes {a}..{b}, the store sent more")
+                _scatter(got, landed, views, starts)
+                if on_part is not None:  # from the previous chunk on: the blocks across the boundary too
+                    try:
+                        on_part(checked, landed + n)
+                    except BaseException as e:  # the caller's error (a checksum), not the store's
+                        raise _Passthrough(e) from None
+                checked = landed
+                landed += n
+            if landed != b:
+                raise EOFError(f"{s.describe(key)}: asked for bytes {a}..{b}, the store returned "
+                               f"{landed - a} bytes")
+
+        try:
+            s.call("read", key, fetch)
+        except _Passthrough as p:
+            raise p.error from None
 
     def close(self) -> None:
         pass
@@ -288,6 +316,8 @@ class ObjectStorage:
         while True:
             try:
                 return fn()
+            except _Passthrough:
+                raise
             except Exception as e:
                 if attempt >= t.max_retries or not is_transient(e):
                     raise self._error(op, key, e, attempt) from e
@@ -473,6 +503,29 @@ def _delete(obstore: Any, store: Any, keys: list[str]) -> None:
                     obstore.delete(store, key)
                 except FileNotFoundError:
                     pass
+
+
+class _Passthrough(Exception):
+    """Carries an exception of the caller's (raised in `on_part`) through `call` unchanged."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _scatter(got: memoryview, pos: int, views: list[memoryview], starts: list[int]) -> None:
+    """Copy `got` (object bytes from `pos` on) into `views`, which hold the bytes from ``starts[0]`` on
+    (``starts[i]``: where view i begins). numpy copies without holding the GIL."""
+    i = max(bisect.bisect_right(starts, pos) - 1, 0)
+    end = pos + len(got)
+    while pos < end and i < len(views):
+        lo, hi = pos, min(end, starts[i + 1])
+        if lo < hi:
+            off = lo - starts[i]
+            src = got[lo - (end - len(got)) : hi - (end - len(got))]
+            np.copyto(np.frombuffer(views[i][off : off + hi - lo], np.uint8), np.frombuffer(src, np.uint8))
+            pos = hi
+        i += 1
 
 
 def _bytes_view(p: Buffer) -> memoryview:
