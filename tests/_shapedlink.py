@@ -198,9 +198,23 @@ class ShapedLink:
         with self._lock:
             self.log.clear()
 
+    def idle(self, timeout: float = 10.0) -> bool:
+        """Wait until every request logged so far is answered (a client can have the last byte of an
+        answer before the link has written it down); whether that happened within `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if all(r.end for r in self.log):
+                    return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+
     def stats(self, since: float = 0.0) -> dict[str, Any]:
-        """Requests (those that started at or after `since`): count, bytes each way, the most in flight
-        at once, and the seconds with at least one in flight."""
+        """Requests (those that started at or after `since`, once answered, waiting up to 10 s for
+        those in flight): count, bytes each way, the most in flight at once, and the seconds with at
+        least one in flight."""
+        self.idle()
         with self._lock:
             reqs = [r for r in self.log if r.start >= since and r.end]
         events = sorted([(r.start, 1) for r in reqs] + [(r.end, -1) for r in reqs])
@@ -229,6 +243,7 @@ class ShapedLink:
 
     def _serve(self, client: socket.socket) -> None:
         server = None
+        req: Request | None = None
         with self._lock:
             self._conns.add(client)
         try:
@@ -252,6 +267,8 @@ class ShapedLink:
                 line, hdrs = _headers(head)
                 method, target = [*line.split(" "), "", ""][:2]
                 req = Request(method, target, hdrs.get("range"), start=t0)
+                with self._lock:
+                    self.log.append(req)  # in the log from its start (`end` set once it is answered)
                 if self.latency:
                     time.sleep(self.latency)
                 req.sent = self._relay(head, hdrs, cin, server, self._up, has_body=True)
@@ -263,8 +280,6 @@ class ShapedLink:
                 bodyless = method == "HEAD" or req.status in (204, 304) or 100 <= req.status < 200
                 req.received = self._relay(rhead, rhdrs, sin, client, self._down, has_body=not bodyless)
                 req.end = time.monotonic()
-                with self._lock:
-                    self.log.append(req)
                 if rhdrs.get("connection", "").lower() == "close" or hdrs.get("connection", "").lower() == "close":
                     return
         except (OSError, ConnectionError, ValueError, IndexError) as e:
@@ -273,6 +288,8 @@ class ShapedLink:
                     self.errors.append(f"{type(e).__name__}: {e}")
             return
         finally:
+            if req is not None and not req.end:  # cut off: logged as answered now, status 0
+                req.end = time.monotonic()
             for s in (client, server):
                 if s is not None:
                     with self._lock:
