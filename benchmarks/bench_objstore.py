@@ -284,7 +284,7 @@ def run_server(kind: str, a: argparse.Namespace) -> dict[str, Any]:
         }
         print(f"\n{kind}: {nbytes / MiB:.0f} MiB in {a.arrays} arrays, {len(files)} data files, median of {a.reps}:")
         for k, v in med.items():
-            ratio = f"   {v / raw[best]:.2f}x best raw" if best and k.startswith("cairn") else ""
+            ratio = f"   {v / raw[best]:.2f}x best raw" if best and k.startswith("cairn load") else ""
             link_ratio = f"   {nbytes / v / link.rate:.2f} of the link" if link is not None and link.rate else ""
             print(f"  {k:32s} {v:7.3f} s  {nbytes / MiB / v:8.1f} MiB/s{ratio}{link_ratio}")
             if k in requests:

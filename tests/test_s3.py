@@ -538,3 +538,27 @@ def test_plan_of_a_compressed_load_is_what_the_load_reads(store, bucket, opts, m
         (p,) = cairn.plan_load(path, target, storage_options=opts).processes
         assert (p.bytes_read, p.requests) == (stats.bytes_read, stats.reads)
         assert stats.bytes_read < 0.8 * (2 << 20)
+
+
+def test_save_without_credentials_names_the_missing_settings_and_writes_nothing(s3, s3_bucket, monkeypatch):
+    """No credentials in the settings or the environment: the client falls back on the instance-metadata
+    service (pointed here at a closed loopback port, so nothing beyond 127.0.0.1 is asked); the save
+    fails with a CheckpointError that names the path and the missing settings, before writing anything."""
+    from _s3server import free_port
+
+    for k in [k for k in __import__("os").environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    path = f"s3://{s3_bucket}/nocreds"
+    opts = {"endpoint": s3.endpoint, "allow_http": True, "metadata_endpoint": f"http://127.0.0.1:{free_port()}"}
+    with pytest.raises(cairn.CheckpointError, match=rf"{path}.*no credentials for s3://: missing storage_options "
+                       r"'access_key_id' and 'secret_access_key' \(or the environment's AWS_ACCESS_KEY_ID"):
+        cairn.save(path, {"x": np.arange(4)}, storage_options=opts)
+    assert s3.keys(s3_bucket, "nocreds") == []
+    # without an endpoint too, the message says that it is missing as well
+    with pytest.raises(cairn.CheckpointError, match=r"no 'endpoint' is set either"):
+        cairn.save(path, {"x": np.arange(4)}, storage_options={"metadata_endpoint": opts["metadata_endpoint"],
+                                                               "region": "us-east-1"})
+    assert s3.keys(s3_bucket, "nocreds") == []
+    # a load names them the same way
+    with pytest.raises(cairn.CheckpointError, match=rf"{path}.*no credentials"):
+        cairn.load(path, storage_options=opts)

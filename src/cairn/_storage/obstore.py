@@ -38,6 +38,7 @@ import bisect
 import builtins
 import functools
 import itertools
+import os
 import random
 import re
 import threading
@@ -51,6 +52,7 @@ from typing import Any as Buffer  # collections.abc.Buffer is Python 3.12+
 
 import numpy as np
 
+from .._errors import CheckpointError
 from .base import split_url
 from .obsettings import split_options
 
@@ -72,6 +74,11 @@ _TRANSIENT = re.compile(
     r"error decoding response body|body error",
     re.IGNORECASE,
 )
+# The client found no credentials and asked a cloud VM's metadata service (AWS and Azure at
+# 169.254.169.254, ECS at 169.254.170.2, GCP at metadata.google.internal), which failed.
+# (Matched on the addresses and on the services' paths, which stay when `metadata_endpoint` moves them.)
+_CREDENTIAL_FALLBACK = re.compile(r"169\.254\.169\.254|169\.254\.170\.2|metadata\.google\.internal|"
+                                  r"/latest/api/token|/latest/meta-data/|/metadata/identity/oauth2/|computeMetadata/")
 # a range that starts past the end of the object.
 _RANGE_NOT_SATISFIABLE = "status code: 416"
 
@@ -290,6 +297,7 @@ class ObjectStorage:
                                          retry_config={"max_retries": t.max_retries, "backoff": backoff})
         except Exception as e:
             raise ValueError(f"{url}: cannot configure the object store: {_summary(e)}") from None
+        self._scheme, self._config = scheme, dict(config)
         self.retries = 0
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -319,6 +327,8 @@ class ObjectStorage:
             except _Passthrough:
                 raise
             except Exception as e:
+                if _CREDENTIAL_FALLBACK.search(_summary(e)):
+                    raise self._no_credentials(key) from None
                 if attempt >= t.max_retries or not is_transient(e):
                     raise self._error(op, key, e, attempt) from e
             attempt += 1
@@ -326,6 +336,31 @@ class ObjectStorage:
                 self.retries += 1
             wait = min(t.max_backoff, t.retry_backoff * 2 ** (attempt - 1))
             time.sleep(wait / 2 + random.uniform(0, wait / 2))  # jitter spreads out synchronized clients
+
+    def _no_credentials(self, key: str) -> BaseException:
+        """The client found no credentials in the settings or the environment and fell back on a cloud
+        VM's metadata service, which did not answer: say which settings are missing."""
+        env = os.environ
+        if self._scheme == "s3":
+            given = {k for k in self._config if k in ("access_key_id", "secret_access_key", "aws_access_key_id",
+                                                       "aws_secret_access_key")}
+            missing = "storage_options 'access_key_id' and 'secret_access_key'" if not given else \
+                "storage_options 'access_key_id' or 'secret_access_key' (one of them is set)"
+            if not given and not (env.get("AWS_ACCESS_KEY_ID") or env.get("AWS_SECRET_ACCESS_KEY")):
+                missing += " (or the environment's AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
+            if not (self._config.get("endpoint") or self._config.get("aws_endpoint") or env.get("AWS_ENDPOINT_URL")
+                    or env.get("AWS_ENDPOINT")):
+                missing += ("; no 'endpoint' is set either (an S3-compatible server such as MinIO needs "
+                            "storage_options 'endpoint', with 'allow_http' for http://)")
+        elif self._scheme in ("az", "azure", "abfs", "abfss"):
+            missing = ("storage_options 'account_name' with 'account_key' (or 'sas_key', or 'use_emulator' "
+                       "with 'endpoint' for Azurite)")
+        else:
+            missing = ("storage_options 'service_account_key' or 'service_account_path' "
+                       "(or the environment's GOOGLE_APPLICATION_CREDENTIALS)")
+        return NoCredentialsError(
+            f"{self.describe(key)}: no credentials for {self._scheme}://: missing {missing}. Without them "
+            "the client asks a cloud VM's instance-metadata service, and none answered here. Nothing was written.")
 
     def _error(self, op: str, key: str, e: BaseException, retries: int) -> BaseException:
         where = self.describe(key)
@@ -503,6 +538,10 @@ def _delete(obstore: Any, store: Any, keys: list[str]) -> None:
                     obstore.delete(store, key)
                 except FileNotFoundError:
                     pass
+
+
+class NoCredentialsError(CheckpointError, PermissionError):
+    """No credentials for an object store in the settings or the environment (see `ObjectStorage._no_credentials`)."""
 
 
 class _Passthrough(Exception):
