@@ -185,7 +185,8 @@ class Progress:
 
     def __init__(self, op: str, path: str) -> None:
         self.op, self.path = op, path
-        self.done, self.total = 0, None
+        self.done = 0
+        self.total: int | None = None
         self._t0 = time.monotonic()
         self._last = self._t0
         self._lock = threading.Lock()

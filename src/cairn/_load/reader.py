@@ -8,7 +8,9 @@ stores), each part's blocks are verified in the thread that received it, as
 it lands, and only blocks that straddle two parts once the whole read is
 done. A read whose bytes are exactly one contiguous region of a
 destination buffer lands there directly; other reads go through a small
-temporary buffer and a strided copy.
+temporary buffer and a strided copy. On object stores, the reads that land
+in place are gathered per file into runs of consecutive bytes, across boxes
+and leaves (`coalesce.Pieces`): one request per run instead of one per box.
 
 The slab helpers below read an array in bounded C-order pieces, for the
 tools that stream whole arrays (conversion, diff) without ever holding one.

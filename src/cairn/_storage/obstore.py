@@ -3,8 +3,9 @@
 Writes of data files stream their parts as a multipart upload with several
 parts in flight; small objects go up in one request. ``put(create=True)`` is
 obstore's create mode (``If-None-Match: *`` on S3 and Azure, a generation
-precondition on GCS), the primitive the commit needs. Reads are ranged gets;
-a large read is split into parts fetched in parallel.
+precondition on GCS), the primitive the commit needs. Reads are ranged gets
+whose answers are streamed straight into the caller's buffers; a read larger
+than ``read_part_size`` is split into parts fetched in parallel.
 
 Retries: every request except the parts of a multipart upload is retried
 here, with exponential backoff and jitter, a bounded number of times, and
@@ -21,15 +22,18 @@ settings:
 
 ``max_retries`` (5), ``retry_backoff`` (0.1 s, the first wait), ``max_backoff``
 (10 s), ``part_size`` (16 MiB, multipart upload part), ``upload_concurrency``
-(4 parts in flight per file), ``read_part_size`` (16 MiB, the largest ranged
-GET), ``read_concurrency`` (4 GETs in flight per read).
+(4 parts in flight per file), ``read_part_size`` (64 MiB, the largest ranged
+GET), ``read_concurrency`` (4 GETs in flight per read), ``plan_read_size``
+(64 MiB, the largest read a load plans: consecutive bytes of a file, across
+boxes and leaves, up to that size go out as one read).
 
 Azure's emulator: ``{"use_emulator": True, "endpoint": "http://127.0.0.1:10000"}``
 (obstore alone takes the emulator's address only from ``AZURITE_BLOB_STORAGE_URL``).
 
 A write holds at most about ``part_size * (upload_concurrency + 1)`` bytes of
 its own, a read about ``read_part_size * read_concurrency``, whatever the
-object's size.
+object's size; a read holds one streamed chunk (4 MiB) per GET in flight, its
+bytes landing in the caller's buffers.
 """
 
 from __future__ import annotations
@@ -150,12 +154,12 @@ class _ObjectReader:
 
     A read (of one buffer, or of several consecutive ones) is cut into ranged
     GETs of at most ``read_part_size`` bytes, at most ``read_concurrency`` of
-    them in flight at once, each answer copied straight into the buffers it
-    covers. (Not ``obstore.get_ranges``: it merges adjacent ranges back into
-    one request, so the parts of a large read went out as one GET each window.)
-    ``on_part(a, b)``, if given, runs once each part [a, b) has landed, in
-    the thread that received it (a reader verifies the part's checksums there,
-    while the bytes are in cache); an exception it raises fails the read.
+    them in flight at once, each answer streamed and copied chunk by chunk
+    straight into the buffers it covers (`_get`). ``on_part(a, b)``, if given,
+    runs as each stretch [a, b) lands (stretches of one GET overlap by one
+    chunk, so a block across two chunks is reported whole once), in the thread
+    that received it (a reader verifies checksums there, while the bytes are in
+    cache); an exception it raises fails the read and comes out unchanged.
     """
 
     # Consecutive buffers share requests, and each answer is copied straight into the buffers it
