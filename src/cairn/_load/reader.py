@@ -75,7 +75,7 @@ class ChunkReader:
         self._runs = Runs(self, run_bytes)  # small whole arrays, read together
         # Storages that charge per request (object stores): direct reads that follow one another in a
         # file, across boxes and leaves, go out as one read.
-        self._pieces = Pieces(self, run_bytes) if loc.storage.preferred_read else None
+        self._pieces = Pieces(self, loc.storage.preferred_read) if loc.storage.preferred_read else None
         self._plans = PlanMemo()  # leaves of one layout share a read plan
 
     def _key(self, file: int) -> str:
