@@ -129,6 +129,41 @@ def probe_object_size(server: Any, bucket: str, store: Any, n: int = 8) -> dict[
     return out
 
 
+def _save_patterns(cairn: Any, server: Any, bucket: str, opts: dict[str, Any], arrays: dict[str, Any],
+                   host: dict[str, np.ndarray], compression: Any) -> dict[str, Callable[[], None]]:
+    """cairn.save of the sharded state against raw multipart puts of the same bytes in as many objects
+    as cairn writes (with cairn's part size and parts in flight), each into a fresh prefix."""
+    import obstore
+
+    from cairn._storage.obstore import ObjectStorage
+
+    storage = ObjectStorage(server.url(bucket, ""), opts)
+    t = storage.tuning
+    counter = iter(range(1 << 30))
+    files = 4  # as many data files as cairn's save writes here (checked below)
+
+    def save() -> None:
+        cairn.save(server.url(bucket, f"save/{next(counter)}"), {"params": arrays}, storage_options=opts,
+                   compression=compression)
+
+    def raw() -> None:
+        prefix = f"raw/{next(counter)}"
+        views = [memoryview(v.reshape(-1).view(np.uint8)) for v in host.values()]
+        per = -(-len(views) // files)
+
+        def put(f: int) -> None:
+            obstore.put(storage.upload_store, f"{prefix}/f{f}", iter(views[f * per:(f + 1) * per]),
+                        use_multipart=True, chunk_size=t.part_size, max_concurrency=t.upload_concurrency)
+
+        with ThreadPoolExecutor(files) as pool:
+            list(pool.map(put, range(files)))
+
+    save()
+    written = [k for k in storage.list("save/0") if k.endswith(".bin")]
+    assert len(written) == files, f"cairn wrote {len(written)} data files, the raw puts {files}"
+    return {"raw puts (save)": raw, "cairn save": save}
+
+
 def run_server(kind: str, a: argparse.Namespace) -> dict[str, Any]:
     import jax
     import obstore
@@ -139,9 +174,16 @@ def run_server(kind: str, a: argparse.Namespace) -> dict[str, Any]:
     from cairn._storage.obstore import ObjectStorage
 
     server = start(kind)
+    link = None
     try:
         bucket = server.bucket()
         opts = {**server.options(), **a.option}
+        if a.link:  # every request of every pattern through the shaped link (which logs them)
+            sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+            from _shapedlink import ShapedLink
+
+            link = ShapedLink.parse("" if a.link == "log" else a.link, server.port).start()
+            opts["endpoint"] = link.endpoint
         mesh = jax.make_mesh((8,), ("x",))
         sharding = NamedSharding(mesh, P("x"))
         per = a.size_mib * MiB // a.arrays // 4
@@ -152,10 +194,12 @@ def run_server(kind: str, a: argparse.Namespace) -> dict[str, Any]:
         path = server.url(bucket, "ckpt")
         if kind == "gcs":  # fake-gcs-server takes no write from obstore: save locally, copy in
             with tempfile.TemporaryDirectory() as tmp:
-                cairn.save(f"{tmp}/ckpt", {"params": arrays})
+                cairn.save(f"{tmp}/ckpt", {"params": arrays}, compression=a.compression)
                 server.upload_tree(bucket, "ckpt", f"{tmp}/ckpt")
         else:
-            cairn.save(path, {"params": arrays}, storage_options=opts)
+            cairn.save(path, {"params": arrays}, storage_options=opts, compression=a.compression)
+        if a.save:
+            patterns_save = _save_patterns(cairn, server, bucket, opts, arrays, host, a.compression)
         storage = ObjectStorage(server.url(bucket, ""), opts)
         store = storage.store
         files = {k: storage.size(k) for k in storage.list("ckpt") if k.endswith(".bin")}
@@ -217,11 +261,17 @@ def run_server(kind: str, a: argparse.Namespace) -> dict[str, Any]:
         del got
         for fn in patterns.values():
             fn()
+        if a.save:
+            patterns.update(patterns_save)
         times: dict[str, list[float]] = {k: [] for k in patterns}
+        requests: dict[str, dict[str, Any]] = {}
         names = list(patterns)
         for rep in range(a.reps):
             for name in names if rep % 2 == 0 else names[::-1]:
+                since = time.monotonic()
                 median_time(patterns[name], a.reps, times[name])
+                if link is not None and rep == 0:
+                    requests[name] = link.stats(since)
         probe = probe_object_size(server, bucket, store)
         med = {k: statistics.median(v) for k, v in times.items()}
         raw = {k: v for k, v in med.items() if k.startswith("raw")}
@@ -229,18 +279,33 @@ def run_server(kind: str, a: argparse.Namespace) -> dict[str, Any]:
         result: dict[str, Any] = {
             "server": kind, "bytes": nbytes, "arrays": a.arrays, "data_files": len(files),
             "file_sizes": sorted(files.values()), "reps": a.reps, "seconds": times, "median_s": med,
-            "best_raw": best, "ranged_get_ms_by_object_size": probe,
+            "best_raw": best, "ranged_get_ms_by_object_size": probe, "link": a.link,
+            "requests": requests,
         }
         print(f"\n{kind}: {nbytes / MiB:.0f} MiB in {a.arrays} arrays, {len(files)} data files, median of {a.reps}:")
         for k, v in med.items():
-            ratio = f"   {v / raw[best]:.2f}x best raw" if best and k.startswith("cairn") else ""
-            print(f"  {k:32s} {v:7.3f} s  {nbytes / MiB / v:8.1f} MiB/s{ratio}")
+            ratio = f"   {v / raw[best]:.2f}x best raw" if best and k.startswith("cairn load") else ""
+            link_ratio = f"   {nbytes / v / link.rate:.2f} of the link" if link is not None and link.rate else ""
+            print(f"  {k:32s} {v:7.3f} s  {nbytes / MiB / v:8.1f} MiB/s{ratio}{link_ratio}")
+            if k in requests:
+                r = requests[k]
+                print(f"  {'':32s} {r['requests']} requests {r['by_method']}, at most {r['peak_in_flight']} "
+                      f"in flight, busy {r['busy_s']:.3f} s")
         print("  one 4 MiB ranged GET: " + ", ".join(f"{v:.1f} ms from a {k} object" for k, v in probe.items()))
         if best:
             print(f"  best raw: {best}")
             result["ratios"] = {k: v / raw[best] for k, v in med.items() if k.startswith("cairn")}
+        if a.save:
+            raw_puts = med.get("raw puts (save)")
+            if raw_puts:
+                result["save_ratio"] = med["cairn save"] / raw_puts
+                print(f"  cairn save / raw puts: {result['save_ratio']:.2f}x")
         return result
     finally:
+        if link is not None:
+            link.stop()
+            if link.errors:
+                print(f"  the link's connections that ended on an error: {link.errors[:5]}")
         server.stop()
 
 
@@ -260,6 +325,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--option", action="append", default=[], type=lambda kv: (kv.split("=", 1)[0], int(kv.split("=", 1)[1])),
                     help="a cairn storage option for every run, e.g. read_part_size=16777216 (repeatable)")
     ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument("--link", default=None, metavar="SPEC",
+                    help="every request through a shaped link (tests/_shapedlink.py): e.g. 1GB/s,10ms or "
+                    "10GB/s; 'log' only logs the requests; prints request counts per pattern")
+    ap.add_argument("--compression", default=False, type=lambda v: False if v in ("none", "false") else v,
+                    help="cairn.save's compression (default none: the issue's uncompressed case; auto, zstd, planes)")
+    ap.add_argument("--save", action="store_true", help="also time cairn.save against raw multipart puts")
     ap.add_argument("--plan-max-read", type=int, default=None, metavar="MIB",
                     help="plan loads with reads merged up to this size (the storage option plan_read_size, default 32)")
     a = ap.parse_args(argv)

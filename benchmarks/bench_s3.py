@@ -174,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                 else:
                     path = f"s3://{bucket}/cairn/{rep}"
                     t0 = time.perf_counter()
-                    cairn.save(path, {"params": arrays}, storage_options=opts, threads=a.threads)
+                    cairn.save(path, {"params": arrays}, storage_options=opts, threads=a.threads, compression=False)
                     times["cairn_save"].append(time.perf_counter() - t0)
                     t0 = time.perf_counter()
                     got = cairn.load(path, storage_options=opts, threads=a.threads * 2)["params"]

@@ -538,3 +538,80 @@ def test_plan_of_a_compressed_load_is_what_the_load_reads(store, bucket, opts, m
         (p,) = cairn.plan_load(path, target, storage_options=opts).processes
         assert (p.bytes_read, p.requests) == (stats.bytes_read, stats.reads)
         assert stats.bytes_read < 0.8 * (2 << 20)
+
+
+def test_save_without_credentials_names_the_missing_settings_and_writes_nothing(s3, s3_bucket, monkeypatch):
+    """No credentials in the settings or the environment: the client falls back on the instance-metadata
+    service (pointed here at a closed loopback port, so nothing beyond 127.0.0.1 is asked); the save
+    fails with a CheckpointError that names the path and the missing settings, before writing anything."""
+    from _s3server import free_port
+
+    for k in [k for k in __import__("os").environ if k.startswith("AWS_")]:
+        monkeypatch.delenv(k)
+    path = f"s3://{s3_bucket}/nocreds"
+    opts = {"endpoint": s3.endpoint, "allow_http": True, "metadata_endpoint": f"http://127.0.0.1:{free_port()}"}
+    with pytest.raises(cairn.CheckpointError, match=rf"{path}.*no credentials for s3://: missing storage_options "
+                       r"'access_key_id' and 'secret_access_key' \(or the environment's AWS_ACCESS_KEY_ID"):
+        cairn.save(path, {"x": np.arange(4)}, storage_options=opts)
+    assert s3.keys(s3_bucket, "nocreds") == []
+    # without an endpoint too, the message says that it is missing as well
+    with pytest.raises(cairn.CheckpointError, match=r"no 'endpoint' is set either"):
+        cairn.save(path, {"x": np.arange(4)}, storage_options={"metadata_endpoint": opts["metadata_endpoint"],
+                                                               "region": "us-east-1"})
+    assert s3.keys(s3_bucket, "nocreds") == []
+    # a load names them the same way
+    with pytest.raises(cairn.CheckpointError, match=rf"{path}.*no credentials"):
+        cairn.load(path, storage_options=opts)
+
+
+def test_target_boxes_of_many_leaves_share_requests(s3, s3_bucket, mesh8):
+    """A load onto a sharding reads each data file's consecutive boxes, across leaves, as one run:
+    a request per run of up to `plan_read_size` bytes, not one per box; the values are exact, and
+    the link's log shows the same number of data GETs as the load's stats."""
+    from _shapedlink import ShapedLink
+
+    sharding = NamedSharding(mesh8, P("x"))
+    host = {f"w{i}": np.random.default_rng(i).standard_normal((8, 1 << 16), dtype=np.float32) for i in range(6)}
+    path = s3.url(s3_bucket, "runs")
+    cairn.save(path, {"params": {k: jax.device_put(v, sharding) for k, v in host.items()}}, storage_options=s3.options(),
+               compression=False)
+    target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in host.items()}}
+    files = [k for k in s3.keys(s3_bucket, "runs/") if k.endswith(".bin")]
+    with ShapedLink(s3.port) as link:
+        stats = cairn.LoadStats()
+        got = cairn.load(path, target, storage_options={**s3.options(), "endpoint": link.endpoint}, stats=stats)
+        data_gets = [r for r in link.log if r.method == "GET" and r.target.split("?")[0].endswith(".bin")]
+    for k, v in host.items():
+        np.testing.assert_array_equal(np.asarray(got["params"][k]), v)
+    assert len(files) < len(host)  # leaves share files: the runs cross leaves
+    assert stats.direct_reads >= len(host)  # every planned read landed in place...
+    assert stats.reads == len(data_gets) == len(files)  # ...in one request per file (12 MiB in all)
+    # with runs capped at 2 MiB (one leaf), a request per leaf
+    stats = cairn.LoadStats()
+    cairn.load(path, target, storage_options=s3.options(plan_read_size=2 * MiB), stats=stats)
+    assert stats.reads == len(host)
+
+
+def test_corrupt_block_in_a_run_of_boxes_names_its_leaf(s3, s3_bucket, mesh8):
+    """A flipped byte inside one leaf's box, read in a run with other leaves' boxes, fails the load
+    naming that leaf and the bytes of its block."""
+    from cairn._load.metadata import read_index, read_manifest
+
+    sharding = NamedSharding(mesh8, P("x"))
+    host = {f"w{i}": np.random.default_rng(i).standard_normal((8, 1 << 16), dtype=np.float32) for i in range(4)}
+    path = s3.url(s3_bucket, "runflip")
+    cairn.save(path, {"params": {k: jax.device_put(v, sharding) for k, v in host.items()}}, storage_options=s3.options(),
+               compression=False)
+    loc = resolve(path, s3.options())
+    index = read_index(loc, read_manifest(loc).items["params"])
+    leaf = next(lf for lf in index.leaves if getattr(lf, "path", None) and "w2" in str(lf.path))
+    file, first = leaf.chunks[0]  # its rows, merged into one chunk or not, lie back to back from here
+    off = first + MiB  # its second 1 MiB checksum block
+    key = next(k for k in s3.keys(s3_bucket, "runflip/") if k.endswith(index.files[file].name))
+    data = bytearray(s3.get_object(s3_bucket, key))
+    data[off + 100] ^= 0x01
+    s3.put_object(s3_bucket, key, bytes(data))
+    target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in host.items()}}
+    with pytest.raises(cairn.CorruptCheckpointError, match=rf"checksum mismatch in '[^']+' bytes {off}\.\.{off + MiB} "
+                       r"\(leaf 'params/w2'\)"):
+        cairn.load(path, target, storage_options=s3.options())

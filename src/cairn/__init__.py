@@ -14,6 +14,7 @@ from ._api import save_async as save_async
 from ._api import user_metadata as user_metadata
 from ._core.buffers import release_snapshot_buffers as release_snapshot_buffers
 from ._core.stats import LoadStats as LoadStats
+from ._core.stats import ProgressStats as ProgressStats
 from ._core.stats import SaveStats as SaveStats
 from ._core.stats import StatsEvent as StatsEvent
 from ._core.stats import add_listener as add_listener
@@ -78,6 +79,7 @@ __all__ = [
     "LocalTier",
     "MismatchError",
     "PerProcess",
+    "ProgressStats",
     "RestoreReport",
     "RetentionPolicy",
     "SaveFuture",

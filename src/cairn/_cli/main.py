@@ -448,15 +448,25 @@ def cmd_copy(args: argparse.Namespace, out: Output) -> int:
                 "(cairn convert ... --to cairn) or copy the folders with your storage's tools")
         return run_copy(args, out)  # its error says what SRC is
     done = []
-    for e in steps:
-        stats = copy(f"{src.path.rstrip('/')}/{e['name']}", f"{args.dst.rstrip('/')}/{e['name']}",
-                     overwrite=args.overwrite, move=args.move, verify=not args.no_verify, budget_bytes=args.budget,
-                     threads=args.threads)
-        done.append(stats)
-        if not args.json:
-            kept = f", {stats.files_kept} already there" if stats.files_kept else ""
-            out.line(f"{'moved' if stats.moved else 'copied'} {e['name']}: {stats.files_copied} files, "
-                     f"{stats.bytes_copied / (1 << 20):.1f} MiB{kept}")
+    # One bar over every step (on a terminal; nothing otherwise or with --quiet), its total grown step by step.
+    with out.progress("moving" if args.move else "copying", None) as (set_total, advance):
+        before = 0  # the totals of the steps done
+        for e in steps:
+            last = [0]
+
+            def step_total(n: int, before: int = before, last: list[int] = last) -> None:
+                last[0] = n
+                set_total(before + n)
+
+            stats = copy(f"{src.path.rstrip('/')}/{e['name']}", f"{args.dst.rstrip('/')}/{e['name']}",
+                         overwrite=args.overwrite, move=args.move, verify=not args.no_verify,
+                         budget_bytes=args.budget, threads=args.threads, on_total=step_total, progress=advance)
+            before += last[0]
+            done.append(stats)
+            if not args.json:
+                kept = f", {stats.files_kept} already there" if stats.files_kept else ""
+                out.line(f"{'moved' if stats.moved else 'copied'} {e['name']}: {stats.files_copied} files, "
+                         f"{stats.bytes_copied / (1 << 20):.1f} MiB{kept}")
     skipped = [e["name"] for e in entries if e not in steps]
     if args.json:
         _dump_json({"src": src.path, "dst": args.dst, "steps": [s.as_dict() for s in done], "skipped": skipped})

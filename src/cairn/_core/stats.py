@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import sys
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -113,31 +114,134 @@ class LoadStats:
 
 
 @dataclass(frozen=True)
+class ProgressStats:
+    """How far a long operation (`cairn.copy`, a move) has come: what a ``"progress"`` event carries.
+
+    `op` names the operation (``"copy"``, ``"move"``); `bytes_total` is None until it is known.
+    Events come at most every `PROGRESS_INTERVAL` seconds while it runs, and once at its end
+    (`finished` true).
+
+    Example:
+
+        @cairn.add_listener
+        def show(event):
+            if event.kind == "progress":
+                p = event.stats
+                print(f"{p.op}: {p.bytes_done}/{p.bytes_total} bytes, {p.gib_per_s:.2f} GiB/s, {p.eta_s} s left")
+    """
+
+    op: str
+    bytes_done: int
+    bytes_total: int | None
+    elapsed_s: float
+    finished: bool = False
+
+    @property
+    def gib_per_s(self) -> float:
+        """The rate so far, in GiB/s."""
+        return self.bytes_done / _GIB / self.elapsed_s if self.elapsed_s > 0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the rate so far (None while the total or the rate is unknown)."""
+        if self.bytes_total is None or self.bytes_done <= 0 or self.elapsed_s <= 0:
+            return None
+        return max(0.0, (self.bytes_total - self.bytes_done) * self.elapsed_s / self.bytes_done)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**self.__dict__, "gib_per_s": self.gib_per_s, "eta_s": self.eta_s}
+
+
+@dataclass(frozen=True)
 class StatsEvent:
     """What a listener added with `cairn.add_listener` gets after each save or load of this process.
 
     `kind` is ``"save"`` (after the commit; for an async save on its
     background thread, before its future resolves) or ``"load"`` (before
-    `cairn.load` returns); `stats` is its `SaveStats` or `LoadStats`.
+    `cairn.load` returns); `stats` is its `SaveStats` or `LoadStats`. A listener
+    added with ``progress=True`` also gets ``"progress"`` events of long operations,
+    whose `stats` is a `ProgressStats`.
     """
 
     kind: str
     path: str
-    stats: SaveStats | LoadStats
+    stats: SaveStats | LoadStats | ProgressStats
 
 
 Listener = Callable[[StatsEvent], object]
 
 _listeners: list[Listener] = []
+_progress_listeners: list[Listener] = []
 _lock = threading.Lock()
 
+#: The least time between two progress events of one operation, in seconds.
+PROGRESS_INTERVAL = 0.5
 
-def add_listener(fn: Listener) -> Listener:
+
+class Progress:
+    """The progress of one long operation, published to the listeners that asked for it.
+
+    `set_total` and `advance` have the shapes of the ``on_total`` / ``progress`` callbacks that
+    `cairn.copy` and friends take; `wrap` chains a caller's callbacks with them. Cheap when nobody
+    listens (one list check per call), thread-safe, and throttled to `PROGRESS_INTERVAL`.
+    """
+
+    def __init__(self, op: str, path: str) -> None:
+        self.op, self.path = op, path
+        self.done = 0
+        self.total: int | None = None
+        self._t0 = time.monotonic()
+        self._last = self._t0
+        self._lock = threading.Lock()
+
+    def set_total(self, n: int) -> None:
+        with self._lock:
+            self.total = n
+
+    def advance(self, n: int) -> None:
+        with self._lock:
+            self.done += n
+            now = time.monotonic()
+            if now - self._last < PROGRESS_INTERVAL or not _progress_listeners:
+                return
+            self._last = now
+        self._publish(False)
+
+    def finish(self) -> None:
+        """Publish the last event (`finished` true)."""
+        self._publish(True)
+
+    def _publish(self, finished: bool) -> None:
+        if not _progress_listeners:
+            return
+        with self._lock:
+            stats = ProgressStats(self.op, self.done, self.total, time.monotonic() - self._t0, finished)
+        _notify(StatsEvent("progress", self.path, stats), _progress_listeners)
+
+    def wrap(self, on_total: Callable[[int], None] | None,
+             progress: Callable[[int], None] | None) -> tuple[Callable[[int], None], Callable[[int], None]]:
+        """``(on_total, progress)`` that feed this and then the caller's callbacks (either may be None)."""
+        def total(n: int) -> None:
+            self.set_total(n)
+            if on_total is not None:
+                on_total(n)
+
+        def step(n: int) -> None:
+            self.advance(n)
+            if progress is not None:
+                progress(n)
+
+        return total, step
+
+
+def add_listener(fn: Listener, *, progress: bool = False) -> Listener:
     """Call ``fn(event)`` with a `StatsEvent` after every save and load of this process; returns `fn`.
 
     `fn` runs on the thread that finished the work (an async save's background
     thread); an exception it raises is logged as a warning and otherwise
-    ignored. Remove it with `cairn.remove_listener`.
+    ignored. Remove it with `cairn.remove_listener`. With ``progress=True`` it
+    also gets ``"progress"`` events (a `ProgressStats`) while `cairn.copy` runs,
+    on the thread that moved the bytes: a progress bar of the library's own.
 
     Example:
 
@@ -149,6 +253,8 @@ def add_listener(fn: Listener) -> Listener:
         raise TypeError(f"a cairn listener must be callable, got {fn!r}")
     with _lock:
         _listeners.append(fn)
+        if progress:
+            _progress_listeners.append(fn)
     return fn
 
 
@@ -162,6 +268,8 @@ def remove_listener(fn: Listener) -> None:
     with _lock:
         if fn in _listeners:
             _listeners.remove(fn)
+        if fn in _progress_listeners:
+            _progress_listeners.remove(fn)
 
 
 def saved(path: str, stats: SaveStats) -> None:
@@ -210,9 +318,9 @@ def _monitor(kind: str, durations: dict[str, float], scalars: dict[str, int]) ->
         log.warning("cairn: a jax.monitoring listener failed on the %s stats: %s", kind, e)
 
 
-def _notify(event: StatsEvent) -> None:
+def _notify(event: StatsEvent, which: list[Listener] | None = None) -> None:
     with _lock:
-        listeners = list(_listeners)
+        listeners = list(_listeners if which is None else which)
     for fn in listeners:
         try:
             fn(event)
@@ -220,4 +328,5 @@ def _notify(event: StatsEvent) -> None:
             log.warning("cairn: stats listener %r failed on the %s of %s: %s", fn, event.kind, event.path, e)
 
 
-__all__ = ["LoadStats", "SaveStats", "StatsEvent", "add_listener", "loaded", "remove_listener", "saved"]
+__all__ = ["LoadStats", "Progress", "ProgressStats", "SaveStats", "StatsEvent", "add_listener", "loaded",
+           "remove_listener", "saved"]

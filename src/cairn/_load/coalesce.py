@@ -57,7 +57,7 @@ def run_limits(preferred_read: int | None) -> tuple[int, int]:
 class _RunFuture(Future):  # type: ignore[type-arg]
     """The future of one run; waiting for it first makes sure the run was submitted."""
 
-    def __init__(self, runs: Runs) -> None:
+    def __init__(self, runs: Runs | Pieces) -> None:
         super().__init__()
         self._runs = runs
 
@@ -297,3 +297,73 @@ def _decode_whole(leaf: Any, stored: memoryview, dest: np.ndarray, block: int, w
     for (a, b, name), (lo, hi, _) in zip(_raw_blocks(leaf, block), _blocks(leaf, block)):
         _codecs.decode(leaf.codec, stored[pos : pos + hi - lo], leaf.dtype, b - a, raw[a:b], where=f"{where}, {name}")
         pos += hi - lo
+
+
+class Pieces:
+    """Direct reads of uncompressed leaves, any boxes, merged per file into runs of consecutive bytes.
+
+    On an object store every request costs a round trip (and some servers, moto among them, a pass
+    over the whole object), so the reads that land straight in their destinations (a target box, or
+    consecutive whole regions of one) are not sent one by one: each file gathers the pieces that
+    follow one another in it, across boxes and leaves, into one read of up to `max_bytes`, sent as
+    soon as it is full, when a piece that does not follow comes, or when anyone waits for one of
+    its arrays (`_RunFuture`). The read lands each piece in its destination and verifies every
+    piece's checksum blocks as the bytes arrive; a mismatch names the leaf that holds the block.
+    """
+
+    def __init__(self, reader: Any, max_bytes: int) -> None:
+        self._reader = reader
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        # per file: (first byte, end, pieces (views, checks, leaf), future)
+        self._open: dict[int, tuple[int, int, list[tuple[list[memoryview], Any, Any]], _RunFuture]] = {}
+
+    def add(self, file: int, start: int, end: int, views: list[memoryview], checks: Any, leaf: Any) -> Future[None]:
+        """Queue reading file bytes [start, end) into `views` (consecutive), verifying `checks`."""
+        with self._lock:
+            run = self._open.get(file)
+            if run is not None and (run[1] != start or end - run[0] > self.max_bytes
+                                    or len(run[2]) >= MAX_RUN_PARTS):
+                self._submit_locked(file)
+                run = None
+            if run is None:
+                run = (start, end, [], _RunFuture(self))  # type: ignore[arg-type]
+            run[2].append((views, checks, leaf))
+            self._open[file] = run = (run[0], end, run[2], run[3])
+            future = run[3]
+            if end - run[0] >= self.max_bytes:
+                self._submit_locked(file)
+            return future
+
+    def submit(self, future: Future[None] | None = None) -> None:
+        """Send the runs being gathered to the pool (only `future`'s, when given)."""
+        with self._lock:
+            for file in [f for f, run in self._open.items() if future is None or run[3] is future]:
+                self._submit_locked(file)
+
+    def _submit_locked(self, file: int) -> None:
+        start, end, pieces, future = self._open.pop(file)
+        self._reader.pool.submit(self._run, file, start, end, pieces, future)
+
+    def _run(self, file: int, start: int, end: int, pieces: list[tuple[list[memoryview], Any, Any]],
+             future: Future[None]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        reader = self._reader
+        try:
+            views = [v for piece in pieces for v in piece[0]]
+            checks = sorted((tuple(c), leaf) for _, cs, leaf in pieces for c in cs)
+            if checks:
+                owner = {c[0]: leaf for c, leaf in checks}
+                bc = BlockChecks([c for c, _ in checks], views, start,
+                                 lambda c, got: reader._block_checks(file, [c], views, start, owner[c[0]]).fail(c, got))
+                reader._fill(file, start, views, pieces[0][2], bc)
+                bc.rest()
+            else:
+                reader._fill(file, start, views, pieces[0][2])
+            with reader._lock:
+                reader.stats.direct_reads += len(pieces)
+        except BaseException as e:
+            future.set_exception(e)
+        else:
+            future.set_result(None)

@@ -8,7 +8,9 @@ stores), each part's blocks are verified in the thread that received it, as
 it lands, and only blocks that straddle two parts once the whole read is
 done. A read whose bytes are exactly one contiguous region of a
 destination buffer lands there directly; other reads go through a small
-temporary buffer and a strided copy.
+temporary buffer and a strided copy. On object stores, the reads that land
+in place are gathered per file into runs of consecutive bytes, across boxes
+and leaves (`coalesce.Pieces`): one request per run instead of one per box.
 
 The slab helpers below read an array in bounded C-order pieces, for the
 tools that stream whole arrays (conversion, diff) without ever holding one.
@@ -39,7 +41,7 @@ from .._plan.reads import Check, Copy, Read, is_c_contiguous, plan_reads
 from .._storage import PartReader, RandomReader
 from .._storage.location import Location
 from .._tree.pytree import display_path
-from .coalesce import Runs, run_limits, stored_whole_span, whole_span
+from .coalesce import Pieces, Runs, run_limits, stored_whole_span, whole_span
 from .metadata import Opened
 
 DEFAULT_BUDGET = 256 << 20  # the memory budget of a streaming conversion, by default
@@ -71,6 +73,9 @@ class ChunkReader:
         self._max_read = loc.storage.preferred_read or DEFAULT_MAX_READ
         self._small, run_bytes = run_limits(loc.storage.preferred_read)
         self._runs = Runs(self, run_bytes)  # small whole arrays, read together
+        # Storages that charge per request (object stores): direct reads that follow one another in a
+        # file, across boxes and leaves, go out as one read.
+        self._pieces = Pieces(self, loc.storage.preferred_read) if loc.storage.preferred_read else None
         self._plans = PlanMemo()  # leaves of one layout share a read plan
 
     def _key(self, file: int) -> str:
@@ -112,6 +117,8 @@ class ChunkReader:
     def submit_pending(self) -> None:
         """Send the run of small arrays still being gathered to the pool (the caller queued its last read)."""
         self._runs.submit()
+        if self._pieces is not None:
+            self._pieces.submit()
 
     def close(self) -> None:
         with self._lock:
@@ -294,7 +301,7 @@ class ChunkReader:
             span = whole_span(leaf) if leaf.codec == "none" else stored_whole_span(leaf, self.index.block_size)
         if span is not None:  # small, whole, one run of bytes: read together with its neighbours
             self._reader(span[0])  # checks the file first: a false size claim allocates nothing
-            dest = np.empty(leaf.shape, leaf.dtype)  # no alignment needed: placed by one device_put of the whole
+            dest = aligned_empty(leaf.shape, leaf.dtype, huge_pages=False)  # filled once, as below
             stored = span[2] if len(span) > 2 else -1
             return ArrayReads([self._runs.add(leaf, span[0], span[1], dest, stored)], [dest], boxes, placement)
         absolute = boxes if region is None else [
@@ -312,7 +319,9 @@ class ChunkReader:
         for file in sorted(files):
             self._reader(file)  # checks the files first: a false size claim allocates nothing
         try:
-            dests = [aligned_empty(tuple(hi - lo for lo, hi in b), leaf.dtype) for b in boxes]
+            # Filled once, by a copy: without huge-page advice, whose compaction on first touch costs
+            # more than the copy (see `aligned_empty`).
+            dests = [aligned_empty(tuple(hi - lo for lo, hi in b), leaf.dtype, huge_pages=False) for b in boxes]
         except MemoryError:
             nbytes = sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * leaf.dtype.itemsize
             raise CheckpointError(
@@ -320,8 +329,26 @@ class ChunkReader:
                 f"{display_path(leaf.path, self.item)!r} of shape {leaf.shape}"
             ) from None
         self._runs.submit()
-        futures = [self.pool.submit(self.do_read, r, leaf, dests) for r in reads]
+        futures: list[Future[None]] = []
+        for r in reads:
+            views = self._landing(r, leaf, dests) if self._pieces is not None else None
+            if views is not None:  # lands in place: joins the file's run of such reads
+                futures.append(self._pieces.add(r.file, r.start, r.end, views, r.checks, leaf))  # type: ignore[union-attr]
+            else:
+                futures.append(self.pool.submit(self.do_read, r, leaf, dests))
         return ArrayReads(futures, dests, boxes, placement)
+
+    def _landing(self, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> list[memoryview] | None:
+        """The destination bytes an uncompressed read lands in without a copy (as `do_read` lands
+        it), in file order; None where it needs a buffer."""
+        if leaf.codec != "none":
+            return None
+        direct = read.direct
+        if direct is not None:
+            region = dests[direct.dest][_region(direct.dest_start, direct.shape)]
+            if region.flags.c_contiguous:
+                return [memoryview(region.reshape(-1).view(np.uint8))]  # type: ignore[arg-type]
+        return _tiled_regions(read, dests) if self._reader(read.file).vectored else None
 
     def read_bytes(self, leaf: fmt.ArrayLeaf) -> bytes:
         reads = self.read_array(leaf)

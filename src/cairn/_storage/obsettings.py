@@ -29,11 +29,12 @@ class Tuning:
     max_backoff: float = 10.0
     part_size: int = 16 * _MiB
     upload_concurrency: int = 4
-    read_part_size: int = 16 * _MiB
+    read_part_size: int = 64 * _MiB
     read_concurrency: int = 4
-    # The largest read a load plans (adjacent chunks of a file merged up to it): stores charge per
-    # request, and such a read goes out as parts of `read_part_size` in parallel.
-    plan_read_size: int = 32 * _MiB
+    # The largest read a load plans (adjacent chunks of a file merged up to it, across boxes and
+    # leaves): stores charge per request, and some servers (moto) pass over the whole object for each
+    # ranged GET. 64 MiB reads, one GET each: docs/performance-objstore.md.
+    plan_read_size: int = 64 * _MiB
 
     def __post_init__(self) -> None:
         if self.max_retries < 0:

@@ -3,8 +3,9 @@
 Writes of data files stream their parts as a multipart upload with several
 parts in flight; small objects go up in one request. ``put(create=True)`` is
 obstore's create mode (``If-None-Match: *`` on S3 and Azure, a generation
-precondition on GCS), the primitive the commit needs. Reads are ranged gets;
-a large read is split into parts fetched in parallel.
+precondition on GCS), the primitive the commit needs. Reads are ranged gets
+whose answers are streamed straight into the caller's buffers; a read larger
+than ``read_part_size`` is split into parts fetched in parallel.
 
 Retries: every request except the parts of a multipart upload is retried
 here, with exponential backoff and jitter, a bounded number of times, and
@@ -21,21 +22,27 @@ settings:
 
 ``max_retries`` (5), ``retry_backoff`` (0.1 s, the first wait), ``max_backoff``
 (10 s), ``part_size`` (16 MiB, multipart upload part), ``upload_concurrency``
-(4 parts in flight per file), ``read_part_size`` (16 MiB, the largest ranged
-GET), ``read_concurrency`` (4 GETs in flight per read).
+(4 parts in flight per file), ``read_part_size`` (64 MiB, the largest ranged
+GET), ``read_concurrency`` (4 GETs in flight per read), ``plan_read_size``
+(64 MiB, the largest read a load plans: consecutive bytes of a file, across
+boxes and leaves, up to that size go out as one read).
 
 Azure's emulator: ``{"use_emulator": True, "endpoint": "http://127.0.0.1:10000"}``
 (obstore alone takes the emulator's address only from ``AZURITE_BLOB_STORAGE_URL``).
 
 A write holds at most about ``part_size * (upload_concurrency + 1)`` bytes of
 its own, a read about ``read_part_size * read_concurrency``, whatever the
-object's size.
+object's size; a read holds one streamed chunk (4 MiB) per GET in flight, its
+bytes landing in the caller's buffers.
 """
 
 from __future__ import annotations
 
+import bisect
 import builtins
 import functools
+import itertools
+import os
 import random
 import re
 import threading
@@ -49,6 +56,7 @@ from typing import Any as Buffer  # collections.abc.Buffer is Python 3.12+
 
 import numpy as np
 
+from .._errors import CheckpointError
 from .base import split_url
 from .obsettings import split_options
 
@@ -70,6 +78,11 @@ _TRANSIENT = re.compile(
     r"error decoding response body|body error",
     re.IGNORECASE,
 )
+# The client found no credentials and asked a cloud VM's metadata service (AWS and Azure at
+# 169.254.169.254, ECS at 169.254.170.2, GCP at metadata.google.internal), which failed.
+# (Matched on the addresses and on the services' paths, which stay when `metadata_endpoint` moves them.)
+_CREDENTIAL_FALLBACK = re.compile(r"169\.254\.169\.254|169\.254\.170\.2|metadata\.google\.internal|"
+                                  r"/latest/api/token|/latest/meta-data/|/metadata/identity/oauth2/|computeMetadata/")
 # a range that starts past the end of the object.
 _RANGE_NOT_SATISFIABLE = "status code: 416"
 
@@ -78,6 +91,8 @@ _RANGE_NOT_SATISFIABLE = "status code: 416"
 # free thread): with 16 MiB parts at most 256 MiB of answers in flight, besides the reads of
 # at most one part, which their calling threads send themselves.
 _READ_THREADS = 16
+# A streamed answer is handed over in chunks of at least this size (the last may be smaller).
+_STREAM_CHUNK = 4 << 20
 
 
 def _summary(e: BaseException) -> str:
@@ -139,12 +154,12 @@ class _ObjectReader:
 
     A read (of one buffer, or of several consecutive ones) is cut into ranged
     GETs of at most ``read_part_size`` bytes, at most ``read_concurrency`` of
-    them in flight at once, each answer copied straight into the buffers it
-    covers. (Not ``obstore.get_ranges``: it merges adjacent ranges back into
-    one request, so the parts of a large read went out as one GET each window.)
-    ``on_part(a, b)``, if given, runs once each part [a, b) has landed, in
-    the thread that received it (a reader verifies the part's checksums there,
-    while the bytes are in cache); an exception it raises fails the read.
+    them in flight at once, each answer streamed and copied chunk by chunk
+    straight into the buffers it covers (`_get`). ``on_part(a, b)``, if given,
+    runs as each stretch [a, b) lands (stretches of one GET overlap by one
+    chunk, so a block across two chunks is reported whole once), in the thread
+    that received it (a reader verifies checksums there, while the bytes are in
+    cache); an exception it raises fails the read and comes out unchanged.
     """
 
     # Consecutive buffers share requests, and each answer is copied straight into the buffers it
@@ -196,24 +211,48 @@ class _ObjectReader:
 
     def _get(self, a: int, b: int, base: int, views: list[memoryview],
              on_part: Callable[[int, int], None] | None) -> None:
-        """Object bytes [a, b) into `views` (which hold the bytes from `base` on, one after another)."""
+        """Object bytes [a, b) into `views` (which hold the bytes from `base` on, one after another).
+
+        One ranged GET whose answer is streamed: each chunk the client hands over (at least
+        `_STREAM_CHUNK` bytes, or the rest) is copied straight into the views it covers, the only
+        copy between the client and the destination, and its blocks are checked (`on_part`) while
+        the next chunk is still on the wire. The client holds one chunk at a time, not the answer. A
+        transient failure mid-answer resumes from the first byte not yet landed."""
         import obstore
 
         s, key = self.storage, self.key
-        data = s.call("read", key, lambda: obstore.get_range(s.store, key, start=a, length=b - a))
-        got = memoryview(data)
-        if len(got) != b - a:
-            raise EOFError(f"{s.describe(key)}: asked for bytes {a}..{b}, the store returned {len(got)} bytes")
-        pos = base
-        for v in views:
-            lo, hi = max(a, pos), min(b, pos + len(v))
-            if lo < hi:  # numpy copies without holding the GIL
-                np.copyto(np.frombuffer(v[lo - pos : hi - pos], np.uint8), np.frombuffer(got[lo - a : hi - a], np.uint8))
-            pos += len(v)
-            if pos >= b:
-                break
-        if on_part is not None:
-            on_part(a, b)
+        landed = a
+        starts = list(itertools.accumulate((len(v) for v in views), initial=base))
+
+        def fetch() -> None:
+            nonlocal landed
+            if landed >= b:
+                return
+            checked = landed
+            result = obstore.get(s.store, key, options={"range": (landed, b)})
+            for chunk in result.stream(min_chunk_size=_STREAM_CHUNK):
+                got = memoryview(chunk)
+                n = len(got)
+                if n == 0:
+                    continue
+                if landed + n > b:
+                    raise EOFError(f"{s.describe(key)}: asked for bytes {a}..{b}, the store sent more")
+                _scatter(got, landed, views, starts)
+                if on_part is not None:  # from the previous chunk on: the blocks across the boundary too
+                    try:
+                        on_part(checked, landed + n)
+                    except BaseException as e:  # the caller's error (a checksum), not the store's
+                        raise _Passthrough(e) from None
+                checked = landed
+                landed += n
+            if landed != b:
+                raise EOFError(f"{s.describe(key)}: asked for bytes {a}..{b}, the store returned "
+                               f"{landed - a} bytes")
+
+        try:
+            s.call("read", key, fetch)
+        except _Passthrough as p:
+            raise p.error from None
 
     def close(self) -> None:
         pass
@@ -264,6 +303,7 @@ class ObjectStorage:
                                          retry_config={"max_retries": t.max_retries, "backoff": backoff})
         except Exception as e:
             raise ValueError(f"{url}: cannot configure the object store: {_summary(e)}") from None
+        self._scheme, self._config = scheme, dict(config)
         self.retries = 0
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -290,7 +330,11 @@ class ObjectStorage:
         while True:
             try:
                 return fn()
+            except _Passthrough:
+                raise
             except Exception as e:
+                if _CREDENTIAL_FALLBACK.search(_summary(e)):
+                    raise self._no_credentials(key) from None
                 if attempt >= t.max_retries or not is_transient(e):
                     raise self._error(op, key, e, attempt) from e
             attempt += 1
@@ -298,6 +342,31 @@ class ObjectStorage:
                 self.retries += 1
             wait = min(t.max_backoff, t.retry_backoff * 2 ** (attempt - 1))
             time.sleep(wait / 2 + random.uniform(0, wait / 2))  # jitter spreads out synchronized clients
+
+    def _no_credentials(self, key: str) -> BaseException:
+        """The client found no credentials in the settings or the environment and fell back on a cloud
+        VM's metadata service, which did not answer: say which settings are missing."""
+        env = os.environ
+        if self._scheme == "s3":
+            given = {k for k in self._config if k in ("access_key_id", "secret_access_key", "aws_access_key_id",
+                                                       "aws_secret_access_key")}
+            missing = "storage_options 'access_key_id' and 'secret_access_key'" if not given else \
+                "storage_options 'access_key_id' or 'secret_access_key' (one of them is set)"
+            if not given and not (env.get("AWS_ACCESS_KEY_ID") or env.get("AWS_SECRET_ACCESS_KEY")):
+                missing += " (or the environment's AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY)"
+            if not (self._config.get("endpoint") or self._config.get("aws_endpoint") or env.get("AWS_ENDPOINT_URL")
+                    or env.get("AWS_ENDPOINT")):
+                missing += ("; no 'endpoint' is set either (an S3-compatible server such as MinIO needs "
+                            "storage_options 'endpoint', with 'allow_http' for http://)")
+        elif self._scheme in ("az", "azure", "abfs", "abfss"):
+            missing = ("storage_options 'account_name' with 'account_key' (or 'sas_key', or 'use_emulator' "
+                       "with 'endpoint' for Azurite)")
+        else:
+            missing = ("storage_options 'service_account_key' or 'service_account_path' "
+                       "(or the environment's GOOGLE_APPLICATION_CREDENTIALS)")
+        return NoCredentialsError(
+            f"{self.describe(key)}: no credentials for {self._scheme}://: missing {missing}. Without them "
+            "the client asks a cloud VM's instance-metadata service, and none answered here. Nothing was written.")
 
     def _error(self, op: str, key: str, e: BaseException, retries: int) -> BaseException:
         where = self.describe(key)
@@ -475,6 +544,33 @@ def _delete(obstore: Any, store: Any, keys: list[str]) -> None:
                     obstore.delete(store, key)
                 except FileNotFoundError:
                     pass
+
+
+class NoCredentialsError(CheckpointError, PermissionError):
+    """No credentials for an object store in the settings or the environment (see `ObjectStorage._no_credentials`)."""
+
+
+class _Passthrough(Exception):
+    """Carries an exception of the caller's (raised in `on_part`) through `call` unchanged."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _scatter(got: memoryview, pos: int, views: list[memoryview], starts: list[int]) -> None:
+    """Copy `got` (object bytes from `pos` on) into `views`, which hold the bytes from ``starts[0]`` on
+    (``starts[i]``: where view i begins). numpy copies without holding the GIL."""
+    i = max(bisect.bisect_right(starts, pos) - 1, 0)
+    end = pos + len(got)
+    while pos < end and i < len(views):
+        lo, hi = pos, min(end, starts[i + 1])
+        if lo < hi:
+            off = lo - starts[i]
+            src = got[lo - (end - len(got)) : hi - (end - len(got))]
+            np.copyto(np.frombuffer(views[i][off : off + hi - lo], np.uint8), np.frombuffer(src, np.uint8))
+            pos = hi
+        i += 1
 
 
 def _bytes_view(p: Buffer) -> memoryview:

@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from .._core.checksum import crc32c
+from .._core.stats import Progress
 from .._errors import (
     CheckpointError,
     CheckpointExistsError,
@@ -378,6 +379,8 @@ def copy(
         cairn.copy("/ckpt/run1/step_00001000", "s3://bucket/run1/step_00001000")
     """
     t0 = time.perf_counter()
+    tracker = Progress("move" if move else "copy", str(dst))  # "progress" events for listeners that ask
+    on_total, progress = tracker.wrap(on_total, progress)
     # A recompressing copy is a save: its options are checked before anything is read.
     recompress = SaveOptions(overwrite=overwrite, compression=compression) if compression is not None else None
     s = resolve(src, storage_options)
@@ -388,10 +391,12 @@ def copy(
         if move:
             raise ValueError("move=True copies stored bytes as they are: pass no compression")
         try:
-            return _recompress(s, d, compression, overwrite, t0, budget_bytes, threads, progress)
+            done = _recompress(s, d, compression, overwrite, t0, budget_bytes, threads, progress)
         except CheckpointNotFoundError:
             refuse_foreign(s, "cp")
             raise
+        tracker.finish()
+        return done
     # Incremental (format 4): blocks in a base's files are read through their references, and the copy
     # is self-contained (raw blocks): its bytes copied as they are would refer to files beside `src`.
     try:
@@ -403,7 +408,9 @@ def copy(
         if move:
             raise CheckpointError(f"{s.path} refers to its base checkpoints (an incremental save): move=True "
                                   "would copy references; copy it (a self-contained copy), then delete it")
-        return _recompress(s, d, False, overwrite, t0, budget_bytes, threads, progress)
+        done = _recompress(s, d, False, overwrite, t0, budget_bytes, threads, progress)
+        tracker.finish()
+        return done
     if budget_bytes < 2 * MIN_PIECE:
         raise ValueError(f"budget_bytes={budget_bytes} is below the minimum of {2 * MIN_PIECE}")
     # Two pieces per file in flight: the one the writer is taking, the next one being read.
@@ -453,6 +460,7 @@ def copy(
         strategy_for(s.storage).delete(s.name)
         stats.moved = True
     stats.seconds = time.perf_counter() - t0
+    tracker.finish()
     return stats
 
 
