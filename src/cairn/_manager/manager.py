@@ -683,11 +683,16 @@ class CheckpointManager(StepWatch):
         keep = retained(self.policy, infos)
         # Incremental: steps that kept steps, or saves in progress, refer to stay (`_run.refs`).
         keep |= _refs.protected(self._storage, self._folders, keep, list(self._inflight_bases.values()))
-        doomed = [s for s in steps if s not in keep]
+        # Newest first: an incremental step refers only to older ones, so a crash between two
+        # deletions never leaves a committed step whose base is gone.
+        doomed = sorted((s for s in steps if s not in keep), reverse=True)
         if doomed:
             with _leases.spare_leased(self._storage, doomed, self.directory) as free:
-                for s in free:
-                    self._delete_step(s)
+                # A step a reader's lease spares keeps what it refers to, too.
+                spared = _refs.protected(self._storage, self._folders, set(doomed) - set(free))
+                for s in sorted(free, reverse=True):
+                    if s not in spared:
+                        self._delete_step(s)
 
     def _delete_step(self, step: int, why: str = "retention deleted") -> None:
         if self.trash_dir is not None:
