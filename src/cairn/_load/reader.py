@@ -340,8 +340,8 @@ class ChunkReader:
 
     def _landing(self, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> list[memoryview] | None:
         """The destination bytes an uncompressed read lands in without a copy (as `do_read` lands
-        it), in file order; None where it needs a buffer."""
-        if leaf.codec != "none":
+        it), in file order; None where it needs a buffer (or its blocks may be references: `do_read`)."""
+        if leaf.codec != "none" or leaf.refs:
             return None
         direct = read.direct
         if direct is not None:
