@@ -178,12 +178,16 @@ def test_retention_never_deletes_orbax_steps_unless_asked(tmp_path, mesh42):
 # ---------------------------------------------------------------------- 9. restore(abstract) positionally
 
 
-def test_restore_with_the_tree_as_first_argument_says_what_to_do(tmp_path, mesh42):
+def test_restore_with_the_tree_as_first_argument_restores_onto_it(tmp_path, mesh42):
     run = tmp_path / "run"
     with mgr_of(run) as mgr:
         mgr.save(1, state_of(mesh42, 1))
+        mgr.save(2, state_of(mesh42, 2))
+        got = mgr.restore(target_of(mesh42))  # the newest step, onto the tree's shardings
+        assert mgr.restored_step == 2
+        assert got["params"]["w"].sharding == NamedSharding(mesh42, P("x", "y"))
         with pytest.raises(TypeError, match=r"the first argument is the step.*pass the tree as target="):
-            mgr.restore(target_of(mesh42))
+            mgr.restore(target_of(mesh42), target_of(mesh42))
         got = mgr.restore(1, target_of(mesh42))
         assert got["params"]["w"].sharding == NamedSharding(mesh42, P("x", "y"))
 

@@ -800,6 +800,9 @@ class CheckpointManager(StepWatch):
         skipped, with a log line, for the next older one; `restored_step`
         records which step was loaded.
 
+        A tree as the only positional argument is the target: ``mgr.restore(abstract)`` restores
+        the newest step onto it.
+
         Raises `CheckpointNotFoundError` if there is no (such) committed step,
         `CorruptCheckpointError` if it (or, with `fallback`, every step) fails
         verification.
@@ -810,6 +813,8 @@ class CheckpointManager(StepWatch):
             print("resumed from", mgr.restored_step)
         """
         self._check_open()
+        if step is not None and not isinstance(step, int) and not hasattr(step, "__index__") and target is None:
+            step, target = None, step  # mgr.restore(abstract): a tree is never a step number
         if step is not None and not isinstance(step, int) and not hasattr(step, "__index__"):
             raise TypeError(f"{self.directory}: restore(step, target): the first argument is the step to restore, "
                             f"got a {type(step).__name__}; pass the tree as target= (mgr.restore(target=abstract), "
