@@ -117,7 +117,7 @@ PUBLIC_API = [
     "CheckpointNotFoundError", "CoordinationError", "CoordinationTimeoutError", "Coordinator",
     "CorruptCheckpointError", "KeepAll", "KeepAny", "KeepBest", "KeepEvery", "KeepIf", "KeepLatest",
     "KeepNewerThan", "KeepOnePer", "LoadPlan", "LoadStats", "LocalTier", "MismatchError",
-    "PerProcess", "RestoreReport", "RetentionPolicy", "SaveFuture", "SaveStats", "StatsEvent", "UnsupportedTypeError", "__version__",
+    "PerProcess", "ProgressStats", "RestoreReport", "RetentionPolicy", "SaveFuture", "SaveStats", "StatsEvent", "UnsupportedTypeError", "__version__",
     "add_listener", "copy", "export_orbax", "export_orbax_run", "export_safetensors", "load", "metadata", "plan_load", "register_type", "release_snapshot_buffers", "remove_listener", "save", "save_async", "shutdown",
     "user_metadata", "wait_all",
 ]
