@@ -473,6 +473,23 @@ def test_deltas_that_do_not_pay_are_not_kept(tmp_path):
     assert np.asarray(cairn.load(tmp_path / "s1")["w"]).tobytes() == w1.tobytes()
 
 
+def test_deltas_are_not_tried_where_the_incremental_base_found_they_did_not_pay(tmp_path, monkeypatch):
+    import cairn._save.incremental as inc
+
+    tried: list[int] = []
+    real = inc._try_delta
+    monkeypatch.setattr(inc, "_try_delta", lambda *a: tried.append(1) or real(*a))
+    frozen = _bf16(17)  # unchanged: s1 refers to s0 for it, so s1 is incremental, not self-contained
+    _hashed(tmp_path / "s0", {"w": _bf16(9), "frozen": frozen})
+    cairn.save(tmp_path / "s1", {"w": _bf16(10), "frozen": frozen}, base=tmp_path / "s0")  # samples, none pays
+    assert tried and set(_codecs_of(tmp_path / "s1")) == {0}
+    tried.clear()
+    w2 = _nudged(_bf16(10), 0.005, 16)
+    cairn.save(tmp_path / "s2", {"w": w2, "frozen": frozen}, base=tmp_path / "s1")  # s1 stored w's blocks as such
+    assert not tried and set(_codecs_of(tmp_path / "s2")) == {0}
+    assert np.asarray(cairn.load(tmp_path / "s2")["w"]).tobytes() == w2.tobytes()
+
+
 def test_delta_chains_stay_one_hop_and_copy_self_contained(tmp_path):
     from cairn._format.blocks import DELTA
 
