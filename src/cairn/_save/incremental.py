@@ -24,10 +24,10 @@ base is self-contained (the first save after a full one), or whose base
 chunk holds deltas (they paid last time) or only references (unchanged
 then); never where the base, itself incremental, stored blocks of the chunk
 as themselves (a delta was tried there and did not pay). Within a chunk
-the first changed block samples, and the chunk's later changed blocks try a
-delta only while that paid (a chunk whose values all change pays one
-base-block read for each run of `RUN_BLOCKS` blocks already in flight when
-its sample failed, then none). A delta is kept when it stores at most a
+the first changed block samples (a raw base block: its first 64 KiB first),
+and the chunk's later changed blocks try a delta only while that paid (a
+chunk whose values all change pays one sample for each run of `RUN_BLOCKS`
+blocks already in flight when its sample failed, then none). A delta is kept when it stores at most a
 quarter of the bytes the block itself would (`DELTA_GAIN`): a restore then
 reads at most 1.25x the block's stored bytes, the save writes at most a
 quarter, and blocks that XOR only to half (bf16 weights at a pretraining
@@ -70,6 +70,8 @@ BATCH = 4 << 20
 DELTA_GAIN = 0.25
 #: Blocks smaller than this are never tried as deltas (a base read per block would cost more than it saves).
 DELTA_MIN = 4096
+#: A chunk's sample first XORs this many leading bytes of a raw base block (`_try_delta`).
+PROBE = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -366,7 +368,7 @@ def _run(raw: memoryview, base: list[_Base] | None, block: int, codec: str, dtyp
         enc: Any = None
         if (ctx is not None and base is not None and k < len(base) and len(piece) >= DELTA_MIN
                 and ctx.state.get("try", True)):
-            delta = _try_delta(piece, base[k], ctx, dtype)
+            delta = _try_delta(piece, base[k], ctx, dtype, "try" not in ctx.state)
             if delta is not None:
                 own = len(piece) if codec == "none" else None
                 if own is None:
@@ -408,13 +410,20 @@ def _copy_delta(b: _Base, ctx: _DeltaCtx) -> _Delta | None:
     return _Delta(data, target)
 
 
-def _try_delta(piece: memoryview, b: _Base, ctx: _DeltaCtx, dtype: Any) -> _Delta | None:
+def _try_delta(piece: memoryview, b: _Base, ctx: _DeltaCtx, dtype: Any, probe: bool = False) -> _Delta | None:
     """`piece` as a delta against the self-contained block at `b`'s position; None where that block cannot
-    be read or decoded (a damaged base is not a reason to fail a save: the block is stored as itself)."""
+    be read or decoded (a damaged base is not a reason to fail a save: the block is stored as itself).
+    With `probe` (a chunk's sample) and a raw base block, the first `PROBE` bytes decide first: where
+    their XOR does not code to `DELTA_GAIN` of them, the whole block is neither read nor tried."""
     try:
         target, _ = _target(b, ctx)
         if target.codec >= len(CODEC_NAMES):
             return None
+        if probe and target.codec == 0 and len(piece) > 2 * PROBE:
+            head = ctx.read(target.base, target.name, target.offset, PROBE)
+            x = np.bitwise_xor(np.frombuffer(piece[:PROBE], np.uint8), np.frombuffer(head, np.uint8))
+            if len(_codecs.encode("zstd", x, np.uint8)) > DELTA_GAIN * PROBE:
+                return None
         stored = ctx.read(target.base, target.name, target.offset, target.stored)
         if crc32c(stored) != target.crc:
             return None
