@@ -538,3 +538,34 @@ def test_damaged_deltas_and_damaged_delta_bases_are_named(tmp_path):
         cairn.load(tmp_path / "s1")
     report = verify(tmp_path / "s1")
     assert not report.ok and "base 's0'" in report.problems[0].message
+
+
+GOLDEN_DELTA = os.path.join(os.path.dirname(__file__), "golden", "v4", "delta")
+
+
+def _golden_delta_state(step: int) -> dict:
+    """tests/golden/make_golden_v4_delta.py's values, written out again."""
+    w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    emb = (np.arange(128 * 64) % 251).astype(ml_dtypes.bfloat16).reshape(128, 64)
+    if step >= 2:
+        w[40, :] += 0.5
+        emb[5, :4] = 7
+    if step >= 3:
+        w[3, :] += 0.25
+    return {"params": {"w": w, "emb": emb}, "step": step}
+
+
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_golden_v4_deltas_load_exactly(step, mesh8):
+    from cairn._format.blocks import DELTA
+
+    path = Path(GOLDEN_DELTA, f"step_{step:08d}")
+    _same(_golden_delta_state(step), cairn.load(path))
+    got = cairn.load(path, {"params": {"w": NamedSharding(mesh8, P(None, "x")), "emb": NamedSharding(mesh8, P("x"))}})
+    assert np.asarray(got["params"]["w"]).tobytes() == _golden_delta_state(step)["params"]["w"].tobytes()
+    assert verify(path).ok
+    # Step 2: w's block 2 and emb's block 0 are deltas against step 1's (planes-coded) blocks; step 3 adds w's
+    # block 0 and copies step 2's delta of block 2, all against step 1 (one hop).
+    assert _codecs_of(path).count(DELTA) == {1: 0, 2: 2, 3: 3}[step]
+    m = fmt.Manifest.from_json(Path(path, "manifest.json").read_bytes(), str(path))
+    assert m.bases == {1: (), 2: ("step_00000001",), 3: ("step_00000001",)}[step]
