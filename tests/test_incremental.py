@@ -569,3 +569,22 @@ def test_golden_v4_deltas_load_exactly(step, mesh8):
     assert _codecs_of(path).count(DELTA) == {1: 0, 2: 2, 3: 3}[step]
     m = fmt.Manifest.from_json(Path(path, "manifest.json").read_bytes(), str(path))
     assert m.bases == {1: (), 2: ("step_00000001",), 3: ("step_00000001",)}[step]
+
+
+def test_manager_keeps_the_full_step_its_deltas_are_against(tmp_path):
+    from cairn._format.blocks import DELTA
+
+    ws = [_bf16(20)]
+    for s in range(1, 4):
+        ws.append(_nudged(ws[-1], 0.005, 20 + s))
+    with cairn.CheckpointManager(tmp_path, max_to_keep=1, incremental=True, full_every=10) as mgr:
+        for step, w in enumerate(ws):
+            mgr.save(step, {"w": w})
+        mgr.wait()
+        # Step 0 is the full step every later delta is against (one hop): kept, although max_to_keep=1.
+        assert mgr.steps() == [0, 3]
+        m = fmt.Manifest.from_json((tmp_path / "step_00000003" / "manifest.json").read_bytes(), "m")
+        assert m.bases == ("step_00000000",) and _codecs_of(tmp_path / "step_00000003").count(DELTA) == 4
+        assert np.asarray(mgr.restore(3)["w"]).tobytes() == ws[3].tobytes()
+        with pytest.raises(cairn.CheckpointError, match="step 0 holds data"):
+            mgr.delete(0)
