@@ -74,7 +74,9 @@ def test_only_changed_blocks_are_written_and_loads_are_bitwise(tmp_path):
     assert full.bytes_written >= s1["params"]["backbone"].nbytes
     s2["params"]["backbone"][1000, 7] += 1  # one element of the last of three 1 MiB blocks
     inc = cairn.save(tmp_path / "c", s2, base=tmp_path / "b")
-    assert inc.bytes_written == MiB + 64 * 64 * 4  # the changed block and the head; ids, mask, blob referred to
+    # The changed block (one element) and the head (1.0 -> 2.0 everywhere: a constant XOR) are written as
+    # deltas against b's blocks, a few dozen bytes each; ids, mask, blob are referred to.
+    assert 0 < inc.bytes_written < 1024
     m = fmt.Manifest.from_json((tmp_path / "c" / "manifest.json").read_bytes(), "c")
     assert m.version == 4 and m.bases == ("b",)
     _same(s2, cairn.load(tmp_path / "c"))
@@ -108,7 +110,9 @@ def test_resharded_and_read_once_loads(tmp_path, mesh8, mesh42):
     y[255, :] = 0
     b = jax.device_put(y, NamedSharding(mesh8, P("x")))
     st = cairn.save(tmp_path / "2", {"w": b, "k": jax.random.key(3)}, base=tmp_path / "1")
-    assert st.bytes_written == MiB  # the shards are merged into one chunk of 2 blocks: the last one
+    # The shards are merged into one chunk of 2 blocks: the last one changed in one row of 256 (8 KiB of
+    # random floats), written as a delta against 1's block (the loads below rebuild it, resharded).
+    assert 0 < st.bytes_written < 16 << 10
     for sharding in (NamedSharding(mesh42, P("y", "x")), NamedSharding(mesh42, P(None, ("x", "y"))),
                      NamedSharding(mesh8, P())):
         for read_once in (None, True):
@@ -229,9 +233,10 @@ def test_two_processes(tmp_path):
 
     out = run(2, "incremental_scenarios:chain", {"directory": str(tmp_path)}, devices_per_process=2, timeout=240)
     assert all(r["ok"] for r in out), out
-    # 8 MiB in 8 blocks; one row of process 0's first block changed: it writes that block, process 1 nothing.
-    assert all(r["full_bytes"] == 8 * MiB and r["incremental_bytes"] == MiB for r in out), out
-    assert [r["own_bytes"] for r in out] == [MiB, 0], out
+    # 8 MiB in 8 blocks; one row of process 0's first block changed: it writes that block as a delta against
+    # the base's (a few hundred bytes), process 1 nothing.
+    assert all(r["full_bytes"] == 8 * MiB and 0 < r["incremental_bytes"] < 4096 for r in out), out
+    assert out[0]["own_bytes"] == out[0]["incremental_bytes"] and out[1]["own_bytes"] == 0, out
     # This process (one, four devices fewer) loads what two processes wrote.
     want = np.arange(4 * 2048 * 256, dtype=np.float32).reshape(4 * 2048, 256)
     want[0, :] = 2
@@ -402,3 +407,184 @@ def test_retention_deletes_newest_first_so_a_crash_between_deletions_leaves_no_d
     assert reader.steps() == [0, 1, 2, 4]
     for step in reader.steps():
         _same(_expected(step), reader.restore(step))
+
+
+# ---------------------------------------------------------------------- deltas (slowly changing leaves)
+
+
+def _nudged(x: np.ndarray, frac: float, seed: int) -> np.ndarray:
+    """A copy of bf16 `x` with `frac` of its elements moved to the next bf16 value (an lr-1e-6 step's kind
+    of change: few elements, spread over every block)."""
+    rng = np.random.default_rng(seed)
+    y = x.copy()
+    bits = y.view(np.uint16).reshape(-1)
+    at = rng.choice(bits.size, size=int(bits.size * frac), replace=False)
+    bits[at] += 1
+    return y
+
+
+def _codecs_of(step: Path) -> list[int]:
+    """The codec ids of every block source in a checkpoint's parts."""
+    from cairn._format.partfile import PART_VERSION_BLOCKS, block_columns
+
+    out: list[int] = []
+    for part in step.glob("*/index.p*.idx"):
+        out += block_columns(part.read_bytes(), PART_VERSION_BLOCKS)[1]["codec"].tolist()
+    return out
+
+
+def _hashed(path: Path, state: dict, **kw) -> None:
+    """A self-contained version-4 save (with hashes) of `state` at `path`: against a plain save beside it."""
+    cairn.save(path.with_name(path.name + "_plain"), state, **kw)
+    cairn.save(path, state, base=path.with_name(path.name + "_plain"), **kw)
+    shutil.rmtree(path.with_name(path.name + "_plain"))
+
+
+def _bf16(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((1024, 2048)).astype(ml_dtypes.bfloat16)  # 4 MiB: 4 blocks
+
+
+def test_deltas_store_a_slowly_changing_bf16_leaf_in_a_fraction_of_its_bytes(tmp_path, mesh8, mesh42):
+    from cairn._format.blocks import DELTA
+
+    w0 = _bf16(7)
+    w1 = _nudged(w0, 0.005, 8)
+    assert (w1 != w0).any() and all((w1[r : r + 256] != w0[r : r + 256]).any() for r in range(0, 1024, 256))
+    _hashed(tmp_path / "s0", {"w": w0})
+    st = cairn.save(tmp_path / "s1", {"w": w1}, base=tmp_path / "s0")
+    assert 0 < st.bytes_written <= 0.1 * w1.nbytes, st.bytes_written  # every block changed, each a delta
+    assert _codecs_of(tmp_path / "s1").count(DELTA) == 4
+    assert np.asarray(cairn.load(tmp_path / "s1")["w"]).tobytes() == w1.tobytes()
+    for sharding in (NamedSharding(mesh42, P("y", "x")), NamedSharding(mesh8, P(None, "x"))):
+        for read_once in (None, True):
+            got = cairn.load(tmp_path / "s1", {"w": sharding}, read_once=read_once)
+            assert np.asarray(got["w"]).tobytes() == w1.tobytes()
+    assert verify(tmp_path / "s1").ok
+    data = inspect_data(str(tmp_path / "s1"))
+    assert data["totals"]["file_bytes"] == st.bytes_written
+
+
+def test_deltas_that_do_not_pay_are_not_kept(tmp_path):
+    w0 = _bf16(9)
+    _hashed(tmp_path / "s0", {"w": w0})
+    w1 = _bf16(10)  # every value changes: an XOR of unrelated values codes no smaller than the block
+    st = cairn.save(tmp_path / "s1", {"w": w1}, base=tmp_path / "s0")
+    assert st.bytes_written == w1.nbytes and set(_codecs_of(tmp_path / "s1")) == {0}
+    assert np.asarray(cairn.load(tmp_path / "s1")["w"]).tobytes() == w1.tobytes()
+
+
+def test_deltas_are_not_tried_where_the_incremental_base_found_they_did_not_pay(tmp_path, monkeypatch):
+    import cairn._save.incremental as inc
+
+    tried: list[int] = []
+    real = inc._try_delta
+    monkeypatch.setattr(inc, "_try_delta", lambda *a: tried.append(1) or real(*a))
+    frozen = _bf16(17)  # unchanged: s1 refers to s0 for it, so s1 is incremental, not self-contained
+    _hashed(tmp_path / "s0", {"w": _bf16(9), "frozen": frozen})
+    cairn.save(tmp_path / "s1", {"w": _bf16(10), "frozen": frozen}, base=tmp_path / "s0")  # samples, none pays
+    assert tried and set(_codecs_of(tmp_path / "s1")) == {0}
+    tried.clear()
+    w2 = _nudged(_bf16(10), 0.005, 16)
+    cairn.save(tmp_path / "s2", {"w": w2, "frozen": frozen}, base=tmp_path / "s1")  # s1 stored w's blocks as such
+    assert not tried and set(_codecs_of(tmp_path / "s2")) == {0}
+    assert np.asarray(cairn.load(tmp_path / "s2")["w"]).tobytes() == w2.tobytes()
+
+
+def test_delta_chains_stay_one_hop_and_copy_self_contained(tmp_path):
+    from cairn._format.blocks import DELTA
+
+    w0 = _bf16(11)
+    w1 = _nudged(w0, 0.005, 12)
+    w2 = w1.copy()
+    w2[:256] = _nudged(w1[:256], 0.005, 13)  # block 0 changes again; blocks 1-3 as in step 1
+    _hashed(tmp_path / "s0", {"w": w0}, compression="zstd")  # a coded base: deltas decode it
+    cairn.save(tmp_path / "s1", {"w": w1}, base=tmp_path / "s0")
+    cairn.save(tmp_path / "s2", {"w": w2}, base=tmp_path / "s1")
+    # Step 2's deltas (block 0 new, blocks 1-3 step 1's copied) are all against step 0's blocks.
+    m = fmt.Manifest.from_json((tmp_path / "s2" / "manifest.json").read_bytes(), "s2")
+    assert m.bases == ("s0",)
+    assert _codecs_of(tmp_path / "s2").count(DELTA) == 4
+    assert np.asarray(cairn.load(tmp_path / "s2")["w"]).tobytes() == w2.tobytes()
+    cairn.copy(tmp_path / "s2", tmp_path / "copy")
+    shutil.rmtree(tmp_path / "s1")  # step 2 never needs step 1
+    assert np.asarray(cairn.load(tmp_path / "s2")["w"]).tobytes() == w2.tobytes()
+    assert verify(tmp_path / "s2").ok
+    shutil.rmtree(tmp_path / "s0")
+    assert np.asarray(cairn.load(tmp_path / "copy")["w"]).tobytes() == w2.tobytes()
+    assert set(_codecs_of(tmp_path / "copy")) <= {0, 1, 2} and verify(tmp_path / "copy").ok
+
+
+def test_damaged_deltas_and_damaged_delta_bases_are_named(tmp_path):
+    w0 = _bf16(14)
+    _hashed(tmp_path / "s0", {"w": w0})
+    cairn.save(tmp_path / "s1", {"w": _nudged(w0, 0.005, 15)}, base=tmp_path / "s0")
+    # A flipped byte in a delta block of step 1 (its own data file holds only deltas).
+    (own,) = glob.glob(str(tmp_path / "s1" / "*" / "*.bin"))
+    original = Path(own).read_bytes()
+    flipped = bytearray(original)
+    flipped[len(flipped) // 2] ^= 0x10
+    Path(own).write_bytes(bytes(flipped))
+    report = verify(tmp_path / "s1")
+    assert not report.ok and "CRC-32C" in report.problems[0].message
+    with pytest.raises(cairn.CorruptCheckpointError, match="s1: checksum mismatch"):
+        cairn.load(tmp_path / "s1")
+    Path(own).write_bytes(original)
+    # A flipped byte in the base block a delta is against: the error names both checkpoints.
+    (base,) = glob.glob(str(tmp_path / "s0" / "*" / "*.bin"))
+    flipped = bytearray(Path(base).read_bytes())
+    flipped[5] ^= 0x01
+    Path(base).write_bytes(bytes(flipped))
+    with pytest.raises(cairn.CorruptCheckpointError, match=r"s1: .*a delta against its base checkpoint 's0'"):
+        cairn.load(tmp_path / "s1")
+    report = verify(tmp_path / "s1")
+    assert not report.ok and "base 's0'" in report.problems[0].message
+
+
+GOLDEN_DELTA = os.path.join(os.path.dirname(__file__), "golden", "v4", "delta")
+
+
+def _golden_delta_state(step: int) -> dict:
+    """tests/golden/make_golden_v4_delta.py's values, written out again."""
+    w = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    emb = (np.arange(128 * 64) % 251).astype(ml_dtypes.bfloat16).reshape(128, 64)
+    if step >= 2:
+        w[40, :] += 0.5
+        emb[5, :4] = 7
+    if step >= 3:
+        w[3, :] += 0.25
+    return {"params": {"w": w, "emb": emb}, "step": step}
+
+
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_golden_v4_deltas_load_exactly(step, mesh8):
+    from cairn._format.blocks import DELTA
+
+    path = Path(GOLDEN_DELTA, f"step_{step:08d}")
+    _same(_golden_delta_state(step), cairn.load(path))
+    got = cairn.load(path, {"params": {"w": NamedSharding(mesh8, P(None, "x")), "emb": NamedSharding(mesh8, P("x"))}})
+    assert np.asarray(got["params"]["w"]).tobytes() == _golden_delta_state(step)["params"]["w"].tobytes()
+    assert verify(path).ok
+    # Step 2: w's block 2 and emb's block 0 are deltas against step 1's (planes-coded) blocks; step 3 adds w's
+    # block 0 and copies step 2's delta of block 2, all against step 1 (one hop).
+    assert _codecs_of(path).count(DELTA) == {1: 0, 2: 2, 3: 3}[step]
+    m = fmt.Manifest.from_json(Path(path, "manifest.json").read_bytes(), str(path))
+    assert m.bases == {1: (), 2: ("step_00000001",), 3: ("step_00000001",)}[step]
+
+
+def test_manager_keeps_the_full_step_its_deltas_are_against(tmp_path):
+    from cairn._format.blocks import DELTA
+
+    ws = [_bf16(20)]
+    for s in range(1, 4):
+        ws.append(_nudged(ws[-1], 0.005, 20 + s))
+    with cairn.CheckpointManager(tmp_path, max_to_keep=1, incremental=True, full_every=10) as mgr:
+        for step, w in enumerate(ws):
+            mgr.save(step, {"w": w})
+        mgr.wait()
+        # Step 0 is the full step every later delta is against (one hop): kept, although max_to_keep=1.
+        assert mgr.steps() == [0, 3]
+        m = fmt.Manifest.from_json((tmp_path / "step_00000003" / "manifest.json").read_bytes(), "m")
+        assert m.bases == ("step_00000000",) and _codecs_of(tmp_path / "step_00000003").count(DELTA) == 4
+        assert np.asarray(mgr.restore(3)["w"]).tobytes() == ws[3].tobytes()
+        with pytest.raises(cairn.CheckpointError, match="step 0 holds data"):
+            mgr.delete(0)

@@ -31,6 +31,7 @@ import numpy as np
 from .._core.checksum import crc32c
 from .._core.memo import Memo
 from .._errors import corrupt
+from .blocks import DELTA
 from .partfile import (
     HASH_BYTES,
     HEADER_BYTES,
@@ -292,7 +293,8 @@ class ChunkTable:
                     ob = at(size_at + part.crcs * 20 + cno * SOURCE_BYTES, ncrc * SOURCE_BYTES) if ncrc else b""
                     blocks_of.append((hb, ob))
                     src = np.frombuffer(ob, dtype=SOURCE)
-                    totals.append(sum(v for v, f in zip(st, src["file"].tolist()) if f == OWN))
+                    totals.append(sum(v for v, f, c in zip(st, src["file"].tolist(), src["codec"].tolist())
+                                      if f == OWN or c == DELTA))  # a delta's bytes are the chunk's own
                     continue
                 totals.append(sum(st))
             stored_total = np.asarray(totals, dtype=np.int64)
@@ -351,12 +353,18 @@ class ChunkTable:
                        part: PartInfo) -> None:
         """Version 4: a record's block sources: own blocks of codec "none" hold their raw size, every
         block at most `stored_bound`, every reference inside a file of the part (`incremental`)."""
-        from .blocks import CODEC_NAMES
+        from .blocks import CODEC_NAMES, DELTA_HEADER
 
         src = np.frombuffer(ob, dtype=SOURCE)
         codec = self._codec.get(leaf, "none")
         for b, (v, r, f, c, off) in enumerate(zip(st, raw_blocks(nbytes, self.block), src["file"].tolist(),
                                                   src["codec"].tolist(), src["offset"].tolist())):
+            if c == DELTA:  # own bytes, against a block of a base's file (its size is in the delta's header)
+                if f == OWN or f >= part.files or v < DELTA_HEADER.size or v > stored_bound(r) + DELTA_HEADER.size:
+                    raise corrupt(where, f"record {rno} block {b}: a bad delta")
+                if self.file_sizes and off >= self.file_sizes[part.file_base + f]:
+                    raise corrupt(where, f"record {rno} block {b}: a delta against bytes outside its base's file")
+                continue
             if c >= len(CODEC_NAMES) or v > stored_bound(r) or (CODEC_NAMES[c] == "none" and v != r):
                 raise corrupt(where, f"record {rno} block {b}: a bad codec or stored size")
             if f == OWN:

@@ -17,12 +17,19 @@ it no more than for one more checksum pass.
 
 from __future__ import annotations
 
+import struct
 from typing import Any
 
 #: Version 4's per-block codec ids (the byte in a block's source), in `CODECS` order.
 CODEC_NAMES = ("none", "zstd", "planes")
 CODEC_IDS = {name: i for i, name in enumerate(CODEC_NAMES)}
 HASH_BYTES = 16
+
+#: The codec id of a **delta** block (docs/FORMAT.md §6.5): its stored bytes, in the chunk's own data file,
+#: are `DELTA_HEADER` (the base block's codec id, CRC-32C and stored size) then one zstd frame of the XOR of
+#: its raw bytes with the base block's raw bytes; its source's file and offset name the base block.
+DELTA = 3
+DELTA_HEADER = struct.Struct("<B3xIQ")
 
 try:
     import xxhash as _xxhash

@@ -9,7 +9,10 @@ bytes lie back to back in one file are read as one range (a ranged read in
 the base's file for references, so an unchanged block costs what it costs
 in the base), every block's CRC-32C is checked on its stored bytes, and each
 is decoded by its own codec into the destination (or into a buffer the
-copies take from).
+copies take from). A delta block (codec `DELTA`) is the chunk's own bytes
+(a header and a zstd frame of an XOR) against a block of a base's file: the
+base block is read (one more ranged read), checked against the CRC-32C its
+header records, decoded, and XORed with the decoded delta.
 """
 
 from __future__ import annotations
@@ -22,15 +25,16 @@ from .._core.checksum import crc32c
 from .._errors import CorruptCheckpointError
 from .._format import codecs as _codecs
 from .._format import manifest as fmt
-from .._format.binindex import raw_blocks
-from .._format.blocks import CODEC_NAMES
+from .._format.binindex import raw_blocks, stored_bound
+from .._format.blocks import CODEC_NAMES, DELTA, DELTA_HEADER
 from .._plan.reads import Read
 from .._tree.pytree import display_path
 
 
-def block_places(leaf: fmt.ArrayLeaf, cell: int, block: int) -> list[tuple[int, int, int, int, int]]:
-    """Per block of chunk `cell`: ``(file, offset, stored size, CRC, codec id)`` (a reference's file is
-    the index's entry of the base's file)."""
+def block_places(leaf: fmt.ArrayLeaf, cell: int, block: int) -> list[tuple[int, int, int, int, int, Any]]:
+    """Per block of chunk `cell`: ``(file, offset, stored size, CRC, codec id, against)`` (a reference's
+    file is the index's entry of the base's file; a delta's stored bytes are own, and `against` is the
+    ``(file, offset)`` of the base block it is against, else None)."""
     table = leaf.chunks.table  # type: ignore[attr-defined]  # a refs leaf is part-indexed (parser checks)
     n = leaf.chunks.leaf  # type: ignore[attr-defined]
     file, offset, crcs = table.entry(n, cell)
@@ -38,15 +42,38 @@ def block_places(leaf: fmt.ArrayLeaf, cell: int, block: int) -> list[tuple[int, 
     got = table.sources(n, cell)
     if got is None:
         raise CorruptCheckpointError(f"{table.where}: leaf {leaf.path!r} chunk {cell} has no block sources")
-    out = []
+    out: list[tuple[int, int, int, int, int, Any]] = []
     pos = offset
     for b, (f, codec, off) in enumerate(got[1]):
-        if f < 0:
-            out.append((file, pos, sizes[b], crcs[b], codec))
+        if f < 0 or codec == DELTA:
+            out.append((file, pos, sizes[b], crcs[b], codec, (f, off) if codec == DELTA else None))
             pos += sizes[b]
         else:
-            out.append((f, off, sizes[b], crcs[b], codec))
+            out.append((f, off, sizes[b], crcs[b], codec, None))
     return out
+
+
+def undelta(stored: Any, raw_size: int, dtype: Any, read_base: Any, out: np.ndarray, where: str) -> None:
+    """Rebuild a delta block into `out` (`raw_size` bytes): `stored` its checked stored bytes,
+    ``read_base(offset, size)`` the bytes of the base's file it is against (the offset its source gives)."""
+    if len(stored) < DELTA_HEADER.size:
+        raise CorruptCheckpointError(f"{where}: a delta block of {len(stored)} bytes, shorter than its header")
+    codec, crc, size = DELTA_HEADER.unpack_from(stored)
+    if codec >= len(CODEC_NAMES) or size > stored_bound(raw_size):
+        raise CorruptCheckpointError(f"{where}: a delta's header names codec {codec} and {size} stored bytes")
+    base = read_base(size)
+    got = crc32c(base)
+    if got != crc:
+        raise CorruptCheckpointError(f"{where}: the base block of a delta has CRC-32C {got:#010x}, its "
+                                     f"header records {crc:#010x}")
+    if codec == 0:
+        if size != raw_size:
+            raise CorruptCheckpointError(f"{where}: the base block of a delta stores {size} bytes, not {raw_size}")
+        out[:] = np.frombuffer(base, np.uint8)
+    else:
+        _codecs.decode(CODEC_NAMES[codec], base, dtype, raw_size, out, where=where)
+    xor = _codecs.decode("zstd", memoryview(stored)[DELTA_HEADER.size :], np.uint8, raw_size, where=where)
+    np.bitwise_xor(out, np.frombuffer(xor, np.uint8), out=out)
 
 
 def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> None:
@@ -90,7 +117,7 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
             raise _named(reader, f, e) from None
         pos = 0
         for b in g:
-            _f, off, size, crc, codec = places[b]
+            _f, off, size, crc, codec, against = places[b]
             piece = view[pos : pos + size]
             pos += size
             got = crc32c(piece)
@@ -103,6 +130,23 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
                     f"computed {got:#010x}")
             lo = b * block - read.start
             hi = lo + raws[b]
+            if codec == DELTA:
+                bf, boff = against
+
+                def read_base(n: int, bf: int = bf, boff: int = boff) -> np.ndarray:
+                    buf = np.empty(n, dtype=np.uint8)
+                    try:
+                        reader._fill(bf, boff, memoryview(buf.data), leaf)  # type: ignore[arg-type]
+                    except CorruptCheckpointError as e:
+                        raise _named(reader, bf, e) from None
+                    return buf
+
+                base_entry = reader.index.files[bf]
+                undelta(piece, raws[b], leaf.dtype, read_base, raw[lo:hi],
+                        where=f"{reader.loc.path}: leaf {display_path(leaf.path, reader.item)!r} chunk {cell} block "
+                              f"{b} (a delta against its base checkpoint {base_entry.base!r}, file "
+                              f"{base_entry.name!r} bytes from {boff})")
+                continue
             if codec >= len(CODEC_NAMES):
                 raise CorruptCheckpointError(f"{reader.loc.path}: leaf {leaf.path!r} chunk {cell} block {b}: "
                                              f"unknown codec id {codec}")
@@ -148,7 +192,7 @@ def check_chunk(leaf: fmt.ArrayLeaf, cell: int, block: int, files: list[fmt.File
     hashes = got[0]
     raws = raw_blocks(leaf.chunk_nbytes(cell), block)
     bad: list[str] = []
-    for b, (f, off, size, crc, codec) in enumerate(block_places(leaf, cell, block)):
+    for b, (f, off, size, crc, codec, against) in enumerate(block_places(leaf, cell, block)):
         entry = files[f]
         where = f"{'base ' + repr(entry.base) + ' ' if entry.base else ''}file {entry.name!r} bytes {off}..{off + size}"
         r = opened.get(f)
@@ -168,8 +212,28 @@ def check_chunk(leaf: fmt.ArrayLeaf, cell: int, block: int, files: list[fmt.File
             bad.append(f"block {b} ({where}) has CRC-32C {crc32c(buf):#010x}, stored {crc:#010x}")
             continue
         try:
-            raw = bytes(buf) if codec == 0 else _codecs.decode(CODEC_NAMES[codec], buf, leaf.dtype, raws[b])
-        except (CorruptCheckpointError, IndexError) as e:
+            if codec == DELTA:
+                bf, boff = against
+                base_entry = files[bf]
+                where = f"{where}, a delta against base {base_entry.base!r} file {base_entry.name!r} at {boff}"
+                rb = opened.get(bf)
+                if rb is None:
+                    raise CorruptCheckpointError("the data file of its base block is missing")
+
+                def read_base(n: int, rb: Any = rb, boff: int = boff) -> np.ndarray:
+                    out = np.empty(n, dtype=np.uint8)
+                    try:
+                        rb.read_into(boff, memoryview(out.data))  # type: ignore[arg-type]
+                    except EOFError:
+                        raise CorruptCheckpointError("its base block lies past the end of its file") from None
+                    return out
+
+                rebuilt = np.empty(raws[b], dtype=np.uint8)
+                undelta(buf, raws[b], leaf.dtype, read_base, rebuilt, where="")
+                raw = rebuilt.tobytes()
+            else:
+                raw = bytes(buf) if codec == 0 else _codecs.decode(CODEC_NAMES[codec], buf, leaf.dtype, raws[b])
+        except (CorruptCheckpointError, IndexError, OSError) as e:
             bad.append(f"block {b} ({where}) does not decode: {e}")
             continue
         if block_hash(raw) != hashes[b * 16 : (b + 1) * 16]:
@@ -189,7 +253,7 @@ def own_and_referenced(leaf: fmt.ArrayLeaf, block: int) -> tuple[int, int]:
         if got is None:
             continue
         for (f, _codec, _off), size in zip(got[1], sizes):
-            if f < 0:
+            if f < 0 or _codec == DELTA:
                 own += size
             else:
                 ref += size

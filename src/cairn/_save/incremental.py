@@ -12,6 +12,28 @@ References stay one hop from self-contained data: where the base's block is
 itself a reference, the new one points where that one points, so reading a
 block never follows more than one reference.
 
+A changed block may instead be stored as a **delta** (codec id `DELTA`):
+the XOR of its raw bytes with the base's block at the same position, zstd
+coded, behind a 16-byte header. Deltas stay one hop from self-contained
+bytes too: a delta is always against a block stored as itself (the base's
+own block, the block a reference of the base points at, or, where the
+base's block is itself a delta, that delta's own base), so restoring a
+block reads at most two stored blocks. Reading the base's block costs I/O at
+save time, so deltas are tried only where they can pay: for a chunk whose
+base is self-contained (the first save after a full one), or whose base
+chunk holds deltas (they paid last time) or only references (unchanged
+then); never where the base, itself incremental, stored blocks of the chunk
+as themselves (a delta was tried there and did not pay). Within a chunk
+the first changed block samples (a raw base block: its first 64 KiB first),
+and the chunk's later changed blocks try a delta only while that paid (a
+chunk whose values all change pays one sample for each run of `RUN_BLOCKS`
+blocks already in flight when its sample failed, then none). A delta is kept when it stores at most a
+quarter of the bytes the block itself would (`DELTA_GAIN`): a restore then
+reads at most 1.25x the block's stored bytes, the save writes at most a
+quarter, and blocks that XOR only to half (bf16 weights at a pretraining
+learning rate share sign and exponent bits) stay as they are, where a delta
+would cost a save and a load more CPU than it saves in bytes.
+
 The base is opened when the save's job runs (`open`), not when it is
 prepared: saves run one at a time in the order asked, so a manager's save
 against the step it asked to save just before finds that step committed
@@ -34,7 +56,7 @@ from .._core.checksum import crc32c
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import codecs as _codecs
 from .._format import manifest as fmt
-from .._format.blocks import CODEC_IDS, HASH_BYTES, block_hash
+from .._format.blocks import CODEC_IDS, CODEC_NAMES, DELTA, DELTA_HEADER, HASH_BYTES, block_hash
 from .._format.partfile import OWN, SOURCE
 from .._storage.location import Location, resolve
 from .._tree.leaves import ArraySource
@@ -44,6 +66,12 @@ from .assign import SaveItem
 RUN_BLOCKS = 4
 SMALL = 64 << 10  # own blocks up to this size join the writer's batch (`engine.SMALL_CHUNK`)
 BATCH = 4 << 20
+#: A delta is kept when its stored bytes are at most this fraction of the block's own stored bytes.
+DELTA_GAIN = 0.25
+#: Blocks smaller than this are never tried as deltas (a base read per block would cost more than it saves).
+DELTA_MIN = 4096
+#: A chunk's sample first XORs this many leading bytes of a raw base block (`_try_delta`).
+PROBE = 64 << 10
 
 
 @dataclass(frozen=True)
@@ -59,13 +87,39 @@ class Ref:
     codec: int  # `blocks.CODEC_NAMES` id of its stored form
 
 
+@dataclass(frozen=True)
+class _Base:
+    """One block of the base, as a save compares with it."""
+
+    hash: bytes
+    ref: Ref  # where its stored bytes are (for a delta of the base: its delta bytes, codec `DELTA`)
+    target: tuple[str, str, int, int] | None  # a delta's block: (checkpoint, file name, file size, offset)
+
+
+@dataclass(frozen=True)
+class _Delta:
+    """A block stored as a delta: its stored bytes (own) and the self-contained block it is against."""
+
+    data: bytes
+    target: Ref
+
+
+@dataclass
+class _DeltaCtx:
+    """What a run needs to try deltas: a reader of base files, the chunk's sampling state."""
+
+    read: Any  # (checkpoint, file name, offset, length) -> bytes
+    state: dict[str, bool]  # "try": False once the chunk's sampled delta did not pay
+
+
 @dataclass
 class _Chunk:
-    """What one written chunk records per block: hashes, and the references among its blocks."""
+    """What one written chunk records per block: hashes, and the references and deltas among its blocks."""
 
     hashes: list[bytes]
     refs: dict[int, Ref]  # block number -> reference
     codec: int  # the codec id of its own blocks
+    deltas: dict[int, Ref] = field(default_factory=dict)  # block number -> the block its delta is against
 
 
 @dataclass
@@ -80,7 +134,10 @@ class Incremental:
     matches: dict[str, dict[int, tuple[fmt.ItemIndex, int]]] = field(default_factory=dict)
     chunks: dict[tuple[str, int, int], _Chunk] = field(default_factory=dict)
     base_name: str | None = None  # set by `open` when a base is in use
+    base_full: bool = False  # the base is self-contained (refers to nothing): every chunk may try deltas
     stats_refs: int = 0  # bytes referred to instead of written, by this process
+    stats_deltas: int = 0  # blocks stored as deltas, by this process
+    dirs: dict[str, str] = field(default_factory=dict)  # item name -> its folder (in the base, as here)
 
     # ------------------------------------------------------------------ the base
 
@@ -101,11 +158,13 @@ class Incremental:
             raise CheckpointError(f"{where}: the base {self.base.path} refers to {self.loc.name}, which this "
                                   "save would replace")
         self.base_name = self.base.name
+        self.base_full = not manifest.bases
         for item in items:
             info = manifest.items.get(item.name)
             if info is None:
                 continue
             index = _read_index(self.base, info)
+            self.dirs[item.name] = info.dir
             if index.block_size != self.block or index.table is None:
                 continue
             by_path = {leaf.path: n for n, leaf in enumerate(index.leaves) if isinstance(leaf, fmt.ArrayLeaf)}
@@ -126,8 +185,8 @@ class Incremental:
             if want:
                 index.table.fetch({n: np.asarray(cells, dtype=np.int64) for n, cells in want.items()})
 
-    def _base_blocks(self, item: str, leaf: int, cell: int) -> list[tuple[bytes, Ref]] | None:
-        """The base's blocks at this position: (hash, where its bytes are), or None without a match."""
+    def _base_blocks(self, item: str, leaf: int, cell: int) -> list[_Base] | None:
+        """The base's blocks at this position (hash, where its bytes are), or None without a match."""
         hit = self.matches.get(item, {}).get(leaf)
         if hit is None or self.base_name is None:
             return None
@@ -144,18 +203,40 @@ class Incremental:
         pos = offset
         for b, (f, codec, off) in enumerate(sources):
             size = sizes[b]
-            if f < 0:  # the base's own bytes
+            target = None
+            if f < 0 or codec == DELTA:  # the base's own bytes (a delta's too)
                 entry = index.files[file]
                 ref = Ref(self.base_name, entry.name, entry.size, pos, size, crcs[b], codec)
                 pos += size
+                if codec == DELTA:
+                    t = index.files[f]
+                    if t.base is None:
+                        raise CorruptCheckpointError(f"{self.base.path if self.base else ''}: a delta against a "
+                                                     "file of its own")
+                    target = (t.base, t.name, t.size, off)
             else:  # the base refers further: point where it points (one hop from the bytes)
                 entry = index.files[f]
                 if entry.base is None:
                     raise CorruptCheckpointError(f"{self.base.path if self.base else ''}: a reference to a "
                                                  "file of its own")
                 ref = Ref(entry.base, entry.name, entry.size, off, size, crcs[b], codec)
-            out.append((hashes[b * HASH_BYTES : (b + 1) * HASH_BYTES], ref))
+            out.append(_Base(hashes[b * HASH_BYTES : (b + 1) * HASH_BYTES], ref, target))
         return out
+
+    def _reader(self, item: str) -> Any:
+        """A function reading ``length`` bytes at ``offset`` of a base's data file of `item`, for deltas."""
+        storage, folder = self.loc.storage, self.dirs[item]
+
+        def read(ckpt: str, name: str, offset: int, length: int) -> bytes:
+            buf = bytearray(length)
+            r = storage.open_read("/".join((ckpt, folder, name)))
+            try:
+                r.read_into(offset, memoryview(buf))
+            finally:
+                r.close()
+            return bytes(buf)
+
+        return read
 
     # ------------------------------------------------------------------ writing
 
@@ -167,6 +248,11 @@ class Incremental:
         with `codec` (in runs on `pool`, a window ahead of the writer)."""
         block = self.block
         base = self._base_blocks(item.name, leaf, cell)
+        # Deltas where they can pay: a self-contained base, or a base chunk with deltas or with only
+        # references (never tried); not where the base, itself incremental, stored changed blocks as such.
+        tries = base is not None and (self.base_full or any(b.target is not None for b in base) or not any(
+            b.target is None and b.ref.base == self.base_name for b in base))
+        ctx = _DeltaCtx(self._reader(item.name), {}) if tries else None
         runs = range(0, len(raw), block * RUN_BLOCKS)
         work = [(raw[o : o + block * RUN_BLOCKS], None if base is None else
                  base[o // block : o // block + RUN_BLOCKS]) for o in runs]
@@ -174,17 +260,18 @@ class Incremental:
         crcs: list[int] = []
         hashes: list[bytes] = []
         refs: dict[int, Ref] = {}
+        deltas: dict[int, Ref] = {}
         own = 0
 
         def results() -> Iterator[list[tuple[bytes, Any, int, int]]]:
             if pool is None or len(work) < 2:
                 for w in work:
-                    yield _run(w[0], w[1], block, codec, dtype)
+                    yield _run(w[0], w[1], block, codec, dtype, ctx)
                 return
             window = max(2, getattr(pool, "_max_workers", 2) + 1)
             ahead: collections.deque[Any] = collections.deque()
             for w in work:
-                ahead.append(pool.submit(_run, w[0], w[1], block, codec, dtype))
+                ahead.append(pool.submit(_run, w[0], w[1], block, codec, dtype, ctx))
                 if len(ahead) >= window:
                     yield ahead.popleft().result()
             while ahead:
@@ -200,6 +287,10 @@ class Incremental:
                     refs[b] = payload
                     self.stats_refs += size
                     continue
+                if isinstance(payload, _Delta):
+                    deltas[b] = payload.target
+                    self.stats_deltas += 1
+                    payload = payload.data
                 own += size
                 if size <= SMALL:
                     batch += payload
@@ -211,7 +302,7 @@ class Incremental:
                     yield batch
                     batch = bytearray()
                 yield payload
-        self.chunks[(item.name, leaf, cell)] = _Chunk(hashes, refs, CODEC_IDS[codec])
+        self.chunks[(item.name, leaf, cell)] = _Chunk(hashes, refs, CODEC_IDS[codec], deltas)
         return batch, tuple(sizes), crcs, own
 
     # ------------------------------------------------------------------ the part
@@ -222,7 +313,7 @@ class Incremental:
         for (name, _leaf, _cell), ch in sorted(self.chunks.items()):
             if name != item:
                 continue
-            for ref in ch.refs.values():
+            for ref in (*ch.refs.values(), *ch.deltas.values()):
                 seen.setdefault((ref.base, ref.name), ref.size)
         return [(b, n, s) for (b, n), s in sorted(seen.items())]
 
@@ -241,32 +332,110 @@ class Incremental:
                 src[b]["file"] = ext[(ref.base, ref.name)]
                 src[b]["codec"] = ref.codec
                 src[b]["offset"] = ref.offset
+            for b, ref in ch.deltas.items():
+                src[b]["file"] = ext[(ref.base, ref.name)]
+                src[b]["codec"] = DELTA
+                src[b]["offset"] = ref.offset
             out[(leaf, cell)] = (b"".join(ch.hashes), src.tobytes())
         return out
 
     def leaves_with_refs(self, item: str) -> list[int]:
-        return sorted({leaf for (name, leaf, _c), ch in self.chunks.items() if name == item and ch.refs})
+        return sorted({leaf for (name, leaf, _c), ch in self.chunks.items() if name == item and (ch.refs or ch.deltas)})
 
 
-def _run(raw: memoryview, base: list[tuple[bytes, Ref]] | None, block: int, codec: str, dtype: Any
-         ) -> list[tuple[bytes, Any, int, int]]:
-    """One run of blocks: per block ``(hash, bytes to write or the `Ref` in its place, stored size, CRC)``."""
+def _run(raw: memoryview, base: list[_Base] | None, block: int, codec: str, dtype: Any,
+         ctx: _DeltaCtx | None = None) -> list[tuple[bytes, Any, int, int]]:
+    """One run of blocks: per block ``(hash, bytes to write, the `Ref` in its place or a `_Delta`, stored
+    size, CRC)``."""
     out: list[tuple[bytes, Any, int, int]] = []
     changed: list[int] = []
     for k, o in enumerate(range(0, len(raw), block)):
         h = block_hash(raw[o : o + block])
-        if base is not None and k < len(base) and base[k][0] == h:
-            ref = base[k][1]
-            out.append((h, ref, ref.stored, ref.crc))
-        else:
-            out.append((h, None, 0, 0))
-            changed.append(k)
-    if changed:
-        for k in changed:
-            piece = raw[k * block : (k + 1) * block]
+        if base is not None and k < len(base) and base[k].hash == h:
+            b = base[k]
+            if b.target is None:
+                out.append((h, b.ref, b.ref.stored, b.ref.crc))
+                continue
+            # Equal to a delta of the base: the same delta against the same block (copied, not recomputed).
+            got = _copy_delta(b, ctx) if ctx is not None else None
+            if got is not None:
+                out.append((h, got, len(got.data), b.ref.crc))
+                continue
+        out.append((h, None, 0, 0))
+        changed.append(k)
+    for k in changed:
+        piece = raw[k * block : (k + 1) * block]
+        enc: Any = None
+        if (ctx is not None and base is not None and k < len(base) and len(piece) >= DELTA_MIN
+                and ctx.state.get("try", True)):
+            delta = _try_delta(piece, base[k], ctx, dtype, "try" not in ctx.state)
+            if delta is not None:
+                own = len(piece) if codec == "none" else None
+                if own is None:
+                    enc = _codecs.encode(codec, piece, dtype)
+                    own = len(enc)
+                if len(delta.data) <= DELTA_GAIN * own:
+                    ctx.state["try"] = True
+                    out[k] = (out[k][0], delta, len(delta.data), crc32c(delta.data))
+                    continue
+            if "try" not in ctx.state:  # the chunk's sample did not pay: its other blocks are stored as themselves
+                ctx.state["try"] = False
+        if enc is None:
             enc = piece if codec == "none" else _codecs.encode(codec, piece, dtype)
-            out[k] = (out[k][0], enc, len(enc), crc32c(enc))
+        out[k] = (out[k][0], enc, len(enc), crc32c(enc))
     return out
+
+
+def _target(b: _Base, ctx: _DeltaCtx) -> tuple[Ref, bytes | None]:
+    """The self-contained block a delta at `b`'s position is against (for a delta of the base: its base,
+    from its header), and the base's delta bytes where they were read."""
+    if b.target is None:
+        return b.ref, None
+    data = ctx.read(b.ref.base, b.ref.name, b.ref.offset, b.ref.stored)
+    if crc32c(data) != b.ref.crc or len(data) < DELTA_HEADER.size:
+        raise ValueError("a damaged delta")
+    codec, crc, size = DELTA_HEADER.unpack_from(data)
+    ckpt, name, fsize, off = b.target
+    return Ref(ckpt, name, fsize, off, size, crc, codec), data
+
+
+def _copy_delta(b: _Base, ctx: _DeltaCtx) -> _Delta | None:
+    """A block equal to a delta of the base: that delta's bytes, against the same block; None where they
+    cannot be read (the block is then stored as itself)."""
+    try:
+        target, data = _target(b, ctx)
+    except (OSError, EOFError, ValueError):
+        return None
+    assert data is not None
+    return _Delta(data, target)
+
+
+def _try_delta(piece: memoryview, b: _Base, ctx: _DeltaCtx, dtype: Any, probe: bool = False) -> _Delta | None:
+    """`piece` as a delta against the self-contained block at `b`'s position; None where that block cannot
+    be read or decoded (a damaged base is not a reason to fail a save: the block is stored as itself).
+    With `probe` (a chunk's sample) and a raw base block, the first `PROBE` bytes decide first: where
+    their XOR does not code to `DELTA_GAIN` of them, the whole block is neither read nor tried."""
+    try:
+        target, _ = _target(b, ctx)
+        if target.codec >= len(CODEC_NAMES):
+            return None
+        if probe and target.codec == 0 and len(piece) > 2 * PROBE:
+            head = ctx.read(target.base, target.name, target.offset, PROBE)
+            x = np.bitwise_xor(np.frombuffer(piece[:PROBE], np.uint8), np.frombuffer(head, np.uint8))
+            if len(_codecs.encode("zstd", x, np.uint8)) > DELTA_GAIN * PROBE:
+                return None
+        stored = ctx.read(target.base, target.name, target.offset, target.stored)
+        if crc32c(stored) != target.crc:
+            return None
+        base_raw = stored if target.codec == 0 else _codecs.decode(CODEC_NAMES[target.codec], stored, dtype,
+                                                                   len(piece))
+    except (OSError, EOFError, ValueError, CorruptCheckpointError):
+        return None
+    if len(base_raw) != len(piece):
+        return None
+    xor = np.bitwise_xor(np.frombuffer(piece, np.uint8), np.frombuffer(base_raw, np.uint8))
+    data = DELTA_HEADER.pack(target.codec, target.crc, target.stored) + _codecs.encode("zstd", xor, np.uint8)
+    return _Delta(data, target)
 
 
 def _read_manifest(loc: Location) -> fmt.Manifest | None:
