@@ -14,6 +14,8 @@ The rules follow the folders:
    nowhere else; every room is private (`_name`), so nothing under it is public.
 6. The package root holds only the public surface (`__init__`, the API, errors, version) and the
    rooms; every module lives in a room.
+7. No import cycles: no two modules import each other, directly or round a loop (lazy imports count),
+   inside a room as across rooms.
 
 There is no line cap: a module holds one concept, whatever its length (a review habit, not a test).
 Each rule is a checker function over a module's source, and each checker has a negative test on a
@@ -302,6 +304,63 @@ def layer_violations(src: Source, rooms: dict[str, int] = ROOMS, known: set[str]
     return [out[k] for k in sorted(out)]
 
 
+def import_graph(by_module: dict[str, Source]) -> dict[str, set[str]]:
+    """Module -> the modules of `by_module` it imports (at any depth: a lazy import is still an edge)."""
+    known = set(by_module)
+    graph: dict[str, set[str]] = {}
+    for name, src in by_module.items():
+        edges = graph.setdefault(name, set())
+        for imp in src.imports:
+            target = cairn_target(imp, known)
+            while target is not None and target not in known and "." in target:
+                target = target.rpartition(".")[0]  # `from .m import name`: the module m
+            if target in known and target != name:
+                edges.add(target)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each set of modules that import one another, round a loop (Tarjan's strongly connected components)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]  # iterative: no recursion limit on a deep chain
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    component.append(m)
+                    if m == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return sorted(out)
+
+
 def purity_violations(src: Source, may_import: set[str] = PURE_MAY_IMPORT) -> list[Violation]:
     out = []
     for imp in src.imports:
@@ -455,6 +514,12 @@ def test_no_upward_imports(module):
     _fail(layer_violations(sources()[module], ROOMS, set(MODULES)), f"{module} imports upward")
 
 
+def test_no_import_cycles():
+    cycles = import_cycles(import_graph(sources()))
+    assert not cycles, ("modules that import one another (move what both need into a module of its own, "
+                        f"or invert the dependency): {cycles}")
+
+
 @pytest.mark.parametrize("module", [m for m in MODULES if is_pure(m)])
 def test_pure_rooms(module):
     _fail(purity_violations(sources()[module]), f"{module} must be pure (no I/O, no JAX, few imports)")
@@ -514,6 +579,20 @@ def test_checker_finds_upward_imports():
     assert not layer_violations(_src("cairn._hi.b", "from .._lo.a import x\nfrom .._lo import a\nfrom . import c\n"),
                                 rooms)
     assert not layer_violations(_src("cairn", "from ._hi.b import x\n", is_package=True), rooms)
+
+
+def test_checker_finds_import_cycles():
+    def graph(**texts: str) -> dict[str, set[str]]:
+        return import_graph({f"cairn._r.{m}": _src(f"cairn._r.{m}", t) for m, t in texts.items()})
+
+    # a lazy import closes the loop as surely as a top-level one
+    assert import_cycles(graph(a="from .b import x\n", b="def f():\n    from .a import y\n")) == [
+        ["cairn._r.a", "cairn._r.b"]]
+    assert import_cycles(graph(a="from . import b\n", b="import cairn._r.c\n", c="from .a import z\n",
+                               d="from .a import z\n")) == [["cairn._r.a", "cairn._r.b", "cairn._r.c"]]
+    assert import_cycles(graph(a="from .b import x\nfrom .c import y\n", b="from .c import y\n", c="import os\n",
+                               d="from .d import itself\n")) == []
+    assert import_cycles({"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"c"}}) == [["a", "b"], ["c", "d"]]
 
 
 def test_checker_finds_modules_in_no_room():

@@ -62,6 +62,7 @@ from .._errors import (
 from .._format import manifest as fmt
 from .._format.binindex import LazyStored, cells_in
 from .._plan.estimate import estimate_read_work
+from .._plan.leafreads import DEFAULT_MAX_READ
 from .._plan.routes import (
     DIRECT_MAX,
     Bandwidths,
@@ -71,7 +72,6 @@ from .._plan.routes import (
     received_elements,
     resolve_bandwidths,
 )
-from .reader import DEFAULT_MAX_READ
 
 log = logging.getLogger("cairn")
 

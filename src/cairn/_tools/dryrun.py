@@ -5,7 +5,7 @@ the records of the chunks the load would read), matches the target as `_load`
 does, and then replays the load engine's decisions for every process, from this
 one: the read-once route of each leaf (`_readonce.route`) and its waves
 (`_waves`), the direct pipeline's budget and its coalesced small reads
-(`_coalesce`), and each read the planner would issue (`_reader.whole_reads`,
+(`_coalesce`), and each read the planner would issue (`leafreads.whole_reads`,
 `_plan.plan_reads`). Those are pure functions of the index and of each
 sharding's ``devices_indices_map``, so any process can compute every other's
 figures; ``processes=N`` splits the target's devices into N processes by device
@@ -35,9 +35,10 @@ from .._load import engine as _load
 from .._load.coalesce import MAX_RUN_PARTS, run_limits, stored_whole_span, whole_span
 from .._load.metadata import read_index, read_manifest
 from .._load.options import LoadOptions
-from .._load.reader import DEFAULT_MAX_READ, MIN_RUN, plan_leaf_reads, stored_span, whole_reads
+from .._load.reader import MIN_RUN
 from .._load.readonce import MAX_READ, ProcessOf, Route, bandwidths_for, storage_kind, stored_nbytes
 from .._load.schedule import schedule
+from .._plan.leafreads import DEFAULT_MAX_READ, plan_leaf_reads, stored_span, whole_reads
 from .._plan.reads import Read, is_c_contiguous
 from .._plan.routes import Bandwidths, resolve_bandwidths
 from .._storage.location import Location, resolve
