@@ -16,6 +16,9 @@ The rules follow the folders:
    rooms; every module lives in a room.
 7. No import cycles: no two modules import each other, directly or round a loop (lazy imports count),
    inside a room as across rooms.
+8. Storages declare what they can do (`Storage.kind`, `atomic_rename`, `dirs`, `vectored_reads`,
+   ...: checked by tests/test_storage_conformance.py); no module outside `_storage/` probes a storage's
+   class (`isinstance`/`issubclass` against a `_storage` name) or its capabilities (`getattr`/`hasattr`).
 
 There is no line cap: a module holds one concept, whatever its length (a review habit, not a test).
 Each rule is a checker function over a module's source, and each checker has a negative test on a
@@ -68,6 +71,10 @@ PURE_MAY_IMPORT = {"cairn._core.boxes", "cairn._core.checksum", "cairn._core.mem
 JAX_DISTRIBUTED = ("jax.distributed", "jax._src.distributed")
 MAY_TOUCH_JAX_DISTRIBUTED = ("cairn._dist",)
 MAY_DO_IO = ("cairn._storage", "cairn._save.commit")
+MAY_PROBE_STORAGE = ("cairn._storage",)
+# The capabilities a storage declares (attributes of `_storage.base.Storage`): read them, never probe them.
+STORAGE_CAPABILITIES = ("kind", "bandwidth", "atomic_rename", "dirs", "preferred_read", "vectored_reads",
+                        "in_process", "retries")
 
 
 def room_of(module: str, rooms: dict[str, int] = ROOMS) -> str | None:
@@ -443,6 +450,33 @@ def io_violations(src: Source, allowed: bool | None = None) -> list[Violation]:
     return [found[k] for k in sorted(found)]
 
 
+def storage_probe_violations(src: Source, allowed: bool | None = None) -> list[Violation]:
+    """Tests of a storage's class, or probes of an attribute it declares, outside `_storage/`."""
+    if allowed is None:
+        allowed = any(_under(src.module, m) for m in MAY_PROBE_STORAGE)
+    if allowed:
+        return []
+    out = []
+    for node in ast.walk(src.tree):
+        if not isinstance(node, ast.Call) or len(node.args) < 2:
+            continue
+        fn = src.resolve(node.func) or _dotted(node.func)
+        if fn in ("isinstance", "issubclass", "builtins.isinstance", "builtins.issubclass"):
+            classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            for c in classes:
+                name = src.resolve(c)
+                if name is not None and _under(name, "cairn._storage"):
+                    out.append(Violation(src.where, node.lineno, f"{fn.rpartition('.')[2]}(..., {ast.unparse(c)}) "
+                                                                 "tests a storage's class; read what it declares "
+                                                                 "(Storage.kind, .dirs, .atomic_rename, ...)"))
+        elif fn in ("getattr", "hasattr", "builtins.getattr", "builtins.hasattr"):
+            attr = node.args[1]
+            if isinstance(attr, ast.Constant) and attr.value in STORAGE_CAPABILITIES:
+                out.append(Violation(src.where, node.lineno, f"{ast.unparse(node)} probes a capability every "
+                                                             f"storage declares; read .{attr.value}"))
+    return out
+
+
 def top_level_definitions(src: Source) -> set[str]:
     out = set()
     for node in src.tree.body:
@@ -539,6 +573,20 @@ def test_only_dist_touches_jax_distributed(module):
 @pytest.mark.parametrize("module", MODULES)
 def test_only_storage_and_commit_do_io(module):
     _fail(io_violations(sources()[module]), f"{module} does file or network I/O")
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_only_storage_tests_storage_classes(module):
+    _fail(storage_probe_violations(sources()[module]), f"{module} probes a storage's class or capabilities")
+
+
+def test_storage_capabilities_are_declared_by_the_protocol():
+    base = sources()["cairn._storage.base"]
+    protocol = next(n for n in base.tree.body if isinstance(n, ast.ClassDef) and n.name == "Storage")
+    declared = {n.target.id for n in protocol.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    declared |= {n.name for n in protocol.body if isinstance(n, ast.FunctionDef)
+                 and any(_dotted(d) == "property" for d in n.decorator_list)}
+    assert set(STORAGE_CAPABILITIES) <= declared, set(STORAGE_CAPABILITIES) - declared
 
 
 def test_all_is_pinned():
@@ -680,6 +728,25 @@ def test_checker_finds_io():
         "def f(requests, socket):\n    return requests.pop(), socket\n",
     ):
         assert not io_violations(_src("cairn._cli.main", text)), text
+
+
+def test_checker_finds_storage_probes():
+    for text in (
+        "from .._storage import LocalDirs\ndef f(s):\n    return isinstance(s, LocalDirs)\n",
+        "def f(s):\n    from .._storage import LocalStorage, MemoryStorage\n    return isinstance(s, (int, MemoryStorage))\n",
+        "from .. import _storage\ndef f(s):\n    return isinstance(s, _storage.ObjectStorage)\n",
+        "from .._storage.base import Storage\ndef f(c):\n    return issubclass(c, Storage)\n",
+        "def f(storage):\n    return getattr(storage, 'atomic_rename', False)\n",
+        "def f(loc):\n    return hasattr(loc.storage, 'preferred_read')\n",
+    ):
+        assert storage_probe_violations(_src("cairn._load.readonce", text)), text
+        assert not storage_probe_violations(_src("cairn._storage.staging", text)), text
+    for text in (
+        "def f(storage):\n    return storage.kind == 'object' and storage.dirs is None\n",
+        "from .._storage.location import Location\ndef f(x):\n    return isinstance(x, (str, dict))\n",
+        "def f(node):\n    return getattr(node, 'shape', None)\n",
+    ):
+        assert not storage_probe_violations(_src("cairn._load.readonce", text)), text
 
 
 def test_checker_finds_reexports():

@@ -248,14 +248,12 @@ def _first_process_boxes(sharding: Any, shape: tuple[int, ...], process_of: Proc
 
 
 def storage_kind(storage: Any) -> str:
-    """Which defaults of `_plan.routes.STORAGE_DEFAULTS` fit `storage`: "local", "object" or "memory"."""
-    from .._storage import LocalStorage, MemoryStorage
-
-    if isinstance(storage, MemoryStorage):
+    """Which defaults of `_plan.routes.STORAGE_DEFAULTS` fit `storage`: "local", "object" or "memory",
+    from what it declares (`Storage.in_process`, `Storage.kind`; a network filesystem is priced as a
+    local one)."""
+    if storage.in_process:
         return "memory"
-    if isinstance(storage, LocalStorage):
-        return "local"
-    return "object" if getattr(storage, "preferred_read", None) is not None else "local"
+    return "object" if storage.kind == "object" else "local"
 
 
 def platform_of(sharding: Any) -> str:

@@ -53,7 +53,6 @@ from .._run.retention import CheckpointInfo, KeepBest, RetentionPolicy, policy_f
 from .._run.steps import DEFAULT_STEP_FORMAT, StepNames, show_steps
 from .._save import future as _async
 from .._save.options import SaveOptions
-from .._storage import LocalDirs
 from .._storage.location import Location
 from .._tools import transforms as _transforms
 from .._tree.pytree import map_with_path
@@ -921,7 +920,7 @@ def _trash_dir(name: str | None, storage: Any, where: str) -> str | None:
                          f"got {name!r}")
     if _steps.orbax_name(name) is not None or _steps.guess_step(name) is not None:
         raise ValueError(f"{where}: trash_dir {name!r} looks like a step folder; choose another name")
-    if not isinstance(storage, LocalDirs):
+    if storage.dirs is None:
         raise ValueError(f"{where}: trash_dir needs a local directory (steps are moved there in one rename); "
                          "object stores have no rename")
     return name
