@@ -753,12 +753,15 @@ class CheckpointManager(StepWatch):
 
     # ------------------------------------------------------------------ preemption
 
-    def reached_preemption(self, step: int) -> bool:
-        """True once preemption was detected and a checkpoint has been committed since.
+    def reached_preemption(self, step: int | None = None) -> bool:
+        """True once preemption was detected and a checkpoint has been committed since
+        (with `step`: one of a step at or before `step`, as Orbax's sync point asks).
 
         Call it after `save` in the loop and stop when it is true. A signal that
         arrives after this step's `save` returned yields False until the next
-        `save` has written its step, so the loop never stops unsaved.
+        `save` has written its step, so the loop never stops unsaved. Asked about
+        an earlier step than the preemption's checkpoint, it says False: that
+        step had not reached it.
 
         Example:
 
@@ -766,8 +769,10 @@ class CheckpointManager(StepWatch):
             if mgr.reached_preemption(step):
                 break
         """
-        del step  # kept for the familiar signature; the answer depends on what was saved
-        return self._preemption.detected() and self._preempt_saved is not None
+        saved = self._preempt_saved
+        if not self._preemption.detected() or saved is None:
+            return False
+        return step is None or saved <= operator.index(step)
 
     # ------------------------------------------------------------------ restoring
 
