@@ -19,6 +19,8 @@ The rules follow the folders:
 8. Storages declare what they can do (`Storage.kind`, `atomic_rename`, `dirs`, `vectored_reads`,
    ...: checked by tests/test_storage_conformance.py); no module outside `_storage/` probes a storage's
    class (`isinstance`/`issubclass` against a `_storage` name) or its capabilities (`getattr`/`hasattr`).
+9. One sequence counter: the numbers that name an operation's coordination keys come from
+   `_dist.agree.sequence(kind)`; no other module keeps a module-level `itertools.count()`.
 
 There is no line cap: a module holds one concept, whatever its length (a review habit, not a test).
 Each rule is a checker function over a module's source, and each checker has a negative test on a
@@ -477,6 +479,22 @@ def storage_probe_violations(src: Source, allowed: bool | None = None) -> list[V
     return out
 
 
+SEQUENCE_HOME = "cairn._dist.agree"
+
+
+def counter_violations(src: Source) -> list[Violation]:
+    """Module-level `itertools.count()` counters outside `_dist.agree` (use `sequence(kind)`)."""
+    if src.module == SEQUENCE_HOME:
+        return []
+    out = []
+    for node in src.tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(value, ast.Call) and src.resolve(value.func) == "itertools.count":
+            out.append(Violation(src.where, node.lineno, f"a module-level {ast.unparse(value)}: number operations "
+                                                         f"with {SEQUENCE_HOME}.sequence(kind)"))
+    return out
+
+
 def top_level_definitions(src: Source) -> set[str]:
     out = set()
     for node in src.tree.body:
@@ -587,6 +605,11 @@ def test_storage_capabilities_are_declared_by_the_protocol():
     declared |= {n.name for n in protocol.body if isinstance(n, ast.FunctionDef)
                  and any(_dotted(d) == "property" for d in n.decorator_list)}
     assert set(STORAGE_CAPABILITIES) <= declared, set(STORAGE_CAPABILITIES) - declared
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_one_sequence_counter(module):
+    _fail(counter_violations(sources()[module]), f"{module} keeps a counter of its own")
 
 
 def test_all_is_pinned():
@@ -747,6 +770,14 @@ def test_checker_finds_storage_probes():
         "def f(node):\n    return getattr(node, 'shape', None)\n",
     ):
         assert not storage_probe_violations(_src("cairn._load.readonce", text)), text
+
+
+def test_checker_finds_counters():
+    for text in ("import itertools\n_seq = itertools.count()\n",
+                 "from itertools import count\n_n: object = count(1)\n"):
+        assert counter_violations(_src("cairn._save.engine", text)), text
+        assert not counter_violations(_src(SEQUENCE_HOME, text)), text
+    assert not counter_violations(_src("cairn._save.engine", "import itertools\ndef f():\n    c = itertools.count()\n"))
 
 
 def test_checker_finds_reexports():

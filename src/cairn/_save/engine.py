@@ -12,12 +12,10 @@ commits. See docs/ARCHITECTURE.md for the protocol.
 from __future__ import annotations
 
 import collections
-import itertools
 import json
 import logging
 import os
 import secrets
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,6 +27,7 @@ from .._core.buffers import snapshot_pool as _snapshot_pool
 from .._core.checksum import crc32c
 from .._core.gcpause import paused
 from .._core.stats import SaveStats
+from .._dist.agree import sequence
 from .._dist.coord import (
     Coordinator,
     activity,
@@ -67,15 +66,6 @@ log = logging.getLogger("cairn")
 #: hand-off per checksum and a system call per chunk).
 SMALL_CHUNK = 64 << 10
 BATCH_BYTES = 4 << 20
-
-_seq = itertools.count()
-_seq_lock = threading.Lock()
-
-
-def _next_seq() -> int:
-    with _seq_lock:
-        return next(_seq)
-
 
 @dataclass
 class SaveJob:
@@ -709,7 +699,7 @@ def prepare(
             raise UnsupportedTypeError(f"{loc.path}: metadata must be JSON-serializable ({e})") from None
     root, pairs = _split_items(state)
     items = []
-    seq = _next_seq()
+    seq = sequence("save")
     hosts = HostValues(coord, seq, loc.path)  # per-process values; the check that other host values agree
     with paused(), hosts.reporting():  # thousands of leaves make tens of thousands of live objects, none garbage
         for name, tree in pairs:
