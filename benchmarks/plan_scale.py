@@ -37,10 +37,10 @@ import numpy as np
 from cairn._core.boxes import Box
 from cairn._format import manifest as fmt
 from cairn._format.binindex import cell_bytes, cells_in
-from cairn._load.reader import DEFAULT_MAX_READ
 from cairn._plan.chunking import assign_files
 from cairn._plan.estimate import estimate_read_work
 from cairn._plan.grid import spec_boxes as grid_spec_boxes
+from cairn._plan.leafreads import DEFAULT_MAX_READ
 from cairn._plan.readmemo import PlanMemo
 from cairn._plan.reads import plan_reads
 from cairn._plan.routes import HOST_DEFAULTS, Bandwidths, Layout, choose, received_elements

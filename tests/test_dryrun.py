@@ -62,7 +62,7 @@ def test_plan_matches_a_real_load(ckpt, mesh8, mesh42, case, budget):
         "numpy": lambda: None,
     }[case]()
     stats = real_load(ckpt, t, budget_bytes=budget)
-    plan = cairn.plan_load(ckpt, t, budget_bytes=budget, bandwidth=2.0)
+    plan = cairn.plan_load(ckpt, t, budget_bytes=budget, bandwidths={"storage_gbps": 2.0})
     (p,) = plan.processes
     assert (p.bytes_read, p.requests) == (stats.bytes_read, stats.reads)
     assert stats.bytes_read >= plan.array_bytes == 4 * np.prod(SHAPE) + 2 * 1024 * 512 + 64 * 4 + sum(
@@ -75,6 +75,21 @@ def test_plan_matches_a_real_load(ckpt, mesh8, mesh42, case, budget):
         assert p.peak_host_bytes <= cairn.plan_load(ckpt, t).processes[0].peak_host_bytes
     text = str(plan)
     assert "does not model" in text and "request latency" in text and "peak host" in text
+
+
+def test_one_spelling_of_the_storage_bandwidth(ckpt, mesh8, mesh42):
+    """`bandwidths={"storage_gbps": x}` (load's keyword) prices the routes and gives the time estimate;
+    the old `bandwidth=x` means the same, with a DeprecationWarning, for one release."""
+    t = target(NamedSharding(mesh8, P(None, "x")), NamedSharding(mesh42, P()))
+    new = cairn.plan_load(ckpt, t, processes=2, bandwidths={"storage_gbps": 3.0})
+    assert new.bandwidth == 3.0 and new.route_bandwidths["storage_gbps"] == 3.0
+    assert new.seconds == pytest.approx(max(p.bytes_read for p in new.processes) / 3e9)
+    with pytest.warns(DeprecationWarning, match=r"bandwidths=\{'storage_gbps': x\}"):
+        old = cairn.plan_load(ckpt, t, processes=2, bandwidth=3.0)
+    assert old == new
+    with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="disagree"):
+        cairn.plan_load(ckpt, t, bandwidth=3.0, bandwidths={"storage_gbps": 1.0})
+    assert cairn.plan_load(ckpt, t, processes=2).seconds is None  # no storage bandwidth declared
 
 
 def test_no_data_file_is_opened(ckpt, mesh8, mesh42, capsys):

@@ -14,6 +14,13 @@ The rules follow the folders:
    nowhere else; every room is private (`_name`), so nothing under it is public.
 6. The package root holds only the public surface (`__init__`, the API, errors, version) and the
    rooms; every module lives in a room.
+7. No import cycles: no two modules import each other, directly or round a loop (lazy imports count),
+   inside a room as across rooms.
+8. Storages declare what they can do (`Storage.kind`, `atomic_rename`, `dirs`, `vectored_reads`,
+   ...: checked by tests/test_storage_conformance.py); no module outside `_storage/` probes a storage's
+   class (`isinstance`/`issubclass` against a `_storage` name) or its capabilities (`getattr`/`hasattr`).
+9. One sequence counter: the numbers that name an operation's coordination keys come from
+   `_dist.agree.sequence(kind)`; no other module keeps a module-level `itertools.count()`.
 
 There is no line cap: a module holds one concept, whatever its length (a review habit, not a test).
 Each rule is a checker function over a module's source, and each checker has a negative test on a
@@ -66,6 +73,10 @@ PURE_MAY_IMPORT = {"cairn._core.boxes", "cairn._core.checksum", "cairn._core.mem
 JAX_DISTRIBUTED = ("jax.distributed", "jax._src.distributed")
 MAY_TOUCH_JAX_DISTRIBUTED = ("cairn._dist",)
 MAY_DO_IO = ("cairn._storage", "cairn._save.commit")
+MAY_PROBE_STORAGE = ("cairn._storage",)
+# The capabilities a storage declares (attributes of `_storage.base.Storage`): read them, never probe them.
+STORAGE_CAPABILITIES = ("kind", "bandwidth", "atomic_rename", "dirs", "preferred_read", "vectored_reads",
+                        "in_process", "retries")
 
 
 def room_of(module: str, rooms: dict[str, int] = ROOMS) -> str | None:
@@ -302,6 +313,63 @@ def layer_violations(src: Source, rooms: dict[str, int] = ROOMS, known: set[str]
     return [out[k] for k in sorted(out)]
 
 
+def import_graph(by_module: dict[str, Source]) -> dict[str, set[str]]:
+    """Module -> the modules of `by_module` it imports (at any depth: a lazy import is still an edge)."""
+    known = set(by_module)
+    graph: dict[str, set[str]] = {}
+    for name, src in by_module.items():
+        edges = graph.setdefault(name, set())
+        for imp in src.imports:
+            target = cairn_target(imp, known)
+            while target is not None and target not in known and "." in target:
+                target = target.rpartition(".")[0]  # `from .m import name`: the module m
+            if target in known and target != name:
+                edges.add(target)
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Each set of modules that import one another, round a loop (Tarjan's strongly connected components)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]  # iterative: no recursion limit on a deep chain
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    m = stack.pop()
+                    on_stack.discard(m)
+                    component.append(m)
+                    if m == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return sorted(out)
+
+
 def purity_violations(src: Source, may_import: set[str] = PURE_MAY_IMPORT) -> list[Violation]:
     out = []
     for imp in src.imports:
@@ -384,6 +452,49 @@ def io_violations(src: Source, allowed: bool | None = None) -> list[Violation]:
     return [found[k] for k in sorted(found)]
 
 
+def storage_probe_violations(src: Source, allowed: bool | None = None) -> list[Violation]:
+    """Tests of a storage's class, or probes of an attribute it declares, outside `_storage/`."""
+    if allowed is None:
+        allowed = any(_under(src.module, m) for m in MAY_PROBE_STORAGE)
+    if allowed:
+        return []
+    out = []
+    for node in ast.walk(src.tree):
+        if not isinstance(node, ast.Call) or len(node.args) < 2:
+            continue
+        fn = src.resolve(node.func) or _dotted(node.func)
+        if fn in ("isinstance", "issubclass", "builtins.isinstance", "builtins.issubclass"):
+            classes = node.args[1].elts if isinstance(node.args[1], ast.Tuple) else [node.args[1]]
+            for c in classes:
+                name = src.resolve(c)
+                if name is not None and _under(name, "cairn._storage"):
+                    out.append(Violation(src.where, node.lineno, f"{fn.rpartition('.')[2]}(..., {ast.unparse(c)}) "
+                                                                 "tests a storage's class; read what it declares "
+                                                                 "(Storage.kind, .dirs, .atomic_rename, ...)"))
+        elif fn in ("getattr", "hasattr", "builtins.getattr", "builtins.hasattr"):
+            attr = node.args[1]
+            if isinstance(attr, ast.Constant) and attr.value in STORAGE_CAPABILITIES:
+                out.append(Violation(src.where, node.lineno, f"{ast.unparse(node)} probes a capability every "
+                                                             f"storage declares; read .{attr.value}"))
+    return out
+
+
+SEQUENCE_HOME = "cairn._dist.agree"
+
+
+def counter_violations(src: Source) -> list[Violation]:
+    """Module-level `itertools.count()` counters outside `_dist.agree` (use `sequence(kind)`)."""
+    if src.module == SEQUENCE_HOME:
+        return []
+    out = []
+    for node in src.tree.body:
+        value = node.value if isinstance(node, (ast.Assign, ast.AnnAssign)) else None
+        if isinstance(value, ast.Call) and src.resolve(value.func) == "itertools.count":
+            out.append(Violation(src.where, node.lineno, f"a module-level {ast.unparse(value)}: number operations "
+                                                         f"with {SEQUENCE_HOME}.sequence(kind)"))
+    return out
+
+
 def top_level_definitions(src: Source) -> set[str]:
     out = set()
     for node in src.tree.body:
@@ -455,6 +566,12 @@ def test_no_upward_imports(module):
     _fail(layer_violations(sources()[module], ROOMS, set(MODULES)), f"{module} imports upward")
 
 
+def test_no_import_cycles():
+    cycles = import_cycles(import_graph(sources()))
+    assert not cycles, ("modules that import one another (move what both need into a module of its own, "
+                        f"or invert the dependency): {cycles}")
+
+
 @pytest.mark.parametrize("module", [m for m in MODULES if is_pure(m)])
 def test_pure_rooms(module):
     _fail(purity_violations(sources()[module]), f"{module} must be pure (no I/O, no JAX, few imports)")
@@ -474,6 +591,25 @@ def test_only_dist_touches_jax_distributed(module):
 @pytest.mark.parametrize("module", MODULES)
 def test_only_storage_and_commit_do_io(module):
     _fail(io_violations(sources()[module]), f"{module} does file or network I/O")
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_only_storage_tests_storage_classes(module):
+    _fail(storage_probe_violations(sources()[module]), f"{module} probes a storage's class or capabilities")
+
+
+def test_storage_capabilities_are_declared_by_the_protocol():
+    base = sources()["cairn._storage.base"]
+    protocol = next(n for n in base.tree.body if isinstance(n, ast.ClassDef) and n.name == "Storage")
+    declared = {n.target.id for n in protocol.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+    declared |= {n.name for n in protocol.body if isinstance(n, ast.FunctionDef)
+                 and any(_dotted(d) == "property" for d in n.decorator_list)}
+    assert set(STORAGE_CAPABILITIES) <= declared, set(STORAGE_CAPABILITIES) - declared
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_one_sequence_counter(module):
+    _fail(counter_violations(sources()[module]), f"{module} keeps a counter of its own")
 
 
 def test_all_is_pinned():
@@ -514,6 +650,20 @@ def test_checker_finds_upward_imports():
     assert not layer_violations(_src("cairn._hi.b", "from .._lo.a import x\nfrom .._lo import a\nfrom . import c\n"),
                                 rooms)
     assert not layer_violations(_src("cairn", "from ._hi.b import x\n", is_package=True), rooms)
+
+
+def test_checker_finds_import_cycles():
+    def graph(**texts: str) -> dict[str, set[str]]:
+        return import_graph({f"cairn._r.{m}": _src(f"cairn._r.{m}", t) for m, t in texts.items()})
+
+    # a lazy import closes the loop as surely as a top-level one
+    assert import_cycles(graph(a="from .b import x\n", b="def f():\n    from .a import y\n")) == [
+        ["cairn._r.a", "cairn._r.b"]]
+    assert import_cycles(graph(a="from . import b\n", b="import cairn._r.c\n", c="from .a import z\n",
+                               d="from .a import z\n")) == [["cairn._r.a", "cairn._r.b", "cairn._r.c"]]
+    assert import_cycles(graph(a="from .b import x\nfrom .c import y\n", b="from .c import y\n", c="import os\n",
+                               d="from .d import itself\n")) == []
+    assert import_cycles({"a": {"b"}, "b": {"a"}, "c": {"d"}, "d": {"c"}}) == [["a", "b"], ["c", "d"]]
 
 
 def test_checker_finds_modules_in_no_room():
@@ -601,6 +751,33 @@ def test_checker_finds_io():
         "def f(requests, socket):\n    return requests.pop(), socket\n",
     ):
         assert not io_violations(_src("cairn._cli.main", text)), text
+
+
+def test_checker_finds_storage_probes():
+    for text in (
+        "from .._storage import LocalDirs\ndef f(s):\n    return isinstance(s, LocalDirs)\n",
+        "def f(s):\n    from .._storage import LocalStorage, MemoryStorage\n    return isinstance(s, (int, MemoryStorage))\n",
+        "from .. import _storage\ndef f(s):\n    return isinstance(s, _storage.ObjectStorage)\n",
+        "from .._storage.base import Storage\ndef f(c):\n    return issubclass(c, Storage)\n",
+        "def f(storage):\n    return getattr(storage, 'atomic_rename', False)\n",
+        "def f(loc):\n    return hasattr(loc.storage, 'preferred_read')\n",
+    ):
+        assert storage_probe_violations(_src("cairn._load.readonce", text)), text
+        assert not storage_probe_violations(_src("cairn._storage.staging", text)), text
+    for text in (
+        "def f(storage):\n    return storage.kind == 'object' and storage.dirs is None\n",
+        "from .._storage.location import Location\ndef f(x):\n    return isinstance(x, (str, dict))\n",
+        "def f(node):\n    return getattr(node, 'shape', None)\n",
+    ):
+        assert not storage_probe_violations(_src("cairn._load.readonce", text)), text
+
+
+def test_checker_finds_counters():
+    for text in ("import itertools\n_seq = itertools.count()\n",
+                 "from itertools import count\n_n: object = count(1)\n"):
+        assert counter_violations(_src("cairn._save.engine", text)), text
+        assert not counter_violations(_src(SEQUENCE_HOME, text)), text
+    assert not counter_violations(_src("cairn._save.engine", "import itertools\ndef f():\n    c = itertools.count()\n"))
 
 
 def test_checker_finds_reexports():

@@ -301,6 +301,8 @@ def test_preemption_check_forces_a_synchronous_save(directory):
     assert mgr.reached_preemption(2)
     flag["stop"] = False
     assert mgr.reached_preemption(3), "preemption is latched"
+    assert mgr.reached_preemption(), "without a step: has any preemption checkpoint been committed"
+    assert not mgr.reached_preemption(1), "step 1 came before the preemption's checkpoint (step 2)"
     mgr.close()
 
 

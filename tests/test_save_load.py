@@ -565,3 +565,26 @@ def test_user_metadata_reads_back_what_save_was_given(tmp_path, where):
     assert cairn.user_metadata(f"{base}/with")["git"] == "abc123"
     with pytest.raises(cairn.CheckpointNotFoundError, match=f"{base}/nothing"):
         cairn.user_metadata(f"{base}/nothing")
+
+
+def test_a_data_file_batch_keeps_bytes_and_order():
+    """`SaveJob._write_file`'s one batching rule: small pieces gathered into writes of about
+    BATCH_BYTES, a large piece alone after the batch before it; the file's bytes are the pieces'."""
+    from cairn._save.engine import BATCH_BYTES, SMALL_CHUNK, _Batch
+
+    rng = np.random.default_rng(0)
+    sizes = [10, SMALL_CHUNK, SMALL_CHUNK + 1, 3, *([SMALL_CHUNK] * (BATCH_BYTES // SMALL_CHUNK + 1)), 7, 5 << 20]
+    pieces = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
+    batch, flushed = _Batch(), []
+
+    def run():
+        for p in pieces:
+            flushed.append((yield from batch.add(memoryview(p))))
+        yield from batch.rest()
+
+    writes = [bytes(w) for w in run()]
+    assert b"".join(writes) == b"".join(pieces)
+    assert writes[0] == pieces[0] + pieces[1] and writes[1] == pieces[2]  # the batch, then the large piece alone
+    assert all(len(w) <= BATCH_BYTES + SMALL_CHUNK for w in writes if len(w) not in (SMALL_CHUNK + 1, 5 << 20))
+    assert flushed[:3] == [False, False, True] and any(flushed[4:-2])  # a full batch is written as it fills
+    assert writes[-1] == pieces[-1] and not batch.buf

@@ -28,6 +28,8 @@ class StorageConformance:
 
     #: Tests this backend's server cannot run: test name -> why (shown as the skip reason).
     unsupported: dict[str, str] = {}
+    #: Which of the load's route defaults (`_plan.routes.STORAGE_DEFAULTS`) this backend gets.
+    route_kind: str
 
     @pytest.fixture
     def storage(self) -> Storage:
@@ -60,12 +62,23 @@ class StorageConformance:
         assert storage.bandwidth is None and bandwidth_of(storage) == DEFAULT_BANDWIDTH[storage.kind] > 0
         assert storage.atomic_rename == (storage.kind != "object")
         assert not storage.atomic_rename or isinstance(storage, LocalDirs)
+        # Folder operations are declared, not found by testing the class: `dirs` exactly where
+        # folders rename, and they work.
+        assert (storage.dirs is not None) == storage.atomic_rename
+        if storage.dirs is not None:
+            assert isinstance(storage.dirs, LocalDirs)
+            storage.dirs.makedirs("ck/sub")
+            assert storage.dirs.is_dir("ck/sub") and storage.dirs.mtime("ck/sub") is not None
         storage.bandwidth = 2e9  # a user's declared figure wins over the kind's default
         assert bandwidth_of(storage) == 2e9
         assert "ck/manifest.json" in storage.describe("ck/manifest.json")
 
     def test_declares_its_read_capabilities(self, storage):
         # The reader and the dry run ask these instead of testing the storage's class.
+        from cairn._load.readonce import storage_kind
+
+        assert isinstance(storage.in_process, bool) and (not storage.in_process or storage.kind == "object")
+        assert storage_kind(storage) == self.route_kind  # the load's route defaults (`STORAGE_DEFAULTS`)
         assert storage.preferred_read is None or (isinstance(storage.preferred_read, int) and storage.preferred_read > 0)
         self.seed(storage, "ck/cap.bin", b"abcd")
         reader = storage.open_read("ck/cap.bin")
@@ -250,12 +263,16 @@ class StorageConformance:
 
 
 class TestLocalStorage(StorageConformance):
+    route_kind = "local"
+
     @pytest.fixture
     def storage(self, tmp_path):
         return LocalStorage(str(tmp_path / "root"))
 
 
 class TestMemoryStorage(StorageConformance):
+    route_kind = "memory"
+
     @pytest.fixture
     def storage(self):
         return MemoryStorage(f"memory://conf-{uuid.uuid4().hex}")
@@ -264,6 +281,8 @@ class TestMemoryStorage(StorageConformance):
 
 class ObjectStoreConformance(StorageConformance):
     """The object-store backend on one server; subclasses provide the `server` fixture."""
+
+    route_kind = "object"
 
     @pytest.fixture
     def server(self):

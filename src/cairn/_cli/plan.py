@@ -35,7 +35,7 @@ def add_command(sub: Any, parse_bytes: Any) -> None:
                    "'data,model' or \"P(('data', 'model'), None)\"")
     s.add_argument("--processes", type=int, default=1, help="plan for N processes, each holding 1/N of the "
                    "mesh's devices (default 1)")
-    s.add_argument("--bandwidth", type=float, metavar="GB/s", help="storage read bandwidth per process")
+    s.add_argument("--bandwidth", type=float, metavar="GB/s", help="the same as --storage-gbps (the older name)")
     s.add_argument("--storage-gbps", type=float, metavar="GB/s", help="storage read bandwidth per process that "
                    "routes are priced with (default: per storage kind, as cairn.load)")
     s.add_argument("--interconnect-gbps", type=float, metavar="GB/s", help="interconnect bandwidth per process "
@@ -62,7 +62,9 @@ def cmd_plan(args: Any, out: Any) -> int:
     target, odd = cli_target(args.path, mesh, args.sharding, args.format)
     declared = {k: v for k, v in (("storage_gbps", args.storage_gbps), ("interconnect_gbps", args.interconnect_gbps),
                                   ("request_ms", args.request_ms), ("host_gbps", args.host_gbps)) if v is not None}
-    plan = plan_load(args.path, target, processes=args.processes, budget_bytes=args.budget, bandwidth=args.bandwidth,
+    if args.bandwidth is not None:  # the older flag: the storage bandwidth, as --storage-gbps gives it
+        declared.setdefault("storage_gbps", args.bandwidth)
+    plan = plan_load(args.path, target, processes=args.processes, budget_bytes=args.budget,
                      read_once={"auto": None, "on": True, "off": False}[args.read_once], format=args.format,
                      bandwidths=declared or None, platform=args.platform)
     where = f"mesh {dict(zip(names, sizes))} of virtual CPU devices, sharding {args.sharding!r}"

@@ -15,7 +15,9 @@ once here and shared through the coordinator:
   makes the same few requests at any process count.
 
 Every process makes the same decisions in the same order (they are the same
-program), so a per-scope counter names each decision without talking.
+program), so a per-scope counter names each decision without talking. The
+same holds of a program's saves, exports, loads that move data between
+processes and bandwidth measurements: `sequence(name)` numbers each kind.
 """
 
 from __future__ import annotations
@@ -28,8 +30,26 @@ from typing import Any
 
 from .coord import Coordinator, agree, fetch_from
 
-_instances: dict[str, itertools.count[int]] = {}
+_counters: dict[str, itertools.count[int]] = {}
 _lock = threading.Lock()
+
+
+def sequence(name: str) -> int:
+    """The number of this process's next operation of kind `name` (0, 1, 2, ...; thread-safe).
+
+    Every process of a program runs its saves, exports, data-moving loads and
+    managers in the same order, so these numbers agree without talking: they
+    name the coordination keys of one operation (``cairn/save/<n>/...``). Each
+    kind counts on its own, so an operation that some process skips desyncs
+    only its own kind.
+
+    Example:
+
+        base = f"cairn/export/{sequence('export')}"
+    """
+    with _lock:
+        counter = _counters.setdefault(name, itertools.count())
+        return next(counter)
 
 #: How long a process waits for a decision of the others (dead peers are noticed sooner).
 TIMEOUT = 600.0
@@ -40,9 +60,7 @@ class Decisions:
 
     def __init__(self, coord: Coordinator, scope: str):
         self.coord = coord
-        with _lock:
-            counter = _instances.setdefault(scope, itertools.count())
-            instance = next(counter)  # two managers of one directory in one program stay apart
+        instance = sequence(f"decisions:{scope}")  # two managers of one directory in one program stay apart
         self.base = f"cairn/agree/{zlib.crc32(scope.encode()):08x}.{instance}"
         self._seq = itertools.count()
 

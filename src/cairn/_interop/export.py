@@ -16,7 +16,6 @@ all of them and writes the index last, and everyone learns the outcome.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import os
@@ -26,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from .._dist.agree import sequence
 from .._dist.coord import Coordinator, default_coordinator, drop_keys, fetch_from, gather_json
 from .._errors import (
     CheckpointError,
@@ -52,7 +52,6 @@ INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
-_seq = itertools.count()
 
 
 def parse_size(size: int | str) -> int:
@@ -230,7 +229,7 @@ def export_safetensors(
     check_export_choice(per_process)
     coord = coordinator or default_coordinator()
     me, n = coord.process_index, coord.process_count
-    seq = next(_seq)
+    seq = sequence("export")
     out = resolve(dst, storage_options)
     base = f"cairn/export/{seq}"
     status: dict[str, Any] = {"ok": True}

@@ -79,7 +79,8 @@ def undelta(stored: Any, raw_size: int, dtype: Any, read_base: Any, out: np.ndar
 def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> None:
     """`ChunkReader.do_read` for a leaf with references (``read`` in raw addressing: ``read.file`` is
     the chunk, ``[start, end)`` whole blocks of its raw bytes)."""
-    from .reader import _region, _scratch
+    from .landing import region as _region
+    from .landing import scratch as _scratch
 
     cell, block = read.file, reader.index.block_size
     places = block_places(leaf, cell, block)

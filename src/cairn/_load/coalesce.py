@@ -33,6 +33,7 @@ from .._core.boxes import full_box
 from .._core.checksum import BlockChecks, crc32c
 from .._format import codecs as _codecs
 from .._format.binindex import LazyChunks
+from .._plan.leafreads import plan_leaf_reads
 from .._tree.pytree import display_path
 
 #: A whole array up to this size may share a read with its neighbours.
@@ -196,8 +197,6 @@ class Runs:
                     _decode_whole(leaf, view, dest, block, where + repr(display_path(leaf.path, reader.item)))
             # Read again on the planned path, array by array, so that the error names the leaf
             # and the bytes that fail (a read that now succeeds leaves its array correct).
-            from .reader import plan_leaf_reads
-
             for leaf, dest in bad:
                 for read in plan_leaf_reads(leaf, [full_box(leaf.shape)], block, reader.verify):
                     reader.do_read(read, leaf, [dest])

@@ -20,6 +20,7 @@ import numpy as np
 
 from .._core import stats as _stats
 from .._core.buffers import release_snapshot_buffers
+from .._dist.agree import sequence
 from .._dist.coord import Coordinator, activity, default_coordinator
 from .._errors import CheckpointError, MismatchError
 from .._format import manifest as fmt
@@ -38,7 +39,6 @@ from .readonce import (
     Agreement,
     Bandwidths,
     bandwidths_for,
-    next_seq,
     platform_of,
     resolve_bandwidths,
     routes_digest,
@@ -407,7 +407,7 @@ def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Rout
         staged, waves = plan.staged, plan.waves
         if waves:
             digest = routes_digest([(s.item.name, s.leaf, s.route.kind, len(s.pieces)) for s in staged])
-            agreement = Agreement(routing.coord, next_seq(), len(waves), where, routing.timeout, digest)
+            agreement = Agreement(routing.coord, sequence("load"), len(waves), where, routing.timeout, digest)
         for it in items[:1]:  # every item's reader shares the load's stats
             it.reader.stats.plan_s += time.perf_counter() - t0
         _read_direct(items, where, budget, {(id(s.item), s.leaf) for s in staged})

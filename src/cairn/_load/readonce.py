@@ -39,11 +39,9 @@ process's routes, so processes given different bandwidths fail alike.
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import math
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -51,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from .._core.memo import Memo
+from .._dist.agree import sequence
 from .._dist.coord import Coordinator, agree, announce, drop_keys
 from .._errors import (
     CheckpointError,
@@ -62,6 +61,7 @@ from .._errors import (
 from .._format import manifest as fmt
 from .._format.binindex import LazyStored, cells_in
 from .._plan.estimate import estimate_read_work
+from .._plan.leafreads import DEFAULT_MAX_READ
 from .._plan.routes import (
     DIRECT_MAX,
     Bandwidths,
@@ -71,7 +71,6 @@ from .._plan.routes import (
     received_elements,
     resolve_bandwidths,
 )
-from .reader import DEFAULT_MAX_READ
 
 log = logging.getLogger("cairn")
 
@@ -248,14 +247,12 @@ def _first_process_boxes(sharding: Any, shape: tuple[int, ...], process_of: Proc
 
 
 def storage_kind(storage: Any) -> str:
-    """Which defaults of `_plan.routes.STORAGE_DEFAULTS` fit `storage`: "local", "object" or "memory"."""
-    from .._storage import LocalStorage, MemoryStorage
-
-    if isinstance(storage, MemoryStorage):
+    """Which defaults of `_plan.routes.STORAGE_DEFAULTS` fit `storage`: "local", "object" or "memory",
+    from what it declares (`Storage.in_process`, `Storage.kind`; a network filesystem is priced as a
+    local one)."""
+    if storage.in_process:
         return "memory"
-    if isinstance(storage, LocalStorage):
-        return "local"
-    return "object" if getattr(storage, "preferred_read", None) is not None else "local"
+    return "object" if storage.kind == "object" else "local"
 
 
 def platform_of(sharding: Any) -> str:
@@ -293,7 +290,6 @@ def bandwidths_for(declared: Any, storage: Any, sharding: Any, coord: Coordinato
 
 
 _measured: dict[Any, float] = {}
-_measure_seq = itertools.count()
 #: Bytes of the measuring array, all-gathered onto every device: about half a second on gloo
 #: between 2 processes of 4 devices, and bounded at any mesh size.
 MEASURE_BYTES = 16 << 20
@@ -334,7 +330,7 @@ def measure_interconnect(sharding: Any, coord: Coordinator, timeout: float) -> f
     secs = time.perf_counter() - t0
     moved = moved_bytes(src, dst, shape, 4) / len({d.process_index for d in devices})
     mine = moved / max(secs, 1e-6) / 1e9
-    seq = next(_measure_seq)
+    seq = sequence("bandwidth")
     base = f"cairn/bandwidth/{seq}"
     if coord.process_index == 0:
         coord.publish(f"{base}/0", json.dumps({"gbps": mine}).encode())
@@ -449,18 +445,6 @@ def routes_digest(units: list[tuple[str, int, str, int]]) -> str:
 
     return f"{zlib.crc32(json.dumps(units).encode()):08x}/{len(units)}"
 
-_seq = itertools.count()
-_seq_lock = threading.Lock()
-
-
-def next_seq() -> int:
-    """The number of this process's next load that moves data between processes.
-
-    Every process issues those loads in the same order (their collectives need
-    it), so the numbers agree without talking.
-    """
-    with _seq_lock:
-        return next(_seq)
 
 
 class Agreement:

@@ -53,7 +53,6 @@ from .._run.retention import CheckpointInfo, KeepBest, RetentionPolicy, policy_f
 from .._run.steps import DEFAULT_STEP_FORMAT, StepNames, show_steps
 from .._save import future as _async
 from .._save.options import SaveOptions
-from .._storage import LocalDirs
 from .._storage.location import Location
 from .._tools import transforms as _transforms
 from .._tree.pytree import map_with_path
@@ -754,12 +753,15 @@ class CheckpointManager(StepWatch):
 
     # ------------------------------------------------------------------ preemption
 
-    def reached_preemption(self, step: int) -> bool:
-        """True once preemption was detected and a checkpoint has been committed since.
+    def reached_preemption(self, step: int | None = None) -> bool:
+        """True once preemption was detected and a checkpoint has been committed since
+        (with `step`: one of a step at or before `step`, as Orbax's sync point asks).
 
         Call it after `save` in the loop and stop when it is true. A signal that
         arrives after this step's `save` returned yields False until the next
-        `save` has written its step, so the loop never stops unsaved.
+        `save` has written its step, so the loop never stops unsaved. Asked about
+        an earlier step than the preemption's checkpoint, it says False: that
+        step had not reached it.
 
         Example:
 
@@ -767,8 +769,10 @@ class CheckpointManager(StepWatch):
             if mgr.reached_preemption(step):
                 break
         """
-        del step  # kept for the familiar signature; the answer depends on what was saved
-        return self._preemption.detected() and self._preempt_saved is not None
+        saved = self._preempt_saved
+        if not self._preemption.detected() or saved is None:
+            return False
+        return step is None or saved <= operator.index(step)
 
     # ------------------------------------------------------------------ restoring
 
@@ -926,7 +930,7 @@ def _trash_dir(name: str | None, storage: Any, where: str) -> str | None:
                          f"got {name!r}")
     if _steps.orbax_name(name) is not None or _steps.guess_step(name) is not None:
         raise ValueError(f"{where}: trash_dir {name!r} looks like a step folder; choose another name")
-    if not isinstance(storage, LocalDirs):
+    if storage.dirs is None:
         raise ValueError(f"{where}: trash_dir needs a local directory (steps are moved there in one rename); "
                          "object stores have no rename")
     return name

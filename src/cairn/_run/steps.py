@@ -42,7 +42,7 @@ from .._format import manifest as fmt
 from .._interop.orbax import step_metrics
 from .._load.engine import read_manifest
 from .._save.commit import strategy_for
-from .._storage import LocalDirs, Storage, open_storage
+from .._storage import Storage, open_storage
 from .._storage.location import Location, resolve
 from .retention import CheckpointInfo
 
@@ -386,7 +386,7 @@ def survey(storage: Storage, names: StepNames = DEFAULT_NAMES) -> Survey:
 def _orbax_committed(storage: Storage, name: str) -> bool:
     if not storage.exists(f"{name}/{ORBAX_STEP_METADATA}"):
         return False
-    return isinstance(storage, LocalDirs) or storage.exists(f"{name}/commit_success.txt")
+    return storage.dirs is not None or storage.exists(f"{name}/commit_success.txt")
 
 
 def folders_of_step(storage: Storage, step: int, names: StepNames = DEFAULT_NAMES) -> list[str]:
@@ -462,13 +462,14 @@ def delete_step(storage: Storage, step: int, folder: str | None = None) -> None:
 def trash_step(storage: Storage, folder: str, trash: str) -> str:
     """Move step `folder` into the folder `trash` of the directory in one rename (local directories);
     a name already there gets ``.1``, ``.2``, ... Returns its key in the trash."""
-    assert isinstance(storage, LocalDirs)
-    storage.makedirs(trash)
+    dirs = storage.dirs
+    assert dirs is not None
+    dirs.makedirs(trash)
     dest, n = f"{trash}/{folder}", 0
     while storage.exists(dest) or storage.list_dir(dest):
         n += 1
         dest = f"{trash}/{folder}.{n}"
-    storage.rename_dir(folder, dest)
+    dirs.rename_dir(folder, dest)
     return dest
 
 
@@ -563,7 +564,7 @@ def scan(dir_path: str, storage_options: dict | None) -> tuple[Location, list[di
         e["files"] = len(files)
         e["bytes"] = sum(_size(storage, k) for k in files)
         if e["age_s"] is None:
-            mtime = storage.mtime(key) if isinstance(storage, LocalDirs) else None  # object stores: unknown
+            mtime = storage.dirs.mtime(key) if storage.dirs is not None else None  # object stores: unknown
             e["age_s"] = now - mtime if mtime is not None else None
         entries.append(e)
     entries.sort(key=lambda e: (e["step"] is None, e["step"] or 0, e["name"]))
@@ -579,7 +580,7 @@ def _foreign_step(storage: Storage, key: str, name: str, where: str) -> dict[str
     """
     m = _ORBAX_NAME.match(name)  # not "100.orbax-checkpoint-tmp-...": a save in progress
     if m is not None and storage.exists(f"{key}/{ORBAX_STEP_METADATA}"):
-        if not isinstance(storage, LocalDirs) and not storage.exists(f"{key}/commit_success.txt"):
+        if storage.dirs is None and not storage.exists(f"{key}/commit_success.txt"):
             return None  # an Orbax save in progress on an object store
         loc = Location(storage, key, f"{where.rstrip('/')}/{name}")
         step = int(m.group(2))

@@ -16,7 +16,7 @@ from typing import Any
 
 from .._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
 from .._interop.orbaxout import _local_or_gcs, export_orbax
-from .._storage import LocalDirs, Storage, open_storage
+from .._storage import Storage, open_storage
 from . import steps as _steps
 
 log = logging.getLogger("cairn")
@@ -74,7 +74,7 @@ def export_orbax_run(
         raise CheckpointError(f"{directory}: export_orbax_run runs on one process; export each step with "
                               "export_orbax(..., mesh=) on every process instead")
     root, storage = _steps.open_directory(directory)
-    if out is None and not isinstance(storage, LocalDirs):
+    if out is None and storage.dirs is None:
         raise CheckpointError(f"{root}: an export in place needs a local directory (it swaps folders); pass out=")
     got = _steps.survey(storage, _steps.StepNames(step_format or _steps.DEFAULT_STEP_FORMAT))
     if not got.steps:
@@ -107,15 +107,16 @@ def export_orbax_run(
             continue
         if name != folder and storage.list_dir(name):
             raise CheckpointExistsError(f"{root}/{name}: the Orbax name of step {step} is taken by another folder")
-        assert isinstance(storage, LocalDirs)  # checked above: an export in place swaps folders
+        dirs = storage.dirs
+        assert dirs is not None  # checked above: an export in place swaps folders
         staged = f".{name}.cairn-export"
         storage.delete_prefix(staged)  # an export a crash interrupted: never visible, remade
         export_orbax(f"{root}/{folder}", f"{root}/{staged}", **kw)
         if name == folder:  # one atomic swap: the step's folder is cairn's or Orbax's, never missing
-            storage.rename_dir(staged, name, exchange=True)
+            dirs.rename_dir(staged, name, exchange=True)
             storage.delete_prefix(staged)
         else:  # Orbax's appears first: a crash in between leaves both, which a manager names
-            storage.rename_dir(staged, name)
+            dirs.rename_dir(staged, name)
             _steps.delete_step(storage, step, folder)
         log.info("cairn: %s: step %d is now the Orbax step folder %s", root, step, name)
         written.append(f"{root}/{name}")

@@ -112,10 +112,11 @@ class RenameCommit(CommitStrategy):
     name = "rename"
 
     def __init__(self, storage: Storage):
-        if not isinstance(storage, LocalDirs):
+        dirs = storage.dirs
+        if dirs is None:
             raise TypeError(f"{storage!r} cannot rename folders; use MarkerCommit")
         super().__init__(storage)
-        self.dirs: LocalDirs = storage
+        self.dirs: LocalDirs = dirs
 
     def attempt_root(self, name: str, token: str) -> str:
         return fmt.tmp_dirname(name, token)
@@ -270,7 +271,7 @@ class MarkerCommit(CommitStrategy):
 
 def strategy_for(storage: Storage) -> CommitStrategy:
     """The commit strategy of `storage`: rename where folders rename atomically, else the marker."""
-    if storage.atomic_rename and isinstance(storage, LocalDirs):
+    if storage.atomic_rename and storage.dirs is not None:
         return RenameCommit(storage)
     return MarkerCommit(storage)
 

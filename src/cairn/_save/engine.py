@@ -12,13 +12,12 @@ commits. See docs/ARCHITECTURE.md for the protocol.
 from __future__ import annotations
 
 import collections
-import itertools
 import json
 import logging
 import os
 import secrets
-import threading
 import time
+from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +28,7 @@ from .._core.buffers import snapshot_pool as _snapshot_pool
 from .._core.checksum import crc32c
 from .._core.gcpause import paused
 from .._core.stats import SaveStats
+from .._dist.agree import sequence
 from .._dist.coord import (
     Coordinator,
     activity,
@@ -68,13 +68,39 @@ log = logging.getLogger("cairn")
 SMALL_CHUNK = 64 << 10
 BATCH_BYTES = 4 << 20
 
-_seq = itertools.count()
-_seq_lock = threading.Lock()
 
+class _Batch:
+    """The pieces of one data file, in order: pieces up to SMALL_CHUNK are gathered and written
+    together in writes of about BATCH_BYTES, larger ones alone (the batch before them first)."""
 
-def _next_seq() -> int:
-    with _seq_lock:
-        return next(_seq)
+    __slots__ = ("buf",)
+
+    def __init__(self) -> None:
+        self.buf = bytearray()
+
+    def add(self, piece: Any) -> Generator[Any, None, bool]:
+        """Yield what is due for writing once `piece` is added (a small piece is copied at once);
+        returns whether the batch was written."""
+        if len(piece) <= SMALL_CHUNK:
+            self.buf += piece
+            if len(self.buf) < BATCH_BYTES:
+                return False
+            yield self._take()
+            return True
+        flushed = bool(self.buf)
+        if flushed:
+            yield self._take()
+        yield piece
+        return flushed
+
+    def rest(self) -> Iterator[bytearray]:
+        """The last, partial batch."""
+        if self.buf:
+            yield self._take()
+
+    def _take(self) -> bytearray:
+        out, self.buf = self.buf, bytearray()  # a new buffer: the one yielded may still be in use
+        return out
 
 
 @dataclass
@@ -205,7 +231,7 @@ class SaveJob:
                     return
 
         def parts():
-            batch = bytearray()
+            batch = _Batch()
             pop = item.sources.pop
             shift = 0  # stored bytes minus raw bytes of the compressed chunks so far
             for n_slot, slot in enumerate(slots):
@@ -214,9 +240,9 @@ class SaveJob:
                     moved[n_slot] = slot.offset + shift
                 if self.inc is not None:  # incremental (format 4): hashes, references (`incremental`)
                     raw = host_raw(slot, pop((slot.leaf, slot.cell)))
-                    batch, sizes_, crcs_, own = yield from self.inc.write_chunk(
+                    batch.buf, sizes_, crcs_, own = yield from self.inc.write_chunk(
                         item, slot.leaf, slot.cell, raw, codec, getattr(item.leaves[slot.leaf], "dtype", None),
-                        code_pool, batch)
+                        code_pool, batch.buf)
                     del raw
                     stored[n_slot] = sizes_
                     crcs.append(crcs_)
@@ -228,16 +254,7 @@ class SaveJob:
                     for enc in blocks_of(n_slot):
                         sizes.append(len(enc))
                         block_crcs.append(crc32c(enc))
-                        if len(enc) <= SMALL_CHUNK:
-                            batch += enc
-                            if len(batch) >= BATCH_BYTES:
-                                yield batch
-                                batch = bytearray()
-                            continue
-                        if batch:
-                            yield batch
-                            batch = bytearray()
-                        yield enc
+                        yield from batch.add(enc)
                     stored[n_slot] = tuple(sizes)
                     crcs.append(block_crcs)
                     shift += sum(sizes) - slot.nbytes
@@ -251,17 +268,8 @@ class SaveJob:
                     if n == slot.nbytes:
                         crcs.append(_block_crcs(mvs, block))
                         for m in mvs:
-                            if len(m) <= SMALL_CHUNK:
-                                batch += m
-                                continue
-                            if batch:
-                                yield batch
-                                batch = bytearray()
-                            yield m
+                            yield from batch.add(m)
                         del mvs
-                        if len(batch) >= BATCH_BYTES:
-                            yield batch
-                            batch = bytearray()
                         activity.advance()
                         continue
                     mv = memoryview(b"".join(mvs))
@@ -277,21 +285,14 @@ class SaveJob:
                     # A small chunk costs more in a thread hand-off and a write of its own than in
                     # its bytes: checksum it here, and write it together with its neighbours.
                     crcs.append(crc32c(mv) if n <= block else [crc32c(mv[o : o + block]) for o in range(0, n, block)])
-                    batch += mv  # copied now, so the host view is released at once
-                    del mv
-                    if len(batch) >= BATCH_BYTES:
-                        yield batch
+                    if (yield from batch.add(mv)):  # copied now, so the host view is released at once
                         activity.advance()  # storage took more: peers waiting for us see progress
-                        batch = bytearray()
+                    del mv
                     continue
-                if batch:
-                    yield batch
-                    batch = bytearray()
                 crcs.append([crc_pool.submit(crc32c, mv[o : o + block]) for o in range(0, n, block)])
-                yield mv
+                yield from batch.add(mv)
                 activity.advance()
-            if batch:
-                yield batch
+            yield from batch.rest()
 
         key = self.data_key(item, k)
         size = self.loc.storage.write(key, parts())
@@ -709,7 +710,7 @@ def prepare(
             raise UnsupportedTypeError(f"{loc.path}: metadata must be JSON-serializable ({e})") from None
     root, pairs = _split_items(state)
     items = []
-    seq = _next_seq()
+    seq = sequence("save")
     hosts = HostValues(coord, seq, loc.path)  # per-process values; the check that other host values agree
     with paused(), hosts.reporting():  # thousands of leaves make tens of thousands of live objects, none garbage
         for name, tree in pairs:

@@ -106,6 +106,9 @@ class Storage(Protocol):
     preferred_read: int | None
     #: Whether this storage's readers are `RandomReader.vectored` (one request for many buffers).
     vectored_reads: ClassVar[bool]
+    #: Whether the bytes live in this process's memory (the ``memory://`` store of tests): a read
+    #: is a copy, with no request to pay for. The load's route estimates price it so.
+    in_process: ClassVar[bool]
     #: Requests retried after transient failures so far (object stores; 0 elsewhere).
     retries: int
 
@@ -138,6 +141,11 @@ class Storage(Protocol):
 
     def describe(self, key: str) -> str:
         """A human-readable location for messages."""
+
+    @property
+    def dirs(self) -> LocalDirs | None:
+        """This storage's POSIX folder operations, or None where folders are only key prefixes
+        (object stores). Not None exactly where `atomic_rename` is true."""
 
 
 @runtime_checkable

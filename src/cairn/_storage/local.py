@@ -70,6 +70,7 @@ class LocalStorage:
     retries = 0
     preferred_read: int | None = None
     vectored_reads: ClassVar[bool] = _FileReader.vectored
+    in_process: ClassVar[bool] = False
     bandwidth: float | None = None  # the kind's default (`base.DEFAULT_BANDWIDTH`) unless set
 
     def __init__(self, url: str):
@@ -89,6 +90,11 @@ class LocalStorage:
 
             self._network = is_network(mount_type(self.root))
         return self._network
+
+    @property
+    def dirs(self) -> LocalStorage:
+        """Itself: a local directory has folders that rename (`base.LocalDirs`)."""
+        return self
 
     @property
     def kind(self) -> str:

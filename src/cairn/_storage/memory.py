@@ -44,6 +44,8 @@ class MemoryStorage:
     retries = 0
     preferred_read: int | None = None
     vectored_reads: ClassVar[bool] = _MemReader.vectored
+    in_process: ClassVar[bool] = True
+    dirs: None = None  # keys only, like an object store
     _named: ClassVar[dict[str, dict[str, bytes]]] = {}
 
     def __init__(self, url: str = "memory://", objects: dict[str, bytes] | None = None, prefix: str = ""):

@@ -272,6 +272,8 @@ class ObjectStorage:
     kind = "object"
     bandwidth: float | None = None  # the kind's default (`base.DEFAULT_BANDWIDTH`) unless set
     vectored_reads: ClassVar[bool] = _ObjectReader.vectored
+    in_process: ClassVar[bool] = False
+    dirs: None = None  # keys under a prefix: no folders to rename
 
     def __init__(self, url: str, options: dict[str, Any] | None = None):
         try:

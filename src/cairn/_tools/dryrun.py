@@ -5,7 +5,7 @@ the records of the chunks the load would read), matches the target as `_load`
 does, and then replays the load engine's decisions for every process, from this
 one: the read-once route of each leaf (`_readonce.route`) and its waves
 (`_waves`), the direct pipeline's budget and its coalesced small reads
-(`_coalesce`), and each read the planner would issue (`_reader.whole_reads`,
+(`_coalesce`), and each read the planner would issue (`leafreads.whole_reads`,
 `_plan.plan_reads`). Those are pure functions of the index and of each
 sharding's ``devices_indices_map``, so any process can compute every other's
 figures; ``processes=N`` splits the target's devices into N processes by device
@@ -19,8 +19,9 @@ printed with every plan.
 from __future__ import annotations
 
 import math
+import warnings
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
@@ -35,9 +36,10 @@ from .._load import engine as _load
 from .._load.coalesce import MAX_RUN_PARTS, run_limits, stored_whole_span, whole_span
 from .._load.metadata import read_index, read_manifest
 from .._load.options import LoadOptions
-from .._load.reader import DEFAULT_MAX_READ, MIN_RUN, plan_leaf_reads, stored_span, whole_reads
+from .._load.reader import MIN_RUN
 from .._load.readonce import MAX_READ, ProcessOf, Route, bandwidths_for, storage_kind, stored_nbytes
 from .._load.schedule import schedule
+from .._plan.leafreads import DEFAULT_MAX_READ, plan_leaf_reads, stored_span, whole_reads
 from .._plan.reads import Read, is_c_contiguous
 from .._plan.routes import Bandwidths, resolve_bandwidths
 from .._storage.location import Location, resolve
@@ -123,11 +125,12 @@ class LoadPlan:
     """What `cairn.load` would read and hold, per process: the result of `cairn.plan_load`.
 
     ``str(plan)`` is a table with what the figures model and what they do not.
-    `bandwidth` is GB/s (10^9 bytes per second) per process, if one was given.
+    `bandwidth` is the storage's GB/s (10^9 bytes per second) per process, if one was declared
+    (`plan_load(bandwidths={"storage_gbps": ...})`).
 
     Example:
 
-        plan = cairn.plan_load(path, target, processes=8, bandwidth=1.5)
+        plan = cairn.plan_load(path, target, processes=8, bandwidths={"storage_gbps": 1.5})
         worst = max(plan.processes, key=lambda p: p.peak_host_bytes)
         print(plan.bytes_read / plan.array_bytes, worst.process, plan.seconds)
     """
@@ -233,6 +236,22 @@ class LoadPlan:
 # ---------------------------------------------------------------------- the plan
 
 
+def _one_bandwidth(bandwidths: dict[str, float] | None,
+                   bandwidth: float | None) -> tuple[dict[str, float] | None, float | None]:
+    """`plan_load`'s `bandwidths`, with the deprecated `bandwidth=x` folded in as its ``storage_gbps``,
+    and the storage bandwidth (GB/s) the time estimate uses, if one was declared."""
+    if bandwidth is not None:
+        warnings.warn("plan_load(bandwidth=x) is deprecated and goes in the next release: pass "
+                      "bandwidths={'storage_gbps': x}, the keyword load takes", DeprecationWarning, stacklevel=3)
+        given = (bandwidths or {}).get("storage_gbps")
+        if given is not None and given != bandwidth:
+            raise ValueError(f"plan_load: bandwidth={bandwidth!r} and bandwidths['storage_gbps']={given!r} "
+                             "disagree; pass only bandwidths")
+        bandwidths = {**(bandwidths or {}), "storage_gbps": bandwidth}
+    declared = (bandwidths or {}).get("storage_gbps") if isinstance(bandwidths, Mapping) else None
+    return bandwidths, declared
+
+
 def plan_load(
     path: Any,
     target: Any = None,
@@ -258,10 +277,12 @@ def plan_load(
 
     Takes `load`'s arguments, plus `processes` (plan for that many processes,
     each holding an equal share of the target's devices by device id; default:
-    the devices' real processes) and `bandwidth` (GB/s per process, for the
-    time estimate). Only metadata is read: the manifest, indexes and chunk records.
-    `bandwidths` prices the read routes as `load` does (the same defaults),
-    with `platform` ("cpu", "gpu", "tpu") choosing the interconnect's default
+    the devices' real processes). Only metadata is read: the manifest, indexes
+    and chunk records. `bandwidths` prices the read routes as `load` does (the
+    same keys and defaults); its ``storage_gbps`` (GB/s per process), where
+    given, also gives the time estimate `plan.seconds`. (`bandwidth=x`, the
+    old spelling of ``bandwidths={"storage_gbps": x}``, still works with a
+    DeprecationWarning; it goes in the next release.) `platform` ("cpu", "gpu", "tpu") choosing the interconnect's default
     (default: the target devices' platform, CPU for `cairn plan`'s virtual
     devices). `plan.routes` holds each sharded leaf's route with every
     alternative's predicted seconds. `mesh` plans `load`'s restore onto
@@ -270,10 +291,12 @@ def plan_load(
 
     Example:
 
-        plan = cairn.plan_load("/ckpt/step_100", {"params": abstract}, processes=64, bandwidth=2.0)
+        plan = cairn.plan_load("/ckpt/step_100", {"params": abstract}, processes=64,
+                               bandwidths={"storage_gbps": 2.0})
         print(plan)                 # per process: bytes, requests, peak host memory, time
         plan.processes[3].bytes_read
     """
+    bandwidths, bandwidth = _one_bandwidth(bandwidths, bandwidth)
     # The same options, checked the same way, as the load this plan predicts.
     opts = LoadOptions(partial=partial, verify=verify, threads=threads, read_once=read_once,
                        budget_bytes=budget_bytes, bandwidths=bandwidths, format=format, rename=rename, drop=drop,
