@@ -155,9 +155,9 @@ def allocations(monkeypatch):
     sizes: list[int] = []
     real = cairn._core.buffers.aligned_empty
 
-    def spy(shape, dtype, align=64):
+    def spy(shape, dtype, align=64, **kw):
         sizes.append(int(np.prod(shape, dtype=object)) * np.dtype(dtype).itemsize)
-        return real(shape, dtype, align)
+        return real(shape, dtype, align, **kw)
 
     monkeypatch.setattr(cairn._load.reader, "aligned_empty", spy)  # where the chunk reader looks it up
     return sizes
