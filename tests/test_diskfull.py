@@ -118,6 +118,8 @@ class Faulty:
 
     def __getattr__(self, name):
         real = getattr(self.inner, name)
+        if name == "dirs":  # the folder operations (sync_dir, rename_dir) are the wrapper's too
+            return None if real is None else self
         if name != self.method:
             return real
 
