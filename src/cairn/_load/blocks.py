@@ -79,6 +79,7 @@ def undelta(stored: Any, raw_size: int, dtype: Any, read_base: Any, out: np.ndar
 def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> None:
     """`ChunkReader.do_read` for a leaf with references (``read`` in raw addressing: ``read.file`` is
     the chunk, ``[start, end)`` whole blocks of its raw bytes)."""
+    from .landing import direct_bytes
     from .landing import region as _region
     from .landing import scratch as _scratch
 
@@ -86,12 +87,7 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
     places = block_places(leaf, cell, block)
     raws = raw_blocks(leaf.chunk_nbytes(cell), block)
     b0, b1 = read.start // block, -(-read.end // block)
-    out: np.ndarray | None = None
-    direct = read.direct
-    if direct is not None:
-        region = dests[direct.dest][_region(direct.dest_start, direct.shape)]
-        if region.flags.c_contiguous:
-            out = region.reshape(-1).view(np.uint8)
+    out = direct_bytes(read, dests)
     raw = out if out is not None else _scratch(read.nbytes)
     # Consecutive blocks whose stored bytes follow each other in one file: one ranged read.
     groups: list[list[int]] = []

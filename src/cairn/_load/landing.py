@@ -31,3 +31,13 @@ def scratch(nbytes: int, which: str = "buf") -> np.ndarray:
 def region(start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[Any, ...]:
     # `...` keeps a 0-d selection a view (indexing with () would return a scalar copy).
     return tuple(slice(s, s + n) for s, n in zip(start, shape)) or (Ellipsis,)
+
+
+def direct_bytes(read: Any, dests: list[np.ndarray]) -> np.ndarray | None:
+    """The destination bytes `read` fills in place (its `direct` target, where that region is one
+    contiguous run of memory), or None where it lands in a buffer first."""
+    direct = read.direct
+    if direct is None:
+        return None
+    target = dests[direct.dest][region(direct.dest_start, direct.shape)]
+    return target.reshape(-1).view(np.uint8) if target.flags.c_contiguous else None

@@ -49,6 +49,7 @@ from .._storage import PartReader, RandomReader
 from .._storage.location import Location
 from .._tree.pytree import display_path
 from .coalesce import Pieces, Runs, run_limits, stored_whole_span, whole_span
+from .landing import direct_bytes
 from .landing import region as _region
 from .landing import scratch as _scratch
 from .metadata import Opened
@@ -245,12 +246,7 @@ class ChunkReader:
         crcs = leaf.crcs[cell]
         b0 = read.start // block
         stored = _scratch(n, "stored")
-        out: np.ndarray | None = None
-        direct = read.direct
-        if direct is not None:
-            region = dests[direct.dest][_region(direct.dest_start, direct.shape)]
-            if region.flags.c_contiguous:
-                out = region.reshape(-1).view(np.uint8)
+        out = direct_bytes(read, dests)
         raw = out if out is not None else _scratch(read.nbytes)
         name = self.index.files[file].name
         where = f"{self.loc.path}: leaf {display_path(leaf.path, self.item)!r}, {name!r}"
