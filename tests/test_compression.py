@@ -102,7 +102,7 @@ def test_round_trip_every_codec(tmp_path, kind, compression, mesh):
     raw = sum(leaf.nbytes for leaf, _ in leaves.values())
     assert stats.bytes_written < 0.85 * raw  # bf16 weights, zeros and small ints all shrink
     assert_same(cairn.load(path), state)
-    from cairn._tools.verify import verify
+    from cairn._sources.verify import verify
 
     assert verify(path).ok
 

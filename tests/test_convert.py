@@ -16,9 +16,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
-from cairn._interop.safetensors import from_safetensors, to_safetensors
-from cairn._interop.torchfile import to_torch_file
-from cairn._tools import verify as _verify
+from cairn._exports.safetensors import from_safetensors, to_safetensors
+from cairn._exports.torchfile import to_torch_file
+from cairn._sources import verify as _verify
 
 
 def assert_bitwise(a, b):
@@ -199,8 +199,8 @@ _RSS_SCRIPT = textwrap.dedent(
     """
     import json, sys
     kind, src, dst, budget, warm = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
-    from cairn._interop.safetensors import from_safetensors, to_safetensors
-    from cairn._interop.torchfile import to_torch_file
+    from cairn._exports.safetensors import from_safetensors, to_safetensors
+    from cairn._exports.torchfile import to_torch_file
 
     def convert(src, dst):
         if kind == "safetensors":

@@ -179,7 +179,7 @@ def test_plan_with_transforms_and_foreign_sources(tmp_path, mesh8):
     t = {"encoder": {"w": NamedSharding(mesh8, P("x"))}, "new": np.zeros(3)}
     kw = dict(rename=[(r"^enc/", "encoder/")], drop="^opt/", fill_missing=["^new$"])
     stats = LoadStats()
-    from cairn._tools import transforms as _transforms
+    from cairn._sources import transforms as _transforms
 
     loc = resolve(tmp_path / "m.safetensors")
     _load.load(loc, t, stats=stats, source=_transforms.open_source(loc, t, **kw))

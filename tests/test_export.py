@@ -16,7 +16,7 @@ import pytest
 
 import cairn
 from _mp import run
-from cairn._interop.export import assign, pack, parse_size
+from cairn._exports.export import assign, pack, parse_size
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 import cairn
 from cairn._cli.main import inspect_data
 from cairn._format import manifest as fmt
-from cairn._tools.verify import verify
+from cairn._sources.verify import verify
 
 MiB = 1 << 20
 

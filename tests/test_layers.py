@@ -55,8 +55,8 @@ ROOMS: dict[str, int] = {
     "cairn._tree": 6,  # the user's state: pytrees, leaves, per-process values, shardings
     "cairn._save": 7,
     "cairn._load": 8,
-    "cairn._interop": 9,  # other formats in and out
-    "cairn._tools": 10,  # copy, verify, transforms, dry run
+    "cairn._sources": 9,  # checkpoints opened for reading: detection, other formats, transforms, verify, dry run
+    "cairn._exports": 10,  # one checkpoint written from another: cp, mv, convert, exports to other formats
     "cairn._run": 11,  # a run's directory: steps, retention, leases
     "cairn._local": 12,  # the local tier
     "cairn._manager": 13,

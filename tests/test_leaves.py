@@ -122,7 +122,7 @@ def test_async_save_of_keys_survives_deleting_them(tmp_path):
 def test_keys_survive_a_safetensors_round_trip(tmp_path):
     keys = jax.random.split(jax.random.key(4, impl="unsafe_rbg"), 2)
     cairn.save(tmp_path / "ck", {"rng": keys})
-    from cairn._interop.safetensors import from_safetensors, to_safetensors
+    from cairn._exports.safetensors import from_safetensors, to_safetensors
 
     to_safetensors(tmp_path / "ck", tmp_path / "m.safetensors")
     from_safetensors(tmp_path / "m.safetensors", tmp_path / "back")

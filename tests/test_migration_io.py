@@ -284,7 +284,7 @@ def test_cli_verify_reads_a_dcp_checkpoint_and_names_a_broken_one(tmp_path, caps
     assert main(["--plain", "verify", str(folder)]) == 0
     out = capsys.readouterr().out
     assert f"OK: {folder}: a PyTorch DCP checkpoint" in out and "every array reads" in out and "no checksums" in out
-    from cairn._tools.verify import verify
+    from cairn._sources.verify import verify
 
     report = verify(folder)
     assert report.ok and report.format == "dcp" and report.bytes_checked == (64 * 32 + 32 + 32 * 2 + 2) * 4
@@ -299,7 +299,7 @@ def test_cli_verify_reads_a_dcp_checkpoint_and_names_a_broken_one(tmp_path, caps
 
 def test_cli_verify_reads_an_orbax_manager_step(tmp_path, capsys):
     from cairn._cli.main import main
-    from cairn._tools.verify import verify
+    from cairn._sources.verify import verify
 
     step = _orbax_step(tmp_path / "run")
     assert main(["--plain", "verify", str(step)]) == 0

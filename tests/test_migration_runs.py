@@ -296,7 +296,7 @@ def test_export_orbax_keeps_item_kinds_and_says_what_cannot_be_json(tmp_path):
 
 
 def test_the_manager_key_export_reads_is_the_managers():
-    from cairn._interop.orbaxout import MANAGER_KEY
+    from cairn._exports.orbax import MANAGER_KEY
     from cairn._run.steps import META_KEY
 
     assert MANAGER_KEY == META_KEY

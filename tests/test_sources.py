@@ -24,9 +24,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
-from cairn._interop import sources as _sources
 from cairn._load import engine as _load
 from cairn._load.reader import LoadStats
+from cairn._sources import registry as _sources
 from cairn._storage import local as _local
 from cairn._storage.location import resolve
 from cairn._tree.pytree import map_with_path
@@ -336,7 +336,7 @@ def test_dcp_crafted_tensor_pickle_is_refused(tmp_path):
     """A torch.save blob whose data.pkl calls anything but the tensor rebuild is refused, never run."""
     import zipfile
 
-    from cairn._interop import torchsave as tsv
+    from cairn._sources import torchsave as tsv
     from cairn._storage import LocalStorage
 
     marker = tmp_path / "pwned"

@@ -13,8 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 import cairn
 from cairn._load.reader import LoadStats
+from cairn._sources import transforms as _transforms
 from cairn._storage.location import resolve
-from cairn._tools import transforms as _transforms
 
 
 def old_model(mesh):

@@ -29,8 +29,9 @@ from ._errors import CoordinationTimeoutError as CoordinationTimeoutError
 from ._errors import CorruptCheckpointError as CorruptCheckpointError
 from ._errors import MismatchError as MismatchError
 from ._errors import UnsupportedTypeError as UnsupportedTypeError
-from ._interop.export import export_safetensors as export_safetensors
-from ._interop.orbaxout import export_orbax as export_orbax
+from ._exports.copy import copy as copy
+from ._exports.export import export_safetensors as export_safetensors
+from ._exports.orbax import export_orbax as export_orbax
 from ._load.engine import ArrayMetadata as ArrayMetadata
 from ._local.tier import LocalTier as LocalTier
 from ._manager.manager import CheckpointManager as CheckpointManager
@@ -47,10 +48,9 @@ from ._run.retention import RetentionPolicy as RetentionPolicy
 from ._run.toorbax import export_orbax_run as export_orbax_run
 from ._save.future import SaveFuture as SaveFuture
 from ._save.future import wait_all as wait_all
-from ._tools.copy import copy as copy
-from ._tools.dryrun import LoadPlan as LoadPlan
-from ._tools.dryrun import plan_load as plan_load
-from ._tools.transforms import RestoreReport as RestoreReport
+from ._sources.dryrun import LoadPlan as LoadPlan
+from ._sources.dryrun import plan_load as plan_load
+from ._sources.transforms import RestoreReport as RestoreReport
 from ._tree.leaves import register_type as register_type
 from ._tree.perprocess import PerProcess as PerProcess
 from ._version import __version__ as __version__

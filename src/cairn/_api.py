@@ -14,17 +14,17 @@ from typing import Any
 from ._core.stats import LoadStats, SaveStats
 from ._dist.coord import Coordinator
 from ._errors import CheckpointNotFoundError, MismatchError
-from ._interop import sources as _sources
-from ._interop.sources import Rename
 from ._load import engine as _load
 from ._load.options import LoadOptions
 from ._run import steps as _steps
 from ._save import future as _async
 from ._save.future import SaveFuture
 from ._save.options import SaveOptions
+from ._sources import registry as _sources
+from ._sources import transforms as _transforms
+from ._sources.registry import Rename
+from ._sources.transforms import Patterns, RestoreReport
 from ._storage.location import resolve
-from ._tools import transforms as _transforms
-from ._tools.transforms import Patterns, RestoreReport
 
 PathLike = str | os.PathLike[str]
 
@@ -306,7 +306,7 @@ def load(
             raise _transforms.explained(source, e) from None
     _transforms.finish(source, loc.path, report)
     if framework == "torch":
-        from ._interop.tensors import tree_to_torch
+        from ._tree.tensors import tree_to_torch
 
         out = tree_to_torch(out, loc.path)
     return out

@@ -33,12 +33,12 @@ from typing import Any
 
 from .._core.units import human_bytes
 from .._errors import CheckpointError, CheckpointNotFoundError
+from .._exports.copy import add_commands as add_copy_commands
 from .._format import manifest as fmt
 from .._format import values
-from .._interop.sources import FORMATS
 from .._run import steps as _steps
+from .._sources.registry import FORMATS
 from .._storage.location import resolve
-from .._tools.copy import add_commands as add_copy_commands
 from .plan import add_command as add_plan_command
 
 # ---------------------------------------------------------------------- output
@@ -167,7 +167,7 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
         _dump_json({"dir": loc.path, "entries": [{k: v for k, v in e.items() if k != "key"} for e in entries]})
         return 0
     if not entries:
-        from .._interop.sources import detect
+        from .._sources.registry import detect
 
         kind = detect(loc)
         if kind is not None:
@@ -266,8 +266,8 @@ def _value_json(v: Any) -> Any:
 
 
 def inspect_data(path: str, format: str | None = None) -> dict[str, Any]:
-    from .._interop.sources import inspect_data as foreign
     from .._load.metadata import open_checkpoint
+    from .._sources.registry import inspect_data as foreign
 
     other = foreign(path, format)  # Orbax, DCP, safetensors
     if other is not None:
@@ -365,7 +365,7 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_verify(args: argparse.Namespace, out: Output) -> int:
-    from .._tools.verify import verify
+    from .._sources.verify import verify
 
     with out.progress("verifying", None) as (set_total, advance):
         report = verify(args.path, threads=args.threads, on_total=set_total, progress=advance)
@@ -394,7 +394,7 @@ def cmd_verify(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_diff(args: argparse.Namespace, out: Output) -> int:
-    from .._tools.verify import diff
+    from .._sources.verify import diff
 
     entries = diff(args.a, args.b, budget_bytes=args.budget)
     same = all(e.status == "equal" for e in entries)
@@ -428,8 +428,8 @@ def cmd_copy(args: argparse.Namespace, out: Output) -> int:
     interrupted saves are not copied, and Orbax or DCP folders are named as
     skipped (cairn copies only what a cairn manifest names).
     """
+    from .._exports.copy import copy, refuse_foreign, run_copy
     from .._load.metadata import manifest_bytes
-    from .._tools.copy import copy, refuse_foreign, run_copy
 
     src = resolve(args.src)
     try:
@@ -486,7 +486,7 @@ def cmd_copy(args: argparse.Namespace, out: Output) -> int:
 
 
 def cmd_convert(args: argparse.Namespace, out: Output) -> int:
-    from .._interop.convert import run_convert
+    from .._exports.convert import run_convert
 
     return run_convert(args, out)
 

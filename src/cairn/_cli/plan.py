@@ -15,10 +15,10 @@ import math
 import re
 from typing import Any
 
-from .._interop import sources as _sources
 from .._load import engine as _load
+from .._sources import registry as _sources
+from .._sources.dryrun import LoadPlan, plan_load
 from .._storage.location import resolve
-from .._tools.dryrun import LoadPlan, plan_load
 from .._tree.pytree import map_with_path
 from .._tree.shardings import on_mesh
 

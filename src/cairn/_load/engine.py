@@ -192,7 +192,7 @@ def load(
     **changes: Any,
 ) -> Any:
     """Load the checkpoint at `loc` (see `cairn.load`) with `options` and keyword `changes` to them
-    (`LoadOptions`' names); `source`: one opened already (`_interop.sources`).
+    (`LoadOptions`' names); `source`: one opened already (`_sources.registry`).
 
     `stats` is reset, then filled in; `started` (a ``time.perf_counter()``
     value, default now) is when the caller's request began. With `publish`

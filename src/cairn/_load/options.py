@@ -4,7 +4,7 @@
 take the same keywords; inside, they travel as one `LoadOptions`, so that a
 new option is declared, checked and documented in one place. The numbers
 are checked when the options are made, before any metadata is read (the
-format name and the bandwidth figures where they are used: `_interop.sources`,
+format name and the bandwidth figures where they are used: `_sources.registry`,
 `_plan.routes`).
 """
 
@@ -56,7 +56,7 @@ class LoadOptions:
 
     @property
     def transforms(self) -> dict[str, Any]:
-        """The restore transforms, as `_tools.transforms.open_source` takes them."""
+        """The restore transforms, as `_sources.transforms.open_source` takes them."""
         return {"rename": self.rename, "drop": self.drop, "fill_missing": self.fill_missing}
 
 

@@ -2,7 +2,7 @@
 
 It is computed from metadata alone (indexes, target shardings, the priced
 bandwidths), identically on every process, by one function that the engine
-runs and the dry run (`_tools.dryrun.plan_load`) evaluates for processes that
+runs and the dry run (`_sources.dryrun.plan_load`) evaluates for processes that
 are not there: the dry run predicts the load the engine would make, not a
 copy of its loop.
 """

@@ -53,8 +53,8 @@ from .._run.retention import CheckpointInfo, KeepBest, RetentionPolicy, policy_f
 from .._run.steps import DEFAULT_STEP_FORMAT, StepNames, show_steps
 from .._save import future as _async
 from .._save.options import SaveOptions
+from .._sources import transforms as _transforms
 from .._storage.location import Location
-from .._tools import transforms as _transforms
 from .._tree.pytree import map_with_path
 from .watch import StepWatch
 

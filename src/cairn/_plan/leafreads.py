@@ -7,7 +7,7 @@ over its raw bytes widened to whole blocks: every read within one chunk, its
 (`plan_leaf_reads`); `stored_span` maps such a read to the stored bytes it
 covers. `whole_reads` cuts a whole array stored in row slabs into a few long
 reads. The load's reader (`_load/reader`), its coalesced runs
-(`_load/coalesce`) and the dry run (`_tools/dryrun`) share these.
+(`_load/coalesce`) and the dry run (`_sources/dryrun`) share these.
 """
 
 from __future__ import annotations

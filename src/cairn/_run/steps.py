@@ -39,9 +39,9 @@ from typing import Any
 
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import manifest as fmt
-from .._interop.orbax import step_metrics
 from .._load.engine import read_manifest
 from .._save.commit import strategy_for
+from .._sources.orbax import step_metrics
 from .._storage import Storage, open_storage
 from .._storage.location import Location, resolve
 from .retention import CheckpointInfo

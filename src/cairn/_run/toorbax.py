@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from .._errors import CheckpointError, CheckpointExistsError, CheckpointNotFoundError
-from .._interop.orbaxout import _local_or_gcs, export_orbax
+from .._exports.orbax import _local_or_gcs, export_orbax
 from .._storage import Storage, open_storage
 from . import steps as _steps
 

@@ -30,7 +30,7 @@ from .commit import strategy_for
 
 @runtime_checkable
 class SlabSource(Protocol):
-    """An array read from another format (`cairn._interop.sources`), yielded as C-order byte slabs
+    """An array read from another format (`cairn._sources.registry`), yielded as C-order byte slabs
     of exactly `slab` bytes each (the last may be shorter)."""
 
     dtype: np.dtype
@@ -102,7 +102,7 @@ class StreamWriter:
     def write_item(self, name: str, root: bool, structure: Any, leaves: list[Any], slab: int,
                    progress: Callable[[int], None] | None = None) -> None:
         """`leaves`: ValueLeaf, or (kind, path, source, extra ArrayLeaf fields) for data read from a source:
-        a `SlabSource`, a `Chunked` one, or a tensor in a file (`_SrcTensor`)."""
+        a `SlabSource`, a `Chunked` one, or a tensor in a file (`SrcTensor`)."""
         dirname = fmt.ROOT_ITEM_DIR if root else fmt.item_dirname(name)
         file_name = fmt.data_file_name(0, 0, self.token)
         # leaf -> per chunk: offset, block CRCs, stored sizes

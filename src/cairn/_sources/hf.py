@@ -25,7 +25,7 @@ from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import manifest as fmt
 from .._storage.location import Location
 from .base import FlatLocation, Format, one_chunk, split_name
-from .safetensors import ST_METADATA_KEY, _items_from_safetensors, _open_safetensors, _SrcTensor
+from .stfile import ST_METADATA_KEY, SrcTensor, items_of_st, open_st_file
 
 INDEX_NAMES = ("model.safetensors.index.json",)
 _TENSOR = {"type": "safetensors"}  # the sharding description of a tensor (none recorded)
@@ -40,13 +40,13 @@ class Safetensors(Format):
         self.where = where
         self.file_names = files
         self._sizes = dict.fromkeys(files, 0)
-        self._headers: dict[str, dict[str, _SrcTensor]] = {}
+        self._headers: dict[str, dict[str, SrcTensor]] = {}
         self._cairn: dict[str, Any] | None = None
         self._meta: dict[str, Any] = {}
         if weight_map is None:  # one file: its header is the list of tensors
             tensors, meta = self._header(files[0])
             if ST_METADATA_KEY in meta:
-                _root, self._meta, self._cairn = _items_from_safetensors(tensors, meta, where, None)
+                _root, self._meta, self._cairn = items_of_st(tensors, meta, where, None)
             else:
                 self._meta = dict(meta)
             names = sorted(tensors, key=lambda n: tensors[n].start)
@@ -63,9 +63,9 @@ class Safetensors(Format):
         """Written by ``cairn convert --to safetensors``: cairn's own tree is in its metadata."""
         return self._cairn is not None
 
-    def _header(self, name: str) -> tuple[dict[str, _SrcTensor], dict[str, str]]:
+    def _header(self, name: str) -> tuple[dict[str, SrcTensor], dict[str, str]]:
         try:
-            tensors, meta = _open_safetensors(self.loc, self.loc.key(name))
+            tensors, meta = open_st_file(self.loc, self.loc.key(name))
         except OSError as e:
             if e.errno != errno.ELOOP:
                 raise

@@ -135,7 +135,7 @@ def _where(item: str, root: bool) -> str:
 
 def _foreign(loc: Location) -> str | None:
     """The format of the checkpoint at `loc` when it is not cairn's (None: cairn's, or nothing known)."""
-    from .._interop.sources import detect
+    from .._sources.registry import detect
 
     if loc.storage.exists(loc.key(fmt.MANIFEST)):
         return None
@@ -153,9 +153,9 @@ def verify_foreign(loc: Location, format: str, threads: int = 8, on_total: Calla
     converting once (``cairn convert SRC DST --to cairn``) gives checksums.
     Problems are collected per leaf, as for a cairn checkpoint.
     """
-    from .._interop.base import open_format
-    from .._interop.sources import open_foreign
     from .._load.reader import LoadStats
+    from .._sources.base import open_format
+    from .._sources.registry import open_foreign
 
     report = VerifyReport(loc.path, format=format)
     try:
@@ -405,7 +405,7 @@ class _Side:
 
     def __init__(self, path: str | os.PathLike[str], storage_options: dict | None):
         from .._errors import CheckpointNotFoundError
-        from .._interop.sources import open_source
+        from .._sources.registry import open_source
 
         self.src: Any = None
         try:

@@ -53,8 +53,8 @@ from .._load.metadata import index_bytes, manifest_bytes, parse_index, read_mani
 from .._load.reader import DEFAULT_BUDGET
 from .._save.commit import CommitStrategy, strategy_for
 from .._save.options import SaveOptions
+from .._sources.verify import describe_chunk
 from .._storage.location import Location, resolve
-from .verify import describe_chunk
 
 PIECE_BYTES = 16 << 20  # the largest piece of a data file read and written at once
 MIN_PIECE = 64 << 10
@@ -316,7 +316,7 @@ def refuse_foreign(loc: Location, verb: str = "cp") -> None:
     """Raise a `CheckpointNotFoundError` that says what `loc` is when it is another format's checkpoint
     (Orbax, DCP, safetensors: `ls` and `inspect` read them; a copy, which checks cairn's checksums and
     commits with cairn's manifest, cannot)."""
-    from .._interop.sources import detect
+    from .._sources.registry import detect
 
     found = detect(loc)
     if found in (None, "cairn"):
@@ -472,7 +472,7 @@ def _recompress(s: Location, d: Location, compression: str | bool | None, overwr
     grid of chunks, its sharding record, a typed key's implementation, user objects and per-process values
     (the structure is the source's): it differs from the source only in how its blocks are stored (and in
     having one data file per item)."""
-    from .._interop.convert import exact_slabs
+    from .._exports.convert import exact_slabs
     from .._load.metadata import Opened, read_index
     from .._load.reader import make_reader, read_box, slab_boxes, slab_bytes
     from .._save.engine import resolve_compression

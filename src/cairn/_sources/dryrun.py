@@ -30,8 +30,6 @@ from .._core.boxes import Box, full_box
 from .._core.units import human_bytes
 from .._errors import MismatchError
 from .._format import manifest as fmt
-from .._interop import sources as _sources
-from .._interop.sources import Rename
 from .._load import engine as _load
 from .._load.coalesce import MAX_RUN_PARTS, run_limits, stored_whole_span, whole_span
 from .._load.metadata import read_index, read_manifest
@@ -42,6 +40,8 @@ from .._load.schedule import schedule
 from .._plan.leafreads import DEFAULT_MAX_READ, plan_leaf_reads, stored_span, whole_reads
 from .._plan.reads import Read, is_c_contiguous
 from .._plan.routes import Bandwidths, resolve_bandwidths
+from .._sources import registry as _sources
+from .._sources.registry import Rename
 from .._storage.location import Location, resolve
 from .._tree.perprocess import LoadView, leaf_numbers
 from .._tree.pytree import display_path

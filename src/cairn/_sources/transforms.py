@@ -21,10 +21,10 @@ from typing import Any
 
 from .._errors import CheckpointNotFoundError, MismatchError
 from .._format import manifest as fmt
-from .._interop import sources as _sources
-from .._interop.base import regex_predicate, structure_of
-from .._interop.sources import Rename, Source
 from .._load import engine as _load
+from .._sources import registry as _sources
+from .._sources.base import regex_predicate, structure_of
+from .._sources.registry import Rename, Source
 from .._storage.location import Location
 from .._tree.perprocess import PerProcess, nodes_of
 from .._tree.pytree import display_path, map_with_path

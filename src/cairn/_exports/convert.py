@@ -20,11 +20,11 @@ from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import manifest as fmt
 from .._load.reader import DEFAULT_BUDGET, ChunkReader, LoadStats, slab_bytes
 from .._save.stream import StreamWriter
+from .._sources.base import Source, open_format
+from .._sources.hf import Safetensors
+from .._sources.registry import open_foreign
 from .._storage.location import resolve
-from .base import Source, open_format
-from .hf import Safetensors
 from .safetensors import from_safetensors
-from .sources import open_foreign
 
 
 class _Slabs:
@@ -133,7 +133,7 @@ def run_convert(args: Any, out: Any) -> int:
         elif args.to == "torch":
             written = [to_torch_file(args.src, args.dst, sep=args.sep, budget_bytes=args.budget, progress=advance)]
         elif args.to == "orbax":
-            from .orbaxout import export_orbax
+            from .orbax import export_orbax
 
             written = [export_orbax(args.src, args.dst, overwrite=args.overwrite, per_process=args.per_process)]
         else:

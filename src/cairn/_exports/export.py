@@ -40,11 +40,11 @@ from .._format import values
 from .._load.metadata import open_checkpoint
 from .._load.reader import DEFAULT_BUDGET, iter_array, make_reader, slab_bytes
 from .._save.commit import strategy_for
+from .._sources.base import Rename, compile_rename, join_name, unmatched_rules
 from .._storage.location import resolve
 from .._tree.perprocess import check_export_choice, export_leaf_path, nodes_of, refuse_per_process
 from .._tree.pytree import display_path, escape_key
-from .base import Rename, compile_rename, join_name, unmatched_rules
-from .safetensors import _TO_ST, _st_header, check_names, refuse_several, tensor_item, tensor_items
+from .safetensors import TO_ST, _st_header, check_names, refuse_several, tensor_item, tensor_items
 
 log = logging.getLogger("cairn")
 
@@ -114,7 +114,7 @@ def _tensors(ck: Any, item: str | None, rename: Rename | None, names: str = "hf"
                     f"{ck.loc.path}: leaf {display_path(leaf.path, it)!r} is a typed PRNG key ({leaf.impl}), which "
                     "safetensors cannot hold; prng_keys='data' (--prng-keys data) writes its uint32 key data, "
                     "'drop' leaves it out (or rename it to None, or export one item=)")
-            if _TO_ST.get(values.dtype_name(leaf.dtype) or "") is None:
+            if TO_ST.get(values.dtype_name(leaf.dtype) or "") is None:
                 raise UnsupportedTypeError(f"{ck.loc.path}: leaf {path!r} has dtype {leaf.dtype}, "
                                            "which safetensors cannot hold")
             name = (new or "%root") if names == "raw" else join_name(new) or "%root"
@@ -277,7 +277,7 @@ def _write(ck: Any, out: Any, files: list[list[_Tensor]], names: list[str], budg
         readers = {it: make_reader(ck, it, pool) for it in {t.item for f in files for t in f}}
         try:
             for group, name in zip(files, names):
-                entries = [(t.name, _TO_ST[values.dtype_name(t.leaf.dtype) or ""], t.leaf.shape, t.leaf.nbytes)
+                entries = [(t.name, TO_ST[values.dtype_name(t.leaf.dtype) or ""], t.leaf.shape, t.leaf.nbytes)
                            for t in group]
                 keys = {t.name: t.leaf.impl for t in group if t.leaf.kind == "prng_key"}
                 header = _st_header(entries, {"format": "pt", **(

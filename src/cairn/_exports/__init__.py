@@ -1,0 +1,1 @@
+"""One checkpoint written from another: verified copies and moves (`cp`, `mv`), conversion of any readable checkpoint into cairn, and exports out of cairn to sharded safetensors, Orbax and PyTorch files."""

@@ -1,0 +1,1 @@
+"""Checkpoints opened for reading: format detection, the readers of other formats (Orbax, PyTorch DCP, Hugging Face safetensors, torch.save blobs) as load sources, restore transforms (rename, drop, fill), and what reads a whole opened checkpoint without a target: verification and diff, the dry run of a load."""
