@@ -57,7 +57,7 @@ bench: $(STAMP)
 	$(BIN)/pip install -q -e '.[bench]'
 	$(BIN)/python -m benchmarks.run $(ARGS)
 
-# The documentation site, warnings as errors, into site/ (its code blocks run in tests/test_docs.py).
+# The documentation site, warnings as errors, into site/ (its code blocks run in tests/package/test_docs.py).
 docs: $(STAMP)
 	$(BIN)/pip install -q -e '.[docs]'
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict

@@ -20,7 +20,7 @@ with one CPU device each on 127.0.0.1, every call to the coordination client cou
 
     PYTHONPATH=src python -m benchmarks.coord_scale      # measure 2, 4 and 8 processes, fit, check, model
     python -m benchmarks.coord_scale --counts 2,4,8,16   # other counts (unit: the largest)
-    python -m benchmarks.coord_scale --report r.json     # also check counts saved by tests/test_scale.py
+    python -m benchmarks.coord_scale --report r.json     # also check counts saved by tests/distributed/test_scale.py
                                                          # (CAIRN_SCALE_REPORT=r.json, e.g. at 32 and 16)
 
 The heartbeat is apart: one set per process every CAIRN_PEER_TIMEOUT / 6 seconds (0.2 to 5 s),
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--counts", default="2,4,8", help="process counts to measure (the first two fit the model)")
     ap.add_argument("--report", action="append", default=[],
-                    help="a CAIRN_SCALE_REPORT file of tests/test_scale.py to check the model against")
+                    help="a CAIRN_SCALE_REPORT file of tests/distributed/test_scale.py to check the model against")
     ap.add_argument("--load", help="measured counts saved by an earlier run (--save), instead of measuring")
     ap.add_argument("--save", help="keep the measured counts in this file")
     args = ap.parse_args(argv)

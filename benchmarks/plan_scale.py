@@ -9,7 +9,7 @@ resharding load onto a differently shaped mesh, with the real planning code
 are built: a mesh is a device grid numbered row-major, device ``d`` belongs
 to process ``d // devices_per_process``, and the box each device holds under
 a partition spec is computed arithmetically, as `cairn.save` does for a ``NamedSharding``
-(`_grid.spec_boxes`, checked against JAX in tests/test_grid.py).
+(`_grid.spec_boxes`, checked against JAX in tests/plan/test_grid.py).
 
     python -m benchmarks.plan_scale                   # full model, 4,096 devices, plus a scaling sweep
     python -m benchmarks.plan_scale --layers 8 --quick

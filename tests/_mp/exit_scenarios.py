@@ -1,4 +1,4 @@
-"""A dead peer's survivors all get to run their handlers, whenever process 0 exits (tests/test_exit.py)."""
+"""A dead peer's survivors all get to run their handlers, whenever process 0 exits (tests/distributed/test_exit.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Multi-process scenarios of the safetensors export and of foreign loads (run by tests/test_export.py)."""
+"""Multi-process scenarios of the safetensors export and of foreign loads (run by tests/exports/test_export.py)."""
 
 from __future__ import annotations
 

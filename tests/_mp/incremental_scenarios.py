@@ -1,4 +1,4 @@
-"""Scenarios of tests/test_incremental.py: incremental saves across real processes (see __init__.py)."""
+"""Scenarios of tests/save/test_incremental.py: incremental saves across real processes (see __init__.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Scenarios for the local tier (tests/test_local_tier.py): a small deterministic training run.
+"""Scenarios for the local tier (tests/local/test_local_tier.py): a small deterministic training run.
 
 Every process trains the same sharded model on a (processes, 2) mesh, saving
 to a persistent directory every `save_every` steps and to its own host

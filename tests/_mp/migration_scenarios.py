@@ -1,4 +1,4 @@
-"""Multi-process scenarios of the way back to Orbax (run by tests/test_migration_runs.py)."""
+"""Multi-process scenarios of the way back to Orbax (run by tests/run/test_migration_runs.py)."""
 
 from __future__ import annotations
 

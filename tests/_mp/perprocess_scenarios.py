@@ -1,4 +1,4 @@
-"""Scenarios of tests/test_perprocess.py: per-process values across real processes (see __init__.py)."""
+"""Scenarios of tests/tree/test_perprocess.py: per-process values across real processes (see __init__.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Many-process scenarios (tests/test_scale.py): one CPU device per process, every operation counted.
+"""Many-process scenarios (tests/distributed/test_scale.py): one CPU device per process, every operation counted.
 
 `scale` runs, in one cluster, a sequence of operations on a small state over a
 ``(processes,)`` mesh and reports, per operation and per process: wall time,

@@ -1,4 +1,4 @@
-"""Multi-process evaluator scenarios for tests/test_watch.py (run by tests/_mp/worker.py)."""
+"""Multi-process evaluator scenarios for tests/manager/test_watch.py (run by tests/_mp/worker.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A trainer and an evaluator on one manager directory, for tests/test_watch.py.
+"""A trainer and an evaluator on one manager directory, for tests/manager/test_watch.py.
 
 Usage: watch_pair.py train|eval SPEC_JSON
 

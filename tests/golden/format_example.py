@@ -4,7 +4,7 @@
 
 rewrites the section between "## 11. Worked example" and "## 12." so the
 document shows exactly the bytes of tests/golden/v1/step_5 (token, sizes,
-checksums); tests/test_golden.py checks that it does. Needs only json and numpy.
+checksums); tests/format/test_golden.py checks that it does. Needs only json and numpy.
 """
 
 # ruff: noqa: RUF001  (the prose keeps FORMAT.md's en dashes)
@@ -169,7 +169,7 @@ writes (token `{token}`):
 ```
 
 This checkpoint is committed as a golden test file, `tests/golden/v1/step_5/`
-(`tests/test_golden.py` checks that the JSON below is exactly what those files
+(`tests/format/test_golden.py` checks that the JSON below is exactly what those files
 hold). cairn writes compact JSON (`json.dumps(obj, separators=(",", ":"))`:
 no spaces, non-ASCII as `\\uXXXX`); it is shown indented here, with fields in
 file order, so the compact form of each object below is the file's exact
@@ -268,7 +268,7 @@ def format_example_v2(ckpt: Path) -> str:
     w = idx["leaves"][0]
     return f"""
 The save of §11, run by today's cairn, writes `tests/golden/v2/step_5`
-(`tests/test_golden.py` checks what this section shows against those files).
+(`tests/format/test_golden.py` checks what this section shows against those files).
 The manifest is that of §11 with `"version": 2`; `step` and `lr` hold inline
 values only, so their indexes are those of §11 with `"version": 2`. The
 `params` index lists no chunks:

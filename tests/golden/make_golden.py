@@ -13,7 +13,7 @@ docs/FORMAT.md from its files (§11 from v1's, §13 from v2's; see format_exampl
 `--out tests/golden/v2` writes the version-2 goldens (what today's cairn writes).
 
 Every value is a deterministic function of nothing (np.arange and constants);
-tests/test_golden.py rebuilds the expected values on its own, independently of
+tests/format/test_golden.py rebuilds the expected values on its own, independently of
 this file, so editing this file can never change what the tests expect.
 """
 

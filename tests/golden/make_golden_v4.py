@@ -6,7 +6,7 @@ by measurement, so some blocks are coded), `step_00000002` against it (raw:
 one block of `w` changed, the rest references, some to coded blocks),
 `step_00000003` against step 2 (another block of `w` changed: its references
 point at step 1's and step 2's own bytes, never at a reference). The values
-are written out again in tests/test_incremental.py. Refuses to overwrite.
+are written out again in tests/save/test_incremental.py. Refuses to overwrite.
 
     PYTHONPATH=src JAX_PLATFORMS=cpu python tests/golden/make_golden_v4.py
 """

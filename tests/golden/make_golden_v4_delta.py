@@ -7,7 +7,7 @@ changed: deltas against step 1's raw and coded blocks), `step_00000003`
 against step 2 (`w`'s block 0 changed too: a new delta against step 1; block
 2 unchanged since step 2: step 2's delta copied, still against step 1, so
 the manifest's `bases` is `["step_00000001"]`). The values are written out
-again in tests/test_incremental.py. Refuses to overwrite.
+again in tests/save/test_incremental.py. Refuses to overwrite.
 
     PYTHONPATH=src JAX_PLATFORMS=cpu python tests/golden/make_golden_v4_delta.py
 """

@@ -113,7 +113,7 @@ def test_choose_compresses_trained_like_data():
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repository root: benchmarks/
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root: benchmarks/
     from benchmarks.trained_state import flatten, leaf_kind, make_state
 
     state = flatten(make_state(8 << 20, "bf16-f32", steps=3))

@@ -81,7 +81,7 @@ def test_on_disk_form_is_the_documented_node(tmp_path):
 
 
 def test_the_spec_reader_with_section_7_1_reads_it(tmp_path, monkeypatch):
-    # tests/test_nojax.py's reader (json and numpy only), given the one node form §7.1 adds.
+    # tests/format/test_nojax.py's reader (json and numpy only), given the one node form §7.1 adds.
     nojax = pytest.importorskip("test_nojax")
     build = nojax._build
 

@@ -7,7 +7,7 @@ copy the files to the server through its JSON API, and then load, reshard,
 inspect, verify and manage them from ``gs://`` through cairn; a save to GCS is
 checked to fail loudly, naming the object and the server's answer. Saves,
 commit races and kill-anywhere runs skip on GCS, each saying why (see
-tests/test_storage_conformance.py, test_concurrency.py, test_faults.py).
+tests/storage/test_storage_conformance.py, test_concurrency.py, test_faults.py).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 SKIP = re.compile(r"^<!--\s*skip:\s*(?P<why>.+?)\s*-->\s*$")
 FENCE = re.compile(r"^(?P<indent> *)(?P<ticks>```+)\s*(?P<lang>[\w+-]*)")

@@ -23,7 +23,7 @@ from cairn._save import future as _async
 from cairn._storage.local import LocalStorage
 from cairn._storage.memory import MemoryStorage
 
-_PROCS = os.path.join(os.path.dirname(__file__), "_procs")
+_PROCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_procs")
 _ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
 
 

@@ -22,7 +22,7 @@ from _mp import run
 from cairn._run import leases as _leases
 from cairn._run.steps import open_directory
 
-_PAIR = os.path.join(os.path.dirname(__file__), "_procs", "watch_pair.py")
+_PAIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_procs", "watch_pair.py")
 _ENV = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
 
 

@@ -333,7 +333,7 @@ def test_convert_commands(ckpt, tmp_path, capsys):
 def test_inspect_shows_the_format_version(ckpt, capsys):
     from pathlib import Path
 
-    golden_v1 = Path(__file__).resolve().parent / "golden" / "v1" / "step_5"
+    golden_v1 = Path(__file__).resolve().parents[1] / "golden" / "v1" / "step_5"
     for path, version in ((ckpt, 2), (golden_v1, 1)):
         rc, out, _ = run(capsys, "inspect", path)
         assert rc == 0 and f"format version {version}," in out

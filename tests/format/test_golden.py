@@ -26,10 +26,10 @@ from jax.sharding import PartitionSpec as P
 
 import cairn
 
-GOLDEN_ROOT = Path(__file__).resolve().parent / "golden"
+GOLDEN_ROOT = Path(__file__).resolve().parents[1] / "golden"
 GOLDEN = GOLDEN_ROOT / "v1"  # the cases that check one version only (FORMAT.md §11 shows v1's step_5)
 VERSIONS = ("v1", "v2")  # every committed version's goldens: each must load, with the same values
-FORMAT_MD = Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md"
+FORMAT_MD = Path(__file__).resolve().parents[2] / "docs" / "FORMAT.md"
 bf16, f8, i4 = ml_dtypes.bfloat16, ml_dtypes.float8_e4m3fn, ml_dtypes.int4
 
 

@@ -19,7 +19,7 @@ from cairn._storage import LocalStorage, MemoryStorage
 
 MiB = 1 << 20
 MIN_BUDGET = 128 << 10
-GOLDEN = Path(__file__).resolve().parent / "golden"
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 
 
 def make_state(seed: int = 0, n: int = 1 << 18) -> dict:

@@ -1,5 +1,5 @@
 """Full save / load / resharding / manager scenarios on object stores: S3 (moto's server) and
-Azure Blob (Azurite), both on 127.0.0.1. (GCS: tests/test_gcs.py, reads only.)
+Azure Blob (Azurite), both on 127.0.0.1. (GCS: tests/storage/test_gcs.py, reads only.)
 
 Faults (S3 only) come from `FaultProxy`, an HTTP proxy between cairn and the
 server: it answers chosen requests with 5xx/429 errors, or stops answering at

@@ -20,7 +20,7 @@ from cairn._storage.local import LocalStorage
 from cairn._storage.memory import MemoryStorage
 from cairn._tree import shardings
 
-_PROCS = os.path.join(os.path.dirname(__file__), "_procs")
+_PROCS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "_procs")
 
 
 def _sharded(mesh8, n=8 * 4096, offset=0.0):

@@ -17,10 +17,12 @@ The rules follow the folders:
 7. No import cycles: no two modules import each other, directly or round a loop (lazy imports count),
    inside a room as across rooms.
 8. Storages declare what they can do (`Storage.kind`, `atomic_rename`, `dirs`, `vectored_reads`,
-   ...: checked by tests/test_storage_conformance.py); no module outside `_storage/` probes a storage's
+   ...: checked by tests/storage/test_storage_conformance.py); no module outside `_storage/` probes a storage's
    class (`isinstance`/`issubclass` against a `_storage` name) or its capabilities (`getattr`/`hasattr`).
 9. One sequence counter: the numbers that name an operation's coordination keys come from
    `_dist.agree.sequence(kind)`; no other module keeps a module-level `itertools.count()`.
+10. The tests mirror the rooms: every test file lives in the folder of tests/ named for its room
+   (`TEST_FOLDERS`), every room has one, and `package/` holds the tests of the whole package.
 
 There is no line cap: a module holds one concept, whatever its length (a review habit, not a test).
 Each rule is a checker function over a module's source, and each checker has a negative test on a
@@ -37,7 +39,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parent.parent / "src"
+SRC = Path(__file__).resolve().parents[2] / "src"
 PKG = SRC / "cairn"
 
 # ----------------------------------------------------------------------------------- the rules
@@ -294,7 +296,7 @@ def layer_violations(src: Source, rooms: dict[str, int] = ROOMS, known: set[str]
     mine_room = room_of(src.module, rooms)
     if mine_room is None:
         return [Violation(src.where, 1, f"{src.module} lives in no room: add its folder to ROOMS in "
-                                        "tests/test_layers.py, or move it into a room")]
+                                        "tests/package/test_layers.py, or move it into a room")]
     mine = rooms[mine_room]
     out: dict[tuple[int, str], Violation] = {}
     for imp in src.imports:
@@ -547,14 +549,68 @@ def _fail(violations: list[Violation], rule: str) -> None:
 # ----------------------------------------------------------------------------------- the tests
 
 
+# tests/ folder -> the room its tests are about (docs/ARCHITECTURE.md "Rooms"; tests/README.md).
+TEST_FOLDERS: dict[str, str] = {
+    "core": "cairn._core",
+    "storage": "cairn._storage",
+    "distributed": "cairn._dist",  # not "dist": pytest and .gitignore skip folders of that name
+    "format": "cairn._format",
+    "plan": "cairn._plan",
+    "tree": "cairn._tree",
+    "save": "cairn._save",
+    "load": "cairn._load",
+    "sources": "cairn._sources",
+    "exports": "cairn._exports",
+    "run": "cairn._run",
+    "local": "cairn._local",
+    "manager": "cairn._manager",
+    "cli": "cairn._cli",
+    "package": "cairn",  # the whole package: its rules, docs, examples, smoke and soak runs
+}
+TESTS = Path(__file__).resolve().parents[1]
+
+
+def layout_problems(tests: Path) -> list[str]:
+    """What is wrong with the layout of a tests/ folder (empty: it mirrors the rooms)."""
+    wrong = [f"{p.relative_to(tests)}: a test file outside its room's folder" for p in sorted(tests.glob("test_*.py"))]
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith(("_", ".")) and p.name != "golden"}
+    wrong += [f"{f}/: names no room (add it to TEST_FOLDERS)" for f in sorted(folders - set(TEST_FOLDERS))]
+    wrong += [f"{f}/: missing, so {TEST_FOLDERS[f]} has no tests" for f in sorted(set(TEST_FOLDERS) - folders)]
+    wrong += [f"{p.relative_to(tests)}: nested too deep" for f in sorted(folders & set(TEST_FOLDERS))
+              for p in sorted((tests / f).glob("*/test_*.py"))]
+    return wrong
+
+
+
+
+def test_tests_mirror_the_rooms():
+    assert not layout_problems(TESTS), layout_problems(TESTS)
+    rooms = {r for r in ROOMS if r not in ROOT_MODULES and r != "cairn"}
+    assert rooms <= set(TEST_FOLDERS.values()), f"rooms with no tests/ folder: {sorted(rooms - set(TEST_FOLDERS.values()))}"
+
+
+def test_checker_finds_tests_outside_the_rooms(tmp_path):
+    for f in TEST_FOLDERS:
+        (tmp_path / f).mkdir()
+    assert not layout_problems(tmp_path)
+    (tmp_path / "test_stray.py").write_text("")
+    (tmp_path / "misc").mkdir()
+    (tmp_path / "load" / "deep").mkdir()
+    (tmp_path / "load" / "deep" / "test_x.py").write_text("")
+    (tmp_path / "cli").rmdir()
+    wrong = "\n".join(layout_problems(tmp_path))
+    for needle in ("test_stray.py", "misc/", "cli/: missing", "load/deep/test_x.py"):
+        assert needle in wrong, (needle, wrong)
+
+
 def test_every_module_lives_in_a_room():
     homeless = [m for m in MODULES if room_of(m) is None]
-    assert not homeless, f"modules in no room: {homeless}; add their folder to ROOMS in tests/test_layers.py"
+    assert not homeless, f"modules in no room: {homeless}; add their folder to ROOMS in tests/package/test_layers.py"
 
 
 def test_no_room_that_is_gone():
     stale = sorted(r for r in ROOMS if not any(_under(m, r) for m in MODULES))
-    assert not stale, f"ROOMS names rooms that do not exist: {stale}; remove them from tests/test_layers.py"
+    assert not stale, f"ROOMS names rooms that do not exist: {stale}; remove them from tests/package/test_layers.py"
 
 
 def test_the_root_holds_only_the_public_surface():

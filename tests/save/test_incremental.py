@@ -302,7 +302,7 @@ def test_sigkill_during_incremental_saves_and_retention(tmp_path, after):
 
 # ------------------------------------------------------------------------- the v4 golden (tests/golden/v4)
 
-GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "v4", "chain")
+GOLDEN = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden", "v4", "chain")
 
 
 def _golden_state(step: int) -> dict:
@@ -540,7 +540,7 @@ def test_damaged_deltas_and_damaged_delta_bases_are_named(tmp_path):
     assert not report.ok and "base 's0'" in report.problems[0].message
 
 
-GOLDEN_DELTA = os.path.join(os.path.dirname(__file__), "golden", "v4", "delta")
+GOLDEN_DELTA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden", "v4", "delta")
 
 
 def _golden_delta_state(step: int) -> dict:
