@@ -615,3 +615,15 @@ def test_corrupt_block_in_a_run_of_boxes_names_its_leaf(s3, s3_bucket, mesh8):
     with pytest.raises(cairn.CorruptCheckpointError, match=rf"checksum mismatch in '[^']+' bytes {off}\.\.{off + MiB} "
                        r"\(leaf 'params/w2'\)"):
         cairn.load(path, target, storage_options=s3.options())
+
+
+def test_a_missing_bucket_is_named(store, bucket, opts):
+    """A path whose bucket (S3) or container (Azure) does not exist: a CheckpointError naming it, from a
+    save (before anything is written) and from a load, not the client's raw HTTP error."""
+    missing = bucket + "-absent"
+    path = store.url(missing, "run/step_1")
+    for call in (lambda: cairn.save(path, {"a": np.arange(4.0)}, storage_options=opts),
+                 lambda: cairn.load(path, storage_options=opts)):
+        with pytest.raises(cairn.CheckpointError, match=f"{missing}.*does not exist on this store"):
+            call()
+    assert store.keys(bucket) == []  # the neighbouring bucket got nothing either

@@ -85,6 +85,8 @@ _CREDENTIAL_FALLBACK = re.compile(r"169\.254\.169\.254|169\.254\.170\.2|metadata
                                   r"/latest/api/token|/latest/meta-data/|/metadata/identity/oauth2/|computeMetadata/")
 # a range that starts past the end of the object.
 _RANGE_NOT_SATISFIABLE = "status code: 416"
+_NO_BUCKET = re.compile(r"<Code>NoSuchBucket</Code>|ContainerNotFound|The specified bucket does not exist|"
+                        r"The specified container does not exist")
 
 
 # Parts of large reads in flight per storage, over all its readers (beyond, parts wait for a
@@ -383,6 +385,11 @@ class ObjectStorage:
             return PermissionError(f"{where}: {op} was refused: {_summary(e)}")
         if isinstance(e, ValueError):
             return ValueError(f"{where}: {op}: {_summary(e)}")
+        if _NO_BUCKET.search(_summary(e)):  # S3's NoSuchBucket, Azure's ContainerNotFound, GCS's 404 text
+            bucket = self.url.split("://", 1)[-1].split("/", 1)[0]
+            return NoBucketError(
+                f"{where}: the bucket (or container) {bucket!r} does not exist on this store; create it first, "
+                f"or check the path and the 'endpoint' setting")
         if _RANGE_NOT_SATISFIABLE in _summary(e):  # a GenericError: no class says so
             return EOFError(f"{where}: {op}: the range starts past the end of the object")
         after = f" after {retries + 1} attempts" if retries else ""
@@ -550,6 +557,10 @@ def _delete(obstore: Any, store: Any, keys: list[str]) -> None:
 
 class NoCredentialsError(CheckpointError, PermissionError):
     """No credentials for an object store in the settings or the environment (see `ObjectStorage._no_credentials`)."""
+
+
+class NoBucketError(CheckpointError):
+    """The path's bucket or container does not exist on the object store (see `ObjectStorage._error`)."""
 
 
 class _Passthrough(Exception):
