@@ -668,3 +668,20 @@ def test_plain_copy_of_a_self_contained_v4_step(tmp_path):
     # ... and an incremental save can use the copy as its base.
     cairn.save(tmp_path / "dst" / "b", states["b"], base=tmp_path / "dst" / "a")
     _same(states["b"], cairn.load(tmp_path / "dst" / "b"))
+
+
+def test_inspect_shows_own_bytes_beside_references_and_delta_bases(tmp_path, capsys):
+    from cairn._cli.main import main
+
+    w0 = _bf16(31)
+    frozen = np.random.default_rng(32).standard_normal((256, 1024)).astype(np.float32)  # 1 MiB, unchanged
+    _hashed(tmp_path / "s0", {"w": w0, "frozen": frozen})
+    st = cairn.save(tmp_path / "s1", {"w": _nudged(w0, 0.005, 33), "frozen": frozen}, base=tmp_path / "s0")
+    data = inspect_data(str(tmp_path / "s1"))
+    # w's four blocks are deltas against s0's (own bytes); frozen's block is referred to in s0.
+    assert data["by_base"] == {"s0": {"referenced_bytes": MiB, "delta_blocks": 4, "delta_bytes": st.bytes_written}}
+    assert data["totals"]["file_bytes"] == st.bytes_written and data["totals"]["referenced_bytes"] == MiB
+    assert main(["--plain", "inspect", str(tmp_path / "s1")]) == 0
+    out = capsys.readouterr().out
+    assert "referred to in s0" in out
+    assert "base s0: 1.0 MiB referred to; 4 of its blocks are deltas against blocks there" in out, out
