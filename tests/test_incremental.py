@@ -685,3 +685,29 @@ def test_inspect_shows_own_bytes_beside_references_and_delta_bases(tmp_path, cap
     out = capsys.readouterr().out
     assert "referred to in s0" in out
     assert "base s0: 1.0 MiB referred to; 4 of its blocks are deltas against blocks there" in out, out
+
+
+def test_run_copies_keep_references_and_run_moves_refuse_chains(tmp_path, capsys):
+    from cairn._cli.main import main
+
+    run = tmp_path / "run"
+    with cairn.CheckpointManager(run, incremental=True, full_every=3, async_save=False) as mgr:
+        for step in range(5):
+            mgr.save(step, _mgr_state(step))
+    # A run copied as is: each step keeps its references, to the copies of its bases.
+    assert main(["--plain", "cp", "--keep-references", str(run), str(tmp_path / "copy")]) == 0
+    capsys.readouterr()
+    names = sorted(os.listdir(run))
+    for name in names:
+        a, b = (fmt.Manifest.from_json((d / name / "manifest.json").read_bytes(), name) for d in (run, tmp_path / "copy"))
+        assert a.bases == b.bases
+    assert any(fmt.Manifest.from_json((run / n / "manifest.json").read_bytes(), n).bases for n in names)
+    # A run whose steps refer to each other is not moved step by step (its first, full step would go first).
+    assert main(["--plain", "mv", str(run), str(tmp_path / "moved")]) != 0
+    assert "refers to other steps" in capsys.readouterr().err
+    assert sorted(os.listdir(run)) == names and not (tmp_path / "moved").exists()
+    shutil.rmtree(run)
+    reader = cairn.CheckpointManager(tmp_path / "copy", read_only=True)
+    assert reader.steps() == list(range(5))
+    for step in reader.steps():
+        _same(_mgr_state(step), reader.restore(step))

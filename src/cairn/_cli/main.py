@@ -466,6 +466,15 @@ def cmd_copy(args: argparse.Namespace, out: Output) -> int:
                 f"{', ...' if len(foreign) > 3 else ''}); cairn cp copies cairn checkpoints: convert them "
                 "(cairn convert ... --to cairn) or copy the folders with your storage's tools")
         return run_copy(args, out)  # its error says what SRC is
+    if args.move:  # incremental steps: moving a base away first would break the steps that refer to it
+        from .._run.refs import bases_of
+
+        chained = [e["name"] for e in steps if bases_of(src.storage, f"{src.name}/{e['name']}")]
+        if chained:
+            raise CheckpointError(
+                f"{src.path}: {chained[0]} ({len(chained)} steps in all) refers to other steps (incremental "
+                "saves): moving step by step would leave steps that refer to moved ones; copy the run "
+                "(`cairn cp --keep-references` keeps the references), then delete it")
     done = []
     # One bar over every step (on a terminal; nothing otherwise or with --quiet), its total grown step by step.
     with out.progress("moving" if args.move else "copying", None) as (set_total, advance):
@@ -479,7 +488,8 @@ def cmd_copy(args: argparse.Namespace, out: Output) -> int:
 
             stats = copy(f"{src.path.rstrip('/')}/{e['name']}", f"{args.dst.rstrip('/')}/{e['name']}",
                          overwrite=args.overwrite, move=args.move, verify=not args.no_verify,
-                         budget_bytes=args.budget, threads=args.threads, on_total=step_total, progress=advance)
+                         budget_bytes=args.budget, threads=args.threads, on_total=step_total, progress=advance,
+                         keep_references=getattr(args, "keep_references", False))
             before += last[0]
             done.append(stats)
             if not args.json:
