@@ -13,7 +13,8 @@ per step: in full (``cairn.save``, format 2, raw) and incrementally
 - ``pretrain``: the same state at lr 3e-4: every value changes every step.
 
 Per case: bytes written per save after the first, save time (median of the
-saves after the first, each save's own wall time with fsync), load time of
+saves after the first, each save's own wall time with fsync, each started
+after an ``os.sync()`` so that it pays for no earlier write), load time of
 the last step, and for ``lr1e-6`` the element and block change rates and
 what an XOR-then-zstd delta of the changed parameter blocks stores
 (computed here apart from the save, as a check of the incremental save's
@@ -129,6 +130,10 @@ def run_case(name: str, state: dict, step_fn: Any, saves: int, root: str) -> dic
         # Alternate which goes first, so that neither always meets a cold or a warm page cache.
         order = [("full", full), ("inc", inc)] if t % 2 else [("inc", inc), ("full", full)]
         for kind, path in order:
+            # Each save starts on a quiet disk: neither inherits the writeback of the one before it (the
+            # other kind's, or a deletion's), which on a shared disk would be charged to whichever came second.
+            os.sync()
+            time.sleep(0.2)
             t0, c0 = time.perf_counter(), time.process_time()
             if kind == "full":
                 st = cairn.save(path, state, compression=False)
