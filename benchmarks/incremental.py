@@ -153,7 +153,7 @@ def run_case(name: str, state: dict, step_fn: Any, saves: int, root: str) -> dic
             shutil.rmtree(os.path.join(root, f"{name}_full_{t - 1}"))
         prev = inc
     loads: dict[str, list[float]] = {"inc": [], "full": [], "inc_cpu": [], "full_cpu": []}
-    for _ in range(3):  # alternated, medians
+    for _ in range(5):  # alternated, medians
         for kind, path in (("inc", prev), ("full", os.path.join(root, f"{name}_full_{saves}"))):
             t0, c0 = time.perf_counter(), time.process_time()
             cairn.load(path)
@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  save time (median): full {r['full_save_s']:.3f} s, incremental {r['inc_save_s']:.3f} s "
               f"({r['inc_save_s'] / r['full_save_s']:.2f}x); CPU {r['full_save_cpu_s']:.3f} s vs "
               f"{r['inc_save_cpu_s']:.3f} s ({r['inc_save_cpu_s'] / r['full_save_cpu_s']:.2f}x)")
-        print(f"  load of the last step (median of 3): full {r['load_full_s']:.3f} s, incremental "
+        print(f"  load of the last step (median of 5): full {r['load_full_s']:.3f} s, incremental "
               f"{r['load_inc_s']:.3f} s ({r['load_inc_s'] / r['load_full_s']:.2f}x); CPU {r['load_full_cpu_s']:.3f} s "
               f"vs {r['load_inc_cpu_s']:.3f} s ({r['load_inc_cpu_s'] / r['load_full_cpu_s']:.2f}x)")
         if "elements_changed" in r:
