@@ -711,3 +711,20 @@ def test_run_copies_keep_references_and_run_moves_refuse_chains(tmp_path, capsys
     assert reader.steps() == list(range(5))
     for step in reader.steps():
         _same(_mgr_state(step), reader.restore(step))
+
+
+def test_copy_keeping_references_to_and_from_s3(tmp_path, s3):
+    states = _chain(tmp_path / "run")
+    bucket = s3.new_bucket()
+    opts = s3.options(part_size=5 * MiB, read_part_size=1 * MiB)
+    stats = cairn.copy(tmp_path / "run" / "c", f"s3://{bucket}/backup/c", keep_references=True,
+                       dst_storage_options=opts)
+    assert stats.bases == ("a", "b")
+    shutil.rmtree(tmp_path / "run")
+    _same(states["c"], cairn.load(f"s3://{bucket}/backup/c", storage_options=opts))  # sibling prefixes
+    assert verify(f"s3://{bucket}/backup/c", storage_options=opts).ok
+    # ... and back: a chain copied from the object store into a folder.
+    back = cairn.copy(f"s3://{bucket}/backup/c", tmp_path / "back" / "c", keep_references=True, storage_options=opts,
+                      dst_storage_options={})
+    assert back.bases == ("a", "b") and sorted(os.listdir(tmp_path / "back")) == ["a", "b", "c"]
+    _same(states["c"], cairn.load(tmp_path / "back" / "c"))
