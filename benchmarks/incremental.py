@@ -13,7 +13,8 @@ per step: in full (``cairn.save``, format 2, raw) and incrementally
 - ``pretrain``: the same state at lr 3e-4: every value changes every step.
 
 Per case: bytes written per save after the first, save time (median of the
-saves after the first, each save's own wall time with fsync), load time of
+saves after the first, each save's own wall time with fsync, each started
+after an ``os.sync()`` so that it pays for no earlier write), load time of
 the last step, and for ``lr1e-6`` the element and block change rates and
 what an XOR-then-zstd delta of the changed parameter blocks stores
 (computed here apart from the save, as a check of the incremental save's
@@ -129,6 +130,10 @@ def run_case(name: str, state: dict, step_fn: Any, saves: int, root: str) -> dic
         # Alternate which goes first, so that neither always meets a cold or a warm page cache.
         order = [("full", full), ("inc", inc)] if t % 2 else [("inc", inc), ("full", full)]
         for kind, path in order:
+            # Each save starts on a quiet disk: neither inherits the writeback of the one before it (the
+            # other kind's, or a deletion's), which on a shared disk would be charged to whichever came second.
+            os.sync()
+            time.sleep(0.2)
             t0, c0 = time.perf_counter(), time.process_time()
             if kind == "full":
                 st = cairn.save(path, state, compression=False)
@@ -148,7 +153,7 @@ def run_case(name: str, state: dict, step_fn: Any, saves: int, root: str) -> dic
             shutil.rmtree(os.path.join(root, f"{name}_full_{t - 1}"))
         prev = inc
     loads: dict[str, list[float]] = {"inc": [], "full": [], "inc_cpu": [], "full_cpu": []}
-    for _ in range(3):  # alternated, medians
+    for _ in range(5):  # alternated, medians
         for kind, path in (("inc", prev), ("full", os.path.join(root, f"{name}_full_{saves}"))):
             t0, c0 = time.perf_counter(), time.process_time()
             cairn.load(path)
@@ -209,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  save time (median): full {r['full_save_s']:.3f} s, incremental {r['inc_save_s']:.3f} s "
               f"({r['inc_save_s'] / r['full_save_s']:.2f}x); CPU {r['full_save_cpu_s']:.3f} s vs "
               f"{r['inc_save_cpu_s']:.3f} s ({r['inc_save_cpu_s'] / r['full_save_cpu_s']:.2f}x)")
-        print(f"  load of the last step (median of 3): full {r['load_full_s']:.3f} s, incremental "
+        print(f"  load of the last step (median of 5): full {r['load_full_s']:.3f} s, incremental "
               f"{r['load_inc_s']:.3f} s ({r['load_inc_s'] / r['load_full_s']:.2f}x); CPU {r['load_full_cpu_s']:.3f} s "
               f"vs {r['load_inc_cpu_s']:.3f} s ({r['load_inc_cpu_s'] / r['load_full_cpu_s']:.2f}x)")
         if "elements_changed" in r:

@@ -588,3 +588,143 @@ def test_manager_keeps_the_full_step_its_deltas_are_against(tmp_path):
         assert np.asarray(mgr.restore(3)["w"]).tobytes() == ws[3].tobytes()
         with pytest.raises(cairn.CheckpointError, match="step 0 holds data"):
             mgr.delete(0)
+
+
+# ------------------------------------------------------------------ copies that keep their references
+
+
+def _chain(root: Path) -> dict[str, dict]:
+    """a (self-contained, hashed) <- b (refers to a) <- c (refers to b only): c's closure is {a, b}."""
+    rng = np.random.default_rng(21)
+    f1, f2 = (rng.standard_normal((512, 1024)).astype(np.float32) for _ in range(2))  # 2 MiB each
+    h1, h2 = (rng.standard_normal((256, 1024)).astype(np.float32) for _ in range(2))  # 1 MiB each
+    states = {"a": {"frozen": f1, "head": h1}, "b": {"frozen": f2, "head": h1}, "c": {"frozen": f2, "head": h2}}
+    _hashed(root / "a", states["a"])
+    cairn.save(root / "b", states["b"], base=root / "a")
+    cairn.save(root / "c", states["c"], base=root / "b")
+    return states
+
+
+def test_copy_keeping_references_copies_the_chain_as_is(tmp_path, capsys):
+    states = _chain(tmp_path / "run")
+    bases = {n: fmt.Manifest.from_json((tmp_path / "run" / n / "manifest.json").read_bytes(), n).bases for n in "bc"}
+    assert bases == {"b": ("a",), "c": ("b",)}
+    stats = cairn.copy(tmp_path / "run" / "c", tmp_path / "dst" / "c2", keep_references=True)
+    assert stats.bases == ("a", "b")  # b's base too: every copy loads
+    assert sorted(os.listdir(tmp_path / "dst")) == ["a", "b", "c2"]
+    # As is: the copy keeps its references (its own files hold only the new head's block).
+    assert _own_bytes(tmp_path / "dst" / "c2") == _own_bytes(tmp_path / "run" / "c") < 2 * MiB
+    assert fmt.Manifest.from_json((tmp_path / "dst" / "c2" / "manifest.json").read_bytes(), "c2").bases == ("b",)
+    shutil.rmtree(tmp_path / "run")
+    for name, want in (("a", "a"), ("b", "b"), ("c2", "c")):
+        _same(states[want], cairn.load(tmp_path / "dst" / name))
+        assert verify(tmp_path / "dst" / name).ok
+    # A second chain copy into the same folder finds its bases there: checked, kept, not written again.
+    cairn.copy(tmp_path / "dst" / "c2", tmp_path / "dst2" / "c", keep_references=True)
+    again = cairn.copy(tmp_path / "dst" / "c2", tmp_path / "dst2" / "c3", keep_references=True)
+    assert again.bases == ("a", "b") and again.files_kept >= 4 and again.bytes_copied < 2 * MiB
+    _same(states["c"], cairn.load(tmp_path / "dst2" / "c3"))
+    # The command line, and a copy within one folder (its bases are already beside it).
+    from cairn._cli.main import main
+
+    assert main(["--plain", "cp", "--keep-references", str(tmp_path / "dst2" / "c3"), str(tmp_path / "dst3" / "c")]) == 0
+    assert "with its bases a, b" in capsys.readouterr().out
+    _same(states["c"], cairn.load(tmp_path / "dst3" / "c"))
+    same = cairn.copy(tmp_path / "dst3" / "c", tmp_path / "dst3" / "d", keep_references=True)
+    assert same.bases == () and sorted(os.listdir(tmp_path / "dst3")) == ["a", "b", "c", "d"]
+    _same(states["c"], cairn.load(tmp_path / "dst3" / "d"))
+
+
+def test_copy_keeping_references_refuses_what_it_cannot_resolve(tmp_path):
+    _chain(tmp_path / "run")
+    # Another checkpoint under a base's name at the destination: refused, naming it; nothing else written.
+    cairn.save(tmp_path / "dst" / "a", {"other": np.zeros(3)})
+    with pytest.raises(cairn.CheckpointExistsError, match=r"dst/a holds another checkpoint than .*run/a, which "
+                                                           r".*run/c refers to"):
+        cairn.copy(tmp_path / "run" / "c", tmp_path / "dst" / "c", keep_references=True)
+    assert sorted(os.listdir(tmp_path / "dst")) == ["a"]
+    # The destination's own name is a base's name.
+    with pytest.raises(cairn.CheckpointError, match="refers to a base checkpoint of that name"):
+        cairn.copy(tmp_path / "run" / "c", tmp_path / "dst2" / "b", keep_references=True)
+    assert not (tmp_path / "dst2").exists()
+    with pytest.raises(ValueError, match="keep_references"):
+        cairn.copy(tmp_path / "run" / "c", tmp_path / "dst2" / "c", keep_references=True, move=True)
+    with pytest.raises(ValueError, match="keep_references"):
+        cairn.copy(tmp_path / "run" / "c", tmp_path / "dst2" / "c", keep_references=True, compression="zstd")
+    # A base missing beside the source (b's base a, found through b): refused before anything is written.
+    shutil.rmtree(tmp_path / "run" / "a")
+    with pytest.raises(cairn.CorruptCheckpointError, match=r"run/b refers to the base checkpoint 'a', which is "
+                                                           r"not committed at .*run/a"):
+        cairn.copy(tmp_path / "run" / "c", tmp_path / "dst3" / "c", keep_references=True)
+    assert not (tmp_path / "dst3").exists()
+
+
+def test_plain_copy_of_a_self_contained_v4_step(tmp_path):
+    """A hashed full step (a manager's every `full_every`-th) has no bases: copied as it is, hashes and all."""
+    states = _chain(tmp_path / "run")
+    cairn.copy(tmp_path / "run" / "a", tmp_path / "dst" / "a")
+    _same(states["a"], cairn.load(tmp_path / "dst" / "a"))
+    assert (tmp_path / "dst" / "a" / "manifest.json").read_bytes() == (tmp_path / "run" / "a" / "manifest.json").read_bytes()
+    # ... and an incremental save can use the copy as its base.
+    cairn.save(tmp_path / "dst" / "b", states["b"], base=tmp_path / "dst" / "a")
+    _same(states["b"], cairn.load(tmp_path / "dst" / "b"))
+
+
+def test_inspect_shows_own_bytes_beside_references_and_delta_bases(tmp_path, capsys):
+    from cairn._cli.main import main
+
+    w0 = _bf16(31)
+    frozen = np.random.default_rng(32).standard_normal((256, 1024)).astype(np.float32)  # 1 MiB, unchanged
+    _hashed(tmp_path / "s0", {"w": w0, "frozen": frozen})
+    st = cairn.save(tmp_path / "s1", {"w": _nudged(w0, 0.005, 33), "frozen": frozen}, base=tmp_path / "s0")
+    data = inspect_data(str(tmp_path / "s1"))
+    # w's four blocks are deltas against s0's (own bytes); frozen's block is referred to in s0.
+    assert data["by_base"] == {"s0": {"referenced_bytes": MiB, "delta_blocks": 4, "delta_bytes": st.bytes_written}}
+    assert data["totals"]["file_bytes"] == st.bytes_written and data["totals"]["referenced_bytes"] == MiB
+    assert main(["--plain", "inspect", str(tmp_path / "s1")]) == 0
+    out = capsys.readouterr().out
+    assert "referred to in s0" in out
+    assert "base s0: 1.0 MiB referred to; 4 of its blocks are deltas against blocks there" in out, out
+
+
+def test_run_copies_keep_references_and_run_moves_refuse_chains(tmp_path, capsys):
+    from cairn._cli.main import main
+
+    run = tmp_path / "run"
+    with cairn.CheckpointManager(run, incremental=True, full_every=3, async_save=False) as mgr:
+        for step in range(5):
+            mgr.save(step, _mgr_state(step))
+    # A run copied as is: each step keeps its references, to the copies of its bases.
+    assert main(["--plain", "cp", "--keep-references", str(run), str(tmp_path / "copy")]) == 0
+    capsys.readouterr()
+    names = sorted(os.listdir(run))
+    for name in names:
+        a, b = (fmt.Manifest.from_json((d / name / "manifest.json").read_bytes(), name) for d in (run, tmp_path / "copy"))
+        assert a.bases == b.bases
+    assert any(fmt.Manifest.from_json((run / n / "manifest.json").read_bytes(), n).bases for n in names)
+    # A run whose steps refer to each other is not moved step by step (its first, full step would go first).
+    assert main(["--plain", "mv", str(run), str(tmp_path / "moved")]) != 0
+    assert "refers to other steps" in capsys.readouterr().err
+    assert sorted(os.listdir(run)) == names and not (tmp_path / "moved").exists()
+    shutil.rmtree(run)
+    reader = cairn.CheckpointManager(tmp_path / "copy", read_only=True)
+    assert reader.steps() == list(range(5))
+    for step in reader.steps():
+        _same(_mgr_state(step), reader.restore(step))
+
+
+def test_copy_keeping_references_to_and_from_s3(tmp_path, s3):
+    states = _chain(tmp_path / "run")
+    bucket = s3.new_bucket()
+    opts = s3.options(part_size=5 * MiB, read_part_size=1 * MiB)
+    stats = cairn.copy(tmp_path / "run" / "c", f"s3://{bucket}/backup/c", keep_references=True,
+                       dst_storage_options=opts)
+    assert stats.bases == ("a", "b")
+    shutil.rmtree(tmp_path / "run")
+    _same(states["c"], cairn.load(f"s3://{bucket}/backup/c", storage_options=opts))  # sibling prefixes
+    assert verify(f"s3://{bucket}/backup/c", storage_options=opts).ok
+    # ... and back: a chain copied from the object store into a folder.
+    back = cairn.copy(f"s3://{bucket}/backup/c", tmp_path / "back" / "c", keep_references=True, storage_options=opts,
+                      dst_storage_options={})
+    assert back.bases == ("a", "b") and sorted(os.listdir(tmp_path / "back")) == ["a", "b", "c"]
+    _same(states["c"], cairn.load(tmp_path / "back" / "c"))

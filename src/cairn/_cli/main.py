@@ -276,6 +276,7 @@ def inspect_data(path: str, format: str | None = None) -> dict[str, Any]:
     m = ck.manifest
     items: dict[str, Any] = {}
     totals = {"leaves": 0, "arrays": 0, "array_bytes": 0, "files": 0, "file_bytes": 0}
+    by_base: dict[str, dict[str, int]] = {}  # incremental: per base, the bytes referred to and the deltas
     for name, index in ck.indexes.items():
         leaves = []
         if index.version >= 3 and index.table is not None:
@@ -294,6 +295,7 @@ def inspect_data(path: str, format: str | None = None) -> dict[str, Any]:
 
                     d["stored_bytes"], d["referenced_bytes"] = own_and_referenced(leaf, index.block_size)
                     totals["referenced_bytes"] = totals.get("referenced_bytes", 0) + d["referenced_bytes"]
+                    _add_by_base(by_base, index, leaf)
                 if leaf.sharding is not None:
                     d["sharding"] = leaf.sharding
                 if leaf.handler is not None:
@@ -318,7 +320,20 @@ def inspect_data(path: str, format: str | None = None) -> dict[str, Any]:
         "path": ck.loc.path, "format_version": m.version, "cairn_version": m.cairn_version,
         "created_unix": m.created_unix, "process_count": m.process_count, "root": m.root,
         "metadata": m.metadata, "items": items, "totals": totals, **({"bases": list(m.bases)} if m.bases else {}),
+        **({"by_base": by_base} if by_base else {}),
     }
+
+
+def _add_by_base(by_base: dict[str, dict[str, int]], index: Any, leaf: fmt.ArrayLeaf) -> None:
+    """Count a version-4 leaf's references and deltas per base checkpoint (`inspect`'s ``by_base``)."""
+    from .._load.blocks import by_base_file
+
+    for f, (ref, deltas, delta_bytes) in by_base_file(leaf, index.block_size).items():
+        row = by_base.setdefault(index.files[f].base or "?", {"referenced_bytes": 0, "delta_blocks": 0,
+                                                              "delta_bytes": 0})
+        row["referenced_bytes"] += ref
+        row["delta_blocks"] += deltas
+        row["delta_bytes"] += delta_bytes
 
 
 def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
@@ -356,6 +371,10 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
     if "referenced_bytes" in t:  # incremental (format 4)
         out.line(f"incremental: {human_bytes(t['file_bytes'])} of its own, {human_bytes(t['referenced_bytes'])} "
                  f"referred to in {', '.join(data.get('bases', [])) or 'no base'}")
+        for base, row in sorted(data.get("by_base", {}).items()):
+            deltas = (f"; {row['delta_blocks']} of its blocks are deltas against blocks there "
+                      f"({human_bytes(row['delta_bytes'])} of its own bytes)") if row["delta_blocks"] else ""
+            out.line(f"  base {base}: {human_bytes(row['referenced_bytes'])} referred to{deltas}")
     if data["metadata"]:
         out.line("metadata: " + json.dumps(data["metadata"], default=_json_default))
     return 0
@@ -447,6 +466,15 @@ def cmd_copy(args: argparse.Namespace, out: Output) -> int:
                 f"{', ...' if len(foreign) > 3 else ''}); cairn cp copies cairn checkpoints: convert them "
                 "(cairn convert ... --to cairn) or copy the folders with your storage's tools")
         return run_copy(args, out)  # its error says what SRC is
+    if args.move:  # incremental steps: moving a base away first would break the steps that refer to it
+        from .._run.refs import bases_of
+
+        chained = [e["name"] for e in steps if bases_of(src.storage, f"{src.name}/{e['name']}")]
+        if chained:
+            raise CheckpointError(
+                f"{src.path}: {chained[0]} ({len(chained)} steps in all) refers to other steps (incremental "
+                "saves): moving step by step would leave steps that refer to moved ones; copy the run "
+                "(`cairn cp --keep-references` keeps the references), then delete it")
     done = []
     # One bar over every step (on a terminal; nothing otherwise or with --quiet), its total grown step by step.
     with out.progress("moving" if args.move else "copying", None) as (set_total, advance):
@@ -460,7 +488,8 @@ def cmd_copy(args: argparse.Namespace, out: Output) -> int:
 
             stats = copy(f"{src.path.rstrip('/')}/{e['name']}", f"{args.dst.rstrip('/')}/{e['name']}",
                          overwrite=args.overwrite, move=args.move, verify=not args.no_verify,
-                         budget_bytes=args.budget, threads=args.threads, on_total=step_total, progress=advance)
+                         budget_bytes=args.budget, threads=args.threads, on_total=step_total, progress=advance,
+                         keep_references=getattr(args, "keep_references", False))
             before += last[0]
             done.append(stats)
             if not args.json:

@@ -34,7 +34,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -48,7 +48,13 @@ from .._errors import (
     CorruptCheckpointError,
 )
 from .._format import manifest as fmt
-from .._format.partfile import PART_VERSION, PART_VERSION_SIZES, decode_part, part_bytes
+from .._format.partfile import (
+    PART_VERSION,
+    PART_VERSION_BLOCKS,
+    PART_VERSION_SIZES,
+    decode_part,
+    part_bytes,
+)
 from .._load.metadata import index_bytes, manifest_bytes, parse_index, read_manifest
 from .._load.reader import DEFAULT_BUDGET
 from .._save.commit import CommitStrategy, strategy_for
@@ -73,6 +79,7 @@ class CopyStats:
     bytes_kept: int = 0
     peak_piece_bytes: int = 0  # the most data-file bytes this copy held at once
     moved: bool = False  # the source was deleted (a move)
+    bases: tuple[str, ...] = ()  # keep_references: the base checkpoints copied (or found copied) beside it
     seconds: float = 0.0
 
     def as_dict(self) -> dict[str, Any]:
@@ -144,15 +151,21 @@ def _plan(src: Location, raw_manifest: bytes) -> tuple[str, list[_File]]:
         by_file: dict[int, list[tuple[int, int, Any, int, tuple[int, ...]]]] = {}
         for leaf in index.leaves:
             if isinstance(leaf, fmt.ArrayLeaf):
+                own = _own_blocks(leaf, index.block_size) if leaf.refs else None
                 for cell, (fi, off) in enumerate(leaf.chunks):
                     if leaf.chunk_nbytes(cell):
-                        sizes = leaf.stored_sizes(cell, index.block_size)
-                        by_file.setdefault(fi, []).append((off, sum(sizes), leaf, cell, sizes))
+                        sizes = leaf.stored_sizes(cell, index.block_size) if own is None else own[1][cell]
+                        if sizes:  # (a chunk of references only has no bytes of its own)
+                            by_file.setdefault(fi, []).append(
+                                (off, sum(sizes), leaf if own is None else own[0], cell, sizes))
         for fi, f in enumerate(index.files):
+            if f.base is not None:  # a base checkpoint's file (kept references): copied with that checkpoint
+                continue
             chunks = tuple(sorted(by_file.get(fi, ()), key=lambda c: c[0]))
             files.append(_File(f"{info.dir}/{f.name}", f.size, "data", chunks=chunks, block=index.block_size,
                                item=name))
-        pv = PART_VERSION_SIZES if index.version >= 3 else PART_VERSION
+        pv = (PART_VERSION_BLOCKS if index.version >= fmt.INCREMENTAL_VERSION else
+              PART_VERSION_SIZES if index.version >= 3 else PART_VERSION)
         for p in index.parts:
             files.append(_File(f"{info.dir}/{p.name}", part_bytes(p.records, p.crcs, pv), "part", part_version=pv))
     if not manifest.items:
@@ -166,6 +179,24 @@ def _plan(src: Location, raw_manifest: bytes) -> tuple[str, list[_File]]:
         raise CheckpointError(f"{src.path}: cannot copy safely: its files do not all carry one save token "
                               f"(e.g. {odd[0]!r}); was it written by cairn?")
     return token, files
+
+
+def _own_blocks(leaf: fmt.ArrayLeaf, block: int) -> tuple[fmt.ArrayLeaf, list[tuple[int, ...]]]:
+    """A version-4 ``refs`` leaf as its data files hold it (a copy kept as is checks those bytes): each
+    chunk's own blocks and deltas only, back to back, with their sizes and CRCs (references take no room)."""
+    from .._format.blocks import DELTA
+
+    table = getattr(leaf.chunks, "table", None)
+    sizes: list[tuple[int, ...]] = []
+    crcs: list[tuple[int, ...]] = []
+    for cell in range(len(leaf.chunks)):
+        got = table.sources(leaf.chunks.leaf, cell) if table is not None else None  # type: ignore[attr-defined]
+        all_sizes, all_crcs = leaf.stored_sizes(cell, block), leaf.crcs[cell]
+        mine = range(len(all_sizes)) if got is None else [b for b, (f, codec, _o) in enumerate(got[1])
+                                                           if f < 0 or codec == DELTA]
+        sizes.append(tuple(all_sizes[b] for b in mine))
+        crcs.append(tuple(all_crcs[b] for b in mine))
+    return replace(leaf, crcs=crcs), sizes
 
 
 class _Checker:
@@ -344,6 +375,7 @@ def copy(
     on_total: Callable[[int], None] | None = None,
     progress: Callable[[int], None] | None = None,
     compression: str | bool | None = None,
+    keep_references: bool = False,
 ) -> CopyStats:
     """Copy the committed checkpoint at `src` to `dst` (any two stores), streamed, verified, resumable.
 
@@ -362,12 +394,20 @@ def copy(
     `compression` None (the default) copies the stored bytes as they are,
     compressed or not, except from an incremental checkpoint (one saved with
     a `base`): that copy is self-contained, every array read through its
-    references and written anew, raw. Anything else (as for `cairn.save`: "auto", True,
+    references and written anew, raw (unless `keep_references`). Anything else (as for `cairn.save`: "auto", True,
     False, "zstd", "planes") recompresses: every array is read (every
     checksum verified) and written anew at `dst` with that setting, chunk by
     chunk in slabs of a quarter of `budget_bytes`, keeping each array's
     chunks, sharding record and key implementation, user objects,
     per-process values and the metadata. That does not resume.
+
+    `keep_references=True` copies an incremental checkpoint as it is, with
+    its references, and so first copies (as they are) the base checkpoints it
+    refers to, directly or through each other, beside `dst` under their own
+    names, bases first: every copy, once committed, loads. A base already
+    copied there is only checked; another checkpoint under a base's name, or
+    a base missing beside `src`, is refused before that base is written
+    (`CopyStats.bases` names the bases).
 
     Raises `CheckpointNotFoundError` (nothing committed at `src`; an Orbax,
     DCP or safetensors checkpoint there is named as such, with what to do),
@@ -377,6 +417,7 @@ def copy(
     resumes). The source is never changed, except deleted by a move that succeeded.
 
         cairn.copy("/ckpt/run1/step_00001000", "s3://bucket/run1/step_00001000")
+        cairn.copy("/ckpt/run1/step_00001005", "/backup/run1/step_00001005", keep_references=True)
     """
     t0 = time.perf_counter()
     tracker = Progress("move" if move else "copy", str(dst))  # "progress" events for listeners that ask
@@ -388,6 +429,8 @@ def copy(
     if (s.storage.url, s.name) == (d.storage.url, d.name):
         raise CheckpointError(f"{d.path}: the source and the destination are the same checkpoint")
     if recompress is not None:
+        if keep_references:
+            raise ValueError("keep_references=True copies stored bytes as they are: pass no compression")
         if move:
             raise ValueError("move=True copies stored bytes as they are: pass no compression")
         try:
@@ -404,13 +447,98 @@ def copy(
     except CheckpointNotFoundError:
         refuse_foreign(s, "mv" if move else "cp")
         raise
-    if bases:
+    if keep_references and move:
+        raise ValueError("keep_references=True copies a chain; a move (which deletes its source) takes none")
+    chain: list[tuple[Location, Location]] = []
+    if bases and keep_references:
+        chain = _chain(s, d)
+    elif bases:
         if move:
             raise CheckpointError(f"{s.path} refers to its base checkpoints (an incremental save): move=True "
                                   "would copy references; copy it (a self-contained copy), then delete it")
         done = _recompress(s, d, False, overwrite, t0, budget_bytes, threads, progress)
         tracker.finish()
         return done
+    if not chain:
+        done = _copy_as_is(s, d, overwrite, move, verify, budget_bytes, threads, on_total, progress, t0)
+        tracker.finish()
+        return done
+    # Bases first, each committed before any checkpoint that refers to it (the commit rule of §6.5).
+    copied: list[str] = []
+    totals: list[int] = []
+
+    def whole(n: int) -> None:  # one total for the chain: each checkpoint's copy adds its own
+        totals.append(n)
+        if on_total is not None:
+            on_total(sum(totals))
+
+    files = nbytes = kept_files = kept_bytes = 0
+    for bs, bd in chain:
+        try:
+            one = _copy_as_is(bs, bd, False, False, verify, budget_bytes, threads, whole, progress, t0)
+        except CheckpointExistsError:
+            raise CheckpointExistsError(
+                f"{bd.path} holds another checkpoint than {bs.path}, which {s.path} refers to (a base of "
+                f"the chain copied with keep_references=True): references resolve by name beside the copy, "
+                "so it cannot be copied there; copy into another folder, or without keep_references "
+                "(a self-contained copy)") from None
+        copied.append(bd.name)
+        files, nbytes = files + one.files_copied, nbytes + one.bytes_copied
+        kept_files, kept_bytes = kept_files + one.files_kept, kept_bytes + one.bytes_kept
+    done = _copy_as_is(s, d, overwrite, False, verify, budget_bytes, threads, whole, progress, t0)
+    done.bases = tuple(copied)
+    done.files_copied, done.bytes_copied = done.files_copied + files, done.bytes_copied + nbytes
+    done.files_kept, done.bytes_kept = done.files_kept + kept_files, done.bytes_kept + kept_bytes
+    tracker.finish()
+    return done
+
+
+def _sibling(loc: Location, name: str) -> Location:
+    """The checkpoint `name` beside `loc` (same folder or prefix), as references name it (§6.5)."""
+    head, sep, _ = loc.path.rstrip("/").rpartition("/")
+    return Location(loc.storage, name, f"{head}{sep}{name}" if sep else name)
+
+
+def _chain(s: Location, d: Location) -> list[tuple[Location, Location]]:
+    """Every base checkpoint `s` refers to, directly or through its bases, as (source, destination) pairs
+    in an order that puts each base before the checkpoints that refer to it. Checkpoints already where
+    they would be copied to (`d` beside `s`) are left out. A base missing at the source is refused."""
+    order: list[str] = []
+    state: dict[str, int] = {}  # 1: being visited, 2: done
+
+    def visit(name: str, referrer: Location) -> None:
+        if state.get(name) == 2:
+            return
+        if state.get(name) == 1:
+            raise CorruptCheckpointError(f"{referrer.path}: its bases refer to each other in a cycle "
+                                         f"through {name!r}")
+        state[name] = 1
+        here = _sibling(s, name)
+        try:
+            bases = read_manifest(here).bases
+        except CheckpointNotFoundError:
+            raise CorruptCheckpointError(
+                f"{referrer.path} refers to the base checkpoint {name!r}, which is not committed at "
+                f"{here.path}: the chain cannot be copied with its references (keep_references=True) "
+                "without it") from None
+        for b in bases:
+            visit(b, here)
+        state[name] = 2
+        order.append(name)
+
+    for b in read_manifest(s).bases:
+        visit(b, s)
+    if d.name in order:
+        raise CheckpointError(f"{d.path}: {s.path} refers to a base checkpoint of that name "
+                              f"({d.name!r}): a copy with its references needs it beside the copy")
+    same_folder = s.storage.url == d.storage.url
+    return [(_sibling(s, n), _sibling(d, n)) for n in order if not same_folder]
+
+
+def _copy_as_is(s: Location, d: Location, overwrite: bool, move: bool, verify: bool, budget_bytes: int,
+                threads: int, on_total: Callable[[int], None] | None, progress: Callable[[int], None] | None,
+                t0: float) -> CopyStats:
+    """`copy` of the stored bytes as they are (every file the manifest names, streamed and checked)."""
     if budget_bytes < 2 * MIN_PIECE:
         raise ValueError(f"budget_bytes={budget_bytes} is below the minimum of {2 * MIN_PIECE}")
     # Two pieces per file in flight: the one the writer is taking, the next one being read.
@@ -460,7 +588,6 @@ def copy(
         strategy_for(s.storage).delete(s.name)
         stats.moved = True
     stats.seconds = time.perf_counter() - t0
-    tracker.finish()
     return stats
 
 
@@ -560,6 +687,10 @@ def add_commands(sub: Any, parse_bytes: Callable[[str], int]) -> None:
             s.add_argument("--compression", default=None, choices=["auto", "true", "false", "none", "zstd", "planes"],
                            help="recompress (every array read and written anew, slab by slab): auto, true (a "
                                 "codec per leaf), false/none, zstd, planes. Default: copy stored bytes as they are")
+            s.add_argument("--keep-references", action="store_true",
+                           help="an incremental checkpoint: copy it as it is, with the base checkpoints it refers "
+                                "to (copied beside DST under their names, bases first). Default: a self-contained "
+                                "copy")
         s.add_argument("--json", action="store_true")
         s.set_defaults(fn=run_copy, move=move)
 
@@ -570,11 +701,12 @@ def run_copy(args: argparse.Namespace, out: Any) -> int:
         comp = {"true": True, "false": False}.get(comp, comp) if comp is not None else None
         stats = copy(args.src, args.dst, overwrite=args.overwrite, move=args.move, verify=not args.no_verify,
                      budget_bytes=args.budget, threads=args.threads, on_total=set_total, progress=advance,
-                     compression=comp)
+                     compression=comp, keep_references=getattr(args, "keep_references", False))
     if args.json:
         print(json.dumps(stats.as_dict(), indent=2))
         return 0
     kept = f", {stats.files_kept} already there" if stats.files_kept else ""
+    kept += f"; with its bases {', '.join(stats.bases)}" if stats.bases else ""
     out.line(f"{'moved' if stats.moved else 'copied'} {stats.src} -> {stats.dst}: {stats.files_copied} files, "
              f"{stats.bytes_copied / (1 << 20):.1f} MiB{kept}{'; checksums verified' if not args.no_verify else ''}")
     return 0

@@ -55,25 +55,31 @@ def block_places(leaf: fmt.ArrayLeaf, cell: int, block: int) -> list[tuple[int, 
 
 def undelta(stored: Any, raw_size: int, dtype: Any, read_base: Any, out: np.ndarray, where: str) -> None:
     """Rebuild a delta block into `out` (`raw_size` bytes): `stored` its checked stored bytes,
-    ``read_base(offset, size)`` the bytes of the base's file it is against (the offset its source gives)."""
+    ``read_base(size, codec)`` the `size` stored bytes of the base block it is against (coded by `codec`;
+    a raw base MAY be read straight into `out` and `out` returned: no copy then)."""
+    from .landing import scratch
+
     if len(stored) < DELTA_HEADER.size:
         raise CorruptCheckpointError(f"{where}: a delta block of {len(stored)} bytes, shorter than its header")
     codec, crc, size = DELTA_HEADER.unpack_from(stored)
     if codec >= len(CODEC_NAMES) or size > stored_bound(raw_size):
         raise CorruptCheckpointError(f"{where}: a delta's header names codec {codec} and {size} stored bytes")
-    base = read_base(size)
+    if codec == 0 and size != raw_size:
+        raise CorruptCheckpointError(f"{where}: the base block of a delta stores {size} bytes, not {raw_size}")
+    base = read_base(size, codec)
     got = crc32c(base)
     if got != crc:
         raise CorruptCheckpointError(f"{where}: the base block of a delta has CRC-32C {got:#010x}, its "
                                      f"header records {crc:#010x}")
     if codec == 0:
-        if size != raw_size:
-            raise CorruptCheckpointError(f"{where}: the base block of a delta stores {size} bytes, not {raw_size}")
-        out[:] = np.frombuffer(base, np.uint8)
+        if base is not out:
+            out[:] = np.frombuffer(base, np.uint8)
     else:
         _codecs.decode(CODEC_NAMES[codec], base, dtype, raw_size, out, where=where)
-    xor = _codecs.decode("zstd", memoryview(stored)[DELTA_HEADER.size :], np.uint8, raw_size, where=where)
-    np.bitwise_xor(out, np.frombuffer(xor, np.uint8), out=out)
+    # The XOR into this thread's scratch (no fresh pages per block), then onto the base's bytes in place.
+    xor = _codecs.decode("zstd", memoryview(stored)[DELTA_HEADER.size :], np.uint8, raw_size,
+                         scratch(raw_size, "xor"), where=where)
+    np.bitwise_xor(out, xor, out=out)
 
 
 def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> None:
@@ -130,8 +136,10 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
             if codec == DELTA:
                 bf, boff = against
 
-                def read_base(n: int, bf: int = bf, boff: int = boff) -> np.ndarray:
-                    buf = np.empty(n, dtype=np.uint8)
+                def read_base(n: int, codec: int, bf: int = bf, boff: int = boff,
+                              into: np.ndarray = raw[lo:hi]) -> np.ndarray:
+                    # A raw base block lands where the rebuilt block goes; a coded one in a buffer.
+                    buf = into if codec == 0 else np.empty(n, dtype=np.uint8)
                     try:
                         reader._fill(bf, boff, memoryview(buf.data), leaf)  # type: ignore[arg-type]
                     except CorruptCheckpointError as e:
@@ -217,7 +225,7 @@ def check_chunk(leaf: fmt.ArrayLeaf, cell: int, block: int, files: list[fmt.File
                 if rb is None:
                     raise CorruptCheckpointError("the data file of its base block is missing")
 
-                def read_base(n: int, rb: Any = rb, boff: int = boff) -> np.ndarray:
+                def read_base(n: int, _codec: int, rb: Any = rb, boff: int = boff) -> np.ndarray:
                     out = np.empty(n, dtype=np.uint8)
                     try:
                         rb.read_into(boff, memoryview(out.data))  # type: ignore[arg-type]
@@ -236,6 +244,29 @@ def check_chunk(leaf: fmt.ArrayLeaf, cell: int, block: int, files: list[fmt.File
         if block_hash(raw) != hashes[b * 16 : (b + 1) * 16]:
             bad.append(f"block {b} ({where}): its bytes' xxh3-128 is not the recorded hash")
     return bad
+
+
+def by_base_file(leaf: fmt.ArrayLeaf, block: int) -> dict[int, list[int]]:
+    """A version-4 leaf's blocks in other files, per file of its index: ``[bytes referred to there, blocks
+    stored as deltas against blocks there, those deltas' own stored bytes]`` (`cairn inspect`)."""
+    out: dict[int, list[int]] = {}
+    table = getattr(leaf.chunks, "table", None)
+    if table is None or not leaf.refs:
+        return out
+    for cell in range(len(leaf.chunks)):
+        got = table.sources(leaf.chunks.leaf, cell)  # type: ignore[attr-defined]
+        if got is None:
+            continue
+        sizes = table.stored(leaf.chunks.leaf, cell)  # type: ignore[attr-defined]
+        for (f, codec, _off), size in zip(got[1], sizes):
+            if f >= 0:
+                row = out.setdefault(f, [0, 0, 0])
+                if codec == DELTA:
+                    row[1] += 1
+                    row[2] += size
+                else:
+                    row[0] += size
+    return out
 
 
 def own_and_referenced(leaf: fmt.ArrayLeaf, block: int) -> tuple[int, int]:
