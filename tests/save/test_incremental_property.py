@@ -140,11 +140,13 @@ def test_a_flipped_base_byte_is_named_where_the_next_step_needs_it(tree, kinds, 
         _save_step(d / "s0", tree, None, compression)
         nxt = _step(tree, kinds, 7)
         _save_step(d / "s1", nxt, d / "s0", False)
-        # The bytes of s0 that s1 reads: its references, and the base blocks of its deltas (the block at
-        # the same position in s0, whose own bytes they are: s0 is self-contained).
+        # The bytes of s0 that s1 reads: its references (where they point: a block equal to another
+        # leaf's may refer to that one), and the base blocks of its deltas (the block at the same
+        # position in s0, whose own bytes they are: s0 is self-contained).
         mine, theirs = _sources(d / "s1"), _sources(d / "s0")
         assert len(mine) == len(theirs)
-        needed = [(f, off, off + size) for (_, _, _, codec, own), (f, off, size, _c, _o) in zip(mine, theirs)
+        needed = [(mf, moff, moff + msize) if not own else (f, off, off + size)
+                  for (mf, moff, msize, codec, own), (f, off, size, _c, _o) in zip(mine, theirs)
                   if not own or codec == DELTA]
         files = sorted((d / "s0").glob("*/*.bin"))
         target = files[where % len(files)]
