@@ -11,8 +11,8 @@ reading and assembly on it:
   bytes are plain runs in files, something else where they are not (Orbax's
   compressed zarr chunks go through tensorstore).
 
-`open_format` turns that into a `Source`: the manifest and indexes `_load`
-would have read, with the user's `rename` applied and the leaves the target
+`open_format` turns that into a `FormatSource`, the `Source` (`_load/source.py`)
+the engine reads: the manifest and indexes `_load` would have read, with the user's `rename` applied and the leaves the target
 does not ask for left unresolved (a partial load of one tensor reads only
 that tensor's metadata and bytes). Foreign data carries no checksums, so
 loads of it are not verified.

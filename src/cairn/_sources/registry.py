@@ -192,9 +192,10 @@ def inspect_data(path: str, format: str | None = None) -> dict[str, Any] | None:
     from .._storage.location import resolve
 
     loc = resolve(path)
-    if format == "cairn" or (format is None and detect(loc) in ("cairn", None)):
+    found = format or detect(loc)
+    if found in ("cairn", None):
         return None
-    src = open_source(loc, None, format=format, locate=False)
+    src = open_source(loc, None, format=found, locate=False)
     assert isinstance(src, FormatSource)  # a cairn checkpoint was answered above
     f = src.format
     items: dict[str, Any] = {}
