@@ -200,3 +200,19 @@ def test_checkpointables_are_formed_once_with_the_same_errors(tmp_path):
             errors.append(str(e.value))
         assert len(set(errors)) == 1, errors
         assert str(tmp_path / "ck") in errors[0]
+
+
+def test_retries_while_opening_count_in_the_loads_stats(tmp_path, monkeypatch):
+    path = tmp_path / "ck"
+    cairn.save(path, STATE)
+    real_read = _local.LocalStorage.read
+
+    def read(self, key):  # as an object store's client counts a GET of the manifest it had to retry
+        if key.endswith(fmt.MANIFEST):
+            self.retries = self.retries + 1
+        return real_read(self, key)
+
+    monkeypatch.setattr(_local.LocalStorage, "read", read)
+    stats = cairn.LoadStats()
+    cairn.load(path, stats=stats)
+    assert stats.retries == 1

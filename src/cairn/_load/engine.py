@@ -188,6 +188,7 @@ def load(
     *,
     stats: LoadStats | None = None,
     started: float | None = None,
+    retried: int = 0,
     publish: bool = True,
     **changes: Any,
 ) -> Any:
@@ -196,7 +197,8 @@ def load(
     (`LoadOptions`' names).
 
     `stats` is reset, then filled in; `started` (a ``time.perf_counter()``
-    value, default now) is when the caller's request began. With `publish`
+    value, default now) is when the caller's request began, `retried` the storage retries its opening
+    took (counted in `stats.retries` with the load's own). With `publish`
     the stats are logged, sent to `jax.monitoring` and the listeners (`_core.stats`).
     """
     opts = options_of(options, changes)
@@ -205,7 +207,7 @@ def load(
     if bandwidths is not None:
         resolve_bandwidths(bandwidths, "local", "cpu")  # a bad figure fails here, not at the first sharded leaf
     loc, manifest = source.loc, source.manifest
-    retries = loc.storage.retries
+    retries = loc.storage.retries - retried
     release_snapshot_buffers()  # a cache for repeated async saves; the load needs the memory
     stats = stats if stats is not None else LoadStats()
     vars(stats).update(vars(LoadStats()))  # the numbers of this load only

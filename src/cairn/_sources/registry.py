@@ -178,9 +178,11 @@ def load(loc: Location, target: Any, options: LoadOptions, *, report: RestoreRep
 
         state = load(resolve("/ckpt/step_100"), None, LoadOptions(rename=[(r"^enc/", "encoder/")]))
     """
+    retries = loc.storage.retries
     src = open_source(loc, target, format=options.format, **options.transforms)
     try:
-        out = _engine.load(src, target, options, stats=stats, started=started)
+        out = _engine.load(src, target, options, stats=stats, started=started,
+                           retried=loc.storage.retries - retries)
     except MismatchError as e:
         raise _transforms.explained(src, e) from None
     _transforms.finish(src, loc.path, report)
