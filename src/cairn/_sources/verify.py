@@ -25,7 +25,7 @@ from typing import Any, cast
 import numpy as np
 
 from .._core.checksum import BlockChecks, crc32c
-from .._errors import CheckpointError, CorruptCheckpointError
+from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import manifest as fmt
 from .._format import values
 from .._load.metadata import read_index
@@ -245,7 +245,9 @@ def verify(
 
     loc = resolve(path, storage_options)
     try:
-        src = open_source(loc)  # nothing to verify without a checkpoint there: the caller reports it
+        src = open_source(loc)
+    except CheckpointNotFoundError:
+        raise  # nothing to verify: the caller reports it
     except (CorruptCheckpointError, OSError, EOFError) as e:
         found = _foreign(loc)  # another format's broken metadata or file layout is a problem of its report
         if found is None:
