@@ -13,7 +13,6 @@ from typing import Any
 
 from ._core.stats import LoadStats, SaveStats
 from ._dist.coord import Coordinator
-from ._errors import CheckpointNotFoundError, MismatchError
 from ._load import engine as _load
 from ._load.options import LoadOptions
 from ._run import steps as _steps
@@ -21,7 +20,6 @@ from ._save import future as _async
 from ._save.future import SaveFuture
 from ._save.options import SaveOptions
 from ._sources import registry as _sources
-from ._sources import transforms as _transforms
 from ._sources.registry import Rename
 from ._sources.transforms import Patterns, RestoreReport
 from ._storage.location import resolve
@@ -286,25 +284,7 @@ def load(
                        format=format, rename=rename, drop=drop, fill_missing=fill_missing, mesh=mesh,
                        cast=cast)
     loc = resolve(path, storage_options)
-    source = None
-    if _transforms.wanted(rename, drop, fill_missing) or format not in (None, "cairn"):
-        source = _transforms.open_source(loc, target, format=format, **opts.transforms)
-    missing: CheckpointNotFoundError | None = None
-    try:
-        out = _load.load(loc, target, opts, source=source, stats=stats, started=t0)
-    except CheckpointNotFoundError as e:
-        if source is not None or format == "cairn":
-            raise
-        missing = e  # not a cairn checkpoint: perhaps one of another format
-    except MismatchError as e:
-        raise _transforms.explained(source, e) from None
-    if missing is not None:
-        source = _transforms.open_source(loc, target, missing=missing, **opts.transforms)
-        try:
-            out = _load.load(loc, target, opts, source=source, stats=stats, started=t0)
-        except MismatchError as e:
-            raise _transforms.explained(source, e) from None
-    _transforms.finish(source, loc.path, report)
+    out = _sources.load(loc, target, opts, report=report, stats=stats, started=t0)
     if framework == "torch":
         from ._tree.tensors import tree_to_torch
 
@@ -323,16 +303,7 @@ def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None, f
         info = cairn.metadata("/ckpt/step_100")
         info["params"]["w"].shape
     """
-    loc = resolve(path, storage_options)
-    missing = None
-    if format in (None, "cairn"):
-        try:
-            return _load.metadata(loc)
-        except CheckpointNotFoundError as e:
-            if format == "cairn":
-                raise
-            missing = e
-    return _sources.metadata(loc, format, missing)
+    return _load.metadata(_sources.open_source(resolve(path, storage_options), format=format, locate=False))
 
 
 def user_metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -141,6 +141,7 @@ def load(path: str, mesh: list[int], specs: dict[str, Any] | None = None, big: l
     """Load `path` onto `mesh` with `specs`; check every local shard; report bytes read."""
     from cairn._load.engine import LoadStats
     from cairn._load.engine import load as engine_load
+    from cairn._load.source import CairnSource
     from cairn._storage.location import resolve
 
     m = _mesh(mesh)
@@ -149,7 +150,7 @@ def load(path: str, mesh: list[int], specs: dict[str, Any] | None = None, big: l
         s = NamedSharding(m, _spec((specs or {}).get(name, list(spec))))
         target["params"][name] = jax.ShapeDtypeStruct(shape, jax.numpy.dtype(dtype), sharding=s)
     stats = LoadStats()
-    out = engine_load(resolve(path), {"params": target["params"], "extra": None}, stats=stats)
+    out = engine_load(CairnSource.open(resolve(path)), {"params": target["params"], "extra": None}, stats=stats)
     checked = 0
     for name, arr in out["params"].items():
         shape, dtype, _ = LEAVES[name]
@@ -167,7 +168,7 @@ def load(path: str, mesh: list[int], specs: dict[str, Any] | None = None, big: l
         meta = cairn.metadata(path)["big"]
         s = NamedSharding(m, _spec(big))
         big_stats = LoadStats()
-        arr = engine_load(resolve(path), {"big": jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=s)},
+        arr = engine_load(CairnSource.open(resolve(path)), {"big": jax.ShapeDtypeStruct(meta.shape, meta.dtype, sharding=s)},
                           stats=big_stats)["big"]
         for shard in arr.addressable_shards:
             assert np.all(np.asarray(shard.data) == 1)
@@ -330,6 +331,7 @@ def save_then_load(path: str, mesh: list[int], save_spec: list[Any], load_spec: 
     from cairn._dist.coord import default_coordinator
     from cairn._load.engine import LoadStats
     from cairn._load.engine import load as engine_load
+    from cairn._load.source import CairnSource
     from cairn._storage.location import resolve
 
     m = _mesh(mesh)
@@ -353,7 +355,7 @@ def save_then_load(path: str, mesh: list[int], save_spec: list[Any], load_spec: 
     try:
         # Once to warm up (the first load imports and compiles: rchar would count module files),
         # then the measured load.
-        engine_load(resolve(path, storage_options), want, read_once=read_once, timeout=60, budget_bytes=budget,
+        engine_load(CairnSource.open(resolve(path, storage_options)), want, read_once=read_once, timeout=60, budget_bytes=budget,
                     bandwidths=bandwidths)
         if cold:
             if coord.process_index == 0 and os.path.exists(path):
@@ -367,7 +369,7 @@ def save_then_load(path: str, mesh: list[int], save_spec: list[Any], load_spec: 
             f.write("5\n")  # resets the peak RSS (VmHWM) to the current RSS
         before = _rchar()
         t0 = time.perf_counter()
-        out = engine_load(resolve(path, storage_options), want, stats=stats, read_once=read_once, timeout=60,
+        out = engine_load(CairnSource.open(resolve(path, storage_options)), want, stats=stats, read_once=read_once, timeout=60,
                           budget_bytes=budget, bandwidths=bandwidths)["a"]
         load_s = time.perf_counter() - t0
         rchar = _rchar() - before
@@ -396,6 +398,7 @@ def save_replicated(path: str, mesh: list[int], mb: int, bandwidths: dict | None
     """Save an array replicated on every device; load it back replicated; report bytes per process."""
     from cairn._load.engine import LoadStats
     from cairn._load.engine import load as engine_load
+    from cairn._load.source import CairnSource
     from cairn._storage.location import resolve
 
     m = _mesh(mesh)
@@ -404,7 +407,7 @@ def save_replicated(path: str, mesh: list[int], mb: int, bandwidths: dict | None
     arr = jax.make_array_from_callback(shp, NamedSharding(m, P()), lambda idx: full[idx])
     stats = cairn.save(path, {"r": arr}, timeout=60)
     load_stats = LoadStats()
-    out = engine_load(resolve(path), {"r": jax.ShapeDtypeStruct(shp, np.float32, sharding=NamedSharding(m, P()))},
+    out = engine_load(CairnSource.open(resolve(path)), {"r": jax.ShapeDtypeStruct(shp, np.float32, sharding=NamedSharding(m, P()))},
                       stats=load_stats, timeout=60, bandwidths=bandwidths)["r"]
     for shard in out.addressable_shards:
         np.testing.assert_array_equal(np.asarray(shard.data), full[shard.index])

@@ -48,9 +48,10 @@ def test_many_small_leaves_round_trip(tmp_path, mesh8, where):
     target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=v.sharding) for k, v in state.items()}}
     stats = LoadStats()
     from cairn._load import engine as _load
+    from cairn._load.source import CairnSource
     from cairn._storage.location import resolve
 
-    out = _load.load(resolve(path), target, stats=stats)["params"]
+    out = _load.load(CairnSource.open(resolve(path)), target, stats=stats)["params"]
     for k, v in host.items():
         assert out[k].sharding == state[k].sharding, k
         np.testing.assert_array_equal(np.asarray(out[k]), v)

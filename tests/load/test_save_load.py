@@ -466,11 +466,12 @@ def test_merged_small_chunks_land_directly_and_are_verified(tmp_path, mesh8, mon
     x = sharded(mesh8, P("x"), (64, 16))  # eight 512-byte chunks, read as one vectored read
     cairn.save(tmp_path / "c", {"x": x})
     from cairn._load import engine as _load
+    from cairn._load.source import CairnSource
     from cairn._storage.location import resolve
 
     stats = _load.LoadStats()
     target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)}
-    got = _load.load(resolve(tmp_path / "c"), target, stats=stats)["x"]
+    got = _load.load(CairnSource.open(resolve(tmp_path / "c")), target, stats=stats)["x"]
     assert_bitwise(got, x)
     assert stats.reads == 1 and stats.direct_reads == 1
     f = _data_files(tmp_path / "c")[0]
@@ -485,11 +486,12 @@ def test_resharding_with_long_rows_reads_straight_into_the_target_rows(tmp_path,
     x = sharded(mesh8, P(None, "x"), (64, 16384))
     cairn.save(tmp_path / "c", {"x": x})
     from cairn._load import engine as _load
+    from cairn._load.source import CairnSource
     from cairn._storage.location import resolve
 
     stats = _load.LoadStats()
     target = {"x": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh8, P("x")))}
-    got = _load.load(resolve(tmp_path / "c"), target, stats=stats)["x"]
+    got = _load.load(CairnSource.open(resolve(tmp_path / "c")), target, stats=stats)["x"]
     assert_bitwise(got, x)
     assert stats.reads >= 1 and stats.direct_reads == stats.reads  # no read went through a temporary buffer
     f = _data_files(tmp_path / "c")[0]

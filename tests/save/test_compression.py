@@ -337,6 +337,7 @@ def test_plan_predicts_the_stored_bytes_a_load_reads(tmp_path, kind, case, mesh)
     same, a resharded and a read-once (route-estimated) load."""
     from cairn._load import engine as _load
     from cairn._load.readonce import stored_nbytes
+    from cairn._load.source import CairnSource
     from cairn._storage.location import resolve
 
     full = trained((512, 1024))  # 1 MiB of bf16 in 8 row chunks, 32 blocks of 4 KiB each
@@ -357,7 +358,7 @@ def test_plan_predicts_the_stored_bytes_a_load_reads(tmp_path, kind, case, mesh)
         "w": jax.ShapeDtypeStruct(full.shape, full.dtype, sharding=sharding), "b": None, "ids": None}
     read_once = True if case == "replicated" else None
     stats = cairn.LoadStats()
-    got = _load.load(resolve(path), target, stats=stats, read_once=read_once)
+    got = _load.load(CairnSource.open(resolve(path)), target, stats=stats, read_once=read_once)
     assert np.asarray(got["w"]).tobytes() == full.tobytes()
     plan = cairn.plan_load(path, target, read_once=read_once)
     (p,) = plan.processes

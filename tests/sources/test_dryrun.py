@@ -16,6 +16,7 @@ import cairn
 from cairn._cli import main as _cli
 from cairn._load import engine as _load
 from cairn._load.reader import LoadStats
+from cairn._load.source import CairnSource
 from cairn._storage.location import resolve
 
 SHAPE = (2048, 1024)  # 8 MiB of float32: several chunks, reads of whole and partial chunks
@@ -48,7 +49,7 @@ def target(w, v, dtype=jnp.float32):
 
 def real_load(path, t, **kw):
     stats = LoadStats()
-    _load.load(resolve(path), t, stats=stats, **kw)
+    _load.load(CairnSource.open(resolve(path)), t, stats=stats, **kw)
     return stats
 
 
@@ -179,10 +180,9 @@ def test_plan_with_transforms_and_foreign_sources(tmp_path, mesh8):
     t = {"encoder": {"w": NamedSharding(mesh8, P("x"))}, "new": np.zeros(3)}
     kw = dict(rename=[(r"^enc/", "encoder/")], drop="^opt/", fill_missing=["^new$"])
     stats = LoadStats()
-    from cairn._sources import transforms as _transforms
+    from cairn._sources import registry as _sources
 
-    loc = resolve(tmp_path / "m.safetensors")
-    _load.load(loc, t, stats=stats, source=_transforms.open_source(loc, t, **kw))
+    _load.load(_sources.open_source(resolve(tmp_path / "m.safetensors"), t, **kw), t, stats=stats)
     plan = cairn.plan_load(tmp_path / "m.safetensors", t, **kw)
     assert plan.format == "safetensors" and plan.processes[0].bytes_read == stats.bytes_read == 64 * 32 * 4
     assert plan.processes[0].requests == stats.reads

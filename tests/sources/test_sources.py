@@ -108,7 +108,7 @@ def load_with_stats(path, target, **kw):
     loc = resolve(path)
     stats = LoadStats()
     src = _sources.open_source(loc, target, rename=kw.pop("rename", None))
-    out = _load.load(loc, target, stats=stats, source=src, **kw)
+    out = _load.load(src, target, stats=stats, **kw)
     return out, stats
 
 

@@ -12,8 +12,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
+from cairn._load.options import LoadOptions
 from cairn._load.reader import LoadStats
-from cairn._sources import transforms as _transforms
+from cairn._sources import registry as _sources
 from cairn._storage.location import resolve
 
 
@@ -110,15 +111,15 @@ def test_dropped_leaves_are_not_read(tmp_path, mesh8):
     for leaf in ("encoder", "head"):  # numpy templates: each array read whole, exactly its bytes
         target["params"][leaf] = jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), target["params"][leaf])
     stats, report = LoadStats(), cairn.RestoreReport()
-    got = _transforms.load(loc, target, rename=RENAME, drop=[r"old_stats"], fill_missing=True, report=report,
-                           stats=stats)
+    got = _sources.load(loc, target, LoadOptions(rename=RENAME, drop=[r"old_stats"], fill_missing=True),
+                        report=report, stats=stats)
     read = sum(x.nbytes for x in jax.tree.leaves([got["params"]["encoder"], got["params"]["head"]]))
     assert read == 64 * 4 + 16 * 4 + 32 * 4
     assert stats.bytes_read == read  # not one byte of the 1 MiB leaf that was dropped
     assert report.dropped == ["params/old_stats"]
     # The same load without drop but partial reads as little, and reports no drop.
     stats, report = LoadStats(), cairn.RestoreReport()
-    _transforms.load(loc, target, rename=RENAME, fill_missing=True, partial=True, report=report, stats=stats)
+    _sources.load(loc, target, LoadOptions(rename=RENAME, fill_missing=True, partial=True), report=report, stats=stats)
     assert stats.bytes_read == read and report.dropped == [] and report.filled == ["params/new_bias"]
 
 

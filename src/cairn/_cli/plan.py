@@ -119,11 +119,10 @@ def cli_target(path: str, mesh: Any, sharding: str, format: str | None) -> tuple
     import jax
 
     loc = resolve(path)
-    found = format or _sources.detect(loc)
     # A per-process value (cairn.PerProcess) is host-local: None in the target, so each process plans to read
     # its own value, or every saved one on another process count, as a load without a target does.
-    meta = _load.metadata(loc, per_process=lambda subs, build: None) if found == "cairn" else _sources.metadata(
-        loc, found)
+    meta = _load.metadata(_sources.open_source(loc, format=format, locate=False),
+                          per_process=lambda subs, build: None)
     spec = "saved" if sharding.strip() == "saved" else parse_spec(sharding, tuple(mesh.axis_names))
     odd: list[str] = []
 

@@ -20,7 +20,7 @@ from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import manifest as fmt
 from .._load.reader import DEFAULT_BUDGET, ChunkReader, LoadStats, slab_bytes
 from .._save.stream import StreamWriter
-from .._sources.base import Source, open_format
+from .._sources.base import FormatSource, open_format
 from .._sources.hf import Safetensors
 from .._sources.registry import open_foreign
 from .._storage.location import resolve
@@ -30,7 +30,7 @@ from .safetensors import from_safetensors
 class _Slabs:
     """One array of a source as a `_streamwriter.SlabSource`: slabs of exactly `slab` bytes."""
 
-    def __init__(self, source: Source, reader: ChunkReader, leaf: fmt.ArrayLeaf, pool: ThreadPoolExecutor):
+    def __init__(self, source: FormatSource, reader: ChunkReader, leaf: fmt.ArrayLeaf, pool: ThreadPoolExecutor):
         self.source, self.reader, self.leaf, self.pool = source, reader, leaf, pool
         self.dtype, self.shape = leaf.dtype, leaf.shape
 

@@ -57,6 +57,7 @@ from .._format.partfile import (
 )
 from .._load.metadata import index_bytes, manifest_bytes, parse_index, read_manifest
 from .._load.reader import DEFAULT_BUDGET
+from .._load.source import CairnSource
 from .._save.commit import CommitStrategy, strategy_for
 from .._save.options import SaveOptions
 from .._sources.verify import describe_chunk
@@ -350,10 +351,23 @@ def refuse_foreign(loc: Location, verb: str = "cp") -> None:
     from .._sources.registry import detect
 
     found = detect(loc)
-    if found in (None, "cairn"):
-        return
+    if found not in (None, "cairn"):
+        raise _refusal(loc, found, verb)
+
+
+def _opened(loc: Location, verb: str) -> CairnSource:
+    """The cairn checkpoint at `loc`, opened as every load opens one; another format's is refused."""
+    from .._sources.registry import open_source
+
+    src = open_source(loc)
+    if isinstance(src, CairnSource):
+        return src
+    raise _refusal(loc, src.format_name, verb)
+
+
+def _refusal(loc: Location, found: str, verb: str) -> CheckpointNotFoundError:
     name = _FORMAT_NAMES.get(found, found)
-    raise CheckpointNotFoundError(
+    return CheckpointNotFoundError(
         f"{loc.path} is a{'n' if name[0] in 'AEIOU' else ''} {name} checkpoint, not a cairn one: cairn {verb} "
         f"{'moves' if verb == 'mv' else 'copies'} cairn checkpoints (manifest, checksums, atomic commit). To "
         f"{'move' if verb == 'mv' else 'copy'} it as it is, use your storage's "
@@ -428,25 +442,18 @@ def copy(
     d = resolve(dst, storage_options if dst_storage_options is None else dst_storage_options)
     if (s.storage.url, s.name) == (d.storage.url, d.name):
         raise CheckpointError(f"{d.path}: the source and the destination are the same checkpoint")
+    if recompress is not None and move:
+        raise ValueError("move=True copies stored bytes as they are: pass no compression")
+    source = _opened(s, "mv" if move else "cp")
     if recompress is not None:
         if keep_references:
             raise ValueError("keep_references=True copies stored bytes as they are: pass no compression")
-        if move:
-            raise ValueError("move=True copies stored bytes as they are: pass no compression")
-        try:
-            done = _recompress(s, d, compression, overwrite, t0, budget_bytes, threads, progress)
-        except CheckpointNotFoundError:
-            refuse_foreign(s, "cp")
-            raise
+        done = _recompress(source, d, compression, overwrite, t0, budget_bytes, threads, progress)
         tracker.finish()
         return done
     # Incremental (format 4): blocks in a base's files are read through their references, and the copy
     # is self-contained (raw blocks): its bytes copied as they are would refer to files beside `src`.
-    try:
-        bases = read_manifest(s).bases
-    except CheckpointNotFoundError:
-        refuse_foreign(s, "mv" if move else "cp")
-        raise
+    bases = source.manifest.bases
     if keep_references and move:
         raise ValueError("keep_references=True copies a chain; a move (which deletes its source) takes none")
     chain: list[tuple[Location, Location]] = []
@@ -456,11 +463,11 @@ def copy(
         if move:
             raise CheckpointError(f"{s.path} refers to its base checkpoints (an incremental save): move=True "
                                   "would copy references; copy it (a self-contained copy), then delete it")
-        done = _recompress(s, d, False, overwrite, t0, budget_bytes, threads, progress)
+        done = _recompress(source, d, False, overwrite, t0, budget_bytes, threads, progress)
         tracker.finish()
         return done
     if not chain:
-        done = _copy_as_is(s, d, overwrite, move, verify, budget_bytes, threads, on_total, progress, t0)
+        done = _copy_as_is(s, d, overwrite, move, verify, budget_bytes, threads, on_total, progress, t0, source.raw)
         tracker.finish()
         return done
     # Bases first, each committed before any checkpoint that refers to it (the commit rule of §6.5).
@@ -485,7 +492,7 @@ def copy(
         copied.append(bd.name)
         files, nbytes = files + one.files_copied, nbytes + one.bytes_copied
         kept_files, kept_bytes = kept_files + one.files_kept, kept_bytes + one.bytes_kept
-    done = _copy_as_is(s, d, overwrite, False, verify, budget_bytes, threads, whole, progress, t0)
+    done = _copy_as_is(s, d, overwrite, False, verify, budget_bytes, threads, whole, progress, t0, source.raw)
     done.bases = tuple(copied)
     done.files_copied, done.bytes_copied = done.files_copied + files, done.bytes_copied + nbytes
     done.files_kept, done.bytes_kept = done.files_kept + kept_files, done.bytes_kept + kept_bytes
@@ -537,19 +544,16 @@ def _chain(s: Location, d: Location) -> list[tuple[Location, Location]]:
 
 def _copy_as_is(s: Location, d: Location, overwrite: bool, move: bool, verify: bool, budget_bytes: int,
                 threads: int, on_total: Callable[[int], None] | None, progress: Callable[[int], None] | None,
-                t0: float) -> CopyStats:
-    """`copy` of the stored bytes as they are (every file the manifest names, streamed and checked)."""
+                t0: float, raw: bytes | None = None) -> CopyStats:
+    """`copy` of the stored bytes as they are (every file the manifest names, streamed and checked);
+    `raw`: the source's manifest bytes, when read already."""
     if budget_bytes < 2 * MIN_PIECE:
         raise ValueError(f"budget_bytes={budget_bytes} is below the minimum of {2 * MIN_PIECE}")
     # Two pieces per file in flight: the one the writer is taking, the next one being read.
     threads = max(1, threads)
     piece = min(PIECE_BYTES, max(MIN_PIECE, budget_bytes // (2 * threads)))
     threads = max(1, min(threads, budget_bytes // (2 * piece)))
-    try:
-        raw = manifest_bytes(s)
-    except CheckpointNotFoundError:
-        refuse_foreign(s, "mv" if move else "cp")
-        raise
+    raw = raw if raw is not None else manifest_bytes(s)
     token, files = _plan(s, raw)
     stats = CopyStats(s.path, d.path)
     strategy = strategy_for(d.storage)
@@ -591,7 +595,7 @@ def _copy_as_is(s: Location, d: Location, overwrite: bool, move: bool, verify: b
     return stats
 
 
-def _recompress(s: Location, d: Location, compression: str | bool | None, overwrite: bool, t0: float,
+def _recompress(src: CairnSource, d: Location, compression: str | bool | None, overwrite: bool, t0: float,
                 budget_bytes: int = DEFAULT_BUDGET, threads: int = 8,
                 progress: Callable[[int], None] | None = None) -> CopyStats:
     """`copy` with another `compression`: each chunk of each array read (checked) slab by slab and written
@@ -600,14 +604,13 @@ def _recompress(s: Location, d: Location, compression: str | bool | None, overwr
     (the structure is the source's): it differs from the source only in how its blocks are stored (and in
     having one data file per item)."""
     from .._exports.convert import exact_slabs
-    from .._load.metadata import Opened, read_index
     from .._load.reader import make_reader, read_box, slab_boxes, slab_bytes
     from .._save.engine import resolve_compression
     from .._save.stream import Chunked, StreamWriter
 
     codec = resolve_compression(compression, d.storage)
-    manifest = read_manifest(s)
-    ck = Opened(s, manifest, {name: read_index(s, info) for name, info in manifest.items.items()})
+    ck = src.opened()
+    s, manifest = ck.loc, ck.manifest
     class _Cell:  # one chunk of a source array, as a `SlabSource`: C-order slabs read through the load's reader
         def __init__(self, reader: Any, leaf: fmt.ArrayLeaf, box: tuple[tuple[int, int], ...]):
             self.reader, self.leaf, self.box, self.dtype = reader, leaf, box, leaf.dtype

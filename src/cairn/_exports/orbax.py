@@ -31,6 +31,7 @@ from .._errors import CheckpointError, CheckpointExistsError, UnsupportedTypeErr
 from .._format import manifest as fmt
 from .._load import engine as _load
 from .._load.metadata import open_checkpoint
+from .._load.source import CairnSource
 from .._storage import split_url
 from .._tree.perprocess import (
     check_export_choice,
@@ -165,7 +166,7 @@ def export_orbax(
 
     if epath.Path(dest).exists() and not overwrite:
         raise CheckpointExistsError(f"{dest} exists; pass overwrite=True (cairn convert: --overwrite) to replace it")
-    tree = _load.load(ck.loc, None, publish=False, **({"mesh": mesh} if mesh is not None else {}))
+    tree = _load.load(CairnSource(ck.loc, ck.manifest), None, publish=False, **({"mesh": mesh} if mesh is not None else {}))
     items = {"": tree} if ck.manifest.root else dict(tree)
     keyed = {name: export_tree(_with_keys(items[name], ck.indexes[name]), ck.indexes[name].structure, where,
                                name, per_process) for name in items}

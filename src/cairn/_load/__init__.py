@@ -1,1 +1,1 @@
-"""The load path: metadata of a checkpoint, the chunk reader (ranged, coalesced, verified reads, landing in scratch buffers or in place: `landing`), read-once routes and waves, and the engine that matches a target and builds arrays."""
+"""The load path: metadata of a checkpoint, what a load reads from (`source`: the `Source` protocol, a cairn checkpoint as one), the chunk reader (ranged, coalesced, verified reads, landing in scratch buffers or in place: `landing`), read-once routes and waves, and the engine that matches a target and builds arrays."""

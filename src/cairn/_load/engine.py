@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +44,7 @@ from .readonce import (
     routes_digest,
 )
 from .schedule import schedule
+from .source import Source, checkpointables
 from .waves import Gather, Unit
 
 
@@ -181,21 +182,23 @@ def _assemble(want: _Want, reads: ArrayReads, it: _ItemLoad, where: str, shape: 
 
 
 def load(
-    loc: Location,
+    source: Source,
     target: Any = None,
     options: LoadOptions | None = None,
     *,
     stats: LoadStats | None = None,
-    source: Any = None,
     started: float | None = None,
+    retried: int = 0,
     publish: bool = True,
     **changes: Any,
 ) -> Any:
-    """Load the checkpoint at `loc` (see `cairn.load`) with `options` and keyword `changes` to them
-    (`LoadOptions`' names); `source`: one opened already (`_sources.registry`).
+    """Load the opened checkpoint `source` (see `cairn.load`; `_sources.registry.open_source` opens any
+    path, `CairnSource.open` a cairn checkpoint) with `options` and keyword `changes` to them
+    (`LoadOptions`' names).
 
     `stats` is reset, then filled in; `started` (a ``time.perf_counter()``
-    value, default now) is when the caller's request began. With `publish`
+    value, default now) is when the caller's request began, `retried` the storage retries its opening
+    took (counted in `stats.retries` with the load's own). With `publish`
     the stats are logged, sent to `jax.monitoring` and the listeners (`_core.stats`).
     """
     opts = options_of(options, changes)
@@ -203,39 +206,20 @@ def load(
     t0 = time.perf_counter() if started is None else started
     if bandwidths is not None:
         resolve_bandwidths(bandwidths, "local", "cpu")  # a bad figure fails here, not at the first sharded leaf
-    retries = loc.storage.retries
-    manifest = source.manifest if source is not None else read_manifest(loc)
+    loc, manifest = source.loc, source.manifest
+    retries = loc.storage.retries - retried
     release_snapshot_buffers()  # a cache for repeated async saves; the load needs the memory
     stats = stats if stats is not None else LoadStats()
     vars(stats).update(vars(LoadStats()))  # the numbers of this load only
-    if manifest.root:
-        requests = [("", target)]
-    elif target is None:
-        requests = [(name, None) for name in manifest.items]
-    elif isinstance(target, Mapping):
-        unknown = [k for k in target if k not in manifest.items]
-        if unknown:
-            raise MismatchError(
-                f"{loc.path}: the target asks for checkpointables {unknown} that the checkpoint does not "
-                f"hold (it holds {sorted(manifest.items)})"
-            )
-        requests = list(target.items())
-    else:
-        raise MismatchError(
-            f"{loc.path}: the checkpoint holds named checkpointables {sorted(manifest.items)}; "
-            "pass a mapping from (some of) those names to targets"
-        )
+    requests = checkpointables(loc.path, manifest.items, manifest.root, target)
     out: dict[str, Any] = {}
     with ThreadPoolExecutor(max(1, threads), thread_name_prefix="cairn-read") as pool:
-        # Indexes are independent small reads: fetch them together (one round trip on object stores).
-        indexes = [source.indexes[r[0]] for r in requests] if source is not None else list(
-            pool.map(lambda r: read_index(loc, manifest.items[r[0]]), requests))
+        indexes = source.indexes_of([name for name, _ in requests], pool)
         items = []
         coord = opts.coordinator or default_coordinator()
         try:
             for (name, item_target), index in zip(requests, indexes):
-                reader = (source.reader(name, index, verify, pool, stats) if source is not None
-                          else ChunkReader(loc, name, manifest.items[name], index, verify, pool, stats))
+                reader = source.reader(name, index, verify, pool, stats)
                 pp = LoadView(index.structure, name, loc.path, coord.process_index, coord.process_count)
                 items.append(_ItemLoad(name, index, reader, item_target,
                                        match_target(loc, name, index, item_target, partial, pp, opts.mesh), pp,
@@ -547,13 +531,13 @@ def _read_direct(items: list[_ItemLoad], where: str, budget: int, skip: set[tupl
 # ---------------------------------------------------------------------- metadata
 
 
-def metadata(loc: Location, per_process: Callable[[list[Any], Callable[[Any], Any]], Any] | None = None) -> Any:
-    """The stored tree with `ArrayMetadata` in place of arrays; reads no array data. A per-process node
-    is the list of every saved process's value, or what ``per_process(children, build)`` makes of it."""
-    manifest = read_manifest(loc)
+def metadata(source: Source, per_process: Callable[[list[Any], Callable[[Any], Any]], Any] | None = None) -> Any:
+    """The stored tree of `source` with `ArrayMetadata` in place of arrays; reads no array data. A
+    per-process node is the list of every saved process's value, or what ``per_process(children, build)``
+    makes of it."""
+    manifest = source.manifest
     out = {}
-    for name, info in manifest.items.items():
-        index = read_index(loc, info)
+    for name, index in zip(manifest.items, source.indexes_of(list(manifest.items), None)):
         leaves = []
         for leaf in index.leaves:
             if isinstance(leaf, fmt.ArrayLeaf) and leaf.kind == "prng_key":

@@ -26,18 +26,29 @@ def read_manifest(loc: Location) -> fmt.Manifest:
 
 def manifest_bytes(loc: Location) -> bytes:
     """The raw bytes of the manifest at `loc` (`CheckpointNotFoundError` if nothing is committed there)."""
-    key = loc.key(fmt.MANIFEST)
+    data = stored_manifest(loc)
+    if data is None:
+        raise not_committed(loc)
+    return data
+
+
+def stored_manifest(loc: Location) -> bytes | None:
+    """The raw bytes of the manifest at `loc`, None if there is none (nothing committed there)."""
     try:
-        data = loc.storage.read(key)
+        return loc.storage.read(loc.key(fmt.MANIFEST))
     except (FileNotFoundError, NotADirectoryError):
-        if loc.storage.exists(loc.name):
-            raise CheckpointNotFoundError(_no_manifest(loc)) from None
-        raise CheckpointNotFoundError(f"no checkpoint at {loc.path}") from None
+        return None
     except IsADirectoryError:
         raise CorruptCheckpointError(f"{loc.path}: {fmt.MANIFEST} is not a file") from None
     except OSError as e:
         raise _read_error(loc, fmt.MANIFEST, e) from e
-    return data
+
+
+def not_committed(loc: Location) -> CheckpointNotFoundError:
+    """The error for `loc` where no manifest is: what is there, said so that the user knows what to do."""
+    if loc.storage.exists(loc.name):
+        return CheckpointNotFoundError(_no_manifest(loc))
+    return CheckpointNotFoundError(f"no checkpoint at {loc.path}")
 
 
 # The data files and indexes a save writes (`_format.manifest`'s names), also before it commits.

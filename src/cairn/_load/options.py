@@ -56,7 +56,7 @@ class LoadOptions:
 
     @property
     def transforms(self) -> dict[str, Any]:
-        """The restore transforms, as `_sources.transforms.open_source` takes them."""
+        """The restore transforms, as `_sources.registry.open_source` takes them."""
         return {"rename": self.rename, "drop": self.drop, "fill_missing": self.fill_missing}
 
 

@@ -39,6 +39,7 @@ from .._errors import CheckpointError, CorruptCheckpointError
 from .._format.values import dtype_name
 from .._load import engine as _load
 from .._load.metadata import read_manifest
+from .._load.source import CairnSource
 from .._run import steps as _steps
 from .._save import engine as _save
 from .._storage import Storage
@@ -427,7 +428,7 @@ class LocalTier:
     def _read_blob(self, step: int, q: int, at: tuple[Location, str, dict[str, Any]],
                    reading: dict[str, Any]) -> np.ndarray:
         loc, item, meta = at
-        got = _load.load(loc, {item: None}, partial=True, coordinator=SingleProcess(), read_once=False,
+        got = _load.load(CairnSource.open(loc), {item: None}, partial=True, coordinator=SingleProcess(), read_once=False,
                          publish=False, **{"threads": self._threads, **reading})  # part of a restore
         blob = got[item] if item == "own" else got[item][str(q)]
         if not isinstance(blob, np.ndarray) or blob.dtype != np.uint8 or blob.size != int(meta["lengths"][str(q)]):

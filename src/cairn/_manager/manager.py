@@ -15,7 +15,7 @@ manifest) when the manager opens and after each commit.
 
 The manager works on the storage rooted at its directory: step folders
 through `_steps` (naming, listing, deletion, leftovers), saves and loads
-through the engine (`_async`, `_load` via `_transforms`) on a `Location` in that storage, so the
+through the engine (`_async`, `_load` via `_sources.registry.load`) on a `Location` in that storage, so the
 same code runs on local disk, ``memory://`` and object stores. Retention
 policies live in `_retention`, preemption detection in `_preemption`, the
 evaluator's polling in `_watch` and the reader leases retention honours in
@@ -53,7 +53,7 @@ from .._run.retention import CheckpointInfo, KeepBest, RetentionPolicy, policy_f
 from .._run.steps import DEFAULT_STEP_FORMAT, StepNames, show_steps
 from .._save import future as _async
 from .._save.options import SaveOptions
-from .._sources import transforms as _transforms
+from .._sources import registry as _sources
 from .._storage.location import Location
 from .._tree.pytree import map_with_path
 from .watch import StepWatch
@@ -852,12 +852,12 @@ class CheckpointManager(StepWatch):
         else:
             candidates = list(reversed(steps)) if fallback else [steps[-1]]
         failures: list[str] = []
-        asked = transforms.pop("format", None)  # an Orbax step of the run is read as one whatever was asked
         for s in candidates:
             error: BaseException | None = None
             try:
-                out = _transforms.load(self._location(s), target, partial=partial,
-                                       format="orbax" if self._is_orbax(s) else asked, **transforms)
+                # An Orbax step of the run is read as one whatever format was asked.
+                out = _sources.load(self._location(s), target, opts.replace(format="orbax") if self._is_orbax(s)
+                                    else opts, report=transforms.get("report"), stats=transforms.get("stats"))
             except (CorruptCheckpointError, CheckpointNotFoundError) as e:
                 error = e
             # Every process reads only its own bytes: one may find corruption the others do not.

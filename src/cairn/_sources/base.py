@@ -11,8 +11,8 @@ reading and assembly on it:
   bytes are plain runs in files, something else where they are not (Orbax's
   compressed zarr chunks go through tensorstore).
 
-`open_format` turns that into a `Source`: the manifest and indexes `_load`
-would have read, with the user's `rename` applied and the leaves the target
+`open_format` turns that into a `FormatSource`, the `Source` (`_load/source.py`)
+the engine reads: the manifest and indexes `_load` would have read, with the user's `rename` applied and the leaves the target
 does not ask for left unresolved (a partial load of one tensor reads only
 that tensor's metadata and bytes). Foreign data carries no checksums, so
 loads of it are not verified.
@@ -28,10 +28,11 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import CheckpointError, MismatchError
+from .._errors import CheckpointError
 from .._format import manifest as fmt
 from .._format.values import value_kind
 from .._load.reader import ChunkReader, LoadStats, read_box, slab_boxes
+from .._load.source import checkpointables
 from .._storage.location import Location
 from .._tree.pytree import escape_key, map_with_path, unescape_key
 
@@ -351,10 +352,11 @@ class Format:
 
 
 @dataclass
-class Source:
-    """A checkpoint opened for `_load.load`: what it would otherwise read itself.
+class FormatSource:
+    """A checkpoint described by a `Format` (another format's, or cairn's own under transforms) as the
+    load's `Source` (`_load.source`): its manifest and every index built when opened.
 
-    ``format.reader`` reads its bytes; checksums are absent, so nothing is verified.
+    ``format.reader`` reads its bytes; a foreign format's carry no checksums, so nothing is verified.
     """
 
     format: Format
@@ -368,6 +370,13 @@ class Source:
     filled: list[str] = field(default_factory=list)
     added: set[str] = field(default_factory=set)  # checkpointables made of filled leaves only
     unmatched: list[str] = field(default_factory=list)  # rename rules that matched no key path
+
+    @property
+    def format_name(self) -> str:
+        return self.format.name
+
+    def indexes_of(self, names: Sequence[str], pool: ThreadPoolExecutor | None) -> list[fmt.ItemIndex]:
+        return [self.indexes[name] for name in names]
 
     def reader(self, name: str, index: fmt.ItemIndex, verify: bool, pool: ThreadPoolExecutor,
                stats: LoadStats) -> ChunkReader:
@@ -383,7 +392,7 @@ class Source:
 
 
 def open_format(f: Format, target: Any, rename: Rename | None, where: str,
-                drop: str | Sequence[str] | None = None) -> Source:
+                drop: str | Sequence[str] | None = None) -> FormatSource:
     """Describe `f` for a load of `target` (None: everything), without the leaves `drop` matches
     and with `rename` applied (both to the source's full key paths)."""
     fn = compile_rename(rename)
@@ -391,24 +400,12 @@ def open_format(f: Format, target: Any, rename: Rename | None, where: str,
     moved: list[tuple[str, str | None]] = []
     items = f.items()
     root = list(items) == [""]
-    if target is not None and not root:
-        if not hasattr(target, "items"):
-            raise MismatchError(
-                f"{where}: the checkpoint holds named checkpointables {sorted(items)}; "
-                "pass a mapping from (some of) those names to targets"
-            )
-        unknown = [k for k in target if k not in items]
-        if unknown:
-            raise MismatchError(f"{where}: the target asks for checkpointables {unknown} that the checkpoint "
-                                f"does not hold (it holds {sorted(items)})")
+    asked = dict(checkpointables(where, items, root, target))
     infos: dict[str, fmt.ItemInfo] = {}
     indexes: dict[str, fmt.ItemIndex] = {}
     for name, paths in items.items():
-        item_target = target if root else (None if target is None else target.get(name))
-        if not root and target is not None and name not in target:
-            item_target, skip = None, True
-        else:
-            skip = False
+        skip = name not in asked  # described (its key paths listed), nothing resolved
+        item_target = asked.get(name)
         renamed: list[tuple[str, str]] = []  # (source path, path in the user's tree)
         seen: dict[str, str] = {}
         head = "" if root else escape_key(name)
@@ -431,13 +428,13 @@ def open_format(f: Format, target: Any, rename: Rename | None, where: str,
         elif item_target is None:
             wanted = {p for p, _ in renamed}
         else:
-            asked = target_paths(item_target)
+            paths_asked = target_paths(item_target)
             nones = f.nones(name)
             if nones:  # a None where the target has an empty node is that node, not a leaf it omits
                 hollows = target_hollows(item_target)
-                hollow = {q: "dict" for p, q in renamed if p in nones and q not in asked and q in hollows}
+                hollow = {q: "dict" for p, q in renamed if p in nones and q not in paths_asked and q in hollows}
                 renamed = [(p, q) for p, q in renamed if q not in hollow]
-            wanted = {p for p, q in renamed if q in asked}
+            wanted = {p for p, q in renamed if q in paths_asked}
         resolved = f.leaves(name, [p for p, _ in renamed if p in wanted]) if wanted else {}
         leaves = [replace(resolved[p], path=q) if p in resolved else placeholder(q) for p, q in renamed]
         structure = f.structure(name) if fn is None and dropped is None else None
@@ -450,4 +447,4 @@ def open_format(f: Format, target: Any, rename: Rename | None, where: str,
         nbytes = sum(leaf.nbytes for leaf in leaves if isinstance(leaf, fmt.ArrayLeaf))
         infos[name] = fmt.ItemInfo("", "", nbytes, len(leaves))
     manifest = fmt.Manifest(items=infos, root=root, metadata=f.metadata())
-    return Source(f, f.loc, manifest, indexes, verify=f.verified, moved=moved, unmatched=unmatched_rules(fn))
+    return FormatSource(f, f.loc, manifest, indexes, verify=f.verified, moved=moved, unmatched=unmatched_rules(fn))

@@ -28,25 +28,23 @@ from typing import Any
 
 from .._core.boxes import Box, full_box
 from .._core.units import human_bytes
-from .._errors import MismatchError
 from .._format import manifest as fmt
 from .._load import engine as _load
 from .._load.coalesce import MAX_RUN_PARTS, run_limits, stored_whole_span, whole_span
-from .._load.metadata import read_index, read_manifest
 from .._load.options import LoadOptions
 from .._load.reader import MIN_RUN
 from .._load.readonce import MAX_READ, ProcessOf, Route, bandwidths_for, storage_kind, stored_nbytes
 from .._load.schedule import schedule
+from .._load.source import checkpointables
 from .._plan.leafreads import DEFAULT_MAX_READ, plan_leaf_reads, stored_span, whole_reads
 from .._plan.reads import Read, is_c_contiguous
 from .._plan.routes import Bandwidths, resolve_bandwidths
 from .._sources import registry as _sources
 from .._sources.registry import Rename
-from .._storage.location import Location, resolve
+from .._storage.location import resolve
 from .._tree.perprocess import LoadView, leaf_numbers
 from .._tree.pytree import display_path
 from .._tree.shardings import WHOLE_PUT_BYTES, device_boxes
-from . import transforms as _transforms
 
 MODELLED = (
     "storage bytes and read requests per process, as the load engine plans them (read-once routes and "
@@ -304,22 +302,17 @@ def plan_load(
     partial, verify, threads, read_once, budget_bytes = (opts.partial, opts.verify, opts.threads, opts.read_once,
                                                          opts.budget_bytes)
     loc = resolve(path, storage_options)
-    found = opts.format or _sources.detect(loc)
-    if found is None:
-        raise _sources.not_found(loc)
-    src = None
-    if found != "cairn" or _transforms.wanted(rename, drop, fill_missing):
-        src = _transforms.open_source(loc, target, format=found, **opts.transforms)
-    manifest = src.manifest if src is not None else read_manifest(loc)
+    src = _sources.open_source(loc, target, format=opts.format, **opts.transforms)
+    found, manifest = src.format_name, src.manifest
     n = processes if processes is not None else _real_process_count()
     if n < 1:
         raise ValueError(f"processes must be at least 1, got {n}")
     items = []
-    for name, item_target in _requests(loc, manifest, target):
-        index = src.indexes[name] if src is not None else read_index(loc, manifest.items[name])
+    requests = checkpointables(loc.path, manifest.items, manifest.root, target)
+    for (name, item_target), index in zip(requests, src.indexes_of([name for name, _ in requests], None)):
         pp = LoadView(index.structure, name, loc.path, 0, n)
         wanted = _load.match_target(loc, name, index, item_target, partial, pp, opts.mesh)
-        verify_item = verify and (src is None or src.verify)
+        verify_item = verify and src.verify
         items.append(_Item(name, index, item_target, wanted, SimpleNamespace(verify=verify_item), pp))
     process_of, devices = _process_map(items, processes)
     max_read = loc.storage.preferred_read or DEFAULT_MAX_READ
@@ -391,22 +384,6 @@ class _Item:
     wanted: dict[int, Any]
     reader: Any  # .verify
     pp: LoadView
-
-
-def _requests(loc: Location, manifest: fmt.Manifest, target: Any) -> list[tuple[str, Any]]:
-    """(checkpointable, its target) as `_load.load` forms them, with its errors."""
-    if manifest.root:
-        return [("", target)]
-    if target is None:
-        return [(name, None) for name in manifest.items]
-    if not hasattr(target, "items"):
-        raise MismatchError(f"{loc.path}: the checkpoint holds named checkpointables {sorted(manifest.items)}; "
-                            "pass a mapping from (some of) those names to targets")
-    unknown = [k for k in target if k not in manifest.items]
-    if unknown:
-        raise MismatchError(f"{loc.path}: the target asks for checkpointables {unknown} that the checkpoint does "
-                            f"not hold (it holds {sorted(manifest.items)})")
-    return list(target.items())
 
 
 def _real_process_count() -> int:

@@ -1,38 +1,52 @@
-"""Checkpoints of other formats: Hugging Face safetensors, PyTorch DCP, Orbax.
+"""Which format a path holds, and the one function that opens it: `open_source`.
 
-`open_source` recognises a path's format (or takes ``format=``) and opens it
-as a `Source` that `_load.load` reads like a cairn checkpoint: same target
-matching, errors, `partial` and planning (`_base` says how). cairn's own
-checkpoints are read by `_load` directly, unless a `rename` asks for a
-different tree. `metadata` and `inspect_data` describe any of them without
-reading array data; `_convert` turns any of them into a cairn checkpoint.
+`open_source` reads a path as a cairn checkpoint, or recognises another format
+(Hugging Face safetensors, PyTorch DCP, Orbax), or takes ``format=``, and
+applies the restore transforms (rename, drop, fill): the `Source`
+(`_load.source`) that `_load.engine` reads, the same for every format: same
+target matching, errors, `partial` and planning (`base` says how a foreign
+format is described). `cairn.load`, `cairn.metadata`,
+`CheckpointManager.restore` (both through `load` here), `plan_load`,
+`verify`, `diff` and `copy` all open through it, so detection, its errors
+and the transforms are written once. `inspect_data` describes a checkpoint
+of another format for `cairn inspect`; `_exports/convert` turns any of them
+into a cairn checkpoint.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from .._errors import CheckpointNotFoundError
+from .._errors import CheckpointNotFoundError, MismatchError
 from .._format import manifest as fmt
 from .._format import values
-from .._load.metadata import read_index, read_manifest
+from .._load import engine as _engine
+from .._load.metadata import not_committed
+from .._load.options import LoadOptions
 from .._load.reader import ChunkReader
+from .._load.source import CairnSource, Source
 from .._storage.location import Location
-from .base import FORMATS, Format, Rename, Source, open_format
+from . import transforms as _transforms
+from .base import FORMATS, Format, FormatSource, Rename, open_format
 from .dcp import detect as _is_dcp
 from .dcp import open_dcp
 from .hf import detect as _is_hf
 from .hf import open_safetensors
 from .orbax import detect as _is_orbax
 from .orbax import manager_steps, open_orbax
+from .transforms import Patterns, RestoreReport
 
 
 def detect(loc: Location) -> str | None:
     """The format of the checkpoint at `loc`, or None if it is none cairn reads."""
     if loc.storage.exists(loc.key(fmt.MANIFEST)):
         return "cairn"
+    return _other_format(loc)
+
+
+def _other_format(loc: Location) -> str | None:
+    """The format of the checkpoint at `loc` among those not cairn's (None: none of them)."""
     for name, probe in _PROBES.items():
         if probe(loc):
             return name
@@ -43,15 +57,15 @@ _PROBES = {"dcp": _is_dcp, "orbax": _is_orbax, "safetensors": _is_hf}
 
 
 class _Cairn(Format):
-    """A cairn checkpoint as a source: only to load it into a renamed tree."""
+    """A cairn checkpoint described as a format: only to load it into a renamed, dropped or filled tree."""
 
     name = "cairn"
     verified = True
 
-    def __init__(self, loc: Location):
-        super().__init__(loc)
-        self.manifest = read_manifest(loc)
-        self.indexes = {n: read_index(loc, info) for n, info in self.manifest.items.items()}
+    def __init__(self, src: CairnSource):
+        super().__init__(src.loc)
+        self.manifest = src.manifest
+        self.indexes = src.opened().indexes
 
     @property
     def root(self) -> bool:
@@ -84,69 +98,95 @@ class _Cairn(Format):
         return replace(own, structure=structure, leaves=leaves, table=own.table if same else None)
 
 
-def open_foreign(loc: Location, format: str | None,
-                 missing: CheckpointNotFoundError | None = None) -> Format:
-    """The checkpoint at `loc` as a `Format` (CheckpointNotFoundError if none is recognised)."""
+def open_foreign(loc: Location, format: str | None, cairn_checked: bool = False) -> Format:
+    """The checkpoint at `loc` as a `Format` (CheckpointNotFoundError if none is recognised).
+
+    `cairn_checked`: `loc` is known to hold no cairn checkpoint; if no other
+    format is recognised either, the error says what is there (as a cairn
+    load's does) and that it is none of the others.
+    """
     if format is not None and format not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
     if format in _PROBES and not _PROBES[format](loc):
         raise CheckpointNotFoundError(f"{loc.path} is not a {format} checkpoint (format={format!r} was given)")
-    found = format or detect(loc)
+    found = format or (_other_format(loc) if cairn_checked else detect(loc))
     if found == "cairn":
-        return _Cairn(loc)
+        return _Cairn(CairnSource.open(loc))
     if found == "dcp":
         return open_dcp(loc)
     if found == "orbax":
         return open_orbax(loc)
     if found == "safetensors":
         return open_safetensors(loc)
-    raise not_found(loc, missing)
+    raise not_found(loc, cairn_checked)
 
 
-def not_found(loc: Location, missing: CheckpointNotFoundError | None = None) -> CheckpointNotFoundError:
-    """The error for a path where no format is recognised (`missing`: cairn's own, if it has one)."""
+def not_found(loc: Location, cairn_checked: bool = False) -> CheckpointNotFoundError:
+    """The error for a path where no format is recognised (`cairn_checked`: start from what a cairn
+    load says is there)."""
     steps = manager_steps(loc)
     if steps:
         return CheckpointNotFoundError(
             f"{loc.path} is an Orbax CheckpointManager directory (steps {', '.join(steps[-3:])}); "
             f"load one of its step folders, e.g. {loc.path.rstrip('/')}/{steps[-1]}"
         )
-    if missing is not None and not loc.storage.exists(loc.name):
-        return missing
-    if missing is not None:
-        return CheckpointNotFoundError(f"{missing}; nor is it an Orbax, DCP or safetensors checkpoint")
-    if loc.storage.exists(loc.name):
-        return CheckpointNotFoundError(
-            f"{loc.path} is not a checkpoint cairn reads: no cairn manifest.json, DCP .metadata, Orbax "
-            "_METADATA or _CHECKPOINT_METADATA, and no safetensors file or index"
-        )
-    return CheckpointNotFoundError(f"no checkpoint at {loc.path}")
+    if not loc.storage.exists(loc.name):
+        return CheckpointNotFoundError(f"no checkpoint at {loc.path}")
+    if cairn_checked:
+        return CheckpointNotFoundError(f"{not_committed(loc)}; nor is it an Orbax, DCP or safetensors checkpoint")
+    return CheckpointNotFoundError(
+        f"{loc.path} is not a checkpoint cairn reads: no cairn manifest.json, DCP .metadata, Orbax "
+        "_METADATA or _CHECKPOINT_METADATA, and no safetensors file or index"
+    )
 
 
-def open_source(loc: Location, target: Any, *, format: str | None = None, rename: Rename | None = None,
-                missing: CheckpointNotFoundError | None = None, drop: str | Sequence[str] | None = None) -> Source:
-    """`loc` opened for a load of `target` (see `_base.open_format`).
+def open_source(loc: Location, target: Any = None, *, format: str | None = None, rename: Rename | None = None,
+                drop: Patterns | None = None, fill_missing: bool | Patterns = False,
+                locate: bool = True) -> Source:
+    """The checkpoint at `loc` opened for a load of `target` (None: all of it): the one way in.
 
-    `missing`: the error reading it as a cairn checkpoint gave, raised again if
-    no other format is recognised either.
+    A cairn checkpoint is read as such (its manifest, once); where there is
+    none, the other formats are recognised (`CheckpointNotFoundError` naming
+    what is there if none is), unless ``format=`` says which it is. `rename`,
+    `drop` and `fill_missing` (`transforms`) describe the checkpoint as the
+    tree the target expects; a cairn checkpoint without them is read as it is
+    stored. `locate=False` describes a foreign checkpoint without finding
+    where each array's bytes start (for metadata only).
+
+    Example:
+
+        src = open_source(resolve("/ckpt/step_100"), {"params": abstract}, rename=[(r"/enc/", "/encoder/")])
+        state = _load.engine.load(src, {"params": abstract})
     """
-    return open_format(open_foreign(loc, format, missing), target, rename, loc.path, drop)
+    if format is not None and format not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}, got {format!r}")
+    cairn = CairnSource.open(loc) if format == "cairn" else CairnSource.find(loc) if format is None else None
+    if cairn is not None and not _transforms.wanted(rename, drop, fill_missing):
+        return cairn
+    # Not a cairn checkpoint (format None): perhaps one of another format.
+    f = _Cairn(cairn) if cairn is not None else open_foreign(loc, format, cairn_checked=format is None)
+    f.locate = locate
+    return _transforms.describe(f, target, loc.path, rename=rename, drop=drop, fill_missing=fill_missing)
 
 
-def metadata(loc: Location, format: str | None = None, missing: CheckpointNotFoundError | None = None) -> Any:
-    """`cairn.metadata` of any format: the tree with `ArrayMetadata` for arrays (no data read)."""
-    from .._load.engine import ArrayMetadata
-    from .._tree.pytree import unflatten
+def load(loc: Location, target: Any, options: LoadOptions, *, report: RestoreReport | None = None,
+         stats: Any = None, started: float | None = None) -> Any:
+    """`cairn.load` of `loc` with `options` (`CheckpointManager.restore` too): opened by `open_source`,
+    read by `_load.engine.load`; `report` gets what the transforms changed.
 
-    f = open_foreign(loc, format, missing)
-    f.locate = False
-    src = open_format(f, None, None, loc.path)
-    out = {}
-    for name, index in src.indexes.items():
-        leaves = [ArrayMetadata(leaf.shape, leaf.dtype, leaf.nbytes, leaf.sharding, leaf.kind)
-                  if isinstance(leaf, fmt.ArrayLeaf) else leaf.value for leaf in index.leaves]
-        out[name] = unflatten(index.structure, leaves)
-    return out[""] if src.manifest.root else out
+    Example:
+
+        state = load(resolve("/ckpt/step_100"), None, LoadOptions(rename=[(r"^enc/", "encoder/")]))
+    """
+    retries = loc.storage.retries
+    src = open_source(loc, target, format=options.format, **options.transforms)
+    try:
+        out = _engine.load(src, target, options, stats=stats, started=started,
+                           retried=loc.storage.retries - retries)
+    except MismatchError as e:
+        raise _transforms.explained(src, e) from None
+    _transforms.finish(src, loc.path, report)
+    return out
 
 
 def inspect_data(path: str, format: str | None = None) -> dict[str, Any] | None:
@@ -154,11 +194,12 @@ def inspect_data(path: str, format: str | None = None) -> dict[str, Any] | None:
     from .._storage.location import resolve
 
     loc = resolve(path)
-    if format == "cairn" or (format is None and detect(loc) in ("cairn", None)):
+    found = format or detect(loc)
+    if found in ("cairn", None):
         return None
-    f = open_foreign(loc, format)
-    f.locate = False
-    src = open_format(f, None, None, loc.path)
+    src = open_source(loc, None, format=found, locate=False)
+    assert isinstance(src, FormatSource)  # a cairn checkpoint was answered above
+    f = src.format
     items: dict[str, Any] = {}
     totals = {"leaves": 0, "arrays": 0, "array_bytes": 0, "files": 0, "file_bytes": 0}
     for name, index in src.indexes.items():
@@ -184,5 +225,5 @@ def inspect_data(path: str, format: str | None = None) -> dict[str, Any] | None:
             "metadata": src.manifest.metadata, "items": items, "totals": totals}
 
 
-__all__ = ["FORMATS", "Rename", "Source", "detect", "inspect_data", "metadata", "not_found", "open_foreign",
+__all__ = ["FORMATS", "Rename", "Source", "detect", "inspect_data", "load", "not_found", "open_foreign",
            "open_format", "open_source"]

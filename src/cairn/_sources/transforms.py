@@ -19,15 +19,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .._errors import CheckpointNotFoundError, MismatchError
+from .._errors import MismatchError
 from .._format import manifest as fmt
 from .._load import engine as _load
-from .._sources import registry as _sources
-from .._sources.base import regex_predicate, structure_of
-from .._sources.registry import Rename, Source
-from .._storage.location import Location
+from .._load.source import Source
 from .._tree.perprocess import PerProcess, nodes_of
 from .._tree.pytree import display_path, map_with_path
+from .base import Format, FormatSource, Rename, open_format, regex_predicate, structure_of
 
 log = logging.getLogger("cairn")
 
@@ -77,35 +75,34 @@ class RestoreReport:
 
 
 def wanted(rename: Rename | None, drop: Patterns | None, fill_missing: bool | Patterns) -> bool:
-    """Whether a load asks for any transform (then it reads through a `Source`)."""
+    """Whether a load asks for any transform (then a cairn checkpoint is read through its description)."""
     return rename is not None or drop is not None or fill_missing is not False
 
 
-def open_source(loc: Location, target: Any, *, format: str | None = None, rename: Rename | None = None,
-                drop: Patterns | None = None, fill_missing: bool | Patterns = False,
-                missing: CheckpointNotFoundError | None = None) -> Source:
-    """`loc` opened for a load of `target`: `drop` and `rename` applied, then the fills.
+def describe(f: Format, target: Any, where: str, *, rename: Rename | None = None, drop: Patterns | None = None,
+             fill_missing: bool | Patterns = False) -> FormatSource:
+    """`f` described for a load of `target`: `drop` and `rename` applied, then the fills
+    (`_sources.registry.open_source` calls it; `where` names the checkpoint in errors).
 
     A checkpointable of the target that the checkpoint lacks altogether is made of
     its filled leaves when `fill_missing` allows any of them (its other leaves are
     then missing leaves, reported as such by the load).
     """
     allowed = _fill_rule(fill_missing)
-    f = _sources.open_foreign(loc, format, missing)
     new: dict[str, Any] = {}
     if allowed is not None and isinstance(target, Mapping) and not f.root:
         have = f.items()
         new = {k: v for k, v in target.items() if k not in have and _any_allowed(v, str(k), allowed)}
-    src = _sources.open_format(f, {k: v for k, v in target.items() if k not in new} if new else target,
-                               rename, loc.path, drop)
+    src = open_format(f, {k: v for k, v in target.items() if k not in new} if new else target,
+                      rename, where, drop)
     if allowed is None or target is None:
         return src
     for name, index in list(src.indexes.items()):
         item_target = target if src.manifest.root else target.get(name)
         if item_target is not None:
-            src.indexes[name] = _fill(index, item_target, name, allowed, loc.path, src.filled)
+            src.indexes[name] = _fill(index, item_target, name, allowed, where, src.filled)
     for name, item_target in new.items():
-        index = _fill(fmt.ItemIndex({"dict": []}, (), ()), item_target, name, allowed, loc.path, src.filled)
+        index = _fill(fmt.ItemIndex({"dict": []}, (), ()), item_target, name, allowed, where, src.filled)
         index = replace(index, structure=structure_of([leaf.path for leaf in index.leaves]))
         src.indexes[name] = index
         src.manifest.items[name] = fmt.ItemInfo("", "", 0, len(index.leaves))
@@ -155,18 +152,13 @@ def _fill(index: fmt.ItemIndex, target: Any, item: str, allowed: Any, where: str
     return replace(index, leaves=index.leaves + tuple(extra)) if extra else index
 
 
-def report_of(src: Source | None) -> RestoreReport:
+def report_of(src: Source) -> RestoreReport:
     """What `src`'s transforms did (an empty report without transforms)."""
-    out = RestoreReport()
-    if src is not None:
-        out.renamed = [(a, b) for a, b in src.moved if b is not None]
-        out.dropped = [a for a, b in src.moved if b is None]
-        out.filled = list(src.filled)
-        out.unmatched_rules = list(src.unmatched)
-    return out
+    return RestoreReport([(a, b) for a, b in src.moved if b is not None], [a for a, b in src.moved if b is None],
+                         list(src.filled), list(src.unmatched))
 
 
-def finish(src: Source | None, where: str, report: RestoreReport | None) -> None:
+def finish(src: Source, where: str, report: RestoreReport | None) -> None:
     """After a load: fill the caller's `report` and log what changed."""
     got = report_of(src)
     if report is not None:
@@ -179,31 +171,14 @@ def finish(src: Source | None, where: str, report: RestoreReport | None) -> None
         log.info("cairn: loading %s: %s", where, got)
 
 
-def explained(src: Source | None, error: MismatchError) -> MismatchError:
+def explained(src: Source, error: MismatchError) -> MismatchError:
     """`error` (a target that does not fit), naming the rename rules that matched nothing: where the
     load fails, such a rule is the likely cause (a typo, or another model's names)."""
-    if src is None or not src.unmatched:
+    if not src.unmatched:
         return error
     rules = ", ".join(src.unmatched)
     return MismatchError(f"{error}; note that the rename rule{'s' if len(src.unmatched) > 1 else ''} {rules} "
                          "matched no key path of the checkpoint")
 
 
-def load(loc: Location, target: Any = None, *, partial: bool = False, rename: Rename | None = None,
-         drop: Patterns | None = None, fill_missing: bool | Patterns = False,
-         report: RestoreReport | None = None, format: str | None = None, **kw: Any) -> Any:
-    """`_load.load` of a checkpoint with the transforms (what `CheckpointManager.restore` runs).
-
-    `format`: another format's checkpoint (an Orbax step of the run) read as a source.
-    """
-    src = open_source(loc, target, format=format, rename=rename, drop=drop, fill_missing=fill_missing) if (
-        wanted(rename, drop, fill_missing) or format not in (None, "cairn")) else None
-    try:
-        out = _load.load(loc, target, partial=partial, source=src, **kw)
-    except MismatchError as e:
-        raise explained(src, e) from None
-    finish(src, loc.path, report)
-    return out
-
-
-__all__ = ["Patterns", "RestoreReport", "explained", "finish", "load", "open_source", "wanted"]
+__all__ = ["Patterns", "RestoreReport", "describe", "explained", "finish", "wanted"]

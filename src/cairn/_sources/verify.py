@@ -20,18 +20,20 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from .._core.checksum import BlockChecks, crc32c
-from .._errors import CheckpointError, CorruptCheckpointError
+from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import manifest as fmt
 from .._format import values
-from .._load.metadata import open_checkpoint, read_index, read_manifest
+from .._load.metadata import read_index
 from .._load.reader import make_reader, read_box, slab_boxes, slab_bytes
+from .._load.source import CairnSource
 from .._storage.location import Location, resolve
 from .._tree.pytree import display_path
+from .base import FormatSource
 
 PIECE_BYTES = 8 << 20  # bytes read and checked per task
 
@@ -137,13 +139,11 @@ def _foreign(loc: Location) -> str | None:
     """The format of the checkpoint at `loc` when it is not cairn's (None: cairn's, or nothing known)."""
     from .._sources.registry import detect
 
-    if loc.storage.exists(loc.key(fmt.MANIFEST)):
-        return None
     found = detect(loc)
     return None if found in (None, "cairn") else found
 
 
-def verify_foreign(loc: Location, format: str, threads: int = 8, on_total: Callable[[int], None] | None = None,
+def verify_foreign(src: FormatSource, threads: int = 8, on_total: Callable[[int], None] | None = None,
                    progress: Callable[[int], None] | None = None) -> VerifyReport:
     """Read every array of an Orbax, DCP or safetensors checkpoint through the reader a load uses.
 
@@ -154,16 +154,9 @@ def verify_foreign(loc: Location, format: str, threads: int = 8, on_total: Calla
     Problems are collected per leaf, as for a cairn checkpoint.
     """
     from .._load.reader import LoadStats
-    from .._sources.base import open_format
-    from .._sources.registry import open_foreign
 
+    f, loc, format = src.format, src.loc, src.format_name
     report = VerifyReport(loc.path, format=format)
-    try:
-        f = open_foreign(loc, format)
-        src = open_format(f, None, None, loc.path)
-    except (CorruptCheckpointError, OSError, EOFError) as e:  # metadata or a file's layout is broken
-        report.problems.append(Problem(f"{loc.path}: {format} checkpoint: {e}"))
-        return report
     if format == "orbax":  # its arrays are zarr folders, read through tensorstore below
         report.files = len(f.files)
     for fi in f.files if format != "orbax" else ():
@@ -210,9 +203,9 @@ def verify_foreign(loc: Location, format: str, threads: int = 8, on_total: Calla
     return report
 
 
-def plan_verify(loc: Location) -> tuple[fmt.Manifest, dict[str, fmt.ItemIndex], list[Problem]]:
-    """Read the manifest and every index, collecting metadata problems."""
-    manifest = read_manifest(loc)  # nothing to verify without one: the caller reports it
+def plan_verify(src: CairnSource) -> tuple[fmt.Manifest, dict[str, fmt.ItemIndex], list[Problem]]:
+    """Read every index of the opened checkpoint `src`, collecting metadata problems."""
+    loc, manifest = src.loc, src.manifest
     indexes: dict[str, fmt.ItemIndex] = {}
     problems: list[Problem] = []
     for name, info in manifest.items.items():
@@ -248,11 +241,21 @@ def verify(
     A checkpoint of another format (Orbax, PyTorch DCP, safetensors) is
     checked as `verify_foreign` says.
     """
+    from .._sources.registry import open_source
+
     loc = resolve(path, storage_options)
-    found = _foreign(loc)
-    if found is not None:
-        return verify_foreign(loc, found, threads, on_total, progress)
-    manifest, indexes, problems = plan_verify(loc)
+    try:
+        src = open_source(loc)
+    except CheckpointNotFoundError:
+        raise  # nothing to verify: the caller reports it
+    except (CorruptCheckpointError, OSError, EOFError) as e:
+        found = _foreign(loc)  # another format's broken metadata or file layout is a problem of its report
+        if found is None:
+            raise
+        return VerifyReport(loc.path, [Problem(f"{loc.path}: {found} checkpoint: {e}")], format=found)
+    if isinstance(src, FormatSource):  # another format's: no checksums, every array read
+        return verify_foreign(src, threads, on_total, progress)
+    manifest, indexes, problems = plan_verify(cast(CairnSource, src))
     report = VerifyReport(loc.path, problems)
     lock = threading.Lock()
     tasks: list[_Task] = []
@@ -404,17 +407,17 @@ class _Side:
     """
 
     def __init__(self, path: str | os.PathLike[str], storage_options: dict | None):
-        from .._errors import CheckpointNotFoundError
         from .._sources.registry import open_source
 
+        src = open_source(resolve(path, storage_options))
         self.src: Any = None
-        try:
-            self.ck: Any = open_checkpoint(path, storage_options)
+        if isinstance(src, CairnSource):
+            self.ck: Any = src.opened()
             indexes = self.ck.indexes
-        except CheckpointNotFoundError as e:
-            self.src = open_source(resolve(path, storage_options), None, missing=e)
+        else:
+            self.src = src
             indexes = self.src.indexes
-        self.format = "cairn" if self.src is None else self.src.format.name
+        self.format = src.format_name
         self.leaves: dict[str, tuple[str, fmt.Leaf]] = {}
         for name, index in indexes.items():
             for leaf in index.leaves:
