@@ -11,7 +11,8 @@ raw bytes), by each candidate:
   pool of n threads; ``inner``: runs of 16 on ceil(n/4) pool threads, each call coding on
   min(n, 4) zstd threads of its own.
 - decoding: ``block`` (this tree's `decode` per block), ``run16`` (`decode_run` of 16 blocks per
-  task: one `multi_decompress_to_buffer` per run), ``inner`` (as for encoding).
+  task: one `multi_decompress_to_buffer` per run), ``inner`` (as for encoding); ``run16_old``: the
+  `--against` file's `decode_run`, where it has one.
 - ``zstd1``: plain zstd level 1 of each block (`encode_run("zstd")`, runs of 16), the native
   reference.
 - small leaves: the state's matrices cut into 256x256 leaves (as the issue's 2,449-leaf case),
@@ -131,6 +132,9 @@ def main() -> None:
             if old is not None:
                 row["enc_old"] = raw / _best(pool, lambda r: old.encode_run(r[0], r[1], r[2], r[3]), runs4) / GiB
                 row["dec_old"] = raw / _best(pool, lambda b: old.decode(b[0], b[1], b[2], b[3]), blocks) / GiB
+                if hasattr(old, "decode_run"):
+                    row["dec_run16_old"] = raw / _best(pool, lambda r: old.decode_run(
+                        r[0], stored[id(r)], r[3], sizes[id(r)], outs[id(r)]), runs16) / GiB
                 row["small_enc_old"] = small_raw / _best(
                     pool, lambda x: old.encode_run(x[1], x[0].reshape(-1).view(np.uint8), BLOCK, x[0].dtype),
                     small) / GiB

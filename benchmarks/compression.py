@@ -41,7 +41,7 @@ STORAGES = ("local", "memory", "moto", "azurite")
 
 
 def _one(path: str, state: Any, compression: Any, opts: dict[str, Any] | None,
-         timed_async: bool = True) -> dict[str, float]:
+         timed_async: bool = True) -> dict[str, Any]:
     t0 = time.perf_counter()
     saved = cairn.save(path, state, compression=compression, overwrite=True, storage_options=opts)
     t_save = time.perf_counter() - t0
@@ -50,7 +50,7 @@ def _one(path: str, state: Any, compression: Any, opts: dict[str, Any] | None,
     cairn.load(path, stats=ls, storage_options=opts)
     t_load = time.perf_counter() - t0
     out = {"save_s": t_save, "load_s": t_load, "bytes_written": saved.bytes_written, "bytes_read": ls.bytes_read,
-           "async_blocking_s": float("nan"), "async_total_s": float("nan")}
+           "async_blocking_s": float("nan"), "async_total_s": float("nan"), "decision": saved.compression}
     if timed_async:
         fut = cairn.save_async(path, state, compression=compression, overwrite=True, storage_options=opts)
         done = fut.result()  # its stats: blocking_s is the caller's wait (validation and the snapshot)
@@ -72,6 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--storages", default="local,memory", help=f"comma-separated, of {', '.join(STORAGES)}")
     ap.add_argument("--settings", default="false,true", help="compression= values to compare (false, true, auto, ...)")
     ap.add_argument("--no-async", action="store_true", help="skip the save_async run of each repetition")
+    ap.add_argument("--link", default=None, metavar="SPEC", help="the servers' requests through a shaped link "
+                    "(tests/_shapedlink.py), e.g. 1GB/s,10ms")
     args = ap.parse_args(argv)
     kinds = [k for k in args.storages.split(",") if k]
     unknown = sorted(set(kinds) - set(STORAGES))
@@ -98,7 +100,18 @@ def main(argv: list[str] | None = None) -> int:
 
                 server = start(kind)
                 servers.append(server)
-                where[kind] = (server.url(server.bucket(), "ckpt"), server.options())
+                opts = server.options()
+                if args.link:  # every request through a bandwidth and latency limit
+                    import sys
+                    from pathlib import Path
+
+                    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+                    from _shapedlink import ShapedLink
+
+                    link = ShapedLink.parse(args.link, server.port).start()
+                    servers.append(link)
+                    opts = {**opts, "endpoint": link.endpoint}
+                where[kind] = (server.url(server.bucket(), "ckpt"), opts)
         runs = {(s, c): [] for s in where for c in settings}
         for _ in range(args.reps):
             for s, (path, opts) in where.items():
@@ -124,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                      "async_blocking_s": blocking, "async_total_s": async_total, "all": rs})
         print(f"| {s} | {c} | {'yes' if auto else ''} | {written / MiB:.1f} MiB | {raw / written:.3f} | "
               f"{save_s:.2f} | {load_s:.2f} | {raw / MiB / save_s:.0f} | {raw / MiB / load_s:.0f} | "
-              f"{blocking:.3f} | {async_total:.2f} |")
+              f"{blocking:.3f} | {async_total:.2f} |" + (f" {rs[-1]['decision']}" if c == "auto" else ""))
     print(f"\nload average after: {os.getloadavg()[0]:.1f}")
     if args.json:
         for r in rows:  # JSON-friendly: NaN (no async run) as null

@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-mib", type=int, default=256,
                     help="also a raw local save with this snapshot budget (the rest protected by device copies)")
     ap.add_argument("--no-orbax", action="store_true")
+    ap.add_argument("--storages", default="local,memory", help="of local (a folder) and memory (memory://)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -148,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
 
     work = tempfile.mkdtemp(prefix="cairn-gpu-", dir=args.workdir)
     where = {"local": os.path.join(work, "ckpt"), "memory": f"memory://gpu-{uuid.uuid4().hex}/ckpt"}
+    where = {s: p for s, p in where.items() if s in args.storages.split(",")}
     threads = [int(t) for t in args.threads.split(",")]
     methods = args.to_host.split(",")
     cases: list[Any] = [(s, c, t, methods[0], None) for s in where for c in (False, True) for t in threads]

@@ -348,3 +348,18 @@ def test_verify_reports_a_broken_index_part(ckpt, capsys):
     part.write_bytes(bytes(raw))
     rc, out, err = run(capsys, "verify", ckpt)
     assert rc == 1 and out.startswith("FAILED:") and "checksum mismatch" in err and part.name in err
+
+
+def test_inspect_says_what_compression_decided(tmp_path, capsys):
+    """`cairn inspect` sums up each array's codec: what the save's `compression=` decided."""
+    import numpy as np
+
+    state = {"w": np.linspace(0, 1, 1 << 16, dtype=np.float32), "z": np.zeros(4096, np.float32),
+             "r": np.random.default_rng(0).integers(0, 256, 1 << 16, dtype=np.uint8)}
+    cairn.save(tmp_path / "c", state, compression=True)
+    cairn.save(tmp_path / "raw", state, compression=False)
+    rc, out, _ = run(capsys, "inspect", tmp_path / "c")
+    line = next(x for x in out.splitlines() if x.startswith("compression:"))
+    assert rc == 0 and "1 none" in line and "x raw)" in line and ("planes" in line or "zstd" in line)
+    rc, out, _ = run(capsys, "inspect", tmp_path / "raw")
+    assert rc == 0 and "compression: none (every array stored raw)" in out

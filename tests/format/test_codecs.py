@@ -372,3 +372,47 @@ def test_decode_run_is_decode_of_each_block(codec, dtype):
     bad[2] = bytes([bad[2][0] ^ 0x40]) + bad[2][1:]  # the planes header's k, or the zstd magic
     with pytest.raises(CorruptCheckpointError, match="ck: block 2"):
         _codecs.decode_run(codec, bad, dtype, sizes, out, names)
+
+
+@pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+def test_decode_run_of_blocks_coding_different_planes(dtype):
+    """`decode_run` decodes a run in segments of blocks that code the same planes: a run whose
+    blocks code different planes (zeros, normals, near-random bytes) and end in a short block
+    decodes to the same bytes as `decode` of each block, and a frame that zstd cannot decode in
+    any segment is a CorruptCheckpointError naming its own block."""
+    k = np.dtype(dtype).itemsize
+    n = 2048
+    rng = np.random.default_rng(3)
+    parts = [np.zeros(n, dtype), _values(dtype, n, seed=1), _values(dtype, n, seed=2),
+             rng.integers(0, 256, n * k, dtype=np.uint8).view(dtype), _values(dtype, n, seed=4),
+             _values(dtype, n // 3, seed=5)]
+    raw = np.concatenate(parts).view(np.uint8)
+    stored = [bytes(b) for b in _codecs.encode_run("planes", raw, n * k, dtype)]
+    sizes = [p.nbytes for p in parts]
+    masks = {struct.unpack_from("<BH", s)[1] for s in stored}
+    assert len(masks) >= 3  # the run is several segments
+    names = [f"ck: block {i}" for i in range(len(stored))]
+    out = np.empty(raw.nbytes, np.uint8)
+    _codecs.decode_run("planes", stored, dtype, sizes, out, names)
+    assert out.tobytes() == raw.tobytes()
+    for victim in (1, 4):
+        # the first byte of the block's coded frames whose flip passes the header checks and zstd rejects
+        mask = struct.unpack_from("<BH", stored[victim])[1]
+        head = 3 + 4 * bin(mask).count("1")
+        for pos in range(head + 6, len(stored[victim])):
+            bad_block = bytearray(stored[victim])
+            bad_block[pos] ^= 0xFF
+            try:
+                _codecs._planes_layout(memoryview(bytes(bad_block)), sizes[victim], k, "")
+            except CorruptCheckpointError:
+                continue  # a header, not the coded bytes
+            try:
+                _codecs.decode("planes", bytes(bad_block), dtype, sizes[victim], where="one")
+            except CorruptCheckpointError:
+                break
+        else:
+            pytest.fail("no flipped byte that zstd rejects")
+        bad = list(stored)
+        bad[victim] = bytes(bad_block)
+        with pytest.raises(CorruptCheckpointError, match=f"ck: block {victim}\\b"):
+            _codecs.decode_run("planes", bad, dtype, sizes, out, names)

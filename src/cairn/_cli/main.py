@@ -368,6 +368,18 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
         f"{t['leaves']} leaves ({t['arrays']} arrays, {human_bytes(t['array_bytes'])}) in {len(data['items'])} "
         f"checkpointable(s), {t['files']} data files ({human_bytes(t['file_bytes'])}); {origin}"
     )
+    codecs: dict[str, int] = {}
+    for item in data["items"].values():
+        for leaf in item["leaves"]:
+            if "codec" in leaf:
+                codecs[leaf["codec"]] = codecs.get(leaf["codec"], 0) + 1
+    if set(codecs) - {"none"}:  # what the save's `compression=` decided, leaf by leaf (issue 38)
+        stored = sum(leaf.get("stored_bytes", leaf["nbytes"]) for item in data["items"].values()
+                     for leaf in item["leaves"] if "codec" in leaf)
+        out.line(f"compression: {', '.join(f'{n} {c}' for c, n in sorted(codecs.items()))} (arrays stored in "
+                 f"{human_bytes(stored)}, {stored / max(1, t['array_bytes']):.3f}x raw)")
+    elif codecs:
+        out.line("compression: none (every array stored raw)")
     if "referenced_bytes" in t:  # incremental (format 4)
         out.line(f"incremental: {human_bytes(t['file_bytes'])} of its own, {human_bytes(t['referenced_bytes'])} "
                  f"referred to in {', '.join(data.get('bases', [])) or 'no base'}")
