@@ -520,7 +520,7 @@ def _read_direct(items: list[_ItemLoad], where: str, own: Plan) -> None:
     for step in own.steps:
         it, i = items[step.item], step.leaf
         leaf = it.index.leaves[i]
-        if step.kind == "value":
+        if isinstance(leaf, fmt.ValueLeaf):  # step.kind "value"
             it.results[i] = leaf.value
             continue
         if step.kind == "bytes":

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -273,7 +274,7 @@ class _Planner:
 
 
 def plan(items: list[Any], schedule: Schedule, budget: int, limits: Limits, process: int = 0,
-         process_of: ProcessOf | None = None, *, own: bool = False, wanted: list[dict[int, Any]] | None = None,
+         process_of: ProcessOf | None = None, *, own: bool = False, wanted: Sequence[Mapping[int, Any]] | None = None,
          threads: int = 8) -> Plan:
     """The plan of process `process` for a load of `items` (each with ``name``, ``index``, ``wanted`` and
     ``reader.verify``) under `schedule`, with at most about `budget` bytes of buffers in flight.

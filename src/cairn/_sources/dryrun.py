@@ -334,10 +334,10 @@ def plan_load(
     priced = next((r.bandwidths for r in sched.routed if r.bandwidths is not None), None)
     plans = []
     for p in range(n):
-        wanted = [it.wanted if not it.pp.nodes else _load.match_target(
+        wants = [it.wanted if not it.pp.nodes else _load.match_target(
             loc, it.name, it.index, it.target, partial, LoadView(it.index.structure, it.name, loc.path, p, n),
             opts.mesh) for it in items]
-        plans.append(_plan.plan(items, sched, budget_bytes, limits, p, process_of, wanted=wanted, threads=threads))
+        plans.append(_plan.plan(items, sched, budget_bytes, limits, p, process_of, wanted=wants, threads=threads))
     arrays = [it.index.leaves[i] for it in items for i in it.wanted]
     return LoadPlan(loc.path, found, tuple(ProcessPlan(pl.process, devices.get(pl.process, 0), pl.bytes_read,
                                                        len(pl.requests), pl.peak_host_bytes) for pl in plans),
