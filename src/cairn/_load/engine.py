@@ -537,7 +537,7 @@ def _read_direct(items: list[_ItemLoad], where: str, own: Plan) -> None:
                 it.results[i] = h.load(data)
             continue
         want = it.wanted[i] or _Want(leaf, leaf.dtype, None)
-        inflight.append(_InFlight(it, i, want, it.reader.read_array(want.leaf, step.sharding)))
+        inflight.append(_InFlight(it, i, want, it.reader.read_array(want.leaf, step.sharding, planned=step.reads)))
         for _ in range(step.finish):
             finish()
     for it in items:  # the last runs of small arrays read while the first ones are placed

@@ -107,8 +107,7 @@ class Request(NamedTuple):
     length: int
 
 
-@dataclass(frozen=True)
-class Step:
+class Step(NamedTuple):
     """One leaf of the direct pipeline, in the order the load starts them."""
 
     item: int  # its checkpointable's position in the load
@@ -117,6 +116,7 @@ class Step:
     sharding: Any  # what the array is read with: None reads it whole into one buffer
     nbytes: int  # its host buffers
     finish: int  # arrays in flight the pipeline completes once this one is started (the budget)
+    reads: tuple[Span | None, list[Read]] | None = None  # `array_reads`' answer, which the reader is handed
 
 
 @dataclass(frozen=True)
@@ -157,51 +157,50 @@ class _Holder:
 
 
 class _Cuts:
-    """One reader's runs being gathered (`coalesce.Runs`, `coalesce.Pieces`), turned into requests."""
+    """One reader's runs being gathered (`coalesce.Runs`, `coalesce.Pieces`), turned into requests.
+
+    Each run has a number; an array holds the numbers of the runs it waits for."""
 
     def __init__(self, item: str, limits: Limits, out: list[Request]):
         self.item, self.limits, self.out = item, limits, out
         self.run: Cut | None = None  # small whole arrays
-        self.pieces: dict[int, Cut] = {}  # per file: reads that land in place (object stores)
-        self.ids: dict[int, int] = {}  # id(cut) -> its number, which a waiting array holds
+        self.run_no = -1
+        self.pieces: dict[int, tuple[Cut, int]] = {}  # per file: reads that land in place (object stores)
         self.next = 0
 
-    def _open(self, file: int, start: int) -> Cut:
-        cut = Cut(file, start, start)
-        self.ids[id(cut)] = self.next
-        self.next += 1
-        return cut
-
-    def _send(self, cut: Cut | None) -> None:
-        if cut is not None:
-            self.out.append(Request(self.item, cut.file, cut.start, cut.end - cut.start))
-            del self.ids[id(cut)]
+    def _send(self, cut: Cut) -> None:
+        self.out.append(Request(self.item, cut.file, cut.start, cut.end - cut.start))
 
     def small(self, span: Span) -> int:
         end = span.start + span.length
-        if self.run is not None and not self.run.takes(span.file, span.start, end, self.limits.run_bytes):
-            self.end_small()
-        if self.run is None:
-            self.run = self._open(span.file, span.start)
-        self.run.add(end)
-        return self.ids[id(self.run)]
+        run = self.run
+        if run is not None and not run.takes(span.file, span.start, end, self.limits.run_bytes):
+            self._send(run)
+            run = None
+        if run is None:
+            run = self.run = Cut(span.file, span.start, span.start)
+            self.run_no, self.next = self.next, self.next + 1
+        run.add(end)
+        return self.run_no
 
     def end_small(self) -> None:
         """`read_array` of anything else sends the pending run of small arrays."""
-        self._send(self.run)
-        self.run = None
+        if self.run is not None:
+            self._send(self.run)
+            self.run = None
 
     def piece(self, file: int, start: int, end: int) -> int:
-        cut = self.pieces.get(file)
-        if cut is not None and not cut.takes(file, start, end, self.limits.pieces):
-            self._send(self.pieces.pop(file))
-            cut = None
-        if cut is None:
-            cut = self.pieces[file] = self._open(file, start)
+        open_ = self.pieces.get(file)
+        if open_ is not None and not open_[0].takes(file, start, end, self.limits.pieces):
+            self._send(self.pieces.pop(file)[0])
+            open_ = None
+        if open_ is None:
+            open_ = self.pieces[file] = (Cut(file, start, start), self.next)
+            self.next += 1
+        cut, n = open_
         cut.add(end)
-        n = self.ids[id(cut)]
         if end - cut.start >= self.limits.pieces:  # full
-            self._send(self.pieces.pop(file))
+            self._send(self.pieces.pop(file)[0])
         return n
 
     def alone(self, file: int, start: int, length: int) -> None:
@@ -211,17 +210,17 @@ class _Cuts:
         """Waiting for an array sends the runs it is in (`coalesce._RunFuture`)."""
         if not runs:
             return
-        want = set(runs)
-        if self.run is not None and self.ids[id(self.run)] in want:
+        if self.run is not None and self.run_no in runs:
             self.end_small()
-        for file in [f for f, cut in self.pieces.items() if self.ids[id(cut)] in want]:
-            self._send(self.pieces.pop(file))
+        if self.pieces:
+            for file in [f for f, (_, n) in self.pieces.items() if n in runs]:
+                self._send(self.pieces.pop(file)[0])
 
     def flush(self) -> None:
         """`ChunkReader.submit_pending`."""
         self.end_small()
         for file in list(self.pieces):
-            self._send(self.pieces.pop(file))
+            self._send(self.pieces.pop(file)[0])
 
 
 class _Planner:
@@ -239,17 +238,21 @@ class _Planner:
         return min(self.threads, self.scratch_reads) * max(self.scratch_max, 1 << 20)
 
     def array(self, cuts: _Cuts, it: Any, leaf: fmt.ArrayLeaf, sharding: Any,
-              region: Box | None) -> tuple[list[int], int]:
+              region: Box | None) -> tuple[list[int], int, tuple[Span | None, list[Read]]]:
         """`ChunkReader.read_array(leaf, sharding, region)` on this process: the runs its array waits
-        for, and its host buffer bytes."""
-        shape = leaf.shape if region is None else tuple(hi - lo for lo, hi in region)
-        boxes = [full_box(shape)] if sharding is None else self.holder.boxes(sharding, shape)
-        nbytes = sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * leaf.dtype.itemsize
+        for, its host buffer bytes, and `array_reads`' answer."""
+        if sharding is None and region is None:
+            boxes, nbytes = [full_box(leaf.shape)], leaf.nbytes
+        else:
+            shape = leaf.shape if region is None else tuple(hi - lo for lo, hi in region)
+            boxes = [full_box(shape)] if sharding is None else self.holder.boxes(sharding, shape)
+            nbytes = sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * leaf.dtype.itemsize
         block, lim = it.index.block_size, self.limits
-        span, reads = array_reads(leaf, boxes, region, sharding is None, block, it.reader.verify, lim.max_read,
-                                  lim.small, self.memo)
+        planned = array_reads(leaf, boxes, region, sharding is None, block, it.reader.verify, lim.max_read,
+                              lim.small, self.memo)
+        span, reads = planned
         if span is not None:
-            return [cuts.small(span)], nbytes
+            return [cuts.small(span)], nbytes, planned
         cuts.end_small()
         shapes = [tuple(hi - lo for lo, hi in b) for b in boxes]
         runs: list[int] = []
@@ -266,7 +269,7 @@ class _Planner:
                 cuts.alone(r.file, r.start, r.nbytes)
                 if not lands_in_place(r, shapes, lim.vectored):
                     self._scratch(r.nbytes)
-        return runs, nbytes
+        return runs, nbytes, planned
 
     def _scratch(self, nbytes: int) -> None:
         self.scratch_reads += 1
@@ -297,8 +300,10 @@ def plan(items: list[Any], schedule: Schedule, budget: int, limits: Limits, proc
     def finish() -> None:
         nonlocal held, pending, pending_n
         nbytes, c, runs, put, cast = inflight.popleft()
-        c.wait(runs)
-        pl.peak = max(pl.peak, held + pending + cast)  # a cast copy beside its buffer
+        if runs:
+            c.wait(runs)
+        if held + pending + cast > pl.peak:  # a cast copy beside its buffer
+            pl.peak = held + pending + cast
         held -= nbytes
         if put:
             pending += put
@@ -309,15 +314,16 @@ def plan(items: list[Any], schedule: Schedule, budget: int, limits: Limits, proc
     for k, it in enumerate(items):
         c = cuts[id(it)]
         want_of = it.wanted if wanted is None else wanted[k]
+        key = id(it)
         for i in sorted(want_of):
-            if (id(it), i) in skip:
+            if skip and (key, i) in skip:
                 continue
             leaf = it.index.leaves[i]
             if isinstance(leaf, fmt.ValueLeaf):
                 steps.append(Step(k, i, "value", None, 0, 0))
                 continue
             if leaf.kind in ("bytes", "object"):  # `ChunkReader.read_bytes`: read whole, waited for at once
-                runs, nbytes = pl.array(c, it, leaf, None, None)
+                runs, nbytes, _ = pl.array(c, it, leaf, None, None)
                 c.wait(runs)
                 pl.peak = max(pl.peak, held + pending + 2 * nbytes)  # the buffer, then the bytes
                 steps.append(Step(k, i, "bytes", None, nbytes, 0))
@@ -326,17 +332,18 @@ def plan(items: list[Any], schedule: Schedule, budget: int, limits: Limits, proc
             sharding = None if want is None else want.sharding
             whole = sharding is not None and leaf.nbytes <= WHOLE_PUT_BYTES and pl.holder.holds_all(sharding)
             read_with = None if whole else sharding
-            runs, nbytes = pl.array(c, it, leaf, read_with, None)
-            elems = nbytes // leaf.dtype.itemsize
-            cast = elems * want.dtype.itemsize if want is not None and want.dtype != leaf.dtype else 0
+            runs, nbytes, planned = pl.array(c, it, leaf, read_with, None)
+            cast = nbytes // leaf.dtype.itemsize * want.dtype.itemsize if (
+                want is not None and want.dtype != leaf.dtype) else 0
             inflight.append((nbytes, c, runs, (cast or nbytes) if whole else 0, cast))
             held += nbytes
-            pl.peak = max(pl.peak, held + pending)
+            if held + pending > pl.peak:
+                pl.peak = held + pending
             done = 0
             while len(inflight) > 1 and held > budget:
                 finish()
                 done += 1
-            steps.append(Step(k, i, "array", read_with, nbytes, done))
+            steps.append(Step(k, i, "array", read_with, nbytes, done, planned))
     for c in cuts.values():  # `ChunkReader.submit_pending`, before the last arrays are waited for
         c.flush()
     while inflight:
@@ -348,7 +355,7 @@ def plan(items: list[Any], schedule: Schedule, budget: int, limits: Limits, proc
         runs_of: dict[int, list[int]] = {}
         for s, j in wave:
             leaf, region = s.want.leaf, s.region(j)
-            runs, nbytes = pl.array(cuts[id(s.item)], s.item, leaf, s.route.read, region)
+            runs, nbytes, _ = pl.array(cuts[id(s.item)], s.item, leaf, s.route.read, region)
             runs_of.setdefault(id(s.item), []).extend(runs)
             elems = nbytes // leaf.dtype.itemsize
             wave_bytes += nbytes + (elems * s.want.dtype.itemsize if s.want.dtype != leaf.dtype else 0)

@@ -287,11 +287,13 @@ class ChunkReader:
                 src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)
                 dests[c.dest][_region(c.dest_start, c.shape)] = src
 
-    def read_array(self, leaf: fmt.ArrayLeaf, sharding: Any = None, region: Box | None = None) -> ArrayReads:
+    def read_array(self, leaf: fmt.ArrayLeaf, sharding: Any = None, region: Box | None = None,
+                   planned: tuple[Any, list[Read]] | None = None) -> ArrayReads:
         """Start reading `leaf`: whole into one buffer, or the boxes `sharding` puts on this process.
 
         With `region`, the array read is that box of the leaf (a slab of a leaf
-        restored in pieces); boxes and placement are relative to it.
+        restored in pieces); boxes and placement are relative to it. `planned`:
+        `plan.array_reads`' answer for these boxes, from the load's plan.
         """
         placement = None
         shape = leaf.shape if region is None else tuple(hi - lo for lo, hi in region)
@@ -301,8 +303,9 @@ class ChunkReader:
             from .._tree.shardings import addressable_boxes
 
             boxes, placement = addressable_boxes(sharding, shape)
-        span, reads = array_reads(leaf, boxes, region, sharding is None, self.index.block_size, self.verify,
-                                  self._max_read, self._small, self._plans)
+        span, reads = planned if planned is not None else array_reads(
+            leaf, boxes, region, sharding is None, self.index.block_size, self.verify, self._max_read, self._small,
+            self._plans)
         if span is not None:  # small, whole, one run of bytes: read together with its neighbours
             self._reader(span.file)  # checks the file first: a false size claim allocates nothing
             dest = aligned_empty(leaf.shape, leaf.dtype, huge_pages=False)  # filled once, as below
