@@ -20,6 +20,7 @@ import numpy as np
 
 from .._core import stats as _stats
 from .._core.buffers import release_snapshot_buffers
+from .._core.gcpause import paused
 from .._dist.agree import sequence
 from .._dist.coord import Coordinator, activity, default_coordinator
 from .._errors import CheckpointError, MismatchError
@@ -408,7 +409,8 @@ def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Rout
             reads[id(r.item)][r.leaf] = r.want.sharding  # (absent: read whole)
     for it in items:
         prefetch(it.index, it.wanted, reads[id(it)])
-    own = plan(items, sched, budget, routing.limits, routing.coord.process_index, own=True)
+    with paused():  # thousands of small objects per load: no full collection in the middle (`gcpause`)
+        own = plan(items, sched, budget, routing.limits, routing.coord.process_index, own=True)
     for it in items[:1]:  # every item's reader shares the load's stats
         it.reader.stats.plan_s += time.perf_counter() - t0
     _execute(own, items, where, routing)
