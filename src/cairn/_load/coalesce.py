@@ -25,6 +25,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -107,6 +108,29 @@ def stored_whole_span(leaf: Any, block: int) -> tuple[int, int, int] | None:
     return file, start, pos - start
 
 
+@dataclass
+class Cut:
+    """A run being gathered: bytes ``[start, end)`` of one file, in `parts` pieces.
+
+    `takes` is the one rule of where runs end, which `Runs`, `Pieces` and the
+    load's plan (`plan.plan`, which predicts every request) all follow.
+    """
+
+    file: int
+    start: int
+    end: int
+    parts: int = 0
+
+    def takes(self, file: int, start: int, end: int, max_bytes: int) -> bool:
+        """Whether bytes ``[start, end)`` of `file` join this run: they follow it, and it stays within limits."""
+        return (file == self.file and start == self.end and self.parts < MAX_RUN_PARTS
+                and end - self.start <= max_bytes)
+
+    def add(self, end: int) -> None:
+        self.end = end
+        self.parts += 1
+
+
 def _coded(leaf: Any) -> bool:
     return getattr(leaf, "codec", "none") != "none"
 
@@ -119,8 +143,7 @@ class Runs:
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
         self._parts: list[tuple[Any, int, np.ndarray]] = []  # (leaf, its first byte, its buffer)
-        self._file = self._end = 0
-        self._bytes = 0
+        self._cut: Cut | None = None
         self._future: _RunFuture | None = None
 
     def add(self, leaf: Any, file: int, start: int, dest: np.ndarray, stored: int = -1) -> Future[None]:
@@ -128,15 +151,14 @@ class Runs:
         A compressed leaf passes its `stored` bytes (`stored_whole_span`), which are read and decoded."""
         n = dest.nbytes if stored < 0 else stored
         with self._lock:
-            if self._parts and (file != self._file or start != self._end or len(self._parts) >= MAX_RUN_PARTS
-                                or self._bytes + n > self.max_bytes):
+            if self._cut is not None and not self._cut.takes(file, start, start + n, self.max_bytes):
                 self._submit_locked()
-            if self._future is None:
+            if self._cut is None:
+                self._cut = Cut(file, start, start)
                 self._future = _RunFuture(self)
-                self._file = file
             self._parts.append((leaf, start, dest))
-            self._end = start + n
-            self._bytes += n
+            self._cut.add(start + n)
+            assert self._future is not None
             return self._future
 
     def submit(self, future: Future[None] | None = None) -> None:
@@ -146,10 +168,10 @@ class Runs:
                 self._submit_locked()
 
     def _submit_locked(self) -> None:
-        parts, future = self._parts, self._future
-        self._parts, self._future, self._bytes = [], None, 0
-        if parts and future is not None:
-            self._reader.pool.submit(self._run, self._file, parts, future)
+        parts, future, cut = self._parts, self._future, self._cut
+        self._parts, self._future, self._cut = [], None, None
+        if parts and future is not None and cut is not None:
+            self._reader.pool.submit(self._run, cut.file, parts, future)
 
     def _run(self, file: int, parts: list[tuple[Any, int, np.ndarray]], future: Future[None]) -> None:
         if not future.set_running_or_notify_cancel():
@@ -314,35 +336,33 @@ class Pieces:
         self._reader = reader
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        # per file: (first byte, end, pieces (views, checks, leaf), future)
-        self._open: dict[int, tuple[int, int, list[tuple[list[memoryview], Any, Any]], _RunFuture]] = {}
+        # per file: (its run, pieces (views, checks, leaf), future)
+        self._open: dict[int, tuple[Cut, list[tuple[list[memoryview], Any, Any]], _RunFuture]] = {}
 
     def add(self, file: int, start: int, end: int, views: list[memoryview], checks: Any, leaf: Any) -> Future[None]:
         """Queue reading file bytes [start, end) into `views` (consecutive), verifying `checks`."""
         with self._lock:
             run = self._open.get(file)
-            if run is not None and (run[1] != start or end - run[0] > self.max_bytes
-                                    or len(run[2]) >= MAX_RUN_PARTS):
+            if run is not None and not run[0].takes(file, start, end, self.max_bytes):
                 self._submit_locked(file)
                 run = None
             if run is None:
-                run = (start, end, [], _RunFuture(self))  # type: ignore[arg-type]
-            run[2].append((views, checks, leaf))
-            self._open[file] = run = (run[0], end, run[2], run[3])
-            future = run[3]
-            if end - run[0] >= self.max_bytes:
+                run = self._open[file] = (Cut(file, start, start), [], _RunFuture(self))
+            run[1].append((views, checks, leaf))
+            run[0].add(end)
+            if end - run[0].start >= self.max_bytes:  # full: nothing more can join
                 self._submit_locked(file)
-            return future
+            return run[2]
 
     def submit(self, future: Future[None] | None = None) -> None:
         """Send the runs being gathered to the pool (only `future`'s, when given)."""
         with self._lock:
-            for file in [f for f, run in self._open.items() if future is None or run[3] is future]:
+            for file in [f for f, run in self._open.items() if future is None or run[2] is future]:
                 self._submit_locked(file)
 
     def _submit_locked(self, file: int) -> None:
-        start, end, pieces, future = self._open.pop(file)
-        self._reader.pool.submit(self._run, file, start, end, pieces, future)
+        cut, pieces, future = self._open.pop(file)
+        self._reader.pool.submit(self._run, file, cut.start, cut.end, pieces, future)
 
     def _run(self, file: int, start: int, end: int, pieces: list[tuple[list[memoryview], Any, Any]],
              future: Future[None]) -> None:

@@ -20,6 +20,7 @@ import numpy as np
 
 from .._core import stats as _stats
 from .._core.buffers import release_snapshot_buffers
+from .._core.gcpause import paused
 from .._dist.agree import sequence
 from .._dist.coord import Coordinator, activity, default_coordinator
 from .._errors import CheckpointError, MismatchError
@@ -32,6 +33,7 @@ from .._tree.shardings import WHOLE_PUT_BYTES, concrete_sharding, misfit, on_mes
 from . import casts
 from .metadata import read_index, read_manifest
 from .options import LoadOptions, options_of
+from .plan import Limits, Plan, plan
 from .prefetch import prefetch
 from .reader import ArrayReads, ChunkReader, LoadStats
 from .readonce import (
@@ -362,39 +364,52 @@ class _Routing:
     def max_read(self) -> int:
         return self.storage.preferred_read or MAX_READ
 
+    @property
+    def limits(self) -> Limits:
+        return Limits.of(self.storage)
+
 
 def _read_leaves(items: list[_ItemLoad], where: str, budget: int, routing: _Routing) -> None:
     """Fill every item's `results`, with at most about `budget` bytes of buffers in flight.
 
-    Direct leaves go through one read pipeline; read-once leaves (`_readonce`)
-    follow in waves, each behind a status exchange, since their collectives
-    need every process.
+    Plan, then execute: the schedule (every sharded leaf's route, the read-once
+    leaves in waves) and this process's `plan.Plan` (its direct pipeline and
+    every storage request) are data, computed from metadata alone as the dry
+    run computes them for every process; `_execute` carries the plan out.
     """
     t0 = time.perf_counter()
-    agreement: Agreement | None = None
     n = routing.coord.process_count
+    # Stats record the figures only where they decide the route (read_once=None).
+    sched = schedule(items, n, routing.read_once,
+                     lambda sharding: routing.bandwidths(sharding) if routing.read_once is None else None,
+                     routing.max_read, budget)
+    reads: dict[int, dict[int, Any]] = {id(it): {} for it in items}  # the sharding each leaf is read with
+    for r in sched.routed:
+        leaf = r.item.index.leaves[r.leaf]
+        note_route(r.item.reader.stats, display_path(leaf.path, r.item.name), r.route, r.bandwidths)
+        if not r.route.direct:
+            reads[id(r.item)][r.leaf] = r.route.read
+        elif not (leaf.nbytes <= WHOLE_PUT_BYTES and puts_whole(r.want.sharding)):
+            reads[id(r.item)][r.leaf] = r.want.sharding  # (absent: read whole)
+    for it in items:
+        prefetch(it.index, it.wanted, reads[id(it)])
+    with paused():  # thousands of small objects per load: no full collection in the middle (`gcpause`)
+        own = plan(items, sched, budget, routing.limits, routing.coord.process_index, own=True)
+    for it in items[:1]:  # every item's reader shares the load's stats
+        it.reader.stats.plan_s += time.perf_counter() - t0
+    _execute(own, items, where, routing)
+
+
+def _execute(own: Plan, items: list[_ItemLoad], where: str, routing: _Routing) -> None:
+    """Carry out this process's plan: its direct pipeline, then its read-once waves, each behind a
+    status exchange, since their collectives need every process."""
+    agreement: Agreement | None = None
+    waves = own.schedule.waves
     try:
-        # Stats record the figures only where they decide the route (read_once=None).
-        plan = schedule(items, n, routing.read_once,
-                        lambda sharding: routing.bandwidths(sharding) if routing.read_once is None else None,
-                        routing.max_read, budget)
-        reads: dict[int, dict[int, Any]] = {id(it): {} for it in items}  # the sharding each leaf is read with
-        for r in plan.routed:
-            leaf = r.item.index.leaves[r.leaf]
-            note_route(r.item.reader.stats, display_path(leaf.path, r.item.name), r.route, r.bandwidths)
-            if not r.route.direct:
-                reads[id(r.item)][r.leaf] = r.route.read
-            elif not (leaf.nbytes <= WHOLE_PUT_BYTES and puts_whole(r.want.sharding)):
-                reads[id(r.item)][r.leaf] = r.want.sharding  # (absent: read whole)
-        for it in items:
-            prefetch(it.index, it.wanted, reads[id(it)])
-        staged, waves = plan.staged, plan.waves
         if waves:
-            digest = routes_digest([(s.item.name, s.leaf, s.route.kind, len(s.pieces)) for s in staged])
+            digest = routes_digest([(s.item.name, s.leaf, s.route.kind, len(s.pieces)) for s in own.schedule.staged])
             agreement = Agreement(routing.coord, sequence("load"), len(waves), where, routing.timeout, digest)
-        for it in items[:1]:  # every item's reader shares the load's stats
-            it.reader.stats.plan_s += time.perf_counter() - t0
-        _read_direct(items, where, budget, {(id(s.item), s.leaf) for s in staged})
+        _read_direct(items, where, own)
         gathers: dict[int, Gather] = {}
         for k, wave in enumerate(waves):
             assert agreement is not None
@@ -459,17 +474,17 @@ def _run_wave(k: int, wave: list[Unit], agreement: Agreement, gathers: dict[int,
             stats.read_once_leaves += 1
 
 
-def _read_direct(items: list[_ItemLoad], where: str, budget: int, skip: set[tuple[int, int]]) -> None:
-    """The direct pipeline: each process reads its own target boxes, `budget` bytes in flight."""
+def _read_direct(items: list[_ItemLoad], where: str, own: Plan) -> None:
+    """The direct pipeline: each process reads its own target boxes, in the plan's order, completing
+    arrays in flight where the plan says (its byte budget)."""
     from .._tree.shardings import PutBatch
 
     inflight: deque[_InFlight] = deque()
-    inflight_bytes = 0
     puts = PutBatch()  # small leaves read whole, placed together
     t_start, transfer = time.perf_counter(), 0.0  # the rest of this pipeline's time is reading
 
     def finish() -> None:
-        nonlocal inflight_bytes, transfer
+        nonlocal transfer
         done = inflight.popleft()
         try:
             for f in done.reads.futures:
@@ -487,36 +502,30 @@ def _read_direct(items: list[_ItemLoad], where: str, budget: int, skip: set[tupl
         else:
             done.item.results[done.leaf] = _assemble(done.want, done.reads, done.item, where)
         transfer += time.perf_counter() - t
-        inflight_bytes -= done.reads.nbytes
 
-    for it in items:
-        for i in sorted(it.wanted):
-            if (id(it), i) in skip:
-                continue
-            leaf = it.index.leaves[i]
-            if isinstance(leaf, fmt.ValueLeaf):
-                it.results[i] = leaf.value
-                continue
-            if leaf.kind in ("bytes", "object"):
-                data = it.reader.read_bytes(leaf)
-                if leaf.kind == "bytes":
-                    it.results[i] = data
-                else:
-                    h = handler_named(leaf.handler or "")
-                    if h is None:
-                        raise CheckpointError(
-                            f"{where}: leaf {display_path(leaf.path, it.name)!r} was saved by handler "
-                            f"{leaf.handler!r}; register it with cairn.register_type before loading"
-                        )
-                    it.results[i] = h.load(data)
-                continue
-            want = it.wanted[i] or _Want(leaf, leaf.dtype, None)
-            whole = want.sharding is not None and leaf.nbytes <= WHOLE_PUT_BYTES and puts_whole(want.sharding)
-            reads = it.reader.read_array(want.leaf, None if whole else want.sharding)
-            inflight.append(_InFlight(it, i, want, reads))
-            inflight_bytes += reads.nbytes
-            while len(inflight) > 1 and inflight_bytes > budget:
-                finish()
+    for step in own.steps:
+        it, i = items[step.item], step.leaf
+        leaf = it.index.leaves[i]
+        if isinstance(leaf, fmt.ValueLeaf):  # step.kind "value"
+            it.results[i] = leaf.value
+            continue
+        if step.kind == "bytes":
+            data = it.reader.read_bytes(leaf)
+            if leaf.kind == "bytes":
+                it.results[i] = data
+            else:
+                h = handler_named(leaf.handler or "")
+                if h is None:
+                    raise CheckpointError(
+                        f"{where}: leaf {display_path(leaf.path, it.name)!r} was saved by handler "
+                        f"{leaf.handler!r}; register it with cairn.register_type before loading"
+                    )
+                it.results[i] = h.load(data)
+            continue
+        want = it.wanted[i] or _Want(leaf, leaf.dtype, None)
+        inflight.append(_InFlight(it, i, want, it.reader.read_array(want.leaf, step.sharding, planned=step.reads)))
+        for _ in range(step.finish):
+            finish()
     for it in items:  # the last runs of small arrays read while the first ones are placed
         it.reader.submit_pending()
     while inflight:

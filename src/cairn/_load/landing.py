@@ -6,10 +6,13 @@ leaves (`blocks`), which both sit above it.
 
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
 import numpy as np
+
+from .._plan.reads import is_c_contiguous
 
 _local = threading.local()
 
@@ -41,3 +44,39 @@ def direct_bytes(read: Any, dests: list[np.ndarray]) -> np.ndarray | None:
         return None
     target = dests[direct.dest][region(direct.dest_start, direct.shape)]
     return target.reshape(-1).view(np.uint8) if target.flags.c_contiguous else None
+
+
+MIN_RUN = 4096  # a destination row shorter than this is cheaper to fill by a copy
+MAX_PARTS = 1 << 16  # the most destination rows one vectored read fills
+
+
+def contiguous(dest: tuple[int, ...], start: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Whether box `shape` at `start` of a C-order array of shape `dest` is one run of memory."""
+    last = max((a for a in range(len(shape)) if shape[a] != dest[a]), default=-1)
+    return all(shape[a] == 1 for a in range(last))
+
+
+def lands_in_place(read: Any, shapes: list[tuple[int, ...]], vectored: bool) -> bool:
+    """Whether uncompressed `read` lands in destinations of `shapes` (C order) with no buffer: its
+    `direct` target is one run of memory, or (`vectored` readers) its copies tile the read in file
+    order, each a run of memory or rows of at least `MIN_RUN` bytes. The rule the chunk reader
+    lands reads by (`reader._landing`, `reader._tiled_regions`) and the load's plan predicts by."""
+    d = read.direct
+    if d is not None and contiguous(shapes[d.dest], d.dest_start, d.shape):
+        return True
+    if not vectored:
+        return False
+    pos = parts = 0
+    for c in sorted(read.copies, key=lambda c: c.src_offset):
+        if c.src_offset != pos or not is_c_contiguous(c.shape, c.src_strides):
+            return False
+        if contiguous(shapes[c.dest], c.dest_start, c.shape):
+            parts += 1
+        else:
+            if len(c.shape) < 2 or c.shape[-1] * c.itemsize < MIN_RUN:
+                return False
+            parts += math.prod(c.shape[:-1])
+            if parts > MAX_PARTS:
+                return False
+        pos += c.nbytes
+    return pos == read.nbytes

@@ -41,18 +41,18 @@ from .._plan.leafreads import (
     block_range,
     plan_leaf_reads,
     stored_span,
-    whole_reads,
 )
 from .._plan.readmemo import PlanMemo
 from .._plan.reads import Read, is_c_contiguous
 from .._storage import PartReader, RandomReader
 from .._storage.location import Location
 from .._tree.pytree import display_path
-from .coalesce import Pieces, Runs, run_limits, stored_whole_span, whole_span
-from .landing import direct_bytes
+from .coalesce import Pieces, Runs, run_limits
+from .landing import MAX_PARTS, MIN_RUN, direct_bytes, lands_in_place
 from .landing import region as _region
 from .landing import scratch as _scratch
 from .metadata import Opened
+from .plan import array_reads
 
 DEFAULT_BUDGET = 256 << 20  # the memory budget of a streaming conversion, by default
 
@@ -287,11 +287,13 @@ class ChunkReader:
                 src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)
                 dests[c.dest][_region(c.dest_start, c.shape)] = src
 
-    def read_array(self, leaf: fmt.ArrayLeaf, sharding: Any = None, region: Box | None = None) -> ArrayReads:
+    def read_array(self, leaf: fmt.ArrayLeaf, sharding: Any = None, region: Box | None = None,
+                   planned: tuple[Any, list[Read]] | None = None) -> ArrayReads:
         """Start reading `leaf`: whole into one buffer, or the boxes `sharding` puts on this process.
 
         With `region`, the array read is that box of the leaf (a slab of a leaf
-        restored in pieces); boxes and placement are relative to it.
+        restored in pieces); boxes and placement are relative to it. `planned`:
+        `plan.array_reads`' answer for these boxes, from the load's plan.
         """
         placement = None
         shape = leaf.shape if region is None else tuple(hi - lo for lo, hi in region)
@@ -301,26 +303,16 @@ class ChunkReader:
             from .._tree.shardings import addressable_boxes
 
             boxes, placement = addressable_boxes(sharding, shape)
-        span: tuple[int, ...] | None = None
-        if sharding is None and region is None and leaf.nbytes <= self._small and not leaf.refs:
-            span = whole_span(leaf) if leaf.codec == "none" else stored_whole_span(leaf, self.index.block_size)
+        span, reads = planned if planned is not None else array_reads(
+            leaf, boxes, region, sharding is None, self.index.block_size, self.verify, self._max_read, self._small,
+            self._plans)
         if span is not None:  # small, whole, one run of bytes: read together with its neighbours
-            self._reader(span[0])  # checks the file first: a false size claim allocates nothing
+            self._reader(span.file)  # checks the file first: a false size claim allocates nothing
             dest = aligned_empty(leaf.shape, leaf.dtype, huge_pages=False)  # filled once, as below
-            stored = span[2] if len(span) > 2 else -1
-            return ArrayReads([self._runs.add(leaf, span[0], span[1], dest, stored)], [dest], boxes, placement)
-        absolute = boxes if region is None else [
-            tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes]
-        max_read = self._max_read
-        if leaf.codec != "none" or leaf.refs:  # refs: blocks in raw addressing, as compressed ones
-            reads = plan_leaf_reads(leaf, absolute, self.index.block_size, self.verify, max_read)
-            files = {leaf.chunks[r.file][0] for r in reads}
-        else:
-            whole = (whole_reads(leaf, self.index.block_size, self.verify, max_read)
-                     if region is None and sharding is None else None)
-            reads = whole if whole is not None else self._plans.plan(
-                leaf, absolute, self.index.block_size, self.verify, max_read)
-            files = {r.file for r in reads}
+            return ArrayReads([self._runs.add(leaf, span.file, span.start, dest, span.stored)], [dest], boxes,
+                              placement)
+        files = {leaf.chunks[r.file][0] for r in reads} if leaf.codec != "none" or leaf.refs else {
+            r.file for r in reads}
         for file in sorted(files):
             self._reader(file)  # checks the files first: a false size claim allocates nothing
         try:
@@ -348,22 +340,21 @@ class ChunkReader:
         it), in file order; None where it needs a buffer (or its blocks may be references: `do_read`)."""
         if leaf.codec != "none" or leaf.refs:
             return None
+        vectored = self._reader(read.file).vectored
+        if not lands_in_place(read, [d.shape for d in dests], vectored):  # the rule the load's plan follows
+            return None
         direct = read.direct
         if direct is not None:
             region = dests[direct.dest][_region(direct.dest_start, direct.shape)]
             if region.flags.c_contiguous:
                 return [memoryview(region.reshape(-1).view(np.uint8))]  # type: ignore[arg-type]
-        return _tiled_regions(read, dests) if self._reader(read.file).vectored else None
+        return _tiled_regions(read, dests) if vectored else None
 
     def read_bytes(self, leaf: fmt.ArrayLeaf) -> bytes:
         reads = self.read_array(leaf)
         for f in reads.futures:
             f.result()
         return reads.dests[0].tobytes()
-
-
-MIN_RUN = 4096  # a destination row shorter than this is cheaper to fill by a copy
-_MAX_PARTS = 1 << 16
 
 
 def _tiled_regions(read: Read, dests: list[np.ndarray]) -> list[memoryview] | None:
@@ -388,7 +379,7 @@ def _tiled_regions(read: Read, dests: list[np.ndarray]) -> list[memoryview] | No
                 return None
             if region.shape[-1] * region.itemsize < MIN_RUN:
                 return None
-            if len(out) + int(np.prod(region.shape[:-1])) > _MAX_PARTS:
+            if len(out) + int(np.prod(region.shape[:-1])) > MAX_PARTS:
                 return None
             for idx in np.ndindex(*region.shape[:-1]):
                 out.append(memoryview(region[idx].view(np.uint8)))  # type: ignore[arg-type]

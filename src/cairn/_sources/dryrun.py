@@ -2,15 +2,16 @@
 
 `plan_load` opens the checkpoint's metadata (manifest, indexes, and in format 2
 the records of the chunks the load would read), matches the target as `_load`
-does, and then replays the load engine's decisions for every process, from this
-one: the read-once route of each leaf (`_readonce.route`) and its waves
-(`_waves`), the direct pipeline's budget and its coalesced small reads
-(`_coalesce`), and each read the planner would issue (`leafreads.whole_reads`,
-`_plan.plan_reads`). Those are pure functions of the index and of each
-sharding's ``devices_indices_map``, so any process can compute every other's
-figures; ``processes=N`` splits the target's devices into N processes by device
-id, which is how the command line plans a multi-host load on one machine's
-virtual CPU devices.
+does, and computes the load engine's own plan for every process, from this
+one: the schedule (`_load.schedule`: each leaf's read-once route and the
+waves) and each process's `_load.plan.Plan` (its direct pipeline under the
+budget, and every storage request it sends once small arrays and in-place
+reads are gathered into runs), which is what the engine executes on that
+process. The report sums those plans. They are pure functions of the index and
+of each sharding's ``devices_indices_map``, so any process can compute every
+other's; ``processes=N`` splits the target's devices into N processes by
+device id, which is how the command line plans a multi-host load on one
+machine's virtual CPU devices.
 
 What it models and what it does not is said in `MODELLED` and `NOT_MODELLED`,
 printed with every plan.
@@ -18,37 +19,30 @@ printed with every plan.
 
 from __future__ import annotations
 
-import math
 import warnings
-from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
 
-from .._core.boxes import Box, full_box
 from .._core.units import human_bytes
 from .._format import manifest as fmt
 from .._load import engine as _load
-from .._load.coalesce import MAX_RUN_PARTS, run_limits, stored_whole_span, whole_span
+from .._load import plan as _plan
 from .._load.options import LoadOptions
-from .._load.reader import MIN_RUN
 from .._load.readonce import MAX_READ, ProcessOf, Route, bandwidths_for, storage_kind, stored_nbytes
 from .._load.schedule import schedule
 from .._load.source import checkpointables
-from .._plan.leafreads import DEFAULT_MAX_READ, plan_leaf_reads, stored_span, whole_reads
-from .._plan.reads import Read, is_c_contiguous
 from .._plan.routes import Bandwidths, resolve_bandwidths
 from .._sources import registry as _sources
 from .._sources.registry import Rename
 from .._storage.location import resolve
 from .._tree.perprocess import LoadView, leaf_numbers
 from .._tree.pytree import display_path
-from .._tree.shardings import WHOLE_PUT_BYTES, device_boxes
 
 MODELLED = (
-    "storage bytes and read requests per process, as the load engine plans them (read-once routes and "
-    "waves, direct reads, coalesced small arrays, checksum-block widening)",
+    "storage bytes and read requests per process, from the plan the load engine executes (read-once routes "
+    "and waves, direct reads, coalesced small arrays and in-place reads, checksum-block widening)",
     "peak host memory: read buffers in flight under the budget, pending batched device puts, dtype casts, "
     "read-once waves and pieces, and per-thread scratch for reads that cannot land in place (an upper bound)",
     "time: each process's bytes at the given bandwidth, all processes in parallel",
@@ -147,6 +141,9 @@ class LoadPlan:
     route_bandwidths: dict[str, Any] | None = None  # what the routes were priced with (None: not priced)
     per_process: tuple[PerProcessRead, ...] = ()  # the cairn.PerProcess values the load reads
     stored_bytes: int = -1  # the same arrays' bytes in storage (less where compressed); -1: array_bytes
+    #: The per-process plans these figures sum (`_load.plan.Plan`: each process's direct pipeline and
+    #: every storage request it sends, as file, offset and length): what the load engine executes.
+    plans: tuple[Any, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def stored(self) -> int:
@@ -315,8 +312,7 @@ def plan_load(
         verify_item = verify and src.verify
         items.append(_Item(name, index, item_target, wanted, SimpleNamespace(verify=verify_item), pp))
     process_of, devices = _process_map(items, processes)
-    max_read = loc.storage.preferred_read or DEFAULT_MAX_READ
-    vectored = loc.storage.vectored_reads
+    limits = _plan.Limits.of(loc.storage)
     for it in items:
         _fetch_records(it)
 
@@ -324,32 +320,28 @@ def plan_load(
         return (resolve_bandwidths(bandwidths, storage_kind(loc.storage), platform) if platform
                 else bandwidths_for(bandwidths, loc.storage, sharding))
 
-    # The engine's own schedule (`_load.schedule`), for these processes.
-    plan = schedule(items, n, read_once, bandwidths_of, max_read or MAX_READ, budget_bytes, process_of)
+    # The engine's own schedule (`_load.schedule`) and plan (`_load.plan`), for each of these processes.
+    sched = schedule(items, n, read_once, bandwidths_of, limits.max_read or MAX_READ, budget_bytes, process_of)
     leaf_routes = [_leaf_route(display_path(r.item.index.leaves[r.leaf].path, r.item.name),
-                               r.item.index.leaves[r.leaf].shape, r.route, r.bandwidths) for r in plan.routed]
-    priced = next((r.bandwidths for r in plan.routed if r.bandwidths is not None), None)
-    staged, waves = plan.staged, plan.waves
-    skip = {(id(s.item), s.leaf) for s in staged}
+                               r.item.index.leaves[r.leaf].shape, r.route, r.bandwidths) for r in sched.routed]
+    priced = next((r.bandwidths for r in sched.routed if r.bandwidths is not None), None)
     plans = []
     for p in range(n):
-        sim = _Process(p, process_of, budget_bytes, threads, max_read, vectored,
-                       run_limits(loc.storage.preferred_read))
-        sim.direct([(it, it.wanted if not it.pp.nodes else _load.match_target(
+        wants = [it.wanted if not it.pp.nodes else _load.match_target(
             loc, it.name, it.index, it.target, partial, LoadView(it.index.structure, it.name, loc.path, p, n),
-            opts.mesh))
-            for it in items], skip)
-        sim.waves(waves)
-        plans.append(ProcessPlan(p, devices.get(p, 0), sim.bytes, sim.requests, sim.peak + sim.scratch()))
+            opts.mesh) for it in items]
+        plans.append(_plan.plan(items, sched, budget_bytes, limits, p, process_of, wanted=wants, threads=threads))
     arrays = [it.index.leaves[i] for it in items for i in it.wanted]
-    return LoadPlan(loc.path, found, tuple(plans), len(arrays),
-                    sum(leaf.nbytes for leaf in arrays if isinstance(leaf, fmt.ArrayLeaf)),
-                    len(staged), len(waves), budget_bytes, bandwidth, routes=tuple(leaf_routes),
+    return LoadPlan(loc.path, found, tuple(ProcessPlan(pl.process, devices.get(pl.process, 0), pl.bytes_read,
+                                                       len(pl.requests), pl.peak_host_bytes) for pl in plans),
+                    len(arrays), sum(leaf.nbytes for leaf in arrays if isinstance(leaf, fmt.ArrayLeaf)),
+                    len(sched.staged), len(sched.waves), budget_bytes, bandwidth, routes=tuple(leaf_routes),
                     route_bandwidths=priced.as_dict() if priced is not None else None,
                     per_process=tuple(_per_process_reads(items, n)),
                     stored_bytes=sum(stored_nbytes(leaf, it.index.block_size) for it in items
                                      for leaf in (it.index.leaves[i] for i in it.wanted)
-                                     if isinstance(leaf, fmt.ArrayLeaf)))
+                                     if isinstance(leaf, fmt.ArrayLeaf)),
+                    plans=tuple(plans))
 
 
 def _per_process_reads(items: list[_Item], n: int) -> list[PerProcessRead]:
@@ -422,199 +414,6 @@ def _fetch_records(it: _Item) -> None:
     need = {i: np.arange(len(table.leaves[i].writers)) for i in it.wanted if i in table.leaves}
     if need:
         table.fetch(need)
-
-
-class _Process:
-    """The load engine's bookkeeping for one process, replayed without reading."""
-
-    def __init__(self, p: int, process_of: ProcessOf | None, budget: int, threads: int, max_read: int,
-                 vectored: bool, runs: tuple[int, int]):
-        self.p, self.process_of, self.budget, self.threads, self.max_read = p, process_of, budget, threads, max_read
-        self.vectored = vectored
-        self.small, self.run_bytes = runs  # `_coalesce.run_limits` of the storage
-        self.bytes = self.requests = self.peak = 0
-        self.scratch_reads, self.scratch_max = 0, 0
-
-    def scratch(self) -> int:
-        """Per-thread buffers of reads that cannot land in place (kept for the pool's life)."""
-        return min(self.threads, self.scratch_reads) * max(self.scratch_max, 1 << 20) if self.scratch_reads else 0
-
-    def boxes(self, sharding: Any, shape: tuple[int, ...]) -> list[Box]:
-        """This process's distinct boxes of `sharding`, in device order (as addressable_boxes)."""
-        devices, boxes = device_boxes(sharding, shape)
-        out: dict[Box, None] = {}
-        for d, b in zip(devices, boxes):
-            if (d.process_index if self.process_of is None else self.process_of(d)) == self.p:
-                out[b] = None
-        return list(out)
-
-    def plan(self, leaf: fmt.ArrayLeaf, boxes: list[Box], block: int, verify: bool) -> None:
-        """Count the reads `ChunkReader.read_array` plans for `boxes` of `leaf` (`plan_leaf_reads`)."""
-        self.reads(plan_leaf_reads(leaf, boxes, block, verify, max_read=self.max_read), boxes, leaf, block)
-
-    def reads(self, reads: list[Read], boxes: list[Box], leaf: fmt.ArrayLeaf | None = None, block: int = 0) -> None:
-        shapes = [tuple(hi - lo for lo, hi in b) for b in boxes]
-        coded = leaf is not None and leaf.codec != "none"
-        for r in reads:
-            self.requests += 1
-            if coded:  # `ChunkReader._do_read_coded`: the stored bytes of the blocks, into a buffer, decoded
-                assert leaf is not None
-                stored = stored_span(leaf, r, block)[2]
-                self.bytes += stored
-                d = r.direct
-                lands = d is not None and _contiguous(shapes[d.dest], d.dest_start, d.shape)
-                self.scratch_reads += 1
-                self.scratch_max = max(self.scratch_max, stored + (0 if lands else r.nbytes))
-                continue
-            self.bytes += r.nbytes
-            if not _in_place(r, shapes, self.vectored):
-                self.scratch_reads += 1
-                self.scratch_max = max(self.scratch_max, r.nbytes)
-
-    def direct(self, items: list[tuple[_Item, dict[int, Any]]], skip: set[tuple[int, int]]) -> None:
-        """`_load._read_direct`: one pipeline over every item's leaves, `budget` bytes in flight."""
-        inflight: deque[tuple[int, _Runs, int | None, int, int]] = deque()
-        state = [0, 0, 0]  # bytes in flight; pending batched puts: bytes, count
-
-        def finish() -> None:
-            nbytes, runs, run, put, cast = inflight.popleft()
-            runs.wait(run)
-            self.peak = max(self.peak, state[0] + state[1] + cast)  # a cast copy beside its buffer
-            state[0] -= nbytes
-            if put:
-                state[1] += put
-                state[2] += 1
-                if state[2] >= 1024 or state[1] >= 64 << 20:  # `_jaxutil.PutBatch` flushes
-                    state[1] = state[2] = 0
-
-        for it, wanted in items:
-            runs = _Runs(self)  # one per reader, as `ChunkReader._runs`
-            block, verify = it.index.block_size, it.reader.verify
-            for i in sorted(wanted):
-                leaf = it.index.leaves[i]
-                if (id(it), i) in skip or isinstance(leaf, fmt.ValueLeaf):
-                    continue
-                if leaf.kind in ("bytes", "object"):
-                    runs.wait(self.whole(leaf, runs, block, verify))
-                    self.peak = max(self.peak, state[0] + state[1] + 2 * leaf.nbytes)  # the buffer, then bytes
-                    continue
-                want = wanted[i]
-                sharding = None if want is None else want.sharding
-                whole = sharding is not None and leaf.nbytes <= WHOLE_PUT_BYTES and self.holds_all(sharding)
-                if sharding is None or whole:
-                    run, elems = self.whole(leaf, runs, block, verify), math.prod(leaf.shape)
-                else:
-                    boxes = self.boxes(sharding, leaf.shape)
-                    runs.submit()
-                    self.plan(leaf, boxes, block, verify)
-                    run, elems = None, sum(math.prod(hi - lo for lo, hi in b) for b in boxes)
-                nbytes = elems * leaf.dtype.itemsize
-                cast = elems * want.dtype.itemsize if want is not None and want.dtype != leaf.dtype else 0
-                inflight.append((nbytes, runs, run, (cast or nbytes) if whole else 0, cast))
-                state[0] += nbytes
-                self.peak = max(self.peak, state[0] + state[1])
-                while len(inflight) > 1 and state[0] > self.budget:
-                    finish()
-        while inflight:
-            finish()
-
-    def holds_all(self, sharding: Any) -> bool:
-        return all((d.process_index if self.process_of is None else self.process_of(d)) == self.p
-                   for d in sharding.device_set)
-
-    def whole(self, leaf: fmt.ArrayLeaf, runs: _Runs, block: int, verify: bool) -> int | None:
-        """`ChunkReader.read_array(leaf)`: a small array joins a run, anything else is planned."""
-        span: tuple[int, int, int] | None = None  # (file, first byte, bytes in storage)
-        if leaf.nbytes <= self.small:
-            if leaf.codec != "none":
-                span = stored_whole_span(leaf, block)
-            elif (raw := whole_span(leaf)) is not None:
-                span = (*raw, leaf.nbytes)
-        if span is not None:
-            return runs.add(*span)
-        runs.submit()
-        box = full_box(leaf.shape)
-        reads = whole_reads(leaf, block, verify, self.max_read) if leaf.codec == "none" else None
-        if reads is None:
-            self.plan(leaf, [box], block, verify)
-        else:
-            self.reads(reads, [box])
-        return None
-
-    def waves(self, waves: Sequence[list[Any]]) -> None:
-        """`_load._run_wave` for each wave: every unit's blocks held at once, plus open gathers."""
-        gathers: dict[int, int] = {}
-        for wave in waves:
-            held = 0
-            for s, j in wave:
-                leaf, region = s.want.leaf, s.region(j)
-                shape = leaf.shape if region is None else tuple(hi - lo for lo, hi in region)
-                boxes = self.boxes(s.route.read, shape)
-                if region is not None:
-                    boxes = [tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes]
-                self.plan(leaf, boxes, s.item.index.block_size, s.item.reader.verify)
-                elems = sum(math.prod(hi - lo for lo, hi in b) for b in boxes)
-                held += elems * (leaf.dtype.itemsize + (s.want.dtype.itemsize if s.want.dtype != leaf.dtype else 0))
-                if j == 0:
-                    gathers[id(s)] = sum(math.prod(hi - lo for lo, hi in b)
-                                         for b in self.boxes(s.want.sharding, leaf.shape)) * s.want.dtype.itemsize
-            self.peak = max(self.peak, held + sum(gathers.values()))
-            for s, j in wave:
-                if j is not None and j == len(s.pieces) - 1:
-                    gathers.pop(id(s), None)
-
-
-def _in_place(r: Read, shapes: list[tuple[int, ...]], vectored: bool) -> bool:
-    """Whether `ChunkReader.do_read` lands `r` in its destinations without a scratch buffer."""
-    d = r.direct
-    if d is not None and _contiguous(shapes[d.dest], d.dest_start, d.shape):
-        return True
-    if not vectored:
-        return False
-    pos = 0
-    for c in sorted(r.copies, key=lambda c: c.src_offset):  # `_reader._tiled_regions`
-        if c.src_offset != pos or not is_c_contiguous(c.shape, c.src_strides):
-            return False
-        if not _contiguous(shapes[c.dest], c.dest_start, c.shape) and (
-                len(c.shape) < 2 or c.shape[-1] * c.itemsize < MIN_RUN):
-            return False
-        pos += c.nbytes
-    return pos == r.nbytes
-
-
-def _contiguous(dest: tuple[int, ...], start: tuple[int, ...], shape: tuple[int, ...]) -> bool:
-    """Whether box `shape` at `start` of a C-order array of shape `dest` is one run of memory."""
-    last = max((a for a in range(len(shape)) if shape[a] != dest[a]), default=-1)
-    return all(shape[a] == 1 for a in range(last))
-
-
-class _Runs:
-    """`_coalesce.Runs` without the reads: where one run of small whole arrays ends and the next begins."""
-
-    def __init__(self, proc: _Process):
-        self.proc = proc
-        self.file = self.end = self.bytes = self.parts = 0
-        self.id = 0  # the pending run's number
-
-    def add(self, file: int, start: int, nbytes: int) -> int:
-        if self.parts and (file != self.file or start != self.end or self.parts >= MAX_RUN_PARTS
-                           or self.bytes + nbytes > self.proc.run_bytes):
-            self.submit()
-        self.file, self.end = file, start + nbytes
-        self.bytes += nbytes
-        self.parts += 1
-        return self.id
-
-    def submit(self) -> None:
-        if self.parts:
-            self.proc.bytes += self.bytes
-            self.proc.requests += 1
-            self.bytes = self.parts = 0
-            self.id += 1
-
-    def wait(self, run: int | None) -> None:
-        if run is not None and run == self.id:
-            self.submit()
 
 
 __all__ = ["MODELLED", "NOT_MODELLED", "LoadPlan", "ProcessPlan", "plan_load"]

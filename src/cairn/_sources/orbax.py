@@ -201,7 +201,8 @@ class TensorStoreReader(ChunkReader):
         super().__init__(source.loc, item, fmt.ItemInfo("", "", 0, len(index.leaves)), index, False, pool, stats)
         self.source = source
 
-    def read_array(self, leaf: fmt.ArrayLeaf, sharding: Any = None, region: Any = None) -> ArrayReads:
+    def read_array(self, leaf: fmt.ArrayLeaf, sharding: Any = None, region: Any = None,
+                   planned: Any = None) -> ArrayReads:  # `planned`: a chunk reader's reads, not tensorstore's
         from .._core.boxes import full_box
 
         placement = None
