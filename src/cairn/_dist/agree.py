@@ -8,6 +8,9 @@ once here and shared through the coordinator:
 
 - `shared`: the primary decides (lists the directory, say) and publishes
   the answer; the others take it.
+- `settle`: the end of a save or an export. Every process reports how its
+  part went; the primary commits if all went well (or cleans up if not) and
+  every process learns the one outcome.
 - `gather`: every process reports its own outcome (the step loaded, or the
   error it hit) and every process gets all of them, so all act on the same
   facts (fall back together). The outcomes go to the primary, which sends
@@ -26,9 +29,11 @@ import itertools
 import json
 import threading
 import zlib
+from collections.abc import Callable
 from typing import Any
 
-from .coord import Coordinator, agree, fetch_from
+from .._errors import CoordinationError, error_record, first_failure
+from .coord import Coordinator, agree, drop_keys, fetch_from
 
 _counters: dict[str, itertools.count[int]] = {}
 _lock = threading.Lock()
@@ -50,6 +55,53 @@ def sequence(name: str) -> int:
     with _lock:
         counter = _counters.setdefault(name, itertools.count())
         return next(counter)
+
+def settle(coord: Coordinator, prefix: str, status: dict[str, Any], timeout: float,
+           finish: Callable[[dict[int, Any]], None], abort: Callable[[], None] = lambda: None,
+           forget: str | None = None) -> dict[str, Any]:
+    """The status -> primary -> outcome exchange that ends a save or an export (through `agree`).
+
+    Every process sends its `status`: ``{"ok": True, ...}`` (what the primary needs of its part), or
+    ``{"ok": False, "error": error_record(...)}``. The primary runs ``finish(statuses)`` (the commit)
+    when every status is ok, and ``abort()`` when one is not, when `finish` raises, or when it could
+    not gather them (a dead peer, a timeout: the error names the process). Every process returns the
+    same outcome: ``{"ok": True}``, or ``{"ok": False, "error": record, "message": ...}`` where the
+    record is the first failure's and the message names every failed process. A process that cannot
+    hear the primary raises `CoordinationError`. Once every status is in, every process is past the
+    previous operation of the kind, and the primary drops its keys (`forget`, a prefix).
+
+    Example:
+
+        outcome = settle(coord, f"cairn/save/{n}/status", {"ok": True}, 600, finish=commit, abort=clean)
+    """
+    decided = False
+
+    def decide(statuses: dict[int, Any]) -> dict[str, Any]:
+        nonlocal decided
+        decided = True
+        if forget is not None:
+            drop_keys(coord, forget)
+        failure = first_failure(statuses)
+        if failure is not None:
+            abort()
+            return {"ok": False, "error": failure[0], "message": failure[1]}
+        try:
+            finish(statuses)
+        except BaseException as e:
+            abort()
+            record = error_record(e, 0)
+            return {"ok": False, "error": record, "message": f"process 0: {record['message']}"}
+        return {"ok": True}
+
+    try:
+        outcome: dict[str, Any] = agree(coord, prefix, status, timeout, decide=decide)
+    except CoordinationError as e:
+        if coord.process_index != 0 or decided:
+            raise
+        abort()  # the primary could not gather the statuses; every process was told why
+        return {"ok": False, "error": error_record(e), "message": str(e)}
+    return outcome
+
 
 #: How long a process waits for a decision of the others (dead peers are noticed sooner).
 TIMEOUT = 600.0

@@ -28,14 +28,12 @@ from .._core.buffers import snapshot_pool as _snapshot_pool
 from .._core.checksum import crc32c
 from .._core.gcpause import paused
 from .._core.stats import SaveStats
-from .._dist.agree import sequence
+from .._dist.agree import sequence, settle
 from .._dist.coord import (
     Coordinator,
     activity,
     default_coordinator,
-    drop_keys,
     fetch_from,
-    gather_json,
 )
 from .._errors import (
     CheckpointError,
@@ -43,7 +41,6 @@ from .._errors import (
     UnsupportedTypeError,
     error_from_record,
     error_record,
-    first_failure,
 )
 from .._format import codecs as _codecs
 from .._format import manifest as fmt
@@ -369,18 +366,14 @@ class SaveJob:
             own_error = e
             status = {"ok": False, "error": error_record(e, me)}
         t_written = time.perf_counter()
-        outcome: dict[str, Any]
         try:
-            coord.publish(f"{base}/status/{me}", json.dumps(status).encode())
-            if me == 0:
-                outcome = self._primary_commit(base)
-                coord.publish(f"{base}/outcome", json.dumps(outcome).encode())
-            else:
-                outcome = json.loads(fetch_from(coord, f"{base}/outcome", self.timeout, writer=0))
+            outcome = settle(coord, f"{base}/status", status, self.timeout, finish=self._commit,
+                             abort=lambda: self.strategy.abort(self.loc, self.token),
+                             forget=f"cairn/save/{self.seq - 1}" if self.seq > 0 else None)
         except CoordinationError as e:
             if own_error is not None:
                 raise own_error from e
-            raise CoordinationError(f"saving {self.loc.path}: {e}") from e
+            raise type(e)(f"saving {self.loc.path}: {e}") from e
         self.stats.commit_s = time.perf_counter() - t_written
         self.stats.retries = self.loc.storage.retries - retries_before
         self.stats.total_s = self.stats.blocking_s + time.perf_counter() - t_start
@@ -415,29 +408,6 @@ class SaveJob:
                 mine["part"] = [name, records, crcs]
             out[item.name] = mine
         return out
-
-    def _primary_commit(self, base: str) -> dict[str, Any]:
-        coord, n = self.coord, self.coord.process_count
-        try:
-            statuses = gather_json(coord, f"{base}/status", n, self.timeout)
-        except CoordinationError as e:  # a timeout, or a dead peer: every process is told, naming it
-            self.strategy.abort(self.loc, self.token)
-            return _failed(error_record(e), str(e))
-        # Every process has finished the previous save (its status for this one
-        # came after), so the coordination service can forget that save's keys.
-        if self.seq > 0:
-            drop_keys(coord, f"cairn/save/{self.seq - 1}")
-        failure = first_failure(statuses)
-        if failure is not None:
-            self.strategy.abort(self.loc, self.token)
-            return _failed(*failure)
-        try:
-            self._commit(statuses)
-        except BaseException as e:
-            self.strategy.abort(self.loc, self.token)
-            record = error_record(e, 0)
-            return _failed(record, f"process 0: {record['message']}")
-        return {"ok": True}
 
     def _commit(self, statuses: dict[int, dict[str, Any]]) -> None:
         storage, root = self.loc.storage, self.write_root
@@ -657,11 +627,6 @@ def _bytes_of(arr: np.ndarray) -> memoryview:
         return memoryview(arr).cast("B")  # type: ignore[arg-type]  # the fast path: a contiguous array of a buffer-exporting dtype
     except (TypeError, ValueError):  # not contiguous, or a dtype numpy cannot export (ml_dtypes')
         return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-
-
-def _failed(record: dict[str, Any], message: str) -> dict[str, Any]:
-    """The outcome the primary publishes for a failed save: the first failure's record, all messages."""
-    return {"ok": False, "error": record, "message": message}
 
 
 # ---------------------------------------------------------------------- prepare
