@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .._core.buffers import snapshot_pool as _snapshot_pool
-from .._core.checksum import crc32c
+from .._core.checksum import block_crcs, crc32c
 from .._core.gcpause import paused
 from .._core.stats import SaveStats
 from .._dist.agree import sequence, settle
@@ -247,13 +247,13 @@ class SaveJob:
                     activity.advance()
                     continue
                 if codec != "none":
-                    sizes, block_crcs = [], []
+                    sizes, stored_crcs = [], []
                     for enc in blocks_of(n_slot):
                         sizes.append(len(enc))
-                        block_crcs.append(crc32c(enc))
+                        stored_crcs.append(crc32c(enc))  # a stored block's check record
                         yield from batch.add(enc)
                     stored[n_slot] = tuple(sizes)
-                    crcs.append(block_crcs)
+                    crcs.append(stored_crcs)
                     shift += sum(sizes) - slot.nbytes
                     activity.advance()
                     continue
@@ -263,7 +263,7 @@ class SaveJob:
                     mvs = [_bytes_of(self._host(p)) for p in src.parts]
                     n = sum(len(m) for m in mvs)
                     if n == slot.nbytes:
-                        crcs.append(_block_crcs(mvs, block))
+                        crcs.append(block_crcs(mvs, block))
                         for m in mvs:
                             yield from batch.add(m)
                         del mvs
@@ -281,7 +281,7 @@ class SaveJob:
                 if n <= SMALL_CHUNK:
                     # A small chunk costs more in a thread hand-off and a write of its own than in
                     # its bytes: checksum it here, and write it together with its neighbours.
-                    crcs.append(crc32c(mv) if n <= block else [crc32c(mv[o : o + block]) for o in range(0, n, block)])
+                    crcs.append(block_crcs(mv, block))
                     if (yield from batch.add(mv)):  # copied now, so the host view is released at once
                         activity.advance()  # storage took more: peers waiting for us see progress
                     del mv
@@ -600,25 +600,6 @@ def _choose_leaf(job: SaveJob, first: Any, dtype: Any) -> str:
         first = first.parts[0]
     assert job.compression is not None
     return leaf_codec(job.compression, dtype, job._host(first), job.bandwidth or bandwidth_of(job.loc.storage))
-
-
-def _block_crcs(mvs: list[memoryview], block: int) -> list[int]:
-    """The CRC-32C of each `block`-byte block of the concatenation of `mvs`, without joining them."""
-    out: list[int] = []
-    crc, filled = 0, 0
-    for m in mvs:
-        pos = 0
-        while pos < len(m):
-            take = min(block - filled, len(m) - pos)
-            crc = crc32c(m[pos : pos + take], crc)
-            filled += take
-            pos += take
-            if filled == block:
-                out.append(crc)
-                crc, filled = 0, 0
-    if filled:
-        out.append(crc)
-    return out
 
 
 def _bytes_of(arr: np.ndarray) -> memoryview:
