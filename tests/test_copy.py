@@ -34,7 +34,7 @@ def make_state(seed: int = 0, n: int = 1 << 18) -> dict:
 @pytest.fixture
 def src(tmp_path):
     path = tmp_path / "src" / "ck"
-    cairn.save(path, make_state(), metadata={"note": "hello"})
+    cairn.save(path, make_state(), user_metadata={"note": "hello"})
     return path
 
 

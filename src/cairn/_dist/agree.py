@@ -114,7 +114,6 @@ class Decisions:
         self.coord = coord
         instance = sequence(f"decisions:{scope}")  # two managers of one directory in one program stay apart
         self.base = f"cairn/agree/{zlib.crc32(scope.encode()):08x}.{instance}"
-        self._seq = itertools.count()
 
     @property
     def alone(self) -> bool:
@@ -124,7 +123,7 @@ class Decisions:
         """The primary's `value` (JSON), on every process. Non-primaries' `value` is ignored."""
         if self.alone:
             return value
-        key = f"{self.base}/{next(self._seq)}/{what}"
+        key = f"{self.base}/{sequence(self.base)}/{what}"
         if self.coord.process_index == 0:
             self.coord.publish(key, json.dumps(value).encode())
             return value
@@ -137,19 +136,19 @@ class Decisions:
         message of all of them (one publish and one blocking get, whatever the process count)."""
         if self.alone:
             return {0: outcome}
-        return agree(self.coord, f"{self.base}/{next(self._seq)}/{what}", outcome, TIMEOUT)
+        return agree(self.coord, f"{self.base}/{sequence(self.base)}/{what}", outcome, TIMEOUT)
 
     def decide(self, what: str, mine: Any, decide: Any) -> Any:
         """The primary's ``decide(values by process)`` of every process's `mine`, on every process
         (`agree`): what comes back is the decision, not everyone's values."""
         if self.alone:
             return json.loads(json.dumps(decide({0: json.loads(json.dumps(mine))})))
-        return agree(self.coord, f"{self.base}/{next(self._seq)}/{what}", mine, TIMEOUT, decide=decide)
+        return agree(self.coord, f"{self.base}/{sequence(self.base)}/{what}", mine, TIMEOUT, decide=decide)
 
     def each(self, what: str, mine: Any, decide: Any) -> Any:
         """This process's part of the primary's ``decide(values by process)``, which returns
         ``{process: part}``: a process receives its own part only (`agree` with ``each``)."""
-        return agree(self.coord, f"{self.base}/{next(self._seq)}/{what}", mine, TIMEOUT, decide=decide, each=True)
+        return agree(self.coord, f"{self.base}/{sequence(self.base)}/{what}", mine, TIMEOUT, decide=decide, each=True)
 
     def failures(self, what: str, error: str | None) -> dict[int, str]:
         """The processes whose `error` is not None, and their errors (the same on every process).
@@ -157,6 +156,6 @@ class Decisions:
         As `gather`, but the primary sends back the failures only: a few bytes when all went well."""
         if self.alone:
             return {} if error is None else {0: error}
-        found = agree(self.coord, f"{self.base}/{next(self._seq)}/{what}", error, TIMEOUT,
+        found = agree(self.coord, f"{self.base}/{sequence(self.base)}/{what}", error, TIMEOUT,
                       decide=lambda got: {str(p): e for p, e in sorted(got.items()) if e is not None})
         return {int(p): e for p, e in found.items()}
