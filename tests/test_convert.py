@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import cairn
 from cairn._exports.safetensors import from_safetensors, to_safetensors
-from cairn._exports.torchfile import to_torch_file
+from cairn._exports.statedict import to_torch_file
 from cairn._sources import verify as _verify
 
 
@@ -200,7 +200,7 @@ _RSS_SCRIPT = textwrap.dedent(
     import json, sys
     kind, src, dst, budget, warm = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
     from cairn._exports.safetensors import from_safetensors, to_safetensors
-    from cairn._exports.torchfile import to_torch_file
+    from cairn._exports.statedict import to_torch_file
 
     def convert(src, dst):
         if kind == "safetensors":

@@ -319,7 +319,7 @@ def load(
             raise _transforms.explained(source, e) from None
     _transforms.finish(source, loc.path, report)
     if framework == "torch":
-        from ._tree.tensors import tree_to_torch
+        from ._tree.torchconv import tree_to_torch
 
         out = tree_to_torch(out, loc.path)
     return out
