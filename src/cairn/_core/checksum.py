@@ -29,6 +29,8 @@ def block_crcs(data: Buffer | Sequence[Buffer], block: int) -> list[int]:
     >>> block_crcs([b"ab", b"cd"], 3) == [crc32c(b"abc"), crc32c(b"d")]
     True
     """
+    if type(data) is memoryview and data.format == "B" and len(data) <= block:  # the common small chunk
+        return [crc32c(data)] if len(data) else []
     parts: Sequence[Buffer] = data if isinstance(data, (list, tuple)) else [data]
     out: list[int] = []
     crc, filled = 0, 0
