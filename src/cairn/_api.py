@@ -11,6 +11,7 @@ import os
 import time
 from typing import Any
 
+from ._core.renamed import renamed_keyword
 from ._core.stats import LoadStats, SaveStats
 from ._dist.coord import Coordinator
 from ._load import engine as _load
@@ -40,6 +41,7 @@ def save(
     timeout: float = 1800.0,
     compression: str | bool = "auto",
     base: PathLike | None = None,
+    user_metadata: dict[str, Any] | None = None,
 ) -> SaveStats:
     """Save `state` at `path` and return once it is committed.
 
@@ -80,7 +82,14 @@ def save(
     gives a save that writes every block, with hashes, for the next one.
 
         cairn.save("/ckpt/step_101", state, base="/ckpt/step_100")
+
+    `user_metadata` (a JSON-able dict: data position, config, git hash) is stored in the manifest and
+    read back with `cairn.user_metadata`. (``metadata=`` is its old spelling: deprecated, it goes in
+    the next release; `cairn.metadata` is the arrays' metadata.)
+
+        cairn.save("/ckpt/step_100", state, user_metadata={"data_epoch": 3})
     """
+    metadata = renamed_keyword("save", "user_metadata", user_metadata, "metadata", metadata)
     opts = SaveOptions(overwrite=overwrite, coordinator=coordinator, threads=threads, split_replicas=split_replicas,
                        timeout=timeout, compression=compression)
     _async.raise_unreported()  # before resolving `path`, whatever is wrong with it
@@ -102,6 +111,7 @@ def save_async(
     snapshot_budget_bytes: int | None = None,
     compression: str | bool = "auto",
     base: PathLike | None = None,
+    user_metadata: dict[str, Any] | None = None,
 ) -> SaveFuture:
     """Start saving `state` at `path`; return after validation and the snapshot.
 
@@ -123,8 +133,11 @@ def save_async(
         f = cairn.save_async(f"/ckpt/step_{step}", state)
         state = train_step(state)      # may donate the saved buffers
         f.result()
+
+    `user_metadata` is as for `save` (``metadata=``, its old spelling, is deprecated).
     """
     t0 = time.perf_counter()
+    metadata = renamed_keyword("save_async", "user_metadata", user_metadata, "metadata", metadata)
     opts = SaveOptions(overwrite=overwrite, coordinator=coordinator, threads=threads, split_replicas=split_replicas,
                        timeout=timeout, snapshot_budget_bytes=snapshot_budget_bytes, compression=compression)
     _async.admit()  # an uncollected error and back-pressure come before resolving `path`
@@ -286,7 +299,7 @@ def load(
     loc = resolve(path, storage_options)
     out = _sources.load(loc, target, opts, report=report, stats=stats, started=t0)
     if framework == "torch":
-        from ._tree.tensors import tree_to_torch
+        from ._tree.torchconv import tree_to_torch
 
         out = tree_to_torch(out, loc.path)
     return out
@@ -307,18 +320,18 @@ def metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None, f
 
 
 def user_metadata(path: PathLike, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The user metadata saved with the checkpoint at `path`: the ``metadata=`` its save was given.
+    """The user metadata saved with the checkpoint at `path`: the ``user_metadata=`` its save was given.
 
-    That is ``cairn.save(path, state, metadata=...)``'s dict; for a step of a
-    `CheckpointManager` run, ``mgr.save(step, state, metadata=...)``'s (as
-    ``mgr.metadata(step)``; the metrics are the manager's); for an Orbax
+    That is ``cairn.save(path, state, user_metadata=...)``'s dict; for a step of a
+    `CheckpointManager` run, ``mgr.save(step, state, user_metadata=...)``'s (as
+    ``mgr.user_metadata(step)``; the metrics are the manager's); for an Orbax
     ``CheckpointManager`` step folder, its ``custom_metadata``. A checkpoint
     saved without any gives ``{}``. Reads only the manifest. Raises
     `CheckpointNotFoundError` if nothing is committed at `path`.
 
     Example:
 
-        cairn.save("/ckpt/step_100", state, metadata={"data_epoch": 3, "git": "abc123"})
+        cairn.save("/ckpt/step_100", state, user_metadata={"data_epoch": 3, "git": "abc123"})
         cairn.user_metadata("/ckpt/step_100")    # {"data_epoch": 3, "git": "abc123"}
     """
     return _steps.saved_metadata(resolve(path, storage_options))

@@ -42,7 +42,7 @@ def make_state(mesh, seed=0):
 @pytest.fixture
 def ckpt(tmp_path, mesh8, unmerged):  # w in 8 chunks, one per shard (the verify tests name them)
     path = tmp_path / "ck"
-    cairn.save(path, make_state(mesh8), metadata={"note": "hello"})
+    cairn.save(path, make_state(mesh8), user_metadata={"note": "hello"})
     return path
 
 
@@ -207,8 +207,8 @@ def _manager_meta(step, loss):
 def test_ls_and_gc_with_an_interrupted_save(tmp_path, monkeypatch, capsys, where):
     base = str(tmp_path / "run") if where == "local" else f"memory://cli-{uuid.uuid4().hex}/run"
     state = {"x": np.arange(1000, dtype=np.float32), "n": 1}
-    cairn.save(f"{base}/step_00000001", state, metadata=_manager_meta(1, 0.5))
-    cairn.save(f"{base}/step_00000002", state, metadata=_manager_meta(2, 0.25))
+    cairn.save(f"{base}/step_00000001", state, user_metadata=_manager_meta(1, 0.5))
+    cairn.save(f"{base}/step_00000002", state, user_metadata=_manager_meta(2, 0.25))
     _interrupted_save(monkeypatch, f"{base}/step_00000003", state)  # raw: its data file has 4000 bytes
     if where == "local":
         os.makedirs(tmp_path / "run" / "notes")  # not cairn's: never listed, never removed
@@ -247,7 +247,7 @@ def test_gc_never_removes_a_folder_that_holds_checkpoints(tmp_path, monkeypatch,
     has cairn files below it but no manifest of its own: it is not an uncommitted save."""
     base = str(tmp_path / "runs") if where == "local" else f"memory://cli-{uuid.uuid4().hex}/runs"
     state = {"x": np.arange(100, dtype=np.float32)}
-    cairn.save(f"{base}/a/step_00000001", state, metadata=_manager_meta(1, 0.5))
+    cairn.save(f"{base}/a/step_00000001", state, user_metadata=_manager_meta(1, 0.5))
     cairn.save(f"{base}/process_0/step_00000004/", state)
     _interrupted_save(monkeypatch, f"{base}/step_00000003", state)  # the one leftover
     entries = json.loads(run(capsys, "ls", base, "--json")[1])["entries"]

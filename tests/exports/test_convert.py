@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 
 import cairn
 from cairn._exports.safetensors import from_safetensors, to_safetensors
-from cairn._exports.torchfile import to_torch_file
+from cairn._exports.statedict import to_torch_file
 from cairn._sources import verify as _verify
 
 
@@ -67,7 +67,7 @@ def rich_state(mesh):
 @pytest.mark.parametrize("per_item", [False, True])
 def test_safetensors_round_trip_is_bitwise(tmp_path, mesh8, per_item):
     state = rich_state(mesh8)
-    cairn.save(tmp_path / "ck", state, metadata={"run": "r1"})
+    cairn.save(tmp_path / "ck", state, user_metadata={"run": "r1"})
     dst = tmp_path / ("dir" if per_item else "m.safetensors")
     written = to_safetensors(tmp_path / "ck", dst, per_item=per_item, all_items=True, budget_bytes=1 << 20)
     assert len(written) == (4 if per_item else 1)
@@ -200,7 +200,7 @@ _RSS_SCRIPT = textwrap.dedent(
     import json, sys
     kind, src, dst, budget, warm = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5]
     from cairn._exports.safetensors import from_safetensors, to_safetensors
-    from cairn._exports.torchfile import to_torch_file
+    from cairn._exports.statedict import to_torch_file
 
     def convert(src, dst):
         if kind == "safetensors":

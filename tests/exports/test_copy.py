@@ -34,7 +34,7 @@ def make_state(seed: int = 0, n: int = 1 << 18) -> dict:
 @pytest.fixture
 def src(tmp_path):
     path = tmp_path / "src" / "ck"
-    cairn.save(path, make_state(), metadata={"note": "hello"})
+    cairn.save(path, make_state(), user_metadata={"note": "hello"})
     return path
 
 
@@ -141,7 +141,7 @@ def test_corrupt_source_is_detected_and_nothing_is_committed(src, tmp_path, dst_
     flip_byte(f, f.stat().st_size // 2)
     before = tree_bytes(src)
     dst = str(tmp_path / "dst") if dst_kind == "local" else f"memory://corrupt-{os.getpid()}/dst"
-    with pytest.raises(cairn.CorruptCheckpointError, match=rf"{src} \[b\]: leaf '<root>' chunk 0 .* in 'b/p00000-0\..*\.bin' is corrupt: block"):
+    with pytest.raises(cairn.CorruptCheckpointError, match=rf"{src} \[b\]: checksum mismatch in leaf '<root>' chunk 0 .* of 'b/p00000-0\..*\.bin', block 1 "):
         cairn.copy(src, dst, budget_bytes=1 * MiB)
     with pytest.raises(cairn.CheckpointNotFoundError):
         cairn.load(dst)

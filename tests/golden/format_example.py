@@ -159,7 +159,7 @@ Saving, with two JAX devices,
 mesh = jax.make_mesh((2,), ("x",))
 w = jax.device_put(np.arange(8, dtype=np.float32).reshape(4, 2), NamedSharding(mesh, P("x")))
 cairn.save("step_5", {{"params": {{"w": w, "b": np.array([0.5, -1.0], ml_dtypes.bfloat16)}},
-                      "step": 5, "lr": 0.001}}, metadata={{"note": "example"}})
+                      "step": 5, "lr": 0.001}}, user_metadata={{"note": "example"}})
 ```
 
 writes (token `{token}`):

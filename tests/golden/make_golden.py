@@ -55,7 +55,7 @@ def step_5(path: Path) -> None:
     mesh = jax.make_mesh((2,), ("x",), devices=jax.devices()[:2])
     w = jax.device_put(np.arange(8, dtype=np.float32).reshape(4, 2), NamedSharding(mesh, P("x")))
     cairn.save(path, {"params": {"w": w, "b": np.array([0.5, -1.0], ml_dtypes.bfloat16)},
-                      "step": 5, "lr": 0.001}, metadata={"note": "example"})
+                      "step": 5, "lr": 0.001}, user_metadata={"note": "example"})
 
 
 def numpy_arrays(path: Path) -> None:
@@ -174,7 +174,7 @@ def two_items(path: Path) -> None:
     }
     meta = {"note": "two checkpointables", "run": {"id": 42, "tags": ["a", "b"], "lr": 0.5,
                                                       "none": None, "ok": True}, "unicode": "é✓"}
-    cairn.save(path, state, metadata=meta)
+    cairn.save(path, state, user_metadata=meta)
 
 
 class Tag:
@@ -249,7 +249,7 @@ def _two_processes_worker(index: int, port: int, path: str) -> None:
         },
         "step": 3,
     }
-    cairn.save(path, state, split_replicas=True, metadata={"processes": 2})
+    cairn.save(path, state, split_replicas=True, user_metadata={"processes": 2})
     jax.distributed.shutdown()
 
 

@@ -47,7 +47,7 @@ def main() -> int:
         loc = resolve(OUT / f"step_{step:08d}")
         kw = {"hashes": True} if base is None else {"base": resolve(OUT / f"step_{base:08d}"), "hashes": True}
         job = _save.prepare(loc, state(step), block_size=4096, min_file_bytes=16384, compression=compression,
-                            metadata={"note": "v4 delta golden"}, **kw)
+                            user_metadata={"note": "v4 delta golden"}, **kw)
         job.run()
         print(f"wrote {loc.path} with cairn {cairn.__version__}")
     return 0

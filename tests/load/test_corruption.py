@@ -44,7 +44,7 @@ def state():
 def pristine(tmp_path_factory, request):
     """The checkpoint raw (format version 2) and with every array compressed (version 3)."""
     path = tmp_path_factory.mktemp("corrupt") / "ckpt"
-    cairn.save(path, state(), metadata={"note": "original"}, compression=request.param)
+    cairn.save(path, state(), user_metadata={"note": "original"}, compression=request.param)
     return path
 
 
@@ -222,9 +222,9 @@ def fuzz_dir(tmp_path_factory, request):
     `stored` size and the `codec` of format version 3)."""
     path = tmp_path_factory.mktemp("fuzz") / "ckpt"
     if request.param == "raw":
-        cairn.save(path, state(), metadata={"note": "original"})
+        cairn.save(path, state(), user_metadata={"note": "original"})
     else:
-        cairn.save(path, state(), metadata={"note": "original"}, compression="zstd")
+        cairn.save(path, state(), user_metadata={"note": "original"}, compression="zstd")
         as_explicit(path)
         assert b'"stored"' in index_file(path, "params").read_bytes()
     return path

@@ -556,8 +556,8 @@ def test_user_metadata_reads_back_what_save_was_given(tmp_path, where):
 
     base = str(tmp_path) if where == "local" else f"memory://meta-{uuid.uuid4().hex}"
     given = {"data_epoch": 3, "git": "abc123", "nested": {"lr": [0.1, 0.01], "ok": True, "none": None}, "é": "ü"}
-    cairn.save(f"{base}/with", {"x": np.arange(3)}, metadata=given)
-    cairn.save_async(f"{base}/async", {"x": np.arange(3)}, metadata={"k": 1}).result(timeout=60)
+    cairn.save(f"{base}/with", {"x": np.arange(3)}, user_metadata=given)
+    cairn.save_async(f"{base}/async", {"x": np.arange(3)}, user_metadata={"k": 1}).result(timeout=60)
     cairn.save(f"{base}/without", {"x": np.arange(3)})
     assert cairn.user_metadata(f"{base}/with") == given
     assert cairn.user_metadata(f"{base}/async") == {"k": 1}
@@ -567,6 +567,20 @@ def test_user_metadata_reads_back_what_save_was_given(tmp_path, where):
     assert cairn.user_metadata(f"{base}/with")["git"] == "abc123"
     with pytest.raises(cairn.CheckpointNotFoundError, match=f"{base}/nothing"):
         cairn.user_metadata(f"{base}/nothing")
+
+
+def test_save_metadata_is_the_deprecated_spelling_of_user_metadata(tmp_path):
+    """``save(metadata=)`` and ``save_async(metadata=)`` still store the user's dict for one release, with a
+    DeprecationWarning naming ``user_metadata=``; both spellings at once is a TypeError (nothing saved)."""
+    with pytest.warns(DeprecationWarning, match=r"save\(metadata=\.\.\.\) is deprecated .* pass user_metadata="):
+        cairn.save(tmp_path / "old", {"x": np.arange(3)}, metadata={"k": 1})
+    with pytest.warns(DeprecationWarning, match=r"save_async\(metadata=\.\.\.\) is deprecated"):
+        cairn.save_async(tmp_path / "old_async", {"x": np.arange(3)}, metadata={"k": 2}).result(timeout=60)
+    assert cairn.user_metadata(tmp_path / "old") == {"k": 1}
+    assert cairn.user_metadata(tmp_path / "old_async") == {"k": 2}
+    with pytest.raises(TypeError, match="both user_metadata= and its deprecated spelling metadata="):
+        cairn.save(tmp_path / "both", {"x": np.arange(3)}, metadata={"k": 1}, user_metadata={"k": 1})
+    assert not (tmp_path / "both").exists()
 
 
 def test_a_data_file_batch_keeps_bytes_and_order():

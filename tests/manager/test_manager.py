@@ -408,3 +408,18 @@ def test_sigkill_during_async_saves_leaves_a_clean_latest(tmp_path):
         mgr.close()
     leftovers = [n for n in os.listdir(d) if not n.startswith("step_")]
     assert len(leftovers) <= 2, leftovers  # only what the last kill interrupted
+
+
+def test_manager_user_metadata_and_its_deprecated_spellings(tmp_path):
+    """``mgr.save(user_metadata=)`` / ``mgr.user_metadata(step)`` are the user's dict; ``metadata=`` and
+    ``mgr.metadata(step)`` still work for one release and warn, naming the new spelling."""
+    with cairn.CheckpointManager(tmp_path / "run", handle_sigterm=False, async_save=False) as mgr:
+        mgr.save(1, {"w": np.ones(2)}, user_metadata={"epoch": 1})
+        with pytest.warns(DeprecationWarning, match=r"CheckpointManager.save\(metadata=\.\.\.\) .* user_metadata="):
+            mgr.save(2, {"w": np.ones(2)}, metadata={"epoch": 2})
+        assert mgr.user_metadata(1) == {"epoch": 1} and mgr.user_metadata() == {"epoch": 2}
+        with pytest.warns(DeprecationWarning, match=r"call CheckpointManager.user_metadata\(\)"):
+            assert mgr.metadata(2) == {"epoch": 2}
+        with pytest.raises(TypeError, match="both user_metadata= and"):
+            mgr.save(3, {"w": np.ones(2)}, metadata={}, user_metadata={})
+        assert mgr.steps() == [1, 2]

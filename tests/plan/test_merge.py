@@ -12,10 +12,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
-from cairn._core.checksum import crc32c
+from cairn._core.checksum import block_crcs, crc32c
 from cairn._plan import rowmerge as _merge
 from cairn._plan.chunking import ChunkLayout
-from cairn._save.engine import _block_crcs
 
 
 def _leaf_json(path, item):
@@ -43,7 +42,7 @@ def test_block_crcs_across_pieces_equal_those_of_the_joined_bytes():
     pieces = [memoryview(rng.integers(0, 256, n, dtype=np.uint8).tobytes()) for n in (5000, 3, 12000, 0, 4096)]
     joined = b"".join(pieces)
     block = 4096
-    assert _block_crcs(pieces, block) == [crc32c(joined[o : o + block]) for o in range(0, len(joined), block)]
+    assert block_crcs(pieces, block) == [crc32c(joined[o : o + block]) for o in range(0, len(joined), block)]
 
 
 @pytest.mark.parametrize("async_save", [False, True])

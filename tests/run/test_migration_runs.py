@@ -208,7 +208,7 @@ def test_orbax_to_cairn_and_back_in_place_keeps_every_step_in_order(tmp_path, me
         assert mgr.restored_step == 20 and got["extra"] == {"epoch": 2, "seen": 20}
         for step in (30, 40, 50):
             mgr.save(step, {"state": state_of(mesh42, step), "extra": {"epoch": step // 10, "seen": step}},
-                     metrics={"loss": 1.0 / (step + 1)}, metadata={"git": "abc"})
+                     metrics={"loss": 1.0 / (step + 1)}, user_metadata={"git": "abc"})
         mgr.wait()
         assert mgr.steps() == [10, 20, 40, 50]
     # Back: the run's cairn steps become Orbax steps under the run's own naming, in place.
@@ -275,7 +275,7 @@ def test_export_a_whole_run_into_a_new_directory(tmp_path, mesh42):
 
 def test_export_orbax_keeps_item_kinds_and_says_what_cannot_be_json(tmp_path):
     cairn.save(tmp_path / "ck", {"params": {"w": np.ones(3, np.float32)}, "config": {"lr": 0.1, "name": "a"},
-                                 "loader": {"epoch": 3, "files": ["x", "y"]}}, metadata={"note": "n"})
+                                 "loader": {"epoch": 3, "files": ["x", "y"]}}, user_metadata={"note": "n"})
     out = cairn.export_orbax(tmp_path / "ck", tmp_path / "o")
     handlers = json.loads((tmp_path / "o" / "_CHECKPOINT_METADATA").read_text())["item_handlers"]
     assert "JsonCheckpointHandler" in handlers["config"] and "JsonCheckpointHandler" in handlers["loader"]

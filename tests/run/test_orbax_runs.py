@@ -129,10 +129,10 @@ def test_step_format_keeps_orbax_names(tmp_path, mesh42, capsys):
     with cairn.CheckpointManager(run, handle_sigterm=False, step_format="{step}", async_save=False) as mgr:
         assert mgr.steps() == [100, 200]
         state = mgr.restore(target=abstract(states[200], mesh42))
-        mgr.save(300, state, metadata={"data_epoch": 3})
+        mgr.save(300, state, user_metadata={"data_epoch": 3})
         assert mgr.steps() == [100, 200, 300] and mgr.path(300) == f"{run}/300"
         assert os.path.exists(run / "300" / "manifest.json")
-        assert mgr.metadata(300) == {"data_epoch": 3} and mgr.metadata(100) == {}
+        assert mgr.user_metadata(300) == {"data_epoch": 3} and mgr.user_metadata(100) == {}
         same(cairn.load(run / "300", abstract(states[200], mesh42)), states[200])
     # Reopened, nothing of Orbax's is mistaken for an interrupted save of ours.
     with cairn.CheckpointManager(run, handle_sigterm=False, step_format="{step}") as mgr:
@@ -171,23 +171,23 @@ def test_what_an_orbax_user_looks_for(tmp_path, mesh42):
         omgr.wait_until_finished()
     with cairn.CheckpointManager(run, handle_sigterm=False, keep_best=1, best_metric="loss",
                                  max_to_keep=1) as mgr:
-        assert mgr.metadata(1) == {"epoch": 0}
+        assert mgr.user_metadata(1) == {"epoch": 0}
         assert cairn.user_metadata(run / "1") == {"epoch": 0}  # an Orbax step folder: its custom_metadata
         for step, loss in ((2, 0.5), (3, 0.9), (4, 0.7)):
             mgr.save(step, {"w": np.full(4, step, np.float32)}, metrics={"loss": loss},
-                     metadata={"epoch": step, "tags": ["a"]})
+                     user_metadata={"epoch": step, "tags": ["a"]})
         mgr.wait()
         # keep_best and max_to_keep are a union: the best (2) and the newest (4) survive, and Orbax's 1.
         assert mgr.steps() == [1, 2, 4] and mgr.best_step() == 2
         assert mgr.best_step("loss", "max") == 4
-        assert mgr.metadata() == {"epoch": 4, "tags": ["a"]} and mgr.metadata(2)["epoch"] == 2
+        assert mgr.user_metadata() == {"epoch": 4, "tags": ["a"]} and mgr.user_metadata(2)["epoch"] == 2
         assert cairn.user_metadata(mgr.path(4)) == {"epoch": 4, "tags": ["a"]}  # not the manager's metrics
         mgr.delete(2)
         assert mgr.steps() == [1, 4] and mgr.best_step() == 4
         with pytest.raises(cairn.CheckpointNotFoundError, match="step 2 has no committed checkpoint"):
             mgr.delete(2)
         with pytest.raises(TypeError, match="JSON-able"):
-            mgr.save(5, {"w": np.ones(4)}, metadata={"x": object()})
+            mgr.save(5, {"w": np.ones(4)}, user_metadata={"x": object()})
     with cairn.CheckpointManager(run, handle_sigterm=False) as mgr, \
             pytest.raises(ValueError, match="best_step needs a metric"):
         mgr.best_step()

@@ -231,7 +231,7 @@ def test_copy_recompresses_when_asked(tmp_path, capsys):
     from cairn._cli.main import main
 
     state = state_of()
-    cairn.save(tmp_path / "raw", state, compression=False, metadata={"note": 1})
+    cairn.save(tmp_path / "raw", state, compression=False, user_metadata={"note": 1})
     stats = cairn.copy(tmp_path / "raw", tmp_path / "planes", compression="planes")
     ck, leaves = leaves_of(tmp_path / "planes")
     assert ck.manifest.version == 3 and ck.manifest.metadata == {"note": 1}

@@ -336,7 +336,7 @@ def test_dcp_crafted_tensor_pickle_is_refused(tmp_path):
     """A torch.save blob whose data.pkl calls anything but the tensor rebuild is refused, never run."""
     import zipfile
 
-    from cairn._sources import torchsave as tsv
+    from cairn._sources import torchpickle as tsv
     from cairn._storage import LocalStorage
 
     marker = tmp_path / "pwned"

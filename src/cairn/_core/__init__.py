@@ -1,1 +1,1 @@
-"""The bottom room: primitives any layer may use (checksums, host buffers, a bounded memo, stats and listeners, pausing the garbage collector). Nothing here imports another cairn room."""
+"""The bottom room: primitives any layer may use (checksums and the block hasher and checker, deprecated spellings, host buffers, a bounded memo, stats and listeners, pausing the garbage collector). Nothing here imports another cairn room."""

@@ -7,6 +7,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any as Buffer  # collections.abc.Buffer is Python 3.12+
 
+from .._errors import CorruptCheckpointError
+
 try:
     from crc32c import crc32c as _crc32c
 except ImportError:  # pragma: no cover - the dependency is required; this keeps errors readable
@@ -18,6 +20,52 @@ def crc32c(data: Buffer, value: int = 0) -> int:
     if _crc32c is None:
         raise ImportError("cairn needs the 'crc32c' package (pip install crc32c)")
     return _crc32c(data, value)
+
+
+def block_crcs(data: Buffer | Sequence[Buffer], block: int) -> list[int]:
+    """The check record of a chunk's bytes: the CRC-32C of each `block`-byte block (the last may be
+    shorter) of `data`, or of the concatenation of its parts without joining them.
+
+    >>> block_crcs([b"ab", b"cd"], 3) == [crc32c(b"abc"), crc32c(b"d")]
+    True
+    """
+    if type(data) is memoryview and data.format == "B" and len(data) <= block:  # the common small chunk
+        return [crc32c(data)] if len(data) else []
+    parts: Sequence[Buffer] = data if isinstance(data, (list, tuple)) else [data]
+    out: list[int] = []
+    crc, filled = 0, 0
+    for part in parts:
+        m = part if isinstance(part, memoryview) and part.format == "B" else memoryview(part).cast("B")
+        pos = 0
+        while pos < len(m):
+            take = min(block - filled, len(m) - pos)
+            crc = crc32c(m[pos : pos + take], crc)
+            filled += take
+            pos += take
+            if filled == block:
+                out.append(crc)
+                crc, filled = 0, 0
+    if filled:
+        out.append(crc)
+    return out
+
+
+def mismatch(block: str, stored: int, got: int) -> str:
+    """The one wording of a block whose bytes fail their check: `block` says which (file, bytes, leaf,
+    chunk), e.g. ``"'p00000-0.x.bin' bytes 0..1048576 (leaf 'w')"``."""
+    return f"checksum mismatch in {block}: stored {stored:#010x}, computed {got:#010x} (CRC-32C)"
+
+
+def check_block(data: Buffer | int, stored: int, path: object, block: str) -> None:
+    """Check one block against its stored CRC-32C: `data` is its bytes, or their CRC-32C where a
+    reader computed it piece by piece. Raises the `CorruptCheckpointError` naming the checkpoint
+    `path` and the `block` (see `mismatch`).
+
+    >>> check_block(b"abc", crc32c(b"abc"), "/ckpt", "'f.bin' bytes 0..3")
+    """
+    got = data if isinstance(data, int) else crc32c(data)
+    if got != stored:
+        raise CorruptCheckpointError(f"{path}: {mismatch(block, stored, got)}")
 
 
 class BlockChecks:

@@ -8,6 +8,9 @@ once here and shared through the coordinator:
 
 - `shared`: the primary decides (lists the directory, say) and publishes
   the answer; the others take it.
+- `settle`: the end of a save or an export. Every process reports how its
+  part went; the primary commits if all went well (or cleans up if not) and
+  every process learns the one outcome.
 - `gather`: every process reports its own outcome (the step loaded, or the
   error it hit) and every process gets all of them, so all act on the same
   facts (fall back together). The outcomes go to the primary, which sends
@@ -26,9 +29,11 @@ import itertools
 import json
 import threading
 import zlib
+from collections.abc import Callable
 from typing import Any
 
-from .coord import Coordinator, agree, fetch_from
+from .._errors import CoordinationError, error_record, first_failure
+from .coord import Coordinator, agree, drop_keys, fetch_from
 
 _counters: dict[str, itertools.count[int]] = {}
 _lock = threading.Lock()
@@ -51,6 +56,53 @@ def sequence(name: str) -> int:
         counter = _counters.setdefault(name, itertools.count())
         return next(counter)
 
+def settle(coord: Coordinator, prefix: str, status: dict[str, Any], timeout: float,
+           finish: Callable[[dict[int, Any]], None], abort: Callable[[], None] = lambda: None,
+           forget: str | None = None) -> dict[str, Any]:
+    """The status -> primary -> outcome exchange that ends a save or an export (through `agree`).
+
+    Every process sends its `status`: ``{"ok": True, ...}`` (what the primary needs of its part), or
+    ``{"ok": False, "error": error_record(...)}``. The primary runs ``finish(statuses)`` (the commit)
+    when every status is ok, and ``abort()`` when one is not, when `finish` raises, or when it could
+    not gather them (a dead peer, a timeout: the error names the process). Every process returns the
+    same outcome: ``{"ok": True}``, or ``{"ok": False, "error": record, "message": ...}`` where the
+    record is the first failure's and the message names every failed process. A process that cannot
+    hear the primary raises `CoordinationError`. Once every status is in, every process is past the
+    previous operation of the kind, and the primary drops its keys (`forget`, a prefix).
+
+    Example:
+
+        outcome = settle(coord, f"cairn/save/{n}/status", {"ok": True}, 600, finish=commit, abort=clean)
+    """
+    decided = False
+
+    def decide(statuses: dict[int, Any]) -> dict[str, Any]:
+        nonlocal decided
+        decided = True
+        if forget is not None:
+            drop_keys(coord, forget)
+        failure = first_failure(statuses)
+        if failure is not None:
+            abort()
+            return {"ok": False, "error": failure[0], "message": failure[1]}
+        try:
+            finish(statuses)
+        except BaseException as e:
+            abort()
+            record = error_record(e, 0)
+            return {"ok": False, "error": record, "message": f"process 0: {record['message']}"}
+        return {"ok": True}
+
+    try:
+        outcome: dict[str, Any] = agree(coord, prefix, status, timeout, decide=decide)
+    except CoordinationError as e:
+        if coord.process_index != 0 or decided:
+            raise
+        abort()  # the primary could not gather the statuses; every process was told why
+        return {"ok": False, "error": error_record(e), "message": str(e)}
+    return outcome
+
+
 #: How long a process waits for a decision of the others (dead peers are noticed sooner).
 TIMEOUT = 600.0
 
@@ -62,7 +114,6 @@ class Decisions:
         self.coord = coord
         instance = sequence(f"decisions:{scope}")  # two managers of one directory in one program stay apart
         self.base = f"cairn/agree/{zlib.crc32(scope.encode()):08x}.{instance}"
-        self._seq = itertools.count()
 
     @property
     def alone(self) -> bool:
@@ -72,7 +123,7 @@ class Decisions:
         """The primary's `value` (JSON), on every process. Non-primaries' `value` is ignored."""
         if self.alone:
             return value
-        key = f"{self.base}/{next(self._seq)}/{what}"
+        key = f"{self.base}/{sequence(self.base)}/{what}"
         if self.coord.process_index == 0:
             self.coord.publish(key, json.dumps(value).encode())
             return value
@@ -85,19 +136,19 @@ class Decisions:
         message of all of them (one publish and one blocking get, whatever the process count)."""
         if self.alone:
             return {0: outcome}
-        return agree(self.coord, f"{self.base}/{next(self._seq)}/{what}", outcome, TIMEOUT)
+        return agree(self.coord, f"{self.base}/{sequence(self.base)}/{what}", outcome, TIMEOUT)
 
     def decide(self, what: str, mine: Any, decide: Any) -> Any:
         """The primary's ``decide(values by process)`` of every process's `mine`, on every process
         (`agree`): what comes back is the decision, not everyone's values."""
         if self.alone:
             return json.loads(json.dumps(decide({0: json.loads(json.dumps(mine))})))
-        return agree(self.coord, f"{self.base}/{next(self._seq)}/{what}", mine, TIMEOUT, decide=decide)
+        return agree(self.coord, f"{self.base}/{sequence(self.base)}/{what}", mine, TIMEOUT, decide=decide)
 
     def each(self, what: str, mine: Any, decide: Any) -> Any:
         """This process's part of the primary's ``decide(values by process)``, which returns
         ``{process: part}``: a process receives its own part only (`agree` with ``each``)."""
-        return agree(self.coord, f"{self.base}/{next(self._seq)}/{what}", mine, TIMEOUT, decide=decide, each=True)
+        return agree(self.coord, f"{self.base}/{sequence(self.base)}/{what}", mine, TIMEOUT, decide=decide, each=True)
 
     def failures(self, what: str, error: str | None) -> dict[int, str]:
         """The processes whose `error` is not None, and their errors (the same on every process).
@@ -105,6 +156,6 @@ class Decisions:
         As `gather`, but the primary sends back the failures only: a few bytes when all went well."""
         if self.alone:
             return {} if error is None else {0: error}
-        found = agree(self.coord, f"{self.base}/{next(self._seq)}/{what}", error, TIMEOUT,
+        found = agree(self.coord, f"{self.base}/{sequence(self.base)}/{what}", error, TIMEOUT,
                       decide=lambda got: {str(p): e for p, e in sorted(got.items()) if e is not None})
         return {int(p): e for p, e in found.items()}

@@ -115,7 +115,7 @@ def run_convert(args: Any, out: Any) -> int:
     from .._load.metadata import open_checkpoint
     from .export import export_safetensors
     from .safetensors import to_safetensors
-    from .torchfile import to_torch_file
+    from .statedict import to_torch_file
 
     total = None
     if args.to in ("safetensors", "torch"):

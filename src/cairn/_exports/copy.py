@@ -39,7 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from .._core.checksum import crc32c
+from .._core.checksum import check_block, crc32c
 from .._core.stats import Progress
 from .._errors import (
     CheckpointError,
@@ -222,10 +222,8 @@ class _Checker:
                 return
             want = leaf.crcs[cell][self.b]
             if self.crc != want:
-                raise CorruptCheckpointError(
-                    f"{self.where}{'' if not self.f.item else f' [{self.f.item}]'}: {describe_chunk(leaf, cell)} "
-                    f"in {self.f.rel!r} is corrupt: block {self.b} (file bytes {bs}..{be}) has CRC-32C "
-                    f"{self.crc:#010x}, stored {want:#010x}")
+                check_block(self.crc, want, f"{self.where}{'' if not self.f.item else f' [{self.f.item}]'}",
+                            f"{describe_chunk(leaf, cell)} of {self.f.rel!r}, block {self.b} (file bytes {bs}..{be})")
             self.crc, self.at, self.b = 0, self.at + sizes[self.b], self.b + 1
             if self.b >= len(sizes):
                 self.i, self.b, self.at = self.i + 1, 0, 0

@@ -25,15 +25,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from .._dist.agree import sequence
-from .._dist.coord import Coordinator, default_coordinator, drop_keys, fetch_from, gather_json
+from .._dist.agree import sequence, settle
+from .._dist.coord import Coordinator, default_coordinator
 from .._errors import (
     CheckpointError,
     CheckpointExistsError,
+    CoordinationError,
     UnsupportedTypeError,
     error_from_record,
     error_record,
-    first_failure,
 )
 from .._format import manifest as fmt
 from .._format import values
@@ -254,12 +254,13 @@ def export_safetensors(
     except BaseException as e:
         own_error = e
         status = {"ok": False, "error": error_record(e, me)}
-    coord.publish(f"{base}/status/{me}", json.dumps(status).encode())
-    if me == 0:
-        outcome = _finish(coord, base, seq, n, timeout, out, tensors, shards, files)
-        coord.publish(f"{base}/outcome", json.dumps(outcome).encode())
-    else:
-        outcome = json.loads(fetch_from(coord, f"{base}/outcome", timeout, writer=0))
+    try:
+        outcome = settle(coord, f"{base}/status", status, timeout, finish=lambda _: _finish(out, tensors, shards, files),
+                         forget=f"cairn/export/{seq - 1}" if seq > 0 else None)
+    except CoordinationError as e:  # this process did not hear the primary
+        if own_error is not None:
+            raise own_error from e
+        raise type(e)(f"exporting {os.fspath(path)} to {out.path}: {e}") from e
     if own_error is not None:
         raise own_error  # its own error is the most precise a process can raise
     if not outcome["ok"]:
@@ -299,29 +300,14 @@ def _write(ck: Any, out: Any, files: list[list[_Tensor]], names: list[str], budg
                 r.close()
 
 
-def _finish(coord: Coordinator, base: str, seq: int, n: int, timeout: float, out: Any, tensors: list[_Tensor],
-            shards: list[list[int]], names: list[str]) -> dict[str, Any]:
-    """Process 0: wait for every status, then write the index (sharded exports only)."""
-    try:
-        statuses = gather_json(coord, f"{base}/status", n, timeout)
-    except CheckpointError as e:
-        return {"ok": False, "error": error_record(e, 0), "message": str(e)}
-    if seq > 0:
-        drop_keys(coord, f"cairn/export/{seq - 1}")  # everyone is past the previous export
-    failure = first_failure(statuses)
-    if failure is not None:
-        return {"ok": False, "error": failure[0], "message": failure[1]}
-    try:
-        if len(names) > 1:
-            weight_map = {tensors[i].name: names[k] for k, s in enumerate(shards) for i in s}
-            index = {"metadata": {"total_size": sum(t.leaf.nbytes for t in tensors)},
-                     "weight_map": dict(sorted(weight_map.items()))}
-            out.storage.put(out.key(INDEX), json.dumps(index, indent=2).encode())
-        _remove_stale(out, set(names))
-    except BaseException as e:
-        record = error_record(e, 0)
-        return {"ok": False, "error": record, "message": f"process 0: {record['message']}"}
-    return {"ok": True}
+def _finish(out: Any, tensors: list[_Tensor], shards: list[list[int]], names: list[str]) -> None:
+    """Process 0, once every process has written its shards: the index (sharded exports only)."""
+    if len(names) > 1:
+        weight_map = {tensors[i].name: names[k] for k, s in enumerate(shards) for i in s}
+        index = {"metadata": {"total_size": sum(t.leaf.nbytes for t in tensors)},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        out.storage.put(out.key(INDEX), json.dumps(index, indent=2).encode())
+    _remove_stale(out, set(names))
 
 
 def _remove_stale(out: Any, names: set[str]) -> None:

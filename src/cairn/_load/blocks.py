@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .._core.checksum import crc32c
+from .._core.checksum import check_block, crc32c, mismatch
 from .._errors import CorruptCheckpointError
 from .._format import codecs as _codecs
 from .._format import manifest as fmt
@@ -67,10 +67,7 @@ def undelta(stored: Any, raw_size: int, dtype: Any, read_base: Any, out: np.ndar
     if codec == 0 and size != raw_size:
         raise CorruptCheckpointError(f"{where}: the base block of a delta stores {size} bytes, not {raw_size}")
     base = read_base(size, codec)
-    got = crc32c(base)
-    if got != crc:
-        raise CorruptCheckpointError(f"{where}: the base block of a delta has CRC-32C {got:#010x}, its "
-                                     f"header records {crc:#010x}")
+    check_block(base, crc, where, "the base block of a delta (stored: what its header records)")
     if codec == 0:
         if base is not out:
             out[:] = np.frombuffer(base, np.uint8)
@@ -127,10 +124,8 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
             if got != crc:
                 entry = reader.index.files[f]
                 where = (f"its base checkpoint {entry.base!r} " if entry.base is not None else "")
-                raise CorruptCheckpointError(
-                    f"{reader.loc.path}: checksum mismatch in {where}data file {entry.name!r} bytes {off}..{off + size}"
-                    f" (leaf {display_path(leaf.path, reader.item)!r}, chunk {cell} block {b}): stored {crc:#010x}, "
-                    f"computed {got:#010x}")
+                check_block(got, crc, reader.loc.path, f"{where}data file {entry.name!r} bytes {off}..{off + size} "
+                            f"(leaf {display_path(leaf.path, reader.item)!r}, chunk {cell} block {b})")
             lo = b * block - read.start
             hi = lo + raws[b]
             if codec == DELTA:
@@ -213,8 +208,9 @@ def check_chunk(leaf: fmt.ArrayLeaf, cell: int, block: int, files: list[fmt.File
         except OSError as e:
             bad.append(f"block {b} ({where}): reading failed: {e}")
             continue
-        if crc32c(buf) != crc:
-            bad.append(f"block {b} ({where}) has CRC-32C {crc32c(buf):#010x}, stored {crc:#010x}")
+        got = crc32c(buf)
+        if got != crc:
+            bad.append(mismatch(f"block {b} ({where})", crc, got))
             continue
         try:
             if codec == DELTA:

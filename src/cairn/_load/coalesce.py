@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 
 from .._core.boxes import full_box
-from .._core.checksum import BlockChecks, crc32c
+from .._core.checksum import BlockChecks, check_block
+from .._errors import CorruptCheckpointError
 from .._format import codecs as _codecs
 from .._format.binindex import LazyChunks
 from .._plan.leafreads import plan_leaf_reads
@@ -268,7 +269,12 @@ def _run_checks(parts: list[tuple[Any, int, np.ndarray]], views: list[memoryview
 
 def _verified(leaf: Any, first: int, view: memoryview, block: int) -> bool:
     """Whether every checksum block of `leaf` (a `whole_span` leaf whose first byte is `first`) matches `view`."""
-    return all(crc32c(view[lo - first : hi - first]) == crc for lo, hi, crc in _blocks(leaf, block))
+    try:
+        for lo, hi, crc in _blocks(leaf, block):
+            check_block(view[lo - first : hi - first], crc, "", "")  # (the re-read names the leaf and bytes)
+    except CorruptCheckpointError:
+        return False
+    return True
 
 
 def _entries(leaf: Any) -> list[tuple[int, int, tuple[int, ...]]]:

@@ -7,17 +7,14 @@ malformed metadata become cairn errors that name the checkpoint; parsing
 
 from __future__ import annotations
 
-import errno
 import os
 import re
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 from .._core.gcpause import paused
-from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
+from .._errors import CheckpointNotFoundError, CorruptCheckpointError
 from .._format import manifest as fmt
-from .._storage.location import Location, resolve
+from .._storage.location import Location, ranges_reader, read_error, resolve
 
 
 def read_manifest(loc: Location) -> fmt.Manifest:
@@ -41,7 +38,7 @@ def stored_manifest(loc: Location) -> bytes | None:
     except IsADirectoryError:
         raise CorruptCheckpointError(f"{loc.path}: {fmt.MANIFEST} is not a file") from None
     except OSError as e:
-        raise _read_error(loc, fmt.MANIFEST, e) from e
+        raise read_error(loc, fmt.MANIFEST, e) from e
 
 
 def not_committed(loc: Location) -> CheckpointNotFoundError:
@@ -70,14 +67,6 @@ def _no_manifest(loc: Location) -> str:
     return f"{head}: no {fmt.MANIFEST}, and no files of a cairn save"
 
 
-def _read_error(loc: Location, what: str, e: OSError) -> CheckpointError:
-    if e.errno == errno.ELOOP:
-        return CorruptCheckpointError(
-            f"{loc.path}: {what} is a symbolic link (or lies under one); cairn never follows links inside a checkpoint"
-        )
-    return CheckpointError(f"{loc.path}: reading {what} failed: {e}")
-
-
 def read_index(loc: Location, info: fmt.ItemInfo) -> fmt.ItemIndex:
     return parse_index(loc, info, index_bytes(loc, info))
 
@@ -90,7 +79,7 @@ def index_bytes(loc: Location, info: fmt.ItemInfo) -> bytes:
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
         raise CorruptCheckpointError(f"{loc.path}: the index {key!r} named by the manifest is missing") from None
     except OSError as e:
-        raise _read_error(loc, f"the index {key!r}", e) from e
+        raise read_error(loc, f"the index {key!r}", e) from e
     return data
 
 
@@ -99,38 +88,8 @@ def parse_index(loc: Location, info: fmt.ItemInfo, data: bytes) -> fmt.ItemIndex
     with paused():  # tens of thousands of containers, none of them garbage
         index = fmt.ItemIndex.from_json(data, loc.storage.describe(loc.key(info.dir, info.index)))
     if index.table is not None:
-        index.table.reader = _part_reader(loc, info)
+        index.table.reader = ranges_reader(loc, info.dir)
     return index
-
-
-def _part_reader(loc: Location, info: fmt.ItemInfo) -> Any:
-    """Reads byte ranges of an item's binary index parts, in parallel (one request per range)."""
-
-    def read(requests: list[tuple[str, int, int]]) -> list[bytes]:
-        def one(req: tuple[str, int, int]) -> bytes:
-            name, start, length = req
-            key = loc.key(info.dir, name)
-            out = bytearray(length)
-            try:
-                r = loc.storage.open_read(key)
-            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-                raise CorruptCheckpointError(f"{loc.path}: the index part {key!r} named by the index is missing") from None
-            try:
-                r.read_into(start, memoryview(out))
-            except EOFError:
-                raise CorruptCheckpointError(f"{loc.path}: the index part {key!r} is truncated") from None
-            except OSError as e:
-                raise _read_error(loc, f"the index part {key!r}", e) from e
-            finally:
-                r.close()
-            return bytes(out)
-
-        if len(requests) == 1:
-            return [one(requests[0])]
-        with ThreadPoolExecutor(min(16, len(requests)), thread_name_prefix="cairn-index") as pool:
-            return list(pool.map(one, requests))
-
-    return read
 
 
 @dataclass

@@ -30,7 +30,7 @@ import numpy as np
 
 from .._core.boxes import Box, full_box
 from .._core.buffers import aligned_empty
-from .._core.checksum import BlockChecks
+from .._core.checksum import BlockChecks, mismatch
 from .._core.stats import LoadStats
 from .._dist.coord import activity
 from .._errors import CheckpointError, CorruptCheckpointError
@@ -181,11 +181,9 @@ class ChunkReader:
                       base: int, leaf: fmt.ArrayLeaf) -> BlockChecks:
         """The verification of `checks` (file bytes) over `segments`, which hold the file from `base` on."""
         def fail(c: tuple[int, int, int], got: int) -> CorruptCheckpointError:
-            return CorruptCheckpointError(
-                f"{self.loc.path}: checksum mismatch in {self.index.files[file].name!r} bytes "
-                f"{c[0]}..{c[1]} (leaf {display_path(leaf.path, self.item)!r}): stored {c[2]:#010x}, "
-                f"computed {got:#010x}"
-            )
+            return CorruptCheckpointError(f"{self.loc.path}: " + mismatch(
+                f"{self.index.files[file].name!r} bytes {c[0]}..{c[1]} (leaf {display_path(leaf.path, self.item)!r})",
+                c[2], got))
 
         return BlockChecks(checks, segments, base, fail)
 
@@ -257,10 +255,9 @@ class ChunkReader:
             checks.append((pos, pos + sizes[b], crcs[b]))
             pos += sizes[b]
         def fail(c: tuple[int, int, int], got: int) -> CorruptCheckpointError:
-            return CorruptCheckpointError(
-                f"{self.loc.path}: checksum mismatch in {name!r} block {b0 + checks.index(c)} of chunk {cell} (stored "
-                f"bytes {c[0]}..{c[1]}, leaf {display_path(leaf.path, self.item)!r}): stored {c[2]:#010x}, "
-                f"computed {got:#010x}")
+            return CorruptCheckpointError(f"{self.loc.path}: " + mismatch(
+                f"{name!r} block {b0 + checks.index(c)} of chunk {cell} (stored bytes {c[0]}..{c[1]}, "
+                f"leaf {display_path(leaf.path, self.item)!r})", c[2], got))
 
         def decode(i: int) -> None:  # block b0 + i, after its check passed
             b, c = b0 + i, checks[i]

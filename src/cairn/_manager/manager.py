@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from .._core.renamed import renamed_keyword, renamed_method
 from .._dist.agree import Decisions
 from .._dist.coord import Coordinator, default_coordinator
 from .._dist.preemption import PreemptionWatch
@@ -395,16 +396,16 @@ class CheckpointManager(StepWatch):
         """
         return dict(self._info(step).metrics)
 
-    def metadata(self, step: int | None = None) -> dict[str, Any]:
-        """The user metadata saved with `step` (default: the newest), as given to `save(metadata=)`.
+    def user_metadata(self, step: int | None = None) -> dict[str, Any]:
+        """The user metadata saved with `step` (default: the newest), as given to `save(user_metadata=)`.
 
         For an Orbax step: its ``custom_metadata``. Raises
         `CheckpointNotFoundError` if `step` is not committed.
 
         Example:
 
-            mgr.save(100, state, metadata={"data_epoch": 3, "git": "abc123"}); mgr.wait()
-            mgr.metadata(100)    # {"data_epoch": 3, "git": "abc123"}
+            mgr.save(100, state, user_metadata={"data_epoch": 3, "git": "abc123"}); mgr.wait()
+            mgr.user_metadata(100)    # {"data_epoch": 3, "git": "abc123"}
         """
         step = self._committed(step)
         loc = self._location(step)
@@ -412,6 +413,19 @@ class CheckpointManager(StepWatch):
             got = _steps.orbax_step_metadata(loc).get("custom_metadata")
             return dict(got) if isinstance(got, dict) else {}
         return _steps.user_metadata(loc)
+
+    def metadata(self, step: int | None = None) -> dict[str, Any]:
+        """Deprecated (it goes in the next release): `user_metadata`, which this returns.
+
+        (`cairn.metadata` describes a checkpoint's arrays; the user's own dict is `user_metadata`
+        everywhere: docs/faq.md, "Names".)
+
+        Example:
+
+            mgr.user_metadata(100)    # not mgr.metadata(100)
+        """
+        renamed_method("CheckpointManager.metadata", "CheckpointManager.user_metadata")
+        return self.user_metadata(step)
 
     def best_step(self, metric: str | None = None, mode: str | None = None) -> int | None:
         """The committed step with the best value of `metric`, or None if no step has it (finite).
@@ -547,7 +561,7 @@ class CheckpointManager(StepWatch):
 
     def save(
         self, step: int, state: Any, metrics: Mapping[str, Any] | None = None, force: bool = False, *,
-        metadata: Mapping[str, Any] | None = None, cast: Any = None,
+        metadata: Mapping[str, Any] | None = None, cast: Any = None, user_metadata: Mapping[str, Any] | None = None,
     ) -> bool:
         """Save `state` as `step` if the interval (or `force`, or preemption) says so.
 
@@ -555,8 +569,8 @@ class CheckpointManager(StepWatch):
         accepts, typically a mapping of named checkpointables (arrays, JSON-able
         config, ``bytes`` blobs, registered types). `metrics` (numbers) are
         stored in the checkpoint's manifest for `KeepBest` and `metrics`;
-        `metadata` (a JSON-able mapping: data position, config, git hash) too,
-        read back with `metadata`. After preemption the save is synchronous:
+        `user_metadata` (a JSON-able mapping: data position, config, git hash) too,
+        read back with `user_metadata` (``metadata=`` is its deprecated old spelling). After preemption the save is synchronous:
         it returns once committed.
 
         `cast` saves floating-point arrays in another floating-point dtype
@@ -578,6 +592,7 @@ class CheckpointManager(StepWatch):
             mgr.save(step, state, cast={"params": jnp.bfloat16})   # params stored as bfloat16
         """
         self._check_open()
+        metadata = renamed_keyword("CheckpointManager.save", "user_metadata", user_metadata, "metadata", metadata)
         if self.read_only:
             raise CheckpointError(f"{self.directory}: this CheckpointManager is read-only; it does not save")
         step = operator.index(step)

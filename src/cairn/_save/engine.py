@@ -25,17 +25,15 @@ from typing import Any
 import numpy as np
 
 from .._core.buffers import snapshot_pool as _snapshot_pool
-from .._core.checksum import crc32c
+from .._core.checksum import block_crcs, crc32c
 from .._core.gcpause import paused
 from .._core.stats import SaveStats
-from .._dist.agree import sequence
+from .._dist.agree import sequence, settle
 from .._dist.coord import (
     Coordinator,
     activity,
     default_coordinator,
-    drop_keys,
     fetch_from,
-    gather_json,
 )
 from .._errors import (
     CheckpointError,
@@ -43,7 +41,6 @@ from .._errors import (
     UnsupportedTypeError,
     error_from_record,
     error_record,
-    first_failure,
 )
 from .._format import codecs as _codecs
 from .._format import manifest as fmt
@@ -250,13 +247,13 @@ class SaveJob:
                     activity.advance()
                     continue
                 if codec != "none":
-                    sizes, block_crcs = [], []
+                    sizes, stored_crcs = [], []
                     for enc in blocks_of(n_slot):
                         sizes.append(len(enc))
-                        block_crcs.append(crc32c(enc))
+                        stored_crcs.append(crc32c(enc))  # a stored block's check record
                         yield from batch.add(enc)
                     stored[n_slot] = tuple(sizes)
-                    crcs.append(block_crcs)
+                    crcs.append(stored_crcs)
                     shift += sum(sizes) - slot.nbytes
                     activity.advance()
                     continue
@@ -266,7 +263,7 @@ class SaveJob:
                     mvs = [_bytes_of(self._host(p)) for p in src.parts]
                     n = sum(len(m) for m in mvs)
                     if n == slot.nbytes:
-                        crcs.append(_block_crcs(mvs, block))
+                        crcs.append(block_crcs(mvs, block))
                         for m in mvs:
                             yield from batch.add(m)
                         del mvs
@@ -284,7 +281,7 @@ class SaveJob:
                 if n <= SMALL_CHUNK:
                     # A small chunk costs more in a thread hand-off and a write of its own than in
                     # its bytes: checksum it here, and write it together with its neighbours.
-                    crcs.append(crc32c(mv) if n <= block else [crc32c(mv[o : o + block]) for o in range(0, n, block)])
+                    crcs.append(block_crcs(mv, block))
                     if (yield from batch.add(mv)):  # copied now, so the host view is released at once
                         activity.advance()  # storage took more: peers waiting for us see progress
                     del mv
@@ -369,18 +366,14 @@ class SaveJob:
             own_error = e
             status = {"ok": False, "error": error_record(e, me)}
         t_written = time.perf_counter()
-        outcome: dict[str, Any]
         try:
-            coord.publish(f"{base}/status/{me}", json.dumps(status).encode())
-            if me == 0:
-                outcome = self._primary_commit(base)
-                coord.publish(f"{base}/outcome", json.dumps(outcome).encode())
-            else:
-                outcome = json.loads(fetch_from(coord, f"{base}/outcome", self.timeout, writer=0))
+            outcome = settle(coord, f"{base}/status", status, self.timeout, finish=self._commit,
+                             abort=lambda: self.strategy.abort(self.loc, self.token),
+                             forget=f"cairn/save/{self.seq - 1}" if self.seq > 0 else None)
         except CoordinationError as e:
             if own_error is not None:
                 raise own_error from e
-            raise CoordinationError(f"saving {self.loc.path}: {e}") from e
+            raise type(e)(f"saving {self.loc.path}: {e}") from e
         self.stats.commit_s = time.perf_counter() - t_written
         self.stats.retries = self.loc.storage.retries - retries_before
         self.stats.total_s = self.stats.blocking_s + time.perf_counter() - t_start
@@ -415,29 +408,6 @@ class SaveJob:
                 mine["part"] = [name, records, crcs]
             out[item.name] = mine
         return out
-
-    def _primary_commit(self, base: str) -> dict[str, Any]:
-        coord, n = self.coord, self.coord.process_count
-        try:
-            statuses = gather_json(coord, f"{base}/status", n, self.timeout)
-        except CoordinationError as e:  # a timeout, or a dead peer: every process is told, naming it
-            self.strategy.abort(self.loc, self.token)
-            return _failed(error_record(e), str(e))
-        # Every process has finished the previous save (its status for this one
-        # came after), so the coordination service can forget that save's keys.
-        if self.seq > 0:
-            drop_keys(coord, f"cairn/save/{self.seq - 1}")
-        failure = first_failure(statuses)
-        if failure is not None:
-            self.strategy.abort(self.loc, self.token)
-            return _failed(*failure)
-        try:
-            self._commit(statuses)
-        except BaseException as e:
-            self.strategy.abort(self.loc, self.token)
-            record = error_record(e, 0)
-            return _failed(record, f"process 0: {record['message']}")
-        return {"ok": True}
 
     def _commit(self, statuses: dict[int, dict[str, Any]]) -> None:
         storage, root = self.loc.storage, self.write_root
@@ -632,36 +602,12 @@ def _choose_leaf(job: SaveJob, first: Any, dtype: Any) -> str:
     return leaf_codec(job.compression, dtype, job._host(first), job.bandwidth or bandwidth_of(job.loc.storage))
 
 
-def _block_crcs(mvs: list[memoryview], block: int) -> list[int]:
-    """The CRC-32C of each `block`-byte block of the concatenation of `mvs`, without joining them."""
-    out: list[int] = []
-    crc, filled = 0, 0
-    for m in mvs:
-        pos = 0
-        while pos < len(m):
-            take = min(block - filled, len(m) - pos)
-            crc = crc32c(m[pos : pos + take], crc)
-            filled += take
-            pos += take
-            if filled == block:
-                out.append(crc)
-                crc, filled = 0, 0
-    if filled:
-        out.append(crc)
-    return out
-
-
 def _bytes_of(arr: np.ndarray) -> memoryview:
     """The C-order bytes of `arr`, without a copy where it is contiguous."""
     try:
         return memoryview(arr).cast("B")  # type: ignore[arg-type]  # the fast path: a contiguous array of a buffer-exporting dtype
     except (TypeError, ValueError):  # not contiguous, or a dtype numpy cannot export (ml_dtypes')
         return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
-
-
-def _failed(record: dict[str, Any], message: str) -> dict[str, Any]:
-    """The outcome the primary publishes for a failed save: the first failure's record, all messages."""
-    return {"ok": False, "error": record, "message": message}
 
 
 # ---------------------------------------------------------------------- prepare

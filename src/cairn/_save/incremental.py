@@ -58,7 +58,7 @@ from .._format import codecs as _codecs
 from .._format import manifest as fmt
 from .._format.blocks import CODEC_IDS, CODEC_NAMES, DELTA, DELTA_HEADER, HASH_BYTES, block_hash
 from .._format.partfile import OWN, SOURCE
-from .._storage.location import Location, resolve
+from .._storage.location import Location, ranges_reader, resolve
 from .._tree.leaves import ArraySource
 from .assign import SaveItem
 
@@ -458,26 +458,8 @@ def _read_index(loc: Location, info: fmt.ItemInfo) -> fmt.ItemIndex:
         raise CorruptCheckpointError(f"{loc.path}: the index {key!r} named by the manifest is missing") from None
     index = fmt.ItemIndex.from_json(data, loc.storage.describe(key))
 
-    def read(requests: list[tuple[str, int, int]]) -> list[bytes]:
-        out = []
-        for name, start, length in requests:
-            part = loc.key(info.dir, name)
-            buf = bytearray(length)
-            try:
-                r = loc.storage.open_read(part)
-            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                raise CorruptCheckpointError(f"{loc.path}: the index part {part!r} is missing") from None
-            try:
-                r.read_into(start, memoryview(buf))
-            except EOFError:
-                raise CorruptCheckpointError(f"{loc.path}: the index part {part!r} is truncated") from None
-            finally:
-                r.close()
-            out.append(bytes(buf))
-        return out
-
     if index.table is not None:
-        index.table.reader = read
+        index.table.reader = ranges_reader(loc, info.dir)
     return index
 
 

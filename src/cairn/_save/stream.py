@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from .._core.checksum import crc32c
+from .._core.checksum import block_crcs, crc32c
 from .._errors import CorruptCheckpointError
 from .._format import manifest as fmt
 from .._storage.location import Location
@@ -130,7 +130,7 @@ class StreamWriter:
                             codec = codecs[i] = self._codec(kind, src.dtype, buf)
                         if codec == "none":
                             # Slabs are whole blocks (but the last), so block CRCs line up with the chunk's.
-                            crcs.extend(crc32c(buf[b : b + self.block]) for b in range(0, len(buf), self.block))
+                            crcs.extend(block_crcs(buf, self.block))
                             offset += len(buf)
                             yield memoryview(buf)  # type: ignore[arg-type]
                         else:

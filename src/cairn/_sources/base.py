@@ -34,7 +34,7 @@ from .._format.values import value_kind
 from .._load.reader import ChunkReader, LoadStats, read_box, slab_boxes
 from .._load.source import checkpointables
 from .._storage.location import Location
-from .._tree.pytree import escape_key, map_with_path, unescape_key
+from .._tree.pytree import child_path, children, escape_key, map_with_path, unescape_key
 
 FORMATS = ("cairn", "orbax", "dcp", "safetensors")
 
@@ -219,21 +219,13 @@ def target_hollows(target: Any) -> set[str]:
     out: set[str] = set()
 
     def walk(node: Any, path: str) -> None:
-        if not isinstance(node, dict) or "leaf" in node:
+        if "leaf" in node or "per_process" in node:
             return
-        if "dict" in node:
-            pairs = [(escape_key(str(k)), v) for k, v in node["dict"]]
-        elif "list" in node or "tuple" in node:
-            pairs = [(str(i), v) for i, v in enumerate(node.get("list", node.get("tuple")) or ())]
-        elif "children" in node:
-            keys = node.get("fields") or node.get("keys") or []
-            pairs = [(escape_key(str(k)), v) for k, v in zip(keys, node["children"])]
-        else:
-            return
+        pairs = children(node)
         if not pairs:
             out.add(path)
         for k, v in pairs:
-            walk(v, _join(path, k))
+            walk(v, child_path(path, k))
 
     try:
         structure, _ = flatten(target, is_leaf=is_target_leaf)

@@ -8,7 +8,7 @@ resolved, so a crafted file that names ``os.system`` is refused with
 `CorruptCheckpointError`. torch is not needed to read a DCP checkpoint.
 
 Each saved chunk of a tensor is a ``torch.save`` blob in a ``.distcp`` file
-(the default ``FileSystemWriter``); `_torchsave` finds the byte offset of its
+(the default ``FileSystemWriter``); `torchpickle` finds the byte offset of its
 raw C-order data (two small reads per chunk, only for the tensors a load
 asks for). The chunks must form a regular grid (DCP's saves of DTensor and
 FSDP shards do), so a tensor becomes a `fmt.ArrayLeaf` and cairn's planner
@@ -38,7 +38,7 @@ from .._format import values
 from .._storage import RandomReader
 from .._storage.location import Location
 from .._tree.pytree import escape_key
-from . import torchsave as tsv
+from . import torchpickle as tsv
 from .base import FlatLocation, Format, expand_value, split_name
 
 METADATA = ".metadata"

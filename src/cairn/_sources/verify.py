@@ -24,7 +24,7 @@ from typing import Any, cast
 
 import numpy as np
 
-from .._core.checksum import BlockChecks, crc32c
+from .._core.checksum import BlockChecks, crc32c, mismatch
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import manifest as fmt
 from .._format import values
@@ -86,8 +86,7 @@ def bad_blocks(buf: Any, lo: int, hi: int, off: int, crcs: Sequence[int], block:
     bad: list[str] = []
 
     def note(c: tuple[int, int, int], got: int) -> None:
-        bad.append(f"block {c[0] // block} (file bytes {off + c[0]}..{off + c[1]}) has CRC-32C {got:#010x}, "
-                   f"stored {c[2]:#010x}")
+        bad.append(mismatch(f"block {c[0] // block} (file bytes {off + c[0]}..{off + c[1]})", c[2], got))
 
     checks = [(b * block, min((b + 1) * block, hi), crcs[b]) for b in range(lo // block, -(-hi // block))]
     BlockChecks(checks, [buf], lo, note).rest()
@@ -113,8 +112,7 @@ def _check_coded(leaf: fmt.ArrayLeaf, cell: int, off: int, block: int, reader: A
         sb = buf[pos : pos + n]
         got = crc32c(sb)
         if got != leaf.crcs[cell][b]:
-            bad.append(f"block {b} (stored file bytes {off + pos}..{off + pos + n}) has CRC-32C {got:#010x}, "
-                       f"stored {leaf.crcs[cell][b]:#010x}")
+            bad.append(mismatch(f"block {b} (stored file bytes {off + pos}..{off + pos + n})", leaf.crcs[cell][b], got))
         else:
             try:
                 codecs.decode(leaf.codec, sb, leaf.dtype, min(block, raw_left))

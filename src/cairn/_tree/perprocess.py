@@ -45,6 +45,8 @@ from .._format.values import decode_value, dtype_from_name, dtype_name, encode_v
 from .leaves import ArraySource, ValueSource, classify
 from .pytree import (
     Structure,
+    child_path,
+    children,
     display_path,
     escape_key,
     flatten,
@@ -108,19 +110,6 @@ def is_per_process(x: Any) -> bool:
 # ---------------------------------------------------------------------- structure nodes
 
 
-def _children(node: Structure) -> list[tuple[str, Structure]]:
-    """(key-path component, child) of a structure node, as `_tree.flatten` names them."""
-    if "dict" in node:
-        return [(escape_key(str(k)), c) for k, c in node["dict"]]
-    if "list" in node or "tuple" in node:
-        return [(str(i), c) for i, c in enumerate(node.get("list", node.get("tuple")))]
-    if "namedtuple" in node or "node" in node:
-        return [(escape_key(str(k)), c) for k, c in zip(node.get("fields", node.get("keys")), node["children"])]
-    if "per_process" in node and isinstance(node["per_process"], list):
-        return [(str(p), c) for p, c in enumerate(node["per_process"])]
-    return []
-
-
 def _map(node: Structure, fn: Callable[[Structure], Structure]) -> Structure:
     """`node` with `fn` applied to each of its children (leaves and placeholders map themselves)."""
     if "dict" in node:
@@ -155,7 +144,7 @@ def leaf_numbers(node: Structure) -> list[int]:
         if "leaf" in n:
             out.append(n["leaf"])
         else:
-            stack.extend(c for _, c in _children(n))
+            stack.extend(c for _, c in children(n))
     return out
 
 
@@ -168,7 +157,7 @@ def nodes_of(structure: Structure) -> dict[str, list[Structure]]:
         if "per_process" in node:
             out[path] = node["per_process"]
         elif "leaf" not in node:
-            stack.extend((c, join_path(path, k)) for k, c in _children(node))
+            stack.extend((c, child_path(path, k)) for k, c in children(node))
     return out
 
 
@@ -222,7 +211,7 @@ def _at(node: Structure, path: str, fn: Callable[[Structure], Structure]) -> Str
     if not path:
         return fn(node)
     head, _, rest = path.partition("/")
-    kids = [name for name, _ in _children(node)]
+    kids = [escape_key(str(k)) for k, _ in children(node)]
     if head not in kids:
         raise CheckpointError(f"no {head!r} in the loaded tree's structure")  # the caller's bug
     at = kids.index(head)

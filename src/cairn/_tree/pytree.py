@@ -18,20 +18,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-Structure = Any  # a JSON-encodable description of the containers
-
-
-def escape_key(key: str) -> str:
-    """Escape one key-path component so that it cannot contain ``/``."""
-    return key.replace("%", "%25").replace("/", "%2F")
-
-
-def unescape_key(component: str) -> str:
-    return component.replace("%2F", "/").replace("%25", "%")
-
-
-def join_path(parent: str, component: str) -> str:
-    return component if not parent else f"{parent}/{component}"
+# Key paths are named the way the index stores them (docs/FORMAT.md §7); re-exported for the rooms above.
+from .._format.structure import Structure as Structure
+from .._format.structure import child_path as child_path
+from .._format.structure import children as children
+from .._format.structure import escape_key as escape_key
+from .._format.structure import join_path as join_path
+from .._format.structure import unescape_key as unescape_key
 
 
 def display_path(path: str, item: str = "") -> str:
@@ -114,8 +107,8 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None,
             return {"dict": items}
         if _is_namedtuple(x):
             fields = list(type(x)._fields)
-            children = [walk(v, join_path(path, escape_key(f))) for f, v in zip(fields, x)]
-            return {"namedtuple": type(x).__name__, "fields": fields, "children": children}
+            kids = [walk(v, join_path(path, escape_key(f))) for f, v in zip(fields, x)]
+            return {"namedtuple": type(x).__name__, "fields": fields, "children": kids}
         if isinstance(x, (list, tuple)):
             kind = "list" if isinstance(x, list) else "tuple"
             return {kind: [walk(v, join_path(path, str(i))) for i, v in enumerate(x)]}
@@ -126,8 +119,8 @@ def flatten(tree: Any, is_leaf: Callable[[Any], bool] | None = None,
             return add_leaf(path, x)
         pairs, _ = sub
         keys = [k for k, _ in pairs]
-        children = [walk(c, join_path(path, escape_key(k))) for k, c in pairs]
-        return {"node": _type_name(x), "keys": keys, "children": children}
+        kids = [walk(c, join_path(path, escape_key(k))) for k, c in pairs]
+        return {"node": _type_name(x), "keys": keys, "children": kids}
 
     structure = walk(tree, "")
     return structure, leaves
@@ -159,27 +152,10 @@ def unflatten(structure: Structure, leaves: Mapping[int, Any] | list[Any], skip:
         if "per_process" in node:
             subs = node["per_process"]
             return per_process(subs, build) if per_process is not None else [build(c) for c in subs]
-        if "dict" in node:
-            out = {}
-            for k, child in node["dict"]:
-                v = build(child)
-                if skip is None or v is not skip:
-                    out[k] = v
-            return out
-        if "list" in node or "tuple" in node:
-            seq = [build(c) for c in node.get("list", node.get("tuple"))]
-            seq = [v for v in seq if skip is None or v is not skip]
-            return seq if "list" in node else tuple(seq)
-        if "namedtuple" in node:
-            names, children = node["fields"], node["children"]
-        else:
-            names, children = node["keys"], node["children"]
-        out = {}
-        for k, child in zip(names, children):
-            v = build(child)
-            if skip is None or v is not skip:
-                out[k] = v
-        return out
+        kept = [(k, v) for k, v in ((k, build(c)) for k, c in children(node)) if skip is None or v is not skip]
+        if "list" in node:
+            return [v for _, v in kept]
+        return tuple(v for _, v in kept) if "tuple" in node else dict(kept)
 
     return build(structure)
 

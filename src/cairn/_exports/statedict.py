@@ -30,7 +30,7 @@ from .._load.reader import DEFAULT_BUDGET, ChunkReader, iter_array, make_reader,
 from .._storage import staged_file
 from .._storage.location import resolve
 from .._tree.pytree import display_path, unescape_key
-from .._tree.tensors import import_torch
+from .._tree.torchconv import import_torch
 
 _LEGACY_STORAGE = {
     "float32": "FloatStorage", "float64": "DoubleStorage", "float16": "HalfStorage",
