@@ -166,6 +166,9 @@ class ShapedLink:
     rate: float | None = None
     latency: float = 0.0
     port: int = 0
+    # Name the upstream in each request's Host header instead of the link (fake-gcs-server routes
+    # by it); off by default, since S3's signatures cover the Host header as the client sent it.
+    rewrite_host: bool = False
     log: list[Request] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # why connections ended other than cleanly
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -305,6 +308,8 @@ class ShapedLink:
                     self.log.append(req)  # in the log from its start (`end` set once it is answered)
                 if self.latency:
                     time.sleep(self.latency)
+                if self.rewrite_host:
+                    head = re.sub(rb"(?im)^host:[^\r\n]*", b"Host: 127.0.0.1:%d" % self.upstream_port, head, count=1)
                 req.sent = self._relay(head, hdrs, cin, server, self._up, has_body=True, pipe=pipe)
                 rhead = sin.head()
                 if rhead is None:
