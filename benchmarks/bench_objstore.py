@@ -303,6 +303,18 @@ def run_server(kind: str, a: argparse.Namespace) -> dict[str, Any]:
             out = cairn.load(path, target, storage_options=opts, threads=a.threads)["params"]
             jax.block_until_ready(out)
 
+        def chunked(size: int, fn: Callable[[], None]) -> Callable[[], None]:
+            import cairn._storage.obstore as backend
+
+            def go() -> None:
+                default = backend._STREAM_CHUNK
+                backend._STREAM_CHUNK = size
+                try:
+                    fn()
+                finally:
+                    backend._STREAM_CHUNK = default
+            return go
+
         patterns: dict[str, Callable[[], None]] = {}
         if a.only in ("all", "raw"):
             patterns["raw whole-object GETs"] = whole
@@ -315,6 +327,8 @@ def run_server(kind: str, a: argparse.Namespace) -> dict[str, Any]:
             patterns["cairn load (numpy)"] = load_numpy
             patterns["cairn load (mesh)"] = load_mesh
             patterns["cairn load (numpy, verify=False)"] = load_unverified
+            for kib in a.stream_chunks:  # the same numpy load with other stream chunk sizes, interleaved
+                patterns[f"cairn load (numpy, {kib} KiB chunks)"] = chunked(kib << 10, load_numpy)
         # correctness once, then warm up every pattern (connections, first-touch of buffers)
         got = cairn.load(path, storage_options=opts)["params"]
         assert all(np.array_equal(got[k], host[k]) for k in host), "cairn read back wrong bytes"
@@ -406,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save", action="store_true", help="also time cairn.save against raw multipart puts")
     ap.add_argument("--plan-max-read", type=int, default=None, metavar="MIB",
                     help="plan loads with reads merged up to this size (the storage option plan_read_size, default 32)")
+    ap.add_argument("--stream-chunks", type=lambda s: [int(x) for x in s.split(",")], default=[], metavar="KIB,...",
+                    help="also time the numpy load with these stream chunk sizes (KiB; the storage's _STREAM_CHUNK)")
     ap.add_argument("--rss", action="store_true",
                     help="also measure the peak RSS of one numpy and one mesh load, each in a fresh process")
     ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
