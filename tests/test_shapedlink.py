@@ -1,5 +1,6 @@
-"""The shaped link (tests/_shapedlink.py) between cairn and real servers (moto, Azurite, fake-gcs-server): it carries
-every request unchanged, and its limits hold: no transfer beats the rate, no request the latency.
+"""The shaped link (tests/_shapedlink.py) between cairn and real servers (moto, Azurite,
+fake-gcs-server): it carries every request unchanged (but for the Host header, with
+rewrite_host), and its limits hold: no transfer beats the rate, no request the latency.
 
 Only lower bounds are asserted (the link guarantees them whatever the machine's load); how close
 cairn gets to the link's rate is a benchmark's question (benchmarks/bench_objstore.py --link).
