@@ -164,6 +164,61 @@ def _save_patterns(cairn: Any, server: Any, bucket: str, opts: dict[str, Any], a
     return {"raw puts (save)": raw, "cairn save": save}
 
 
+def rss_child(spec: str) -> int:
+    """One load in this fresh process (`spec`: JSON of path, options, mode): prints its peak RSS growth.
+
+    The kernel's high-water mark of this process image (``VmHWM``) less the resident size just
+    before the load, so the state held by the parent and anything an earlier load left behind do
+    not count."""
+    import jax
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    import cairn
+    from benchmarks.measure import PeakRSS
+
+    job = json.loads(spec)
+    opts = job["options"]
+    mesh = jax.make_mesh((8,), ("x",))
+    sharding = NamedSharding(mesh, P("x"))
+    meta = cairn.metadata(job["path"], storage_options=opts)
+    target = None
+    if job["mode"] == "mesh":
+        target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding)
+                             for k, v in meta["params"].items()}}
+    with PeakRSS() as peak:
+        t0 = time.perf_counter()
+        out = cairn.load(job["path"], target, storage_options=opts, threads=job["threads"])
+        jax.block_until_ready(out)
+        took = time.perf_counter() - t0
+    print(json.dumps({"mode": job["mode"], "peak_growth": peak.peak - peak.base, "method": peak.method,
+                      "seconds": took}))
+    return 0
+
+
+def rss_rows(path: str, opts: dict[str, Any], nbytes: int, threads: int) -> dict[str, Any]:
+    """Peak RSS growth of one numpy and one mesh load, each in a fresh process, against the issue's
+    bound: the state's bytes + the default `budget_bytes` + 10 %."""
+    import subprocess
+
+    from cairn._load.reader import DEFAULT_BUDGET
+
+    bound = (nbytes + DEFAULT_BUDGET) * 1.1
+    out: dict[str, Any] = {"state_bytes": nbytes, "budget_bytes": DEFAULT_BUDGET, "bound": bound}
+    print(f"  peak RSS during one load (fresh process each; bound: state + budget + 10 % = {bound / 1e9:.2f} GB):")
+    for mode in ("numpy", "mesh"):
+        spec = json.dumps({"path": path, "options": opts, "mode": mode, "threads": threads})
+        r = subprocess.run([sys.executable, "-m", "benchmarks.bench_objstore", "--rss-child", spec],
+                           capture_output=True, text=True, timeout=600, env=os.environ)
+        if r.returncode != 0:
+            raise RuntimeError(f"the {mode} load's process failed: {r.stderr[-2000:]}")
+        row = json.loads(r.stdout.strip().splitlines()[-1])
+        out[mode] = row
+        print(f"    {mode:6s} +{row['peak_growth'] / 1e9:.3f} GB = {row['peak_growth'] / nbytes:.3f} x the state, "
+              f"{row['peak_growth'] / bound:.2f} of the bound ({row['method']}; load {row['seconds']:.2f} s)")
+    return out
+
+
 def run_server(kind: str, a: argparse.Namespace) -> dict[str, Any]:
     import jax
     import obstore
@@ -183,7 +238,12 @@ def run_server(kind: str, a: argparse.Namespace) -> dict[str, Any]:
             from _shapedlink import ShapedLink
 
             link = ShapedLink.parse("" if a.link == "log" else a.link, server.port).start()
-            opts["endpoint"] = link.endpoint
+            if kind == "gcs":  # obstore's GCS emulator setup names the base URL in the service-account key
+                link.rewrite_host = True  # fake-gcs-server tells its XML API from its JSON API by the Host
+                key = json.loads(opts["service_account_key"])
+                opts["service_account_key"] = json.dumps({**key, "gcs_base_url": link.endpoint})
+            else:
+                opts["endpoint"] = link.endpoint
         mesh = jax.make_mesh((8,), ("x",))
         sharding = NamedSharding(mesh, P("x"))
         per = a.size_mib * MiB // a.arrays // 4
@@ -243,6 +303,18 @@ def run_server(kind: str, a: argparse.Namespace) -> dict[str, Any]:
             out = cairn.load(path, target, storage_options=opts, threads=a.threads)["params"]
             jax.block_until_ready(out)
 
+        def chunked(size: int, fn: Callable[[], None]) -> Callable[[], None]:
+            import cairn._storage.obstore as backend
+
+            def go() -> None:
+                default = backend._STREAM_CHUNK
+                backend._STREAM_CHUNK = size
+                try:
+                    fn()
+                finally:
+                    backend._STREAM_CHUNK = default
+            return go
+
         patterns: dict[str, Callable[[], None]] = {}
         if a.only in ("all", "raw"):
             patterns["raw whole-object GETs"] = whole
@@ -255,6 +327,8 @@ def run_server(kind: str, a: argparse.Namespace) -> dict[str, Any]:
             patterns["cairn load (numpy)"] = load_numpy
             patterns["cairn load (mesh)"] = load_mesh
             patterns["cairn load (numpy, verify=False)"] = load_unverified
+            for kib in a.stream_chunks:  # the same numpy load with other stream chunk sizes, interleaved
+                patterns[f"cairn load (numpy, {kib} KiB chunks)"] = chunked(kib << 10, load_numpy)
         # correctness once, then warm up every pattern (connections, first-touch of buffers)
         got = cairn.load(path, storage_options=opts)["params"]
         assert all(np.array_equal(got[k], host[k]) for k in host), "cairn read back wrong bytes"
@@ -295,11 +369,24 @@ def run_server(kind: str, a: argparse.Namespace) -> dict[str, Any]:
         if best:
             print(f"  best raw: {best}")
             result["ratios"] = {k: v / raw[best] for k, v in med.items() if k.startswith("cairn")}
+        if a.rss:
+            result["peak_rss"] = rss_rows(path, opts, nbytes, a.threads)
         if a.save:
             raw_puts = med.get("raw puts (save)")
             if raw_puts:
                 result["save_ratio"] = med["cairn save"] / raw_puts
                 print(f"  cairn save / raw puts: {result['save_ratio']:.2f}x")
+        if a.reps > 1:  # the same ratios from each pattern's fastest repetition
+            low = {k: min(v) for k, v in times.items()}
+            raw_low = {k: v for k, v in low.items() if k.startswith("raw") and "puts" not in k}
+            if raw_low:
+                b = min(raw_low, key=raw_low.__getitem__)
+                result["best_of_ratios"] = {k: v / raw_low[b] for k, v in low.items() if k.startswith("cairn load")}
+                print(f"  best of {a.reps}: best raw {b} {raw_low[b]:.3f} s; " + ", ".join(
+                    f"{k[len('cairn load '):]} {v:.2f}x" for k, v in result["best_of_ratios"].items()))
+            if "cairn save" in low and "raw puts (save)" in low:
+                result["best_of_save_ratio"] = low["cairn save"] / low["raw puts (save)"]
+                print(f"  best of {a.reps}: cairn save / raw puts {result['best_of_save_ratio']:.2f}x")
         return result
     finally:
         if link is not None:
@@ -333,6 +420,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--save", action="store_true", help="also time cairn.save against raw multipart puts")
     ap.add_argument("--plan-max-read", type=int, default=None, metavar="MIB",
                     help="plan loads with reads merged up to this size (the storage option plan_read_size, default 32)")
+    ap.add_argument("--stream-chunks", type=lambda s: [int(x) for x in s.split(",")], default=[], metavar="KIB,...",
+                    help="also time the numpy load with these stream chunk sizes (KiB; the storage's _STREAM_CHUNK)")
+    ap.add_argument("--rss", action="store_true",
+                    help="also measure the peak RSS of one numpy and one mesh load, each in a fresh process")
+    ap.add_argument("--rss-child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     a.option = dict(a.option)
     if a.plan_max_read:  # the storage option the loads plan their reads up to
@@ -342,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+    if a.rss_child:
+        return rss_child(a.rss_child)
     results = [run_server(kind, a) for kind in a.servers.split(",") if kind]
     if a.json:
         with open(a.json, "w") as f:

@@ -20,13 +20,18 @@ sends), each client connection with a connection of its own to the server, so co
 client's.
 
 It understands just enough HTTP/1.1 to find where each request and answer ends (Content-Length,
-chunked transfer coding, answers without a body) and forwards the bytes unchanged. Each request is
+chunked transfer coding, answers without a body) and forwards the bytes unchanged. A body of known
+length goes from socket to socket through a pipe with ``os.splice`` where there is one (Linux): the
+kernel moves the bytes, the link's threads only pace them, so the proxy's own cost per byte is small
+next to the client's and the emulator's on a machine with few cores. Each request is
 logged as a `Request` (method, target, Range header, status, bytes each way, start and end times on
 ``time.monotonic()``), for request counts, sizes and concurrency over time.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 import re
 import select
 import socket
@@ -36,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 _CHUNK = 256 << 10
+_SPLICE = hasattr(os, "splice") and hasattr(fcntl, "F_SETPIPE_SZ")  # Linux, Python >= 3.10
 _UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30}
 
 
@@ -70,6 +76,31 @@ class _Bucket:
         delay = at + n / self.rate - time.monotonic()
         if delay > 0:
             time.sleep(delay)
+
+
+class _Pipe:
+    """A pipe for moving bytes from one socket to another with ``os.splice``, without copying them
+    into Python."""
+
+    def __init__(self) -> None:
+        self.r, self.w = os.pipe()
+        try:
+            fcntl.fcntl(self.w, fcntl.F_SETPIPE_SZ, _CHUNK)  # one chunk fits
+        except OSError:  # above /proc/sys/fs/pipe-max-size: the default size, smaller moves
+            pass
+
+    def take(self, sock: socket.socket, n: int) -> int:
+        """Up to `n` bytes from `sock` into the pipe (as many as have arrived, at least one): how many (0 at its end)."""
+        return os.splice(sock.fileno(), self.w, n)
+
+    def give(self, sock: socket.socket, n: int) -> None:
+        """The `n` bytes in the pipe out to `sock`."""
+        while n:
+            n -= os.splice(self.r, sock.fileno(), n)
+
+    def close(self) -> None:
+        os.close(self.r)
+        os.close(self.w)
 
 
 class _Stream:
@@ -135,6 +166,9 @@ class ShapedLink:
     rate: float | None = None
     latency: float = 0.0
     port: int = 0
+    # Name the upstream in each request's Host header instead of the link (fake-gcs-server routes
+    # by it); off by default, since S3's signatures cover the Host header as the client sent it.
+    rewrite_host: bool = False
     log: list[Request] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)  # why connections ended other than cleanly
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -244,15 +278,18 @@ class ShapedLink:
     def _serve(self, client: socket.socket) -> None:
         server = None
         req: Request | None = None
+        pipe: _Pipe | None = None
         with self._lock:
             self._conns.add(client)
         try:
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             server = socket.create_connection(("127.0.0.1", self.upstream_port), timeout=300)
+            server.settimeout(None)  # blocking, as os.splice needs; stop() shuts it down to end a wait
             server.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             with self._lock:
                 self._conns.add(server)
             cin, sin = _Stream(client), _Stream(server)
+            pipe = _Pipe() if _SPLICE else None
             while not self._stopped:
                 if not cin.buf:
                     # Idle: a server that closes a kept-alive connection (Azurite does) closes the
@@ -271,14 +308,16 @@ class ShapedLink:
                     self.log.append(req)  # in the log from its start (`end` set once it is answered)
                 if self.latency:
                     time.sleep(self.latency)
-                req.sent = self._relay(head, hdrs, cin, server, self._up, has_body=True)
+                if self.rewrite_host:
+                    head = re.sub(rb"(?im)^host:[^\r\n]*", b"Host: 127.0.0.1:%d" % self.upstream_port, head, count=1)
+                req.sent = self._relay(head, hdrs, cin, server, self._up, has_body=True, pipe=pipe)
                 rhead = sin.head()
                 if rhead is None:
                     raise ConnectionError("the server closed the connection without answering")
                 status_line, rhdrs = _headers(rhead)
                 req.status = int(status_line.split(" ")[1])
                 bodyless = method == "HEAD" or req.status in (204, 304) or 100 <= req.status < 200
-                req.received = self._relay(rhead, rhdrs, sin, client, self._down, has_body=not bodyless)
+                req.received = self._relay(rhead, rhdrs, sin, client, self._down, has_body=not bodyless, pipe=pipe)
                 req.end = time.monotonic()
                 if rhdrs.get("connection", "").lower() == "close" or hdrs.get("connection", "").lower() == "close":
                     return
@@ -288,6 +327,8 @@ class ShapedLink:
                     self.errors.append(f"{type(e).__name__}: {e}")
             return
         finally:
+            if pipe is not None:
+                pipe.close()
             if req is not None and not req.end:  # cut off: logged as answered now, status 0
                 req.end = time.monotonic()
             for s in (client, server):
@@ -298,7 +339,7 @@ class ShapedLink:
 
     @staticmethod
     def _relay(head: bytes, hdrs: dict[str, str], src: _Stream, dst: socket.socket, bucket: _Bucket,
-               has_body: bool) -> int:
+               has_body: bool, pipe: _Pipe | None = None) -> int:
         """Forward one message (its head already read from `src`) to `dst` at the bucket's rate; its bytes."""
         bucket.take(len(head))
         dst.sendall(head)
@@ -330,9 +371,18 @@ class ShapedLink:
                     left -= len(data)
                     n += len(data)
         left = int(hdrs.get("content-length") or 0)
-        while left:
+        while left and (src.buf or pipe is None):  # what was read with the head, then all where no splice
             data = src.some(min(left, _CHUNK))
             send(data)
             left -= len(data)
             n += len(data)
+        while left:  # the rest from socket to socket in the kernel, paced chunk by chunk
+            assert pipe is not None
+            k = pipe.take(src.sock, min(left, _CHUNK))
+            if not k:
+                raise ConnectionError("the stream ended inside a body")
+            bucket.take(k)
+            pipe.give(dst, k)
+            left -= k
+            n += k
         return n

@@ -1,5 +1,6 @@
-"""The shaped link (tests/_shapedlink.py) between cairn and real servers (moto, Azurite): it carries
-every request unchanged, and its limits hold: no transfer beats the rate, no request the latency.
+"""The shaped link (tests/_shapedlink.py) between cairn and real servers (moto, Azurite,
+fake-gcs-server): it carries every request unchanged (but for the Host header, with
+rewrite_host), and its limits hold: no transfer beats the rate, no request the latency.
 
 Only lower bounds are asserted (the link guarantees them whatever the machine's load); how close
 cairn gets to the link's rate is a benchmark's question (benchmarks/bench_objstore.py --link).
@@ -112,3 +113,23 @@ def test_latency_holds_per_request(server):
     assert took >= 10 * latency * 0.99, took
     assert stats["requests"] == 10 and stats["by_method"] == {"GET": 10}
     assert all(r.end - r.start >= latency * 0.99 for r in reads)
+
+
+def test_gcs_load_through_the_link_with_the_host_rewritten(gcs, tmp_path):
+    """fake-gcs-server routes its XML API by the Host header: with `rewrite_host` the link names the
+    server there, and a load of a checkpoint in GCS goes through it whole."""
+    import json
+
+    x = np.random.default_rng(2).standard_normal((3 * MiB) // 4, dtype=np.float32)
+    cairn.save(str(tmp_path / "ck"), {"x": x}, compression=False)
+    bucket = gcs.new_bucket("link")
+    gcs.upload_tree(bucket, "ck", str(tmp_path / "ck"))
+    with ShapedLink(gcs.port, rewrite_host=True) as link:
+        key = json.loads(gcs.options()["service_account_key"])
+        opts = {**gcs.options(), "service_account_key": json.dumps({**key, "gcs_base_url": link.endpoint})}
+        got = cairn.load(gcs.url(bucket, "ck"), storage_options=opts)
+        np.testing.assert_array_equal(got["x"], x)
+        stats = link.stats()
+    assert stats["received"] >= x.nbytes and stats["by_method"].get("GET", 0) >= 1  # the data came through it
+    assert all(r.status == 200 or r.status == 206 for r in link.log), [(r.method, r.target, r.status) for r in link.log]
+    assert not link.errors

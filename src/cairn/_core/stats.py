@@ -115,9 +115,10 @@ class LoadStats:
 
 @dataclass(frozen=True)
 class ProgressStats:
-    """How far a long operation (`cairn.copy`, a move) has come: what a ``"progress"`` event carries.
+    """How far a long operation (`cairn.copy`, a move, an export) has come: what a ``"progress"`` event carries.
 
-    `op` names the operation (``"copy"``, ``"move"``); `bytes_total` is None until it is known.
+    `op` names the operation (``"copy"``, ``"move"``, ``"convert"``, ``"export_safetensors"``,
+    ``"export_orbax"``, ``"export_torch"``); `bytes_total` is None until it is known.
     Events come at most every `PROGRESS_INTERVAL` seconds while it runs, and once at its end
     (`finished` true).
 
@@ -240,7 +241,7 @@ def add_listener(fn: Listener, *, progress: bool = False) -> Listener:
     `fn` runs on the thread that finished the work (an async save's background
     thread); an exception it raises is logged as a warning and otherwise
     ignored. Remove it with `cairn.remove_listener`. With ``progress=True`` it
-    also gets ``"progress"`` events (a `ProgressStats`) while `cairn.copy` runs,
+    also gets ``"progress"`` events (a `ProgressStats`) while `cairn.copy` or an export runs,
     on the thread that moved the bytes: a progress bar of the library's own.
 
     Example:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from .._core.stats import Progress
 from .._errors import CheckpointError, CheckpointNotFoundError
 from .._format import manifest as fmt
 from .._load.reader import DEFAULT_BUDGET, ChunkReader, LoadStats, slab_bytes
@@ -69,8 +70,12 @@ def convert_to_cairn(
     threads: int = 4,
     storage_options: dict | None = None,
     progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
 ) -> None:
-    """Build cairn checkpoint `dst` from checkpoint `src` of any format `cairn.load` reads."""
+    """Build cairn checkpoint `dst` from checkpoint `src` of any format `cairn.load` reads.
+
+    `on_total(n)` is called once with the bytes of array data to convert and `progress(n)` as each
+    `n` of them is written; listeners added with ``progress=True`` get ``"convert"`` progress events."""
     loc = resolve(src, storage_options)
     try:
         f = open_foreign(loc, format)
@@ -78,14 +83,18 @@ def convert_to_cairn(
         if format in (None, "safetensors") and loc.storage.list_dir(loc.name):
             # a folder of cairn's per-checkpointable safetensors files
             return from_safetensors(src, dst, budget_bytes=budget_bytes, storage_options=storage_options,
-                                    progress=progress)
+                                    progress=progress, on_total=on_total)
         raise
     if isinstance(f, Safetensors) and f.from_cairn:
         return from_safetensors(src, dst, budget_bytes=budget_bytes, storage_options=storage_options,
-                                progress=progress)
+                                progress=progress, on_total=on_total)
     if f.name == "cairn":
         raise CheckpointError(f"{loc.path} is a cairn checkpoint already")
     source = open_format(f, None, None, loc.path)
+    tracker = Progress("convert", os.fspath(dst))
+    on_total, progress = tracker.wrap(on_total, progress)
+    on_total(sum(leaf.nbytes for index in source.indexes.values() for leaf in index.leaves
+                 if isinstance(leaf, fmt.ArrayLeaf)))
     slab = slab_bytes(budget_bytes)
     writer = StreamWriter(resolve(dst, storage_options), fmt.DEFAULT_BLOCK_SIZE)
     try:
@@ -108,36 +117,37 @@ def convert_to_cairn(
     except BaseException:
         writer.abort()
         raise
+    tracker.finish()
 
 
 def run_convert(args: Any, out: Any) -> int:
     """``cairn convert SRC DST --to ...`` (the parsed arguments, the CLI's `Output`)."""
-    from .._load.metadata import open_checkpoint
     from .export import export_safetensors
     from .safetensors import to_safetensors
     from .statedict import to_torch_file
 
-    total = None
-    if args.to in ("safetensors", "torch"):
-        ck = open_checkpoint(args.src)
-        total = sum(leaf.nbytes for i in ck.indexes.values() for leaf in i.leaves if isinstance(leaf, fmt.ArrayLeaf))
-    with out.progress(f"converting to {args.to}", total) as (_set_total, advance):
+    # One bar (on a terminal; nothing otherwise or with --quiet), its total set by the conversion itself.
+    with out.progress(f"converting to {args.to}", None) as (set_total, advance):
         if args.to == "safetensors" and args.max_shard_size is not None:
             written = export_safetensors(args.src, args.dst, max_shard_size=args.max_shard_size, item=args.item,
                                          names=args.names, prng_keys=args.prng_keys, per_process=args.per_process,
                                          all_items=args.all_items, overwrite=args.overwrite,
-                                         budget_bytes=args.budget, progress=advance)
+                                         budget_bytes=args.budget, progress=advance, on_total=set_total)
         elif args.to == "safetensors":
             written = to_safetensors(args.src, args.dst, per_item=args.per_item, names=args.names, item=args.item,
-                                     all_items=args.all_items, budget_bytes=args.budget, progress=advance)
+                                     all_items=args.all_items, budget_bytes=args.budget, progress=advance,
+                                     on_total=set_total)
         elif args.to == "torch":
-            written = [to_torch_file(args.src, args.dst, sep=args.sep, budget_bytes=args.budget, progress=advance)]
+            written = [to_torch_file(args.src, args.dst, sep=args.sep, budget_bytes=args.budget, progress=advance,
+                                     on_total=set_total)]
         elif args.to == "orbax":
             from .orbax import export_orbax
 
-            written = [export_orbax(args.src, args.dst, overwrite=args.overwrite, per_process=args.per_process)]
+            written = [export_orbax(args.src, args.dst, overwrite=args.overwrite, per_process=args.per_process,
+                                    progress=advance, on_total=set_total)]
         else:
-            convert_to_cairn(args.src, args.dst, format=args.format, budget_bytes=args.budget, progress=advance)
+            convert_to_cairn(args.src, args.dst, format=args.format, budget_bytes=args.budget, progress=advance,
+                             on_total=set_total)
             written = [args.dst]
     for w in written:
         out.line(f"wrote {w}")

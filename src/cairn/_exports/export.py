@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from .._core.stats import Progress
 from .._dist.agree import sequence, settle
 from .._dist.coord import Coordinator, default_coordinator
 from .._errors import (
@@ -180,6 +181,7 @@ def export_safetensors(
     coordinator: Coordinator | None = None,
     timeout: float = 1800.0,
     progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
 ) -> list[str]:
     """Write checkpoint `path` as a Hugging Face safetensors folder `dst`; returns its files.
 
@@ -217,6 +219,10 @@ def export_safetensors(
     (`UnsupportedTypeError` naming the leaf). `max_shard_size` follows
     Hugging Face (``"5GB"`` is 5*10^9 bytes, ``"5GiB"`` 5*2^30).
 
+    `on_total(n)` gets the bytes of tensor data this process writes, `progress(n)` each `n` of
+    them written; listeners added with ``progress=True`` (`cairn.add_listener`) get
+    ``"export_safetensors"`` events (a `ProgressStats`) as it goes.
+
     Example:
 
         cairn.export_safetensors("/ckpt/step_100", "/export/hf", item="params",
@@ -231,6 +237,8 @@ def export_safetensors(
     me, n = coord.process_index, coord.process_count
     seq = sequence("export")
     out = resolve(dst, storage_options)
+    tracker = Progress("export_safetensors", os.fspath(dst))
+    on_total, progress = tracker.wrap(on_total, progress)
     base = f"cairn/export/{seq}"
     status: dict[str, Any] = {"ok": True}
     own_error: BaseException | None = None
@@ -249,6 +257,7 @@ def export_safetensors(
         if not overwrite and (out.storage.exists(out.key(INDEX)) or out.storage.exists(out.key(SINGLE))):
             raise CheckpointExistsError(f"{out.path} already holds safetensors; pass overwrite=True to replace them")
         mine = [k for k in range(len(shards)) if owner[k] == me]
+        on_total(sum(tensors[i].leaf.nbytes for k in mine for i in shards[k]))
         _write(ck, out, [[tensors[i] for i in shards[k]] for k in mine], [files[k] for k in mine],
                budget_bytes, threads, progress)
     except BaseException as e:
@@ -267,6 +276,7 @@ def export_safetensors(
         error = error_from_record(outcome["error"], f"exporting {os.fspath(path)} to {out.path} failed: "
                                                     f"{outcome['message']}")
         raise error
+    tracker.finish()
     return [out.storage.describe(out.key(name)) for name in ([*files, INDEX] if len(files) > 1 else files)]
 
 

@@ -24,9 +24,10 @@ from __future__ import annotations
 import logging
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
+from .._core.stats import Progress
 from .._errors import CheckpointError, CheckpointExistsError, UnsupportedTypeError
 from .._format import manifest as fmt
 from .._load import engine as _load
@@ -82,6 +83,8 @@ def export_orbax(
     json_items: Iterable[str] | None = None,
     mesh: Any = None,
     storage_options: dict[str, Any] | None = None,
+    progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
 ) -> str:
     """Write cairn checkpoint `path` as the Orbax checkpoint `out`, through orbax-checkpoint.
 
@@ -126,6 +129,11 @@ def export_orbax(
 
     Raises `CheckpointExistsError` if `out` exists, unless `overwrite`.
 
+    Progress comes in two steps, since Orbax's save reports none of its own: `on_total(n)` gets
+    twice the bytes of array data (read, then written), `progress(n)` half of that once the
+    arrays are loaded and the other half once Orbax has written them; listeners added with
+    ``progress=True`` get ``"export_orbax"`` events (a `ProgressStats`).
+
     Example:
 
         cairn.export_orbax("/ckpt/step_00001000", "/orbax/run/1000")
@@ -166,7 +174,13 @@ def export_orbax(
 
     if epath.Path(dest).exists() and not overwrite:
         raise CheckpointExistsError(f"{dest} exists; pass overwrite=True (cairn convert: --overwrite) to replace it")
+    tracker = Progress("export_orbax", os.fspath(out))
+    on_total, progress = tracker.wrap(on_total, progress)
+    nbytes = sum(leaf.nbytes for index in ck.indexes.values() for leaf in index.leaves
+                 if isinstance(leaf, fmt.ArrayLeaf))
+    on_total(2 * nbytes)
     tree = _load.load(CairnSource(ck.loc, ck.manifest), None, publish=False, **({"mesh": mesh} if mesh is not None else {}))
+    progress(nbytes)
     items = {"": tree} if ck.manifest.root else dict(tree)
     keyed = {name: export_tree(_with_keys(items[name], ck.indexes[name]), ck.indexes[name].structure, where,
                                name, per_process) for name in items}
@@ -202,6 +216,8 @@ def export_orbax(
             ckptr.wait_until_finished()
     finally:
         ckptr.close()
+    progress(nbytes)
+    tracker.finish()
     return dest
 
 

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .._core.stats import Progress
 from .._errors import CheckpointError, UnsupportedTypeError
 from .._format import manifest as fmt
 from .._format import values
@@ -147,6 +148,7 @@ def to_safetensors(
     threads: int = 4,
     storage_options: dict | None = None,
     progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
 ) -> list[str]:
     """Write checkpoint `src` as one safetensors file `dst` (or, with `per_item`, a
     folder `dst` holding ``<checkpointable>.safetensors`` files); returns the files written.
@@ -165,6 +167,9 @@ def to_safetensors(
     `cairn.PerProcess` value are named by the process that saved them
     (``data.process_1.window``); the cairn tree in the header keeps them
     per process, so converting back gives the per-process value again.
+
+    `on_total(n)` gets the bytes of array data to write, `progress(n)` each `n` of them written;
+    listeners added with ``progress=True`` get ``"export_safetensors"`` progress events.
     """
     check_names(names)
     ck = open_checkpoint(src, storage_options)
@@ -177,6 +182,10 @@ def to_safetensors(
     groups = [[item]] if item is not None else [[n] for n in ck.manifest.items] if per_item and not root else [
         list(ck.manifest.items)]
     out_loc = resolve(dst, storage_options)
+    tracker = Progress("export_safetensors", os.fspath(dst))
+    on_total, progress = tracker.wrap(on_total, progress)
+    on_total(sum(leaf.nbytes for g in groups for it in g for leaf in ck.indexes[it].leaves
+                 if isinstance(leaf, fmt.ArrayLeaf)))
     written = []
     slab = slab_bytes(budget_bytes)
     for group in groups:
@@ -225,6 +234,7 @@ def to_safetensors(
                 for r in readers.values():
                     r.close()
         written.append(out_loc.storage.describe(key))
+    tracker.finish()
     return written
 
 
@@ -250,8 +260,11 @@ def from_safetensors(
     budget_bytes: int = DEFAULT_BUDGET,
     storage_options: dict | None = None,
     progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
 ) -> None:
-    """Build checkpoint `dst` from a safetensors file, or a folder of them (one per checkpointable)."""
+    """Build checkpoint `dst` from a safetensors file, or a folder of them (one per checkpointable).
+
+    `on_total`, `progress` and the ``"convert"`` progress events as for `convert_to_cairn`."""
     src_loc = resolve(src, storage_options)
     st = src_loc.storage
     if st.exists(src_loc.name) and st.list(src_loc.name):
@@ -277,6 +290,10 @@ def from_safetensors(
         items.update(its)
     if root and list(items) != [""]:
         raise CheckpointError(f"{src_loc.path}: a root checkpoint must come from exactly one file")
+    tracker = Progress("convert", os.fspath(dst))
+    on_total, progress = tracker.wrap(on_total, progress)
+    on_total(sum(leaf[2].nbytes for _s, leaves in items.values() for leaf in leaves
+                 if not isinstance(leaf, fmt.ValueLeaf)))
     writer = StreamWriter(resolve(dst, storage_options), fmt.DEFAULT_BLOCK_SIZE)
     slab = slab_bytes(budget_bytes)
     try:
@@ -286,6 +303,7 @@ def from_safetensors(
     except BaseException:
         writer.abort()
         raise
+    tracker.finish()
 
 
 def _unescape_item(stem: str) -> str:

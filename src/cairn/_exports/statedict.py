@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .._core.stats import Progress
 from .._errors import CheckpointError, UnsupportedTypeError
 from .._format import manifest as fmt
 from .._format import values
@@ -75,6 +76,7 @@ def to_torch_file(
     threads: int = 4,
     storage_options: dict | None = None,
     progress: Callable[[int], None] | None = None,
+    on_total: Callable[[int], None] | None = None,
 ) -> str:
     """Write checkpoint `src` as a PyTorch state-dict file for ``torch.load(dst)``.
 
@@ -82,6 +84,9 @@ def to_torch_file(
     checkpointable's name) map to tensors, and to Python values for the
     non-array leaves. It is written in the format ``torch.save`` writes, one
     slab at a time, so it loads with ``weights_only=True`` and ``mmap=True``.
+
+    `on_total(n)` gets the bytes of tensor data to write, `progress(n)` each `n` of them written;
+    listeners added with ``progress=True`` get ``"export_torch"`` progress events.
     """
     import io
     import pickle
@@ -94,6 +99,9 @@ def to_torch_file(
         readers = {i: make_reader(ck, i, pool) for i in ck.indexes}
         try:
             state, plan = _torch_state(ck, readers, sep)
+            tracker = Progress("export_torch", os.fspath(dst))
+            on_total, progress = tracker.wrap(on_total, progress)
+            on_total(sum(leaf.nbytes for _item, leaf, _key in plan))
 
             class _Pickler(pickle.Pickler):
                 def persistent_id(self, obj: Any) -> Any:
@@ -128,6 +136,7 @@ def to_torch_file(
         finally:
             for r in readers.values():
                 r.close()
+    tracker.finish()
     return out_loc.storage.describe(out_loc.name)
 
 
