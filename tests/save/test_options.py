@@ -98,7 +98,7 @@ def test_every_public_save_keyword_is_an_option_or_says_why_not():
     options = {f.name for f in dataclasses.fields(SaveOptions)}
     # Not options of how to write: where the checkpoint goes, what it holds, and the earlier
     # checkpoint it refers to (`base`, a path resolved beside `path`).
-    outside = {"path", "state", "storage_options", "metadata", "base"}
+    outside = {"path", "state", "storage_options", "user_metadata", "metadata", "base"}  # metadata: deprecated
     assert set(inspect.signature(cairn.save_async).parameters) - outside == options
     # A blocking save takes no snapshot: nothing to budget.
     assert set(inspect.signature(cairn.save).parameters) - outside == options - {"snapshot_budget_bytes"}
