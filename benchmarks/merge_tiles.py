@@ -27,17 +27,15 @@ import argparse
 import json
 import os
 import threading
-import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 
+from benchmarks.codec_threads import _best, runs_of
 from benchmarks.trained_state import flatten, make_state
 from cairn._format import codecs as C
 
-BLOCK = 1 << 20
 GiB = float(1 << 30)
 _ONE_PASS = (C._merge, C._split)  # the codecs' own: one pass per plane over the whole buffer
 _local = threading.local()
@@ -99,16 +97,6 @@ def use_tiles(tile: int) -> None:
     C._merge, C._split = _ONE_PASS if tile == 0 else (merge_tiled, split_tiled)
 
 
-def _best(pool: ThreadPoolExecutor, fn: Callable[[Any], Any], tasks: list[Any], reps: int = 3) -> float:
-    list(pool.map(fn, tasks[: pool._max_workers]))  # warm: threads, per-thread buffers
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        list(pool.map(fn, tasks))
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=64_000_000)
@@ -120,14 +108,7 @@ def main() -> None:
     counts = [int(n) for n in args.threads.split(",")]
     tiles = [int(t) for t in args.tiles.split(",")]
     flat = flatten(make_state(args.size, "bf16-f32"))
-    runs = []
-    for a in flat.values():
-        if a.nbytes < args.min_leaf:
-            continue
-        codec = C.choose(a.dtype, C.sample(a))
-        raw = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        block = BLOCK - BLOCK % a.dtype.itemsize
-        runs += [(codec, raw[o:o + 16 * block], block, a.dtype) for o in range(0, raw.nbytes, 16 * block)]
+    runs = runs_of([(a, C.choose(a.dtype, C.sample(a))) for a in flat.values() if a.nbytes >= args.min_leaf], 16)
     raw_bytes = sum(r[1].nbytes for r in runs)
     use_tiles(0)
     stored = [C.encode_run(*r) for r in runs]
