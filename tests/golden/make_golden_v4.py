@@ -14,6 +14,7 @@ are written out again in tests/save/test_incremental.py. Refuses to overwrite.
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import ml_dtypes
@@ -36,19 +37,25 @@ def state(step: int) -> dict:
     return {"params": {"w": w, "emb": emb, "ids": np.arange(10, dtype=np.int32)}, "step": step}
 
 
-def main() -> int:
-    if OUT.exists():
-        print(f"{OUT} exists; goldens are never regenerated", file=sys.stderr)
+def write_chain(out: Path, state: Callable[[int], dict], note: str) -> int:
+    """Steps 1-3 of `state` into `out` (refused if it exists): step 1 self-contained with block hashes and
+    compressed by measurement, steps 2 and 3 raw, each against the step before."""
+    if out.exists():
+        print(f"{out} exists; goldens are never regenerated", file=sys.stderr)
         return 1
-    OUT.mkdir(parents=True)
+    out.mkdir(parents=True)
     for step, base, compression in ((1, None, True), (2, 1, False), (3, 2, False)):
-        loc = resolve(OUT / f"step_{step:08d}")
-        kw = {"hashes": True} if base is None else {"base": resolve(OUT / f"step_{base:08d}"), "hashes": True}
+        loc = resolve(out / f"step_{step:08d}")
+        kw = {"hashes": True} if base is None else {"base": resolve(out / f"step_{base:08d}"), "hashes": True}
         job = _save.prepare(loc, state(step), block_size=4096, min_file_bytes=16384, compression=compression,
-                            user_metadata={"note": "v4 golden"}, **kw)
+                            metadata={"note": note}, **kw)  # the internal prepare: user_metadata is the public name
         job.run()
         print(f"wrote {loc.path} with cairn {cairn.__version__}")
     return 0
+
+
+def main() -> int:
+    return write_chain(OUT, state, "v4 golden")
 
 
 if __name__ == "__main__":

@@ -19,10 +19,7 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
-
-import cairn
-from cairn._save import engine as _save
-from cairn._storage.location import resolve
+from make_golden_v4 import write_chain  # this folder: the script's own
 
 OUT = Path(__file__).parent / "v4" / "delta"
 
@@ -39,18 +36,7 @@ def state(step: int) -> dict:
 
 
 def main() -> int:
-    if OUT.exists():
-        print(f"{OUT} exists; goldens are never regenerated", file=sys.stderr)
-        return 1
-    OUT.mkdir(parents=True)
-    for step, base, compression in ((1, None, True), (2, 1, False), (3, 2, False)):
-        loc = resolve(OUT / f"step_{step:08d}")
-        kw = {"hashes": True} if base is None else {"base": resolve(OUT / f"step_{base:08d}"), "hashes": True}
-        job = _save.prepare(loc, state(step), block_size=4096, min_file_bytes=16384, compression=compression,
-                            user_metadata={"note": "v4 delta golden"}, **kw)
-        job.run()
-        print(f"wrote {loc.path} with cairn {cairn.__version__}")
-    return 0
+    return write_chain(OUT, state, "v4 delta golden")
 
 
 if __name__ == "__main__":
