@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 from cairn._format import manifest as fmt
-from cairn._load.metadata import open_checkpoint
+from cairn._load.source import open_checkpoint
 
 
 def as_version_1(path) -> None:

@@ -95,7 +95,7 @@ def test_verify_intact(ckpt, capsys):
 
 
 def test_verify_names_every_corrupt_chunk(ckpt, capsys):
-    index = cairn._load.metadata.open_checkpoint(ckpt).indexes["params"]
+    index = cairn._load.source.open_checkpoint(ckpt).indexes["params"]
     w = next(leaf for leaf in index.leaves if leaf.path == "w")
     path = data_file(ckpt)
     raw = bytearray(path.read_bytes())

@@ -98,10 +98,9 @@ def _safetensors_file(tmp_path):
 
 def _run_export(kind, tmp_path, **kw):
     """Run one conversion; returns (op its events should name, destination, array bytes)."""
-    from cairn._exports.statedict import to_torch_file
-
     from cairn._exports.convert import convert_to_cairn
     from cairn._exports.safetensors import from_safetensors, to_safetensors
+    from cairn._exports.statedict import to_torch_file
 
     pytest.importorskip({"torch": "torch", "orbax": "orbax.checkpoint"}.get(kind, "safetensors"))
     dst = str(tmp_path / f"out_{kind}")

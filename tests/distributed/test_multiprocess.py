@@ -128,7 +128,7 @@ def test_save_on_2_load_on_4(tmp_path):
 def test_compressed_save_on_2_agrees_on_codecs_and_loads_on_4(tmp_path):
     """Each leaf's codec is chosen by the writer of its first chunk and learnt by the other writers
     (replicated leaves split between processes), so every chunk of a leaf is stored alike."""
-    from cairn._load.metadata import open_checkpoint
+    from cairn._load.source import open_checkpoint
 
     path = str(tmp_path / "ckpt2z")
     saved = run(2, "save", {"path": path, "mesh": MESH_2, "split_replicas": True, "compression": True})
@@ -148,7 +148,7 @@ def test_auto_compression_is_the_primarys_answer(tmp_path):
     """What "auto" means depends on the mounts a process sees; the primary's answer holds for all
     (here it sees a network filesystem, the other process a local disk), so the index parts agree.
     (On 12 cores, where the codecs are faster than a network filesystem's default 1 GiB/s.)"""
-    from cairn._load.metadata import open_checkpoint
+    from cairn._load.source import open_checkpoint
 
     path = str(tmp_path / "ckpt_auto")
     real = os.path.realpath(tmp_path)

@@ -128,7 +128,7 @@ def test_one_saving_process_is_named_too_and_bytes_inside_say_drop(tmp_path):
 def test_a_recompressing_copy_keeps_every_processs_value(saved_on_3, tmp_path):
     """`copy(compression=...)` carries per-process values over as saved (3 processes' windows), with the
     saving process count, and a target-less load of the copy returns all of them as of the source."""
-    from cairn._load.metadata import open_checkpoint
+    from cairn._load.source import open_checkpoint
 
     cairn.copy(saved_on_3, tmp_path / "z", compression=True)
     ck = open_checkpoint(tmp_path / "z")

@@ -22,7 +22,7 @@ from jax.sharding import PartitionSpec as P
 
 import cairn
 from cairn._format import manifest as fmt
-from cairn._load.metadata import open_checkpoint
+from cairn._load.source import open_checkpoint
 
 BLOCK = 4096
 
@@ -463,8 +463,8 @@ def test_recompressing_copy_streams_within_its_budget(tmp_path):
 def test_a_compressed_route_fetches_only_the_records_it_prices(tmp_path):
     """Pricing a compressed leaf's route reads the stored sizes of the chunks the representative process
     touches, not the records of the whole leaf (metadata work proportional to a process's reads)."""
-    from cairn._load.metadata import open_checkpoint
     from cairn._load.readonce import route
+    from cairn._load.source import open_checkpoint
 
     full = trained((512, 1024))
     m8 = jax.make_mesh((8,), ("x",))

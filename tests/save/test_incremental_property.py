@@ -24,7 +24,7 @@ import cairn
 from cairn._format import manifest as fmt
 from cairn._format.blocks import DELTA
 from cairn._load.blocks import block_places
-from cairn._load.metadata import open_checkpoint
+from cairn._load.source import open_checkpoint
 from cairn._save import engine as _save
 from cairn._sources.verify import verify
 from cairn._storage.location import resolve

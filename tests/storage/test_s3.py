@@ -453,7 +453,7 @@ def test_compressed_blocks_checked_and_decoded_as_parts_land(s3, s3_bucket, s3_o
 
     from cairn._core import checksum as _checksum
     from cairn._format import codecs as _codecs
-    from cairn._load.metadata import open_checkpoint
+    from cairn._load.source import open_checkpoint
     from cairn._storage import obstore as _obstore
 
     x = np.random.default_rng(9).normal(0, 0.02, (512, 2048)).astype(ml_dtypes.bfloat16)  # 2 MiB

@@ -266,7 +266,7 @@ def _value_json(v: Any) -> Any:
 
 
 def inspect_data(path: str, format: str | None = None) -> dict[str, Any]:
-    from .._load.metadata import open_checkpoint
+    from .._load.source import open_checkpoint
     from .._sources.registry import inspect_data as foreign
 
     other = foreign(path, format)  # Orbax, DCP, safetensors

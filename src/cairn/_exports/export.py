@@ -38,8 +38,8 @@ from .._errors import (
 )
 from .._format import manifest as fmt
 from .._format import values
-from .._load.metadata import open_checkpoint
 from .._load.reader import DEFAULT_BUDGET, iter_array, make_reader, slab_bytes
+from .._load.source import open_checkpoint
 from .._save.commit import strategy_for
 from .._sources.base import Rename, compile_rename, join_name, unmatched_rules
 from .._storage.location import resolve

@@ -31,8 +31,7 @@ from .._core.stats import Progress
 from .._errors import CheckpointError, CheckpointExistsError, UnsupportedTypeError
 from .._format import manifest as fmt
 from .._load import engine as _load
-from .._load.metadata import open_checkpoint
-from .._load.source import CairnSource
+from .._load.source import CairnSource, open_checkpoint
 from .._storage import split_url
 from .._tree.perprocess import (
     check_export_choice,

@@ -28,8 +28,8 @@ from .._core.stats import Progress
 from .._errors import CheckpointError, UnsupportedTypeError
 from .._format import manifest as fmt
 from .._format import values
-from .._load.metadata import open_checkpoint
 from .._load.reader import DEFAULT_BUDGET, ChunkReader, iter_array, make_reader, slab_bytes
+from .._load.source import open_checkpoint
 from .._save.commit import strategy_for
 from .._save.stream import StreamWriter
 from .._sources.base import join_name

@@ -7,14 +7,13 @@ malformed metadata become cairn errors that name the checkpoint; parsing
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 
 from .._core.gcpause import paused
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError
 from .._format import manifest as fmt
-from .._storage.location import Location, ranges_reader, read_error, resolve
+from .._storage.location import Location, ranges_reader, read_error
 
 
 def read_manifest(loc: Location) -> fmt.Manifest:
@@ -101,7 +100,3 @@ class Opened:
     indexes: dict[str, fmt.ItemIndex]
 
 
-def open_checkpoint(path: str | os.PathLike[str], storage_options: dict | None = None) -> Opened:
-    loc = resolve(path, storage_options)
-    manifest = read_manifest(loc)
-    return Opened(loc, manifest, {name: read_index(loc, info) for name, info in manifest.items.items()})

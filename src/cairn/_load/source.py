@@ -16,6 +16,7 @@ description all use it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,7 +25,7 @@ from typing import Any, Protocol
 from .._core.stats import LoadStats
 from .._errors import MismatchError
 from .._format import manifest as fmt
-from .._storage.location import Location
+from .._storage.location import Location, resolve
 from .metadata import Opened, not_committed, read_index, stored_manifest
 from .reader import ChunkReader
 
@@ -123,6 +124,17 @@ class CairnSource:
         return ChunkReader(self.loc, name, self.manifest.items[name], index, verify, pool, stats)
 
 
+def open_checkpoint(path: str | os.PathLike[str], storage_options: dict | None = None) -> Opened:
+    """The cairn checkpoint at `path` with every index read (`CheckpointNotFoundError` if none is committed).
+
+    Example:
+
+        ck = open_checkpoint("/ckpt/step_100")
+        ck.indexes[""].leaves
+    """
+    return CairnSource.open(resolve(path, storage_options)).opened()
+
+
 def checkpointables(where: str, names: Collection[str], root: bool, target: Any) -> list[tuple[str, Any]]:
     """The checkpointables a load of `target` asks for, each with its part of the target, in order.
 
@@ -154,4 +166,4 @@ def checkpointables(where: str, names: Collection[str], root: bool, target: Any)
     return list(target.items())
 
 
-__all__ = ["CairnSource", "Source", "checkpointables"]
+__all__ = ["CairnSource", "Source", "checkpointables", "open_checkpoint"]
