@@ -64,7 +64,7 @@ class _Cairn(Format):
 
     def __init__(self, src: CairnSource):
         super().__init__(src.loc)
-        self.manifest = src.manifest
+        self.src, self.manifest = src, src.manifest
         self.indexes = src.opened().indexes
 
     @property
@@ -85,7 +85,7 @@ class _Cairn(Format):
         return {leaf.path: leaf for leaf in self.indexes[item].leaves if leaf.path in wanted}
 
     def reader(self, item: str, index: fmt.ItemIndex, verify: bool, pool: Any, stats: Any) -> ChunkReader:
-        return ChunkReader(self.loc, item, self.manifest.items[item], index, verify, pool, stats)
+        return self.src.reader(item, index, verify, pool, stats)
 
     def metadata(self) -> dict[str, Any]:
         return self.manifest.metadata
