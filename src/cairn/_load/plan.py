@@ -36,14 +36,18 @@ from .._format import manifest as fmt
 from .._plan.leafreads import DEFAULT_MAX_READ, plan_leaf_reads, stored_span, whole_reads
 from .._plan.readmemo import PlanMemo
 from .._plan.reads import Read
-from .._tree.shardings import WHOLE_PUT_BYTES, addressable_boxes, device_boxes, puts_whole
+from .._tree.shardings import (
+    PUT_BATCH_BYTES,
+    PUT_BATCH_ITEMS,
+    WHOLE_PUT_BYTES,
+    addressable_boxes,
+    device_boxes,
+    puts_whole,
+)
 from .coalesce import Cut, run_limits, stored_whole_span, whole_span
 from .landing import contiguous, lands_in_place
 from .readonce import ProcessOf
 from .schedule import Schedule
-
-# `shardings.PutBatch`'s flush limits: pending whole-array puts are host memory until flushed.
-_PUT_ITEMS, _PUT_BYTES = 1024, 64 << 20
 
 
 class Span(NamedTuple):
@@ -308,7 +312,7 @@ def plan(items: list[Any], schedule: Schedule, budget: int, limits: Limits, proc
         if put:
             pending += put
             pending_n += 1
-            if pending_n >= _PUT_ITEMS or pending >= _PUT_BYTES:
+            if pending_n >= PUT_BATCH_ITEMS or pending >= PUT_BATCH_BYTES:  # PutBatch flushes: no longer held
                 pending = pending_n = 0
 
     for k, it in enumerate(items):

@@ -151,10 +151,14 @@ def puts_whole(sharding: Any) -> bool:
     return hit
 
 
+# A `PutBatch` flushes at this many pending arrays or bytes (the load's plan counts them as held memory).
+PUT_BATCH_ITEMS, PUT_BATCH_BYTES = 1024, 64 << 20
+
+
 class PutBatch:
     """Host arrays waiting for one batched `jax.device_put` onto their shardings."""
 
-    def __init__(self, max_items: int = 1024, max_bytes: int = 64 << 20) -> None:
+    def __init__(self, max_items: int = PUT_BATCH_ITEMS, max_bytes: int = PUT_BATCH_BYTES) -> None:
         self.max_items, self.max_bytes = max_items, max_bytes
         self._hosts: list[np.ndarray] = []
         self._shardings: list[Any] = []
