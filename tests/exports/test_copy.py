@@ -436,3 +436,34 @@ def test_cli_cp_corrupt_source_fails_and_names_it(src, tmp_path, capsys):
     rc, _, err = run(capsys, "cp", src, tmp_path / "dst")
     assert rc == 1 and "corrupt" in err and str(src) in err
     assert not (tmp_path / "dst").exists()
+
+
+def test_run_copy_keeping_references_copies_and_checks_each_step_once(tmp_path, monkeypatch):
+    """`cairn cp --keep-references RUN`: a base already copied as an earlier step of the run is neither
+    copied nor read again for the later steps that refer to it (it was checked once already)."""
+    from cairn._exports import copy as copy_mod
+
+    run = tmp_path / "run"
+    frozen = np.random.default_rng(3).standard_normal((512, 1024)).astype(np.float32)
+    with cairn.CheckpointManager(run, incremental=True, full_every=4, async_save=False) as mgr:
+        for step in range(6):
+            mgr.save(step, {"frozen": frozen, "head": np.full((64,), step, np.float32)})
+    assert any(fmt.Manifest.from_json((run / n / "manifest.json").read_bytes(), n).bases for n in os.listdir(run))
+    calls: list[str] = []
+    real = copy_mod._copy_as_is
+
+    def counted(s, d, *args, **kwargs):
+        calls.append(d.name)
+        return real(s, d, *args, **kwargs)
+
+    monkeypatch.setattr(copy_mod, "_copy_as_is", counted)
+    assert main(["--plain", "cp", "--keep-references", str(run), str(tmp_path / "copy")]) == 0
+    assert sorted(calls) == sorted(os.listdir(run)), calls  # each step once, bases not again
+    reader = cairn.CheckpointManager(tmp_path / "copy", read_only=True)
+    for step in reader.steps():
+        assert_same({"frozen": frozen, "head": np.full((64,), step, np.float32)}, reader.restore(step))
+    # One checkpoint copied on its own still copies (or checks) its bases beside it, and names them.
+    calls.clear()
+    last = sorted(os.listdir(run))[-1]
+    stats = cairn.copy(run / last, tmp_path / "one" / last, keep_references=True)
+    assert stats.bases and sorted(calls) == sorted([*stats.bases, last])

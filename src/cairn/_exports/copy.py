@@ -431,6 +431,32 @@ def copy(
         cairn.copy("/ckpt/run1/step_00001000", "s3://bucket/run1/step_00001000")
         cairn.copy("/ckpt/run1/step_00001005", "/backup/run1/step_00001005", keep_references=True)
     """
+    return copy_settled(src, dst, set(), overwrite=overwrite, move=move, verify=verify,
+                        budget_bytes=budget_bytes, threads=threads, storage_options=storage_options,
+                        dst_storage_options=dst_storage_options, on_total=on_total, progress=progress,
+                        compression=compression, keep_references=keep_references)
+
+
+def copy_settled(
+    src: str | os.PathLike[str],
+    dst: str | os.PathLike[str],
+    settled: set[str],
+    *,
+    overwrite: bool = False,
+    move: bool = False,
+    verify: bool = True,
+    budget_bytes: int = DEFAULT_BUDGET,
+    threads: int = 8,
+    storage_options: dict | None = None,
+    dst_storage_options: dict | None = None,
+    on_total: Callable[[int], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+    compression: str | bool | None = None,
+    keep_references: bool = False,
+) -> CopyStats:
+    """`copy`, where `settled` names the checkpoints beside `dst` that this run of copies has already
+    copied and checked (a run's steps, copied in order by ``cairn cp --keep-references``): a chain's
+    bases among them are neither copied nor read again. `copy` adds the name of what it committed."""
     t0 = time.perf_counter()
     tracker = Progress("move" if move else "copy", str(dst))  # "progress" events for listeners that ask
     on_total, progress = tracker.wrap(on_total, progress)
@@ -455,8 +481,11 @@ def copy(
     if keep_references and move:
         raise ValueError("keep_references=True copies a chain; a move (which deletes its source) takes none")
     chain: list[tuple[Location, Location]] = []
+    named: tuple[str, ...] = ()  # every base beside the copy, settled ones included
     if bases and keep_references:
-        chain = _chain(s, d)
+        whole_chain = _chain(s, d)
+        named = tuple(bd.name for _, bd in whole_chain)
+        chain = [(bs, bd) for bs, bd in whole_chain if bd.name not in settled]
     elif bases:
         if move:
             raise CheckpointError(f"{s.path} refers to its base checkpoints (an incremental save): move=True "
@@ -466,6 +495,8 @@ def copy(
         return done
     if not chain:
         done = _copy_as_is(s, d, overwrite, move, verify, budget_bytes, threads, on_total, progress, t0, source.raw)
+        settled.add(d.name)
+        done.bases = named
         tracker.finish()
         return done
     # Bases first, each committed before any checkpoint that refers to it (the commit rule of §6.5).
@@ -491,7 +522,8 @@ def copy(
         files, nbytes = files + one.files_copied, nbytes + one.bytes_copied
         kept_files, kept_bytes = kept_files + one.files_kept, kept_bytes + one.bytes_kept
     done = _copy_as_is(s, d, overwrite, False, verify, budget_bytes, threads, whole, progress, t0, source.raw)
-    done.bases = tuple(copied)
+    settled.update((*copied, d.name))
+    done.bases = named
     done.files_copied, done.bytes_copied = done.files_copied + files, done.bytes_copied + nbytes
     done.files_kept, done.bytes_kept = done.files_kept + kept_files, done.bytes_kept + kept_bytes
     tracker.finish()
