@@ -363,3 +363,17 @@ def test_inspect_says_what_compression_decided(tmp_path, capsys):
     assert rc == 0 and "1 none" in line and "x raw)" in line and ("planes" in line or "zstd" in line)
     rc, out, _ = run(capsys, "inspect", tmp_path / "raw")
     assert rc == 0 and "compression: none (every array stored raw)" in out
+
+
+def test_ls_names_a_step_committed_in_two_folders(tmp_path, capsys):
+    """Two committed folders of one step (two namings): `cairn ls` says the manager cannot pick one."""
+    state = {"x": np.arange(10, dtype=np.float32)}
+    cairn.save(tmp_path / "run" / "step_00000004", state, user_metadata=_manager_meta(4, 0.5))
+    cairn.save(tmp_path / "run" / "step_00000005", state, user_metadata=_manager_meta(5, 0.5))
+    rc, out, _ = run(capsys, "ls", str(tmp_path / "run"))
+    assert rc == 0 and "committed in" not in out
+    cairn.save(tmp_path / "run" / "step_4", state, user_metadata=_manager_meta(4, 0.5))
+    rc, out, _ = run(capsys, "ls", str(tmp_path / "run"))
+    assert rc == 0 and "step 4 is committed in 2 folders (step_00000004, step_4)" in out, out
+    assert "step 5 is" not in out
+    assert cairn.CheckpointManager(tmp_path / "run", read_only=True).path(4).endswith("step_00000004")

@@ -191,6 +191,17 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
     if leftovers:
         summary += f", {leftovers} leftover (interrupted or in progress; `cairn gc` removes them)"
     out.line(summary)
+    # A step committed in two folders (two namings, or an Orbax and a cairn save of it): two rows that look
+    # alike, of which a manager uses one; say so rather than leave it to be found.
+    by_step: dict[int, list[str]] = {}
+    for e in entries:
+        if e["status"] == "committed" and e["step"] is not None:
+            by_step.setdefault(e["step"], []).append(e["name"])
+    for step, names in sorted(by_step.items()):
+        if len(names) > 1:
+            out.line(f"step {step} is committed in {len(names)} folders ({', '.join(names)}): a CheckpointManager "
+                     "uses the one its step_format spells and passes over the others with a warning; "
+                     "delete the ones you do not want")
     return 0
 
 
