@@ -26,9 +26,12 @@ from types import SimpleNamespace
 from typing import Any
 
 from .._core.units import human_bytes
+from .._errors import CorruptCheckpointError
 from .._format import manifest as fmt
 from .._load import engine as _load
 from .._load import plan as _plan
+from .._load.blocks import own_block
+from .._load.metadata import read_index, read_manifest
 from .._load.options import LoadOptions
 from .._load.readonce import MAX_READ, ProcessOf, Route, bandwidths_for, storage_kind, stored_nbytes
 from .._load.schedule import schedule
@@ -36,7 +39,7 @@ from .._load.source import checkpointables
 from .._plan.routes import Bandwidths, resolve_bandwidths
 from .._sources import registry as _sources
 from .._sources.registry import Rename
-from .._storage.location import resolve
+from .._storage.location import Location, resolve
 from .._tree.perprocess import LoadView, leaf_numbers
 from .._tree.pytree import display_path
 
@@ -310,7 +313,8 @@ def plan_load(
         pp = LoadView(index.structure, name, loc.path, 0, n)
         wanted = _load.match_target(loc, name, index, item_target, partial, pp, opts.mesh)
         verify_item = verify and src.verify
-        items.append(_Item(name, index, item_target, wanted, SimpleNamespace(verify=verify_item), pp))
+        items.append(_Item(name, index, item_target, wanted, SimpleNamespace(verify=verify_item), pp,
+                           _base_blocks(loc, name, index)))
     process_of, devices = _process_map(items, processes)
     limits = _plan.Limits.of(loc.storage)
     for it in items:
@@ -376,6 +380,44 @@ class _Item:
     wanted: dict[int, Any]
     reader: Any  # .verify
     pp: LoadView
+    #: Version 4: a delta's base block ``(codec id, stored size)`` (`_base_blocks`), as `_load.plan` asks.
+    base_block: Any = None
+
+
+def _base_blocks(loc: Any, name: str, index: fmt.ItemIndex) -> Any:
+    """Where an item's data files include a base checkpoint's: the function `_load.plan` asks for the
+    base block of a delta, ``(leaf, cell, block, (file, offset)) -> (codec id, stored size)``, from the
+    base's index (the load reads the same from the delta's header, which a dry run does not read)."""
+    if not any(f.base is not None for f in index.files):
+        return None
+    opened: dict[str, tuple[fmt.ItemIndex, dict[Any, int]]] = {}
+
+    def base_index(base: str) -> tuple[fmt.ItemIndex, dict[Any, int]]:
+        got = opened.get(base)
+        if got is None:
+            head, sep, _ = loc.path.rstrip("/").rpartition("/")
+            there = Location(loc.storage, base, f"{head}{sep}{base}" if sep else base)
+            bidx = read_index(there, read_manifest(there).items[name])
+            got = opened[base] = (bidx, {leaf.path: i for i, leaf in enumerate(bidx.leaves)})
+        return got
+
+    def base_block(leaf: fmt.ArrayLeaf, cell: int, b: int, against: tuple[int, int]) -> tuple[int, int]:
+        entry = index.files[against[0]]
+        bidx, numbers = base_index(entry.base)  # type: ignore[arg-type]  # a delta's file is a base's (parser)
+        i = numbers.get(leaf.path)
+        if bidx.table is not None and i in bidx.table.leaves:
+            import numpy as np
+
+            bidx.table.fetch({i: np.arange(len(bidx.table.leaves[i].writers))})
+        got = None if i is None else own_block(bidx.leaves[i], cell, bidx.block_size, b)  # type: ignore[arg-type]
+        if got is None or bidx.files[got[0]].name != entry.name or got[1] != against[1]:
+            raise CorruptCheckpointError(
+                f"{loc.path}: leaf {display_path(leaf.path, name)!r} chunk {cell} block {b} is a delta against "
+                f"bytes {against[1]} of {entry.name!r} in its base checkpoint {entry.base!r}, where that "
+                "checkpoint's index has no block of its own at the same position")
+        return got[3], got[2]
+
+    return base_block
 
 
 def _real_process_count() -> int:
