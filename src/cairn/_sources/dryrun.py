@@ -45,7 +45,8 @@ from .._tree.pytree import display_path
 
 MODELLED = (
     "storage bytes and read requests per process, from the plan the load engine executes (read-once routes "
-    "and waves, direct reads, coalesced small arrays and in-place reads, checksum-block widening)",
+    "and waves, direct reads, coalesced small arrays and in-place reads, checksum-block widening; "
+    "incremental steps' reads in their bases' files and their deltas' base blocks)",
     "peak host memory: read buffers in flight under the budget, pending batched device puts, dtype casts, "
     "read-once waves and pieces, and per-thread scratch for reads that cannot land in place (an upper bound)",
     "time: each process's bytes at the given bandwidth, all processes in parallel",
@@ -276,7 +277,8 @@ def plan_load(
     Takes `load`'s arguments, plus `processes` (plan for that many processes,
     each holding an equal share of the target's devices by device id; default:
     the devices' real processes). Only metadata is read: the manifest, indexes
-    and chunk records. `bandwidths` prices the read routes as `load` does (the
+    and chunk records (and, for an incremental step with deltas, the indexes
+    of the bases they are against). `bandwidths` prices the read routes as `load` does (the
     same keys and defaults); its ``storage_gbps`` (GB/s per process), where
     given, also gives the time estimate `plan.seconds`. (`bandwidth=x`, the
     old spelling of ``bandwidths={"storage_gbps": x}``, still works with a
