@@ -98,21 +98,24 @@ def fetches(places: list[tuple[int, int, int, int, int, Any]], b0: int, b1: int,
             base_of: Any) -> list[Fetch]:
     """Every request `read_blocks` sends for blocks ``[b0, b1)``: `stored_fetches`, then `base_fetches`,
     with ``base_of(b)`` the ``(codec, stored size)`` of delta block b's base block. The load learns those
-    from the deltas' headers; a dry run from the base checkpoint's index (`own_block`)."""
+    from the deltas' headers; a dry run from the base checkpoint's index (`own_blocks`)."""
     bases = {b: base_of(b) for b in range(b0, b1) if places[b][4] == DELTA}
     return stored_fetches(places, b0, b1) + base_fetches(places, bases)
 
 
-def own_block(leaf: fmt.ArrayLeaf, cell: int, block: int, b: int) -> tuple[int, int, int, int] | None:
-    """Where block b of chunk `cell` of `leaf` is stored as its own: ``(file, offset, stored size,
-    codec id)``, or None where it is a reference or a delta (a dry run's view of a delta's base block)."""
+def own_blocks(leaf: fmt.ArrayLeaf, cell: int, block: int) -> list[tuple[int, int, int, int] | None]:
+    """Where each block of chunk `cell` of `leaf` is stored as its own: ``(file, offset, stored size,
+    codec id)``, or None for a reference or a delta (a dry run's view of the blocks deltas are against)."""
     if leaf.refs:
-        f, off, size, _crc, codec, against = block_places(leaf, cell, block)[b]
         file = leaf.chunks.table.entry(leaf.chunks.leaf, cell)[0]  # type: ignore[attr-defined]
-        return (f, off, size, codec) if f == file and against is None else None
+        return [(f, off, size, codec) if f == file and against is None else None
+                for f, off, size, _crc, codec, against in block_places(leaf, cell, block)]
     file, off = leaf.chunks[cell]
-    sizes = leaf.stored_sizes(cell, block)
-    return file, off + sum(sizes[:b]), sizes[b], CODEC_IDS[leaf.codec]
+    out: list[tuple[int, int, int, int] | None] = []
+    for size in leaf.stored_sizes(cell, block):
+        out.append((file, off, size, CODEC_IDS[leaf.codec]))
+        off += size
+    return out
 
 
 def delta_header(stored: Any, raw_size: int, where: str) -> tuple[int, int, int]:

@@ -30,7 +30,7 @@ from .._errors import CorruptCheckpointError
 from .._format import manifest as fmt
 from .._load import engine as _load
 from .._load import plan as _plan
-from .._load.blocks import own_block
+from .._load.blocks import own_blocks
 from .._load.metadata import read_index, read_manifest
 from .._load.options import LoadOptions
 from .._load.readonce import MAX_READ, ProcessOf, Route, bandwidths_for, storage_kind, stored_nbytes
@@ -393,6 +393,7 @@ def _base_blocks(loc: Any, name: str, index: fmt.ItemIndex) -> Any:
     if not any(f.base is not None for f in index.files):
         return None
     opened: dict[str, tuple[fmt.ItemIndex, dict[Any, int]]] = {}
+    chunks: dict[tuple[str, Any, int], list[Any]] = {}  # (base, leaf path, cell) -> `own_blocks`
 
     def base_index(base: str) -> tuple[fmt.ItemIndex, dict[Any, int]]:
         got = opened.get(base)
@@ -403,16 +404,26 @@ def _base_blocks(loc: Any, name: str, index: fmt.ItemIndex) -> Any:
             got = opened[base] = (bidx, {leaf.path: i for i, leaf in enumerate(bidx.leaves)})
         return got
 
+    def own_of(base: str, path: Any, cell: int) -> list[Any]:
+        got = chunks.get((base, path, cell))
+        if got is None:
+            bidx, numbers = base_index(base)
+            i = numbers.get(path)
+            leaf = None if i is None else bidx.leaves[i]
+            if not isinstance(leaf, fmt.ArrayLeaf) or cell >= len(leaf.chunks):
+                got = []
+            else:
+                if bidx.table is not None and i in bidx.table.leaves:  # format 2+: its records, all at once
+                    bidx.table.fetch_leaf(i, len(bidx.table.leaves[i].writers))  # type: ignore[arg-type]
+                got = own_blocks(leaf, cell, bidx.block_size)
+            chunks[(base, path, cell)] = got
+        return got
+
     def base_block(leaf: fmt.ArrayLeaf, cell: int, b: int, against: tuple[int, int]) -> tuple[int, int]:
         entry = index.files[against[0]]
-        bidx, numbers = base_index(entry.base)  # type: ignore[arg-type]  # a delta's file is a base's (parser)
-        i = numbers.get(leaf.path)
-        if bidx.table is not None and i in bidx.table.leaves:
-            import numpy as np
-
-            bidx.table.fetch({i: np.arange(len(bidx.table.leaves[i].writers))})
-        got = None if i is None else own_block(bidx.leaves[i], cell, bidx.block_size, b)  # type: ignore[arg-type]
-        if got is None or bidx.files[got[0]].name != entry.name or got[1] != against[1]:
+        own = own_of(entry.base, leaf.path, cell)  # type: ignore[arg-type]  # a delta's file is a base's (parser)
+        got = own[b] if b < len(own) else None
+        if got is None or base_index(entry.base)[0].files[got[0]].name != entry.name or got[1] != against[1]:  # type: ignore[arg-type]
             raise CorruptCheckpointError(
                 f"{loc.path}: leaf {display_path(leaf.path, name)!r} chunk {cell} block {b} is a delta against "
                 f"bytes {against[1]} of {entry.name!r} in its base checkpoint {entry.base!r}, where that "
