@@ -1,5 +1,6 @@
 """The load's plan (`_load/plan.py`) is what the load does: the dry run's predicted storage requests equal
-a real load's, request for request (file, offset, length), on a local disk and on S3 (moto)."""
+a real load's, request for request (file, offset, length), on a local disk and on S3 (moto); for
+incremental steps too, whose reads go to their bases' files (references, and the base blocks of deltas)."""
 
 from __future__ import annotations
 
