@@ -339,3 +339,15 @@ def test_a_coded_base_block_is_looked_up_in_the_base(chain, mesh8, mesh42, monke
             check_chain(path, "numpy", mesh8, mesh42)
     else:
         check_chain(path, "numpy", mesh8, mesh42)
+
+
+def test_a_missing_base_is_named(tmp_path, mesh8, mesh42):
+    """A dry run of a step whose deltas' base is gone fails as the load does, naming the base."""
+    path, _ = _save_chain(tmp_path, mesh8, mesh42)
+    import shutil
+
+    shutil.rmtree(tmp_path / "s0")
+    with pytest.raises(cairn.CorruptCheckpointError, match="'s0'"):
+        cairn.plan_load(path)
+    with pytest.raises(cairn.CorruptCheckpointError, match="s0"):
+        cairn.load(path)

@@ -26,7 +26,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from .._core.units import human_bytes
-from .._errors import CorruptCheckpointError
+from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import manifest as fmt
 from .._load import engine as _load
 from .._load import plan as _plan
@@ -400,7 +400,12 @@ def _base_blocks(loc: Any, name: str, index: fmt.ItemIndex) -> Any:
         if got is None:
             head, sep, _ = loc.path.rstrip("/").rpartition("/")
             there = Location(loc.storage, base, f"{head}{sep}{base}" if sep else base)
-            bidx = read_index(there, read_manifest(there).items[name])
+            try:
+                bidx = read_index(there, read_manifest(there).items[name])
+            except (CheckpointError, KeyError) as e:
+                raise CorruptCheckpointError(
+                    f"{loc.path} refers to its base checkpoint {base!r} (beside it), whose index of "
+                    f"{name!r} cannot be read: {e}") from None
             got = opened[base] = (bidx, {leaf.path: i for i, leaf in enumerate(bidx.leaves)})
         return got
 
