@@ -280,60 +280,69 @@ class ChunkTable:
         v3 = self.part_version >= PART_VERSION_SIZES
         v4 = self.part_version == PART_VERSION_BLOCKS
         stored_of: list[tuple[int, ...]] = []
-        blocks_of: list[tuple[bytes, bytes]] = []  # version 4: per record, its hashes' and sources' bytes
-        if v3:  # each block's stored size, beside its CRC; a chunk's stored bytes are their sum
+        crcs_of: list[tuple[int, ...]] = []
+        check = rec["crcs_crc"].tolist()
+        if v3:
+            # Every block of every record at once (a record's columns are runs of its CRC numbers): the
+            # CRCs, stored sizes and, in version 4, hashes and sources, each gathered in one call.
+            ncrc = rows[:, 4]
+            ends = np.cumsum(ncrc)
+            firsts_of = ends - ncrc
+            blockno = np.repeat(rows[:, 3] - firsts_of, ncrc) + np.arange(int(ends[-1]) if n else 0)
             size_at = crc_at + part.crcs * 4
-            totals = []
-            for cno, ncrc in rows[:, 3:5].tolist():
-                sb = at(size_at + cno * 4, ncrc * 4) if ncrc else b""
-                st = tuple(np.frombuffer(sb, dtype="<u4").tolist())
-                stored_of.append(st)
-                if v4:  # a chunk's own stored bytes are those of its blocks that are not references
-                    hb = at(size_at + part.crcs * 4 + cno * HASH_BYTES, ncrc * HASH_BYTES) if ncrc else b""
-                    ob = at(size_at + part.crcs * 20 + cno * SOURCE_BYTES, ncrc * SOURCE_BYTES) if ncrc else b""
-                    blocks_of.append((hb, ob))
-                    src = np.frombuffer(ob, dtype=SOURCE)
-                    totals.append(sum(v for v, f, c in zip(st, src["file"].tolist(), src["codec"].tolist())
-                                      if f == OWN or c == DELTA))  # a delta's bytes are the chunk's own
-                    continue
-                totals.append(sum(st))
-            stored_total = np.asarray(totals, dtype=np.int64)
-            sizes = np.where(sizes > 0, stored_total, 0)
+            cb = gather(crc_at + blockno * 4, 4).reshape(-1)
+            sb = gather(size_at + blockno * 4, 4).reshape(-1)
+            crcs_all, sizes_all = cb.view("<u4").tolist(), sb.view("<u4").tolist()
+            bounds = list(zip(firsts_of.tolist(), ends.tolist()))
+            crcs_of = [tuple(crcs_all[i:j]) for i, j in bounds]
+            stored_of = [tuple(sizes_all[i:j]) for i, j in bounds]
+            cbb, sbb = cb.tobytes(), sb.tobytes()
+            own_sizes = sb.view("<u4").astype(np.int64)
+            if v4:
+                hb = gather(size_at + part.crcs * 4 + blockno * HASH_BYTES, HASH_BYTES).reshape(-1)
+                ob = gather(size_at + part.crcs * 20 + blockno * SOURCE_BYTES, SOURCE_BYTES).reshape(-1)
+                hbb, obb = hb.tobytes(), ob.tobytes()
+                src = ob.view(SOURCE)
+                # A chunk's own stored bytes are those of its blocks that are not references (a delta's are own).
+                own_sizes = np.where((src["file"] == OWN) | (src["codec"] == DELTA), own_sizes, 0)
+            running = np.concatenate([[0], np.cumsum(own_sizes)])
+            sizes = np.where(sizes > 0, running[ends] - running[firsts_of], 0)
         limits = np.asarray(self.file_sizes, dtype=np.int64)[files] if self.file_sizes else np.zeros_like(files)
         outside = np.flatnonzero((sizes > 0) & (offsets + sizes > limits))
         if len(outside):
             k = int(outside[0])
             raise corrupt(where, f"record {int(rows[k, 2])} (bytes {int(offsets[k])}..{int(offsets[k] + sizes[k])}) "
                                "lies outside its data file")
-        check = rec["crcs_crc"].tolist()
-        if bool(np.all(rows[:, 4] == 1)) and not v4:  # one block per chunk, the common case: all CRCs gathered at once
+        if v3:
+            for k, (i, j) in enumerate(bounds):
+                got_crc = crc32c(sbb[4 * i : 4 * j], crc32c(cbb[4 * i : 4 * j]))
+                if v4:
+                    got_crc = crc32c(obb[16 * i : 16 * j], crc32c(hbb[16 * i : 16 * j], got_crc))
+                if got_crc != check[k]:
+                    raise corrupt(where, f"checksums of record {int(rows[k, 2])} do not match their checksum")
+        elif bool(np.all(rows[:, 4] == 1)):  # one block per chunk, the common case: all CRCs gathered at once
             cbs = gather(crc_at + rows[:, 3] * 4, 4)
             cb_bytes = cbs.tobytes()
             for k in range(n):
-                if (crc32c(cb_bytes[4 * k : 4 * k + 4]) if not v3 else
-                        crc32c(np.asarray(stored_of[k], "<u4").tobytes(), crc32c(cb_bytes[4 * k : 4 * k + 4]))) \
-                        != check[k]:
+                if crc32c(cb_bytes[4 * k : 4 * k + 4]) != check[k]:
                     raise corrupt(where, f"checksums of record {int(rows[k, 2])} do not match their checksum")
             crcs_of = [(v,) for v in cbs.reshape(-1).view("<u4").tolist()]
         else:
-            crcs_of = []
-            for k, (rno, cno, ncrc) in enumerate(rows[:, 2:5].tolist()):
-                cb = at(crc_at + cno * 4, ncrc * 4) if ncrc else b""
-                got_crc = crc32c(cb) if not v3 else crc32c(np.asarray(stored_of[k], "<u4").tobytes(), crc32c(cb))
-                if v4:
-                    got_crc = crc32c(blocks_of[k][1], crc32c(blocks_of[k][0], got_crc))
-                if got_crc != check[k]:
+            for k, (rno, cno, ncrc_k) in enumerate(rows[:, 2:5].tolist()):
+                cb1 = at(crc_at + cno * 4, ncrc_k * 4) if ncrc_k else b""
+                if crc32c(cb1) != check[k]:
                     raise corrupt(where, f"checksums of record {rno} do not match their checksum")
-                crcs_of.append(tuple(np.frombuffer(cb, dtype="<u4").tolist()))
+                crcs_of.append(tuple(np.frombuffer(cb1, dtype="<u4").tolist()))
         if v4:
-            for k, (leaf, cell, rno) in enumerate(rows[:, 0:3].tolist()):
-                self._check_sources(where, rno, stored_of[k], blocks_of[k][1], int(rows[k, 6]), leaf,
-                                    part)
+            self._check_all_sources(where, rows, stored_of, src, sizes_all, part)
+            files_all, codecs_all, offs_all = src["file"].tolist(), src["codec"].tolist(), src["offset"].tolist()
+            fb = part.file_base
+            for k, (leaf, cell, _rno) in enumerate(rows[:, 0:3].tolist()):
+                i, j = bounds[k]
                 self._stored.setdefault(leaf, {})[cell] = stored_of[k]
-                src = np.frombuffer(blocks_of[k][1], SOURCE)
-                self._blocks.setdefault(leaf, {})[cell] = (blocks_of[k][0], tuple(
-                    (-1 if f == OWN else part.file_base + f, c, o)
-                    for f, c, o in zip(src["file"].tolist(), src["codec"].tolist(), src["offset"].tolist())))
+                self._blocks.setdefault(leaf, {})[cell] = (hbb[16 * i : 16 * j], tuple(
+                    (-1 if f == OWN else fb + f, c, o)
+                    for f, c, o in zip(files_all[i:j], codecs_all[i:j], offs_all[i:j])))
         elif v3:
             for k, (leaf, cell, rno) in enumerate(rows[:, 0:3].tolist()):
                 st = stored_of[k]
@@ -348,6 +357,42 @@ class ChunkTable:
         for k, (leaf, cell, f, off) in enumerate(zip(rows[:, 0].tolist(), rows[:, 1].tolist(), files.tolist(),
                                                      offsets.tolist())):
             got.setdefault(leaf, {})[cell] = (f, off, crcs_of[k])
+
+    def _check_all_sources(self, where: str, rows: np.ndarray, stored_of: list[tuple[int, ...]], src: np.ndarray,
+                           sizes: list[int], part: PartInfo) -> None:
+        """`_check_sources` of every record at once: the same rules over all blocks in a few array
+        operations; where any block breaks one, the records are checked one by one for the error."""
+        from .blocks import CODEC_IDS, CODEC_NAMES, DELTA_HEADER
+
+        ncrc = rows[:, 4]
+        if not len(src):
+            return
+        firsts = np.cumsum(ncrc) - ncrc
+        rec = np.repeat(np.arange(len(rows)), ncrc)
+        j = np.arange(len(src)) - np.repeat(firsts, ncrc)
+        v = np.asarray(sizes, dtype=np.int64)
+        r = np.minimum(self.block, rows[:, 6][rec] - j * self.block)
+        bound = r + r // 8 + 4096  # `stored_bound`
+        f = src["file"].astype(np.int64)
+        c = src["codec"].astype(np.int64)
+        off = src["offset"].astype(np.int64)
+        leaf_codec = np.array([CODEC_IDS[self._codec.get(leaf, "none")] for leaf in rows[:, 0].tolist()])[rec]
+        inside = f < part.files
+        delta = c == DELTA
+        bad = r <= 0
+        bad |= delta & ((f == OWN) | ~inside | (v < DELTA_HEADER.size) | (v > bound + DELTA_HEADER.size))
+        bad |= ~delta & ((c >= len(CODEC_NAMES)) | (v > bound) | ((c == 0) & (v != r)))
+        bad |= ~delta & (f == OWN) & (c != leaf_codec)
+        bad |= ~delta & (f != OWN) & ~inside
+        if self.file_sizes:
+            limit = np.asarray(self.file_sizes, dtype=np.int64)[np.where(inside, part.file_base + f, 0)]
+            bad |= delta & inside & (off >= limit)
+            bad |= ~delta & (f != OWN) & inside & (off + v > limit)
+        if bool(bad.any()):
+            obs = src.tobytes()
+            for k, (leaf, rno, n, nbytes) in enumerate(rows[:, [0, 2, 4, 6]].tolist()):
+                i = int(firsts[k])
+                self._check_sources(where, rno, stored_of[k], obs[16 * i : 16 * (i + n)], nbytes, leaf, part)
 
     def _check_sources(self, where: str, rno: int, st: tuple[int, ...], ob: bytes, nbytes: int, leaf: int,
                        part: PartInfo) -> None:

@@ -11,13 +11,16 @@ in the base), every block's CRC-32C is checked on its stored bytes, and each
 is decoded by its own codec into the destination (or into a buffer the
 copies take from). A delta block (codec `DELTA`) is the chunk's own bytes
 (a header and a zstd frame of an XOR) against a block of a base's file: the
-base block is read (one more ranged read), checked against the CRC-32C its
-header records, decoded, and XORed with the decoded delta.
+base block is read (one more ranged read; the base blocks of consecutive
+deltas that lie back to back in one file as one), checked against the
+CRC-32C its header records, decoded, and XORed with the decoded delta.
+`fetches` is the rule for which requests a read sends, which the load's
+plan and its dry run follow too.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -26,7 +29,7 @@ from .._errors import CorruptCheckpointError
 from .._format import codecs as _codecs
 from .._format import manifest as fmt
 from .._format.binindex import raw_blocks, stored_bound
-from .._format.blocks import CODEC_NAMES, DELTA, DELTA_HEADER
+from .._format.blocks import CODEC_IDS, CODEC_NAMES, DELTA, DELTA_HEADER
 from .._plan.reads import Read
 from .._tree.pytree import display_path
 
@@ -53,12 +56,70 @@ def block_places(leaf: fmt.ArrayLeaf, cell: int, block: int) -> list[tuple[int, 
     return out
 
 
-def undelta(stored: Any, raw_size: int, dtype: Any, read_base: Any, out: np.ndarray, where: str) -> None:
-    """Rebuild a delta block into `out` (`raw_size` bytes): `stored` its checked stored bytes,
-    ``read_base(size, codec)`` the `size` stored bytes of the base block it is against (coded by `codec`;
-    a raw base MAY be read straight into `out` and `out` returned: no copy then)."""
-    from .landing import scratch
+class Fetch(NamedTuple):
+    """One storage request of a `refs` leaf's read: `length` bytes of index file `file` from `start`,
+    the stored bytes of `blocks` (block numbers of the chunk, in order) back to back."""
 
+    file: int
+    start: int
+    length: int
+    blocks: tuple[int, ...]
+
+
+def _joined(pieces: list[tuple[int, int, int, int]]) -> list[Fetch]:
+    """``(block, file, offset, size)`` pieces in block order, each run of consecutive blocks whose bytes
+    follow each other in one file joined into one `Fetch`."""
+    out: list[Fetch] = []
+    for b, f, off, size in pieces:
+        if out:
+            last = out[-1]
+            if last.file == f and last.start + last.length == off and last.blocks[-1] + 1 == b:
+                out[-1] = Fetch(f, last.start, last.length + size, (*last.blocks, b))
+                continue
+        out.append(Fetch(f, off, size, (b,)))
+    return out
+
+
+def stored_fetches(places: list[tuple[int, int, int, int, int, Any]], b0: int, b1: int) -> list[Fetch]:
+    """The requests that read the stored bytes of blocks ``[b0, b1)`` (`block_places`): own blocks,
+    deltas' own bytes and references, consecutive blocks back to back in one file as one request."""
+    return _joined([(b, *places[b][:3]) for b in range(b0, b1)])
+
+
+def base_fetches(places: list[tuple[int, int, int, int, int, Any]], bases: dict[int, tuple[int, int]],
+                 ) -> list[Fetch]:
+    """The requests that read the base blocks of the deltas among `places`: `bases` maps a delta's block
+    number to its base block's ``(codec, stored size)`` (its header's, `delta_header`); the base blocks
+    of consecutive deltas that lie back to back in one file are one request."""
+    return _joined([(b, *places[b][5], bases[b][1]) for b in sorted(bases)])
+
+
+def fetches(places: list[tuple[int, int, int, int, int, Any]], b0: int, b1: int,
+            base_of: Any) -> list[Fetch]:
+    """Every request `read_blocks` sends for blocks ``[b0, b1)``: `stored_fetches`, then `base_fetches`,
+    with ``base_of(b)`` the ``(codec, stored size)`` of delta block b's base block. The load learns those
+    from the deltas' headers; a dry run from the base checkpoint's index (`own_blocks`)."""
+    bases = {b: base_of(b) for b in range(b0, b1) if places[b][4] == DELTA}
+    return stored_fetches(places, b0, b1) + base_fetches(places, bases)
+
+
+def own_blocks(leaf: fmt.ArrayLeaf, cell: int, block: int) -> list[tuple[int, int, int, int] | None]:
+    """Where each block of chunk `cell` of `leaf` is stored as its own: ``(file, offset, stored size,
+    codec id)``, or None for a reference or a delta (a dry run's view of the blocks deltas are against)."""
+    if leaf.refs:
+        file = leaf.chunks.table.entry(leaf.chunks.leaf, cell)[0]  # type: ignore[attr-defined]
+        return [(f, off, size, codec) if f == file and against is None else None
+                for f, off, size, _crc, codec, against in block_places(leaf, cell, block)]
+    file, off = leaf.chunks[cell]
+    out: list[tuple[int, int, int, int] | None] = []
+    for size in leaf.stored_sizes(cell, block):
+        out.append((file, off, size, CODEC_IDS[leaf.codec]))
+        off += size
+    return out
+
+
+def delta_header(stored: Any, raw_size: int, where: str) -> tuple[int, int, int]:
+    """A delta block's header, checked: its base block's ``(codec id, CRC-32C, stored size)``."""
     if len(stored) < DELTA_HEADER.size:
         raise CorruptCheckpointError(f"{where}: a delta block of {len(stored)} bytes, shorter than its header")
     codec, crc, size = DELTA_HEADER.unpack_from(stored)
@@ -66,22 +127,43 @@ def undelta(stored: Any, raw_size: int, dtype: Any, read_base: Any, out: np.ndar
         raise CorruptCheckpointError(f"{where}: a delta's header names codec {codec} and {size} stored bytes")
     if codec == 0 and size != raw_size:
         raise CorruptCheckpointError(f"{where}: the base block of a delta stores {size} bytes, not {raw_size}")
-    base = read_base(size, codec)
+    return codec, crc, size
+
+
+def apply_delta(stored: Any, base: Any, codec: int, crc: int, dtype: Any, out: np.ndarray, where: str,
+                in_place: bool = False) -> None:
+    """Rebuild a delta block into `out` (its raw bytes): `stored` its checked stored bytes, `base` the
+    stored bytes of its base block (coded by `codec`), checked here against `crc`. `in_place`: `base` is a
+    raw base block read straight into `out` (no copy then)."""
+    from .landing import scratch
+
     check_block(base, crc, where, "the base block of a delta (stored: what its header records)")
     if codec == 0:
-        if base is not out:
+        if not in_place:
             out[:] = np.frombuffer(base, np.uint8)
     else:
-        _codecs.decode(CODEC_NAMES[codec], base, dtype, raw_size, out, where=where)
+        _codecs.decode(CODEC_NAMES[codec], base, dtype, out.nbytes, out, where=where)
     # The XOR into this thread's scratch (no fresh pages per block), then onto the base's bytes in place.
-    xor = _codecs.decode("zstd", memoryview(stored)[DELTA_HEADER.size :], np.uint8, raw_size,
-                         scratch(raw_size, "xor"), where=where)
+    xor = _codecs.decode("zstd", memoryview(stored)[DELTA_HEADER.size :], np.uint8, out.nbytes,
+                         scratch(out.nbytes, "xor"), where=where)
     np.bitwise_xor(out, xor, out=out)
+
+
+def undelta(stored: Any, raw_size: int, dtype: Any, read_base: Any, out: np.ndarray, where: str) -> None:
+    """Rebuild a delta block into `out` (`raw_size` bytes): `stored` its checked stored bytes,
+    ``read_base(size, codec)`` the `size` stored bytes of the base block it is against (coded by `codec`)."""
+    codec, crc, size = delta_header(stored, raw_size, where)
+    apply_delta(stored, read_base(size, codec), codec, crc, dtype, out, where)
 
 
 def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> None:
     """`ChunkReader.do_read` for a leaf with references (``read`` in raw addressing: ``read.file`` is
-    the chunk, ``[start, end)`` whole blocks of its raw bytes)."""
+    the chunk, ``[start, end)`` whole blocks of its raw bytes).
+
+    Its requests are `fetches`' (what the load's plan predicts): first the blocks' stored bytes (raw
+    runs straight into place, the rest into one buffer), each block checked, own coded blocks decoded
+    and the deltas' headers read; then the deltas' base blocks (raw runs straight into place, where the
+    rebuilt blocks go, the rest into a second buffer), each checked, decoded and XORed with its delta."""
     from .landing import direct_bytes
     from .landing import region as _region
     from .landing import scratch as _scratch
@@ -92,60 +174,47 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
     b0, b1 = read.start // block, -(-read.end // block)
     out = direct_bytes(read, dests)
     raw = out if out is not None else _scratch(read.nbytes)
-    # Consecutive blocks whose stored bytes follow each other in one file: one ranged read.
-    groups: list[list[int]] = []
-    for b in range(b0, b1):
-        f, off, size = places[b][:3]
-        if groups:
-            pf, poff, psize = places[groups[-1][-1]][:3]
-            if pf == f and poff + psize == off:
-                groups[-1].append(b)
-                continue
-        groups.append([b])
-    for g in groups:
-        f, first = places[g[0]][0], places[g[0]][1]
-        n = sum(places[b][2] for b in g)
-        raw_group = all(places[b][4] == 0 for b in g)
-        if raw_group:  # stored raw: straight into place (the blocks are consecutive raw bytes of the read)
-            lo = g[0] * block - read.start
-            view = memoryview(raw[lo : lo + n].data)  # type: ignore[arg-type]
-        else:
-            view = memoryview(_scratch(n, "stored").data)  # type: ignore[arg-type]
-        try:
-            reader._fill(f, first, view, leaf)
-        except CorruptCheckpointError as e:
-            raise _named(reader, f, e) from None
+    name = display_path(leaf.path, reader.item)
+
+    def slot(b: int) -> np.ndarray:  # block b's raw bytes in `raw`
+        lo = b * block - read.start
+        return raw[lo : lo + raws[b]]
+
+    def fill(fes: list[Fetch], codec_of: Any, which: str) -> list[tuple[Fetch, memoryview, bool]]:
+        """Read each of `fes`: all its blocks stored raw, straight into place (consecutive raw blocks of
+        the read), else into buffer `which` (one for all of them): ``(fetch, its bytes, in place)``."""
+        in_place = [all(codec_of(b) == 0 for b in fe.blocks) for fe in fes]
+        buf = _scratch(sum(fe.length for fe, p in zip(fes, in_place) if not p), which)
+        got, pos = [], 0
+        for fe, p in zip(fes, in_place):
+            if p:
+                lo = fe.blocks[0] * block - read.start
+                view = memoryview(raw[lo : lo + fe.length].data)  # type: ignore[arg-type]
+            else:
+                view = memoryview(buf[pos : pos + fe.length].data)  # type: ignore[arg-type]
+                pos += fe.length
+            try:
+                reader._fill(fe.file, fe.start, view, leaf)
+            except CorruptCheckpointError as e:
+                raise _named(reader, fe.file, e) from None
+            got.append((fe, view, p))
+        return got
+
+    deltas: dict[int, tuple[Any, int, int, int]] = {}  # block -> (its stored bytes, base codec, CRC, size)
+    for fe, view, in_place in fill(stored_fetches(places, b0, b1), lambda b: places[b][4], "stored"):
         pos = 0
-        for b in g:
+        for b in fe.blocks:
             _f, off, size, crc, codec, against = places[b]
             piece = view[pos : pos + size]
             pos += size
             got = crc32c(piece)
             if got != crc:
-                entry = reader.index.files[f]
+                entry = reader.index.files[fe.file]
                 where = (f"its base checkpoint {entry.base!r} " if entry.base is not None else "")
                 check_block(got, crc, reader.loc.path, f"{where}data file {entry.name!r} bytes {off}..{off + size} "
-                            f"(leaf {display_path(leaf.path, reader.item)!r}, chunk {cell} block {b})")
-            lo = b * block - read.start
-            hi = lo + raws[b]
+                            f"(leaf {name!r}, chunk {cell} block {b})")
             if codec == DELTA:
-                bf, boff = against
-
-                def read_base(n: int, codec: int, bf: int = bf, boff: int = boff,
-                              into: np.ndarray = raw[lo:hi]) -> np.ndarray:
-                    # A raw base block lands where the rebuilt block goes; a coded one in a buffer.
-                    buf = into if codec == 0 else np.empty(n, dtype=np.uint8)
-                    try:
-                        reader._fill(bf, boff, memoryview(buf.data), leaf)  # type: ignore[arg-type]
-                    except CorruptCheckpointError as e:
-                        raise _named(reader, bf, e) from None
-                    return buf
-
-                base_entry = reader.index.files[bf]
-                undelta(piece, raws[b], leaf.dtype, read_base, raw[lo:hi],
-                        where=f"{reader.loc.path}: leaf {display_path(leaf.path, reader.item)!r} chunk {cell} block "
-                              f"{b} (a delta against its base checkpoint {base_entry.base!r}, file "
-                              f"{base_entry.name!r} bytes from {boff})")
+                deltas[b] = (piece, *delta_header(piece, raws[b], _delta_where(reader, name, cell, b, against)))
                 continue
             if codec >= len(CODEC_NAMES):
                 raise CorruptCheckpointError(f"{reader.loc.path}: leaf {leaf.path!r} chunk {cell} block {b}: "
@@ -154,11 +223,20 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
                 if size != raws[b]:
                     raise CorruptCheckpointError(f"{reader.loc.path}: leaf {leaf.path!r} chunk {cell} block {b} "
                                                  f"stores {size} bytes, its raw size is {raws[b]}")
-                if not raw_group:
-                    raw[lo:hi] = np.frombuffer(piece, np.uint8)
+                if not in_place:
+                    slot(b)[:] = np.frombuffer(piece, np.uint8)
                 continue
-            _codecs.decode(CODEC_NAMES[codec], piece, leaf.dtype, raws[b], raw[lo:hi],
+            _codecs.decode(CODEC_NAMES[codec], piece, leaf.dtype, raws[b], slot(b),
                            where=f"{reader.loc.path}: leaf {leaf.path!r} block {b} of chunk {cell}")
+    if deltas:
+        bases = base_fetches(places, {b: (d[1], d[3]) for b, d in deltas.items()})
+        for fe, view, in_place in fill(bases, lambda b: deltas[b][1], "base"):
+            pos = 0
+            for b in fe.blocks:
+                stored, codec, crc, size = deltas[b]
+                apply_delta(stored, view[pos : pos + size], codec, crc, leaf.dtype, slot(b),
+                            _delta_where(reader, name, cell, b, places[b][5]), in_place)
+                pos += size
     if out is None:
         for c in read.copies:
             src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)
@@ -166,6 +244,12 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
     else:
         with reader._lock:
             reader.stats.direct_reads += 1
+
+
+def _delta_where(reader: Any, name: str, cell: int, b: int, against: tuple[int, int]) -> str:
+    entry = reader.index.files[against[0]]
+    return (f"{reader.loc.path}: leaf {name!r} chunk {cell} block {b} (a delta against its base checkpoint "
+            f"{entry.base!r}, file {entry.name!r} bytes from {against[1]})")
 
 
 def _named(reader: Any, file: int, e: CorruptCheckpointError) -> CorruptCheckpointError:

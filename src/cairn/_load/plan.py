@@ -9,7 +9,9 @@ stated read sizes), what the load engine does on one process once its
   flight the pipeline completes after starting it (the byte budget);
 - the reads `ChunkReader.read_array` issues for each array (`array_reads`,
   which the reader itself calls);
-- the storage requests those reads become (`Request`: file, offset, length),
+- the storage requests those reads become (`Request`: file, offset, length;
+  for a leaf with references or deltas, `blocks.fetches`' requests, some in
+  its base checkpoints' files),
   once small whole arrays are gathered into runs (`coalesce.Runs`) and, on
   storages that charge per request, reads that land in place into runs per
   file (`coalesce.Pieces`): both cut where `coalesce.Cut` says, the rule
@@ -33,6 +35,7 @@ from typing import Any, NamedTuple
 
 from .._core.boxes import Box, full_box
 from .._format import manifest as fmt
+from .._format.binindex import raw_blocks
 from .._plan.leafreads import DEFAULT_MAX_READ, plan_leaf_reads, stored_span, whole_reads
 from .._plan.readmemo import PlanMemo
 from .._plan.reads import Read
@@ -44,6 +47,7 @@ from .._tree.shardings import (
     device_boxes,
     puts_whole,
 )
+from .blocks import block_places, fetches
 from .coalesce import Cut, run_limits, stored_whole_span, whole_span
 from .landing import contiguous, lands_in_place
 from .readonce import ProcessOf
@@ -261,7 +265,9 @@ class _Planner:
         shapes = [tuple(hi - lo for lo, hi in b) for b in boxes]
         runs: list[int] = []
         for r in reads:
-            if leaf.codec != "none":  # `ChunkReader._do_read_coded`: the blocks' stored bytes, then decoded
+            if leaf.refs:  # `blocks.read_blocks`: its `fetches`
+                self._refs(cuts, it, leaf, r, shapes)
+            elif leaf.codec != "none":  # `ChunkReader._do_read_coded`: the blocks' stored bytes, then decoded
                 file, first, stored = stored_span(leaf, r, block)
                 cuts.alone(file, first, stored)
                 d = r.direct
@@ -274,6 +280,25 @@ class _Planner:
                 if not lands_in_place(r, shapes, lim.vectored):
                     self._scratch(r.nbytes)
         return runs, nbytes, planned
+
+    def _refs(self, cuts: _Cuts, it: Any, leaf: fmt.ArrayLeaf, r: Read, shapes: list[tuple[int, ...]]) -> None:
+        """A read of a leaf with references or deltas: the requests `blocks.fetches` gives. A delta's base
+        block is as the item's ``base_block(leaf, cell, block, (file, offset))`` says (a dry run looks it
+        up in the base's index; the load reads it from the delta's header), else taken to be raw."""
+        block = it.index.block_size
+        places = block_places(leaf, r.file, block)
+        raws = raw_blocks(leaf.chunk_nbytes(r.file), block)
+        base_block = getattr(it, "base_block", None)
+
+        def base_of(b: int) -> tuple[int, int]:
+            return base_block(leaf, r.file, b, places[b][5]) if base_block is not None else (0, raws[b])
+
+        got = fetches(places, r.start // block, -(-r.end // block), base_of)
+        for fe in got:
+            cuts.alone(fe.file, fe.start, fe.length)
+        d = r.direct
+        lands = d is not None and contiguous(shapes[d.dest], d.dest_start, d.shape)
+        self._scratch(sum(fe.length for fe in got) + (0 if lands else r.nbytes))  # an upper bound
 
     def _scratch(self, nbytes: int) -> None:
         self.scratch_reads += 1

@@ -26,9 +26,12 @@ from types import SimpleNamespace
 from typing import Any
 
 from .._core.units import human_bytes
+from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import manifest as fmt
 from .._load import engine as _load
 from .._load import plan as _plan
+from .._load.blocks import own_blocks
+from .._load.metadata import read_index, read_manifest
 from .._load.options import LoadOptions
 from .._load.readonce import MAX_READ, ProcessOf, Route, bandwidths_for, storage_kind, stored_nbytes
 from .._load.schedule import schedule
@@ -36,13 +39,14 @@ from .._load.source import checkpointables
 from .._plan.routes import Bandwidths, resolve_bandwidths
 from .._sources import registry as _sources
 from .._sources.registry import Rename
-from .._storage.location import resolve
+from .._storage.location import Location, resolve
 from .._tree.perprocess import LoadView, leaf_numbers
 from .._tree.pytree import display_path
 
 MODELLED = (
     "storage bytes and read requests per process, from the plan the load engine executes (read-once routes "
-    "and waves, direct reads, coalesced small arrays and in-place reads, checksum-block widening)",
+    "and waves, direct reads, coalesced small arrays and in-place reads, checksum-block widening; "
+    "incremental steps' reads in their bases' files and their deltas' base blocks)",
     "peak host memory: read buffers in flight under the budget, pending batched device puts, dtype casts, "
     "read-once waves and pieces, and per-thread scratch for reads that cannot land in place (an upper bound)",
     "time: each process's bytes at the given bandwidth, all processes in parallel",
@@ -273,7 +277,8 @@ def plan_load(
     Takes `load`'s arguments, plus `processes` (plan for that many processes,
     each holding an equal share of the target's devices by device id; default:
     the devices' real processes). Only metadata is read: the manifest, indexes
-    and chunk records. `bandwidths` prices the read routes as `load` does (the
+    and chunk records (and, for an incremental step with deltas, the indexes
+    of the bases they are against). `bandwidths` prices the read routes as `load` does (the
     same keys and defaults); its ``storage_gbps`` (GB/s per process), where
     given, also gives the time estimate `plan.seconds`. (`bandwidth=x`, the
     old spelling of ``bandwidths={"storage_gbps": x}``, still works with a
@@ -310,7 +315,8 @@ def plan_load(
         pp = LoadView(index.structure, name, loc.path, 0, n)
         wanted = _load.match_target(loc, name, index, item_target, partial, pp, opts.mesh)
         verify_item = verify and src.verify
-        items.append(_Item(name, index, item_target, wanted, SimpleNamespace(verify=verify_item), pp))
+        items.append(_Item(name, index, item_target, wanted, SimpleNamespace(verify=verify_item), pp,
+                           _base_blocks(loc, name, index)))
     process_of, devices = _process_map(items, processes)
     limits = _plan.Limits.of(loc.storage)
     for it in items:
@@ -376,6 +382,60 @@ class _Item:
     wanted: dict[int, Any]
     reader: Any  # .verify
     pp: LoadView
+    #: Version 4: a delta's base block ``(codec id, stored size)`` (`_base_blocks`), as `_load.plan` asks.
+    base_block: Any = None
+
+
+def _base_blocks(loc: Any, name: str, index: fmt.ItemIndex) -> Any:
+    """Where an item's data files include a base checkpoint's: the function `_load.plan` asks for the
+    base block of a delta, ``(leaf, cell, block, (file, offset)) -> (codec id, stored size)``, from the
+    base's index (the load reads the same from the delta's header, which a dry run does not read)."""
+    if not any(f.base is not None for f in index.files):
+        return None
+    opened: dict[str, tuple[fmt.ItemIndex, dict[Any, int]]] = {}
+    chunks: dict[tuple[str, Any, int], list[Any]] = {}  # (base, leaf path, cell) -> `own_blocks`
+
+    def base_index(base: str) -> tuple[fmt.ItemIndex, dict[Any, int]]:
+        got = opened.get(base)
+        if got is None:
+            head, sep, _ = loc.path.rstrip("/").rpartition("/")
+            there = Location(loc.storage, base, f"{head}{sep}{base}" if sep else base)
+            try:
+                bidx = read_index(there, read_manifest(there).items[name])
+            except (CheckpointError, KeyError) as e:
+                raise CorruptCheckpointError(
+                    f"{loc.path} refers to its base checkpoint {base!r} (beside it), whose index of "
+                    f"{name!r} cannot be read: {e}") from None
+            got = opened[base] = (bidx, {leaf.path: i for i, leaf in enumerate(bidx.leaves)})
+        return got
+
+    def own_of(base: str, path: Any, cell: int) -> list[Any]:
+        got = chunks.get((base, path, cell))
+        if got is None:
+            bidx, numbers = base_index(base)
+            i = numbers.get(path)
+            leaf = None if i is None else bidx.leaves[i]
+            if not isinstance(leaf, fmt.ArrayLeaf) or cell >= len(leaf.chunks):
+                got = []
+            else:
+                if bidx.table is not None and i in bidx.table.leaves:  # format 2+: its records, all at once
+                    bidx.table.fetch_leaf(i, len(bidx.table.leaves[i].writers))  # type: ignore[arg-type]
+                got = own_blocks(leaf, cell, bidx.block_size)
+            chunks[(base, path, cell)] = got
+        return got
+
+    def base_block(leaf: fmt.ArrayLeaf, cell: int, b: int, against: tuple[int, int]) -> tuple[int, int]:
+        entry = index.files[against[0]]
+        own = own_of(entry.base, leaf.path, cell)  # type: ignore[arg-type]  # a delta's file is a base's (parser)
+        got = own[b] if b < len(own) else None
+        if got is None or base_index(entry.base)[0].files[got[0]].name != entry.name or got[1] != against[1]:  # type: ignore[arg-type]
+            raise CorruptCheckpointError(
+                f"{loc.path}: leaf {display_path(leaf.path, name)!r} chunk {cell} block {b} is a delta against "
+                f"bytes {against[1]} of {entry.name!r} in its base checkpoint {entry.base!r}, where that "
+                "checkpoint's index has no block of its own at the same position")
+        return got[3], got[2]
+
+    return base_block
 
 
 def _real_process_count() -> int:
