@@ -6,7 +6,8 @@ candidates interleaved within each repetition, so a machine's drift hits them al
 
 - ``planes``: cairn's codecs as a save and a local load call them: `codecs.encode_runs` of the
   save's tasks (`benchmarks.codecs.coding_tasks`: runs of 16 blocks, small leaves together), each
-  leaf's codec from `codecs.choose` (planes / zstd / none), and `codecs.decode_run` per run.
+  leaf's codec from `codecs.choose` without blosc2 (planes / zstd / none), and `codecs.decode_run` per run.
+- ``cairn-blosc2``: cairn's "blosc2" codec through `codecs.encode_runs` / `codecs.decode_run`, same tasks.
 - ``zstd1``: every block one zstd level-1 frame (the ``zstd`` codec for every leaf), same tasks.
 - ``b2-...``: python-blosc2's `compress2` / `decompress2` of each 1 MiB block as one Blosc2 chunk
   (typesize = the leaf's itemsize), named by filters, codec, split mode, Blosc block size and
@@ -90,7 +91,10 @@ def main() -> None:
         blosc2 = None
     t0 = time.perf_counter()
     flat = flatten(make_state(args.size, "bf16-f32"))
+    found = C._blosc2_found
+    C._blosc2_found = False  # `planes`: each leaf's codec as chosen without blosc2 (planes / zstd / none)
     leaves = [(a, C.choose(a.dtype, C.sample(a))) for a in flat.values() if a.nbytes]
+    C._blosc2_found = found
     tasks = coding_tasks(leaves, RUN_BLOCKS)
     runs = [r for t in tasks for r in t]
     raw = sum(r[1].nbytes for r in runs)
@@ -119,6 +123,8 @@ def main() -> None:
     add("zstd1", lambda task: C.encode_runs([("zstd", *r[1:]) for r in task]),
         lambda i, st: C.decode_run("zstd", st, runs[i][3], sizes[i], outs[i]))
     if blosc2 is not None:
+        add("cairn-blosc2", lambda task: C.encode_runs([("blosc2", *r[1:]) for r in task]),
+            lambda i, st: C.decode_run("blosc2", st, runs[i][3], sizes[i], outs[i]))
         for name, v in _b2_variants(blosc2).items():
             kw = {k: v[k] for k in ("filters", "codec", "clevel", "splitmode", "blocksize")}
 
