@@ -154,7 +154,8 @@ def main() -> None:
         enc_t: dict[str, list[float]] = {k: [] for k in cands}
         dec_t: dict[str, list[float]] = {k: [] for k in cands}
         with ThreadPoolExecutor(n) as pool:
-            def run_all(name: str, reps: int) -> None:
+            def run_all(name: str, reps: int, n: int = n, pool: ThreadPoolExecutor = pool,
+                        enc_t: dict[str, list[float]] = enc_t, dec_t: dict[str, list[float]] = dec_t) -> None:
                 c, st = cands[name], stored[name]
                 for _ in range(reps):
                     if c["how"] == "inner":  # one caller, Blosc's own n threads in each call

@@ -571,7 +571,7 @@ _B2_VERSION = 5  # BLOSC2_VERSION_FORMAT_STABLE: what C-Blosc2 2.x writes for a 
 _B2_CODECS = (0, 1, 3, 4)  # blosclz, lz4, zlib, zstd: C-Blosc2's own, never a user-defined (Python) one
 
 
-def _check_blosc2(src: memoryview, raw_size: int, k: int, where: str) -> None:
+def _check_blosc2(src: bytes | memoryview, raw_size: int, k: int, where: str) -> None:
     """`src` is one C-Blosc2 chunk of `raw_size` bytes of k-byte elements, as docs/FORMAT.md §6.4 allows:
     the extended header, its sizes equal to what the index says (so C-Blosc2 writes only `raw_size`
     bytes), no dictionary, no lazy or uninitialised chunk, and only built-in codecs and the byte
