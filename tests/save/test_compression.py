@@ -626,3 +626,10 @@ def test_incremental_saves_refer_to_and_delta_against_blosc2_blocks(tmp_path):
     assert st.bytes_written < 0.1 * w1.nbytes
     assert np.asarray(cairn.load(tmp_path / "s1")["w"]).tobytes() == w1.tobytes()
     assert np.asarray(cairn.load(tmp_path / "s0")["w"]).tobytes() == w0.tobytes()
+
+
+def test_compression_blosc2_without_the_library_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setattr(_codecs, "_blosc2_found", False)
+    with pytest.raises(ValueError, match=r"cairn-ckpt\[fast\]"):
+        cairn.save(tmp_path / "c", {"w": np.zeros(16, np.float32)}, compression="blosc2")
+    assert not (tmp_path / "c").exists()
