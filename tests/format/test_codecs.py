@@ -18,7 +18,13 @@ FLOAT8 = [getattr(ml_dtypes, n) for n in ("float8_e4m3fn", "float8_e5m2", "float
           if hasattr(ml_dtypes, n)]
 DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
           np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.complex64, np.complex128, *FLOAT8]
-CODED = ("zstd", "planes")
+#: "blosc2" needs python-blosc2, an optional extra (pyproject's `fast`; `dev` has it, so CI tests it).
+HAVE_BLOSC2 = _codecs.blosc2_available()
+NEEDS_BLOSC2 = pytest.mark.skipif(not HAVE_BLOSC2, reason="python-blosc2 is not installed (pip install cairn-ckpt[fast])")
+#: Every codec, "blosc2" skipped where python-blosc2 is absent; `AVAILABLE`: the codecs usable here.
+CODECS = [pytest.param(c, marks=NEEDS_BLOSC2) if c == "blosc2" else c for c in _codecs.CODECS]
+AVAILABLE = tuple(c for c in _codecs.CODECS if c != "blosc2" or HAVE_BLOSC2)
+CODED = ("zstd", "planes", pytest.param("blosc2", marks=NEEDS_BLOSC2))
 
 
 def _values(dtype, n: int, seed: int = 0) -> np.ndarray:
@@ -47,14 +53,14 @@ def _roundtrip(codec: str, raw: np.ndarray, dtype) -> None:
     assert arr.tobytes() == raw.tobytes()
 
 
-@pytest.mark.parametrize("codec", _codecs.CODECS)
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("n", [0, 1, 7, 1000, 65537])
 def test_roundtrip(codec, dtype, n):
     _roundtrip(codec, _values(dtype, n), dtype)
 
 
-@pytest.mark.parametrize("codec", _codecs.CODECS)
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32, np.float64, np.int32])
 def test_roundtrip_special(codec, dtype):
     # a full 1 MiB block of random bytes, of zeros, and of the special float values
@@ -67,7 +73,7 @@ def test_roundtrip_special(codec, dtype):
 
 
 @settings(max_examples=50, deadline=None)
-@given(st.sampled_from(DTYPES), st.sampled_from(_codecs.CODECS), st.binary(max_size=4096),
+@given(st.sampled_from(DTYPES), st.sampled_from(AVAILABLE), st.binary(max_size=4096),
        st.integers(0, 3))
 def test_roundtrip_property(dtype, codec, data, repeat):
     dt = np.dtype(dtype)
@@ -119,7 +125,7 @@ def test_choose_compresses_trained_like_data():
     state = flatten(make_state(8 << 20, "bf16-f32", steps=3))
     for kind in ("params", "mu", "nu"):
         leaf = max((a for k, a in state.items() if leaf_kind(k) == kind), key=lambda a: a.nbytes)
-        assert _codecs.choose(leaf.dtype, _codecs.sample(leaf)) == "planes", kind
+        assert _codecs.choose(leaf.dtype, _codecs.sample(leaf)) == ("blosc2" if HAVE_BLOSC2 else "planes"), kind
     assert _codecs.choose(np.float32, np.zeros(1 << 16, np.float32)) != "none"  # fresh Adam moments
     mask = np.random.default_rng(0).random(1 << 16) < 0.05
     assert _codecs.choose(np.bool_, mask) != "none"
@@ -267,7 +273,7 @@ def test_plane_probe_entropy_matches_the_formula():
     assert seen == {True, False}
 
 
-@pytest.mark.parametrize("codec", _codecs.CODECS)
+@pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_encode_run_is_encode_of_each_block(codec, dtype):
     """A save codes a chunk's blocks in runs (`encode_run`): the bytes must be exactly what `encode`
@@ -338,7 +344,7 @@ def test_a_batch_of_runs_is_encode_of_each_block():
     for i, dtype in enumerate(DTYPES):
         k = np.dtype(dtype).itemsize
         x = _values(dtype, 1000 + 37 * i, seed=i)
-        codec = _codecs.CODECS[i % len(_codecs.CODECS)]
+        codec = AVAILABLE[i % len(AVAILABLE)]
         runs.append((codec, x.view(np.uint8), 256 * k, dtype))
         runs.append(("planes", x.view(np.uint8)[: 5 * k], 4 * k, dtype))  # a tiny run, a short last block
     runs.append(("planes", np.zeros(0, np.uint8), 64, np.float32))  # an empty chunk
@@ -352,7 +358,7 @@ def test_a_batch_of_runs_is_encode_of_each_block():
 
 @pytest.mark.parametrize("dtype", [ml_dtypes.bfloat16, np.float32, np.float64, np.uint8, np.complex128],
                          ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("codec", _codecs.CODECS)
+@pytest.mark.parametrize("codec", CODECS)
 def test_decode_run_is_decode_of_each_block(codec, dtype):
     """A load of a local file decodes a read's blocks by one `decode_run`: the same bytes as `decode`
     of each block, and a corrupt block of the run is a CorruptCheckpointError naming that block."""
@@ -416,3 +422,76 @@ def test_decode_run_of_blocks_coding_different_planes(dtype):
         bad[victim] = bytes(bad_block)
         with pytest.raises(CorruptCheckpointError, match=f"ck: block {victim}\\b"):
             _codecs.decode_run("planes", bad, dtype, sizes, out, names)
+
+
+# ------------------------------------------------------------------------------------ blosc2
+
+
+def _blosc2_block(dtype, n: int) -> tuple[bytes, int]:
+    raw = _values(dtype, n, seed=11).view(np.uint8)
+    return _codecs.encode("blosc2", raw, dtype), raw.nbytes
+
+
+@NEEDS_BLOSC2
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_blosc2_chunks_of_every_dtype_and_a_short_last_block(dtype):
+    """A leaf's chunk coded as 1 MiB blocks and a short last one: each a Blosc2 chunk of the dtype's
+    itemsize, byte shuffle and zstd, whose stored bytes decode back bit for bit, run or block."""
+    k = np.dtype(dtype).itemsize
+    x = _values(dtype, (1 << 20) // k + 1234, seed=12)
+    raw = x.view(np.uint8)
+    block = 1 << 20
+    stored = _codecs.encode_run("blosc2", raw, block, dtype)
+    assert len(stored) == 2 and len(stored[1]) < len(stored[0])
+    for s in stored:
+        s = bytes(s)
+        assert s[3] == k and s[2] >> 5 in (0, 4) and s[16:22].count(1) <= 1  # typesize, zstd, shuffle
+    sizes = [block, raw.nbytes - block]
+    out = np.empty(raw.nbytes, np.uint8)
+    _codecs.decode_run("blosc2", stored, dtype, sizes, out)
+    assert out.tobytes() == raw.tobytes()
+    assert bytes(_codecs.decode("blosc2", stored[1], dtype, sizes[1])) == raw[block:].tobytes()
+
+
+@NEEDS_BLOSC2
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
+def test_blosc2_corrupt_bytes_raise(dtype):
+    """A changed byte anywhere in a Blosc2 block (header or streams) is a CorruptCheckpointError naming
+    the block, or (where only the CRC could tell) decodes to exactly the raw size; never a crash."""
+    stored, size = _blosc2_block(dtype, 3000)
+    for i in range(len(stored)):
+        bad = bytearray(stored)
+        bad[i] ^= 0x5A
+        _decodes_or_raises("blosc2", bytes(bad), dtype, size)
+    for i in (2, 3, 4, 12, 16, 31):  # flags, typesize, nbytes, cbytes, filters, blosc2 flags
+        bad = bytearray(stored)
+        bad[i] ^= 0x40
+        with pytest.raises(CorruptCheckpointError, match="ckpt/params.w"):
+            _codecs.decode("blosc2", bytes(bad), dtype, size, where="ckpt/params.w")
+    with pytest.raises(CorruptCheckpointError, match="byte elements where its dtype"):
+        _codecs.decode("blosc2", stored, np.float64 if dtype == np.float32 else np.float32, size)
+
+
+def test_blosc2_missing_names_the_block_the_codec_and_the_extra(monkeypatch):
+    """Reading a "blosc2" block without python-blosc2: an error that names the block, the codec and
+    what to install, not a corrupt checkpoint."""
+    import sys
+
+    from cairn._errors import CheckpointError
+
+    monkeypatch.setattr(_codecs, "_blosc2_module", None)
+    monkeypatch.setitem(sys.modules, "blosc2", None)  # import blosc2 -> ImportError
+    with pytest.raises(CheckpointError, match=r"ckpt/params\.w.*'blosc2'.*cairn-ckpt\[fast\]") as e:
+        _codecs.decode("blosc2", b"\0" * 64, np.float32, 64, where="ckpt/params.w")
+    assert not isinstance(e.value, CorruptCheckpointError)
+    with pytest.raises(CheckpointError, match="cairn-ckpt"):
+        _codecs.encode("blosc2", np.zeros(16, np.uint8), np.float32)
+
+
+def test_choose_takes_blosc2_only_where_it_is_importable(monkeypatch):
+    x = _values(np.float32, 1 << 16, seed=13)
+    monkeypatch.setattr(_codecs, "_blosc2_found", False)
+    assert _codecs.choose(np.float32, x) == "planes"
+    if HAVE_BLOSC2:
+        monkeypatch.setattr(_codecs, "_blosc2_found", True)
+        assert _codecs.choose(np.float32, x) == "blosc2"

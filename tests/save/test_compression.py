@@ -21,10 +21,15 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
+from cairn._format import codecs as _codecs
 from cairn._format import manifest as fmt
 from cairn._load.source import open_checkpoint
 
 BLOCK = 4096
+#: What `compression=True` picks for trained floats: "blosc2" where python-blosc2 is installed (the
+#: optional `fast` extra; `dev` has it), else "planes".
+FAST = "blosc2" if _codecs.blosc2_available() else "planes"
+NEEDS_BLOSC2 = pytest.mark.skipif(not _codecs.blosc2_available(), reason="python-blosc2 is not installed")
 
 
 @pytest.fixture
@@ -87,7 +92,7 @@ def leaves_of(path):
 
 
 @pytest.mark.parametrize("kind", ["local", "memory"])
-@pytest.mark.parametrize("compression", ["zstd", "planes", True])
+@pytest.mark.parametrize("compression", ["zstd", "planes", pytest.param("blosc2", marks=NEEDS_BLOSC2), True])
 def test_round_trip_every_codec(tmp_path, kind, compression, mesh):
     state = state_of(mesh)
     path = where_of(kind, tmp_path)
@@ -96,7 +101,7 @@ def test_round_trip_every_codec(tmp_path, kind, compression, mesh):
     assert ck.manifest.version == 3
     codecs = {p: leaf.codec for p, (leaf, _) in leaves.items()}
     if compression is True:
-        assert codecs["w"] == "planes" and codecs["noise"] == "none" and codecs["zeros"] != "none"
+        assert codecs["w"] == FAST and codecs["noise"] == "none" and codecs["zeros"] != "none"
     else:
         assert set(codecs.values()) == {compression}
     raw = sum(leaf.nbytes for leaf, _ in leaves.values())
@@ -120,7 +125,7 @@ def test_auto_is_off_on_local_disk_and_on_for_object_stores(tmp_path, monkeypatc
     mem = where_of("memory", tmp_path)
     cairn.save(mem, state)
     ck, leaves = leaves_of(mem)
-    assert ck.manifest.version == 3 and leaves["w"][0].codec == "planes"
+    assert ck.manifest.version == 3 and leaves["w"][0].codec == FAST
     off = where_of("memory", tmp_path)
     for value in (False, "none"):
         cairn.save(off, state, compression=value, overwrite=True)
@@ -289,7 +294,7 @@ def test_inspect_shows_codec_and_stored_bytes(tmp_path):
     cairn.save(tmp_path / "c", state_of(), compression=True)
     data = inspect_data(str(tmp_path / "c"))
     leaves = {leaf["path"]: leaf for leaf in data["items"]["params"]["leaves"] if "codec" in leaf}
-    assert leaves["w"]["codec"] == "planes" and leaves["w"]["stored_bytes"] < leaves["w"]["nbytes"]
+    assert leaves["w"]["codec"] == FAST and leaves["w"]["stored_bytes"] < leaves["w"]["nbytes"]
     assert leaves["noise"]["codec"] == "none" and leaves["noise"]["stored_bytes"] == leaves["noise"]["nbytes"]
 
 
@@ -350,7 +355,7 @@ def test_plan_predicts_the_stored_bytes_a_load_reads(tmp_path, kind, case, mesh)
     engine.prepare(resolve(path), state, block_size=BLOCK, compression=True).run()
     _, leaves = leaves_of(path)
     stored = {k: stored_nbytes(leaf, block) for k, (leaf, block) in leaves.items()}
-    assert leaves["w"][0].codec == "planes" and stored["w"] < 0.75 * full.nbytes
+    assert leaves["w"][0].codec == FAST and stored["w"] < 0.75 * full.nbytes
     sharding = {"same": NamedSharding(m8, P("x")), "columns": NamedSharding(m8, P(None, "x")),
                 "mesh42": NamedSharding(mesh, P("y", "x")), "replicated": NamedSharding(m8, P()),
                 "numpy": None}[case]
@@ -453,7 +458,7 @@ def test_recompressing_copy_streams_within_its_budget(tmp_path):
         tracemalloc.stop()
     assert peak < 12 << 20, peak  # slabs of 1 MiB, a few in flight; the array is 24 MiB
     ck, leaves = leaves_of(tmp_path / "packed")
-    assert ck.manifest.version == 3 and leaves["big"][0].codec == "planes"
+    assert ck.manifest.version == 3 and leaves["big"][0].codec == FAST
     assert stats.bytes_copied == sum(stored_nbytes(leaf, block) for leaf, block in leaves.values()) < 0.75 * big.nbytes
     got = cairn.load(tmp_path / "packed")
     assert np.asarray(got["big"]).tobytes() == big.tobytes() and got["step"] == 3 and got["blob"] == b"abc"
@@ -535,7 +540,7 @@ def test_auto_compresses_on_network_filesystems(tmp_path, monkeypatch, fstype, v
     assert json.loads((tmp_path / "ck" / "manifest.json").read_bytes())["version"] == version
     if version == 3:
         _, leaves = leaves_of(tmp_path / "ck")
-        assert leaves["w"][0].codec == "planes"
+        assert leaves["w"][0].codec == FAST
     assert_same(cairn.load(tmp_path / "ck"), state)
     cairn.save(tmp_path / "off", state, compression=False)  # an explicit setting still holds there
     assert json.loads((tmp_path / "off" / "manifest.json").read_bytes())["version"] == 2
@@ -589,5 +594,42 @@ def test_auto_prices_each_leaf(tmp_path, monkeypatch):
     monkeypatch.setattr(MemoryStorage, "bandwidth", None)  # the kind's default, 0.5 GiB/s: weights pay
     stats = cairn.save(path, state, overwrite=True)
     _, leaves = leaves_of(path)
-    assert leaves["w"][0].codec == "planes" and leaves["noise"][0].codec == "none"
+    assert leaves["w"][0].codec == FAST and leaves["noise"][0].codec == "none"
     assert cairn.save(tmp_path / "raw", state).compression == "raw"  # a local disk
+
+
+@NEEDS_BLOSC2
+def test_incremental_saves_refer_to_and_delta_against_blosc2_blocks(tmp_path):
+    """Version 4 records a "blosc2" block's codec id (4) in its source; an incremental save refers to
+    unchanged blosc2 blocks of its base and stores changed ones as deltas against them (the base block
+    decoded by "blosc2"), and all of it loads back bit for bit."""
+    from cairn._format.blocks import CODEC_IDS, DELTA
+    from cairn._format.partfile import PART_VERSION_BLOCKS, block_columns
+
+    def ids(step):
+        out = []
+        for part in step.glob("*/index.p*.idx"):
+            out += block_columns(part.read_bytes(), PART_VERSION_BLOCKS)[1]["codec"].tolist()
+        return out
+
+    rng = np.random.default_rng(21)
+    w0 = rng.standard_normal((1024, 2048)).astype(ml_dtypes.bfloat16)  # 4 MiB: 4 blocks of 1 MiB
+    w1 = w0.copy()
+    bits = w1.view(np.uint16).reshape(-1)
+    bits[rng.choice(bits.size // 4, 2000, replace=False)] += 1  # the first block changes, a little
+    cairn.save(tmp_path / "plain", {"w": w0}, compression="blosc2")
+    cairn.save(tmp_path / "s0", {"w": w0}, base=tmp_path / "plain", compression="blosc2")
+    st = cairn.save(tmp_path / "s1", {"w": w1}, base=tmp_path / "s0", compression="blosc2")
+    assert CODEC_IDS["blosc2"] == 4 and set(ids(tmp_path / "s0")) == {4}
+    got = ids(tmp_path / "s1")
+    assert got.count(4) == 3 and got.count(DELTA) == 1, got
+    assert st.bytes_written < 0.1 * w1.nbytes
+    assert np.asarray(cairn.load(tmp_path / "s1")["w"]).tobytes() == w1.tobytes()
+    assert np.asarray(cairn.load(tmp_path / "s0")["w"]).tobytes() == w0.tobytes()
+
+
+def test_compression_blosc2_without_the_library_names_the_extra(tmp_path, monkeypatch):
+    monkeypatch.setattr(_codecs, "_blosc2_found", False)
+    with pytest.raises(ValueError, match=r"cairn-ckpt\[fast\]"):
+        cairn.save(tmp_path / "c", {"w": np.zeros(16, np.float32)}, compression="blosc2")
+    assert not (tmp_path / "c").exists()

@@ -20,8 +20,10 @@ from __future__ import annotations
 import struct
 from typing import Any
 
-#: Version 4's per-block codec ids (the byte in a block's source), in `CODECS` order.
-CODEC_NAMES = ("none", "zstd", "planes")
+#: Version 4's per-block codec ids (the byte in a block's source): id i is codec CODEC_NAMES[i]. Id 3 is
+#: a delta (`DELTA`, not a codec a leaf can have: decoding a block by the name "delta" is an unknown codec,
+#: so a delta named as a base block's codec is rejected as corrupt); "blosc2" (id 4) came after it.
+CODEC_NAMES = ("none", "zstd", "planes", "delta", "blosc2")
 CODEC_IDS = {name: i for i, name in enumerate(CODEC_NAMES)}
 HASH_BYTES = 16
 

@@ -512,7 +512,13 @@ def resolve_compression(compression: str | bool | None, storage: Any) -> str | N
         return None
     if compression in ("zstd", "planes"):
         return str(compression)
-    raise ValueError(f"compression must be 'auto', True, False, 'none', 'zstd' or 'planes', not {compression!r}")
+    if compression == "blosc2":
+        if not _codecs.blosc2_available():
+            raise ValueError(f"compression='blosc2' needs python-blosc2, which is not installed: "
+                             f"pip install '{_codecs.BLOSC2_EXTRA}'")
+        return "blosc2"
+    raise ValueError(f"compression must be 'auto', True, False, 'none', 'zstd', 'planes' or 'blosc2', "
+                     f"not {compression!r}")
 
 
 def leaf_codec(mode: str, dtype: Any, host: Any, bandwidth: float) -> str:
