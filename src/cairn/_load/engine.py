@@ -243,9 +243,20 @@ def load(
             out[it.name] = it.output()
     stats.retries = loc.storage.retries - retries
     stats.total_s = time.perf_counter() - t0
+    _measure_reads(loc, items, stats)
     if publish:
         _stats.loaded(loc.path, stats)
     return out[""] if manifest.root else out
+
+
+def _measure_reads(loc: Location, items: list[_ItemLoad], stats: LoadStats) -> None:
+    """Record what this load's reads reached over the storage's link, for the next saves'
+    compression="auto" (`_storage.measured`): bytes read over the read time. Where any leaf read
+    was compressed, its decoding ran inside the read time, so the figure is only a lower bound."""
+    from .._storage.measured import record, sample_of
+
+    coded = any(getattr(leaf, "codec", "none") != "none" for it in items for leaf in it.index.leaves)
+    record(loc.storage, "read", sample_of(stats.bytes_read, stats.read_s, stats.read_s, coded))
 
 
 @dataclass
