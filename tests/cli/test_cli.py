@@ -363,3 +363,42 @@ def test_inspect_says_what_compression_decided(tmp_path, capsys):
     assert rc == 0 and "1 none" in line and "x raw)" in line and ("planes" in line or "zstd" in line)
     rc, out, _ = run(capsys, "inspect", tmp_path / "raw")
     assert rc == 0 and "compression: none (every array stored raw)" in out
+
+
+# ---------------------------------------------------------------------- plan --compression
+
+
+def test_plan_compression_shows_what_was_decided_and_what_auto_would_decide(tmp_path, capsys):
+    """`cairn plan --compression URL`: the checkpoint's codecs, then what "auto" would decide saving to
+    URL and why (bandwidth and where it came from, cores, codec speeds, each leaf's sample ratio)."""
+    rng = np.random.default_rng(0)
+    state = {"w": rng.standard_normal(1 << 16).astype(ml_dtypes.bfloat16), "z": np.zeros(1 << 15, np.float32),
+             "r": rng.integers(0, 256, 1 << 16, dtype=np.uint8), "step": 3}
+    cairn.save(tmp_path / "c", state, compression=True)
+    # a slow object store, declared: the weights and the zeros pay, random bytes never shrink
+    rc, out, _ = run(capsys, "plan", tmp_path / "c", "--compression", "memory://plan/x", "--gbps", "0.05",
+                     "--cores", "4")
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0].startswith(f"{tmp_path / 'c'}: format version 3; arrays ")
+    assert "1 none" in lines[0] and "planes" in lines[0]
+    assert ('"auto" saving to memory://plan/x: object storage at 0.05 GiB/s write, 0.05 read (declared: --gbps); '
+            "4 cores, codecs at 1.00x") in out
+    row = {x.split()[0]: x.split() for x in lines if x.split() and x.split()[0] in ("w", "z", "r")}
+    assert row["w"][-3] == "planes" and row["z"][-3] == "zstd" and row["r"][-3] == "none"
+    assert '"auto" would store 1 none, 1 planes, 1 zstd (auto)' in out
+    # a local disk: no leaf could pay, nothing sampled
+    rc, out, _ = run(capsys, "plan", tmp_path / "c", "--compression", tmp_path / "elsewhere", "--cores", "4")
+    assert rc == 0 and '"auto" would store 3 none (raw (format version 2): no leaf could pay)' in out
+    rc, out, _ = run(capsys, "plan", tmp_path / "c", "--compression", "memory://plan/x", "--gbps", "0.05", "--json")
+    data = json.loads(out)
+    assert data["saved"]["codecs"]["none"] == 1 and data["auto"]["bandwidth"] == 0.05e9
+    assert data["auto"]["bandwidth_source"] == "declared: --gbps" and data["auto"]["any_leaf_can_pay"]
+    w = next(x for x in data["leaves"] if x["path"] == "w")
+    assert w["auto"]["codec"] == "planes" and 0 < w["auto"]["sample_ratio"] < 1
+    assert w["auto"]["coded_s"] < w["auto"]["raw_s"]
+
+
+def test_plan_wants_a_mesh_or_compression(ckpt, capsys):
+    rc, _, err = run(capsys, "plan", ckpt)
+    assert rc != 0 and "--mesh" in err and "--compression" in err

@@ -548,23 +548,40 @@ def resolve_compression(compression: str | bool | None, storage: Any) -> str | N
     raise ValueError(f"compression must be 'auto', True, False, 'none', 'zstd' or 'planes', not {compression!r}")
 
 
+@dataclass(frozen=True)
+class LeafDecision:
+    """What `compression=` decides for one leaf, from a sample of its bytes, and why."""
+
+    codec: str  # what the leaf is stored with ("none": raw)
+    chosen: str  # `codecs.choose_sized`'s codec for the sample ("none": no codec shrinks it enough)
+    raw: int  # the sample's raw bytes
+    stored: int  # their size under `chosen`
+
+
+def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, read_bandwidth: float | None = None,
+                factor: float | None = None, cores: int | None = None) -> LeafDecision:
+    """`leaf_codec`'s decision with its reasons; `cores` (default: this process's) as "auto" counts them."""
+    try:
+        sample = _codecs.sample(host)
+        codec, raw, stored = _codecs.choose_sized(dtype, sample)
+    except ValueError:  # a dtype no codec knows
+        return LeafDecision("none", "none", 0, 0)
+    if factor is None:
+        factor = CODEC_METER.factor()
+    if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth, cores or _cores(), read_bandwidth,
+                                               factor):
+        return LeafDecision("none", codec, raw, stored)
+    return LeafDecision(codec, codec, raw, stored)
+
+
 def leaf_codec(mode: str, dtype: Any, host: Any, bandwidth: float, read_bandwidth: float | None = None,
                factor: float | None = None) -> str:
     """The codec of a leaf under `mode` ("choose" or "auto", as `resolve_compression` gives), measured
     on a sample of `host` (its first chunk's host bytes): `codecs.choose`'s codec, which "auto" keeps
     only where its sample's ratio pays writing at `bandwidth` bytes/s and reading at `read_bandwidth`
     (default: the same), coding at `factor` of the per-platform speed (default: this host's measured
-    `CodecMeter.factor`): `options.compression_pays`."""
-    try:
-        sample = _codecs.sample(host)
-        codec, raw, stored = _codecs.choose_sized(dtype, sample)
-    except ValueError:  # a dtype no codec knows
-        return "none"
-    if factor is None:
-        factor = CODEC_METER.factor()
-    if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth, _cores(), read_bandwidth, factor):
-        return "none"
-    return codec
+    `CodecMeter.factor`): `options.compression_pays`. (`decide_leaf` gives the reasons too.)"""
+    return decide_leaf(mode, dtype, host, bandwidth, read_bandwidth, factor).codec
 
 
 def describe_compression(mode: str | None, storage: Any, codecs: dict[str, dict[int, str]], bandwidth: float,
