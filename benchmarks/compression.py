@@ -16,7 +16,8 @@ on a local disk) it saves the state `reps` times
 and loads it back as numpy as many times, and reports the median times, the
 bytes written (data files, as `SaveStats.bytes_written` counts them) and the
 bytes a load reads (`LoadStats.bytes_read`). Settings are interleaved per
-repetition so that a change in the machine's load hits them alike. What
+repetition, in an order that rotates from one repetition to the next, so that a change in the
+machine's load (and the place in the order) hits them alike. What
 ``"auto"`` does is printed beside: on a local disk it is the False row, on
 an object store the True row.
 
@@ -173,10 +174,11 @@ def main(argv: list[str] | None = None) -> int:
                     opts = {**opts, "endpoint": link.endpoint}
                 where[kind] = (server.url(server.bucket(), "ckpt"), opts)
         runs = {(s, v, c): [] for s in where for v in values for c in settings}
-        for _ in range(args.reps):
+        for rep in range(args.reps):
+            order = settings[rep % len(settings):] + settings[:rep % len(settings)]  # no setting always first
             for s, (path, opts) in where.items():
                 for v in values:
-                    for c in settings:
+                    for c in order:
                         if not args.shared_history:
                             histories.use(c)
                         runs[(s, v, c)].append(_one(f"{path}-{v}", states[v], c, opts, not args.no_async))

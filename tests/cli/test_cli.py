@@ -382,8 +382,8 @@ def test_plan_compression_shows_what_was_decided_and_what_auto_would_decide(tmp_
     lines = out.splitlines()
     assert lines[0].startswith(f"{tmp_path / 'c'}: format version 3; arrays ")
     assert "1 none" in lines[0] and "planes" in lines[0]
-    assert ('"auto" saving to memory://plan/x: object storage at 0.05 GiB/s write, 0.05 read (declared: --gbps); '
-            "4 cores, codecs at 1.00x") in out
+    assert ('"auto" saving to memory://plan/x: object storage at 0.05 GiB/s write, 0.05 read, coded transfers '
+            "0.05 / 0.05 (declared: --gbps); 4 cores, codecs at 1.00x") in out
     row = {x.split()[0]: x.split() for x in lines if x.split() and x.split()[0] in ("w", "z", "r")}
     assert row["w"][-3] == "planes" and row["z"][-3] == "zstd" and row["r"][-3] == "none"
     assert '"auto" would store 1 none, 1 planes, 1 zstd (auto)' in out

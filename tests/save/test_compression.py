@@ -580,6 +580,12 @@ def test_the_auto_formula_each_way_and_at_the_measured_codec_speed():
     # the same leaf pays on an idle host and not where the codecs get a tenth of their speed
     assert compression_pays(gib, gib / 2, "planes", 0.5 * gib, 4)
     assert not compression_pays(gib, gib / 2, "planes", 0.5 * gib, 4, factor=0.1)
+    # coded transfers priced at what they reached: a link that slows to a third while the host codes
+    plain, coded = predicted_seconds(gib, gib / 2, "planes", 0.1 * gib, 4, coded_bandwidth=0.03 * gib,
+                                     coded_read_bandwidth=0.05 * gib)
+    assert plain == pytest.approx(20.0) and coded == pytest.approx(0.5 / 0.03 + 0.5 / 0.05)
+    assert not compression_pays(gib, gib / 2, "planes", 0.1 * gib, 4, coded_bandwidth=0.03 * gib,
+                                coded_read_bandwidth=0.05 * gib)
 
 
 def test_the_codec_factor_from_known_spans():

@@ -10,6 +10,7 @@ from cairn._storage.measured import (
     KEEP,
     MIN_SAMPLE_BYTES,
     LinkMeter,
+    Sample,
     TransferClock,
     link_of,
     link_seconds,
@@ -52,39 +53,36 @@ def test_link_seconds_leave_out_the_codec_and_count_concurrency_once():
 def test_a_sample():
     assert sample_of(MIN_SAMPLE_BYTES - 1, 1.0, 1.0) is None  # too small to say anything
     assert sample_of(64 * MiB, 1.0, 0.0) is None
-    s = sample_of(64 * MiB, 0.5, 1.0)  # link busy half the wall time: the link held it
-    assert s is not None and s.bound and s.high == 128 * MiB and s.low == 64 * MiB
-    s = sample_of(64 * MiB, 0.25, 1.0)  # mostly waiting on the codec: a lower bound and a guess
-    assert s is not None and not s.bound and s.low == 64 * MiB and s.high == 256 * MiB
-    s = sample_of(64 * MiB, 1.0, 1.0, coded=True)  # a compressed load: decoding inside the read time
-    assert s is not None and not s.bound and s.low == s.high == 64 * MiB
+    assert sample_of(64 * MiB, 0.5, 1.0) == Sample(link=128 * MiB, wall=64 * MiB, coded=False)
+    assert sample_of(64 * MiB, 0.0, 1.0) == Sample(64 * MiB, 64 * MiB, False)  # no link time seen: the wall
+    assert sample_of(64 * MiB, 2.0, 1.0) == Sample(64 * MiB, 64 * MiB, False)  # the link within the wall
+    assert sample_of(64 * MiB, 1.0, 1.0, coded=True).coded
 
 
-def test_the_estimate_of_a_link():
+def test_the_figures_of_a_link():
     m = LinkMeter()
-    assert m.bandwidth("l", "write") is None
+    assert m.bandwidth("l", "write") is None and m.bandwidth("l", "write", coded=True) is None
     with pytest.raises(ValueError, match="direction"):
         m.record("l", "sideways", sample_of(64 * MiB, 1, 1))
-    # Held by its codec, with nothing better known: the optimistic figure, so that the next save
-    # tries the link raw.
-    m.record("l", "write", sample_of(64 * MiB, 0.1, 1.0))
-    assert m.bandwidth("l", "write") == 640 * MiB
-    # A link-bound sample replaces the guess; the median of the last KEEP of them holds.
+    # A coded save, its link busy 0.25 of its 2 s: raw transfers are priced at the link's own
+    # figure (optimistic: the next save may try the link raw), coded ones at what it reached.
+    m.record("l", "write", sample_of(64 * MiB, 0.25, 2.0, coded=True))
+    assert m.bandwidth("l", "write") == 256 * MiB and m.bandwidth("l", "write", coded=True) == 32 * MiB
+    # Raw saves measure the raw figure: the median of the last KEEP of them.
     for mib_s in (100, 300, 200):
         m.record("l", "write", sample_of(mib_s * MiB, 1.0, 1.0))
-    assert m.bandwidth("l", "write") == 200 * MiB
+    assert m.bandwidth("l", "write") == 200 * MiB and m.bandwidth("l", "write", coded=True) == 32 * MiB
     for _ in range(KEEP):
         m.record("l", "write", sample_of(50 * MiB, 1.0, 1.0))
     assert m.bandwidth("l", "write") == 50 * MiB  # older samples drop out
-    # A codec-bound sample does not lower it; a higher lower bound raises it.
-    m.record("l", "write", sample_of(10 * MiB, 0.01, 1.0))
-    assert m.bandwidth("l", "write") == 50 * MiB
-    m.record("l", "write", sample_of(80 * MiB, 0.1, 1.0))
-    assert m.bandwidth("l", "write") == 80 * MiB
-    # The other direction, unmeasured, takes this one's; measured, its own.
-    assert m.bandwidth("l", "read") == 80 * MiB
-    m.record("l", "read", sample_of(400 * MiB, 1.0, 1.0))
-    assert m.bandwidth("l", "read") == 400 * MiB
+    # Reads unmeasured: the writes' figures; measured, their own (a coded load: a coded figure only,
+    # the raw one from the writes still).
+    assert m.bandwidth("l", "read") == 50 * MiB and m.bandwidth("l", "read", coded=True) == 32 * MiB
+    m.record("l", "read", sample_of(400 * MiB, 1.0, 1.0, coded=True))
+    assert m.bandwidth("l", "read", coded=True) == 400 * MiB
+    assert m.bandwidth("l", "read") == 400 * MiB  # a coded load's figure stands in for raw reads
+    m.record("l", "read", sample_of(600 * MiB, 1.0, 1.0))
+    assert m.bandwidth("l", "read") == 600 * MiB and m.bandwidth("l", "read", coded=True) == 400 * MiB
     assert m.bandwidth("other", "read") is None
     m.clear()
     assert m.bandwidth("l", "write") is None
@@ -110,6 +108,9 @@ def test_bandwidth_of_declared_then_measured_then_default():
     assert bandwidth_of(store, "read") == 128 * MiB  # unmeasured reads: the writes' figure
     measured.record(store, "read", sample_of(64 * MiB, 0.25, 0.25))
     assert bandwidth_of(store, "read") == 256 * MiB
+    assert bandwidth_of(store, "write", coded=True) == 128 * MiB  # no coded transfer yet: the raw figure
+    measured.record(store, "write", sample_of(64 * MiB, 0.5, 1.0, coded=True))
+    assert bandwidth_of(store, "write", coded=True) == 64 * MiB and bandwidth_of(store) == 128 * MiB
     store.bandwidth = 2e9  # a declared figure wins
     assert bandwidth_of(store) == bandwidth_of(store, "read") == 2e9 and bandwidth_source(store) == "declared"
     assert bandwidth_of(_Store("/tmp/x", kind="local")) == DEFAULT_BANDWIDTH["local"]

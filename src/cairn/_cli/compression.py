@@ -72,11 +72,13 @@ def _auto(ck: Any, leaves: list[tuple[str, fmt.ArrayLeaf, int]], rows: list[dict
     storage = resolve(to, storage_options).storage
     prices = engine.auto_prices(storage)
     if gbps is not None:
-        prices.update(bandwidth=gbps * 1e9, read_bandwidth=gbps * 1e9, bandwidth_source="declared: --gbps")
+        prices.update(bandwidth=gbps * 1e9, read_bandwidth=gbps * 1e9, coded_bandwidth=gbps * 1e9,
+                      coded_read_bandwidth=gbps * 1e9, bandwidth_source="declared: --gbps")
     n = cores or engine._cores()
     bw, rbw, factor = prices["bandwidth"], prices["read_bandwidth"], prices["codec_factor"]
+    args = engine._formula_args(prices)
     speeds = {c: [x * factor for x in s.on(n)] for c, s in CODEC_SPEEDS.items()}
-    can = compression_can_pay(bw, n, rbw, factor)
+    can = compression_can_pay(bw, n, **args)
     decided: dict[str, int] = {}
     plain_total = coded_total = stored_total = 0.0
     with ThreadPoolExecutor(4, thread_name_prefix="cairn-plan") as pool:
@@ -85,11 +87,10 @@ def _auto(ck: Any, leaves: list[tuple[str, fmt.ArrayLeaf, int]], rows: list[dict
             for (name, leaf, _block), row in zip(leaves, rows):
                 if name not in readers:
                     readers[name] = make_reader(ck, name, pool)
-                d = (engine.decide_leaf("auto", leaf.dtype, _first_chunk(readers[name], leaf, pool), bw, rbw,
-                                        factor, n)
+                d = (engine.decide_leaf("auto", leaf.dtype, _first_chunk(readers[name], leaf, pool), bw, prices, n)
                      if can and leaf.nbytes else engine.LeafDecision("none", "none", 0, 0))
                 ratio = d.stored / d.raw if d.raw else 1.0
-                plain, coded = (predicted_seconds(leaf.nbytes, leaf.nbytes * ratio, d.chosen, bw, n, rbw, factor)
+                plain, coded = (predicted_seconds(leaf.nbytes, leaf.nbytes * ratio, d.chosen, bw, n, **args)
                                 if d.chosen != "none" else (0.0, 0.0))
                 if d.chosen == "none":
                     plain = coded = leaf.nbytes / bw + leaf.nbytes / rbw
@@ -104,6 +105,7 @@ def _auto(ck: Any, leaves: list[tuple[str, fmt.ArrayLeaf, int]], rows: list[dict
                 r.close()
     return {
         "to": to, "kind": storage.kind, "bandwidth": bw, "read_bandwidth": rbw,
+        "coded_bandwidth": prices["coded_bandwidth"], "coded_read_bandwidth": prices["coded_read_bandwidth"],
         "bandwidth_source": prices["bandwidth_source"], "cores": n, "codec_factor": factor,
         "codec_speeds": {c: {"encode": e, "decode": dd} for c, (e, dd) in speeds.items()},
         "any_leaf_can_pay": can, "codecs": decided, "stored_bytes": stored_total,
@@ -143,7 +145,8 @@ def print_plan(data: dict[str, Any], out: Any, human_bytes: Any) -> None:
     gib = float(1 << 30)
     speeds = ", ".join(f"{c} {v['encode'] / gib:.2f}/{v['decode'] / gib:.2f}" for c, v in a["codec_speeds"].items())
     out.line(f'"auto" saving to {a["to"]}: {a["kind"]} storage at {a["bandwidth"] / gib:.2f} GiB/s write, '
-             f'{a["read_bandwidth"] / gib:.2f} read ({a["bandwidth_source"]}); {a["cores"]} cores, codecs at '
+             f'{a["read_bandwidth"] / gib:.2f} read, coded transfers {a["coded_bandwidth"] / gib:.2f} / '
+             f'{a["coded_read_bandwidth"] / gib:.2f} ({a["bandwidth_source"]}); {a["cores"]} cores, codecs at '
              f'{a["codec_factor"]:.2f}x their per-platform speed: {speeds} GiB/s encode/decode')
     rows = []
     for r in data["leaves"]:

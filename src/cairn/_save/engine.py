@@ -122,6 +122,8 @@ class SaveJob:
     # bytes/s of the storage, as the primary sees it: what "auto" prices each leaf against
     bandwidth: float = 0.0
     read_bandwidth: float = 0.0  # the same, for reading it back (0: as `bandwidth`)
+    coded_bandwidth: float = 0.0  # what coded writes reached end to end, measured (0: as `bandwidth`)
+    coded_read_bandwidth: float = 0.0  # what loads of coded blocks reached (0: as `read_bandwidth`)
     codec_factor: float = 1.0  # the share of `options.CODEC_SPEEDS` the primary's host codes at
     bandwidth_source: str = ""  # where the primary took `bandwidth` from: declared, measured, default
     stats: SaveStats = field(default_factory=SaveStats)
@@ -316,9 +318,8 @@ class SaveJob:
         jobs = []
         if self.compression is not None:
             self.codecs = choose_codecs(self)
-        self.stats.compression = describe_compression(
-            self.compression, self.loc.storage, self.codecs, self.bandwidth or bandwidth_of(self.loc.storage),
-            self.read_bandwidth or None, self.codec_factor, self.bandwidth_source)
+        self.stats.compression = describe_compression(self.compression, self.loc.storage, self.codecs,
+                                                      self.prices())
         if self.inc is not None:  # incremental: the base's indexes and the records of our chunks
             self.inc.open(self.items, self.loc.path)
         # Compressed blocks are encoded by a pool of their own, so that a file of large chunks uses
@@ -355,6 +356,14 @@ class SaveJob:
         self._measure()
         return partial
 
+    def prices(self) -> dict[str, Any]:
+        """What "auto" prices this save's leaves with, as `auto_prices` gives (the primary's figures)."""
+        if not self.bandwidth:
+            return auto_prices(self.loc.storage)
+        return {"bandwidth": self.bandwidth, "read_bandwidth": self.read_bandwidth or None,
+                "coded_bandwidth": self.coded_bandwidth or None, "coded_read_bandwidth": self.coded_read_bandwidth or None,
+                "codec_factor": self.codec_factor, "bandwidth_source": self.bandwidth_source}
+
     def _timed_code_task(self, task: list[tuple[int, bool, tuple[Any, ...]]]) -> list[tuple[int, bool, list[Any]]]:
         """`_code_task`, its span and raw bytes per codec noted for the codec factor (`_measure`)."""
         t0 = time.perf_counter()
@@ -371,7 +380,7 @@ class SaveJob:
         time the link was busy, not waiting for the codec: `_storage.measured`) and how fast its
         codecs ran (`options.CodecMeter`), for the next saves' "auto"."""
         link_s, wall_s = self.transfers.seconds()
-        record(self.loc.storage, "write", sample_of(self.stats.bytes_written, link_s, wall_s))
+        record(self.loc.storage, "write", sample_of(self.stats.bytes_written, link_s, wall_s, coded=bool(self.coded)))
         CODEC_METER.record(self.code_spans, self.coded, _cores())
 
     # ------------------------------------------------------------------ commit
@@ -537,8 +546,8 @@ def resolve_compression(compression: str | bool | None, storage: Any) -> str | N
     In a save, the primary's answer holds for every process.
     """
     if compression == "auto":
-        return "auto" if compression_can_pay(bandwidth_of(storage), _cores(), bandwidth_of(storage, "read"),
-                                             CODEC_METER.factor()) else None
+        p = auto_prices(storage)
+        return "auto" if compression_can_pay(p["bandwidth"], _cores(), **_formula_args(p)) else None
     if compression is True:
         return "choose"
     if compression in (False, None, "none"):
@@ -558,38 +567,44 @@ class LeafDecision:
     stored: int  # their size under `chosen`
 
 
-def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, read_bandwidth: float | None = None,
-                factor: float | None = None, cores: int | None = None) -> LeafDecision:
+def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict[str, Any] | None = None,
+                cores: int | None = None) -> LeafDecision:
     """`leaf_codec`'s decision with its reasons; `cores` (default: this process's) as "auto" counts them."""
     try:
         sample = _codecs.sample(host)
         codec, raw, stored = _codecs.choose_sized(dtype, sample)
     except ValueError:  # a dtype no codec knows
         return LeafDecision("none", "none", 0, 0)
-    if factor is None:
-        factor = CODEC_METER.factor()
-    if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth, cores or _cores(), read_bandwidth,
-                                               factor):
+    args = _formula_args(prices or {})
+    if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth, cores or _cores(), **args):
         return LeafDecision("none", codec, raw, stored)
     return LeafDecision(codec, codec, raw, stored)
 
 
-def leaf_codec(mode: str, dtype: Any, host: Any, bandwidth: float, read_bandwidth: float | None = None,
-               factor: float | None = None) -> str:
+def _formula_args(prices: dict[str, Any]) -> dict[str, Any]:
+    """`auto_prices`' figures as `options.predicted_seconds`' optional arguments (the codec factor:
+    this host's measured one where `prices` has none)."""
+    f = prices.get("codec_factor")
+    return {"read_bandwidth": prices.get("read_bandwidth") or None,
+            "coded_bandwidth": prices.get("coded_bandwidth") or None,
+            "coded_read_bandwidth": prices.get("coded_read_bandwidth") or None,
+            "factor": CODEC_METER.factor() if f is None else f}
+
+
+def leaf_codec(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict[str, Any] | None = None) -> str:
     """The codec of a leaf under `mode` ("choose" or "auto", as `resolve_compression` gives), measured
     on a sample of `host` (its first chunk's host bytes): `codecs.choose`'s codec, which "auto" keeps
-    only where its sample's ratio pays writing at `bandwidth` bytes/s and reading at `read_bandwidth`
-    (default: the same), coding at `factor` of the per-platform speed (default: this host's measured
-    `CodecMeter.factor`): `options.compression_pays`. (`decide_leaf` gives the reasons too.)"""
-    return decide_leaf(mode, dtype, host, bandwidth, read_bandwidth, factor).codec
+    only where its sample's ratio pays writing raw at `bandwidth` bytes/s, against the rest of
+    `prices` (`auto_prices`: reads, coded transfers, the codec factor; by default the same bandwidth
+    each way and this host's measured codec factor): `options.compression_pays`. (`decide_leaf`
+    gives the reasons too.)"""
+    return decide_leaf(mode, dtype, host, bandwidth, prices).codec
 
 
-def describe_compression(mode: str | None, storage: Any, codecs: dict[str, dict[int, str]], bandwidth: float,
-                         read_bandwidth: float | None = None, factor: float = 1.0, source: str = "") -> str:
-    """One line for `SaveStats.compression`: the setting, what it priced (the storage's bandwidth
-    each way and where it came from, the cores, the codec factor where measured), the leaves' codecs.
-    E.g. ``auto (object storage at 0.95 GiB/s write, 1.60 read, measured; 2 cores, codecs at 0.41x):
-    1 none, 120 planes``."""
+def describe_compression(mode: str | None, storage: Any, codecs: dict[str, dict[int, str]],
+                         prices: dict[str, Any]) -> str:
+    """One line for `SaveStats.compression`: the setting, what it priced (`describe_prices`), the
+    leaves' codecs. E.g. ``auto (object storage at 0.50 GiB/s (default), 13 cores): 1 none, 120 planes``."""
     if mode is None:
         return "raw"
     counts: dict[str, int] = {}
@@ -599,18 +614,27 @@ def describe_compression(mode: str | None, storage: Any, codecs: dict[str, dict[
     leaves = ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
     if mode != "auto":
         return f"{mode}: {leaves}"
-    return f"auto ({describe_prices(storage.kind, bandwidth, read_bandwidth, _cores(), factor, source)}): {leaves}"
+    return f"auto ({describe_prices(storage.kind, prices, _cores())}): {leaves}"
 
 
-def describe_prices(kind: str, bandwidth: float, read_bandwidth: float | None, cores: int, factor: float,
-                    source: str) -> str:
-    """What "auto" priced, in words: ``object storage at 0.50 GiB/s (default), 13 cores``."""
+def describe_prices(kind: str, prices: dict[str, Any], cores: int) -> str:
+    """What "auto" priced, in words: ``object storage at 0.50 GiB/s (default), 13 cores``, or
+    ``object storage at 0.14 GiB/s write, 0.74 read, coded 0.09 / 0.31 (measured), 2 cores, codecs
+    at 0.74x`` (raw writes and reads; coded ones, end to end; the codec factor)."""
     gib = float(1 << 30)
-    text = f"{kind} storage at {bandwidth / gib:.2f} GiB/s"
-    if read_bandwidth and abs(read_bandwidth - bandwidth) > 0.005 * gib:
-        text += f" write, {read_bandwidth / gib:.2f} read"
+    w = prices["bandwidth"]
+    r = prices.get("read_bandwidth") or w
+    cw = prices.get("coded_bandwidth") or w
+    cr = prices.get("coded_read_bandwidth") or r
+    text = f"{kind} storage at {w / gib:.2f} GiB/s"
+    if abs(r - w) > 0.005 * gib:
+        text += f" write, {r / gib:.2f} read"
+    if abs(cw - w) > 0.005 * gib or abs(cr - r) > 0.005 * gib:
+        text += f", coded {cw / gib:.2f} / {cr / gib:.2f}"
+    source = prices.get("bandwidth_source")
     text += f" ({source})" if source else ""
     text += f", {cores} cores"
+    factor = prices.get("codec_factor", 1.0)
     if abs(factor - 1.0) > 0.005:
         text += f", codecs at {factor:.2f}x"
     return text
@@ -671,8 +695,8 @@ def _choose_leaf(job: SaveJob, first: Any, dtype: Any) -> str:
     if type(first) is Concat:
         first = first.parts[0]
     assert job.compression is not None
-    return leaf_codec(job.compression, dtype, job._host(first), job.bandwidth or bandwidth_of(job.loc.storage),
-                      job.read_bandwidth or None, job.codec_factor)
+    prices = job.prices()
+    return leaf_codec(job.compression, dtype, job._host(first), prices["bandwidth"], prices)
 
 
 def _bytes_of(arr: np.ndarray) -> memoryview:
@@ -769,6 +793,8 @@ def auto_prices(storage: Any) -> dict[str, Any]:
     """What "auto" prices leaves with on this process, as `SaveJob`'s fields: the storage's
     bandwidth each way, where it came from, and the codec factor (`options.CodecMeter`)."""
     return {"bandwidth": bandwidth_of(storage), "read_bandwidth": bandwidth_of(storage, "read"),
+            "coded_bandwidth": bandwidth_of(storage, "write", coded=True),
+            "coded_read_bandwidth": bandwidth_of(storage, "read", coded=True),
             "codec_factor": CODEC_METER.factor(), "bandwidth_source": bandwidth_source(storage)}
 
 

@@ -160,34 +160,39 @@ CODEC_METER = CodecMeter()
 
 
 def predicted_seconds(raw: float, stored: float, codec: str, bandwidth: float, cores: int,
-                      read_bandwidth: float | None = None, factor: float = 1.0) -> tuple[float, float]:
+                      read_bandwidth: float | None = None, factor: float = 1.0,
+                      coded_bandwidth: float | None = None,
+                      coded_read_bandwidth: float | None = None) -> tuple[float, float]:
     """(raw, coded): predicted seconds to save `raw` bytes and load them back, stored raw or coded by
-    `codec` into `stored` bytes, writing at `bandwidth` bytes/s and reading at `read_bandwidth`
-    (default: the same), coding on `cores` cores at `factor` of the per-platform speed
-    (`CODEC_SPEEDS`; `CodecMeter` measures it). The codec works while the bytes move (a save codes
-    the next blocks while it writes the last; a load decodes each read as it lands), so each
-    direction takes the longer of the transfer and the codec:
-    ``max(stored / write, raw / encode) + max(stored / read, raw / decode)``, against
+    `codec` into `stored` bytes, coding on `cores` cores at `factor` of the per-platform speed
+    (`CODEC_SPEEDS`; `CodecMeter` measures it). Raw transfers write at `bandwidth` bytes/s and read
+    at `read_bandwidth` (default: the same); coded ones at `coded_bandwidth` and
+    `coded_read_bandwidth` (default: the raw figures; measured, they are what coded transfers reached
+    end to end, `_storage.measured`). The codec works while the bytes move (a save codes the next
+    blocks while it writes the last; a load decodes each read as it lands), so each direction takes
+    the longer of the transfer and the codec:
+    ``max(stored / coded write, raw / encode) + max(stored / coded read, raw / decode)``, against
     ``raw / write + raw / read``."""
     enc, dec = CODEC_SPEEDS[codec].on(cores)
     enc, dec = enc * factor, dec * factor
     read = bandwidth if read_bandwidth is None else read_bandwidth
-    return raw / bandwidth + raw / read, max(stored / bandwidth, raw / enc) + max(stored / read, raw / dec)
+    cw = bandwidth if coded_bandwidth is None else coded_bandwidth
+    cr = read if coded_read_bandwidth is None else coded_read_bandwidth
+    return raw / bandwidth + raw / read, max(stored / cw, raw / enc) + max(stored / cr, raw / dec)
 
 
-def compression_pays(raw: float, stored: float, codec: str, bandwidth: float, cores: int,
-                     read_bandwidth: float | None = None, factor: float = 1.0) -> bool:
+def compression_pays(raw: float, stored: float, codec: str, bandwidth: float, cores: int, **prices: Any) -> bool:
     """Whether storing `raw` bytes as `stored` coded bytes saves at least AUTO_MIN_GAIN of the
-    predicted time of a save and a load (`predicted_seconds`, with the same arguments)."""
+    predicted time of a save and a load (`predicted_seconds`, with the same arguments: `prices` are
+    its optional ones)."""
     if codec == "none" or raw <= 0:
         return False
-    plain, coded = predicted_seconds(raw, stored, codec, bandwidth, cores, read_bandwidth, factor)
+    plain, coded = predicted_seconds(raw, stored, codec, bandwidth, cores, **prices)
     return coded <= (1 - AUTO_MIN_GAIN) * plain
 
 
-def compression_can_pay(bandwidth: float, cores: int, read_bandwidth: float | None = None,
-                        factor: float = 1.0) -> bool:
+def compression_can_pay(bandwidth: float, cores: int, **prices: Any) -> bool:
     """Whether any leaf could be worth coding on this storage: even a leaf that codes to nothing
     takes ``raw / encode + raw / decode``. Where that is no faster than the raw transfer (a local
     disk, whose bandwidth beats the codecs), "auto" stores every block raw (format version 2)."""
-    return any(compression_pays(1.0, 0.0, codec, bandwidth, cores, read_bandwidth, factor) for codec in CODEC_SPEEDS)
+    return any(compression_pays(1.0, 0.0, codec, bandwidth, cores, **prices) for codec in CODEC_SPEEDS)

@@ -2,28 +2,34 @@
 
 `compression="auto"` weighs the codecs' speed against the storage's bandwidth (`base.bandwidth_of`):
 declared by the storage or the user where known, else measured here, else the kind's default. The
-save and load engines report what each save's data writes and each load's data reads moved and
-how long the link was busy with them (`record`); later saves to the same link (same object-store
-endpoint and bucket, same network filesystem root) in this process price their leaves with it.
+save and load engines report what each save's data writes and each load's data reads moved, how
+long they took and how long the link was busy with them (`record`); later saves to the same link
+(same object-store endpoint and bucket, same network filesystem root) in this process price their
+leaves with it.
 
-What counts as the link's time (`link_seconds`): the stretches during which at least one transfer
-of this process was waiting on the storage, concurrency included (four writer threads at once are
-one stretch, not four), minus the stretches in which a writer was waiting for the bytes it sends
-(the codec coding them, checksums), so that a slow codec is not mistaken for a slow link. What it
-cannot see: bytes that moved while every writer was waiting on the codec. A transfer whose link
-was busy under half of its wall time (`LINK_BOUND_SHARE`) was held by its codec, and says less: the
-link was at least ``bytes / wall time`` fast (a lower bound), and perhaps as fast as
-``bytes / link time``. Such a sample never lowers an estimate made from link-bound transfers; where
-none exists yet, its optimistic figure is taken, so that the next save tries the link raw and
-measures it. A load of compressed blocks decodes them on its reader threads, inside the read time:
-it gives a lower bound only.
+Two figures per link and direction, because a transfer that codes is not priced like one that does
+not:
+
+- **raw**: the link's own speed, what a raw save or load gets: bytes over the link's time
+  (`link_seconds`): the stretches during which at least one transfer of this process was busy,
+  concurrency included (four writer threads at once are one stretch, not four), minus the stretches
+  in which a writer was waiting for the bytes it sends (the codec coding them, checksums). So the
+  codec's time is never taken for link time. Measured by transfers that coded nothing; before any
+  such, the link figure of coded saves stands in (it is optimistic where the codec held the save:
+  bytes that moved while every writer waited on the codec are not seen, so the next save may try
+  the link raw, and then measures it).
+- **coded**: what transfers that coded reached, end to end: bytes over wall time, their codec and
+  whatever it took from the link included (on a host whose cores also serve the storage, or
+  encrypt its traffic, coding slows the link). A save's "auto" prices the coded direction at
+  ``max(stored / coded, raw / codec speed)``, so it predicts a coded transfer to take at least what
+  the last ones took. A load's decoding runs inside its read time and cannot be told apart: its
+  figure is only ever a coded one. Before any coded transfer, the raw figure stands in.
 
 Transfers under `MIN_SAMPLE_BYTES` are ignored (request latency, not bandwidth, decides their time).
-The estimate of a direction is the median of its last `KEEP` link-bound samples, raised to the
-highest lower bound since if that is higher. A direction with no sample takes the other
-direction's estimate (a link measured one way is a better guess for the other than a default).
-Local disks are not measured: their writes land in the page cache, and what the save waits for
-is fsync, not a link (`MEASURED_KINDS`).
+Each figure is the median of its last `KEEP` samples. A direction with no sample at all takes the
+other direction's figures (a link measured one way is a better guess for the other than a
+default). Local disks are not measured: their writes land in the page cache, and what the save
+waits for is fsync, not a link (`MEASURED_KINDS`).
 """
 
 from __future__ import annotations
@@ -37,9 +43,7 @@ from typing import Any
 
 #: Transfers (one save's data writes, one load's data reads) of fewer bytes are not measured.
 MIN_SAMPLE_BYTES = 8 << 20
-#: A transfer whose link was busy under this share of its wall time was held by its codec.
-LINK_BOUND_SHARE = 0.5
-#: Link-bound samples kept per link and direction; the estimate is their median.
+#: Samples kept per figure (link, direction, raw or coded); the figure is their median.
 KEEP = 5
 #: The storage kinds whose bandwidth is measured (`base.KINDS`).
 MEASURED_KINDS = ("object", "network")
@@ -83,78 +87,74 @@ def link_seconds(transfers: Iterable[tuple[float, float, Iterable[tuple[float, f
     return union_seconds(busy), union_seconds(whole)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Sample:
-    """What one save's writes or one load's reads tell of a link, in bytes/s."""
+    """What one save's data writes or one load's data reads tell of a link, in bytes/s."""
 
-    low: float  # the link was at least this fast (bytes over wall time)
-    high: float  # bytes over the link's own time: the estimate, where `bound` is true
-    bound: bool  # whether the link, not the codec, held the transfer (the link's time is most of it)
+    link: float  # bytes over the link's own time (`link_seconds`)
+    wall: float  # bytes over the wall time
+    coded: bool  # whether the transfer carried coded blocks (a coded save, or a load of them)
 
 
 def sample_of(nbytes: int, link_s: float, wall_s: float, coded: bool = False) -> Sample | None:
-    """The `Sample` of a transfer of `nbytes` that took `wall_s` seconds, of which the link was
-    busy `link_s` (`link_seconds`); `coded`: its time includes the codec's in a way `link_s` does not
-    separate (a load of compressed blocks), so it gives only a lower bound. None for a transfer too
-    small (`MIN_SAMPLE_BYTES`) or without a time."""
+    """The `Sample` of a transfer of `nbytes` that took `wall_s` seconds, of which the link was busy
+    `link_s` (`link_seconds`), `coded` or not. None for a transfer too small (`MIN_SAMPLE_BYTES`) or
+    without a time."""
     if nbytes < MIN_SAMPLE_BYTES or wall_s <= 0:
         return None
     link_s = min(max(link_s, 0.0), wall_s)
-    low = nbytes / wall_s
-    if link_s <= 0:
-        return Sample(low, low, False)
-    bound = not coded and link_s >= LINK_BOUND_SHARE * wall_s
-    return Sample(low, nbytes / link_s, bound)
+    wall = nbytes / wall_s
+    return Sample(nbytes / link_s if link_s > 0 else wall, wall, coded)
 
 
 @dataclass
 class _Direction:
-    bound: deque[float] = field(default_factory=lambda: deque(maxlen=KEEP))
-    low: float = 0.0  # the highest lower bound since the last link-bound sample
-    high: float = 0.0  # the highest optimistic figure of samples held by their codec
+    raw: deque[float] = field(default_factory=lambda: deque(maxlen=KEEP))  # link figures of raw transfers
+    coded_link: deque[float] = field(default_factory=lambda: deque(maxlen=KEEP))  # ... of coded ones
+    coded: deque[float] = field(default_factory=lambda: deque(maxlen=KEEP))  # wall figures of coded ones
 
     def add(self, s: Sample) -> None:
-        if s.bound:
-            self.bound.append(s.high)
-            self.low = 0.0
+        if s.coded:
+            self.coded.append(s.wall)
+            self.coded_link.append(s.link)
         else:
-            self.low = max(self.low, s.low)
-            self.high = max(self.high, s.high)
+            self.raw.append(s.link)
 
-    def estimate(self) -> float | None:
-        if self.bound:
-            return max(statistics.median(self.bound), self.low)
-        if self.high > 0:
-            return self.high
+    def estimate(self, coded: bool) -> float | None:
+        first, then = (self.coded, self.raw) if coded else (self.raw, self.coded_link)
+        for figures in (first, then):
+            if figures:
+                return statistics.median(figures)
         return None
 
 
 class LinkMeter:
-    """Measured bandwidths by link and direction, for this process (thread-safe)."""
+    """Measured bandwidths by link, direction and whether the transfer codes, for this process (thread-safe)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._links: dict[str, dict[str, _Direction]] = {}
 
     def record(self, link: str, direction: str, sample: Sample | None) -> None:
-        if sample is None:
-            return
         if direction not in DIRECTIONS:
             raise ValueError(f"direction must be one of {DIRECTIONS}, not {direction!r}")
+        if sample is None:
+            return
         with self._lock:
             self._links.setdefault(link, {d: _Direction() for d in DIRECTIONS})[direction].add(sample)
 
-    def bandwidth(self, link: str, direction: str) -> float | None:
-        """The measured bytes/s of `link` in `direction` (else the other direction's), or None."""
+    def bandwidth(self, link: str, direction: str, coded: bool = False) -> float | None:
+        """The measured bytes/s of `link` in `direction` for raw or `coded` transfers (else the other
+        direction's), or None."""
         with self._lock:
             dirs = self._links.get(link)
             if dirs is None:
                 return None
-            own = dirs[direction].estimate()
+            own = dirs[direction].estimate(coded)
             if own is not None:
                 return own
             other = [d for d in DIRECTIONS if d != direction][0]
-            return dirs[other].estimate()
+            return dirs[other].estimate(coded)
 
     def clear(self) -> None:
         with self._lock:
@@ -190,10 +190,11 @@ def record(storage: Any, direction: str, sample: Sample | None) -> None:
         METER.record(link, direction, sample)
 
 
-def measured_bandwidth(storage: Any, direction: str = "write") -> float | None:
-    """The bandwidth this process measured to or from `storage` (bytes/s), or None."""
+def measured_bandwidth(storage: Any, direction: str = "write", coded: bool = False) -> float | None:
+    """The bandwidth this process measured to or from `storage` (bytes/s) for raw or `coded`
+    transfers, or None."""
     link = link_of(storage)
-    return None if link is None else METER.bandwidth(link, direction)
+    return None if link is None else METER.bandwidth(link, direction, coded)
 
 
 class TransferClock:
