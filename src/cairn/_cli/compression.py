@@ -35,7 +35,7 @@ def compression_plan(path: str, to: str | None = None, gbps: float | None = None
 
     ck = open_checkpoint(path, storage_options)
     leaves: list[tuple[str, fmt.ArrayLeaf, int]] = []  # (item, leaf, block size)
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, index in ck.indexes.items():
         if index.version >= 3 and index.table is not None:
             index.table.fetch_all()  # stored sizes are in the binary parts
@@ -148,7 +148,7 @@ def print_plan(data: dict[str, Any], out: Any, human_bytes: Any) -> None:
              f'{a["read_bandwidth"] / gib:.2f} read, coded transfers {a["coded_bandwidth"] / gib:.2f} / '
              f'{a["coded_read_bandwidth"] / gib:.2f} ({a["bandwidth_source"]}); {a["cores"]} cores, codecs at '
              f'{a["codec_factor"]:.2f}x their per-platform speed: {speeds} GiB/s encode/decode')
-    rows = []
+    rows: list[list[str]] = []
     for r in data["leaves"]:
         x = r.get("auto")
         if x is None:

@@ -9,6 +9,7 @@ the bytes in flight under the budget, and handing the host buffers to JAX.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -255,8 +256,11 @@ def _measure_reads(loc: Location, items: list[_ItemLoad], stats: LoadStats) -> N
     was compressed, its decoding ran inside the read time, so the figure is only a lower bound."""
     from .._storage.measured import record, sample_of
 
-    coded = any(getattr(leaf, "codec", "none") != "none" for it in items for leaf in it.index.leaves)
-    record(loc.storage, "read", sample_of(stats.bytes_read, stats.read_s, stats.read_s, coded))
+    try:
+        coded = any(getattr(leaf, "codec", "none") != "none" for it in items for leaf in it.index.leaves)
+        record(loc.storage, "read", sample_of(stats.bytes_read, stats.read_s, stats.read_s, coded))
+    except Exception:
+        logging.getLogger("cairn").warning("cairn: could not record the load's bandwidth", exc_info=True)
 
 
 @dataclass

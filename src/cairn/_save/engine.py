@@ -47,8 +47,8 @@ from .._format import codecs as _codecs
 from .._format import manifest as fmt
 from .._plan.chunking import FileSlot
 from .._storage.base import bandwidth_of, bandwidth_source
-from .._storage.measured import TransferClock, record, sample_of
 from .._storage.location import Location
+from .._storage.measured import TransferClock, record, sample_of
 from .._tree.leaves import classify
 from .._tree.perprocess import HostValues, is_per_process
 from .._tree.pytree import display_path, flatten
@@ -56,7 +56,13 @@ from .._version import __version__
 from .assign import Concat, SaveItem, plan_item
 from .commit import CommitStrategy, strategy_for
 from .indexparts import build_part, item_index
-from .options import CODEC_METER, SaveOptions, compression_can_pay, compression_pays, save_options_of
+from .options import (
+    CODEC_METER,
+    SaveOptions,
+    compression_can_pay,
+    compression_pays,
+    save_options_of,
+)
 
 log = logging.getLogger("cairn")
 
@@ -378,10 +384,14 @@ class SaveJob:
     def _measure(self) -> None:
         """Record what this save's data writes reached over the storage's link (bytes over the
         time the link was busy, not waiting for the codec: `_storage.measured`) and how fast its
-        codecs ran (`options.CodecMeter`), for the next saves' "auto"."""
-        link_s, wall_s = self.transfers.seconds()
-        record(self.loc.storage, "write", sample_of(self.stats.bytes_written, link_s, wall_s, coded=bool(self.coded)))
-        CODEC_METER.record(self.code_spans, self.coded, _cores())
+        codecs ran (`options.CodecMeter`), for the next saves' "auto". A measurement never fails a save."""
+        try:
+            link_s, wall_s = self.transfers.seconds()
+            record(self.loc.storage, "write", sample_of(self.stats.bytes_written, link_s, wall_s,
+                                                        coded=bool(self.coded)))
+            CODEC_METER.record(self.code_spans, self.coded, _cores())
+        except Exception:
+            log.warning("cairn: could not record the save's bandwidth for compression='auto'", exc_info=True)
 
     # ------------------------------------------------------------------ commit
 

@@ -153,7 +153,7 @@ class LinkMeter:
             own = dirs[direction].estimate(coded)
             if own is not None:
                 return own
-            other = [d for d in DIRECTIONS if d != direction][0]
+            other = next(d for d in DIRECTIONS if d != direction)
             return dirs[other].estimate(coded)
 
     def clear(self) -> None:
