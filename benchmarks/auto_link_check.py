@@ -35,6 +35,9 @@ try:
         print(f"compression={c}: {s.bytes_written/1e6:.1f} MB in {t:.2f} s ({s.bytes_written/1e6/t:.1f} MB/s whole save, "
               f"write_s {s.write_s:.2f}); measured raw {measured_bandwidth(st)/1e6:.1f} MB/s, "
               f"coded {measured_bandwidth(st, coded=True)/1e6:.1f} MB/s, codec factor {CODEC_METER.factor():.2f}")
-    print("link rate", rate / 1e6, "MB/s; link stats:", {k: v for k, v in link.stats().items() if k != "requests"} if isinstance(link.stats(), dict) else link.stats())
+    stats = link.stats()
+    print("link rate", rate / 1e6, "MB/s; link stats:",
+          {k: v for k, v in stats.items() if k != "requests"} if isinstance(stats, dict) else stats)
 finally:
-    link.stop(); server.stop()
+    link.stop()
+    server.stop()
