@@ -2,6 +2,8 @@
 
     python -m benchmarks.compression [--mib 256] [--variant bf16-f32] [--reps 3] [--json out.json]
     python -m benchmarks.compression --mib 1024 --storages moto,azurite --settings false,auto --no-async
+    python -m benchmarks.compression --mib 64 --storages moto,azurite --settings false,true,auto \
+        --values trained,random --reps 5 --no-async --link 1GB/s,10ms
 
 The state is `benchmarks.trained_state.make_state` (a small GPT-like model
 after AdamW steps; numpy arrays, so no device copies are timed). For each
@@ -14,9 +16,21 @@ on a local disk) it saves the state `reps` times
 and loads it back as numpy as many times, and reports the median times, the
 bytes written (data files, as `SaveStats.bytes_written` counts them) and the
 bytes a load reads (`LoadStats.bytes_read`). Settings are interleaved per
-repetition so that a change in the machine's load hits them alike. What
+repetition, in an order that rotates from one repetition to the next, so that a change in the
+machine's load (and the place in the order) hits them alike. What
 ``"auto"`` does is printed beside: on a local disk it is the False row, on
 an object store the True row.
+
+``--values random`` adds (or gives instead) a state of the same leaves filled with random bits,
+which no codec shrinks. ``--link`` puts every object-store server behind a shaped link.
+
+Each setting keeps its own history of what was measured ("auto" prices each save with the
+bandwidth and codec speed that earlier saves and loads of the process measured,
+`cairn._storage.measured` and `cairn._save.options.CodecMeter`): "auto"'s rows are what a process
+saving only with "auto" gets (its first save at the defaults, the next ones with its own
+measurements), not helped by the raw saves of the False rows beside it. The table gives, per
+storage and values, "auto"'s median over the faster of the other settings' medians, for the save
+and the load.
 """
 
 from __future__ import annotations
@@ -32,7 +46,7 @@ import uuid
 from typing import Any
 
 import cairn
-from benchmarks.trained_state import make_state, raw_bytes
+from benchmarks.trained_state import flatten, make_state, raw_bytes
 
 MiB = 1 << 20
 
@@ -58,6 +72,45 @@ def _one(path: str, state: Any, compression: Any, opts: dict[str, Any] | None,
     return out
 
 
+def random_like(state: Any, seed: int = 1) -> Any:
+    """`state` with every array's bytes replaced by random ones (the same leaves, shapes and dtypes)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    if isinstance(state, dict):
+        return {k: random_like(v, seed + i) for i, (k, v) in enumerate(state.items())}
+    a = np.asarray(state)
+    return rng.integers(0, 256, a.nbytes, np.uint8).view(a.dtype).reshape(a.shape)
+
+
+class _Histories:
+    """One history of measurements (link bandwidths, codec factor) per setting, swapped in before each
+    of its saves, so that "auto" sees only what its own saves and loads measured. Does nothing on a
+    tree without measurements (the "before" of a comparison)."""
+
+    def __init__(self) -> None:
+        try:
+            from cairn._save.options import CODEC_METER
+            from cairn._storage.measured import METER
+        except ImportError:
+            self.meters = None
+            return
+        self.meters = (METER, CODEC_METER)
+        self.saved: dict[Any, tuple[Any, Any]] = {}
+        self.current: Any = None
+
+    def use(self, setting: Any) -> None:
+        if self.meters is None:
+            return
+        link, codec = self.meters
+        if self.current is not None:
+            self.saved[self.current] = (link._links, codec._factors)
+        from collections import deque
+
+        link._links, codec._factors = self.saved.get(setting, ({}, deque(maxlen=codec.KEEP)))
+        self.current = setting
+
+
 def _setting(text: str) -> Any:
     return {"false": False, "true": True}.get(text.lower(), text)
 
@@ -72,6 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--storages", default="local,memory", help=f"comma-separated, of {', '.join(STORAGES)}")
     ap.add_argument("--settings", default="false,true", help="compression= values to compare (false, true, auto, ...)")
     ap.add_argument("--no-async", action="store_true", help="skip the save_async run of each repetition")
+    ap.add_argument("--values", default="trained", help="comma-separated: trained (the trained state), "
+                    "random (the same leaves, random bytes)")
+    ap.add_argument("--shared-history", action="store_true", help="let every setting's saves and loads feed "
+                    "the measurements \"auto\" prices with (default: each setting its own)")
     ap.add_argument("--link", default=None, metavar="SPEC", help="the servers' requests through a shaped link "
                     "(tests/_shapedlink.py), e.g. 1GB/s,10ms")
     args = ap.parse_args(argv)
@@ -80,10 +137,14 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown storages {unknown}; known: {', '.join(STORAGES)}")
     t0 = time.perf_counter()
-    state = make_state(args.mib * MiB, args.variant)
-    raw = raw_bytes(state)
-    print(f"state: {args.variant}, {raw / MiB:.1f} MiB raw, built in {time.perf_counter() - t0:.1f} s; "
-          f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f}")
+    trained = make_state(args.mib * MiB, args.variant)
+    values = [v for v in args.values.split(",") if v]
+    states = {v: trained if v == "trained" else random_like(trained) for v in values}
+    raw = raw_bytes(trained)
+    print(f"state: {args.variant}, {raw / MiB:.1f} MiB raw ({len(flatten(trained))} leaves), values {values}, "
+          f"built in {time.perf_counter() - t0:.1f} s; {os.cpu_count()} cores, "
+          f"load average {os.getloadavg()[0]:.1f}")
+    histories = _Histories()
     work = tempfile.mkdtemp(prefix="cairn-cmp-", dir=args.workdir)
     where: dict[str, tuple[str, dict[str, Any] | None]] = {}
     servers = []
@@ -112,32 +173,42 @@ def main(argv: list[str] | None = None) -> int:
                     servers.append(link)
                     opts = {**opts, "endpoint": link.endpoint}
                 where[kind] = (server.url(server.bucket(), "ckpt"), opts)
-        runs = {(s, c): [] for s in where for c in settings}
-        for _ in range(args.reps):
+        runs = {(s, v, c): [] for s in where for v in values for c in settings}
+        for rep in range(args.reps):
+            order = settings[rep % len(settings):] + settings[:rep % len(settings)]  # no setting always first
             for s, (path, opts) in where.items():
-                for c in settings:
-                    runs[(s, c)].append(_one(path, state, c, opts, not args.no_async))
+                for v in values:
+                    for c in order:
+                        if not args.shared_history:
+                            histories.use(c)
+                        runs[(s, v, c)].append(_one(f"{path}-{v}", states[v], c, opts, not args.no_async))
             print(f"  repetition done, load average {os.getloadavg()[0]:.1f}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         for server in servers:
             server.stop()
     rows = []
-    print("\n| storage | compression | auto picks it | bytes written | ratio | save s | load s | "
-          "save MiB/s | load MiB/s | async blocking s | async total s |\n|---|---|---|---|---|---|---|---|---|---|---|")
-    for (s, c), rs in runs.items():
+    print("\n| storage | values | compression | auto picks it | bytes written | ratio | save s | load s | "
+          "save MiB/s | load MiB/s | async blocking s | async total s |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for (s, v, c), rs in runs.items():
         save_s = statistics.median(r["save_s"] for r in rs)
         load_s = statistics.median(r["load_s"] for r in rs)
         written = rs[-1]["bytes_written"]
         auto = c == "auto" or (s != "local") == (c is True)
         blocking = statistics.median(r["async_blocking_s"] for r in rs)
         async_total = statistics.median(r["async_total_s"] for r in rs)
-        rows.append({"storage": s, "compression": c, "auto": auto, "raw_bytes": raw, "bytes_written": written,
+        rows.append({"storage": s, "values": v, "compression": c, "auto": auto, "raw_bytes": raw, "bytes_written": written,
                      "bytes_read": rs[-1]["bytes_read"], "save_s": save_s, "load_s": load_s,
                      "async_blocking_s": blocking, "async_total_s": async_total, "all": rs})
-        print(f"| {s} | {c} | {'yes' if auto else ''} | {written / MiB:.1f} MiB | {raw / written:.3f} | "
+        print(f"| {s} | {v} | {c} | {'yes' if auto else ''} | {written / MiB:.1f} MiB | {raw / written:.3f} | "
               f"{save_s:.2f} | {load_s:.2f} | {raw / MiB / save_s:.0f} | {raw / MiB / load_s:.0f} | "
               f"{blocking:.3f} | {async_total:.2f} |" + (f" {rs[-1]['decision']}" if c == "auto" else ""))
+    ratios = _auto_ratios(rows)
+    if ratios:
+        print("\n| storage | values | auto save / faster of the others | auto load / faster | auto's decisions |\n"
+              "|---|---|---|---|---|")
+        for r in ratios:
+            print(f"| {r['storage']} | {r['values']} | {r['save']:.2f}x | {r['load']:.2f}x | {r['decisions']} |")
     print(f"\nload average after: {os.getloadavg()[0]:.1f}")
     if args.json:
         for r in rows:  # JSON-friendly: NaN (no async run) as null
@@ -145,8 +216,27 @@ def main(argv: list[str] | None = None) -> int:
                                                          (r["async_blocking_s"], r["async_total_s"]))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"variant": args.variant, "raw_bytes": raw, "rows": rows}, f, indent=1)
+            json.dump({"variant": args.variant, "raw_bytes": raw, "link": args.link, "rows": rows,
+                       "auto_ratios": ratios, "load_average_after": os.getloadavg()}, f, indent=1)
     return 0
+
+
+def _auto_ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per storage and values: "auto"'s median save and load over the faster of the other settings'."""
+    out = []
+    for r in rows:
+        if r["compression"] != "auto":
+            continue
+        others = [o for o in rows if o["storage"] == r["storage"] and o["values"] == r["values"]
+                  and o["compression"] != "auto"]
+        if not others:
+            continue
+        decisions = sorted({x["decision"] for x in r["all"]})
+        out.append({"storage": r["storage"], "values": r["values"],
+                    "save": r["save_s"] / min(o["save_s"] for o in others),
+                    "load": r["load_s"] / min(o["load_s"] for o in others),
+                    "decisions": " / ".join(x["decision"] for x in r["all"]) if len(decisions) > 1 else decisions[0]})
+    return out
 
 
 if __name__ == "__main__":

@@ -49,6 +49,18 @@ def _quiet_background():
     _async._background._unreported.clear()
 
 
+@pytest.fixture(autouse=True)
+def _unmeasured():
+    """Each test starts with nothing measured: "auto" prices with declared or default figures, not
+    with the bandwidth and codec speed earlier tests happened to reach (`_storage.measured`)."""
+    from cairn._save.options import CODEC_METER
+    from cairn._storage.measured import METER
+
+    METER.clear()
+    CODEC_METER.clear()
+    yield
+
+
 @pytest.fixture(scope="module")
 def s3():
     """A real S3 server (moto) on 127.0.0.1, for the tests of one module."""

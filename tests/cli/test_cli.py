@@ -377,3 +377,45 @@ def test_ls_names_a_step_committed_in_two_folders(tmp_path, capsys):
     assert rc == 0 and "step 4 is committed in 2 folders (step_00000004, step_4)" in out, out
     assert "step 5 is" not in out
     assert cairn.CheckpointManager(tmp_path / "run", read_only=True).path(4).endswith("step_00000004")
+
+
+# ---------------------------------------------------------------------- plan --compression
+
+
+def test_plan_compression_shows_what_was_decided_and_what_auto_would_decide(tmp_path, capsys):
+    """`cairn plan --compression URL`: the checkpoint's codecs, then what "auto" would decide saving to
+    URL and why (bandwidth and where it came from, cores, codec speeds, each leaf's sample ratio)."""
+    from cairn._format.codecs import blosc2_available
+
+    floats = "blosc2" if blosc2_available() else "planes"  # what True and "auto" pick for bf16 weights
+    rng = np.random.default_rng(0)
+    state = {"w": rng.standard_normal(1 << 16).astype(ml_dtypes.bfloat16), "z": np.zeros(1 << 15, np.float32),
+             "r": rng.integers(0, 256, 1 << 16, dtype=np.uint8), "step": 3}
+    cairn.save(tmp_path / "c", state, compression=True)
+    # a slow object store, declared: the weights and the zeros pay, random bytes never shrink
+    rc, out, _ = run(capsys, "plan", tmp_path / "c", "--compression", "memory://plan/x", "--gbps", "0.05",
+                     "--cores", "4")
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0].startswith(f"{tmp_path / 'c'}: format version 3; arrays ")
+    assert "1 none" in lines[0] and floats in lines[0]
+    assert ('"auto" saving to memory://plan/x: object storage at 0.05 GiB/s write, 0.05 read, coded transfers '
+            "0.05 / 0.05 (declared: --gbps); 4 cores, codecs at 1.00x") in out
+    row = {x.split()[0]: x.split() for x in lines if x.split() and x.split()[0] in ("w", "z", "r")}
+    assert row["w"][-3] == floats and row["z"][-3] == "zstd" and row["r"][-3] == "none"
+    assert f'"auto" would store {", ".join(sorted(["1 none", f"1 {floats}", "1 zstd"]))} (auto)' in out
+    # a local disk: no leaf could pay, nothing sampled
+    rc, out, _ = run(capsys, "plan", tmp_path / "c", "--compression", tmp_path / "elsewhere", "--cores", "4")
+    assert rc == 0 and '"auto" would store 3 none (raw (format version 2): no leaf could pay)' in out
+    rc, out, _ = run(capsys, "plan", tmp_path / "c", "--compression", "memory://plan/x", "--gbps", "0.05", "--json")
+    data = json.loads(out)
+    assert data["saved"]["codecs"]["none"] == 1 and data["auto"]["bandwidth"] == 0.05e9
+    assert data["auto"]["bandwidth_source"] == "declared: --gbps" and data["auto"]["any_leaf_can_pay"]
+    w = next(x for x in data["leaves"] if x["path"] == "w")
+    assert w["auto"]["codec"] == floats and 0 < w["auto"]["sample_ratio"] < 1
+    assert w["auto"]["coded_s"] < w["auto"]["raw_s"]
+
+
+def test_plan_wants_a_mesh_or_compression(ckpt, capsys):
+    rc, _, err = run(capsys, "plan", ckpt)
+    assert rc != 0 and "--mesh" in err and "--compression" in err

@@ -572,6 +572,84 @@ def test_the_auto_formula():
     assert not compression_can_pay(8 * gib, 12) and compression_can_pay(0.5 * gib, 1)
 
 
+def test_the_auto_formula_each_way_and_at_the_measured_codec_speed():
+    """Writes and reads priced at their own bandwidths; the codecs at the factor the host measured."""
+    from cairn._save.options import CODEC_SPEEDS, compression_pays, predicted_seconds
+
+    gib = float(1 << 30)
+    enc, dec = CODEC_SPEEDS["planes"].on(4)
+    plain, coded = predicted_seconds(gib, gib / 2, "planes", 0.1 * gib, 4, read_bandwidth=1000 * gib)
+    assert plain == pytest.approx(10.0 + 0.001) and coded == pytest.approx(5.0 + gib / dec)
+    plain, coded = predicted_seconds(gib, gib / 2, "planes", 1000 * gib, 4, factor=0.5)
+    assert coded == pytest.approx(2 * gib / enc + 2 * gib / dec)
+    # the same leaf pays on an idle host and not where the codecs get a tenth of their speed
+    assert compression_pays(gib, gib / 2, "planes", 0.5 * gib, 4)
+    assert not compression_pays(gib, gib / 2, "planes", 0.5 * gib, 4, factor=0.1)
+    # coded transfers priced at what they reached: a link that slows to a third while the host codes
+    plain, coded = predicted_seconds(gib, gib / 2, "planes", 0.1 * gib, 4, coded_bandwidth=0.03 * gib,
+                                     coded_read_bandwidth=0.05 * gib)
+    assert plain == pytest.approx(20.0) and coded == pytest.approx(0.5 / 0.03 + 0.5 / 0.05)
+    assert not compression_pays(gib, gib / 2, "planes", 0.1 * gib, 4, coded_bandwidth=0.03 * gib,
+                                coded_read_bandwidth=0.05 * gib)
+
+
+def test_the_codec_factor_from_known_spans():
+    """`CodecMeter`: the time the per-platform figures predict, at the concurrency the tasks had, over
+    the time the coder pool was busy; the median of the last saves; 1.0 before any."""
+    from cairn._save.options import CODEC_SPEEDS, FACTOR_RANGE, MIN_CODED_SAMPLE, CodecMeter
+
+    m = CodecMeter()
+    assert m.factor() == 1.0
+    one = CODEC_SPEEDS["planes"].on(1)[0]
+    n = 64 << 20
+    assert m.record([(0.0, 1.0)], {"planes": MIN_CODED_SAMPLE - 1}, cores=4) is None  # too little coded
+    # one task at a time, at twice the figure's time: 0.5
+    assert m.record([(0.0, n / one), (n / one, 2 * n / one)], {"planes": n}, cores=4) == pytest.approx(0.5)
+    # two tasks at once, the pool busy as long as two cores' figure says: 1.0
+    two = CODEC_SPEEDS["planes"].on(2)[0]
+    assert m.record([(0.0, n / two), (0.0, n / two)], {"planes": n}, cores=4) == pytest.approx(1.0)
+    assert m.factor() == pytest.approx(0.75)
+    assert m.record([(0.0, 1e6)], {"planes": n}, cores=4) == FACTOR_RANGE[0]  # clamped
+    m.clear()
+    assert m.factor() == 1.0
+
+
+def test_auto_prices_with_what_was_measured(tmp_path, monkeypatch):
+    """On a network filesystem (a kind whose link is measured), "auto" prices with the default until
+    something was measured, then with the measurement; a declared figure would win (see
+    tests/storage/test_measured.py). SaveStats says which."""
+    from cairn._save import engine
+    from cairn._save.options import CODEC_METER
+    from cairn._storage.local import LocalStorage
+    from cairn._storage.location import resolve
+    from cairn._storage.measured import METER, record, sample_of
+
+    monkeypatch.setattr(engine, "_cores", lambda: 12)
+    monkeypatch.setattr(LocalStorage, "network", property(lambda self: True))
+    state = state_of()
+    path = str(tmp_path / "nfs" / "c")
+    stats = cairn.save(path, state)  # 1 GiB/s, a network filesystem's default: weights pay
+    assert stats.compression.startswith("auto (network storage at 1.00 GiB/s (default), 12 cores): ")
+    assert leaves_of(path)[1]["w"][0].codec == "planes"
+    storage = resolve(path).storage
+    gib = 1 << 30
+    for direction in ("write", "read"):  # measured at 16 GiB/s each way: no codec keeps up
+        record(storage, direction, sample_of(gib, 1 / 16, 1 / 16))
+    stats = cairn.save(path, state, overwrite=True)
+    assert stats.compression == "raw"
+    METER.clear()
+    record(storage, "write", sample_of(gib, 20.0, 20.0))  # 50 MiB/s (reads: the same, unmeasured)
+    stats = cairn.save(path, state, overwrite=True)
+    assert stats.compression.startswith("auto (network storage at 0.05 GiB/s (measured), 12 cores): ")
+    assert leaves_of(path)[1]["w"][0].codec == "planes"
+    CODEC_METER.record([(0.0, 1e6)], {"planes": 64 << 20}, cores=1)  # a host whose codecs crawl (0.02x)
+    stats = cairn.save(path, state, overwrite=True)
+    assert "codecs at 0.02x" in stats.compression
+    assert leaves_of(path)[1]["w"][0].codec == "none"  # weights no longer pay; zeros still do
+    assert leaves_of(path)[1]["zeros"][0].codec == "zstd"
+    assert_same(cairn.load(path), state)
+
+
 def test_auto_prices_each_leaf(tmp_path, monkeypatch):
     """On a fast object store (4 GiB/s declared, 12 cores) "auto" codes a leaf only where it pays:
     zeros (zstd codes them to almost nothing, faster than the link) yes, trained bf16 weights
@@ -588,7 +666,7 @@ def test_auto_prices_each_leaf(tmp_path, monkeypatch):
     assert ck.manifest.version == 3
     assert leaves["zeros"][0].codec == "zstd"
     assert leaves["w"][0].codec == "none" and leaves["noise"][0].codec == "none"
-    assert stats.compression.startswith("auto (object storage at 4.00 GiB/s, 12 cores): ")
+    assert stats.compression.startswith("auto (object storage at 4.00 GiB/s (declared), 12 cores): ")
     assert "zstd" in stats.compression and "none" in stats.compression
     assert_same(cairn.load(path), state)
     monkeypatch.setattr(MemoryStorage, "bandwidth", None)  # the kind's default, 0.5 GiB/s: weights pay

@@ -26,10 +26,18 @@ from .._tree.shardings import on_mesh
 def add_command(sub: Any, parse_bytes: Any) -> None:
     """Register ``cairn plan`` on the command line's subparsers."""
     s = sub.add_parser("plan", help="dry run of a load onto a mesh: bytes, requests, peak host memory and time "
-                       "per process (reads no array data)")
+                       "per process (reads no array data); or, with --compression, what compression= decided and "
+                       "what \"auto\" would decide saving the arrays to a storage")
     s.add_argument("path")
-    s.add_argument("--mesh", required=True, help="a device count (8: one axis 'data') or axes (data=4,model=2), "
-                   "made of virtual CPU devices")
+    s.add_argument("--mesh", help="a device count (8: one axis 'data') or axes (data=4,model=2), "
+                   "made of virtual CPU devices (required unless --compression)")
+    s.add_argument("--compression", nargs="?", const="", default=None, metavar="URL",
+                   help="instead of a load: what compression= decided for each array, and what \"auto\" would "
+                   "decide saving it to URL (default: where it is) and why: bandwidth, cores, codec speeds, each "
+                   "leaf's sample ratio (reads a sample of each array's first chunk)")
+    s.add_argument("--gbps", type=float, metavar="GB/s", help="with --compression: the storage bandwidth (each "
+                   "way) \"auto\" prices with (default: the storage's own, or its kind's default)")
+    s.add_argument("--cores", type=int, help="with --compression: the cores \"auto\" counts (default: this host's)")
     s.add_argument("--sharding", default="fsdp", help="for every array: fsdp (axis 0 over every mesh axis), "
                    "replicated, saved (its saved PartitionSpec, as cairn.load(mesh=)), or a PartitionSpec such as "
                    "'data,model' or \"P(('data', 'model'), None)\"")
@@ -53,6 +61,20 @@ def add_command(sub: Any, parse_bytes: Any) -> None:
 
 
 def cmd_plan(args: Any, out: Any) -> int:
+    if args.compression is not None:
+        from .._core.units import human_bytes
+        from .compression import compression_plan, print_plan
+
+        data = compression_plan(args.path, args.compression or args.path, args.gbps, args.cores)
+        if args.json:
+            import json
+
+            print(json.dumps(data, indent=2))
+        else:
+            print_plan(data, out, human_bytes)
+        return 0
+    if not args.mesh:
+        raise ValueError("cairn plan: give --mesh (a load's dry run) or --compression (what compression decides)")
     names, sizes = parse_mesh(args.mesh)
     jax = _cpu_jax(math.prod(sizes))
     import numpy as np

@@ -47,7 +47,7 @@ class SaveStats:
     queued_s: float = 0.0  # async: waiting for earlier saves of this process to finish
     retries: int = 0
     # What compression= decided: "raw", or the mode and the codecs of the leaves this process
-    # chose, e.g. "auto (object storage at 0.50 GiB/s, 13 cores): 3 none, 120 planes"
+    # chose, e.g. "auto (object storage at 0.50 GiB/s (default), 13 cores): 3 none, 120 planes"
     compression: str = ""
 
     @property

@@ -9,6 +9,7 @@ the bytes in flight under the budget, and handing the host buffers to JAX.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
@@ -243,9 +244,23 @@ def load(
             out[it.name] = it.output()
     stats.retries = loc.storage.retries - retries
     stats.total_s = time.perf_counter() - t0
+    _measure_reads(loc, items, stats)
     if publish:
         _stats.loaded(loc.path, stats)
     return out[""] if manifest.root else out
+
+
+def _measure_reads(loc: Location, items: list[_ItemLoad], stats: LoadStats) -> None:
+    """Record what this load's reads reached over the storage's link, for the next saves'
+    compression="auto" (`_storage.measured`): bytes read over the read time. Where any leaf read
+    was compressed, its decoding ran inside the read time, so the figure is only a lower bound."""
+    from .._storage.measured import record, sample_of
+
+    try:
+        coded = any(getattr(leaf, "codec", "none") != "none" for it in items for leaf in it.index.leaves)
+        record(loc.storage, "read", sample_of(stats.bytes_read, stats.read_s, stats.read_s, coded))
+    except Exception:
+        logging.getLogger("cairn").warning("cairn: could not record the load's bandwidth", exc_info=True)
 
 
 @dataclass

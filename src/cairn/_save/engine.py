@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -45,8 +46,9 @@ from .._errors import (
 from .._format import codecs as _codecs
 from .._format import manifest as fmt
 from .._plan.chunking import FileSlot
-from .._storage.base import bandwidth_of
+from .._storage.base import bandwidth_of, bandwidth_source
 from .._storage.location import Location
+from .._storage.measured import TransferClock, record, sample_of
 from .._tree.leaves import classify
 from .._tree.perprocess import HostValues, is_per_process
 from .._tree.pytree import display_path, flatten
@@ -54,7 +56,13 @@ from .._version import __version__
 from .assign import Concat, SaveItem, plan_item
 from .commit import CommitStrategy, strategy_for
 from .indexparts import build_part, item_index
-from .options import SaveOptions, compression_can_pay, compression_pays, save_options_of
+from .options import (
+    CODEC_METER,
+    SaveOptions,
+    compression_can_pay,
+    compression_pays,
+    save_options_of,
+)
 
 log = logging.getLogger("cairn")
 
@@ -119,6 +127,11 @@ class SaveJob:
     compression: str | None = None
     # bytes/s of the storage, as the primary sees it: what "auto" prices each leaf against
     bandwidth: float = 0.0
+    read_bandwidth: float = 0.0  # the same, for reading it back (0: as `bandwidth`)
+    coded_bandwidth: float = 0.0  # what coded writes reached end to end, measured (0: as `bandwidth`)
+    coded_read_bandwidth: float = 0.0  # what loads of coded blocks reached (0: as `read_bandwidth`)
+    codec_factor: float = 1.0  # the share of `options.CODEC_SPEEDS` the primary's host codes at
+    bandwidth_source: str = ""  # where the primary took `bandwidth` from: declared, measured, default
     stats: SaveStats = field(default_factory=SaveStats)
     # item name -> leaf number -> codec, for the leaves this process writes (set by `write_data`)
     codecs: dict[str, dict[int, str]] = field(default_factory=dict)
@@ -126,6 +139,11 @@ class SaveJob:
     pooled: dict[tuple[str, int], list[np.ndarray]] = field(default_factory=dict)
     # Incremental saves (format version 4): block hashes and references to a base (`incremental`).
     inc: Any = None
+    # What the data writes and the coding took, measured for the next saves' "auto" (`_measure`).
+    transfers: TransferClock = field(default_factory=TransferClock, repr=False)
+    code_spans: list[tuple[float, float]] = field(default_factory=list, repr=False)
+    coded: dict[str, int] = field(default_factory=dict, repr=False)
+    _code_lock: Any = field(default_factory=threading.Lock, repr=False)
 
     # ------------------------------------------------------------------ layout
 
@@ -213,7 +231,7 @@ class SaveJob:
                 yield group
 
         # (An incremental save codes the blocks it writes itself: `incremental.write_chunk`.)
-        coded = _in_order(code_pool, _code_task, code_tasks()) if leaf_codecs and self.inc is None else iter(())
+        coded = _in_order(code_pool, self._timed_code_task, code_tasks()) if leaf_codecs and self.inc is None else iter(())
         done: collections.deque[tuple[int, bool, list[Any]]] = collections.deque()
 
         def blocks_of(n_slot: int) -> Any:
@@ -292,7 +310,7 @@ class SaveJob:
             yield from batch.rest()
 
         key = self.data_key(item, k)
-        size = self.loc.storage.write(key, parts())
+        size = self.transfers.transfer(self.loc.storage.write, key, parts())  # timed for `_measure`
         out = key, size, [(c,) if type(c) is int else tuple(x if type(x) is int else x.result() for x in c)
                           for c in crcs], moved, stored
         for buf in self.pooled.pop((item.name, k), ()):  # written and checksummed: the buffers serve the next save
@@ -307,7 +325,7 @@ class SaveJob:
         if self.compression is not None:
             self.codecs = choose_codecs(self)
         self.stats.compression = describe_compression(self.compression, self.loc.storage, self.codecs,
-                                                      self.bandwidth or bandwidth_of(self.loc.storage))
+                                                      self.prices())
         if self.inc is not None:  # incremental: the base's indexes and the records of our chunks
             self.inc.open(self.items, self.loc.path)
         # Compressed blocks are encoded by a pool of their own, so that a file of large chunks uses
@@ -341,7 +359,39 @@ class SaveJob:
         for item in self.items:
             item.sources.clear()
         self.stats.write_s = time.perf_counter() - t0
+        self._measure()
         return partial
+
+    def prices(self) -> dict[str, Any]:
+        """What "auto" prices this save's leaves with, as `auto_prices` gives (the primary's figures)."""
+        if not self.bandwidth:
+            return auto_prices(self.loc.storage)
+        return {"bandwidth": self.bandwidth, "read_bandwidth": self.read_bandwidth or None,
+                "coded_bandwidth": self.coded_bandwidth or None, "coded_read_bandwidth": self.coded_read_bandwidth or None,
+                "codec_factor": self.codec_factor, "bandwidth_source": self.bandwidth_source}
+
+    def _timed_code_task(self, task: list[tuple[int, bool, tuple[Any, ...]]]) -> list[tuple[int, bool, list[Any]]]:
+        """`_code_task`, its span and raw bytes per codec noted for the codec factor (`_measure`)."""
+        t0 = time.perf_counter()
+        out = _code_task(task)
+        t1 = time.perf_counter()
+        with self._code_lock:
+            self.code_spans.append((t0, t1))
+            for _, _, (codec, raw, _, _) in task:
+                self.coded[codec] = self.coded.get(codec, 0) + len(raw)
+        return out
+
+    def _measure(self) -> None:
+        """Record what this save's data writes reached over the storage's link (bytes over the
+        time the link was busy, not waiting for the codec: `_storage.measured`) and how fast its
+        codecs ran (`options.CodecMeter`), for the next saves' "auto". A measurement never fails a save."""
+        try:
+            link_s, wall_s = self.transfers.seconds()
+            record(self.loc.storage, "write", sample_of(self.stats.bytes_written, link_s, wall_s,
+                                                        coded=bool(self.coded)))
+            CODEC_METER.record(self.code_spans, self.coded, _cores())
+        except Exception:
+            log.warning("cairn: could not record the save's bandwidth for compression='auto'", exc_info=True)
 
     # ------------------------------------------------------------------ commit
 
@@ -497,15 +547,17 @@ def resolve_compression(compression: str | bool | None, storage: Any) -> str | N
     "auto" (a codec per leaf where it pays), or one codec.
 
     "auto" (the default) decides by predicted time (`options.compression_pays`): the codecs'
-    speed on this platform's cores against the storage's bandwidth (`Storage.kind` and
-    `Storage.bandwidth`, `_storage.base.bandwidth_of`). Where no leaf could pay, not even one
+    speed on this platform's cores (scaled by what earlier saves measured, `options.CodecMeter`)
+    against the storage's bandwidth each way (declared, measured on earlier transfers, or its
+    kind's default: `_storage.base.bandwidth_of`). Where no leaf could pay, not even one
     that codes to nothing (`options.compression_can_pay`: a local disk, faster than the codecs),
     None; else "auto", and each leaf is coded only if its sample's ratio pays
     (`leaf_codec`). True chooses per leaf by size alone; False, None and "none" store raw bytes.
     In a save, the primary's answer holds for every process.
     """
     if compression == "auto":
-        return "auto" if compression_can_pay(bandwidth_of(storage), _cores()) else None
+        p = auto_prices(storage)
+        return "auto" if compression_can_pay(p["bandwidth"], _cores(), **_formula_args(p)) else None
     if compression is True:
         return "choose"
     if compression in (False, None, "none"):
@@ -521,22 +573,54 @@ def resolve_compression(compression: str | bool | None, storage: Any) -> str | N
                      f"not {compression!r}")
 
 
-def leaf_codec(mode: str, dtype: Any, host: Any, bandwidth: float) -> str:
-    """The codec of a leaf under `mode` ("choose" or "auto", as `resolve_compression` gives), measured
-    on a sample of `host` (its first chunk's host bytes): `codecs.choose`'s codec, which "auto" keeps
-    only where its sample's ratio pays on a storage of `bandwidth` bytes/s (`options.compression_pays`)."""
+@dataclass(frozen=True)
+class LeafDecision:
+    """What `compression=` decides for one leaf, from a sample of its bytes, and why."""
+
+    codec: str  # what the leaf is stored with ("none": raw)
+    chosen: str  # `codecs.choose_sized`'s codec for the sample ("none": no codec shrinks it enough)
+    raw: int  # the sample's raw bytes
+    stored: int  # their size under `chosen`
+
+
+def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict[str, Any] | None = None,
+                cores: int | None = None) -> LeafDecision:
+    """`leaf_codec`'s decision with its reasons; `cores` (default: this process's) as "auto" counts them."""
     try:
         sample = _codecs.sample(host)
         codec, raw, stored = _codecs.choose_sized(dtype, sample)
     except ValueError:  # a dtype no codec knows
-        return "none"
-    if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth, _cores()):
-        return "none"
-    return codec
+        return LeafDecision("none", "none", 0, 0)
+    args = _formula_args(prices or {})
+    if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth, cores or _cores(), **args):
+        return LeafDecision("none", codec, raw, stored)
+    return LeafDecision(codec, codec, raw, stored)
 
 
-def describe_compression(mode: str | None, storage: Any, codecs: dict[str, dict[int, str]], bandwidth: float) -> str:
-    """One line for `SaveStats.compression`: the setting, the storage it priced, the leaves' codecs."""
+def _formula_args(prices: dict[str, Any]) -> dict[str, Any]:
+    """`auto_prices`' figures as `options.predicted_seconds`' optional arguments (the codec factor:
+    this host's measured one where `prices` has none)."""
+    f = prices.get("codec_factor")
+    return {"read_bandwidth": prices.get("read_bandwidth") or None,
+            "coded_bandwidth": prices.get("coded_bandwidth") or None,
+            "coded_read_bandwidth": prices.get("coded_read_bandwidth") or None,
+            "factor": CODEC_METER.factor() if f is None else f}
+
+
+def leaf_codec(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict[str, Any] | None = None) -> str:
+    """The codec of a leaf under `mode` ("choose" or "auto", as `resolve_compression` gives), measured
+    on a sample of `host` (its first chunk's host bytes): `codecs.choose`'s codec, which "auto" keeps
+    only where its sample's ratio pays writing raw at `bandwidth` bytes/s, against the rest of
+    `prices` (`auto_prices`: reads, coded transfers, the codec factor; by default the same bandwidth
+    each way and this host's measured codec factor): `options.compression_pays`. (`decide_leaf`
+    gives the reasons too.)"""
+    return decide_leaf(mode, dtype, host, bandwidth, prices).codec
+
+
+def describe_compression(mode: str | None, storage: Any, codecs: dict[str, dict[int, str]],
+                         prices: dict[str, Any]) -> str:
+    """One line for `SaveStats.compression`: the setting, what it priced (`describe_prices`), the
+    leaves' codecs. E.g. ``auto (object storage at 0.50 GiB/s (default), 13 cores): 1 none, 120 planes``."""
     if mode is None:
         return "raw"
     counts: dict[str, int] = {}
@@ -546,8 +630,30 @@ def describe_compression(mode: str | None, storage: Any, codecs: dict[str, dict[
     leaves = ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
     if mode != "auto":
         return f"{mode}: {leaves}"
-    return (f"auto ({storage.kind} storage at {bandwidth / (1 << 30):.2f} GiB/s, {_cores()} cores): "
-            f"{leaves}")
+    return f"auto ({describe_prices(storage.kind, prices, _cores())}): {leaves}"
+
+
+def describe_prices(kind: str, prices: dict[str, Any], cores: int) -> str:
+    """What "auto" priced, in words: ``object storage at 0.50 GiB/s (default), 13 cores``, or
+    ``object storage at 0.14 GiB/s write, 0.74 read, coded 0.09 / 0.31 (measured), 2 cores, codecs
+    at 0.74x`` (raw writes and reads; coded ones, end to end; the codec factor)."""
+    gib = float(1 << 30)
+    w = prices["bandwidth"]
+    r = prices.get("read_bandwidth") or w
+    cw = prices.get("coded_bandwidth") or w
+    cr = prices.get("coded_read_bandwidth") or r
+    text = f"{kind} storage at {w / gib:.2f} GiB/s"
+    if abs(r - w) > 0.005 * gib:
+        text += f" write, {r / gib:.2f} read"
+    if abs(cw - w) > 0.005 * gib or abs(cr - r) > 0.005 * gib:
+        text += f", coded {cw / gib:.2f} / {cr / gib:.2f}"
+    source = prices.get("bandwidth_source")
+    text += f" ({source})" if source else ""
+    text += f", {cores} cores"
+    factor = prices.get("codec_factor", 1.0)
+    if abs(factor - 1.0) > 0.005:
+        text += f", codecs at {factor:.2f}x"
+    return text
 
 
 def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
@@ -605,7 +711,8 @@ def _choose_leaf(job: SaveJob, first: Any, dtype: Any) -> str:
     if type(first) is Concat:
         first = first.parts[0]
     assert job.compression is not None
-    return leaf_codec(job.compression, dtype, job._host(first), job.bandwidth or bandwidth_of(job.loc.storage))
+    prices = job.prices()
+    return leaf_codec(job.compression, dtype, job._host(first), prices["bandwidth"], prices)
 
 
 def _bytes_of(arr: np.ndarray) -> memoryview:
@@ -679,14 +786,14 @@ def prepare(
             items.append(item)
     strategy = strategy_for(loc.storage)
     compression = resolve_compression(opts.compression, loc.storage)
-    token, compression, bandwidth = _agree_token(loc, strategy, coord, seq, overwrite, timeout, hosts, compression)
+    token, compression, prices = _agree_token(loc, strategy, coord, seq, overwrite, timeout, hosts, compression)
     for item in items:
         if item.name in hosts.own:  # its per-process leaves have their numbers now
             plan_item(item, me, split_replicas, threads, min_file_bytes, loc.path)
     job = SaveJob(
         loc=loc, items=items, root=root, token=token, seq=seq, coord=coord, overwrite=overwrite,
         block_size=block_size, timeout=timeout, threads=threads, metadata=metadata or {}, strategy=strategy,
-        compression=compression, bandwidth=bandwidth,
+        compression=compression, **prices,
     )
     if base is not None or hashes:  # incremental (format version 4)
         from .incremental import setup
@@ -698,15 +805,25 @@ def prepare(
     return job
 
 
+def auto_prices(storage: Any) -> dict[str, Any]:
+    """What "auto" prices leaves with on this process, as `SaveJob`'s fields: the storage's
+    bandwidth each way, where it came from, and the codec factor (`options.CodecMeter`)."""
+    return {"bandwidth": bandwidth_of(storage), "read_bandwidth": bandwidth_of(storage, "read"),
+            "coded_bandwidth": bandwidth_of(storage, "write", coded=True),
+            "coded_read_bandwidth": bandwidth_of(storage, "read", coded=True),
+            "codec_factor": CODEC_METER.factor(), "bandwidth_source": bandwidth_source(storage)}
+
+
 def _agree_token(loc: Location, strategy: CommitStrategy, coord: Coordinator, seq: int, overwrite: bool,
-                 timeout: float, hosts: HostValues, compression: str | None) -> tuple[str, str | None, float]:
+                 timeout: float, hosts: HostValues, compression: str | None) -> tuple[str, str | None, dict[str, Any]]:
     """The primary checks the destination and the processes' host values, and picks the attempt token,
-    the compression and the storage bandwidth "auto" prices leaves against (what "auto" means can
-    depend on a process's mounts); all processes learn them."""
+    the compression and what "auto" prices leaves with (`auto_prices`: the storage's bandwidth, as
+    declared or measured by the primary, and its codec factor; what "auto" means can depend on a
+    process's mounts and measurements); all processes learn them."""
     key = f"cairn/save/{seq}/token"
     if coord.process_index == 0:
         msg: dict[str, Any] = {"token": secrets.token_hex(6), "compression": compression,
-                               "bandwidth": bandwidth_of(loc.storage)}
+                               "prices": auto_prices(loc.storage)}
         try:
             strategy.check_destination(loc, overwrite)
             msg.update(hosts.gather(timeout))
@@ -719,4 +836,4 @@ def _agree_token(loc: Location, strategy: CommitStrategy, coord: Coordinator, se
     if "error" in msg:
         raise error_from_record(msg["error"], msg["message"])
     hosts.place(msg)
-    return msg["token"], msg.get("compression", compression), float(msg.get("bandwidth") or bandwidth_of(loc.storage))
+    return msg["token"], msg.get("compression", compression), msg.get("prices") or auto_prices(loc.storage)

@@ -81,8 +81,8 @@ class CodecSpeed:
     encode_scale: float
     decode_scale: float
 
-    def on(self, cores: int) -> tuple[float, float]:
-        """(encode, decode) bytes/s on `cores` cores."""
+    def on(self, cores: float) -> tuple[float, float]:
+        """(encode, decode) bytes/s on `cores` cores (a fraction: cores busy on average)."""
         n = max(1, cores) - 1
         return self.encode * (1 + self.encode_scale * n), self.decode * (1 + self.decode_scale * n)
 
@@ -93,9 +93,8 @@ _GiB = float(1 << 30)
 #: (docs/bench/tpu-v5e-host-codecs-after.json, -codec-threads-after.json); zstd level 1 0.53-0.57
 #: GiB/s compress on one, 4.43 on 12 (-codec-candidates-256mb.json), decompress 0.82-0.87 on one and
 #: 4.7-7.2 on 12 (issue 38's table); this project's 2-core VM, idle, 0.8-1.4 / 1.1-2.2 GiB/s per
-#: core by leaf kind. Fixed figures, not a measurement at save time: what "auto" decides must not
-#: depend on the machine's load at that moment (every process must agree, and a save is repeated
-#: many times).
+#: core by leaf kind. An idle host's figures: what earlier saves of this process measured scales them
+#: (`CodecMeter`, the codec factor), and the primary's factor holds for every process.
 CODEC_SPEEDS = {
     "planes": CodecSpeed(encode=0.65 * _GiB, decode=0.9 * _GiB, encode_scale=0.31, decode_scale=0.1),
     "zstd": CodecSpeed(encode=0.55 * _GiB, decode=0.85 * _GiB, encode_scale=0.6, decode_scale=0.5),
@@ -108,29 +107,100 @@ if _codecs.blosc2_available():
     CODEC_SPEEDS["blosc2"] = CodecSpeed(encode=0.5 * _GiB, decode=1.5 * _GiB, encode_scale=0.5, decode_scale=0.36)
 
 
-def predicted_seconds(raw: float, stored: float, codec: str, bandwidth: float, cores: int) -> tuple[float, float]:
+#: A coded save's coding (raw bytes) under this is too little to measure the codecs' speed by.
+MIN_CODED_SAMPLE = 8 << 20
+#: The codec factor stays within these bounds (a measurement outside them is a glitch, not a host).
+FACTOR_RANGE = (0.02, 2.0)
+
+
+class CodecMeter:
+    """How fast the codecs really ran on this host, as a share of `CODEC_SPEEDS` (the "codec factor").
+
+    A compressed save reports each coding task's span and what it coded (`task`); at its end
+    (`finish`) the factor of that save is the time the per-platform figures predict for its
+    coding, at the concurrency the tasks really had, over the time the coder pool was busy (the
+    union of the tasks' spans): 1 where the host codes as fast as the figures say, 0.3 where other
+    work left the codecs a third of it. The host's factor (`factor`) is the median of the last
+    `KEEP` saves' factors, 1.0 before any. Decoding is assumed to run at the same share: a load's
+    decoding is not measured."""
+
+    KEEP = 5
+
+    def __init__(self) -> None:
+        import threading
+        from collections import deque
+
+        self._lock = threading.Lock()
+        self._factors: deque[float] = deque(maxlen=self.KEEP)
+
+    def record(self, spans: list[tuple[float, float]], coded: dict[str, int], cores: int) -> float | None:
+        """Add the factor of one save that coded `coded` raw bytes per codec in tasks spanning
+        `spans` (start, end) on at most `cores` cores; returns it, or None if too little was coded."""
+        from .._storage.measured import union_seconds
+
+        raw = sum(coded.values())
+        busy = union_seconds(spans)
+        if raw < MIN_CODED_SAMPLE or busy <= 0:
+            return None
+        concurrency = min(max(1.0, sum(b - a for a, b in spans) / busy), float(max(1, cores)))
+        predicted = sum(n / CODEC_SPEEDS[c].on(concurrency)[0] for c, n in coded.items() if c in CODEC_SPEEDS)
+        if predicted <= 0:
+            return None
+        f = min(max(predicted / busy, FACTOR_RANGE[0]), FACTOR_RANGE[1])
+        with self._lock:
+            self._factors.append(f)
+        return f
+
+    def factor(self) -> float:
+        """The median of the last saves' factors; 1.0 (the per-platform figures) before any."""
+        import statistics
+
+        with self._lock:
+            return statistics.median(self._factors) if self._factors else 1.0
+
+    def clear(self) -> None:
+        with self._lock:
+            self._factors.clear()
+
+
+#: This process's codec factor (`CodecMeter`).
+CODEC_METER = CodecMeter()
+
+
+def predicted_seconds(raw: float, stored: float, codec: str, bandwidth: float, cores: int,
+                      read_bandwidth: float | None = None, factor: float = 1.0,
+                      coded_bandwidth: float | None = None,
+                      coded_read_bandwidth: float | None = None) -> tuple[float, float]:
     """(raw, coded): predicted seconds to save `raw` bytes and load them back, stored raw or coded by
-    `codec` into `stored` bytes, over a storage of `bandwidth` bytes/s, coding on `cores` cores. The
-    codec works while the bytes move (a save codes the next blocks while it writes the last; a load
-    decodes each read as it lands), so each direction takes the longer of the transfer and the codec:
-    ``max(stored / bandwidth, raw / encode) + max(stored / bandwidth, raw / decode)``, against
-    ``2 * raw / bandwidth``."""
+    `codec` into `stored` bytes, coding on `cores` cores at `factor` of the per-platform speed
+    (`CODEC_SPEEDS`; `CodecMeter` measures it). Raw transfers write at `bandwidth` bytes/s and read
+    at `read_bandwidth` (default: the same); coded ones at `coded_bandwidth` and
+    `coded_read_bandwidth` (default: the raw figures; measured, they are what coded transfers reached
+    end to end, `_storage.measured`). The codec works while the bytes move (a save codes the next
+    blocks while it writes the last; a load decodes each read as it lands), so each direction takes
+    the longer of the transfer and the codec:
+    ``max(stored / coded write, raw / encode) + max(stored / coded read, raw / decode)``, against
+    ``raw / write + raw / read``."""
     enc, dec = CODEC_SPEEDS[codec].on(cores)
-    move = stored / bandwidth
-    return 2 * raw / bandwidth, max(move, raw / enc) + max(move, raw / dec)
+    enc, dec = enc * factor, dec * factor
+    read = bandwidth if read_bandwidth is None else read_bandwidth
+    cw = bandwidth if coded_bandwidth is None else coded_bandwidth
+    cr = read if coded_read_bandwidth is None else coded_read_bandwidth
+    return raw / bandwidth + raw / read, max(stored / cw, raw / enc) + max(stored / cr, raw / dec)
 
 
-def compression_pays(raw: float, stored: float, codec: str, bandwidth: float, cores: int) -> bool:
+def compression_pays(raw: float, stored: float, codec: str, bandwidth: float, cores: int, **prices: Any) -> bool:
     """Whether storing `raw` bytes as `stored` coded bytes saves at least AUTO_MIN_GAIN of the
-    predicted time of a save and a load (`predicted_seconds`)."""
+    predicted time of a save and a load (`predicted_seconds`, with the same arguments: `prices` are
+    its optional ones)."""
     if codec == "none" or raw <= 0:
         return False
-    plain, coded = predicted_seconds(raw, stored, codec, bandwidth, cores)
+    plain, coded = predicted_seconds(raw, stored, codec, bandwidth, cores, **prices)
     return coded <= (1 - AUTO_MIN_GAIN) * plain
 
 
-def compression_can_pay(bandwidth: float, cores: int) -> bool:
+def compression_can_pay(bandwidth: float, cores: int, **prices: Any) -> bool:
     """Whether any leaf could be worth coding on this storage: even a leaf that codes to nothing
     takes ``raw / encode + raw / decode``. Where that is no faster than the raw transfer (a local
     disk, whose bandwidth beats the codecs), "auto" stores every block raw (format version 2)."""
-    return any(compression_pays(1.0, 0.0, codec, bandwidth, cores) for codec in CODEC_SPEEDS)
+    return any(compression_pays(1.0, 0.0, codec, bandwidth, cores, **prices) for codec in CODEC_SPEEDS)

@@ -79,12 +79,30 @@ KINDS = ("local", "network", "object")
 DEFAULT_BANDWIDTH = {"local": 8.0 * (1 << 30), "network": 1.0 * (1 << 30), "object": 0.5 * (1 << 30)}
 
 
-def bandwidth_of(storage: Storage) -> float:
-    """The storage's declared bandwidth (bytes/s), else its kind's default (`DEFAULT_BANDWIDTH`)."""
+def bandwidth_of(storage: Storage, direction: str = "write", coded: bool = False) -> float:
+    """The bandwidth (bytes/s) one process gets from `storage` in `direction` ("write" or "read"),
+    for raw transfers or `coded` ones: the storage's declared `bandwidth` (the same for both), else
+    what this process measured on its earlier saves and loads over the same link
+    (`measured.measured_bandwidth`; object stores and network filesystems), else its kind's default
+    (`DEFAULT_BANDWIDTH`)."""
     declared = getattr(storage, "bandwidth", None)
     if declared is not None:
         return float(declared)
+    from .measured import measured_bandwidth
+
+    measured = measured_bandwidth(storage, direction, coded)
+    if measured is not None:
+        return measured
     return DEFAULT_BANDWIDTH[storage.kind]
+
+
+def bandwidth_source(storage: Storage, direction: str = "write") -> str:
+    """Where `bandwidth_of` takes its figure from: "declared", "measured" or "default"."""
+    if getattr(storage, "bandwidth", None) is not None:
+        return "declared"
+    from .measured import measured_bandwidth
+
+    return "measured" if measured_bandwidth(storage, direction) is not None else "default"
 
 
 @runtime_checkable
@@ -98,8 +116,8 @@ class Storage(Protocol):
         """What kind of storage this is, one of `KINDS` (declared by the backend; a local path's
         depends on the filesystem it is on)."""
     #: The bandwidth (bytes/s) one process gets from this storage, where known (declared by the
-    #: backend or set by the user: ``storage.bandwidth = 2e9``); None: the kind's default
-    #: (`bandwidth_of`).
+    #: backend or set by the user: ``storage.bandwidth = 2e9``); None: measured on this process's
+    #: earlier transfers, else the kind's default (`bandwidth_of`).
     bandwidth: float | None
     #: The largest read a load should plan (adjacent chunks of a file merged up to it), or None
     #: for the reader's default (4 MiB). Object stores, which charge per request, ask for more.

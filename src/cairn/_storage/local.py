@@ -71,7 +71,7 @@ class LocalStorage:
     preferred_read: int | None = None
     vectored_reads: ClassVar[bool] = _FileReader.vectored
     in_process: ClassVar[bool] = False
-    bandwidth: float | None = None  # the kind's default (`base.DEFAULT_BANDWIDTH`) unless set
+    bandwidth: float | None = None  # unless set: measured, else the kind's default (`base.bandwidth_of`)
 
     def __init__(self, url: str):
         scheme, path = split_url(url)

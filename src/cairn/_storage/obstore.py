@@ -272,7 +272,7 @@ class ObjectStorage:
 
     atomic_rename = False
     kind = "object"
-    bandwidth: float | None = None  # the kind's default (`base.DEFAULT_BANDWIDTH`) unless set
+    bandwidth: float | None = None  # unless set: measured, else the kind's default (`base.bandwidth_of`)
     vectored_reads: ClassVar[bool] = _ObjectReader.vectored
     in_process: ClassVar[bool] = False
     dirs: None = None  # keys under a prefix: no folders to rename
