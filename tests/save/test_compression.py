@@ -626,6 +626,8 @@ def test_auto_prices_with_what_was_measured(tmp_path, monkeypatch):
 
     monkeypatch.setattr(engine, "_cores", lambda: 12)
     monkeypatch.setattr(LocalStorage, "network", property(lambda self: True))
+    # "planes" only: the thresholds below are its speeds' ("blosc2", faster, would still pay at 0.02x)
+    monkeypatch.setattr(_codecs, "_blosc2_found", False)
     state = state_of()
     path = str(tmp_path / "nfs" / "c")
     stats = cairn.save(path, state)  # 1 GiB/s, a network filesystem's default: weights pay
