@@ -29,7 +29,7 @@ from typing import Any, cast
 import numpy as np
 
 from .._core.boxes import Box, full_box
-from .._core.buffers import aligned_empty
+from .._core.buffers import aligned_empty, prefault
 from .._core.checksum import BlockChecks, mismatch
 from .._core.stats import LoadStats
 from .._dist.coord import activity
@@ -306,6 +306,7 @@ class ChunkReader:
         if span is not None:  # small, whole, one run of bytes: read together with its neighbours
             self._reader(span.file)  # checks the file first: a false size claim allocates nothing
             dest = aligned_empty(leaf.shape, leaf.dtype, huge_pages=False)  # filled once, as below
+            self._prefault([dest])
             return ArrayReads([self._runs.add(leaf, span.file, span.start, dest, span.stored)], [dest], boxes,
                               placement)
         files = {leaf.chunks[r.file][0] for r in reads} if leaf.codec != "none" or leaf.refs else {
@@ -322,6 +323,7 @@ class ChunkReader:
                 f"{self.loc.path}: cannot allocate {nbytes} bytes for leaf "
                 f"{display_path(leaf.path, self.item)!r} of shape {leaf.shape}"
             ) from None
+        self._prefault(dests)
         self._runs.submit()
         futures: list[Future[None]] = []
         for r in reads:
@@ -331,6 +333,12 @@ class ChunkReader:
             else:
                 futures.append(self.pool.submit(self.do_read, r, leaf, dests))
         return ArrayReads(futures, dests, boxes, placement)
+
+    def _prefault(self, dests: list[np.ndarray]) -> None:
+        """On storages that price requests (whose reads wait on the network), map fresh destination
+        pages in a pool thread while the requests are in flight, not in the copy (`buffers.prefault`)."""
+        if self._pieces is not None:
+            self.pool.submit(_prefault_all, dests)
 
     def _landing(self, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> list[memoryview] | None:
         """The destination bytes an uncompressed read lands in without a copy (as `do_read` lands
@@ -352,6 +360,11 @@ class ChunkReader:
         for f in reads.futures:
             f.result()
         return reads.dests[0].tobytes()
+
+
+def _prefault_all(dests: list[np.ndarray]) -> None:
+    for d in dests:
+        prefault(d)
 
 
 def _tiled_regions(read: Read, dests: list[np.ndarray]) -> list[memoryview] | None:
