@@ -74,8 +74,9 @@ def _worker() -> int:
         return state["files"]
 
     def raw_ranges() -> None:
-        import obstore
         from concurrent.futures import ThreadPoolExecutor
+
+        import obstore
 
         fs, store = files(), state["store"]
 
@@ -89,8 +90,9 @@ def _worker() -> int:
             assert sum(pool.map(one, fs)) == sum(fs.values())
 
     def raw_whole() -> None:
-        import obstore
         from concurrent.futures import ThreadPoolExecutor
+
+        import obstore
 
         fs, store = files(), state["store"]
         with ThreadPoolExecutor(len(fs)) as pool:
@@ -139,9 +141,9 @@ def _worker() -> int:
                 out = {k: statistics.median(v) for k, v in phases.items()}
                 phases.clear()
             else:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 ops[op]()
-                out = time.perf_counter() - t0
+                out = [time.perf_counter() - t0, time.process_time() - c0]
             print(json.dumps({"ok": out}), flush=True)
         except Exception as e:  # reported to the driver, which stops
             import traceback
@@ -200,7 +202,9 @@ def _profile(fns: list[Any]) -> dict[str, Any]:
 
 class Worker:
     def __init__(self, name: str, src: str):
-        env = {**os.environ, "PYTHONPATH": src, "JAX_PLATFORMS": "cpu"}
+        # The tree's sources first; then whatever the driver's path had (site packages carried along).
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
+               "JAX_PLATFORMS": "cpu"}
         flags = env.get("XLA_FLAGS", "")
         if "xla_force_host_platform_device_count" not in flags:
             env["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
@@ -249,13 +253,16 @@ def run(kind: str, a: argparse.Namespace) -> dict[str, Any]:
             for op in a.ops:  # warm up: connections, first use of every path
                 w(op=op)
         times: dict[str, list[float]] = {}
+        cpus: dict[str, list[float]] = {}  # this process's CPU seconds (all its threads) per repetition
         la = [_loadavg()]
         for rep in range(a.reps):
             order = workers if rep % 2 == 0 else workers[::-1]
             for op in a.ops if rep % 2 == 0 else a.ops[::-1]:
-                for w in order:
+                for w in (order if not op.startswith("raw") else order[:1]):  # raw: the same code in both
                     key = f"raw: {op}" if op.startswith("raw") else f"{w.name}: {op}"
-                    times.setdefault(key, []).append(w(op=op))
+                    wall, cpu = w(op=op)
+                    times.setdefault(key, []).append(wall)
+                    cpus.setdefault(key, []).append(cpu)
         la.append(_loadavg())
         med = {k: statistics.median(v) for k, v in times.items()}
         raw = {k: v for k, v in med.items() if k.startswith("raw")}
@@ -264,7 +271,8 @@ def run(kind: str, a: argparse.Namespace) -> dict[str, Any]:
               f"(load average {la[0]} -> {la[1]})")
         for k, v in med.items():
             ratio = f"   {v / raw[best]:.2f}x best raw" if best and not k.startswith("raw") else ""
-            print(f"  {k:28s} {v:7.3f} s  (min {min(times[k]):.3f}, max {max(times[k]):.3f}){ratio}")
+            print(f"  {k:28s} {v:7.3f} s  (min {min(times[k]):.3f}, max {max(times[k]):.3f}; "
+                  f"client CPU {statistics.median(cpus[k]):.3f} s){ratio}")
         for w in workers:
             ph = w(op="phases")
             print(f"  {w.name} load phases (medians): " + ", ".join(f"{k} {v:.3f}" for k, v in ph.items()))
@@ -273,7 +281,7 @@ def run(kind: str, a: argparse.Namespace) -> dict[str, Any]:
             if not op.startswith("raw") and len(names) == 2:
                 x, y = med[f"{names[1]}: {op}"], med[f"{names[0]}: {op}"]
                 print(f"  {op}: {names[1]} / {names[0]} = {x / y:.3f}")
-        result = {"server": kind, "seconds": times, "median_s": med, "best_raw": best, "loadavg": la}
+        result = {"server": kind, "seconds": times, "cpu_s": cpus, "median_s": med, "best_raw": best, "loadavg": la}
         for name in a.profile:
             w = next(w for w in workers if w.name == name)
             p = w(op="profile", ops=["numpy", "mesh"], n=a.profile_loads)

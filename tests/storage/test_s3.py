@@ -237,8 +237,8 @@ def test_every_block_verified_once_inside_parts_where_they_land(store, bucket, o
     real = _checksum.BlockChecks._verify
 
     def record(self, i):
-        real(self, i)
         verified.append((self.checks[i][0], threading.current_thread().name))
+        return real(self, i)
 
     monkeypatch.setattr(_checksum.BlockChecks, "_verify", record)
     for target in (None, _replicated(mesh8, x)):
@@ -473,23 +473,23 @@ def test_compressed_blocks_checked_and_decoded_as_parts_land(s3, s3_bucket, s3_o
     real_verify, real_get = _checksum.BlockChecks._verify, _obstore._ObjectReader._get
 
     def verify(self, i):
-        real_verify(self, i)
         verified.append((self.checks[i][0], threading.current_thread().name))
+        return real_verify(self, i)
 
     def get(self, a, b, *rest):
         gets.append((self.key, a, b))
         return real_get(self, a, b, *rest)
 
-    decoded: list[str] = []
-    real_decode = _codecs.decode
+    decoded: list[str] = []  # per block decoded: the thread
+    real_decode_run = _codecs.decode_run
 
-    def decode(*args, **kwargs):
-        decoded.append(threading.current_thread().name)
-        return real_decode(*args, **kwargs)
+    def decode_run(codec, stored, *args, **kwargs):  # a stretch of checked blocks, by one call
+        decoded.extend([threading.current_thread().name] * len(stored))
+        return real_decode_run(codec, stored, *args, **kwargs)
 
     monkeypatch.setattr(_checksum.BlockChecks, "_verify", verify)
     monkeypatch.setattr(_obstore._ObjectReader, "_get", get)
-    monkeypatch.setattr(_codecs, "decode", decode)
+    monkeypatch.setattr(_codecs, "decode_run", decode_run)
     for target in (None, _replicated(mesh8, x)):  # a run of whole arrays; a planned direct read
         verified.clear()
         decoded.clear()

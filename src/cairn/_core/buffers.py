@@ -51,12 +51,18 @@ def prefault(a: np.ndarray) -> None:
         return
     p = a.__array_interface__["data"][0]
     lo, hi = -(-p // _PAGE) * _PAGE, (p + a.nbytes) // _PAGE * _PAGE
-    if hi > lo and madvise(lo, hi - lo, _MADV_POPULATE_WRITE) != 0:
-        global _madvise_fn
-        _madvise_fn = False  # refused (an older kernel): not asked again
+    # A piece at a time: the kernel holds the process's memory-map lock through each call, and an
+    # allocation elsewhere (mmap) waits for it. One call over 32 MiB held the loading thread's
+    # next allocation, and so the next GET, for tens of milliseconds on the benchmark VM.
+    for start in range(lo, hi, _PREFAULT_STEP):
+        if madvise(start, min(_PREFAULT_STEP, hi - start), _MADV_POPULATE_WRITE) != 0:
+            global _madvise_fn
+            _madvise_fn = False  # refused (an older kernel): not asked again
+            return
 
 
 _PAGE = 4096
+_PREFAULT_STEP = 1 << 20
 _MADV_POPULATE_WRITE = 23  # Linux 5.14 on
 _madvise_fn: Callable[[int, int, int], int] | bool | None = None  # None: not looked up; False: unavailable
 

@@ -11,8 +11,8 @@ stated read sizes), what the load engine does on one process once its
   which the reader itself calls);
 - the storage requests those reads become (`Request`: file, offset, length),
   once small whole arrays are gathered into runs (`coalesce.Runs`) and, on
-  storages that charge per request, reads that land in place into runs per
-  file (`coalesce.Pieces`): both cut where `coalesce.Cut` says, the rule
+  storages that charge per request, reads that land in place (and compressed
+  reads that decode in place) into runs per file (`coalesce.Pieces`): both cut where `coalesce.Cut` says, the rule
   `Runs` and `Pieces` themselves follow, and a run also ends where the
   pipeline waits for one of its arrays;
 - the host memory the process holds at its peak.
@@ -45,7 +45,7 @@ from .._tree.shardings import (
     puts_whole,
 )
 from .coalesce import Cut, run_limits, stored_whole_span, whole_span
-from .landing import contiguous, lands_in_place
+from .landing import coded_lands, lands_in_place
 from .readonce import ProcessOf
 from .schedule import Schedule
 
@@ -171,6 +171,7 @@ class _Cuts:
         self.run_no = -1
         self.pieces: dict[int, tuple[Cut, int]] = {}  # per file: reads that land in place (object stores)
         self.next = 0
+        self.last = 0  # the bytes of the run the last piece joined
 
     def _send(self, cut: Cut) -> None:
         self.out.append(Request(self.item, cut.file, cut.start, cut.end - cut.start))
@@ -203,6 +204,7 @@ class _Cuts:
             self.next += 1
         cut, n = open_
         cut.add(end)
+        self.last = end - cut.start  # the run's bytes so far
         if end - cut.start >= self.limits.pieces:  # full
             self._send(self.pieces.pop(file)[0])
         return n
@@ -263,9 +265,12 @@ class _Planner:
         for r in reads:
             if leaf.codec != "none":  # `ChunkReader._do_read_coded`: the blocks' stored bytes, then decoded
                 file, first, stored = stored_span(leaf, r, block)
+                lands = coded_lands(r, shapes)
+                if lim.pieces and lands:  # gathered per file (`Pieces.add_coded`), in a thread's buffer
+                    runs.append(cuts.piece(file, first, first + stored))
+                    self._scratch(cuts.last)
+                    continue
                 cuts.alone(file, first, stored)
-                d = r.direct
-                lands = d is not None and contiguous(shapes[d.dest], d.dest_start, d.shape)
                 self._scratch(stored + (0 if lands else r.nbytes))
             elif lim.pieces and not leaf.refs and lands_in_place(r, shapes, lim.vectored):
                 runs.append(cuts.piece(r.file, r.start, r.end))
