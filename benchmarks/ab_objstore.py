@@ -3,6 +3,7 @@
     git archive main src benchmarks | tar -x -C /tmp/obj_base
     python benchmarks/ab_objstore.py --servers moto,azurite --reps 7            # base vs this tree
     python benchmarks/ab_objstore.py --servers moto --reps 3 --profile new      # + a sampling profile
+    python benchmarks/ab_objstore.py --servers moto --reps 5 --link 1GB/s,10ms  # through a shaped link
 
 Each tree gets a worker process of its own (``PYTHONPATH`` = that tree's ``src``), started once and
 kept warm, so the A and B loads alternate repetition by repetition against the same server and the
@@ -240,9 +241,16 @@ def run(kind: str, a: argparse.Namespace) -> dict[str, Any]:
 
     server = start(kind)
     workers: list[Worker] = []
+    link = None
     try:
         bucket = server.bucket()
         opts = {**server.options(), **a.option}
+        if a.link:  # every request through the shaped link (tests/_shapedlink.py); moto and Azurite only
+            sys.path.insert(0, str(HERE.parent.parent / "tests"))
+            from _shapedlink import ShapedLink
+
+            link = ShapedLink.parse(a.link, server.port).start()
+            opts["endpoint"] = link.endpoint
         path = server.url(bucket, "ckpt")
         workers = [Worker(name, src) for name, src in a.trees]
         for w in workers:
@@ -269,8 +277,11 @@ def run(kind: str, a: argparse.Namespace) -> dict[str, Any]:
         best = min(raw, key=raw.__getitem__) if raw else None
         print(f"\n{kind}: {a.size_mib} MiB in {a.arrays} arrays, medians of {a.reps} "
               f"(load average {la[0]} -> {la[1]})")
+        nbytes = a.size_mib * MiB
         for k, v in med.items():
             ratio = f"   {v / raw[best]:.2f}x best raw" if best and not k.startswith("raw") else ""
+            if link is not None and link.rate:
+                ratio += f"   {nbytes / v / link.rate:.2f} of the link"
             print(f"  {k:28s} {v:7.3f} s  (min {min(times[k]):.3f}, max {max(times[k]):.3f}; "
                   f"client CPU {statistics.median(cpus[k]):.3f} s){ratio}")
         for w in workers:
@@ -294,6 +305,8 @@ def run(kind: str, a: argparse.Namespace) -> dict[str, Any]:
                     print(f"   {100 * k / max(p['samples'], 1):5.1f}%  {frame}")
         return result
     finally:
+        if link is not None:
+            link.stop()
         for w in workers:
             try:
                 w.stop()
@@ -320,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", default="", type=lambda s: [x for x in s.split(",") if x],
                     help="trees (by name) to profile after the timed repetitions")
     ap.add_argument("--profile-loads", type=int, default=3)
+    ap.add_argument("--link", default=None, metavar="SPEC",
+                    help="every request through a shaped link, e.g. 1GB/s,10ms (tests/_shapedlink.py)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     a.option = dict(a.option)
