@@ -52,8 +52,8 @@ def prefault(a: np.ndarray) -> None:
     p = a.__array_interface__["data"][0]
     lo, hi = -(-p // _PAGE) * _PAGE, (p + a.nbytes) // _PAGE * _PAGE
     # A piece at a time: the kernel holds the process's memory-map lock through each call, and an
-    # allocation elsewhere (mmap) waits for it. One call over 32 MiB held the loading thread's
-    # next allocation, and so the next GET, for tens of milliseconds on the benchmark VM.
+    # allocation elsewhere (mmap) waits for it, so one call over a large buffer can hold up another
+    # thread's allocation for as long as the whole mapping takes.
     for start in range(lo, hi, _PREFAULT_STEP):
         if madvise(start, min(_PREFAULT_STEP, hi - start), _MADV_POPULATE_WRITE) != 0:
             global _madvise_fn

@@ -56,6 +56,7 @@ from .plan import array_reads
 
 DEFAULT_BUDGET = 256 << 20  # the memory budget of a streaming conversion, by default
 _PREFAULT_BATCH = 256 << 20  # fresh buffers noted beyond this are mapped without waiting for the caller
+_PREFAULT_MIN = 1 << 20  # smaller buffers are not mapped ahead
 
 
 @dataclass(frozen=True)
@@ -138,6 +139,7 @@ class ChunkReader:
         self._pieces = Pieces(self, loc.storage.preferred_read) if loc.storage.preferred_read else None
         self._plans = PlanMemo()  # leaves of one layout share a read plan
         self._unmapped: list[np.ndarray] = []  # fresh buffers to map ahead of their bytes (`start_prefault`)
+        self._unmapped_bytes = 0
 
     def _key(self, file: int) -> str:
         f = self.index.files[file]
@@ -368,8 +370,11 @@ class ChunkReader:
         """On storages that price requests (whose reads wait on the network), note fresh destination
         buffers whose pages `start_prefault` maps while the requests are in flight."""
         if self._pieces is not None:
-            self._unmapped.extend(dests)
-            if sum(d.nbytes for d in self._unmapped) >= _PREFAULT_BATCH:
+            for d in dests:
+                if d.nbytes >= _PREFAULT_MIN:  # (smaller ones come from memory the allocator has mapped)
+                    self._unmapped.append(d)
+                    self._unmapped_bytes += d.nbytes
+            if self._unmapped_bytes >= _PREFAULT_BATCH:
                 self.start_prefault()
 
     def start_prefault(self) -> None:
@@ -380,7 +385,7 @@ class ChunkReader:
         memory map), so the first GETs would go out later."""
         if self._unmapped:
             self.pool.submit(_prefault_all, self._unmapped)
-            self._unmapped = []
+            self._unmapped, self._unmapped_bytes = [], 0
 
     def _landing(self, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> list[memoryview] | None:
         """The destination bytes an uncompressed read lands in without a copy (as `do_read` lands
