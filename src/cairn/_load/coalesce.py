@@ -38,7 +38,6 @@ from .._format import codecs as _codecs
 from .._format.binindex import LazyChunks
 from .._plan.leafreads import plan_leaf_reads
 from .._tree.pytree import display_path
-from .landing import scratch
 
 #: A whole array up to this size may share a read with its neighbours.
 SMALL_ARRAY = 1 << 20
@@ -352,8 +351,8 @@ class Pieces:
     piece's checksum blocks as the bytes arrive; a mismatch names the leaf that holds the block.
 
     A compressed read that decodes straight into its destination (`reader.CodedRead`) is a piece of
-    its stored blocks: they land in the running thread's buffer, each stretch checked and decoded
-    into the destination as its part lands.
+    its stored blocks: they land in one of at most `CODED_RUNS` buffers of the reader's, each stretch
+    checked and decoded into the destination as its part lands.
     """
 
     def __init__(self, reader: Any, max_bytes: int) -> None:
@@ -362,6 +361,7 @@ class Pieces:
         self._lock = threading.Lock()
         # per file: (its run, pieces, future); a piece is (views, checks, leaf) or a `CodedRead`
         self._open: dict[int, tuple[Cut, list[Any], _RunFuture]] = {}
+        self._buffers = _Buffers(CODED_RUNS)
 
     def add(self, file: int, start: int, end: int, views: list[memoryview], checks: Any, leaf: Any) -> Future[None]:
         """Queue reading file bytes [start, end) into `views` (consecutive), verifying `checks`."""
@@ -399,9 +399,11 @@ class Pieces:
         if not future.set_running_or_notify_cancel():
             return
         reader = self._reader
+        buf = None
         try:
             coded = sum(p.nbytes for p in pieces if not isinstance(p, tuple))
-            stored = memoryview(scratch(coded, "stored").data) if coded else None  # this thread's, reused
+            buf = self._buffers.take(coded) if coded else None
+            stored = memoryview(buf.data)[:coded] if buf is not None else None
             views: list[memoryview] = []
             checks: list[tuple[int, int, int]] = []
             fails: list[Callable[[tuple[int, int, int], int], BaseException]] = []
@@ -441,6 +443,42 @@ class Pieces:
             future.set_exception(e)
         else:
             future.set_result(None)
+        finally:
+            if buf is not None:
+                self._buffers.give(buf)
+
+
+#: Runs of compressed pieces holding their stored bytes at once, per checkpointable being loaded: each
+#: holds a buffer of up to the run's size (`Pieces.max_bytes`), so at most this many of them are resident.
+CODED_RUNS = 4
+
+
+class _Buffers:
+    """At most `count` buffers for the stored bytes of compressed runs, reused from run to run; a run
+    that finds none free waits for one (the runs holding them wait on nothing of the load's pool)."""
+
+    def __init__(self, count: int) -> None:
+        self._free: list[np.ndarray] = []
+        self._made = 0
+        self._count = count
+        self._cond = threading.Condition()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._cond:
+            while not self._free and self._made >= self._count:
+                self._cond.wait()
+            if self._free:
+                buf = self._free.pop()
+                if buf.nbytes >= nbytes:
+                    return buf
+                self._made -= 1  # too small: replaced by a larger one below
+            self._made += 1
+        return np.empty(nbytes, np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
 
 
 def _leaf(piece: Any) -> Any:

@@ -44,7 +44,7 @@ from .._tree.shardings import (
     device_boxes,
     puts_whole,
 )
-from .coalesce import Cut, run_limits, stored_whole_span, whole_span
+from .coalesce import CODED_RUNS, Cut, run_limits, stored_whole_span, whole_span
 from .landing import coded_lands, lands_in_place
 from .readonce import ProcessOf
 from .schedule import Schedule
@@ -236,12 +236,15 @@ class _Planner:
         self.memo = PlanMemo()
         self.peak = 0
         self.scratch_reads = self.scratch_max = 0  # reads through a thread's buffer, the largest one
+        self.coded_runs = self.coded_max = 0  # compressed pieces gathered into runs, the largest run
 
     def scratch(self) -> int:
-        """Per-thread buffers of reads that cannot land in place (kept for the pool's life)."""
+        """Per-thread buffers of reads that cannot land in place (kept for the pool's life), and the
+        buffers of compressed runs (`coalesce.CODED_RUNS` at most, as large as the largest run)."""
+        coded = min(CODED_RUNS, self.coded_runs) * self.coded_max
         if not self.scratch_reads:
-            return 0
-        return min(self.threads, self.scratch_reads) * max(self.scratch_max, 1 << 20)
+            return coded
+        return min(self.threads, self.scratch_reads) * max(self.scratch_max, 1 << 20) + coded
 
     def array(self, cuts: _Cuts, it: Any, leaf: fmt.ArrayLeaf, sharding: Any,
               region: Box | None) -> tuple[list[int], int, tuple[Span | None, list[Read]]]:
@@ -266,9 +269,10 @@ class _Planner:
             if leaf.codec != "none":  # `ChunkReader._do_read_coded`: the blocks' stored bytes, then decoded
                 file, first, stored = stored_span(leaf, r, block)
                 lands = coded_lands(r, shapes)
-                if lim.pieces and lands:  # gathered per file (`Pieces.add_coded`), in a thread's buffer
+                if lim.pieces and lands:  # gathered per file (`Pieces.add_coded`), in the reader's buffers
                     runs.append(cuts.piece(file, first, first + stored))
-                    self._scratch(cuts.last)
+                    self.coded_runs += 1
+                    self.coded_max = max(self.coded_max, cuts.last)
                     continue
                 cuts.alone(file, first, stored)
                 self._scratch(stored + (0 if lands else r.nbytes))
