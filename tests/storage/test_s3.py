@@ -237,8 +237,8 @@ def test_every_block_verified_once_inside_parts_where_they_land(store, bucket, o
     real = _checksum.BlockChecks._verify
 
     def record(self, i):
-        real(self, i)
         verified.append((self.checks[i][0], threading.current_thread().name))
+        return real(self, i)
 
     monkeypatch.setattr(_checksum.BlockChecks, "_verify", record)
     for target in (None, _replicated(mesh8, x)):
@@ -473,23 +473,23 @@ def test_compressed_blocks_checked_and_decoded_as_parts_land(s3, s3_bucket, s3_o
     real_verify, real_get = _checksum.BlockChecks._verify, _obstore._ObjectReader._get
 
     def verify(self, i):
-        real_verify(self, i)
         verified.append((self.checks[i][0], threading.current_thread().name))
+        return real_verify(self, i)
 
     def get(self, a, b, *rest):
         gets.append((self.key, a, b))
         return real_get(self, a, b, *rest)
 
-    decoded: list[str] = []
-    real_decode = _codecs.decode
+    decoded: list[str] = []  # per block decoded: the thread
+    real_decode_run = _codecs.decode_run
 
-    def decode(*args, **kwargs):
-        decoded.append(threading.current_thread().name)
-        return real_decode(*args, **kwargs)
+    def decode_run(codec, stored, *args, **kwargs):  # a stretch of checked blocks, by one call
+        decoded.extend([threading.current_thread().name] * len(stored))
+        return real_decode_run(codec, stored, *args, **kwargs)
 
     monkeypatch.setattr(_checksum.BlockChecks, "_verify", verify)
     monkeypatch.setattr(_obstore._ObjectReader, "_get", get)
-    monkeypatch.setattr(_codecs, "decode", decode)
+    monkeypatch.setattr(_codecs, "decode_run", decode_run)
     for target in (None, _replicated(mesh8, x)):  # a run of whole arrays; a planned direct read
         verified.clear()
         decoded.clear()
@@ -615,6 +615,44 @@ def test_corrupt_block_in_a_run_of_boxes_names_its_leaf(s3, s3_bucket, mesh8):
     with pytest.raises(cairn.CorruptCheckpointError, match=rf"checksum mismatch in '[^']+' bytes {off}\.\.{off + MiB} "
                        r"\(leaf 'params/w2'\)"):
         cairn.load(path, target, storage_options=s3.options())
+
+
+def test_compressed_boxes_gather_per_file_and_a_corrupt_block_names_its_leaf(s3, s3_bucket, mesh8):
+    """A sharded load of compressed leaves from S3: the boxes that decode in place share one GET per
+    run of consecutive stored bytes (not one GET per box), as the plan predicts; a flipped byte in
+    one leaf's block, read in a run with other leaves' blocks, fails the load naming that block and leaf."""
+    from cairn._load.metadata import read_index, read_manifest
+
+    sharding = NamedSharding(mesh8, P("x"))
+    rng = np.random.default_rng(3)
+    host = {f"w{i}": (rng.standard_normal((8, 1 << 18)) * 0.01).astype(np.float32) for i in range(4)}  # 1 MiB rows
+    path = s3.url(s3_bucket, "codedrun")
+    opts = s3.options()
+    cairn.save(path, {"params": {k: jax.device_put(v, sharding) for k, v in host.items()}}, storage_options=opts,
+               compression="zstd")
+    # Onto 2 devices: each box is 4 rows, one saved chunk (rows merge into chunks of up to 4 MiB), decoded in place.
+    halves = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:2]), ("x",)), P("x"))
+    target = {"params": {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=halves) for k, v in host.items()}}
+    stats = cairn.LoadStats()
+    got = cairn.load(path, target, storage_options=opts, stats=stats)["params"]
+    for k, v in host.items():
+        np.testing.assert_array_equal(np.asarray(got[k]), v)
+    loc = resolve(path, opts)
+    index = read_index(loc, read_manifest(loc).items["params"])
+    assert {lf.codec for lf in index.leaves if hasattr(lf, "codec")} == {"zstd"}
+    assert all(len(lf.chunks) == 2 for lf in index.leaves if hasattr(lf, "codec"))
+    assert stats.reads == len(index.files) < 4 * 2  # a GET per file, not per box
+    (p,) = cairn.plan_load(path, target, storage_options=opts).processes
+    assert (p.requests, p.bytes_read) == (stats.reads, stats.bytes_read)
+    leaf = next(lf for lf in index.leaves if getattr(lf, "path", None) and "w2" in str(lf.path))
+    file, off = leaf.chunks[1]  # its second chunk (rows 4..7), 4 stored blocks
+    key = next(k for k in s3.keys(s3_bucket, "codedrun/") if k.endswith(index.files[file].name))
+    data = bytearray(s3.get_object(s3_bucket, key))
+    data[off + 10] ^= 0x04
+    s3.put_object(s3_bucket, key, bytes(data))
+    with pytest.raises(cairn.CorruptCheckpointError, match=r"checksum mismatch in '[^']+' block 0 of chunk 1 "
+                       rf"\(stored bytes {off}\.\.\d+, leaf 'params/w2'\)"):
+        cairn.load(path, target, storage_options=opts)
 
 
 def test_a_missing_bucket_is_named(store, bucket, opts):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 
 import numpy as np
 
@@ -33,6 +34,56 @@ def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64, huge
                 _thp_toggle(before)
     start = -raw.__array_interface__["data"][0] % align  # (`.ctypes.data` costs ~5 µs)
     return raw[start : start + nbytes].view(dtype).reshape(shape)
+
+
+def prefault(a: np.ndarray) -> None:
+    """Map the pages of fresh buffer `a` writable now (Linux's ``MADV_POPULATE_WRITE``), without
+    touching its bytes; elsewhere, or on a kernel without it (before 5.14), nothing.
+
+    A load's buffers are filled once, by a copy from the network; in fresh memory that copy pays a
+    page fault per 4 KiB page on the way (measured on the benchmark VM: 256 MiB copied in 0.13 s
+    fresh, 0.035 s once mapped; mapping it ahead took 0.07 s). Run in another thread while the
+    requests are in flight, the faults leave the copy's path. The bytes are never written, so it
+    may run while a copy fills the same pages.
+    """
+    madvise = _madvise()
+    if madvise is None or a.nbytes < _PAGE:
+        return
+    p = a.__array_interface__["data"][0]
+    lo, hi = -(-p // _PAGE) * _PAGE, (p + a.nbytes) // _PAGE * _PAGE
+    # A piece at a time: the kernel holds the process's memory-map lock through each call, and an
+    # allocation elsewhere (mmap) waits for it, so one call over a large buffer can hold up another
+    # thread's allocation for as long as the whole mapping takes.
+    for start in range(lo, hi, _PREFAULT_STEP):
+        if madvise(start, min(_PREFAULT_STEP, hi - start), _MADV_POPULATE_WRITE) != 0:
+            global _madvise_fn
+            _madvise_fn = False  # refused (an older kernel): not asked again
+            return
+
+
+_PAGE = 4096
+_PREFAULT_STEP = 1 << 20
+_MADV_POPULATE_WRITE = 23  # Linux 5.14 on
+_madvise_fn: Callable[[int, int, int], int] | bool | None = None  # None: not looked up; False: unavailable
+
+
+def _madvise() -> Callable[[int, int, int], int] | None:
+    global _madvise_fn
+    if _madvise_fn is None:
+        _madvise_fn = False
+        import sys
+
+        if sys.platform.startswith("linux"):
+            try:
+                import ctypes
+
+                fn = ctypes.CDLL(None, use_errno=True).madvise
+                fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+                fn.restype = ctypes.c_int
+                _madvise_fn = fn
+            except (OSError, AttributeError):
+                pass
+    return _madvise_fn if callable(_madvise_fn) else None
 
 
 # numpy's process-wide switch for its huge-page advice (private; absent in some versions).

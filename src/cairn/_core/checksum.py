@@ -81,14 +81,15 @@ class BlockChecks:
     parts; all of them, for a reader that reports no parts). A mismatch raises
     ``fail(check, computed crc)``; a `fail` that returns None records the
     mismatch itself and lets the checks go on (`cairn verify` lists every bad block).
-    `then(i)`, if given, runs on each block (``checks[i]``) that passed, right after its
-    check and in the same thread (a compressed block is decoded there, while
-    its bytes are still in cache).
+    `then(i, j)`, if given, runs on each stretch of consecutive blocks ``checks[i:j]``
+    that passed, once the `part` (or `rest`) that checked them has checked them all,
+    in the same thread: compressed blocks are decoded there, while their bytes are
+    still in cache, a part's blocks by one call (`codecs.decode_run`).
     """
 
     def __init__(self, checks: Sequence[tuple[int, int, int]], segments: Sequence[Buffer], base: int,
                  fail: Callable[[tuple[int, int, int], int], BaseException | None],
-                 then: Callable[[int], None] | None = None):
+                 then: Callable[[int, int], None] | None = None):
         self.checks, self.segments, self.base, self.fail, self.then = checks, segments, base, fail, then
         self._starts = [c[0] for c in checks]
         # Where each segment starts (relative to `base`): a block finds its first segment by
@@ -100,26 +101,43 @@ class BlockChecks:
         """Verify the blocks that lie wholly inside object bytes [a, b), which have landed."""
         checks = self.checks
         i = bisect.bisect_left(self._starts, a)
+        passed: list[int] = []
         while i < len(checks) and checks[i][0] < b:
-            if checks[i][1] <= b and not self._done[i]:  # a streamed read reports overlapping parts
-                self._verify(i)
+            if checks[i][1] <= b and not self._done[i] and self._verify(i):  # parts of a stream overlap
+                passed.append(i)
             i += 1
+        self._then(passed)
 
     def rest(self) -> None:
         """Verify every block that no `part` call verified (call once the whole read has landed)."""
+        passed: list[int] = []
         for i, done in enumerate(self._done):
-            if not done:
-                self._verify(i)
+            if not done and self._verify(i):
+                passed.append(i)
+        self._then(passed)
 
-    def _verify(self, i: int) -> None:
+    def _verify(self, i: int) -> bool:
+        """Check block i; whether it passed (a `fail` that returns None lets a mismatch through)."""
         c = self.checks[i]
         got = self._crc(c[0] - self.base, c[1] - self.base)
+        self._done[i] = 1
         if got != c[2]:
             if (error := self.fail(c, got)) is not None:
                 raise error
-        elif self.then is not None:
-            self.then(i)
-        self._done[i] = 1
+            return False
+        return True
+
+    def _then(self, passed: list[int]) -> None:
+        """`then` over each stretch of consecutive indices in `passed` (ascending)."""
+        if self.then is None or not passed:
+            return
+        start = prev = passed[0]
+        for i in passed[1:]:
+            if i != prev + 1:
+                self.then(start, prev + 1)
+                start = i
+            prev = i
+        self.then(start, prev + 1)
 
     def _crc(self, start: int, end: int) -> int:
         """CRC-32C of bytes [start, end) of the segments, one after another (fewer where they end)."""

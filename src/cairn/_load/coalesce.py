@@ -22,6 +22,7 @@ never started.
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -246,6 +247,7 @@ def _run_checks(parts: list[tuple[Any, int, np.ndarray]], views: list[memoryview
                 where: Callable[[Any], str]) -> BlockChecks:
     """The checksum blocks of a run's arrays (all `whole_span` or `stored_whole_span` leaves, back to
     back in one file); each compressed block is decoded into its array once its check passes."""
+    # per block: (file start, end, crc, None or (leaf, stored bytes, the leaf's raw bytes, name, raw start, end))
     rows: list[tuple[int, int, int, Any]] = []
     for (leaf, first, dest), view in zip(parts, views):
         blocks = _blocks(leaf, block)
@@ -254,15 +256,26 @@ def _run_checks(parts: list[tuple[Any, int, np.ndarray]], views: list[memoryview
             continue
         raw = dest.reshape(-1).view(np.uint8)
         for (lo, hi, crc), (a, b, name) in zip(blocks, _raw_blocks(leaf, block)):
-            rows.append((lo, hi, crc, (leaf, view[lo - first : hi - first], raw[a:b], f"{where(leaf)}, {name}")))
+            rows.append((lo, hi, crc, (leaf, view[lo - first : hi - first], raw, f"{where(leaf)}, {name}", a, b)))
     rows.sort(key=lambda r: r[0])
     decode = [r[3] for r in rows]
 
-    def then(i: int) -> None:
-        d = decode[i]
-        if d is not None:
-            leaf, stored, out, at = d
-            _codecs.decode(leaf.codec, stored, leaf.dtype, len(out), out, where=at)
+    def then(i: int, j: int) -> None:
+        # Blocks i..j-1 passed: each leaf's consecutive blocks among them decoded by one call.
+        k = i
+        while k < j:
+            d = decode[k]
+            if d is None:
+                k += 1
+                continue
+            leaf, dest = d[0], d[2]
+            end = k + 1
+            while end < j and (e := decode[end]) is not None and e[0] is leaf and e[4] == decode[end - 1][5]:
+                end += 1
+            group = decode[k:end]
+            _codecs.decode_run(leaf.codec, [g[1] for g in group], leaf.dtype, [g[5] - g[4] for g in group],
+                               dest[group[0][4] : group[-1][5]], [g[3] for g in group])
+            k = end
 
     return BlockChecks([r[:3] for r in rows], views, parts[0][1], lambda c, got: _Mismatch(), then)
 
@@ -327,7 +340,7 @@ def _decode_whole(leaf: Any, stored: memoryview, dest: np.ndarray, block: int, w
 
 
 class Pieces:
-    """Direct reads of uncompressed leaves, any boxes, merged per file into runs of consecutive bytes.
+    """Direct reads, any boxes, merged per file into runs of consecutive bytes.
 
     On an object store every request costs a round trip (and some servers, moto among them, a pass
     over the whole object), so the reads that land straight in their destinations (a target box, or
@@ -336,17 +349,29 @@ class Pieces:
     soon as it is full, when a piece that does not follow comes, or when anyone waits for one of
     its arrays (`_RunFuture`). The read lands each piece in its destination and verifies every
     piece's checksum blocks as the bytes arrive; a mismatch names the leaf that holds the block.
+
+    A compressed read that decodes straight into its destination (`reader.CodedRead`) is a piece of
+    its stored blocks: they land in one of at most `CODED_RUNS` buffers of the reader's, each stretch
+    checked and decoded into the destination as its part lands.
     """
 
     def __init__(self, reader: Any, max_bytes: int) -> None:
         self._reader = reader
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        # per file: (its run, pieces (views, checks, leaf), future)
-        self._open: dict[int, tuple[Cut, list[tuple[list[memoryview], Any, Any]], _RunFuture]] = {}
+        # per file: (its run, pieces, future); a piece is (views, checks, leaf) or a `CodedRead`
+        self._open: dict[int, tuple[Cut, list[Any], _RunFuture]] = {}
+        self._buffers = _Buffers(CODED_RUNS)
 
     def add(self, file: int, start: int, end: int, views: list[memoryview], checks: Any, leaf: Any) -> Future[None]:
         """Queue reading file bytes [start, end) into `views` (consecutive), verifying `checks`."""
+        return self._add(file, start, end, (views, checks, leaf))
+
+    def add_coded(self, coded: Any) -> Future[None]:
+        """Queue a `reader.CodedRead`: its stored blocks read, checked and decoded into its destination."""
+        return self._add(coded.file, coded.first, coded.first + coded.nbytes, coded)
+
+    def _add(self, file: int, start: int, end: int, piece: Any) -> Future[None]:
         with self._lock:
             run = self._open.get(file)
             if run is not None and not run[0].takes(file, start, end, self.max_bytes):
@@ -354,7 +379,7 @@ class Pieces:
                 run = None
             if run is None:
                 run = self._open[file] = (Cut(file, start, start), [], _RunFuture(self))
-            run[1].append((views, checks, leaf))
+            run[1].append(piece)
             run[0].add(end)
             if end - run[0].start >= self.max_bytes:  # full: nothing more can join
                 self._submit_locked(file)
@@ -370,25 +395,97 @@ class Pieces:
         cut, pieces, future = self._open.pop(file)
         self._reader.pool.submit(self._run, file, cut.start, cut.end, pieces, future)
 
-    def _run(self, file: int, start: int, end: int, pieces: list[tuple[list[memoryview], Any, Any]],
-             future: Future[None]) -> None:
+    def _run(self, file: int, start: int, end: int, pieces: list[Any], future: Future[None]) -> None:
         if not future.set_running_or_notify_cancel():
             return
         reader = self._reader
+        buf = None
         try:
-            views = [v for piece in pieces for v in piece[0]]
-            checks = sorted((tuple(c), leaf) for _, cs, leaf in pieces for c in cs)
+            coded = sum(p.nbytes for p in pieces if not isinstance(p, tuple))
+            buf = self._buffers.take(coded) if coded else None
+            stored = memoryview(buf.data)[:coded] if buf is not None else None
+            views: list[memoryview] = []
+            checks: list[tuple[int, int, int]] = []
+            fails: list[Callable[[tuple[int, int, int], int], BaseException]] = []
+            decoders: list[tuple[int, int, Callable[[int, int], None]]] = []  # (first check, end, decode)
+            pos = 0
+            for p in pieces:  # in file order, back to back
+                if isinstance(p, tuple):
+                    pviews, pchecks, leaf = p
+                    views.extend(pviews)
+                    fail = functools.partial(_raw_fail, reader, file, views, start, leaf)
+                else:
+                    assert stored is not None
+                    view = stored[pos : pos + p.nbytes]
+                    pos += p.nbytes
+                    views.append(view)
+                    pchecks, fail = p.checks, p.fail
+                    decoders.append((len(checks), len(checks) + len(pchecks), p.decoder(view)))
+                checks.extend(sorted(tuple(c) for c in pchecks))
+                fails.extend([fail] * len(pchecks))
+
+            def then(i: int, j: int) -> None:  # checks i..j-1 passed: decode the compressed pieces' among them
+                for a, b, decode in decoders:
+                    if a < j and i < b:
+                        decode(max(i, a) - a, min(j, b) - a)
+
             if checks:
-                owner = {c[0]: leaf for c, leaf in checks}
-                bc = BlockChecks([c for c, _ in checks], views, start,
-                                 lambda c, got: reader._block_checks(file, [c], views, start, owner[c[0]]).fail(c, got))
-                reader._fill(file, start, views, pieces[0][2], bc)
+                number = {c[0]: k for k, c in enumerate(checks)}
+                bc = BlockChecks(checks, views, start, lambda c, got: fails[number[c[0]]](c, got),
+                                 then if decoders else None)
+                reader._fill(file, start, views, _leaf(pieces[0]), bc)
                 bc.rest()
             else:
-                reader._fill(file, start, views, pieces[0][2])
+                reader._fill(file, start, views, _leaf(pieces[0]))
             with reader._lock:
                 reader.stats.direct_reads += len(pieces)
         except BaseException as e:
             future.set_exception(e)
         else:
             future.set_result(None)
+        finally:
+            if buf is not None:
+                self._buffers.give(buf)
+
+
+#: Runs of compressed pieces holding their stored bytes at once, per checkpointable being loaded: each
+#: holds a buffer of up to the run's size (`Pieces.max_bytes`), so at most this many of them are resident.
+CODED_RUNS = 4
+
+
+class _Buffers:
+    """At most `count` buffers for the stored bytes of compressed runs, reused from run to run; a run
+    that finds none free waits for one (the runs holding them wait on nothing of the load's pool)."""
+
+    def __init__(self, count: int) -> None:
+        self._free: list[np.ndarray] = []
+        self._made = 0
+        self._count = count
+        self._cond = threading.Condition()
+
+    def take(self, nbytes: int) -> np.ndarray:
+        with self._cond:
+            while not self._free and self._made >= self._count:
+                self._cond.wait()
+            if self._free:
+                buf = self._free.pop()
+                if buf.nbytes >= nbytes:
+                    return buf
+                self._made -= 1  # too small: replaced by a larger one below
+            self._made += 1
+        return np.empty(nbytes, np.uint8)
+
+    def give(self, buf: np.ndarray) -> None:
+        with self._cond:
+            self._free.append(buf)
+            self._cond.notify()
+
+
+def _leaf(piece: Any) -> Any:
+    return piece[2] if isinstance(piece, tuple) else piece.leaf
+
+
+def _raw_fail(reader: Any, file: int, views: list[memoryview], start: int, leaf: Any, c: tuple[int, int, int],
+              got: int) -> BaseException:
+    """The error of an uncompressed piece's block `c` whose CRC-32C came out `got`: it names the leaf."""
+    return reader._block_checks(file, [c], views, start, leaf).fail(c, got)

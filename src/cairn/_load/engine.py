@@ -454,6 +454,8 @@ def _run_wave(k: int, wave: list[Unit], agreement: Agreement, gathers: dict[int,
     before = stats.bytes_read
     regions = [s.region(j) for s, j in wave]
     reads = [s.item.reader.read_array(s.want.leaf, s.route.read, region) for (s, _), region in zip(wave, regions)]
+    for s, _ in wave:
+        s.item.reader.start_prefault()
     for r in reads:
         for f in r.futures:
             f.result()
@@ -500,6 +502,8 @@ def _read_direct(items: list[_ItemLoad], where: str, own: Plan) -> None:
 
     def finish() -> None:
         nonlocal transfer
+        for it in items:  # the reads so far are out: map their buffers' pages while they arrive
+            it.reader.start_prefault()
         done = inflight.popleft()
         try:
             for f in done.reads.futures:
@@ -543,6 +547,7 @@ def _read_direct(items: list[_ItemLoad], where: str, own: Plan) -> None:
             finish()
     for it in items:  # the last runs of small arrays read while the first ones are placed
         it.reader.submit_pending()
+        it.reader.start_prefault()
     while inflight:
         finish()
     t = time.perf_counter()

@@ -56,6 +56,14 @@ def contiguous(dest: tuple[int, ...], start: tuple[int, ...], shape: tuple[int, 
     return all(shape[a] == 1 for a in range(last))
 
 
+def coded_lands(read: Any, shapes: list[tuple[int, ...]]) -> bool:
+    """Whether a read of a compressed leaf decodes straight into destinations of `shapes`: its
+    `direct` target is one run of memory (`direct_bytes`). The rule the chunk reader gathers such
+    reads per file by on object stores (`reader.ChunkReader.read_array`), and the plan predicts by."""
+    d = read.direct
+    return d is not None and contiguous(shapes[d.dest], d.dest_start, d.shape)
+
+
 def lands_in_place(read: Any, shapes: list[tuple[int, ...]], vectored: bool) -> bool:
     """Whether uncompressed `read` lands in destinations of `shapes` (C order) with no buffer: its
     `direct` target is one run of memory, or (`vectored` readers) its copies tile the read in file

@@ -13,8 +13,8 @@ stated read sizes), what the load engine does on one process once its
   for a leaf with references or deltas, `blocks.fetches`' requests, some in
   its base checkpoints' files),
   once small whole arrays are gathered into runs (`coalesce.Runs`) and, on
-  storages that charge per request, reads that land in place into runs per
-  file (`coalesce.Pieces`): both cut where `coalesce.Cut` says, the rule
+  storages that charge per request, reads that land in place (and compressed
+  reads that decode in place) into runs per file (`coalesce.Pieces`): both cut where `coalesce.Cut` says, the rule
   `Runs` and `Pieces` themselves follow, and a run also ends where the
   pipeline waits for one of its arrays;
 - the host memory the process holds at its peak.
@@ -48,8 +48,8 @@ from .._tree.shardings import (
     puts_whole,
 )
 from .blocks import block_places, fetches
-from .coalesce import Cut, run_limits, stored_whole_span, whole_span
-from .landing import contiguous, lands_in_place
+from .coalesce import CODED_RUNS, Cut, run_limits, stored_whole_span, whole_span
+from .landing import coded_lands, contiguous, lands_in_place
 from .readonce import ProcessOf
 from .schedule import Schedule
 
@@ -175,6 +175,7 @@ class _Cuts:
         self.run_no = -1
         self.pieces: dict[int, tuple[Cut, int]] = {}  # per file: reads that land in place (object stores)
         self.next = 0
+        self.last = 0  # the bytes of the run the last piece joined
 
     def _send(self, cut: Cut) -> None:
         self.out.append(Request(self.item, cut.file, cut.start, cut.end - cut.start))
@@ -207,6 +208,7 @@ class _Cuts:
             self.next += 1
         cut, n = open_
         cut.add(end)
+        self.last = end - cut.start  # the run's bytes so far
         if end - cut.start >= self.limits.pieces:  # full
             self._send(self.pieces.pop(file)[0])
         return n
@@ -238,12 +240,15 @@ class _Planner:
         self.memo = PlanMemo()
         self.peak = 0
         self.scratch_reads = self.scratch_max = 0  # reads through a thread's buffer, the largest one
+        self.coded_runs = self.coded_max = 0  # compressed pieces gathered into runs, the largest run
 
     def scratch(self) -> int:
-        """Per-thread buffers of reads that cannot land in place (kept for the pool's life)."""
+        """Per-thread buffers of reads that cannot land in place (kept for the pool's life), and the
+        buffers of compressed runs (`coalesce.CODED_RUNS` at most, as large as the largest run)."""
+        coded = min(CODED_RUNS, self.coded_runs) * self.coded_max
         if not self.scratch_reads:
-            return 0
-        return min(self.threads, self.scratch_reads) * max(self.scratch_max, 1 << 20)
+            return coded
+        return min(self.threads, self.scratch_reads) * max(self.scratch_max, 1 << 20) + coded
 
     def array(self, cuts: _Cuts, it: Any, leaf: fmt.ArrayLeaf, sharding: Any,
               region: Box | None) -> tuple[list[int], int, tuple[Span | None, list[Read]]]:
@@ -269,9 +274,13 @@ class _Planner:
                 self._refs(cuts, it, leaf, r, shapes)
             elif leaf.codec != "none":  # `ChunkReader._do_read_coded`: the blocks' stored bytes, then decoded
                 file, first, stored = stored_span(leaf, r, block)
+                lands = coded_lands(r, shapes)
+                if lim.pieces and lands:  # gathered per file (`Pieces.add_coded`), in the reader's buffers
+                    runs.append(cuts.piece(file, first, first + stored))
+                    self.coded_runs += 1
+                    self.coded_max = max(self.coded_max, cuts.last)
+                    continue
                 cuts.alone(file, first, stored)
-                d = r.direct
-                lands = d is not None and contiguous(shapes[d.dest], d.dest_start, d.shape)
                 self._scratch(stored + (0 if lands else r.nbytes))
             elif lim.pieces and not leaf.refs and lands_in_place(r, shapes, lim.vectored):
                 runs.append(cuts.piece(r.file, r.start, r.end))

@@ -21,7 +21,7 @@ from __future__ import annotations
 import errno
 import math
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, cast
@@ -29,7 +29,7 @@ from typing import Any, cast
 import numpy as np
 
 from .._core.boxes import Box, full_box
-from .._core.buffers import aligned_empty
+from .._core.buffers import aligned_empty, prefault
 from .._core.checksum import BlockChecks, mismatch
 from .._core.stats import LoadStats
 from .._dist.coord import activity
@@ -48,13 +48,15 @@ from .._storage import PartReader, RandomReader
 from .._storage.location import Location
 from .._tree.pytree import display_path
 from .coalesce import Pieces, Runs, run_limits
-from .landing import MAX_PARTS, MIN_RUN, direct_bytes, lands_in_place
+from .landing import MAX_PARTS, MIN_RUN, coded_lands, direct_bytes, lands_in_place
 from .landing import region as _region
 from .landing import scratch as _scratch
 from .metadata import Opened
 from .plan import array_reads
 
 DEFAULT_BUDGET = 256 << 20  # the memory budget of a streaming conversion, by default
+_PREFAULT_BATCH = 256 << 20  # fresh buffers noted beyond this are mapped without waiting for the caller
+_PREFAULT_MIN = 1 << 20  # smaller buffers are not mapped ahead
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,55 @@ class ArrayReads:
     @property
     def nbytes(self) -> int:
         return sum(d.nbytes for d in self.dests)
+
+
+@dataclass(frozen=True)
+class CodedRead:
+    """A read of a compressed leaf as storage sees it: stored bytes ``[first, first + nbytes)`` of data
+    file `file`, one check per stored block, decoded into `raw` (the read's raw bytes)."""
+
+    file: int
+    first: int
+    nbytes: int
+    checks: list[tuple[int, int, int]]  # (file start, end, CRC-32C) of each stored block
+    fail: Callable[[tuple[int, int, int], int], BaseException]
+    leaf: fmt.ArrayLeaf
+    raw: Any  # writable bytes, ``read.nbytes`` of them
+    blocks: list[tuple[int, int, str]]  # per block: where it decodes to in `raw`, and its name in errors
+
+    @classmethod
+    def of(cls, reader: ChunkReader, read: Read, leaf: fmt.ArrayLeaf, raw: Any) -> CodedRead:
+        cell, block = read.file, reader.index.block_size
+        file, first, n = stored_span(leaf, read, block)
+        sizes, crcs = leaf.stored_sizes(cell, block), leaf.crcs[cell]
+        name = reader.index.files[file].name
+        where = f"{reader.loc.path}: leaf {display_path(leaf.path, reader.item)!r}, {name!r}"
+        checks, blocks = [], []
+        pos = first
+        for b in block_range(read, block):
+            checks.append((pos, pos + sizes[b], crcs[b]))
+            pos += sizes[b]
+            lo = b * block - read.start
+            blocks.append((lo, min(lo + block, read.nbytes), f"{where} block {b} of chunk {cell}"))
+        number = {c[0]: k for k, c in enumerate(checks)}
+
+        def fail(c: tuple[int, int, int], got: int) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"{reader.loc.path}: " + mismatch(
+                f"{name!r} block {read.start // block + number[c[0]]} of chunk {cell} (stored bytes "
+                f"{c[0]}..{c[1]}, leaf {display_path(leaf.path, reader.item)!r})", c[2], got))
+
+        return cls(file, first, n, checks, fail, leaf, raw, blocks)
+
+    def decoder(self, stored: memoryview) -> Callable[[int, int], None]:
+        """`BlockChecks`' ``then`` for blocks landed in `stored` (the stored bytes from `first` on): each
+        stretch of checked blocks decoded into `raw` by one call (`codecs.decode_run`: one zstd batch)."""
+        first, checks, blocks, leaf = self.first, self.checks, self.blocks, self.leaf
+
+        def decode(i: int, j: int) -> None:
+            _codecs.decode_run(leaf.codec, [stored[c[0] - first : c[1] - first] for c in checks[i:j]], leaf.dtype,
+                               [hi - lo for lo, hi, _ in blocks[i:j]], self.raw[blocks[i][0] : blocks[j - 1][1]],
+                               [at for _, _, at in blocks[i:j]])
+        return decode
 
 
 class ChunkReader:
@@ -87,6 +138,8 @@ class ChunkReader:
         # file, across boxes and leaves, go out as one read.
         self._pieces = Pieces(self, loc.storage.preferred_read) if loc.storage.preferred_read else None
         self._plans = PlanMemo()  # leaves of one layout share a read plan
+        self._unmapped: list[np.ndarray] = []  # fresh buffers to map ahead of their bytes (`start_prefault`)
+        self._unmapped_bytes = 0
 
     def _key(self, file: int) -> str:
         f = self.index.files[file]
@@ -233,50 +286,23 @@ class ChunkReader:
         range), checks each block's CRC-32C on them, and decodes them into the destination where the
         read is one contiguous region of it, else into a buffer the copies take from.
 
-        Where the storage fetches the range in parts (object stores), each block wholly inside a part
-        is checked and decoded in the thread that received the part, as it lands: a corrupt block fails
-        the read while later parts are still on the wire, and decoding overlaps the transfer. Blocks
-        across two parts are checked and decoded once the whole range has landed.
+        Where the storage fetches the range in parts (object stores), the blocks wholly inside a part
+        are checked and decoded (by one `codecs.decode_run`) in the thread that received the part, as it
+        lands: a corrupt block fails the read while later parts are still on the wire, and decoding
+        overlaps the transfer. Blocks across two parts are checked and decoded once the whole range has
+        landed. (On object stores, reads that decode straight into their destination are gathered per
+        file instead, `Pieces`, with the same checks and decoding: `CodedRead`.)
         """
-        cell, block = read.file, self.index.block_size
-        file, first, n = stored_span(leaf, read, block)
-        sizes = leaf.stored_sizes(cell, block)
-        crcs = leaf.crcs[cell]
-        b0 = read.start // block
-        stored = _scratch(n, "stored")
         out = direct_bytes(read, dests)
         raw = out if out is not None else _scratch(read.nbytes)
-        name = self.index.files[file].name
-        where = f"{self.loc.path}: leaf {display_path(leaf.path, self.item)!r}, {name!r}"
-        # Each block as a check over file bytes, its position in the read kept for decoding.
-        checks: list[tuple[int, int, int]] = []
-        pos = first
-        for b in block_range(read, block):
-            checks.append((pos, pos + sizes[b], crcs[b]))
-            pos += sizes[b]
-        def fail(c: tuple[int, int, int], got: int) -> CorruptCheckpointError:
-            return CorruptCheckpointError(f"{self.loc.path}: " + mismatch(
-                f"{name!r} block {b0 + checks.index(c)} of chunk {cell} (stored bytes {c[0]}..{c[1]}, "
-                f"leaf {display_path(leaf.path, self.item)!r})", c[2], got))
-
-        def decode(i: int) -> None:  # block b0 + i, after its check passed
-            b, c = b0 + i, checks[i]
-            lo = b * block - read.start
-            hi = min(lo + block, read.nbytes)
-            _codecs.decode(leaf.codec, stored[c[0] - first : c[1] - first], leaf.dtype, hi - lo, raw[lo:hi],
-                           where=f"{where} block {b} of chunk {cell}")
-
+        coded = CodedRead.of(self, read, leaf, raw)
+        stored = _scratch(coded.nbytes, "stored")
         view = memoryview(stored.data)
-        # A reader that reports parts: each block decoded as its part lands; else all checked, then
-        # the read's blocks decoded by one call (`codecs.decode_run`: one zstd batch for the run).
-        as_parts = getattr(self._reader(file), "reports_parts", False)
-        bc = BlockChecks(checks, [view], first, fail, then=decode if as_parts else None)
-        self._fill(file, first, view, leaf, bc)
+        # Each stretch of blocks decoded by one call once checked: from an object store, the blocks of
+        # each streamed part as it lands; from a reader that reports no parts, all of them at the end.
+        bc = BlockChecks(coded.checks, [view], coded.first, coded.fail, then=coded.decoder(view))
+        self._fill(coded.file, coded.first, view, leaf, bc)
         bc.rest()
-        if not as_parts and checks:
-            _codecs.decode_run(leaf.codec, [stored[c[0] - first : c[1] - first] for c in checks], leaf.dtype,
-                               [min(block, read.nbytes - i * block) for i in range(len(checks))],
-                               raw[: read.nbytes], [f"{where} block {b0 + i} of chunk {cell}" for i in range(len(checks))])
         with self._lock:
             self.stats.direct_reads += out is not None
         if out is None:
@@ -306,6 +332,7 @@ class ChunkReader:
         if span is not None:  # small, whole, one run of bytes: read together with its neighbours
             self._reader(span.file)  # checks the file first: a false size claim allocates nothing
             dest = aligned_empty(leaf.shape, leaf.dtype, huge_pages=False)  # filled once, as below
+            self._prefault([dest])
             return ArrayReads([self._runs.add(leaf, span.file, span.start, dest, span.stored)], [dest], boxes,
                               placement)
         files = {leaf.chunks[r.file][0] for r in reads} if leaf.codec != "none" or leaf.refs else {
@@ -322,15 +349,43 @@ class ChunkReader:
                 f"{self.loc.path}: cannot allocate {nbytes} bytes for leaf "
                 f"{display_path(leaf.path, self.item)!r} of shape {leaf.shape}"
             ) from None
+        self._prefault(dests)
         self._runs.submit()
         futures: list[Future[None]] = []
         for r in reads:
+            if self._pieces is not None and leaf.codec != "none" and not leaf.refs and coded_lands(
+                    r, [d.shape for d in dests]):  # decodes in place: its stored blocks join the file's run
+                out = direct_bytes(r, dests)
+                assert out is not None  # (`coded_lands`)
+                futures.append(self._pieces.add_coded(CodedRead.of(self, r, leaf, out)))
+                continue
             views = self._landing(r, leaf, dests) if self._pieces is not None else None
             if views is not None:  # lands in place: joins the file's run of such reads
                 futures.append(self._pieces.add(r.file, r.start, r.end, views, r.checks, leaf))  # type: ignore[union-attr]
             else:
                 futures.append(self.pool.submit(self.do_read, r, leaf, dests))
         return ArrayReads(futures, dests, boxes, placement)
+
+    def _prefault(self, dests: list[np.ndarray]) -> None:
+        """On storages that price requests (whose reads wait on the network), note fresh destination
+        buffers whose pages `start_prefault` maps while the requests are in flight."""
+        if self._pieces is not None:
+            for d in dests:
+                if d.nbytes >= _PREFAULT_MIN:  # (smaller ones come from memory the allocator has mapped)
+                    self._unmapped.append(d)
+                    self._unmapped_bytes += d.nbytes
+            if self._unmapped_bytes >= _PREFAULT_BATCH:
+                self.start_prefault()
+
+    def start_prefault(self) -> None:
+        """Map the pages of the buffers noted so far, in one pool thread, in the order they were
+        allocated (the order their bytes are requested), not in the copy (`buffers.prefault`). The
+        loading thread calls it once it has sent its reads, or before it waits for one: mapping
+        pages while it is still allocating and sending holds it up (both need the process's
+        memory map), so the first GETs would go out later."""
+        if self._unmapped:
+            self.pool.submit(_prefault_all, self._unmapped)
+            self._unmapped, self._unmapped_bytes = [], 0
 
     def _landing(self, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> list[memoryview] | None:
         """The destination bytes an uncompressed read lands in without a copy (as `do_read` lands
@@ -352,6 +407,11 @@ class ChunkReader:
         for f in reads.futures:
             f.result()
         return reads.dests[0].tobytes()
+
+
+def _prefault_all(dests: list[np.ndarray]) -> None:
+    for d in dests:
+        prefault(d)
 
 
 def _tiled_regions(read: Read, dests: list[np.ndarray]) -> list[memoryview] | None:
