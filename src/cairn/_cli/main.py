@@ -470,7 +470,7 @@ def cmd_copy(args: argparse.Namespace, out: Output) -> int:
     interrupted saves are not copied, and Orbax or DCP folders are named as
     skipped (cairn copies only what a cairn manifest names).
     """
-    from .._exports.copy import copy_settled, refuse_foreign, run_copy
+    from .._exports.copy import copy, one_run, refuse_foreign, run_copy
     from .._load.metadata import manifest_bytes
 
     src = resolve(args.src)
@@ -499,9 +499,8 @@ def cmd_copy(args: argparse.Namespace, out: Output) -> int:
                 "saves): moving step by step would leave steps that refer to moved ones; copy the run "
                 "(`cairn cp --keep-references` keeps the references), then delete it")
     done = []
-    settled: set[str] = set()  # steps copied (and checked) by this run: later steps' chains skip them
     # One bar over every step (on a terminal; nothing otherwise or with --quiet), its total grown step by step.
-    with out.progress("moving" if args.move else "copying", None) as (set_total, advance):
+    with out.progress("moving" if args.move else "copying", None) as (set_total, advance), one_run():
         before = 0  # the totals of the steps done
         for e in steps:
             last = [0]
@@ -510,8 +509,8 @@ def cmd_copy(args: argparse.Namespace, out: Output) -> int:
                 last[0] = n
                 set_total(before + n)
 
-            stats = copy_settled(f"{src.path.rstrip('/')}/{e['name']}", f"{args.dst.rstrip('/')}/{e['name']}",
-                         settled, overwrite=args.overwrite, move=args.move, verify=not args.no_verify,
+            stats = copy(f"{src.path.rstrip('/')}/{e['name']}", f"{args.dst.rstrip('/')}/{e['name']}",
+                         overwrite=args.overwrite, move=args.move, verify=not args.no_verify,
                          budget_bytes=args.budget, threads=args.threads, on_total=step_total, progress=advance,
                          keep_references=getattr(args, "keep_references", False))
             before += last[0]

@@ -34,6 +34,8 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -431,32 +433,8 @@ def copy(
         cairn.copy("/ckpt/run1/step_00001000", "s3://bucket/run1/step_00001000")
         cairn.copy("/ckpt/run1/step_00001005", "/backup/run1/step_00001005", keep_references=True)
     """
-    return copy_settled(src, dst, set(), overwrite=overwrite, move=move, verify=verify,
-                        budget_bytes=budget_bytes, threads=threads, storage_options=storage_options,
-                        dst_storage_options=dst_storage_options, on_total=on_total, progress=progress,
-                        compression=compression, keep_references=keep_references)
-
-
-def copy_settled(
-    src: str | os.PathLike[str],
-    dst: str | os.PathLike[str],
-    settled: set[str],
-    *,
-    overwrite: bool = False,
-    move: bool = False,
-    verify: bool = True,
-    budget_bytes: int = DEFAULT_BUDGET,
-    threads: int = 8,
-    storage_options: dict | None = None,
-    dst_storage_options: dict | None = None,
-    on_total: Callable[[int], None] | None = None,
-    progress: Callable[[int], None] | None = None,
-    compression: str | bool | None = None,
-    keep_references: bool = False,
-) -> CopyStats:
-    """`copy`, where `settled` names the checkpoints beside `dst` that this run of copies has already
-    copied and checked (a run's steps, copied in order by ``cairn cp --keep-references``): a chain's
-    bases among them are neither copied nor read again. `copy` adds the name of what it committed."""
+    settled = _settled.get()
+    settled = set() if settled is None else settled
     t0 = time.perf_counter()
     tracker = Progress("move" if move else "copy", str(dst))  # "progress" events for listeners that ask
     on_total, progress = tracker.wrap(on_total, progress)
@@ -528,6 +506,23 @@ def copy_settled(
     done.files_kept, done.bytes_kept = done.files_kept + kept_files, done.bytes_kept + kept_bytes
     tracker.finish()
     return done
+
+
+#: The checkpoints the copies of one run (`one_run`) have copied and checked so far, by name beside their
+#: destinations; None outside a run.
+_settled: ContextVar[set[str] | None] = ContextVar("cairn_copy_settled", default=None)
+
+
+@contextmanager
+def one_run() -> Iterator[None]:
+    """Copies made inside (a run's steps, copied in order by ``cairn cp --keep-references``) share what
+    they copied: a later copy's chain skips the bases an earlier one already copied and checked, rather
+    than read each of them again."""
+    token = _settled.set(set())
+    try:
+        yield
+    finally:
+        _settled.reset(token)
 
 
 def _sibling(loc: Location, name: str) -> Location:
