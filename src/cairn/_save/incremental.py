@@ -56,7 +56,8 @@ from .._core.checksum import crc32c
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import codecs as _codecs
 from .._format import manifest as fmt
-from .._format.blocks import CODEC_IDS, CODEC_NAMES, DELTA, DELTA_HEADER, HASH_BYTES, block_hash
+from .._format.blocks import (CODEC_IDS, CODEC_NAMES, DELTA, DELTA_HEADER, DELTA_SPARSE, DELTA_XOR, HASH_BYTES,
+                              SPARSE_ITEMSIZES, block_hash, sparse_payload, sparse_size, uint_of)
 from .._format.partfile import OWN, SOURCE
 from .._storage.location import Location, ranges_reader, resolve
 from .._tree.leaves import ArraySource
@@ -72,6 +73,10 @@ DELTA_GAIN = 0.25
 DELTA_MIN = 4096
 #: A chunk's sample first XORs this many leading bytes of a raw base block (`_try_delta`).
 PROBE = 64 << 10
+#: A changed block's delta is sparse (its changed elements' positions and values, docs/FORMAT.md §6.5)
+#: where that stores at most this fraction more than the XOR frame: it rebuilds without decoding a whole
+#: block of XOR (docs/incremental.md "Delta kinds").
+SPARSE_NEAR = 0.10
 
 
 @dataclass(frozen=True)
@@ -394,7 +399,7 @@ def _target(b: _Base, ctx: _DeltaCtx) -> tuple[Ref, bytes | None]:
     data = ctx.read(b.ref.base, b.ref.name, b.ref.offset, b.ref.stored)
     if crc32c(data) != b.ref.crc or len(data) < DELTA_HEADER.size:
         raise ValueError("a damaged delta")
-    codec, crc, size = DELTA_HEADER.unpack_from(data)
+    codec, _kind, _pad, crc, size = DELTA_HEADER.unpack_from(data)
     ckpt, name, fsize, off = b.target
     return Ref(ckpt, name, fsize, off, size, crc, codec), data
 
@@ -433,9 +438,30 @@ def _try_delta(piece: memoryview, b: _Base, ctx: _DeltaCtx, dtype: Any, probe: b
         return None
     if len(base_raw) != len(piece):
         return None
-    xor = np.bitwise_xor(np.frombuffer(piece, np.uint8), np.frombuffer(base_raw, np.uint8))
-    data = DELTA_HEADER.pack(target.codec, target.crc, target.stored) + _codecs.encode("zstd", xor, np.uint8)
+    new = np.frombuffer(piece, np.uint8)
+    xor = np.bitwise_xor(new, np.frombuffer(base_raw, np.uint8))
+    frame = _codecs.encode("zstd", xor, np.uint8)
+    kind = DELTA_XOR
+    sparse = _sparse_frame(new, xor, dtype)
+    if sparse is not None and len(sparse) <= (1 + SPARSE_NEAR) * len(frame):
+        frame, kind = sparse, DELTA_SPARSE
+    data = DELTA_HEADER.pack(target.codec, kind, 0, target.crc, target.stored) + frame
     return _Delta(data, target)
+
+
+def _sparse_frame(new: np.ndarray, xor: np.ndarray, dtype: Any) -> bytes | None:
+    """The zstd frame of a sparse delta of block `new` (uint8) whose XOR with its base is `xor`, or None
+    where there is none: elements of another size, or one whose content would be exactly the block's size
+    (a cairn without sparse deltas reads any delta as an XOR frame of the block's size: with every other
+    content size its frame check rejects the block as corrupt, never returns wrong bytes)."""
+    k = np.dtype(dtype).itemsize
+    if k not in SPARSE_ITEMSIZES or len(new) % k:
+        return None
+    ut = uint_of(k)
+    idx = np.flatnonzero(xor.view(ut))
+    if sparse_size(len(idx), k) >= len(new):  # (the XOR frame then stores less anyway)
+        return None
+    return _codecs.encode("zstd", np.frombuffer(sparse_payload(idx, new.view(ut)[idx], k), np.uint8), np.uint8)
 
 
 def _read_manifest(loc: Location) -> fmt.Manifest | None:
