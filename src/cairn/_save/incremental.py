@@ -73,10 +73,13 @@ DELTA_GAIN = 0.25
 DELTA_MIN = 4096
 #: A chunk's sample first XORs this many leading bytes of a raw base block (`_try_delta`).
 PROBE = 64 << 10
-#: A changed block's delta is sparse (its changed elements' positions and values, docs/FORMAT.md §6.5)
-#: where that stores at most this fraction more than the XOR frame: it rebuilds without decoding a whole
-#: block of XOR (docs/incremental.md "Delta kinds").
-SPARSE_NEAR = 0.10
+#: A changed block's delta is sparse (its changed elements' positions and new values, docs/FORMAT.md §6.5)
+#: where its frame stores at most this fraction more than the XOR frame. A sparse delta rebuilds 2-3x
+#: faster (no 1 MiB of XOR to decode and apply), and the few KiB more it reads per 1 MiB block cost next
+#: to nothing beside the base block a delta reads anyway; on bf16 weights with 0.2-10% of the elements
+#: changed by an ulp its frame is 1.2x-1.6x the XOR frame's (new values carry more bits than their XOR
+#: with the old ones), so a 10% margin would almost never pick it (docs/incremental.md "Delta kinds").
+SPARSE_NEAR = 1.0
 
 
 @dataclass(frozen=True)
@@ -458,10 +461,21 @@ def _sparse_frame(new: np.ndarray, xor: np.ndarray, dtype: Any) -> bytes | None:
     if k not in SPARSE_ITEMSIZES or len(new) % k:
         return None
     ut = uint_of(k)
-    idx = np.flatnonzero(xor.view(ut))
+    idx = _changed(xor, k)
     if sparse_size(len(idx), k) >= len(new):  # (the XOR frame then stores less anyway)
         return None
     return _codecs.encode("zstd", np.frombuffer(sparse_payload(idx, new.view(ut)[idx], k), np.uint8), np.uint8)
+
+
+def _changed(xor: np.ndarray, k: int) -> np.ndarray:
+    """The indices of the nonzero k-byte elements of `xor` (uint8), in order. Found among its nonzero 8-byte
+    words first: numpy scans 8-byte words several times faster than 2-byte ones, and few words are nonzero."""
+    if k == 8 or len(xor) % 8:
+        return np.flatnonzero(xor.view(uint_of(k)))
+    words = np.flatnonzero(xor.view(np.uint64))
+    per = 8 // k
+    sub = xor.view(uint_of(k)).reshape(-1, per)[words]
+    return (words[:, None] * per + np.arange(per))[sub != 0]
 
 
 def _read_manifest(loc: Location) -> fmt.Manifest | None:
