@@ -10,10 +10,12 @@ the base's file for references, so an unchanged block costs what it costs
 in the base), every block's CRC-32C is checked on its stored bytes, and each
 is decoded by its own codec into the destination (or into a buffer the
 copies take from). A delta block (codec `DELTA`) is the chunk's own bytes
-(a header and a zstd frame of an XOR) against a block of a base's file: the
+(a header and a zstd frame: of an XOR, or of the changed elements' positions
+and values, by the header's kind) against a block of a base's file: the
 base block is read (one more ranged read; the base blocks of consecutive
 deltas that lie back to back in one file as one), checked against the
-CRC-32C its header records, decoded, and XORed with the decoded delta.
+CRC-32C its header records, decoded, and XORed with the decoded delta or
+its changed elements overwritten.
 `fetches` is the rule for which requests a read sends, which the load's
 plan and its dry run follow too.
 """

@@ -12,9 +12,12 @@ References stay one hop from self-contained data: where the base's block is
 itself a reference, the new one points where that one points, so reading a
 block never follows more than one reference.
 
-A changed block may instead be stored as a **delta** (codec id `DELTA`):
-the XOR of its raw bytes with the base's block at the same position, zstd
-coded, behind a 16-byte header. Deltas stay one hop from self-contained
+A changed block may instead be stored as a **delta** (codec id `DELTA`)
+against the base's block at the same position, behind a 16-byte header, of
+one of two kinds: the XOR of its raw bytes with the base block's, zstd
+coded, or (where that stores at most `SPARSE_NEAR` more) a **sparse** one,
+the positions and new values of its changed elements, zstd coded, which
+rebuilds without decoding a block of XOR. Deltas stay one hop from self-contained
 bytes too: a delta is always against a block stored as itself (the base's
 own block, the block a reference of the base points at, or, where the
 base's block is itself a delta, that delta's own base), so restoring a
