@@ -596,7 +596,14 @@ def test_manager_keeps_the_full_step_its_deltas_are_against(tmp_path):
 def _delta_kinds(step: Path) -> list[int]:
     """The kind byte of every delta block of a checkpoint (its header's second byte, FORMAT.md §6.5), read
     from the parts' columns and the own data files, independently of cairn's reader."""
-    from cairn._format.partfile import HEADER_BYTES, OWN, PART_VERSION_BLOCKS, RECORD, RECORD_BYTES, block_columns
+    from cairn._format.partfile import (
+        HEADER_BYTES,
+        OWN,
+        PART_VERSION_BLOCKS,
+        RECORD,
+        RECORD_BYTES,
+        block_columns,
+    )
 
     kinds: list[int] = []
     for index in step.glob("*/index.*.json"):
@@ -607,7 +614,7 @@ def _delta_kinds(step: Path) -> list[int]:
             rec = np.frombuffer(data, dtype=RECORD, count=n, offset=HEADER_BYTES)
             sizes = np.frombuffer(data, dtype="<u4", count=m, offset=HEADER_BYTES + n * RECORD_BYTES + 4 * m)
             src = block_columns(data, PART_VERSION_BLOCKS)[1]
-            ends = list(rec["crc_start"][1:]) + [m]
+            ends = [*rec["crc_start"][1:].tolist(), m]
             for r, end in zip(rec, ends):
                 own = (index.parent / meta["files"][part["file_base"] + int(r["file"])]["name"]).read_bytes()
                 pos = int(r["offset"])

@@ -44,7 +44,7 @@ DELTA_SPARSE = 1
 DELTA_KINDS = ("xor", "sparse")
 #: The element sizes a sparse delta can have (its elements are viewed as unsigned integers of this size).
 SPARSE_ITEMSIZES = (1, 2, 4, 8)
-_UINT = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+_UINT: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
 
 
 def uint_of(k: int) -> np.dtype:
@@ -82,6 +82,7 @@ def sparse_parse(content: np.ndarray, count: int, k: int, where: str) -> tuple[n
         raise CorruptCheckpointError(f"{where}: a sparse delta's element indices are not strictly increasing "
                                      f"below {count}")
     return idx, content[4 + 4 * n :].view(_UINT[k])
+
 
 try:
     import xxhash as _xxhash

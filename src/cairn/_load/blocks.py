@@ -31,8 +31,19 @@ from .._errors import CorruptCheckpointError
 from .._format import codecs as _codecs
 from .._format import manifest as fmt
 from .._format.binindex import raw_blocks, stored_bound
-from .._format.blocks import (CODEC_IDS, CODEC_NAMES, DELTA, DELTA_HEADER, DELTA_KINDS, DELTA_SPARSE, DELTA_XOR,
-                              SPARSE_ITEMSIZES, sparse_parse, sparse_size, uint_of)
+from .._format.blocks import (
+    CODEC_IDS,
+    CODEC_NAMES,
+    DELTA,
+    DELTA_HEADER,
+    DELTA_KINDS,
+    DELTA_SPARSE,
+    DELTA_XOR,
+    SPARSE_ITEMSIZES,
+    sparse_parse,
+    sparse_size,
+    uint_of,
+)
 from .._plan.reads import Read
 from .._tree.pytree import display_path
 

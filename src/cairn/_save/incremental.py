@@ -59,8 +59,20 @@ from .._core.checksum import crc32c
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import codecs as _codecs
 from .._format import manifest as fmt
-from .._format.blocks import (CODEC_IDS, CODEC_NAMES, DELTA, DELTA_HEADER, DELTA_SPARSE, DELTA_XOR, HASH_BYTES,
-                              SPARSE_ITEMSIZES, block_hash, sparse_payload, sparse_size, uint_of)
+from .._format.blocks import (
+    CODEC_IDS,
+    CODEC_NAMES,
+    DELTA,
+    DELTA_HEADER,
+    DELTA_SPARSE,
+    DELTA_XOR,
+    HASH_BYTES,
+    SPARSE_ITEMSIZES,
+    block_hash,
+    sparse_payload,
+    sparse_size,
+    uint_of,
+)
 from .._format.partfile import OWN, SOURCE
 from .._storage.location import Location, ranges_reader, resolve
 from .._tree.leaves import ArraySource
