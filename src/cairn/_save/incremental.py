@@ -461,7 +461,9 @@ def _try_delta(piece: memoryview, b: _Base, ctx: _DeltaCtx, dtype: Any, probe: b
     xor = np.bitwise_xor(new, np.frombuffer(base_raw, np.uint8))
     frame = _codecs.encode("zstd", xor, np.uint8)
     kind = DELTA_XOR
-    sparse = _sparse_frame(new, xor, dtype)
+    # Sparse is tried only where the XOR frame pays against the raw block (a block whose values all change
+    # costs no more than before); it is kept within `SPARSE_NEAR` of the XOR frame.
+    sparse = _sparse_frame(new, xor, dtype) if len(frame) <= DELTA_GAIN * len(piece) else None
     if sparse is not None and len(sparse) <= (1 + SPARSE_NEAR) * len(frame):
         frame, kind = sparse, DELTA_SPARSE
     data = DELTA_HEADER.pack(target.codec, kind, 0, target.crc, target.stored) + frame
