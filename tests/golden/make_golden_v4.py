@@ -37,14 +37,14 @@ def state(step: int) -> dict:
     return {"params": {"w": w, "emb": emb, "ids": np.arange(10, dtype=np.int32)}, "step": step}
 
 
-def write_chain(out: Path, state: Callable[[int], dict], note: str) -> int:
+def write_chain(out: Path, state: Callable[[int], dict], note: str, first: bool | str = True) -> int:
     """Steps 1-3 of `state` into `out` (refused if it exists): step 1 self-contained with block hashes and
-    compressed by measurement, steps 2 and 3 raw, each against the step before."""
+    compressed with `first` (True: by measurement), steps 2 and 3 raw, each against the step before."""
     if out.exists():
         print(f"{out} exists; goldens are never regenerated", file=sys.stderr)
         return 1
     out.mkdir(parents=True)
-    for step, base, compression in ((1, None, True), (2, 1, False), (3, 2, False)):
+    for step, base, compression in ((1, None, first), (2, 1, False), (3, 2, False)):
         loc = resolve(out / f"step_{step:08d}")
         kw = {"hashes": True} if base is None else {"base": resolve(out / f"step_{base:08d}"), "hashes": True}
         job = _save.prepare(loc, state(step), block_size=4096, min_file_bytes=16384, compression=compression,

@@ -266,3 +266,77 @@ def test_fuzz_checksummed_metadata_mutations(fuzz_dir, allocations, data):
         target.write_bytes(original)
     # Buffers are bounded by what is really on disk, whatever the metadata claims.
     assert sum(allocations) <= data_bytes, (where, value, allocations)
+
+
+# ------------------------------------------------------------------ sparse deltas (FORMAT.md §6.5, kind 1)
+
+
+def _sparse_case(content: bytes, kind: int = 1, pad: int = 0, base_codec: int = 0):
+    """A 4 KiB bf16 base block and a delta against it whose zstd frame holds `content`."""
+    import zstandard
+
+    from cairn._core.checksum import crc32c
+    from cairn._format.blocks import DELTA_HEADER
+
+    base = np.arange(2048, dtype=np.uint16).view(np.uint8)
+    head = DELTA_HEADER.pack(base_codec, kind, pad, crc32c(base), base.nbytes)
+    return head + zstandard.ZstdCompressor(write_content_size=True).compress(content), base
+
+
+def _sparse_content(gaps: list[int], values: list[int], n: int | None = None) -> bytes:
+    return (np.array([len(gaps) if n is None else n], "<u4").tobytes() + np.array(gaps, "<u4").tobytes()
+            + np.array(values, "<u2").tobytes())
+
+
+def _undelta(stored: bytes, base: np.ndarray) -> np.ndarray:
+    import ml_dtypes
+
+    from cairn._load.blocks import undelta
+
+    out = np.empty(base.nbytes, np.uint8)
+    undelta(stored, base.nbytes, ml_dtypes.bfloat16, lambda size, codec: base[:size], out, "ckpt: leaf 'w' block 0")
+    return out
+
+
+def test_a_sparse_delta_overwrites_its_changed_elements():
+    stored, base = _sparse_case(_sparse_content([0, 5, 2042], [7, 8, 9]))  # indices 0, 5, 2047
+    want = base.view(np.uint16).copy()
+    want[[0, 5, 2047]] = [7, 8, 9]
+    assert _undelta(stored, base).tobytes() == want.tobytes()
+    stored, base = _sparse_case(_sparse_content([], []))  # no element changed
+    assert _undelta(stored, base).tobytes() == base.tobytes()
+
+
+@pytest.mark.parametrize("case, match", [
+    (dict(kind=2), "names kind 2"),
+    (dict(pad=1), "pad bytes 0x0001"),
+    (dict(pad=0x100), "pad bytes 0x0100"),
+    (dict(content=_sparse_content([1, 2], [3, 4], n=3)), "names 3 changed elements"),  # n disagrees with the size
+    (dict(content=_sparse_content([0] + [1] * 2048, [1] * 2049)), "declares 12298 decompressed bytes, more than"),
+    (dict(content=_sparse_content([1], [1], n=3000)), "names 3000 changed elements of 2 bytes"),  # n > count
+    (dict(content=_sparse_content([2048], [1])), "not strictly increasing below 2048"),  # index out of range
+    (dict(content=_sparse_content([1000, 1048], [1, 1])), "not strictly increasing below 2048"),  # index 2048
+    (dict(content=_sparse_content([3, 0], [1, 1])), "not strictly increasing"),  # a repeated index
+    (dict(content=b"\x01\x00"), "shorter than its count"),
+    (dict(content=_sparse_content([3], [1]) + b"\x00"), "names 1 changed elements"),
+])
+def test_corrupt_sparse_deltas_are_named(case, match):
+    stored, base = _sparse_case(case.pop("content", _sparse_content([3, 4], [1, 2])), **case)
+    with pytest.raises(cairn.CorruptCheckpointError, match=match) as e:
+        _undelta(stored, base)
+    assert "ckpt: leaf 'w' block 0" in str(e.value)
+
+
+def test_a_truncated_sparse_delta_frame_is_corrupt():
+    stored, base = _sparse_case(_sparse_content([3, 4], [1, 2]))
+    for cut in (1, 3, len(stored) - 16 - 1):
+        with pytest.raises(cairn.CorruptCheckpointError, match="ckpt: leaf 'w' block 0"):
+            _undelta(stored[:-cut], base)
+
+
+def test_a_sparse_delta_of_an_element_size_without_a_uint_is_corrupt():
+    from cairn._load.blocks import undelta
+
+    stored, base = _sparse_case(_sparse_content([3], [1]))
+    with pytest.raises(cairn.CorruptCheckpointError, match="sparse deltas have elements of 1, 2, 4 or 8 bytes"):
+        undelta(stored, base.nbytes, np.complex128, lambda size, codec: base[:size], np.empty(4096, np.uint8), "ckpt")

@@ -590,6 +590,168 @@ def test_manager_keeps_the_full_step_its_deltas_are_against(tmp_path):
             mgr.delete(0)
 
 
+# ---------------------------------------------------------------------- sparse deltas (few elements change)
+
+
+def _delta_kinds(step: Path) -> list[int]:
+    """The kind byte of every delta block of a checkpoint (its header's second byte, FORMAT.md §6.5), read
+    from the parts' columns and the own data files, independently of cairn's reader."""
+    from cairn._format.partfile import (
+        HEADER_BYTES,
+        OWN,
+        PART_VERSION_BLOCKS,
+        RECORD,
+        RECORD_BYTES,
+        block_columns,
+    )
+
+    kinds: list[int] = []
+    for index in step.glob("*/index.*.json"):
+        meta = json.loads(index.read_bytes())
+        for part in meta.get("parts", []):
+            data = (index.parent / part["name"]).read_bytes()
+            n, m = part["records"], part["crcs"]
+            rec = np.frombuffer(data, dtype=RECORD, count=n, offset=HEADER_BYTES)
+            sizes = np.frombuffer(data, dtype="<u4", count=m, offset=HEADER_BYTES + n * RECORD_BYTES + 4 * m)
+            src = block_columns(data, PART_VERSION_BLOCKS)[1]
+            ends = [*rec["crc_start"][1:].tolist(), m]
+            for r, end in zip(rec, ends):
+                own = (index.parent / meta["files"][part["file_base"] + int(r["file"])]["name"]).read_bytes()
+                pos = int(r["offset"])
+                for b in range(int(r["crc_start"]), int(end)):
+                    if src["file"][b] == OWN or src["codec"][b] == 3:
+                        if src["codec"][b] == 3:
+                            kinds.append(own[pos + 1])
+                        pos += int(sizes[b])
+    return kinds
+
+
+def _poked(x: np.ndarray, at: list[int]) -> np.ndarray:
+    """A copy of `x` with the elements at flat positions `at` changed (their lowest bit flipped)."""
+    y = x.copy()
+    bits = y.reshape(-1).view(f"<u{x.dtype.itemsize}")
+    bits[at] ^= 1
+    return y
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, ml_dtypes.bfloat16, np.float32, np.float64])
+def test_sparse_deltas_round_trip_for_each_element_size(tmp_path, dtype, mesh8):
+    rng = np.random.default_rng(30)
+    w0 = rng.standard_normal((512, 1024)).astype(dtype)  # 1, 2, 4 or 8 blocks of 1 MiB
+    at = [0, 1, 77, w0.size // 2, w0.size - 1]  # a few elements, the first and last among them
+    w1 = _poked(w0, at)
+    _hashed(tmp_path / "s0", {"w": w0})
+    st = cairn.save(tmp_path / "s1", {"w": w1}, base=tmp_path / "s0")
+    blocks = -(-w0.nbytes // MiB)
+    assert _codecs_of(tmp_path / "s1").count(3) == len({a * w0.itemsize // MiB for a in at})
+    assert set(_delta_kinds(tmp_path / "s1")) == {1}  # sparse
+    assert st.bytes_written < 64 * blocks, st.bytes_written  # a header and a few bytes of zstd per delta
+    assert np.asarray(cairn.load(tmp_path / "s1")["w"]).tobytes() == w1.tobytes()
+    got = cairn.load(tmp_path / "s1", {"w": NamedSharding(mesh8, P(None, "x"))})
+    assert np.asarray(got["w"]).tobytes() == w1.tobytes()
+    assert verify(tmp_path / "s1").ok
+
+
+def test_sparse_deltas_rebuild_against_a_coded_base_and_chain_one_hop(tmp_path):
+    w0 = _bf16(31)
+    w1 = _poked(w0, [5, 600_000])  # blocks 0 and 1 (of 4, 512 Ki elements each)
+    w2 = _poked(w1, [1_500_000])  # block 2; blocks 0 and 1 as in step 1
+    _hashed(tmp_path / "s0", {"w": w0}, compression="planes")
+    cairn.save(tmp_path / "s1", {"w": w1}, base=tmp_path / "s0")
+    cairn.save(tmp_path / "s2", {"w": w2}, base=tmp_path / "s1")
+    assert _delta_kinds(tmp_path / "s2") == [1, 1, 1]
+    shutil.rmtree(tmp_path / "s1")  # step 2's deltas (step 1's copied, one new) are all against step 0
+    assert np.asarray(cairn.load(tmp_path / "s2")["w"]).tobytes() == w2.tobytes()
+    assert verify(tmp_path / "s2").ok
+
+
+def test_xor_deltas_stay_where_they_store_far_less(tmp_path):
+    w0 = _bf16(32)
+    # A run of 50,000 elements of every 1 MiB block with the lowest bit flipped: their XOR (01 00 repeated)
+    # codes to almost nothing, their new values (random) to 2 bytes each.
+    w1 = _poked(w0, [e for b in range(0, w0.size, 1 << 19) for e in range(b, b + 50_000)])
+    _hashed(tmp_path / "s0", {"w": w0})
+    cairn.save(tmp_path / "s1", {"w": w1}, base=tmp_path / "s0")
+    assert set(_delta_kinds(tmp_path / "s1")) == {0}
+    assert np.asarray(cairn.load(tmp_path / "s1")["w"]).tobytes() == w1.tobytes()
+
+
+def test_a_sparse_delta_never_has_the_size_an_old_reader_would_take_for_an_xor_frame():
+    # A cairn before sparse deltas decodes any delta's frame as an XOR frame of the block's raw size; it
+    # rejects every other declared size, so the writer never makes a sparse content of exactly that size.
+    from cairn._format import codecs as _codecs
+    from cairn._save.incremental import _sparse_frame
+
+    base = np.zeros(2048, np.uint16)  # a 4 KiB block of bf16: 4 + 682 * 6 == 4096
+    for n, sparse in ((681, True), (682, False)):
+        new = base.copy()
+        new[: 3 * n : 3] = 1
+        xor = (new ^ base).view(np.uint8)
+        frame = _sparse_frame(new.view(np.uint8), xor, ml_dtypes.bfloat16)
+        assert (frame is not None) == sparse
+    new = base.copy()
+    new[:3] = 1
+    frame = _sparse_frame(new.view(np.uint8), (new ^ base).view(np.uint8), ml_dtypes.bfloat16)
+    assert frame is not None
+    with pytest.raises(cairn.CorruptCheckpointError, match="declares 22 decompressed bytes"):
+        _codecs.decode("zstd", frame, np.uint8, 4096, np.empty(4096, np.uint8))  # what an old reader does
+
+
+def test_verify_finds_a_flipped_byte_in_a_sparse_delta(tmp_path):
+    w0 = _bf16(34)
+    _hashed(tmp_path / "s0", {"w": w0})
+    cairn.save(tmp_path / "s1", {"w": _poked(w0, [10, 2_000_000])}, base=tmp_path / "s0")
+    assert set(_delta_kinds(tmp_path / "s1")) == {1} and verify(tmp_path / "s1").ok
+    (own,) = glob.glob(str(tmp_path / "s1" / "*" / "*.bin"))
+    flipped = bytearray(Path(own).read_bytes())
+    flipped[-3] ^= 0x04
+    Path(own).write_bytes(bytes(flipped))
+    report = verify(tmp_path / "s1")
+    assert not report.ok and "CRC-32C" in report.problems[0].message
+    with pytest.raises(cairn.CorruptCheckpointError, match="s1: checksum mismatch"):
+        cairn.load(tmp_path / "s1")
+
+
+GOLDEN_SPARSE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden", "v4", "sparse")
+
+
+def _golden_sparse_state(step: int) -> dict:
+    """tests/golden/make_golden_v4_sparse.py's values, written out again."""
+    u8 = (np.arange(128 * 128) % 7).astype(np.uint8).reshape(128, 128)
+    bf = (np.arange(64 * 128) % 251).astype(ml_dtypes.bfloat16).reshape(64, 128)
+    f32 = np.arange(64 * 64, dtype=np.float32).reshape(64, 64)
+    f64 = np.arange(32 * 64, dtype=np.float64).reshape(32, 64)
+    if step >= 2:
+        u8[40, [0, 3, 100]] = 200
+        bf[20, [1, 2, 90]] = -1.5
+        f32[20, [0, 63]] = -7.25
+        f64[10, [5, 6, 7]] = 1e300
+    if step >= 3:
+        u8[127, 127] = 255
+        bf[60, 0] = 3.0
+        f32[60, 10] = 0.5
+        f64[31, 63] = -0.0
+    return {"params": {"u8": u8, "bf16": bf, "f32": f32, "f64": f64}, "step": step}
+
+
+@pytest.mark.parametrize("step", [1, 2, 3])
+def test_golden_v4_sparse_deltas_load_exactly(step, mesh8):
+    path = Path(GOLDEN_SPARSE, f"step_{step:08d}")
+    want = _golden_sparse_state(step)
+    _same(want, cairn.load(path))
+    got = cairn.load(path, {"params": {k: NamedSharding(mesh8, P("x")) for k in want["params"]}})
+    for k, v in want["params"].items():
+        assert np.asarray(got["params"][k]).tobytes() == v.tobytes(), k
+    assert verify(path).ok
+    # Step 2: block 1 of each leaf is a sparse delta against step 1's (planes-coded) block; step 3 adds
+    # block 3 and copies step 2's, all against step 1 (one hop). f64's block 3 changed one value in all its
+    # 8 bytes: its XOR frame stores less, so it is an XOR delta (kind 0) beside the sparse ones.
+    assert _codecs_of(path).count(3) == {1: 0, 2: 4, 3: 8}[step]
+    assert _delta_kinds(path) == {1: [], 2: [1] * 4, 3: [1] * 7 + [0]}[step]
+    m = fmt.Manifest.from_json(Path(path, "manifest.json").read_bytes(), str(path))
+    assert m.version == 4 and m.bases == {1: (), 2: ("step_00000001",), 3: ("step_00000001",)}[step]
+
+
 # ------------------------------------------------------------------ copies that keep their references
 
 

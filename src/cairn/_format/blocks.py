@@ -20,6 +20,10 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+import numpy as np
+
+from .._errors import CorruptCheckpointError
+
 #: Version 4's per-block codec ids (the byte in a block's source): id i is codec CODEC_NAMES[i]. Id 3 is
 #: a delta (`DELTA`, not a codec a leaf can have: decoding a block by the name "delta" is an unknown codec,
 #: so a delta named as a base block's codec is rejected as corrupt); "blosc2" (id 4) came after it.
@@ -28,10 +32,57 @@ CODEC_IDS = {name: i for i, name in enumerate(CODEC_NAMES)}
 HASH_BYTES = 16
 
 #: The codec id of a **delta** block (docs/FORMAT.md §6.5): its stored bytes, in the chunk's own data file,
-#: are `DELTA_HEADER` (the base block's codec id, CRC-32C and stored size) then one zstd frame of the XOR of
-#: its raw bytes with the base block's raw bytes; its source's file and offset name the base block.
+#: are `DELTA_HEADER` (the base block's codec id, the delta's kind, two zero bytes, the base block's CRC-32C
+#: and stored size) then one zstd frame, whose content the kind says; its source's file and offset name the
+#: base block.
 DELTA = 3
-DELTA_HEADER = struct.Struct("<B3xIQ")
+DELTA_HEADER = struct.Struct("<BBHIQ")
+#: Delta kinds (the header's second byte). `DELTA_XOR`: the frame is the XOR of the block's raw bytes with
+#: the base block's. `DELTA_SPARSE`: the frame is `sparse_payload`'s bytes, the changed elements alone.
+DELTA_XOR = 0
+DELTA_SPARSE = 1
+DELTA_KINDS = ("xor", "sparse")
+#: The element sizes a sparse delta can have (its elements are viewed as unsigned integers of this size).
+SPARSE_ITEMSIZES = (1, 2, 4, 8)
+_UINT: dict[int, np.dtype] = {1: np.dtype("<u1"), 2: np.dtype("<u2"), 4: np.dtype("<u4"), 8: np.dtype("<u8")}
+
+
+def uint_of(k: int) -> np.dtype:
+    """The little-endian unsigned integer type of k bytes, k in `SPARSE_ITEMSIZES`."""
+    return _UINT[k]
+
+
+def sparse_payload(idx: np.ndarray, values: np.ndarray, k: int) -> bytes:
+    """A sparse delta's content before zstd: uint32 n, n uint32 gaps between the changed elements'
+    indices (strictly increasing `idx`; the first gap is the first index), then their n new values
+    (k bytes each), little-endian."""
+    gaps = np.diff(idx, prepend=0).astype("<u4")
+    return b"".join((np.uint32(len(idx)).astype("<u4").tobytes(), gaps.tobytes(),
+                     np.asarray(values, dtype=_UINT[k]).tobytes()))
+
+
+def sparse_size(n: int, k: int) -> int:
+    """The content size of a sparse delta of n changed k-byte elements."""
+    return 4 + n * (4 + k)
+
+
+def sparse_parse(content: np.ndarray, count: int, k: int, where: str) -> tuple[np.ndarray, np.ndarray]:
+    """A sparse delta's decoded content (uint8, `sparse_payload`) as ``(element indices, new values)``,
+    checked against a block of `count` k-byte elements: its size is `sparse_size` of its n, n <= count,
+    the indices strictly increasing and below count. Raises CorruptCheckpointError naming `where`."""
+    if len(content) < 4:
+        raise CorruptCheckpointError(f"{where}: a sparse delta of {len(content)} bytes, shorter than its count")
+    n = int(content[:4].view("<u4")[0])
+    if n > count or len(content) != sparse_size(n, k):
+        raise CorruptCheckpointError(f"{where}: a sparse delta of {len(content)} bytes names {n} changed "
+                                     f"elements of {k} bytes (of {count}): it would hold {sparse_size(n, k)}")
+    gaps = content[4 : 4 + 4 * n].view("<u4")
+    idx = np.cumsum(gaps, dtype=np.int64)
+    if n and (idx[-1] >= count or (n > 1 and not bool(gaps[1:].all()))):
+        raise CorruptCheckpointError(f"{where}: a sparse delta's element indices are not strictly increasing "
+                                     f"below {count}")
+    return idx, content[4 + 4 * n :].view(_UINT[k])
+
 
 try:
     import xxhash as _xxhash

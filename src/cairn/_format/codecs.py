@@ -457,8 +457,20 @@ def _corrupt(where: str, codec: str, what: str) -> CorruptCheckpointError:
     return CorruptCheckpointError(f"{at}a {codec!r} block {what}")
 
 
-def _frame_size(buf: memoryview, n: int, where: str, codec: str) -> int:
-    """The length of the zstd frame at the start of `buf`, checking it declares n content bytes."""
+def frame_content_size(stored: Any, limit: int, where: str, codec: str) -> int:
+    """The content size that the single zstd frame `stored` declares, at most `limit` (checked as `decode`
+    checks a frame, before anything is allocated): for a frame whose size its content tells (a delta's)."""
+    src = memoryview(stored).cast("B") if not isinstance(stored, np.ndarray) else _as_u8(stored).data
+    n = _frame_size(src, None, where, codec)
+    if n > limit:
+        raise _corrupt(where, codec, f"declares {n} decompressed bytes, more than the {limit} it can hold")
+    _check_frame(src, n, where, codec)
+    return n
+
+
+def _frame_size(buf: memoryview, n: int | None, where: str, codec: str) -> int:
+    """The length of the zstd frame at the start of `buf`, checking it declares n content bytes (with n
+    None: the content size it declares, its header alone checked)."""
     if len(buf) < 6 or bytes(buf[:4]) != _MAGIC:
         raise _corrupt(where, codec, "does not start with a zstd frame")
     fhd = buf[4]
@@ -474,6 +486,8 @@ def _frame_size(buf: memoryview, n: int, where: str, codec: str) -> int:
     if len(buf) < pos + fcs_size + 3:
         raise _corrupt(where, codec, "is truncated inside a zstd frame header")
     fcs = int.from_bytes(buf[pos:pos + fcs_size], "little") + (256 if fcs_size == 2 else 0)
+    if n is None:
+        return fcs
     if fcs != n:
         raise _corrupt(where, codec, f"declares {fcs} decompressed bytes where the index says {n}")
     pos += fcs_size

@@ -10,10 +10,12 @@ the base's file for references, so an unchanged block costs what it costs
 in the base), every block's CRC-32C is checked on its stored bytes, and each
 is decoded by its own codec into the destination (or into a buffer the
 copies take from). A delta block (codec `DELTA`) is the chunk's own bytes
-(a header and a zstd frame of an XOR) against a block of a base's file: the
+(a header and a zstd frame: of an XOR, or of the changed elements' positions
+and values, by the header's kind) against a block of a base's file: the
 base block is read (one more ranged read; the base blocks of consecutive
 deltas that lie back to back in one file as one), checked against the
-CRC-32C its header records, decoded, and XORed with the decoded delta.
+CRC-32C its header records, decoded, and XORed with the decoded delta or
+its changed elements overwritten.
 `fetches` is the rule for which requests a read sends, which the load's
 plan and its dry run follow too.
 """
@@ -29,7 +31,19 @@ from .._errors import CorruptCheckpointError
 from .._format import codecs as _codecs
 from .._format import manifest as fmt
 from .._format.binindex import raw_blocks, stored_bound
-from .._format.blocks import CODEC_IDS, CODEC_NAMES, DELTA, DELTA_HEADER
+from .._format.blocks import (
+    CODEC_IDS,
+    CODEC_NAMES,
+    DELTA,
+    DELTA_HEADER,
+    DELTA_KINDS,
+    DELTA_SPARSE,
+    DELTA_XOR,
+    SPARSE_ITEMSIZES,
+    sparse_parse,
+    sparse_size,
+    uint_of,
+)
 from .._plan.reads import Read
 from .._tree.pytree import display_path
 
@@ -118,42 +132,59 @@ def own_blocks(leaf: fmt.ArrayLeaf, cell: int, block: int) -> list[tuple[int, in
     return out
 
 
-def delta_header(stored: Any, raw_size: int, where: str) -> tuple[int, int, int]:
-    """A delta block's header, checked: its base block's ``(codec id, CRC-32C, stored size)``."""
+def delta_header(stored: Any, raw_size: int, where: str) -> tuple[int, int, int, int]:
+    """A delta block's header, checked: its base block's ``(codec id, CRC-32C, stored size)`` and the
+    delta's kind (`DELTA_XOR` or `DELTA_SPARSE`)."""
     if len(stored) < DELTA_HEADER.size:
         raise CorruptCheckpointError(f"{where}: a delta block of {len(stored)} bytes, shorter than its header")
-    codec, crc, size = DELTA_HEADER.unpack_from(stored)
-    if codec >= len(CODEC_NAMES) or size > stored_bound(raw_size):
+    codec, kind, pad, crc, size = DELTA_HEADER.unpack_from(stored)
+    if codec >= len(CODEC_NAMES) or codec == DELTA or size > stored_bound(raw_size):
         raise CorruptCheckpointError(f"{where}: a delta's header names codec {codec} and {size} stored bytes")
+    if kind >= len(DELTA_KINDS) or pad:
+        raise CorruptCheckpointError(f"{where}: a delta's header names kind {kind} (known: "
+                                     f"{', '.join(f'{i} {n}' for i, n in enumerate(DELTA_KINDS))}) and pad "
+                                     f"bytes {pad:#06x} (must be zero)")
     if codec == 0 and size != raw_size:
         raise CorruptCheckpointError(f"{where}: the base block of a delta stores {size} bytes, not {raw_size}")
-    return codec, crc, size
+    return codec, crc, size, kind
 
 
 def apply_delta(stored: Any, base: Any, codec: int, crc: int, dtype: Any, out: np.ndarray, where: str,
-                in_place: bool = False) -> None:
-    """Rebuild a delta block into `out` (its raw bytes): `stored` its checked stored bytes, `base` the
-    stored bytes of its base block (coded by `codec`), checked here against `crc`. `in_place`: `base` is a
-    raw base block read straight into `out` (no copy then)."""
+                in_place: bool = False, kind: int = DELTA_XOR) -> None:
+    """Rebuild a delta block of `kind` into `out` (its raw bytes): `stored` its checked stored bytes,
+    `base` the stored bytes of its base block (coded by `codec`), checked here against `crc`. `in_place`:
+    `base` is a raw base block read straight into `out` (no copy then)."""
     from .landing import scratch
 
     check_block(base, crc, where, "the base block of a delta (stored: what its header records)")
+    frame = memoryview(stored)[DELTA_HEADER.size :]
+    if kind == DELTA_SPARSE:  # its changed elements, checked before the base lands in `out`
+        k = np.dtype(dtype).itemsize
+        if k not in SPARSE_ITEMSIZES or out.nbytes % k:
+            raise CorruptCheckpointError(f"{where}: a sparse delta of a {np.dtype(dtype)} block of {out.nbytes} "
+                                         "bytes (sparse deltas have elements of 1, 2, 4 or 8 bytes)")
+        count = out.nbytes // k
+        n = _codecs.frame_content_size(frame, sparse_size(count, k), where, "sparse delta")
+        content = _codecs.decode("zstd", frame, np.uint8, n, scratch(n, "sparse"), where=where)
+        idx, values = sparse_parse(content, count, k, where)
     if codec == 0:
         if not in_place:
             out[:] = np.frombuffer(base, np.uint8)
     else:
         _codecs.decode(CODEC_NAMES[codec], base, dtype, out.nbytes, out, where=where)
+    if kind == DELTA_SPARSE:
+        out.view(uint_of(k))[idx] = values
+        return
     # The XOR into this thread's scratch (no fresh pages per block), then onto the base's bytes in place.
-    xor = _codecs.decode("zstd", memoryview(stored)[DELTA_HEADER.size :], np.uint8, out.nbytes,
-                         scratch(out.nbytes, "xor"), where=where)
+    xor = _codecs.decode("zstd", frame, np.uint8, out.nbytes, scratch(out.nbytes, "xor"), where=where)
     np.bitwise_xor(out, xor, out=out)
 
 
 def undelta(stored: Any, raw_size: int, dtype: Any, read_base: Any, out: np.ndarray, where: str) -> None:
     """Rebuild a delta block into `out` (`raw_size` bytes): `stored` its checked stored bytes,
     ``read_base(size, codec)`` the `size` stored bytes of the base block it is against (coded by `codec`)."""
-    codec, crc, size = delta_header(stored, raw_size, where)
-    apply_delta(stored, read_base(size, codec), codec, crc, dtype, out, where)
+    codec, crc, size, kind = delta_header(stored, raw_size, where)
+    apply_delta(stored, read_base(size, codec), codec, crc, dtype, out, where, kind=kind)
 
 
 def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> None:
@@ -200,7 +231,7 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
             got.append((fe, view, p))
         return got
 
-    deltas: dict[int, tuple[Any, int, int, int]] = {}  # block -> (its stored bytes, base codec, CRC, size)
+    deltas: dict[int, tuple[Any, int, int, int, int]] = {}  # block -> (stored bytes, base codec, CRC, size, kind)
     for fe, view, in_place in fill(stored_fetches(places, b0, b1), lambda b: places[b][4], "stored"):
         pos = 0
         for b in fe.blocks:
@@ -233,9 +264,9 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
         for fe, view, in_place in fill(bases, lambda b: deltas[b][1], "base"):
             pos = 0
             for b in fe.blocks:
-                stored, codec, crc, size = deltas[b]
+                stored, codec, crc, size, kind = deltas[b]
                 apply_delta(stored, view[pos : pos + size], codec, crc, leaf.dtype, slot(b),
-                            _delta_where(reader, name, cell, b, places[b][5]), in_place)
+                            _delta_where(reader, name, cell, b, places[b][5]), in_place, kind)
                 pos += size
     if out is None:
         for c in read.copies:
