@@ -125,13 +125,9 @@ class SaveJob:
     # None: blocks stored raw (format version 2); "choose": a codec per leaf measured on a sample;
     # else the one codec every array leaf gets (`codecs.CODECS`). Any but None writes version 3.
     compression: str | None = None
-    # bytes/s of the storage, as the primary sees it: what "auto" prices each leaf against
-    bandwidth: float = 0.0
-    read_bandwidth: float = 0.0  # the same, for reading it back (0: as `bandwidth`)
-    coded_bandwidth: float = 0.0  # what coded writes reached end to end, measured (0: as `bandwidth`)
-    coded_read_bandwidth: float = 0.0  # what loads of coded blocks reached (0: as `read_bandwidth`)
-    codec_factor: float = 1.0  # the share of `options.CODEC_SPEEDS` the primary's host codes at
-    bandwidth_source: str = ""  # where the primary took `bandwidth` from: declared, measured, default
+    # What "auto" prices each leaf with, as the primary sees it (`auto_prices`: the storage's bandwidth
+    # each way, raw and coded, where it came from, the codec factor); empty: this process's own.
+    prices: dict[str, Any] = field(default_factory=dict)
     stats: SaveStats = field(default_factory=SaveStats)
     # item name -> leaf number -> codec, for the leaves this process writes (set by `write_data`)
     codecs: dict[str, dict[int, str]] = field(default_factory=dict)
@@ -325,7 +321,7 @@ class SaveJob:
         if self.compression is not None:
             self.codecs = choose_codecs(self)
         self.stats.compression = describe_compression(self.compression, self.loc.storage, self.codecs,
-                                                      self.prices())
+                                                      self.priced())
         if self.inc is not None:  # incremental: the base's indexes and the records of our chunks
             self.inc.open(self.items, self.loc.path)
         # Compressed blocks are encoded by a pool of their own, so that a file of large chunks uses
@@ -362,13 +358,9 @@ class SaveJob:
         self._measure()
         return partial
 
-    def prices(self) -> dict[str, Any]:
-        """What "auto" prices this save's leaves with, as `auto_prices` gives (the primary's figures)."""
-        if not self.bandwidth:
-            return auto_prices(self.loc.storage)
-        return {"bandwidth": self.bandwidth, "read_bandwidth": self.read_bandwidth or None,
-                "coded_bandwidth": self.coded_bandwidth or None, "coded_read_bandwidth": self.coded_read_bandwidth or None,
-                "codec_factor": self.codec_factor, "bandwidth_source": self.bandwidth_source}
+    def priced(self) -> dict[str, Any]:
+        """What "auto" prices this save's leaves with (`prices`, else this process's `auto_prices`)."""
+        return self.prices or auto_prices(self.loc.storage)
 
     def _timed_code_task(self, task: list[tuple[int, bool, tuple[Any, ...]]]) -> list[tuple[int, bool, list[Any]]]:
         """`_code_task`, its span and raw bytes per codec noted for the codec factor (`_measure`)."""
@@ -711,7 +703,7 @@ def _choose_leaf(job: SaveJob, first: Any, dtype: Any) -> str:
     if type(first) is Concat:
         first = first.parts[0]
     assert job.compression is not None
-    prices = job.prices()
+    prices = job.priced()
     return leaf_codec(job.compression, dtype, job._host(first), prices["bandwidth"], prices)
 
 
@@ -793,7 +785,7 @@ def prepare(
     job = SaveJob(
         loc=loc, items=items, root=root, token=token, seq=seq, coord=coord, overwrite=overwrite,
         block_size=block_size, timeout=timeout, threads=threads, metadata=metadata or {}, strategy=strategy,
-        compression=compression, **prices,
+        compression=compression, prices=prices,
     )
     if base is not None or hashes:  # incremental (format version 4)
         from .incremental import setup
