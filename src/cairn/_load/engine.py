@@ -254,9 +254,11 @@ def _measure_reads(loc: Location, items: list[_ItemLoad], stats: LoadStats) -> N
     """Record what this load's reads reached over the storage's link, for the next saves'
     compression="auto" (`_storage.measured`): bytes read over the read time. Where any leaf read
     was compressed, its decoding ran inside the read time, so the figure is only a lower bound."""
-    from .._storage.measured import record, sample_of
+    from .._storage.measured import MIN_SAMPLE_BYTES, link_of, record, sample_of
 
     try:
+        if stats.bytes_read < MIN_SAMPLE_BYTES or link_of(loc.storage) is None:
+            return  # nothing to record (a local disk, a small load): no walk over the leaves
         coded = any(getattr(leaf, "codec", "none") != "none" for it in items for leaf in it.index.leaves)
         record(loc.storage, "read", sample_of(stats.bytes_read, stats.read_s, stats.read_s, coded))
     except Exception:
