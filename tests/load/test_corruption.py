@@ -340,3 +340,43 @@ def test_a_sparse_delta_of_an_element_size_without_a_uint_is_corrupt():
     stored, base = _sparse_case(_sparse_content([3], [1]))
     with pytest.raises(cairn.CorruptCheckpointError, match="sparse deltas have elements of 1, 2, 4 or 8 bytes"):
         undelta(stored, base.nbytes, np.complex128, lambda size, codec: base[:size], np.empty(4096, np.uint8), "ckpt")
+
+
+# ---------------------------------------------------------------------- delta headers and sparse frames, fuzzed
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=0, max_size=40), st.sampled_from([0, 4096, 1 << 20]))
+def test_any_delta_header_is_read_or_refused(data, raw_size):
+    """Whatever 16 bytes head a delta block, `delta_header` gives a base codec that is a block codec (never
+    a delta), a known kind and a base size within the bound, or raises CorruptCheckpointError."""
+    from cairn._format.binindex import stored_bound
+    from cairn._format.blocks import CODEC_NAMES, DELTA, DELTA_KINDS
+    from cairn._load.blocks import delta_header
+
+    try:
+        codec, _crc, size, kind = delta_header(data, raw_size, "ckpt: block 0")
+    except cairn.CorruptCheckpointError as e:
+        assert "ckpt: block 0" in str(e)
+        return
+    assert codec < len(CODEC_NAMES) and codec != DELTA and kind < len(DELTA_KINDS)
+    assert size <= stored_bound(raw_size) and (codec != 0 or size == raw_size)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(min_size=0, max_size=200), st.sampled_from([1, 2, 4, 8]), st.integers(0, 64))
+def test_any_sparse_content_is_parsed_or_refused(content, k, count):
+    """A sparse delta's decoded content: either n strictly increasing element indices below the block's
+    count with n values of k bytes, or a CorruptCheckpointError naming the block."""
+    from cairn._format.blocks import sparse_parse, sparse_size
+
+    try:
+        idx, values = sparse_parse(np.frombuffer(content, np.uint8), count, k, "ckpt: block 3")
+    except cairn.CorruptCheckpointError as e:
+        assert "ckpt: block 3" in str(e)
+        return
+    n = len(idx)
+    assert len(content) == sparse_size(n, k) and n <= count and len(values) == n
+    assert values.dtype.itemsize == k
+    if n:
+        assert idx[0] >= 0 and idx[-1] < count and bool(np.all(np.diff(idx) > 0))
