@@ -20,6 +20,7 @@ import numpy as np
 
 from .._core.boxes import cell_box
 from .._errors import corrupt
+from .._version import __version__
 from .binindex import (
     ChunkTable,
     LazyChunks,
@@ -46,7 +47,12 @@ from .values import VALUE_KINDS, decode_value, dtype_from_name, dtype_name, enco
 FORMAT_VERSION = 2  # what this cairn writes when no leaf is compressed
 COMPRESSED_VERSION = 3  # what it writes when one is (docs/FORMAT.md §6.4)
 INCREMENTAL_VERSION = 4  # what it writes with block hashes and references (docs/FORMAT.md §6.5)
-READ_VERSIONS = (1, 2, 3, 4)  # what it reads (docs/FORMAT.md: version 1 is a subset of 2 but for the grid form)
+# What a manifest says when some block of the checkpoint needs a reader that knows codec "blosc2" (§6.4)
+# or sparse deltas (§6.5): a cairn that predates them then stops at the manifest with its version message
+# (docs/FORMAT.md §6.6). Its indexes keep the version of their layout (3 or 4): 5 is a manifest version only.
+NEWER_BLOCKS_VERSION = 5
+READ_VERSIONS = (1, 2, 3, 4, 5)  # the manifests it reads (docs/FORMAT.md: version 1 is a subset of 2 but for the grid form)
+INDEX_VERSIONS = (1, 2, 3, 4)  # the indexes it reads: an index's version names its layout
 CODECS = ("none", "zstd", "planes", "blosc2")  # the block codecs of version 3 (`codecs`)
 MANIFEST = "manifest.json"
 INDEX = "index.json"
@@ -87,6 +93,17 @@ def _int(v: Any, where: object, lo: int = 0, hi: int = MAX_FILE_BYTES) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
         raise corrupt(where, f"expected an integer in [{lo}, {hi}], found {v!r}")
     return v
+
+
+def unknown_version(what: str, version: int, known: Sequence[int], writer: object = None) -> str:
+    """Why a manifest or index of `version` is refused. One newer than any this cairn knows was written by a
+    newer cairn (`writer`: the manifest's `cairn_version`), so the message says to upgrade, not only refuse."""
+    reads = f"this cairn ({__version__}) reads {what} versions {', '.join(map(str, known))}"
+    if version > max(known):
+        by = f" ({writer})" if isinstance(writer, str) and writer else ""
+        return (f"{what} version {version} is not supported: a newer cairn{by} wrote it, and {reads}; "
+                "upgrade cairn to read it")
+    return f"{what} version {version} is not supported ({reads})"
 
 
 def parse_json(data: bytes, where: str) -> Any:
@@ -186,8 +203,7 @@ class Manifest:
             raise corrupt(where, "not a cairn manifest")
         version = _req(d, "version", int, where)
         if version not in READ_VERSIONS:
-            raise corrupt(where, f"format version {version} is not supported (this cairn reads versions "
-                               f"{', '.join(map(str, READ_VERSIONS))})")
+            raise corrupt(where, unknown_version("format", version, READ_VERSIONS, d.get("cairn_version")))
         items = {}
         for name, v in _req(d, "items", dict, where).items():
             w = f"{where}: item {name!r}"
@@ -352,9 +368,8 @@ class ItemIndex:
         if _req(d, "format", str, where) != "cairn-index":
             raise corrupt(where, "not a cairn item index")
         version = _req(d, "version", int, where)
-        if version not in READ_VERSIONS:
-            raise corrupt(where, f"index version {version} is not supported (this cairn reads versions "
-                               f"{', '.join(map(str, READ_VERSIONS))})")
+        if version not in INDEX_VERSIONS:
+            raise corrupt(where, unknown_version("index", version, INDEX_VERSIONS))
         block = _int(_req(d, "block_size", int, where), where, MIN_BLOCK, MAX_BLOCK)
         files = []
         names = set()

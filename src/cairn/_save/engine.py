@@ -170,9 +170,22 @@ class SaveJob:
 
     @property
     def version(self) -> int:
+        """The version of this save's indexes, which names their layout (2, 3 or 4)."""
         if self.inc is not None:
             return fmt.INCREMENTAL_VERSION
         return fmt.FORMAT_VERSION if self.compression is None else fmt.COMPRESSED_VERSION
+
+    def newer_blocks(self, item: SaveItem) -> bool:
+        """Whether this process's part of `item` holds a block only a reader of format version 5 knows: a
+        "blosc2" block of its own, a reference to one or a delta against one, or a sparse delta."""
+        return "blosc2" in self.codecs.get(item.name, {}).values() or (
+            self.inc is not None and self.inc.newer_blocks(item.name))
+
+    def manifest_version(self, statuses: dict[int, dict[str, Any]]) -> int:
+        """The manifest's version: the indexes' (`version`), or 5 where any process's part of any item
+        holds blosc2 blocks or sparse deltas (its status says so: `_write_parts`)."""
+        newer = any(mine.get("newer") for s in statuses.values() for mine in s.get("items", {}).values())
+        return fmt.NEWER_BLOCKS_VERSION if newer else self.version
 
     def _write_file(self, item: SaveItem, k: int, slots: list[FileSlot], crc_pool: ThreadPoolExecutor,
                     code_pool: ThreadPoolExecutor | None = None):
@@ -444,6 +457,8 @@ class SaveJob:
             if self.compression is not None:  # the codecs of the leaves whose first cell this process wrote
                 mine["codecs"] = {str(i): c for i, c in self.codecs.get(item.name, {}).items()
                                   if item.layouts[i].writer[0] == me and c != "none"}
+            if self.newer_blocks(item):  # the manifest then says version 5 (`manifest_version`)
+                mine["newer"] = True
             if part is not None:
                 name, data, records, crcs = part
                 self.loc.storage.put(f"{self.write_root}/{item.dir}/{name}", data)
@@ -481,7 +496,7 @@ class SaveJob:
         manifest = fmt.Manifest(
             items=items, root=self.root, process_count=self.coord.process_count, cairn_version=__version__,
             created_unix=time.time(), metadata=self.metadata, bases=tuple(bases),
-        ).to_json(self.version)
+        ).to_json(self.manifest_version(statuses))
         self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite)
 
 

@@ -144,6 +144,7 @@ class _Chunk:
     refs: dict[int, Ref]  # block number -> reference
     codec: int  # the codec id of its own blocks
     deltas: dict[int, Ref] = field(default_factory=dict)  # block number -> the block its delta is against
+    sparse: bool = False  # some delta is sparse (the checkpoint is then of format version 5)
 
 
 @dataclass
@@ -285,6 +286,7 @@ class Incremental:
         hashes: list[bytes] = []
         refs: dict[int, Ref] = {}
         deltas: dict[int, Ref] = {}
+        sparse = False
         own = 0
 
         def results() -> Iterator[list[tuple[bytes, Any, int, int]]]:
@@ -313,6 +315,7 @@ class Incremental:
                     continue
                 if isinstance(payload, _Delta):
                     deltas[b] = payload.target
+                    sparse |= payload.data[1] == DELTA_SPARSE  # the header's kind byte
                     self.stats_deltas += 1
                     payload = payload.data
                 own += size
@@ -326,7 +329,7 @@ class Incremental:
                     yield batch
                     batch = bytearray()
                 yield payload
-        self.chunks[(item.name, leaf, cell)] = _Chunk(hashes, refs, CODEC_IDS[codec], deltas)
+        self.chunks[(item.name, leaf, cell)] = _Chunk(hashes, refs, CODEC_IDS[codec], deltas, sparse)
         return batch, tuple(sizes), crcs, own
 
     # ------------------------------------------------------------------ the part
@@ -362,6 +365,13 @@ class Incremental:
                 src[b]["offset"] = ref.offset
             out[(leaf, cell)] = (b"".join(ch.hashes), src.tobytes())
         return out
+
+    def newer_blocks(self, item: str) -> bool:
+        """Whether this process's chunks of `item` hold a block only a reader of format version 5 knows
+        (docs/FORMAT.md §6.6): a sparse delta, or a "blosc2" block (its own, referred to, or a delta's base)."""
+        b2 = CODEC_IDS["blosc2"]
+        return any(ch.sparse or ch.codec == b2 or any(r.codec == b2 for r in (*ch.refs.values(), *ch.deltas.values()))
+                   for (name, _leaf, _cell), ch in self.chunks.items() if name == item)
 
     def leaves_with_refs(self, item: str) -> list[int]:
         return sorted({leaf for (name, leaf, _c), ch in self.chunks.items() if name == item and (ch.refs or ch.deltas)})

@@ -92,7 +92,7 @@ class StreamWriter:
         self.strategy.check_destination(loc, overwrite=overwrite)
         self.loc, self.block, self.compression, self.overwrite, self.pool = (loc, block_size, compression, overwrite,
                                                                                pool)
-        self.version = fmt.FORMAT_VERSION
+        self.version = fmt.FORMAT_VERSION  # the manifest's (the highest of the items', `write_item`)
         self.bytes_written = 0  # data bytes (stored, so compressed where a leaf is)
         self.token = secrets.token_hex(6)
         self.root = self.strategy.attempt_root(loc.name, self.token)
@@ -166,7 +166,8 @@ class StreamWriter:
                                      crcs=tuple(tuple(crcs) for _, crcs, _ in cells), kind=kind, **extra,
                                      codec=codec, stored=stored))
         version = fmt.COMPRESSED_VERSION if codecs and set(codecs.values()) != {"none"} else fmt.FORMAT_VERSION
-        self.version = max(self.version, version)
+        # The manifest's: 5 where a leaf is "blosc2" (docs/FORMAT.md §6.6); the index keeps its layout's.
+        self.version = max(self.version, fmt.NEWER_BLOCKS_VERSION if "blosc2" in codecs.values() else version)
         index = fmt.ItemIndex(structure, tuple(out), files, self.block, version=version)
         data = index.to_json(version)
         fmt.ItemIndex.from_json(data, f"{self.loc.path} [{name}]")  # never commit what cairn cannot read back
