@@ -275,14 +275,15 @@ def _v4_blocks(folder: str, index: dict) -> dict:
     return out
 
 
-GOLDEN_SPARSE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden", "v4", "sparse")
+GOLDEN_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden")
 
 
+@pytest.mark.parametrize("version", ["v4", "v5"])
 @pytest.mark.parametrize("step", [2, 3])
-def test_spec_rebuilds_the_golden_sparse_and_xor_deltas(step):
-    """Every delta block of the v4/sparse golden rebuilt by `undelta_spec` (its base block decoded by
-    `_decode_block`) is the bytes cairn loads there."""
-    ckpt = os.path.join(GOLDEN_SPARSE, f"step_{step:08d}")
+def test_spec_rebuilds_the_golden_sparse_and_xor_deltas(version, step):
+    """Every delta block of the v4/sparse and v5/sparse goldens rebuilt by `undelta_spec` (its base block
+    decoded by `_decode_block`) is the bytes cairn loads there."""
+    ckpt = os.path.join(GOLDEN_ROOT, version, "sparse", f"step_{step:08d}")
     folder = os.path.join(ckpt, "params")
     (name,) = [f for f in os.listdir(folder) if f.startswith("index.") and f.endswith(".json")]
     with open(os.path.join(folder, name)) as f:
@@ -311,14 +312,19 @@ def test_spec_rebuilds_the_golden_sparse_and_xor_deltas(step):
             got = undelta_spec(stored, base_raw, k)
             assert got == want[b * index["block_size"] : b * index["block_size"] + r], (leaf["path"], b)
             kinds.append(kind)
-    assert sorted(kinds) == {2: [1] * 4, 3: [0] + [1] * 7}[step]
+    if version == "v4":
+        assert sorted(kinds) == {2: [1] * 4, 3: [0] + [1] * 7}[step]
+    else:  # two leaves: step 2 changed block 1 of each, step 3 block 2 too (step 2's deltas copied)
+        assert sorted(kinds) == {2: [1] * 2, 3: [1] * 4}[step]
 
 
 def spec_reader(ckpt: str):
     """Read a whole checkpoint following docs/FORMAT.md: {item: tree} (or the tree, for a root one)."""
     with open(os.path.join(ckpt, "manifest.json"), "rb") as f:
         manifest = json.loads(f.read())
-    assert manifest["format"] == "cairn" and manifest["version"] in (1, 2, 3)
+    # Version 5 (§6.6) names no layout of its own: its indexes' versions do, and those of 1-3 are read here
+    # (a "blosc2" leaf needs python-blosc2, `_decode_block`).
+    assert manifest["format"] == "cairn" and manifest["version"] in (1, 2, 3, 5)
     out = {}
     for name, item in manifest["items"].items():
         assert item["dir"] == ("%root" if manifest["root"] else _item_dir(name))
@@ -406,6 +412,16 @@ def test_spec_reader_reads_compressed_checkpoints(tmp_path, mesh42, explicit):
     fast = "blosc2" if _codecs.blosc2_available() else "planes"  # what True picks for trained floats
     assert index["version"] == 3 and {leaf.get("codec", "none") for leaf in index["leaves"]} >= {fast}
     assert explicit == any("stored" in leaf for leaf in index["leaves"])
+
+
+def test_spec_reader_reads_the_v5_blosc2_golden():
+    """tests/golden/v5/blosc2: a version-5 manifest over a version-3 index of "blosc2" leaves (§6.4, §6.6)."""
+    pytest.importorskip("blosc2", reason="the blosc2 leaves need python-blosc2")
+    ckpt = os.path.join(GOLDEN_ROOT, "v5", "blosc2")
+    got, want = spec_reader(ckpt), cairn.load(ckpt)
+    for k, v in want["params"].items():
+        assert got["params"][k].tobytes() == np.asarray(v).tobytes(), k
+    assert got["step"] == want["step"] == 5
 
 
 def test_spec_reader_detects_a_flipped_byte(tmp_path):
