@@ -86,7 +86,14 @@ def _codec_ids(ckpt: Path) -> list[int]:
 
 def _delta_kinds(ckpt: Path) -> list[int]:
     """The kind byte (FORMAT.md §6.5) of every delta block, read from the parts and data files by hand."""
-    from cairn._format.partfile import HEADER_BYTES, OWN, PART_VERSION_BLOCKS, RECORD, RECORD_BYTES, block_columns
+    from cairn._format.partfile import (
+        HEADER_BYTES,
+        OWN,
+        PART_VERSION_BLOCKS,
+        RECORD,
+        RECORD_BYTES,
+        block_columns,
+    )
 
     kinds = []
     for index in ckpt.glob("*/index.*.json"):
@@ -249,7 +256,7 @@ def test_index_versions_name_layouts_and_5_is_none_yet(tmp_path):
     for version in (5, 7):
         _rewrite(index, lambda d, v=version: d.update(version=v))
         with pytest.raises(cairn.CorruptCheckpointError, match=f"index version {version} is not supported: a "
-                                                               "newer cairn wrote it, and this cairn .* reads index "
+                                                               "newer cairn wrote it, and this cairn reads index "
                                                                "versions 1, 2, 3, 4; upgrade") as e:
             cairn.load(tmp_path / "ck")
         assert str(index) in str(e.value)

@@ -20,7 +20,6 @@ import numpy as np
 
 from .._core.boxes import cell_box
 from .._errors import corrupt
-from .._version import __version__
 from .binindex import (
     ChunkTable,
     LazyChunks,
@@ -98,7 +97,7 @@ def _int(v: Any, where: object, lo: int = 0, hi: int = MAX_FILE_BYTES) -> int:
 def unknown_version(what: str, version: int, known: Sequence[int], writer: object = None) -> str:
     """Why a manifest or index of `version` is refused. One newer than any this cairn knows was written by a
     newer cairn (`writer`: the manifest's `cairn_version`), so the message says to upgrade, not only refuse."""
-    reads = f"this cairn ({__version__}) reads {what} versions {', '.join(map(str, known))}"
+    reads = f"this cairn reads {what} versions {', '.join(map(str, known))}"
     if version > max(known):
         by = f" ({writer})" if isinstance(writer, str) and writer else ""
         return (f"{what} version {version} is not supported: a newer cairn{by} wrote it, and {reads}; "
