@@ -172,7 +172,7 @@ class Manifest:
     cairn_version: str = ""
     created_unix: float = 0.0
     metadata: dict[str, Any] = field(default_factory=dict)
-    version: int = FORMAT_VERSION  # the format version it was read as (written: always FORMAT_VERSION)
+    version: int = FORMAT_VERSION  # the format version it was read as (written: the version the save chose, docs/FORMAT.md §6.6)
     # Version 4: the sibling checkpoints whose data files this one's indexes refer to (§6.5).
     bases: tuple[str, ...] = ()
 
