@@ -22,6 +22,7 @@ plan and its dry run follow too.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -132,21 +133,26 @@ def own_blocks(leaf: fmt.ArrayLeaf, cell: int, block: int) -> list[tuple[int, in
     return out
 
 
-def delta_header(stored: Any, raw_size: int, where: str) -> tuple[int, int, int, int]:
+def delta_header(stored: Any, raw_size: int, where: str | Callable[[], str]) -> tuple[int, int, int, int]:
     """A delta block's header, checked: its base block's ``(codec id, CRC-32C, stored size)`` and the
-    delta's kind (`DELTA_XOR` or `DELTA_SPARSE`)."""
+    delta's kind (`DELTA_XOR` or `DELTA_SPARSE`). `where` names the block in errors (a function giving
+    the name, called only for an error: a load reads many headers and raises for none)."""
     if len(stored) < DELTA_HEADER.size:
-        raise CorruptCheckpointError(f"{where}: a delta block of {len(stored)} bytes, shorter than its header")
+        raise CorruptCheckpointError(f"{_at(where)}: a delta block of {len(stored)} bytes, shorter than its header")
     codec, kind, pad, crc, size = DELTA_HEADER.unpack_from(stored)
     if codec >= len(CODEC_NAMES) or codec == DELTA or size > stored_bound(raw_size):
-        raise CorruptCheckpointError(f"{where}: a delta's header names codec {codec} and {size} stored bytes")
+        raise CorruptCheckpointError(f"{_at(where)}: a delta's header names codec {codec} and {size} stored bytes")
     if kind >= len(DELTA_KINDS) or pad:
-        raise CorruptCheckpointError(f"{where}: a delta's header names kind {kind} (known: "
+        raise CorruptCheckpointError(f"{_at(where)}: a delta's header names kind {kind} (known: "
                                      f"{', '.join(f'{i} {n}' for i, n in enumerate(DELTA_KINDS))}) and pad "
                                      f"bytes {pad:#06x} (must be zero)")
     if codec == 0 and size != raw_size:
-        raise CorruptCheckpointError(f"{where}: the base block of a delta stores {size} bytes, not {raw_size}")
+        raise CorruptCheckpointError(f"{_at(where)}: the base block of a delta stores {size} bytes, not {raw_size}")
     return codec, crc, size, kind
+
+
+def _at(where: str | Callable[[], str]) -> str:
+    return where() if callable(where) else where
 
 
 def apply_delta(stored: Any, base: Any, codec: int, crc: int, dtype: Any, out: np.ndarray, where: str,
@@ -245,7 +251,8 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
                 check_block(got, crc, reader.loc.path, f"{where}data file {entry.name!r} bytes {off}..{off + size} "
                             f"(leaf {name!r}, chunk {cell} block {b})")
             if codec == DELTA:
-                deltas[b] = (piece, *delta_header(piece, raws[b], _delta_where(reader, name, cell, b, against)))
+                deltas[b] = (piece, *delta_header(piece, raws[b],
+                                                  lambda: _delta_where(reader, name, cell, b, against)))
                 continue
             if codec >= len(CODEC_NAMES):
                 raise CorruptCheckpointError(f"{reader.loc.path}: leaf {leaf.path!r} chunk {cell} block {b}: "
