@@ -890,3 +890,59 @@ def test_copy_keeping_references_to_and_from_s3(tmp_path, s3):
                       dst_storage_options={})
     assert back.bases == ("a", "b") and sorted(os.listdir(tmp_path / "back")) == ["a", "b", "c"]
     _same(states["c"], cairn.load(tmp_path / "back" / "c"))
+
+
+# ---------------------------------------------------------------------- save and load time (round 41b)
+
+
+@pytest.mark.parametrize("n", [0, 1, 4096, 64 << 10, (64 << 10) + 1, MiB, MiB + 7])
+def test_block_hash_is_xxh3_128_on_either_side_of_the_gil_free_size(n):
+    """Blocks above 64 KiB are hashed through a hasher object (which releases the GIL), smaller ones in one
+    call: the digest is the format's xxh3-128 either way, for every kind of buffer a save hands it."""
+    import xxhash
+
+    from cairn._format.blocks import block_hash
+
+    a = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    want = xxhash.xxh3_128_digest(a.tobytes())
+    for data in (a, memoryview(a), a.tobytes(), bytearray(a.tobytes()), memoryview(a.view(np.uint8))):
+        assert block_hash(data) == want
+
+
+def test_delta_header_names_its_block_only_when_it_refuses_it():
+    """A load passes the block's name as a function (formatting it for every delta cost more than the
+    header's checks): it is called for an error only, and the error carries it."""
+    from cairn._format.blocks import DELTA_HEADER
+    from cairn._load.blocks import delta_header
+
+    calls = []
+
+    def where() -> str:
+        calls.append(1)
+        return "ckpt: leaf 'w' chunk 0 block 3"
+
+    good = DELTA_HEADER.pack(0, 1, 0, 123, 4096) + b"\x28\xb5\x2f\xfd"
+    assert delta_header(good, 4096, where) == (0, 123, 4096, 1) and not calls
+    with pytest.raises(cairn.CorruptCheckpointError, match=r"ckpt: leaf 'w' chunk 0 block 3: .*pad bytes 0x0001"):
+        delta_header(DELTA_HEADER.pack(0, 1, 1, 123, 4096), 4096, where)
+    assert calls == [1]
+
+
+def test_more_files_than_writer_threads_and_checkpointables_in_turn(tmp_path):
+    """An incremental save starts one writer per data file (more than `threads`), taking the
+    checkpointables' files in turn: every step of a chain still loads bitwise, with references to the
+    unchanged checkpointables and the changed one written."""
+    rng = np.random.default_rng(3)
+    frozen = {f"l{i}": rng.standard_normal((512, 1024)).astype(np.float32) for i in range(3)}  # 2 MiB each
+    state = {"frozen": frozen, "head": {"w": np.zeros((256, 1024), np.float32)},
+             "other": {"x": rng.standard_normal((256, 1024)).astype(np.float32)}}
+    cairn.save(tmp_path / "s0", state, base=None, threads=1, compression=False)
+    _hashed(tmp_path / "s1", state)
+    prev = tmp_path / "s1"
+    for step in range(2, 4):
+        state["head"]["w"] += 1.0
+        st = cairn.save(tmp_path / f"s{step}", state, base=prev, threads=1, compression=False)
+        assert st.bytes_written < 2 * state["head"]["w"].nbytes  # the head (or its deltas) only
+        _same(state, cairn.load(tmp_path / f"s{step}"))
+        prev = tmp_path / f"s{step}"
+    assert verify(prev).ok
