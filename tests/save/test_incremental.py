@@ -946,3 +946,31 @@ def test_more_files_than_writer_threads_and_checkpointables_in_turn(tmp_path):
         _same(state, cairn.load(tmp_path / f"s{step}"))
         prev = tmp_path / f"s{step}"
     assert verify(prev).ok
+
+
+def test_verify_false_skips_raw_block_checks_as_a_plain_load_does_but_never_a_deltas(tmp_path):
+    """``verify=False`` skips the CRC-32C of raw blocks, own or referred to, as it does for a plain leaf;
+    deltas and their base blocks are checked whatever it says (a delta is decoded, and its base block's
+    CRC is what ties it to the block it was made against)."""
+    rng = np.random.default_rng(5)
+    frozen = rng.standard_normal((512, 512)).astype(np.float32)  # 1 MiB: one block, referred to
+    _hashed(tmp_path / "s0", {"frozen": frozen, "w": _bf16(21)})
+    w1 = _nudged(_bf16(21), 0.005, 22)
+    cairn.save(tmp_path / "s1", {"frozen": frozen, "w": w1}, base=tmp_path / "s0", compression=False)
+
+    def flip(item: str, at: int) -> None:
+        (f,) = glob.glob(str(tmp_path / "s0" / item / "*.bin"))
+        data = bytearray(Path(f).read_bytes())
+        data[at] ^= 0x40
+        Path(f).write_bytes(bytes(data))
+
+    flip("frozen", 100)  # inside the block s1 refers to
+    with pytest.raises(cairn.CorruptCheckpointError, match="checksum mismatch"):
+        cairn.load(tmp_path / "s1")
+    got = cairn.load(tmp_path / "s1", verify=False)  # as a plain leaf: not checked, the byte as stored
+    assert got["frozen"].view(np.uint8).reshape(-1)[100] == frozen.view(np.uint8).reshape(-1)[100] ^ 0x40
+    assert got["w"].tobytes() == w1.tobytes()
+    flip("frozen", 100)
+    flip("w", 5)  # inside the base block of a delta of s1
+    with pytest.raises(cairn.CorruptCheckpointError, match="a delta against its base checkpoint 's0'"):
+        cairn.load(tmp_path / "s1", verify=False)

@@ -7,7 +7,8 @@ compressed leaf's (`reader.plan_leaf_reads`): each read is whole blocks of
 one chunk. Here each block is mapped to its source, blocks whose stored
 bytes lie back to back in one file are read as one range (a ranged read in
 the base's file for references, so an unchanged block costs what it costs
-in the base), every block's CRC-32C is checked on its stored bytes, and each
+in the base), every block's CRC-32C is checked on its stored bytes (a raw
+block's only where the load verifies, as for a plain leaf), and each
 is decoded by its own codec into the destination (or into a buffer the
 copies take from). A delta block (codec `DELTA`) is the chunk's own bytes
 (a header and a zstd frame: of an XOR, or of the changed elements' positions
@@ -198,7 +199,8 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
     the chunk, ``[start, end)`` whole blocks of its raw bytes).
 
     Its requests are `fetches`' (what the load's plan predicts): first the blocks' stored bytes (raw
-    runs straight into place, the rest into one buffer), each block checked, own coded blocks decoded
+    runs straight into place, the rest into one buffer), each block checked (a raw one only where the
+    load verifies, as for a plain leaf), own coded blocks decoded
     and the deltas' headers read; then the deltas' base blocks (raw runs straight into place, where the
     rebuilt blocks go, the rest into a second buffer), each checked, decoded and XORed with its delta."""
     from .landing import direct_bytes
@@ -244,7 +246,10 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
             _f, off, size, crc, codec, against = places[b]
             piece = view[pos : pos + size]
             pos += size
-            got = crc32c(piece)
+            # Raw blocks, own or referred to, are checked as a plain leaf's are: unless the load was asked not
+            # to verify. Coded blocks and deltas always are (they are decoded, not copied), and so is a delta's
+            # base block (`apply_delta`): its CRC is what ties the delta to the block it was made against.
+            got = crc if codec == 0 and not reader.verify else crc32c(piece)
             if got != crc:
                 entry = reader.index.files[fe.file]
                 where = (f"its base checkpoint {entry.base!r} " if entry.base is not None else "")
