@@ -23,6 +23,7 @@ plan and its dry run follow too.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -256,8 +257,8 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
                 check_block(got, crc, reader.loc.path, f"{where}data file {entry.name!r} bytes {off}..{off + size} "
                             f"(leaf {name!r}, chunk {cell} block {b})")
             if codec == DELTA:
-                deltas[b] = (piece, *delta_header(piece, raws[b],
-                                                  lambda: _delta_where(reader, name, cell, b, against)))
+                deltas[b] = (piece, *delta_header(piece, raws[b], functools.partial(
+                    _delta_where, reader, name, cell, b, against)))
                 continue
             if codec >= len(CODEC_NAMES):
                 raise CorruptCheckpointError(f"{reader.loc.path}: leaf {leaf.path!r} chunk {cell} block {b}: "

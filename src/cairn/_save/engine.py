@@ -338,7 +338,7 @@ class SaveJob:
                 ThreadPoolExecutor(max(1, coders), thread_name_prefix="cairn-code") as code_pool:
             # Files start in turn across checkpointables (each one's first file, then each one's second...):
             # an incremental save's files of unchanged leaves only hash, and must not hold every writer
-            # while another checkpointable's changed leaves wait (docs/incremental.md, "Save time").
+            # while another checkpointable's changed leaves wait (docs/incremental.md, "Save and load time, round 41b").
             for k in range(max((len(item.files) for item in self.items), default=0)):
                 for item in self.items:
                     if k < len(item.files):

@@ -387,8 +387,8 @@ def _run(raw: memoryview, base: list[_Base] | None, block: int, codec: str, dtyp
                 out.append((h, got, len(got.data), b.ref.crc))
                 continue
         if ctx is None:  # no delta to try: coded and checksummed now, while the hash left it in the cache
-            enc = piece if codec == "none" else _codecs.encode(codec, piece, dtype)
-            out.append((h, enc, len(enc), crc32c(enc)))
+            coded: Any = piece if codec == "none" else _codecs.encode(codec, piece, dtype)
+            out.append((h, coded, len(coded), crc32c(coded)))
             continue
         out.append((h, None, 0, 0))
         changed.append(k)
