@@ -929,9 +929,9 @@ def test_delta_header_names_its_block_only_when_it_refuses_it():
 
 
 def test_more_files_than_writer_threads_and_checkpointables_in_turn(tmp_path):
-    """An incremental save starts one writer per data file (more than `threads`), taking the
-    checkpointables' files in turn: every step of a chain still loads bitwise, with references to the
-    unchanged checkpointables and the changed one written."""
+    """An incremental save starts a writer per data file (up to 2x `threads`: here 2 writers for 3 files),
+    taking the checkpointables' files in turn: every step of a chain still loads bitwise, with references to
+    the unchanged checkpointables and the changed one written."""
     rng = np.random.default_rng(3)
     frozen = {f"l{i}": rng.standard_normal((512, 1024)).astype(np.float32) for i in range(3)}  # 2 MiB each
     state = {"frozen": frozen, "head": {"w": np.zeros((256, 1024), np.float32)},

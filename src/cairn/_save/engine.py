@@ -329,10 +329,11 @@ class SaveJob:
         coders = _cores() if self.compression is not None else 0
         if self.inc is not None:  # incremental: blocks are hashed on that pool too
             coders = max(2, _cores())
-        # An incremental save's writers mostly wait for hashes: one per file (up to 4x `threads`), so that
-        # a file of changed leaves is written (and fsync'd) while files of unchanged ones are still hashed.
+        # An incremental save's writers mostly wait for hashes: one per file (up to 2x `threads`: each holds
+        # a window of coded runs), so that a file of changed leaves is written (and fsync'd) while files of
+        # unchanged ones are still hashed.
         files = sum(len(it.files) for it in self.items)
-        writers = self.threads if self.inc is None else max(self.threads, min(files, 4 * self.threads))
+        writers = self.threads if self.inc is None else max(self.threads, min(files, 2 * self.threads))
         with ThreadPoolExecutor(max(1, writers), thread_name_prefix="cairn-write") as pool, \
                 ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool, \
                 ThreadPoolExecutor(max(1, coders), thread_name_prefix="cairn-code") as code_pool:
