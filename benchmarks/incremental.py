@@ -14,9 +14,12 @@ per step: in full (``cairn.save``, format 2, raw) and incrementally
 
 Per case: bytes written per save after the first, save time (median of the
 saves after the first, each save's own wall time with fsync, each started
-after an ``os.sync()`` so that it pays for no earlier write), load time of
-the last step, and for ``lr1e-6`` the element and block change rates and
-what an XOR-then-zstd delta of the changed parameter blocks stores
+after an ``os.sync()`` so that it pays for no earlier write, and the
+median and range of the incremental/full ratio of each step), load time of
+the last step (`--load-reps` loads of each, alternated, the order flipped
+every rep: medians, and the median and range of the paired ratios), and
+for ``lr1e-6`` the element and block change rates and what an
+XOR-then-zstd delta of the changed parameter blocks stores
 (computed here apart from the save, as a check of the incremental save's
 own bytes: it writes such blocks as deltas against the base's blocks,
 docs/FORMAT.md §6.5). The machine's load is printed beside the figures.
@@ -112,8 +115,9 @@ def _delta_estimate(old: list[np.ndarray], new: list[np.ndarray]) -> dict[str, f
             "xor_zstd_bytes": delta}
 
 
-def run_case(name: str, state: dict, step_fn: Any, saves: int, root: str) -> dict[str, Any]:
+def run_case(name: str, state: dict, step_fn: Any, saves: int, root: str, load_reps: int = 9) -> dict[str, Any]:
     rng = np.random.default_rng(1)
+    loadavg_start = os.getloadavg()
     full_t, inc_t, full_b, inc_b, param_full, param_inc = [], [], [], [], [], []
     full_cpu, inc_cpu = [], []  # CPU seconds of this process (all its threads): what a busy host does not hide
     extra: dict[str, Any] = {}
@@ -153,15 +157,20 @@ def run_case(name: str, state: dict, step_fn: Any, saves: int, root: str) -> dic
             shutil.rmtree(os.path.join(root, f"{name}_full_{t - 1}"))
         prev = inc
     loads: dict[str, list[float]] = {"inc": [], "full": [], "inc_cpu": [], "full_cpu": []}
-    for _ in range(5):  # alternated, medians
-        for kind, path in (("inc", prev), ("full", os.path.join(root, f"{name}_full_{saves}"))):
+    last = (("inc", prev), ("full", os.path.join(root, f"{name}_full_{saves}")))
+    for k in range(load_reps):  # alternated, the order flipped every rep; medians and paired ratios
+        for kind, path in (last if k % 2 == 0 else last[::-1]):
             t0, c0 = time.perf_counter(), time.process_time()
             cairn.load(path)
             loads[kind].append(time.perf_counter() - t0)
             loads[kind + "_cpu"].append(time.process_time() - c0)
     load_inc, load_full = statistics.median(loads["inc"]), statistics.median(loads["full"])
     out = {
-        "case": name, "state_bytes": _nbytes(state), "saves_timed": len(inc_t),
+        "case": name, "state_bytes": _nbytes(state), "saves_timed": len(inc_t), "loads_timed": load_reps,
+        "save_ratios": [a / b for a, b in zip(inc_t, full_t)],
+        "load_ratios": [a / b for a, b in zip(loads["inc"], loads["full"])],
+        "load_cpu_ratios": [a / b for a, b in zip(loads["inc_cpu"], loads["full_cpu"])],
+        "loadavg_end": os.getloadavg(),
         "full_bytes": statistics.median(full_b), "inc_bytes": statistics.median(inc_b),
         "full_save_s": statistics.median(full_t), "inc_save_s": statistics.median(inc_t),
         "params_full_bytes": statistics.median(param_full), "params_inc_bytes": statistics.median(param_inc),
@@ -169,8 +178,14 @@ def run_case(name: str, state: dict, step_fn: Any, saves: int, root: str) -> dic
         "full_save_cpu_s": statistics.median(full_cpu), "inc_save_cpu_s": statistics.median(inc_cpu),
         "load_full_cpu_s": statistics.median(loads["full_cpu"]), "load_inc_cpu_s": statistics.median(loads["inc_cpu"]),
     }
+    out["loadavg_start"] = loadavg_start
     out.update({k: statistics.median(v) for k, v in extra.items()})
     return out
+
+
+def _spread(ratios: list[float]) -> str:
+    """Paired ratios as 'median [min-max]' (the VM is shared: one ratio is no measurement)."""
+    return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]" if ratios else "-"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -179,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--head-mib", type=int, default=8, help="the trainable head's bf16 bytes (moments: 4x that)")
     ap.add_argument("--state-mib", type=int, default=256, help="the trained-like state of lr1e-6 and pretrain")
     ap.add_argument("--saves", type=int, default=5)
+    ap.add_argument("--load-reps", type=int, default=9, help="loads of the last step, incremental and full alternated")
     ap.add_argument("--cases", default="frozen,lr1e-6,pretrain")
     ap.add_argument("--dir", default=None, help="where to save (default: a temporary folder)")
     ap.add_argument("--json", action="store_true")
@@ -195,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 fn = (lambda lr_: lambda s, rng, t: _adamw(s, lr_, rng, 20 + t))(lr)
             else:
                 raise SystemExit(f"unknown case {case!r}")
-            results.append(run_case(case, state, fn, args.saves, root))
+            results.append(run_case(case, state, fn, args.saves, root, args.load_reps))
             shutil.rmtree(root)
             os.makedirs(root)
     finally:
@@ -206,17 +222,20 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}, {os.cpu_count()} cores")
     for r in results:
-        print(f"\n{r['case']}: state {r['state_bytes'] / MiB:.0f} MiB, {r['saves_timed']} saves timed after the first")
+        print(f"\n{r['case']}: state {r['state_bytes'] / MiB:.0f} MiB, {r['saves_timed']} saves timed after the first"
+              f" (load average {r['loadavg_start'][0]:.2f} at its start, {r['loadavg_end'][0]:.2f} at its end)")
         print(f"  bytes written per save: full {r['full_bytes'] / MiB:.1f} MiB, incremental {r['inc_bytes'] / MiB:.1f} MiB"
               f" ({r['inc_bytes'] / r['full_bytes']:.3f}x)")
         print(f"  parameters' own bytes: full {r['params_full_bytes'] / MiB:.1f} MiB, incremental "
               f"{r['params_inc_bytes'] / MiB:.1f} MiB ({r['params_inc_bytes'] / max(r['params_full_bytes'], 1):.3f}x)")
         print(f"  save time (median): full {r['full_save_s']:.3f} s, incremental {r['inc_save_s']:.3f} s "
               f"({r['inc_save_s'] / r['full_save_s']:.2f}x); CPU {r['full_save_cpu_s']:.3f} s vs "
-              f"{r['inc_save_cpu_s']:.3f} s ({r['inc_save_cpu_s'] / r['full_save_cpu_s']:.2f}x)")
-        print(f"  load of the last step (median of 5): full {r['load_full_s']:.3f} s, incremental "
+              f"{r['inc_save_cpu_s']:.3f} s ({r['inc_save_cpu_s'] / r['full_save_cpu_s']:.2f}x); "
+              f"per step {_spread(r['save_ratios'])}")
+        print(f"  load of the last step (median of {r['loads_timed']}): full {r['load_full_s']:.3f} s, incremental "
               f"{r['load_inc_s']:.3f} s ({r['load_inc_s'] / r['load_full_s']:.2f}x); CPU {r['load_full_cpu_s']:.3f} s "
-              f"vs {r['load_inc_cpu_s']:.3f} s ({r['load_inc_cpu_s'] / r['load_full_cpu_s']:.2f}x)")
+              f"vs {r['load_inc_cpu_s']:.3f} s ({r['load_inc_cpu_s'] / r['load_full_cpu_s']:.2f}x); paired "
+              f"{_spread(r['load_ratios'])}, CPU {_spread(r['load_cpu_ratios'])}")
         if "elements_changed" in r:
             print(f"  parameters per step: {100 * r['elements_changed']:.2f}% of elements and "
                   f"{100 * r['blocks_changed']:.1f}% of 1 MiB blocks changed; XOR+zstd of the changed blocks "

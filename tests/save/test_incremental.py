@@ -891,3 +891,87 @@ def test_copy_keeping_references_to_and_from_s3(tmp_path, s3):
                       dst_storage_options={})
     assert back.bases == ("a", "b") and sorted(os.listdir(tmp_path / "back")) == ["a", "b", "c"]
     _same(states["c"], cairn.load(tmp_path / "back" / "c"))
+
+
+# ---------------------------------------------------------------------- save and load time (round 41b)
+
+
+@pytest.mark.parametrize("n", [0, 1, 4096, 64 << 10, (64 << 10) + 1, MiB, MiB + 7])
+def test_block_hash_is_xxh3_128_on_either_side_of_the_gil_free_size(n):
+    """Blocks above 64 KiB are hashed through a hasher object (which releases the GIL), smaller ones in one
+    call: the digest is the format's xxh3-128 either way, for every kind of buffer a save hands it."""
+    import xxhash
+
+    from cairn._format.blocks import block_hash
+
+    a = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
+    want = xxhash.xxh3_128_digest(a.tobytes())
+    for data in (a, memoryview(a), a.tobytes(), bytearray(a.tobytes()), memoryview(a.view(np.uint8))):
+        assert block_hash(data) == want
+
+
+def test_delta_header_names_its_block_only_when_it_refuses_it():
+    """A load passes the block's name as a function (formatting it for every delta cost more than the
+    header's checks): it is called for an error only, and the error carries it."""
+    from cairn._format.blocks import DELTA_HEADER
+    from cairn._load.blocks import delta_header
+
+    calls = []
+
+    def where() -> str:
+        calls.append(1)
+        return "ckpt: leaf 'w' chunk 0 block 3"
+
+    good = DELTA_HEADER.pack(0, 1, 0, 123, 4096) + b"\x28\xb5\x2f\xfd"
+    assert delta_header(good, 4096, where) == (0, 123, 4096, 1) and not calls
+    with pytest.raises(cairn.CorruptCheckpointError, match=r"ckpt: leaf 'w' chunk 0 block 3: .*pad bytes 0x0001"):
+        delta_header(DELTA_HEADER.pack(0, 1, 1, 123, 4096), 4096, where)
+    assert calls == [1]
+
+
+def test_more_files_than_writer_threads_and_checkpointables_in_turn(tmp_path):
+    """An incremental save starts a writer per data file (up to 2x `threads`: here 2 writers for 3 files),
+    taking the checkpointables' files in turn: every step of a chain still loads bitwise, with references to
+    the unchanged checkpointables and the changed one written."""
+    rng = np.random.default_rng(3)
+    frozen = {f"l{i}": rng.standard_normal((512, 1024)).astype(np.float32) for i in range(3)}  # 2 MiB each
+    state = {"frozen": frozen, "head": {"w": np.zeros((256, 1024), np.float32)},
+             "other": {"x": rng.standard_normal((256, 1024)).astype(np.float32)}}
+    cairn.save(tmp_path / "s0", state, base=None, threads=1, compression=False)
+    _hashed(tmp_path / "s1", state)
+    prev = tmp_path / "s1"
+    for step in range(2, 4):
+        state["head"]["w"] += 1.0
+        st = cairn.save(tmp_path / f"s{step}", state, base=prev, threads=1, compression=False)
+        assert st.bytes_written < 2 * state["head"]["w"].nbytes  # the head (or its deltas) only
+        _same(state, cairn.load(tmp_path / f"s{step}"))
+        prev = tmp_path / f"s{step}"
+    assert verify(prev).ok
+
+
+def test_verify_false_skips_raw_block_checks_as_a_plain_load_does_but_never_a_deltas(tmp_path):
+    """``verify=False`` skips the CRC-32C of raw blocks, own or referred to, as it does for a plain leaf;
+    deltas and their base blocks are checked whatever it says (a delta is decoded, and its base block's
+    CRC is what ties it to the block it was made against)."""
+    rng = np.random.default_rng(5)
+    frozen = rng.standard_normal((512, 512)).astype(np.float32)  # 1 MiB: one block, referred to
+    _hashed(tmp_path / "s0", {"frozen": frozen, "w": _bf16(21)})
+    w1 = _nudged(_bf16(21), 0.005, 22)
+    cairn.save(tmp_path / "s1", {"frozen": frozen, "w": w1}, base=tmp_path / "s0", compression=False)
+
+    def flip(item: str, at: int) -> None:
+        (f,) = glob.glob(str(tmp_path / "s0" / item / "*.bin"))
+        data = bytearray(Path(f).read_bytes())
+        data[at] ^= 0x40
+        Path(f).write_bytes(bytes(data))
+
+    flip("frozen", 100)  # inside the block s1 refers to
+    with pytest.raises(cairn.CorruptCheckpointError, match="checksum mismatch"):
+        cairn.load(tmp_path / "s1")
+    got = cairn.load(tmp_path / "s1", verify=False)  # as a plain leaf: not checked, the byte as stored
+    assert got["frozen"].view(np.uint8).reshape(-1)[100] == frozen.view(np.uint8).reshape(-1)[100] ^ 0x40
+    assert got["w"].tobytes() == w1.tobytes()
+    flip("frozen", 100)
+    flip("w", 5)  # inside the base block of a delta of s1
+    with pytest.raises(cairn.CorruptCheckpointError, match="a delta against its base checkpoint 's0'"):
+        cairn.load(tmp_path / "s1", verify=False)

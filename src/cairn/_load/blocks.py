@@ -7,7 +7,8 @@ compressed leaf's (`reader.plan_leaf_reads`): each read is whole blocks of
 one chunk. Here each block is mapped to its source, blocks whose stored
 bytes lie back to back in one file are read as one range (a ranged read in
 the base's file for references, so an unchanged block costs what it costs
-in the base), every block's CRC-32C is checked on its stored bytes, and each
+in the base), every block's CRC-32C is checked on its stored bytes (a raw
+block's only where the load verifies, as for a plain leaf), and each
 is decoded by its own codec into the destination (or into a buffer the
 copies take from). A delta block (codec `DELTA`) is the chunk's own bytes
 (a header and a zstd frame: of an XOR, or of the changed elements' positions
@@ -22,6 +23,8 @@ plan and its dry run follow too.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -132,21 +135,26 @@ def own_blocks(leaf: fmt.ArrayLeaf, cell: int, block: int) -> list[tuple[int, in
     return out
 
 
-def delta_header(stored: Any, raw_size: int, where: str) -> tuple[int, int, int, int]:
+def delta_header(stored: Any, raw_size: int, where: str | Callable[[], str]) -> tuple[int, int, int, int]:
     """A delta block's header, checked: its base block's ``(codec id, CRC-32C, stored size)`` and the
-    delta's kind (`DELTA_XOR` or `DELTA_SPARSE`)."""
+    delta's kind (`DELTA_XOR` or `DELTA_SPARSE`). `where` names the block in errors (a function giving
+    the name, called only for an error: a load reads many headers and raises for none)."""
     if len(stored) < DELTA_HEADER.size:
-        raise CorruptCheckpointError(f"{where}: a delta block of {len(stored)} bytes, shorter than its header")
+        raise CorruptCheckpointError(f"{_at(where)}: a delta block of {len(stored)} bytes, shorter than its header")
     codec, kind, pad, crc, size = DELTA_HEADER.unpack_from(stored)
     if codec >= len(CODEC_NAMES) or codec == DELTA or size > stored_bound(raw_size):
-        raise CorruptCheckpointError(f"{where}: a delta's header names codec {codec} and {size} stored bytes")
+        raise CorruptCheckpointError(f"{_at(where)}: a delta's header names codec {codec} and {size} stored bytes")
     if kind >= len(DELTA_KINDS) or pad:
-        raise CorruptCheckpointError(f"{where}: a delta's header names kind {kind} (known: "
+        raise CorruptCheckpointError(f"{_at(where)}: a delta's header names kind {kind} (known: "
                                      f"{', '.join(f'{i} {n}' for i, n in enumerate(DELTA_KINDS))}) and pad "
                                      f"bytes {pad:#06x} (must be zero)")
     if codec == 0 and size != raw_size:
-        raise CorruptCheckpointError(f"{where}: the base block of a delta stores {size} bytes, not {raw_size}")
+        raise CorruptCheckpointError(f"{_at(where)}: the base block of a delta stores {size} bytes, not {raw_size}")
     return codec, crc, size, kind
+
+
+def _at(where: str | Callable[[], str]) -> str:
+    return where() if callable(where) else where
 
 
 def apply_delta(stored: Any, base: Any, codec: int, crc: int, dtype: Any, out: np.ndarray, where: str,
@@ -192,7 +200,8 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
     the chunk, ``[start, end)`` whole blocks of its raw bytes).
 
     Its requests are `fetches`' (what the load's plan predicts): first the blocks' stored bytes (raw
-    runs straight into place, the rest into one buffer), each block checked, own coded blocks decoded
+    runs straight into place, the rest into one buffer), each block checked (a raw one only where the
+    load verifies, as for a plain leaf), own coded blocks decoded
     and the deltas' headers read; then the deltas' base blocks (raw runs straight into place, where the
     rebuilt blocks go, the rest into a second buffer), each checked, decoded and XORed with its delta."""
     from .landing import direct_bytes
@@ -238,14 +247,18 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
             _f, off, size, crc, codec, against = places[b]
             piece = view[pos : pos + size]
             pos += size
-            got = crc32c(piece)
+            # Raw blocks, own or referred to, are checked as a plain leaf's are: unless the load was asked not
+            # to verify. Coded blocks and deltas always are (they are decoded, not copied), and so is a delta's
+            # base block (`apply_delta`): its CRC is what ties the delta to the block it was made against.
+            got = crc if codec == 0 and not reader.verify else crc32c(piece)
             if got != crc:
                 entry = reader.index.files[fe.file]
                 where = (f"its base checkpoint {entry.base!r} " if entry.base is not None else "")
                 check_block(got, crc, reader.loc.path, f"{where}data file {entry.name!r} bytes {off}..{off + size} "
                             f"(leaf {name!r}, chunk {cell} block {b})")
             if codec == DELTA:
-                deltas[b] = (piece, *delta_header(piece, raws[b], _delta_where(reader, name, cell, b, against)))
+                deltas[b] = (piece, *delta_header(piece, raws[b], functools.partial(
+                    _delta_where, reader, name, cell, b, against)))
                 continue
             if codec >= len(CODEC_NAMES):
                 raise CorruptCheckpointError(f"{reader.loc.path}: leaf {leaf.path!r} chunk {cell} block {b}: "

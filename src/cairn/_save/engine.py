@@ -342,13 +342,22 @@ class SaveJob:
         coders = _cores() if self.compression is not None else 0
         if self.inc is not None:  # incremental: blocks are hashed on that pool too
             coders = max(2, _cores())
-        with ThreadPoolExecutor(max(1, self.threads), thread_name_prefix="cairn-write") as pool, \
+        # An incremental save's writers mostly wait for hashes: one per file (up to 2x `threads`: each holds
+        # a window of coded runs), so that a file of changed leaves is written (and fsync'd) while files of
+        # unchanged ones are still hashed.
+        files = sum(len(it.files) for it in self.items)
+        writers = self.threads if self.inc is None else max(self.threads, min(files, 2 * self.threads))
+        with ThreadPoolExecutor(max(1, writers), thread_name_prefix="cairn-write") as pool, \
                 ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool, \
                 ThreadPoolExecutor(max(1, coders), thread_name_prefix="cairn-code") as code_pool:
-            for item in self.items:
-                for k, slots in enumerate(item.files):
-                    jobs.append((item, k, pool.submit(self._write_file, item, k, slots, crc_pool,
-                                                      code_pool if coders > 1 else None)))
+            # Files start in turn across checkpointables (each one's first file, then each one's second...):
+            # an incremental save's files of unchanged leaves only hash, and must not hold every writer
+            # while another checkpointable's changed leaves wait (docs/incremental.md, "Save and load time, round 41b").
+            for k in range(max((len(item.files) for item in self.items), default=0)):
+                for item in self.items:
+                    if k < len(item.files):
+                        jobs.append((item, k, pool.submit(self._write_file, item, k, item.files[k], crc_pool,
+                                                          code_pool if coders > 1 else None)))
             results = [(item, k, f.result()) for item, k, f in jobs]
         for item in self.items:
             partial[item.name] = {"files": [], "chunks": [], "stored": {}}

@@ -384,7 +384,8 @@ def _run(raw: memoryview, base: list[_Base] | None, block: int, codec: str, dtyp
     out: list[tuple[bytes, Any, int, int]] = []
     changed: list[int] = []
     for k, o in enumerate(range(0, len(raw), block)):
-        h = block_hash(raw[o : o + block])
+        piece = raw[o : o + block]
+        h = block_hash(piece)
         if base is not None and k < len(base) and base[k].hash == h:
             b = base[k]
             if b.target is None:
@@ -395,6 +396,10 @@ def _run(raw: memoryview, base: list[_Base] | None, block: int, codec: str, dtyp
             if got is not None:
                 out.append((h, got, len(got.data), b.ref.crc))
                 continue
+        if ctx is None:  # no delta to try: coded and checksummed now, while the hash left it in the cache
+            coded: Any = piece if codec == "none" else _codecs.encode(codec, piece, dtype)
+            out.append((h, coded, len(coded), crc32c(coded)))
+            continue
         out.append((h, None, 0, 0))
         changed.append(k)
     for k in changed:
