@@ -12,6 +12,8 @@ commits. See docs/ARCHITECTURE.md for the protocol.
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import json
 import logging
 import os
@@ -19,7 +21,7 @@ import secrets
 import threading
 import time
 from collections.abc import Generator, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +61,7 @@ from .indexparts import build_part, item_index
 from .options import (
     CODEC_METER,
     SaveOptions,
+    blosc2_faster,
     compression_can_pay,
     compression_pays,
     save_options_of,
@@ -175,7 +178,8 @@ class SaveJob:
         return fmt.FORMAT_VERSION if self.compression is None else fmt.COMPRESSED_VERSION
 
     def _write_file(self, item: SaveItem, k: int, slots: list[FileSlot], crc_pool: ThreadPoolExecutor,
-                    code_pool: ThreadPoolExecutor | None = None):
+                    code_pool: CodePool | None = None, order: int = 0):
+        # `order`: this file's rank among the save's files (its coding tasks go before later files').
         # Per chunk, in slot order: its CRC (one block), or a list of its block CRCs or their futures.
         # Plain ints where possible: a state of thousands of small leaves makes one per chunk, and
         # objects the garbage collector tracks make it run full collections during the save.
@@ -227,7 +231,8 @@ class SaveJob:
                 yield group
 
         # (An incremental save codes the blocks it writes itself: `incremental.write_chunk`.)
-        coded = _in_order(code_pool, self._timed_code_task, code_tasks()) if leaf_codecs and self.inc is None else iter(())
+        coded = (_in_order(code_pool, self._timed_code_task, code_tasks(), order) if leaf_codecs and self.inc is None
+                 else iter(()))
         done: collections.deque[tuple[int, bool, list[Any]]] = collections.deque()
 
         def blocks_of(n_slot: int) -> Any:
@@ -331,11 +336,11 @@ class SaveJob:
             coders = max(2, _cores())
         with ThreadPoolExecutor(max(1, self.threads), thread_name_prefix="cairn-write") as pool, \
                 ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool, \
-                ThreadPoolExecutor(max(1, coders), thread_name_prefix="cairn-code") as code_pool:
+                CodePool(coders) as code_pool:
             for item in self.items:
                 for k, slots in enumerate(item.files):
                     jobs.append((item, k, pool.submit(self._write_file, item, k, slots, crc_pool,
-                                                      code_pool if coders > 1 else None)))
+                                                      code_pool if coders > 1 else None, len(jobs))))
             results = [(item, k, f.result()) for item, k, f in jobs]
         for item in self.items:
             partial[item.name] = {"files": [], "chunks": [], "stored": {}}
@@ -509,16 +514,84 @@ def _code_task(task: list[tuple[int, bool, tuple[Any, ...]]]) -> list[tuple[int,
     return [(n_slot, last, blocks) for (n_slot, last, _), blocks in zip(task, coded)]
 
 
-def _in_order(pool: ThreadPoolExecutor | None, fn: Any, tasks: Any) -> Any:
+class CodePool:
+    """The coder threads of one save, taking the most urgent queued task first: the lowest
+    ``priority`` (a save gives each data file its number), then the oldest.
+
+    A `ThreadPoolExecutor` takes tasks first come, first served, so the files written at once were
+    coded in lockstep and all reached their final fsync together, after the last block was coded:
+    a compressed save cost the coding plus the flush of every file. Served by file, the first files
+    are coded (and written) first and flush to disk while the later ones are coded: coding and
+    the disk's flush overlap, and only the last file's flush is left after the coding
+    (docs/compression.md, "Coding and writing at once"). Each file still has at most a window of
+    tasks queued (`_in_order`), so memory stays as bounded as before; tasks of other files fill
+    the workers that the first file's window leaves idle. `submit` and `_max_workers` as
+    `ThreadPoolExecutor`'s, so code that takes either (incremental saves) takes this one."""
+
+    def __init__(self, workers: int, name: str = "cairn-code") -> None:
+        self._max_workers = max(1, workers)
+        self._heap: list[tuple[Any, int, Future[Any], Any, tuple[Any, ...]]] = []
+        self._cv = threading.Condition()
+        self._order = itertools.count()
+        self._closed = False
+        self._name = name
+        self._threads: list[threading.Thread] = []  # started by the first tasks (a raw save starts none)
+
+    def submit(self, fn: Any, /, *args: Any, priority: Any = 0) -> Future[Any]:
+        f: Future[Any] = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("cannot schedule new coding tasks after the save's coder pool was shut down")
+            heapq.heappush(self._heap, (priority, next(self._order), f, fn, args))
+            if len(self._threads) < self._max_workers:
+                t = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+            self._cv.notify()
+        return f
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._closed:
+                    self._cv.wait()
+                if not self._heap:
+                    return
+                _, _, f, fn, args = heapq.heappop(self._heap)
+            if not f.set_running_or_notify_cancel():
+                continue
+            try:
+                f.set_result(fn(*args))
+            except BaseException as e:  # the consumer's result() raises it
+                f.set_exception(e)
+            del f, fn, args  # (not kept alive until the next task)
+
+    def shutdown(self) -> None:
+        """Run what is queued, then stop the workers and wait for them."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+
+    def __enter__(self) -> CodePool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def _in_order(pool: Any, fn: Any, tasks: Any, priority: Any = None) -> Any:
     """fn(task) for each of `tasks`, in order: on `pool`, at most one task per worker plus one ahead of
-    the consumer (memory stays bounded by the window, not the file), or here without a pool."""
+    the consumer (memory stays bounded by the window, not the file), or here without a pool. On a
+    `CodePool`, `priority` (not None) ranks these tasks against other consumers' (lower first)."""
     if pool is None:
         yield from map(fn, tasks)
         return
     window = max(2, getattr(pool, "_max_workers", 2) + 1)
     ahead: collections.deque[Any] = collections.deque()
     for task in tasks:
-        ahead.append(pool.submit(fn, task))
+        ahead.append(pool.submit(fn, task) if priority is None else pool.submit(fn, task, priority=priority))
         if len(ahead) >= window:
             yield ahead.popleft().result()
     while ahead:
@@ -578,13 +651,16 @@ class LeafDecision:
 def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict[str, Any] | None = None,
                 cores: int | None = None) -> LeafDecision:
     """`leaf_codec`'s decision with its reasons; `cores` (default: this process's) as "auto" counts them."""
+    n = cores or _cores()
     try:
         sample = _codecs.sample(host)
-        codec, raw, stored = _codecs.choose_sized(dtype, sample)
+        # "blosc2" is a candidate only where it codes this leaf's elements faster on n cores
+        codec, raw, stored = _codecs.choose_sized(dtype, sample,
+                                                  blosc2=blosc2_faster(n, np.dtype(dtype).itemsize))
     except ValueError:  # a dtype no codec knows
         return LeafDecision("none", "none", 0, 0)
     args = _formula_args(prices or {})
-    if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth, cores or _cores(), **args):
+    if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth, n, **args):
         return LeafDecision("none", codec, raw, stored)
     return LeafDecision(codec, codec, raw, stored)
 
@@ -663,7 +739,7 @@ def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
     assert fixed is not None, "leaf codecs are chosen only for a compressed save"
     out: dict[str, dict[int, str]] = {}
     need: dict[int, list[tuple[str, int]]] = {}  # owner -> (item, leaf) this process writes and does not own
-    todo: list[tuple[dict[int, str], int, Any, Any]] = []  # leaves this process measures
+    todo: list[tuple[dict[int, str], int, Any, Any, SaveItem]] = []  # leaves this process measures
     for item in job.items:
         mine = out[item.name] = {}
         written = {leaf for leaf, _cell in item.sources}
@@ -678,16 +754,24 @@ def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
                 first = item.sources.get((i, 0))
                 if first is not None:
                     mine[i] = "none"
-                    todo.append((mine, i, first, src.dtype))
+                    todo.append((mine, i, first, src.dtype, item))
                 else:
                     mine[i] = "none"
             elif i in written:
                 need.setdefault(owner, []).append((item.name, i))
     if todo:  # each owned leaf measured on a sample, on every core (a state may have thousands)
+        keep = _keep_host_bytes()
         with ThreadPoolExecutor(min(_cores(), len(todo)), thread_name_prefix="cairn-choose") as pool:
-            chosen = list(pool.map(lambda t: _choose_leaf(job, t[2], t[3]), todo))
-        for (mine, i, _, _), c in zip(todo, chosen):
-            mine[i] = c
+            chosen = pool.map(lambda t: _choose_leaf(job, t[2], t[3]), todo)
+            for (mine, i, first, _, item), (c, host) in zip(todo, chosen):
+                mine[i] = c
+                # The host copy the sample was taken from (a device chunk's, made for this) serves the
+                # writer too: a device chunk is not copied to host twice (the first copy held while
+                # the others are made and written, within `keep` bytes).
+                if host is not None and host.nbytes <= keep:
+                    item.sources[(i, 0)] = host
+                    keep -= host.nbytes
+                del host
     if job.compression in ("choose", "auto") and coord.process_count > 1:
         base = f"cairn/save/{job.seq}/codecs"
         coord.publish(f"{base}/{me}", json.dumps({name: {str(i): c for i, c in m.items()}
@@ -699,12 +783,40 @@ def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
     return out
 
 
-def _choose_leaf(job: SaveJob, first: Any, dtype: Any) -> str:
-    if type(first) is Concat:
+def _choose_leaf(job: SaveJob, first: Any, dtype: Any) -> tuple[str, np.ndarray | None]:
+    """The codec of a leaf whose first chunk is `first`, and that chunk's host copy where measuring
+    made one (a device chunk's, which the writer can use instead of copying it again), else None."""
+    whole = type(first) is not Concat
+    if not whole:
         first = first.parts[0]
     assert job.compression is not None
     prices = job.priced()
-    return leaf_codec(job.compression, dtype, job._host(first), prices["bandwidth"], prices)
+    host = job._host(first)
+    codec = leaf_codec(job.compression, dtype, host, prices["bandwidth"], prices)
+    made = whole and type(first) is not np.ndarray and _fresh_copy(first)
+    return codec, (host if made else None)
+
+
+def _fresh_copy(src: Any) -> bool:
+    """Whether `SaveJob._host` of `src` copies it from an accelerator (not a view of host memory)."""
+    from .._tree.shardings import on_cpu
+
+    try:
+        return not on_cpu(src) and getattr(src.sharding, "memory_kind", None) not in ("pinned_host", "unpinned_host")
+    except AttributeError:
+        return False
+
+
+#: Host copies made while choosing codecs that a blocking save keeps for its writers: at most this
+#: share of the host's physical memory (a save_async's snapshot holds its chunks on host already).
+KEEP_HOST_SHARE = 0.25
+
+
+def _keep_host_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * KEEP_HOST_SHARE)
+    except (ValueError, OSError, AttributeError):
+        return 1 << 30
 
 
 def _bytes_of(arr: np.ndarray) -> memoryview:
