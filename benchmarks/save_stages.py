@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=4, help="the save's writer threads")
     ap.add_argument("--pools", default="priority",
                     help="coder pools to compare, of priority (`engine.CodePool`) and fifo (a plain thread pool)")
+    ap.add_argument("--share", default=None,
+                    help="values of engine.SAMPLE_SHARE to compare (comma separated; a leaf's sample is at most "
+                         "1/share of it)")
     ap.add_argument("--jax", action="store_true", help="put the state on JAX's first device first")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
@@ -176,7 +179,9 @@ def main(argv: list[str] | None = None) -> int:
         import jax
 
         state = jax.block_until_ready(jax.device_put(state, jax.devices()[0]))
-    settings = [(setting(s), pool) for pool in args.pools.split(",") for s in args.settings.split(",")]
+    shares = [int(x) for x in args.share.split(",")] if args.share else [engine.SAMPLE_SHARE]
+    settings = [(setting(s), f"{pool}, share {sh}" if args.share else pool) for pool in args.pools.split(",")
+                for sh in shares for s in args.settings.split(",")]
     print(f"{len(state)} leaves, {raw / 2**20:.1f} MiB raw; {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     spans = Spans()
@@ -188,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
             for s, pool in settings:
                 path = os.path.join(root, f"c-{s}")
                 shutil.rmtree(path, ignore_errors=True)
-                engine.CodePool = POOLS[pool]  # type: ignore[misc]
+                engine.CodePool = POOLS[pool.split(",")[0]]  # type: ignore[misc]
+                if args.share:
+                    engine.SAMPLE_SHARE = int(pool.rsplit(" ", 1)[1])
                 spans.clear()
                 t = time.perf_counter()
                 stats = cairn.save(path, state, compression=s, threads=args.threads)

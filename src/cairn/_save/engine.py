@@ -653,7 +653,7 @@ def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict
     """`leaf_codec`'s decision with its reasons; `cores` (default: this process's) as "auto" counts them."""
     n = cores or _cores()
     try:
-        sample = _codecs.sample(host)
+        sample = _codecs.sample(host, sample_bytes(getattr(host, "nbytes", 0)))
         # "blosc2" is a candidate only where it codes this leaf's elements faster on n cores
         codec, raw, stored = _codecs.choose_sized(dtype, sample,
                                                   blosc2=blosc2_faster(n, np.dtype(dtype).itemsize))
@@ -663,6 +663,20 @@ def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict
     if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth, n, **args):
         return LeafDecision("none", codec, raw, stored)
     return LeafDecision(codec, codec, raw, stored)
+
+
+#: A leaf's sample is at most 1 / SAMPLE_SHARE of its first chunk (`sample_bytes`), so that choosing
+#: codes a fraction of a state of small leaves, not all of it three times over (a leaf under
+#: `codecs.SAMPLE_BYTES` was sampled whole: 2,449 leaves of 256x256 spent more time choosing than
+#: coding; docs/compression.md, "Coding and writing at once").
+SAMPLE_SHARE = 4
+#: ... and at least this many bytes (or the whole chunk, if smaller).
+SAMPLE_MIN_BYTES = 16 << 10
+
+
+def sample_bytes(nbytes: int) -> int:
+    """How many bytes of a leaf's first chunk of `nbytes` bytes its codec is chosen on."""
+    return min(_codecs.SAMPLE_BYTES, max(SAMPLE_MIN_BYTES, nbytes // SAMPLE_SHARE))
 
 
 def _formula_args(prices: dict[str, Any]) -> dict[str, Any]:
