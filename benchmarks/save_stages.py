@@ -151,6 +151,19 @@ POOLS = {"priority": engine.CodePool, "fifo": FifoPool}
 STAGES = ("choose", "host", "code", "wait", "crc", "write", "fsync", "tail", "write_data")
 
 
+#: The stages `stage_line` prints (union seconds, inside the data phase but for ``choose``).
+SHORT = ("choose", "host", "code", "wait", "crc", "write", "fsync", "tail")
+
+
+def stage_line(rows: list[dict[str, float]]) -> str:
+    """One line of median stage seconds over `rows` (`Spans.summary` of each save), for other benchmarks."""
+    med = statistics.median
+    parts = [f"{st} {med(r.get(f'{st}_union', 0.0) for r in rows):.2f}" for st in SHORT]
+    parts.append(f"code sum {med(r.get('code_sum', 0.0) for r in rows):.2f}")
+    parts.append(f"write_data {med(r.get('write_data_sum', 0.0) for r in rows):.2f}")
+    return ", ".join(parts)
+
+
 def name(s: tuple[Any, str]) -> str:
     return f"{s[0]} ({s[1]})"
 
@@ -167,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--share", default=None,
                     help="values of engine.SAMPLE_SHARE to compare (comma separated; a leaf's sample is at most "
                          "1/share of it)")
+    ap.add_argument("--keep", default=None,
+                    help="values of engine.KEEP_HOST_SHARE to compare (0: device chunks measured for a codec "
+                         "are copied to host again by the writer, as before 2026-12-06 05:00)")
     ap.add_argument("--jax", action="store_true", help="put the state on JAX's first device first")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
@@ -179,9 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         import jax
 
         state = jax.block_until_ready(jax.device_put(state, jax.devices()[0]))
+        print(f"on {jax.devices()[0]}", flush=True)
     shares = [int(x) for x in args.share.split(",")] if args.share else [engine.SAMPLE_SHARE]
-    settings = [(setting(s), f"{pool}, share {sh}" if args.share else pool) for pool in args.pools.split(",")
-                for sh in shares for s in args.settings.split(",")]
+    keeps = [float(x) for x in args.keep.split(",")] if args.keep else [engine.KEEP_HOST_SHARE]
+    settings = [(setting(s), pool + (f", share {sh}" if args.share else "") + (f", keep {kp}" if args.keep else ""))
+                for pool in args.pools.split(",") for sh in shares for kp in keeps for s in args.settings.split(",")]
     print(f"{len(state)} leaves, {raw / 2**20:.1f} MiB raw; {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     spans = Spans()
@@ -194,8 +212,11 @@ def main(argv: list[str] | None = None) -> int:
                 path = os.path.join(root, f"c-{s}")
                 shutil.rmtree(path, ignore_errors=True)
                 engine.CodePool = POOLS[pool.split(",")[0]]  # type: ignore[misc]
-                if args.share:
-                    engine.SAMPLE_SHARE = int(pool.rsplit(" ", 1)[1])
+                knobs = dict(x.strip().split(" ") for x in pool.split(",")[1:])
+                if "share" in knobs:
+                    engine.SAMPLE_SHARE = int(knobs["share"])
+                if "keep" in knobs:
+                    engine.KEEP_HOST_SHARE = float(knobs["keep"])
                 spans.clear()
                 t = time.perf_counter()
                 stats = cairn.save(path, state, compression=s, threads=args.threads)

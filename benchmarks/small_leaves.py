@@ -47,8 +47,17 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=1_000_000_000, help="bytes of the state the leaves are cut from")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--settings", default="false,true,auto")
+    ap.add_argument("--stages", action="store_true",
+                    help="time each save's stages (benchmarks.save_stages) and print their medians per setting")
     ap.add_argument("--json")
     args = ap.parse_args()
+    spans = None
+    if args.stages:
+        from benchmarks.save_stages import Spans, instrument
+
+        spans = Spans()
+        instrument(spans)
+    staged: dict[str, list[dict[str, float]]] = {}
     state = tiles(flatten(make_state(args.size, "bf16-f32")), args.leaves)
     raw = sum(a.nbytes for a in state.values())
     settings = [setting(s) for s in args.settings.split(",")]
@@ -62,9 +71,14 @@ def main() -> None:
             for s in settings:
                 path = os.path.join(root, f"c-{s}")
                 shutil.rmtree(path, ignore_errors=True)
+                if spans is not None:
+                    spans.clear()
                 t = time.perf_counter()
                 stats = cairn.save(path, state, compression=s)
                 times[str(s)]["save"].append(time.perf_counter() - t)
+                if spans is not None:
+                    staged.setdefault(str(s), []).append({**spans.summary(), "write_s": stats.write_s,
+                                                          "commit_s": stats.commit_s})
                 t = time.perf_counter()
                 back = cairn.load(path)
                 times[str(s)]["load"].append(time.perf_counter() - t)
@@ -81,9 +95,19 @@ def main() -> None:
         rows.append(r)
         print(f"| {s} | {r['bytes_written'] / 2**20:.1f} MiB | {r['save_s']:.2f} | {r['load_s']:.2f} | "
               f"{r['decision']} |", flush=True)
+    if staged:
+        from benchmarks.save_stages import stage_line
+
+        print("stages of each setting's saves, median seconds (benchmarks.save_stages):")
+        for s in settings:
+            st = staged[str(s)]
+            print(f"  {s}: write_s {statistics.median(r['write_s'] for r in st):.2f}, commit_s "
+                  f"{statistics.median(r['commit_s'] for r in st):.2f}; {stage_line(st)}")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"leaves": len(state), "raw": raw, "cores": os.cpu_count(), "rows": rows}, f, indent=1)
+            json.dump({"leaves": len(state), "raw": raw, "cores": os.cpu_count(), "rows": rows,
+                       "stages": staged}, f, indent=1)
 
 
 if __name__ == "__main__":
