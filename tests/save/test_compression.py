@@ -10,6 +10,7 @@ Corruption of compressed checkpoints is in test_corruption.py and test_hostile.p
 from __future__ import annotations
 
 import json
+from typing import Any
 import os
 import uuid
 
@@ -683,6 +684,36 @@ def test_auto_prices_each_leaf(tmp_path, monkeypatch):
     _, leaves = leaves_of(path)
     assert leaves["w"][0].codec == fast() and leaves["noise"][0].codec == "none"
     assert cairn.save(tmp_path / "raw", state).compression == "raw"  # a local disk
+
+
+def test_a_device_chunk_measured_for_its_codec_is_copied_to_host_once(tmp_path, monkeypatch):
+    """`compression=True` samples each leaf's first chunk from a host copy; where that copy is a fresh
+    device-to-host copy (an accelerator's chunk: `engine._fresh_copy`, forced here on CPU arrays) the
+    writer uses it instead of copying the chunk again, within `KEEP_HOST_SHARE` of the host's memory
+    (0: copied again, as before). The bytes written are the same either way."""
+    from cairn._save import engine
+
+    state = {"params": {"w": jax.numpy.asarray(trained((256, 512))),
+                        "mu": jax.numpy.asarray(trained((128, 256), np.float32, 1))}}
+    monkeypatch.setattr(engine, "_fresh_copy", lambda src: True)
+    host = engine.SaveJob._host
+    stored = {}
+    for share in (0.0, 0.25):
+        copies: list[Any] = []
+
+        def counted(self, src, copies=copies):
+            if not isinstance(src, np.ndarray):
+                copies.append(src)
+            return host(self, src)
+
+        monkeypatch.setattr(engine.SaveJob, "_host", counted)
+        monkeypatch.setattr(engine, "KEEP_HOST_SHARE", share)
+        path = tmp_path / f"keep{share}"
+        cairn.save(path, state, compression=True)
+        assert len(copies) == (2 if share else 4), share  # one per chunk, or two without keeping
+        stored[share] = sorted(p.read_bytes() for p in path.glob("params/*.bin"))
+        assert_same(cairn.load(path), state)
+    assert stored[0.0] and stored[0.0] == stored[0.25]
 
 
 @NEEDS_BLOSC2
