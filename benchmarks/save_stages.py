@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[str, list[dict[str, Any]]] = {name(s): [] for s in settings}
     root = tempfile.mkdtemp(prefix="cairn-stages-", dir=args.workdir)
     try:
-        for rep in range(args.reps):
+        for _ in range(args.reps):
             for s, pool in settings:
                 path = os.path.join(root, f"c-{s}")
                 shutil.rmtree(path, ignore_errors=True)
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in settings:
         rs = runs[name(s)]
 
-        def m(key: str) -> float:
+        def m(key: str, rs: list[dict[str, Any]] = rs) -> float:
             return med(r.get(key, 0.0) for r in rs)
 
         serial = m("code_union") + m("write_union") + m("fsync_union")

@@ -10,9 +10,9 @@ Corruption of compressed checkpoints is in test_corruption.py and test_hostile.p
 from __future__ import annotations
 
 import json
-from typing import Any
 import os
 import uuid
+from typing import Any
 
 import jax
 import ml_dtypes

@@ -322,7 +322,7 @@ class SaveJob:
         """Write this process's data files; returns its partial index per item."""
         t0 = time.perf_counter()
         partial: dict[str, Any] = {}
-        jobs = []
+        jobs: list[tuple[SaveItem, int, Any]] = []
         if self.compression is not None:
             self.codecs = choose_codecs(self)
         self.stats.compression = describe_compression(self.compression, self.loc.storage, self.codecs,
@@ -777,7 +777,7 @@ def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
         keep = _keep_host_bytes()
         with ThreadPoolExecutor(min(_cores(), len(todo)), thread_name_prefix="cairn-choose") as pool:
             chosen = pool.map(lambda t: _choose_leaf(job, t[2], t[3]), todo)
-            for (mine, i, first, _, item), (c, host) in zip(todo, chosen):
+            for (mine, i, _, _, item), (c, host) in zip(todo, chosen):
                 mine[i] = c
                 # The host copy the sample was taken from (a device chunk's, made for this) serves the
                 # writer too: a device chunk is not copied to host twice (the first copy held while
