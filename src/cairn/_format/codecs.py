@@ -22,7 +22,8 @@ Codecs, by their stable names (recorded per leaf in the manifest):
   in C in one call that releases the GIL: 3x `planes`' decoding speed on many
   cores (docs/compression.md, 2026-12-06). Needs python-blosc2, an optional
   extra (``pip install cairn-ckpt[fast]``); `choose` takes it only where that
-  is importable, and a reader without it says so, naming the block.
+  is importable (and a save only where it codes the leaf's element size faster on the host's
+  cores: `choose_sized`'s `blosc2`), and a reader without it says so, naming the block.
 
 `choose` picks a leaf's codec by measuring the candidates on a sample of the
 leaf (`sample` takes one). Everything heavy (zstd, numpy copies and integer

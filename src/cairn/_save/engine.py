@@ -650,7 +650,9 @@ class LeafDecision:
 
 def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict[str, Any] | None = None,
                 cores: int | None = None) -> LeafDecision:
-    """`leaf_codec`'s decision with its reasons; `cores` (default: this process's) as "auto" counts them."""
+    """`leaf_codec`'s decision with its reasons; `cores` (default: this process's) as "auto" counts them.
+    The codec is chosen on `sample_bytes` of `host`, with "blosc2" a candidate only where it codes the
+    leaf's element size faster than "planes" on those cores (`options.blosc2_faster`)."""
     n = cores or _cores()
     try:
         sample = _codecs.sample(host, sample_bytes(getattr(host, "nbytes", 0)))
