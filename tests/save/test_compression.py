@@ -690,7 +690,8 @@ def test_a_device_chunk_measured_for_its_codec_is_copied_to_host_once(tmp_path, 
     """`compression=True` samples each leaf's first chunk from a host copy; where that copy is a fresh
     device-to-host copy (an accelerator's chunk: `engine._fresh_copy`, forced here on CPU arrays) the
     writer uses it instead of copying the chunk again, within `KEEP_HOST_SHARE` of the host's memory
-    (0: copied again, as before). The bytes written are the same either way."""
+    (0: copied again, as before), and not in a save_async whose snapshot budget left chunks on device.
+    The bytes written are the same either way."""
     from cairn._save import engine
 
     state = {"params": {"w": jax.numpy.asarray(trained((256, 512))),
@@ -714,6 +715,11 @@ def test_a_device_chunk_measured_for_its_codec_is_copied_to_host_once(tmp_path, 
         stored[share] = sorted(p.read_bytes() for p in path.glob("params/*.bin"))
         assert_same(cairn.load(path), state)
     assert stored[0.0] and stored[0.0] == stored[0.25]
+    # a save_async whose snapshot budget left the chunks on device keeps no host copy (its budget holds)
+    copies.clear()
+    cairn.save_async(tmp_path / "budget", state, compression=True, snapshot_budget_bytes=0).result(timeout=60)
+    assert len(copies) == 4
+    assert_same(cairn.load(tmp_path / "budget"), state)
 
 
 @NEEDS_BLOSC2

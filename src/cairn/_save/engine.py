@@ -776,7 +776,9 @@ def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
             elif i in written:
                 need.setdefault(owner, []).append((item.name, i))
     if todo:  # each owned leaf measured on a sample, on every core (a state may have thousands)
-        keep = _keep_host_bytes()
+        # (Not where a save_async's snapshot budget left chunks on device: its writers bring them to
+        # host one at a time, and host memory must stay within that budget.)
+        keep = 0 if job.stats.device_copy_bytes else _keep_host_bytes()
         with ThreadPoolExecutor(min(_cores(), len(todo)), thread_name_prefix="cairn-choose") as pool:
             chosen = pool.map(lambda t: _choose_leaf(job, t[2], t[3]), todo)
             for (mine, i, _, _, item), (c, host) in zip(todo, chosen):
