@@ -5,7 +5,8 @@ Saves the bf16-f32 trained state of `benchmarks.trained_state` (or, with ``--til
 ``compression=`` (interleaved per repetition, blocking saves, fsync'd), and times its stages by
 wrapping the functions that do them (no change to the library):
 
-- ``choose``: `engine.choose_codecs` (the codecs measured on each leaf's sample, for True / "auto");
+- ``choose``: `engine._choose_leaf` (each leaf's codec measured on its sample, for True / "auto"; while the
+  first files are written, in a single process);
 - ``host``: `SaveJob._host` (device-to-host copies; numpy leaves cost nothing here, ``--jax`` puts
   the state on JAX's first device first);
 - ``code``: `engine._code_task` (coding tasks on the coder pool): the union of their spans (wall
@@ -127,7 +128,7 @@ def _waited(spans: Spans, fn: Any) -> Any:
 
 def instrument(spans: Spans) -> None:
     engine._in_order = _waited(spans, engine._in_order)
-    engine.choose_codecs = spans.wrap("choose", engine.choose_codecs)
+    engine._choose_leaf = spans.wrap("choose", engine._choose_leaf)  # each leaf measured (in the background too)
     engine._code_task = spans.wrap("code", engine._code_task)
     engine.crc32c = spans.wrap("crc", engine.crc32c)
     engine.block_crcs = spans.wrap("crc", engine.block_crcs)
@@ -183,6 +184,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", default=None,
                     help="values of engine.KEEP_HOST_SHARE to compare (0: device chunks measured for a codec "
                          "are copied to host again by the writer, as before 2026-12-06 05:00)")
+    ap.add_argument("--background", default=None,
+                    help="values of engine.CHOOSE_IN_BACKGROUND to compare, 1 and/or 0 (0: every codec chosen "
+                         "before any file is written, as before)")
     ap.add_argument("--jax", action="store_true", help="put the state on JAX's first device first")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
@@ -198,8 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"on {jax.devices()[0]}", flush=True)
     shares = [int(x) for x in args.share.split(",")] if args.share else [engine.SAMPLE_SHARE]
     keeps = [float(x) for x in args.keep.split(",")] if args.keep else [engine.KEEP_HOST_SHARE]
-    settings = [(setting(s), pool + (f", share {sh}" if args.share else "") + (f", keep {kp}" if args.keep else ""))
-                for pool in args.pools.split(",") for sh in shares for kp in keeps for s in args.settings.split(",")]
+    bgs = [int(x) for x in args.background.split(",")] if args.background else [int(engine.CHOOSE_IN_BACKGROUND)]
+    settings = [(setting(s), pool + (f", share {sh}" if args.share else "") + (f", keep {kp}" if args.keep else "")
+                 + (f", background {bg}" if args.background else ""))
+                for pool in args.pools.split(",") for sh in shares for kp in keeps for bg in bgs
+                for s in args.settings.split(",")]
     print(f"{len(state)} leaves, {raw / 2**20:.1f} MiB raw; {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     spans = Spans()
@@ -217,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                     engine.SAMPLE_SHARE = int(knobs["share"])
                 if "keep" in knobs:
                     engine.KEEP_HOST_SHARE = float(knobs["keep"])
+                if "background" in knobs:
+                    engine.CHOOSE_IN_BACKGROUND = bool(int(knobs["background"]))
                 spans.clear()
                 t = time.perf_counter()
                 stats = cairn.save(path, state, compression=s, threads=args.threads)

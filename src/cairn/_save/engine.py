@@ -143,6 +143,8 @@ class SaveJob:
     code_spans: list[tuple[float, float]] = field(default_factory=list, repr=False)
     coded: dict[str, int] = field(default_factory=dict, repr=False)
     _code_lock: Any = field(default_factory=threading.Lock, repr=False)
+    # Codecs being chosen while the first files are written (`_Choosing`; None: all chosen before).
+    _choosing: Any = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ layout
 
@@ -180,6 +182,8 @@ class SaveJob:
     def _write_file(self, item: SaveItem, k: int, slots: list[FileSlot], crc_pool: ThreadPoolExecutor,
                     code_pool: CodePool | None = None, order: int = 0):
         # `order`: this file's rank among the save's files (its coding tasks go before later files').
+        if self._choosing is not None:  # this file's leaves' codecs, chosen in the background
+            self._choosing.wait(item.name, k)
         # Per chunk, in slot order: its CRC (one block), or a list of its block CRCs or their futures.
         # Plain ints where possible: a state of thousands of small leaves makes one per chunk, and
         # objects the garbage collector tracks make it run full collections during the save.
@@ -323,10 +327,9 @@ class SaveJob:
         t0 = time.perf_counter()
         partial: dict[str, Any] = {}
         jobs: list[tuple[SaveItem, int, Any]] = []
+        self._choosing = None
         if self.compression is not None:
-            self.codecs = choose_codecs(self)
-        self.stats.compression = describe_compression(self.compression, self.loc.storage, self.codecs,
-                                                      self.priced())
+            self.codecs, self._choosing = choose_codecs(self, background=CHOOSE_IN_BACKGROUND and self.inc is None)
         if self.inc is not None:  # incremental: the base's indexes and the records of our chunks
             self.inc.open(self.items, self.loc.path)
         # Compressed blocks are encoded by a pool of their own, so that a file of large chunks uses
@@ -341,7 +344,13 @@ class SaveJob:
                 for k, slots in enumerate(item.files):
                     jobs.append((item, k, pool.submit(self._write_file, item, k, slots, crc_pool,
                                                       code_pool if coders > 1 else None, len(jobs))))
-            results = [(item, k, f.result()) for item, k, f in jobs]
+            try:
+                results = [(item, k, f.result()) for item, k, f in jobs]
+            finally:
+                if self._choosing is not None:
+                    self._choosing.close()
+        self.stats.compression = describe_compression(self.compression, self.loc.storage, self.codecs,
+                                                      self.priced())
         for item in self.items:
             partial[item.name] = {"files": [], "chunks": [], "stored": {}}
         for item, k, (key, size, chunks, moved, stored) in results:
@@ -489,6 +498,10 @@ class SaveJob:
         ).to_json(self.version)
         self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite)
 
+
+#: A single process's compressed save measures its leaves' codecs while its first files are written
+#: (`_Choosing`); False: all of them before any file (as before 2026-12-06; benchmarks compare both).
+CHOOSE_IN_BACKGROUND = True
 
 #: Blocks per coding task of a compressed save: a large chunk is coded in runs of this many blocks,
 #: small chunks together up to as many bytes (`_code_task`). Measured on the TPU host's 13 cores
@@ -740,13 +753,19 @@ def describe_prices(kind: str, prices: dict[str, Any], cores: int) -> str:
     return text
 
 
-def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
+def choose_codecs(job: SaveJob, background: bool = False) -> tuple[dict[str, dict[int, str]], _Choosing | None]:
     """The codec of each array leaf this process writes a chunk of, alike on every process.
 
     A fixed codec applies to every leaf. With "choose", the writer of a leaf's
     first cell measures `codecs.choose` on a sample of that chunk's host bytes;
     with several processes, the others learn its choice through the coordinator
     (a background step, with the save's timeout), before any of them writes.
+
+    With `background` and a single process, the leaves are measured on a pool of their own in the
+    order of the files that hold them, and a `_Choosing` is returned with the (still filling)
+    codecs: a file's writer waits only for its own leaves (`_Choosing.wait`), so the first files
+    are coded and written while later leaves are still measured (and, from a device, copied to
+    host). Else (None) every codec is known on return.
     """
     from .._tree.leaves import ArraySource
 
@@ -775,10 +794,12 @@ def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
                     mine[i] = "none"
             elif i in written:
                 need.setdefault(owner, []).append((item.name, i))
+    # (No kept host copies where a save_async's snapshot budget left chunks on device: its writers bring
+    # them to host one at a time, and host memory must stay within that budget.)
+    keep = 0 if job.stats.device_copy_bytes else _keep_host_bytes()
+    if todo and background and coord.process_count == 1:
+        return out, _Choosing(job, todo, keep)
     if todo:  # each owned leaf measured on a sample, on every core (a state may have thousands)
-        # (Not where a save_async's snapshot budget left chunks on device: its writers bring them to
-        # host one at a time, and host memory must stay within that budget.)
-        keep = 0 if job.stats.device_copy_bytes else _keep_host_bytes()
         with ThreadPoolExecutor(min(_cores(), len(todo)), thread_name_prefix="cairn-choose") as pool:
             chosen = pool.map(lambda t: _choose_leaf(job, t[2], t[3]), todo)
             for (mine, i, _, _, item), (c, host) in zip(todo, chosen):
@@ -798,7 +819,75 @@ def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
             theirs = json.loads(fetch_from(coord, f"{base}/{owner}", job.timeout, writer=owner))
             for name, i in wanted:
                 out[name][i] = theirs.get(name, {}).get(str(i), "none")
-    return out
+    return out, None
+
+
+class _Choosing:
+    """The codecs of a single process's leaves, measured on a pool of their own while its files are
+    written (`choose_codecs` with `background`): leaves in the order of the first file holding them,
+    and each file released (`wait`) once every leaf with a chunk in it has its codec. A failure is
+    raised to every writer waiting. The host copy a leaf was measured on replaces its device chunk
+    among the save's sources within `keep` bytes (as `choose_codecs` does), before its file is
+    released, so that file's writer never copies that chunk again."""
+
+    def __init__(self, job: SaveJob, todo: list[tuple[dict[int, str], int, Any, Any, SaveItem]], keep: int):
+        self._job, self._keep = job, keep
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        measured = {(t[4].name, t[1]) for t in todo}
+        self._files_of: dict[tuple[str, int], list[int]] = {}  # (item, leaf) -> files holding its chunks
+        self._pending: dict[tuple[str, int], set[int]] = {}  # (item, file) -> leaves not yet measured
+        self._ready: dict[tuple[str, int], threading.Event] = {}
+        for item in job.items:
+            for k, slots in enumerate(item.files):
+                leaves = {s.leaf for s in slots if (item.name, s.leaf) in measured}
+                for leaf in leaves:
+                    self._files_of.setdefault((item.name, leaf), []).append(k)
+                self._pending[(item.name, k)] = leaves
+                self._ready[(item.name, k)] = ev = threading.Event()
+                if not leaves:
+                    ev.set()
+        order = {(item.name, k): n for n, (item, k) in enumerate((it, k) for it in job.items
+                                                               for k in range(len(it.files)))}
+        todo = sorted(todo, key=lambda t: min((order[(t[4].name, k)] for k in self._files_of.get((t[4].name, t[1]), ())),
+                                              default=len(order)))
+        self._pool = ThreadPoolExecutor(min(_cores(), len(todo)), thread_name_prefix="cairn-choose")
+        self._futures = [self._pool.submit(self._measure, t) for t in todo]
+
+    def _measure(self, t: tuple[dict[int, str], int, Any, Any, SaveItem]) -> None:
+        mine, i, first, dtype, item = t
+        if self._error is not None:
+            return
+        try:
+            codec, host = _choose_leaf(self._job, first, dtype)
+        except BaseException as e:  # every waiting writer raises it
+            with self._lock:
+                self._error = self._error or e
+                for ev in self._ready.values():
+                    ev.set()
+            return
+        with self._lock:
+            mine[i] = codec
+            if host is not None and host.nbytes <= self._keep:
+                item.sources[(i, 0)] = host
+                self._keep -= host.nbytes
+            for k in self._files_of.get((item.name, i), ()):
+                left = self._pending[(item.name, k)]
+                left.discard(i)
+                if not left:
+                    self._ready[(item.name, k)].set()
+
+    def wait(self, item: str, k: int) -> None:
+        """Return once every leaf with a chunk in file k of `item` has its codec; raise what measuring raised."""
+        self._ready[(item, k)].wait()
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        """Wait for the measuring pool (every leaf measured, or the save failed)."""
+        self._pool.shutdown(wait=True)
+        if self._error is not None:
+            raise self._error
 
 
 def _choose_leaf(job: SaveJob, first: Any, dtype: Any) -> tuple[str, np.ndarray | None]:
