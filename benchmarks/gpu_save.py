@@ -60,7 +60,7 @@ def _dir_bytes(path: str) -> int:
 
 
 def _cairn_round(path: str, state: Any, target: Any, compression: Any, threads: int, to_host: str,
-                 budget: int | None) -> dict[str, float]:
+                 budget: int | None, spans: Any = None) -> dict[str, float]:
     shardings.TO_HOST = to_host
     t0 = time.perf_counter()
     fut = cairn.save_async(path, state, compression=compression, overwrite=True, threads=threads,
@@ -68,15 +68,20 @@ def _cairn_round(path: str, state: Any, target: Any, compression: Any, threads: 
     blocking = time.perf_counter() - t0
     done = fut.result()
     async_total = time.perf_counter() - t0
+    if spans is not None:
+        spans.clear()
     t0 = time.perf_counter()
     saved = cairn.save(path, state, compression=compression, overwrite=True, threads=threads)
     save_s = time.perf_counter() - t0
+    stages = spans.summary() if spans is not None else {}
     ls = cairn.LoadStats()
     t0 = time.perf_counter()
     _ready(cairn.load(path, target, stats=ls))
     load_s = time.perf_counter() - t0
     return {"async_blocking_s": blocking, "async_snapshot_s": done.snapshot_s, "async_total_s": async_total,
-            "save_s": save_s, "load_s": load_s, "bytes_written": saved.bytes_written, "bytes_read": ls.bytes_read}
+            "save_s": save_s, "load_s": load_s, "bytes_written": saved.bytes_written, "bytes_read": ls.bytes_read,
+            "write_s": saved.write_s, "commit_s": saved.commit_s, "decision": saved.compression,
+            **{f"stage_{k}": v for k, v in stages.items()}}
 
 
 def _orbax_round(path: str, state: Any, target: Any) -> dict[str, float]:
@@ -131,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also a raw local save with this snapshot budget (the rest protected by device copies)")
     ap.add_argument("--no-orbax", action="store_true")
     ap.add_argument("--storages", default="local,memory", help="of local (a folder) and memory (memory://)")
+    ap.add_argument("--stages", action="store_true",
+                    help="time the blocking save's stages (benchmarks.save_stages: choose, host copy, code, "
+                         "wait, crc, write, fsync) and print them per case")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -167,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
         if m != "async":  # (measurement only: the host value stays on the caller's array)
             print(donation_check(small, work, m, None), flush=True)
     print(donation_check(small, work, methods[0], 0), flush=True)
+    spans = None
+    if args.stages:
+        from benchmarks.save_stages import Spans, instrument
+
+        spans = Spans()
+        instrument(spans)
     rss_seen = [rss()]
     print(f"process RSS before the first save: {rss_seen[0] / GiB:.2f} GiB", flush=True)
     try:
@@ -180,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
                 gets[m].append(time.perf_counter() - t0)
                 del fresh
             for case in cases:
-                runs[case].append(_cairn_round(where[case[0]], state, target, *case[1:]))
+                runs[case].append(_cairn_round(where[case[0]], state, target, *case[1:], spans=spans))
             if not args.no_orbax:
                 runs["orbax"].append(_orbax_round(os.path.join(work, "orbax"), state, target))
             rss_seen.append(rss())
@@ -208,6 +222,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {system} | {storage} | {comp} | {thr} | {how} | {row['bytes_written'] / raw:.3f} | "
               f"{row['async_blocking_s']:.3f} | {row.get('async_total_s', float('nan')):.2f} | {row['save_s']:.2f} | "
               f"{row['load_s']:.2f} | {raw / GiB / row['save_s']:.2f} | {raw / GiB / row['load_s']:.2f} |")
+    if args.stages:
+        from benchmarks.save_stages import stage_line
+
+        print("\nblocking save's stages, median seconds (union: wall time the stage ran anywhere in the data "
+              "phase; `benchmarks.save_stages`):")
+        for key, rs in runs.items():
+            if key != "orbax" and rs:
+                st = [{k[6:]: v for k, v in r.items() if k.startswith("stage_")} for r in rs]
+                print(f"  {key}: save {med(r['save_s'] for r in rs):.2f} (write_s {med(r['write_s'] for r in rs):.2f}, "
+                      f"commit_s {med(r['commit_s'] for r in rs):.2f}): {stage_line(st)}; {rs[-1]['decision']}")
     print(f"\nload average after: {os.getloadavg()[0]:.1f}")
     if args.json:
         with open(args.json, "w") as f:

@@ -7,7 +7,10 @@ candidates interleaved within each repetition, so a machine's drift hits them al
 - ``planes``: cairn's codecs as a save and a local load call them: `codecs.encode_runs` of the
   save's tasks (`benchmarks.codecs.coding_tasks`: runs of 16 blocks, small leaves together), each
   leaf's codec from `codecs.choose` without blosc2 (planes / zstd / none), and `codecs.decode_run` per run.
-- ``cairn-blosc2``: cairn's "blosc2" codec through `codecs.encode_runs` / `codecs.decode_run`, same tasks.
+- ``cairn-blosc2``: cairn's "blosc2" codec through `codecs.encode_runs` / `codecs.decode_run`, same tasks
+  (`decode_run` checks a run's headers at once, `codecs._blosc2_headers_ok`).
+- ``cairn-blosc2-perblock``: the same blocks decoded as `decode_run` did before (until 2026-12-06, 05:00):
+  `codecs._check_blosc2` of each block in Python, then its `decompress2` call (A/B of the joined check).
 - ``zstd1``: every block one zstd level-1 frame (the ``zstd`` codec for every leaf), same tasks.
 - ``b2-...``: python-blosc2's `compress2` / `decompress2` of each 1 MiB block as one Blosc2 chunk
   (typesize = the leaf's itemsize), named by filters, codec, split mode, Blosc block size and
@@ -19,7 +22,8 @@ candidates interleaved within each repetition, so a machine's drift hits them al
   every call holds the GIL).
 
 Every candidate's decoded bytes are checked against the state. Options: ``--size BYTES``
-(default 512 MB), ``--threads 1,12``, ``--reps 3``, ``--only NAME,...``, ``--json PATH``.
+(default 512 MB), ``--threads 1,12``, ``--reps 3``, ``--only NAME,...``, ``--dtype NAME`` (only the
+leaves of that dtype, e.g. bfloat16 or float32: codec speed per element size), ``--json PATH``.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ def main() -> None:
     ap.add_argument("--threads", default="1,12")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", help="candidates to run (comma-separated names)")
+    ap.add_argument("--dtype", help="only the leaves of this dtype (bfloat16, float32)")
     ap.add_argument("--json")
     args = ap.parse_args()
     counts = [int(n) for n in args.threads.split(",")]
@@ -93,7 +98,8 @@ def main() -> None:
     flat = flatten(make_state(args.size, "bf16-f32"))
     found = C._blosc2_found
     C._blosc2_found = False  # `planes`: each leaf's codec as chosen without blosc2 (planes / zstd / none)
-    leaves = [(a, C.choose(a.dtype, C.sample(a))) for a in flat.values() if a.nbytes]
+    leaves = [(a, C.choose(a.dtype, C.sample(a))) for a in flat.values()
+              if a.nbytes and (args.dtype is None or a.dtype.name == args.dtype)]
     C._blosc2_found = found
     tasks = coding_tasks(leaves, RUN_BLOCKS)
     runs = [r for t in tasks for r in t]
@@ -125,6 +131,13 @@ def main() -> None:
     if blosc2 is not None:
         add("cairn-blosc2", lambda task: C.encode_runs([("blosc2", *r[1:]) for r in task]),
             lambda i, st: C.decode_run("blosc2", st, runs[i][3], sizes[i], outs[i]))
+
+        def perblock(i: int, st: list[Any]) -> None:
+            out, k, dec = outs[i], runs[i][3].itemsize, blosc2.decompress2
+            for (o, n), s in zip(_blocks_of(runs[i]), st):
+                C._check_blosc2(memoryview(s).cast("B"), n, k, "")
+                dec(s, dst=out[o:o + n], nthreads=1)
+        add("cairn-blosc2-perblock", lambda task: C.encode_runs([("blosc2", *r[1:]) for r in task]), perblock)
         for name, v in _b2_variants(blosc2).items():
             kw = {k: v[k] for k in ("filters", "codec", "clevel", "splitmode", "blocksize")}
 

@@ -3,8 +3,12 @@
 The matrices of a trained bf16-f32 state (`benchmarks.trained_state`) cut into `--leaves` leaves of
 256x256 (the issue's 2,449-leaf case: bf16 parameters, f32 moments), saved to a local folder
 (blocking, fsync'd) and loaded back as numpy, with each `--settings` value of ``compression=``,
-interleaved per repetition; median seconds, bytes written, and what SaveStats.compression says
-"auto" decided. Prints a table; ``--json PATH`` writes it.
+interleaved per repetition; median seconds, bytes written, save time over the first setting's
+(``save / raw`` with the default first setting, false), and what SaveStats.compression says "auto"
+decided. ``--layouts items,nested``: the leaves as checkpointables of their own (a dict of 2,449
+string keys, as this benchmark always saved them) and in one (``{"params": {...}}``, as a training
+state holds them); ``--stages`` prints each case's stage timings (`benchmarks.save_stages`).
+Prints a table; ``--json PATH`` writes it.
 """
 
 from __future__ import annotations
@@ -47,43 +51,81 @@ def main() -> None:
     ap.add_argument("--size", type=int, default=1_000_000_000, help="bytes of the state the leaves are cut from")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--settings", default="false,true,auto")
+    ap.add_argument("--layouts", default="items",
+                    help="of items (each leaf a checkpointable of its own: a dict of 2,449 string keys is 2,449 "
+                         "checkpointables, each with a data file, an index and fsyncs) and nested (all in one: "
+                         "{'params': {...}}), comma separated; each runs every setting")
+    ap.add_argument("--stages", action="store_true",
+                    help="time each save's stages (benchmarks.save_stages) and print their medians per setting")
     ap.add_argument("--json")
     args = ap.parse_args()
-    state = tiles(flatten(make_state(args.size, "bf16-f32")), args.leaves)
-    raw = sum(a.nbytes for a in state.values())
+    spans = None
+    if args.stages:
+        from benchmarks.save_stages import Spans, instrument
+
+        spans = Spans()
+        instrument(spans)
+    leaves = tiles(flatten(make_state(args.size, "bf16-f32")), args.leaves)
+    raw = sum(a.nbytes for a in leaves.values())
+    count = len(leaves)
+    layouts = args.layouts.split(",")
+    states = {lay: {"params": leaves} if lay == "nested" else leaves for lay in layouts}
     settings = [setting(s) for s in args.settings.split(",")]
-    print(f"{len(state)} leaves, {raw / 2**20:.0f} MiB raw; {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
-          flush=True)
-    times: dict[str, dict[str, list[float]]] = {str(s): {"save": [], "load": []} for s in settings}
+    cases = [(lay, s) for lay in layouts for s in settings]
+
+    def key(case: tuple[str, Any]) -> str:
+        return f"{case[0]}, {case[1]}"
+
+    print(f"{count} leaves, {raw / 2**20:.0f} MiB raw; layouts {', '.join(layouts)}; {os.cpu_count()} cores, "
+          f"load {os.getloadavg()[0]:.1f}", flush=True)
+    times: dict[str, dict[str, list[float]]] = {key(c): {"save": [], "load": []} for c in cases}
+    staged: dict[str, list[dict[str, float]]] = {}
     info: dict[str, Any] = {}
     root = tempfile.mkdtemp(prefix="cairn-small-")
     try:
         for _ in range(args.reps):
-            for s in settings:
-                path = os.path.join(root, f"c-{s}")
+            for case in cases:
+                lay, s = case
+                path = os.path.join(root, f"c-{lay}-{s}")
                 shutil.rmtree(path, ignore_errors=True)
+                if spans is not None:
+                    spans.clear()
                 t = time.perf_counter()
-                stats = cairn.save(path, state, compression=s)
-                times[str(s)]["save"].append(time.perf_counter() - t)
+                stats = cairn.save(path, states[lay], compression=s)
+                times[key(case)]["save"].append(time.perf_counter() - t)
+                if spans is not None:
+                    staged.setdefault(key(case), []).append({**spans.summary(), "write_s": stats.write_s,
+                                                             "commit_s": stats.commit_s})
                 t = time.perf_counter()
                 back = cairn.load(path)
-                times[str(s)]["load"].append(time.perf_counter() - t)
-                assert len(back) == len(state)
-                info[str(s)] = {"bytes_written": stats.bytes_written, "decision": stats.compression}
+                times[key(case)]["load"].append(time.perf_counter() - t)
+                assert len(back.get("params", back) if lay == "nested" else back) == count
+                info[key(case)] = {"bytes_written": stats.bytes_written, "decision": stats.compression}
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = []
-    print("| compression | bytes written | save s | load s | decision |\n|---|---|---|---|---|")
-    for s in settings:
-        t = times[str(s)]
-        r = {"compression": str(s), "save_s": statistics.median(t["save"]), "load_s": statistics.median(t["load"]),
-             "save_each": t["save"], "load_each": t["load"], **info[str(s)]}
+    print("| layout | compression | bytes written | save s | save / raw | load s | decision |\n" + "|---" * 7 + "|")
+    for case in cases:
+        t = times[key(case)]
+        r = {"layout": case[0], "compression": str(case[1]), "save_s": statistics.median(t["save"]),
+             "load_s": statistics.median(t["load"]), "save_each": t["save"], "load_each": t["load"], **info[key(case)]}
         rows.append(r)
-        print(f"| {s} | {r['bytes_written'] / 2**20:.1f} MiB | {r['save_s']:.2f} | {r['load_s']:.2f} | "
-              f"{r['decision']} |", flush=True)
+        base = statistics.median(times[key((case[0], settings[0]))]["save"])
+        print(f"| {case[0]} | {case[1]} | {r['bytes_written'] / 2**20:.1f} MiB | {r['save_s']:.2f} | "
+              f"{r['save_s'] / base:.2f} | {r['load_s']:.2f} | {r['decision']} |", flush=True)
+    if staged:
+        from benchmarks.save_stages import stage_line
+
+        print("stages of each case's saves, median seconds (benchmarks.save_stages):")
+        for case in cases:
+            st = staged[key(case)]
+            print(f"  {key(case)}: write_s {statistics.median(r['write_s'] for r in st):.2f}, commit_s "
+                  f"{statistics.median(r['commit_s'] for r in st):.2f}; {stage_line(st)}")
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"leaves": len(state), "raw": raw, "cores": os.cpu_count(), "rows": rows}, f, indent=1)
+            json.dump({"leaves": count, "layouts": layouts, "raw": raw, "cores": os.cpu_count(), "rows": rows,
+                       "stages": staged}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -472,6 +472,57 @@ def test_blosc2_corrupt_bytes_raise(dtype):
         _codecs.decode("blosc2", stored, np.float64 if dtype == np.float32 else np.float32, size)
 
 
+@NEEDS_BLOSC2
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
+def test_blosc2_run_checks_every_header_as_decode_does(dtype):
+    """`decode_run` checks a run's Blosc2 headers all at once (numpy columns), then decodes block by
+    block: a changed byte in any block of a run (every bit of each header, bytes of the streams, random
+    bytes) raises exactly when `decode` of that block raises, naming that block, and never another
+    error; intact runs, given as bytes, memoryviews or numpy arrays, decode bit for bit."""
+    k = np.dtype(dtype).itemsize
+    raws = [_values(dtype, n, seed=20 + n).view(np.uint8) for n in (3000, 2048, 777)]
+    good = [_codecs.encode("blosc2", r, dtype) for r in raws]
+    sizes = [r.nbytes for r in raws]
+    names = [f"ckpt/params.w block {i}" for i in range(3)]
+    want = np.concatenate(raws).tobytes()
+    for form in (bytes, memoryview, lambda b: np.frombuffer(b, np.uint8)):
+        out = np.empty(sum(sizes), np.uint8)
+        _codecs.decode_run("blosc2", [form(b) for b in good], dtype, sizes, out, names)
+        assert out.tobytes() == want
+
+    def same_as_decode(blocks: list[bytes]) -> None:
+        first_bad = None
+        for i, b in enumerate(blocks):
+            try:
+                _codecs.decode("blosc2", b, dtype, sizes[i], where=names[i])
+            except CorruptCheckpointError:
+                first_bad = i
+                break
+        out = np.empty(sum(sizes), np.uint8)
+        if first_bad is None:
+            _codecs.decode_run("blosc2", blocks, dtype, sizes, out, names)
+            return
+        with pytest.raises(CorruptCheckpointError, match=f"block {first_bad}:"):
+            _codecs.decode_run("blosc2", [memoryview(b) for b in blocks], dtype, sizes, out, names)
+
+    rng = np.random.default_rng(3)
+    for b in range(3):
+        places = list(range(32)) + sorted(rng.choice(np.arange(32, len(good[b])), 16, replace=False).tolist())
+        for i in places:
+            for bit in range(8) if i < 32 else (0, 5):
+                bad = bytearray(good[b])
+                bad[i] ^= 1 << bit
+                same_as_decode([bytes(bad) if j == b else good[j] for j in range(3)])
+        for cut in (0, 5, 31, 32, len(good[b]) - 1):
+            same_as_decode([good[b][:cut] if j == b else good[j] for j in range(3)])
+        noise = rng.integers(0, 256, len(good[b]), dtype=np.uint8).tobytes()
+        same_as_decode([noise if j == b else good[j] for j in range(3)])
+    with pytest.raises(CorruptCheckpointError, match="block 1:.*raw size"):
+        _codecs.decode_run("blosc2", good, dtype, [sizes[0], sizes[1] + 1, sizes[2]], np.empty(sum(sizes) + 1, np.uint8),
+                           names)
+    assert k in (2, 4)
+
+
 def test_blosc2_missing_names_the_block_the_codec_and_the_extra(monkeypatch):
     """Reading a "blosc2" block without python-blosc2: an error that names the block, the codec and
     what to install, not a corrupt checkpoint."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from typing import Any
 
 import jax
 import ml_dtypes
@@ -26,10 +27,22 @@ from cairn._format import manifest as fmt
 from cairn._load.source import open_checkpoint
 
 BLOCK = 4096
-#: What `compression=True` picks for trained floats: "blosc2" where python-blosc2 is installed (the
-#: optional `fast` extra; `dev` has it), else "planes".
-FAST = "blosc2" if _codecs.blosc2_available() else "planes"
-FAST_VERSION = 5 if FAST == "blosc2" else 3  # a save with a "blosc2" leaf is format version 5 (FORMAT.md §6.6)
+def fast(dtype=ml_dtypes.bfloat16) -> str:
+    """What `compression=True` picks for trained floats of `dtype` on this host's cores as the save counts
+    them (`engine._cores`, which a test may set): "blosc2" where python-blosc2 is installed (the optional
+    `fast` extra; `dev` has it) and codes them faster on those cores (`options.blosc2_faster`: bf16 from
+    8 cores on), else "planes"."""
+    from cairn._save import engine
+    from cairn._save.options import blosc2_faster
+
+    faster = blosc2_faster(engine._cores(), np.dtype(dtype).itemsize)
+    return "blosc2" if _codecs.blosc2_available() and faster else "planes"
+
+
+def compressed_version(leaves) -> int:
+    """The manifest's version of a compressed save with these leaves (`leaves_of`): 5 where any leaf is
+    "blosc2" (docs/FORMAT.md §6.6; True picks it by each leaf's element size and the host's cores), else 3."""
+    return 5 if any(leaf.codec == "blosc2" for leaf, _ in leaves.values()) else 3
 NEEDS_BLOSC2 = pytest.mark.skipif(not _codecs.blosc2_available(), reason="python-blosc2 is not installed")
 
 
@@ -99,10 +112,10 @@ def test_round_trip_every_codec(tmp_path, kind, compression, mesh):
     path = where_of(kind, tmp_path)
     stats = cairn.save(path, state, compression=compression)
     ck, leaves = leaves_of(path)
-    assert ck.manifest.version == {"blosc2": 5, True: FAST_VERSION}.get(compression, 3)
+    assert ck.manifest.version == {"blosc2": 5, True: compressed_version(leaves)}.get(compression, 3)
     codecs = {p: leaf.codec for p, (leaf, _) in leaves.items()}
     if compression is True:
-        assert codecs["w"] == FAST and codecs["noise"] == "none" and codecs["zeros"] != "none"
+        assert codecs["w"] == fast() and codecs["noise"] == "none" and codecs["zeros"] != "none"
     else:
         assert set(codecs.values()) == {compression}
     raw = sum(leaf.nbytes for leaf, _ in leaves.values())
@@ -126,7 +139,7 @@ def test_auto_is_off_on_local_disk_and_on_for_object_stores(tmp_path, monkeypatc
     mem = where_of("memory", tmp_path)
     cairn.save(mem, state)
     ck, leaves = leaves_of(mem)
-    assert ck.manifest.version == FAST_VERSION and leaves["w"][0].codec == FAST
+    assert ck.manifest.version == compressed_version(leaves) and leaves["w"][0].codec == fast()
     off = where_of("memory", tmp_path)
     for value in (False, "none"):
         cairn.save(off, state, compression=value, overwrite=True)
@@ -295,7 +308,7 @@ def test_inspect_shows_codec_and_stored_bytes(tmp_path):
     cairn.save(tmp_path / "c", state_of(), compression=True)
     data = inspect_data(str(tmp_path / "c"))
     leaves = {leaf["path"]: leaf for leaf in data["items"]["params"]["leaves"] if "codec" in leaf}
-    assert leaves["w"]["codec"] == FAST and leaves["w"]["stored_bytes"] < leaves["w"]["nbytes"]
+    assert leaves["w"]["codec"] == fast() and leaves["w"]["stored_bytes"] < leaves["w"]["nbytes"]
     assert leaves["noise"]["codec"] == "none" and leaves["noise"]["stored_bytes"] == leaves["noise"]["nbytes"]
 
 
@@ -356,7 +369,7 @@ def test_plan_predicts_the_stored_bytes_a_load_reads(tmp_path, kind, case, mesh)
     engine.prepare(resolve(path), state, block_size=BLOCK, compression=True).run()
     _, leaves = leaves_of(path)
     stored = {k: stored_nbytes(leaf, block) for k, (leaf, block) in leaves.items()}
-    assert leaves["w"][0].codec == FAST and stored["w"] < 0.75 * full.nbytes
+    assert leaves["w"][0].codec == fast() and stored["w"] < 0.75 * full.nbytes
     sharding = {"same": NamedSharding(m8, P("x")), "columns": NamedSharding(m8, P(None, "x")),
                 "mesh42": NamedSharding(mesh, P("y", "x")), "replicated": NamedSharding(m8, P()),
                 "numpy": None}[case]
@@ -459,7 +472,7 @@ def test_recompressing_copy_streams_within_its_budget(tmp_path):
         tracemalloc.stop()
     assert peak < 12 << 20, peak  # slabs of 1 MiB, a few in flight; the array is 24 MiB
     ck, leaves = leaves_of(tmp_path / "packed")
-    assert ck.manifest.version == FAST_VERSION and leaves["big"][0].codec == FAST
+    assert ck.manifest.version == compressed_version(leaves) and leaves["big"][0].codec == fast()
     assert stats.bytes_copied == sum(stored_nbytes(leaf, block) for leaf, block in leaves.values()) < 0.75 * big.nbytes
     got = cairn.load(tmp_path / "packed")
     assert np.asarray(got["big"]).tobytes() == big.tobytes() and got["step"] == 3 and got["blob"] == b"abc"
@@ -538,11 +551,12 @@ def test_auto_compresses_on_network_filesystems(tmp_path, monkeypatch, fstype, v
     assert LocalStorage(str(tmp_path)).kind == ("network" if version == 3 else "local")
     state = state_of()
     cairn.save(tmp_path / "ck", state)
-    assert json.loads((tmp_path / "ck" / "manifest.json").read_bytes())["version"] == (
-        FAST_VERSION if version == 3 else version)
+    written = json.loads((tmp_path / "ck" / "manifest.json").read_bytes())["version"]
     if version == 3:
         _, leaves = leaves_of(tmp_path / "ck")
-        assert leaves["w"][0].codec == FAST
+        assert leaves["w"][0].codec == fast() and written == compressed_version(leaves)
+    else:
+        assert written == version
     assert_same(cairn.load(tmp_path / "ck"), state)
     cairn.save(tmp_path / "off", state, compression=False)  # an explicit setting still holds there
     assert json.loads((tmp_path / "off" / "manifest.json").read_bytes())["version"] == 2
@@ -676,8 +690,67 @@ def test_auto_prices_each_leaf(tmp_path, monkeypatch):
     monkeypatch.setattr(MemoryStorage, "bandwidth", None)  # the kind's default, 0.5 GiB/s: weights pay
     stats = cairn.save(path, state, overwrite=True)
     _, leaves = leaves_of(path)
-    assert leaves["w"][0].codec == FAST and leaves["noise"][0].codec == "none"
+    assert leaves["w"][0].codec == fast() and leaves["noise"][0].codec == "none"
     assert cairn.save(tmp_path / "raw", state).compression == "raw"  # a local disk
+
+
+def test_a_device_chunk_measured_for_its_codec_is_copied_to_host_once(tmp_path, monkeypatch):
+    """`compression=True` samples each leaf's first chunk from a host copy; where that copy is a fresh
+    device-to-host copy (an accelerator's chunk: `engine._fresh_copy`, forced here on CPU arrays) the
+    writer uses it instead of copying the chunk again, within `KEEP_HOST_SHARE` of the host's memory
+    (0: copied again, as before), and not in a save_async whose snapshot budget left chunks on device.
+    The bytes written are the same either way."""
+    from cairn._save import engine
+
+    state = {"params": {"w": jax.numpy.asarray(trained((256, 512))),
+                        "mu": jax.numpy.asarray(trained((128, 256), np.float32, 1))}}
+    monkeypatch.setattr(engine, "_fresh_copy", lambda src: True)
+    host = engine.SaveJob._host
+    stored = {}
+    for share in (0.0, 0.25):
+        copies: list[Any] = []
+
+        def counted(self, src, copies=copies):
+            if not isinstance(src, np.ndarray):
+                copies.append(src)
+            return host(self, src)
+
+        monkeypatch.setattr(engine.SaveJob, "_host", counted)
+        monkeypatch.setattr(engine, "KEEP_HOST_SHARE", share)
+        path = tmp_path / f"keep{share}"
+        cairn.save(path, state, compression=True)
+        assert len(copies) == (2 if share else 4), share  # one per chunk, or two without keeping
+        stored[share] = sorted(p.read_bytes() for p in path.glob("params/*.bin"))
+        assert_same(cairn.load(path), state)
+    assert stored[0.0] and stored[0.0] == stored[0.25]
+    # a save_async whose snapshot budget left the chunks on device keeps no host copy (its budget holds)
+    copies.clear()
+    cairn.save_async(tmp_path / "budget", state, compression=True, snapshot_budget_bytes=0).result(timeout=60)
+    assert len(copies) == 4
+    assert_same(cairn.load(tmp_path / "budget"), state)
+
+
+@NEEDS_BLOSC2
+def test_true_takes_blosc2_where_it_codes_faster_on_the_hosts_cores(tmp_path, monkeypatch):
+    """`compression=True` takes "blosc2" for a leaf only where it codes that leaf's elements faster than
+    "planes" on the host's cores (`options.blosc2_faster`, a function of the count, not of timings):
+    on 2 cores bf16 weights get "planes" (C-Blosc2 runs zstd over their near-random mantissa plane)
+    and f32 moments "blosc2"; on 12 cores both "blosc2". Either way the values come back."""
+    from cairn._save import engine
+    from cairn._save.options import blosc2_faster
+
+    assert not blosc2_faster(2, 2) and blosc2_faster(2, 4) and blosc2_faster(12, 2) and blosc2_faster(12, 4)
+    state = {"params": {"w": trained((256, 1024)), "mu": trained((256, 1024), np.float32, 1)}}
+    for cores, want in ((2, {"w": "planes", "mu": "blosc2"}), (12, {"w": "blosc2", "mu": "blosc2"})):
+        monkeypatch.setattr(engine, "_cores", lambda cores=cores: cores)
+        path = tmp_path / f"c{cores}"
+        cairn.save(path, state, compression=True)
+        _, leaves = leaves_of(str(path))
+        assert {k: leaves[k][0].codec for k in want} == want, cores
+        assert_same(cairn.load(path), state)
+    monkeypatch.setattr(_codecs, "_blosc2_found", False)  # not importable: never a candidate
+    cairn.save(tmp_path / "none", state, compression=True)
+    assert {leaves[0].codec for leaves in leaves_of(str(tmp_path / "none"))[1].values()} == {"planes"}
 
 
 @NEEDS_BLOSC2

@@ -12,6 +12,8 @@ commits. See docs/ARCHITECTURE.md for the protocol.
 from __future__ import annotations
 
 import collections
+import heapq
+import itertools
 import json
 import logging
 import os
@@ -19,7 +21,7 @@ import secrets
 import threading
 import time
 from collections.abc import Generator, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +61,7 @@ from .indexparts import build_part, item_index
 from .options import (
     CODEC_METER,
     SaveOptions,
+    blosc2_faster,
     compression_can_pay,
     compression_pays,
     save_options_of,
@@ -140,6 +143,8 @@ class SaveJob:
     code_spans: list[tuple[float, float]] = field(default_factory=list, repr=False)
     coded: dict[str, int] = field(default_factory=dict, repr=False)
     _code_lock: Any = field(default_factory=threading.Lock, repr=False)
+    # Codecs being chosen while the first files are written (`_Choosing`; None: all chosen before).
+    _choosing: Any = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ layout
 
@@ -188,7 +193,10 @@ class SaveJob:
         return fmt.NEWER_BLOCKS_VERSION if newer else self.version
 
     def _write_file(self, item: SaveItem, k: int, slots: list[FileSlot], crc_pool: ThreadPoolExecutor,
-                    code_pool: ThreadPoolExecutor | None = None):
+                    code_pool: CodePool | None = None, order: int = 0):
+        # `order`: this file's rank among the save's files (its coding tasks go before later files').
+        if self._choosing is not None:  # this file's leaves' codecs, chosen in the background
+            self._choosing.wait(item.name, k)
         # Per chunk, in slot order: its CRC (one block), or a list of its block CRCs or their futures.
         # Plain ints where possible: a state of thousands of small leaves makes one per chunk, and
         # objects the garbage collector tracks make it run full collections during the save.
@@ -240,7 +248,8 @@ class SaveJob:
                 yield group
 
         # (An incremental save codes the blocks it writes itself: `incremental.write_chunk`.)
-        coded = _in_order(code_pool, self._timed_code_task, code_tasks()) if leaf_codecs and self.inc is None else iter(())
+        coded = (_in_order(code_pool, self._timed_code_task, code_tasks(), order) if leaf_codecs and self.inc is None
+                 else iter(()))
         done: collections.deque[tuple[int, bool, list[Any]]] = collections.deque()
 
         def blocks_of(n_slot: int) -> Any:
@@ -330,11 +339,10 @@ class SaveJob:
         """Write this process's data files; returns its partial index per item."""
         t0 = time.perf_counter()
         partial: dict[str, Any] = {}
-        jobs = []
+        jobs: list[tuple[SaveItem, int, Any]] = []
+        self._choosing = None
         if self.compression is not None:
-            self.codecs = choose_codecs(self)
-        self.stats.compression = describe_compression(self.compression, self.loc.storage, self.codecs,
-                                                      self.priced())
+            self.codecs, self._choosing = choose_codecs(self, background=CHOOSE_IN_BACKGROUND and self.inc is None)
         if self.inc is not None:  # incremental: the base's indexes and the records of our chunks
             self.inc.open(self.items, self.loc.path)
         # Compressed blocks are encoded by a pool of their own, so that a file of large chunks uses
@@ -349,16 +357,23 @@ class SaveJob:
         writers = self.threads if self.inc is None else max(self.threads, min(files, 2 * self.threads))
         with ThreadPoolExecutor(max(1, writers), thread_name_prefix="cairn-write") as pool, \
                 ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool, \
-                ThreadPoolExecutor(max(1, coders), thread_name_prefix="cairn-code") as code_pool:
+                CodePool(coders) as code_pool:
             # Files start in turn across checkpointables (each one's first file, then each one's second...):
             # an incremental save's files of unchanged leaves only hash, and must not hold every writer
-            # while another checkpointable's changed leaves wait (docs/incremental.md, "Save and load time, round 41b").
+            # while another checkpointable's changed leaves wait (docs/incremental.md, "Save and load time,
+            # round 41b"). The coder pool serves files in that order too (`order`: a file's rank).
             for k in range(max((len(item.files) for item in self.items), default=0)):
                 for item in self.items:
                     if k < len(item.files):
                         jobs.append((item, k, pool.submit(self._write_file, item, k, item.files[k], crc_pool,
-                                                          code_pool if coders > 1 else None)))
-            results = [(item, k, f.result()) for item, k, f in jobs]
+                                                          code_pool if coders > 1 else None, len(jobs))))
+            try:
+                results = [(item, k, f.result()) for item, k, f in jobs]
+            finally:
+                if self._choosing is not None:
+                    self._choosing.close()
+        self.stats.compression = describe_compression(self.compression, self.loc.storage, self.codecs,
+                                                      self.priced())
         for item in self.items:
             partial[item.name] = {"files": [], "chunks": [], "stored": {}}
         for item, k, (key, size, chunks, moved, stored) in results:
@@ -509,6 +524,10 @@ class SaveJob:
         self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite)
 
 
+#: A single process's compressed save measures its leaves' codecs while its first files are written
+#: (`_Choosing`); False: all of them before any file (as before 2026-12-06; benchmarks compare both).
+CHOOSE_IN_BACKGROUND = True
+
 #: Blocks per coding task of a compressed save: a large chunk is coded in runs of this many blocks,
 #: small chunks together up to as many bytes (`_code_task`). Measured on the TPU host's 13 cores
 #: (docs/compression.md, "Many cores"): 16 MiB a task keeps a task's GIL-holding steps (Python, the
@@ -533,16 +552,84 @@ def _code_task(task: list[tuple[int, bool, tuple[Any, ...]]]) -> list[tuple[int,
     return [(n_slot, last, blocks) for (n_slot, last, _), blocks in zip(task, coded)]
 
 
-def _in_order(pool: ThreadPoolExecutor | None, fn: Any, tasks: Any) -> Any:
+class CodePool:
+    """The coder threads of one save, taking the most urgent queued task first: the lowest
+    ``priority`` (a save gives each data file its number), then the oldest.
+
+    A `ThreadPoolExecutor` takes tasks first come, first served, so the files written at once were
+    coded in lockstep and all reached their final fsync together, after the last block was coded:
+    a compressed save cost the coding plus the flush of every file. Served by file, the first files
+    are coded (and written) first and flush to disk while the later ones are coded: coding and
+    the disk's flush overlap, and only the last file's flush is left after the coding
+    (docs/compression.md, "Coding and writing at once"). Each file still has at most a window of
+    tasks queued (`_in_order`), so memory stays as bounded as before; tasks of other files fill
+    the workers that the first file's window leaves idle. `submit` and `_max_workers` as
+    `ThreadPoolExecutor`'s, so code that takes either (incremental saves) takes this one."""
+
+    def __init__(self, workers: int, name: str = "cairn-code") -> None:
+        self._max_workers = max(1, workers)
+        self._heap: list[tuple[Any, int, Future[Any], Any, tuple[Any, ...]]] = []
+        self._cv = threading.Condition()
+        self._order = itertools.count()
+        self._closed = False
+        self._name = name
+        self._threads: list[threading.Thread] = []  # started by the first tasks (a raw save starts none)
+
+    def submit(self, fn: Any, /, *args: Any, priority: Any = 0) -> Future[Any]:
+        f: Future[Any] = Future()
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("cannot schedule new coding tasks after the save's coder pool was shut down")
+            heapq.heappush(self._heap, (priority, next(self._order), f, fn, args))
+            if len(self._threads) < self._max_workers:
+                t = threading.Thread(target=self._work, name=f"{self._name}_{len(self._threads)}", daemon=True)
+                self._threads.append(t)
+                t.start()
+            self._cv.notify()
+        return f
+
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap and not self._closed:
+                    self._cv.wait()
+                if not self._heap:
+                    return
+                _, _, f, fn, args = heapq.heappop(self._heap)
+            if not f.set_running_or_notify_cancel():
+                continue
+            try:
+                f.set_result(fn(*args))
+            except BaseException as e:  # the consumer's result() raises it
+                f.set_exception(e)
+            del f, fn, args  # (not kept alive until the next task)
+
+    def shutdown(self) -> None:
+        """Run what is queued, then stop the workers and wait for them."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        for t in self._threads:
+            t.join()
+
+    def __enter__(self) -> CodePool:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+
+def _in_order(pool: Any, fn: Any, tasks: Any, priority: Any = None) -> Any:
     """fn(task) for each of `tasks`, in order: on `pool`, at most one task per worker plus one ahead of
-    the consumer (memory stays bounded by the window, not the file), or here without a pool."""
+    the consumer (memory stays bounded by the window, not the file), or here without a pool. On a
+    `CodePool`, `priority` (not None) ranks these tasks against other consumers' (lower first)."""
     if pool is None:
         yield from map(fn, tasks)
         return
     window = max(2, getattr(pool, "_max_workers", 2) + 1)
     ahead: collections.deque[Any] = collections.deque()
     for task in tasks:
-        ahead.append(pool.submit(fn, task))
+        ahead.append(pool.submit(fn, task) if priority is None else pool.submit(fn, task, priority=priority))
         if len(ahead) >= window:
             yield ahead.popleft().result()
     while ahead:
@@ -601,16 +688,35 @@ class LeafDecision:
 
 def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict[str, Any] | None = None,
                 cores: int | None = None) -> LeafDecision:
-    """`leaf_codec`'s decision with its reasons; `cores` (default: this process's) as "auto" counts them."""
+    """`leaf_codec`'s decision with its reasons; `cores` (default: this process's) as "auto" counts them.
+    The codec is chosen on `sample_bytes` of `host`, with "blosc2" a candidate only where it codes the
+    leaf's element size faster than "planes" on those cores (`options.blosc2_faster`)."""
+    n = cores or _cores()
     try:
-        sample = _codecs.sample(host)
-        codec, raw, stored = _codecs.choose_sized(dtype, sample)
+        sample = _codecs.sample(host, sample_bytes(getattr(host, "nbytes", 0)))
+        # "blosc2" is a candidate only where it codes this leaf's elements faster on n cores
+        codec, raw, stored = _codecs.choose_sized(dtype, sample,
+                                                  blosc2=blosc2_faster(n, np.dtype(dtype).itemsize))
     except ValueError:  # a dtype no codec knows
         return LeafDecision("none", "none", 0, 0)
     args = _formula_args(prices or {})
-    if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth, cores or _cores(), **args):
+    if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth, n, **args):
         return LeafDecision("none", codec, raw, stored)
     return LeafDecision(codec, codec, raw, stored)
+
+
+#: A leaf's sample is at most 1 / SAMPLE_SHARE of its first chunk (`sample_bytes`), so that choosing
+#: codes a fraction of a state of small leaves, not all of it three times over (a leaf under
+#: `codecs.SAMPLE_BYTES` was sampled whole: 2,449 leaves of 256x256 spent more time choosing than
+#: coding; docs/compression.md, "Coding and writing at once").
+SAMPLE_SHARE = 4
+#: ... and at least this many bytes (or the whole chunk, if smaller).
+SAMPLE_MIN_BYTES = 16 << 10
+
+
+def sample_bytes(nbytes: int) -> int:
+    """How many bytes of a leaf's first chunk of `nbytes` bytes its codec is chosen on."""
+    return min(_codecs.SAMPLE_BYTES, max(SAMPLE_MIN_BYTES, nbytes // SAMPLE_SHARE))
 
 
 def _formula_args(prices: dict[str, Any]) -> dict[str, Any]:
@@ -672,13 +778,19 @@ def describe_prices(kind: str, prices: dict[str, Any], cores: int) -> str:
     return text
 
 
-def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
+def choose_codecs(job: SaveJob, background: bool = False) -> tuple[dict[str, dict[int, str]], _Choosing | None]:
     """The codec of each array leaf this process writes a chunk of, alike on every process.
 
     A fixed codec applies to every leaf. With "choose", the writer of a leaf's
     first cell measures `codecs.choose` on a sample of that chunk's host bytes;
     with several processes, the others learn its choice through the coordinator
     (a background step, with the save's timeout), before any of them writes.
+
+    With `background` and a single process, the leaves are measured on a pool of their own in the
+    order of the files that hold them, and a `_Choosing` is returned with the (still filling)
+    codecs: a file's writer waits only for its own leaves (`_Choosing.wait`), so the first files
+    are coded and written while later leaves are still measured (and, from a device, copied to
+    host). Else (None) every codec is known on return.
     """
     from .._tree.leaves import ArraySource
 
@@ -687,7 +799,7 @@ def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
     assert fixed is not None, "leaf codecs are chosen only for a compressed save"
     out: dict[str, dict[int, str]] = {}
     need: dict[int, list[tuple[str, int]]] = {}  # owner -> (item, leaf) this process writes and does not own
-    todo: list[tuple[dict[int, str], int, Any, Any]] = []  # leaves this process measures
+    todo: list[tuple[dict[int, str], int, Any, Any, SaveItem]] = []  # leaves this process measures
     for item in job.items:
         mine = out[item.name] = {}
         written = {leaf for leaf, _cell in item.sources}
@@ -702,16 +814,28 @@ def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
                 first = item.sources.get((i, 0))
                 if first is not None:
                     mine[i] = "none"
-                    todo.append((mine, i, first, src.dtype))
+                    todo.append((mine, i, first, src.dtype, item))
                 else:
                     mine[i] = "none"
             elif i in written:
                 need.setdefault(owner, []).append((item.name, i))
+    # (No kept host copies where a save_async's snapshot budget left chunks on device: its writers bring
+    # them to host one at a time, and host memory must stay within that budget.)
+    keep = 0 if job.stats.device_copy_bytes else _keep_host_bytes()
+    if todo and background and coord.process_count == 1:
+        return out, _Choosing(job, todo, keep)
     if todo:  # each owned leaf measured on a sample, on every core (a state may have thousands)
         with ThreadPoolExecutor(min(_cores(), len(todo)), thread_name_prefix="cairn-choose") as pool:
-            chosen = list(pool.map(lambda t: _choose_leaf(job, t[2], t[3]), todo))
-        for (mine, i, _, _), c in zip(todo, chosen):
-            mine[i] = c
+            chosen = pool.map(lambda t: _choose_leaf(job, t[2], t[3]), todo)
+            for (mine, i, _, _, item), (c, host) in zip(todo, chosen):
+                mine[i] = c
+                # The host copy the sample was taken from (a device chunk's, made for this) serves the
+                # writer too: a device chunk is not copied to host twice (the first copy held while
+                # the others are made and written, within `keep` bytes).
+                if host is not None and host.nbytes <= keep:
+                    item.sources[(i, 0)] = host
+                    keep -= host.nbytes
+                del host
     if job.compression in ("choose", "auto") and coord.process_count > 1:
         base = f"cairn/save/{job.seq}/codecs"
         coord.publish(f"{base}/{me}", json.dumps({name: {str(i): c for i, c in m.items()}
@@ -720,15 +844,111 @@ def choose_codecs(job: SaveJob) -> dict[str, dict[int, str]]:
             theirs = json.loads(fetch_from(coord, f"{base}/{owner}", job.timeout, writer=owner))
             for name, i in wanted:
                 out[name][i] = theirs.get(name, {}).get(str(i), "none")
-    return out
+    return out, None
 
 
-def _choose_leaf(job: SaveJob, first: Any, dtype: Any) -> str:
-    if type(first) is Concat:
+class _Choosing:
+    """The codecs of a single process's leaves, measured on a pool of their own while its files are
+    written (`choose_codecs` with `background`): leaves in the order of the first file holding them,
+    and each file released (`wait`) once every leaf with a chunk in it has its codec. A failure is
+    raised to every writer waiting. The host copy a leaf was measured on replaces its device chunk
+    among the save's sources within `keep` bytes (as `choose_codecs` does), before its file is
+    released, so that file's writer never copies that chunk again."""
+
+    def __init__(self, job: SaveJob, todo: list[tuple[dict[int, str], int, Any, Any, SaveItem]], keep: int):
+        self._job, self._keep = job, keep
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        measured = {(t[4].name, t[1]) for t in todo}
+        self._files_of: dict[tuple[str, int], list[int]] = {}  # (item, leaf) -> files holding its chunks
+        self._pending: dict[tuple[str, int], set[int]] = {}  # (item, file) -> leaves not yet measured
+        self._ready: dict[tuple[str, int], threading.Event] = {}
+        for item in job.items:
+            for k, slots in enumerate(item.files):
+                leaves = {s.leaf for s in slots if (item.name, s.leaf) in measured}
+                for leaf in leaves:
+                    self._files_of.setdefault((item.name, leaf), []).append(k)
+                self._pending[(item.name, k)] = leaves
+                self._ready[(item.name, k)] = ev = threading.Event()
+                if not leaves:
+                    ev.set()
+        order = {(item.name, k): n for n, (item, k) in enumerate((it, k) for it in job.items
+                                                               for k in range(len(it.files)))}
+        todo = sorted(todo, key=lambda t: min((order[(t[4].name, k)] for k in self._files_of.get((t[4].name, t[1]), ())),
+                                              default=len(order)))
+        self._pool = ThreadPoolExecutor(min(_cores(), len(todo)), thread_name_prefix="cairn-choose")
+        self._futures = [self._pool.submit(self._measure, t) for t in todo]
+
+    def _measure(self, t: tuple[dict[int, str], int, Any, Any, SaveItem]) -> None:
+        mine, i, first, dtype, item = t
+        if self._error is not None:
+            return
+        try:
+            codec, host = _choose_leaf(self._job, first, dtype)
+        except BaseException as e:  # every waiting writer raises it
+            with self._lock:
+                self._error = self._error or e
+                for ev in self._ready.values():
+                    ev.set()
+            return
+        with self._lock:
+            mine[i] = codec
+            if host is not None and host.nbytes <= self._keep:
+                item.sources[(i, 0)] = host
+                self._keep -= host.nbytes
+            for k in self._files_of.get((item.name, i), ()):
+                left = self._pending[(item.name, k)]
+                left.discard(i)
+                if not left:
+                    self._ready[(item.name, k)].set()
+
+    def wait(self, item: str, k: int) -> None:
+        """Return once every leaf with a chunk in file k of `item` has its codec; raise what measuring raised."""
+        self._ready[(item, k)].wait()
+        if self._error is not None:
+            raise self._error
+
+    def close(self) -> None:
+        """Wait for the measuring pool (every leaf measured, or the save failed)."""
+        self._pool.shutdown(wait=True)
+        if self._error is not None:
+            raise self._error
+
+
+def _choose_leaf(job: SaveJob, first: Any, dtype: Any) -> tuple[str, np.ndarray | None]:
+    """The codec of a leaf whose first chunk is `first`, and that chunk's host copy where measuring
+    made one (a device chunk's, which the writer can use instead of copying it again), else None."""
+    whole = type(first) is not Concat
+    if not whole:
         first = first.parts[0]
     assert job.compression is not None
     prices = job.priced()
-    return leaf_codec(job.compression, dtype, job._host(first), prices["bandwidth"], prices)
+    host = job._host(first)
+    codec = leaf_codec(job.compression, dtype, host, prices["bandwidth"], prices)
+    made = whole and type(first) is not np.ndarray and _fresh_copy(first)
+    return codec, (host if made else None)
+
+
+def _fresh_copy(src: Any) -> bool:
+    """Whether `SaveJob._host` of `src` copies it from an accelerator (not a view of host memory)."""
+    from .._tree.shardings import on_cpu
+
+    try:
+        return not on_cpu(src) and getattr(src.sharding, "memory_kind", None) not in ("pinned_host", "unpinned_host")
+    except AttributeError:
+        return False
+
+
+#: Host copies made while choosing codecs that a blocking save keeps for its writers: at most this
+#: share of the host's physical memory (a save_async's snapshot holds its chunks on host already).
+KEEP_HOST_SHARE = 0.25
+
+
+def _keep_host_bytes() -> int:
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * KEEP_HOST_SHARE)
+    except (ValueError, OSError, AttributeError):
+        return 1 << 30
 
 
 def _bytes_of(arr: np.ndarray) -> memoryview:

@@ -107,6 +107,44 @@ if _codecs.blosc2_available():
     CODEC_SPEEDS["blosc2"] = CodecSpeed(encode=0.5 * _GiB, decode=1.5 * _GiB, encode_scale=0.5, decode_scale=0.36)
 
 
+#: One core's speed of a codec on leaves of one element size, where it differs from the whole state's
+#: (`CODEC_SPEEDS`, whose scaling over cores these keep), measured on this project's 2-core VM with
+#: ``python -m benchmarks.native_codecs --dtype bfloat16`` / ``--dtype float32`` (docs/compression.md,
+#: "Coding and writing at once"): C-Blosc2 runs zstd over every byte plane, and a bf16 block's near-random
+#: mantissa plane is half of it, where `planes` stores that plane raw after a probe: "blosc2" compresses
+#: bf16 at half `planes`' speed on one core (0.33 against 0.69 GiB/s; f32 0.45 against 0.41) and both
+#: decode bf16 at 1.1 GiB/s (f32: 1.2-1.4 against 0.9).
+CODEC_SPEEDS_BY_SIZE: dict[tuple[str, int], tuple[float, float]] = {
+    ("planes", 2): (0.69 * _GiB, 1.1 * _GiB), ("blosc2", 2): (0.33 * _GiB, 1.1 * _GiB),
+    ("planes", 4): (0.41 * _GiB, 0.92 * _GiB), ("blosc2", 4): (0.45 * _GiB, 1.3 * _GiB),
+}
+
+
+def codec_speed(codec: str, itemsize: int) -> CodecSpeed:
+    """`codec`'s speed on leaves of `itemsize`-byte elements: `CODEC_SPEEDS_BY_SIZE`'s one-core figures
+    where it has them, with `CODEC_SPEEDS`' scaling over cores; else `CODEC_SPEEDS`' own."""
+    whole = CODEC_SPEEDS[codec]
+    one = CODEC_SPEEDS_BY_SIZE.get((codec, itemsize))
+    return whole if one is None else dataclasses.replace(whole, encode=one[0], decode=one[1])
+
+
+def blosc2_faster(cores: int, itemsize: int) -> bool:
+    """Whether "blosc2" codes leaves of `itemsize`-byte elements faster than "planes" on `cores` cores:
+    a save's encoding and a load's decoding, ``raw / encode + raw / decode`` at each codec's
+    `codec_speed` on that many cores. False where python-blosc2 is not importable. By these figures
+    "blosc2" wins for f32 leaves on any host and for bf16 ones from 8 cores on: on a few cores
+    (this project's 2-core VM) `planes`' raw mantissa planes save more time than Blosc2's C saves.
+    A pure function of the core count, so a test injects it (`engine._cores`)."""
+    if "blosc2" not in CODEC_SPEEDS:
+        return False
+
+    def seconds(codec: str) -> float:
+        enc, dec = codec_speed(codec, itemsize).on(cores)
+        return 1 / enc + 1 / dec
+
+    return seconds("blosc2") < seconds("planes")
+
+
 #: A coded save's coding (raw bytes) under this is too little to measure the codecs' speed by.
 MIN_CODED_SAMPLE = 8 << 20
 #: The codec factor stays within these bounds (a measurement outside them is a glitch, not a host).
