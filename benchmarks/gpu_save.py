@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
         system, storage, comp, thr, how, budget = (("orbax", "local", "zstd (default)", "", "", None) if key == "orbax"
                                                    else ("cairn", *key))
         how = f"{how}, budget {budget // MiB} MiB" if budget else how
-        row = {k: med(r[k] for r in rs) for k in rs[0]}
+        row = {k: med(r.get(k, 0.0) for r in rs) for k in rs[0] if isinstance(rs[0][k], (int, float))}  # not "decision"
         row.update(system=system, storage=storage, compression=comp, threads=thr, to_host=how, all=rs)
         rows.append(row)
         print(f"| {system} | {storage} | {comp} | {thr} | {how} | {row['bytes_written'] / raw:.3f} | "

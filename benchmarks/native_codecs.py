@@ -8,9 +8,10 @@ candidates interleaved within each repetition, so a machine's drift hits them al
   save's tasks (`benchmarks.codecs.coding_tasks`: runs of 16 blocks, small leaves together), each
   leaf's codec from `codecs.choose` without blosc2 (planes / zstd / none), and `codecs.decode_run` per run.
 - ``cairn-blosc2``: cairn's "blosc2" codec through `codecs.encode_runs` / `codecs.decode_run`, same tasks
-  (`decode_run` checks a run's headers at once, `codecs._blosc2_headers_ok`).
-- ``cairn-blosc2-perblock``: the same blocks decoded as `decode_run` did before (until 2026-12-06, 05:00):
-  `codecs._check_blosc2` of each block in Python, then its `decompress2` call (A/B of the joined check).
+  (`decode_run`: each block's header checked, then its `decompress2` call).
+- ``cairn-blosc2-perblock``: the same check and call per block in this benchmark's own loop, without
+  `decode_run` around it (what cairn's wrapper costs; until 2026-12-06 06:00 it was the A/B of a joined
+  header check, since dropped).
 - ``zstd1``: every block one zstd level-1 frame (the ``zstd`` codec for every leaf), same tasks.
 - ``b2-...``: python-blosc2's `compress2` / `decompress2` of each 1 MiB block as one Blosc2 chunk
   (typesize = the leaf's itemsize), named by filters, codec, split mode, Blosc block size and
