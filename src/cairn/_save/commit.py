@@ -230,7 +230,7 @@ class MarkerCommit(CommitStrategy):
     proves every file the manifest names is there, then the manifest. The files of other attempts
     (an interrupted save, the checkpoint being overwritten) are taken from that same listing and
     deleted after the commit in batched requests; a fresh save sends nothing after its manifest.
-    The destination check before a save is one HEAD of the manifest (none with ``overwrite``).
+    The destination check before a save is one listing of the names directly under the checkpoint.
     """
 
     name = "marker"
@@ -239,16 +239,11 @@ class MarkerCommit(CommitStrategy):
         return name
 
     def check_destination(self, loc: Location, overwrite: bool) -> None:
-        # Only a manifest makes a checkpoint here (no folders): one HEAD, not `exists`'s HEAD and listing.
-        if not overwrite and self._manifest_exists(loc):
+        # One request, not `exists`' HEAD and listing: only a manifest makes a checkpoint here, and a
+        # listing (unlike a HEAD, whose 404 says nothing more) fails naming a missing bucket before
+        # anything is written, overwrite or not.
+        if fmt.MANIFEST in self.storage.list_dir(loc.name) and not overwrite:
             raise CheckpointExistsError(f"{loc.path} already holds a checkpoint; pass overwrite=True to replace it")
-
-    def _manifest_exists(self, loc: Location) -> bool:
-        try:
-            self.storage.size(loc.key(fmt.MANIFEST))
-        except FileNotFoundError:
-            return False
-        return True
 
     def commit(self, loc: Location, token: str, manifest: bytes, needed: Iterable[str], *,
                overwrite: bool, discard: Iterable[str] = ()) -> None:
