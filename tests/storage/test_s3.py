@@ -744,3 +744,27 @@ def test_a_failed_cleanup_after_an_overwrite_keeps_the_new_checkpoint(s3_bucket,
     cairn.save(path, {"a": np.ones(16)}, storage_options=fast_retries(proxy.options()), overwrite=True)
     assert proxy.injected() >= 1
     np.testing.assert_array_equal(cairn.load(path, storage_options=s3_opts)["a"], np.ones(16))
+
+
+def test_loads_at_once_share_the_reader_threads(store, bucket, opts):
+    """Object-store loads read on long-lived threads shared by the process's loads: several at once,
+    from threads of their own, each gets its own bytes."""
+    paths = [store.url(bucket, f"many/{i}") for i in range(3)]
+    states = [{"a": np.arange(300_000, dtype=np.float32) * (i + 1), "b": np.full(5000, i)} for i in range(3)]
+    for path, state in zip(paths, states):
+        cairn.save(path, state, storage_options=opts)
+    got: dict[int, dict] = {}
+
+    def load(i):
+        for _ in range(3):
+            got[i] = cairn.load(paths[i % 3], storage_options=opts)
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    for i in range(6):
+        for k, v in states[i % 3].items():
+            np.testing.assert_array_equal(got[i][k], v)
