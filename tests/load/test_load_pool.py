@@ -59,3 +59,17 @@ def test_only_object_stores_share_threads(tmp_path):
         assert not isinstance(mem, engine._LoadPool)
     finally:
         mem.shutdown()
+
+
+def test_scratch_buffers_do_not_outlive_the_load():
+    """A reader thread's scratch buffer belongs to the load whose task took it, not to the thread."""
+    from cairn._load import landing
+
+    shared = engine._shared_pool(1)  # one thread: every task below runs on it
+    with engine._LoadPool(shared) as pool:
+        assert pool.submit(landing.scratch, 4 << 20).result(timeout=10).nbytes == 4 << 20
+        assert pool.submit(landing.scratch, 1 << 20).result(timeout=10).nbytes == 1 << 20  # reused
+        held = pool._scratch
+        assert len(held) == 1
+    assert held == {}
+    assert shared.submit(lambda: getattr(landing._local, "buf", None)).result(timeout=10) is None

@@ -35,6 +35,7 @@ from .._tree.perprocess import LoadView
 from .._tree.pytree import display_path, map_with_path, unflatten
 from .._tree.shardings import WHOLE_PUT_BYTES, concrete_sharding, misfit, on_mesh, puts_whole
 from . import casts
+from .landing import in_scope
 from .metadata import read_index, read_manifest
 from .options import LoadOptions, options_of
 from .plan import Limits, Plan, plan
@@ -276,9 +277,10 @@ class _LoadPool(Executor):
         self._pool = pool
         self._futures: list[Future[Any]] = []
         self._lock = threading.Lock()
+        self._scratch: dict[Any, Any] = {}  # the reader threads' scratch buffers while they run this load's tasks
 
     def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
-        f = self._pool.submit(fn, *args, **kwargs)
+        f = self._pool.submit(in_scope, self._scratch, fn, *args, **kwargs)
         with self._lock:
             self._futures.append(f)
         return f
@@ -291,6 +293,7 @@ class _LoadPool(Executor):
                 f.cancel()
         if wait:
             wait_all(futures)
+            self._scratch.clear()
 
 
 _pools: dict[int, ThreadPoolExecutor] = {}
