@@ -134,6 +134,7 @@ def _worker() -> int:
         from concurrent.futures import ThreadPoolExecutor
 
         import obstore
+
         from cairn._storage.obstore import ObjectStorage
 
         if "arrays" not in state:

@@ -25,10 +25,9 @@ def scratch(nbytes: int, which: str = "buf") -> np.ndarray:
     the load's thread pool, or, on threads that outlive a load (`in_scope`), as
     long as the load.
     """
-    held = getattr(_local, "scope", None)
-    if held is None:
-        held = _local.__dict__
-    key = which if held is _local.__dict__ else (threading.get_ident(), which)
+    scope: dict[Any, Any] | None = getattr(_local, "scope", None)
+    held: dict[Any, Any] = _local.__dict__ if scope is None else scope
+    key: Any = which if scope is None else (threading.get_ident(), which)
     buf = held.get(key)
     if buf is None or buf.nbytes < nbytes:
         buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
