@@ -73,3 +73,35 @@ def test_scratch_buffers_do_not_outlive_the_load():
         assert len(held) == 1
     assert held == {}
     assert shared.submit(lambda: getattr(landing._local, "buf", None)).result(timeout=10) is None
+
+
+def test_a_loads_readers_are_freed_when_it_returns(tmp_path, monkeypatch):
+    """No reference cycle keeps a load's readers (and what they hold) alive after it returns: they
+    are freed at once, not by a later run of the cyclic collector (whose pause then falls in the next
+    load). With the collector off, every reader is gone as soon as the load returns."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    import cairn
+    from cairn._load import reader as reader_mod
+
+    made = []
+    real_init = reader_mod.ChunkReader.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(reader_mod.ChunkReader, "__init__", init)
+    path = str(tmp_path / "ckpt")
+    cairn.save(path, {"a": np.arange(1000.0), "b": {"c": np.ones((4, 5), np.int32)}})
+    gc.collect()
+    gc.disable()
+    try:
+        out = cairn.load(path)
+        assert made and all(r() is None for r in made)
+    finally:
+        gc.enable()
+    np.testing.assert_array_equal(out["a"], np.arange(1000.0))

@@ -242,7 +242,7 @@ def load(
                 activity.end()
         finally:
             for it in items:
-                it.reader.close()
+                it.reader.release()
         for it in items:
             _wrap_keys(it, loc.path)
             out[it.name] = it.output()
