@@ -286,14 +286,18 @@ class _LoadPool(Executor):
         return f
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        with self._lock:
-            futures, self._futures = self._futures, []
-        if cancel_futures:
-            for f in futures:
-                f.cancel()
-        if wait:
+        while True:  # (a task may send more while the load waits for it)
+            with self._lock:
+                futures, self._futures = self._futures, []
+            if not futures:
+                break
+            if cancel_futures:
+                for f in futures:
+                    f.cancel()
+            if not wait:
+                return
             wait_all(futures)
-            self._scratch.clear()
+        self._scratch.clear()
 
 
 _pools: dict[int, ThreadPoolExecutor] = {}
