@@ -4,6 +4,7 @@
     python benchmarks/ab_objstore.py --servers moto,azurite --reps 7            # base vs this tree
     python benchmarks/ab_objstore.py --servers moto --reps 3 --profile new      # + a sampling profile
     python benchmarks/ab_objstore.py --servers moto --reps 5 --link 1GB/s,10ms  # through a shaped link
+    python benchmarks/ab_objstore.py --servers moto --reps 7 --ops "raw puts,cairn save"  # saves against raw puts
 
 Each tree gets a worker process of its own (``PYTHONPATH`` = that tree's ``src``), started once and
 kept warm, so the A and B loads alternate repetition by repetition against the same server and the
@@ -116,7 +117,55 @@ def _worker() -> int:
         jax.block_until_ready(cairn.load(state["path"], state["target"], storage_options=state["opts"], stats=stats))
         noted()
 
-    ops = {"raw get_ranges": raw_ranges, "raw whole": raw_whole, "numpy": load_numpy, "mesh": load_mesh}
+    counter = iter(range(1 << 30))
+
+    def timed_save() -> None:
+        # A fresh path each time, beside the loaded checkpoint; the arrays as the save of `save` made them.
+        if "arrays" not in state:
+            rng = np.random.default_rng(0)
+            state["host"] = {k: rng.standard_normal(s, dtype=np.float32) for k, s in state["shapes"].items()}
+            state["arrays"] = {k: jax.device_put(v, state["sharding"]) for k, v in state["host"].items()}
+        cairn.save(f"{state['path']}-saves/{os.getpid()}-{next(counter)}", {"params": state["arrays"]},
+                   storage_options=state["opts"], compression=False)
+
+    def raw_puts() -> None:
+        # Multipart puts of the same bytes in as many objects as the save writes, with its part size and parts
+        # in flight (as `bench_objstore`'s raw puts).
+        from concurrent.futures import ThreadPoolExecutor
+
+        import obstore
+
+        from cairn._storage.obstore import ObjectStorage
+
+        if "arrays" not in state:
+            timed_save()
+        st = ObjectStorage(state["path"].rsplit("/", 1)[0], state["opts"])
+        t, n = st.tuning, len(files())
+        views = [memoryview(v.reshape(-1).view(np.uint8)) for v in state["host"].values()]
+        per, prefix = -(-len(views) // n), f"raw-puts/{os.getpid()}-{next(counter)}"
+
+        def put(f: int) -> None:
+            obstore.put(st.upload_store, f"{prefix}/f{f}", iter(views[f * per:(f + 1) * per]),
+                        use_multipart=True, chunk_size=t.part_size, max_concurrency=t.upload_concurrency)
+
+        with ThreadPoolExecutor(n) as pool:
+            list(pool.map(put, range(n)))
+
+    def forget_saves() -> None:  # untimed, before each save: the emulator holds every object in memory
+        from cairn._storage.obstore import ObjectStorage
+
+        st = ObjectStorage(state["path"].rsplit("/", 1)[0], state["opts"])
+        name = state["path"].rsplit("/", 1)[1]
+        for prefix in (f"{name}-saves/{os.getpid()}-", f"raw-puts/{os.getpid()}-"):
+            keys = [k for k in st.list(prefix.rsplit("/", 1)[0]) if k.startswith(prefix)]
+            if keys:  # (the base tree's storage may not have `delete_keys`)
+                import obstore
+
+                obstore.delete(st.store, keys)
+
+    ops = {"raw get_ranges": raw_ranges, "raw whole": raw_whole, "numpy": load_numpy, "mesh": load_mesh,
+           "cairn save": timed_save, "raw puts": raw_puts}
+    before = {"cairn save": forget_saves, "raw puts": forget_saves}
 
     def profile(job: dict[str, Any]) -> dict[str, Any]:
         return _profile([ops[k] for k in job["ops"]] * job["n"])
@@ -142,6 +191,8 @@ def _worker() -> int:
                 out = {k: statistics.median(v) for k, v in phases.items()}
                 phases.clear()
             else:
+                if op in before:
+                    before[op]()
                 t0, c0 = time.perf_counter(), time.process_time()
                 ops[op]()
                 out = [time.perf_counter() - t0, time.process_time() - c0]
@@ -273,13 +324,18 @@ def run(kind: str, a: argparse.Namespace) -> dict[str, Any]:
                     cpus.setdefault(key, []).append(cpu)
         la.append(_loadavg())
         med = {k: statistics.median(v) for k, v in times.items()}
-        raw = {k: v for k, v in med.items() if k.startswith("raw")}
+        raw = {k: v for k, v in med.items() if k.startswith("raw") and "puts" not in k}
+        puts = med.get("raw: raw puts")
         best = min(raw, key=raw.__getitem__) if raw else None
         print(f"\n{kind}: {a.size_mib} MiB in {a.arrays} arrays, medians of {a.reps} "
               f"(load average {la[0]} -> {la[1]})")
         nbytes = a.size_mib * MiB
         for k, v in med.items():
-            ratio = f"   {v / raw[best]:.2f}x best raw" if best and not k.startswith("raw") else ""
+            ratio = ""
+            if k.endswith(": cairn save"):
+                ratio = f"   {v / puts:.2f}x raw puts" if puts else ""
+            elif best and not k.startswith("raw"):
+                ratio = f"   {v / raw[best]:.2f}x best raw"
             if link is not None and link.rate:
                 ratio += f"   {nbytes / v / link.rate:.2f} of the link"
             print(f"  {k:28s} {v:7.3f} s  (min {min(times[k]):.3f}, max {max(times[k]):.3f}; "

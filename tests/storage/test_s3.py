@@ -665,3 +665,106 @@ def test_a_missing_bucket_is_named(store, bucket, opts):
         with pytest.raises(cairn.CheckpointError, match=f"{missing}.*does not exist on this store"):
             call()
     assert store.keys(bucket) == []  # the neighbouring bucket got nothing either
+
+
+# ---------------------------------------------------------------------- the commit's requests
+
+
+def _small_requests(proxy, bucket, name):
+    """The requests to the checkpoint `name` that are not data uploads, as (method, what, status)."""
+    out = []
+    for method, path, status in proxy.requests:
+        where, _, query = path.partition("?")
+        if method == "GET" and "list-type" in query:
+            out.append((method, "list", status))
+        elif method == "POST" and query.startswith("delete"):
+            out.append((method, "delete", status))
+        elif where.startswith(f"/{bucket}/{name}/") and not where.endswith(".bin"):
+            out.append((method, where.rsplit("/", 1)[-1].split(".")[0], status))
+    return out
+
+
+def test_commit_sends_only_the_requests_the_protocol_needs(s3_bucket, s3_opts, proxy):
+    """A fresh save: one listing before the data, then index part, index, the listing that proves the
+    files are there, and the manifest last (no listing or delete after it). An overwrite deletes the
+    old checkpoint's files by one batched request after its manifest, taken from the same listing."""
+    o = proxy.options()
+    path = f"s3://{s3_bucket}/fresh"
+    cairn.save(path, {"a": np.arange(1000)}, storage_options=o)
+    assert _small_requests(proxy, s3_bucket, "fresh") == [
+        ("GET", "list", 200), ("PUT", "index", 200), ("PUT", "index", 200), ("GET", "list", 200),
+        ("PUT", "manifest", 200)]
+    proxy.requests.clear()
+    cairn.save(path, {"a": np.arange(1000) + 1}, storage_options=o, overwrite=True)
+    got = _small_requests(proxy, s3_bucket, "fresh")[1:]
+    assert got[:4] == [("PUT", "index", 200), ("PUT", "index", 200), ("GET", "list", 200), ("PUT", "manifest", 200)]
+    assert got[4:] == [("POST", "delete", 200)]
+    np.testing.assert_array_equal(cairn.load(path, storage_options=s3_opts)["a"], np.arange(1000) + 1)
+    assert [k.rsplit("/", 1)[-1].split(".")[0] for k in s3_keys(s3_opts, s3_bucket, "fresh/")].count("manifest") == 1
+
+
+def s3_keys(opts, bucket, prefix):
+    from cairn._storage.obstore import ObjectStorage
+
+    return ObjectStorage(f"s3://{bucket}", opts).list(prefix.rstrip("/"))
+
+
+@pytest.mark.parametrize("fail", ["index", "list", "manifest"])
+def test_a_failure_between_commit_requests_leaves_no_checkpoint(s3_bucket, s3_opts, proxy, fail):
+    """Whichever of the commit's requests fails for good, nothing is visible (the manifest comes
+    last), the error names the checkpoint, and a later save to the same path commits."""
+    path = f"s3://{s3_bucket}/broken-{fail}"
+    if fail == "list":  # the commit's listing, not the destination check before the data
+        def arm(method, where):
+            if method == "PUT" and "/a/index." in where and not proxy.faults:
+                proxy.fail(500, times=100, method="GET", query_contains="list-type")
+
+        proxy.on_request = arm
+    else:
+        proxy.fail(500, times=100, method="PUT", path_contains=f"broken-{fail}/" + ("manifest" if fail == "manifest"
+                                                                                        else "a/index."))
+    with pytest.raises(cairn.CheckpointError, match=f"broken-{fail}"):
+        cairn.save(path, {"a": np.arange(10)}, storage_options=fast_retries(proxy.options()))
+    assert not any(k.endswith("manifest.json") for k in s3_keys(s3_opts, s3_bucket, f"broken-{fail}/"))
+    with pytest.raises(cairn.CheckpointNotFoundError):
+        cairn.load(path, storage_options=s3_opts)
+    assert proxy.injected() >= 1
+    proxy.on_request = None
+    proxy.faults.clear()
+    cairn.save(path, {"a": np.arange(10)}, storage_options=s3_opts)
+    np.testing.assert_array_equal(cairn.load(path, storage_options=s3_opts)["a"], np.arange(10))
+
+
+def test_a_failed_cleanup_after_an_overwrite_keeps_the_new_checkpoint(s3_bucket, s3_opts, proxy):
+    """The batched delete of the old files fails after the new manifest: the save still succeeds,
+    the new checkpoint loads, and the old files are invisible leftovers."""
+    path = f"s3://{s3_bucket}/ow-cleanup"
+    cairn.save(path, {"a": np.zeros(16)}, storage_options=s3_opts)
+    proxy.fail(500, times=100, method="POST", query_contains="delete")
+    cairn.save(path, {"a": np.ones(16)}, storage_options=fast_retries(proxy.options()), overwrite=True)
+    assert proxy.injected() >= 1
+    np.testing.assert_array_equal(cairn.load(path, storage_options=s3_opts)["a"], np.ones(16))
+
+
+def test_loads_at_once_share_the_reader_threads(store, bucket, opts):
+    """Object-store loads read on long-lived threads shared by the process's loads: several at once,
+    from threads of their own, each gets its own bytes."""
+    paths = [store.url(bucket, f"many/{i}") for i in range(3)]
+    states = [{"a": np.arange(300_000, dtype=np.float32) * (i + 1), "b": np.full(5000, i)} for i in range(3)]
+    for path, state in zip(paths, states):
+        cairn.save(path, state, storage_options=opts)
+    got: dict[int, dict] = {}
+
+    def load(i):
+        for _ in range(3):
+            got[i] = cairn.load(paths[i % 3], storage_options=opts)
+
+    threads = [threading.Thread(target=load, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads)
+    for i in range(6):
+        for k, v in states[i % 3].items():
+            np.testing.assert_array_equal(got[i][k], v)

@@ -22,13 +22,28 @@ def scratch(nbytes: int, which: str = "buf") -> np.ndarray:
 
     A fresh buffer per read costs first-touch page faults on every read, which
     on some hosts is slower than the read itself. The buffer lives as long as
-    the load's thread pool.
+    the load's thread pool, or, on threads that outlive a load (`in_scope`), as
+    long as the load.
     """
-    buf = getattr(_local, which, None)
+    scope: dict[Any, Any] | None = getattr(_local, "scope", None)
+    held: dict[Any, Any] = _local.__dict__ if scope is None else scope
+    key: Any = which if scope is None else (threading.get_ident(), which)
+    buf = held.get(key)
     if buf is None or buf.nbytes < nbytes:
         buf = np.empty(max(nbytes, 1 << 20), dtype=np.uint8)
-        setattr(_local, which, buf)
+        held[key] = buf
     return buf[:nbytes]
+
+
+def in_scope(scope: dict[Any, Any], fn: Any, *args: Any, **kwargs: Any) -> Any:
+    """Run `fn` with this thread's scratch buffers kept in `scope` (one load's dict, dropped with the
+    load), not on the thread: long-lived threads shared by loads keep no buffer between them."""
+    before = getattr(_local, "scope", None)
+    _local.scope = scope
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        _local.scope = before
 
 
 def region(start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[Any, ...]:

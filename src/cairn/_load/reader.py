@@ -183,6 +183,16 @@ class ChunkReader:
         if self._pieces is not None:
             self._pieces.submit()
 
+    def release(self) -> None:
+        """Close, and drop the runs being gathered (they point back at this reader): a load's reader
+        is then freed, with all it holds, when the load lets go of it, not by the next collection of
+        the cyclic garbage collector in whatever runs next (the next load of a 256 MiB state from
+        moto spent 10-55 ms in it, holding up its first GETs). Not for use afterwards."""
+        self.close()
+        self._pieces = None
+        self._runs = None  # type: ignore[assignment]
+        self._plans = None  # type: ignore[assignment]
+
     def close(self) -> None:
         with self._lock:
             for r in self._readers.values():
@@ -332,9 +342,11 @@ class ChunkReader:
         if span is not None:  # small, whole, one run of bytes: read together with its neighbours
             self._reader(span.file)  # checks the file first: a false size claim allocates nothing
             dest = aligned_empty(leaf.shape, leaf.dtype, huge_pages=False)  # filled once, as below
-            self._prefault([dest])
-            return ArrayReads([self._runs.add(leaf, span.file, span.start, dest, span.stored)], [dest], boxes,
-                              placement)
+            self._note_fresh([dest])
+            reads_ = ArrayReads([self._runs.add(leaf, span.file, span.start, dest, span.stored)], [dest], boxes,
+                                placement)
+            self._prefault_if_many()
+            return reads_
         files = {leaf.chunks[r.file][0] for r in reads} if leaf.codec != "none" or leaf.refs else {
             r.file for r in reads}
         for file in sorted(files):
@@ -349,7 +361,7 @@ class ChunkReader:
                 f"{self.loc.path}: cannot allocate {nbytes} bytes for leaf "
                 f"{display_path(leaf.path, self.item)!r} of shape {leaf.shape}"
             ) from None
-        self._prefault(dests)
+        self._note_fresh(dests)
         self._runs.submit()
         futures: list[Future[None]] = []
         for r in reads:
@@ -364,9 +376,10 @@ class ChunkReader:
                 futures.append(self._pieces.add(r.file, r.start, r.end, views, r.checks, leaf))  # type: ignore[union-attr]
             else:
                 futures.append(self.pool.submit(self.do_read, r, leaf, dests))
+        self._prefault_if_many()
         return ArrayReads(futures, dests, boxes, placement)
 
-    def _prefault(self, dests: list[np.ndarray]) -> None:
+    def _note_fresh(self, dests: list[np.ndarray]) -> None:
         """On storages that price requests (whose reads wait on the network), note fresh destination
         buffers whose pages `start_prefault` maps while the requests are in flight."""
         if self._pieces is not None:
@@ -374,8 +387,14 @@ class ChunkReader:
                 if d.nbytes >= _PREFAULT_MIN:  # (smaller ones come from memory the allocator has mapped)
                     self._unmapped.append(d)
                     self._unmapped_bytes += d.nbytes
-            if self._unmapped_bytes >= _PREFAULT_BATCH:
-                self.start_prefault()
+
+    def _prefault_if_many(self) -> None:
+        """Start mapping once many bytes are noted, without waiting for the caller. Called after the
+        array's reads are queued, never before: a mapping that starts while the loading thread still has
+        a request to send holds that request up (the per-GET timeline of a 256 MiB moto load: the last
+        file's GET left 80-100 ms late in two loads of three, when the 256 MiB mark fell on its array)."""
+        if self._unmapped_bytes >= _PREFAULT_BATCH:
+            self.start_prefault()
 
     def start_prefault(self) -> None:
         """Map the pages of the buffers noted so far, in one pool thread, in the order they were

@@ -1,0 +1,107 @@
+"""The reader threads of object-store loads: long-lived, shared by the loads of a process
+(`_load.engine.load_pool`), each load waiting for its own tasks on the way out."""
+
+from __future__ import annotations
+
+import threading
+
+from cairn._load import engine
+from cairn._storage.location import resolve
+
+
+def _blocking_tasks(pool, n):
+    """Send `n` tasks that each wait until all `n` run: the pool must run them on `n` threads."""
+    gate = threading.Barrier(n, timeout=10)
+    return [pool.submit(gate.wait) for _ in range(n)]
+
+
+def test_a_later_load_starts_no_thread(monkeypatch):
+    started = []
+    real = threading.Thread.start
+    monkeypatch.setattr(threading.Thread, "start", lambda self: (started.append(self.name), real(self))[1])
+    shared = engine._shared_pool(3)
+    with engine._LoadPool(shared) as pool:
+        for f in _blocking_tasks(pool, 3):
+            f.result(timeout=10)
+    assert len([n for n in started if n.startswith("cairn-read3")]) <= 3
+    started.clear()
+    with engine._LoadPool(engine._shared_pool(3)) as pool:  # the same threads, idle now
+        for f in _blocking_tasks(pool, 3):
+            f.result(timeout=10)
+    assert started == []
+
+
+def test_leaving_a_load_waits_for_its_tasks_only():
+    shared = engine._shared_pool(2)
+    other_release, mine_release = threading.Event(), threading.Event()
+    done = []
+    other = engine._LoadPool(shared)
+    slow = other.submit(other_release.wait, 10)  # another load's task, still running
+    timer = threading.Timer(0.05, mine_release.set)
+    timer.start()
+    with engine._LoadPool(shared) as pool:
+        pool.submit(lambda: (mine_release.wait(10), done.append(1)))
+    assert done == [1]  # waited for its own task
+    assert not slow.done()  # not for the other load's
+    other_release.set()
+    other.shutdown()
+    assert slow.done()
+
+
+def test_only_object_stores_share_threads(tmp_path):
+    local = engine.load_pool(resolve(str(tmp_path / "ckpt")), 4)
+    try:
+        assert not isinstance(local, engine._LoadPool)
+    finally:
+        local.shutdown()
+    mem = engine.load_pool(resolve("memory://pool-test/ckpt"), 4)
+    try:
+        assert not isinstance(mem, engine._LoadPool)
+    finally:
+        mem.shutdown()
+
+
+def test_scratch_buffers_do_not_outlive_the_load():
+    """A reader thread's scratch buffer belongs to the load whose task took it, not to the thread."""
+    from cairn._load import landing
+
+    shared = engine._shared_pool(1)  # one thread: every task below runs on it
+    with engine._LoadPool(shared) as pool:
+        assert pool.submit(landing.scratch, 4 << 20).result(timeout=10).nbytes == 4 << 20
+        assert pool.submit(landing.scratch, 1 << 20).result(timeout=10).nbytes == 1 << 20  # reused
+        held = pool._scratch
+        assert len(held) == 1
+    assert held == {}
+    assert shared.submit(lambda: getattr(landing._local, "buf", None)).result(timeout=10) is None
+
+
+def test_a_loads_readers_are_freed_when_it_returns(tmp_path, monkeypatch):
+    """No reference cycle keeps a load's readers (and what they hold) alive after it returns: they
+    are freed at once, not by a later run of the cyclic collector (whose pause then falls in the next
+    load). With the collector off, every reader is gone as soon as the load returns."""
+    import gc
+    import weakref
+
+    import numpy as np
+
+    import cairn
+    from cairn._load import reader as reader_mod
+
+    made = []
+    real_init = reader_mod.ChunkReader.__init__
+
+    def init(self, *args, **kwargs):
+        real_init(self, *args, **kwargs)
+        made.append(weakref.ref(self))
+
+    monkeypatch.setattr(reader_mod.ChunkReader, "__init__", init)
+    path = str(tmp_path / "ckpt")
+    cairn.save(path, {"a": np.arange(1000.0), "b": {"c": np.ones((4, 5), np.int32)}})
+    gc.collect()
+    gc.disable()
+    try:
+        out = cairn.load(path)
+        assert made and all(r() is None for r in made)
+    finally:
+        gc.enable()
+    np.testing.assert_array_equal(out["a"], np.arange(1000.0))
