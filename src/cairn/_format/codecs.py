@@ -701,15 +701,12 @@ def _decode_blosc2_run(stored: Sequence[Any], dtype: Any, raw_sizes: Sequence[in
         if not 0 <= raw_size <= MAX_BLOCK or raw_size % k:
             raise _corrupt(where, codec, f"has a raw size {raw_size} that is not a whole number of "
                                          f"{k}-byte elements up to {MAX_BLOCK}")
-        if type(s) is bytes:
-            src = s
-        else:
-            src = memoryview(s).cast("B") if not isinstance(s, np.ndarray) else _as_u8(s).data
-            s = src
+        src: Any = s if type(s) is bytes else (
+            memoryview(s).cast("B") if not isinstance(s, np.ndarray) else _as_u8(s).data)
         _check_blosc2(src, raw_size, k, where)
         if raw_size:
             try:
-                dec(s, dst=dst[offsets[i]:offsets[i + 1]], nthreads=1)
+                dec(src, dst=dst[offsets[i]:offsets[i + 1]], nthreads=1)
             except (ValueError, RuntimeError) as e:
                 raise _corrupt(where, codec, f"does not decompress: {e}") from None
 
