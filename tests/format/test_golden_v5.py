@@ -18,6 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
+from _parts import delta_kinds
 from cairn._format import codecs as _codecs
 from cairn._format import manifest as fmt
 from cairn._sources.verify import verify
@@ -84,37 +85,6 @@ def _codec_ids(ckpt: Path) -> list[int]:
                   for c in block_columns(part.read_bytes(), PART_VERSION_BLOCKS)[1]["codec"].tolist())
 
 
-def _delta_kinds(ckpt: Path) -> list[int]:
-    """The kind byte (FORMAT.md §6.5) of every delta block, read from the parts and data files by hand."""
-    from cairn._format.partfile import (
-        HEADER_BYTES,
-        OWN,
-        PART_VERSION_BLOCKS,
-        RECORD,
-        RECORD_BYTES,
-        block_columns,
-    )
-
-    kinds = []
-    for index in ckpt.glob("*/index.*.json"):
-        meta = json.loads(index.read_bytes())
-        for part in meta.get("parts", []):
-            data = (index.parent / part["name"]).read_bytes()
-            n, m = part["records"], part["crcs"]
-            rec = np.frombuffer(data, dtype=RECORD, count=n, offset=HEADER_BYTES)
-            sizes = np.frombuffer(data, dtype="<u4", count=m, offset=HEADER_BYTES + n * RECORD_BYTES + 4 * m)
-            src = block_columns(data, PART_VERSION_BLOCKS)[1]
-            for r, end in zip(rec, [*rec["crc_start"][1:].tolist(), m]):
-                own = (index.parent / meta["files"][part["file_base"] + int(r["file"])]["name"]).read_bytes()
-                pos = int(r["offset"])
-                for b in range(int(r["crc_start"]), int(end)):
-                    if src["file"][b] == OWN or src["codec"][b] == 3:
-                        if src["codec"][b] == 3:
-                            kinds.append(own[pos + 1])
-                        pos += int(sizes[b])
-    return sorted(kinds)
-
-
 # ------------------------------------------------------------------------- the goldens
 
 GOLDENS = ["blosc2", *(f"{c}/step_{s:08d}" for c in ("blosc2_chain", "sparse") for s in (1, 2, 3))]
@@ -156,9 +126,9 @@ def test_golden_v5_versions_and_blocks():
         assert _versions(sparse / name) == ({1: 4, 2: 5, 3: 5}[step], {4})
     assert set(_codec_ids(chain / "step_00000001")) == {4}  # blosc2's id in a part's source column
     assert 4 in _codec_ids(chain / "step_00000002") and 0 not in _codec_ids(chain / "step_00000002")
-    assert _delta_kinds(chain / "step_00000002") != []
-    assert _delta_kinds(sparse / "step_00000001") == []
-    assert 1 in _delta_kinds(sparse / "step_00000002") and 1 in _delta_kinds(sparse / "step_00000003")
+    assert delta_kinds(chain / "step_00000002") != []
+    assert delta_kinds(sparse / "step_00000001") == []
+    assert 1 in delta_kinds(sparse / "step_00000002") and 1 in delta_kinds(sparse / "step_00000003")
 
 
 # ------------------------------------------------------------------------- the writer's choice
@@ -176,7 +146,7 @@ def test_saves_without_blosc2_or_sparse_deltas_keep_their_versions(tmp_path):
     cairn.save(tmp_path / "inc2", {"p": {"w": y}}, base=tmp_path / "inc")
     assert {n: _versions(tmp_path / n) for n in ("raw", "zstd", "planes", "inc", "inc2")} == {
         "raw": (2, {2}), "zstd": (3, {3}), "planes": (3, {3}), "inc": (4, {4}), "inc2": (4, {4})}
-    assert _delta_kinds(tmp_path / "inc2") == []
+    assert delta_kinds(tmp_path / "inc2") == []
 
 
 def test_xor_deltas_stay_version_4_and_sparse_ones_make_it_5(tmp_path):
@@ -186,14 +156,14 @@ def test_xor_deltas_stay_version_4_and_sparse_ones_make_it_5(tmp_path):
     few = w0.copy()
     few.reshape(-1)[[5, 9000, 200000]] = 7.0  # three elements: a sparse delta
     cairn.save(tmp_path / "c", {"w": few}, base=tmp_path / "b")
-    assert _delta_kinds(tmp_path / "c") == [1] and _versions(tmp_path / "c") == (5, {4})
+    assert delta_kinds(tmp_path / "c") == [1] and _versions(tmp_path / "c") == (5, {4})
     _same({"w": few}, cairn.load(tmp_path / "c"))
     # The low bit of a quarter of the elements (every fourth): the XOR frame is far smaller than the
     # sparse one (positions and whole values), so the delta is an XOR one: still version 4.
     many = w0.copy()
     many.reshape(-1).view("<u4")[::4] ^= 1
     cairn.save(tmp_path / "d", {"w": many}, base=tmp_path / "b")
-    assert _delta_kinds(tmp_path / "d") == [0] and _versions(tmp_path / "d") == (4, {4})
+    assert delta_kinds(tmp_path / "d") == [0] and _versions(tmp_path / "d") == (4, {4})
     _same({"w": many}, cairn.load(tmp_path / "d"))
 
 
@@ -266,5 +236,5 @@ def test_version_4_checkpoints_of_the_last_round_still_load():
     """v4/sparse holds sparse deltas in a version-4 checkpoint (written before version 5 existed): read as
     written (docs/FORMAT.md §6.6), its values checked in tests/save/test_incremental.py."""
     ckpt = Path(__file__).resolve().parents[1] / "golden" / "v4" / "sparse" / "step_00000002"
-    assert _versions(ckpt) == (4, {4}) and _delta_kinds(ckpt) == [1, 1, 1, 1]
+    assert _versions(ckpt) == (4, {4}) and delta_kinds(ckpt) == [1, 1, 1, 1]
     assert verify(ckpt).ok

@@ -28,6 +28,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
+from _parts import delta_kinds
 from cairn._cli.main import inspect_data
 from cairn._format import manifest as fmt
 from cairn._sources.verify import verify
@@ -79,7 +80,7 @@ def test_only_changed_blocks_are_written_and_loads_are_bitwise(tmp_path):
     assert 0 < inc.bytes_written < 1024
     m = fmt.Manifest.from_json((tmp_path / "c" / "manifest.json").read_bytes(), "c")
     # One element changed: its delta is sparse, so the checkpoint is format version 5 (FORMAT.md §6.6).
-    assert m.version == 5 and 1 in _delta_kinds(tmp_path / "c") and m.bases == ("b",)
+    assert m.version == 5 and 1 in delta_kinds(tmp_path / "c") and m.bases == ("b",)
     _same(s2, cairn.load(tmp_path / "c"))
     _same(s1, cairn.load(tmp_path / "b"))
     report = verify(tmp_path / "c")
@@ -594,39 +595,6 @@ def test_manager_keeps_the_full_step_its_deltas_are_against(tmp_path):
 # ---------------------------------------------------------------------- sparse deltas (few elements change)
 
 
-def _delta_kinds(step: Path) -> list[int]:
-    """The kind byte of every delta block of a checkpoint (its header's second byte, FORMAT.md §6.5), read
-    from the parts' columns and the own data files, independently of cairn's reader."""
-    from cairn._format.partfile import (
-        HEADER_BYTES,
-        OWN,
-        PART_VERSION_BLOCKS,
-        RECORD,
-        RECORD_BYTES,
-        block_columns,
-    )
-
-    kinds: list[int] = []
-    for index in step.glob("*/index.*.json"):
-        meta = json.loads(index.read_bytes())
-        for part in meta.get("parts", []):
-            data = (index.parent / part["name"]).read_bytes()
-            n, m = part["records"], part["crcs"]
-            rec = np.frombuffer(data, dtype=RECORD, count=n, offset=HEADER_BYTES)
-            sizes = np.frombuffer(data, dtype="<u4", count=m, offset=HEADER_BYTES + n * RECORD_BYTES + 4 * m)
-            src = block_columns(data, PART_VERSION_BLOCKS)[1]
-            ends = [*rec["crc_start"][1:].tolist(), m]
-            for r, end in zip(rec, ends):
-                own = (index.parent / meta["files"][part["file_base"] + int(r["file"])]["name"]).read_bytes()
-                pos = int(r["offset"])
-                for b in range(int(r["crc_start"]), int(end)):
-                    if src["file"][b] == OWN or src["codec"][b] == 3:
-                        if src["codec"][b] == 3:
-                            kinds.append(own[pos + 1])
-                        pos += int(sizes[b])
-    return kinds
-
-
 def _poked(x: np.ndarray, at: list[int]) -> np.ndarray:
     """A copy of `x` with the elements at flat positions `at` changed (their lowest bit flipped)."""
     y = x.copy()
@@ -645,7 +613,7 @@ def test_sparse_deltas_round_trip_for_each_element_size(tmp_path, dtype, mesh8):
     st = cairn.save(tmp_path / "s1", {"w": w1}, base=tmp_path / "s0")
     blocks = -(-w0.nbytes // MiB)
     assert _codecs_of(tmp_path / "s1").count(3) == len({a * w0.itemsize // MiB for a in at})
-    assert set(_delta_kinds(tmp_path / "s1")) == {1}  # sparse
+    assert set(delta_kinds(tmp_path / "s1")) == {1}  # sparse
     assert st.bytes_written < 64 * blocks, st.bytes_written  # a header and a few bytes of zstd per delta
     assert np.asarray(cairn.load(tmp_path / "s1")["w"]).tobytes() == w1.tobytes()
     got = cairn.load(tmp_path / "s1", {"w": NamedSharding(mesh8, P(None, "x"))})
@@ -660,7 +628,7 @@ def test_sparse_deltas_rebuild_against_a_coded_base_and_chain_one_hop(tmp_path):
     _hashed(tmp_path / "s0", {"w": w0}, compression="planes")
     cairn.save(tmp_path / "s1", {"w": w1}, base=tmp_path / "s0")
     cairn.save(tmp_path / "s2", {"w": w2}, base=tmp_path / "s1")
-    assert _delta_kinds(tmp_path / "s2") == [1, 1, 1]
+    assert delta_kinds(tmp_path / "s2") == [1, 1, 1]
     shutil.rmtree(tmp_path / "s1")  # step 2's deltas (step 1's copied, one new) are all against step 0
     assert np.asarray(cairn.load(tmp_path / "s2")["w"]).tobytes() == w2.tobytes()
     assert verify(tmp_path / "s2").ok
@@ -673,7 +641,7 @@ def test_xor_deltas_stay_where_they_store_far_less(tmp_path):
     w1 = _poked(w0, [e for b in range(0, w0.size, 1 << 19) for e in range(b, b + 50_000)])
     _hashed(tmp_path / "s0", {"w": w0})
     cairn.save(tmp_path / "s1", {"w": w1}, base=tmp_path / "s0")
-    assert set(_delta_kinds(tmp_path / "s1")) == {0}
+    assert set(delta_kinds(tmp_path / "s1")) == {0}
     assert np.asarray(cairn.load(tmp_path / "s1")["w"]).tobytes() == w1.tobytes()
 
 
@@ -702,7 +670,7 @@ def test_verify_finds_a_flipped_byte_in_a_sparse_delta(tmp_path):
     w0 = _bf16(34)
     _hashed(tmp_path / "s0", {"w": w0})
     cairn.save(tmp_path / "s1", {"w": _poked(w0, [10, 2_000_000])}, base=tmp_path / "s0")
-    assert set(_delta_kinds(tmp_path / "s1")) == {1} and verify(tmp_path / "s1").ok
+    assert set(delta_kinds(tmp_path / "s1")) == {1} and verify(tmp_path / "s1").ok
     (own,) = glob.glob(str(tmp_path / "s1" / "*" / "*.bin"))
     flipped = bytearray(Path(own).read_bytes())
     flipped[-3] ^= 0x04
@@ -748,7 +716,7 @@ def test_golden_v4_sparse_deltas_load_exactly(step, mesh8):
     # block 3 and copies step 2's, all against step 1 (one hop). f64's block 3 changed one value in all its
     # 8 bytes: its XOR frame stores less, so it is an XOR delta (kind 0) beside the sparse ones.
     assert _codecs_of(path).count(3) == {1: 0, 2: 4, 3: 8}[step]
-    assert _delta_kinds(path) == {1: [], 2: [1] * 4, 3: [1] * 7 + [0]}[step]
+    assert delta_kinds(path) == {1: [], 2: [1] * 4, 3: [1] * 7 + [0]}[step]
     m = fmt.Manifest.from_json(Path(path, "manifest.json").read_bytes(), str(path))
     assert m.version == 4 and m.bases == {1: (), 2: ("step_00000001",), 3: ("step_00000001",)}[step]
 
