@@ -703,6 +703,36 @@ def test_commit_sends_only_the_requests_the_protocol_needs(s3_bucket, s3_opts, p
     assert [k.rsplit("/", 1)[-1].split(".")[0] for k in s3_keys(s3_opts, s3_bucket, "fresh/")].count("manifest") == 1
 
 
+def test_the_parts_of_many_checkpointables_are_put_at_once(s3_bucket, s3_opts, proxy):
+    """Each checkpointable's index part is a round trip of its own: a save of several sends them at once
+    (as it sends their indexes), not one after another. Each part's PUT waits at a barrier of two: only
+    PUTs in flight together pass it (one after another, the first would wait out the timeout)."""
+    import threading
+
+    barrier = threading.Barrier(2, timeout=30)
+    met: list[bool] = []
+
+    def meet(method, where):
+        if method == "PUT" and "/index.p" in where:  # a binary index part (index.pNNNNN.TOKEN.idx)
+            try:
+                barrier.wait()
+                met.append(True)
+            except threading.BrokenBarrierError:
+                met.append(False)
+
+    proxy.on_request = meet
+    state = {name: {"w": np.arange(2000, dtype=np.float32) * i} for i, name in enumerate("abcd")}
+    path = f"s3://{s3_bucket}/parts"
+    try:
+        cairn.save(path, state, storage_options=proxy.options())
+    finally:
+        proxy.on_request = None
+    assert met == [True] * 4
+    got = cairn.load(path, storage_options=s3_opts)
+    for i, name in enumerate("abcd"):
+        np.testing.assert_array_equal(got[name]["w"], np.arange(2000, dtype=np.float32) * i)
+
+
 def s3_keys(opts, bucket, prefix):
     from cairn._storage.obstore import ObjectStorage
 

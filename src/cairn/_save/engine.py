@@ -467,6 +467,7 @@ class SaveJob:
         """Write this process's binary index part of each item; what the primary needs to know of them."""
         out: dict[str, Any] = {}
         me = self.coord.process_index
+        puts: list[tuple[str, bytes]] = []
         for item in self.items:
             p = partial[item.name]
             mine: dict[str, Any] = {"files": [[f["name"], f["size"]] for f in p["files"]]}
@@ -485,9 +486,17 @@ class SaveJob:
                 mine["newer"] = True
             if part is not None:
                 name, data, records, crcs = part
-                self.loc.storage.put(f"{self.write_root}/{item.dir}/{name}", data)
+                puts.append((f"{self.write_root}/{item.dir}/{name}", data))
                 mine["part"] = [name, records, crcs]
             out[item.name] = mine
+        # One durable put per checkpointable's part, in parallel as the indexes are (`_commit`): on an
+        # object store each is a round trip, and a state of many checkpointables waited for them in turn.
+        if len(puts) > 1:
+            with ThreadPoolExecutor(min(8, len(puts)), thread_name_prefix="cairn-part") as pool:
+                list(pool.map(lambda kv: self.loc.storage.put(*kv), puts))
+        else:
+            for key, data in puts:
+                self.loc.storage.put(key, data)
         return out
 
     def _commit(self, statuses: dict[int, dict[str, Any]]) -> None:
