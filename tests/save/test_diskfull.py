@@ -182,9 +182,11 @@ def test_injected_error_object_store(method, match, code, overwrite):
     assert_same(cairn.load(f"{base}/prev"), state(0))
 
 
-@pytest.mark.parametrize("method", ["list", "delete_prefix"])
+@pytest.mark.parametrize("method", ["delete_prefix"])
 def test_failing_cleanup_after_an_object_store_commit_keeps_the_checkpoint(method):
-    """Once the manifest is put the save is committed: a failing cleanup must not undo it."""
+    """Once the manifest is put the save is committed: a failing cleanup must not undo it. (The cleanup
+    lists nothing after the commit: it deletes the other attempts' files found by the commit's own
+    listing before the manifest, whose failure leaves no checkpoint: tests/storage/test_s3.py.)"""
     storage = MemoryStorage.named(f"memory://diskfull-{uuid.uuid4().hex}")
     cairn.save(f"{storage.url}/ckpt", state(0))
 
