@@ -489,14 +489,9 @@ class SaveJob:
                 puts.append((f"{self.write_root}/{item.dir}/{name}", data))
                 mine["part"] = [name, records, crcs]
             out[item.name] = mine
-        # One durable put per checkpointable's part, in parallel as the indexes are (`_commit`): on an
-        # object store each is a round trip, and a state of many checkpointables waited for them in turn.
-        if len(puts) > 1:
-            with ThreadPoolExecutor(min(8, len(puts)), thread_name_prefix="cairn-part") as pool:
-                list(pool.map(lambda kv: self.loc.storage.put(*kv), puts))
-        else:
-            for key, data in puts:
-                self.loc.storage.put(key, data)
+        # One durable put per checkpointable's part, at once as the indexes are (`_commit`): on an object
+        # store each is a round trip, and a state of many checkpointables waited for them in turn.
+        _at_once(lambda kv: self.loc.storage.put(*kv), puts, "cairn-part")
         return out
 
     def _commit(self, statuses: dict[int, dict[str, Any]]) -> None:
@@ -514,11 +509,7 @@ class SaveJob:
 
         # One durable put (file and folder fsync, or one request) per checkpointable:
         # in parallel, so that a state of many small checkpointables commits quickly.
-        if len(self.items) > 1:
-            with ThreadPoolExecutor(min(8, len(self.items)), thread_name_prefix="cairn-index") as pool:
-                indexes = list(pool.map(write_index, self.items))
-        else:
-            indexes = [write_index(item) for item in self.items]
+        indexes = _at_once(write_index, self.items, "cairn-index")
         for item, index in zip(self.items, indexes):
             nbytes = sum(leaf.nbytes for leaf in index.leaves if isinstance(leaf, fmt.ArrayLeaf))
             items[item.name] = fmt.ItemInfo(item.dir, fmt.index_name(self.token), nbytes, len(index.leaves))
@@ -531,6 +522,15 @@ class SaveJob:
             created_unix=time.time(), metadata=self.metadata, bases=tuple(bases),
         ).to_json(self.manifest_version(statuses))
         self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite)
+
+
+def _at_once(fn: Any, xs: list[Any], name: str) -> list[Any]:
+    """[fn(x) for x in xs], on up to 8 threads where there are several: each is one durable put of the
+    commit (a file and folder fsync, or a round trip to an object store), none waiting for another."""
+    if len(xs) <= 1:
+        return [fn(x) for x in xs]
+    with ThreadPoolExecutor(min(8, len(xs)), thread_name_prefix=name) as pool:
+        return list(pool.map(fn, xs))
 
 
 #: A single process's compressed save measures its leaves' codecs while its first files are written
@@ -831,20 +831,11 @@ def choose_codecs(job: SaveJob, background: bool = False) -> tuple[dict[str, dic
     # (No kept host copies where a save_async's snapshot budget left chunks on device: its writers bring
     # them to host one at a time, and host memory must stay within that budget.)
     keep = 0 if job.stats.device_copy_bytes else _keep_host_bytes()
-    if todo and background and coord.process_count == 1:
-        return out, _Choosing(job, todo, keep)
     if todo:  # each owned leaf measured on a sample, on every core (a state may have thousands)
-        with ThreadPoolExecutor(min(_cores(), len(todo)), thread_name_prefix="cairn-choose") as pool:
-            chosen = pool.map(lambda t: _choose_leaf(job, t[2], t[3]), todo)
-            for (mine, i, _, _, item), (c, host) in zip(todo, chosen):
-                mine[i] = c
-                # The host copy the sample was taken from (a device chunk's, made for this) serves the
-                # writer too: a device chunk is not copied to host twice (the first copy held while
-                # the others are made and written, within `keep` bytes).
-                if host is not None and host.nbytes <= keep:
-                    item.sources[(i, 0)] = host
-                    keep -= host.nbytes
-                del host
+        choosing = _Choosing(job, todo, keep)
+        if background and coord.process_count == 1:
+            return out, choosing
+        choosing.close()  # every codec known before any file is written
     if job.compression in ("choose", "auto") and coord.process_count > 1:
         base = f"cairn/save/{job.seq}/codecs"
         coord.publish(f"{base}/{me}", json.dumps({name: {str(i): c for i, c in m.items()}
@@ -857,9 +848,10 @@ def choose_codecs(job: SaveJob, background: bool = False) -> tuple[dict[str, dic
 
 
 class _Choosing:
-    """The codecs of a single process's leaves, measured on a pool of their own while its files are
-    written (`choose_codecs` with `background`): leaves in the order of the first file holding them,
-    and each file released (`wait`) once every leaf with a chunk in it has its codec. A failure is
+    """The codecs of this process's leaves, measured on a pool of their own (`close` waits for all; with
+    `choose_codecs`' `background`, a single process's files are written meanwhile): leaves in the order
+    of the first file holding them, and each file released (`wait`) once every leaf with a chunk in it
+    has its codec. A failure is
     raised to every writer waiting. The host copy a leaf was measured on replaces its device chunk
     among the save's sources within `keep` bytes (as `choose_codecs` does), before its file is
     released, so that file's writer never copies that chunk again."""
@@ -902,6 +894,8 @@ class _Choosing:
             return
         with self._lock:
             mine[i] = codec
+            # The host copy the sample was taken from (a device chunk's, made for this) serves the writer
+            # too: a device chunk is not copied to host twice (held within `keep` bytes until written).
             if host is not None and host.nbytes <= self._keep:
                 item.sources[(i, 0)] = host
                 self._keep -= host.nbytes
