@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
             for c in paths:
                 load_once(paths[c], args.jax, args.threads, None)  # warm
         for rep in range(args.reps):
-            for c, s in cases:
+            for c, s in (cases if rep % 2 == 0 else cases[::-1]):  # each order as often: no case always first
                 if args.ab:
                     env = dict(os.environ, PYTHONPATH=os.pathsep.join([trees[s], here]))
                     cmd = [sys.executable, "-m", "benchmarks.load_stages", "--child", "--path", paths[c],
