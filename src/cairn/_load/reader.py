@@ -132,7 +132,7 @@ class CodedRead:
 # ---------------------------------------------------------------------- the decode pool
 
 #: Threads that decode compressed blocks: one pool per process, shared by loads, whatever their reader
-#: ``threads``. None: one per core (``os.cpu_count()``); 0: no pool, each read's blocks decoded by the
+#: ``threads``. None: one per core this process may run on; 0: no pool, each read's blocks decoded by the
 #: reader thread that read them (as before issue 38, where a load's 8 reader threads were all that
 #: decoded, on hosts of 13 cores and more).
 DECODE_THREADS: int | None = None
@@ -146,7 +146,7 @@ _decode_lock = threading.Lock()
 
 def decode_pool() -> ThreadPoolExecutor | None:
     """This process's decode pool (`DECODE_THREADS`), started on first use; None where reads decode alone."""
-    n = (os.cpu_count() or 1) if DECODE_THREADS is None else DECODE_THREADS
+    n = _cores() if DECODE_THREADS is None else DECODE_THREADS
     if n < 2:
         return None
     pool = _decode_pools.get(n)
@@ -156,6 +156,14 @@ def decode_pool() -> ThreadPoolExecutor | None:
             if pool is None:
                 pool = _decode_pools[n] = ThreadPoolExecutor(n, thread_name_prefix="cairn-decode")
     return pool
+
+
+def _cores() -> int:
+    try:
+        n = len(os.sched_getaffinity(0))  # (a container's share, where cpu_count says the machine's)
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(n, 64))
 
 
 def _forget_decode_pools() -> None:  # a forked child has none of its parent's threads
