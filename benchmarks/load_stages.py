@@ -1,9 +1,11 @@
-"""Where a load's time goes, stage by stage: ``python -m benchmarks.load_stages [--mib 256] [--jax]``.
+"""Where a load's time goes, stage by stage:
+``python -m benchmarks.load_stages [--mib 256] [--targets numpy,jax] [--orbax]``.
 
 Saves the trained state of `benchmarks.trained_state` (bf16 parameters, f32 AdamW moments) to a local
-folder with ``compression=False`` and ``True``, then loads each back (numpy targets, or with ``--jax``
-onto JAX's first device), the cases interleaved per repetition, and times the load's stages by
-wrapping the functions that do them (no change to the library):
+folder with ``compression=False`` and ``True``, then loads each back (numpy targets, and with ``jax``
+onto JAX's first device: ``ShapeDtypeStruct`` targets with its sharding), the cases interleaved per
+repetition (every other round in reverse order), and times the load's stages by wrapping the
+functions that do them (no change to the library):
 
 - ``read``: `ChunkReader._fill` (storage reads into buffers), union of spans (wall seconds some
   thread was reading) and sum (thread-seconds);
@@ -21,7 +23,9 @@ threads as before issue 38, ``auto`` on the decode pool (one thread per core). `
 compares this tree against another checkout's ``src`` (e.g. ``/work/main/src``): each load runs in a
 child process of either tree, alternated, on the same saved checkpoints.
 
-Prints medians per case; ``--json PATH`` writes every repetition.
+``--orbax`` adds Orbax's ``StandardCheckpointer`` (its default zstd) saving the state from the device
+and restoring it onto the device, in the same rounds. Prints medians per case and the ratios the
+issue asks about (compressed / raw, / Orbax); ``--json PATH`` writes every repetition.
 """
 
 from __future__ import annotations
@@ -160,13 +164,37 @@ def _line(rows: list[dict[str, float]]) -> str:
     return ", ".join(f"{k} {med(r.get(k, 0.0) for r in rows):.3f}" for k in keys)
 
 
+def _orbax(path: str, state: Any) -> Any:
+    """Save `state` with Orbax's StandardCheckpointer (its default zstd) from JAX's first device; a
+    function that restores it there, timed as a load (``total``)."""
+    import jax
+    import orbax.checkpoint as ocp
+
+    dev = jax.devices()[0]
+    on_device = jax.block_until_ready(jax.device_put(state, dev))
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(path, on_device)
+    ckptr.wait_until_finished()
+    sharding = jax.sharding.SingleDeviceSharding(dev)
+    target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), on_device)
+    del on_device
+
+    def restore() -> dict[str, float]:
+        t0 = time.perf_counter()
+        jax.block_until_ready(ckptr.restore(path, target))
+        return {"total": time.perf_counter() - t0}
+    return restore
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=256, help="raw size of the state (MiB)")
     ap.add_argument("--variant", default="bf16-f32")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=8, help="load(threads=)")
-    ap.add_argument("--jax", action="store_true", help="load onto JAX's first device (else numpy)")
+    ap.add_argument("--targets", default="numpy", help="of numpy and jax (onto JAX's first device)")
+    ap.add_argument("--jax", action="store_true", help="the same as --targets jax")
+    ap.add_argument("--orbax", action="store_true", help="also Orbax's StandardCheckpointer restoring onto the device")
     ap.add_argument("--compression", default="False,True", help="compression= values of the saves")
     ap.add_argument("--settings", default="0,auto", help="reader.DECODE_THREADS values to compare")
     ap.add_argument("--ab", default=None, help="another tree's src folder: compare its loads with this tree's")
@@ -178,13 +206,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.child:
         return _child(args)
 
-    import numpy as np
-
     import cairn
     from benchmarks.trained_state import make_state
 
+    targets = ["jax"] if args.jax else args.targets.split(",")
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}", flush=True)
+    t0 = time.perf_counter()
     state = make_state(args.mib * MiB, args.variant)
+    print(f"state built in {time.perf_counter() - t0:.0f} s", flush=True)
     work = tempfile.mkdtemp(prefix="cairn-load-stages-", dir=args.workdir)
     paths = {}
     for c in args.compression.split(","):
@@ -193,55 +222,70 @@ def main(argv: list[str] | None = None) -> int:
         saved = cairn.save(paths[c], state, compression=comp)
         print(f"saved compression={c}: {saved.bytes_written / MiB:.0f} MiB stored; {saved.compression}", flush=True)
     raw = sum(x.nbytes for x in _leaves(state))
+    restore = _orbax(os.path.join(work, "orbax"), state) if args.orbax else None
     del state
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    cases: list[tuple[str, str]]
-    if args.ab:
-        cases = [(c, t) for c in paths for t in ("A", "B")]
-        trees = {"A": args.ab, "B": os.path.join(here, "src")}
-    else:
-        cases = [(c, s) for c in paths for s in args.settings.split(",")]
-        spans = Spans()
+    settings = ["A", "B"] if args.ab else args.settings.split(",")
+    trees = {"A": args.ab or "", "B": os.path.join(here, "src")}
+    cases: list[tuple[str, str, str]] = [(c, t, s) for t in targets for c in paths for s in settings]
+    if restore is not None:
+        cases.append(("orbax", "jax", "-"))
+    spans = Spans()
+    if not args.ab:
         instrument(spans)
-    runs: dict[tuple[str, str], list[dict[str, float]]] = {k: [] for k in cases}
+    runs: dict[tuple[str, str, str], list[dict[str, float]]] = {k: [] for k in cases}
     try:
         if not args.ab:
             for c in paths:
-                load_once(paths[c], args.jax, args.threads, None)  # warm
+                for t in targets:
+                    load_once(paths[c], t == "jax", args.threads, None)  # warm
+        if restore is not None:
+            restore()
         for rep in range(args.reps):
-            for c, s in (cases if rep % 2 == 0 else cases[::-1]):  # each order as often: no case always first
-                if args.ab:
+            for c, t, s in (cases if rep % 2 == 0 else cases[::-1]):  # each order as often: no case always first
+                if c == "orbax":
+                    assert restore is not None
+                    runs[(c, t, s)].append(restore())
+                elif args.ab:
                     env = dict(os.environ, PYTHONPATH=os.pathsep.join([trees[s], here]))
                     cmd = [sys.executable, "-m", "benchmarks.load_stages", "--child", "--path", paths[c],
-                           "--reps", "1", "--threads", str(args.threads)] + (["--jax"] if args.jax else [])
+                           "--reps", "1", "--threads", str(args.threads)] + (["--jax"] if t == "jax" else [])
                     got = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
                     line = [ln for ln in got.stdout.splitlines() if ln.startswith("ROWS ")]
                     if got.returncode or not line:
                         raise RuntimeError(f"child {s} failed: {got.stderr[-2000:]}")
-                    runs[(c, s)] += json.loads(line[0][5:])
+                    runs[(c, t, s)] += json.loads(line[0][5:])
                 else:
                     set_decode_threads(s)
-                    runs[(c, s)].append(load_once(paths[c], args.jax, args.threads, spans))
+                    runs[(c, t, s)].append(load_once(paths[c], t == "jax", args.threads, spans))
             print(f"round {rep + 1}/{args.reps}, load average {os.getloadavg()[0]:.2f}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     med = statistics.median
-    label = {"A": f"A {args.ab}", "B": "B this tree"}
-    print(f"\n{raw / MiB:.0f} MiB raw, {'jax' if args.jax else 'numpy'} targets, threads={args.threads}; "
-          "medians, seconds:")
-    for (c, s), rows in runs.items():
-        shown = label.get(s, f"DECODE_THREADS={s}") if args.ab else f"DECODE_THREADS={s}"
-        print(f"  compression={c}, {shown}: {_line(rows)}")
-    base = {c: med(r["total"] for r in runs[(c, cases[0][1])]) for c in paths}
-    for (c, s), rows in runs.items():
-        print(f"  compression={c}, {s}: total / first setting's {med(r['total'] for r in rows) / base[c]:.2f}; "
-              f"/ raw first setting's {med(r['total'] for r in rows) / base[next(iter(paths))]:.2f}")
+    label = {"A": f"A {args.ab}", "B": "B this tree"} if args.ab else {}
+    print(f"\n{raw / MiB:.0f} MiB raw, threads={args.threads}; medians, seconds:")
+    for (c, t, s), rows in runs.items():
+        print(f"  {t}, compression={c}, {label.get(s, f'DECODE_THREADS={s}')}: {_line(rows)}")
+    print("ratios of medians of total (load and ready):")
+    total = {k: med(r["total"] for r in rows) for k, rows in runs.items()}
+    first = settings[0]
+    for (c, t, s), v in total.items():
+        if c == "orbax":
+            continue
+        raw_same = total.get(("False", t, s))
+        parts = [f"/ {first} {v / total[(c, t, first)]:.2f}"]
+        if raw_same:
+            parts.append(f"/ raw same setting {v / raw_same:.2f}")
+        if (first_raw := total.get(("False", t, first))) is not None:
+            parts.append(f"/ raw {first} {v / first_raw:.2f}")
+        if ("orbax", "jax", "-") in total and t == "jax":
+            parts.append(f"/ Orbax {v / total[('orbax', 'jax', '-')]:.2f}")
+        print(f"  {t}, compression={c}, {label.get(s, s)}: " + ", ".join(parts))
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"raw_bytes": raw, "cores": os.cpu_count(),
-                       "runs": {f"{c}|{s}": rows for (c, s), rows in runs.items()}}, f, indent=1)
-    del np
+                       "runs": {"|".join(k): rows for k, rows in runs.items()}}, f, indent=1)
     return 0
 
 
