@@ -117,7 +117,8 @@ def test_every_sampled_flip_in_stored_blocks_is_corrupt(tmp_path, codec, decode_
     cairn.save(path, state, compression=codec)
     rng = np.random.default_rng(1)
     for f in _data_files(path):
-        original = open(f, "rb").read()
+        with open(f, "rb") as src:
+            original = src.read()
         for pos in sorted({0, len(original) - 1, *map(int, rng.integers(0, len(original), 12))}):
             bad = bytearray(original)
             bad[pos] ^= 1 << int(rng.integers(8))
