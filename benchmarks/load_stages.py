@@ -236,9 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[tuple[str, str, str], list[dict[str, float]]] = {k: [] for k in cases}
     try:
         if not args.ab:
-            for c in paths:
-                for t in targets:
-                    load_once(paths[c], t == "jax", args.threads, None)  # warm
+            for c, t, s in cases:  # warm: imports, compilation, each setting's decode pool started
+                if c != "orbax":
+                    set_decode_threads(s)
+                    load_once(paths[c], t == "jax", args.threads, None)
         if restore is not None:
             restore()
         for rep in range(args.reps):
