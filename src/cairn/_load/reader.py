@@ -384,9 +384,10 @@ class ChunkReader:
         read is one contiguous region of it, else into a buffer the copies take from.
 
         Where the storage fetches the range in parts (object stores), the blocks wholly inside a part
-        are checked and decoded (by one `codecs.decode_run`) in the thread that received the part, as it
-        lands: a corrupt block fails the read while later parts are still on the wire, and decoding
-        overlaps the transfer. Blocks across two parts are checked and decoded once the whole range has
+        are checked in the thread that received the part, as it lands, and decoded by it and the decode
+        pool (`spread`): a corrupt block fails the read while later parts are still on the wire, and
+        decoding overlaps the transfer. From a local file, the blocks are checked once read, then
+        decoded by this reader thread and the decode pool, on as many cores as are free (issue 38). Blocks across two parts are checked and decoded once the whole range has
         landed. (On object stores, reads that decode straight into their destination are gathered per
         file instead, `Pieces`, with the same checks and decoding: `CodedRead`.)
         """
