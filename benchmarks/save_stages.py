@@ -201,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--groups", default=None,
                     help="values of engine.GROUP_LEAVES to compare (1: each small leaf's codec measured on its own)")
     ap.add_argument("--jax", action="store_true", help="put the state on JAX's first device first")
+    ap.add_argument("--as-device", action="store_true",
+                    help="with --jax on a CPU-only host: treat its arrays' host views as device-to-host copies "
+                         "(engine._fresh_copy), so the host-copy pipeline and kept copies run as on an accelerator "
+                         "(a rehearsal of their overhead; the copies themselves stay free)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -213,6 +217,8 @@ def main(argv: list[str] | None = None) -> int:
 
         state = jax.block_until_ready(jax.device_put(state, jax.devices()[0]))
         print(f"on {jax.devices()[0]}", flush=True)
+        if args.as_device:
+            engine._fresh_copy = lambda src: not isinstance(src, np.ndarray)  # type: ignore[assignment]
     shares = [int(x) for x in args.share.split(",")] if args.share else [engine.SAMPLE_SHARE]
     keeps = [float(x) for x in args.keep.split(",")] if args.keep else [engine.KEEP_HOST_SHARE]
     bgs = [int(x) for x in args.background.split(",")] if args.background else [int(engine.CHOOSE_IN_BACKGROUND)]
