@@ -273,3 +273,32 @@ def test_groups_cut_runs_by_dtype_size_class_and_count(monkeypatch):
     sizes = [len(g) for g in engine._groups(todo)]
     assert sizes == [3, 1, 2, 1, 1, 1]
     assert engine._picked(1) == [0] and engine._picked(64) == [0, 21, 42, 63] and engine._picked(3) == [0, 1, 2]
+
+
+def test_a_leaf_is_coded_while_a_later_leaf_of_its_file_is_still_measured(tmp_path, monkeypatch):
+    """Codecs chosen in the background release each leaf to its writer as it is measured, not each file
+    once all its leaves are: leaf "b"'s measuring waits (up to 30 s) for "a", before it in the same
+    file, to be coded. (Released per file, "a" would wait for "b": the wait would time out.)"""
+    monkeypatch.setattr(engine, "_cores", lambda: 4)
+    monkeypatch.setattr(engine, "GROUP_LEAVES", 1)
+    coded_a = threading.Event()
+    seen: list[bool] = []
+    code, choose = engine._code_task, engine._choose_leaf
+
+    def code_task(task):
+        coded_a.set()  # "b" is not measured yet, so whatever is coded first is "a"'s
+        return code(task)
+
+    def choose_leaf(job, first, dtype):
+        if np.asarray(first).shape == (128, 96):  # "b"
+            seen.append(coded_a.wait(timeout=30))
+        return choose(job, first, dtype)
+
+    monkeypatch.setattr(engine, "_code_task", code_task)
+    monkeypatch.setattr(engine, "_choose_leaf", choose_leaf)
+    state = {"a": trained((128, 128)), "b": trained((128, 96), seed=1)}
+    cairn.save(tmp_path / "c", {"params": state}, compression=True)
+    assert seen == [True]
+    back = cairn.load(tmp_path / "c")["params"]
+    for k, v in state.items():
+        np.testing.assert_array_equal(np.asarray(back[k]), v)

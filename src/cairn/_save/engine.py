@@ -244,6 +244,9 @@ class SaveJob:
             size, run = 0, block * RUN_BLOCKS
             for n_slot, slot in enumerate(slots):
                 if choosing is not None:
+                    if group and not choosing.ready(item.name, slot.leaf):
+                        yield group  # code what is here while this leaf is still measured
+                        group, size = [], 0
                     choosing.wait(item.name, slot.leaf)
                 codec = leaf_codecs.get(slot.leaf, "none")
                 if codec == "none":
@@ -987,6 +990,11 @@ class _Choosing:
                     self._keep -= host.nbytes
             for _, i, _, _, item in group:
                 self._ready[(item.name, i)].set()
+
+    def ready(self, item: str, leaf: int) -> bool:
+        """Whether leaf `leaf` of `item` has its codec (or measuring failed: `wait` raises)."""
+        ev = self._ready.get((item, leaf))
+        return ev is None or ev.is_set()
 
     def wait(self, item: str, leaf: int) -> None:
         """Return once leaf `leaf` of `item` has its codec (at once for a leaf not measured here); raise
