@@ -50,9 +50,7 @@ class Starts:
 
 def pipeline(sizes: list[int], budget: int, starts: Starts) -> HostPipeline:
     keys = [("x", (i, 0)) for i in range(len(sizes))]
-    pipe = HostPipeline(keys, sizes, budget, start=starts)
-    for i, k in enumerate(keys):
-        pipe.add(k, f"dev{i}")
+    pipe = HostPipeline(keys, sizes, [f"dev{i}" for i in range(len(sizes))], budget, start=starts)
     pipe.fill()
     return pipe
 
@@ -100,7 +98,7 @@ def test_a_failure_to_start_reaches_every_consumer_of_its_chunks():
         gate.wait(timeout=30)
         try:
             pipe.take(("x", (1, 0)))
-        except BaseException as e:  # noqa: BLE001 (what the test looks at)
+        except BaseException as e:  # what the test looks at
             box.append(e)
 
     with pytest.raises(RuntimeError, match="refused"):

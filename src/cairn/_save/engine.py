@@ -597,9 +597,7 @@ def host_pipeline(job: SaveJob) -> Any:
             srcs.append(src)
     if not keys:
         return None
-    pipe = HostPipeline(keys, sizes, budget)
-    for key, src in zip(keys, srcs):
-        pipe.add(key, src)
+    pipe = HostPipeline(keys, sizes, srcs, budget)
     pipe.fill()
     return pipe
 

@@ -166,9 +166,10 @@ class HostPipeline:
     used to bring each device chunk to host when they reached it, one synchronous copy at a time,
     so choosing and coding waited on serial copies (on a TPU v5e host, issue 38: 2.05 s of host
     copies in a 4.86 s data phase). Here the copies start in `order` (the order the consumers take
-    the chunks: the save's files in turn, each file's chunks in slot order), batched, as soon as the
-    bytes started and not yet taken fit in `budget`; each `take` frees its bytes and starts the next
-    ones. So the transfers of later chunks run while earlier ones are chosen, coded and written.
+    the chunks: the save's files in turn, each file's chunks in slot order; `sizes` their bytes,
+    `srcs` their device arrays), batched, as soon as the bytes started and not yet taken fit in
+    `budget`; each `take` frees its bytes and starts the next ones. So the transfers of later
+    chunks run while earlier ones are chosen, coded and written.
 
     - Bounded: the bytes started ahead and not yet taken never pass `budget` (but for one chunk
       when none is held, so that a chunk larger than the budget still moves).
@@ -182,12 +183,12 @@ class HostPipeline:
 
     `start` is `shardings.start_to_host` (a test passes its own)."""
 
-    def __init__(self, order: list[tuple[Any, Any]], sizes: list[int], budget: int, start: Any = None):
+    def __init__(self, order: list[Any], sizes: list[int], srcs: list[Any], budget: int, start: Any = None):
         import threading
 
         self._keys, self._sizes = order, sizes
         self._size = dict(zip(order, sizes))
-        self._srcs: dict[Any, Any] = {}  # key -> its device array, until started
+        self._srcs: dict[Any, Any] = dict(zip(order, srcs))  # key -> its device array, until started
         self._budget = max(0, budget)
         self._start = start
         self._next = 0  # the first key of `order` not started or skipped
@@ -197,10 +198,6 @@ class HostPipeline:
         self._cv = threading.Condition()
         self.started = 0  # chunks started (for tests and benchmarks)
         self.max_held = 0
-
-    def add(self, key: Any, src: Any) -> None:
-        """Give the device array of `key` (each key of `order`, before `fill`)."""
-        self._srcs[key] = src
 
     def fill(self) -> None:
         """Start the next chunks of `order` that fit in the budget (at least one when none is held)."""
