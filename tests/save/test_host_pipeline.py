@@ -300,3 +300,25 @@ def test_a_leaf_is_coded_while_a_later_leaf_of_its_file_is_still_measured(tmp_pa
     back = cairn.load(tmp_path / "c")["params"]
     for k, v in state.items():
         np.testing.assert_array_equal(np.asarray(back[k]), v)
+
+
+def test_copies_start_in_batches_of_at_most_batch_bytes(monkeypatch):
+    from cairn._save import snapshot
+
+    monkeypatch.setattr(snapshot, "BATCH_BYTES", 20)
+    starts = Starts()
+    pipe = pipeline([10] * 5, 45, starts)
+    assert starts.batches == [["dev0", "dev1"], ["dev2", "dev3"]]
+    for i in range(5):
+        assert pipe.take(("x", (i, 0))) == ("host", f"dev{i}")
+    assert starts.started == [f"dev{i}" for i in range(5)]
+
+
+def test_a_failed_batch_fails_the_chunks_reserved_after_it(monkeypatch):
+    from cairn._save import snapshot
+
+    monkeypatch.setattr(snapshot, "BATCH_BYTES", 20)
+    starts = Starts(fail_at=1)  # the second call fails
+    with pytest.raises(RuntimeError, match="refused"):
+        pipeline([10] * 6, 60, starts)
+    assert len(starts.batches) == 2

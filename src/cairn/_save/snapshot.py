@@ -216,28 +216,38 @@ class HostPipeline:
                 batch.append(key)
             self.max_held = max(self.max_held, self._held)
             srcs = [self._srcs.pop(k) for k in batch]
-        if not batch:
-            return
-        try:
-            if self._start is None:
-                from .._tree.shardings import start_to_host
+        # Started in runs of at most BATCH_BYTES (each run one batched call), so that the first chunks'
+        # transfers are queued, and land, before later ones.
+        runs: list[list[int]] = []
+        size = BATCH_BYTES
+        for j, k in enumerate(batch):
+            if size >= BATCH_BYTES:
+                runs.append([])
+                size = 0
+            runs[-1].append(j)
+            size += self._size[k]
+        for n_run, run in enumerate(runs):
+            keys = [batch[j] for j in run]
+            try:
+                if self._start is None:
+                    from .._tree.shardings import start_to_host
 
-                got: Any = start_to_host(srcs)
-            else:
-                got = self._start(srcs)
-            if len(got) != len(batch):
-                raise RuntimeError(f"started {len(got)} device-to-host copies for {len(batch)} chunks")
-        except BaseException as e:
+                    got: Any = start_to_host([srcs[j] for j in run])
+                else:
+                    got = self._start([srcs[j] for j in run])
+                if len(got) != len(keys):
+                    raise RuntimeError(f"started {len(got)} device-to-host copies for {len(keys)} chunks")
+            except BaseException as e:
+                with self._cv:  # this run's chunks and the later ones reserved with it
+                    for k in (batch[j] for r in runs[n_run:] for j in r):
+                        self._state[k] = e
+                    self._cv.notify_all()
+                raise
             with self._cv:
-                for k in batch:
-                    self._state[k] = e
+                for k, h in zip(keys, got):
+                    self._state[k] = h
+                self.started += len(keys)
                 self._cv.notify_all()
-            raise
-        with self._cv:
-            for k, h in zip(batch, got):
-                self._state[k] = h
-            self.started += len(batch)
-            self._cv.notify_all()
 
     def __contains__(self, key: Any) -> bool:
         return key in self._srcs or key in self._state
@@ -293,3 +303,6 @@ class HostPipeline:
 
 _PENDING = object()
 _CLOSED = object()
+
+#: The host-copy pipeline starts its transfers in batched calls of at most this many bytes each.
+BATCH_BYTES = 64 << 20
