@@ -467,3 +467,31 @@ def test_run_copy_keeping_references_copies_and_checks_each_step_once(tmp_path, 
     last = sorted(os.listdir(run))[-1]
     stats = cairn.copy(run / last, tmp_path / "one" / last, keep_references=True)
     assert stats.bases and sorted(calls) == sorted([*stats.bases, last])
+
+
+# ---------------------------------------------------------------------- moving a base
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_moving_a_checkpoint_others_refer_to_is_refused_naming_them(tmp_path, capsys, where):
+    """References resolve by name beside the referrer (incremental saves): a move of their base would
+    break them, so it is refused before anything is written, naming them; a move of anything else goes on."""
+    run = str(tmp_path / "run") if where == "local" else f"memory://moves-{tmp_path.name}/run"
+    s = make_state(3, 1 << 20)
+    cairn.save(f"{run}/a", s)
+    cairn.save(f"{run}/b", s, base=f"{run}/a")
+    cairn.save(f"{run}/c", s, base=f"{run}/b")
+    cairn.save(f"{run}/other", {"x": np.arange(5)})
+    dst = str(tmp_path / "moved") if where == "local" else f"memory://moves-{tmp_path.name}/moved"
+    # (a was saved without hashes, so b wrote every block and refers to nothing; c refers to b.)
+    with pytest.raises(cairn.CheckpointError, match=r"run/b is the base of c \(incremental saves"):
+        cairn.copy(f"{run}/b", f"{dst}/b", move=True)
+    assert main(["--plain", "mv", f"{run}/b", f"{dst}/b"]) != 0
+    assert "is the base of c" in capsys.readouterr().err
+    with pytest.raises(cairn.CheckpointNotFoundError):  # nothing written at the destination
+        cairn.load(f"{dst}/b")
+    for name in ("a", "b", "c"):
+        assert_same(cairn.load(f"{run}/{name}"), s)
+    # Nothing refers to `other`: it moves.
+    assert cairn.copy(f"{run}/other", f"{dst}/other", move=True).moved
+    assert_same(cairn.load(f"{run}/c"), s)

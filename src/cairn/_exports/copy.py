@@ -400,7 +400,8 @@ def copy(
     checked. Anything else committed there is kept unless `overwrite`.
 
     `move=True` then reads the destination back, checks it and deletes the
-    source. `verify` checks every block checksum of the data copied (off:
+    source. A checkpoint that others beside it name as their base (incremental
+    saves) is not moved: that would break them; the error names them. `verify` checks every block checksum of the data copied (off:
     sizes only). At most `budget_bytes` of data are held at once, in pieces
     of up to 16 MiB, `threads` files at a time. `storage_options` are the
     source's (and, unless `dst_storage_options`, the destination's).
@@ -458,6 +459,8 @@ def copy(
     bases = source.manifest.bases
     if keep_references and move:
         raise ValueError("keep_references=True copies a chain; a move (which deletes its source) takes none")
+    if move and _settled.get() is None:  # (a run's move, `cairn mv DIR`, checks its steps at once first)
+        _refuse_moving_a_base(s)
     chain: list[tuple[Location, Location]] = []
     named: tuple[str, ...] = ()  # every base beside the copy, settled ones included
     if bases and keep_references:
@@ -523,6 +526,24 @@ def one_run() -> Iterator[None]:
         yield
     finally:
         _settled.reset(token)
+
+
+def _refuse_moving_a_base(s: Location) -> None:
+    """Refuse to move `s` where a committed checkpoint beside it names it as a base (an incremental
+    save, §6.5): references resolve by name beside the referrer, so the move would break every one of
+    them. One listing of the folder and one manifest read per checkpoint in it, eight at a time."""
+    from .._run.refs import bases_of
+
+    names = [c for c in s.storage.list_dir("") if c != s.name and not c.startswith(".")]
+    with ThreadPoolExecutor(max_workers=min(8, max(1, len(names)))) as pool:
+        refers = list(pool.map(lambda n: s.name in bases_of(s.storage, n), names))
+    named = sorted(n for n, r in zip(names, refers) if r)
+    if named:
+        shown = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
+        raise CheckpointError(
+            f"{s.path} is the base of {shown} (incremental saves beside it refer to its data files by its "
+            "name): moving it would break them. Copy it instead (cairn cp), move the whole folder "
+            "(cairn mv DIR), or make the steps that refer to it self-contained first (cairn cp)")
 
 
 def _sibling(loc: Location, name: str) -> Location:

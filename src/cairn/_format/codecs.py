@@ -41,6 +41,7 @@ working buffers), whatever a header says.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import struct
 import threading
 from collections.abc import Sequence
@@ -630,7 +631,7 @@ def decode_run(codec: str, stored: Sequence[Any], dtype: Any, raw_sizes: Sequenc
     if dst.nbytes != sum(raw_sizes) or len(stored) != len(raw_sizes):
         raise ValueError(f"out has {dst.nbytes} bytes, the {len(raw_sizes)} blocks {sum(raw_sizes)}")
     names = list(wheres) or [""] * len(raw_sizes)
-    offsets = np.cumsum([0, *raw_sizes]).tolist()
+    offsets = list(itertools.accumulate(raw_sizes, initial=0))  # (np.cumsum: 7 us a call, a piece is often one block)
     if codec == "blosc2":
         _decode_blosc2_run(stored, dtype, raw_sizes, dst, offsets, names)
         return

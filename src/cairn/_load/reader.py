@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import errno
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_all
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -112,14 +114,99 @@ class CodedRead:
 
     def decoder(self, stored: memoryview) -> Callable[[int, int], None]:
         """`BlockChecks`' ``then`` for blocks landed in `stored` (the stored bytes from `first` on): each
-        stretch of checked blocks decoded into `raw` by one call (`codecs.decode_run`: one zstd batch)."""
+        stretch of checked blocks decoded into `raw`, in pieces of about `DECODE_PIECE` raw bytes spread
+        over the decode pool (`spread`), each piece by one call (`codecs.decode_run`). Returns once every
+        piece is decoded: `stored` may be reused then."""
         first, checks, blocks, leaf = self.first, self.checks, self.blocks, self.leaf
 
         def decode(i: int, j: int) -> None:
             _codecs.decode_run(leaf.codec, [stored[c[0] - first : c[1] - first] for c in checks[i:j]], leaf.dtype,
                                [hi - lo for lo, hi, _ in blocks[i:j]], self.raw[blocks[i][0] : blocks[j - 1][1]],
                                [at for _, _, at in blocks[i:j]])
-        return decode
+
+        def spread_decode(i: int, j: int) -> None:
+            spread(decode, pieces(blocks, i, j))
+        return spread_decode
+
+
+# ---------------------------------------------------------------------- the decode pool
+
+#: Threads that decode compressed blocks: one pool per process, shared by loads, whatever their reader
+#: ``threads``. None: one per core this process may run on; 0: no pool, each read's blocks decoded by the
+#: reader thread that read them (as before issue 38, where a load's 8 reader threads were all that
+#: decoded, on hosts of 13 cores and more).
+DECODE_THREADS: int | None = None
+#: A read's checked blocks are decoded in pieces of at least this many raw bytes (whole blocks): one
+#: 1 MiB block takes about 1.5 ms to decode on one core, a piece's task about 20 us to hand over.
+DECODE_PIECE = 1 << 20
+
+_decode_pools: dict[int, ThreadPoolExecutor] = {}
+_decode_lock = threading.Lock()
+
+
+def decode_pool() -> ThreadPoolExecutor | None:
+    """This process's decode pool (`DECODE_THREADS`), started on first use; None where reads decode alone."""
+    n = _cores() if DECODE_THREADS is None else DECODE_THREADS
+    if n < 2:
+        return None
+    pool = _decode_pools.get(n)
+    if pool is None:
+        with _decode_lock:
+            pool = _decode_pools.get(n)
+            if pool is None:
+                pool = _decode_pools[n] = ThreadPoolExecutor(n, thread_name_prefix="cairn-decode")
+    return pool
+
+
+def _cores() -> int:
+    try:
+        n = len(os.sched_getaffinity(0))  # (a container's share, where cpu_count says the machine's)
+    except (AttributeError, OSError):
+        n = os.cpu_count() or 1
+    return max(1, min(n, 64))
+
+
+def _forget_decode_pools() -> None:  # a forked child has none of its parent's threads
+    global _decode_lock
+    _decode_pools.clear()
+    _decode_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_decode_pools)
+
+
+def pieces(blocks: Sequence[tuple[int, int, str]], i: int, j: int) -> list[tuple[int, int]]:
+    """Blocks ``[i, j)`` (``(raw start, raw end, name)`` each) cut into runs ``(a, b)`` of at least
+    `DECODE_PIECE` raw bytes (the last may be less)."""
+    out: list[tuple[int, int]] = []
+    a = i
+    for k in range(i, j):
+        if blocks[k][1] - blocks[a][0] >= DECODE_PIECE:
+            out.append((a, k + 1))
+            a = k + 1
+    if a < j:
+        out.append((a, j))
+    return out
+
+
+def spread(decode: Callable[[int, int], None], runs: list[tuple[int, int]]) -> None:
+    """``decode(a, b)`` of every run: the first in this thread, the others on the decode pool at once,
+    so a read's blocks are decoded on as many cores as are free, not only on its reader thread. Returns
+    once every run is done (the caller's stored bytes may be reused then); the first run's error, in
+    block order, is raised."""
+    pool = decode_pool() if len(runs) > 1 else None
+    if pool is None:
+        for a, b in runs:
+            decode(a, b)
+        return
+    futures = [pool.submit(decode, a, b) for a, b in runs[1:]]
+    try:
+        decode(*runs[0])
+    finally:
+        wait_all(futures)  # (even where the first run failed: the others read the caller's buffer)
+    for f in futures:
+        f.result()
 
 
 class ChunkReader:
@@ -297,9 +384,10 @@ class ChunkReader:
         read is one contiguous region of it, else into a buffer the copies take from.
 
         Where the storage fetches the range in parts (object stores), the blocks wholly inside a part
-        are checked and decoded (by one `codecs.decode_run`) in the thread that received the part, as it
-        lands: a corrupt block fails the read while later parts are still on the wire, and decoding
-        overlaps the transfer. Blocks across two parts are checked and decoded once the whole range has
+        are checked in the thread that received the part, as it lands, and decoded by it and the decode
+        pool (`spread`): a corrupt block fails the read while later parts are still on the wire, and
+        decoding overlaps the transfer. From a local file, the blocks are checked once read, then
+        decoded by this reader thread and the decode pool, on as many cores as are free (issue 38). Blocks across two parts are checked and decoded once the whole range has
         landed. (On object stores, reads that decode straight into their destination are gathered per
         file instead, `Pieces`, with the same checks and decoding: `CodedRead`.)
         """

@@ -1,0 +1,147 @@
+"""Compressed reads decoded on the process's decode pool (`reader.DECODE_THREADS`, issue 38): a read's
+blocks cut into pieces, the first decoded by the reader thread, the others on the pool; the same
+values, the same errors, every flipped stored byte a `CorruptCheckpointError`."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import cairn
+from cairn._format import codecs
+from cairn._load import reader
+
+CODECS = ["zstd", "planes"] + (["blosc2"] if codecs.blosc2_available() else [])
+
+
+def _state() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(38)
+    w = (rng.standard_normal((1024, 1536)) * 0.02).astype(np.float32)  # 6 MiB: 6 blocks, two reads
+    return {"w": w, "m": np.round(w * 64).astype(np.float32), "i": np.arange(1 << 20, dtype=np.int32)}
+
+
+@pytest.fixture(params=[0, 3])
+def decode_threads(request, monkeypatch):
+    monkeypatch.setattr(reader, "DECODE_THREADS", request.param)
+    return request.param
+
+
+def test_pieces_are_whole_blocks_of_at_least_the_piece_size(monkeypatch):
+    monkeypatch.setattr(reader, "DECODE_PIECE", 100)
+    blocks = [(0, 60, "a"), (60, 120, "b"), (120, 180, "c"), (180, 200, "d"), (200, 300, "e")]
+    assert reader.pieces(blocks, 0, 5) == [(0, 2), (2, 5)]
+    assert reader.pieces(blocks, 1, 3) == [(1, 3)]
+    assert reader.pieces(blocks, 4, 5) == [(4, 5)]
+    monkeypatch.setattr(reader, "DECODE_PIECE", 1)
+    assert reader.pieces(blocks, 0, 5) == [(k, k + 1) for k in range(5)]
+
+
+def test_spread_runs_the_first_piece_here_and_the_rest_on_the_pool(monkeypatch):
+    monkeypatch.setattr(reader, "DECODE_THREADS", 2)
+    seen: dict[tuple[int, int], str] = {}
+
+    def decode(a: int, b: int) -> None:
+        seen[(a, b)] = threading.current_thread().name
+
+    reader.spread(decode, [(0, 1), (1, 2), (2, 4)])
+    assert seen[(0, 1)] == threading.current_thread().name
+    assert seen[(1, 2)].startswith("cairn-decode") and seen[(2, 4)].startswith("cairn-decode")
+
+
+def test_spread_raises_the_first_failure_in_block_order_after_every_piece_ran(monkeypatch):
+    monkeypatch.setattr(reader, "DECODE_THREADS", 2)
+    done: list[int] = []
+    gate = threading.Event()
+
+    def decode(a: int, b: int) -> None:
+        if a == 0:
+            gate.wait(10)  # the pool's pieces fail first; the error raised is still block 1's
+        if a in (1, 2):
+            if a == 2:
+                gate.set()
+            raise ValueError(f"piece {a}")
+        done.append(a)
+
+    with pytest.raises(ValueError, match="piece 1"):
+        reader.spread(decode, [(0, 1), (1, 2), (2, 3), (3, 4)])
+    assert sorted(done) == [0, 3]
+
+
+def test_spread_waits_for_the_pool_when_its_own_piece_fails(monkeypatch):
+    monkeypatch.setattr(reader, "DECODE_THREADS", 2)
+    release, done = threading.Event(), []
+
+    def decode(a: int, b: int) -> None:
+        if a == 0:
+            raise ValueError("mine")
+        release.wait(10)
+        done.append(a)
+
+    threading.Timer(0.05, release.set).start()
+    with pytest.raises(ValueError, match="mine"):
+        reader.spread(decode, [(0, 1), (1, 2)])
+    assert done == [1]  # returned only once the piece reading the caller's buffer was done
+
+
+def test_no_pool_below_two_threads(monkeypatch):
+    monkeypatch.setattr(reader, "DECODE_THREADS", 1)
+    assert reader.decode_pool() is None
+    monkeypatch.setattr(reader, "DECODE_THREADS", 0)
+    assert reader.decode_pool() is None
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_compressed_load_same_values(tmp_path, codec, decode_threads):
+    state = _state()
+    cairn.save(tmp_path / "c", state, compression=codec)
+    got = cairn.load(tmp_path / "c")
+    for k, v in state.items():
+        np.testing.assert_array_equal(got[k], v)
+    box = cairn.load(tmp_path / "c", {"w": cairn.ArrayMetadata((1024, 1536), np.float32, 0), "m": None, "i": None},
+                     partial=True)
+    np.testing.assert_array_equal(box["w"], state["w"])
+
+
+def _data_files(path) -> list[str]:
+    return sorted(os.path.join(d, n) for d, _, ns in os.walk(path) for n in ns
+                  if n.endswith(".bin") and not n.startswith("index."))
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_every_sampled_flip_in_stored_blocks_is_corrupt(tmp_path, codec, decode_threads):
+    state = _state()
+    path = tmp_path / "c"
+    cairn.save(path, state, compression=codec)
+    rng = np.random.default_rng(1)
+    for f in _data_files(path):
+        with open(f, "rb") as src:
+            original = src.read()
+        for pos in sorted({0, len(original) - 1, *map(int, rng.integers(0, len(original), 12))}):
+            bad = bytearray(original)
+            bad[pos] ^= 1 << int(rng.integers(8))
+            with open(f, "wb") as out:
+                out.write(bad)
+            with pytest.raises(cairn.CorruptCheckpointError):
+                cairn.load(path)
+        with open(f, "wb") as out:
+            out.write(original)
+    got = cairn.load(path)
+    np.testing.assert_array_equal(got["w"], state["w"])
+
+
+def test_a_compressed_load_decodes_on_the_pool(tmp_path, monkeypatch):
+    monkeypatch.setattr(reader, "DECODE_THREADS", 3)
+    cairn.save(tmp_path / "c", _state(), compression="zstd")
+    names: list[str] = []
+    real = codecs.decode_run
+
+    def spy(*args, **kwargs):
+        names.append(threading.current_thread().name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(codecs, "decode_run", spy)
+    cairn.load(tmp_path / "c")
+    assert any(n.startswith("cairn-decode") for n in names), names
