@@ -147,8 +147,6 @@ class SaveJob:
     _choosing: Any = field(default=None, repr=False)
     # A blocking save's device-to-host copies, started ahead of the writers (`host_pipeline`; None: none).
     _pipe: Any = field(default=None, repr=False)
-    # What the last pipeline did: (chunks it started, the most bytes it held at once).
-    pipe_seen: tuple[int, int] = field(default=(0, 0), repr=False)
 
     # ------------------------------------------------------------------ layout
 
@@ -426,7 +424,6 @@ class SaveJob:
 
     def _close_pipe(self) -> None:
         if self._pipe is not None:
-            self.pipe_seen = (self._pipe.started, self._pipe.max_held)
             self._pipe.close()
             self._pipe = None
 
@@ -1016,7 +1013,7 @@ class _Choosing:
 #: GROUP_LEAVES of them. One decision serves the whole group, measured on GROUP_SAMPLES of its leaves
 #: spread over it (`_choose_group`). Measured one by one, 2,449 leaves of 256x256 spent ~1.1 ms each on
 #: the TPU host choosing (three encoders each, python-blosc2's fixed ~0.18 ms a call): more than coding
-#: them (issue 38). 0: every leaf measured on its own, as before.
+#: them (issue 38). 1: every leaf measured on its own, as before.
 GROUP_MAX_BYTES = 1 << 20
 GROUP_LEAVES = 64
 GROUP_SAMPLES = 4
