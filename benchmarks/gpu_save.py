@@ -60,8 +60,12 @@ def _dir_bytes(path: str) -> int:
 
 
 def _cairn_round(path: str, state: Any, target: Any, compression: Any, threads: int, to_host: str,
-                 budget: int | None, spans: Any = None) -> dict[str, float]:
+                 budget: int | None, pipeline_mib: int | None = None, spans: Any = None) -> dict[str, float]:
+    from cairn._save import engine
+
     shardings.TO_HOST = to_host
+    if pipeline_mib is not None:
+        engine.HOST_PIPELINE_BYTES = pipeline_mib * MiB
     t0 = time.perf_counter()
     fut = cairn.save_async(path, state, compression=compression, overwrite=True, threads=threads,
                            snapshot_budget_bytes=budget)
@@ -139,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--stages", action="store_true",
                     help="time the blocking save's stages (benchmarks.save_stages: choose, host copy, code, "
                          "wait, crc, write, fsync) and print them per case")
+    ap.add_argument("--pipeline-mib", default=None,
+                    help="values of the blocking save's host-copy pipeline budget to compare, in MiB, comma "
+                         "separated (engine.HOST_PIPELINE_BYTES; 0: none, each device chunk copied to host by its "
+                         "writer or the codec choosing when it comes to it, as before 2026-12-06 08:00); every "
+                         "cairn case runs with each")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -160,10 +169,12 @@ def main(argv: list[str] | None = None) -> int:
     where = {s: p for s, p in where.items() if s in args.storages.split(",")}
     threads = [int(t) for t in args.threads.split(",")]
     methods = args.to_host.split(",")
-    cases: list[Any] = [(s, c, t, methods[0], None) for s in where for c in (False, True) for t in threads]
-    cases += [("local", False, threads[0], m, None) for m in methods[1:]]
+    pipes: list[Any] = [int(x) for x in args.pipeline_mib.split(",")] if args.pipeline_mib else [None]
+    cases: list[Any] = [(s, c, t, methods[0], None, p) for p in pipes for s in where for c in (False, True)
+                        for t in threads]
+    cases += [("local", False, threads[0], m, None, p) for p in pipes for m in methods[1:]]
     if args.budget_mib:
-        cases.append(("local", False, threads[0], methods[0], args.budget_mib * MiB))
+        cases.append(("local", False, threads[0], methods[0], args.budget_mib * MiB, pipes[0]))
     runs: dict[Any, list[dict[str, float]]] = {c: [] for c in cases}
     runs["orbax"] = []
     gets: dict[str, list[float]] = {m: [] for m in methods}
@@ -213,9 +224,10 @@ def main(argv: list[str] | None = None) -> int:
     for key, rs in runs.items():
         if not rs:
             continue
-        system, storage, comp, thr, how, budget = (("orbax", "local", "zstd (default)", "", "", None) if key == "orbax"
-                                                   else ("cairn", *key))
+        system, storage, comp, thr, how, budget, pipe = (("orbax", "local", "zstd (default)", "", "", None, None)
+                                                         if key == "orbax" else ("cairn", *key))
         how = f"{how}, budget {budget // MiB} MiB" if budget else how
+        how = f"{how}, pipeline {pipe} MiB" if pipe is not None else how
         row = {k: med(r.get(k, 0.0) for r in rs) for k in rs[0] if isinstance(rs[0][k], (int, float))}  # not "decision"
         row.update(system=system, storage=storage, compression=comp, threads=thr, to_host=how, all=rs)
         rows.append(row)

@@ -7,6 +7,9 @@ wrapping the functions that do them (no change to the library):
 
 - ``choose``: `engine._choose_leaf` (each leaf's codec measured on its sample, for True / "auto"; while the
   first files are written, in a single process);
+- ``pipe``: `snapshot.HostPipeline.take` / ``peek`` (a blocking save's consumers taking the device-to-host
+  transfers the host-copy pipeline started ahead; waiting for a transfer shows in ``host``, where its
+  bytes are read);
 - ``host``: `SaveJob._host` (device-to-host copies; numpy leaves cost nothing here, ``--jax`` puts
   the state on JAX's first device first);
 - ``code``: `engine._code_task` (coding tasks on the coder pool): the union of their spans (wall
@@ -129,6 +132,11 @@ def _waited(spans: Spans, fn: Any) -> Any:
 def instrument(spans: Spans) -> None:
     engine._in_order = _waited(spans, engine._in_order)
     engine._choose_leaf = spans.wrap("choose", engine._choose_leaf)  # each leaf measured (in the background too)
+    engine._choose_group = spans.wrap("choose", engine._choose_group)  # each group of small leaves measured
+    from cairn._save import snapshot as _snapshot
+
+    _snapshot.HostPipeline.take = spans.wrap("pipe", _snapshot.HostPipeline.take)  # waits for started transfers
+    _snapshot.HostPipeline.peek = spans.wrap("pipe", _snapshot.HostPipeline.peek)
     engine._code_task = spans.wrap("code", engine._code_task)
     engine.crc32c = spans.wrap("crc", engine.crc32c)
     engine.block_crcs = spans.wrap("crc", engine.block_crcs)
@@ -149,11 +157,11 @@ class FifoPool(ThreadPoolExecutor):
 
 POOLS = {"priority": engine.CodePool, "fifo": FifoPool}
 
-STAGES = ("choose", "host", "code", "wait", "crc", "write", "fsync", "tail", "write_data")
+STAGES = ("choose", "pipe", "host", "code", "wait", "crc", "write", "fsync", "tail", "write_data")
 
 
 #: The stages `stage_line` prints (union seconds, inside the data phase but for ``choose``).
-SHORT = ("choose", "host", "code", "wait", "crc", "write", "fsync", "tail")
+SHORT = ("choose", "pipe", "host", "code", "wait", "crc", "write", "fsync", "tail")
 
 
 def stage_line(rows: list[dict[str, float]]) -> str:
@@ -187,7 +195,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--background", default=None,
                     help="values of engine.CHOOSE_IN_BACKGROUND to compare, 1 and/or 0 (0: every codec chosen "
                          "before any file is written, as before)")
+    ap.add_argument("--pipeline", default=None,
+                    help="values of engine.HOST_PIPELINE_BYTES to compare, in MiB (0: no host-copy pipeline, each "
+                         "device chunk copied to host by its writer or the codec choosing, as before 2026-12-06 08:00)")
+    ap.add_argument("--groups", default=None,
+                    help="values of engine.GROUP_LEAVES to compare (1: each small leaf's codec measured on its own)")
     ap.add_argument("--jax", action="store_true", help="put the state on JAX's first device first")
+    ap.add_argument("--as-device", action="store_true",
+                    help="with --jax on a CPU-only host: treat its arrays' host views as device-to-host copies "
+                         "(engine._fresh_copy), so the host-copy pipeline and kept copies run as on an accelerator "
+                         "(a rehearsal of their overhead; the copies themselves stay free)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
@@ -200,13 +217,18 @@ def main(argv: list[str] | None = None) -> int:
 
         state = jax.block_until_ready(jax.device_put(state, jax.devices()[0]))
         print(f"on {jax.devices()[0]}", flush=True)
+        if args.as_device:
+            engine._fresh_copy = lambda src: not isinstance(src, np.ndarray)  # type: ignore[assignment]
     shares = [int(x) for x in args.share.split(",")] if args.share else [engine.SAMPLE_SHARE]
     keeps = [float(x) for x in args.keep.split(",")] if args.keep else [engine.KEEP_HOST_SHARE]
     bgs = [int(x) for x in args.background.split(",")] if args.background else [int(engine.CHOOSE_IN_BACKGROUND)]
+    pipes = [int(x) for x in args.pipeline.split(",")] if args.pipeline else [engine.HOST_PIPELINE_BYTES >> 20]
+    grps = [int(x) for x in args.groups.split(",")] if args.groups else [engine.GROUP_LEAVES]
     settings = [(setting(s), pool + (f", share {sh}" if args.share else "") + (f", keep {kp}" if args.keep else "")
-                 + (f", background {bg}" if args.background else ""))
+                 + (f", background {bg}" if args.background else "") + (f", pipeline {pp}" if args.pipeline else "")
+                 + (f", groups {gr}" if args.groups else ""))
                 for pool in args.pools.split(",") for sh in shares for kp in keeps for bg in bgs
-                for s in args.settings.split(",")]
+                for pp in pipes for gr in grps for s in args.settings.split(",")]
     print(f"{len(state)} leaves, {raw / 2**20:.1f} MiB raw; {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     spans = Spans()
@@ -226,6 +248,10 @@ def main(argv: list[str] | None = None) -> int:
                     engine.KEEP_HOST_SHARE = float(knobs["keep"])
                 if "background" in knobs:
                     engine.CHOOSE_IN_BACKGROUND = bool(int(knobs["background"]))
+                if "pipeline" in knobs:
+                    engine.HOST_PIPELINE_BYTES = int(knobs["pipeline"]) << 20
+                if "groups" in knobs:
+                    engine.GROUP_LEAVES = int(knobs["groups"])
                 spans.clear()
                 t = time.perf_counter()
                 stats = cairn.save(path, state, compression=s, threads=args.threads)

@@ -57,8 +57,12 @@ def main() -> None:
                          "{'params': {...}}), comma separated; each runs every setting")
     ap.add_argument("--stages", action="store_true",
                     help="time each save's stages (benchmarks.save_stages) and print their medians per setting")
+    ap.add_argument("--groups", default=None,
+                    help="values of engine.GROUP_LEAVES to compare, comma separated (1: each small leaf's codec "
+                         "measured on its own, as before 2026-12-06 08:00); each runs every layout and setting")
     ap.add_argument("--json")
     args = ap.parse_args()
+    from cairn._save import engine
     spans = None
     if args.stages:
         from benchmarks.save_stages import Spans, instrument
@@ -71,10 +75,11 @@ def main() -> None:
     layouts = args.layouts.split(",")
     states = {lay: {"params": leaves} if lay == "nested" else leaves for lay in layouts}
     settings = [setting(s) for s in args.settings.split(",")]
-    cases = [(lay, s) for lay in layouts for s in settings]
+    groups = [int(g) for g in args.groups.split(",")] if args.groups else [engine.GROUP_LEAVES]
+    cases = [(lay, s, g) for g in groups for lay in layouts for s in settings]
 
-    def key(case: tuple[str, Any]) -> str:
-        return f"{case[0]}, {case[1]}"
+    def key(case: tuple[str, Any, int]) -> str:
+        return f"{case[0]}, {case[1]}" + (f", group {case[2]}" if args.groups else "")
 
     print(f"{count} leaves, {raw / 2**20:.0f} MiB raw; layouts {', '.join(layouts)}; {os.cpu_count()} cores, "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
@@ -85,8 +90,9 @@ def main() -> None:
     try:
         for _ in range(args.reps):
             for case in cases:
-                lay, s = case
-                path = os.path.join(root, f"c-{lay}-{s}")
+                lay, s, g = case
+                engine.GROUP_LEAVES = g
+                path = os.path.join(root, f"c-{lay}-{s}-{g}")
                 shutil.rmtree(path, ignore_errors=True)
                 if spans is not None:
                     spans.clear()
@@ -104,14 +110,15 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = []
-    print("| layout | compression | bytes written | save s | save / raw | load s | decision |\n" + "|---" * 7 + "|")
+    print("| layout | compression | group | bytes written | save s | save / raw | load s | decision |\n" + "|---" * 8 + "|")
     for case in cases:
         t = times[key(case)]
         r = {"layout": case[0], "compression": str(case[1]), "save_s": statistics.median(t["save"]),
              "load_s": statistics.median(t["load"]), "save_each": t["save"], "load_each": t["load"], **info[key(case)]}
         rows.append(r)
-        base = statistics.median(times[key((case[0], settings[0]))]["save"])
-        print(f"| {case[0]} | {case[1]} | {r['bytes_written'] / 2**20:.1f} MiB | {r['save_s']:.2f} | "
+        r["group"] = case[2]
+        base = statistics.median(times[key((case[0], settings[0], case[2]))]["save"])
+        print(f"| {case[0]} | {case[1]} | {case[2]} | {r['bytes_written'] / 2**20:.1f} MiB | {r['save_s']:.2f} | "
               f"{r['save_s'] / base:.2f} | {r['load_s']:.2f} | {r['decision']} |", flush=True)
     if staged:
         from benchmarks.save_stages import stage_line

@@ -699,12 +699,14 @@ def test_a_device_chunk_measured_for_its_codec_is_copied_to_host_once(tmp_path, 
     device-to-host copy (an accelerator's chunk: `engine._fresh_copy`, forced here on CPU arrays) the
     writer uses it instead of copying the chunk again, within `KEEP_HOST_SHARE` of the host's memory
     (0: copied again, as before), and not in a save_async whose snapshot budget left chunks on device.
-    The bytes written are the same either way."""
+    The bytes written are the same either way. (Without the host-copy pipeline, which starts those
+    copies ahead itself: tests/save/test_host_pipeline.py.)"""
     from cairn._save import engine
 
     state = {"params": {"w": jax.numpy.asarray(trained((256, 512))),
                         "mu": jax.numpy.asarray(trained((128, 256), np.float32, 1))}}
     monkeypatch.setattr(engine, "_fresh_copy", lambda src: True)
+    monkeypatch.setattr(engine, "HOST_PIPELINE_BYTES", 0)
     host = engine.SaveJob._host
     stored = {}
     for share in (0.0, 0.25):

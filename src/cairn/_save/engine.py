@@ -145,6 +145,8 @@ class SaveJob:
     _code_lock: Any = field(default_factory=threading.Lock, repr=False)
     # Codecs being chosen while the first files are written (`_Choosing`; None: all chosen before).
     _choosing: Any = field(default=None, repr=False)
+    # A blocking save's device-to-host copies, started ahead of the writers (`host_pipeline`; None: none).
+    _pipe: Any = field(default=None, repr=False)
 
     # ------------------------------------------------------------------ layout
 
@@ -173,6 +175,17 @@ class SaveJob:
 
         return host_view(src)
 
+    def _take(self, item: SaveItem, key: tuple[int, int]) -> Any:
+        """Chunk `key` of `item` for its writer, removed from the sources: its transfer where the host-copy
+        pipeline started one (`snapshot.HostPipeline`), else the source itself (`_host` brings it over)."""
+        src = item.sources.pop(key)
+        pipe = self._pipe
+        if pipe is not None and (item.name, key) in pipe:
+            got = pipe.take((item.name, key))
+            if got is not None:
+                return got
+        return src
+
     @property
     def version(self) -> int:
         """The version of this save's indexes, which names their layout (2, 3 or 4)."""
@@ -195,8 +208,9 @@ class SaveJob:
     def _write_file(self, item: SaveItem, k: int, slots: list[FileSlot], crc_pool: ThreadPoolExecutor,
                     code_pool: CodePool | None = None, order: int = 0):
         # `order`: this file's rank among the save's files (its coding tasks go before later files').
-        if self._choosing is not None:  # this file's leaves' codecs, chosen in the background
-            self._choosing.wait(item.name, k)
+        # Codecs chosen in the background: each slot waits for its own leaf's (`_Choosing.wait`), so a file
+        # is coded and written from its first chunk on while its later leaves are still measured.
+        choosing = self._choosing
         # Per chunk, in slot order: its CRC (one block), or a list of its block CRCs or their futures.
         # Plain ints where possible: a state of thousands of small leaves makes one per chunk, and
         # objects the garbage collector tracks make it run full collections during the save.
@@ -227,10 +241,15 @@ class SaveJob:
             group: list[tuple[int, bool, tuple[Any, ...]]] = []
             size, run = 0, block * RUN_BLOCKS
             for n_slot, slot in enumerate(slots):
+                if choosing is not None:
+                    if group and not choosing.ready(item.name, slot.leaf):
+                        yield group  # code what is here while this leaf is still measured
+                        group, size = [], 0
+                    choosing.wait(item.name, slot.leaf)
                 codec = leaf_codecs.get(slot.leaf, "none")
                 if codec == "none":
                     continue
-                raw = host_raw(slot, item.sources.pop((slot.leaf, slot.cell)))
+                raw = host_raw(slot, self._take(item, (slot.leaf, slot.cell)))
                 dtype = item.leaves[slot.leaf].dtype  # type: ignore[union-attr]  # slots are arrays
                 if len(raw) > run:
                     if group:
@@ -268,6 +287,8 @@ class SaveJob:
             pop = item.sources.pop
             shift = 0  # stored bytes minus raw bytes of the compressed chunks so far
             for n_slot, slot in enumerate(slots):
+                if choosing is not None:
+                    choosing.wait(item.name, slot.leaf)
                 codec = leaf_codecs.get(slot.leaf, "none")
                 if shift:
                     moved[n_slot] = slot.offset + shift
@@ -294,7 +315,7 @@ class SaveJob:
                     activity.advance()
                     continue
                 # pop: a device copy made by `snapshot` is freed once its host bytes exist.
-                src = pop((slot.leaf, slot.cell))
+                src = self._take(item, (slot.leaf, slot.cell))
                 if type(src) is Concat:  # a merged chunk: its pieces' bytes, one after another
                     mvs = [_bytes_of(self._host(p)) for p in src.parts]
                     n = sum(len(m) for m in mvs)
@@ -341,8 +362,13 @@ class SaveJob:
         partial: dict[str, Any] = {}
         jobs: list[tuple[SaveItem, int, Any]] = []
         self._choosing = None
+        self._pipe = host_pipeline(self)  # before the codec choosing, which looks at its first transfers
         if self.compression is not None:
-            self.codecs, self._choosing = choose_codecs(self, background=CHOOSE_IN_BACKGROUND and self.inc is None)
+            try:
+                self.codecs, self._choosing = choose_codecs(self, background=CHOOSE_IN_BACKGROUND and self.inc is None)
+            except BaseException:
+                self._close_pipe()
+                raise
         if self.inc is not None:  # incremental: the base's indexes and the records of our chunks
             self.inc.open(self.items, self.loc.path)
         # Compressed blocks are encoded by a pool of their own, so that a file of large chunks uses
@@ -362,16 +388,17 @@ class SaveJob:
             # an incremental save's files of unchanged leaves only hash, and must not hold every writer
             # while another checkpointable's changed leaves wait (docs/incremental.md, "Save and load time,
             # round 41b"). The coder pool serves files in that order too (`order`: a file's rank).
-            for k in range(max((len(item.files) for item in self.items), default=0)):
-                for item in self.items:
-                    if k < len(item.files):
-                        jobs.append((item, k, pool.submit(self._write_file, item, k, item.files[k], crc_pool,
-                                                          code_pool if coders > 1 else None, len(jobs))))
+            for item, k in _files_in_turn(self.items):
+                jobs.append((item, k, pool.submit(self._write_file, item, k, item.files[k], crc_pool,
+                                                  code_pool if coders > 1 else None, len(jobs))))
             try:
                 results = [(item, k, f.result()) for item, k, f in jobs]
             finally:
-                if self._choosing is not None:
-                    self._choosing.close()
+                try:
+                    if self._choosing is not None:
+                        self._choosing.close()
+                finally:
+                    self._close_pipe()
         self.stats.compression = describe_compression(self.compression, self.loc.storage, self.codecs,
                                                       self.priced())
         for item in self.items:
@@ -394,6 +421,11 @@ class SaveJob:
         self.stats.write_s = time.perf_counter() - t0
         self._measure()
         return partial
+
+    def _close_pipe(self) -> None:
+        if self._pipe is not None:
+            self._pipe.close()
+            self._pipe = None
 
     def priced(self) -> dict[str, Any]:
         """What "auto" prices this save's leaves with (`prices`, else this process's `auto_prices`)."""
@@ -522,6 +554,49 @@ class SaveJob:
             created_unix=time.time(), metadata=self.metadata, bases=tuple(bases),
         ).to_json(self.manifest_version(statuses))
         self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite)
+
+
+def _files_in_turn(items: list[SaveItem]) -> list[tuple[SaveItem, int]]:
+    """The data files of a save in the order its writers start them: each checkpointable's first file,
+    then each one's second... (`write_data`; the codec choosing and the host-copy pipeline follow it)."""
+    most = max((len(item.files) for item in items), default=0)
+    return [(item, k) for k in range(most) for item in items if k < len(item.files)]
+
+
+#: Bytes of device chunks a blocking save's host-copy pipeline may have started ahead of its writers
+#: (`host_pipeline`; at most `KEEP_HOST_SHARE` of the host's memory). 0: no pipeline, each chunk
+#: copied to host by its writer (or the codec choosing) when it comes to it, as before 2026-12-06.
+HOST_PIPELINE_BYTES = 1 << 30
+
+
+def host_pipeline(job: SaveJob) -> Any:
+    """A `snapshot.HostPipeline` for the accelerator chunks `job` writes, in the order its writers take
+    them (`_files_in_turn`, each file's slots in order), started up to its budget; None where there
+    are none to copy (a save_async's snapshot made them host arrays already, or a numpy state), where
+    the save is incremental (its writers hash as they go), or where a save_async's snapshot budget left
+    chunks on device (host memory must stay within that budget: its writers copy one at a time)."""
+    budget = min(HOST_PIPELINE_BYTES, _keep_host_bytes())
+    if budget <= 0 or job.inc is not None or job.stats.device_copy_bytes:
+        return None
+    from .snapshot import HostPipeline
+
+    keys: list[tuple[str, tuple[int, int]]] = []
+    sizes: list[int] = []
+    srcs: list[Any] = []
+    for item, k in _files_in_turn(job.items):
+        for slot in item.files[k]:
+            key = (slot.leaf, slot.cell)
+            src = item.sources.get(key)
+            if src is None or type(src) is np.ndarray or type(src) is Concat or not _fresh_copy(src):
+                continue
+            keys.append((item.name, key))
+            sizes.append(slot.nbytes)
+            srcs.append(src)
+    if not keys:
+        return None
+    pipe = HostPipeline(keys, sizes, srcs, budget)
+    pipe.fill()
+    return pipe
 
 
 def _at_once(fn: Any, xs: list[Any], name: str) -> list[Any]:
@@ -850,42 +925,48 @@ def choose_codecs(job: SaveJob, background: bool = False) -> tuple[dict[str, dic
 class _Choosing:
     """The codecs of this process's leaves, measured on a pool of their own (`close` waits for all; with
     `choose_codecs`' `background`, a single process's files are written meanwhile): leaves in the order
-    of the first file holding them, and each file released (`wait`) once every leaf with a chunk in it
-    has its codec. A failure is
-    raised to every writer waiting. The host copy a leaf was measured on replaces its device chunk
-    among the save's sources within `keep` bytes (as `choose_codecs` does), before its file is
-    released, so that file's writer never copies that chunk again."""
+    of the first file holding them, each leaf released to its writers (`wait`) once it has its codec.
+    Small leaves are measured in groups (`_groups`): one decision for a run of leaves alike. A
+    failure is raised to every writer waiting. The host copy a leaf was measured on replaces its
+    device chunk among the save's sources within `keep` bytes (as `choose_codecs` does), before the
+    leaf is released, so its writer never copies that chunk again; where the save's host-copy
+    pipeline (`SaveJob._pipe`) had started that chunk's transfer, the leaf is measured on it and
+    the writer takes the same transfer."""
 
     def __init__(self, job: SaveJob, todo: list[tuple[dict[int, str], int, Any, Any, SaveItem]], keep: int):
         self._job, self._keep = job, keep
         self._lock = threading.Lock()
         self._error: BaseException | None = None
-        measured = {(t[4].name, t[1]) for t in todo}
-        self._files_of: dict[tuple[str, int], list[int]] = {}  # (item, leaf) -> files holding its chunks
-        self._pending: dict[tuple[str, int], set[int]] = {}  # (item, file) -> leaves not yet measured
-        self._ready: dict[tuple[str, int], threading.Event] = {}
-        for item in job.items:
-            for k, slots in enumerate(item.files):
-                leaves = {s.leaf for s in slots if (item.name, s.leaf) in measured}
-                for leaf in leaves:
-                    self._files_of.setdefault((item.name, leaf), []).append(k)
-                self._pending[(item.name, k)] = leaves
-                self._ready[(item.name, k)] = ev = threading.Event()
-                if not leaves:
-                    ev.set()
-        order = {(item.name, k): n for n, (item, k) in enumerate((it, k) for it in job.items
-                                                               for k in range(len(it.files)))}
-        todo = sorted(todo, key=lambda t: min((order[(t[4].name, k)] for k in self._files_of.get((t[4].name, t[1]), ())),
-                                              default=len(order)))
-        self._pool = ThreadPoolExecutor(min(_cores(), len(todo)), thread_name_prefix="cairn-choose")
-        self._futures = [self._pool.submit(self._measure, t) for t in todo]
+        self._ready = {(t[4].name, t[1]): threading.Event() for t in todo}
+        first_file: dict[tuple[str, int], int] = {}  # (item, leaf) -> rank of the first file holding a chunk
+        ranked = _files_in_turn(job.items)
+        for rank, (item, k) in enumerate(ranked):
+            for s in item.files[k]:
+                first_file.setdefault((item.name, s.leaf), rank)
+        todo = sorted(todo, key=lambda t: first_file.get((t[4].name, t[1]), len(ranked)))
+        groups = _groups(todo)
+        self._pool = ThreadPoolExecutor(min(_cores(), len(groups)), thread_name_prefix="cairn-choose")
+        self._futures = [self._pool.submit(self._measure, g) for g in groups]
 
-    def _measure(self, t: tuple[dict[int, str], int, Any, Any, SaveItem]) -> None:
-        mine, i, first, dtype, item = t
+    def _measure(self, group: list[tuple[dict[int, str], int, Any, Any, SaveItem]]) -> None:
         if self._error is not None:
             return
+        job, pipe = self._job, self._job._pipe
         try:
-            codec, host = _choose_leaf(self._job, first, dtype)
+            # The members sampled (all of a group of one); a started transfer where the pipeline has one.
+            picks = _picked(len(group))
+            firsts, peeked = [], []
+            for n in picks:
+                _, i, first, _, item = group[n]
+                got = pipe.peek((item.name, (i, 0))) if pipe is not None and (item.name, (i, 0)) in pipe else None
+                firsts.append(first if got is None else got)
+                peeked.append(got is not None)
+            dtype = group[0][3]
+            if len(group) == 1:
+                codec, host = _choose_leaf(job, firsts[0], dtype)
+                hosts = [host]
+            else:
+                codec, hosts = _choose_group(job, firsts, dtype)
         except BaseException as e:  # every waiting writer raises it
             with self._lock:
                 self._error = self._error or e
@@ -893,21 +974,29 @@ class _Choosing:
                     ev.set()
             return
         with self._lock:
-            mine[i] = codec
-            # The host copy the sample was taken from (a device chunk's, made for this) serves the writer
+            for mine, i, _, _, _ in group:
+                mine[i] = codec
+            # The host copy a sample was taken from (a device chunk's, made for this) serves the writer
             # too: a device chunk is not copied to host twice (held within `keep` bytes until written).
-            if host is not None and host.nbytes <= self._keep:
-                item.sources[(i, 0)] = host
-                self._keep -= host.nbytes
-            for k in self._files_of.get((item.name, i), ()):
-                left = self._pending[(item.name, k)]
-                left.discard(i)
-                if not left:
-                    self._ready[(item.name, k)].set()
+            for n, host, was_peeked in zip(picks, hosts, peeked):
+                _, i, _, _, item = group[n]
+                if host is not None and not was_peeked and host.nbytes <= self._keep:
+                    item.sources[(i, 0)] = host
+                    self._keep -= host.nbytes
+            for _, i, _, _, item in group:
+                self._ready[(item.name, i)].set()
 
-    def wait(self, item: str, k: int) -> None:
-        """Return once every leaf with a chunk in file k of `item` has its codec; raise what measuring raised."""
-        self._ready[(item, k)].wait()
+    def ready(self, item: str, leaf: int) -> bool:
+        """Whether leaf `leaf` of `item` has its codec (or measuring failed: `wait` raises)."""
+        ev = self._ready.get((item, leaf))
+        return ev is None or ev.is_set()
+
+    def wait(self, item: str, leaf: int) -> None:
+        """Return once leaf `leaf` of `item` has its codec (at once for a leaf not measured here); raise
+        what measuring raised."""
+        ev = self._ready.get((item, leaf))
+        if ev is not None:
+            ev.wait()
         if self._error is not None:
             raise self._error
 
@@ -916,6 +1005,63 @@ class _Choosing:
         self._pool.shutdown(wait=True)
         if self._error is not None:
             raise self._error
+
+
+#: Small leaves are measured in groups (`_groups`): a run of consecutive leaves (in the order of the
+#: files holding them, so mostly of one array, or one kind of leaf, of the pytree) whose first chunks
+#: hold at most GROUP_MAX_BYTES, of one dtype and one size class (the same power of two), up to
+#: GROUP_LEAVES of them. One decision serves the whole group, measured on GROUP_SAMPLES of its leaves
+#: spread over it (`_choose_group`). Measured one by one, 2,449 leaves of 256x256 spent ~1.1 ms each on
+#: the TPU host choosing (three encoders each, python-blosc2's fixed ~0.18 ms a call): more than coding
+#: them (issue 38). 1: every leaf measured on its own, as before.
+GROUP_MAX_BYTES = 1 << 20
+GROUP_LEAVES = 64
+GROUP_SAMPLES = 4
+
+
+def _groups(todo: list[Any]) -> list[list[Any]]:
+    """`todo` (`_Choosing`'s leaves, in order) cut into the groups measured together: runs of small leaves
+    alike (`GROUP_MAX_BYTES`), each other leaf alone."""
+    out: list[list[Any]] = []
+    run_key: Any = None
+    for t in todo:
+        n = _first_bytes(t[2])
+        key = (np.dtype(t[3]), n.bit_length()) if GROUP_LEAVES > 1 and 0 < n <= GROUP_MAX_BYTES else None
+        if key is not None and key == run_key and len(out[-1]) < GROUP_LEAVES:
+            out[-1].append(t)
+        else:
+            out.append([t])
+        run_key = key
+    return out
+
+
+def _first_bytes(first: Any) -> int:
+    try:
+        return sum(int(p.nbytes) for p in first.parts) if type(first) is Concat else int(first.nbytes)
+    except (AttributeError, TypeError):
+        return 0
+
+
+def _picked(n: int) -> list[int]:
+    """Which of a group's `n` leaves are sampled: GROUP_SAMPLES of them spread evenly, first and last included."""
+    m = min(n, max(1, GROUP_SAMPLES))
+    return sorted({round(j * (n - 1) / max(1, m - 1)) for j in range(m)})
+
+
+def _choose_group(job: SaveJob, firsts: list[Any], dtype: Any) -> tuple[str, list[np.ndarray | None]]:
+    """The codec of a group of small leaves (`_groups`), decided once as `_choose_leaf` decides one leaf's,
+    on the first chunks `firsts` of its sampled leaves laid end to end (`decide_leaf` then samples that
+    run in pieces spread over it, so over the sampled leaves); the host copies made, as `_choose_leaf`'s."""
+    hosts, made = [], []
+    for first in firsts:
+        part = first.parts[0] if type(first) is Concat else first
+        host = job._host(part)
+        hosts.append(host)
+        made.append(host if type(first) is not Concat and type(part) is not np.ndarray and _fresh_copy(part) else None)
+    assert job.compression is not None
+    prices = job.priced()
+    joined = np.concatenate([np.ascontiguousarray(h).reshape(-1) for h in hosts])
+    return leaf_codec(job.compression, dtype, joined, prices["bandwidth"], prices), made
 
 
 def _choose_leaf(job: SaveJob, first: Any, dtype: Any) -> tuple[str, np.ndarray | None]:
