@@ -943,3 +943,71 @@ def test_verify_false_skips_raw_block_checks_as_a_plain_load_does_but_never_a_de
     flip("w", 5)  # inside the base block of a delta of s1
     with pytest.raises(cairn.CorruptCheckpointError, match="a delta against its base checkpoint 's0'"):
         cairn.load(tmp_path / "s1", verify=False)
+
+
+def _counting_hashes(monkeypatch) -> list[int]:
+    """Counts the blocks an incremental save hashes (one entry per `block_hash` call)."""
+    import cairn._save.incremental as inc
+
+    calls: list[int] = []
+    real = inc.block_hash
+    monkeypatch.setattr(inc, "block_hash", lambda data: calls.append(1) or real(data))
+    return calls
+
+
+def test_the_same_jax_array_is_referred_to_without_hashing_its_bytes(tmp_path, mesh8, monkeypatch):
+    from cairn._format.blocks import DELTA
+
+    frozen = jax.device_put(_bf16(21), NamedSharding(mesh8, P("x")))  # 4 MiB, sharded 8 ways
+    cols = NamedSharding(mesh8, P(None, "x"))
+    w0 = jax.device_put(_bf16(22), cols)
+    w1 = jax.device_put(_nudged(np.asarray(w0), 0.005, 23), cols)  # deltas against s0
+    _hashed(tmp_path / "s0", {"frozen": frozen, "w": w0, "head": np.zeros(64, np.float32)})
+    cairn.save(tmp_path / "s1", {"frozen": frozen, "w": w1, "head": np.ones(64, np.float32)}, base=tmp_path / "s0")
+    hashed = _counting_hashes(monkeypatch)
+    s2 = {"frozen": frozen, "w": w1, "head": np.full(64, 2, np.float32)}
+    st = cairn.save(tmp_path / "s2", s2, base=tmp_path / "s1")
+    # Only the head (a numpy array: it may change in place) is hashed; frozen's references and w's deltas
+    # (s1's, against s0's blocks) are taken from s1's index.
+    assert len(hashed) == 1 and st.bytes_written < 1 << 16
+    assert _codecs_of(tmp_path / "s2").count(DELTA) == _codecs_of(tmp_path / "s1").count(DELTA) > 0
+    m = fmt.Manifest.from_json((tmp_path / "s2" / "manifest.json").read_bytes(), "s2")
+    assert m.bases == ("s0",)
+    got = cairn.load(tmp_path / "s2")
+    assert np.asarray(got["frozen"]).tobytes() == np.asarray(frozen).tobytes()
+    assert np.asarray(got["w"]).tobytes() == np.asarray(w1).tobytes() and got["head"][0] == 2
+    assert verify(tmp_path / "s2").ok
+    hashed.clear()  # a new array of the same bytes is hashed (and still referred to)
+    again = jax.device_put(np.asarray(frozen), frozen.sharding)
+    st = cairn.save(tmp_path / "s3", {**s2, "frozen": again}, base=tmp_path / "s2")
+    assert len(hashed) == 4 + 1 and st.bytes_written < 1 << 16  # its 4 blocks, and the head
+
+
+def test_a_base_replaced_under_its_name_is_not_trusted_for_an_unchanged_jax_array(tmp_path, monkeypatch):
+    a, b = jax.numpy.asarray(_bf16(24)), jax.numpy.asarray(_bf16(25))
+    _hashed(tmp_path / "s0", {"w": a})
+    cairn.save(tmp_path / "s1", {"w": a}, base=tmp_path / "s0")
+    _hashed(tmp_path / "s0", {"w": b}, overwrite=True)  # s0 now holds other bytes under the same name
+    hashed = _counting_hashes(monkeypatch)
+    st = cairn.save(tmp_path / "s2", {"w": a}, base=tmp_path / "s0")
+    assert len(hashed) == 4 and st.bytes_written == a.nbytes  # hashed, found changed, written
+    assert np.asarray(cairn.load(tmp_path / "s2")["w"]).tobytes() == np.asarray(a).tobytes()
+
+
+def test_a_numpy_array_changed_in_place_is_hashed_again(tmp_path, monkeypatch):
+    w = _bf16(26)
+    _hashed(tmp_path / "s0", {"w": w})
+    w[5, 5] += 1  # the same object, other bytes
+    hashed = _counting_hashes(monkeypatch)
+    cairn.save(tmp_path / "s1", {"w": w}, base=tmp_path / "s0")
+    assert len(hashed) == 4
+    assert np.asarray(cairn.load(tmp_path / "s1")["w"]).tobytes() == w.tobytes()
+
+
+def test_a_donated_jax_array_still_fails_its_save(tmp_path):
+    a = jax.numpy.asarray(_bf16(27))
+    _hashed(tmp_path / "s0", {"w": a})
+    a.delete()
+    with pytest.raises(Exception, match="delete"):
+        cairn.save(tmp_path / "s1", {"w": a}, base=tmp_path / "s0")
+    assert not (tmp_path / "s1" / "manifest.json").exists()

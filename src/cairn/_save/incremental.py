@@ -48,7 +48,9 @@ the chunks it writes itself.
 from __future__ import annotations
 
 import collections
-from collections.abc import Generator, Iterator
+import threading
+import weakref
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +98,59 @@ PROBE = 64 << 10
 #: with the old ones), on the benchmark's lr-1e-6 weights 1.01x-1.17x, so a 10% margin would miss many
 #: (docs/incremental.md "Delta kinds").
 SPARSE_NEAR = 1.0
+
+
+#: Chunk hashes of the `jax.Array` leaves this process hashed, by array: id -> (a weak reference to
+#: it, {(grid, block size, cell): the chunk's block hashes, joined}). A jax.Array's bytes never change
+#: (an update makes a new array; a donation deletes it), so where a later save is given the same
+#: array object and its base records those very hashes at that position, the base's blocks hold
+#: the array's bytes: the chunk is referred to without reading or hashing its bytes (a frozen
+#: backbone passed through training unchanged). A numpy array can change in place: never kept here.
+_HASHED: dict[int, tuple[Any, dict[tuple[Any, int, int], bytes]]] = {}
+_HASHED_LOCK = threading.Lock()
+
+
+def _hashed_of(value: Any) -> dict[tuple[Any, int, int], bytes] | None:
+    """The chunk hashes kept for jax.Array `value`, or None (another array, or none kept)."""
+    with _HASHED_LOCK:
+        got = _HASHED.get(id(value))
+    if got is None or got[0]() is not value:
+        return None
+    return got[1]
+
+
+def _remember(value: Any, key: tuple[Any, int, int], hashes: bytes) -> None:
+    """Keep the chunk hashes of jax.Array `value` at `key` (grid, block size, cell) while it lives."""
+    vid = id(value)
+    with _HASHED_LOCK:
+        got = _HASHED.get(vid)
+        if got is None or got[0]() is not value:
+            try:
+                ref = weakref.ref(value, lambda _r, vid=vid: _forget(vid, _r))
+            except TypeError:
+                return
+            got = _HASHED[vid] = (ref, {})
+        got[1][key] = hashes
+
+
+def _forget(vid: int, ref: Any) -> None:
+    with _HASHED_LOCK:
+        got = _HASHED.get(vid)
+        if got is not None and got[0] is ref:
+            del _HASHED[vid]
+
+
+def _same_array(src: Any) -> Any:
+    """`src`'s jax.Array where its hashes may be kept (`_HASHED`): a live array leaf, else None."""
+    if not isinstance(src, ArraySource) or not src.is_jax or src.kind != "array":
+        return None
+    value = src.value
+    try:
+        if value.is_deleted():  # (its save fails on reading it; nothing to skip)
+            return None
+    except AttributeError:
+        return None
+    return value
 
 
 @dataclass(frozen=True)
@@ -265,14 +320,35 @@ class Incremental:
 
     # ------------------------------------------------------------------ writing
 
-    def write_chunk(self, item: SaveItem, leaf: int, cell: int, raw: memoryview, codec: str, dtype: Any,
-                    pool: ThreadPoolExecutor | None, batch: bytearray
+    def write_chunk(self, item: SaveItem, leaf: int, cell: int, raw: memoryview | Callable[[], memoryview],
+                    codec: str, dtype: Any, pool: ThreadPoolExecutor | None, batch: bytearray
                     ) -> Generator[Any, None, tuple[bytearray, tuple[int, ...], list[int], int]]:
         """The writer's generator for one chunk: yields buffers to write, returns ``(batch, stored sizes,
         CRCs, own stored bytes)``. Blocks equal to the base's become references; the rest are coded
-        with `codec` (in runs on `pool`, a window ahead of the writer)."""
+        with `codec` (in runs on `pool`, a window ahead of the writer). `raw`: the chunk's host bytes,
+        or a function returning them, called only where they are needed (`_unchanged`)."""
         block = self.block
         base = self._base_blocks(item.name, leaf, cell)
+        value = _same_array(item.leaves[leaf])
+        key = (item.layouts[leaf].grid, block, cell) if value is not None else None
+        same = self._unchanged(item.name, value, key, base) if value is not None else None
+        if same is not None:
+            hashes, sizes, crcs, refs, deltas = same
+            self.stats_refs += sum(ref.stored for ref in refs.values())
+            for data, _t in deltas.values():  # the base's deltas, copied: in block order, as written
+                self.stats_deltas += 1
+                batch += data
+                if len(batch) >= BATCH:
+                    yield batch
+                    batch = bytearray()
+            self.chunks[(item.name, leaf, cell)] = _Chunk(
+                hashes, refs, CODEC_IDS[codec], {b: t for b, (_d, t) in deltas.items()},
+                any(d[1] == DELTA_SPARSE for d, _t in deltas.values()))
+            assert key is not None
+            _remember(value, key, b"".join(hashes))
+            return batch, tuple(sizes), crcs, sum(len(d) for d, _t in deltas.values())
+        if callable(raw):
+            raw = raw()
         # Deltas where they can pay: a self-contained base, or a base chunk with deltas or with only
         # references (never tried); not where the base, itself incremental, stored changed blocks as such.
         tries = base is not None and (self.base_full or any(b.target is not None for b in base) or not any(
@@ -330,7 +406,43 @@ class Incremental:
                     batch = bytearray()
                 yield payload
         self.chunks[(item.name, leaf, cell)] = _Chunk(hashes, refs, CODEC_IDS[codec], deltas, sparse)
+        if key is not None:
+            _remember(value, key, b"".join(hashes))
         return batch, tuple(sizes), crcs, own
+
+    def _unchanged(self, item: str, value: Any, key: Any, base: list[_Base] | None
+                   ) -> tuple[list[bytes], list[int], list[int], dict[int, Ref], dict[int, tuple[bytes, Ref]]] | None:
+        """A chunk of jax.Array `value` whose hashes, as kept when this process last hashed it
+        (`_HASHED`), are the base's at the same position: its blocks as the base's (references, or
+        the base's deltas copied), without reading its bytes. None where that cannot be shown (the
+        chunk is then hashed), or where a base delta's bytes cannot be read."""
+        if base is None or self.base_name is None:
+            return None
+        kept = _hashed_of(value)
+        if kept is None:
+            return None
+        theirs = kept.get(key)
+        if theirs is None or len(theirs) != len(base) * HASH_BYTES or theirs != b"".join(b.hash for b in base):
+            return None
+        ctx = None
+        hashes, sizes, crcs = [], [], []
+        refs: dict[int, Ref] = {}
+        deltas: dict[int, tuple[bytes, Ref]] = {}
+        for k, b in enumerate(base):
+            hashes.append(b.hash)
+            crcs.append(b.ref.crc)
+            if b.target is None:
+                refs[k] = b.ref
+                sizes.append(b.ref.stored)
+                continue
+            if ctx is None:
+                ctx = _DeltaCtx(self._reader(item), {})
+            got = _copy_delta(b, ctx)
+            if got is None:
+                return None
+            deltas[k] = (got.data, got.target)
+            sizes.append(len(got.data))
+        return hashes, sizes, crcs, refs, deltas
 
     # ------------------------------------------------------------------ the part
 
