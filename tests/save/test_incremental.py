@@ -1011,3 +1011,35 @@ def test_a_donated_jax_array_still_fails_its_save(tmp_path):
     with pytest.raises(Exception, match="delete"):
         cairn.save(tmp_path / "s1", {"w": a}, base=tmp_path / "s0")
     assert not (tmp_path / "s1" / "manifest.json").exists()
+
+
+def _load_stats(path):
+    from cairn._core.stats import LoadStats
+    from cairn._load import engine as _load
+    from cairn._load.source import CairnSource
+    from cairn._storage.location import resolve
+
+    stats = LoadStats()
+    out = _load.load(CairnSource.open(resolve(str(path))), None, stats=stats)
+    return out, stats
+
+
+def test_small_referred_to_leaves_are_read_in_runs_like_small_own_ones(tmp_path):
+    rng = np.random.default_rng(28)
+    scales = {f"ln{i:02d}": rng.standard_normal(256).astype(np.float32) for i in range(30)}
+    _hashed(tmp_path / "s0", {"p": {**scales, "head": np.zeros(64, np.float32)}})
+    st1 = {"p": {**scales, "head": np.ones(64, np.float32)}}
+    cairn.save(tmp_path / "s1", st1, base=tmp_path / "s0")
+    got, stats = _load_stats(tmp_path / "s1")
+    _same(st1, got)
+    # The 30 unchanged scales lie back to back in s0's file: one run (and the head's delta reads apart).
+    assert stats.reads <= 4, stats
+    plan = cairn.plan_load(tmp_path / "s1")
+    assert (plan.processes[0].requests, plan.processes[0].bytes_read) == (stats.reads, stats.bytes_read)
+    # A damaged byte of a referred-to scale fails the load naming its leaf and its base's file.
+    data = sorted((tmp_path / "s0" / "p").glob("*.bin"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[256 * 4 * 3 + 5] ^= 1  # inside ln03
+    data.write_bytes(bytes(raw))
+    with pytest.raises(cairn.CorruptCheckpointError, match="ln03"):
+        cairn.load(tmp_path / "s1")
