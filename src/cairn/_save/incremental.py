@@ -107,7 +107,7 @@ SPARSE_NEAR = 1.0
 #: the array's bytes: the chunk is referred to without reading or hashing its bytes (a frozen
 #: backbone passed through training unchanged). A numpy array can change in place: never kept here.
 _HASHED: dict[int, tuple[Any, dict[tuple[Any, int, int], bytes]]] = {}
-_HASHED_LOCK = threading.Lock()
+_HASHED_LOCK = threading.RLock()  # (reentrant: a collection inside it may run `_forget`)
 
 
 def _hashed_of(value: Any) -> dict[tuple[Any, int, int], bytes] | None:
