@@ -125,8 +125,11 @@ def _remember(value: Any, key: tuple[Any, int, int], hashes: bytes) -> None:
     with _HASHED_LOCK:
         got = _HASHED.get(vid)
         if got is None or got[0]() is not value:
+            def gone(r: Any, vid: int = vid) -> None:
+                _forget(vid, r)
+
             try:
-                ref = weakref.ref(value, lambda _r, vid=vid: _forget(vid, _r))
+                ref = weakref.ref(value, gone)
             except TypeError:
                 return
             got = _HASHED[vid] = (ref, {})
@@ -331,22 +334,20 @@ class Incremental:
         base = self._base_blocks(item.name, leaf, cell)
         value = _same_array(item.leaves[leaf])
         key = (item.layouts[leaf].grid, block, cell) if value is not None else None
-        same = self._unchanged(item.name, value, key, base) if value is not None else None
+        same = self._unchanged(item.name, value, key, base, codec) if value is not None else None
         if same is not None:
-            hashes, sizes, crcs, refs, deltas = same
-            self.stats_refs += sum(ref.stored for ref in refs.values())
-            for data, _t in deltas.values():  # the base's deltas, copied: in block order, as written
-                self.stats_deltas += 1
+            chunk, kept_sizes, kept_crcs, copied = same
+            self.stats_refs += sum(ref.stored for ref in chunk.refs.values())
+            self.stats_deltas += len(copied)
+            for data in copied:  # the base's deltas, copied: in block order, as written
                 batch += data
                 if len(batch) >= BATCH:
                     yield batch
                     batch = bytearray()
-            self.chunks[(item.name, leaf, cell)] = _Chunk(
-                hashes, refs, CODEC_IDS[codec], {b: t for b, (_d, t) in deltas.items()},
-                any(d[1] == DELTA_SPARSE for d, _t in deltas.values()))
+            self.chunks[(item.name, leaf, cell)] = chunk
             assert key is not None
-            _remember(value, key, b"".join(hashes))
-            return batch, tuple(sizes), crcs, sum(len(d) for d, _t in deltas.values())
+            _remember(value, key, b"".join(chunk.hashes))
+            return batch, tuple(kept_sizes), kept_crcs, sum(len(d) for d in copied)
         if callable(raw):
             raw = raw()
         # Deltas where they can pay: a self-contained base, or a base chunk with deltas or with only
@@ -410,12 +411,13 @@ class Incremental:
             _remember(value, key, b"".join(hashes))
         return batch, tuple(sizes), crcs, own
 
-    def _unchanged(self, item: str, value: Any, key: Any, base: list[_Base] | None
-                   ) -> tuple[list[bytes], list[int], list[int], dict[int, Ref], dict[int, tuple[bytes, Ref]]] | None:
+    def _unchanged(self, item: str, value: Any, key: Any, base: list[_Base] | None, codec: str
+                   ) -> tuple[_Chunk, list[int], list[int], list[bytes]] | None:
         """A chunk of jax.Array `value` whose hashes, as kept when this process last hashed it
         (`_HASHED`), are the base's at the same position: its blocks as the base's (references, or
-        the base's deltas copied), without reading its bytes. None where that cannot be shown (the
-        chunk is then hashed), or where a base delta's bytes cannot be read."""
+        the base's deltas copied), without reading its bytes, as ``(its record, stored sizes, CRCs,
+        the copied deltas' bytes in block order)``. None where that cannot be shown (the chunk is
+        then hashed), or where a base delta's bytes cannot be read."""
         if base is None or self.base_name is None:
             return None
         kept = _hashed_of(value)
@@ -425,14 +427,12 @@ class Incremental:
         if theirs is None or len(theirs) != len(base) * HASH_BYTES or theirs != b"".join(b.hash for b in base):
             return None
         ctx = None
-        hashes, sizes, crcs = [], [], []
-        refs: dict[int, Ref] = {}
-        deltas: dict[int, tuple[bytes, Ref]] = {}
+        chunk = _Chunk([b.hash for b in base], {}, CODEC_IDS[codec])
+        sizes: list[int] = []
+        copied: list[bytes] = []
         for k, b in enumerate(base):
-            hashes.append(b.hash)
-            crcs.append(b.ref.crc)
             if b.target is None:
-                refs[k] = b.ref
+                chunk.refs[k] = b.ref
                 sizes.append(b.ref.stored)
                 continue
             if ctx is None:
@@ -440,9 +440,11 @@ class Incremental:
             got = _copy_delta(b, ctx)
             if got is None:
                 return None
-            deltas[k] = (got.data, got.target)
+            chunk.deltas[k] = got.target
+            chunk.sparse |= got.data[1] == DELTA_SPARSE  # the header's kind byte
+            copied.append(got.data)
             sizes.append(len(got.data))
-        return hashes, sizes, crcs, refs, deltas
+        return chunk, sizes, [b.ref.crc for b in base], copied
 
     # ------------------------------------------------------------------ the part
 
