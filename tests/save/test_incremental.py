@@ -1043,3 +1043,21 @@ def test_small_referred_to_leaves_are_read_in_runs_like_small_own_ones(tmp_path)
     data.write_bytes(bytes(raw))
     with pytest.raises(cairn.CorruptCheckpointError, match="ln03"):
         cairn.load(tmp_path / "s1")
+
+
+def test_a_manager_refers_to_an_unchanged_jax_backbone_without_hashing_it(tmp_path, mesh8, monkeypatch):
+    backbone = jax.device_put(_bf16(29), NamedSharding(mesh8, P("x")))
+    hashed = _counting_hashes(monkeypatch)
+    with cairn.CheckpointManager(tmp_path, incremental=True, max_to_keep=2, full_every=3) as mgr:
+        counts = []
+        for step in range(5):
+            mgr.save(step, {"backbone": backbone, "head": np.full(64, step, np.float32)})  # async: snapshots
+            mgr.wait()
+            counts.append(len(hashed))
+            hashed.clear()
+        # Step 0 hashes everything; steps 1, 2 only the head; step 3 is self-contained (full_every): it
+        # writes and hashes all; step 4 refers to it, hashing only the head again.
+        assert counts[0] > 1 and counts[1] == counts[2] == counts[4] == 1 and counts[3] == counts[0], counts
+        for step in mgr.steps():
+            got = mgr.restore(step)
+            assert np.asarray(got["backbone"]).tobytes() == np.asarray(backbone).tobytes() and got["head"][0] == step
