@@ -1061,3 +1061,20 @@ def test_a_manager_refers_to_an_unchanged_jax_backbone_without_hashing_it(tmp_pa
         for step in mgr.steps():
             got = mgr.restore(step)
             assert np.asarray(got["backbone"]).tobytes() == np.asarray(backbone).tobytes() and got["head"][0] == step
+
+
+def test_a_jax_array_sharing_host_memory_that_changes_is_hashed_again(tmp_path):
+    buf = np.zeros((4 << 20) + 64, np.uint8)
+    at = -buf.ctypes.data % 64  # JAX shares memory aligned to 64 bytes without a copy
+    host = buf[at : at + (4 << 20)].view(np.float32).reshape(1024, 1024)  # 4 MiB: 4 blocks
+    host[...] = np.random.default_rng(30).standard_normal((1024, 1024))
+    shared = jax.dlpack.from_dlpack(host)  # on CPU a view of `host`: JAX's own arrays never change, this one may
+    w0 = host.copy()
+    _hashed(tmp_path / "s0", {"w": shared})
+    host[900:902] += 1  # two rows (8 KiB) of the last block, behind JAX's back
+    if np.asarray(shared).tobytes() == w0.tobytes():
+        pytest.skip("this JAX copies on from_dlpack: nothing shares the array's memory")
+    st = cairn.save(tmp_path / "s1", {"w": shared}, base=tmp_path / "s0")
+    assert st.bytes_written > 0  # the changed block is found (as a delta) and written
+    assert np.asarray(cairn.load(tmp_path / "s1")["w"]).tobytes() == host.tobytes()
+    assert np.asarray(cairn.load(tmp_path / "s0")["w"]).tobytes() == w0.tobytes()

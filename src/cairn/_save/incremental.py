@@ -101,16 +101,20 @@ SPARSE_NEAR = 1.0
 
 
 #: Chunk hashes of the `jax.Array` leaves this process hashed, by array: id -> (a weak reference to
-#: it, {(grid, block size, cell): the chunk's block hashes, joined}). A jax.Array's bytes never change
-#: (an update makes a new array; a donation deletes it), so where a later save is given the same
-#: array object and its base records those very hashes at that position, the base's blocks hold
-#: the array's bytes: the chunk is referred to without reading or hashing its bytes (a frozen
-#: backbone passed through training unchanged). A numpy array can change in place: never kept here.
-_HASHED: dict[int, tuple[Any, dict[tuple[Any, int, int], bytes]]] = {}
+#: it, {(grid, block size, cell): (the chunk's block hashes, joined; its `_sample` or None)}). A
+#: jax.Array's bytes never change (an update makes a new array; a donation deletes it), so where a
+#: later save is given the same array object and its base records those very hashes at that
+#: position, the base's blocks hold the array's bytes: the chunk is referred to without hashing
+#: its bytes (a frozen backbone passed through training unchanged). A numpy array can change in
+#: place: never kept here. Nor, against JAX's contract, can a jax.Array over memory that another
+#: library shares and changes (`jax.dlpack.from_dlpack` of a numpy array aliases it on CPU): a
+#: chunk in host memory must also match its `_sample`, which any change to more than a few percent
+#: of its elements, or to a run of 4 KiB, alters.
+_HASHED: dict[int, tuple[Any, dict[tuple[Any, int, int], tuple[bytes, bytes | None]]]] = {}
 _HASHED_LOCK = threading.RLock()  # (reentrant: a collection inside it may run `_forget`)
 
 
-def _hashed_of(value: Any) -> dict[tuple[Any, int, int], bytes] | None:
+def _hashed_of(value: Any) -> dict[tuple[Any, int, int], tuple[bytes, bytes | None]] | None:
     """The chunk hashes kept for jax.Array `value`, or None (another array, or none kept)."""
     with _HASHED_LOCK:
         got = _HASHED.get(id(value))
@@ -119,8 +123,32 @@ def _hashed_of(value: Any) -> dict[tuple[Any, int, int], bytes] | None:
     return got[1]
 
 
-def _remember(value: Any, key: tuple[Any, int, int], hashes: bytes) -> None:
-    """Keep the chunk hashes of jax.Array `value` at `key` (grid, block size, cell) while it lives."""
+#: `_sample` takes this many bytes of every `SAMPLE_EVERY`.
+SAMPLE_BYTES = 64
+SAMPLE_EVERY = 4096
+
+
+def _sample(raw: Any) -> bytes:
+    """A fingerprint of a chunk's host bytes: the hash of `SAMPLE_BYTES` of every `SAMPLE_EVERY`
+    (1.6% of them) and of its last bytes (of a small chunk, of all), for `_HASHED`'s chunks in host
+    memory."""
+    import xxhash  # (present: `block_hash` needs it)
+
+    a = np.frombuffer(raw, np.uint8)
+    if len(a) <= 16 * SAMPLE_EVERY:  # small: all of it
+        return xxhash.xxh3_64_digest(a.data)
+    n = len(a) // SAMPLE_EVERY
+    picked = np.ascontiguousarray(a[: n * SAMPLE_EVERY].reshape(n, SAMPLE_EVERY)[:, :SAMPLE_BYTES])
+    return xxhash.xxh3_64_digest(picked.data) + xxhash.xxh3_64_digest(a[-SAMPLE_BYTES:].tobytes())
+
+
+def _in_host_memory(value: Any) -> bool:
+    return any(d.platform == "cpu" for d in value.sharding.device_set)
+
+
+def _remember(value: Any, key: tuple[Any, int, int], hashes: bytes, sample: bytes | None) -> None:
+    """Keep the chunk hashes of jax.Array `value` at `key` (grid, block size, cell) while it lives,
+    with the chunk's `_sample` where it lies in host memory."""
     vid = id(value)
     with _HASHED_LOCK:
         got = _HASHED.get(vid)
@@ -133,7 +161,7 @@ def _remember(value: Any, key: tuple[Any, int, int], hashes: bytes) -> None:
             except TypeError:
                 return
             got = _HASHED[vid] = (ref, {})
-        got[1][key] = hashes
+        got[1][key] = (hashes, sample)
 
 
 def _forget(vid: int, ref: Any) -> None:
@@ -334,7 +362,9 @@ class Incremental:
         base = self._base_blocks(item.name, leaf, cell)
         value = _same_array(item.leaves[leaf])
         key = (item.layouts[leaf].grid, block, cell) if value is not None else None
-        same = self._unchanged(item.name, value, key, base, codec) if value is not None else None
+        if value is not None and callable(raw) and _in_host_memory(value):
+            raw = raw()  # (a view of host memory, or the snapshot's copy: no copy made) for its `_sample`
+        same = self._unchanged(item.name, value, key, base, codec, raw) if value is not None else None
         if same is not None:
             chunk, kept_sizes, kept_crcs, copied = same
             self.stats_refs += sum(ref.stored for ref in chunk.refs.values())
@@ -345,8 +375,6 @@ class Incremental:
                     yield batch
                     batch = bytearray()
             self.chunks[(item.name, leaf, cell)] = chunk
-            assert key is not None
-            _remember(value, key, b"".join(chunk.hashes))
             return batch, tuple(kept_sizes), kept_crcs, sum(len(d) for d in copied)
         if callable(raw):
             raw = raw()
@@ -408,11 +436,11 @@ class Incremental:
                 yield payload
         self.chunks[(item.name, leaf, cell)] = _Chunk(hashes, refs, CODEC_IDS[codec], deltas, sparse)
         if key is not None:
-            _remember(value, key, b"".join(hashes))
+            _remember(value, key, b"".join(hashes), _sample(raw) if _in_host_memory(value) else None)
         return batch, tuple(sizes), crcs, own
 
-    def _unchanged(self, item: str, value: Any, key: Any, base: list[_Base] | None, codec: str
-                   ) -> tuple[_Chunk, list[int], list[int], list[bytes]] | None:
+    def _unchanged(self, item: str, value: Any, key: Any, base: list[_Base] | None, codec: str,
+                   raw: memoryview | Callable[[], memoryview]) -> tuple[_Chunk, list[int], list[int], list[bytes]] | None:
         """A chunk of jax.Array `value` whose hashes, as kept when this process last hashed it
         (`_HASHED`), are the base's at the same position: its blocks as the base's (references, or
         the base's deltas copied), without reading its bytes, as ``(its record, stored sizes, CRCs,
@@ -423,9 +451,14 @@ class Incremental:
         kept = _hashed_of(value)
         if kept is None:
             return None
-        theirs = kept.get(key)
-        if theirs is None or len(theirs) != len(base) * HASH_BYTES or theirs != b"".join(b.hash for b in base):
+        entry = kept.get(key)
+        if entry is None:
             return None
+        theirs, sample = entry
+        if len(theirs) != len(base) * HASH_BYTES or theirs != b"".join(b.hash for b in base):
+            return None
+        if sample is not None and (callable(raw) or _sample(raw) != sample):
+            return None  # changed behind JAX's back (shared host memory): hashed as any chunk
         ctx = None
         chunk = _Chunk([b.hash for b in base], {}, CODEC_IDS[codec])
         sizes: list[int] = []
