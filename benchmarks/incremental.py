@@ -7,6 +7,10 @@ per step: in full (``cairn.save``, format 2, raw) and incrementally
 - ``frozen``: a frozen bf16 backbone (`--backbone-mib`, default 256 MiB)
   plus a trainable bf16 head with its AdamW moments (f32 mu and nu); every
   step changes the head and both moments everywhere.
+- ``frozen-jax``: the same, the backbone a ``jax.Array`` (on the default
+  device) passed unchanged, the same object, to every save: what a JAX
+  training loop that does not update the backbone saves. An incremental save
+  refers to its blocks without hashing them (`_save.incremental._HASHED`).
 - ``lr1e-6``: the bf16 parameters of a trained-like state
   (`benchmarks.trained_state`) under one AdamW step at learning rate 1e-6 per
   save (f32 moments updated alongside), the parameters' bytes reported apart.
@@ -195,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-mib", type=int, default=256, help="the trained-like state of lr1e-6 and pretrain")
     ap.add_argument("--saves", type=int, default=5)
     ap.add_argument("--load-reps", type=int, default=9, help="loads of the last step, incremental and full alternated")
-    ap.add_argument("--cases", default="frozen,lr1e-6,pretrain")
+    ap.add_argument("--cases", default="frozen,frozen-jax,lr1e-6,pretrain")
     ap.add_argument("--dir", default=None, help="where to save (default: a temporary folder)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -203,8 +207,13 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     try:
         for case in args.cases.split(","):
-            if case == "frozen":
+            if case in ("frozen", "frozen-jax"):
                 state, fn = _frozen_state(args.backbone_mib, args.head_mib), _frozen_step
+                if case == "frozen-jax":
+                    import jax
+
+                    bb = state["params"]["backbone"]
+                    state["params"]["backbone"] = {k: jax.device_put(v) for k, v in bb.items()}
             elif case in ("lr1e-6", "pretrain"):
                 lr = 1e-6 if case == "lr1e-6" else 3e-4
                 state = make_state(args.state_mib * MiB, "bf16-f32")

@@ -943,3 +943,138 @@ def test_verify_false_skips_raw_block_checks_as_a_plain_load_does_but_never_a_de
     flip("w", 5)  # inside the base block of a delta of s1
     with pytest.raises(cairn.CorruptCheckpointError, match="a delta against its base checkpoint 's0'"):
         cairn.load(tmp_path / "s1", verify=False)
+
+
+def _counting_hashes(monkeypatch) -> list[int]:
+    """Counts the blocks an incremental save hashes (one entry per `block_hash` call)."""
+    import cairn._save.incremental as inc
+
+    calls: list[int] = []
+    real = inc.block_hash
+    monkeypatch.setattr(inc, "block_hash", lambda data: calls.append(1) or real(data))
+    return calls
+
+
+def test_the_same_jax_array_is_referred_to_without_hashing_its_bytes(tmp_path, mesh8, monkeypatch):
+    from cairn._format.blocks import DELTA
+
+    frozen = jax.device_put(_bf16(21), NamedSharding(mesh8, P("x")))  # 4 MiB, sharded 8 ways
+    cols = NamedSharding(mesh8, P(None, "x"))
+    w0 = jax.device_put(_bf16(22), cols)
+    w1 = jax.device_put(_nudged(np.asarray(w0), 0.005, 23), cols)  # deltas against s0
+    _hashed(tmp_path / "s0", {"frozen": frozen, "w": w0, "head": np.zeros(64, np.float32)})
+    cairn.save(tmp_path / "s1", {"frozen": frozen, "w": w1, "head": np.ones(64, np.float32)}, base=tmp_path / "s0")
+    hashed = _counting_hashes(monkeypatch)
+    s2 = {"frozen": frozen, "w": w1, "head": np.full(64, 2, np.float32)}
+    st = cairn.save(tmp_path / "s2", s2, base=tmp_path / "s1")
+    # Only the head (a numpy array: it may change in place) is hashed; frozen's references and w's deltas
+    # (s1's, against s0's blocks) are taken from s1's index.
+    assert len(hashed) == 1 and st.bytes_written < 1 << 16
+    assert _codecs_of(tmp_path / "s2").count(DELTA) == _codecs_of(tmp_path / "s1").count(DELTA) > 0
+    m = fmt.Manifest.from_json((tmp_path / "s2" / "manifest.json").read_bytes(), "s2")
+    assert m.bases == ("s0",)
+    got = cairn.load(tmp_path / "s2")
+    assert np.asarray(got["frozen"]).tobytes() == np.asarray(frozen).tobytes()
+    assert np.asarray(got["w"]).tobytes() == np.asarray(w1).tobytes() and got["head"][0] == 2
+    assert verify(tmp_path / "s2").ok
+    hashed.clear()  # a new array of the same bytes is hashed (and still referred to)
+    again = jax.device_put(np.asarray(frozen), frozen.sharding)
+    st = cairn.save(tmp_path / "s3", {**s2, "frozen": again}, base=tmp_path / "s2")
+    assert len(hashed) == 4 + 1 and st.bytes_written < 1 << 16  # its 4 blocks, and the head
+
+
+def test_a_base_replaced_under_its_name_is_not_trusted_for_an_unchanged_jax_array(tmp_path, monkeypatch):
+    a, b = jax.numpy.asarray(_bf16(24)), jax.numpy.asarray(_bf16(25))
+    _hashed(tmp_path / "s0", {"w": a})
+    cairn.save(tmp_path / "s1", {"w": a}, base=tmp_path / "s0")
+    _hashed(tmp_path / "s0", {"w": b}, overwrite=True)  # s0 now holds other bytes under the same name
+    hashed = _counting_hashes(monkeypatch)
+    st = cairn.save(tmp_path / "s2", {"w": a}, base=tmp_path / "s0")
+    assert len(hashed) == 4 and st.bytes_written == a.nbytes  # hashed, found changed, written
+    assert np.asarray(cairn.load(tmp_path / "s2")["w"]).tobytes() == np.asarray(a).tobytes()
+
+
+def test_a_numpy_array_changed_in_place_is_hashed_again(tmp_path, monkeypatch):
+    w = _bf16(26)
+    _hashed(tmp_path / "s0", {"w": w})
+    w[5, 5] += 1  # the same object, other bytes
+    hashed = _counting_hashes(monkeypatch)
+    cairn.save(tmp_path / "s1", {"w": w}, base=tmp_path / "s0")
+    assert len(hashed) == 4
+    assert np.asarray(cairn.load(tmp_path / "s1")["w"]).tobytes() == w.tobytes()
+
+
+def test_a_donated_jax_array_still_fails_its_save(tmp_path):
+    a = jax.numpy.asarray(_bf16(27))
+    _hashed(tmp_path / "s0", {"w": a})
+    a.delete()
+    with pytest.raises(Exception, match="delete"):
+        cairn.save(tmp_path / "s1", {"w": a}, base=tmp_path / "s0")
+    assert not (tmp_path / "s1" / "manifest.json").exists()
+
+
+def _load_stats(path):
+    from cairn._core.stats import LoadStats
+    from cairn._load import engine as _load
+    from cairn._load.source import CairnSource
+    from cairn._storage.location import resolve
+
+    stats = LoadStats()
+    out = _load.load(CairnSource.open(resolve(str(path))), None, stats=stats)
+    return out, stats
+
+
+def test_small_referred_to_leaves_are_read_in_runs_like_small_own_ones(tmp_path):
+    rng = np.random.default_rng(28)
+    scales = {f"ln{i:02d}": rng.standard_normal(256).astype(np.float32) for i in range(30)}
+    _hashed(tmp_path / "s0", {"p": {**scales, "head": np.zeros(64, np.float32)}})
+    st1 = {"p": {**scales, "head": np.ones(64, np.float32)}}
+    cairn.save(tmp_path / "s1", st1, base=tmp_path / "s0")
+    got, stats = _load_stats(tmp_path / "s1")
+    _same(st1, got)
+    # The 30 unchanged scales lie back to back in s0's file: one run (and the head's delta reads apart).
+    assert stats.reads <= 4, stats
+    plan = cairn.plan_load(tmp_path / "s1")
+    assert (plan.processes[0].requests, plan.processes[0].bytes_read) == (stats.reads, stats.bytes_read)
+    # A damaged byte of a referred-to scale fails the load naming its leaf and its base's file.
+    data = sorted((tmp_path / "s0" / "p").glob("*.bin"))[0]
+    raw = bytearray(data.read_bytes())
+    raw[256 * 4 * 3 + 5] ^= 1  # inside ln03
+    data.write_bytes(bytes(raw))
+    with pytest.raises(cairn.CorruptCheckpointError, match="ln03"):
+        cairn.load(tmp_path / "s1")
+
+
+def test_a_manager_refers_to_an_unchanged_jax_backbone_without_hashing_it(tmp_path, mesh8, monkeypatch):
+    backbone = jax.device_put(_bf16(29), NamedSharding(mesh8, P("x")))
+    hashed = _counting_hashes(monkeypatch)
+    with cairn.CheckpointManager(tmp_path, incremental=True, max_to_keep=2, full_every=3) as mgr:
+        counts = []
+        for step in range(5):
+            mgr.save(step, {"backbone": backbone, "head": np.full(64, step, np.float32)})  # async: snapshots
+            mgr.wait()
+            counts.append(len(hashed))
+            hashed.clear()
+        # Step 0 hashes everything; steps 1, 2 only the head; step 3 is self-contained (full_every): it
+        # writes and hashes all; step 4 refers to it, hashing only the head again.
+        assert counts[0] > 1 and counts[1] == counts[2] == counts[4] == 1 and counts[3] == counts[0], counts
+        for step in mgr.steps():
+            got = mgr.restore(step)
+            assert np.asarray(got["backbone"]).tobytes() == np.asarray(backbone).tobytes() and got["head"][0] == step
+
+
+def test_a_jax_array_sharing_host_memory_that_changes_is_hashed_again(tmp_path):
+    buf = np.zeros((4 << 20) + 64, np.uint8)
+    at = -buf.ctypes.data % 64  # JAX shares memory aligned to 64 bytes without a copy
+    host = buf[at : at + (4 << 20)].view(np.float32).reshape(1024, 1024)  # 4 MiB: 4 blocks
+    host[...] = np.random.default_rng(30).standard_normal((1024, 1024))
+    shared = jax.dlpack.from_dlpack(host)  # on CPU a view of `host`: JAX's own arrays never change, this one may
+    w0 = host.copy()
+    _hashed(tmp_path / "s0", {"w": shared})
+    host[900:902] += 1  # two rows (8 KiB) of the last block, behind JAX's back
+    if np.asarray(shared).tobytes() == w0.tobytes():
+        pytest.skip("this JAX copies on from_dlpack: nothing shares the array's memory")
+    st = cairn.save(tmp_path / "s1", {"w": shared}, base=tmp_path / "s0")
+    assert st.bytes_written > 0  # the changed block is found (as a delta) and written
+    assert np.asarray(cairn.load(tmp_path / "s1")["w"]).tobytes() == host.tobytes()
+    assert np.asarray(cairn.load(tmp_path / "s0")["w"]).tobytes() == w0.tobytes()

@@ -110,6 +110,36 @@ def stored_whole_span(leaf: Any, block: int) -> tuple[int, int, int] | None:
     return file, start, pos - start
 
 
+def refs_whole_span(leaf: Any, block: int) -> tuple[int, int] | None:
+    """``(file, first byte)`` when the whole of `leaf`, a leaf with references (format version 4), is
+    one run of raw bytes in one file, in C order: cut along its first axis only, every block raw (its
+    own or a reference to a raw block, no delta), the blocks back to back in one file (a base's, where
+    all are references: a small leaf the base wrote beside its neighbours). It then joins a run of small
+    arrays like a `whole_span` leaf, its blocks checked where they lie (`_blocks`)."""
+    from .blocks import block_places
+
+    shape, grid = leaf.shape, leaf.grid
+    if getattr(leaf, "codec", "none") != "none" or not shape or 0 in shape or any(len(b) != 2 for b in grid[1:]):
+        return None
+    row = leaf.nbytes // shape[0]
+    rows = grid[0]
+    first: tuple[int, int] | None = None
+    pos = -1
+    for c in range(len(leaf.chunks)):
+        places = block_places(leaf, c, block)
+        if sum(p[2] for p in places) != (rows[c + 1] - rows[c]) * row:
+            return None
+        for f, off, _size, _crc, codec, against in places:
+            if codec != 0 or against is not None:
+                return None
+            if first is None:
+                first, pos = (f, off), off
+            elif f != first[0] or off != pos:
+                return None
+            pos += _size
+    return first
+
+
 @dataclass
 class Cut:
     """A run being gathered: bytes ``[start, end)`` of one file, in `parts` pieces.
@@ -296,8 +326,13 @@ def _entries(leaf: Any) -> list[tuple[int, int, tuple[int, ...]]]:
 
 
 def _blocks(leaf: Any, block: int) -> list[tuple[int, int, int]]:
-    """The ``(start, end, crc)`` file ranges of the checksum blocks of `leaf` (a `whole_span` leaf,
-    or a compressed `stored_whole_span` one: its stored blocks)."""
+    """The ``(start, end, crc)`` file ranges of the checksum blocks of `leaf` (a `whole_span` or
+    `refs_whole_span` leaf, or a compressed `stored_whole_span` one: its stored blocks)."""
+    if leaf.refs:  # a `refs_whole_span` leaf: each block where it lies (its own file or a base's)
+        from .blocks import block_places
+
+        return [(off, off + size, crc) for c in range(len(leaf.chunks))
+                for _f, off, size, crc, _codec, _against in block_places(leaf, c, block)]
     row = leaf.nbytes // leaf.shape[0]
     rows = leaf.grid[0]
     out: list[tuple[int, int, int]] = []

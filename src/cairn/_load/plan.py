@@ -48,7 +48,7 @@ from .._tree.shardings import (
     puts_whole,
 )
 from .blocks import block_places, fetches
-from .coalesce import CODED_RUNS, Cut, run_limits, stored_whole_span, whole_span
+from .coalesce import CODED_RUNS, Cut, refs_whole_span, run_limits, stored_whole_span, whole_span
 from .landing import coded_lands, contiguous, lands_in_place
 from .readonce import ProcessOf
 from .schedule import Schedule
@@ -72,8 +72,12 @@ def array_reads(leaf: fmt.ArrayLeaf, boxes: list[Box], region: Box | None, whole
                 max_read: int, small: int, memo: PlanMemo) -> tuple[Span | None, list[Read]]:
     """How `ChunkReader.read_array` reads `boxes` of `leaf` (relative to `region`, where given): a small
     whole array as a `Span` that joins a run, anything else as its planned reads."""
-    if whole and region is None and leaf.nbytes <= small and not leaf.refs:
-        if leaf.codec == "none":
+    if whole and region is None and leaf.nbytes <= small:
+        if leaf.refs:  # referred to (or partly its own), raw and back to back in one file
+            raw = refs_whole_span(leaf, block)
+            if raw is not None:
+                return Span(raw[0], raw[1], leaf.nbytes, False), []
+        elif leaf.codec == "none":
             raw = whole_span(leaf)
             if raw is not None:
                 return Span(raw[0], raw[1], leaf.nbytes, False), []

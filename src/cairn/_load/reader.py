@@ -234,6 +234,13 @@ class ChunkReader:
             return "/".join((f.base, self.info.dir, f.name))
         return self.loc.key(self.info.dir, f.name)
 
+    def _missing(self, file: int) -> CorruptCheckpointError:
+        f = self.index.files[file]
+        if f.base is not None:  # incremental: a base's file (small referred-to leaves join runs in it)
+            return CorruptCheckpointError(f"{self.loc.path} refers to its base checkpoint {f.base!r} (beside it), "
+                                          f"whose data file {f.name!r} is missing")
+        return CorruptCheckpointError(f"{self.loc.path}: data file {f.name!r} is missing")
+
     def _reader(self, file: int) -> RandomReader:
         r = self._readers.get(file)  # opened already: no lock (a reader thread may hold it through a GIL switch)
         if r is not None:
@@ -245,7 +252,7 @@ class ChunkReader:
                 try:
                     r = self.loc.storage.open_read(self._key(file))
                 except FileNotFoundError:
-                    raise CorruptCheckpointError(f"{self.loc.path}: data file {name!r} is missing") from None
+                    raise self._missing(file) from None
                 except OSError as e:
                     if e.errno == errno.ELOOP:
                         raise CorruptCheckpointError(
@@ -314,9 +321,7 @@ class ChunkReader:
                 f"(leaf {display_path(leaf.path, self.item)!r} needs bytes {start}..{start + n})"
             ) from None
         except FileNotFoundError:  # object stores learn of a missing object on the first read
-            raise CorruptCheckpointError(
-                f"{self.loc.path}: data file {self.index.files[file].name!r} is missing"
-            ) from None
+            raise self._missing(file) from None
         except OSError as e:
             raise CheckpointError(
                 f"{self.loc.path}: reading {self.index.files[file].name!r} for leaf "

@@ -12,6 +12,7 @@ commits. See docs/ARCHITECTURE.md for the protocol.
 from __future__ import annotations
 
 import collections
+import functools
 import heapq
 import itertools
 import json
@@ -293,7 +294,8 @@ class SaveJob:
                 if shift:
                     moved[n_slot] = slot.offset + shift
                 if self.inc is not None:  # incremental (format 4): hashes, references (`incremental`)
-                    raw = host_raw(slot, pop((slot.leaf, slot.cell)))
+                    # (lazily: a chunk of an array the base holds unchanged is not read: `write_chunk`)
+                    raw = functools.partial(host_raw, slot, pop((slot.leaf, slot.cell)))
                     batch.buf, sizes_, crcs_, own = yield from self.inc.write_chunk(
                         item, slot.leaf, slot.cell, raw, codec, getattr(item.leaves[slot.leaf], "dtype", None),
                         code_pool, batch.buf)

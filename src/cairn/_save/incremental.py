@@ -48,7 +48,9 @@ the chunks it writes itself.
 from __future__ import annotations
 
 import collections
-from collections.abc import Generator, Iterator
+import threading
+import weakref
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +98,90 @@ PROBE = 64 << 10
 #: with the old ones), on the benchmark's lr-1e-6 weights 1.01x-1.17x, so a 10% margin would miss many
 #: (docs/incremental.md "Delta kinds").
 SPARSE_NEAR = 1.0
+
+
+#: Chunk hashes of the `jax.Array` leaves this process hashed, by array: id -> (a weak reference to
+#: it, {(grid, block size, cell): (the chunk's block hashes, joined; its `_sample` or None)}). A
+#: jax.Array's bytes never change (an update makes a new array; a donation deletes it), so where a
+#: later save is given the same array object and its base records those very hashes at that
+#: position, the base's blocks hold the array's bytes: the chunk is referred to without hashing
+#: its bytes (a frozen backbone passed through training unchanged). A numpy array can change in
+#: place: never kept here. Nor, against JAX's contract, can a jax.Array over memory that another
+#: library shares and changes (`jax.dlpack.from_dlpack` of a numpy array aliases it on CPU): a
+#: chunk in host memory must also match its `_sample`, which any change to more than a few percent
+#: of its elements, or to a run of 4 KiB, alters.
+_HASHED: dict[int, tuple[Any, dict[tuple[Any, int, int], tuple[bytes, bytes | None]]]] = {}
+_HASHED_LOCK = threading.RLock()  # (reentrant: a collection inside it may run `_forget`)
+
+
+def _hashed_of(value: Any) -> dict[tuple[Any, int, int], tuple[bytes, bytes | None]] | None:
+    """The chunk hashes kept for jax.Array `value`, or None (another array, or none kept)."""
+    with _HASHED_LOCK:
+        got = _HASHED.get(id(value))
+    if got is None or got[0]() is not value:
+        return None
+    return got[1]
+
+
+#: `_sample` takes this many bytes of every `SAMPLE_EVERY`.
+SAMPLE_BYTES = 64
+SAMPLE_EVERY = 4096
+
+
+def _sample(raw: Any) -> bytes:
+    """A fingerprint of a chunk's host bytes: the hash of `SAMPLE_BYTES` of every `SAMPLE_EVERY`
+    (1.6% of them) and of its last bytes (of a small chunk, of all), for `_HASHED`'s chunks in host
+    memory."""
+    import xxhash  # (present: `block_hash` needs it)
+
+    a = np.frombuffer(raw, np.uint8)
+    if len(a) <= 16 * SAMPLE_EVERY:  # small: all of it
+        return xxhash.xxh3_64_digest(a.data)
+    n = len(a) // SAMPLE_EVERY
+    picked = np.ascontiguousarray(a[: n * SAMPLE_EVERY].reshape(n, SAMPLE_EVERY)[:, :SAMPLE_BYTES])
+    return xxhash.xxh3_64_digest(picked.data) + xxhash.xxh3_64_digest(a[-SAMPLE_BYTES:].tobytes())
+
+
+def _in_host_memory(value: Any) -> bool:
+    return any(d.platform == "cpu" for d in value.sharding.device_set)
+
+
+def _remember(value: Any, key: tuple[Any, int, int], hashes: bytes, sample: bytes | None) -> None:
+    """Keep the chunk hashes of jax.Array `value` at `key` (grid, block size, cell) while it lives,
+    with the chunk's `_sample` where it lies in host memory."""
+    vid = id(value)
+    with _HASHED_LOCK:
+        got = _HASHED.get(vid)
+        if got is None or got[0]() is not value:
+            def gone(r: Any, vid: int = vid) -> None:
+                _forget(vid, r)
+
+            try:
+                ref = weakref.ref(value, gone)
+            except TypeError:
+                return
+            got = _HASHED[vid] = (ref, {})
+        got[1][key] = (hashes, sample)
+
+
+def _forget(vid: int, ref: Any) -> None:
+    with _HASHED_LOCK:
+        got = _HASHED.get(vid)
+        if got is not None and got[0] is ref:
+            del _HASHED[vid]
+
+
+def _same_array(src: Any) -> Any:
+    """`src`'s jax.Array where its hashes may be kept (`_HASHED`): a live array leaf, else None."""
+    if not isinstance(src, ArraySource) or not src.is_jax or src.kind != "array":
+        return None
+    value = src.value
+    try:
+        if value.is_deleted():  # (its save fails on reading it; nothing to skip)
+            return None
+    except AttributeError:
+        return None
+    return value
 
 
 @dataclass(frozen=True)
@@ -265,14 +351,33 @@ class Incremental:
 
     # ------------------------------------------------------------------ writing
 
-    def write_chunk(self, item: SaveItem, leaf: int, cell: int, raw: memoryview, codec: str, dtype: Any,
-                    pool: ThreadPoolExecutor | None, batch: bytearray
+    def write_chunk(self, item: SaveItem, leaf: int, cell: int, raw: memoryview | Callable[[], memoryview],
+                    codec: str, dtype: Any, pool: ThreadPoolExecutor | None, batch: bytearray
                     ) -> Generator[Any, None, tuple[bytearray, tuple[int, ...], list[int], int]]:
         """The writer's generator for one chunk: yields buffers to write, returns ``(batch, stored sizes,
         CRCs, own stored bytes)``. Blocks equal to the base's become references; the rest are coded
-        with `codec` (in runs on `pool`, a window ahead of the writer)."""
+        with `codec` (in runs on `pool`, a window ahead of the writer). `raw`: the chunk's host bytes,
+        or a function returning them, called only where they are needed (`_unchanged`)."""
         block = self.block
         base = self._base_blocks(item.name, leaf, cell)
+        value = _same_array(item.leaves[leaf])
+        key = (item.layouts[leaf].grid, block, cell) if value is not None else None
+        if value is not None and callable(raw) and _in_host_memory(value):
+            raw = raw()  # (a view of host memory, or the snapshot's copy: no copy made) for its `_sample`
+        same = self._unchanged(item.name, value, key, base, codec, raw) if value is not None else None
+        if same is not None:
+            chunk, kept_sizes, kept_crcs, copied = same
+            self.stats_refs += sum(ref.stored for ref in chunk.refs.values())
+            self.stats_deltas += len(copied)
+            for data in copied:  # the base's deltas, copied: in block order, as written
+                batch += data
+                if len(batch) >= BATCH:
+                    yield batch
+                    batch = bytearray()
+            self.chunks[(item.name, leaf, cell)] = chunk
+            return batch, tuple(kept_sizes), kept_crcs, sum(len(d) for d in copied)
+        if callable(raw):
+            raw = raw()
         # Deltas where they can pay: a self-contained base, or a base chunk with deltas or with only
         # references (never tried); not where the base, itself incremental, stored changed blocks as such.
         tries = base is not None and (self.base_full or any(b.target is not None for b in base) or not any(
@@ -330,7 +435,49 @@ class Incremental:
                     batch = bytearray()
                 yield payload
         self.chunks[(item.name, leaf, cell)] = _Chunk(hashes, refs, CODEC_IDS[codec], deltas, sparse)
+        if key is not None:
+            _remember(value, key, b"".join(hashes), _sample(raw) if _in_host_memory(value) else None)
         return batch, tuple(sizes), crcs, own
+
+    def _unchanged(self, item: str, value: Any, key: Any, base: list[_Base] | None, codec: str,
+                   raw: memoryview | Callable[[], memoryview]) -> tuple[_Chunk, list[int], list[int], list[bytes]] | None:
+        """A chunk of jax.Array `value` whose hashes, as kept when this process last hashed it
+        (`_HASHED`), are the base's at the same position: its blocks as the base's (references, or
+        the base's deltas copied), without reading its bytes, as ``(its record, stored sizes, CRCs,
+        the copied deltas' bytes in block order)``. None where that cannot be shown (the chunk is
+        then hashed), or where a base delta's bytes cannot be read."""
+        if base is None or self.base_name is None:
+            return None
+        kept = _hashed_of(value)
+        if kept is None:
+            return None
+        entry = kept.get(key)
+        if entry is None:
+            return None
+        theirs, sample = entry
+        if len(theirs) != len(base) * HASH_BYTES or theirs != b"".join(b.hash for b in base):
+            return None
+        if sample is not None and (callable(raw) or _sample(raw) != sample):
+            return None  # changed behind JAX's back (shared host memory): hashed as any chunk
+        ctx = None
+        chunk = _Chunk([b.hash for b in base], {}, CODEC_IDS[codec])
+        sizes: list[int] = []
+        copied: list[bytes] = []
+        for k, b in enumerate(base):
+            if b.target is None:
+                chunk.refs[k] = b.ref
+                sizes.append(b.ref.stored)
+                continue
+            if ctx is None:
+                ctx = _DeltaCtx(self._reader(item), {})
+            got = _copy_delta(b, ctx)
+            if got is None:
+                return None
+            chunk.deltas[k] = got.target
+            chunk.sparse |= got.data[1] == DELTA_SPARSE  # the header's kind byte
+            copied.append(got.data)
+            sizes.append(len(got.data))
+        return chunk, sizes, [b.ref.crc for b in base], copied
 
     # ------------------------------------------------------------------ the part
 
