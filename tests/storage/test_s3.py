@@ -685,9 +685,10 @@ def _small_requests(proxy, bucket, name):
 
 
 def test_commit_sends_only_the_requests_the_protocol_needs(s3_bucket, s3_opts, proxy):
-    """A fresh save: one listing before the data, then index part, index, the listing that proves the
-    files are there, and the manifest last (no listing or delete after it). An overwrite deletes the
-    old checkpoint's files by one batched request after its manifest, taken from the same listing."""
+    """A fresh save: one listing before the data, then index part and index (at once: the next test),
+    the listing that proves the files are there, and the manifest last (no listing or delete after
+    it). An overwrite deletes the old checkpoint's files by one batched request after its manifest,
+    taken from the same listing."""
     o = proxy.options()
     path = f"s3://{s3_bucket}/fresh"
     cairn.save(path, {"a": np.arange(1000)}, storage_options=o)
@@ -701,6 +702,31 @@ def test_commit_sends_only_the_requests_the_protocol_needs(s3_bucket, s3_opts, p
     assert got[4:] == [("POST", "delete", 200)]
     np.testing.assert_array_equal(cairn.load(path, storage_options=s3_opts)["a"], np.arange(1000) + 1)
     assert [k.rsplit("/", 1)[-1].split(".")[0] for k in s3_keys(s3_opts, s3_bucket, "fresh/")].count("manifest") == 1
+
+
+def test_a_single_process_puts_its_index_part_and_index_at_once(s3_bucket, s3_opts, proxy):
+    """One process builds its checkpointable's index from its part's records before the part is put,
+    so the commit sends both PUTs together: one round trip, not two. Each waits at a barrier of two
+    (one after another, the first would wait out the barrier's timeout and break it)."""
+    barrier = threading.Barrier(2, timeout=20)
+    met: list[str] = []
+
+    def meet(method, where):
+        if method == "PUT" and "/a/index." in where:  # the part (index.p00000.T.idx) and the index (index.T.json)
+            try:
+                barrier.wait()
+                met.append(where.rsplit(".", 1)[-1])
+            except threading.BrokenBarrierError:
+                met.append("alone")
+
+    proxy.on_request = meet
+    path = f"s3://{s3_bucket}/together"
+    try:
+        cairn.save(path, {"a": {"w": np.arange(3000, dtype=np.float32)}}, storage_options=proxy.options())
+    finally:
+        proxy.on_request = None
+    assert sorted(met) == ["idx", "json"]
+    np.testing.assert_array_equal(cairn.load(path, storage_options=s3_opts)["a"]["w"], np.arange(3000, dtype=np.float32))
 
 
 def test_the_parts_of_many_checkpointables_are_put_at_once(s3_bucket, s3_opts, proxy):
