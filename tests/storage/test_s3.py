@@ -143,6 +143,31 @@ def test_whole_arrays_back_to_back_share_requests_up_to_plan_read_size(store, bu
     assert sum(p.requests for p in plan.processes) == reads[8 * MiB]
 
 
+def test_a_stated_read_size_is_what_the_plan_and_the_gets_use(s3_bucket, s3, proxy):
+    """`read_size` is one figure the storage states (`preferred_read`): the load plans runs up to it and
+    sends each as one GET (`read_part_size` and `plan_read_size` follow it unless given apart)."""
+    from cairn._storage.obsettings import Tuning
+    from cairn._storage.obstore import ObjectStorage
+
+    t = Tuning(read_size=8 * MiB)
+    assert (t.read_part_size, t.plan_read_size) == (8 * MiB, 8 * MiB)
+    assert Tuning(read_size=8 * MiB, plan_read_size=2 * MiB).read_part_size == 8 * MiB
+    with pytest.raises(ValueError, match="read_size"):
+        Tuning(read_size=0)
+    assert ObjectStorage(f"s3://{s3_bucket}", s3.options(read_size=3 * MiB)).preferred_read == 3 * MiB
+    rng = np.random.default_rng(7)
+    tree = {f"w{i}": rng.standard_normal((1024, 1024), dtype=np.float32) for i in range(6)}  # 4 MiB each
+    path = f"s3://{s3_bucket}/read-size"
+    cairn.save(path, {"p": tree}, storage_options=s3.options(), compression=False, threads=1)  # one 24 MiB file
+    gets = {}
+    for size in (32 * MiB, 4 * MiB):
+        proxy.requests.clear()
+        got = cairn.load(path, storage_options={**proxy.options(), "read_size": size})["p"]
+        assert all(np.array_equal(got[k], v) for k, v in tree.items())
+        gets[size] = sum(1 for m, p, _ in proxy.requests if m == "GET" and p.split("?")[0].endswith(".bin"))
+    assert gets == {32 * MiB: 1, 4 * MiB: 6}, gets
+
+
 def test_save_async(store, bucket, opts, mesh8):
     path = store.url(bucket, "async")
     x = sharded(mesh8, (32, 8), P("x"), seed=4)
