@@ -63,7 +63,6 @@ def main(argv: list[str] | None = None) -> int:
     trees = dict(t.split("=", 1) for t in args.trees.split(","))
     sys.path.insert(0, str(REPO / "tests"))
     from _shapedlink import ShapedLink
-
     from benchmarks.bench_objstore import start
 
     server = start("moto")

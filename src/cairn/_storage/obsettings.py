@@ -34,15 +34,15 @@ class Tuning:
     # goes out as one GET. Stores charge per request, and some servers (moto) pass over the whole
     # object for each ranged GET, where reads as large as the data files win (docs/performance-objstore.md).
     read_size: int = 64 * _MiB
-    # The two halves of `read_size`, apart (None: `read_size`): the largest ranged GET, and the largest
-    # read a load plans.
-    read_part_size: int | None = None
+    # The two halves of `read_size`, apart (0 or None: `read_size`): the largest ranged GET, and the
+    # largest read a load plans.
+    read_part_size: int = 0
     read_concurrency: int = 4
-    plan_read_size: int | None = None
+    plan_read_size: int = 0
 
     def __post_init__(self) -> None:
         for name in ("read_part_size", "plan_read_size"):
-            if getattr(self, name) is None:
+            if not getattr(self, name):
                 object.__setattr__(self, name, self.read_size)
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
