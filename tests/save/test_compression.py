@@ -609,22 +609,6 @@ def test_the_auto_formula_each_way_and_at_the_measured_codec_speed():
                                 coded_read_bandwidth=0.05 * gib)
 
 
-def test_a_measured_coded_direction_prices_the_codec_at_its_own_speed():
-    """The codec factor scales the codec only in a direction whose coded transfers were not measured:
-    a measured coded figure already holds what coding cost on this host (`engine._formula_args`)."""
-    from cairn._save import engine
-    from cairn._save.options import CODEC_SPEEDS, predicted_seconds
-
-    gib = float(1 << 30)
-    args = engine._formula_args({"codec_factor": 0.1, "coded_measured": {"write": True, "read": False}})
-    assert (args["factor"], args["decode_factor"]) == (1.0, 0.1)
-    args = engine._formula_args({"codec_factor": 0.1})
-    assert (args["factor"], args["decode_factor"]) == (0.1, 0.1)
-    enc, dec = CODEC_SPEEDS["planes"].on(4)
-    _, coded = predicted_seconds(gib, gib / 2, "planes", 1000 * gib, 4, factor=1.0, decode_factor=0.5)
-    assert coded == pytest.approx(gib / enc + 2 * gib / dec)
-
-
 def test_the_codec_factor_from_known_spans():
     """`CodecMeter`: the time the per-platform figures predict, at the concurrency the tasks had, over
     the time the coder pool was busy; the median of the last saves; 1.0 before any."""

@@ -50,7 +50,7 @@ from .._format import manifest as fmt
 from .._plan.chunking import FileSlot
 from .._storage.base import bandwidth_of, bandwidth_source
 from .._storage.location import Location
-from .._storage.measured import TransferClock, coded_measured, record, sample_of
+from .._storage.measured import TransferClock, record, sample_of
 from .._tree.leaves import classify
 from .._tree.perprocess import HostValues, is_per_process
 from .._tree.pytree import display_path, flatten
@@ -418,10 +418,8 @@ class SaveJob:
         codecs ran (`options.CodecMeter`), for the next saves' "auto". A measurement never fails a save."""
         try:
             link_s, wall_s = self.transfers.seconds()
-            # A coded sample only where coding made most of the save (a few coded leaves among raw ones
-            # leave a raw save's figure, which would price coding at the raw link's speed).
             record(self.loc.storage, "write", sample_of(self.stats.bytes_written, link_s, wall_s,
-                                                        coded=bool(self.coded) and 2 * sum(self.coded.values()) >= self.stats.bytes_written))
+                                                        coded=bool(self.coded)))
             CODEC_METER.record(self.code_spans, self.coded, _cores())
         except Exception:
             log.warning("cairn: could not record the save's bandwidth for compression='auto'", exc_info=True)
@@ -738,17 +736,10 @@ def _formula_args(prices: dict[str, Any]) -> dict[str, Any]:
     """`auto_prices`' figures as `options.predicted_seconds`' optional arguments (the codec factor:
     this host's measured one where `prices` has none)."""
     f = prices.get("codec_factor")
-    f = CODEC_METER.factor() if f is None else f
-    # Where coded transfers were measured in a direction, their figure holds what the codec really cost
-    # on this host (its contention with the store and the writers included): the codec is then priced
-    # at its per-platform speed, not scaled by the factor a second time (docs/compression.md, "auto,
-    # re-measured").
-    measured = prices.get("coded_measured") or {}
     return {"read_bandwidth": prices.get("read_bandwidth") or None,
             "coded_bandwidth": prices.get("coded_bandwidth") or None,
             "coded_read_bandwidth": prices.get("coded_read_bandwidth") or None,
-            "factor": 1.0 if measured.get("write") else f,
-            "decode_factor": 1.0 if measured.get("read") else f}
+            "factor": CODEC_METER.factor() if f is None else f}
 
 
 def leaf_codec(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict[str, Any] | None = None) -> str:
@@ -1063,8 +1054,7 @@ def auto_prices(storage: Any) -> dict[str, Any]:
     return {"bandwidth": bandwidth_of(storage), "read_bandwidth": bandwidth_of(storage, "read"),
             "coded_bandwidth": bandwidth_of(storage, "write", coded=True),
             "coded_read_bandwidth": bandwidth_of(storage, "read", coded=True),
-            "codec_factor": CODEC_METER.factor(), "bandwidth_source": bandwidth_source(storage),
-            "coded_measured": {d: storage.bandwidth is None and coded_measured(storage, d) for d in ("write", "read")}}
+            "codec_factor": CODEC_METER.factor(), "bandwidth_source": bandwidth_source(storage)}
 
 
 def _agree_token(loc: Location, strategy: CommitStrategy, coord: Coordinator, seq: int, overwrite: bool,

@@ -208,13 +208,10 @@ CODEC_METER = CodecMeter()
 def predicted_seconds(raw: float, stored: float, codec: str, bandwidth: float, cores: int,
                       read_bandwidth: float | None = None, factor: float = 1.0,
                       coded_bandwidth: float | None = None,
-                      coded_read_bandwidth: float | None = None,
-                      decode_factor: float | None = None) -> tuple[float, float]:
+                      coded_read_bandwidth: float | None = None) -> tuple[float, float]:
     """(raw, coded): predicted seconds to save `raw` bytes and load them back, stored raw or coded by
-    `codec` into `stored` bytes, encoding on `cores` cores at `factor` of the per-platform speed
-    (`CODEC_SPEEDS`; `CodecMeter` measures it) and decoding at `decode_factor` of it (default: `factor`;
-    "auto" passes 1 for a direction whose coded transfers were measured, `engine._formula_args`: their
-    figure already holds what the codec cost). Raw transfers write at `bandwidth` bytes/s and read
+    `codec` into `stored` bytes, coding on `cores` cores at `factor` of the per-platform speed
+    (`CODEC_SPEEDS`; `CodecMeter` measures it). Raw transfers write at `bandwidth` bytes/s and read
     at `read_bandwidth` (default: the same); coded ones at `coded_bandwidth` and
     `coded_read_bandwidth` (default: the raw figures; measured, they are what coded transfers reached
     end to end, `_storage.measured`). The codec works while the bytes move (a save codes the next
@@ -223,7 +220,7 @@ def predicted_seconds(raw: float, stored: float, codec: str, bandwidth: float, c
     ``max(stored / coded write, raw / encode) + max(stored / coded read, raw / decode)``, against
     ``raw / write + raw / read``."""
     enc, dec = CODEC_SPEEDS[codec].on(cores)
-    enc, dec = enc * factor, dec * (factor if decode_factor is None else decode_factor)
+    enc, dec = enc * factor, dec * factor
     read = bandwidth if read_bandwidth is None else read_bandwidth
     cw = bandwidth if coded_bandwidth is None else coded_bandwidth
     cr = read if coded_read_bandwidth is None else coded_read_bandwidth

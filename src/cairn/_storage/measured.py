@@ -143,12 +143,6 @@ class LinkMeter:
         with self._lock:
             self._links.setdefault(link, {d: _Direction() for d in DIRECTIONS})[direction].add(sample)
 
-    def has_coded(self, link: str, direction: str) -> bool:
-        """Whether `link` has coded samples of its own in `direction`."""
-        with self._lock:
-            dirs = self._links.get(link)
-            return dirs is not None and bool(dirs[direction].coded)
-
     def bandwidth(self, link: str, direction: str, coded: bool = False) -> float | None:
         """The measured bytes/s of `link` in `direction` for raw or `coded` transfers (else the other
         direction's), or None."""
@@ -194,14 +188,6 @@ def record(storage: Any, direction: str, sample: Sample | None) -> None:
     link = link_of(storage)
     if link is not None:
         METER.record(link, direction, sample)
-
-
-def coded_measured(storage: Any, direction: str) -> bool:
-    """Whether this process measured coded transfers to or from `storage` in `direction` itself (not
-    borrowed from raw ones or from the other direction): their figure then holds the codec's real
-    speed on this host, contention included."""
-    link = link_of(storage)
-    return link is not None and METER.has_coded(link, direction)
 
 
 def measured_bandwidth(storage: Any, direction: str = "write", coded: bool = False) -> float | None:
