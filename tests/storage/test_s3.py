@@ -143,6 +143,31 @@ def test_whole_arrays_back_to_back_share_requests_up_to_plan_read_size(store, bu
     assert sum(p.requests for p in plan.processes) == reads[8 * MiB]
 
 
+def test_a_stated_read_size_is_what_the_plan_and_the_gets_use(s3_bucket, s3, proxy):
+    """`read_size` is one figure the storage states (`preferred_read`): the load plans runs up to it and
+    sends each as one GET (`read_part_size` and `plan_read_size` follow it unless given apart)."""
+    from cairn._storage.obsettings import Tuning
+    from cairn._storage.obstore import ObjectStorage
+
+    t = Tuning(read_size=8 * MiB)
+    assert (t.read_part_size, t.plan_read_size) == (8 * MiB, 8 * MiB)
+    assert Tuning(read_size=8 * MiB, plan_read_size=2 * MiB).read_part_size == 8 * MiB
+    with pytest.raises(ValueError, match="read_size"):
+        Tuning(read_size=0)
+    assert ObjectStorage(f"s3://{s3_bucket}", s3.options(read_size=3 * MiB)).preferred_read == 3 * MiB
+    rng = np.random.default_rng(7)
+    tree = {f"w{i}": rng.standard_normal((1024, 1024), dtype=np.float32) for i in range(6)}  # 4 MiB each
+    path = f"s3://{s3_bucket}/read-size"
+    cairn.save(path, {"p": tree}, storage_options=s3.options(), compression=False, threads=1)  # one 24 MiB file
+    gets = {}
+    for size in (32 * MiB, 4 * MiB):
+        proxy.requests.clear()
+        got = cairn.load(path, storage_options={**proxy.options(), "read_size": size})["p"]
+        assert all(np.array_equal(got[k], v) for k, v in tree.items())
+        gets[size] = sum(1 for m, p, _ in proxy.requests if m == "GET" and p.split("?")[0].endswith(".bin"))
+    assert gets == {32 * MiB: 1, 4 * MiB: 6}, gets
+
+
 def test_save_async(store, bucket, opts, mesh8):
     path = store.url(bucket, "async")
     x = sharded(mesh8, (32, 8), P("x"), seed=4)
@@ -685,9 +710,10 @@ def _small_requests(proxy, bucket, name):
 
 
 def test_commit_sends_only_the_requests_the_protocol_needs(s3_bucket, s3_opts, proxy):
-    """A fresh save: one listing before the data, then index part, index, the listing that proves the
-    files are there, and the manifest last (no listing or delete after it). An overwrite deletes the
-    old checkpoint's files by one batched request after its manifest, taken from the same listing."""
+    """A fresh save: one listing before the data, then index part and index (at once: the next test),
+    the listing that proves the files are there, and the manifest last (no listing or delete after
+    it). An overwrite deletes the old checkpoint's files by one batched request after its manifest,
+    taken from the same listing."""
     o = proxy.options()
     path = f"s3://{s3_bucket}/fresh"
     cairn.save(path, {"a": np.arange(1000)}, storage_options=o)
@@ -701,6 +727,31 @@ def test_commit_sends_only_the_requests_the_protocol_needs(s3_bucket, s3_opts, p
     assert got[4:] == [("POST", "delete", 200)]
     np.testing.assert_array_equal(cairn.load(path, storage_options=s3_opts)["a"], np.arange(1000) + 1)
     assert [k.rsplit("/", 1)[-1].split(".")[0] for k in s3_keys(s3_opts, s3_bucket, "fresh/")].count("manifest") == 1
+
+
+def test_a_single_process_puts_its_index_part_and_index_at_once(s3_bucket, s3_opts, proxy):
+    """One process builds its checkpointable's index from its part's records before the part is put,
+    so the commit sends both PUTs together: one round trip, not two. Each waits at a barrier of two
+    (one after another, the first would wait out the barrier's timeout and break it)."""
+    barrier = threading.Barrier(2, timeout=20)
+    met: list[str] = []
+
+    def meet(method, where):
+        if method == "PUT" and "/a/index." in where:  # the part (index.p00000.T.idx) and the index (index.T.json)
+            try:
+                barrier.wait()
+                met.append(where.rsplit(".", 1)[-1])
+            except threading.BrokenBarrierError:
+                met.append("alone")
+
+    proxy.on_request = meet
+    path = f"s3://{s3_bucket}/together"
+    try:
+        cairn.save(path, {"a": {"w": np.arange(3000, dtype=np.float32)}}, storage_options=proxy.options())
+    finally:
+        proxy.on_request = None
+    assert sorted(met) == ["idx", "json"]
+    np.testing.assert_array_equal(cairn.load(path, storage_options=s3_opts)["a"]["w"], np.arange(3000, dtype=np.float32))
 
 
 def test_the_parts_of_many_checkpointables_are_put_at_once(s3_bucket, s3_opts, proxy):

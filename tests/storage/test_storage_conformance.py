@@ -261,6 +261,18 @@ class StorageConformance:
         storage.delete_prefix("run/step_1x")  # nor is deleting a single object
         assert storage.list("run") == ["run/step_10/manifest.json"]
 
+    def test_delete_keys(self, storage):
+        """Exact keys, in one call (batched requests where the storage declares `batch_deletes`): a
+        missing key is no error, and a key is not a prefix (its neighbours stay)."""
+        assert isinstance(storage.batch_deletes, bool) and storage.batch_deletes == (
+            storage.kind == "object" and not storage.in_process)
+        for k in ["ck/a.bin", "ck/b.bin", "ck/a.bin.2", "ck/sub/c.bin"]:
+            self.seed(storage, k, b"x")
+        storage.delete_keys(["ck/a.bin", "ck/sub/c.bin", "ck/missing.bin"])
+        assert storage.list("ck") == ["ck/a.bin.2", "ck/b.bin"]
+        storage.delete_keys([])
+        assert storage.list("ck") == ["ck/a.bin.2", "ck/b.bin"]
+
 
 class TestLocalStorage(StorageConformance):
     route_kind = "local"

@@ -258,7 +258,7 @@ class MarkerCommit(CommitStrategy):
         # still running (its commit will fail) and stay as invisible leftovers for `cairn gc`.
         others = [k for k in listed if not _is_mine(k, token)]
         if others:
-            after_commit(loc, delete_keys, storage, others)
+            after_commit(loc, storage.delete_keys, others)
         for key in discard:
             try:
                 storage.delete_prefix(key)
@@ -306,15 +306,15 @@ def after_commit(loc: Location, fn: Callable[..., Any], *args: Any) -> None:
 
 
 def delete_attempt(storage: Storage, name: str, token: str) -> None:
-    """Delete the files of attempt `token` under `name` (object stores write in place)."""
-    for key in storage.list(name):
-        if f".{token}." in key.rsplit("/", 1)[-1]:
-            storage.delete_prefix(key)
+    """Delete the files of attempt `token` under `name` (object stores write in place): one listing,
+    then batched deletes where the storage has them (`Storage.batch_deletes`), not a listing, a HEAD
+    and a DELETE per file as `delete_prefix` would send."""
+    storage.delete_keys([key for key in storage.list(name) if f".{token}." in key.rsplit("/", 1)[-1]])
 
 
 def delete_other_attempts(storage: Storage, name: str, token: str) -> None:
     """Delete every file under `name` but the manifest and those of attempt `token`."""
-    delete_keys(storage, [key for key in storage.list(name) if not _is_mine(key, token)])
+    storage.delete_keys([key for key in storage.list(name) if not _is_mine(key, token)])
 
 
 def _is_mine(key: str, token: str) -> bool:
@@ -322,13 +322,3 @@ def _is_mine(key: str, token: str) -> bool:
     base = key.rsplit("/", 1)[-1]
     return base == fmt.MANIFEST or f".{token}." in base
 
-
-def delete_keys(storage: Storage, keys: list[str]) -> None:
-    """Delete the files `keys`: in batched requests where the storage offers them (object stores),
-    else one by one."""
-    batch = getattr(storage, "delete_keys", None)
-    if batch is not None:
-        batch(keys)
-        return
-    for key in keys:
-        storage.delete_prefix(key)

@@ -148,6 +148,8 @@ class SaveJob:
     _choosing: Any = field(default=None, repr=False)
     # A blocking save's device-to-host copies, started ahead of the writers (`host_pipeline`; None: none).
     _pipe: Any = field(default=None, repr=False)
+    # The primary's own index parts, (key, bytes): put with the indexes, in the commit (`_write_parts`).
+    own_parts: list[tuple[str, bytes]] = field(default_factory=list, repr=False)
 
     # ------------------------------------------------------------------ layout
 
@@ -523,9 +525,12 @@ class SaveJob:
                 puts.append((f"{self.write_root}/{item.dir}/{name}", data))
                 mine["part"] = [name, records, crcs]
             out[item.name] = mine
-        # One durable put per checkpointable's part, at once as the indexes are (`_commit`): on an object
-        # store each is a round trip, and a state of many checkpointables waited for them in turn.
-        _at_once(lambda kv: self.loc.storage.put(*kv), puts, "cairn-part")
+        # One durable put per checkpointable's part, all at once: on an object store each is a round trip.
+        # The primary's go with its indexes in the commit (`_commit`), one round trip for both.
+        if me == 0:
+            self.own_parts = puts
+        else:
+            _at_once(lambda kv: self.loc.storage.put(*kv), puts, "cairn-part")
         return out
 
     def _commit(self, statuses: dict[int, dict[str, Any]]) -> None:
@@ -534,16 +539,15 @@ class SaveJob:
         needed: list[str] = []
         n = self.coord.process_count
 
-        def write_index(item: SaveItem) -> fmt.ItemIndex:
-            with paused():
-                index = item_index(item, statuses, n, self.block_size)
-                data = index.to_json(self.version)
-            storage.put(f"{root}/{item.dir}/{fmt.index_name(self.token)}", data)
-            return index
-
-        # One durable put (file and folder fsync, or one request) per checkpointable:
-        # in parallel, so that a state of many small checkpointables commits quickly.
-        indexes = _at_once(write_index, self.items, "cairn-index")
+        with paused():
+            indexes = [item_index(item, statuses, n, self.block_size) for item in self.items]
+            puts = [(f"{root}/{item.dir}/{fmt.index_name(self.token)}", index.to_json(self.version))
+                    for item, index in zip(self.items, indexes)]
+        # One durable put (file and folder fsync, or one request) per checkpointable's index and per part
+        # of the primary's own (`_write_parts`), all at once: the indexes need only what the parts' records
+        # were (in the statuses), not the parts in place, so a single process's commit waits one round trip
+        # for both, not two. A failed put fails the commit before its listing: nothing is visible.
+        _at_once(lambda kv: storage.put(*kv), [*self.own_parts, *puts], "cairn-index")
         for item, index in zip(self.items, indexes):
             nbytes = sum(leaf.nbytes for leaf in index.leaves if isinstance(leaf, fmt.ArrayLeaf))
             items[item.name] = fmt.ItemInfo(item.dir, fmt.index_name(self.token), nbytes, len(index.leaves))

@@ -85,7 +85,7 @@ def bandwidth_of(storage: Storage, direction: str = "write", coded: bool = False
     what this process measured on its earlier saves and loads over the same link
     (`measured.measured_bandwidth`; object stores and network filesystems), else its kind's default
     (`DEFAULT_BANDWIDTH`)."""
-    declared = getattr(storage, "bandwidth", None)
+    declared = storage.bandwidth
     if declared is not None:
         return float(declared)
     from .measured import measured_bandwidth
@@ -98,7 +98,7 @@ def bandwidth_of(storage: Storage, direction: str = "write", coded: bool = False
 
 def bandwidth_source(storage: Storage, direction: str = "write") -> str:
     """Where `bandwidth_of` takes its figure from: "declared", "measured" or "default"."""
-    if getattr(storage, "bandwidth", None) is not None:
+    if storage.bandwidth is not None:
         return "declared"
     from .measured import measured_bandwidth
 
@@ -107,6 +107,14 @@ def bandwidth_source(storage: Storage, direction: str = "write") -> str:
 
 @runtime_checkable
 class Storage(Protocol):
+    """Bytes under one root, and what the storage declares of itself.
+
+    What the save engine, the commit and the load planner may ask of a storage is declared here,
+    by every backend, and read as attributes, never probed (``getattr``) or guessed from the class
+    (tests/package/test_layers.py checks): `kind`, `atomic_rename` (and `dirs`), `bandwidth`,
+    `preferred_read`, `vectored_reads`, `in_process`, `batch_deletes`.
+    """
+
     url: str
     #: Whole directories can be renamed atomically (POSIX); otherwise commit by
     #: a create-if-absent put of the manifest.
@@ -119,9 +127,14 @@ class Storage(Protocol):
     #: backend or set by the user: ``storage.bandwidth = 2e9``); None: measured on this process's
     #: earlier transfers, else the kind's default (`bandwidth_of`).
     bandwidth: float | None
-    #: The largest read a load should plan (adjacent chunks of a file merged up to it), or None
-    #: for the reader's default (4 MiB). Object stores, which charge per request, ask for more.
+    #: The read size this storage prefers, or None for the reader's default (4 MiB): a load plans its
+    #: reads up to it (adjacent chunks of a file merged, across boxes and leaves) and the storage's
+    #: reader sends each in as few requests. Object stores, which charge per request, ask for more
+    #: (``read_size``, `_storage.obsettings.Tuning`).
     preferred_read: int | None
+    #: Whether `delete_keys` deletes many keys per request (object stores' batched deletes), so that a
+    #: cleanup should gather its keys into one call; else it deletes them one by one.
+    batch_deletes: ClassVar[bool]
     #: Whether this storage's readers are `RandomReader.vectored` (one request for many buffers).
     vectored_reads: ClassVar[bool]
     #: Whether the bytes live in this process's memory (the ``memory://`` store of tests): a read
@@ -156,6 +169,10 @@ class Storage(Protocol):
 
     def delete_prefix(self, prefix: str) -> None:
         """Delete `prefix` and everything under it; a missing prefix is not an error."""
+
+    def delete_keys(self, keys: builtins.list[str]) -> None:
+        """Delete the objects or files `keys` (exact names, no prefixes; a missing one is not an
+        error): in batched requests where `batch_deletes`, else one by one."""
 
     def describe(self, key: str) -> str:
         """A human-readable location for messages."""

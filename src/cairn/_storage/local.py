@@ -69,6 +69,7 @@ class LocalStorage:
     atomic_rename = True
     retries = 0
     preferred_read: int | None = None
+    batch_deletes: ClassVar[bool] = False
     vectored_reads: ClassVar[bool] = _FileReader.vectored
     in_process: ClassVar[bool] = False
     bandwidth: float | None = None  # unless set: measured, else the kind's default (`base.bandwidth_of`)
@@ -200,6 +201,10 @@ class LocalStorage:
             shutil.rmtree(path, ignore_errors=False, onerror=_ignore_missing)
         elif os.path.lexists(path):
             os.unlink(path)
+
+    def delete_keys(self, keys: builtins.list[str]) -> None:
+        for key in keys:  # a request per file costs nothing here: no batches (`batch_deletes`)
+            self.delete_prefix(key)
 
     # ---- POSIX-only operations used by the rename commit
 

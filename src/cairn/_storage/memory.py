@@ -43,6 +43,7 @@ class MemoryStorage:
     bandwidth: float | None = None
     retries = 0
     preferred_read: int | None = None
+    batch_deletes: ClassVar[bool] = False
     vectored_reads: ClassVar[bool] = _MemReader.vectored
     in_process: ClassVar[bool] = True
     dirs: None = None  # keys only, like an object store
@@ -117,3 +118,8 @@ class MemoryStorage:
         with self.lock:
             for o in [o for o in self.objects if o == k or o.startswith(k + "/")]:
                 del self.objects[o]
+
+    def delete_keys(self, keys: builtins.list[str]) -> None:
+        with self.lock:
+            for key in keys:
+                self.objects.pop(self._k(key), None)

@@ -29,21 +29,32 @@ class Tuning:
     max_backoff: float = 10.0
     part_size: int = 16 * _MiB
     upload_concurrency: int = 4
-    read_part_size: int = 64 * _MiB
+    # The read size this store prefers, which the storage states (`Storage.preferred_read`): a load
+    # plans its reads up to it (adjacent chunks of a file merged, across boxes and leaves) and each
+    # goes out as one GET. Stores charge per request, and some servers (moto) pass over the whole
+    # object for each ranged GET, where reads as large as the data files win (docs/performance-objstore.md).
+    read_size: int = 64 * _MiB
+    # The two halves of `read_size`, apart (0 or None: `read_size`): the largest ranged GET, and the
+    # largest read a load plans.
+    read_part_size: int = 0
     read_concurrency: int = 4
-    # The largest read a load plans (adjacent chunks of a file merged up to it, across boxes and
-    # leaves): stores charge per request, and some servers (moto) pass over the whole object for each
-    # ranged GET. 64 MiB reads, one GET each: docs/performance-objstore.md.
-    plan_read_size: int = 64 * _MiB
+    plan_read_size: int = 0
 
     def __post_init__(self) -> None:
+        for name in ("read_part_size", "plan_read_size"):
+            if not getattr(self, name):
+                object.__setattr__(self, name, self.read_size)
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         if self.part_size < 5 * _MiB:
             # S3 rejects multipart parts under 5 MiB (except the last).
             raise ValueError(f"part_size must be at least 5 MiB, got {self.part_size}")
-        if min(self.read_part_size, self.upload_concurrency, self.read_concurrency, self.plan_read_size) < 1:
-            raise ValueError("read_part_size, upload_concurrency, read_concurrency and plan_read_size must be positive")
+        sizes = {"read_size": self.read_size, "read_part_size": self.read_part_size,
+                 "upload_concurrency": self.upload_concurrency, "read_concurrency": self.read_concurrency,
+                 "plan_read_size": self.plan_read_size}
+        for name, value in sizes.items():
+            if value < 1:
+                raise ValueError(f"{name} must be a positive number of bytes or requests, got {value!r}")
 
 
 _TUNING_KEYS = frozenset(f.name for f in fields(Tuning))

@@ -22,10 +22,14 @@ settings:
 
 ``max_retries`` (5), ``retry_backoff`` (0.1 s, the first wait), ``max_backoff``
 (10 s), ``part_size`` (16 MiB, multipart upload part), ``upload_concurrency``
-(4 parts in flight per file), ``read_part_size`` (64 MiB, the largest ranged
-GET), ``read_concurrency`` (4 GETs in flight per read), ``plan_read_size``
-(64 MiB, the largest read a load plans: consecutive bytes of a file, across
-boxes and leaves, up to that size go out as one read).
+(4 parts in flight per file), ``read_size`` (64 MiB, the read this store
+prefers, which it states as `preferred_read`: a load plans reads of
+consecutive bytes of a file, across boxes and leaves, up to that size, and
+each goes out as one GET; a server that passes over the whole object for
+every ranged GET, as moto does, loads fastest with reads as large as the data
+files), ``read_concurrency`` (4 GETs in flight per read); ``read_part_size``
+(the largest ranged GET) and ``plan_read_size`` (the largest read a load
+plans) set the two halves of ``read_size`` apart.
 
 Azure's emulator: ``{"use_emulator": True, "endpoint": "http://127.0.0.1:10000"}``
 (obstore alone takes the emulator's address only from ``AZURITE_BLOB_STORAGE_URL``).
@@ -275,6 +279,7 @@ class ObjectStorage:
     bandwidth: float | None = None  # unless set: measured, else the kind's default (`base.bandwidth_of`)
     vectored_reads: ClassVar[bool] = _ObjectReader.vectored
     in_process: ClassVar[bool] = False
+    batch_deletes: ClassVar[bool] = True  # S3 DeleteObjects, Azure blob batches (GCS: one per key, inside obstore)
     dirs: None = None  # keys under a prefix: no folders to rename
 
     def __init__(self, url: str, options: dict[str, Any] | None = None):
@@ -289,7 +294,7 @@ class ObjectStorage:
             raise ValueError(f"{url!r} is not an object-store URL (like s3://bucket/prefix)")
         self.url = url.rstrip("/")
         self.tuning, client, config = split_options(options)
-        self.preferred_read: int | None = self.tuning.plan_read_size  # what a load plans its reads up to
+        self.preferred_read: int | None = self.tuning.plan_read_size  # what a load plans its reads up to (`read_size`)
         client_options: Any = client or None
         store_config: Any = config or None
         t = self.tuning
