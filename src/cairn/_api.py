@@ -69,7 +69,9 @@ def save(
     make a save and a load faster: the codecs' speed on this host's cores
     against the bytes saved at the storage's bandwidth (object stores and
     network filesystems, not local disks; docs/compression.md); ``True``
-    chooses a codec per leaf by measuring a sample of it (``"blosc2"``, the
+    chooses a codec per leaf by measuring a sample of it (runs of up to 64
+    neighbouring leaves of one dtype whose chunks are at most 1 MiB, of one
+    size class, share one measurement; ``"blosc2"``, the
     fastest on many cores, where python-blosc2 is installed:
     ``pip install cairn-ckpt[fast]``; a checkpoint that uses it needs it to
     load); ``"zstd"``, ``"planes"`` or ``"blosc2"`` use that codec for every
