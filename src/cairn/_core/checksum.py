@@ -83,8 +83,9 @@ class BlockChecks:
     mismatch itself and lets the checks go on (`cairn verify` lists every bad block).
     `then(i, j)`, if given, runs on each stretch of consecutive blocks ``checks[i:j]``
     that passed, once the `part` (or `rest`) that checked them has checked them all,
-    in the same thread: compressed blocks are decoded there, while their bytes are
-    still in cache, a part's blocks by one call (`codecs.decode_run`).
+    in the same thread: the chunk reader's `then` decodes compressed blocks from
+    there, in pieces of about 1 MiB, the first in this thread and the others on
+    the process's decode pool (`_load.reader.spread`), and returns once all are done.
     """
 
     def __init__(self, checks: Sequence[tuple[int, int, int]], segments: Sequence[Buffer], base: int,
