@@ -33,6 +33,7 @@ import numpy as np
 from .._core.boxes import Box, full_box
 from .._core.buffers import aligned_empty, prefault
 from .._core.checksum import BlockChecks, mismatch
+from .._core.host import usable_cores
 from .._core.stats import LoadStats
 from .._dist.coord import activity
 from .._errors import CheckpointError, CorruptCheckpointError
@@ -146,7 +147,7 @@ _decode_lock = threading.Lock()
 
 def decode_pool() -> ThreadPoolExecutor | None:
     """This process's decode pool (`DECODE_THREADS`), started on first use; None where reads decode alone."""
-    n = _cores() if DECODE_THREADS is None else DECODE_THREADS
+    n = usable_cores() if DECODE_THREADS is None else DECODE_THREADS
     if n < 2:
         return None
     pool = _decode_pools.get(n)
@@ -158,12 +159,6 @@ def decode_pool() -> ThreadPoolExecutor | None:
     return pool
 
 
-def _cores() -> int:
-    try:
-        n = len(os.sched_getaffinity(0))  # (a container's share, where cpu_count says the machine's)
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(n, 64))
 
 
 def _forget_decode_pools() -> None:  # a forked child has none of its parent's threads

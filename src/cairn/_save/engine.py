@@ -31,6 +31,7 @@ import numpy as np
 from .._core.buffers import snapshot_pool as _snapshot_pool
 from .._core.checksum import block_crcs, crc32c
 from .._core.gcpause import paused
+from .._core.host import usable_cores
 from .._core.stats import SaveStats
 from .._dist.agree import sequence, settle
 from .._dist.coord import (
@@ -629,11 +630,7 @@ RUN_BLOCKS = 16
 def _cores() -> int:
     """The cores this process may run on: a compressed save codes on all of them (the writer threads,
     `threads`, bound how many files are written at once, not how many cores code)."""
-    try:
-        n = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        n = os.cpu_count() or 1
-    return max(1, min(n, 64))
+    return usable_cores()
 
 
 def _code_task(task: list[tuple[int, bool, tuple[Any, ...]]]) -> list[tuple[int, bool, list[Any]]]:
