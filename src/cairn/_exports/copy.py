@@ -57,7 +57,7 @@ from .._format.partfile import (
     decode_part,
     part_bytes,
 )
-from .._load.metadata import index_bytes, manifest_bytes, parse_index, read_manifest
+from .._load.metadata import bases_of, index_bytes, manifest_bytes, parse_index, read_manifest
 from .._load.reader import DEFAULT_BUDGET
 from .._load.source import CairnSource
 from .._save.commit import CommitStrategy, strategy_for
@@ -532,15 +532,9 @@ def _refuse_moving_a_base(s: Location) -> None:
     """Refuse to move `s` where a committed checkpoint beside it names it as a base (an incremental
     save, §6.5): references resolve by name beside the referrer, so the move would break every one of
     them. One listing of the folder and one manifest read per checkpoint in it, eight at a time."""
-    def refers(name: str) -> bool:
-        try:
-            return s.name in read_manifest(Location(s.storage, name, name)).bases
-        except CheckpointNotFoundError:  # not a committed cairn checkpoint (leftovers, Orbax): refers to nothing
-            return False
-
     names = [c for c in s.storage.list_dir("") if c != s.name and not c.startswith(".")]
     with ThreadPoolExecutor(max_workers=min(8, max(1, len(names)))) as pool:
-        refers_ = list(pool.map(refers, names))
+        refers_ = list(pool.map(lambda n: s.name in bases_of(s.storage, n), names))
     named = sorted(n for n, r in zip(names, refers_) if r)
     if named:
         shown = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")

@@ -13,12 +13,25 @@ from dataclasses import dataclass
 from .._core.gcpause import paused
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError
 from .._format import manifest as fmt
+from .._storage import Storage
 from .._storage.location import Location, ranges_reader, read_error
 
 
 def read_manifest(loc: Location) -> fmt.Manifest:
     return fmt.Manifest.from_json(manifest_bytes(loc), loc.storage.describe(loc.key(fmt.MANIFEST)))
 
+
+
+def bases_of(storage: Storage, folder: str) -> tuple[str, ...]:
+    """The sibling checkpoints the committed checkpoint `folder` (under `storage`'s root) refers to
+    (incremental saves, §6.5); none for a self-contained or foreign one, or one not there.
+
+    Read afresh each time (one small read): a checkpoint deleted and saved again may refer to
+    other checkpoints than before."""
+    try:
+        return read_manifest(Location(storage, folder, folder)).bases
+    except CheckpointNotFoundError:  # not a cairn checkpoint (Orbax), or gone: refers to nothing
+        return ()
 
 def manifest_bytes(loc: Location) -> bytes:
     """The raw bytes of the manifest at `loc` (`CheckpointNotFoundError` if nothing is committed there)."""

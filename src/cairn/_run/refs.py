@@ -15,22 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .._errors import CheckpointNotFoundError
+from .._load.metadata import bases_of
 from .._storage import Storage
-from .._storage.location import Location
-
-
-def bases_of(storage: Storage, folder: str) -> tuple[str, ...]:
-    """The sibling checkpoints committed `folder` refers to (none for a self-contained or foreign step).
-
-    Read afresh each time (one small read per kept step per retention pass): a
-    step deleted and saved again may refer to other steps than before."""
-    from .._load.metadata import read_manifest
-
-    try:
-        return read_manifest(Location(storage, folder, folder)).bases
-    except CheckpointNotFoundError:  # not a cairn step (Orbax), or gone: refers to nothing
-        return ()
 
 
 def protected(storage: Storage, folders: dict[int, str], keep: Iterable[int], extra: Iterable[str] = ()) -> set[int]:
