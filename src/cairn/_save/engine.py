@@ -1055,30 +1055,30 @@ def _choose_group(job: SaveJob, firsts: list[Any], dtype: Any) -> tuple[str, lis
     """The codec of a group of small leaves (`_groups`), decided once as `_choose_leaf` decides one leaf's,
     on the first chunks `firsts` of its sampled leaves laid end to end (`decide_leaf` then samples that
     run in pieces spread over it, so over the sampled leaves); the host copies made, as `_choose_leaf`'s."""
-    hosts, made = [], []
-    for first in firsts:
-        part = first.parts[0] if type(first) is Concat else first
-        host = job._host(part)
-        hosts.append(host)
-        made.append(host if type(first) is not Concat and type(part) is not np.ndarray and _fresh_copy(part) else None)
+    sampled = [_sample_host(job, first) for first in firsts]
     assert job.compression is not None
     prices = job.priced()
-    joined = np.concatenate([np.ascontiguousarray(h).reshape(-1) for h in hosts])
-    return leaf_codec(job.compression, dtype, joined, prices["bandwidth"], prices), made
+    joined = np.concatenate([np.ascontiguousarray(h).reshape(-1) for h, _ in sampled])
+    return leaf_codec(job.compression, dtype, joined, prices["bandwidth"], prices), [made for _, made in sampled]
 
 
 def _choose_leaf(job: SaveJob, first: Any, dtype: Any) -> tuple[str, np.ndarray | None]:
     """The codec of a leaf whose first chunk is `first`, and that chunk's host copy where measuring
     made one (a device chunk's, which the writer can use instead of copying it again), else None."""
-    whole = type(first) is not Concat
-    if not whole:
-        first = first.parts[0]
+    host, made = _sample_host(job, first)
     assert job.compression is not None
     prices = job.priced()
-    host = job._host(first)
-    codec = leaf_codec(job.compression, dtype, host, prices["bandwidth"], prices)
-    made = whole and type(first) is not np.ndarray and _fresh_copy(first)
-    return codec, (host if made else None)
+    return leaf_codec(job.compression, dtype, host, prices["bandwidth"], prices), made
+
+
+def _sample_host(job: SaveJob, first: Any) -> tuple[np.ndarray, np.ndarray | None]:
+    """The host bytes a leaf whose first chunk is `first` is measured on (a merged chunk's first
+    piece), and that host copy again where it is a fresh copy of the whole chunk from an accelerator
+    (which the writer can use instead of copying the chunk again), else None."""
+    whole = type(first) is not Concat
+    part = first if whole else first.parts[0]
+    host = job._host(part)
+    return host, (host if whole and type(part) is not np.ndarray and _fresh_copy(part) else None)
 
 
 def _fresh_copy(src: Any) -> bool:
