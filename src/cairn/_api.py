@@ -56,7 +56,9 @@ def save(
         cairn.save("/ckpt/step_100", {"params": params, "opt": opt_state, "step": 100})
 
     Raises `CheckpointExistsError` if `path` already holds a checkpoint (unless
-    `overwrite`), `UnsupportedTypeError` for a leaf cairn cannot store, and
+    `overwrite`; even then `CheckpointError`, before anything is written, if
+    incremental saves beside it name it as their `base`), `UnsupportedTypeError`
+    for a leaf cairn cannot store, and
     `CheckpointError` (without saving) if an earlier async save failed and its
     error was never collected from its future.
 

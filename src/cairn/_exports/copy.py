@@ -57,10 +57,10 @@ from .._format.partfile import (
     decode_part,
     part_bytes,
 )
-from .._load.metadata import bases_of, index_bytes, manifest_bytes, parse_index, read_manifest
+from .._load.metadata import index_bytes, manifest_bytes, parse_index, read_manifest
 from .._load.reader import DEFAULT_BUDGET
 from .._load.source import CairnSource
-from .._save.commit import CommitStrategy, strategy_for
+from .._save.commit import CommitStrategy, refuse_replacing_a_base, strategy_for
 from .._save.options import SaveOptions
 from .._sources.verify import describe_chunk
 from .._storage.location import Location, resolve
@@ -460,7 +460,7 @@ def copy(
     if keep_references and move:
         raise ValueError("keep_references=True copies a chain; a move (which deletes its source) takes none")
     if move and _settled.get() is None:  # (a run's move, `cairn mv DIR`, checks its steps at once first)
-        _refuse_moving_a_base(s)
+        refuse_replacing_a_base(s, "moving", "copy it (cairn cp), move the whole folder (cairn mv DIR)")
     chain: list[tuple[Location, Location]] = []
     named: tuple[str, ...] = ()  # every base beside the copy, settled ones included
     if bases and keep_references:
@@ -526,22 +526,6 @@ def one_run() -> Iterator[None]:
         yield
     finally:
         _settled.reset(token)
-
-
-def _refuse_moving_a_base(s: Location) -> None:
-    """Refuse to move `s` where a committed checkpoint beside it names it as a base (an incremental
-    save, §6.5): references resolve by name beside the referrer, so the move would break every one of
-    them. One listing of the folder and one manifest read per checkpoint in it, eight at a time."""
-    names = [c for c in s.storage.list_dir("") if c != s.name and not c.startswith(".")]
-    with ThreadPoolExecutor(max_workers=min(8, max(1, len(names)))) as pool:
-        refers_ = list(pool.map(lambda n: s.name in bases_of(s.storage, n), names))
-    named = sorted(n for n, r in zip(names, refers_) if r)
-    if named:
-        shown = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
-        raise CheckpointError(
-            f"{s.path} is the base of {shown} (incremental saves beside it refer to its data files by its "
-            "name): moving it would break them. Copy it instead (cairn cp), move the whole folder "
-            "(cairn mv DIR), or make the steps that refer to it self-contained first (cairn cp)")
 
 
 def _sibling(loc: Location, name: str) -> Location:

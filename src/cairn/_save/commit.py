@@ -21,9 +21,10 @@ from __future__ import annotations
 import logging
 import secrets
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from .._errors import CheckpointError, CheckpointExistsError
+from .._errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .._format import manifest as fmt
 from .._storage import LocalDirs, Storage
 from .._storage.location import Location
@@ -46,9 +47,12 @@ class CommitStrategy:
         raise NotImplementedError
 
     def check_destination(self, loc: Location, overwrite: bool) -> None:
-        """Refuse to start a save over something that must not be replaced."""
-        if self.storage.exists(loc.key(fmt.MANIFEST)) and not overwrite:
-            raise CheckpointExistsError(f"{loc.path} already holds a checkpoint; pass overwrite=True to replace it")
+        """Refuse to start a save over something that must not be replaced: a committed checkpoint unless
+        `overwrite`, and with it one that committed checkpoints beside it refer to (`refuse_replacing_a_base`)."""
+        if self.storage.exists(loc.key(fmt.MANIFEST)):
+            if not overwrite:
+                raise CheckpointExistsError(f"{loc.path} already holds a checkpoint; pass overwrite=True to replace it")
+            refuse_replacing_a_base(loc, "overwriting")
 
     def commit(self, loc: Location, token: str, manifest: bytes, needed: Iterable[str], *,
                overwrite: bool, discard: Iterable[str] = ()) -> None:
@@ -106,6 +110,44 @@ class CommitStrategy:
                 f"(e.g. {gone[0]!r}); is another process cleaning up or saving in the same directory?"
             )
         return listed
+
+
+def referrers(loc: Location) -> list[str]:
+    """The committed checkpoints beside `loc` (in its folder or prefix) that name it as a base: incremental
+    saves (docs/FORMAT.md §6.5) refer to their base's data files by its name beside them. One listing of
+    the folder and one manifest read per entry in it, eight at a time; an entry that is not a committed
+    cairn checkpoint (no manifest, or one that does not parse) refers to nothing."""
+    storage = loc.storage
+    names = [c for c in storage.list_dir("") if c != loc.name and not c.startswith(".")]
+
+    def names_it(name: str) -> bool:
+        key = f"{name}/{fmt.MANIFEST}"
+        try:
+            data = storage.read(key)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return False
+        try:
+            return loc.name in fmt.Manifest.from_json(data, storage.describe(key)).bases
+        except CorruptCheckpointError:
+            return False
+
+    if not names:
+        return []
+    with ThreadPoolExecutor(max_workers=min(8, len(names))) as pool:
+        return sorted(n for n, yes in zip(names, pool.map(names_it, names)) if yes)
+
+
+def refuse_replacing_a_base(loc: Location, doing: str, instead: str = "use another name") -> None:
+    """Refuse `doing` ("overwriting", "moving") the committed checkpoint `loc` where `referrers` name it as
+    their base: it would break every one of them (their loads would fail naming it). Nothing is written;
+    the error says what to do `instead`."""
+    named = referrers(loc)
+    if named:
+        shown = ", ".join(named[:3]) + (f" and {len(named) - 3} more" if len(named) > 3 else "")
+        raise CheckpointError(
+            f"{loc.path} is the base of {shown} (incremental saves beside it refer to its data files by its "
+            f"name): {doing} it would break them. Instead {instead}, or make the checkpoints that refer to "
+            "it self-contained first (cairn cp makes a self-contained copy)")
 
 
 class RenameCommit(CommitStrategy):
@@ -242,8 +284,10 @@ class MarkerCommit(CommitStrategy):
         # One request, not `exists`' HEAD and listing: only a manifest makes a checkpoint here, and a
         # listing (unlike a HEAD, whose 404 says nothing more) fails naming a missing bucket before
         # anything is written, overwrite or not.
-        if fmt.MANIFEST in self.storage.list_dir(loc.name) and not overwrite:
-            raise CheckpointExistsError(f"{loc.path} already holds a checkpoint; pass overwrite=True to replace it")
+        if fmt.MANIFEST in self.storage.list_dir(loc.name):
+            if not overwrite:
+                raise CheckpointExistsError(f"{loc.path} already holds a checkpoint; pass overwrite=True to replace it")
+            refuse_replacing_a_base(loc, "overwriting")
 
     def commit(self, loc: Location, token: str, manifest: bytes, needed: Iterable[str], *,
                overwrite: bool, discard: Iterable[str] = ()) -> None:
