@@ -319,7 +319,7 @@ def _flush_blosc2(pending: list[Any], owners: list[int], out: list[list[Any]]) -
     """Join `pending` chunks into one buffer (numpy, without the GIL, however few bytes: this is what keeps
     fresh pages out of the GIL), append each as a view to its run's blocks in `out`, and empty both lists."""
     whole = np.concatenate([np.frombuffer(z, np.uint8) for z in pending])
-    view = memoryview(whole)
+    view = memoryview(whole)  # type: ignore[arg-type]  # a contiguous uint8 array exports its buffer
     o = 0
     for z, r in zip(pending, owners):
         out[r].append(view[o:o + len(z)])
