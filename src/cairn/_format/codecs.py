@@ -223,8 +223,10 @@ def encode_run(codec: str, raw: Any, block: int, dtype: Any, threads: int = 1) -
     return encode_runs([(codec, raw, block, dtype)], threads)[0]
 
 
-def encode_runs(runs: Sequence[tuple[str, Any, int, Any]], threads: int = 1) -> list[list[Any]]:
-    """`encode_run` of each ``(codec, raw, block, dtype)`` of `runs`, coded as one batch.
+def encode_runs(runs: Sequence[tuple[str, Any, int, Any]], threads: int = 1, coders: int = 1) -> list[list[Any]]:
+    """`encode_run` of each ``(codec, raw, block, dtype)`` of `runs`, coded as one batch; `coders`: how many
+    threads code batches at once (a save's coder pool), from `BLOSC2_JOIN_MIN_CODERS` on "blosc2" chunks
+    are gathered into shared buffers (`BLOSC2_JOIN_BYTES`).
 
     The work is a few large calls that release the GIL, not a dozen per block: the probes of every
     block and plane of a run are one gather and one bincount; the planes of all runs of one
@@ -272,7 +274,8 @@ def encode_runs(runs: Sequence[tuple[str, Any, int, Any]], threads: int = 1) -> 
         for r, blocks in zip(members, _encode_planes_runs([checked[r] for r in members], k, slot, threads)):
             out[r] = blocks
     if blosc2_runs:
-        for r, blocks in zip(blosc2_runs, _encode_blosc2_runs([checked[r] for r in blosc2_runs])):
+        join = BLOSC2_JOIN_BYTES if coders >= BLOSC2_JOIN_MIN_CODERS else 0
+        for r, blocks in zip(blosc2_runs, _encode_blosc2_runs([checked[r] for r in blosc2_runs], join)):
             out[r] = blocks
     return out
 
@@ -286,12 +289,15 @@ def encode_runs(runs: Sequence[tuple[str, Any, int, Any]], threads: int = 1) -> 
 #: on the TPU host's 13 cores (docs/compression.md, "Small leaves in one checkpointable").
 #: 0: each chunk kept as python-blosc2 returned it (as before 2026-12-06 noon).
 BLOSC2_JOIN_BYTES = 1 << 20
+#: ...where at least this many threads code at once (`encode_runs`' `coders`): with fewer, the GIL is
+#: seldom wanted by two coders at once, and the copy is a cost with nothing to win (on a 2-core VM the
+#: one-checkpointable save of 2,449 small leaves was 5-10% slower gathered).
+BLOSC2_JOIN_MIN_CODERS = 4
 
 
-def _encode_blosc2_runs(runs: list[tuple[str, np.ndarray, int, int]]) -> list[list[Any]]:
+def _encode_blosc2_runs(runs: list[tuple[str, np.ndarray, int, int]], join: int) -> list[list[Any]]:
     """The "blosc2" blocks of each of `runs`: one `compress2` call per block (C-Blosc2, without the GIL),
-    the stored chunks gathered into buffers of about `BLOSC2_JOIN_BYTES` (`_joined`), each block a
-    memoryview of one."""
+    the stored chunks gathered into buffers of about `join` bytes (0: none), each block a memoryview of one."""
     b2 = _blosc2()
     out: list[list[Any]] = [[] for _ in runs]
     pending: list[Any] = []  # stored chunks not yet joined, and the run of each
@@ -301,13 +307,13 @@ def _encode_blosc2_runs(runs: list[tuple[str, np.ndarray, int, int]]) -> list[li
         kw = _blosc2_params(k)
         for o in range(0, u8.nbytes, block):
             z = b2.compress2(u8[o:o + block], **kw)
-            if not BLOSC2_JOIN_BYTES:
+            if not join:
                 out[r].append(z)
                 continue
             pending.append(z)
             owners.append(r)
             size += len(z)
-            if size >= BLOSC2_JOIN_BYTES:
+            if size >= join:
                 _flush_blosc2(pending, owners, out)
                 size = 0
     if pending:

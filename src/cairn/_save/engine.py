@@ -635,7 +635,7 @@ def _cores() -> int:
 
 def _code_task(task: list[tuple[int, bool, tuple[Any, ...]]]) -> list[tuple[int, bool, list[Any]]]:
     """Code one task of `code_tasks`: (slot, last run of the slot, run) -> (slot, last, stored blocks)."""
-    coded = _codecs.encode_runs([run for _, _, run in task])
+    coded = _codecs.encode_runs([run for _, _, run in task], coders=_cores())
     return [(n_slot, last, blocks) for (n_slot, last, _), blocks in zip(task, coded)]
 
 
