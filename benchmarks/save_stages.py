@@ -13,7 +13,10 @@ wrapping the functions that do them (no change to the library):
 - ``host``: `SaveJob._host` (device-to-host copies; numpy leaves cost nothing here, ``--jax`` puts
   the state on JAX's first device first);
 - ``code``: `engine._code_task` (coding tasks on the coder pool): the union of their spans (wall
-  seconds some task was coding) and the sum (CPU-ish seconds over all coder threads);
+  seconds some task was coding) and the sum (seconds over all coder threads, waits for the GIL and
+  for the CPU included); ``code cpu``: the CPU time those threads spent in them (``time.thread_time``),
+  and ``code faults``: the pages they faulted in (minor faults, ``RUSAGE_THREAD``, as MiB): a sum far
+  above ``code cpu`` is threads waiting (for the GIL, or for cores), not coding;
 - ``crc``: the CRC-32C calls (`engine.crc32c`, `engine.block_crcs`), summed over threads;
 - ``write`` / ``fsync``: ``os.write`` / ``os.fsync`` in the local storage, union of spans and sum;
 - ``wait``: a writer thread waiting for its next coded task (`engine._in_order`'s consumer);
@@ -44,6 +47,7 @@ import numpy as np
 import cairn
 from benchmarks.small_leaves import setting, tiles
 from benchmarks.trained_state import flatten, make_state
+from cairn._format import codecs as _codecs
 from cairn._save import engine
 from cairn._storage import local as _local_storage
 
@@ -80,6 +84,9 @@ class Spans:
         with self.lock:
             window = self.spans.get("write_data", [(float("-inf"), float("inf"))])
             for stage, spans in self.spans.items():
+                if stage in ("code_cpu", "code_faults"):  # amounts, not spans in time
+                    out[f"{stage}_sum"] = sum(b for _, b in spans)
+                    continue
                 if stage not in ("write_data", "choose"):
                     spans = [(max(a, lo), min(b, hi)) for a, b in spans for lo, hi in window if b > lo and a < hi]
                 out[f"{stage}_sum"] = sum(b - a for a, b in spans)
@@ -129,6 +136,25 @@ def _waited(spans: Spans, fn: Any) -> Any:
     return in_order
 
 
+def _costed(spans: Spans, fn: Any) -> Any:
+    """`fn` with the CPU time and the minor page faults of its thread during each call added up, as the spans
+    ``code_cpu`` and ``code_faults`` (the latter's "span" a page count)."""
+    import resource
+
+    who = getattr(resource, "RUSAGE_THREAD", None)
+
+    def costed(*args: Any, **kw: Any) -> Any:
+        f0 = resource.getrusage(who).ru_minflt if who is not None else 0
+        c0 = time.thread_time()
+        try:
+            return fn(*args, **kw)
+        finally:
+            spans.add("code_cpu", 0.0, time.thread_time() - c0)
+            if who is not None:
+                spans.add("code_faults", 0.0, float(resource.getrusage(who).ru_minflt - f0))
+    return costed
+
+
 def instrument(spans: Spans) -> None:
     engine._in_order = _waited(spans, engine._in_order)
     engine._choose_leaf = spans.wrap("choose", engine._choose_leaf)  # each leaf measured (in the background too)
@@ -137,7 +163,7 @@ def instrument(spans: Spans) -> None:
 
     _snapshot.HostPipeline.take = spans.wrap("pipe", _snapshot.HostPipeline.take)  # waits for started transfers
     _snapshot.HostPipeline.peek = spans.wrap("pipe", _snapshot.HostPipeline.peek)
-    engine._code_task = spans.wrap("code", engine._code_task)
+    engine._code_task = _costed(spans, spans.wrap("code", engine._code_task))
     engine.crc32c = spans.wrap("crc", engine.crc32c)
     engine.block_crcs = spans.wrap("crc", engine.block_crcs)
     engine.SaveJob._host = spans.wrap("host", engine.SaveJob._host)
@@ -164,11 +190,16 @@ STAGES = ("choose", "pipe", "host", "code", "wait", "crc", "write", "fsync", "ta
 SHORT = ("choose", "pipe", "host", "code", "wait", "crc", "write", "fsync", "tail")
 
 
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+
 def stage_line(rows: list[dict[str, float]]) -> str:
     """One line of median stage seconds over `rows` (`Spans.summary` of each save), for other benchmarks."""
     med = statistics.median
     parts = [f"{st} {med(r.get(f'{st}_union', 0.0) for r in rows):.2f}" for st in SHORT]
     parts.append(f"code sum {med(r.get('code_sum', 0.0) for r in rows):.2f}")
+    parts.append(f"code cpu {med(r.get('code_cpu_sum', 0.0) for r in rows):.2f}")
+    parts.append(f"code faults {med(r.get('code_faults_sum', 0.0) for r in rows) * _PAGE / 2**20:.0f} MiB")
     parts.append(f"write_data {med(r.get('write_data_sum', 0.0) for r in rows):.2f}")
     return ", ".join(parts)
 
@@ -200,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
                          "device chunk copied to host by its writer or the codec choosing, as before 2026-12-06 08:00)")
     ap.add_argument("--groups", default=None,
                     help="values of engine.GROUP_LEAVES to compare (1: each small leaf's codec measured on its own)")
+    ap.add_argument("--blosc2-join", default=None,
+                    help="values of codecs.BLOSC2_JOIN_BYTES to compare, in KiB (0: each blosc2 chunk kept as "
+                         "python-blosc2 returned it, as before 2026-12-06 noon)")
     ap.add_argument("--jax", action="store_true", help="put the state on JAX's first device first")
     ap.add_argument("--as-device", action="store_true",
                     help="with --jax on a CPU-only host: treat its arrays' host views as device-to-host copies "
@@ -224,11 +258,12 @@ def main(argv: list[str] | None = None) -> int:
     bgs = [int(x) for x in args.background.split(",")] if args.background else [int(engine.CHOOSE_IN_BACKGROUND)]
     pipes = [int(x) for x in args.pipeline.split(",")] if args.pipeline else [engine.HOST_PIPELINE_BYTES >> 20]
     grps = [int(x) for x in args.groups.split(",")] if args.groups else [engine.GROUP_LEAVES]
+    joins = [int(x) for x in args.blosc2_join.split(",")] if args.blosc2_join else [_codecs.BLOSC2_JOIN_BYTES >> 10]
     settings = [(setting(s), pool + (f", share {sh}" if args.share else "") + (f", keep {kp}" if args.keep else "")
                  + (f", background {bg}" if args.background else "") + (f", pipeline {pp}" if args.pipeline else "")
-                 + (f", groups {gr}" if args.groups else ""))
+                 + (f", groups {gr}" if args.groups else "") + (f", join {jn}" if args.blosc2_join else ""))
                 for pool in args.pools.split(",") for sh in shares for kp in keeps for bg in bgs
-                for pp in pipes for gr in grps for s in args.settings.split(",")]
+                for pp in pipes for gr in grps for jn in joins for s in args.settings.split(",")]
     print(f"{len(state)} leaves, {raw / 2**20:.1f} MiB raw; {os.cpu_count()} cores, "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)
     spans = Spans()
@@ -252,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
                     engine.HOST_PIPELINE_BYTES = int(knobs["pipeline"]) << 20
                 if "groups" in knobs:
                     engine.GROUP_LEAVES = int(knobs["groups"])
+                if "join" in knobs:
+                    _codecs.BLOSC2_JOIN_BYTES = int(knobs["join"]) << 10
                 spans.clear()
                 t = time.perf_counter()
                 stats = cairn.save(path, state, compression=s, threads=args.threads)

@@ -60,9 +60,22 @@ def main() -> None:
     ap.add_argument("--groups", default=None,
                     help="values of engine.GROUP_LEAVES to compare, comma separated (1: each small leaf's codec "
                          "measured on its own, as before 2026-12-06 08:00); each runs every layout and setting")
+    ap.add_argument("--blosc2-join", default=None,
+                    help="values of codecs.BLOSC2_JOIN_BYTES to compare, in KiB, comma separated (0: each blosc2 chunk "
+                         "kept as python-blosc2 returned it, as before 2026-12-06 noon); each runs every layout, "
+                         "setting and group")
+    ap.add_argument("--cores", type=int, default=0,
+                    help="code on this many threads (engine._cores; default: the cores this process may use), e.g. "
+                         "13 on a small host for the TPU host's coder count")
+    ap.add_argument("--code-window", default=None,
+                    help="comma-separated of shared (the coders' run-ahead split among the files written at once, "
+                         "engine.CODE_WINDOW_SHARED) and per-file (every coder ahead of each file), A/B in one run")
     ap.add_argument("--json")
     args = ap.parse_args()
+    from cairn._format import codecs
     from cairn._save import engine
+    if args.cores:
+        engine._cores = lambda: args.cores  # type: ignore[assignment]
     spans = None
     if args.stages:
         from benchmarks.save_stages import Spans, instrument
@@ -76,12 +89,17 @@ def main() -> None:
     states = {lay: {"params": leaves} if lay == "nested" else leaves for lay in layouts}
     settings = [setting(s) for s in args.settings.split(",")]
     groups = [int(g) for g in args.groups.split(",")] if args.groups else [engine.GROUP_LEAVES]
-    cases = [(lay, s, g) for g in groups for lay in layouts for s in settings]
+    joins = [int(j) << 10 for j in args.blosc2_join.split(",")] if args.blosc2_join else [codecs.BLOSC2_JOIN_BYTES]
+    windows = args.code_window.split(",") if args.code_window else ["shared" if engine.CODE_WINDOW_SHARED else "per-file"]
+    cases = [(lay, s, g, j, w) for w in windows for j in joins for g in groups for lay in layouts for s in settings]
 
-    def key(case: tuple[str, Any, int]) -> str:
-        return f"{case[0]}, {case[1]}" + (f", group {case[2]}" if args.groups else "")
+    def key(case: tuple[str, Any, int, int, str]) -> str:
+        return (f"{case[0]}, {case[1]}" + (f", group {case[2]}" if args.groups else "")
+                + (f", join {case[3] >> 10} KiB" if args.blosc2_join else "")
+                + (f", window {case[4]}" if args.code_window else ""))
 
     print(f"{count} leaves, {raw / 2**20:.0f} MiB raw; layouts {', '.join(layouts)}; {os.cpu_count()} cores, "
+          f"{engine._cores()} coders, "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
     times: dict[str, dict[str, list[float]]] = {key(c): {"save": [], "load": []} for c in cases}
     staged: dict[str, list[dict[str, float]]] = {}
@@ -90,9 +108,11 @@ def main() -> None:
     try:
         for _ in range(args.reps):
             for case in cases:
-                lay, s, g = case
+                lay, s, g, j, w = case
+                engine.CODE_WINDOW_SHARED = w == "shared"
                 engine.GROUP_LEAVES = g
-                path = os.path.join(root, f"c-{lay}-{s}-{g}")
+                codecs.BLOSC2_JOIN_BYTES = j
+                path = os.path.join(root, f"c-{lay}-{s}-{g}-{j}-{w}")
                 shutil.rmtree(path, ignore_errors=True)
                 if spans is not None:
                     spans.clear()
@@ -110,15 +130,19 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = []
-    print("| layout | compression | group | bytes written | save s | save / raw | load s | decision |\n" + "|---" * 8 + "|")
+    print("| layout | compression | group | join KiB | coders ahead | bytes written | save s | save / raw | load s | "
+          "decision |\n" + "|---" * 10 + "|")
     for case in cases:
         t = times[key(case)]
         r = {"layout": case[0], "compression": str(case[1]), "save_s": statistics.median(t["save"]),
              "load_s": statistics.median(t["load"]), "save_each": t["save"], "load_each": t["load"], **info[key(case)]}
         rows.append(r)
         r["group"] = case[2]
-        base = statistics.median(times[key((case[0], settings[0], case[2]))]["save"])
-        print(f"| {case[0]} | {case[1]} | {case[2]} | {r['bytes_written'] / 2**20:.1f} MiB | {r['save_s']:.2f} | "
+        r["blosc2_join"] = case[3]
+        r["code_window"] = case[4]
+        base = statistics.median(times[key((case[0], settings[0], case[2], case[3], case[4]))]["save"])
+        print(f"| {case[0]} | {case[1]} | {case[2]} | {case[3] >> 10} | {case[4]} | {r['bytes_written'] / 2**20:.1f} MiB | "
+              f"{r['save_s']:.2f} | "
               f"{r['save_s'] / base:.2f} | {r['load_s']:.2f} | {r['decision']} |", flush=True)
     if staged:
         from benchmarks.save_stages import stage_line

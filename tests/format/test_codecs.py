@@ -454,6 +454,39 @@ def test_blosc2_chunks_of_every_dtype_and_a_short_last_block(dtype):
 
 
 @NEEDS_BLOSC2
+@pytest.mark.parametrize("join", [0, 1, 3000, 1 << 20], ids=lambda j: f"join{j}")
+def test_a_batch_of_blosc2_runs_is_compress2_of_each_block(monkeypatch, join):
+    """Small leaves coded together (`encode_runs`) by many coders: their "blosc2" blocks are gathered into
+    shared buffers (`BLOSC2_JOIN_BYTES`: after every chunk, every few, or one buffer for the batch; 0: none), and
+    each block must still be exactly python-blosc2's `compress2` of it, in its run, in order, unchanged
+    once later blocks are coded (a view never spans or aliases another block's bytes)."""
+    monkeypatch.setattr(_codecs, "BLOSC2_JOIN_BYTES", join)
+    b2 = _codecs._blosc2()
+    runs = []
+    for i, dtype in enumerate([ml_dtypes.bfloat16, np.float32, np.float64, np.uint8, ml_dtypes.bfloat16]):
+        k = np.dtype(dtype).itemsize
+        x = _values(dtype, 3000 + 911 * i, seed=20 + i)
+        runs.append(("blosc2", x.view(np.uint8), 1024 * k, dtype))  # 3-7 blocks, a short last one
+    runs.insert(2, ("planes", _values(np.float32, 700, seed=30).view(np.uint8), 1024, np.float32))  # other codecs between
+    runs.insert(3, ("blosc2", np.zeros(0, np.uint8), 64, np.float32))  # an empty chunk
+    got = _codecs.encode_runs(runs, coders=_codecs.BLOSC2_JOIN_MIN_CODERS)
+    assert len(got) == len(runs)
+    if join:  # with fewer coders, python-blosc2's chunks as they came
+        assert all(type(b) is bytes for (c, *_), blocks in zip(runs, _codecs.encode_runs(runs)) if c == "blosc2"
+                   for b in blocks)
+    for (codec, raw, block, dtype), blocks in zip(runs, got):
+        kw = _codecs._blosc2_params(np.dtype(dtype).itemsize)
+        want = [b2.compress2(raw[o:o + block], **kw) if codec == "blosc2" else _codecs.encode(codec, raw[o:o + block], dtype)
+                for o in range(0, raw.nbytes, block)]
+        assert [bytes(b) for b in blocks] == want
+        for b in blocks:
+            assert memoryview(b).format == "B" and memoryview(b).contiguous
+    if join:
+        views = [b for blocks in got for b in blocks if isinstance(b, memoryview)]
+        assert views  # gathered: views of shared buffers, not python-blosc2's bytes
+
+
+@NEEDS_BLOSC2
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
 def test_blosc2_corrupt_bytes_raise(dtype):
     """A changed byte anywhere in a Blosc2 block (header or streams) is a CorruptCheckpointError naming

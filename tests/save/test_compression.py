@@ -790,3 +790,39 @@ def test_compression_blosc2_without_the_library_names_the_extra(tmp_path, monkey
     with pytest.raises(ValueError, match=r"cairn-ckpt\[fast\]"):
         cairn.save(tmp_path / "c", {"w": np.zeros(16, np.float32)}, compression="blosc2")
     assert not (tmp_path / "c").exists()
+
+
+@NEEDS_BLOSC2
+def test_small_blosc2_leaves_of_one_checkpointable_write_the_same_bytes_gathered(tmp_path, monkeypatch):
+    """Many small "blosc2" leaves of one checkpointable are coded in batches whose stored chunks are gathered
+    into shared buffers (`codecs.BLOSC2_JOIN_BYTES`): the data files are byte for byte those of chunks kept
+    one by one, the load gives the leaves back, and a flipped stored byte anywhere in a leaf's blocks (the
+    header of a block in the middle of a gathered buffer too) fails the load naming that leaf."""
+    from cairn._save import engine
+
+    monkeypatch.setattr(engine, "_cores", lambda: 4)  # a coder pool, whatever the test host has
+    state = {"params": {f"w{i}": trained((128, 96 + 32 * (i % 3)), ml_dtypes.bfloat16 if i % 2 else np.float32,
+                                         seed=i) for i in range(48)}}
+    files = {}
+    for join in (0, _codecs.BLOSC2_JOIN_BYTES, 5000):
+        monkeypatch.setattr(_codecs, "BLOSC2_JOIN_BYTES", join)
+        path = tmp_path / f"c{join}"
+        cairn.save(path, state, compression="blosc2", threads=1)  # one data file
+        files[join] = sorted(p.read_bytes() for p in (path / "params").glob("*.bin"))
+        got = cairn.load(path)
+        assert all(np.asarray(got["params"][k]).tobytes() == v.tobytes() for k, v in state["params"].items())
+    assert files[0] == files[_codecs.BLOSC2_JOIN_BYTES] == files[5000]
+    _, leaves = leaves_of(path)
+    assert {leaf.codec for leaf, _ in leaves.values()} == {"blosc2"}
+    (data,) = (path / "params").glob("*.bin")
+    good = data.read_bytes()
+    for name in ("w9", "w30"):
+        leaf, _ = leaves[name]
+        _, off = leaf.chunks[0]
+        for at in (0, 3, 12, 40, 200):  # the chunk header (flags, typesize, sizes), then its streams
+            raw = bytearray(good)
+            raw[off + at] ^= 0x10
+            data.write_bytes(bytes(raw))
+            with pytest.raises(cairn.CorruptCheckpointError, match=rf"{path}.*'params/{name}'"):
+                cairn.load(path)
+    data.write_bytes(good)

@@ -223,8 +223,10 @@ def encode_run(codec: str, raw: Any, block: int, dtype: Any, threads: int = 1) -
     return encode_runs([(codec, raw, block, dtype)], threads)[0]
 
 
-def encode_runs(runs: Sequence[tuple[str, Any, int, Any]], threads: int = 1) -> list[list[Any]]:
-    """`encode_run` of each ``(codec, raw, block, dtype)`` of `runs`, coded as one batch.
+def encode_runs(runs: Sequence[tuple[str, Any, int, Any]], threads: int = 1, coders: int = 1) -> list[list[Any]]:
+    """`encode_run` of each ``(codec, raw, block, dtype)`` of `runs`, coded as one batch; `coders`: how many
+    threads code batches at once (a save's coder pool), from `BLOSC2_JOIN_MIN_CODERS` on "blosc2" chunks
+    are gathered into shared buffers (`BLOSC2_JOIN_BYTES`).
 
     The work is a few large calls that release the GIL, not a dozen per block: the probes of every
     block and plane of a run are one gather and one bincount; the planes of all runs of one
@@ -248,12 +250,12 @@ def encode_runs(runs: Sequence[tuple[str, Any, int, Any]], threads: int = 1) -> 
     out: list[list[Any]] = [[] for _ in checked]
     zstd_runs: list[int] = []
     planes_by_k: dict[int, list[int]] = {}
+    blosc2_runs: list[int] = []
     for r, (codec, u8, block, k) in enumerate(checked):
         if codec == "none":
             out[r] = [u8[o:o + block].tobytes() for o in range(0, u8.nbytes, block)]
-        elif codec == "blosc2":  # one C call per block, without the GIL
-            b2, kw = _blosc2(), _blosc2_params(k)
-            out[r] = [b2.compress2(u8[o:o + block], **kw) for o in range(0, u8.nbytes, block)]
+        elif codec == "blosc2":
+            blosc2_runs.append(r)
         elif codec == "zstd" and u8.nbytes:
             zstd_runs.append(r)
         elif codec == "planes" and u8.nbytes:
@@ -271,7 +273,65 @@ def encode_runs(runs: Sequence[tuple[str, Any, int, Any]], threads: int = 1) -> 
     for slot, (k, members) in enumerate(planes_by_k.items()):
         for r, blocks in zip(members, _encode_planes_runs([checked[r] for r in members], k, slot, threads)):
             out[r] = blocks
+    if blosc2_runs:
+        join = BLOSC2_JOIN_BYTES if coders >= BLOSC2_JOIN_MIN_CODERS else 0
+        for r, blocks in zip(blosc2_runs, _encode_blosc2_runs([checked[r] for r in blosc2_runs], join)):
+            out[r] = blocks
     return out
+
+
+#: "blosc2" blocks coded in a batch are copied, as soon as this many stored bytes are gathered, into one
+#: buffer by numpy (`_joined`: without the GIL), and the chunks python-blosc2 returned are freed at
+#: once, so its next ones reuse their memory. python-blosc2 copies each chunk it codes into a new
+#: bytes object while holding the GIL; held until written (a save's coders run ahead of its writers),
+#: every chunk was fresh memory, whose first-touch page faults (slow under a sandbox such as gVisor)
+#: then ran one thread at a time: 2,449 small leaves in one checkpointable coded at one core's speed
+#: on the TPU host's 13 cores (docs/compression.md, "Small leaves in one checkpointable").
+#: 0: each chunk kept as python-blosc2 returned it (as before 2026-12-06 noon).
+BLOSC2_JOIN_BYTES = 1 << 20
+#: ...where at least this many threads code at once (`encode_runs`' `coders`): with fewer, the GIL is
+#: seldom wanted by two coders at once, and the copy is a cost with nothing to win (on a 2-core VM the
+#: one-checkpointable save of 2,449 small leaves was 5-10% slower gathered).
+BLOSC2_JOIN_MIN_CODERS = 4
+
+
+def _encode_blosc2_runs(runs: list[tuple[str, np.ndarray, int, int]], join: int) -> list[list[Any]]:
+    """The "blosc2" blocks of each of `runs`: one `compress2` call per block (C-Blosc2, without the GIL),
+    the stored chunks gathered into buffers of about `join` bytes (0: none), each block a memoryview of one."""
+    b2 = _blosc2()
+    out: list[list[Any]] = [[] for _ in runs]
+    pending: list[Any] = []  # stored chunks not yet joined, and the run of each
+    owners: list[int] = []
+    size = 0
+    for r, (_, u8, block, k) in enumerate(runs):
+        kw = _blosc2_params(k)
+        for o in range(0, u8.nbytes, block):
+            z = b2.compress2(u8[o:o + block], **kw)
+            if not join:
+                out[r].append(z)
+                continue
+            pending.append(z)
+            owners.append(r)
+            size += len(z)
+            if size >= join:
+                _flush_blosc2(pending, owners, out)
+                size = 0
+    if pending:
+        _flush_blosc2(pending, owners, out)
+    return out
+
+
+def _flush_blosc2(pending: list[Any], owners: list[int], out: list[list[Any]]) -> None:
+    """Join `pending` chunks into one buffer (numpy, without the GIL, however few bytes: this is what keeps
+    fresh pages out of the GIL), append each as a view to its run's blocks in `out`, and empty both lists."""
+    whole = np.concatenate([np.frombuffer(z, np.uint8) for z in pending])
+    view = memoryview(whole)  # type: ignore[arg-type]  # a contiguous uint8 array exports its buffer
+    o = 0
+    for z, r in zip(pending, owners):
+        out[r].append(view[o:o + len(z)])
+        o += len(z)
+    pending.clear()
+    owners.clear()
 
 
 #: A run's stored bytes from this size on are joined by numpy (which copies without the GIL), smaller
