@@ -67,9 +67,6 @@ def main() -> None:
     ap.add_argument("--cores", type=int, default=0,
                     help="code on this many threads (engine._cores; default: the cores this process may use), e.g. "
                          "13 on a small host for the TPU host's coder count")
-    ap.add_argument("--code-window", default=None,
-                    help="comma-separated of shared (the coders' run-ahead split among the files written at once, "
-                         "engine.CODE_WINDOW_SHARED) and per-file (every coder ahead of each file), A/B in one run")
     ap.add_argument("--json")
     args = ap.parse_args()
     from cairn._format import codecs
@@ -90,13 +87,11 @@ def main() -> None:
     settings = [setting(s) for s in args.settings.split(",")]
     groups = [int(g) for g in args.groups.split(",")] if args.groups else [engine.GROUP_LEAVES]
     joins = [int(j) << 10 for j in args.blosc2_join.split(",")] if args.blosc2_join else [codecs.BLOSC2_JOIN_BYTES]
-    windows = args.code_window.split(",") if args.code_window else ["shared" if engine.CODE_WINDOW_SHARED else "per-file"]
-    cases = [(lay, s, g, j, w) for w in windows for j in joins for g in groups for lay in layouts for s in settings]
+    cases = [(lay, s, g, j) for j in joins for g in groups for lay in layouts for s in settings]
 
-    def key(case: tuple[str, Any, int, int, str]) -> str:
+    def key(case: tuple[str, Any, int, int]) -> str:
         return (f"{case[0]}, {case[1]}" + (f", group {case[2]}" if args.groups else "")
-                + (f", join {case[3] >> 10} KiB" if args.blosc2_join else "")
-                + (f", window {case[4]}" if args.code_window else ""))
+                + (f", join {case[3] >> 10} KiB" if args.blosc2_join else ""))
 
     print(f"{count} leaves, {raw / 2**20:.0f} MiB raw; layouts {', '.join(layouts)}; {os.cpu_count()} cores, "
           f"{engine._cores()} coders, "
@@ -108,11 +103,10 @@ def main() -> None:
     try:
         for _ in range(args.reps):
             for case in cases:
-                lay, s, g, j, w = case
-                engine.CODE_WINDOW_SHARED = w == "shared"
+                lay, s, g, j = case
                 engine.GROUP_LEAVES = g
                 codecs.BLOSC2_JOIN_BYTES = j
-                path = os.path.join(root, f"c-{lay}-{s}-{g}-{j}-{w}")
+                path = os.path.join(root, f"c-{lay}-{s}-{g}-{j}")
                 shutil.rmtree(path, ignore_errors=True)
                 if spans is not None:
                     spans.clear()
@@ -130,8 +124,8 @@ def main() -> None:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     rows = []
-    print("| layout | compression | group | join KiB | coders ahead | bytes written | save s | save / raw | load s | "
-          "decision |\n" + "|---" * 10 + "|")
+    print("| layout | compression | group | join KiB | bytes written | save s | save / raw | load s | decision |\n"
+          + "|---" * 9 + "|")
     for case in cases:
         t = times[key(case)]
         r = {"layout": case[0], "compression": str(case[1]), "save_s": statistics.median(t["save"]),
@@ -139,9 +133,8 @@ def main() -> None:
         rows.append(r)
         r["group"] = case[2]
         r["blosc2_join"] = case[3]
-        r["code_window"] = case[4]
-        base = statistics.median(times[key((case[0], settings[0], case[2], case[3], case[4]))]["save"])
-        print(f"| {case[0]} | {case[1]} | {case[2]} | {case[3] >> 10} | {case[4]} | {r['bytes_written'] / 2**20:.1f} MiB | "
+        base = statistics.median(times[key((case[0], settings[0], case[2], case[3]))]["save"])
+        print(f"| {case[0]} | {case[1]} | {case[2]} | {case[3] >> 10} | {r['bytes_written'] / 2**20:.1f} MiB | "
               f"{r['save_s']:.2f} | "
               f"{r['save_s'] / base:.2f} | {r['load_s']:.2f} | {r['decision']} |", flush=True)
     if staged:

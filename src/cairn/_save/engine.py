@@ -151,8 +151,6 @@ class SaveJob:
     _pipe: Any = field(default=None, repr=False)
     # The primary's own index parts, (key, bytes): put with the indexes, in the commit (`_write_parts`).
     own_parts: list[tuple[str, bytes]] = field(default_factory=list, repr=False)
-    # Coding tasks each file's writer keeps ahead of it (`write_data`; 0: one per coder plus one).
-    _code_window: int = field(default=0, repr=False)
 
     # ------------------------------------------------------------------ layout
 
@@ -273,8 +271,8 @@ class SaveJob:
                 yield group
 
         # (An incremental save codes the blocks it writes itself: `incremental.write_chunk`.)
-        coded = (_in_order(code_pool, self._timed_code_task, code_tasks(), order, self._code_window)
-                 if leaf_codecs and self.inc is None else iter(()))
+        coded = (_in_order(code_pool, self._timed_code_task, code_tasks(), order) if leaf_codecs and self.inc is None
+                 else iter(()))
         done: collections.deque[tuple[int, bool, list[Any]]] = collections.deque()
 
         def blocks_of(n_slot: int) -> Any:
@@ -388,11 +386,6 @@ class SaveJob:
         # unchanged ones are still hashed.
         files = sum(len(it.files) for it in self.items)
         writers = self.threads if self.inc is None else max(self.threads, min(files, 2 * self.threads))
-        # Each writer's file keeps its share of the coders busy, plus one task ahead: a window of every
-        # coder per file let the coders run a whole small-leaf state ahead of the writers, every coded
-        # chunk then held in fresh memory (first-touch faults: docs/compression.md, "Small leaves in one
-        # checkpointable"); with a share, written chunks' memory is coded into again.
-        self._code_window = -(-coders // max(1, min(writers, files))) + 1 if CODE_WINDOW_SHARED else 0
         with ThreadPoolExecutor(max(1, writers), thread_name_prefix="cairn-write") as pool, \
                 ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool, \
                 CodePool(coders) as code_pool:
@@ -640,11 +633,6 @@ def _cores() -> int:
     return usable_cores()
 
 
-#: Split the coders' run-ahead among the files written at once (`_code_window`); False: every coder ahead of
-#: each file (the rule before 2026-12-06, for benchmarks' A/B).
-CODE_WINDOW_SHARED = True
-
-
 def _code_task(task: list[tuple[int, bool, tuple[Any, ...]]]) -> list[tuple[int, bool, list[Any]]]:
     """Code one task of `code_tasks`: (slot, last run of the slot, run) -> (slot, last, stored blocks)."""
     coded = _codecs.encode_runs([run for _, _, run in task], coders=_cores())
@@ -718,15 +706,14 @@ class CodePool:
         self.shutdown()
 
 
-def _in_order(pool: Any, fn: Any, tasks: Any, priority: Any = None, window: int = 0) -> Any:
-    """fn(task) for each of `tasks`, in order: on `pool`, at most `window` tasks ahead of the consumer
-    (default: one per worker plus one; memory stays bounded by the window, not the file), or here
-    without a pool. On a `CodePool`, `priority` (not None) ranks these tasks against other consumers'
-    (lower first)."""
+def _in_order(pool: Any, fn: Any, tasks: Any, priority: Any = None) -> Any:
+    """fn(task) for each of `tasks`, in order: on `pool`, at most one task per worker plus one ahead of
+    the consumer (memory stays bounded by the window, not the file), or here without a pool. On a
+    `CodePool`, `priority` (not None) ranks these tasks against other consumers' (lower first)."""
     if pool is None:
         yield from map(fn, tasks)
         return
-    window = max(2, window or getattr(pool, "_max_workers", 2) + 1)
+    window = max(2, getattr(pool, "_max_workers", 2) + 1)
     ahead: collections.deque[Any] = collections.deque()
     for task in tasks:
         ahead.append(pool.submit(fn, task) if priority is None else pool.submit(fn, task, priority=priority))
