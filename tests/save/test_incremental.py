@@ -1144,3 +1144,22 @@ def test_a_merged_chunks_sample_is_the_sample_of_its_joined_bytes(sizes):
     rng = np.random.default_rng(38)
     parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
     assert _sample_parts(parts) == _sample(memoryview(np.concatenate(parts)))
+
+
+def test_a_managers_async_saves_copy_only_what_the_base_does_not_hold(tmp_path, mesh8, monkeypatch):
+    import cairn._save.snapshot as snap
+
+    copied: list[int] = []
+    real = snap.snapshot
+    monkeypatch.setattr(snap, "snapshot", lambda job, budget=None: (real(job, budget),
+                                                                     copied.append(job.stats.snapshot_bytes)))
+    backbone = jax.device_put(_bf16(39), NamedSharding(mesh8, P("x")))
+    with cairn.CheckpointManager(tmp_path, incremental=True, max_to_keep=2, full_every=3) as mgr:
+        for step in range(4):
+            mgr.save(step, {"backbone": backbone, "head": np.full(64, step, np.float32)})
+            mgr.wait()
+        # Step 0 copies all (nothing hashed yet); 1 and 2 only the head; 3 is self-contained: all again.
+        assert copied == [backbone.nbytes + 256, 256, 256, backbone.nbytes + 256], copied
+        for step in mgr.steps():
+            got = mgr.restore(step)
+            assert np.asarray(got["backbone"]).tobytes() == np.asarray(backbone).tobytes() and got["head"][0] == step
