@@ -1187,3 +1187,48 @@ def test_chunks_the_base_found_unchanged_are_hashed_after_the_rest(tmp_path, mon
     assert sorted(seen) == [(0, 4 << 20), (0, 4 << 20), (QUIET, 4 << 20), (QUIET, 4 << 20)], seen
     got = cairn.load(tmp_path / "s2")
     assert got["frozen"].tobytes() == frozen.tobytes() and got["w"].tobytes() == w2.tobytes()
+
+
+def test_an_async_save_against_a_base_still_being_saved_copies_and_reads_nothing_first(tmp_path, monkeypatch):
+    import cairn._save.incremental as inc
+    from cairn._save import future as _async
+
+    a = jax.numpy.asarray(_bf16(41))
+    _hashed(tmp_path / "s0", {"w": a})
+    # As if this process were still saving s0 (a manager's previous step in flight): the snapshot does
+    # not read the base at all, and copies the array.
+    monkeypatch.setattr(_async._background, "in_flight", lambda: {str(tmp_path / "s0")})
+    import threading
+
+    reads: list[str] = []  # the threads that read the base's manifest
+    real = inc._read_manifest
+    monkeypatch.setattr(inc, "_read_manifest", lambda loc: reads.append(threading.current_thread().name) or real(loc))
+    f = cairn.save_async(tmp_path / "s1", {"w": a}, base=tmp_path / "s0")
+    assert f.stats.snapshot_bytes == a.nbytes
+    assert f.result(timeout=60).bytes_written == 0  # the job reads the base and refers to it
+    assert reads == ["cairn-save"], reads  # in the background only
+    assert np.asarray(cairn.load(tmp_path / "s1")["w"]).tobytes() == np.asarray(a).tobytes()
+
+
+def test_an_async_save_on_an_object_store_decides_before_its_snapshot_only_for_large_arrays(s3):
+    import cairn._save.incremental as inc
+
+    bucket = s3.new_bucket()
+    opts = s3.options(part_size=5 * MiB, read_part_size=1 * MiB)
+    root = f"s3://{bucket}/run"
+    a = jax.numpy.asarray(_bf16(42))  # 4 MiB: under REMOTE_DECIDE_BYTES
+    cairn.save(f"{root}/p", {"w": a}, storage_options=opts)
+    cairn.save(f"{root}/s0", {"w": a}, base=f"{root}/p", storage_options=opts)
+    f = cairn.save_async(f"{root}/s1", {"w": a}, base=f"{root}/s0", storage_options=opts)
+    assert f.stats.snapshot_bytes == a.nbytes  # copied: 4 MiB spares less than the base's round trips cost
+    assert f.result(timeout=60).bytes_written == 0
+    old = inc.REMOTE_DECIDE_BYTES
+    try:
+        inc.REMOTE_DECIDE_BYTES = 1 << 20
+        f = cairn.save_async(f"{root}/s2", {"w": a}, base=f"{root}/s1", storage_options=opts)
+        assert f.stats.snapshot_bytes == 0
+        f.result(timeout=60)
+    finally:
+        inc.REMOTE_DECIDE_BYTES = old
+    got = cairn.load(f"{root}/s2", storage_options=opts)
+    assert np.asarray(got["w"]).tobytes() == np.asarray(a).tobytes()

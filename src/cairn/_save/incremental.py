@@ -90,6 +90,12 @@ DELTA_GAIN = 0.25
 #: The coder pool's priority of the runs of a chunk its base found unchanged too (`write_chunk`): after
 #: every file's other runs (`engine.CodePool` serves the lowest first; files rank 0, 1, 2...).
 QUIET = 1 << 30
+#: On storage other than a local disk, an async save decides its unchanged jax.Array chunks before its
+#: snapshot (`Incremental.decide_unchanged`) only where they hold at least this many bytes: the three
+#: or four reads of the base it then makes while the caller waits (20-50 ms each to an object store;
+#: the job skips them later) cost about what a host copy of 256 MiB does (2-4 GiB/s); beyond that the
+#: copy it spares costs more (and the snapshot's memory shrinks by as much).
+REMOTE_DECIDE_BYTES = 256 << 20
 #: Blocks smaller than this are never tried as deltas (a base read per block would cost more than it saves).
 DELTA_MIN = 4096
 #: A chunk's sample first XORs this many leading bytes of a raw base block (`_try_delta`).
@@ -281,6 +287,7 @@ class Incremental:
     stats_deltas: int = 0  # blocks stored as deltas, by this process
     dirs: dict[str, str] = field(default_factory=dict)  # item name -> its folder (in the base, as here)
     opened: bool = False  # `open` read the base (it reads it once)
+    in_flight: set[str] = field(default_factory=set)  # paths of this process's async saves not finished yet
     # (item, leaf, cell) -> a chunk decided before an async save's snapshot, not copied (`decide_unchanged`):
     # its record, stored sizes and CRCs
     decided: dict[tuple[str, int, int], tuple[_Chunk, list[int], list[int]]] = field(default_factory=dict)
@@ -348,13 +355,19 @@ class Incremental:
         delete the array the moment the snapshot returns. The base must be committed now: a base
         still being written (the manager's previous save, in flight) decides nothing here, and the
         save's job opens it when it runs, as a blocking save does. Any error reading the base
-        decides nothing either (the job meets it again, and reports it, when it runs)."""
-        if self.base is None or self.opened:
+        decides nothing either (the job meets it again, and reports it, when it runs).
+
+        It costs the blocking phase the base's reads the job would make anyway (its manifest, indexes
+        and our chunks' records): a few milliseconds on a local disk, a few round trips to an object
+        store. So a base this process is still saving (`in_flight`) is not even looked at, and on
+        storage other than a local disk the chunks must hold at least `REMOTE_DECIDE_BYTES`."""
+        if self.base is None or self.opened or self.base.path in self.in_flight:
             return 0
         wanted = [(item, key, src) for item in items for key, src in item.sources.items()
                   if type(src) is not np.ndarray and (value := _same_array(item.leaves[key[0]])) is not None
                   and _hashed_of(value)]
-        if not wanted:
+        if not wanted or (getattr(self.loc.storage, "kind", "local") != "local"
+                          and sum(int(src.nbytes) for _i, _k, src in wanted) < REMOTE_DECIDE_BYTES):
             return 0
         try:
             manifest = _read_manifest(self.base)
