@@ -366,7 +366,7 @@ class Incremental:
         wanted = [(item, key, src) for item in items for key, src in item.sources.items()
                   if type(src) is not np.ndarray and (value := _same_array(item.leaves[key[0]])) is not None
                   and _hashed_of(value)]
-        if not wanted or (getattr(self.loc.storage, "kind", "local") != "local"
+        if not wanted or (self.loc.storage.kind != "local"
                           and sum(int(src.nbytes) for _i, _k, src in wanted) < REMOTE_DECIDE_BYTES):
             return 0
         try:
