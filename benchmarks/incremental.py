@@ -16,7 +16,7 @@ per step: in full (``cairn.save``, format 2, raw) and incrementally
   bytes the snapshot copied. An incremental async save decides before its snapshot which chunks of
   an unchanged jax.Array its base holds, and copies only the rest
   (`_save.incremental.Incremental.decide_unchanged`).
-- ``frozen-jax-manager``: the same through two ``CheckpointManager``\ s (async saves), one
+- ``frozen-jax-manager``: the same through two ``CheckpointManager`` objects (async saves), one
   ``incremental=True`` and one not, alternated step by step, each save finished before the next:
   the time ``mgr.save`` blocks.
 - ``lr1e-6``: the bf16 parameters of a trained-like state

@@ -42,7 +42,9 @@ prepared: saves run one at a time in the order asked, so a manager's save
 against the step it asked to save just before finds that step committed
 (or, if that save failed, falls back to a self-contained save: `required`).
 Each process reads the base's manifest, its indexes and only the records of
-the chunks it writes itself.
+the chunks it writes itself. An async save whose base is committed already
+reads them before its snapshot instead (`Incremental.decide_unchanged`), to
+spare the host copy of unchanged `jax.Array` chunks the base holds.
 """
 
 from __future__ import annotations
@@ -308,6 +310,7 @@ class Incremental:
         self.opened = True
 
     def _open(self, manifest: fmt.Manifest, items: list[SaveItem], where: str) -> None:
+        assert self.base is not None
         if manifest.version < fmt.INCREMENTAL_VERSION:
             return  # no hashes to compare with: every block is written (with hashes, for the next save)
         if self.base.name in manifest.bases or self.base.name == self.loc.name:
@@ -514,8 +517,8 @@ class Incremental:
         # are still being hashed, not all files at the end together.
         quiet = base is not None and not self.base_full and all(
             b.target is None and b.ref.base != self.base_name for b in base)
-        submit = pool.submit if pool is None or isinstance(pool, ThreadPoolExecutor) else functools.partial(
-            pool.submit, priority=QUIET if quiet else 0)
+        submit: Any = None if pool is None else pool.submit if isinstance(pool, ThreadPoolExecutor) else (
+            functools.partial(pool.submit, priority=QUIET if quiet else 0))
 
         def results() -> Iterator[list[tuple[bytes, Any, int, int]]]:
             if pool is None or len(work) < 2:
