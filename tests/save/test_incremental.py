@@ -250,15 +250,20 @@ def test_two_processes(tmp_path):
 SAVER = textwrap.dedent(
     """
     import sys, numpy as np, cairn
-    directory = sys.argv[1]
+    directory, mode = sys.argv[1], sys.argv[2]
     rng = np.random.default_rng(0)
     frozen = {f"w{i}": rng.standard_normal((512, 1024)).astype(np.float32) for i in range(12)}
+    if mode == "async-jax":  # unchanged jax.Arrays: decided before each snapshot, never copied
+        import jax
+        frozen = {k: jax.numpy.asarray(v) for k, v in frozen.items()}
     print("ready", flush=True)
     with cairn.CheckpointManager(directory, max_to_keep=2, incremental=True, full_every=3,
-                                 async_save=False) as mgr:
+                                 async_save=mode == "async-jax") as mgr:
         for step in range(1000):
             mgr.save(step, {"frozen": frozen, "head": np.full((256, 1024), step, np.float32), "step": step})
             print("saved", step, flush=True)
+            if mode == "async-jax" and step % 2:  # the next save finds its base committed: it decides
+                mgr.wait()
     """
 )
 
@@ -270,16 +275,20 @@ def _expected(step: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("after", [3, 5, 7])
-def test_sigkill_during_incremental_saves_and_retention(tmp_path, after):
-    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path / "run")], stdout=subprocess.PIPE,
+@pytest.mark.parametrize(("mode", "after"), [("sync-numpy", 3), ("sync-numpy", 5), ("sync-numpy", 7),
+                                             ("async-jax", 4), ("async-jax", 7)])
+def test_sigkill_during_incremental_saves_and_retention(tmp_path, mode, after):
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path / "run"), mode], stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    # An async save returns before it commits; once save `after + 2` has returned, `after` has committed
+    # (at most two async saves are pending at once).
+    wait_for = after if mode.startswith("sync") else after + 2
     try:
         assert proc.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # kill at a different point of the loop for each `after`
             line = proc.stdout.readline()
-            if line.startswith("saved") and int(line.split()[1]) >= after:
+            if line.startswith("saved") and int(line.split()[1]) >= wait_for:
                 break
         time.sleep(0.01 * after)
         proc.send_signal(signal.SIGKILL)
