@@ -1174,30 +1174,6 @@ def test_a_managers_async_saves_copy_only_what_the_base_does_not_hold(tmp_path, 
             assert np.asarray(got["backbone"]).tobytes() == np.asarray(backbone).tobytes() and got["head"][0] == step
 
 
-def test_chunks_the_base_found_unchanged_are_hashed_after_the_rest(tmp_path, monkeypatch):
-    from cairn._save import engine
-    from cairn._save.incremental import QUIET
-
-    rng = np.random.default_rng(40)
-    frozen = rng.standard_normal((2048, 2048)).astype(ml_dtypes.bfloat16)  # 8 MiB: two runs of 4 blocks
-    _hashed(tmp_path / "s0", {"frozen": frozen, "w": np.zeros((1024, 2048), np.float32)})
-    cairn.save(tmp_path / "s1", {"frozen": frozen, "w": np.ones((1024, 2048), np.float32)}, base=tmp_path / "s0")
-    seen: list[tuple[int, int]] = []  # (priority, run bytes)
-    real = engine.CodePool.submit
-
-    def submit(self, fn, *args, priority=0):
-        seen.append((priority, len(args[0])))
-        return real(self, fn, *args, priority=priority)
-
-    monkeypatch.setattr(engine.CodePool, "submit", submit)
-    w2 = np.full((1024, 2048), 2, np.float32)
-    cairn.save(tmp_path / "s2", {"frozen": frozen, "w": w2}, base=tmp_path / "s1")
-    # frozen's blocks in s1 refer to s0 (unchanged there): its runs queue last; w's (s1's own) first.
-    assert sorted(seen) == [(0, 4 << 20), (0, 4 << 20), (QUIET, 4 << 20), (QUIET, 4 << 20)], seen
-    got = cairn.load(tmp_path / "s2")
-    assert got["frozen"].tobytes() == frozen.tobytes() and got["w"].tobytes() == w2.tobytes()
-
-
 def test_an_async_save_against_a_base_still_being_saved_copies_and_reads_nothing_first(tmp_path, monkeypatch):
     import cairn._save.incremental as inc
     from cairn._save import future as _async

@@ -50,7 +50,6 @@ spare the host copy of unchanged `jax.Array` chunks the base holds.
 from __future__ import annotations
 
 import collections
-import functools
 import threading
 import weakref
 from collections.abc import Callable, Generator, Iterator
@@ -89,9 +88,6 @@ SMALL = 64 << 10  # own blocks up to this size join the writer's batch (`engine.
 BATCH = 4 << 20
 #: A delta is kept when its stored bytes are at most this fraction of the block's own stored bytes.
 DELTA_GAIN = 0.25
-#: The coder pool's priority of the runs of a chunk its base found unchanged too (`write_chunk`): after
-#: every file's other runs (`engine.CodePool` serves the lowest first; files rank 0, 1, 2...).
-QUIET = 1 << 30
 #: On storage other than a local disk, an async save decides its unchanged jax.Array chunks before its
 #: snapshot (`Incremental.decide_unchanged`) only where they hold at least this many bytes: the three
 #: or four reads of the base it then makes while the caller waits (20-50 ms each to an object store;
@@ -511,15 +507,6 @@ class Incremental:
         sparse = False
         own = 0
 
-        # A chunk whose base blocks all refer further back (the base found it unchanged too) is likely
-        # unchanged again: on the coder pool its runs queue behind other chunks' (`CodePool`'s priority),
-        # so that the leaves that change are hashed, written and flushed to disk while the frozen ones
-        # are still being hashed, not all files at the end together.
-        quiet = base is not None and not self.base_full and all(
-            b.target is None and b.ref.base != self.base_name for b in base)
-        submit: Any = None if pool is None else pool.submit if isinstance(pool, ThreadPoolExecutor) else (
-            functools.partial(pool.submit, priority=QUIET if quiet else 0))
-
         def results() -> Iterator[list[tuple[bytes, Any, int, int]]]:
             if pool is None or len(work) < 2:
                 for w in work:
@@ -528,7 +515,7 @@ class Incremental:
             window = max(2, getattr(pool, "_max_workers", 2) + 1)
             ahead: collections.deque[Any] = collections.deque()
             for w in work:
-                ahead.append(submit(_run, w[0], w[1], block, codec, dtype, ctx))
+                ahead.append(pool.submit(_run, w[0], w[1], block, codec, dtype, ctx))
                 if len(ahead) >= window:
                     yield ahead.popleft().result()
             while ahead:
