@@ -11,6 +11,14 @@ per step: in full (``cairn.save``, format 2, raw) and incrementally
   device) passed unchanged, the same object, to every save: what a JAX
   training loop that does not update the backbone saves. An incremental save
   refers to its blocks without hashing them (`_save.incremental._HASHED`).
+- ``frozen-jax-async``: the ``frozen-jax`` state saved with ``cairn.save_async``, in full and
+  incrementally, each save finished before the next: the blocking time (``stats.blocking_s``) and the
+  bytes the snapshot copied. An incremental async save decides before its snapshot which chunks of
+  an unchanged jax.Array its base holds, and copies only the rest
+  (`_save.incremental.Incremental.decide_unchanged`).
+- ``frozen-jax-manager``: the same through two ``CheckpointManager`` objects (async saves), one
+  ``incremental=True`` and one not, alternated step by step, each save finished before the next:
+  the time ``mgr.save`` blocks.
 - ``lr1e-6``: the bf16 parameters of a trained-like state
   (`benchmarks.trained_state`) under one AdamW step at learning rate 1e-6 per
   save (f32 moments updated alongside), the parameters' bytes reported apart.
@@ -187,6 +195,70 @@ def run_case(name: str, state: dict, step_fn: Any, saves: int, root: str, load_r
     return out
 
 
+def run_async_case(name: str, state: dict, step_fn: Any, saves: int, root: str) -> dict[str, Any]:
+    """Blocking time of ``cairn.save_async`` in full and incrementally (against the previous incremental
+    step), alternated step by step, each save finished before the next is asked."""
+    rng = np.random.default_rng(1)
+    loadavg_start = os.getloadavg()
+    block: dict[str, list[float]] = {"full": [], "inc": []}
+    copied: dict[str, list[int]] = {"full": [], "inc": []}
+    prev = None
+    for t in range(1, saves + 1):
+        if t > 1:
+            step_fn(state, rng, t)
+        full, inc = os.path.join(root, f"{name}_full_{t}"), os.path.join(root, f"{name}_inc_{t}")
+        order = [("full", full), ("inc", inc)] if t % 2 else [("inc", inc), ("full", full)]
+        for kind, path in order:
+            os.sync()
+            time.sleep(0.2)
+            if kind == "full":
+                f = cairn.save_async(path, state, compression=False)
+            elif prev is None:  # the chain starts with a self-contained save with hashes
+                cairn.save(path + "_plain", state, compression=False)
+                f = cairn.save_async(path, state, compression=False, base=path + "_plain")
+            else:
+                f = cairn.save_async(path, state, compression=False, base=prev)
+            f.result()
+            if t > 1:
+                block[kind].append(f.stats.blocking_s)
+                copied[kind].append(f.stats.snapshot_bytes)
+        if prev is not None:
+            shutil.rmtree(os.path.join(root, f"{name}_full_{t - 1}"))
+        prev = inc
+    return {"case": name, "state_bytes": _nbytes(state), "saves_timed": len(block["inc"]), "async": True,
+            "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg(),
+            "block_full_s": statistics.median(block["full"]), "block_inc_s": statistics.median(block["inc"]),
+            "block_ratios": [a / b for a, b in zip(block["inc"], block["full"])],
+            "snapshot_full_bytes": statistics.median(copied["full"]),
+            "snapshot_inc_bytes": statistics.median(copied["inc"])}
+
+
+def run_manager_case(name: str, state: dict, step_fn: Any, saves: int, root: str) -> dict[str, Any]:
+    """Blocking time of a `CheckpointManager`'s async ``save``: incremental against not, alternated."""
+    rng = np.random.default_rng(1)
+    loadavg_start = os.getloadavg()
+    block: dict[str, list[float]] = {"full": [], "inc": []}
+    with cairn.CheckpointManager(os.path.join(root, "inc"), incremental=True, max_to_keep=2, full_every=1000,
+                                 compression=False) as mi, \
+            cairn.CheckpointManager(os.path.join(root, "full"), max_to_keep=2, compression=False) as mf:
+        for step in range(saves):
+            if step:
+                step_fn(state, rng, step + 1)
+            for kind, mgr in ((("full", mf), ("inc", mi)) if step % 2 else (("inc", mi), ("full", mf))):
+                os.sync()
+                time.sleep(0.2)
+                t0 = time.perf_counter()
+                mgr.save(step, state)
+                dt = time.perf_counter() - t0
+                mgr.wait()
+                if step:
+                    block[kind].append(dt)
+    return {"case": name, "state_bytes": _nbytes(state), "saves_timed": len(block["inc"]), "async": True,
+            "loadavg_start": loadavg_start, "loadavg_end": os.getloadavg(),
+            "block_full_s": statistics.median(block["full"]), "block_inc_s": statistics.median(block["inc"]),
+            "block_ratios": [a / b for a, b in zip(block["inc"], block["full"])]}
+
+
 def _spread(ratios: list[float]) -> str:
     """Paired ratios as 'median [min-max]' (the VM is shared: one ratio is no measurement)."""
     return f"{statistics.median(ratios):.2f}x [{min(ratios):.2f}-{max(ratios):.2f}]" if ratios else "-"
@@ -207,9 +279,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     try:
         for case in args.cases.split(","):
-            if case in ("frozen", "frozen-jax"):
+            if case in ("frozen", "frozen-jax", "frozen-jax-async", "frozen-jax-manager"):
                 state, fn = _frozen_state(args.backbone_mib, args.head_mib), _frozen_step
-                if case == "frozen-jax":
+                if case != "frozen":
                     import jax
 
                     bb = state["params"]["backbone"]
@@ -220,7 +292,12 @@ def main(argv: list[str] | None = None) -> int:
                 fn = (lambda lr_: lambda s, rng, t: _adamw(s, lr_, rng, 20 + t))(lr)
             else:
                 raise SystemExit(f"unknown case {case!r}")
-            results.append(run_case(case, state, fn, args.saves, root, args.load_reps))
+            if case == "frozen-jax-async":
+                results.append(run_async_case(case, state, fn, args.saves, root))
+            elif case == "frozen-jax-manager":
+                results.append(run_manager_case(case, state, fn, args.saves, root))
+            else:
+                results.append(run_case(case, state, fn, args.saves, root, args.load_reps))
             shutil.rmtree(root)
             os.makedirs(root)
     finally:
@@ -233,6 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in results:
         print(f"\n{r['case']}: state {r['state_bytes'] / MiB:.0f} MiB, {r['saves_timed']} saves timed after the first"
               f" (load average {r['loadavg_start'][0]:.2f} at its start, {r['loadavg_end'][0]:.2f} at its end)")
+        if r.get("async"):
+            copied = (f"; snapshot copied: full {r['snapshot_full_bytes'] / MiB:.1f} MiB, incremental "
+                      f"{r['snapshot_inc_bytes'] / MiB:.1f} MiB" if "snapshot_inc_bytes" in r else "")
+            print(f"  {'save_async' if 'snapshot_inc_bytes' in r else 'manager save'} blocking time (median): full "
+                  f"{r['block_full_s'] * 1e3:.1f} ms, incremental {r['block_inc_s'] * 1e3:.1f} ms "
+                  f"({r['block_inc_s'] / r['block_full_s']:.2f}x), per step {_spread(r['block_ratios'])}{copied}")
+            continue
         print(f"  bytes written per save: full {r['full_bytes'] / MiB:.1f} MiB, incremental {r['inc_bytes'] / MiB:.1f} MiB"
               f" ({r['inc_bytes'] / r['full_bytes']:.3f}x)")
         print(f"  parameters' own bytes: full {r['params_full_bytes'] / MiB:.1f} MiB, incremental "

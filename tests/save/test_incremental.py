@@ -250,15 +250,20 @@ def test_two_processes(tmp_path):
 SAVER = textwrap.dedent(
     """
     import sys, numpy as np, cairn
-    directory = sys.argv[1]
+    directory, mode = sys.argv[1], sys.argv[2]
     rng = np.random.default_rng(0)
     frozen = {f"w{i}": rng.standard_normal((512, 1024)).astype(np.float32) for i in range(12)}
+    if mode == "async-jax":  # unchanged jax.Arrays: decided before each snapshot, never copied
+        import jax
+        frozen = {k: jax.numpy.asarray(v) for k, v in frozen.items()}
     print("ready", flush=True)
     with cairn.CheckpointManager(directory, max_to_keep=2, incremental=True, full_every=3,
-                                 async_save=False) as mgr:
+                                 async_save=mode == "async-jax") as mgr:
         for step in range(1000):
             mgr.save(step, {"frozen": frozen, "head": np.full((256, 1024), step, np.float32), "step": step})
             print("saved", step, flush=True)
+            if mode == "async-jax" and step % 2:  # the next save finds its base committed: it decides
+                mgr.wait()
     """
 )
 
@@ -270,16 +275,20 @@ def _expected(step: int) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("after", [3, 5, 7])
-def test_sigkill_during_incremental_saves_and_retention(tmp_path, after):
-    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path / "run")], stdout=subprocess.PIPE,
+@pytest.mark.parametrize(("mode", "after"), [("sync-numpy", 3), ("sync-numpy", 5), ("sync-numpy", 7),
+                                             ("async-jax", 4), ("async-jax", 7)])
+def test_sigkill_during_incremental_saves_and_retention(tmp_path, mode, after):
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(tmp_path / "run"), mode], stdout=subprocess.PIPE,
                             text=True, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    # An async save returns before it commits; once save `after + 2` has returned, `after` has committed
+    # (at most two async saves are pending at once).
+    wait_for = after if mode.startswith("sync") else after + 2
     try:
         assert proc.stdout.readline().strip() == "ready"
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:  # kill at a different point of the loop for each `after`
             line = proc.stdout.readline()
-            if line.startswith("saved") and int(line.split()[1]) >= after:
+            if line.startswith("saved") and int(line.split()[1]) >= wait_for:
                 break
         time.sleep(0.01 * after)
         proc.send_signal(signal.SIGKILL)
@@ -1081,3 +1090,133 @@ def test_a_jax_array_sharing_host_memory_that_changes_is_hashed_again(tmp_path):
     assert st.bytes_written > 0  # the changed block is found (as a delta) and written
     assert np.asarray(cairn.load(tmp_path / "s1")["w"]).tobytes() == host.tobytes()
     assert np.asarray(cairn.load(tmp_path / "s0")["w"]).tobytes() == w0.tobytes()
+
+
+def test_an_async_save_does_not_copy_an_unchanged_jax_array_its_base_holds(tmp_path, mesh8):
+    frozen = jax.device_put(_bf16(31), NamedSharding(mesh8, P("x")))  # 4 MiB, 8 chunks
+    want = np.asarray(frozen).tobytes()
+    head = np.full(64, 1, np.float32)
+    _hashed(tmp_path / "s0", {"frozen": frozen, "head": np.zeros(64, np.float32)})
+    f = cairn.save_async(tmp_path / "s1", {"frozen": frozen, "head": head}, base=tmp_path / "s0")
+    # Only the head is copied; the backbone's chunks are decided before the snapshot and never read
+    # again, so the caller may delete (or donate) the array at once.
+    assert f.stats.snapshot_bytes == head.nbytes
+    frozen.delete()
+    st = f.result(timeout=60)
+    assert st.bytes_written < 1 << 16
+    got = cairn.load(tmp_path / "s1")
+    assert np.asarray(got["frozen"]).tobytes() == want and got["head"][0] == 1
+    assert verify(tmp_path / "s1").ok
+
+
+@pytest.mark.parametrize("compression", [True, "zstd"])
+def test_an_async_compressed_save_of_an_unchanged_jax_array_chooses_codecs_for_the_rest(tmp_path, compression):
+    frozen = jax.numpy.asarray(_bf16(32))  # one chunk, in host memory (its sample is checked)
+    rng = np.random.default_rng(33)
+    _hashed(tmp_path / "s0", {"frozen": frozen, "w": _bf16(34)}, compression=compression)
+    w = rng.standard_normal((512, 512)).astype(np.float32)
+    f = cairn.save_async(tmp_path / "s1", {"frozen": frozen, "w": w}, base=tmp_path / "s0",
+                         compression=compression)
+    assert f.stats.snapshot_bytes == w.nbytes
+    f.result(timeout=60)
+    got = cairn.load(tmp_path / "s1")
+    assert np.asarray(got["frozen"]).tobytes() == np.asarray(frozen).tobytes() and got["w"].tobytes() == w.tobytes()
+
+
+def test_an_async_save_copies_an_unchanged_jax_array_where_its_base_cannot_show_it(tmp_path):
+    a, b = jax.numpy.asarray(_bf16(35)), jax.numpy.asarray(_bf16(36))
+    want = np.asarray(a).tobytes()
+    _hashed(tmp_path / "s0", {"w": a})
+    cairn.save(tmp_path / "s1", {"w": a}, base=tmp_path / "s0")
+    _hashed(tmp_path / "s0", {"w": b}, overwrite=True)  # s0 now holds other bytes under the same name
+    f = cairn.save_async(tmp_path / "s2", {"w": a}, base=tmp_path / "s0")
+    assert f.stats.snapshot_bytes == a.nbytes  # copied: its hashes are not the base's
+    a.delete()
+    assert f.result(timeout=60).bytes_written == len(want)
+    assert np.asarray(cairn.load(tmp_path / "s2")["w"]).tobytes() == want
+    # A base not committed when the snapshot runs (a save in flight, here a name nothing is saved at
+    # yet, with a manager's fallback) decides nothing: the array is copied.
+    from cairn._save import future as _async
+    from cairn._save.incremental import sibling
+    from cairn._storage.location import resolve
+
+    c = jax.numpy.asarray(_bf16(37))
+    _hashed(tmp_path / "s3", {"w": c})
+    loc = resolve(str(tmp_path / "s4"))
+    f = _async.save_async(loc, {"w": c}, incremental={"base": sibling(loc, tmp_path / "nothing"), "hashes": True,
+                                                      "base_required": False})
+    assert f.stats.snapshot_bytes == c.nbytes
+    f.result(timeout=60)
+
+
+@pytest.mark.parametrize("sizes", [[4096 * 20], [4096 * 8, 4096 * 8, 100], [4096 * 3, 5000, 4096], [30, 40], [4096 * 17, 10]])
+def test_a_merged_chunks_sample_is_the_sample_of_its_joined_bytes(sizes):
+    from cairn._save.incremental import _sample, _sample_parts
+
+    rng = np.random.default_rng(38)
+    parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    assert _sample_parts(parts) == _sample(memoryview(np.concatenate(parts)))
+
+
+def test_a_managers_async_saves_copy_only_what_the_base_does_not_hold(tmp_path, mesh8, monkeypatch):
+    import cairn._save.snapshot as snap
+
+    copied: list[int] = []
+    real = snap.snapshot
+    monkeypatch.setattr(snap, "snapshot", lambda job, budget=None: (real(job, budget),
+                                                                     copied.append(job.stats.snapshot_bytes)))
+    backbone = jax.device_put(_bf16(39), NamedSharding(mesh8, P("x")))
+    with cairn.CheckpointManager(tmp_path, incremental=True, max_to_keep=2, full_every=3) as mgr:
+        for step in range(4):
+            mgr.save(step, {"backbone": backbone, "head": np.full(64, step, np.float32)})
+            mgr.wait()
+        # Step 0 copies all (nothing hashed yet); 1 and 2 only the head; 3 is self-contained: all again.
+        assert copied == [backbone.nbytes + 256, 256, 256, backbone.nbytes + 256], copied
+        for step in mgr.steps():
+            got = mgr.restore(step)
+            assert np.asarray(got["backbone"]).tobytes() == np.asarray(backbone).tobytes() and got["head"][0] == step
+
+
+def test_an_async_save_against_a_base_still_being_saved_copies_and_reads_nothing_first(tmp_path, monkeypatch):
+    import cairn._save.incremental as inc
+    from cairn._save import future as _async
+
+    a = jax.numpy.asarray(_bf16(41))
+    _hashed(tmp_path / "s0", {"w": a})
+    # As if this process were still saving s0 (a manager's previous step in flight): the snapshot does
+    # not read the base at all, and copies the array.
+    monkeypatch.setattr(_async._background, "in_flight", lambda: {str(tmp_path / "s0")})
+    import threading
+
+    reads: list[str] = []  # the threads that read the base's manifest
+    real = inc._read_manifest
+    monkeypatch.setattr(inc, "_read_manifest", lambda loc: reads.append(threading.current_thread().name) or real(loc))
+    f = cairn.save_async(tmp_path / "s1", {"w": a}, base=tmp_path / "s0")
+    assert f.stats.snapshot_bytes == a.nbytes
+    assert f.result(timeout=60).bytes_written == 0  # the job reads the base and refers to it
+    assert reads == ["cairn-save"], reads  # in the background only
+    assert np.asarray(cairn.load(tmp_path / "s1")["w"]).tobytes() == np.asarray(a).tobytes()
+
+
+def test_an_async_save_on_an_object_store_decides_before_its_snapshot_only_for_large_arrays(s3):
+    import cairn._save.incremental as inc
+
+    bucket = s3.new_bucket()
+    opts = s3.options(part_size=5 * MiB, read_part_size=1 * MiB)
+    root = f"s3://{bucket}/run"
+    a = jax.numpy.asarray(_bf16(42))  # 4 MiB: under REMOTE_DECIDE_BYTES
+    cairn.save(f"{root}/p", {"w": a}, storage_options=opts)
+    cairn.save(f"{root}/s0", {"w": a}, base=f"{root}/p", storage_options=opts)
+    f = cairn.save_async(f"{root}/s1", {"w": a}, base=f"{root}/s0", storage_options=opts)
+    assert f.stats.snapshot_bytes == a.nbytes  # copied: 4 MiB spares less than the base's round trips cost
+    assert f.result(timeout=60).bytes_written == 0
+    old = inc.REMOTE_DECIDE_BYTES
+    try:
+        inc.REMOTE_DECIDE_BYTES = 1 << 20
+        f = cairn.save_async(f"{root}/s2", {"w": a}, base=f"{root}/s1", storage_options=opts)
+        assert f.stats.snapshot_bytes == 0
+        f.result(timeout=60)
+    finally:
+        inc.REMOTE_DECIDE_BYTES = old
+    got = cairn.load(f"{root}/s2", storage_options=opts)
+    assert np.asarray(got["w"]).tobytes() == np.asarray(a).tobytes()

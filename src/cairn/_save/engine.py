@@ -880,6 +880,7 @@ def choose_codecs(job: SaveJob, background: bool = False) -> tuple[dict[str, dic
     host). Else (None) every codec is known on return.
     """
     from .._tree.leaves import ArraySource
+    from .incremental import UNCHANGED
 
     coord, me = job.coord, job.coord.process_index
     fixed = job.compression
@@ -899,7 +900,7 @@ def choose_codecs(job: SaveJob, background: bool = False) -> tuple[dict[str, dic
                 mine[i] = fixed if i in written or owner == me else "none"
             elif owner == me:
                 first = item.sources.get((i, 0))
-                if first is not None:
+                if first is not None and first is not UNCHANGED:  # (never read by an async incremental save)
                     mine[i] = "none"
                     todo.append((mine, i, first, src.dtype, item))
                 else:

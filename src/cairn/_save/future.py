@@ -133,6 +133,7 @@ class _Background:
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
         self._pending: list[Future[Any]] = []
+        self._paths: dict[Future[Any], str] = {}  # each pending save's checkpoint path
         self._last: Future[Any] | None = None
         self._unreported: list[tuple[Future[Any], str, BaseException]] = []
 
@@ -142,6 +143,7 @@ class _Background:
             before = self._last
             self._last = fut
             self._pending.append(fut)
+            self._paths[fut] = job.loc.path
 
         def run() -> None:
             t0 = time.perf_counter()
@@ -173,7 +175,13 @@ class _Background:
     def _finish(self, fut: Future[Any]) -> None:
         with self._cond:
             self._pending.remove(fut)
+            self._paths.pop(fut, None)
             self._cond.notify_all()
+
+    def in_flight(self) -> set[str]:
+        """The paths of the async saves not finished yet."""
+        with self._lock:
+            return set(self._paths.values())
 
     def wait_for_room(self, limit: int, timeout: float | None = None) -> None:
         """Block until fewer than `limit` saves are pending."""
@@ -289,6 +297,8 @@ def save_async(loc: Location, state: Any, options: SaveOptions | None = None, *,
     admit()
     # `incremental`: `prepare`'s base, hashes and base_required (an incremental save, format 4)
     job = _save.prepare(loc, state, opts, metadata=metadata, **(incremental or {}))
+    if job.inc is not None:  # a base still being saved decides nothing before the snapshot (`decide_unchanged`)
+        job.inc.in_flight = _background.in_flight()
     job.snapshot(opts.snapshot_budget_bytes)
     # What the caller waited for: back-pressure, validation, planning, snapshot.
     job.stats.blocking_s = time.perf_counter() - t0

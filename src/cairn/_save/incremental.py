@@ -42,7 +42,9 @@ prepared: saves run one at a time in the order asked, so a manager's save
 against the step it asked to save just before finds that step committed
 (or, if that save failed, falls back to a self-contained save: `required`).
 Each process reads the base's manifest, its indexes and only the records of
-the chunks it writes itself.
+the chunks it writes itself. An async save whose base is committed already
+reads them before its snapshot instead (`Incremental.decide_unchanged`), to
+spare the host copy of unchanged `jax.Array` chunks the base holds.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ from .._format.blocks import (
 from .._format.partfile import OWN, SOURCE
 from .._storage.location import Location, ranges_reader, resolve
 from .._tree.leaves import ArraySource
-from .assign import SaveItem
+from .assign import Concat, SaveItem
 
 #: Blocks per hashing task: a task hashes (and, where changed, codes and checksums) this many blocks.
 RUN_BLOCKS = 4
@@ -86,6 +88,12 @@ SMALL = 64 << 10  # own blocks up to this size join the writer's batch (`engine.
 BATCH = 4 << 20
 #: A delta is kept when its stored bytes are at most this fraction of the block's own stored bytes.
 DELTA_GAIN = 0.25
+#: On storage other than a local disk, an async save decides its unchanged jax.Array chunks before its
+#: snapshot (`Incremental.decide_unchanged`) only where they hold at least this many bytes: the three
+#: or four reads of the base it then makes while the caller waits (20-50 ms each to an object store;
+#: the job skips them later) cost about what a host copy of 256 MiB does (2-4 GiB/s); beyond that the
+#: copy it spares costs more (and the snapshot's memory shrinks by as much).
+REMOTE_DECIDE_BYTES = 256 << 20
 #: Blocks smaller than this are never tried as deltas (a base read per block would cost more than it saves).
 DELTA_MIN = 4096
 #: A chunk's sample first XORs this many leading bytes of a raw base block (`_try_delta`).
@@ -142,6 +150,20 @@ def _sample(raw: Any) -> bytes:
     return xxhash.xxh3_64_digest(picked.data) + xxhash.xxh3_64_digest(a[-SAMPLE_BYTES:].tobytes())
 
 
+def _sample_parts(parts: list[Any]) -> bytes:
+    """`_sample` of the bytes of `parts` (uint8 arrays) one after another, without joining them where every
+    part but the last is a whole number of `SAMPLE_EVERY` bytes (a merged chunk's shards)."""
+    import xxhash  # (present: `block_hash` needs it)
+
+    total = sum(len(p) for p in parts)
+    if total <= 16 * SAMPLE_EVERY or any(len(p) % SAMPLE_EVERY for p in parts[:-1]) or len(parts[-1]) < SAMPLE_BYTES:
+        return _sample(np.concatenate(parts) if parts else b"")
+    picked = np.concatenate([np.ascontiguousarray(
+        p[: len(p) // SAMPLE_EVERY * SAMPLE_EVERY].reshape(-1, SAMPLE_EVERY)[:, :SAMPLE_BYTES]).reshape(-1)
+        for p in parts])
+    return xxhash.xxh3_64_digest(picked.data) + xxhash.xxh3_64_digest(parts[-1][-SAMPLE_BYTES:].tobytes())
+
+
 def _in_host_memory(value: Any) -> bool:
     return any(d.platform == "cpu" for d in value.sharding.device_set)
 
@@ -182,6 +204,19 @@ def _same_array(src: Any) -> Any:
     except AttributeError:
         return None
     return value
+
+
+class _Unchanged:
+    """The source of a chunk `Incremental.decide_unchanged` decided before the snapshot: never read."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "UNCHANGED"
+
+
+#: `_Unchanged`'s one instance.
+UNCHANGED = _Unchanged()
 
 
 @dataclass(frozen=True)
@@ -249,18 +284,29 @@ class Incremental:
     stats_refs: int = 0  # bytes referred to instead of written, by this process
     stats_deltas: int = 0  # blocks stored as deltas, by this process
     dirs: dict[str, str] = field(default_factory=dict)  # item name -> its folder (in the base, as here)
+    opened: bool = False  # `open` read the base (it reads it once)
+    in_flight: set[str] = field(default_factory=set)  # paths of this process's async saves not finished yet
+    # (item, leaf, cell) -> a chunk decided before an async save's snapshot, not copied (`decide_unchanged`):
+    # its record, stored sizes and CRCs
+    decided: dict[tuple[str, int, int], tuple[_Chunk, list[int], list[int]]] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ the base
 
     def open(self, items: list[SaveItem], where: str) -> None:
-        """Read the base's manifest and indexes, match leaves, fetch the records of our chunks."""
-        if self.base is None:
+        """Read the base's manifest and indexes, match leaves, fetch the records of our chunks (once: an
+        async save may have opened its base before its snapshot, `decide_unchanged`)."""
+        if self.base is None or self.opened:
             return
         manifest = _read_manifest(self.base)
         if manifest is None:
             if self.required:
                 raise CheckpointError(f"{where}: the base checkpoint {self.base.path} is not committed") from None
             return
+        self._open(manifest, items, where)
+        self.opened = True
+
+    def _open(self, manifest: fmt.Manifest, items: list[SaveItem], where: str) -> None:
+        assert self.base is not None
         if manifest.version < fmt.INCREMENTAL_VERSION:
             return  # no hashes to compare with: every block is written (with hashes, for the next save)
         if self.base.name in manifest.bases or self.base.name == self.loc.name:
@@ -295,6 +341,66 @@ class Incremental:
                 want[n].append(cell)
             if want:
                 index.table.fetch({n: np.asarray(cells, dtype=np.int64) for n, cells in want.items()})
+
+    def decide_unchanged(self, items: list[SaveItem], where: str) -> int:
+        """Before an async save's snapshot: the chunks of unchanged `jax.Array` leaves that need no host
+        copy, decided now and their sources replaced by `UNCHANGED`; returns their bytes.
+
+        A chunk qualifies where `_unchanged` would refer to all its blocks without reading them: the
+        same live array (`_HASHED`), the base's blocks at its position all stored as themselves (no
+        delta of the base to copy, which would read the base) with exactly the hashes kept, and, for
+        a chunk in host memory, its `_sample` (taken here, from the array itself). A jax.Array's
+        bytes never change, and these chunks are never read again, so the caller may donate or
+        delete the array the moment the snapshot returns. The base must be committed now: a base
+        still being written (the manager's previous save, in flight) decides nothing here, and the
+        save's job opens it when it runs, as a blocking save does. Any error reading the base
+        decides nothing either (the job meets it again, and reports it, when it runs).
+
+        It costs the blocking phase the base's reads the job would make anyway (its manifest, indexes
+        and our chunks' records): a few milliseconds on a local disk, a few round trips to an object
+        store. So a base this process is still saving (`in_flight`) is not even looked at, and on
+        storage other than a local disk the chunks must hold at least `REMOTE_DECIDE_BYTES`."""
+        if self.base is None or self.opened or self.base.path in self.in_flight:
+            return 0
+        wanted = [(item, key, src) for item in items for key, src in item.sources.items()
+                  if type(src) is not np.ndarray and (value := _same_array(item.leaves[key[0]])) is not None
+                  and _hashed_of(value)]
+        if not wanted or (self.loc.storage.kind != "local"
+                          and sum(int(src.nbytes) for _i, _k, src in wanted) < REMOTE_DECIDE_BYTES):
+            return 0
+        try:
+            manifest = _read_manifest(self.base)
+            if manifest is None:
+                return 0
+            self._open(manifest, items, where)
+        except Exception:
+            self.matches, self.dirs, self.base_name, self.base_full = {}, {}, None, False
+            return 0
+        self.opened = True
+        if self.base_name is None:
+            return 0
+        saved = 0
+        for item, (leaf, cell), src in wanted:
+            value = item.leaves[leaf].value  # type: ignore[union-attr]  # (an array leaf: `_same_array`)
+            key = (item.layouts[leaf].grid, self.block, cell)
+            base = self._base_blocks(item.name, leaf, cell)
+            if base is None or any(b.target is not None for b in base):
+                continue
+            sample = None
+            if _in_host_memory(value):  # its sample, from the array's own memory (views: nothing copied)
+                from .._tree.shardings import host_view
+
+                parts = src.parts if isinstance(src, Concat) else [src]
+                sample = _sample_parts([np.ascontiguousarray(host_view(p)).reshape(-1).view(np.uint8)
+                                        for p in parts])
+            got = self._unchanged(item.name, value, key, base, "none", None, sample)
+            if got is None:
+                continue
+            chunk, sizes, crcs, _copied = got
+            self.decided[(item.name, leaf, cell)] = (chunk, sizes, crcs)
+            item.sources[(leaf, cell)] = UNCHANGED
+            saved += int(src.nbytes)
+        return saved
 
     def _base_blocks(self, item: str, leaf: int, cell: int) -> list[_Base] | None:
         """The base's blocks at this position (hash, where its bytes are), or None without a match."""
@@ -358,6 +464,13 @@ class Incremental:
         CRCs, own stored bytes)``. Blocks equal to the base's become references; the rest are coded
         with `codec` (in runs on `pool`, a window ahead of the writer). `raw`: the chunk's host bytes,
         or a function returning them, called only where they are needed (`_unchanged`)."""
+        decided = self.decided.pop((item.name, leaf, cell), None)
+        if decided is not None:  # before the snapshot, which did not copy it (`decide_unchanged`)
+            chunk, kept_sizes, kept_crcs = decided
+            chunk.codec = CODEC_IDS[codec]
+            self.stats_refs += sum(ref.stored for ref in chunk.refs.values())
+            self.chunks[(item.name, leaf, cell)] = chunk
+            return batch, tuple(kept_sizes), kept_crcs, 0
         block = self.block
         base = self._base_blocks(item.name, leaf, cell)
         value = _same_array(item.leaves[leaf])
@@ -440,12 +553,14 @@ class Incremental:
         return batch, tuple(sizes), crcs, own
 
     def _unchanged(self, item: str, value: Any, key: Any, base: list[_Base] | None, codec: str,
-                   raw: memoryview | Callable[[], memoryview]) -> tuple[_Chunk, list[int], list[int], list[bytes]] | None:
+                   raw: memoryview | Callable[[], memoryview] | None, sampled: bytes | None = None
+                   ) -> tuple[_Chunk, list[int], list[int], list[bytes]] | None:
         """A chunk of jax.Array `value` whose hashes, as kept when this process last hashed it
         (`_HASHED`), are the base's at the same position: its blocks as the base's (references, or
         the base's deltas copied), without reading its bytes, as ``(its record, stored sizes, CRCs,
         the copied deltas' bytes in block order)``. None where that cannot be shown (the chunk is
-        then hashed), or where a base delta's bytes cannot be read."""
+        then hashed), or where a base delta's bytes cannot be read. A chunk in host memory is checked
+        against its `_sample`, `sampled` if given (else taken from `raw`; neither: not shown)."""
         if base is None or self.base_name is None:
             return None
         kept = _hashed_of(value)
@@ -457,7 +572,9 @@ class Incremental:
         theirs, sample = entry
         if len(theirs) != len(base) * HASH_BYTES or theirs != b"".join(b.hash for b in base):
             return None
-        if sample is not None and (callable(raw) or _sample(raw) != sample):
+        if sample is not None and sampled is None and raw is not None and not callable(raw):
+            sampled = _sample(raw)
+        if sample is not None and sampled != sample:
             return None  # changed behind JAX's back (shared host memory): hashed as any chunk
         ctx = None
         chunk = _Chunk([b.hash for b in base], {}, CODEC_IDS[codec])
