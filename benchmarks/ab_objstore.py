@@ -9,6 +9,9 @@
 Each tree gets a worker process of its own (``PYTHONPATH`` = that tree's ``src``), started once and
 kept warm, so the A and B loads alternate repetition by repetition against the same server and the
 same objects (saved once, by the first tree): what the machine's load does to one does it to the other.
+GCS runs on fake-gcs-server, which takes no write from obstore: the first tree saves to a local
+folder and the driver copies the checkpoint in (loads only). What each pattern read is freed after its
+clock stops (and the garbage collected), so no pattern pays for another's memory.
 Each repetition times, in each worker, in alternating order: the raw reads (``obstore.get_ranges`` per
 file with 8 MiB ranges, all files at once; one whole-object GET per file, all at once), a numpy
 load and a load onto the arrays' own sharding on 8 CPU devices. Ratios are each tree's median over
@@ -22,6 +25,7 @@ their samples (innermost frame, and innermost cairn frame).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -77,30 +81,33 @@ def _worker() -> int:
             state["files"] = {k: st.size(k) for k in st.list("ckpt") if k.endswith(".bin")}
         return state["files"]
 
-    def raw_ranges() -> None:
+    def raw_ranges() -> Any:
         from concurrent.futures import ThreadPoolExecutor
 
         import obstore
 
         fs, store = files(), state["store"]
 
-        def one(k: str) -> int:
+        def one(k: str) -> Any:
             n = fs[k]
             starts = list(range(0, n, 8 * MiB))
-            return sum(len(b) for b in obstore.get_ranges(store, k, starts=starts, coalesce=0,
-                                                          ends=[min(s + 8 * MiB, n) for s in starts]))
+            return obstore.get_ranges(store, k, starts=starts, coalesce=0, ends=[min(s + 8 * MiB, n) for s in starts])
 
         with ThreadPoolExecutor(len(fs)) as pool:
-            assert sum(pool.map(one, fs)) == sum(fs.values())
+            got = list(pool.map(one, fs))
+        assert sum(sum(len(b) for b in bs) for bs in got) == sum(fs.values())
+        return got
 
-    def raw_whole() -> None:
+    def raw_whole() -> Any:
         from concurrent.futures import ThreadPoolExecutor
 
         import obstore
 
         fs, store = files(), state["store"]
         with ThreadPoolExecutor(len(fs)) as pool:
-            assert sum(pool.map(lambda k: len(obstore.get(store, k).bytes()), fs)) == sum(fs.values())
+            got = list(pool.map(lambda k: obstore.get(store, k).bytes(), fs))
+        assert sum(len(b) for b in got) == sum(fs.values())
+        return got
 
     from cairn._core.stats import LoadStats
 
@@ -111,13 +118,16 @@ def _worker() -> int:
         for k in ("plan_s", "read_s", "transfer_s", "total_s"):
             phases.setdefault(k, []).append(getattr(stats, k))
 
-    def load_numpy() -> None:
-        cairn.load(state["path"], storage_options=state["opts"], stats=stats)
+    def load_numpy() -> Any:
+        out = cairn.load(state["path"], storage_options=state["opts"], stats=stats)
         noted()
+        return out
 
-    def load_mesh() -> None:
-        jax.block_until_ready(cairn.load(state["path"], state["target"], storage_options=state["opts"], stats=stats))
+    def load_mesh() -> Any:
+        out = jax.block_until_ready(cairn.load(state["path"], state["target"], storage_options=state["opts"],
+                                               stats=stats))
         noted()
+        return out
 
     counter = iter(range(1 << 30))
 
@@ -196,8 +206,13 @@ def _worker() -> int:
                 if op in before:
                     before[op]()
                 t0, c0 = time.perf_counter(), time.process_time()
-                ops[op]()
+                kept = ops[op]()
                 out = [time.perf_counter() - t0, time.process_time() - c0]
+                # What a pattern read is freed after the clock stops, and any garbage with it: freeing
+                # 256 MiB-1 GiB of pages costs tens of ms, which would otherwise fall on whichever
+                # pattern ran when the last reference went (or the collector ran), not on a load.
+                del kept
+                gc.collect()
             print(json.dumps({"ok": out}), flush=True)
         except Exception as e:  # reported to the driver, which stops
             import traceback
