@@ -57,7 +57,7 @@ def _worker() -> int:
         mesh = jax.make_mesh((8,), ("x",))
         sharding = NamedSharding(mesh, P("x"))
         per = job["size_mib"] * MiB // job["arrays"] // 4
-        state.update(path=job["path"], opts=job["opts"], sharding=sharding,
+        state.update(path=job["path"], opts=job["opts"], sharding=sharding, threads=job.get("threads") or 8,
                      shapes={f"w{i}": (8, per // 8) for i in range(job["arrays"])})
         state["target"] = {"params": {k: jax.ShapeDtypeStruct(s, np.float32, sharding=sharding)
                                       for k, s in state["shapes"].items()}}
@@ -119,13 +119,13 @@ def _worker() -> int:
             phases.setdefault(k, []).append(getattr(stats, k))
 
     def load_numpy() -> Any:
-        out = cairn.load(state["path"], storage_options=state["opts"], stats=stats)
+        out = cairn.load(state["path"], storage_options=state["opts"], stats=stats, threads=state["threads"])
         noted()
         return out
 
     def load_mesh() -> Any:
         out = jax.block_until_ready(cairn.load(state["path"], state["target"], storage_options=state["opts"],
-                                               stats=stats))
+                                               stats=stats, threads=state["threads"]))
         noted()
         return out
 
@@ -325,9 +325,10 @@ def run(kind: str, a: argparse.Namespace) -> dict[str, Any]:
             else:
                 opts["endpoint"] = link.endpoint
         path = server.url(bucket, "ckpt")
-        workers = [Worker(name, src) for name, src in a.trees]
-        for w in workers:
-            w(op="setup", path=path, opts=opts, size_mib=a.size_mib, arrays=a.arrays)
+        workers = [Worker(name, src.split("@")[0]) for name, src in a.trees]
+        for w, (_, src) in zip(workers, a.trees):  # SRC@N: that worker's loads with threads=N (default 8)
+            w(op="setup", path=path, opts=opts, size_mib=a.size_mib, arrays=a.arrays,
+              threads=int(src.split("@")[1]) if "@" in src else None)
         if kind == "gcs":  # fake-gcs-server takes no write from obstore: save locally, copy in (loads only)
             import tempfile
 
@@ -407,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--servers", default="moto")
     ap.add_argument("--trees", default=f"base=/tmp/obj_base/src,new={HERE.parent.parent / 'src'}",
                     type=lambda s: [tuple(t.split("=", 1)) for t in s.split(",")],
-                    help="name=src_dir,... (default base=/tmp/obj_base/src,new=this tree's src)")
+                    help="name=src_dir[@threads],... (default base=/tmp/obj_base/src,new=this tree's src)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--ops", default="raw get_ranges,raw whole,numpy,mesh", type=lambda s: s.split(","))
     ap.add_argument("--size-mib", type=int, default=256)
