@@ -9,6 +9,9 @@
 Each tree gets a worker process of its own (``PYTHONPATH`` = that tree's ``src``), started once and
 kept warm, so the A and B loads alternate repetition by repetition against the same server and the
 same objects (saved once, by the first tree): what the machine's load does to one does it to the other.
+GCS runs on fake-gcs-server, which takes no write from obstore: the first tree saves to a local
+folder and the driver copies the checkpoint in (loads only). What each pattern read is freed after its
+clock stops (and the garbage collected), so no pattern pays for another's memory.
 Each repetition times, in each worker, in alternating order: the raw reads (``obstore.get_ranges`` per
 file with 8 MiB ranges, all files at once; one whole-object GET per file, all at once), a numpy
 load and a load onto the arrays' own sharding on 8 CPU devices. Ratios are each tree's median over
@@ -22,6 +25,7 @@ their samples (innermost frame, and innermost cairn frame).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -53,7 +57,7 @@ def _worker() -> int:
         mesh = jax.make_mesh((8,), ("x",))
         sharding = NamedSharding(mesh, P("x"))
         per = job["size_mib"] * MiB // job["arrays"] // 4
-        state.update(path=job["path"], opts=job["opts"], sharding=sharding,
+        state.update(path=job["path"], opts=job["opts"], sharding=sharding, threads=job.get("threads") or 8,
                      shapes={f"w{i}": (8, per // 8) for i in range(job["arrays"])})
         state["target"] = {"params": {k: jax.ShapeDtypeStruct(s, np.float32, sharding=sharding)
                                       for k, s in state["shapes"].items()}}
@@ -62,7 +66,9 @@ def _worker() -> int:
         rng = np.random.default_rng(0)
         host = {k: rng.standard_normal(s, dtype=np.float32) for k, s in state["shapes"].items()}
         arrays = {k: jax.device_put(v, state["sharding"]) for k, v in host.items()}
-        cairn.save(state["path"], {"params": arrays}, storage_options=state["opts"],
+        # `local`: to this folder instead (fake-gcs-server takes no write from obstore; the driver copies it in)
+        cairn.save(job.get("local") or state["path"], {"params": arrays},
+                   storage_options=None if job.get("local") else state["opts"],
                    compression=job.get("compression") or False)
 
     def files() -> dict[str, int]:
@@ -75,30 +81,33 @@ def _worker() -> int:
             state["files"] = {k: st.size(k) for k in st.list("ckpt") if k.endswith(".bin")}
         return state["files"]
 
-    def raw_ranges() -> None:
+    def raw_ranges() -> Any:
         from concurrent.futures import ThreadPoolExecutor
 
         import obstore
 
         fs, store = files(), state["store"]
 
-        def one(k: str) -> int:
+        def one(k: str) -> Any:
             n = fs[k]
             starts = list(range(0, n, 8 * MiB))
-            return sum(len(b) for b in obstore.get_ranges(store, k, starts=starts, coalesce=0,
-                                                          ends=[min(s + 8 * MiB, n) for s in starts]))
+            return obstore.get_ranges(store, k, starts=starts, coalesce=0, ends=[min(s + 8 * MiB, n) for s in starts])
 
         with ThreadPoolExecutor(len(fs)) as pool:
-            assert sum(pool.map(one, fs)) == sum(fs.values())
+            got = list(pool.map(one, fs))
+        assert sum(sum(len(b) for b in bs) for bs in got) == sum(fs.values())
+        return got
 
-    def raw_whole() -> None:
+    def raw_whole() -> Any:
         from concurrent.futures import ThreadPoolExecutor
 
         import obstore
 
         fs, store = files(), state["store"]
         with ThreadPoolExecutor(len(fs)) as pool:
-            assert sum(pool.map(lambda k: len(obstore.get(store, k).bytes()), fs)) == sum(fs.values())
+            got = list(pool.map(lambda k: obstore.get(store, k).bytes(), fs))
+        assert sum(len(b) for b in got) == sum(fs.values())
+        return got
 
     from cairn._core.stats import LoadStats
 
@@ -109,13 +118,16 @@ def _worker() -> int:
         for k in ("plan_s", "read_s", "transfer_s", "total_s"):
             phases.setdefault(k, []).append(getattr(stats, k))
 
-    def load_numpy() -> None:
-        cairn.load(state["path"], storage_options=state["opts"], stats=stats)
+    def load_numpy() -> Any:
+        out = cairn.load(state["path"], storage_options=state["opts"], stats=stats, threads=state["threads"])
         noted()
+        return out
 
-    def load_mesh() -> None:
-        jax.block_until_ready(cairn.load(state["path"], state["target"], storage_options=state["opts"], stats=stats))
+    def load_mesh() -> Any:
+        out = jax.block_until_ready(cairn.load(state["path"], state["target"], storage_options=state["opts"],
+                                               stats=stats, threads=state["threads"]))
         noted()
+        return out
 
     counter = iter(range(1 << 30))
 
@@ -194,8 +206,13 @@ def _worker() -> int:
                 if op in before:
                     before[op]()
                 t0, c0 = time.perf_counter(), time.process_time()
-                ops[op]()
+                kept = ops[op]()
                 out = [time.perf_counter() - t0, time.process_time() - c0]
+                # What a pattern read is freed after the clock stops, and any garbage with it: freeing
+                # 256 MiB-1 GiB of pages costs tens of ms, which would otherwise fall on whichever
+                # pattern ran when the last reference went (or the collector ran), not on a load.
+                del kept
+                gc.collect()
             print(json.dumps({"ok": out}), flush=True)
         except Exception as e:  # reported to the driver, which stops
             import traceback
@@ -296,17 +313,30 @@ def run(kind: str, a: argparse.Namespace) -> dict[str, Any]:
     try:
         bucket = server.bucket()
         opts = {**server.options(), **a.option}
-        if a.link:  # every request through the shaped link (tests/_shapedlink.py); moto and Azurite only
+        if a.link:  # every request through the shaped link (tests/_shapedlink.py)
             sys.path.insert(0, str(HERE.parent.parent / "tests"))
             from _shapedlink import ShapedLink
 
             link = ShapedLink.parse(a.link, server.port).start()
-            opts["endpoint"] = link.endpoint
+            if kind == "gcs":  # obstore's GCS emulator setup names the base URL in the service-account key
+                link.rewrite_host = True  # fake-gcs-server tells its XML API from its JSON API by the Host
+                key = json.loads(opts["service_account_key"])
+                opts["service_account_key"] = json.dumps({**key, "gcs_base_url": link.endpoint})
+            else:
+                opts["endpoint"] = link.endpoint
         path = server.url(bucket, "ckpt")
-        workers = [Worker(name, src) for name, src in a.trees]
-        for w in workers:
-            w(op="setup", path=path, opts=opts, size_mib=a.size_mib, arrays=a.arrays)
-        workers[0](op="save", compression=a.compression)
+        workers = [Worker(name, src.split("@")[0]) for name, src in a.trees]
+        for w, (_, src) in zip(workers, a.trees):  # SRC@N: that worker's loads with threads=N (default 8)
+            w(op="setup", path=path, opts=opts, size_mib=a.size_mib, arrays=a.arrays,
+              threads=int(src.split("@")[1]) if "@" in src else None)
+        if kind == "gcs":  # fake-gcs-server takes no write from obstore: save locally, copy in (loads only)
+            import tempfile
+
+            with tempfile.TemporaryDirectory() as tmp:
+                workers[0](op="save", compression=a.compression, local=f"{tmp}/ckpt")
+                server.upload_tree(bucket, "ckpt", f"{tmp}/ckpt")
+        else:
+            workers[0](op="save", compression=a.compression)
         for w in workers:
             assert w(op="check"), f"{w.name} read back wrong bytes"
             for op in a.ops:  # warm up: connections, first use of every path
@@ -378,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--servers", default="moto")
     ap.add_argument("--trees", default=f"base=/tmp/obj_base/src,new={HERE.parent.parent / 'src'}",
                     type=lambda s: [tuple(t.split("=", 1)) for t in s.split(",")],
-                    help="name=src_dir,... (default base=/tmp/obj_base/src,new=this tree's src)")
+                    help="name=src_dir[@threads],... (default base=/tmp/obj_base/src,new=this tree's src)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--ops", default="raw get_ranges,raw whole,numpy,mesh", type=lambda s: s.split(","))
     ap.add_argument("--size-mib", type=int, default=256)

@@ -161,9 +161,24 @@ def decode_pool() -> ThreadPoolExecutor | None:
 
 
 
+def _prefault_thread() -> ThreadPoolExecutor:
+    """The one thread that maps fresh load buffers ahead of their bytes (`ChunkReader.start_prefault`),
+    started on first use. Not a thread of the load's pool: a mapping there held up the GET queued
+    behind it (a 1 GiB load through a 1 GB/s link: the 8th of 8 GETs left 100-250 ms late)."""
+    global _prefaulter
+    with _decode_lock:
+        if _prefaulter is None:
+            _prefaulter = ThreadPoolExecutor(1, thread_name_prefix="cairn-prefault")
+        return _prefaulter
+
+
+_prefaulter: ThreadPoolExecutor | None = None
+
+
 def _forget_decode_pools() -> None:  # a forked child has none of its parent's threads
-    global _decode_lock
+    global _decode_lock, _prefaulter
     _decode_pools.clear()
+    _prefaulter = None
     _decode_lock = threading.Lock()
 
 
@@ -489,9 +504,9 @@ class ChunkReader:
         allocated (the order their bytes are requested), not in the copy (`buffers.prefault`). The
         loading thread calls it once it has sent its reads, or before it waits for one: mapping
         pages while it is still allocating and sending holds it up (both need the process's
-        memory map), so the first GETs would go out later."""
+        memory map), so the first GETs would go out later. The task holds the buffers until it ends."""
         if self._unmapped:
-            self.pool.submit(_prefault_all, self._unmapped)
+            _prefault_thread().submit(_prefault_all, self._unmapped)
             self._unmapped, self._unmapped_bytes = [], 0
 
     def _landing(self, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> list[memoryview] | None:
