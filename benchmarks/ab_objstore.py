@@ -305,7 +305,7 @@ def _loadavg() -> str:
 
 def run(kind: str, a: argparse.Namespace) -> dict[str, Any]:
     sys.path.insert(0, str(HERE.parent.parent))
-    from benchmarks.bench_objstore import start
+    from benchmarks.bench_objstore import start, through_link
 
     server = start(kind)
     workers: list[Worker] = []
@@ -314,16 +314,7 @@ def run(kind: str, a: argparse.Namespace) -> dict[str, Any]:
         bucket = server.bucket()
         opts = {**server.options(), **a.option}
         if a.link:  # every request through the shaped link (tests/_shapedlink.py)
-            sys.path.insert(0, str(HERE.parent.parent / "tests"))
-            from _shapedlink import ShapedLink
-
-            link = ShapedLink.parse(a.link, server.port).start()
-            if kind == "gcs":  # obstore's GCS emulator setup names the base URL in the service-account key
-                link.rewrite_host = True  # fake-gcs-server tells its XML API from its JSON API by the Host
-                key = json.loads(opts["service_account_key"])
-                opts["service_account_key"] = json.dumps({**key, "gcs_base_url": link.endpoint})
-            else:
-                opts["endpoint"] = link.endpoint
+            link = through_link(a.link, server, kind, opts)
         path = server.url(bucket, "ckpt")
         workers = [Worker(name, src.split("@")[0]) for name, src in a.trees]
         for w, (_, src) in zip(workers, a.trees):  # SRC@N: that worker's loads with threads=N (default 8)

@@ -102,6 +102,22 @@ def start(kind: str) -> Any:
     return Moto() if kind == "moto" else _test_server(kind)
 
 
+def through_link(spec: str, server: Any, kind: str, opts: dict[str, Any]) -> Any:
+    """A shaped link (tests/_shapedlink.py, `spec` as its `parse` takes it) started in front of `server`,
+    with `opts` (the storage options) changed in place to send every request through it."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    from _shapedlink import ShapedLink
+
+    link = ShapedLink.parse(spec, server.port).start()
+    if kind == "gcs":  # obstore's GCS emulator setup names the base URL in the service-account key
+        link.rewrite_host = True  # fake-gcs-server tells its XML API from its JSON API by the Host
+        key = json.loads(opts["service_account_key"])
+        opts["service_account_key"] = json.dumps({**key, "gcs_base_url": link.endpoint})
+    else:
+        opts["endpoint"] = link.endpoint
+    return link
+
+
 def median_time(fn: Callable[[], Any], reps: int, times: list[float]) -> None:
     t0 = time.perf_counter()
     fn()
@@ -234,16 +250,7 @@ def run_server(kind: str, a: argparse.Namespace) -> dict[str, Any]:
         bucket = server.bucket()
         opts = {**server.options(), **a.option}
         if a.link:  # every request of every pattern through the shaped link (which logs them)
-            sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-            from _shapedlink import ShapedLink
-
-            link = ShapedLink.parse("" if a.link == "log" else a.link, server.port).start()
-            if kind == "gcs":  # obstore's GCS emulator setup names the base URL in the service-account key
-                link.rewrite_host = True  # fake-gcs-server tells its XML API from its JSON API by the Host
-                key = json.loads(opts["service_account_key"])
-                opts["service_account_key"] = json.dumps({**key, "gcs_base_url": link.endpoint})
-            else:
-                opts["endpoint"] = link.endpoint
+            link = through_link("" if a.link == "log" else a.link, server, kind, opts)
         mesh = jax.make_mesh((8,), ("x",))
         sharding = NamedSharding(mesh, P("x"))
         per = a.size_mib * MiB // a.arrays // 4
