@@ -712,8 +712,10 @@ def _small_requests(proxy, bucket, name):
 def test_commit_sends_only_the_requests_the_protocol_needs(s3_bucket, s3_opts, proxy):
     """A fresh save: one listing before the data, then index part and index (at once: the next test),
     the listing that proves the files are there, and the manifest last (no listing or delete after
-    it). An overwrite deletes the old checkpoint's files by one batched request after its manifest,
-    taken from the same listing."""
+    it). An overwrite also lists the folder the checkpoint is in before writing (a checkpoint there
+    that names it as its base refuses the overwrite: tests/save/test_replace_base.py; none here, so
+    no manifest is read), and deletes the old checkpoint's files by one batched request after its
+    manifest, taken from the same listing as the commit's."""
     o = proxy.options()
     path = f"s3://{s3_bucket}/fresh"
     cairn.save(path, {"a": np.arange(1000)}, storage_options=o)
@@ -722,7 +724,9 @@ def test_commit_sends_only_the_requests_the_protocol_needs(s3_bucket, s3_opts, p
         ("PUT", "manifest", 200)]
     proxy.requests.clear()
     cairn.save(path, {"a": np.arange(1000) + 1}, storage_options=o, overwrite=True)
-    got = _small_requests(proxy, s3_bucket, "fresh")[1:]
+    got = _small_requests(proxy, s3_bucket, "fresh")
+    assert got[:2] == [("GET", "list", 200), ("GET", "list", 200)]  # the checkpoint's folder, its parent
+    got = got[2:]
     assert got[:4] == [("PUT", "index", 200), ("PUT", "index", 200), ("GET", "list", 200), ("PUT", "manifest", 200)]
     assert got[4:] == [("POST", "delete", 200)]
     np.testing.assert_array_equal(cairn.load(path, storage_options=s3_opts)["a"], np.arange(1000) + 1)
