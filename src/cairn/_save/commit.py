@@ -28,6 +28,7 @@ from .._errors import CheckpointError, CheckpointExistsError, CorruptCheckpointE
 from .._format import manifest as fmt
 from .._storage import LocalDirs, Storage
 from .._storage.location import Location
+from .incremental import _read_manifest
 
 log = logging.getLogger("cairn")
 
@@ -121,15 +122,11 @@ def referrers(loc: Location) -> list[str]:
     names = [c for c in storage.list_dir("") if c != loc.name and not c.startswith(".")]
 
     def names_it(name: str) -> bool:
-        key = f"{name}/{fmt.MANIFEST}"
         try:
-            data = storage.read(key)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            manifest = _read_manifest(Location(storage, name, name))
+        except (CorruptCheckpointError, IsADirectoryError):
             return False
-        try:
-            return loc.name in fmt.Manifest.from_json(data, storage.describe(key)).bases
-        except CorruptCheckpointError:
-            return False
+        return manifest is not None and loc.name in manifest.bases
 
     if not names:
         return []
