@@ -67,6 +67,10 @@ def main() -> None:
     ap.add_argument("--cores", type=int, default=0,
                     help="code on this many threads (engine._cores; default: the cores this process may use), e.g. "
                          "13 on a small host for the TPU host's coder count")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="untimed rounds of every case first (each case's first save is printed apart): a process "
+                         "that checkpoints every few minutes saves from warm memory after its first save, and on "
+                         "hosts where fresh pages are dear (the TPU host) the first compressed save costs 2x the next")
     ap.add_argument("--json")
     args = ap.parse_args()
     from cairn._format import codecs
@@ -98,10 +102,11 @@ def main() -> None:
           f"load {os.getloadavg()[0]:.1f}", flush=True)
     times: dict[str, dict[str, list[float]]] = {key(c): {"save": [], "load": []} for c in cases}
     staged: dict[str, list[dict[str, float]]] = {}
+    first: dict[str, float] = {}  # each case's first save, with --warmup
     info: dict[str, Any] = {}
     root = tempfile.mkdtemp(prefix="cairn-small-")
     try:
-        for _ in range(args.reps):
+        for rep in range(args.warmup + args.reps):
             for case in cases:
                 lay, s, g, j = case
                 engine.GROUP_LEAVES = g
@@ -112,7 +117,11 @@ def main() -> None:
                     spans.clear()
                 t = time.perf_counter()
                 stats = cairn.save(path, states[lay], compression=s)
-                times[key(case)]["save"].append(time.perf_counter() - t)
+                took = time.perf_counter() - t
+                if rep < args.warmup:
+                    first.setdefault(key(case), took)
+                    continue
+                times[key(case)]["save"].append(took)
                 if spans is not None:
                     staged.setdefault(key(case), []).append({**spans.summary(), "write_s": stats.write_s,
                                                              "commit_s": stats.commit_s})
@@ -129,7 +138,8 @@ def main() -> None:
     for case in cases:
         t = times[key(case)]
         r = {"layout": case[0], "compression": str(case[1]), "save_s": statistics.median(t["save"]),
-             "load_s": statistics.median(t["load"]), "save_each": t["save"], "load_each": t["load"], **info[key(case)]}
+             "load_s": statistics.median(t["load"]), "save_each": t["save"], "load_each": t["load"],
+             "first_save_s": first.get(key(case)), **info[key(case)]}
         rows.append(r)
         r["group"] = case[2]
         r["blosc2_join"] = case[3]
@@ -145,6 +155,9 @@ def main() -> None:
             st = staged[key(case)]
             print(f"  {key(case)}: write_s {statistics.median(r['write_s'] for r in st):.2f}, commit_s "
                   f"{statistics.median(r['commit_s'] for r in st):.2f}; {stage_line(st)}")
+    if first:
+        print("first save of each case (a warm-up round, not in the medians): "
+              + "; ".join(f"{k} {v:.2f} s" for k, v in first.items()))
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     if args.json:
         with open(args.json, "w") as f:
