@@ -174,6 +174,25 @@ class StorageConformance:
         finally:
             r.close()
 
+    def test_a_large_writes_parts_may_read_the_storage(self, storage):
+        """Producing a part may read the storage (an incremental save reads its base's block to write
+        a delta against it), also in the middle of a multipart upload: obstore iterates a stream on
+        its own runtime's thread, where a call into obstore panicked ("Cannot start a runtime from
+        within a runtime") until the parts were pulled on a thread of cairn's."""
+        self.seed(storage, "base/p0.bin", b"base bytes")
+        seen = []
+
+        def parts():
+            for i in range(13):
+                if i in (1, 7, 12):  # before, inside and at the end of the multipart upload (5 MiB parts)
+                    seen.append(storage.read("base/p0.bin"))
+                yield bytes([i]) * MiB
+
+        assert storage.write("ck/d/p0.bin", parts()) == 13 * MiB
+        assert seen == [b"base bytes"] * 3
+        got = storage.read("ck/d/p0.bin")
+        assert got == b"".join(bytes([i]) * MiB for i in range(13))
+
     def test_ranged_reads(self, storage):
         # Reads larger than the object stores' read part in these tests (1 MiB) are split.
         rng = np.random.default_rng(1)
@@ -392,6 +411,23 @@ class ObjectStoreConformance(StorageConformance):
         assert one == [(0, 1000)]
         r.close()
 
+    def test_an_error_of_the_parts_comes_through_and_leaves_no_object(self, storage):
+        """A multipart upload whose parts raise is aborted: the error is the parts' own, no object is
+        left, and the thread that pulled the parts has ended."""
+        class PartFailed(Exception):
+            pass
+
+        def parts():
+            for i in range(13):
+                if i == 9:  # inside a multipart upload
+                    raise PartFailed("part 9")
+                yield bytes([i]) * MiB
+
+        with pytest.raises(PartFailed, match="part 9"):
+            storage.write("ck/d/p1.bin", parts())
+        assert "ck/d/p1.bin" not in storage.list("ck")
+        assert not any(t.name == "cairn-upload-parts" for t in threading.enumerate())
+
     def test_stored_under_the_prefix(self, server, bucket, storage):
         self.seed(storage, "ck/manifest.json", b"{}")
         prefix = storage.url.split(f"://{bucket}/", 1)[1]
@@ -460,7 +496,8 @@ class TestGCSStorage(ObjectStoreConformance):
     unsupported = {name: f"GCS: {GCS_NO_WRITES}" for name in [
         "test_put_then_read", "test_put_create_fails_if_present_and_keeps_the_first",
         "test_racing_creates_have_one_winner", "test_write_parts_in_order",
-        "test_write_accepts_a_generator_and_no_parts", "test_large_write"]}
+        "test_write_accepts_a_generator_and_no_parts", "test_large_write",
+        "test_a_large_writes_parts_may_read_the_storage", "test_an_error_of_the_parts_comes_through_and_leaves_no_object"]}
 
     @pytest.fixture
     def server(self, gcs):

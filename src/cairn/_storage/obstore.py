@@ -47,6 +47,7 @@ import builtins
 import functools
 import itertools
 import os
+import queue
 import random
 import re
 import threading
@@ -494,12 +495,13 @@ class ObjectStorage:
             self.call("write", key, lambda: obstore.put(self.store, key, data, use_multipart=False))  # noqa: B023
             return size
         total = size
+        pump = _Pump(it)
 
         def stream() -> Iterator[memoryview]:
             nonlocal total
             yield from head
             head.clear()
-            for p in it:
+            for p in pump:
                 mv = _bytes_view(p)
                 total += len(mv)
                 yield mv
@@ -516,6 +518,8 @@ class ObjectStorage:
                 op = "write (multipart upload failed, then its abort)" if "DELETE" in _summary(e) else "write"
                 raise self._error(op, key, e, 0) from e
             raise
+        finally:
+            pump.close()
         return total
 
     def delete_prefix(self, prefix: str) -> None:
@@ -552,6 +556,54 @@ class ObjectStorage:
 
         if keys:
             self.call("delete", keys[0], functools.partial(_delete, obstore, self.store, list(keys)))
+
+
+class _Pump:
+    """The parts of a multipart upload after its first, pulled on a thread of cairn's and handed over
+    through a short queue to the stream obstore reads.
+
+    obstore iterates a stream on a thread of its own runtime, where any call into obstore panics
+    ("Cannot start a runtime from within a runtime"): and producing a part may need one (an
+    incremental save reading its base's block to write a delta against it). Here that work runs on
+    the pump's thread, and obstore's thread only waits on the queue. `close` stops the pump after at
+    most the part it is producing and waits for its thread, so nothing runs on after the write.
+    An error raised by the parts is raised, unchanged, from the stream."""
+
+    _END = object()
+
+    def __init__(self, parts: Iterator[Buffer], depth: int = 2) -> None:
+        self._queue: queue.Queue[tuple[Any, BaseException | None]] = queue.Queue(depth)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(parts,), name="cairn-upload-parts", daemon=True)
+        self._thread.start()
+
+    def _run(self, parts: Iterator[Buffer]) -> None:
+        try:
+            for p in parts:
+                if self._stop.is_set():
+                    return
+                self._queue.put((p, None))
+            self._queue.put((self._END, None))
+        except BaseException as e:  # handed to the stream, raised there
+            self._queue.put((None, e))
+
+    def __iter__(self) -> Iterator[Buffer]:
+        while True:
+            p, error = self._queue.get()
+            if error is not None:
+                raise error
+            if p is self._END:
+                return
+            yield p
+
+    def close(self) -> None:
+        self._stop.set()
+        while self._thread.is_alive():  # (room in the queue for a part being handed over)
+            try:
+                self._queue.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        self._thread.join()
 
 
 def _delete(obstore: Any, store: Any, keys: list[str]) -> None:
