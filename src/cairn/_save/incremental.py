@@ -50,9 +50,10 @@ spare the host copy of unchanged `jax.Array` chunks the base holds.
 from __future__ import annotations
 
 import collections
+import itertools
 import threading
 import weakref
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -639,6 +640,21 @@ class Incremental:
 
     def leaves_with_refs(self, item: str) -> list[int]:
         return sorted({leaf for (name, leaf, _c), ch in self.chunks.items() if name == item and (ch.refs or ch.deltas)})
+
+
+def write_if_any(write: Callable[[str, Iterator[Any]], int], key: str, parts: Iterable[Any]) -> int:
+    """``write(key, parts)`` from the first buffer of `parts` that holds bytes on; where none does (a data
+    file whose chunks are all references), nothing is written, not even an empty file: 0.
+
+    An empty file cost an incremental save its creation and an fsync that waited for the journal commit
+    of the other files' data (docs/incremental.md, "Round 41d"). Its chunks' records name file 0 of the
+    part instead (`engine.write_data`), which exists: the first data file with bytes, else the first base
+    file referred to (docs/FORMAT.md §6.5)."""
+    it = iter(parts)
+    for first in it:
+        if memoryview(first).nbytes:
+            return write(key, itertools.chain((first,), it))
+    return 0
 
 
 def _run(raw: memoryview, base: list[_Base] | None, block: int, codec: str, dtype: Any,
