@@ -522,7 +522,7 @@ class Incremental:
             window = max(2, getattr(pool, "_max_workers", 2) + 1)
             ahead: collections.deque[Any] = collections.deque()
             # (a chunk the base found unchanged too queues behind the others on a CodePool: `FROZEN_LAST`)
-            rank = {"priority": 1} if FROZEN_LAST and not isinstance(pool, ThreadPoolExecutor) and base and all(
+            rank: dict[str, int] = {"priority": 1} if FROZEN_LAST and not isinstance(pool, ThreadPoolExecutor) and base and all(
                 b.target is None and b.ref.base != self.base_name for b in base) else {}
             for w in work:
                 ahead.append(pool.submit(_run, w[0], w[1], block, codec, dtype, ctx, **rank))
