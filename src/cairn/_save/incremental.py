@@ -522,8 +522,9 @@ class Incremental:
             window = max(2, getattr(pool, "_max_workers", 2) + 1)
             ahead: collections.deque[Any] = collections.deque()
             # (a chunk the base found unchanged too queues behind the others on a CodePool: `FROZEN_LAST`)
-            rank: dict[str, int] = {"priority": 1} if FROZEN_LAST and not isinstance(pool, ThreadPoolExecutor) and base and all(
-                b.target is None and b.ref.base != self.base_name for b in base) else {}
+            frozen = FROZEN_LAST and bool(base) and all(b.target is None and b.ref.base != self.base_name
+                                                        for b in base or ())
+            rank: dict[str, int] = {"priority": 1} if frozen and not isinstance(pool, ThreadPoolExecutor) else {}
             for w in work:
                 ahead.append(pool.submit(_run, w[0], w[1], block, codec, dtype, ctx, **rank))
                 if len(ahead) >= window:
