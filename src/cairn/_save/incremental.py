@@ -110,7 +110,8 @@ SPARSE_NEAR = 1.0
 #: The runs of a chunk the base found unchanged too (every block of the base's chunk a reference further
 #: back: a frozen leaf) queue behind every other chunk's runs on the save's coder pool (`write_chunk`), so
 #: that the files of changed leaves are hashed, written and flushed while frozen ones are still hashed.
-#: Measured (docs/incremental.md, "Round 41d"): a frozen numpy backbone's save 0.87x-0.97x as long.
+#: Measured (docs/incremental.md, "Round 41d"): a frozen numpy backbone's save 0.83x-0.97x as long in nine
+#: of eleven in-process alternations on the shared 2-core VM, no gain in two (the busier the cores, the less).
 #: False: first come, first served (as before 2026-12-06).
 FROZEN_LAST = True
 
