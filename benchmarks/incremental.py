@@ -24,7 +24,7 @@ per step: in full (``cairn.save``, format 2, raw) and incrementally
   save (f32 moments updated alongside), the parameters' bytes reported apart.
 - ``pretrain``: the same state at lr 3e-4: every value changes every step.
 
-Per case: bytes written per save after the first, save time (median of the
+Per case: bytes and data files written per save after the first, save time (median of the
 saves after the first, each save's own wall time with fsync, each started
 after an ``os.sync()`` so that it pays for no earlier write, and the
 median and range of the incremental/full ratio of each step), load time of
@@ -132,6 +132,7 @@ def run_case(name: str, state: dict, step_fn: Any, saves: int, root: str, load_r
     loadavg_start = os.getloadavg()
     full_t, inc_t, full_b, inc_b, param_full, param_inc = [], [], [], [], [], []
     full_cpu, inc_cpu = [], []  # CPU seconds of this process (all its threads): what a busy host does not hide
+    files: dict[str, list[int]] = {"full": [], "inc": []}  # data files written per save (`SaveStats.files_written`)
     extra: dict[str, Any] = {}
     prev = None
     for t in range(1, saves + 1):
@@ -161,6 +162,7 @@ def run_case(name: str, state: dict, step_fn: Any, saves: int, root: str, load_r
             (full_t if kind == "full" else inc_t).append(dt)
             (full_cpu if kind == "full" else inc_cpu).append(dc)
             (full_b if kind == "full" else inc_b).append(st.bytes_written)
+            files[kind].append(st.files_written)
             (param_full if kind == "full" else param_inc).append(_own_bytes(path, "params"))
         if t == 1:  # the chain starts with a self-contained save with hashes
             shutil.rmtree(inc)
@@ -184,6 +186,7 @@ def run_case(name: str, state: dict, step_fn: Any, saves: int, root: str, load_r
         "load_cpu_ratios": [a / b for a, b in zip(loads["inc_cpu"], loads["full_cpu"])],
         "loadavg_end": os.getloadavg(),
         "full_bytes": statistics.median(full_b), "inc_bytes": statistics.median(inc_b),
+        "full_files": statistics.median(files["full"]), "inc_files": statistics.median(files["inc"]),
         "full_save_s": statistics.median(full_t), "inc_save_s": statistics.median(inc_t),
         "params_full_bytes": statistics.median(param_full), "params_inc_bytes": statistics.median(param_inc),
         "load_full_s": load_full, "load_inc_s": load_inc,
@@ -318,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"({r['block_inc_s'] / r['block_full_s']:.2f}x), per step {_spread(r['block_ratios'])}{copied}")
             continue
         print(f"  bytes written per save: full {r['full_bytes'] / MiB:.1f} MiB, incremental {r['inc_bytes'] / MiB:.1f} MiB"
-              f" ({r['inc_bytes'] / r['full_bytes']:.3f}x)")
+              f" ({r['inc_bytes'] / r['full_bytes']:.3f}x); data files: full {r['full_files']:g}, incremental "
+              f"{r['inc_files']:g}")
         print(f"  parameters' own bytes: full {r['params_full_bytes'] / MiB:.1f} MiB, incremental "
               f"{r['params_inc_bytes'] / MiB:.1f} MiB ({r['params_inc_bytes'] / max(r['params_full_bytes'], 1):.3f}x)")
         print(f"  save time (median): full {r['full_save_s']:.3f} s, incremental {r['inc_save_s']:.3f} s "

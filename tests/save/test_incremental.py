@@ -225,8 +225,13 @@ def test_s3_chain(s3):
     assert verify(f"{root}/step_00000002", storage_options=opts).ok
     st = cairn.save(f"{root}/extra", _mgr_state(2), storage_options=opts, base=f"{root}/step_00000002",
                     compression=False)
-    assert st.bytes_written == 0
+    assert st.bytes_written == 0 and st.files_written == 0
     _same(_mgr_state(2), cairn.load(f"{root}/extra", storage_options=opts))
+    from cairn._storage.location import resolve
+
+    loc = resolve(f"{root}/extra", opts)
+    assert [k for k in loc.storage.list(loc.name) if k.endswith(".bin")] == []  # not even empty data files
+    assert verify(f"{root}/extra", storage_options=opts).ok
 
 
 @pytest.mark.slow
@@ -1223,3 +1228,99 @@ def test_an_async_save_on_an_object_store_decides_before_its_snapshot_only_for_l
         inc.REMOTE_DECIDE_BYTES = old
     got = cairn.load(f"{root}/s2", storage_options=opts)
     assert np.asarray(got["w"]).tobytes() == np.asarray(a).tobytes()
+
+
+def _frozen_and_head(head: float) -> dict:
+    rng = np.random.default_rng(41)
+    frozen = {f"l{i}": rng.standard_normal((512, 1024)).astype(np.float32) for i in range(4)}  # 2 MiB each
+    w = np.random.default_rng(int(head)).standard_normal((256, 1024)).astype(np.float32)  # changes everywhere
+    return {"frozen": frozen, "head": {"w": w}}
+
+
+def _no_empty_data_files(path: Path) -> None:
+    empty = [f for f in glob.glob(f"{path}/*/*.bin") if os.path.getsize(f) == 0]
+    assert not empty, empty
+    for item in glob.glob(f"{path}/*/index.*.json"):
+        files = fmt.ItemIndex.from_json(Path(item).read_bytes(), item).files
+        assert all(f.size > 0 for f in files if f.base is None), files
+
+
+def test_a_data_file_of_references_only_is_not_written(tmp_path, mesh8):
+    """A data file all of whose chunks are references holds no bytes: an incremental save writes no file for
+    it (neither created nor fsync'd) and does not list it; its chunks' records name file 0 of the part, which
+    exists. The step loads bitwise (resharded too), verifies, plans, and copies either way."""
+    s0, s1 = _frozen_and_head(0.0), _frozen_and_head(1.0)
+    _hashed(tmp_path / "s0", s0, threads=2, compression=False)
+    st = cairn.save(tmp_path / "s1", s1, base=tmp_path / "s0", threads=2, compression=False)
+    assert st.bytes_written == s1["head"]["w"].nbytes and st.files_written == 1
+    _no_empty_data_files(tmp_path / "s1")
+    assert glob.glob(f"{tmp_path}/s1/frozen/*.bin") == []  # the frozen checkpointable: references only
+    assert len(glob.glob(f"{tmp_path}/s1/head/*.bin")) == 1
+    index = fmt.ItemIndex.from_json(next((tmp_path / "s1" / "frozen").glob("index.*.json")).read_bytes(), "frozen")
+    assert {f.base for f in index.files} == {"s0"}  # its files in s0, none of its own
+    _same(s1, cairn.load(tmp_path / "s1"))
+    got = cairn.load(tmp_path / "s1", {"frozen": {k: NamedSharding(mesh8, P("x")) for k in s1["frozen"]},
+                                       "head": {"w": NamedSharding(mesh8, P(None, "x"))}})
+    _same(s1, jax.tree.map(np.asarray, got))
+    _same({"frozen": s1["frozen"]}, cairn.load(tmp_path / "s1", partial=True, target={"frozen": None}))
+    assert verify(tmp_path / "s1").ok
+    cairn.plan_load(tmp_path / "s1")
+    assert inspect_data(str(tmp_path / "s1"))["totals"]["file_bytes"] == st.bytes_written
+    cairn.copy(tmp_path / "s1", tmp_path / "self" / "s1")
+    _same(s1, cairn.load(tmp_path / "self" / "s1"))
+    cairn.copy(tmp_path / "s1", tmp_path / "kept" / "s1", keep_references=True)
+    _same(s1, cairn.load(tmp_path / "kept" / "s1"))
+    assert verify(tmp_path / "kept" / "s1").ok
+    _no_empty_data_files(tmp_path / "kept" / "s1")
+    # ... and the next step builds on it (its references point where s1's point: one hop).
+    s2 = _frozen_and_head(2.0)
+    cairn.save(tmp_path / "s2", s2, base=tmp_path / "s1", threads=2, compression=False)
+    _no_empty_data_files(tmp_path / "s2")
+    _same(s2, cairn.load(tmp_path / "s2"))
+    assert verify(tmp_path / "s2").ok
+
+
+def test_a_save_where_nothing_changed_writes_no_data_file(tmp_path):
+    """Nothing changed: no data file at all, in any checkpointable; the records name the first base file."""
+    s0 = _frozen_and_head(0.0)
+    _hashed(tmp_path / "s0", s0, threads=2, compression=False)
+    st = cairn.save(tmp_path / "s1", s0, base=tmp_path / "s0", threads=2, compression=False)
+    assert st.bytes_written == 0 and st.files_written == 0
+    assert glob.glob(f"{tmp_path}/s1/*/*.bin") == []
+    _same(s0, cairn.load(tmp_path / "s1"))
+    assert verify(tmp_path / "s1").ok
+    cairn.copy(tmp_path / "s1", tmp_path / "kept" / "s1", keep_references=True)
+    _same(s0, cairn.load(tmp_path / "kept" / "s1"))
+    cairn.copy(tmp_path / "s1", tmp_path / "self" / "s1")
+    _same(s0, cairn.load(tmp_path / "self" / "s1"))
+    assert verify(tmp_path / "self" / "s1").ok
+
+
+def test_chunks_the_base_found_unchanged_too_queue_behind_the_others(tmp_path, monkeypatch):
+    """A chunk whose base chunk refers further back for every block (a frozen leaf) is hashed with a lower
+    priority on the save's coder pool than a chunk that changed last time (`incremental.FROZEN_LAST`), so
+    that the changed leaves' files are written and flushed first; the steps still load bitwise."""
+    from cairn._save import engine
+
+    rng = np.random.default_rng(43)
+    frozen = {f"f{i}": rng.standard_normal((2048, 1024)).astype(np.float32) for i in range(3)}  # 8 MiB each
+    state = {"p": {**frozen, "head": rng.standard_normal((2048, 1024)).astype(np.float32)}}
+    _hashed(tmp_path / "s0", state, compression=False)
+    state["p"]["head"] = state["p"]["head"] + 1
+    cairn.save(tmp_path / "s1", state, base=tmp_path / "s0", compression=False)  # frozen: refs into s0
+    seen: list[tuple[int, np.ndarray]] = []
+    submit = engine.CodePool.submit
+
+    def recording(self, fn, /, *args, priority=0):
+        if getattr(fn, "__name__", "") == "_run":
+            seen.append((priority, np.frombuffer(args[0], np.uint8)))  # (a view of the leaf's own memory)
+        return submit(self, fn, *args, priority=priority)
+
+    monkeypatch.setattr(engine.CodePool, "submit", recording)
+    state["p"]["head"] = state["p"]["head"] + 1
+    cairn.save(tmp_path / "s2", state, base=tmp_path / "s1", compression=False)
+    by_leaf: dict[str, set[int]] = {}
+    for priority, run in seen:
+        by_leaf.setdefault(next(n for n, a in state["p"].items() if np.shares_memory(a, run)), set()).add(priority)
+    assert by_leaf == {"f0": {1}, "f1": {1}, "f2": {1}, "head": {0}}, by_leaf
+    _same(state, cairn.load(tmp_path / "s2"))

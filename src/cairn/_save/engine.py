@@ -59,6 +59,7 @@ from .._tree.pytree import display_path, flatten
 from .._version import __version__
 from .assign import Concat, SaveItem, plan_item
 from .commit import CommitStrategy, strategy_for
+from .incremental import write_if_any
 from .indexparts import build_part, item_index
 from .options import (
     CODEC_METER,
@@ -354,7 +355,9 @@ class SaveJob:
             yield from batch.rest()
 
         key = self.data_key(item, k)
-        size = self.transfers.transfer(self.loc.storage.write, key, parts())  # timed for `_measure`
+        # (incremental: a file of references only is not written at all, `write_if_any`)
+        write = self.loc.storage.write if self.inc is None else functools.partial(write_if_any, self.loc.storage.write)
+        size = self.transfers.transfer(write, key, parts())  # timed for `_measure`
         out = key, size, [(c,) if type(c) is int else tuple(x if type(x) is int else x.result() for x in c)
                           for c in crcs], moved, stored
         for buf in self.pooled.pop((item.name, k), ()):  # written and checksummed: the buffers serve the next save
@@ -410,6 +413,12 @@ class SaveJob:
             partial[item.name] = {"files": [], "chunks": [], "stored": {}}
         for item, k, (key, size, chunks, moved, stored) in results:
             p = partial[item.name]
+            if not size and self.inc is not None:  # not written: its chunks' records name file 0 (FORMAT.md §6.5)
+                p["chunks"].extend((slot.leaf, slot.cell, 0, 0, *crc) for slot, crc in zip(item.files[k], chunks))
+                for j, sizes in stored.items():
+                    slot = item.files[k][j]
+                    p["stored"][(slot.leaf, slot.cell)] = sizes
+                continue
             file_no = len(p["files"])
             p["files"].append({"name": key.rsplit("/", 1)[1], "size": size})
             # Tuples of ints: the collector stops tracking them (lists it would track to the end).
