@@ -10,8 +10,9 @@ the trained state of `benchmarks.trained_state` (bf16 parameters, f32 AdamW mome
 the codec named (``--codecs``, each forced: ``compression="planes"`` / ``"blosc2"``): step 0 plain,
 step 1 against it (every block written, with hashes), step 2 against step 1 with new parameters and
 the same moments (the moments' blocks references into step 1's files, the parameters' own), and times
-numpy loads of step 2 (``cairn.load(path, threads=)``): wall seconds, this process's CPU seconds, and
-the raw bytes over the wall time. A check that the loaded values are step 2's runs first.
+numpy loads of step 2 (``cairn.load(path, threads=)``): wall seconds, this process's CPU seconds, the
+CPU seconds of the decoding calls (`codecs.decode` and `decode_run`, wrapped: each thread's own CPU time
+of its outermost call) and their number, and the raw bytes over the wall time. A check that the loaded values are step 2's runs first.
 
 Each tree (this one; with ``--ab SRC`` also the tree at SRC, e.g. ``/work/main/src``) gets a worker
 process of its own, kept warm; loads alternate between workers (and settings) repetition by
@@ -49,6 +50,7 @@ def _worker() -> int:
     from benchmarks.trained_state import make_state, raw_bytes
 
     state: dict[str, Any] = {}
+    decoding = _time_decoding()
 
     def apply(setting: str) -> None:
         from cairn._load import blocks, reader
@@ -85,9 +87,10 @@ def _worker() -> int:
 
     def load(job: dict[str, Any]) -> list[float]:
         apply(job["setting"])
+        decoding[:] = [0.0, 0]
         t0, c0 = time.perf_counter(), time.process_time()
         kept = cairn.load(f"{job['root']}/s2", storage_options=job.get("opts"), threads=job["threads"])
-        out = [time.perf_counter() - t0, time.process_time() - c0, state[job["root"]]]
+        out = [time.perf_counter() - t0, time.process_time() - c0, state[job["root"]], *decoding]
         del kept
         gc.collect()
         return out
@@ -102,6 +105,35 @@ def _worker() -> int:
 
             print(json.dumps({"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}), flush=True)
     return 0
+
+
+def _time_decoding() -> list[Any]:
+    """Wrap `codecs.decode` and `codecs.decode_run` (the outermost call of a thread only): the list returned
+    holds the CPU seconds of those calls (each thread's own, `time.thread_time`) and their number."""
+    import threading
+
+    from cairn._format import codecs
+
+    got: list[Any] = [0.0, 0]
+    lock, depth = threading.Lock(), threading.local()
+
+    def timed(fn: Any) -> Any:
+        def call(*a: Any, **k: Any) -> Any:
+            if getattr(depth, "n", 0):
+                return fn(*a, **k)
+            depth.n = 1
+            t0 = time.thread_time()
+            try:
+                return fn(*a, **k)
+            finally:
+                depth.n = 0
+                with lock:
+                    got[0] += time.thread_time() - t0
+                    got[1] += 1
+        return call
+
+    codecs.decode, codecs.decode_run = timed(codecs.decode), timed(codecs.decode_run)
+    return got
 
 
 class Worker:
@@ -175,13 +207,15 @@ def run(storage: str, a: argparse.Namespace) -> dict[str, Any]:
             la.append(_loadavg())
             print(f"\n{storage}, {codec}: {a.mib} MiB trained state, step 2 of an incremental chain, numpy loads "
                   f"(threads={a.threads}), medians of {a.reps} (load average {la[0]} -> {la[1]})")
-            med = {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v), v[0][2])
+            med = {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v), v[0][2],
+                        statistics.median(r[3] for r in v), statistics.median(r[4] for r in v))
                    for k, v in rows.items()}
             first = next(iter(med))
-            for k, (wall, cpu, raw) in med.items():
+            for k, (wall, cpu, raw, dec, calls) in med.items():
                 print(f"  {k:12s} wall {wall:7.3f} s (min {min(r[0] for r in rows[k]):.3f})  cpu {cpu:7.3f} s  "
-                      f"{raw / wall / (1 << 30):5.2f} GiB/s raw   wall {wall / med[first][0]:.3f}x, "
-                      f"cpu {cpu / med[first][1]:.3f}x of {first!r}")
+                      f"decode cpu {dec:6.3f} s in {calls:5.0f} calls  {raw / wall / (1 << 30):5.2f} GiB/s raw   "
+                      f"wall {wall / med[first][0]:.3f}x, cpu {cpu / med[first][1]:.3f}x, "
+                      f"decode cpu {dec / max(med[first][3], 1e-9):.3f}x of {first!r}")
             result["rows"][codec] = {"runs": rows, "loadavg": la}
         return result
     finally:
