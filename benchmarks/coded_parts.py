@@ -61,7 +61,7 @@ def _worker() -> int:
         if not hasattr(blocks, "RUN_PIECE"):
             raise RuntimeError("this tree has no blocks.RUN_PIECE: run it with setting '-' only")
         state.setdefault("defaults", (blocks.RUN_PIECE, reader.DECODE_THREADS))
-        piece, threads = state["defaults"]
+        threads = state["defaults"][1]
         if setting == "old":
             blocks.RUN_PIECE, reader.DECODE_THREADS = 1, 0
         else:

@@ -30,6 +30,10 @@ from pathlib import Path
 MiB = 1 << 20
 
 
+def _loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=int, default=256, help="raw size of the state (MiB)")
@@ -51,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         raw = raw_bytes(state)
         cairn.save(work / "src", state, compression=False)
         del state
-        la0 = " ".join(open("/proc/loadavg").read().split()[:3])
+        la0 = _loadavg()
         for codec in a.codecs.split(","):
             times: dict[str, list[tuple[float, float]]] = {}
             order = list(settings)
@@ -66,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
                     if rep:
                         times.setdefault(name, []).append(got)
             codecs.BLOSC2_JOIN_MIN_CODERS = default
-            la1 = " ".join(open("/proc/loadavg").read().split()[:3])
+            la1 = _loadavg()
             print(f"\n{codec}: copy of a {raw / MiB:.0f} MiB trained state, threads={a.threads} "
                   f"({os.cpu_count()} cpus), medians of {a.reps} (load average {la0} -> {la1})")
             med = {k: (statistics.median(t[0] for t in v), statistics.median(t[1] for t in v)) for k, v in times.items()}
