@@ -23,8 +23,10 @@ starts it): the first worker saves, every worker loads the same objects.
 
 ``--settings`` compares, in each worker, values of the piece a run of blocks is decoded in
 (`blocks.RUN_PIECE`, MiB): ``old`` is the per-block decoding of before (pieces of one block, no decode
-pool: `reader.DECODE_THREADS` 0), ``1``, ``4`` (the default), ``16``... A tree without `RUN_PIECE`
-(main before issue 38's change) runs only its own default (setting ``-``).
+pool: `reader.DECODE_THREADS` 0), ``1``, ``4`` (the default), ``16``...; ``R:D`` also sets the piece of a
+plain compressed read (`reader.DECODE_PIECE`, MiB; default 1), which ``--steps 0,2`` measures on step 0,
+the same state saved plain (format 3 or 5: `reader.CodedRead`'s pieces, not `read_blocks`'). A tree
+without `RUN_PIECE` (main before issue 38's change) runs only its own default (setting ``-``).
 """
 
 from __future__ import annotations
@@ -60,12 +62,14 @@ def _worker() -> int:
             return
         if not hasattr(blocks, "RUN_PIECE"):
             raise RuntimeError("this tree has no blocks.RUN_PIECE: run it with setting '-' only")
-        state.setdefault("defaults", (blocks.RUN_PIECE, reader.DECODE_THREADS))
-        threads = state["defaults"][1]
+        state.setdefault("defaults", (blocks.RUN_PIECE, reader.DECODE_THREADS, reader.DECODE_PIECE))
+        _, threads, piece = state["defaults"]
         if setting == "old":
-            blocks.RUN_PIECE, reader.DECODE_THREADS = 1, 0
+            blocks.RUN_PIECE, reader.DECODE_THREADS, reader.DECODE_PIECE = 1, 0, piece
         else:
-            blocks.RUN_PIECE, reader.DECODE_THREADS = int(float(setting) * MiB), threads
+            run, _, plain = setting.partition(":")
+            blocks.RUN_PIECE, reader.DECODE_THREADS = int(float(run) * MiB), threads
+            reader.DECODE_PIECE = int(float(plain) * MiB) if plain else piece
 
     def states(mib: int) -> tuple[Any, Any]:
         """Steps 0 and 2, built once per process: step 2's parameters are step 0's rolled by one row (every
@@ -107,7 +111,7 @@ def _worker() -> int:
         apply(job["setting"])
         decoding[:] = [0.0, 0]
         t0, c0 = time.perf_counter(), time.process_time()
-        kept = cairn.load(f"{job['root']}/s2", storage_options=job.get("opts"), threads=job["threads"])
+        kept = cairn.load(f"{job['root']}/s{job['step']}", storage_options=job.get("opts"), threads=job["threads"])
         out = [time.perf_counter() - t0, time.process_time() - c0, state[job["root"]], *decoding]
         del kept
         gc.collect()
@@ -198,10 +202,11 @@ def run(storage: str, a: argparse.Namespace) -> dict[str, Any]:
             server = start("moto")
             bucket = server.bucket()
             opts = server.options()
-        cases = []  # (worker, setting)
-        for w, (name, _) in zip(workers, trees):
-            settings = a.settings if name == "this" else ["-"]
-            cases += [(w, s) for s in settings]
+        cases = []  # (worker, setting, step)
+        for step in a.steps:
+            for w, (name, _) in zip(workers, trees):
+                settings = a.settings if name == "this" else ["-"]
+                cases += [(w, s, step) for s in settings]
         for codec in a.codecs:
             roots = {}
             for w in workers:
@@ -214,23 +219,23 @@ def run(storage: str, a: argparse.Namespace) -> dict[str, Any]:
                         w(op="save", mib=a.mib, codec=codec, root=roots[w.name], opts=opts)
             for w in workers:
                 assert w(op="check", mib=a.mib, root=roots[w.name], opts=opts), f"{w.name} loaded wrong values"
-            for w, s in cases:  # warm up
-                w(op="load", root=roots[w.name], opts=opts, setting=s, threads=a.threads)
+            for w, s, step in cases:  # warm up
+                w(op="load", root=roots[w.name], opts=opts, setting=s, threads=a.threads, step=step)
             rows: dict[str, list[list[float]]] = {}
             la = [_loadavg()]
             for rep in range(a.reps):
-                for w, s in (cases if rep % 2 == 0 else cases[::-1]):
-                    got = w(op="load", root=roots[w.name], opts=opts, setting=s, threads=a.threads)
-                    rows.setdefault(f"{w.name} {s}", []).append(got)
+                for w, s, step in (cases if rep % 2 == 0 else cases[::-1]):
+                    got = w(op="load", root=roots[w.name], opts=opts, setting=s, threads=a.threads, step=step)
+                    rows.setdefault(f"{w.name} s{step} {s}", []).append(got)
             la.append(_loadavg())
-            print(f"\n{storage}, {codec}: {a.mib} MiB trained state, step 2 of an incremental chain, numpy loads "
+            print(f"\n{storage}, {codec}: {a.mib} MiB trained state, steps {','.join(a.steps)}, numpy loads "
                   f"(threads={a.threads}), medians of {a.reps} (load average {la[0]} -> {la[1]})")
             med = {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v), v[0][2],
                         statistics.median(r[3] for r in v), statistics.median(r[4] for r in v))
                    for k, v in rows.items()}
             first = next(iter(med))
             for k, (wall, cpu, raw, dec, calls) in med.items():
-                print(f"  {k:12s} wall {wall:7.3f} s (min {min(r[0] for r in rows[k]):.3f})  cpu {cpu:7.3f} s  "
+                print(f"  {k:15s} wall {wall:7.3f} s (min {min(r[0] for r in rows[k]):.3f})  cpu {cpu:7.3f} s  "
                       f"decode cpu {dec:6.3f} s in {calls:5.0f} calls  {raw / wall / (1 << 30):5.2f} GiB/s raw   "
                       f"wall {wall / med[first][0]:.3f}x, cpu {cpu / med[first][1]:.3f}x, "
                       f"decode cpu {dec / max(med[first][3], 1e-9):.3f}x of {first!r}")
@@ -254,13 +259,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=int, default=256, help="raw size of the state (MiB)")
     ap.add_argument("--storages", default="memory", help="comma-separated, of memory, moto")
     ap.add_argument("--codecs", default="planes,blosc2")
-    ap.add_argument("--settings", default="4", help="blocks.RUN_PIECE values (MiB) and/or old, in this tree")
+    ap.add_argument("--settings", default="4", help="old, or blocks.RUN_PIECE[:reader.DECODE_PIECE] in MiB, "
+                    "in this tree")
+    ap.add_argument("--steps", default="2", help="steps loaded: 2 (incremental), 0 (plain compressed)")
     ap.add_argument("--ab", default="", help="another tree's src folder, e.g. /work/main/src (its default only)")
     ap.add_argument("--threads", type=int, default=8, help="load(threads=)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--json", default="")
     a = ap.parse_args(argv)
-    a.codecs, a.settings = a.codecs.split(","), a.settings.split(",")
+    a.codecs, a.settings, a.steps = a.codecs.split(","), a.settings.split(","), a.steps.split(",")
     out = [run(s, a) for s in a.storages.split(",")]
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1))
