@@ -1,0 +1,48 @@
+"""The stream writer's coding (`engine._encoded`: recompressing copies) codes its runs as a save's tasks
+are (issue 38): with the pool's coders counted, so that "blosc2" chunks are gathered into shared buffers
+where several threads code at once; the stored blocks are byte for byte what `codecs.encode` gives."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+
+import numpy as np
+import pytest
+
+from cairn._format import codecs
+from cairn._save import engine
+
+BLOCK = 1 << 20
+
+
+def _raw() -> np.ndarray:
+    rng = np.random.default_rng(38)
+    return np.round(rng.standard_normal(5 << 20) * 64).astype(np.float32)  # 20 MiB: more than one run
+
+
+@pytest.mark.parametrize("codec", ["zstd", "planes", "blosc2"])
+@pytest.mark.parametrize("workers", [0, 2, 4])
+def test_stream_runs_are_byte_for_byte_each_blocks_own_coding(codec, workers):
+    if codec == "blosc2" and not codecs.blosc2_available():
+        pytest.skip("python-blosc2 is not installed")
+    raw = _raw()
+    u8 = raw.view(np.uint8)
+    with ThreadPoolExecutor(workers) if workers else nullcontext() as pool:
+        got = [bytes(b) for b in engine._encoded(pool, codec, memoryview(u8), BLOCK, np.float32)]
+    want = [codecs.encode(codec, u8[o : o + BLOCK], np.float32) for o in range(0, u8.nbytes, BLOCK)]
+    assert got == want
+
+
+def test_blosc2_chunks_are_gathered_where_enough_threads_code(monkeypatch):
+    if not codecs.blosc2_available():
+        pytest.skip("python-blosc2 is not installed")
+    u8 = _raw().view(np.uint8)
+    with ThreadPoolExecutor(codecs.BLOSC2_JOIN_MIN_CODERS) as pool:
+        stored = list(engine._encoded(pool, "blosc2", memoryview(u8), BLOCK, np.float32))
+    # Views of shared numpy buffers (`codecs._flush_blosc2`), not each chunk python-blosc2 returned.
+    assert all(isinstance(s, memoryview) and isinstance(s.obj, np.ndarray) for s in stored)
+    with ThreadPoolExecutor(codecs.BLOSC2_JOIN_MIN_CODERS - 1) as pool:
+        fewer = list(engine._encoded(pool, "blosc2", memoryview(u8), BLOCK, np.float32))
+    assert not any(isinstance(s, memoryview) for s in fewer)
+
