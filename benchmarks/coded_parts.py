@@ -24,7 +24,7 @@ starts it): the first worker saves, every worker loads the same objects.
 ``--settings`` compares, in each worker, values of the piece a run of blocks is decoded in
 (`blocks.RUN_PIECE`, MiB): ``old`` is the per-block decoding of before (pieces of one block, no decode
 pool: `reader.DECODE_THREADS` 0), ``1``, ``4`` (the default), ``16``...; ``R:D`` also sets the piece of a
-plain compressed read (`reader.DECODE_PIECE`, MiB; default 1), which ``--steps 0,2`` measures on step 0,
+plain compressed read (`reader.DECODE_PIECE`, MiB; default 4), which ``--steps 0,2`` measures on step 0,
 the same state saved plain (format 3 or 5: `reader.CodedRead`'s pieces, not `read_blocks`'). A tree
 without `RUN_PIECE` (main before issue 38's change) runs only its own default (setting ``-``).
 """
