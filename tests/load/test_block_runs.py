@@ -82,9 +82,9 @@ def test_runs_break_where_the_codec_or_the_block_number_changes():
     assert blocks.coded_runs(coded) == [(0, 2), (2, 3), (3, 5), (5, 6)]
     assert blocks.coded_runs([]) == []
     spans = [(0, 60, "a"), (60, 120, "b"), (120, 180, "c"), (180, 200, "d"), (200, 300, "e")]
-    assert blocks._pieces(spans, 0, 5, 100) == [(0, 2), (2, 5)]
-    assert blocks._pieces(spans, 1, 3, 100) == [(1, 3)]
-    assert blocks._pieces(spans, 0, 5, 1) == [(k, k + 1) for k in range(5)]
+    assert reader.pieces(spans, 0, 5, 100) == [(0, 2), (2, 5)]
+    assert reader.pieces(spans, 1, 3, 100) == [(1, 3)]
+    assert reader.pieces(spans, 0, 5, 1) == [(k, k + 1) for k in range(5)]
 
 
 @pytest.mark.parametrize("codec", CODECS)

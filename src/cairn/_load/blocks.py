@@ -320,10 +320,10 @@ def _decode_coded(coded: list[tuple[int, int, Any]], raws: list[int], block: int
     call, spread over the decode pool (`reader.spread`). (A block at a time, one `decode` call each, the
     Python and numpy work of each call held decoding on the TPU host's 12 threads to 1.58 GiB/s, against
     2.20 for runs of a read's blocks: issue 38.) ``where(b)`` names block b in errors."""
-    from .reader import spread
+    from .reader import pieces, spread
 
     spans = [(b * block - start, b * block - start + raws[b], where(b)) for b, _, _ in coded]
-    work = [p for i, j in coded_runs(coded) for p in _pieces(spans, i, j, RUN_PIECE)]
+    work = [p for i, j in coded_runs(coded) for p in pieces(spans, i, j, RUN_PIECE)]
 
     def decode(i: int, j: int) -> None:
         _codecs.decode_run(CODEC_NAMES[coded[i][1]], [c[2] for c in coded[i:j]], dtype,
@@ -331,19 +331,6 @@ def _decode_coded(coded: list[tuple[int, int, Any]], raws: list[int], block: int
                            [at for _, _, at in spans[i:j]])
 
     spread(decode, work)
-
-
-def _pieces(spans: list[tuple[int, int, str]], i: int, j: int, size: int) -> list[tuple[int, int]]:
-    """Blocks ``[i, j)`` (``(raw start, raw end, name)`` each) cut into runs of at least `size` raw bytes."""
-    out: list[tuple[int, int]] = []
-    a = i
-    for k in range(i, j):
-        if spans[k][1] - spans[a][0] >= size:
-            out.append((a, k + 1))
-            a = k + 1
-    if a < j:
-        out.append((a, j))
-    return out
 
 
 def _delta_where(reader: Any, name: str, cell: int, b: int, against: tuple[int, int]) -> str:

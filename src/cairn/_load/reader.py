@@ -191,13 +191,14 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_decode_pools)
 
 
-def pieces(blocks: Sequence[tuple[int, int, str]], i: int, j: int) -> list[tuple[int, int]]:
+def pieces(blocks: Sequence[tuple[int, int, str]], i: int, j: int, size: int | None = None) -> list[tuple[int, int]]:
     """Blocks ``[i, j)`` (``(raw start, raw end, name)`` each) cut into runs ``(a, b)`` of at least
-    `DECODE_PIECE` raw bytes (the last may be less)."""
+    `size` raw bytes (default `DECODE_PIECE`; the last may be less)."""
+    size = DECODE_PIECE if size is None else size
     out: list[tuple[int, int]] = []
     a = i
     for k in range(i, j):
-        if blocks[k][1] - blocks[a][0] >= DECODE_PIECE:
+        if blocks[k][1] - blocks[a][0] >= size:
             out.append((a, k + 1))
             a = k + 1
     if a < j:
