@@ -29,7 +29,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -269,34 +268,15 @@ def _profile(fns: list[Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------- driver
 
 
-class Worker:
-    def __init__(self, name: str, src: str):
-        # The tree's sources first; then whatever the driver's path had (site packages carried along).
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p),
-               "JAX_PLATFORMS": "cpu"}
-        flags = env.get("XLA_FLAGS", "")
-        if "xla_force_host_platform_device_count" not in flags:
-            env["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
-        self.name = name
-        self.proc = subprocess.Popen([sys.executable, str(HERE), "--worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
+def Worker(name: str, src: str) -> Any:
+    """A warm worker of the tree at `src` (its sources first, then whatever the driver's path had: site
+    packages carried along), on the CPU with 8 virtual devices."""
+    from benchmarks import measure
 
-    def __call__(self, **job: Any) -> Any:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker {self.name} exited")
-        r = json.loads(line)
-        if "error" in r:
-            raise RuntimeError(f"worker {self.name}: {r['error']}\n{r['tb']}")
-        return r["ok"]
-
-    def stop(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=30)
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "xla_force_host_platform_device_count" not in flags:
+        flags = (flags + " --xla_force_host_platform_device_count=8").strip()
+    return measure.Worker(name, str(HERE), [src], {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}, stop_timeout=30)
 
 
 def _loadavg() -> str:

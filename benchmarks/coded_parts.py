@@ -36,7 +36,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -158,30 +157,13 @@ def _time_decoding() -> list[Any]:
     return got
 
 
-class Worker:
-    def __init__(self, name: str, src: str):
-        path = os.pathsep.join(p for p in (src, str(HERE.parent.parent), os.environ.get("PYTHONPATH")) if p)
-        env = {**os.environ, "PYTHONPATH": path, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-        self.name = name
-        self.proc = subprocess.Popen([sys.executable, str(HERE), "--worker"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env)
+def Worker(name: str, src: str) -> Any:
+    """A warm worker of the tree at `src` (its sources, then this repository for `benchmarks`), on the CPU
+    unless JAX_PLATFORMS says otherwise."""
+    from benchmarks import measure
 
-    def __call__(self, **job: Any) -> Any:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"worker {self.name} exited")
-        r = json.loads(line)
-        if "error" in r:
-            raise RuntimeError(f"worker {self.name}: {r['error']}\n{r['tb']}")
-        return r["ok"]
-
-    def stop(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+    return measure.Worker(name, str(HERE), [src, str(HERE.parent.parent)],
+                          {"JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
 
 
 def _loadavg() -> str:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -134,3 +137,35 @@ def dir_stats(path: str) -> tuple[int, int]:
             except FileNotFoundError:
                 pass
     return total, files
+
+
+class Worker:
+    """A warm child process, ``python SCRIPT --worker``, with `path` first on its PYTHONPATH (a tree's
+    sources, so that trees can be compared process by process) and `env` over this process's
+    environment. A call sends one job as a JSON line and returns the answer's ``ok``; the worker answers
+    ``{"error": ..., "tb": ...}`` for a job that failed, raised here with its traceback."""
+
+    def __init__(self, name: str, script: str, path: list[str], env: dict[str, str] | None = None,
+                 stop_timeout: float = 60) -> None:
+        pythonpath = os.pathsep.join(p for p in (*path, os.environ.get("PYTHONPATH")) if p)
+        self.name, self._stop_timeout = name, stop_timeout
+        self.proc = subprocess.Popen([sys.executable, script, "--worker"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True,
+                                     env={**os.environ, "PYTHONPATH": pythonpath, **(env or {})})
+
+    def __call__(self, **job: Any) -> Any:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.name} exited")
+        r = json.loads(line)
+        if "error" in r:
+            raise RuntimeError(f"worker {self.name}: {r['error']}\n{r['tb']}")
+        return r["ok"]
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=self._stop_timeout)
