@@ -23,8 +23,8 @@ starts it): the first worker saves, every worker loads the same objects.
 
 ``--settings`` compares, in each worker, values of the piece a run of blocks is decoded in
 (`blocks.RUN_PIECE`, MiB): ``old`` is the per-block decoding of before (pieces of one block, no decode
-pool: `reader.DECODE_THREADS` 0), ``1``, ``4`` (the default), ``16``...; ``R:D`` also sets the piece of a
-plain compressed read (`reader.DECODE_PIECE`, MiB; default 4), which ``--steps 0,2`` measures on step 0,
+pool: `decodepool.DECODE_THREADS` 0), ``1``, ``4`` (the default), ``16``...; ``R:D`` also sets the piece of a
+plain compressed read (`decodepool.DECODE_PIECE`, MiB; default 4), which ``--steps 0,2`` measures on step 0,
 the same state saved plain (format 3 or 5: `reader.CodedRead`'s pieces, not `read_blocks`'). A tree
 without `RUN_PIECE` (main before issue 38's change) runs only its own default (setting ``-``).
 """
@@ -55,7 +55,12 @@ def _worker() -> int:
     decoding = _time_decoding()
 
     def apply(setting: str) -> None:
-        from cairn._load import blocks, reader
+        from cairn._load import blocks
+
+        try:  # the decode pool's settings (in `reader` before they had a module of their own)
+            from cairn._load import decodepool as reader
+        except ImportError:
+            from cairn._load import reader  # type: ignore[no-redef]
 
         if setting == "-":
             return
@@ -241,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mib", type=int, default=256, help="raw size of the state (MiB)")
     ap.add_argument("--storages", default="memory", help="comma-separated, of memory, moto")
     ap.add_argument("--codecs", default="planes,blosc2")
-    ap.add_argument("--settings", default="4", help="old, or blocks.RUN_PIECE[:reader.DECODE_PIECE] in MiB, "
+    ap.add_argument("--settings", default="4", help="old, or blocks.RUN_PIECE[:decodepool.DECODE_PIECE] in MiB, "
                     "in this tree")
     ap.add_argument("--steps", default="2", help="steps loaded: 2 (incremental), 0 (plain compressed)")
     ap.add_argument("--ab", default="", help="another tree's src folder, e.g. /work/main/src (its default only)")

@@ -18,7 +18,7 @@ functions that do them (no change to the library):
 - ``load``: the call. ``cores`` is the sum of the thread stages over ``load``: how many cores the
   load kept busy on average with reading, checking and decoding.
 
-``--settings`` names `reader.DECODE_THREADS` values to compare in one run: ``0`` decodes in the reader
+``--settings`` names `decodepool.DECODE_THREADS` values to compare in one run: ``0`` decodes in the reader
 threads as before issue 38, ``auto`` on the decode pool (one thread per core). ``--ab SRC`` instead
 compares this tree against another checkout's ``src`` (e.g. ``/work/main/src``): each load runs in a
 child process of either tree, alternated, on the same saved checkpoints.
@@ -114,7 +114,10 @@ def instrument(spans: Spans) -> None:
 
 
 def set_decode_threads(value: str) -> None:
-    from cairn._load import reader
+    try:  # the decode pool's settings (in `reader` before they had a module of their own)
+        from cairn._load import decodepool as reader
+    except ImportError:
+        from cairn._load import reader  # type: ignore[no-redef]
 
     if hasattr(reader, "DECODE_THREADS"):
         reader.DECODE_THREADS = None if value == "auto" else int(value)
@@ -196,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jax", action="store_true", help="the same as --targets jax")
     ap.add_argument("--orbax", action="store_true", help="also Orbax's StandardCheckpointer restoring onto the device")
     ap.add_argument("--compression", default="False,True", help="compression= values of the saves")
-    ap.add_argument("--settings", default="0,auto", help="reader.DECODE_THREADS values to compare")
+    ap.add_argument("--settings", default="0,auto", help="decodepool.DECODE_THREADS values to compare")
     ap.add_argument("--ab", default=None, help="another tree's src folder: compare its loads with this tree's")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)

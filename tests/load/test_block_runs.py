@@ -18,7 +18,7 @@ from _parts import delta_kinds
 from cairn._errors import CorruptCheckpointError
 from cairn._format import codecs
 from cairn._format.blocks import CODEC_IDS
-from cairn._load import blocks, reader
+from cairn._load import blocks, decodepool
 
 CODECS = ["zstd", "planes"] + (["blosc2"] if codecs.blosc2_available() else [])
 MiB = 1 << 20
@@ -65,7 +65,7 @@ class _Calls:
 @pytest.mark.parametrize("codec", CODECS)
 @pytest.mark.parametrize("threads", [0, 3])
 def test_referred_and_own_coded_blocks_decode_in_runs(tmp_path, monkeypatch, codec, threads):
-    monkeypatch.setattr(reader, "DECODE_THREADS", threads)
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", threads)
     path, w2 = _chain(tmp_path, codec)
     calls = _Calls(monkeypatch)
     got = cairn.load(path)["w"]
@@ -82,9 +82,9 @@ def test_runs_break_where_the_codec_or_the_block_number_changes():
     assert blocks.coded_runs(coded) == [(0, 2), (2, 3), (3, 5), (5, 6)]
     assert blocks.coded_runs([]) == []
     spans = [(0, 60, "a"), (60, 120, "b"), (120, 180, "c"), (180, 200, "d"), (200, 300, "e")]
-    assert reader.pieces(spans, 0, 5, 100) == [(0, 2), (2, 5)]
-    assert reader.pieces(spans, 1, 3, 100) == [(1, 3)]
-    assert reader.pieces(spans, 0, 5, 1) == [(k, k + 1) for k in range(5)]
+    assert decodepool.pieces(spans, 0, 5, 100) == [(0, 2), (2, 5)]
+    assert decodepool.pieces(spans, 1, 3, 100) == [(1, 3)]
+    assert decodepool.pieces(spans, 0, 5, 1) == [(k, k + 1) for k in range(5)]
 
 
 @pytest.mark.parametrize("codec", CODECS)

@@ -1,4 +1,4 @@
-"""Compressed reads decoded on the process's decode pool (`reader.DECODE_THREADS`, issue 38): a read's
+"""Compressed reads decoded on the process's decode pool (`decodepool.DECODE_THREADS`, issue 38): a read's
 blocks cut into pieces, the first decoded by the reader thread, the others on the pool; the same
 values, the same errors, every flipped stored byte a `CorruptCheckpointError`."""
 
@@ -12,7 +12,7 @@ import pytest
 
 import cairn
 from cairn._format import codecs
-from cairn._load import reader
+from cairn._load import decodepool
 
 CODECS = ["zstd", "planes"] + (["blosc2"] if codecs.blosc2_available() else [])
 
@@ -25,34 +25,34 @@ def _state() -> dict[str, np.ndarray]:
 
 @pytest.fixture(params=[0, 3])
 def decode_threads(request, monkeypatch):
-    monkeypatch.setattr(reader, "DECODE_THREADS", request.param)
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", request.param)
     return request.param
 
 
 def test_pieces_are_whole_blocks_of_at_least_the_piece_size(monkeypatch):
-    monkeypatch.setattr(reader, "DECODE_PIECE", 100)
+    monkeypatch.setattr(decodepool, "DECODE_PIECE", 100)
     blocks = [(0, 60, "a"), (60, 120, "b"), (120, 180, "c"), (180, 200, "d"), (200, 300, "e")]
-    assert reader.pieces(blocks, 0, 5) == [(0, 2), (2, 5)]
-    assert reader.pieces(blocks, 1, 3) == [(1, 3)]
-    assert reader.pieces(blocks, 4, 5) == [(4, 5)]
-    monkeypatch.setattr(reader, "DECODE_PIECE", 1)
-    assert reader.pieces(blocks, 0, 5) == [(k, k + 1) for k in range(5)]
+    assert decodepool.pieces(blocks, 0, 5) == [(0, 2), (2, 5)]
+    assert decodepool.pieces(blocks, 1, 3) == [(1, 3)]
+    assert decodepool.pieces(blocks, 4, 5) == [(4, 5)]
+    monkeypatch.setattr(decodepool, "DECODE_PIECE", 1)
+    assert decodepool.pieces(blocks, 0, 5) == [(k, k + 1) for k in range(5)]
 
 
 def test_spread_runs_the_first_piece_here_and_the_rest_on_the_pool(monkeypatch):
-    monkeypatch.setattr(reader, "DECODE_THREADS", 2)
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", 2)
     seen: dict[tuple[int, int], str] = {}
 
     def decode(a: int, b: int) -> None:
         seen[(a, b)] = threading.current_thread().name
 
-    reader.spread(decode, [(0, 1), (1, 2), (2, 4)])
+    decodepool.spread(decode, [(0, 1), (1, 2), (2, 4)])
     assert seen[(0, 1)] == threading.current_thread().name
     assert seen[(1, 2)].startswith("cairn-decode") and seen[(2, 4)].startswith("cairn-decode")
 
 
 def test_spread_raises_the_first_failure_in_block_order_after_every_piece_ran(monkeypatch):
-    monkeypatch.setattr(reader, "DECODE_THREADS", 2)
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", 2)
     done: list[int] = []
     gate = threading.Event()
 
@@ -66,12 +66,12 @@ def test_spread_raises_the_first_failure_in_block_order_after_every_piece_ran(mo
         done.append(a)
 
     with pytest.raises(ValueError, match="piece 1"):
-        reader.spread(decode, [(0, 1), (1, 2), (2, 3), (3, 4)])
+        decodepool.spread(decode, [(0, 1), (1, 2), (2, 3), (3, 4)])
     assert sorted(done) == [0, 3]
 
 
 def test_spread_waits_for_the_pool_when_its_own_piece_fails(monkeypatch):
-    monkeypatch.setattr(reader, "DECODE_THREADS", 2)
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", 2)
     release, done = threading.Event(), []
 
     def decode(a: int, b: int) -> None:
@@ -82,15 +82,15 @@ def test_spread_waits_for_the_pool_when_its_own_piece_fails(monkeypatch):
 
     threading.Timer(0.05, release.set).start()
     with pytest.raises(ValueError, match="mine"):
-        reader.spread(decode, [(0, 1), (1, 2)])
+        decodepool.spread(decode, [(0, 1), (1, 2)])
     assert done == [1]  # returned only once the piece reading the caller's buffer was done
 
 
 def test_no_pool_below_two_threads(monkeypatch):
-    monkeypatch.setattr(reader, "DECODE_THREADS", 1)
-    assert reader.decode_pool() is None
-    monkeypatch.setattr(reader, "DECODE_THREADS", 0)
-    assert reader.decode_pool() is None
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", 1)
+    assert decodepool.decode_pool() is None
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", 0)
+    assert decodepool.decode_pool() is None
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -133,7 +133,7 @@ def test_every_sampled_flip_in_stored_blocks_is_corrupt(tmp_path, codec, decode_
 
 
 def test_a_compressed_load_decodes_on_the_pool(tmp_path, monkeypatch):
-    monkeypatch.setattr(reader, "DECODE_THREADS", 3)
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", 3)
     cairn.save(tmp_path / "c", _state(), compression="zstd")
     names: list[str] = []
     real = codecs.decode_run

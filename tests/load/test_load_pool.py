@@ -136,6 +136,7 @@ def test_fresh_buffers_are_mapped_off_the_load_pool(monkeypatch):
     task of the load's pool, where a GET queued behind it would wait for it."""
     import numpy as np
 
+    from cairn._load import decodepool
     from cairn._load import reader as reader_mod
 
     ran_on = []
@@ -148,5 +149,5 @@ def test_fresh_buffers_are_mapped_off_the_load_pool(monkeypatch):
     r = object.__new__(reader_mod.ChunkReader)
     r.pool, r._unmapped, r._unmapped_bytes = NoPool(), [np.empty(1 << 20, np.uint8)], 1 << 20
     r.start_prefault()
-    reader_mod._prefault_thread().submit(lambda: None).result(timeout=10)
+    decodepool.prefault_thread().submit(lambda: None).result(timeout=10)
     assert ran_on and ran_on[0].startswith("cairn-prefault") and r._unmapped == []

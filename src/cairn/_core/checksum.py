@@ -85,7 +85,7 @@ class BlockChecks:
     that passed, once the `part` (or `rest`) that checked them has checked them all,
     in the same thread: the chunk reader's `then` decodes compressed blocks from
     there, in pieces of about 1 MiB, the first in this thread and the others on
-    the process's decode pool (`_load.reader.spread`), and returns once all are done.
+    the process's decode pool (`_load.decodepool.spread`), and returns once all are done.
     """
 
     def __init__(self, checks: Sequence[tuple[int, int, int]], segments: Sequence[Buffer], base: int,

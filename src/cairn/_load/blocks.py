@@ -52,7 +52,7 @@ from .._tree.pytree import display_path
 
 #: The checked coded blocks of a read are decoded in runs of consecutive blocks of one codec, cut into pieces
 #: of at least this many raw bytes (whole blocks), each piece one `codecs.decode_run` call: the read's reader
-#: thread decodes the first, the decode pool the others (`reader.spread`). Pieces of 4 blocks keep what a run
+#: thread decodes the first, the decode pool the others (`decodepool.spread`). Pieces of 4 blocks keep what a run
 #: saves ("planes": one zstd call for all their planes; fewer Python calls a block, each holding the GIL the
 #: other decoding threads wait for), and a long read still spreads over the pool.
 RUN_PIECE = 4 << 20
@@ -317,10 +317,10 @@ def _decode_coded(coded: list[tuple[int, int, Any]], raws: list[int], block: int
     """Decode checked coded blocks (``(block, codec id, stored bytes)``, in block order) into `raw` (the
     read's raw bytes, from raw byte `start` of the chunk): each run of consecutive blocks of one codec
     (`coded_runs`) cut into pieces of at least `RUN_PIECE` raw bytes, each piece one `codecs.decode_run`
-    call, spread over the decode pool (`reader.spread`). (A block at a time, one `decode` call each, the
+    call, spread over the decode pool (`decodepool.spread`). (A block at a time, one `decode` call each, the
     Python and numpy work of each call held decoding on the TPU host's 12 threads to 1.58 GiB/s, against
     2.20 for runs of a read's blocks: issue 38.) ``where(b)`` names block b in errors."""
-    from .reader import pieces, spread
+    from .decodepool import pieces, spread
 
     spans = [(b * block - start, b * block - start + raws[b], where(b)) for b, _, _ in coded]
     work = [p for i, j in coded_runs(coded) for p in pieces(spans, i, j, RUN_PIECE)]
