@@ -49,6 +49,7 @@ from .._format.blocks import (
 )
 from .._plan.reads import Read
 from .._tree.pytree import display_path
+from .decodepool import pieces, spread
 
 #: The checked coded blocks of a read are decoded in runs of consecutive blocks of one codec, cut into pieces
 #: of at least this many raw bytes (whole blocks), each piece one `codecs.decode_run` call: the read's reader
@@ -320,8 +321,6 @@ def _decode_coded(coded: list[tuple[int, int, Any]], raws: list[int], block: int
     call, spread over the decode pool (`decodepool.spread`). (A block at a time, one `decode` call each, the
     Python and numpy work of each call held decoding on the TPU host's 12 threads to 1.58 GiB/s, against
     2.20 for runs of a read's blocks: issue 38.) ``where(b)`` names block b in errors."""
-    from .decodepool import pieces, spread
-
     spans = [(b * block - start, b * block - start + raws[b], where(b)) for b, _, _ in coded]
     work = [p for i, j in coded_runs(coded) for p in pieces(spans, i, j, RUN_PIECE)]
 

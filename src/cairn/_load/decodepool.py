@@ -30,6 +30,7 @@ DECODE_THREADS: int | None = None
 DECODE_PIECE = 4 << 20
 
 _decode_pools: dict[int, ThreadPoolExecutor] = {}
+_prefaulter: ThreadPoolExecutor | None = None
 _decode_lock = threading.Lock()
 
 
@@ -56,9 +57,6 @@ def prefault_thread() -> ThreadPoolExecutor:
         if _prefaulter is None:
             _prefaulter = ThreadPoolExecutor(1, thread_name_prefix="cairn-prefault")
         return _prefaulter
-
-
-_prefaulter: ThreadPoolExecutor | None = None
 
 
 def _forget_decode_pools() -> None:  # a forked child has none of its parent's threads
