@@ -181,43 +181,40 @@ def _worker() -> int:
     def profile(job: dict[str, Any]) -> dict[str, Any]:
         return _profile([ops[k] for k in job["ops"]] * job["n"])
 
-    for line in sys.stdin:
-        job = json.loads(line)
+    def handle(job: dict[str, Any]) -> Any:
         op = job["op"]
-        try:
-            if op == "setup":
-                setup(job)
-                out: Any = None
-            elif op == "save":
-                save(job)
-                out = None
-            elif op == "check":
-                got = cairn.load(state["path"], storage_options=state["opts"])["params"]
-                rng = np.random.default_rng(0)
-                out = all(np.array_equal(got[k], rng.standard_normal(s, dtype=np.float32))
-                          for k, s in state["shapes"].items())
-            elif op == "profile":
-                out = profile(job)
-            elif op == "phases":
-                out = {k: statistics.median(v) for k, v in phases.items()}
-                phases.clear()
-            else:
-                if op in before:
-                    before[op]()
-                t0, c0 = time.perf_counter(), time.process_time()
-                kept = ops[op]()
-                out = [time.perf_counter() - t0, time.process_time() - c0]
-                # What a pattern read is freed after the clock stops, and any garbage with it: freeing
-                # 256 MiB-1 GiB of pages costs tens of ms, which would otherwise fall on whichever
-                # pattern ran when the last reference went (or the collector ran), not on a load.
-                del kept
-                gc.collect()
-            print(json.dumps({"ok": out}), flush=True)
-        except Exception as e:  # reported to the driver, which stops
-            import traceback
+        if op == "setup":
+            setup(job)
+            return None
+        if op == "save":
+            save(job)
+            return None
+        if op == "check":
+            got = cairn.load(state["path"], storage_options=state["opts"])["params"]
+            rng = np.random.default_rng(0)
+            return all(np.array_equal(got[k], rng.standard_normal(s, dtype=np.float32))
+                       for k, s in state["shapes"].items())
+        if op == "profile":
+            return profile(job)
+        if op == "phases":
+            out = {k: statistics.median(v) for k, v in phases.items()}
+            phases.clear()
+            return out
+        if op in before:
+            before[op]()
+        t0, c0 = time.perf_counter(), time.process_time()
+        kept = ops[op]()
+        out = [time.perf_counter() - t0, time.process_time() - c0]
+        # What a pattern read is freed after the clock stops, and any garbage with it: freeing
+        # 256 MiB-1 GiB of pages costs tens of ms, which would otherwise fall on whichever
+        # pattern ran when the last reference went (or the collector ran), not on a load.
+        del kept
+        gc.collect()
+        return out
 
-            print(json.dumps({"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}), flush=True)
-    return 0
+    from benchmarks.measure import serve
+
+    return serve(handle)
 
 
 _IDLE = ("_worker (concurrent/futures/thread.py", "wait (threading.py", "_sample (", "readline",
@@ -269,14 +266,15 @@ def _profile(fns: list[Any]) -> dict[str, Any]:
 
 
 def Worker(name: str, src: str) -> Any:
-    """A warm worker of the tree at `src` (its sources first, then whatever the driver's path had: site
-    packages carried along), on the CPU with 8 virtual devices."""
+    """A warm worker of the tree at `src` (its sources first, then this repository for `benchmarks`, then
+    whatever the driver's path had: site packages carried along), on the CPU with 8 virtual devices."""
     from benchmarks import measure
 
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         flags = (flags + " --xla_force_host_platform_device_count=8").strip()
-    return measure.Worker(name, str(HERE), [src], {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}, stop_timeout=30)
+    return measure.Worker(name, str(HERE), [src, str(HERE.parent.parent)], {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags},
+                          stop_timeout=30)
 
 
 def _loadavg() -> str:

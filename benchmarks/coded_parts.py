@@ -121,16 +121,10 @@ def _worker() -> int:
         gc.collect()
         return out
 
-    ops = {"save": save, "check": check, "load": load}
-    for line in sys.stdin:
-        job = json.loads(line)
-        try:
-            print(json.dumps({"ok": ops[job["op"]](job)}), flush=True)
-        except Exception as e:  # reported to the driver, which stops
-            import traceback
+    from benchmarks.measure import serve
 
-            print(json.dumps({"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}), flush=True)
-    return 0
+    ops = {"save": save, "check": check, "load": load}
+    return serve(lambda job: ops[job["op"]](job))
 
 
 def _time_decoding() -> list[Any]:

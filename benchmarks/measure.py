@@ -169,3 +169,16 @@ class Worker:
         assert self.proc.stdin is not None
         self.proc.stdin.close()
         self.proc.wait(timeout=self._stop_timeout)
+
+
+def serve(handle: Callable[[dict[str, Any]], Any]) -> int:
+    """A `Worker`'s side: ``handle(job)`` for each JSON line on stdin, its result answered as ``{"ok": ...}``
+    on stdout, or ``{"error": ..., "tb": ...}`` where it raised (the driver raises it and stops)."""
+    import traceback
+
+    for line in sys.stdin:
+        try:
+            print(json.dumps({"ok": handle(json.loads(line))}), flush=True)
+        except Exception as e:
+            print(json.dumps({"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}), flush=True)
+    return 0
