@@ -87,6 +87,11 @@ from .assign import Concat, SaveItem
 RUN_BLOCKS = 4
 SMALL = 64 << 10  # own blocks up to this size join the writer's batch (`engine.SMALL_CHUNK`)
 BATCH = 4 << 20
+#: Own raw blocks next to each other in a chunk go to the storage as one buffer, up to this many bytes (a
+#: view of the chunk's bytes, no copy), as a plain save gives it a chunk: one buffer per 1 MiB block cost
+#: a save of 256 MiB 292 write calls where the plain save made 82, and twice its write time on the TPU
+#: host's sandboxed disk (`benchmarks.incremental_stages`, docs/incremental.md "Round 41e").
+OWN_SPAN = 4 << 20
 #: A delta is kept when its stored bytes are at most this fraction of the block's own stored bytes.
 DELTA_GAIN = 0.25
 #: On storage other than a local disk, an async save decides its unchanged jax.Array chunks before its
@@ -470,7 +475,8 @@ class Incremental:
                     ) -> Generator[Any, None, tuple[bytearray, tuple[int, ...], list[int], int]]:
         """The writer's generator for one chunk: yields buffers to write, returns ``(batch, stored sizes,
         CRCs, own stored bytes)``. Blocks equal to the base's become references; the rest are coded
-        with `codec` (in runs on `pool`, a window ahead of the writer). `raw`: the chunk's host bytes,
+        with `codec` (in runs on `pool`, a window ahead of the writer); own raw blocks next to each other
+        go out as one buffer of up to `OWN_SPAN` bytes. `raw`: the chunk's host bytes,
         or a function returning them, called only where they are needed (`_unchanged`)."""
         decided = self.decided.pop((item.name, leaf, cell), None)
         if decided is not None:  # before the snapshot, which did not copy it (`decide_unchanged`)
@@ -514,6 +520,7 @@ class Incremental:
         deltas: dict[int, Ref] = {}
         sparse = False
         own = 0
+        span = [0, 0]  # own raw blocks not yet given out: raw[span[0]:span[1]]
 
         def results() -> Iterator[list[tuple[bytes, Any, int, int]]]:
             if pool is None or len(work) < 2:
@@ -549,6 +556,20 @@ class Incremental:
                     self.stats_deltas += 1
                     payload = payload.data
                 own += size
+                if size > SMALL and codec == "none" and b not in deltas:  # its raw bytes: raw[b * block:][:size]
+                    if span[0] < span[1] == b * block and span[1] - span[0] < OWN_SPAN:  # right after the last
+                        span[1] += size
+                        continue
+                    if span[1] > span[0]:
+                        yield raw[span[0] : span[1]]
+                    if batch:
+                        yield batch
+                        batch = bytearray()
+                    span = [b * block, b * block + size]
+                    continue
+                if span[1] > span[0]:
+                    yield raw[span[0] : span[1]]
+                    span = [0, 0]
                 if size <= SMALL:
                     batch += payload
                     if len(batch) >= BATCH:
@@ -559,6 +580,8 @@ class Incremental:
                     yield batch
                     batch = bytearray()
                 yield payload
+        if span[1] > span[0]:
+            yield raw[span[0] : span[1]]
         self.chunks[(item.name, leaf, cell)] = _Chunk(hashes, refs, CODEC_IDS[codec], deltas, sparse)
         if key is not None:
             _remember(value, key, b"".join(hashes), _sample(raw) if _in_host_memory(value) else None)
