@@ -112,6 +112,17 @@ PROBE = 64 << 10
 #: with the old ones), on the benchmark's lr-1e-6 weights 1.01x-1.17x, so a 10% margin would miss many
 #: (docs/incremental.md "Delta kinds").
 SPARSE_NEAR = 1.0
+#: A changed block of 1- or 2-byte elements (bf16, f16, int8, int16) with at most `SPARSE_FIRST` of its
+#: elements changed, whose sparse frame stores at most `SPARSE_SMALL` of the block's raw bytes, is stored as
+#: that sparse delta without coding its XOR frame to compare: the XOR frame's zstd was 41% of a delta's CPU
+#: time on the lr-1e-6 benchmark's bf16 blocks, where the sparse frame was kept anyway (1.0-1.4x the XOR
+#: frame, within `SPARSE_NEAR`). The bytes this can cost are bounded: at most `SPARSE_SMALL` of a block
+#: (3%), against an XOR frame that may be far smaller (a run of elements whose lowest bit flipped), and
+#: 1-3 KiB per MiB on those blocks (their parameters' bytes written 0.0110x -> 0.0118x). Wider elements
+#: keep the comparison: an ulp's XOR is one low bit of 4 or 8 bytes, and their sparse frames were 1.5-5.9x
+#: the XOR frame (docs/incremental.md "Round 41e").
+SPARSE_FIRST = 0.10
+SPARSE_SMALL = 1 / 32
 #: The runs of a chunk the base found unchanged too (every block of the base's chunk a reference further
 #: back: a frozen leaf) queue behind every other chunk's runs on the save's coder pool (`write_chunk`), so
 #: that the files of changed leaves are hashed, written and flushed while frozen ones are still hashed.
@@ -788,18 +799,26 @@ def _try_delta(piece: memoryview, b: _Base, ctx: _DeltaCtx, dtype: Any, probe: b
         return None
     new = np.frombuffer(piece, np.uint8)
     xor = np.bitwise_xor(new, np.frombuffer(base_raw, np.uint8))
+    k = np.dtype(dtype).itemsize
+    idx = _changed(xor, k) if k in SPARSE_ITEMSIZES and len(new) % k == 0 else None
+    if idx is not None and k <= 2 and len(idx) <= SPARSE_FIRST * (len(new) // k):
+        # Few elements changed, a small sparse frame: kept without coding the XOR frame (`SPARSE_FIRST`).
+        sparse = _sparse_frame(new, xor, dtype, idx)
+        if sparse is not None and len(sparse) <= SPARSE_SMALL * len(piece):
+            head = DELTA_HEADER.pack(target.codec, DELTA_SPARSE, 0, target.crc, target.stored)
+            return _Delta(head + sparse, target)
     frame = _codecs.encode("zstd", xor, np.uint8)
     kind = DELTA_XOR
     # Sparse is tried only where the XOR frame pays against the raw block (a block whose values all change
     # costs no more than before); it is kept within `SPARSE_NEAR` of the XOR frame.
-    sparse = _sparse_frame(new, xor, dtype) if len(frame) <= DELTA_GAIN * len(piece) else None
+    sparse = _sparse_frame(new, xor, dtype, idx) if len(frame) <= DELTA_GAIN * len(piece) else None
     if sparse is not None and len(sparse) <= (1 + SPARSE_NEAR) * len(frame):
         frame, kind = sparse, DELTA_SPARSE
     data = DELTA_HEADER.pack(target.codec, kind, 0, target.crc, target.stored) + frame
     return _Delta(data, target)
 
 
-def _sparse_frame(new: np.ndarray, xor: np.ndarray, dtype: Any) -> bytes | None:
+def _sparse_frame(new: np.ndarray, xor: np.ndarray, dtype: Any, idx: np.ndarray | None = None) -> bytes | None:
     """The zstd frame of a sparse delta of block `new` (uint8) whose XOR with its base is `xor`, or None
     where there is none: elements of another size, or one whose content would be exactly the block's size
     (a cairn without sparse deltas reads any delta as an XOR frame of the block's size: with every other
@@ -808,7 +827,8 @@ def _sparse_frame(new: np.ndarray, xor: np.ndarray, dtype: Any) -> bytes | None:
     if k not in SPARSE_ITEMSIZES or len(new) % k:
         return None
     ut = uint_of(k)
-    idx = _changed(xor, k)
+    if idx is None:  # (the indices of the changed elements, where the caller has them)
+        idx = _changed(xor, k)
     if sparse_size(len(idx), k) >= len(new):  # (the XOR frame then stores less anyway)
         return None
     return _codecs.encode("zstd", np.frombuffer(sparse_payload(idx, new.view(ut)[idx], k), np.uint8), np.uint8)
