@@ -90,3 +90,32 @@ def test_a_block_with_few_changes_is_stored_sparse_without_coding_its_xor(tmp_pa
     assert set(delta_kinds(tmp_path / "s1")) == {1}  # sparse
     assert MiB not in coded, coded  # no XOR frame of a whole block was coded to compare
     assert np.asarray(cairn.load(tmp_path / "s1")["w"]).tobytes() == w1.tobytes()
+
+
+def test_a_base_file_is_opened_once_per_save_for_its_deltas_and_closed_after(tmp_path, monkeypatch):
+    import os
+
+    import ml_dtypes
+
+    rng = np.random.default_rng(5)
+    w0 = (rng.standard_normal(6 * MiB // 2) * 0.02).astype(ml_dtypes.bfloat16)  # 6 blocks, one file
+    w1 = w0.copy()
+    u = w1.view(np.uint16)
+    u[rng.choice(w1.size, w1.size // 200, replace=False)] += 1  # every block: a few elements, an ulp each
+    _hashed(tmp_path / "s0", {"w": w0})
+    opened: list[str] = []
+    real = _local.LocalStorage.open_read
+
+    def open_read(self, key):
+        if key.endswith(".bin"):
+            opened.append(key)
+        return real(self, key)
+
+    monkeypatch.setattr(_local.LocalStorage, "open_read", open_read)
+    fds = len(os.listdir("/proc/self/fd")) if os.path.isdir("/proc/self/fd") else None
+    cairn.save(tmp_path / "s1", {"w": w1}, compression=False, base=tmp_path / "s0", threads=1)
+    assert len(delta_kinds(tmp_path / "s1")) == 6
+    assert len(opened) == len(set(opened)) == 1, opened  # one base file, opened once for its six deltas
+    if fds is not None:
+        assert len(os.listdir("/proc/self/fd")) == fds  # and closed once the save is done
+    assert np.asarray(cairn.load(tmp_path / "s1")["w"]).tobytes() == w1.tobytes()

@@ -389,24 +389,28 @@ class SaveJob:
         # unchanged ones are still hashed.
         files = sum(len(it.files) for it in self.items)
         writers = self.threads if self.inc is None else max(self.threads, min(files, 2 * self.threads))
-        with ThreadPoolExecutor(max(1, writers), thread_name_prefix="cairn-write") as pool, \
-                ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool, \
-                CodePool(coders) as code_pool:
-            # Files start in turn across checkpointables (each one's first file, then each one's second...):
-            # an incremental save's files of unchanged leaves only hash, and must not hold every writer
-            # while another checkpointable's changed leaves wait (docs/incremental.md, "Save and load time,
-            # round 41b"). The coder pool serves files in that order too (`order`: a file's rank).
-            for item, k in _files_in_turn(self.items):
-                jobs.append((item, k, pool.submit(self._write_file, item, k, item.files[k], crc_pool,
-                                                  code_pool if coders > 1 else None, len(jobs))))
-            try:
-                results = [(item, k, f.result()) for item, k, f in jobs]
-            finally:
+        try:
+            with ThreadPoolExecutor(max(1, writers), thread_name_prefix="cairn-write") as pool, \
+                    ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool, \
+                    CodePool(coders) as code_pool:
+                # Files start in turn across checkpointables (each one's first file, then each one's second...):
+                # an incremental save's files of unchanged leaves only hash, and must not hold every writer
+                # while another checkpointable's changed leaves wait (docs/incremental.md, "Save and load time,
+                # round 41b"). The coder pool serves files in that order too (`order`: a file's rank).
+                for item, k in _files_in_turn(self.items):
+                    jobs.append((item, k, pool.submit(self._write_file, item, k, item.files[k], crc_pool,
+                                                      code_pool if coders > 1 else None, len(jobs))))
                 try:
-                    if self._choosing is not None:
-                        self._choosing.close()
+                    results = [(item, k, f.result()) for item, k, f in jobs]
                 finally:
-                    self._close_pipe()
+                    try:
+                        if self._choosing is not None:
+                            self._choosing.close()
+                    finally:
+                        self._close_pipe()
+        finally:  # (after the pools are done: no run reads a base file any more)
+            if self.inc is not None:
+                self.inc.close_readers()
         self.stats.compression = describe_compression(self.compression, self.loc.storage, self.codecs,
                                                       self.priced())
         for item in self.items:

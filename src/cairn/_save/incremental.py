@@ -269,7 +269,7 @@ class _Base:
 class _Delta:
     """A block stored as a delta: its stored bytes (own) and the self-contained block it is against."""
 
-    data: bytes
+    data: bytes | bytearray
     target: Ref
 
 
@@ -313,6 +313,8 @@ class Incremental:
     # (item, leaf, cell) -> a chunk decided before an async save's snapshot, not copied (`decide_unchanged`):
     # its record, stored sizes and CRCs
     decided: dict[tuple[str, int, int], tuple[_Chunk, list[int], list[int]]] = field(default_factory=dict)
+    _readers: dict[str, Any] = field(default_factory=dict)  # base data files opened for deltas (`_reader`)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     # ------------------------------------------------------------------ the base
 
@@ -465,19 +467,35 @@ class Incremental:
         return out
 
     def _reader(self, item: str) -> Any:
-        """A function reading ``length`` bytes at ``offset`` of a base's data file of `item`, for deltas."""
+        """A function reading ``length`` bytes at ``offset`` of a base's data file of `item`, for deltas.
+        Each file is opened once per save (`close_readers` closes them): a delta per 1 MiB block opened,
+        read and closed its base file each time, three system calls where one does, and on the TPU host's
+        sandboxed disk each open costs a round trip (docs/incremental.md "Round 41e")."""
         storage, folder = self.loc.storage, self.dirs[item]
 
-        def read(ckpt: str, name: str, offset: int, length: int) -> bytes:
+        def read(ckpt: str, name: str, offset: int, length: int) -> bytearray:
+            key = "/".join((ckpt, folder, name))
+            with self._lock:
+                r = self._readers.get(key)
+            if r is None:
+                r = storage.open_read(key)
+                with self._lock:
+                    kept = self._readers.setdefault(key, r)
+                if kept is not r:  # another thread opened it first
+                    r.close()
+                    r = kept
             buf = bytearray(length)
-            r = storage.open_read("/".join((ckpt, folder, name)))
-            try:
-                r.read_into(offset, memoryview(buf))
-            finally:
-                r.close()
-            return bytes(buf)
+            r.read_into(offset, memoryview(buf))
+            return buf
 
         return read
+
+    def close_readers(self) -> None:
+        """Close the base files `_reader` opened (at the end of the save's writes)."""
+        with self._lock:
+            readers, self._readers = list(self._readers.values()), {}
+        for r in readers:
+            r.close()
 
     # ------------------------------------------------------------------ writing
 
@@ -600,7 +618,7 @@ class Incremental:
 
     def _unchanged(self, item: str, value: Any, key: Any, base: list[_Base] | None, codec: str,
                    raw: memoryview | Callable[[], memoryview] | None, sampled: bytes | None = None
-                   ) -> tuple[_Chunk, list[int], list[int], list[bytes]] | None:
+                   ) -> tuple[_Chunk, list[int], list[int], list[bytes | bytearray]] | None:
         """A chunk of jax.Array `value` whose hashes, as kept when this process last hashed it
         (`_HASHED`), are the base's at the same position: its blocks as the base's (references, or
         the base's deltas copied), without reading its bytes, as ``(its record, stored sizes, CRCs,
@@ -625,7 +643,7 @@ class Incremental:
         ctx = None
         chunk = _Chunk([b.hash for b in base], {}, CODEC_IDS[codec])
         sizes: list[int] = []
-        copied: list[bytes] = []
+        copied: list[bytes | bytearray] = []
         for k, b in enumerate(base):
             if b.target is None:
                 chunk.refs[k] = b.ref
@@ -750,7 +768,7 @@ def _run(raw: memoryview, base: list[_Base] | None, block: int, codec: str, dtyp
     return out
 
 
-def _target(b: _Base, ctx: _DeltaCtx) -> tuple[Ref, bytes | None]:
+def _target(b: _Base, ctx: _DeltaCtx) -> tuple[Ref, bytes | bytearray | None]:
     """The self-contained block a delta at `b`'s position is against (for a delta of the base: its base,
     from its header), and the base's delta bytes where they were read."""
     if b.target is None:
