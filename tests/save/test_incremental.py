@@ -1197,8 +1197,8 @@ def test_an_async_save_against_a_base_still_being_saved_copies_and_reads_nothing
     import threading
 
     reads: list[str] = []  # the threads that read the base's manifest
-    real = inc._read_manifest
-    monkeypatch.setattr(inc, "_read_manifest", lambda loc: reads.append(threading.current_thread().name) or real(loc))
+    real = inc._manifest_bytes
+    monkeypatch.setattr(inc, "_manifest_bytes", lambda loc: reads.append(threading.current_thread().name) or real(loc))
     f = cairn.save_async(tmp_path / "s1", {"w": a}, base=tmp_path / "s0")
     assert f.stats.snapshot_bytes == a.nbytes
     assert f.result(timeout=60).bytes_written == 0  # the job reads the base and refers to it
