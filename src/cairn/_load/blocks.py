@@ -49,7 +49,7 @@ from .._format.blocks import (
 )
 from .._plan.reads import Read
 from .._tree.pytree import display_path
-from .decodepool import pieces, spread
+from .decodepool import pieces, share, spread
 
 #: The checked coded blocks of a read are decoded in runs of consecutive blocks of one codec, cut into pieces
 #: of at least this many raw bytes (whole blocks), each piece one `codecs.decode_run` call: the read's reader
@@ -304,9 +304,10 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
                 apply_delta(stored, base, codec, crc, leaf.dtype, slot(b),
                             _delta_where(reader, name, cell, b, places[b][5]), in_place, kind)
 
-        # Rebuilt on the decode pool beside this thread, as coded blocks are decoded (`_decode_coded`).
+        # Rebuilt by this thread and the decode pool's free threads (`share`: never waiting for a piece
+        # queued behind other reads' work on a busy pool).
         spans = [(b * block, b * block + raws[b], "") for b, _, _ in work]
-        spread(rebuild, pieces(spans, 0, len(work), DELTA_PIECE))
+        share(rebuild, pieces(spans, 0, len(work), DELTA_PIECE))
     if out is None:
         for c in read.copies:
             src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)
