@@ -62,6 +62,8 @@ RUN_PIECE = 4 << 20
 #: 0.2-0.4 ms of CPU (its base block's CRC-32C, the zstd frame, the XOR or the scatter), far more than a
 #: task's hand-over, and a read holds only a few deltas among its blocks (the lr 1e-6 benchmark: 56 of 256).
 DELTA_PIECE = 1 << 20
+#: False: a read's deltas are rebuilt by its reader thread alone, one after another (as before 2026-12-06).
+DELTAS_SHARED = True
 
 
 def block_places(leaf: fmt.ArrayLeaf, cell: int, block: int) -> list[tuple[int, int, int, int, int, Any]]:
@@ -307,7 +309,10 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
         # Rebuilt by this thread and the decode pool's free threads (`share`: never waiting for a piece
         # queued behind other reads' work on a busy pool).
         spans = [(b * block, b * block + raws[b], "") for b, _, _ in work]
-        share(rebuild, pieces(spans, 0, len(work), DELTA_PIECE))
+        if DELTAS_SHARED:
+            share(rebuild, pieces(spans, 0, len(work), DELTA_PIECE))
+        else:
+            rebuild(0, len(work))
     if out is None:
         for c in read.copies:
             src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)

@@ -325,6 +325,8 @@ class Incremental:
         if got is None:
             return None
         self.kept = basecache.lookup(self.base, got)
+        if self.kept is not None and "" in self.kept.parsed:
+            return self.kept.parsed[""]  # (parsed from these very bytes when the commit was kept)
         return fmt.Manifest.from_json(got, self.base.storage.describe(self.base.key(fmt.MANIFEST)))
 
     def _open(self, manifest: fmt.Manifest, items: list[SaveItem], where: str) -> None:
@@ -831,6 +833,8 @@ def _read_index(loc: Location, info: fmt.ItemInfo, kept: basecache.Kept | None =
     """The base's index of one item, its binary parts read in ranges on demand: from `kept` (what this
     process's commit of the base wrote, `basecache`) where given, else from storage."""
     key = loc.key(info.dir, info.index)
+    if kept is not None and f"{info.dir}/{info.index}" in kept.parsed:
+        return kept.parsed[f"{info.dir}/{info.index}"]  # (parsed, every record decoded, when it was kept)
     try:
         data = kept.read(loc, key) if kept is not None else None
     except KeyError:
