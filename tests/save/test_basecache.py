@@ -36,13 +36,17 @@ def _fresh():
 def _reads(monkeypatch, run: str) -> list[str]:
     """Every key read (whole or opened for ranges) from the local and memory storages, from now on."""
     keys: list[str] = []
+
+    def counting(f):
+        def counted(self, key):
+            keys.append(key)
+            return f(self, key)
+
+        return counted
+
     for cls in (LocalStorage, MemoryStorage):
         for name in ("read", "open_read"):
-            def counted(self, key, _f=getattr(cls, name)):
-                keys.append(key)
-                return _f(self, key)
-
-            monkeypatch.setattr(cls, name, counted)
+            monkeypatch.setattr(cls, name, counting(getattr(cls, name)))
     return keys
 
 

@@ -26,6 +26,7 @@ record per block, so 64 MiB covers 1.6 TiB per process); anything larger is not 
 from __future__ import annotations
 
 import collections
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -155,6 +156,15 @@ def lookup(loc: Location, manifest: bytes) -> Kept | None:
             return None
         hits += 1
         return got
+
+
+def _after_fork() -> None:  # a forked child: the lock may have been held by a thread it does not have
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 def clear() -> None:
