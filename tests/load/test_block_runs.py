@@ -139,9 +139,9 @@ def test_deltas_between_coded_blocks_split_the_runs(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("threads", [0, 3])
 def test_a_reads_deltas_are_rebuilt_by_its_thread_and_the_decode_pool(tmp_path, monkeypatch, threads):
-    """Each delta of a read is one piece (`blocks.DELTA_PIECE`) taken by the reader thread or a free thread of
-    the decode pool (`decodepool.share`): every delta rebuilt once, the values bitwise; a damaged base block
-    is named, whichever thread met it."""
+    """A read's deltas are rebuilt in pieces (`blocks.DELTA_PIECE`), each taken by the reader thread or a free
+    thread of the decode pool (`decodepool.share`): every delta rebuilt once, the values bitwise; a damaged
+    base block is named, whichever thread met it."""
     import threading
 
     import ml_dtypes
