@@ -244,6 +244,7 @@ def test_two_processes(tmp_path):
     # the base's (a few hundred bytes), process 1 nothing.
     assert all(r["full_bytes"] == 8 * MiB and 0 < r["incremental_bytes"] < 4096 for r in out), out
     assert out[0]["own_bytes"] == out[0]["incremental_bytes"] and out[1]["own_bytes"] == 0, out
+    assert [r["kept"] for r in out] == [0, 0], out  # (`_save.basecache`: single-process commits only)
     # This process (one, four devices fewer) loads what two processes wrote.
     want = np.arange(4 * 2048 * 256, dtype=np.float32).reshape(4 * 2048, 256)
     want[0, :] = 2
