@@ -176,3 +176,34 @@ def test_a_reads_deltas_are_rebuilt_by_its_thread_and_the_decode_pool(tmp_path, 
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(CorruptCheckpointError, match="base block of a delta"):
         cairn.load(tmp_path / "s2")
+
+
+def test_deltas_rebuilt_on_the_decode_pool_leave_no_buffer_on_its_threads(tmp_path, monkeypatch):
+    """The decode pool outlives loads: the scratch buffers its threads take to rebuild deltas are the load's
+    (`landing.in_scope`), dropped with it, not kept on the threads."""
+    import threading
+
+    import ml_dtypes
+
+    from cairn._load import landing
+
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", 3)
+    monkeypatch.setattr(blocks, "DELTA_PIECE", 1)  # every delta its own piece: the pool takes some
+    rng = np.random.default_rng(5)
+    w0 = rng.standard_normal((4096, 2048)).astype(ml_dtypes.bfloat16)
+    cairn.save(tmp_path / "s0", {"w": w0})
+    cairn.save(tmp_path / "s1", {"w": w0}, base=tmp_path / "s0")
+    w2 = w0.copy()
+    w2.view(np.uint16)[:, ::3] += 1  # a third of the elements: XOR deltas (their scratch is a whole block)
+    cairn.save(tmp_path / "s2", {"w": w2}, base=tmp_path / "s1")
+    for _ in range(3):
+        assert cairn.load(tmp_path / "s2")["w"].tobytes() == w2.tobytes()
+    pool = decodepool.decode_pool()
+    assert pool is not None
+    gate = threading.Barrier(3, timeout=10)
+
+    def held() -> list[str]:
+        gate.wait()  # all three threads at once: each reports its own
+        return sorted(k for k in landing._local.__dict__ if k != "scope")
+
+    assert [f.result(timeout=10) for f in [pool.submit(held) for _ in range(3)]] == [[], [], []]

@@ -24,6 +24,7 @@ plan and its dry run follow too.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -223,7 +224,9 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
     load verifies, as for a plain leaf), own coded blocks decoded
     and the deltas' headers read; then the deltas' base blocks (raw runs straight into place, where the
     rebuilt blocks go, the rest into a second buffer), each checked, decoded and XORed with its delta."""
+    from .landing import current_scope as _current_scope
     from .landing import direct_bytes
+    from .landing import in_scope as _in_scope
     from .landing import region as _region
     from .landing import scratch as _scratch
 
@@ -310,11 +313,15 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
                 apply_delta(stored, base, codec, crc, leaf.dtype, slot(b),
                             _delta_where(reader, name, cell, b, places[b][5]), in_place, kind)
 
-        # Rebuilt by this thread and the decode pool's free threads (`share`: never waiting for a piece
-        # queued behind other reads' work on a busy pool).
-        spans = [(b * block, b * block + raws[b], "") for b, _, _ in work]
-        if DELTAS_SHARED:
-            share(rebuild, pieces(spans, 0, len(work), DELTA_PIECE))
+        if DELTAS_SHARED:  # by this thread and the decode pool's free threads (`share`)
+            # The pool outlives the load: its threads' scratch buffers go with the load's (or the reader's).
+            scope = _current_scope()
+            if scope is None:
+                scope = reader.delta_scratch
+            here = threading.get_ident()
+            spans = [(b * block, b * block + raws[b], "") for b, _, _ in work]
+            share(lambda i, j: rebuild(i, j) if threading.get_ident() == here else _in_scope(scope, rebuild, i, j),
+                  pieces(spans, 0, len(work), DELTA_PIECE))
         else:
             rebuild(0, len(work))
     if out is None:
