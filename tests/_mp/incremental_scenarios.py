@@ -10,6 +10,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
+from cairn._save import basecache
 
 
 def _w(first_row: float | None) -> jax.Array:
@@ -35,6 +36,7 @@ def chain(directory: str) -> dict:
                            os.walk(os.path.join(directory, "step_00000000")) for f in fs if f.endswith(".bin"))
         last = os.path.join(directory, "step_00000002")
         out["full_bytes"] = full
+        out["kept"] = len(basecache._kept)  # a two-process commit keeps nothing: each wrote only its own part
         out["incremental_bytes"] = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(last)
                                        for f in fs if f.endswith(".bin"))
         mine = f"p{jax.process_index():05d}-"  # what this process wrote of step 2: its own data files

@@ -135,3 +135,75 @@ def test_deltas_between_coded_blocks_split_the_runs(tmp_path, monkeypatch):
     assert got.tobytes() == w2.tobytes()
     assert calls.decode_in_read_blocks == 0
     assert sum(calls.runs) == 6 and all(n >= 2 for n in calls.runs), calls.runs  # 0-1, 4-7 (2, 3: `apply_delta`)
+
+
+@pytest.mark.parametrize("threads", [0, 3])
+def test_a_reads_deltas_are_rebuilt_by_its_thread_and_the_decode_pool(tmp_path, monkeypatch, threads):
+    """A read's deltas are rebuilt in pieces (`blocks.DELTA_PIECE`), each taken by the reader thread or a free
+    thread of the decode pool (`decodepool.share`): every delta rebuilt once, the values bitwise; a damaged
+    base block is named, whichever thread met it."""
+    import threading
+
+    import ml_dtypes
+
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", threads)
+    rng = np.random.default_rng(4)
+    w0 = rng.standard_normal((4096, 2048)).astype(ml_dtypes.bfloat16)  # 16 MiB: 16 blocks
+    cairn.save(tmp_path / "s0", {"w": w0})
+    cairn.save(tmp_path / "s1", {"w": w0}, base=tmp_path / "s0")
+    w2 = w0.copy()
+    w2.view(np.uint16)[:, ::211] += 1  # every block changed a little: 16 deltas
+    cairn.save(tmp_path / "s2", {"w": w2}, base=tmp_path / "s1")
+    assert len(delta_kinds(tmp_path / "s2")) == 16
+    rebuilt: list[str] = []
+    real = blocks.apply_delta
+
+    def counted(*a, **k):
+        rebuilt.append(threading.current_thread().name)
+        return real(*a, **k)
+
+    monkeypatch.setattr(blocks, "apply_delta", counted)
+    assert cairn.load(tmp_path / "s2")["w"].tobytes() == w2.tobytes()
+    assert len(rebuilt) == 16
+    if threads == 0:
+        assert not any(n.startswith("cairn-decode") for n in rebuilt)
+    # A flipped byte in the base block of the 12th delta: named, wherever it was rebuilt.
+    (base_file,) = glob.glob(str(tmp_path / "s1" / "*" / "*.bin"))
+    with open(base_file, "r+b") as f:
+        f.seek(11 * MiB + 5)
+        byte = f.read(1)
+        f.seek(11 * MiB + 5)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CorruptCheckpointError, match="base block of a delta"):
+        cairn.load(tmp_path / "s2")
+
+
+def test_deltas_rebuilt_on_the_decode_pool_leave_no_buffer_on_its_threads(tmp_path, monkeypatch):
+    """The decode pool outlives loads: the scratch buffers its threads take to rebuild deltas are the load's
+    (`landing.in_scope`), dropped with it, not kept on the threads."""
+    import threading
+
+    import ml_dtypes
+
+    from cairn._load import landing
+
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", 3)
+    monkeypatch.setattr(blocks, "DELTA_PIECE", 1)  # every delta its own piece: the pool takes some
+    rng = np.random.default_rng(5)
+    w0 = rng.standard_normal((4096, 2048)).astype(ml_dtypes.bfloat16)
+    cairn.save(tmp_path / "s0", {"w": w0})
+    cairn.save(tmp_path / "s1", {"w": w0}, base=tmp_path / "s0")
+    w2 = w0.copy()
+    w2.view(np.uint16)[:, ::3] += 1  # a third of the elements: XOR deltas (their scratch is a whole block)
+    cairn.save(tmp_path / "s2", {"w": w2}, base=tmp_path / "s1")
+    for _ in range(3):
+        assert cairn.load(tmp_path / "s2")["w"].tobytes() == w2.tobytes()
+    pool = decodepool.decode_pool()
+    assert pool is not None
+    gate = threading.Barrier(3, timeout=10)
+
+    def held() -> list[str]:
+        gate.wait()  # all three threads at once: each reports its own
+        return sorted(k for k in landing._local.__dict__ if k != "scope")
+
+    assert [f.result(timeout=10) for f in [pool.submit(held) for _ in range(3)]] == [[], [], []]

@@ -145,3 +145,47 @@ def test_a_compressed_load_decodes_on_the_pool(tmp_path, monkeypatch):
     monkeypatch.setattr(codecs, "decode_run", spy)
     cairn.load(tmp_path / "c")
     assert any(n.startswith("cairn-decode") for n in names), names
+
+
+def test_share_takes_every_run_itself_while_the_pool_is_busy(monkeypatch):
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", 2)
+    pool, gate = decodepool.decode_pool(), threading.Event()
+    assert pool is not None
+    busy = [pool.submit(gate.wait, 10) for _ in range(2)]  # other reads' work holds both pool threads
+    seen: dict[tuple[int, int], str] = {}
+    try:
+        done = threading.Event()
+
+        def run() -> None:
+            decodepool.share(lambda a, b: seen.__setitem__((a, b), threading.current_thread().name),
+                             [(0, 1), (1, 2), (2, 4)])
+            done.set()
+
+        t = threading.Thread(target=run, name="reader")
+        t.start()
+        assert done.wait(10)  # (`spread` would wait here for its pieces queued behind the busy threads)
+        assert seen == {(0, 1): "reader", (1, 2): "reader", (2, 4): "reader"}
+    finally:
+        gate.set()
+        for f in busy:
+            f.result(timeout=10)
+
+
+def test_share_runs_every_run_and_raises_the_first_failure_in_run_order(monkeypatch):
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", 3)
+    done: list[int] = []
+    lock = threading.Lock()
+
+    def decode(a: int, b: int) -> None:
+        if a in (1, 3):
+            raise ValueError(f"run {a}")
+        with lock:
+            done.append(a)
+
+    for _ in range(20):  # whichever thread takes which run
+        done.clear()
+        with pytest.raises(ValueError, match="run 1"):
+            decodepool.share(decode, [(k, k + 1) for k in range(6)])
+        assert sorted(done) == [0, 2, 4, 5]
+    decodepool.share(lambda a, b: done.append(-1), [(0, 1)])  # one run: this thread alone
+    assert done[-1] == -1

@@ -244,6 +244,7 @@ def test_two_processes(tmp_path):
     # the base's (a few hundred bytes), process 1 nothing.
     assert all(r["full_bytes"] == 8 * MiB and 0 < r["incremental_bytes"] < 4096 for r in out), out
     assert out[0]["own_bytes"] == out[0]["incremental_bytes"] and out[1]["own_bytes"] == 0, out
+    assert [r["kept"] for r in out] == [0, 0], out  # (`_save.basecache`: single-process commits only)
     # This process (one, four devices fewer) loads what two processes wrote.
     want = np.arange(4 * 2048 * 256, dtype=np.float32).reshape(4 * 2048, 256)
     want[0, :] = 2
@@ -1197,8 +1198,8 @@ def test_an_async_save_against_a_base_still_being_saved_copies_and_reads_nothing
     import threading
 
     reads: list[str] = []  # the threads that read the base's manifest
-    real = inc._read_manifest
-    monkeypatch.setattr(inc, "_read_manifest", lambda loc: reads.append(threading.current_thread().name) or real(loc))
+    real = inc._manifest_bytes
+    monkeypatch.setattr(inc, "_manifest_bytes", lambda loc: reads.append(threading.current_thread().name) or real(loc))
     f = cairn.save_async(tmp_path / "s1", {"w": a}, base=tmp_path / "s0")
     assert f.stats.snapshot_bytes == a.nbytes
     assert f.result(timeout=60).bytes_written == 0  # the job reads the base and refers to it

@@ -24,6 +24,7 @@ plan and its dry run follow too.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -49,7 +50,7 @@ from .._format.blocks import (
 )
 from .._plan.reads import Read
 from .._tree.pytree import display_path
-from .decodepool import pieces, spread
+from .decodepool import pieces, share, spread
 
 #: The checked coded blocks of a read are decoded in runs of consecutive blocks of one codec, cut into pieces
 #: of at least this many raw bytes (whole blocks), each piece one `codecs.decode_run` call: the read's reader
@@ -57,6 +58,17 @@ from .decodepool import pieces, spread
 #: saves ("planes": one zstd call for all their planes; fewer Python calls a block, each holding the GIL the
 #: other decoding threads wait for), and a long read still spreads over the pool.
 RUN_PIECE = 4 << 20
+#: The deltas of a read are rebuilt (base block checked and decoded, delta decoded and applied) in pieces of
+#: at least this many raw bytes (whole blocks), each taken by the read's reader thread or a free thread of the
+#: decode pool (`decodepool.share`), as coded blocks are decoded in pieces of `RUN_PIECE`. A 1 MiB sparse
+#: delta's rebuild costs 0.1-0.2 ms of CPU alone (its base block's CRC-32C 40 us, zstd 26 us, parse and
+#: scatter 21 us, and its Python, on the 2-core VM: docs/incremental.md, "Round 41e"), in several calls that
+#: each take the GIL: pieces of 4 blocks hand over a quarter as many tasks as one a block. On the 2-core VM (no
+#: free core: no gain possible there) loads took 0.97-1.02x the time of the reader thread alone with 4 MiB
+#: pieces, 1.01-1.04x with 1 MiB ones (in-process alternations, `benchmarks.incremental_load`).
+DELTA_PIECE = 4 << 20
+#: False: a read's deltas are rebuilt by its reader thread alone, one after another (as before 2026-12-06).
+DELTAS_SHARED = True
 
 
 def block_places(leaf: fmt.ArrayLeaf, cell: int, block: int) -> list[tuple[int, int, int, int, int, Any]]:
@@ -212,7 +224,9 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
     load verifies, as for a plain leaf), own coded blocks decoded
     and the deltas' headers read; then the deltas' base blocks (raw runs straight into place, where the
     rebuilt blocks go, the rest into a second buffer), each checked, decoded and XORed with its delta."""
+    from .landing import current_scope as _current_scope
     from .landing import direct_bytes
+    from .landing import in_scope as _in_scope
     from .landing import region as _region
     from .landing import scratch as _scratch
 
@@ -285,13 +299,31 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
                       lambda b: f"{reader.loc.path}: leaf {leaf.path!r} block {b} of chunk {cell}")
     if deltas:
         bases = base_fetches(places, {b: (d[1], d[3]) for b, d in deltas.items()})
+        work: list[tuple[int, Any, bool]] = []  # (block, its base block's stored bytes, read into place)
         for fe, view, in_place in fill(bases, lambda b: deltas[b][1], "base"):
             pos = 0
             for b in fe.blocks:
-                stored, codec, crc, size, kind = deltas[b]
-                apply_delta(stored, view[pos : pos + size], codec, crc, leaf.dtype, slot(b),
-                            _delta_where(reader, name, cell, b, places[b][5]), in_place, kind)
+                size = deltas[b][3]
+                work.append((b, view[pos : pos + size], in_place))
                 pos += size
+
+        def rebuild(i: int, j: int) -> None:
+            for b, base, in_place in work[i:j]:
+                stored, codec, crc, _size, kind = deltas[b]
+                apply_delta(stored, base, codec, crc, leaf.dtype, slot(b),
+                            _delta_where(reader, name, cell, b, places[b][5]), in_place, kind)
+
+        if DELTAS_SHARED:  # by this thread and the decode pool's free threads (`share`)
+            # The pool outlives the load: its threads' scratch buffers go with the load's (or the reader's).
+            scope = _current_scope()
+            if scope is None:
+                scope = reader.delta_scratch
+            here = threading.get_ident()
+            spans = [(b * block, b * block + raws[b], "") for b, _, _ in work]
+            share(lambda i, j: rebuild(i, j) if threading.get_ident() == here else _in_scope(scope, rebuild, i, j),
+                  pieces(spans, 0, len(work), DELTA_PIECE))
+        else:
+            rebuild(0, len(work))
     if out is None:
         for c in read.copies:
             src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)

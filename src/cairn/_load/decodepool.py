@@ -102,3 +102,38 @@ def spread(decode: Callable[[int, int], None], runs: list[tuple[int, int]]) -> N
         wait_all(futures)  # (even where the first run failed: the others read the caller's buffer)
     for f in futures:
         f.result()
+
+
+def share(decode: Callable[[int, int], None], runs: list[tuple[int, int]]) -> None:
+    """``decode(a, b)`` of every run, each taken by whichever is free first: this thread or a thread of the
+    decode pool (as many as there are runs beyond the first). Unlike `spread`, this thread never waits for
+    a run queued behind other reads' work on a busy pool: it takes that run itself, and a pool task that
+    has not started when every run is taken is cancelled. Returns once every run is done; the first
+    failed run's error, in run order, is raised."""
+    pool = decode_pool() if len(runs) > 1 else None
+    if pool is None:
+        for a, b in runs:
+            decode(a, b)
+        return
+    todo = iter(range(len(runs)))
+    take = threading.Lock()
+    errors: dict[int, BaseException] = {}
+
+    def work() -> None:
+        while True:
+            with take:
+                k = next(todo, None)
+            if k is None:
+                return
+            try:
+                decode(*runs[k])
+            except BaseException as e:  # (raised below, in run order, once every run is done)
+                errors[k] = e
+
+    futures = [pool.submit(work) for _ in range(min(len(runs) - 1, pool._max_workers))]
+    work()
+    for f in futures:
+        f.cancel()  # not started: nothing left for it
+    wait_all([f for f in futures if not f.cancelled()])
+    if errors:
+        raise errors[min(errors)]

@@ -46,6 +46,12 @@ def in_scope(scope: dict[Any, Any], fn: Any, *args: Any, **kwargs: Any) -> Any:
         _local.scope = before
 
 
+def current_scope() -> dict[Any, Any] | None:
+    """The scope this thread's scratch buffers are kept in (`in_scope`), None where they live on the thread:
+    work handed to a long-lived thread (the decode pool) runs `in_scope` of it, so its buffers go with the load."""
+    return getattr(_local, "scope", None)
+
+
 def region(start: tuple[int, ...], shape: tuple[int, ...]) -> tuple[Any, ...]:
     # `...` keeps a 0-d selection a view (indexing with () would return a scalar copy).
     return tuple(slice(s, s + n) for s, n in zip(start, shape)) or (Ellipsis,)

@@ -146,6 +146,9 @@ class ChunkReader:
         self._plans = PlanMemo()  # leaves of one layout share a read plan
         self._unmapped: list[np.ndarray] = []  # fresh buffers to map ahead of their bytes (`start_prefault`)
         self._unmapped_bytes = 0
+        # The scratch buffers of the decode pool's threads rebuilding this reader's deltas (`blocks.read_blocks`),
+        # where its reads keep theirs on their threads: dropped with the reader, not kept on the pool's.
+        self.delta_scratch: dict[Any, Any] = {}
 
     def _key(self, file: int) -> str:
         f = self.index.files[file]

@@ -57,6 +57,7 @@ from .._tree.leaves import classify
 from .._tree.perprocess import HostValues, is_per_process
 from .._tree.pytree import display_path, flatten
 from .._version import __version__
+from . import basecache
 from .assign import Concat, SaveItem, plan_item
 from .commit import CommitStrategy, strategy_for
 from .incremental import write_if_any
@@ -574,6 +575,8 @@ class SaveJob:
             created_unix=time.time(), metadata=self.metadata, bases=tuple(bases),
         ).to_json(self.manifest_version(statuses))
         self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite)
+        if self.inc is not None and n == 1:  # committed: the next incremental save may build on it (`basecache`)
+            basecache.remember(self.loc, manifest, {k[len(root) + 1 :]: v for k, v in (*self.own_parts, *puts)})
 
 
 def _files_in_turn(items: list[SaveItem]) -> list[tuple[SaveItem, int]]:

@@ -81,6 +81,7 @@ from .._format.blocks import (
 from .._format.partfile import OWN, SOURCE
 from .._storage.location import Location, ranges_reader, resolve
 from .._tree.leaves import ArraySource
+from . import basecache
 from .assign import Concat, SaveItem
 
 #: Blocks per hashing task: a task hashes (and, where changed, codes and checksums) this many blocks.
@@ -313,6 +314,9 @@ class Incremental:
     # (item, leaf, cell) -> a chunk decided before an async save's snapshot, not copied (`decide_unchanged`):
     # its record, stored sizes and CRCs
     decided: dict[tuple[str, int, int], tuple[_Chunk, list[int], list[int]]] = field(default_factory=dict)
+    # What this process's commit of the base wrote, where the base's manifest is still that one (`basecache`):
+    # its indexes and parts are then read from memory, not storage.
+    kept: basecache.Kept | None = None
     _readers: dict[str, Any] = field(default_factory=dict)  # base data files opened for deltas (`_reader`)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -323,13 +327,25 @@ class Incremental:
         async save may have opened its base before its snapshot, `decide_unchanged`)."""
         if self.base is None or self.opened:
             return
-        manifest = _read_manifest(self.base)
+        manifest = self._read_base()
         if manifest is None:
             if self.required:
                 raise CheckpointError(f"{where}: the base checkpoint {self.base.path} is not committed") from None
             return
         self._open(manifest, items, where)
         self.opened = True
+
+    def _read_base(self) -> fmt.Manifest | None:
+        """The base's manifest (None: nothing committed there), and in `kept` what this process's commit of
+        it wrote, where the manifest there now is the one that commit wrote (`basecache`)."""
+        assert self.base is not None
+        got = _manifest_bytes(self.base)
+        if got is None:
+            return None
+        self.kept = basecache.lookup(self.base, got)
+        if self.kept is not None and "" in self.kept.parsed:
+            return self.kept.parsed[""]  # (parsed from these very bytes when the commit was kept)
+        return fmt.Manifest.from_json(got, self.base.storage.describe(self.base.key(fmt.MANIFEST)))
 
     def _open(self, manifest: fmt.Manifest, items: list[SaveItem], where: str) -> None:
         assert self.base is not None
@@ -346,7 +362,7 @@ class Incremental:
             info = manifest.items.get(item.name)
             if info is None:
                 continue
-            index = _read_index(self.base, info)
+            index = _read_index(self.base, info, self.kept)
             self.dirs[item.name] = info.dir
             if index.block_size != self.block or index.table is None:
                 continue
@@ -395,12 +411,12 @@ class Incremental:
                           and sum(int(src.nbytes) for _i, _k, src in wanted) < REMOTE_DECIDE_BYTES):
             return 0
         try:
-            manifest = _read_manifest(self.base)
+            manifest = self._read_base()
             if manifest is None:
                 return 0
             self._open(manifest, items, where)
         except Exception:
-            self.matches, self.dirs, self.base_name, self.base_full = {}, {}, None, False
+            self.matches, self.dirs, self.base_name, self.base_full, self.kept = {}, {}, None, False, None
             return 0
         self.opened = True
         if self.base_name is None:
@@ -859,28 +875,41 @@ def _changed(xor: np.ndarray, k: int) -> np.ndarray:
     return np.flatnonzero(xor.view(uint_of(k)) != 0)
 
 
+def _manifest_bytes(loc: Location) -> bytes | None:
+    key = loc.key(fmt.MANIFEST)
+    try:
+        return loc.storage.read(key)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
 def _read_manifest(loc: Location) -> fmt.Manifest | None:
     """The base's manifest, None when nothing is committed there. (The load room's readers sit above
     this one: these two are their minimal twins, with the same parsers and limits.)"""
-    key = loc.key(fmt.MANIFEST)
-    try:
-        data = loc.storage.read(key)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    return fmt.Manifest.from_json(data, loc.storage.describe(key))
+    data = _manifest_bytes(loc)
+    return None if data is None else fmt.Manifest.from_json(data, loc.storage.describe(loc.key(fmt.MANIFEST)))
 
 
-def _read_index(loc: Location, info: fmt.ItemInfo) -> fmt.ItemIndex:
-    """The base's index of one item, its binary parts read in ranges on demand."""
+def _read_index(loc: Location, info: fmt.ItemInfo, kept: basecache.Kept | None = None) -> fmt.ItemIndex:
+    """The base's index of one item, its binary parts read in ranges on demand: from `kept` (what this
+    process's commit of the base wrote, `basecache`) where given, else from storage."""
     key = loc.key(info.dir, info.index)
+    if kept is not None and f"{info.dir}/{info.index}" in kept.parsed:
+        return kept.parsed[f"{info.dir}/{info.index}"]  # (parsed, every record decoded, when it was kept)
     try:
-        data = loc.storage.read(key)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        raise CorruptCheckpointError(f"{loc.path}: the index {key!r} named by the manifest is missing") from None
+        data = kept.read(loc, key) if kept is not None else None
+    except KeyError:
+        data = None
+    if data is None:
+        kept = None
+        try:
+            data = loc.storage.read(key)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise CorruptCheckpointError(f"{loc.path}: the index {key!r} named by the manifest is missing") from None
     index = fmt.ItemIndex.from_json(data, loc.storage.describe(key))
 
     if index.table is not None:
-        index.table.reader = ranges_reader(loc, info.dir)
+        index.table.reader = kept.ranges(loc, info.dir) if kept is not None else ranges_reader(loc, info.dir)
     return index
 
 
