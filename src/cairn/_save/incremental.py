@@ -90,8 +90,8 @@ SMALL = 64 << 10  # own blocks up to this size join the writer's batch (`engine.
 BATCH = 4 << 20
 #: Own raw blocks next to each other in a chunk go to the storage as one buffer, up to this many bytes (a
 #: view of the chunk's bytes, no copy), as a plain save gives it a chunk: one buffer per 1 MiB block cost
-#: a save of 256 MiB 292 write calls where the plain save made 82, and twice its write time on the TPU
-#: host's sandboxed disk (`benchmarks.incremental_stages`, docs/incremental.md "Round 41e").
+#: a save of 256 MiB 292 write calls (now 115) where the plain save made 82, and twice its write time on
+#: the TPU host's sandboxed disk (`benchmarks.incremental_stages`, docs/incremental.md "Round 41e, lead").
 OWN_SPAN = 4 << 20
 #: A delta is kept when its stored bytes are at most this fraction of the block's own stored bytes.
 DELTA_GAIN = 0.25
@@ -121,7 +121,7 @@ SPARSE_NEAR = 1.0
 #: (3%), against an XOR frame that may be far smaller (a run of elements whose lowest bit flipped), and
 #: 1-3 KiB per MiB on those blocks (their parameters' bytes written 0.0110x -> 0.0118x). Wider elements
 #: keep the comparison: an ulp's XOR is one low bit of 4 or 8 bytes, and their sparse frames were 1.5-5.9x
-#: the XOR frame (docs/incremental.md "Round 41e").
+#: the XOR frame (docs/incremental.md "Round 41e, lead").
 SPARSE_FIRST = 0.10
 SPARSE_SMALL = 1 / 32
 #: The runs of a chunk the base found unchanged too (every block of the base's chunk a reference further
@@ -486,7 +486,7 @@ class Incremental:
         """A function reading ``length`` bytes at ``offset`` of a base's data file of `item`, for deltas.
         Each file is opened once per save (`close_readers` closes them): a delta per 1 MiB block opened,
         read and closed its base file each time, three system calls where one does, and on the TPU host's
-        sandboxed disk each open costs a round trip (docs/incremental.md "Round 41e")."""
+        sandboxed disk each open costs a round trip (docs/incremental.md "Round 41e, lead")."""
         storage, folder = self.loc.storage, self.dirs[item]
 
         def read(ckpt: str, name: str, offset: int, length: int) -> bytearray:
