@@ -28,7 +28,7 @@ from .._errors import CheckpointError, CheckpointExistsError, CorruptCheckpointE
 from .._format import manifest as fmt
 from .._storage import LocalDirs, Storage
 from .._storage.location import Location
-from .incremental import _read_manifest
+from .incremental import read_manifest
 
 log = logging.getLogger("cairn")
 
@@ -123,7 +123,7 @@ def referrers(loc: Location) -> list[str]:
 
     def names_it(name: str) -> bool:
         try:
-            manifest = _read_manifest(Location(storage, name, name))
+            manifest = read_manifest(Location(storage, name, name))
         except (CorruptCheckpointError, IsADirectoryError):
             return False
         return manifest is not None and loc.name in manifest.bases

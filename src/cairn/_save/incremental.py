@@ -883,9 +883,10 @@ def _manifest_bytes(loc: Location) -> bytes | None:
         return None
 
 
-def _read_manifest(loc: Location) -> fmt.Manifest | None:
-    """The base's manifest, None when nothing is committed there. (The load room's readers sit above
-    this one: these two are their minimal twins, with the same parsers and limits.)"""
+def read_manifest(loc: Location) -> fmt.Manifest | None:
+    """A checkpoint's manifest (a base's; `commit.referrers` reads its siblings'), None when nothing is
+    committed there. (The load room's readers sit above this one: this and `_read_index` are their
+    minimal twins, with the same parsers and limits.)"""
     data = _manifest_bytes(loc)
     return None if data is None else fmt.Manifest.from_json(data, loc.storage.describe(loc.key(fmt.MANIFEST)))
 
