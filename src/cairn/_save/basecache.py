@@ -56,13 +56,6 @@ class Kept:
     # Parsed when kept (`PARSE_BYTES`): the manifest under "", each index (every record fetched) by its key.
     parsed: dict[str, Any] = field(default_factory=dict, compare=False)
 
-    def read(self, loc: Location, key: str) -> bytes:
-        """The bytes of `key` (a full storage key under `loc`); a `KeyError` where none was kept."""
-        prefix = loc.name + "/"
-        if not key.startswith(prefix):
-            raise KeyError(key)
-        return self.files[key[len(prefix) :]]
-
     def ranges(self, loc: Location, folder: str, what: str = "the index part") -> Callable[
             [list[tuple[str, int, int]]], list[bytes]]:
         """`ranges_reader`'s twin over the kept bytes of `folder`'s files."""
@@ -94,7 +87,7 @@ def _key(loc: Location) -> tuple[str, str] | None:
 
 
 def forget(loc: Location) -> None:
-    """Drop what is kept of the checkpoint at `loc` (a save there is starting, or it is being deleted)."""
+    """Drop what is kept of the checkpoint at `loc` (`remember`: a newer commit there, kept or not)."""
     key = _key(loc)
     if key is not None:
         with _lock:

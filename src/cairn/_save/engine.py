@@ -12,6 +12,7 @@ commits. See docs/ARCHITECTURE.md for the protocol.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import heapq
 import itertools
@@ -390,28 +391,26 @@ class SaveJob:
         # unchanged ones are still hashed.
         files = sum(len(it.files) for it in self.items)
         writers = self.threads if self.inc is None else max(self.threads, min(files, 2 * self.threads))
-        try:
-            with ThreadPoolExecutor(max(1, writers), thread_name_prefix="cairn-write") as pool, \
-                    ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool, \
-                    CodePool(coders) as code_pool:
-                # Files start in turn across checkpointables (each one's first file, then each one's second...):
-                # an incremental save's files of unchanged leaves only hash, and must not hold every writer
-                # while another checkpointable's changed leaves wait (docs/incremental.md, "Save and load time,
-                # round 41b"). The coder pool serves files in that order too (`order`: a file's rank).
-                for item, k in _files_in_turn(self.items):
-                    jobs.append((item, k, pool.submit(self._write_file, item, k, item.files[k], crc_pool,
-                                                      code_pool if coders > 1 else None, len(jobs))))
+        # (incremental: the base files its deltas read are closed once the pools are done)
+        base_files = self.inc.base_files() if self.inc is not None else contextlib.nullcontext()
+        with base_files, ThreadPoolExecutor(max(1, writers), thread_name_prefix="cairn-write") as pool, \
+                ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool, \
+                CodePool(coders) as code_pool:
+            # Files start in turn across checkpointables (each one's first file, then each one's second...):
+            # an incremental save's files of unchanged leaves only hash, and must not hold every writer
+            # while another checkpointable's changed leaves wait (docs/incremental.md, "Save and load time,
+            # round 41b"). The coder pool serves files in that order too (`order`: a file's rank).
+            for item, k in _files_in_turn(self.items):
+                jobs.append((item, k, pool.submit(self._write_file, item, k, item.files[k], crc_pool,
+                                                  code_pool if coders > 1 else None, len(jobs))))
+            try:
+                results = [(item, k, f.result()) for item, k, f in jobs]
+            finally:
                 try:
-                    results = [(item, k, f.result()) for item, k, f in jobs]
+                    if self._choosing is not None:
+                        self._choosing.close()
                 finally:
-                    try:
-                        if self._choosing is not None:
-                            self._choosing.close()
-                    finally:
-                        self._close_pipe()
-        finally:  # (after the pools are done: no run reads a base file any more)
-            if self.inc is not None:
-                self.inc.close_readers()
+                    self._close_pipe()
         self.stats.compression = describe_compression(self.compression, self.loc.storage, self.codecs,
                                                       self.priced())
         for item in self.items:

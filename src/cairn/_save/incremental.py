@@ -50,6 +50,7 @@ spare the host copy of unchanged `jax.Array` chunks the base holds.
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import threading
 import weakref
@@ -345,7 +346,7 @@ class Incremental:
         self.kept = basecache.lookup(self.base, got)
         if self.kept is not None and "" in self.kept.parsed:
             return self.kept.parsed[""]  # (parsed from these very bytes when the commit was kept)
-        return fmt.Manifest.from_json(got, self.base.storage.describe(self.base.key(fmt.MANIFEST)))
+        return _parse_manifest(self.base, got)
 
     def _open(self, manifest: fmt.Manifest, items: list[SaveItem], where: str) -> None:
         assert self.base is not None
@@ -484,7 +485,7 @@ class Incremental:
 
     def _reader(self, item: str) -> Any:
         """A function reading ``length`` bytes at ``offset`` of a base's data file of `item`, for deltas.
-        Each file is opened once per save (`close_readers` closes them): a delta per 1 MiB block opened,
+        Each file is opened once per save (`base_files` closes them): a delta per 1 MiB block opened,
         read and closed its base file each time, three system calls where one does, and on the TPU host's
         sandboxed disk each open costs a round trip (docs/incremental.md "Round 41e, lead")."""
         storage, folder = self.loc.storage, self.dirs[item]
@@ -506,12 +507,17 @@ class Incremental:
 
         return read
 
-    def close_readers(self) -> None:
-        """Close the base files `_reader` opened (at the end of the save's writes)."""
-        with self._lock:
-            readers, self._readers = list(self._readers.values()), {}
-        for r in readers:
-            r.close()
+    @contextlib.contextmanager
+    def base_files(self) -> Iterator[None]:
+        """The save's writes: on leaving, the base files `_reader` opened are closed (enter it before the
+        save's pools, so that it is left after them, when no run reads a base file any more)."""
+        try:
+            yield
+        finally:
+            with self._lock:
+                readers, self._readers = list(self._readers.values()), {}
+            for r in readers:
+                r.close()
 
     # ------------------------------------------------------------------ writing
 
@@ -834,8 +840,9 @@ def _try_delta(piece: memoryview, b: _Base, ctx: _DeltaCtx, dtype: Any, probe: b
     new = np.frombuffer(piece, np.uint8)
     xor = np.bitwise_xor(new, np.frombuffer(base_raw, np.uint8))
     k = np.dtype(dtype).itemsize
-    idx = _changed(xor, k) if k in SPARSE_ITEMSIZES and len(new) % k == 0 else None
-    if idx is not None and k <= 2 and len(idx) <= SPARSE_FIRST * (len(new) // k):
+    # (wider elements find their changed ones in `_sparse_frame`, only where the XOR frame pays)
+    idx = _changed(xor, k) if k in SPARSE_ITEMSIZES and k <= 2 and len(new) % k == 0 else None
+    if idx is not None and len(idx) <= SPARSE_FIRST * (len(new) // k):
         # Few elements changed, a small sparse frame: kept without coding the XOR frame (`SPARSE_FIRST`).
         sparse = _sparse_frame(new, xor, dtype, idx)
         if sparse is not None and len(sparse) <= SPARSE_SMALL * len(piece):
@@ -888,19 +895,20 @@ def read_manifest(loc: Location) -> fmt.Manifest | None:
     committed there. (The load room's readers sit above this one: this and `_read_index` are their
     minimal twins, with the same parsers and limits.)"""
     data = _manifest_bytes(loc)
-    return None if data is None else fmt.Manifest.from_json(data, loc.storage.describe(loc.key(fmt.MANIFEST)))
+    return None if data is None else _parse_manifest(loc, data)
+
+
+def _parse_manifest(loc: Location, data: bytes) -> fmt.Manifest:
+    return fmt.Manifest.from_json(data, loc.storage.describe(loc.key(fmt.MANIFEST)))
 
 
 def _read_index(loc: Location, info: fmt.ItemInfo, kept: basecache.Kept | None = None) -> fmt.ItemIndex:
     """The base's index of one item, its binary parts read in ranges on demand: from `kept` (what this
     process's commit of the base wrote, `basecache`) where given, else from storage."""
-    key = loc.key(info.dir, info.index)
-    if kept is not None and f"{info.dir}/{info.index}" in kept.parsed:
-        return kept.parsed[f"{info.dir}/{info.index}"]  # (parsed, every record decoded, when it was kept)
-    try:
-        data = kept.read(loc, key) if kept is not None else None
-    except KeyError:
-        data = None
+    key, rel = loc.key(info.dir, info.index), f"{info.dir}/{info.index}"
+    if kept is not None and rel in kept.parsed:
+        return kept.parsed[rel]  # (parsed, every record decoded, when it was kept)
+    data = kept.files.get(rel) if kept is not None else None
     if data is None:
         kept = None
         try:
