@@ -84,16 +84,32 @@ BATCH_BYTES = 4 << 20
 
 class _Batch:
     """The pieces of one data file, in order: pieces up to SMALL_CHUNK are gathered and written
-    together in writes of about BATCH_BYTES, larger ones alone (the batch before them first)."""
+    together in writes of about BATCH_BYTES, larger ones alone (the batch before them first).
+    Pieces placed in a buffer (`add`'s `at`: coded blocks, which the codecs join into shared
+    buffers) that follow each other there as in the file are written as one view of it, not copied."""
 
-    __slots__ = ("buf",)
+    __slots__ = ("buf", "_span")
 
     def __init__(self) -> None:
         self.buf = bytearray()
+        self._span: list[Any] | None = None  # [buffer, start, end]: placed pieces not yet written
 
-    def add(self, piece: Any) -> Generator[Any, None, bool]:
+    def add(self, piece: Any, at: tuple[Any, int] | None = None) -> Generator[Any, None, bool]:
         """Yield what is due for writing once `piece` is added (a small piece is copied at once);
-        returns whether the batch was written."""
+        returns whether anything was written. `at`: (buffer, offset) where `piece` lies, if it is a
+        view of `buffer` (`_places`): it is held, and written with the pieces that follow it there."""
+        span = self._span
+        if at is not None:
+            owner, start = at
+            if span is not None and span[0] is owner and span[2] == start:
+                span[2] = start + len(piece)
+                return False
+            flushed = span is not None or bool(self.buf)
+            yield from self.rest()
+            self._span = [owner, start, start + len(piece)]
+            return flushed
+        if span is not None:
+            yield self._take_span()
         if len(piece) <= SMALL_CHUNK:
             self.buf += piece
             if len(self.buf) < BATCH_BYTES:
@@ -106,14 +122,51 @@ class _Batch:
         yield piece
         return flushed
 
-    def rest(self) -> Iterator[bytearray]:
-        """The last, partial batch."""
+    def rest(self) -> Iterator[Any]:
+        """What is held: the last, partial batch, or the placed pieces not yet written."""
+        if self._span is not None:
+            yield self._take_span()
         if self.buf:
             yield self._take()
 
     def _take(self) -> bytearray:
         out, self.buf = self.buf, bytearray()  # a new buffer: the one yielded may still be in use
         return out
+
+    def _take_span(self) -> memoryview:
+        assert self._span is not None
+        owner, start, end = self._span
+        self._span = None
+        return memoryview(owner).cast("B")[start:end]
+
+
+def _places(blocks: list[Any]) -> list[tuple[Any, int] | None]:
+    """Where each of `blocks` lies: (the buffer it is a view of, its offset there), or None where it is
+    not a view of a one-dimensional byte buffer (the codecs join a batch's stored blocks into shared
+    buffers: `codecs._joined`, `_flush_blosc2`). Offsets are taken from the addresses, so blocks that
+    follow each other in a buffer are known to, whatever the codec did."""
+    out: list[tuple[Any, int] | None] = []
+    bases: dict[int, tuple[int, int]] = {}  # id(buffer) -> (address, bytes)
+    for b in blocks:
+        owner = b.obj if type(b) is memoryview else None
+        if owner is None or not len(b) or not b.contiguous or b.ndim != 1 or b.itemsize != 1:
+            out.append(None)
+            continue
+        try:
+            base = bases.get(id(owner))
+            if base is None:
+                whole = memoryview(owner)
+                if not whole.contiguous:
+                    out.append(None)
+                    continue
+                base = bases[id(owner)] = (np.frombuffer(whole.cast("B"), np.uint8).__array_interface__["data"][0],
+                                           whole.nbytes)
+            off = np.frombuffer(b, np.uint8).__array_interface__["data"][0] - base[0]
+        except (TypeError, ValueError):
+            out.append(None)
+            continue
+        out.append((owner, off) if 0 <= off and off + len(b) <= base[1] else None)
+    return out
 
 
 @dataclass
@@ -276,16 +329,16 @@ class SaveJob:
         # (An incremental save codes the blocks it writes itself: `incremental.write_chunk`.)
         coded = (_in_order(code_pool, self._timed_code_task, code_tasks(), order) if leaf_codecs and self.inc is None
                  else iter(()))
-        done: collections.deque[tuple[int, bool, list[Any]]] = collections.deque()
+        done: collections.deque[tuple[int, bool, list[Any], list[int], list[Any]]] = collections.deque()
 
         def blocks_of(n_slot: int) -> Any:
-            """The stored blocks of compressed slot `n_slot`, as its coding tasks finish."""
+            """(stored block, its CRC-32C, its place) of compressed slot `n_slot`, as its coding tasks finish."""
             while True:
                 if not done:
                     done.extend(next(coded))
-                got, last, blocks = done.popleft()
+                got, last, blocks, block_crcs_, places = done.popleft()
                 assert got == n_slot, (got, n_slot)
-                yield from blocks
+                yield from zip(blocks, block_crcs_, places)
                 if last:
                     return
 
@@ -313,10 +366,10 @@ class SaveJob:
                     continue
                 if codec != "none":
                     sizes, stored_crcs = [], []
-                    for enc in blocks_of(n_slot):
+                    for enc, crc, at in blocks_of(n_slot):
                         sizes.append(len(enc))
-                        stored_crcs.append(crc32c(enc))  # a stored block's check record
-                        yield from batch.add(enc)
+                        stored_crcs.append(crc)  # a stored block's check record
+                        yield from batch.add(enc, at)
                     stored[n_slot] = tuple(sizes)
                     crcs.append(stored_crcs)
                     shift += sum(sizes) - slot.nbytes
@@ -449,8 +502,10 @@ class SaveJob:
         """What "auto" prices this save's leaves with (`prices`, else this process's `auto_prices`)."""
         return self.prices or auto_prices(self.loc.storage)
 
-    def _timed_code_task(self, task: list[tuple[int, bool, tuple[Any, ...]]]) -> list[tuple[int, bool, list[Any]]]:
-        """`_code_task`, its span and raw bytes per codec noted for the codec factor (`_measure`)."""
+    def _timed_code_task(self, task: list[tuple[int, bool, tuple[Any, ...]]]
+                         ) -> list[tuple[int, bool, list[Any], list[int], list[Any]]]:
+        """`_code_task`, its span and raw bytes per codec noted for the codec factor (`_measure`); its blocks'
+        CRCs and places (`_checked`)."""
         t0 = time.perf_counter()
         out = _code_task(task)
         t1 = time.perf_counter()
@@ -458,7 +513,7 @@ class SaveJob:
             self.code_spans.append((t0, t1))
             for _, _, (codec, raw, _, _) in task:
                 self.coded[codec] = self.coded.get(codec, 0) + len(raw)
-        return out
+        return _checked(out)  # (outside the codec's span: the codec factor times coding only)
 
     def _measure(self) -> None:
         """Record what this save's data writes reached over the storage's link (bytes over the
@@ -652,6 +707,14 @@ def _code_task(task: list[tuple[int, bool, tuple[Any, ...]]]) -> list[tuple[int,
     """Code one task of `code_tasks`: (slot, last run of the slot, run) -> (slot, last, stored blocks)."""
     coded = _codecs.encode_runs([run for _, _, run in task], coders=_cores())
     return [(n_slot, last, blocks) for (n_slot, last, _), blocks in zip(task, coded)]
+
+
+def _checked(coded: list[tuple[int, bool, list[Any]]]) -> list[tuple[int, bool, list[Any], list[int], list[Any]]]:
+    """A coded task's blocks with each one's CRC-32C (its check record) and place (`_places`), found on
+    the coder's thread: the writer of a file then only writes, and next-door blocks go to it as one
+    view (on the TPU host the writers fell behind the coders with 2,449 small leaves: a CRC call and a
+    write call a block, each taking the GIL back from 13 coders; docs/compression.md)."""
+    return [(n_slot, last, blocks, [crc32c(b) for b in blocks], _places(blocks)) for n_slot, last, blocks in coded]
 
 
 class CodePool:
