@@ -88,7 +88,7 @@ class _Batch:
     Pieces placed in a buffer (`add`'s `at`: coded blocks, which the codecs join into shared
     buffers) that follow each other there as in the file are written as one view of it, not copied."""
 
-    __slots__ = ("buf", "_span")
+    __slots__ = ("_span", "buf")
 
     def __init__(self) -> None:
         self.buf = bytearray()
@@ -165,7 +165,7 @@ def _places(blocks: list[Any]) -> list[tuple[Any, int] | None]:
         except (TypeError, ValueError):
             out.append(None)
             continue
-        out.append((owner, off) if 0 <= off and off + len(b) <= base[1] else None)
+        out.append((owner, off) if off >= 0 and off + len(b) <= base[1] else None)
     return out
 
 
