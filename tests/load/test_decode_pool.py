@@ -189,3 +189,45 @@ def test_share_runs_every_run_and_raises_the_first_failure_in_run_order(monkeypa
         assert sorted(done) == [0, 2, 4, 5]
     decodepool.share(lambda a, b: done.append(-1), [(0, 1)])  # one run: this thread alone
     assert done[-1] == -1
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_run_of_small_compressed_leaves_is_decoded_on_the_pool(tmp_path, monkeypatch, codec):
+    """Small compressed leaves read together in one run (`coalesce.Runs`) are decoded in pieces of several
+    leaves, the first by the reader thread and the others on the decode pool (before: all by the reader)."""
+    rng = np.random.default_rng(7)
+    state = {f"l{i:02d}": (rng.standard_normal((64, 96)) * 0.02).astype(np.float32) for i in range(24)}  # 24 KiB
+    cairn.save(tmp_path / "c", {"p": state}, compression=codec)
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", 3)
+    monkeypatch.setattr(decodepool, "DECODE_PIECE", 64 << 10)  # about 3 leaves a piece
+    threads: set[str] = set()
+    real = codecs.decode_run
+
+    def decode_run(*a, **k):
+        threads.add(threading.current_thread().name)
+        return real(*a, **k)
+
+    monkeypatch.setattr(codecs, "decode_run", decode_run)
+    back = cairn.load(tmp_path / "c", threads=1)["p"]
+    for k, v in state.items():
+        np.testing.assert_array_equal(np.asarray(back[k]), v)
+    assert any(t.startswith("cairn-decode") for t in threads), threads
+    assert any(not t.startswith("cairn-decode") for t in threads), threads  # the reader decodes its first piece
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_a_flipped_byte_in_a_run_of_small_compressed_leaves_names_its_leaf(tmp_path, monkeypatch, codec):
+    rng = np.random.default_rng(8)
+    state = {f"l{i:02d}": (rng.standard_normal((64, 96)) * 0.02).astype(np.float32) for i in range(24)}
+    cairn.save(tmp_path / "c", {"p": state}, compression=codec)
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", 3)
+    monkeypatch.setattr(decodepool, "DECODE_PIECE", 64 << 10)
+    data = list((tmp_path / "c").rglob("*.bin"))
+    assert len(data) == 1
+    raw = bytearray(data[0].read_bytes())
+    raw[len(raw) * 2 // 3] ^= 0x10
+    data[0].write_bytes(bytes(raw))
+    with pytest.raises(cairn.CorruptCheckpointError, match=r"l\d\d"):
+        back = cairn.load(tmp_path / "c", threads=1)["p"]
+        for v in back.values():
+            np.asarray(v)

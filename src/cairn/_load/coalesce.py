@@ -23,6 +23,7 @@ never started.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -38,6 +39,7 @@ from .._format import codecs as _codecs
 from .._format.binindex import LazyChunks
 from .._plan.leafreads import plan_leaf_reads
 from .._tree.pytree import display_path
+from .decodepool import pieces, spread
 
 #: A whole array up to this size may share a read with its neighbours.
 SMALL_ARRAY = 1 << 20
@@ -290,22 +292,39 @@ def _run_checks(parts: list[tuple[Any, int, np.ndarray]], views: list[memoryview
     rows.sort(key=lambda r: r[0])
     decode = [r[3] for r in rows]
 
-    def then(i: int, j: int) -> None:
-        # Blocks i..j-1 passed: each leaf's consecutive blocks among them decoded by one call.
+    def groups(i: int, j: int) -> list[tuple[int, int]]:
+        # Blocks i..j-1 cut into each leaf's consecutive blocks (one `decode_run` call each).
+        out: list[tuple[int, int]] = []
         k = i
         while k < j:
             d = decode[k]
             if d is None:
                 k += 1
                 continue
-            leaf, dest = d[0], d[2]
             end = k + 1
-            while end < j and (e := decode[end]) is not None and e[0] is leaf and e[4] == decode[end - 1][5]:
+            while end < j and (e := decode[end]) is not None and e[0] is d[0] and e[4] == decode[end - 1][5]:
                 end += 1
+            out.append((k, end))
+            k = end
+        return out
+
+    def decode_groups(found: list[tuple[int, int]], a: int, b: int) -> None:
+        for k, end in found[a:b]:
             group = decode[k:end]
+            leaf, dest = group[0][0], group[0][2]
             _codecs.decode_run(leaf.codec, [g[1] for g in group], leaf.dtype, [g[5] - g[4] for g in group],
                                dest[group[0][4] : group[-1][5]], [g[3] for g in group])
-            k = end
+
+    def then(i: int, j: int) -> None:
+        # Blocks i..j-1 passed: decoded leaf by leaf, in pieces of about DECODE_PIECE raw bytes (many small
+        # leaves each), the first in this reader thread and the others on the decode pool (`spread`), so a
+        # run of small compressed leaves is decoded on as many cores as are free, not on its reader alone.
+        found = groups(i, j)
+        if not found:
+            return
+        at = list(itertools.accumulate((decode[end - 1][5] - decode[k][4] for k, end in found), initial=0))
+        spread(functools.partial(decode_groups, found), pieces([(at[n], at[n + 1], "") for n in range(len(found))],
+                                                               0, len(found)))
 
     return BlockChecks([r[:3] for r in rows], views, parts[0][1], lambda c, got: _Mismatch(), then)
 
