@@ -143,8 +143,8 @@ class _Batch:
 def _places(blocks: list[Any]) -> list[tuple[Any, int] | None]:
     """Where each of `blocks` lies: (the buffer it is a view of, its offset there), or None where it is
     not a view of a one-dimensional byte buffer (the codecs join a batch's stored blocks into shared
-    buffers: `codecs._joined`, `_flush_blosc2`). Offsets are taken from the addresses, so blocks that
-    follow each other in a buffer are known to, whatever the codec did."""
+    buffers: `codecs._joined`, `_flush_blosc2`). Offsets are read from the blocks' addresses: whether
+    two blocks lie back to back is found in memory, not assumed from how a codec joined them."""
     out: list[tuple[Any, int] | None] = []
     bases: dict[int, tuple[int, int]] = {}  # id(buffer) -> (address, bytes)
     for b in blocks:
@@ -353,6 +353,7 @@ class SaveJob:
                 if shift:
                     moved[n_slot] = slot.offset + shift
                 if self.inc is not None:  # incremental (format 4): hashes, references (`incremental`)
+                    assert batch._span is None  # (it writes `batch.buf` itself; nothing placed is held)
                     # (lazily: a chunk of an array the base holds unchanged is not read: `write_chunk`)
                     raw = functools.partial(host_raw, slot, pop((slot.leaf, slot.cell)))
                     batch.buf, sizes_, crcs_, own = yield from self.inc.write_chunk(
