@@ -39,3 +39,23 @@ def delta_kinds(step: Path) -> list[int]:
                             kinds.append(own[pos + 1])
                         pos += int(sizes[b])
     return kinds
+
+
+def count_data_writes(monkeypatch) -> list[int]:
+    """Record the size of every buffer a save hands a local data file (``*.bin``), in order, by wrapping
+    `LocalStorage.write` for the test (`monkeypatch`): how many write calls its bytes took."""
+    from cairn._storage import local as _local
+
+    parts: list[int] = []
+    real = _local.LocalStorage.write
+
+    def write(self, key, it):
+        def counted():
+            for p in it:
+                if key.endswith(".bin"):
+                    parts.append(memoryview(p).nbytes)
+                yield p
+        return real(self, key, counted())
+
+    monkeypatch.setattr(_local.LocalStorage, "write", write)
+    return parts

@@ -15,32 +15,16 @@ import numpy as np
 import pytest
 
 import cairn
+from _parts import count_data_writes
 from cairn._errors import CorruptCheckpointError
 from cairn._save import engine
 from cairn._save.engine import SMALL_CHUNK, _Batch, _places
-from cairn._storage import local as _local
 
 MiB = 1 << 20
 
 
 def _trained(shape, dtype=ml_dtypes.bfloat16, seed=0) -> np.ndarray:
     return (np.random.default_rng(seed).standard_normal(shape) * 0.02).astype(dtype)
-
-
-def _count_data_writes(monkeypatch) -> list[int]:
-    parts: list[int] = []
-    real = _local.LocalStorage.write
-
-    def write(self, key, it):
-        def counted():
-            for p in it:
-                if key.endswith(".bin"):
-                    parts.append(memoryview(p).nbytes)
-                yield p
-        return real(self, key, counted())
-
-    monkeypatch.setattr(_local.LocalStorage, "write", write)
-    return parts
 
 
 def _crc_threads(monkeypatch) -> list[str]:
@@ -60,7 +44,7 @@ def test_a_large_leafs_coded_blocks_are_written_together(tmp_path, monkeypatch, 
     if codec == "blosc2":
         pytest.importorskip("blosc2")
     monkeypatch.setattr(engine, "_cores", lambda: 4)  # (blosc2 joins its chunks from 4 coders on)
-    parts = _count_data_writes(monkeypatch)
+    parts = count_data_writes(monkeypatch)
     crcs = _crc_threads(monkeypatch)
     w = _trained((8 * MiB // 2,))  # 8 blocks of 1 MiB, one coding task
     cairn.save(tmp_path / "c", {"w": w}, compression=codec, threads=1)
@@ -75,7 +59,7 @@ def test_a_large_leafs_coded_blocks_are_written_together(tmp_path, monkeypatch, 
 def test_small_blosc2_leaves_of_one_checkpointable_are_written_in_spans(tmp_path, monkeypatch):
     pytest.importorskip("blosc2")
     monkeypatch.setattr(engine, "_cores", lambda: 4)
-    parts = _count_data_writes(monkeypatch)
+    parts = count_data_writes(monkeypatch)
     state = {f"l{i:03d}": _trained((256, 200), np.float32, seed=i) for i in range(40)}  # 200 KiB each
     cairn.save(tmp_path / "c", {"params": state}, compression="blosc2", threads=1)  # one checkpointable
     assert all(p > SMALL_CHUNK for p in parts)

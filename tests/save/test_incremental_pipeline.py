@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import cairn
-from _parts import delta_kinds
+from _parts import count_data_writes, delta_kinds
 from cairn._save import incremental as inc
 from cairn._storage import local as _local
 
@@ -29,18 +29,7 @@ def _hashed(path, state: dict) -> None:
 def test_own_raw_blocks_are_written_in_spans(tmp_path, monkeypatch):
     base = str(tmp_path / "base")
     cairn.save(base, {"w": np.zeros(16 * MiB // 4, np.float32)}, compression=False, threads=1)
-    parts: list[int] = []
-    real = _local.LocalStorage.write
-
-    def write(self, key, it):
-        def counted():
-            for p in it:
-                if key.endswith(".bin"):
-                    parts.append(memoryview(p).nbytes)
-                yield p
-        return real(self, key, counted())
-
-    monkeypatch.setattr(_local.LocalStorage, "write", write)
+    parts = count_data_writes(monkeypatch)
     state = {"w": np.random.default_rng(2).standard_normal(16 * MiB // 4).astype(np.float32)}
     stats = cairn.save(str(tmp_path / "next"), state, compression=False, base=base, threads=1)
     assert sum(parts) == 16 * MiB and stats.bytes_written >= 16 * MiB
