@@ -9,6 +9,9 @@ candidates interleaved within each repetition, so a machine's drift hits them al
   leaf's codec from `codecs.choose` without blosc2 (planes / zstd / none), and `codecs.decode_run` per run.
 - ``cairn-blosc2``: cairn's "blosc2" codec through `codecs.encode_runs` / `codecs.decode_run`, same tasks
   (`decode_run`: each block's header checked, then its `decompress2` call).
+- ``cairn-blosc2-py``: the same, with C-Blosc2 reached through python-blosc2's `compress2` /
+  `decompress2` (cairn's path where `cairn._format.blosc2lib` cannot load; ``cairn-blosc2`` calls the
+  library directly where it can): the A/B of the direct binding, in one run.
 - ``cairn-blosc2-perblock``: the same check and call per block in this benchmark's own loop, without
   `decode_run` around it (what cairn's wrapper costs; until 2026-12-06 06:00 it was the A/B of a joined
   header check, since dropped).
@@ -43,6 +46,7 @@ import zstandard
 
 from benchmarks.codecs import coding_tasks
 from benchmarks.trained_state import flatten, make_state
+from cairn._format import blosc2lib
 from cairn._format import codecs as C
 
 BLOCK = 1 << 20
@@ -121,9 +125,12 @@ def main() -> None:
     sizes = [[n for _, n in _blocks_of(r)] for r in runs]
     cands: dict[str, dict[str, Any]] = {}
 
+    direct = blosc2lib.load(blosc2) if blosc2 is not None else None
+    info["blosc2_direct"] = direct is not None
+
     def add(name: str, enc_task: Callable[[list[Any]], list[list[Any]]], dec_run: Callable[[int, list[Any]], None],
-            how: str = "pool") -> None:
-        cands[name] = {"enc": enc_task, "dec": dec_run, "how": how}
+            how: str = "pool", via_python: bool = False) -> None:
+        cands[name] = {"enc": enc_task, "dec": dec_run, "how": how, "direct": None if via_python else direct}
 
     add("planes", C.encode_runs,
         lambda i, st: C.decode_run(runs[i][0], st, runs[i][3], sizes[i], outs[i]))
@@ -132,6 +139,9 @@ def main() -> None:
     if blosc2 is not None:
         add("cairn-blosc2", lambda task: C.encode_runs([("blosc2", *r[1:]) for r in task]),
             lambda i, st: C.decode_run("blosc2", st, runs[i][3], sizes[i], outs[i]))
+        if direct is not None:
+            add("cairn-blosc2-py", lambda task: C.encode_runs([("blosc2", *r[1:]) for r in task]),
+                lambda i, st: C.decode_run("blosc2", st, runs[i][3], sizes[i], outs[i]), via_python=True)
 
         def perblock(i: int, st: list[Any]) -> None:
             out, k, dec = outs[i], runs[i][3].itemsize, blosc2.decompress2
@@ -158,6 +168,7 @@ def main() -> None:
     stored: dict[str, list[list[Any]]] = {}
     ratios: dict[str, float] = {}
     for name, c in cands.items():
+        blosc2lib._loaded[:] = [c["direct"]]  # (the direct path or python-blosc2's, per candidate)
         st = [b for t in tasks for b in c["enc"](t)]
         stored[name] = st
         ratios[name] = raw / sum(len(b) for bs in st for b in bs)
@@ -171,6 +182,7 @@ def main() -> None:
             def run_all(name: str, reps: int, n: int = n, pool: ThreadPoolExecutor = pool,
                         enc_t: dict[str, list[float]] = enc_t, dec_t: dict[str, list[float]] = dec_t) -> None:
                 c, st = cands[name], stored[name]
+                blosc2lib._loaded[:] = [c["direct"]]
                 for _ in range(reps):
                     if c["how"] == "inner":  # one caller, Blosc's own n threads in each call
                         _best(lambda: [c["enc"](t, nt=n) for t in tasks], enc_t[name])

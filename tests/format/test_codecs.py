@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cairn._errors import CorruptCheckpointError
+from cairn._format import blosc2lib
 from cairn._format import codecs as _codecs
 
 FLOAT8 = [getattr(ml_dtypes, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
@@ -427,6 +428,17 @@ def test_decode_run_of_blocks_coding_different_planes(dtype):
 # ------------------------------------------------------------------------------------ blosc2
 
 
+@pytest.fixture(params=["direct", "python"])
+def blosc2_path(request, monkeypatch):
+    """Each "blosc2" test both ways: C-Blosc2 called directly (`blosc2lib`, what a save and a load use where
+    it loads) and python-blosc2's compress2/decompress2 (what they use where it does not)."""
+    if request.param == "python":
+        monkeypatch.setattr(blosc2lib, "_loaded", [None])
+    else:
+        assert blosc2lib.load(_codecs._blosc2()) is not None, "C-Blosc2 is not callable directly beside python-blosc2"
+    return request.param
+
+
 def _blosc2_block(dtype, n: int) -> tuple[bytes, int]:
     raw = _values(dtype, n, seed=11).view(np.uint8)
     return _codecs.encode("blosc2", raw, dtype), raw.nbytes
@@ -434,7 +446,7 @@ def _blosc2_block(dtype, n: int) -> tuple[bytes, int]:
 
 @NEEDS_BLOSC2
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-def test_blosc2_chunks_of_every_dtype_and_a_short_last_block(dtype):
+def test_blosc2_chunks_of_every_dtype_and_a_short_last_block(dtype, blosc2_path):
     """A leaf's chunk coded as 1 MiB blocks and a short last one: each a Blosc2 chunk of the dtype's
     itemsize, byte shuffle and zstd, whose stored bytes decode back bit for bit, run or block."""
     k = np.dtype(dtype).itemsize
@@ -455,11 +467,14 @@ def test_blosc2_chunks_of_every_dtype_and_a_short_last_block(dtype):
 
 @NEEDS_BLOSC2
 @pytest.mark.parametrize("join", [0, 1, 3000, 1 << 20], ids=lambda j: f"join{j}")
-def test_a_batch_of_blosc2_runs_is_compress2_of_each_block(monkeypatch, join):
-    """Small leaves coded together (`encode_runs`) by many coders: their "blosc2" blocks are gathered into
-    shared buffers (`BLOSC2_JOIN_BYTES`: after every chunk, every few, or one buffer for the batch; 0: none), and
-    each block must still be exactly python-blosc2's `compress2` of it, in its run, in order, unchanged
-    once later blocks are coded (a view never spans or aliases another block's bytes)."""
+def test_a_batch_of_blosc2_runs_is_compress2_of_each_block(monkeypatch, join, blosc2_path):
+    """Small leaves coded together (`encode_runs`) by many coders: their "blosc2" blocks are coded into one
+    buffer (the direct path) or gathered into shared buffers (python-blosc2's: `BLOSC2_JOIN_BYTES`, after
+    every chunk, every few, or one buffer for the batch; 0: none), and each block must still be exactly
+    python-blosc2's `compress2` of it, in its run, in order, unchanged once later blocks are coded (a
+    view never spans or aliases another block's bytes)."""
+    if blosc2_path == "direct" and join != 1:
+        pytest.skip("the direct path has no join size")
     monkeypatch.setattr(_codecs, "BLOSC2_JOIN_BYTES", join)
     b2 = _codecs._blosc2()
     runs = []
@@ -471,7 +486,7 @@ def test_a_batch_of_blosc2_runs_is_compress2_of_each_block(monkeypatch, join):
     runs.insert(3, ("blosc2", np.zeros(0, np.uint8), 64, np.float32))  # an empty chunk
     got = _codecs.encode_runs(runs, coders=_codecs.BLOSC2_JOIN_MIN_CODERS)
     assert len(got) == len(runs)
-    if join:  # with fewer coders, python-blosc2's chunks as they came
+    if join and blosc2_path == "python":  # with fewer coders, python-blosc2's chunks as they came
         assert all(type(b) is bytes for (c, *_), blocks in zip(runs, _codecs.encode_runs(runs)) if c == "blosc2"
                    for b in blocks)
     for (codec, raw, block, dtype), blocks in zip(runs, got):
@@ -481,14 +496,19 @@ def test_a_batch_of_blosc2_runs_is_compress2_of_each_block(monkeypatch, join):
         assert [bytes(b) for b in blocks] == want
         for b in blocks:
             assert memoryview(b).format == "B" and memoryview(b).contiguous
-    if join:
-        views = [b for blocks in got for b in blocks if isinstance(b, memoryview)]
+    views = [b for blocks in got for b in blocks if isinstance(b, memoryview)]
+    if blosc2_path == "direct":  # every chunk of the batch in one buffer, back to back, in order
+        coded = [b for (c, *_), blocks in zip(runs, got) if c == "blosc2" for b in blocks]
+        assert all(isinstance(b, memoryview) and b.obj is coded[0].obj for b in coded)
+        starts = [np.frombuffer(b, np.uint8).__array_interface__["data"][0] for b in coded if len(b)]
+        assert starts == [starts[0] + sum(len(b) for b in coded[:i]) for i in range(len(coded))]
+    elif join:
         assert views  # gathered: views of shared buffers, not python-blosc2's bytes
 
 
 @NEEDS_BLOSC2
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
-def test_blosc2_corrupt_bytes_raise(dtype):
+def test_blosc2_corrupt_bytes_raise(dtype, blosc2_path):
     """A changed byte anywhere in a Blosc2 block (header or streams) is a CorruptCheckpointError naming
     the block, or (where only the CRC could tell) decodes to exactly the raw size; never a crash."""
     stored, size = _blosc2_block(dtype, 3000)
@@ -507,7 +527,7 @@ def test_blosc2_corrupt_bytes_raise(dtype):
 
 @NEEDS_BLOSC2
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
-def test_blosc2_run_checks_every_header_as_decode_does(dtype):
+def test_blosc2_run_checks_every_header_as_decode_does(dtype, blosc2_path):
     """`decode_run` checks a run's Blosc2 headers all at once (numpy columns), then decodes block by
     block: a changed byte in any block of a run (every bit of each header, bytes of the streams, random
     bytes) raises exactly when `decode` of that block raises, naming that block, and never another

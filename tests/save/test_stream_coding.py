@@ -10,7 +10,7 @@ from contextlib import nullcontext
 import numpy as np
 import pytest
 
-from cairn._format import codecs
+from cairn._format import blosc2lib, codecs
 from cairn._save import engine
 
 BLOCK = 1 << 20
@@ -35,8 +35,11 @@ def test_stream_runs_are_byte_for_byte_each_blocks_own_coding(codec, workers):
 
 
 def test_blosc2_chunks_are_gathered_where_enough_threads_code(monkeypatch):
+    """Through python-blosc2's compress2 (where C-Blosc2 cannot be called directly): chunks gathered into
+    shared buffers with enough coders, python-blosc2's own bytes with fewer."""
     if not codecs.blosc2_available():
         pytest.skip("python-blosc2 is not installed")
+    monkeypatch.setattr(blosc2lib, "_loaded", [None])
     u8 = _raw().view(np.uint8)
     with ThreadPoolExecutor(codecs.BLOSC2_JOIN_MIN_CODERS) as pool:
         stored = list(engine._encoded(pool, "blosc2", memoryview(u8), BLOCK, np.float32))
@@ -46,3 +49,16 @@ def test_blosc2_chunks_are_gathered_where_enough_threads_code(monkeypatch):
         fewer = list(engine._encoded(pool, "blosc2", memoryview(u8), BLOCK, np.float32))
     assert not any(isinstance(s, memoryview) for s in fewer)
 
+
+
+def test_blosc2_chunks_are_coded_into_shared_buffers_directly():
+    """Called directly (`blosc2lib`), C-Blosc2 codes each run's chunks into one buffer, however many coders."""
+    if not codecs.blosc2_available():
+        pytest.skip("python-blosc2 is not installed")
+    assert blosc2lib.load(codecs._blosc2()) is not None
+    u8 = _raw().view(np.uint8)
+    for workers in (1, codecs.BLOSC2_JOIN_MIN_CODERS):
+        with ThreadPoolExecutor(workers) as pool:
+            stored = list(engine._encoded(pool, "blosc2", memoryview(u8), BLOCK, np.float32))
+        assert all(isinstance(s, memoryview) and isinstance(s.obj, np.ndarray) for s in stored)
+        assert len({id(s.obj) for s in stored}) < len(stored)  # runs of blocks share a buffer

@@ -51,6 +51,7 @@ import numpy as np
 import zstandard
 
 from .._errors import CheckpointError, CorruptCheckpointError
+from . import blosc2lib
 
 #: The codec names the format knows, in the order `choose` prefers them at equal size.
 CODECS = ("none", "blosc2", "planes", "zstd")
@@ -299,6 +300,9 @@ def _encode_blosc2_runs(runs: list[tuple[str, np.ndarray, int, int]], join: int)
     """The "blosc2" blocks of each of `runs`: one `compress2` call per block (C-Blosc2, without the GIL),
     the stored chunks gathered into buffers of about `join` bytes (0: none), each block a memoryview of one."""
     b2 = _blosc2()
+    direct = blosc2lib.load(b2)
+    if direct is not None:
+        return _encode_blosc2_direct(direct, runs)
     out: list[list[Any]] = [[] for _ in runs]
     pending: list[Any] = []  # stored chunks not yet joined, and the run of each
     owners: list[int] = []
@@ -318,6 +322,30 @@ def _encode_blosc2_runs(runs: list[tuple[str, np.ndarray, int, int]], join: int)
                 size = 0
     if pending:
         _flush_blosc2(pending, owners, out)
+    return out
+
+
+def _encode_blosc2_direct(direct: blosc2lib.Direct, runs: list[tuple[str, np.ndarray, int, int]]) -> list[list[Any]]:
+    """`_encode_blosc2_runs` through `blosc2lib`: every chunk of the batch coded by C-Blosc2 straight into
+    one buffer with room for each block's worst case, each block a memoryview of it. Per block the GIL is
+    held only for the call (no context made, no bytes allocated or copied), and the chunks lie back to
+    back, so a writer writes the batch with one call (`engine._places`)."""
+    srcs = [np.ascontiguousarray(u8) for _, u8, _, _ in runs]
+    room = sum(u8.nbytes + -(-u8.nbytes // block) * blosc2lib.MAX_OVERHEAD for u8, (_, _, block, _) in zip(srcs, runs))
+    buf = np.empty(room, np.uint8)
+    view = memoryview(buf)  # type: ignore[arg-type]  # a contiguous uint8 array exports its buffer
+    base = blosc2lib.address(buf)[0]
+    code = direct.compress_into
+    out: list[list[Any]] = [[] for _ in runs]
+    pos = 0
+    for r, (u8, (_, _, block, k)) in enumerate(zip(srcs, runs)):
+        src, n = blosc2lib.address(u8)[0], u8.nbytes
+        blocks = out[r]
+        for o in range(0, n, block):
+            m = min(block, n - o)
+            z = code(k, src + o, m, base + pos, m + blosc2lib.MAX_OVERHEAD)
+            blocks.append(view[pos:pos + z])
+            pos += z
     return out
 
 
@@ -634,6 +662,10 @@ def decode(codec: str, stored: Any, dtype: Any, raw_size: int, out: Any = None, 
     elif codec == "planes":
         _decode_planes(src, dst, k, layout, where)
     elif raw_size:  # (an empty block is its checked header alone)
+        direct = blosc2lib.load(b2)
+        if direct is not None and dst.flags.c_contiguous:
+            _decode_blosc2_direct(direct, [src], k, [raw_size], dst, [0, raw_size], [where])
+            return out
         try:
             b2.decompress2(src, dst=dst, nthreads=1)
         except (ValueError, RuntimeError) as e:
@@ -756,7 +788,12 @@ def _decode_blosc2_run(stored: Sequence[Any], dtype: Any, raw_sizes: Sequence[in
         k = _check_dtype(dtype).itemsize
     except ValueError as e:
         raise _corrupt(names[0] if names else "", codec, f"has {e}") from None
-    dec = _blosc2(names[0] if names else "").decompress2
+    b2 = _blosc2(names[0] if names else "")
+    direct = blosc2lib.load(b2)
+    if direct is not None and dst.flags.c_contiguous:
+        _decode_blosc2_direct(direct, stored, k, raw_sizes, dst, offsets, names)
+        return
+    dec = b2.decompress2
     for i, s in enumerate(stored):
         raw_size, where = raw_sizes[i], names[i]
         if not 0 <= raw_size <= MAX_BLOCK or raw_size % k:
@@ -770,6 +807,28 @@ def _decode_blosc2_run(stored: Sequence[Any], dtype: Any, raw_sizes: Sequence[in
                 dec(src, dst=dst[offsets[i]:offsets[i + 1]], nthreads=1)
             except (ValueError, RuntimeError) as e:
                 raise _corrupt(where, codec, f"does not decompress: {e}") from None
+
+
+def _decode_blosc2_direct(direct: blosc2lib.Direct, stored: Sequence[Any], k: int, raw_sizes: Sequence[int],
+                          dst: np.ndarray, offsets: list[int], names: list[str]) -> None:
+    """`_decode_blosc2_run` through `blosc2lib`: the same checks, then each chunk decoded by C-Blosc2
+    straight into its place in `dst`, told it may write exactly the block's raw size there."""
+    codec = "blosc2"
+    base = blosc2lib.address(dst)[0]
+    for i, s in enumerate(stored):
+        raw_size, where = raw_sizes[i], names[i]
+        if not 0 <= raw_size <= MAX_BLOCK or raw_size % k:
+            raise _corrupt(where, codec, f"has a raw size {raw_size} that is not a whole number of "
+                                         f"{k}-byte elements up to {MAX_BLOCK}")
+        src: Any = s if type(s) is bytes else (
+            memoryview(s).cast("B") if not isinstance(s, np.ndarray) else _as_u8(s).data)
+        _check_blosc2(src, raw_size, k, where)
+        if raw_size:
+            at, keep = blosc2lib.address(src)
+            got = direct.decompress_into(at, len(src), base + offsets[i], raw_size)
+            del keep
+            if got != raw_size:
+                raise _corrupt(where, codec, f"does not decompress (C-Blosc2 returned {got} for {raw_size} bytes)")
 
 
 def _planes_layout(src: memoryview, raw_size: int, k: int, where: str) -> list[tuple[int, int, bool]]:

@@ -1,0 +1,275 @@
+"""C-Blosc2 called directly: the "blosc2" codec's chunks coded between cairn's own buffers.
+
+python-blosc2's `compress2` does, per chunk and with the GIL held, all that surrounds the coding: it
+builds the parameters from keywords, creates and frees a C-Blosc2 context, allocates a `bytes` of
+the input's size for the output and returns a copy of its used part; only the coding itself runs
+without the GIL. With a dozen coder threads those held spans take turns, and on the TPU host the
+"blosc2" codec coded at about half its C speed (docs/compression.md, issue 38).
+
+This module calls the C-Blosc2 shared library that python-blosc2's wheel ships (``blosc2/lib``)
+through ctypes, which releases the GIL for the whole of each call: one compression context per
+thread and element size, one decompression context per thread, each kept for the thread's life and
+freed with it, and every chunk coded straight into the caller's buffer (or decoded straight into
+the array that is being filled). What is left under the GIL is the call itself, about a
+microsecond.
+
+It is used only where it is known to be right, and python-blosc2's own functions code everything
+otherwise, with the same chunk bytes:
+
+- the library and its header (``blosc2/include/blosc2.h``) are found beside python-blosc2;
+- that header declares `blosc2_cparams` and `blosc2_dparams` field for field as `_CPARAMS` and
+  `_DPARAMS` below (ctypes passes the structs by value: a layout that differed would pass garbage);
+- probe blocks of every element size coded here are byte for byte the chunks `compress2` gives
+  with the same settings, and decode back here and with `decompress2`;
+- the environment does not say ``CAIRN_BLOSC2_DIRECT=0``.
+
+Pure: no file or network I/O of checkpoints, no JAX.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+log = logging.getLogger("cairn")
+
+#: C-Blosc2's room for a chunk's header over its raw bytes (BLOSC2_MAX_OVERHEAD): a chunk of n raw
+#: bytes is at most n + this many bytes (what does not compress is stored as it is).
+MAX_OVERHEAD = 32
+_MAX_FILTERS = 6  # BLOSC2_MAX_FILTERS, checked against the header
+_ZSTD, _SHUFFLE, _ALWAYS_SPLIT = 5, 1, 1  # BLOSC_ZSTD, BLOSC_SHUFFLE, BLOSC_ALWAYS_SPLIT
+_SPLIT_BLOCK = 32 << 10  # C-Blosc2's block, per byte of element size, for split streams at level 1
+#: How many short chunk sizes a thread keeps a compression context for (`Direct._cctx`).
+SMALL_CONTEXTS = 8
+
+#: The two parameter structs as the header must declare them: (C type, field name), in order.
+_CPARAMS = (("uint8_t", "compcode"), ("uint8_t", "compcode_meta"), ("uint8_t", "clevel"), ("int", "use_dict"),
+            ("int32_t", "typesize"), ("int16_t", "nthreads"), ("int32_t", "blocksize"), ("int32_t", "splitmode"),
+            ("void*", "schunk"), ("uint8_t", "filters[BLOSC2_MAX_FILTERS]"),
+            ("uint8_t", "filters_meta[BLOSC2_MAX_FILTERS]"), ("blosc2_prefilter_fn", "prefilter"),
+            ("blosc2_prefilter_params*", "preparams"), ("void*", "tuner_params"), ("int", "tuner_id"),
+            ("bool", "instr_codec"), ("void*", "codec_params"), ("void*", "filter_params[BLOSC2_MAX_FILTERS]"))
+_DPARAMS = (("int16_t", "nthreads"), ("void*", "schunk"), ("blosc2_postfilter_fn", "postfilter"),
+            ("blosc2_postfilter_params*", "postparams"), ("int32_t", "typesize"))
+
+
+class _CParams(ctypes.Structure):
+    _fields_ = [("compcode", ctypes.c_uint8), ("compcode_meta", ctypes.c_uint8), ("clevel", ctypes.c_uint8),
+                ("use_dict", ctypes.c_int), ("typesize", ctypes.c_int32), ("nthreads", ctypes.c_int16),
+                ("blocksize", ctypes.c_int32), ("splitmode", ctypes.c_int32), ("schunk", ctypes.c_void_p),
+                ("filters", ctypes.c_uint8 * _MAX_FILTERS), ("filters_meta", ctypes.c_uint8 * _MAX_FILTERS),
+                ("prefilter", ctypes.c_void_p), ("preparams", ctypes.c_void_p), ("tuner_params", ctypes.c_void_p),
+                ("tuner_id", ctypes.c_int), ("instr_codec", ctypes.c_bool), ("codec_params", ctypes.c_void_p),
+                ("filter_params", ctypes.c_void_p * _MAX_FILTERS)]
+
+
+class _DParams(ctypes.Structure):
+    _fields_ = [("nthreads", ctypes.c_int16), ("schunk", ctypes.c_void_p), ("postfilter", ctypes.c_void_p),
+                ("postparams", ctypes.c_void_p), ("typesize", ctypes.c_int32)]
+
+
+def _declared(header: str, name: str) -> tuple[tuple[str, str], ...] | None:
+    """The (type, field) pairs of the struct typedef `name` in the C `header` text, or None."""
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", "", header, flags=re.S)
+    m = re.search(r"typedef\s+struct\s*(?:\w+\s*)?\{([^{}]*)\}\s*" + re.escape(name) + r"\s*;", text)
+    if m is None:
+        return None
+    fields = []
+    for decl in m.group(1).split(";"):
+        decl = " ".join(decl.split())
+        if not decl:
+            continue
+        decl = re.sub(r"\s*\[\s*", "[", re.sub(r"\s*\]", "]", decl))  # "x[ N ]" as "x[N]"
+        decl = re.sub(r"\s*\*\s*", "* ", decl)  # "void *x", "void* x" and "void * x" alike
+        typ, _, field = decl.rpartition(" ")
+        fields.append((typ.strip(), field.replace(" ", "")))
+    return tuple(fields)
+
+
+def _context_owner(lib: Any, ptr: int) -> Any:
+    """An object that frees context `ptr` when it is collected (with the thread-local that holds it)."""
+    class _Owned:
+        __slots__ = ("ptr",)
+
+        def __init__(self) -> None:
+            self.ptr = ptr
+
+        def __del__(self) -> None:
+            lib.blosc2_free_ctx(self.ptr)
+    return _Owned()
+
+
+class Direct:
+    """C-Blosc2's context functions, with the per-thread contexts of the "blosc2" codec's settings."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+        self._local = threading.local()
+        lib.blosc2_get_blosc2_cparams_defaults.restype = _CParams
+        lib.blosc2_get_blosc2_cparams_defaults.argtypes = []
+        lib.blosc2_get_blosc2_dparams_defaults.restype = _DParams
+        lib.blosc2_get_blosc2_dparams_defaults.argtypes = []
+        lib.blosc2_create_cctx.argtypes = [_CParams]
+        lib.blosc2_create_cctx.restype = ctypes.c_void_p
+        lib.blosc2_create_dctx.argtypes = [_DParams]
+        lib.blosc2_create_dctx.restype = ctypes.c_void_p
+        lib.blosc2_free_ctx.argtypes = [ctypes.c_void_p]
+        lib.blosc2_free_ctx.restype = None
+        for f in (lib.blosc2_compress_ctx, lib.blosc2_decompress_ctx):
+            f.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int32, ctypes.c_void_p, ctypes.c_int32]
+            f.restype = ctypes.c_int
+        self._compress = lib.blosc2_compress_ctx
+        self._decompress = lib.blosc2_decompress_ctx
+
+    def _cctx(self, k: int, n: int) -> int:
+        """This thread's compression context for n bytes of k-byte elements.
+
+        A C-Blosc2 context is not stateless: it keeps the block size its tuner chose for the last chunk
+        and takes it as the one asked for in the next, so a context that coded a short chunk codes
+        longer ones in short blocks, unlike a fresh context (which `compress2` makes every call). The
+        tuner's choice for zstd level 1 with split streams is 32 KiB times the element size, or the
+        whole chunk where that is shorter: chunks of at least that size share one context (the size it
+        keeps is the size each of them gets), and shorter ones are coded by a context kept for their
+        exact size, up to `SMALL_CONTEXTS` sizes a thread. `_probe` checks both against `compress2`."""
+        big = n >= _SPLIT_BLOCK * k
+        key = (k, -1 if big else n)
+        kept = getattr(self._local, "c", None)
+        if kept is None:
+            kept = self._local.c = {}
+        ctx = kept.get(key)
+        if ctx is None:
+            if not big and sum(1 for kk, nn in kept if nn >= 0) >= SMALL_CONTEXTS:
+                del kept[next(kk for kk in kept if kk[1] >= 0)]  # the oldest short size's
+            p = self._lib.blosc2_get_blosc2_cparams_defaults()
+            # compress2(typesize=k, codec=ZSTD, clevel=1, filters=[SHUFFLE], splitmode=ALWAYS_SPLIT, nthreads=1)
+            p.compcode, p.compcode_meta, p.clevel, p.use_dict = _ZSTD, 0, 1, 0
+            p.typesize, p.nthreads, p.blocksize, p.splitmode = k, 1, 0, _ALWAYS_SPLIT
+            for i in range(_MAX_FILTERS):
+                p.filters[i] = p.filters_meta[i] = 0
+            p.filters[0] = _SHUFFLE
+            ptr = self._lib.blosc2_create_cctx(p)
+            if not ptr:
+                raise MemoryError("C-Blosc2 could not create a compression context")
+            ctx = kept[key] = (ptr, _context_owner(self._lib, ptr))
+        return ctx[0]
+
+    def _dctx(self) -> int:
+        ctx = getattr(self._local, "d", None)
+        if ctx is None:
+            p = self._lib.blosc2_get_blosc2_dparams_defaults()
+            p.nthreads = 1
+            ptr = self._lib.blosc2_create_dctx(p)
+            if not ptr:
+                raise MemoryError("C-Blosc2 could not create a decompression context")
+            ctx = self._local.d = (ptr, _context_owner(self._lib, ptr))
+        return ctx[0]
+
+    def compress_into(self, k: int, src: int, n: int, dst: int, room: int) -> int:
+        """Code the n raw bytes at address `src` (k-byte elements) as one chunk at address `dst`, which
+        has `room` bytes (at least n + MAX_OVERHEAD); its length. The caller keeps both buffers alive."""
+        z = self._compress(self._cctx(k, n), src, n, dst, room)
+        if z <= 0:
+            raise RuntimeError(f"C-Blosc2 failed to code {n} bytes into {room} (error {z})")
+        return z
+
+    def decompress_into(self, src: int, cbytes: int, dst: int, n: int) -> int:
+        """Decode the chunk of `cbytes` bytes at address `src` into the n bytes at `dst` (C-Blosc2 writes
+        no more than n); the count it wrote, negative where the chunk does not decode."""
+        return self._decompress(self._dctx(), src, cbytes, dst, n)
+
+
+def _library(b2_dir: Path) -> Path | None:
+    for sub in ("lib", "lib64", "bin"):
+        for name in ("libblosc2.so", "libblosc2.dylib", "blosc2.dll", "libblosc2.dll"):
+            p = b2_dir / sub / name
+            if p.is_file():
+                return p
+    return None
+
+
+def address(buf: Any) -> tuple[int, Any]:
+    """The address of a contiguous bytes-like `buf`, and the object that keeps it valid (hold it until the
+    C call returns)."""
+    if isinstance(buf, np.ndarray):
+        return buf.__array_interface__["data"][0], buf
+    if isinstance(buf, memoryview) and not buf.readonly:
+        c = ctypes.c_char.from_buffer(buf)
+        return ctypes.addressof(c), c
+    a = np.frombuffer(buf, np.uint8)
+    return a.__array_interface__["data"][0], a
+
+
+def _probe(direct: Direct, b2: Any) -> str | None:
+    """Why `direct` may not stand in for python-blosc2 (None: it may): probe blocks of each element size,
+    trained-like and incompressible, coded both ways must be the same chunks and decode back both ways."""
+    rng = np.random.default_rng(7)
+    normal = (rng.standard_normal(160 << 10) * 0.02).astype(np.float32).view(np.uint8)
+    noise = rng.integers(0, 256, 40 << 10, dtype=np.uint8)
+    for k in (1, 2, 4, 8, 16):
+        # sizes in an order that shows a context's carried state: long, short, longer, other short,
+        # the first short again, an incompressible one and a few elements
+        for raw in (normal[: (24 << 10) // k * k], normal[: 1000 * k], normal[: (600 << 10) // k * k],
+                    normal[: 37 * k], normal[: 1000 * k], noise[: (len(noise) // k) * k - k], normal[: k * 3]):
+            ref = b2.compress2(raw, typesize=k, codec=b2.Codec.ZSTD, clevel=1, filters=[b2.Filter.SHUFFLE],
+                               splitmode=b2.SplitMode.ALWAYS_SPLIT, nthreads=1)
+            out = np.empty(raw.nbytes + MAX_OVERHEAD, np.uint8)
+            n = direct.compress_into(k, address(raw)[0], raw.nbytes, address(out)[0], out.nbytes)
+            if bytes(out[:n]) != ref:
+                return f"its chunk of {raw.nbytes} bytes of {k}-byte elements differs from compress2's"
+            back = np.empty(raw.nbytes, np.uint8)
+            if direct.decompress_into(address(out)[0], n, address(back)[0], back.nbytes) != raw.nbytes:
+                return "it does not decode its own chunk"
+            if not np.array_equal(back, raw) or b2.decompress2(ref) != raw.tobytes():
+                return "a chunk does not decode to its raw bytes"
+    return None
+
+
+_lock = threading.Lock()
+_loaded: list[Direct | None] = []
+
+
+def load(b2: Any) -> Direct | None:
+    """The direct path for python-blosc2 module `b2`, or None where it cannot be shown to code the same
+    chunks (found and checked once per process; the reason logged at debug level)."""
+    if _loaded:
+        return _loaded[0]
+    with _lock:
+        if not _loaded:
+            direct, why = None, None
+            if os.environ.get("CAIRN_BLOSC2_DIRECT", "1").strip().lower() in ("0", "false", "no", "off"):
+                why = "CAIRN_BLOSC2_DIRECT is off"
+            else:
+                try:
+                    direct, why = _found(b2)
+                except (OSError, AttributeError, RuntimeError, MemoryError, ValueError) as e:
+                    direct, why = None, f"{type(e).__name__}: {e}"
+            if direct is None:
+                log.debug("cairn: 'blosc2' chunks coded through python-blosc2's functions (%s)", why)
+            _loaded.append(direct)
+    return _loaded[0]
+
+
+def _found(b2: Any) -> tuple[Direct | None, str | None]:
+    b2_dir = Path(b2.__file__).parent
+    lib_path = _library(b2_dir)
+    header = b2_dir / "include" / "blosc2.h"
+    if lib_path is None or not header.is_file():
+        return None, f"no C-Blosc2 library and header beside python-blosc2 in {b2_dir}"
+    text = header.read_text(errors="replace")
+    m = re.search(r"#define\s+BLOSC2_MAX_FILTERS\s+(\d+)", text) or re.search(
+        r"\bBLOSC2_MAX_FILTERS\s*=\s*(\d+)", text)
+    if m is None or int(m.group(1)) != _MAX_FILTERS:
+        return None, f"{header} does not declare BLOSC2_MAX_FILTERS = {_MAX_FILTERS}"
+    for name, want in (("blosc2_cparams", _CPARAMS), ("blosc2_dparams", _DPARAMS)):
+        if _declared(text, name) != want:
+            return None, f"{header} declares {name} differently from the layout cairn passes"
+    direct = Direct(ctypes.CDLL(str(lib_path)))
+    why = _probe(direct, b2)
+    return (None, why) if why else (direct, None)
