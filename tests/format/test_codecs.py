@@ -466,15 +466,15 @@ def test_blosc2_chunks_of_every_dtype_and_a_short_last_block(dtype, blosc2_path)
 
 
 @NEEDS_BLOSC2
-@pytest.mark.parametrize("join", [0, 1, 3000, 1 << 20], ids=lambda j: f"join{j}")
+@pytest.mark.parametrize("blosc2_path, join", [("direct", 1), ("python", 0), ("python", 1), ("python", 3000),
+                                               ("python", 1 << 20)], indirect=["blosc2_path"],
+                         ids=["direct", "python-join0", "python-join1", "python-join3000", "python-join1M"])
 def test_a_batch_of_blosc2_runs_is_compress2_of_each_block(monkeypatch, join, blosc2_path):
     """Small leaves coded together (`encode_runs`) by many coders: their "blosc2" blocks are coded into one
     buffer (the direct path) or gathered into shared buffers (python-blosc2's: `BLOSC2_JOIN_BYTES`, after
     every chunk, every few, or one buffer for the batch; 0: none), and each block must still be exactly
     python-blosc2's `compress2` of it, in its run, in order, unchanged once later blocks are coded (a
     view never spans or aliases another block's bytes)."""
-    if blosc2_path == "direct" and join != 1:
-        pytest.skip("the direct path has no join size")
     monkeypatch.setattr(_codecs, "BLOSC2_JOIN_BYTES", join)
     b2 = _codecs._blosc2()
     runs = []

@@ -20,7 +20,10 @@ Codecs, by their stable names (recorded per leaf in the manifest):
 - ``"blosc2"``: one C-Blosc2 chunk of the block: byte shuffle (the same byte
   planes), each plane a zstd level-1 stream of its own (``ALWAYS_SPLIT``), all
   in C in one call that releases the GIL: 3x `planes`' decoding speed on many
-  cores (docs/compression.md, 2026-12-06). Needs python-blosc2, an optional
+  cores (docs/compression.md, 2026-12-06). C-Blosc2 is called directly where
+  `blosc2lib` shows it codes the same chunks (one context per thread, chunks coded
+  into cairn's buffers and decoded into place), else through python-blosc2's
+  `compress2` / `decompress2`. Needs python-blosc2, an optional
   extra (``pip install cairn-ckpt[fast]``); `choose` takes it only where that
   is importable (and a save only where it codes the leaf's element size faster on the host's
   cores: `choose_sized`'s `blosc2`), and a reader without it says so, naming the block.
@@ -213,7 +216,11 @@ def encode(codec: str, raw: Any, dtype: Any) -> bytes:
     if codec == "planes":
         return _encode_planes(u8, dt.itemsize)
     if codec == "blosc2":
-        return _blosc2().compress2(u8, **_blosc2_params(dt.itemsize))
+        b2 = _blosc2()
+        direct = blosc2lib.load(b2)
+        if direct is None or not u8.nbytes:  # (an empty block: a header alone, which the batch path never codes)
+            return b2.compress2(u8, **_blosc2_params(dt.itemsize))
+        return bytes(_encode_blosc2_direct(direct, [(codec, u8, u8.nbytes, dt.itemsize)])[0][0])
     raise ValueError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
 
 
@@ -777,7 +784,8 @@ def decode_run(codec: str, stored: Sequence[Any], dtype: Any, raw_sizes: Sequenc
 
 def _decode_blosc2_run(stored: Sequence[Any], dtype: Any, raw_sizes: Sequence[int], dst: np.ndarray,
                        offsets: list[int], names: list[str]) -> None:
-    """`decode_run` of "blosc2" blocks: `decode`'s checks, with as little Python per block as it can (each
+    """`decode_run` of "blosc2" blocks (`_decode_blosc2_direct` where C-Blosc2 is called directly; otherwise
+    as follows): `decode`'s checks, with as little Python per block as it can (each
     block's Python holds the GIL that the other threads' C calls wait to take back): per block, the header
     check (`_check_blosc2`, on a byte view) and one `decompress2` call of the stored object itself into
     place. (Checking a run's headers at once as numpy columns, then calling `decompress2` per block,
