@@ -304,8 +304,9 @@ BLOSC2_JOIN_MIN_CODERS = 4
 
 
 def _encode_blosc2_runs(runs: list[tuple[str, np.ndarray, int, int]], join: int) -> list[list[Any]]:
-    """The "blosc2" blocks of each of `runs`: one `compress2` call per block (C-Blosc2, without the GIL),
-    the stored chunks gathered into buffers of about `join` bytes (0: none), each block a memoryview of one."""
+    """The "blosc2" blocks of each of `runs`: `_encode_blosc2_direct` where C-Blosc2 is called directly;
+    else one `compress2` call per block (C-Blosc2, without the GIL), the stored chunks gathered into buffers
+    of about `join` bytes (0: none), each block a memoryview of one."""
     b2 = _blosc2()
     direct = blosc2lib.load(b2)
     if direct is not None:
@@ -659,7 +660,7 @@ def decode(codec: str, stored: Any, dtype: Any, raw_size: int, out: Any = None, 
     elif codec == "planes":
         layout = _planes_layout(src, raw_size, k, where)
     else:
-        b2 = _blosc2(where)
+        _blosc2(where)  # (without python-blosc2: its error, before anything is allocated)
         _check_blosc2(src, raw_size, k, where)
     if out is None:
         dst = np.empty(raw_size, np.uint8)
@@ -669,14 +670,7 @@ def decode(codec: str, stored: Any, dtype: Any, raw_size: int, out: Any = None, 
     elif codec == "planes":
         _decode_planes(src, dst, k, layout, where)
     elif raw_size:  # (an empty block is its checked header alone)
-        direct = blosc2lib.load(b2)
-        if direct is not None and dst.flags.c_contiguous:
-            _decode_blosc2_direct(direct, [src], k, [raw_size], dst, [0, raw_size], [where])
-            return out
-        try:
-            b2.decompress2(src, dst=dst, nthreads=1)
-        except (ValueError, RuntimeError) as e:
-            raise _corrupt(where, codec, f"does not decompress: {e}") from None
+        _decode_blosc2_run([src], dt, [raw_size], dst, [0, raw_size], [where])
     return out
 
 
@@ -784,24 +778,21 @@ def decode_run(codec: str, stored: Sequence[Any], dtype: Any, raw_sizes: Sequenc
 
 def _decode_blosc2_run(stored: Sequence[Any], dtype: Any, raw_sizes: Sequence[int], dst: np.ndarray,
                        offsets: list[int], names: list[str]) -> None:
-    """`decode_run` of "blosc2" blocks (`_decode_blosc2_direct` where C-Blosc2 is called directly; otherwise
-    as follows): `decode`'s checks, with as little Python per block as it can (each
+    """`decode_run` of "blosc2" blocks: `decode`'s checks, with as little Python per block as it can (each
     block's Python holds the GIL that the other threads' C calls wait to take back): per block, the header
-    check (`_check_blosc2`, on a byte view) and one `decompress2` call of the stored object itself into
-    place. (Checking a run's headers at once as numpy columns, then calling `decompress2` per block,
-    decoded at 4.66 GiB/s on the TPU host's 12 threads against 7.54 for this form, in one run:
-    docs/compression.md, "On the chip after the merge".)"""
+    check (`_check_blosc2`, on a byte view) and one call that decodes the chunk straight into its place,
+    C-Blosc2's own (`blosc2lib`, told it may write exactly the block's raw size there) where it is called
+    directly, else python-blosc2's `decompress2` of the stored object itself. (Checking a run's headers
+    at once as numpy columns, then decoding per block, decoded at 4.66 GiB/s on the TPU host's 12 threads
+    against 7.54 for this form, in one run: docs/compression.md, "On the chip after the merge".)"""
     codec = "blosc2"
     try:
         k = _check_dtype(dtype).itemsize
     except ValueError as e:
         raise _corrupt(names[0] if names else "", codec, f"has {e}") from None
     b2 = _blosc2(names[0] if names else "")
-    direct = blosc2lib.load(b2)
-    if direct is not None and dst.flags.c_contiguous:
-        _decode_blosc2_direct(direct, stored, k, raw_sizes, dst, offsets, names)
-        return
-    dec = b2.decompress2
+    direct = blosc2lib.load(b2) if dst.flags.c_contiguous else None
+    base = blosc2lib.address(dst)[0] if direct is not None else 0
     for i, s in enumerate(stored):
         raw_size, where = raw_sizes[i], names[i]
         if not 0 <= raw_size <= MAX_BLOCK or raw_size % k:
@@ -810,33 +801,18 @@ def _decode_blosc2_run(stored: Sequence[Any], dtype: Any, raw_sizes: Sequence[in
         src: Any = s if type(s) is bytes else (
             memoryview(s).cast("B") if not isinstance(s, np.ndarray) else _as_u8(s).data)
         _check_blosc2(src, raw_size, k, where)
-        if raw_size:
-            try:
-                dec(src, dst=dst[offsets[i]:offsets[i + 1]], nthreads=1)
-            except (ValueError, RuntimeError) as e:
-                raise _corrupt(where, codec, f"does not decompress: {e}") from None
-
-
-def _decode_blosc2_direct(direct: blosc2lib.Direct, stored: Sequence[Any], k: int, raw_sizes: Sequence[int],
-                          dst: np.ndarray, offsets: list[int], names: list[str]) -> None:
-    """`_decode_blosc2_run` through `blosc2lib`: the same checks, then each chunk decoded by C-Blosc2
-    straight into its place in `dst`, told it may write exactly the block's raw size there."""
-    codec = "blosc2"
-    base = blosc2lib.address(dst)[0]
-    for i, s in enumerate(stored):
-        raw_size, where = raw_sizes[i], names[i]
-        if not 0 <= raw_size <= MAX_BLOCK or raw_size % k:
-            raise _corrupt(where, codec, f"has a raw size {raw_size} that is not a whole number of "
-                                         f"{k}-byte elements up to {MAX_BLOCK}")
-        src: Any = s if type(s) is bytes else (
-            memoryview(s).cast("B") if not isinstance(s, np.ndarray) else _as_u8(s).data)
-        _check_blosc2(src, raw_size, k, where)
-        if raw_size:
-            at, keep = blosc2lib.address(src)
+        if not raw_size:
+            continue
+        if direct is not None:
+            at, _held = blosc2lib.address(src)
             got = direct.decompress_into(at, len(src), base + offsets[i], raw_size)
-            del keep
             if got != raw_size:
                 raise _corrupt(where, codec, f"does not decompress (C-Blosc2 returned {got} for {raw_size} bytes)")
+            continue
+        try:
+            b2.decompress2(src, dst=dst[offsets[i]:offsets[i + 1]], nthreads=1)
+        except (ValueError, RuntimeError) as e:
+            raise _corrupt(where, codec, f"does not decompress: {e}") from None
 
 
 def _planes_layout(src: memoryview, raw_size: int, k: int, where: str) -> list[tuple[int, int, bool]]:
