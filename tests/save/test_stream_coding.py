@@ -10,6 +10,7 @@ from contextlib import nullcontext
 import numpy as np
 import pytest
 
+from cairn._core.checksum import crc32c
 from cairn._format import blosc2lib, codecs
 from cairn._save import engine
 
@@ -29,9 +30,9 @@ def test_stream_runs_are_byte_for_byte_each_blocks_own_coding(codec, workers):
     raw = _raw()
     u8 = raw.view(np.uint8)
     with ThreadPoolExecutor(workers) if workers else nullcontext() as pool:
-        got = [bytes(b) for b in engine._encoded(pool, codec, memoryview(u8), BLOCK, np.float32)]
+        got = [(bytes(b), crc) for b, crc in engine._encoded(pool, codec, memoryview(u8), BLOCK, np.float32)]
     want = [codecs.encode(codec, u8[o : o + BLOCK], np.float32) for o in range(0, u8.nbytes, BLOCK)]
-    assert got == want
+    assert got == [(w, crc32c(w)) for w in want]
 
 
 def test_blosc2_chunks_are_gathered_where_enough_threads_code(monkeypatch):
@@ -42,11 +43,11 @@ def test_blosc2_chunks_are_gathered_where_enough_threads_code(monkeypatch):
     monkeypatch.setattr(blosc2lib, "_loaded", [None])
     u8 = _raw().view(np.uint8)
     with ThreadPoolExecutor(codecs.BLOSC2_JOIN_MIN_CODERS) as pool:
-        stored = list(engine._encoded(pool, "blosc2", memoryview(u8), BLOCK, np.float32))
+        stored = [b for b, _ in engine._encoded(pool, "blosc2", memoryview(u8), BLOCK, np.float32)]
     # Views of shared numpy buffers (`codecs._flush_blosc2`), not each chunk python-blosc2 returned.
     assert all(isinstance(s, memoryview) and isinstance(s.obj, np.ndarray) for s in stored)
     with ThreadPoolExecutor(codecs.BLOSC2_JOIN_MIN_CODERS - 1) as pool:
-        fewer = list(engine._encoded(pool, "blosc2", memoryview(u8), BLOCK, np.float32))
+        fewer = [b for b, _ in engine._encoded(pool, "blosc2", memoryview(u8), BLOCK, np.float32)]
     assert not any(isinstance(s, memoryview) for s in fewer)
 
 
@@ -59,6 +60,26 @@ def test_blosc2_chunks_are_coded_into_shared_buffers_directly():
     u8 = _raw().view(np.uint8)
     for workers in (1, codecs.BLOSC2_JOIN_MIN_CODERS):
         with ThreadPoolExecutor(workers) as pool:
-            stored = list(engine._encoded(pool, "blosc2", memoryview(u8), BLOCK, np.float32))
+            stored = [b for b, _ in engine._encoded(pool, "blosc2", memoryview(u8), BLOCK, np.float32)]
         assert all(isinstance(s, memoryview) and isinstance(s.obj, np.ndarray) for s in stored)
         assert len({id(s.obj) for s in stored}) < len(stored)  # runs of blocks share a buffer
+
+
+def test_stream_crcs_are_found_on_the_coders(monkeypatch):
+    """A recompressing copy's coded blocks get their CRC-32C on the coder threads, not on the thread that
+    writes them (as a save's do: `engine._checked`)."""
+    import threading
+
+    seen: list[str] = []
+    real = engine.crc32c
+
+    def noting(b, value=0):
+        seen.append(threading.current_thread().name)
+        return real(b, value)
+
+    u8 = _raw().view(np.uint8)
+    monkeypatch.setattr(engine, "crc32c", noting)
+    with ThreadPoolExecutor(2, thread_name_prefix="coder") as pool:
+        out = list(engine._encoded(pool, "zstd", memoryview(u8), BLOCK, np.float32))
+    assert len(seen) == len(out) and all(name.startswith("coder") for name in seen)
+    assert all(crc == real(b) for b, crc in out)

@@ -803,16 +803,20 @@ def _in_order(pool: Any, fn: Any, tasks: Any, priority: Any = None) -> Any:
 
 
 def _encoded(pool: ThreadPoolExecutor | None, codec: str, raw: memoryview, block: int, dtype: Any) -> Any:
-    """The stored forms of `raw`'s blocks, in order, coded in runs of `RUN_BLOCKS` on `pool` (see `_in_order`).
-    (The stream writer's coding: recompressing copies. Its runs are coded as a save's tasks are, `_code_task`:
-    with as many coders as code at once, so that from `BLOSC2_JOIN_MIN_CODERS` on "blosc2" chunks are
-    gathered into shared buffers.)"""
+    """The stored forms of `raw`'s blocks, in order, each with its CRC-32C, coded in runs of `RUN_BLOCKS` on
+    `pool` (see `_in_order`). (The stream writer's coding: recompressing copies. Its runs are coded as a
+    save's tasks are, `_code_task`: with as many coders as code at once, so that from
+    `BLOSC2_JOIN_MIN_CODERS` on "blosc2" chunks are gathered into shared buffers; and the CRCs found on
+    the coder's thread, as `_checked` finds a save's, not on the writer's.)"""
     run = block * RUN_BLOCKS
+
+    def code(o: int) -> list[tuple[Any, int]]:
+        blocks = _codecs.encode_runs([(codec, raw[o : o + run], block, dtype)], coders=coders)[0]
+        return [(b, crc32c(b)) for b in blocks]
+
     on = pool if len(raw) > run else None
     coders = getattr(on, "_max_workers", 1) if on is not None else 1
-    for blocks in _in_order(on, lambda o: _codecs.encode_runs([(codec, raw[o : o + run], block, dtype)],
-                                                              coders=coders)[0],
-                            range(0, len(raw), run)):
+    for blocks in _in_order(on, code, range(0, len(raw), run)):
         yield from blocks
 
 

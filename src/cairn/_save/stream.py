@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from .._core.checksum import block_crcs, crc32c
+from .._core.checksum import block_crcs
 from .._errors import CorruptCheckpointError
 from .._format import manifest as fmt
 from .._storage.location import Location
@@ -134,8 +134,8 @@ class StreamWriter:
                             offset += len(buf)
                             yield memoryview(buf)  # type: ignore[arg-type]
                         else:
-                            for stored in _encoded(self.pool, codec, buf.data, self.block, src.dtype):
-                                crcs.append(crc32c(stored))
+                            for stored, crc in _encoded(self.pool, codec, buf.data, self.block, src.dtype):
+                                crcs.append(crc)
                                 sizes.append(len(stored))
                                 offset += len(stored)
                                 yield memoryview(stored)
