@@ -93,17 +93,16 @@ def _declared(header: str, name: str) -> tuple[tuple[str, str], ...] | None:
     return tuple(fields)
 
 
-def _context_owner(lib: Any, ptr: int) -> Any:
-    """An object that frees context `ptr` when it is collected (with the thread-local that holds it)."""
-    class _Owned:
-        __slots__ = ("ptr",)
+class _Context:
+    """A C-Blosc2 context, freed when this object is collected (with the thread-local that holds it)."""
 
-        def __init__(self) -> None:
-            self.ptr = ptr
+    __slots__ = ("_free", "ptr")
 
-        def __del__(self) -> None:
-            lib.blosc2_free_ctx(self.ptr)
-    return _Owned()
+    def __init__(self, ptr: int, free: Any) -> None:
+        self.ptr, self._free = ptr, free
+
+    def __del__(self) -> None:
+        self._free(self.ptr)
 
 
 class Direct:
@@ -157,8 +156,8 @@ class Direct:
             ptr = self._lib.blosc2_create_cctx(p)
             if not ptr:
                 raise MemoryError("C-Blosc2 could not create a compression context")
-            ctx = kept[key] = (ptr, _context_owner(self._lib, ptr))
-        return ctx[0]
+            ctx = kept[key] = _Context(ptr, self._lib.blosc2_free_ctx)
+        return ctx.ptr
 
     def _dctx(self) -> int:
         ctx = getattr(self._local, "d", None)
@@ -168,8 +167,8 @@ class Direct:
             ptr = self._lib.blosc2_create_dctx(p)
             if not ptr:
                 raise MemoryError("C-Blosc2 could not create a decompression context")
-            ctx = self._local.d = (ptr, _context_owner(self._lib, ptr))
-        return ctx[0]
+            ctx = self._local.d = _Context(ptr, self._lib.blosc2_free_ctx)
+        return ctx.ptr
 
     def compress_into(self, k: int, src: int, n: int, dst: int, room: int) -> int:
         """Code the n raw bytes at address `src` (k-byte elements) as one chunk at address `dst`, which
