@@ -9,6 +9,8 @@ test_xor_deltas_stay_where_they_store_far_less).
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 
@@ -98,6 +100,7 @@ def test_a_base_file_is_opened_once_per_save_for_its_deltas_and_closed_after(tmp
     def open_read(self, key):
         if key.endswith(".bin"):
             opened.append(key)
+            time.sleep(0.05)  # a slow open (a sandboxed disk's round trip): threads wanting it meanwhile wait
         return real(self, key)
 
     monkeypatch.setattr(_local.LocalStorage, "open_read", open_read)

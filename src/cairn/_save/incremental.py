@@ -492,15 +492,10 @@ class Incremental:
 
         def read(ckpt: str, name: str, offset: int, length: int) -> bytearray:
             key = "/".join((ckpt, folder, name))
-            with self._lock:
+            with self._lock:  # opened under the lock: two threads wanting it at once open it once, not twice
                 r = self._readers.get(key)
-            if r is None:
-                r = storage.open_read(key)
-                with self._lock:
-                    kept = self._readers.setdefault(key, r)
-                if kept is not r:  # another thread opened it first
-                    r.close()
-                    r = kept
+                if r is None:
+                    r = self._readers[key] = storage.open_read(key)
             buf = bytearray(length)
             r.read_into(offset, memoryview(buf))
             return buf
