@@ -153,7 +153,7 @@ def test_falls_back_where_a_probe_chunk_differs(monkeypatch):
     differently (here: told a different level) is not used."""
     d = blosc2lib.Direct(blosc2lib.load(_b2())._lib)
     assert blosc2lib._probe(d, _b2()) is None
-    monkeypatch.setattr(blosc2lib, "_ZSTD", 4)  # lz4 where compress2 is told zstd
+    monkeypatch.setattr(blosc2lib, "_ZSTD", 4)  # zlib (BLOSC_ZLIB) where compress2 is told zstd
     other = blosc2lib.Direct(d._lib)
     assert "differs from compress2" in blosc2lib._probe(other, _b2())
 
