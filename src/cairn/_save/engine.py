@@ -50,6 +50,7 @@ from .._errors import (
 )
 from .._format import codecs as _codecs
 from .._format import manifest as fmt
+from .._format.blosc2lib import address
 from .._plan.chunking import FileSlot
 from .._storage.base import bandwidth_of, bandwidth_source
 from .._storage.location import Location
@@ -159,9 +160,8 @@ def _places(blocks: list[Any]) -> list[tuple[Any, int] | None]:
                 if not whole.contiguous:
                     out.append(None)
                     continue
-                base = bases[id(owner)] = (np.frombuffer(whole.cast("B"), np.uint8).__array_interface__["data"][0],
-                                           whole.nbytes)
-            off = np.frombuffer(b, np.uint8).__array_interface__["data"][0] - base[0]
+                base = bases[id(owner)] = (address(whole.cast("B"))[0], whole.nbytes)
+            off = address(b)[0] - base[0]
         except (TypeError, ValueError):
             out.append(None)
             continue
@@ -805,9 +805,10 @@ def _in_order(pool: Any, fn: Any, tasks: Any, priority: Any = None) -> Any:
 def _encoded(pool: ThreadPoolExecutor | None, codec: str, raw: memoryview, block: int, dtype: Any) -> Any:
     """The stored forms of `raw`'s blocks, in order, each with its CRC-32C, coded in runs of `RUN_BLOCKS` on
     `pool` (see `_in_order`). (The stream writer's coding: recompressing copies. Its runs are coded as a
-    save's tasks are, `_code_task`: with as many coders as code at once, so that from
-    `BLOSC2_JOIN_MIN_CODERS` on "blosc2" chunks are gathered into shared buffers; and the CRCs found on
-    the coder's thread, as `_checked` finds a save's, not on the writer's.)"""
+    save's tasks are, `_code_task`: with as many coders as code at once, so that python-blosc2's "blosc2"
+    chunks are gathered into shared buffers from `BLOSC2_JOIN_MIN_CODERS` on (C-Blosc2 called directly
+    codes a run into one buffer anyway); and the CRCs found on the coder's thread, as `_checked` finds a
+    save's, not on the writer's.)"""
     run = block * RUN_BLOCKS
 
     def code(o: int) -> list[tuple[Any, int]]:
