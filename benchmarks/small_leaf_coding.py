@@ -62,10 +62,10 @@ def saves(coders: int, reps: int) -> None:
     C._blosc2_module = counted
     code_task = engine._code_task
 
-    def timed(task: Any) -> Any:
+    def timed(task: Any, *args: Any) -> Any:
         f0, c0, t0 = faults(), time.thread_time(), time.perf_counter()
         try:
-            return code_task(task)
+            return code_task(task, *args)
         finally:
             add("wall", time.perf_counter() - t0)
             add("cpu", time.thread_time() - c0)

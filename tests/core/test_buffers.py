@@ -1,4 +1,5 @@
-"""Host buffers: `prefault` maps pages without changing a byte, alone or beside a copy."""
+"""Host buffers: `prefault` maps pages without changing a byte, alone or beside a copy; `SlabPool` lends
+buffers and takes each back only once nothing refers to it."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import threading
 
 import numpy as np
 
-from cairn._core.buffers import aligned_empty, prefault
+from cairn._core.buffers import SlabPool, aligned_empty, prefault
 
 
 def test_prefault_keeps_every_byte() -> None:
@@ -29,3 +30,86 @@ def test_prefault_beside_a_copy_into_the_same_pages() -> None:
         t.join(timeout=60)
         assert not t.is_alive()
         assert np.array_equal(dest, src)
+
+
+def _at(a) -> int:
+    """The address of `a`'s first byte."""
+    return np.frombuffer(memoryview(a).cast("B"), np.uint8).__array_interface__["data"][0]
+
+
+def test_a_lent_buffer_comes_back_only_once_its_last_view_is_gone() -> None:
+    """Whatever still refers to a lent buffer (a numpy slice, a memoryview, a slice of either) keeps it lent:
+    a later lend gets other memory; once the last view is gone, the next lend of that size reuses it."""
+    pool = SlabPool()
+    a = pool.lend(1000)
+    assert a.dtype == np.uint8 and a.shape == (1000,) and a.flags.writeable and _at(a) % 64 == 0
+    first = _at(a)
+    a[:] = 7
+    keep = [a[10:20], memoryview(a)[100:300], memoryview(a[500:])[1:2], np.frombuffer(memoryview(a), np.uint8)[3:]]
+    del a
+    for _ in range(len(keep)):
+        b = pool.lend(1000)
+        assert _at(b) != first  # something still refers to the first buffer
+        b[:] = 1  # (written: were it the first buffer, the views below would see it)
+        del b
+        assert bytes(memoryview(keep[-1]).cast("B")[:1]) == b"\x07"
+        keep.pop()
+    assert _at(pool.lend(1000)) == first
+    assert pool.made >= 2 and pool.reused >= 1
+
+
+def test_lends_are_whole_mib_and_take_a_free_buffer_up_to_a_quarter_larger() -> None:
+    pool = SlabPool()
+    a = pool.lend(5 << 20)  # 5 MiB
+    at = _at(a)
+    del a
+    b = pool.lend((4 << 20) + 1)
+    assert _at(b) == at  # 4 MiB and a byte: the 5 MiB buffer (a quarter more at most)
+    c = pool.lend(8 << 20)
+    at8 = _at(c)
+    del c
+    assert _at(pool.lend(4 << 20)) != at8  # twice as large: not lent for 4 MiB, a new one
+    assert pool.made == 3 and pool.reused == 1
+    z = pool.lend(0)
+    assert z.shape == (0,)
+
+
+def test_a_closed_pool_keeps_nothing() -> None:
+    pool = SlabPool()
+    a, b = pool.lend(100), pool.lend(100)
+    del a
+    pool.close()
+    assert not pool._free
+    del b  # taken back after the close: not kept
+    assert not pool._free
+    pool.lend(100)
+    assert pool.reused == 0
+
+
+def test_threads_lending_at_once_never_share_a_buffer() -> None:
+    """Eight threads lend, fill with their own pattern, hold a few, check and drop, over and over: no lent
+    buffer is ever handed to another thread while one still holds it."""
+    pool = SlabPool()
+    errors: list[str] = []
+
+    def work(t: int) -> None:
+        held: list[tuple[np.ndarray, int]] = []
+        for i in range(200):
+            n = (1 + (i * 7 + t) % 3) << 19  # 0.5-1.5 MiB: one size class and the next
+            a = pool.lend(n)
+            v = (t * 31 + i) % 251
+            a[:] = v
+            held.append((memoryview(a)[: n // 2], v))  # a view alone holds the buffer
+            del a
+            if len(held) > 3:
+                view, v0 = held.pop(0)
+                if not (np.frombuffer(view, np.uint8) == v0).all():
+                    errors.append(f"thread {t}, lend {i}: a held buffer was lent again")
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and not any(t.is_alive() for t in threads)
+    assert pool.reused > 0

@@ -506,6 +506,37 @@ def test_a_batch_of_blosc2_runs_is_compress2_of_each_block(monkeypatch, join, bl
         assert views  # gathered: views of shared buffers, not python-blosc2's bytes
 
 
+@pytest.mark.parametrize("codec", ["blosc2", "planes", "zstd"])
+def test_a_batch_coded_into_lent_buffers_is_the_same_batch(monkeypatch, codec, blosc2_path):
+    """`encode_runs(..., alloc=)` (a save lends its coders buffers from a `SlabPool`): the same blocks, byte
+    for byte, in buffers from `alloc`, and buffers taken back and lent again for later batches change
+    nothing that a still-held block shows (a block's view keeps its buffer lent)."""
+    from cairn._core.buffers import SlabPool
+
+    if codec == "blosc2" and not _codecs.blosc2_available():
+        pytest.skip("python-blosc2 is not installed")
+    monkeypatch.setattr(_codecs, "JOIN_NUMPY_BYTES", 1)  # planes and zstd join into one numpy buffer too
+    runs = []
+    for i, dtype in enumerate([ml_dtypes.bfloat16, np.float32, np.float64, np.float32]):
+        k = np.dtype(dtype).itemsize
+        runs.append((codec, _values(dtype, 5000 + 777 * i, seed=40 + i).view(np.uint8), 2048 * k, dtype))
+    coders = _codecs.BLOSC2_JOIN_MIN_CODERS
+    want = [[bytes(b) for b in blocks] for blocks in _codecs.encode_runs(runs, coders=coders)]
+    pool = SlabPool()
+    asked: list[int] = []
+
+    def alloc(n: int) -> np.ndarray:
+        asked.append(n)
+        return pool.lend(n)
+
+    got = _codecs.encode_runs(runs, coders=coders, alloc=alloc)
+    assert asked and [[bytes(b) for b in blocks] for blocks in got] == want
+    for _ in range(3):  # lent again and again while `got` is held: it must not see the new batches' bytes
+        _codecs.encode_runs(runs[:0:-1], coders=coders, alloc=alloc)
+    assert [[bytes(b) for b in blocks] for blocks in got] == want
+    assert pool.reused > 0 and pool.made >= 2
+
+
 @NEEDS_BLOSC2
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
 def test_blosc2_corrupt_bytes_raise(dtype, blosc2_path):

@@ -793,6 +793,58 @@ def test_compression_blosc2_without_the_library_names_the_extra(tmp_path, monkey
 
 
 @NEEDS_BLOSC2
+@pytest.mark.parametrize("held", [False, True], ids=["written-as-coded", "all-held-until-the-end"])
+def test_coded_buffers_are_lent_again_only_once_written(tmp_path, monkeypatch, held):
+    """A compressed save's coders code into buffers lent for the save (`SlabPool`), each taken back for a
+    later task once its blocks are written. Written as they are coded, buffers are reused, and the data
+    files are byte for byte those of a save with a new buffer per task; with a storage that holds every
+    part it is given until the end (as a client that gathers a file's parts before it sends them), no
+    buffer is lent again while held, and the checkpoint loads back bit for bit."""
+    from cairn._core import buffers
+    from cairn._save import engine
+    from cairn._storage.local import LocalStorage
+
+    monkeypatch.setattr(engine, "_cores", lambda: 4)  # a coder pool, whatever the test host has
+    # Tasks of about a block's bytes (1 MiB), a dozen in the one data file (threads=1): the writer is done
+    # with task k before task k + 6 is submitted (`_in_order`'s window: 4 coders and one), so reuse is
+    # certain when written as coded, whatever the threads' timing.
+    monkeypatch.setattr(engine, "RUN_BLOCKS", 1)
+    state = {"params": {f"w{i}": trained((256, 256), ml_dtypes.bfloat16 if i % 2 else np.float32, seed=i)
+                        for i in range(64)}}
+    pools: list[buffers.SlabPool] = []
+
+    class Counted(buffers.SlabPool):
+        def __init__(self) -> None:
+            super().__init__()
+            pools.append(self)
+
+    if held:
+        write = LocalStorage.write
+
+        def write_at_the_end(self, key, parts):
+            return write(self, key, iter(list(parts)))
+
+        monkeypatch.setattr(LocalStorage, "write", write_at_the_end)
+    files = {}
+    for lend in (False, True):
+        if lend:
+            monkeypatch.setattr(engine, "SlabPool", Counted)
+        else:
+            monkeypatch.setattr(engine, "SlabPool", lambda: None)  # a new buffer per task, as before
+        path = tmp_path / f"c{lend}"
+        cairn.save(path, state, compression=True, threads=1)
+        files[lend] = sorted(p.read_bytes() for p in (path / "params").glob("*.bin"))
+        got = cairn.load(path)
+        assert_same(got, state)
+    assert files[True] == files[False]
+    (pool,) = pools
+    assert pool.made > 0 and not pool._free  # closed with the data phase
+    if held:
+        assert pool.reused == 0
+    else:
+        assert pool.reused > 0
+
+
 def test_small_blosc2_leaves_of_one_checkpointable_write_the_same_bytes_gathered(tmp_path, monkeypatch):
     """Many small "blosc2" leaves of one checkpointable are coded in batches whose stored chunks are gathered
     into shared buffers (`codecs.BLOSC2_JOIN_BYTES`): the data files are byte for byte those of chunks kept

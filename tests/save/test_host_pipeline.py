@@ -283,9 +283,9 @@ def test_a_leaf_is_coded_while_a_later_leaf_of_its_file_is_still_measured(tmp_pa
     seen: list[bool] = []
     code, choose = engine._code_task, engine._choose_leaf
 
-    def code_task(task):
+    def code_task(task, *args):
         coded_a.set()  # "b" is not measured yet, so whatever is coded first is "a"'s
-        return code(task)
+        return code(task, *args)
 
     def choose_leaf(job, first, dtype):
         if np.asarray(first).shape == (128, 96):  # "b"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import math
 import threading
 from collections.abc import Callable
@@ -89,6 +90,89 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 # numpy's process-wide switch for its huge-page advice (private; absent in some versions).
 _thp_toggle = getattr(getattr(getattr(np, "_core", None), "multiarray", None), "_set_madvise_hugepage", None)
 _thp_lock = threading.Lock()
+
+
+class SlabPool:
+    """Byte buffers lent to one save's coders, each taken back for a later coding task once nothing
+    refers to it any more.
+
+    A coding task codes into a new buffer with room for its blocks' worst case, and its blocks are held
+    until a writer has written them. Fresh buffers are fresh pages, and a first touch of each page is a
+    page fault; under a sandbox such as gVisor (the TPU host) those faults are slow and take locks the
+    coder threads share (fresh memory fills there at 0.9 GB/s on one thread and 3.3 GB/s on 12, memory
+    already touched at 55 GB/s). Lent from here, a buffer comes back when its last view is gone (the
+    writer is done with it, whatever storage it wrote to: a reference held anywhere keeps it lent), so
+    the next tasks code into pages already mapped. Measured on the TPU host, 2,449 small leaves in one
+    checkpointable: coder CPU 1.6-1.9 s against 3.1-3.4 s, compressed / raw save 1.06-1.10x against
+    1.49-1.62x (docs/compression.md, "Coded buffers lent and taken back").
+
+    Sizes are whole MiB (`STEP`); a lend takes a free buffer of its size or up to a quarter larger, else
+    a new one. Nothing is kept after `close` (a save closes its pool when its data is written), so the
+    pool never holds more than the save's coded blocks in flight did at once.
+    """
+
+    STEP = 1 << 20
+
+    def __init__(self) -> None:
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+        self._open = True
+        self.made = 0  # buffers allocated
+        self.reused = 0  # lends served by a buffer taken back
+
+    def lend(self, nbytes: int) -> np.ndarray:
+        """A writable, 64-byte-aligned uint8 array of `nbytes` bytes, uninitialised (pages already touched
+        where it is reused). Its memory returns to this pool once neither the array nor any view of it
+        (numpy slice, memoryview, anything whose buffer it is) is left."""
+        size = -(-max(nbytes, 1) // self.STEP) * self.STEP
+        slab = None
+        with self._lock:
+            for s in range(size, size + size // 4 + self.STEP, self.STEP):
+                free = self._free.get(s)
+                if free:
+                    slab = free.pop()
+                    self.reused += 1
+                    break
+            else:
+                self.made += 1
+        if slab is None:
+            slab = aligned_empty((size,), np.dtype(np.uint8), huge_pages=False)
+        # The array handed out is a view of a ctypes object over the slab, made for this lend: numpy keeps
+        # it as the base of every view taken from the array, and its finaliser (`_Lent.__del__`) runs
+        # when the last of them is gone. (A numpy view of the slab would not do: numpy collapses a view's
+        # base to the array that owns the memory, so slices would outlive the array handed out.)
+        lent = _lent_type(size).from_buffer(slab)
+        lent.pool, lent.slab = self, slab
+        return np.frombuffer(lent, np.uint8, count=nbytes)
+
+    def _take_back(self, slab: np.ndarray) -> None:
+        with self._lock:
+            if self._open:
+                self._free.setdefault(slab.nbytes, []).append(slab)
+
+    def close(self) -> None:
+        """Free the buffers on hand and keep none of those still lent once they come back."""
+        with self._lock:
+            self._open = False
+            self._free.clear()
+
+
+def _lent_back(lent: ctypes.Array) -> None:  # type: ignore[type-arg]
+    """`SlabPool`'s lent buffer is gone: its slab goes back to the pool."""
+    pool = getattr(lent, "pool", None)
+    if pool is not None:
+        pool._take_back(lent.slab)
+
+
+_lent_types: dict[int, type] = {}
+
+
+def _lent_type(size: int) -> type:
+    """A ctypes byte array type of `size` bytes whose instances give their slab back when finalised."""
+    t = _lent_types.get(size)
+    if t is None:
+        t = _lent_types.setdefault(size, type("_Lent", (ctypes.c_ubyte * size,), {"__del__": _lent_back}))
+    return t
 
 
 #: At most this many async saves of a process hold snapshots at once (`_async.MAX_PENDING`).

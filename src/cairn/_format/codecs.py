@@ -47,7 +47,7 @@ import importlib.util
 import itertools
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -231,10 +231,13 @@ def encode_run(codec: str, raw: Any, block: int, dtype: Any, threads: int = 1) -
     return encode_runs([(codec, raw, block, dtype)], threads)[0]
 
 
-def encode_runs(runs: Sequence[tuple[str, Any, int, Any]], threads: int = 1, coders: int = 1) -> list[list[Any]]:
+def encode_runs(runs: Sequence[tuple[str, Any, int, Any]], threads: int = 1, coders: int = 1,
+                alloc: Callable[[int], np.ndarray] | None = None) -> list[list[Any]]:
     """`encode_run` of each ``(codec, raw, block, dtype)`` of `runs`, coded as one batch; `coders`: how many
     threads code batches at once (a save's coder pool), from `BLOSC2_JOIN_MIN_CODERS` on "blosc2" chunks
-    are gathered into shared buffers (`BLOSC2_JOIN_BYTES`).
+    are gathered into shared buffers (`BLOSC2_JOIN_BYTES`). `alloc(n)`: where the buffers that hold the
+    stored blocks come from (a uint8 array of n bytes; default a new one): a save lends them from a pool
+    that takes each back once its blocks are written (`_core.buffers.SlabPool`).
 
     The work is a few large calls that release the GIL, not a dozen per block: the probes of every
     block and plane of a run are one gather and one bincount; the planes of all runs of one
@@ -276,14 +279,14 @@ def encode_runs(runs: Sequence[tuple[str, Any, int, Any]], threads: int = 1, cod
         for r in zstd_runs:
             _, u8, block, _ = checked[r]
             nb = -(-u8.nbytes // block)
-            out[r] = _joined([coded[j] for j in range(i, i + nb)], [1] * nb)
+            out[r] = _joined([coded[j] for j in range(i, i + nb)], [1] * nb, alloc)
             i += nb
     for slot, (k, members) in enumerate(planes_by_k.items()):
-        for r, blocks in zip(members, _encode_planes_runs([checked[r] for r in members], k, slot, threads)):
+        for r, blocks in zip(members, _encode_planes_runs([checked[r] for r in members], k, slot, threads, alloc)):
             out[r] = blocks
     if blosc2_runs:
         join = BLOSC2_JOIN_BYTES if coders >= BLOSC2_JOIN_MIN_CODERS else 0
-        for r, blocks in zip(blosc2_runs, _encode_blosc2_runs([checked[r] for r in blosc2_runs], join)):
+        for r, blocks in zip(blosc2_runs, _encode_blosc2_runs([checked[r] for r in blosc2_runs], join, alloc)):
             out[r] = blocks
     return out
 
@@ -303,14 +306,15 @@ BLOSC2_JOIN_BYTES = 1 << 20
 BLOSC2_JOIN_MIN_CODERS = 4
 
 
-def _encode_blosc2_runs(runs: list[tuple[str, np.ndarray, int, int]], join: int) -> list[list[Any]]:
+def _encode_blosc2_runs(runs: list[tuple[str, np.ndarray, int, int]], join: int,
+                        alloc: Callable[[int], np.ndarray] | None = None) -> list[list[Any]]:
     """The "blosc2" blocks of each of `runs`: `_encode_blosc2_direct` where C-Blosc2 is called directly;
     else one `compress2` call per block (C-Blosc2, without the GIL), the stored chunks gathered into buffers
-    of about `join` bytes (0: none), each block a memoryview of one."""
+    of about `join` bytes (0: none; from `alloc`, `encode_runs`), each block a memoryview of one."""
     b2 = _blosc2()
     direct = blosc2lib.load(b2)
     if direct is not None:
-        return _encode_blosc2_direct(direct, runs)
+        return _encode_blosc2_direct(direct, runs, alloc)
     out: list[list[Any]] = [[] for _ in runs]
     pending: list[Any] = []  # stored chunks not yet joined, and the run of each
     owners: list[int] = []
@@ -326,21 +330,22 @@ def _encode_blosc2_runs(runs: list[tuple[str, np.ndarray, int, int]], join: int)
             owners.append(r)
             size += len(z)
             if size >= join:
-                _flush_blosc2(pending, owners, out)
+                _flush_blosc2(pending, owners, out, alloc)
                 size = 0
     if pending:
-        _flush_blosc2(pending, owners, out)
+        _flush_blosc2(pending, owners, out, alloc)
     return out
 
 
-def _encode_blosc2_direct(direct: blosc2lib.Direct, runs: list[tuple[str, np.ndarray, int, int]]) -> list[list[Any]]:
+def _encode_blosc2_direct(direct: blosc2lib.Direct, runs: list[tuple[str, np.ndarray, int, int]],
+                          alloc: Callable[[int], np.ndarray] | None = None) -> list[list[Any]]:
     """`_encode_blosc2_runs` through `blosc2lib`: every chunk of the batch coded by C-Blosc2 straight into
-    one buffer with room for each block's worst case, each block a memoryview of it. Per block the GIL is
-    held only for the call (no context made, no bytes allocated or copied), and the chunks lie back to
-    back, so a writer writes the batch with one call (`engine._places`)."""
+    one buffer (from `alloc`) with room for each block's worst case, each block a memoryview of it. Per
+    block the GIL is held only for the call (no context made, no bytes allocated or copied), and the
+    chunks lie back to back, so a writer writes the batch with one call (`engine._places`)."""
     srcs = [np.ascontiguousarray(u8) for _, u8, _, _ in runs]
     room = sum(u8.nbytes + -(-u8.nbytes // block) * blosc2lib.MAX_OVERHEAD for u8, (_, _, block, _) in zip(srcs, runs))
-    buf = np.empty(room, np.uint8)
+    buf = np.empty(room, np.uint8) if alloc is None else alloc(room)
     view = memoryview(buf)  # type: ignore[arg-type]  # a contiguous uint8 array exports its buffer
     base = blosc2lib.address(buf)[0]
     code = direct.compress_into
@@ -357,10 +362,13 @@ def _encode_blosc2_direct(direct: blosc2lib.Direct, runs: list[tuple[str, np.nda
     return out
 
 
-def _flush_blosc2(pending: list[Any], owners: list[int], out: list[list[Any]]) -> None:
-    """Join `pending` chunks into one buffer (numpy, without the GIL, however few bytes: this is what keeps
-    fresh pages out of the GIL), append each as a view to its run's blocks in `out`, and empty both lists."""
-    whole = np.concatenate([np.frombuffer(z, np.uint8) for z in pending])
+def _flush_blosc2(pending: list[Any], owners: list[int], out: list[list[Any]],
+                  alloc: Callable[[int], np.ndarray] | None = None) -> None:
+    """Join `pending` chunks into one buffer (from `alloc`; numpy, without the GIL, however few bytes: this
+    is what keeps fresh pages out of the GIL), append each as a view to its run's blocks in `out`, and
+    empty both lists."""
+    chunks = [np.frombuffer(z, np.uint8) for z in pending]
+    whole = np.concatenate(chunks, out=None if alloc is None else alloc(sum(c.nbytes for c in chunks)))
     view = memoryview(whole)  # type: ignore[arg-type]  # a contiguous uint8 array exports its buffer
     o = 0
     for z, r in zip(pending, owners):
@@ -375,12 +383,13 @@ def _flush_blosc2(pending: list[Any], owners: list[int], out: list[list[Any]]) -
 JOIN_NUMPY_BYTES = 256 << 10
 
 
-def _joined(parts: list[Any], counts: list[int]) -> list[Any]:
-    """`parts` joined into one buffer by one call, as one bytes-like object per block (block i is the
-    next counts[i] parts)."""
+def _joined(parts: list[Any], counts: list[int], alloc: Callable[[int], np.ndarray] | None = None) -> list[Any]:
+    """`parts` joined into one buffer by one call (numpy's into a buffer from `alloc`, `encode_runs`), as
+    one bytes-like object per block (block i is the next counts[i] parts)."""
     total = sum(len(p) for p in parts)
     if total >= JOIN_NUMPY_BYTES:
-        whole: Any = np.concatenate([p if isinstance(p, np.ndarray) else np.frombuffer(p, np.uint8) for p in parts])
+        whole: Any = np.concatenate([p if isinstance(p, np.ndarray) else np.frombuffer(p, np.uint8) for p in parts],
+                                    out=None if alloc is None else alloc(total))
     else:
         whole = b"".join(parts)
     if len(counts) == 1:
@@ -397,7 +406,7 @@ def _joined(parts: list[Any], counts: list[int]) -> list[Any]:
 
 
 def _encode_planes_runs(runs: list[tuple[str, np.ndarray, int, int]], k: int, slot: int,
-                        threads: int) -> list[list[Any]]:
+                        threads: int, alloc: Callable[[int], np.ndarray] | None = None) -> list[list[Any]]:
     """The "planes" blocks of each of `runs` (all of element size k); `slot`: which of this thread's
     split buffers holds their planes."""
     worth = [_planes_to_try(u8, k, block // k) for _, u8, block, _ in runs]
@@ -434,7 +443,7 @@ def _encode_planes_runs(runs: list[tuple[str, np.ndarray, int, int]], k: int, sl
                         continue
                 parts.append(planes[p, a:b])
             parts[head] = struct.pack(f"<BH{len(lengths)}I", k, mask, *lengths)
-    blocks = _joined(parts, [k + 1] * sum(len(span) for span in spans))
+    blocks = _joined(parts, [k + 1] * sum(len(span) for span in spans), alloc)
     out, o = [], 0
     for span in spans:
         out.append(blocks[o:o + len(span)])

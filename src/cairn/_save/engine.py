@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from .._core.buffers import SlabPool
 from .._core.buffers import snapshot_pool as _snapshot_pool
 from .._core.checksum import block_crcs, crc32c
 from .._core.gcpause import paused
@@ -205,6 +206,9 @@ class SaveJob:
     _choosing: Any = field(default=None, repr=False)
     # A blocking save's device-to-host copies, started ahead of the writers (`host_pipeline`; None: none).
     _pipe: Any = field(default=None, repr=False)
+    # The buffers coding tasks code into, each taken back once its blocks are written (`SlabPool`; set
+    # while `write_data` runs a compressed save).
+    _slabs: SlabPool | None = field(default=None, repr=False)
     # The primary's own index parts, (key, bytes): put with the indexes, in the commit (`_write_parts`).
     own_parts: list[tuple[str, bytes]] = field(default_factory=list, repr=False)
 
@@ -440,6 +444,9 @@ class SaveJob:
         coders = _cores() if self.compression is not None else 0
         if self.inc is not None:  # incremental: blocks are hashed on that pool too
             coders = max(2, _cores())
+        # Coded blocks go into buffers lent for the data phase: written, a task's buffer serves a later
+        # task, whose first touch of fresh pages is then saved (`SlabPool`).
+        self._slabs = SlabPool() if self.compression is not None and self.inc is None else None
         # An incremental save's writers mostly wait for hashes: one per file (up to 2x `threads`: each holds
         # a window of coded runs), so that a file of changed leaves is written (and fsync'd) while files of
         # unchanged ones are still hashed.
@@ -465,6 +472,8 @@ class SaveJob:
                         self._choosing.close()
                 finally:
                     self._close_pipe()
+                    if self._slabs is not None:
+                        self._slabs.close()
         self.stats.compression = describe_compression(self.compression, self.loc.storage, self.codecs,
                                                       self.priced())
         for item in self.items:
@@ -508,7 +517,7 @@ class SaveJob:
         """`_code_task`, its span and raw bytes per codec noted for the codec factor (`_measure`); its blocks'
         CRCs and places (`_checked`)."""
         t0 = time.perf_counter()
-        out = _code_task(task)
+        out = _code_task(task, self._slabs.lend if self._slabs is not None else None)
         t1 = time.perf_counter()
         with self._code_lock:
             self.code_spans.append((t0, t1))
@@ -704,9 +713,10 @@ def _cores() -> int:
     return usable_cores()
 
 
-def _code_task(task: list[tuple[int, bool, tuple[Any, ...]]]) -> list[tuple[int, bool, list[Any]]]:
-    """Code one task of `code_tasks`: (slot, last run of the slot, run) -> (slot, last, stored blocks)."""
-    coded = _codecs.encode_runs([run for _, _, run in task], coders=_cores())
+def _code_task(task: list[tuple[int, bool, tuple[Any, ...]]], alloc: Any = None) -> list[tuple[int, bool, list[Any]]]:
+    """Code one task of `code_tasks`: (slot, last run of the slot, run) -> (slot, last, stored blocks), into
+    buffers from `alloc` (`codecs.encode_runs`)."""
+    coded = _codecs.encode_runs([run for _, _, run in task], coders=_cores(), alloc=alloc)
     return [(n_slot, last, blocks) for (n_slot, last, _), blocks in zip(task, coded)]
 
 
