@@ -6,6 +6,7 @@ import ctypes
 import math
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -157,17 +158,17 @@ class SlabPool:
             self._free.clear()
 
 
-def _lent_back(lent: ctypes.Array) -> None:  # type: ignore[type-arg]
+def _lent_back(lent: Any) -> None:
     """`SlabPool`'s lent buffer is gone: its slab goes back to the pool."""
     pool = getattr(lent, "pool", None)
     if pool is not None:
         pool._take_back(lent.slab)
 
 
-_lent_types: dict[int, type] = {}
+_lent_types: dict[int, Any] = {}
 
 
-def _lent_type(size: int) -> type:
+def _lent_type(size: int) -> Any:
     """A ctypes byte array type of `size` bytes whose instances give their slab back when finalised."""
     t = _lent_types.get(size)
     if t is None:
