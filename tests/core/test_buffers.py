@@ -74,16 +74,35 @@ def test_lends_are_whole_mib_and_take_a_free_buffer_up_to_a_quarter_larger() -> 
     assert z.shape == (0,)
 
 
-def test_a_closed_pool_keeps_nothing() -> None:
+def test_buffers_are_kept_up_to_the_most_ever_lent_at_once_and_cleared_on_release() -> None:
+    """What comes back is kept for the next lends only up to the most bytes that were lent at once (what
+    one save held in flight), and `release_snapshot_buffers` (which a load calls) frees what is kept."""
+    from cairn._core import buffers
+
     pool = SlabPool()
-    a, b = pool.lend(100), pool.lend(100)
+    held = [pool.lend(1 << 20) for _ in range(3)]
+    assert pool.peak == 3 << 20 and pool.lent_bytes == 3 << 20
+    del held
+    assert pool.free_bytes == 3 << 20 and pool.lent_bytes == 0
+    again = [pool.lend(1 << 20) for _ in range(3)]
+    assert pool.reused == 3 and pool.made == 3  # the next "save" reuses them all
+    big = pool.lend(2 << 20)  # a fourth buffer, larger: lent at once, so the cap grows with it
+    assert pool.peak == 5 << 20
+    del again, big
+    assert pool.free_bytes == 5 << 20
+    pool.clear()
+    assert pool.free_bytes == 0 and not pool._free and pool.peak == 0
+    a = pool.lend(1 << 20)
     del a
-    pool.close()
-    assert not pool._free
-    del b  # taken back after the close: not kept
-    assert not pool._free
-    pool.lend(100)
-    assert pool.reused == 0
+    assert pool.free_bytes == 1 << 20  # the cap learnt again: one buffer's worth
+    b, c = pool.lend(1 << 20), pool.lend(1 << 20)
+    pool.clear()  # cleared while lent: the cap is what is out, and they are kept when they come back
+    del b, c
+    assert pool.free_bytes == 2 << 20
+    buffers.coded_pool.lend(1 << 20)  # (a temporary: back at once)
+    assert buffers.coded_pool.free_bytes >= 1 << 20
+    buffers.release_snapshot_buffers()
+    assert buffers.coded_pool.free_bytes == 0
 
 
 def test_threads_lending_at_once_never_share_a_buffer() -> None:

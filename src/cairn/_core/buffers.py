@@ -94,22 +94,21 @@ _thp_lock = threading.Lock()
 
 
 class SlabPool:
-    """Byte buffers lent to one save's coders, each taken back for a later coding task once nothing
-    refers to it any more.
+    """Byte buffers lent to the coders of saves, each taken back for later coding once nothing refers to
+    it any more.
 
-    A coding task codes into a new buffer with room for its blocks' worst case, and its blocks are held
-    until a writer has written them. Fresh buffers are fresh pages, and a first touch of each page is a
-    page fault; under a sandbox such as gVisor (the TPU host) those faults are slow and take locks the
-    coder threads share (fresh memory fills there at 0.9 GB/s on one thread and 3.3 GB/s on 12, memory
-    already touched at 55 GB/s). Lent from here, a buffer comes back when its last view is gone (the
-    writer is done with it, whatever storage it wrote to: a reference held anywhere keeps it lent), so
-    the next tasks code into pages already mapped. Measured on the TPU host, 2,449 small leaves in one
-    checkpointable: coder CPU 1.6-1.9 s against 3.1-3.4 s, compressed / raw save 1.06-1.10x against
-    1.49-1.62x (docs/compression.md, "Coded buffers lent and taken back").
+    A coding task codes into a buffer with room for its blocks' worst case, and its blocks are held until
+    a writer has written them. New buffers are fresh pages, and the first touch of each is a page fault;
+    under a sandbox such as gVisor (the TPU host) those faults are slow and contended (fresh memory fills
+    there at 0.9 GB/s on one thread and 3.3 GB/s on 12, memory already touched at 55 GB/s). Lent from
+    here, a buffer comes back when its last view is gone (the writer is done with it, whatever storage
+    it wrote to: a reference held anywhere keeps it lent), and later tasks, of this save and of the
+    next ones, code into pages already mapped (docs/compression.md, "Coded buffers lent and taken back").
 
     Sizes are whole MiB (`STEP`); a lend takes a free buffer of its size or up to a quarter larger, else
-    a new one. Nothing is kept after `close` (a save closes its pool when its data is written), so the
-    pool never holds more than the save's coded blocks in flight did at once.
+    a new one. Buffers that come back are kept only up to `peak` bytes, the most that were ever lent at
+    once: a training loop's saves reuse the same buffers, and what is kept between saves is at most what
+    one save's coded blocks in flight held. `clear` frees them (`release_snapshot_buffers`; a load does).
     """
 
     STEP = 1 << 20
@@ -117,7 +116,9 @@ class SlabPool:
     def __init__(self) -> None:
         self._free: dict[int, list[np.ndarray]] = {}
         self._lock = threading.Lock()
-        self._open = True
+        self.free_bytes = 0
+        self.lent_bytes = 0
+        self.peak = 0  # the most bytes lent at once since made or cleared
         self.made = 0  # buffers allocated
         self.reused = 0  # lends served by a buffer taken back
 
@@ -132,33 +133,44 @@ class SlabPool:
                 free = self._free.get(s)
                 if free:
                     slab = free.pop()
+                    self.free_bytes -= s
                     self.reused += 1
                     break
             else:
                 self.made += 1
+            taken = size if slab is None else slab.nbytes
+            self.lent_bytes += taken
+            self.peak = max(self.peak, self.lent_bytes)
         if slab is None:
             slab = aligned_empty((size,), np.dtype(np.uint8), huge_pages=False)
         # The array handed out is a view of a ctypes object over the slab, made for this lend: numpy keeps
-        # it as the base of every view taken from the array, and its finaliser (`_Lent.__del__`) runs
-        # when the last of them is gone. (A numpy view of the slab would not do: numpy collapses a view's
-        # base to the array that owns the memory, so slices would outlive the array handed out.)
+        # it as the base of every view taken from the array, and its finaliser (`_lent_back`) runs when the
+        # last of them is gone. (A numpy view of the slab would not do: numpy collapses a view's base to
+        # the array that owns the memory, so slices would outlive the array handed out.)
         lent = _lent_type(size).from_buffer(slab)
         lent.pool, lent.slab = self, slab
         return np.frombuffer(lent, np.uint8, count=nbytes)
 
     def _take_back(self, slab: np.ndarray) -> None:
         with self._lock:
-            if self._open:
+            self.lent_bytes -= slab.nbytes
+            if self.free_bytes + slab.nbytes <= self.peak:
                 self._free.setdefault(slab.nbytes, []).append(slab)
+                self.free_bytes += slab.nbytes
 
-    def close(self) -> None:
-        """Free the buffers on hand and keep none of those still lent once they come back."""
+    def clear(self) -> None:
+        """Free the buffers on hand; the cap is learnt again from the next lends."""
         with self._lock:
-            self._open = False
             self._free.clear()
+            self.free_bytes = 0
+            self.peak = self.lent_bytes
 
 
-def _lent_back(lent: Any) -> None:
+#: The buffers saves' coders code into (`SlabPool`).
+coded_pool = SlabPool()
+
+
+def _lent_back(lent: Any) -> None:  # (a `_lent_type` instance's finaliser)
     """`SlabPool`'s lent buffer is gone: its slab goes back to the pool."""
     pool = getattr(lent, "pool", None)
     if pool is not None:
@@ -229,11 +241,14 @@ snapshot_pool = _BufferPool()
 
 
 def release_snapshot_buffers() -> None:
-    """Free the host buffers cairn keeps for the next async save.
+    """Free the host buffers cairn keeps for the next save.
 
     After an async save, its snapshot's host buffers (at most two snapshots'
     worth, as many as may be in flight at once) are kept so that the next
-    snapshot copies into memory already touched, at memcpy speed. `cairn.load` releases them itself, since it
+    snapshot copies into memory already touched, at memcpy speed; after a
+    compressed save, the buffers its coders coded into (at most as many bytes
+    as its coded blocks in flight held at once), so that the next one codes
+    into pages already mapped. `cairn.load` releases them itself, since it
     needs the memory; call this to get it back at any other time.
 
     Example:
@@ -242,3 +257,4 @@ def release_snapshot_buffers() -> None:
         cairn.release_snapshot_buffers()
     """
     snapshot_pool.clear()
+    coded_pool.clear()

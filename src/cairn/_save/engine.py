@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from .._core.buffers import SlabPool
+from .._core import buffers as _buffers
 from .._core.buffers import snapshot_pool as _snapshot_pool
 from .._core.checksum import block_crcs, crc32c
 from .._core.gcpause import paused
@@ -206,9 +206,9 @@ class SaveJob:
     _choosing: Any = field(default=None, repr=False)
     # A blocking save's device-to-host copies, started ahead of the writers (`host_pipeline`; None: none).
     _pipe: Any = field(default=None, repr=False)
-    # The buffers coding tasks code into, each taken back once its blocks are written (`SlabPool`; set
-    # while `write_data` runs a compressed save).
-    _slabs: SlabPool | None = field(default=None, repr=False)
+    # Where coding tasks' buffers come from, each taken back once its blocks are written (the process's
+    # `buffers.coded_pool`, set by `write_data` for a compressed save; None: a new buffer per task).
+    _slabs: Any = field(default=None, repr=False)
     # The primary's own index parts, (key, bytes): put with the indexes, in the commit (`_write_parts`).
     own_parts: list[tuple[str, bytes]] = field(default_factory=list, repr=False)
 
@@ -444,9 +444,10 @@ class SaveJob:
         coders = _cores() if self.compression is not None else 0
         if self.inc is not None:  # incremental: blocks are hashed on that pool too
             coders = max(2, _cores())
-        # Coded blocks go into buffers lent for the data phase: written, a task's buffer serves a later
-        # task, whose first touch of fresh pages is then saved (`SlabPool`).
-        self._slabs = SlabPool() if self.compression is not None and self.inc is None else None
+        # Coded blocks go into lent buffers: once written, a task's buffer serves a later task (of this save
+        # or the next), which then codes into pages already mapped (`buffers.SlabPool`).
+        self._slabs = (_buffers.coded_pool if LEND_CODED_BUFFERS and self.compression is not None and self.inc is None
+                       else None)
         # An incremental save's writers mostly wait for hashes: one per file (up to 2x `threads`: each holds
         # a window of coded runs), so that a file of changed leaves is written (and fsync'd) while files of
         # unchanged ones are still hashed.
@@ -472,8 +473,6 @@ class SaveJob:
                         self._choosing.close()
                 finally:
                     self._close_pipe()
-                    if self._slabs is not None:
-                        self._slabs.close()
         self.stats.compression = describe_compression(self.compression, self.loc.storage, self.codecs,
                                                       self.priced())
         for item in self.items:
@@ -705,6 +704,9 @@ CHOOSE_IN_BACKGROUND = True
 #: join of its stored blocks) a small share of its GIL-free ones, while a chunk of 64 MiB still
 #: spreads over 4 coders.
 RUN_BLOCKS = 16
+#: Coding tasks code into buffers lent from `buffers.coded_pool` (False: a new buffer per task, as before
+#: 2026-12-07; docs/compression.md, "Coded buffers lent and taken back").
+LEND_CODED_BUFFERS = True
 
 
 def _cores() -> int:
