@@ -77,10 +77,14 @@ def main() -> None:
                     help="let each timed load free the buffers kept for the next save (`release_snapshot_buffers`, "
                          "as `cairn.load` does): by default they are kept, since a training process saves again and "
                          "again and loads only when it restarts, while this benchmark loads after every save")
+    ap.add_argument("--no-lend", action="store_true",
+                    help="code into a new buffer per coding task (engine.LEND_CODED_BUFFERS off, as before 2026-12-07)")
     ap.add_argument("--json")
     args = ap.parse_args()
     from cairn._format import codecs
     from cairn._save import engine
+    if args.no_lend:
+        engine.LEND_CODED_BUFFERS = False  # type: ignore[misc]
     if not args.release_on_load:
         from cairn._load import engine as load_engine
 
