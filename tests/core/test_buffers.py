@@ -3,9 +3,11 @@ buffers and takes each back only once nothing refers to it."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import numpy as np
+import pytest
 
 from cairn._core.buffers import SlabPool, aligned_empty, prefault
 
@@ -132,3 +134,28 @@ def test_threads_lending_at_once_never_share_a_buffer() -> None:
         t.join(timeout=120)
     assert not errors and not any(t.is_alive() for t in threads)
     assert pool.reused > 0
+
+
+def test_a_forked_child_lends_even_if_a_parent_thread_held_the_pool() -> None:
+    """A process forked while another of its threads held the coded pool's lock (a save coding in the
+    background) gets a pool of its own in the child: lending there does not wait forever."""
+    import subprocess
+    import sys
+
+    script = """
+import os, sys
+from cairn._core import buffers
+buffers.coded_pool._lock.acquire()  # as a coder thread of the parent would hold it, at the fork
+pid = os.fork()
+if pid == 0:
+    a = buffers.coded_pool.lend(1 << 20)
+    a[:] = 1
+    del a
+    os._exit(0 if buffers.coded_pool.free_bytes == 1 << 20 else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+    if not hasattr(os, "fork"):
+        pytest.skip("no os.fork here")
+    done = subprocess.run([sys.executable, "-c", script], timeout=60)
+    assert done.returncode == 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -166,6 +167,14 @@ class SlabPool:
             self.peak = self.lent_bytes
 
 
+    def _forget(self) -> None:
+        """In a forked child: a fresh lock (another thread of the parent may have held this one) and nothing
+        kept (the child's saves learn their own cap)."""
+        self._lock = threading.Lock()
+        self._free = {}
+        self.free_bytes = self.peak = 0
+
+
 #: The buffers saves' coders code into (`SlabPool`).
 coded_pool = SlabPool()
 
@@ -258,3 +267,7 @@ def release_snapshot_buffers() -> None:
     """
     snapshot_pool.clear()
     coded_pool.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=coded_pool._forget)
