@@ -1,9 +1,10 @@
 """Coding into fresh or lent buffers: ``python -m benchmarks.coded_buffers [--threads 13] [--reps 3]``.
 
 The coding tasks of a compressed save, alone (no files): 2,449 leaves of 256x256 cut from a 600 MB
-bf16-f32 trained state in tasks of 16 MiB (as `engine.code_tasks` batches small leaves), and the state's
-whole arrays in runs of 16 blocks of 1 MiB, each task coded by `codecs.encode_runs` with ``--codec``
-(default "blosc2") on ``--threads`` threads at once. Each task's stored blocks go into a new buffer
+bf16-f32 trained state, and the state's whole arrays, in the tasks a save codes them in
+(`benchmarks.codecs.coding_tasks`: runs of 16 blocks of 1 MiB, small leaves together up to as many
+bytes), each task coded by `codecs.encode_runs` with ``--codec`` (default "blosc2") on ``--threads``
+threads at once. Each task's stored blocks go into a new buffer
 (``fresh``) or one lent by a `buffers.SlabPool` that was filled by an earlier round (``lent``); the
 blocks are either held until every task is done (``hold``: as a save's writers hold them until
 written) or dropped at once (``drop``). Best wall time of ``--reps``, GiB/s of raw bytes, and the coder
@@ -20,36 +21,13 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
+from benchmarks.codecs import coding_tasks
 from benchmarks.small_leaves import tiles
 from benchmarks.trained_state import flatten, make_state
 from cairn._core.buffers import SlabPool
 from cairn._format import codecs as C
 
-BLOCK = 1 << 20
-RUN = 16 << 20
-
-
-def tasks_of(arrays: list[np.ndarray], codec: str, whole: bool) -> list[list[tuple[Any, ...]]]:
-    """Small leaves batched up to `RUN` bytes a task, or (`whole`) each array cut in runs of `RUN`."""
-    out: list[list[tuple[Any, ...]]] = []
-    cur: list[tuple[Any, ...]] = []
-    size = 0
-    for a in arrays:
-        raw = a.reshape(-1).view(np.uint8)
-        block = BLOCK - BLOCK % a.dtype.itemsize
-        if whole:
-            out.extend([(codec, raw[o:o + RUN], block, a.dtype)] for o in range(0, raw.nbytes, RUN))
-            continue
-        cur.append((codec, raw, block, a.dtype))
-        size += raw.nbytes
-        if size >= RUN:
-            out.append(cur)
-            cur, size = [], 0
-    if cur:
-        out.append(cur)
-    return out
+RUN_BLOCKS = 16  # as `engine.RUN_BLOCKS`
 
 
 def main() -> None:
@@ -60,8 +38,8 @@ def main() -> None:
     ap.add_argument("--codec", default="blosc2" if C.blosc2_available() else "planes")
     args = ap.parse_args()
     flat = flatten(make_state(args.size, "bf16-f32"))
-    sets = {"small leaves": tasks_of(list(tiles(flat, 2449).values()), args.codec, False),
-            "whole arrays": tasks_of([a for a in flat.values() if a.nbytes], args.codec, True)}
+    sets = {"small leaves": coding_tasks([(a, args.codec) for a in tiles(flat, 2449).values()], RUN_BLOCKS),
+            "whole arrays": coding_tasks([(a, args.codec) for a in flat.values() if a.nbytes], RUN_BLOCKS)}
     print(f"{args.threads} threads, codec {args.codec}, load {os.getloadavg()[0]:.1f}", flush=True)
     for name, tasks in sets.items():
         raw = sum(r[1].nbytes for t in tasks for r in t)
