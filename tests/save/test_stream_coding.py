@@ -83,3 +83,27 @@ def test_stream_crcs_are_found_on_the_coders(monkeypatch):
         out = list(engine._encoded(pool, "zstd", memoryview(u8), BLOCK, np.float32))
     assert len(seen) == len(out) and all(name.startswith("coder") for name in seen)
     assert all(crc == real(b) for b, crc in out)
+
+
+@pytest.mark.parametrize("codec", ["zstd", "planes", "blosc2"])
+def test_stream_blocks_are_coded_into_lent_buffers(monkeypatch, codec):
+    """The stream writer codes into buffers lent from `buffers.coded_pool`, as a save does: the blocks are
+    the same bytes whether each is dropped at once (its buffer lent again for a later run) or all are held
+    to the end (no buffer lent twice)."""
+    from cairn._core import buffers
+
+    if codec == "blosc2" and not codecs.blosc2_available():
+        pytest.skip("python-blosc2 is not installed")
+    monkeypatch.setattr(engine, "RUN_BLOCKS", 1)  # 20 runs of one block: buffers of one size, lent again
+    u8 = _raw().view(np.uint8)
+    want = [codecs.encode(codec, u8[o : o + BLOCK], np.float32) for o in range(0, u8.nbytes, BLOCK)]
+    for hold in (False, True):
+        pool = buffers.SlabPool()
+        monkeypatch.setattr(buffers, "coded_pool", pool)
+        with ThreadPoolExecutor(2) as workers:
+            got = list(engine._encoded(workers, codec, memoryview(u8), BLOCK, np.float32)) if hold else [
+                (bytes(b), crc) for b, crc in engine._encoded(workers, codec, memoryview(u8), BLOCK, np.float32)]
+        assert [(bytes(b), crc) for b, crc in got] == [(w, crc32c(w)) for w in want]
+        assert pool.made > 0
+        if not hold:
+            assert pool.reused > 0

@@ -820,11 +820,12 @@ def _encoded(pool: ThreadPoolExecutor | None, codec: str, raw: memoryview, block
     save's tasks are, `_code_task`: with as many coders as code at once, so that python-blosc2's "blosc2"
     chunks are gathered into shared buffers from `BLOSC2_JOIN_MIN_CODERS` on (C-Blosc2 called directly
     codes a run into one buffer anyway); and the CRCs found on the coder's thread, as `_checked` finds a
-    save's, not on the writer's.)"""
+    save's, not on the writer's; into buffers lent as a save's are, `LEND_CODED_BUFFERS`.)"""
     run = block * RUN_BLOCKS
+    alloc = _buffers.coded_pool.lend if LEND_CODED_BUFFERS else None
 
     def code(o: int) -> list[tuple[Any, int]]:
-        blocks = _codecs.encode_runs([(codec, raw[o : o + run], block, dtype)], coders=coders)[0]
+        blocks = _codecs.encode_runs([(codec, raw[o : o + run], block, dtype)], coders=coders, alloc=alloc)[0]
         return [(b, crc32c(b)) for b in blocks]
 
     on = pool if len(raw) > run else None
