@@ -136,6 +136,26 @@ def test_threads_lending_at_once_never_share_a_buffer() -> None:
     assert pool.reused > 0
 
 
+def test_a_buffer_given_back_while_its_thread_holds_the_pool_does_not_deadlock() -> None:
+    """The last view of a lent buffer can go while the same thread is inside the pool (a garbage collection
+    that an allocation there runs, collecting a cycle that holds a view): taking it back must not wait for
+    the lock that thread holds."""
+    pool = SlabPool()
+    a = pool.lend(1000)
+    done = threading.Event()
+
+    def drop_inside() -> None:
+        nonlocal a
+        with pool._lock:  # as `lend` / `_take_back` hold it when a collection runs
+            del a
+        done.set()
+
+    t = threading.Thread(target=drop_inside, daemon=True)
+    t.start()
+    t.join(timeout=30)
+    assert done.is_set() and pool.free_bytes == 1 << 20
+
+
 def test_a_forked_child_lends_even_if_a_parent_thread_held_the_pool() -> None:
     """A process forked while another of its threads held the coded pool's lock (a save coding in the
     background) gets a pool of its own in the child: lending there does not wait forever."""

@@ -116,7 +116,10 @@ class SlabPool:
 
     def __init__(self) -> None:
         self._free: dict[int, list[np.ndarray]] = {}
-        self._lock = threading.Lock()
+        # Re-entrant: a buffer's last view may be dropped, and its finaliser take it back, in this thread
+        # while it holds the lock (a garbage collection run by an allocation in `lend` or `_take_back`,
+        # collecting a cycle that holds a view: an exception's traceback, say).
+        self._lock = threading.RLock()
         self.free_bytes = 0
         self.lent_bytes = 0
         self.peak = 0  # the most bytes lent at once since made or cleared
@@ -170,7 +173,7 @@ class SlabPool:
     def _forget(self) -> None:
         """In a forked child: a fresh lock (another thread of the parent may have held this one) and nothing
         kept (the child's saves learn their own cap)."""
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         self._free = {}
         self.free_bytes = self.peak = 0
 
