@@ -792,7 +792,6 @@ def test_compression_blosc2_without_the_library_names_the_extra(tmp_path, monkey
     assert not (tmp_path / "c").exists()
 
 
-@NEEDS_BLOSC2
 @pytest.mark.parametrize("held", [False, True], ids=["written-as-coded", "all-held-until-the-end"])
 def test_coded_buffers_are_lent_again_only_once_written(tmp_path, monkeypatch, held):
     """A compressed save's coders code into buffers lent from the process's `buffers.coded_pool`, each taken
@@ -802,10 +801,13 @@ def test_coded_buffers_are_lent_again_only_once_written(tmp_path, monkeypatch, h
     end (as a client that gathers a file's parts before it sends them), no buffer is lent again while
     held, and the checkpoint loads back bit for bit."""
     from cairn._core import buffers
+    from cairn._load import engine as load_engine
     from cairn._save import engine
     from cairn._storage.local import LocalStorage
 
     monkeypatch.setattr(engine, "_cores", lambda: 4)  # a coder pool, whatever the test host has
+    # The loads keep the buffers kept for the next save (`cairn.load` frees them: `release_snapshot_buffers`).
+    monkeypatch.setattr(load_engine, "release_snapshot_buffers", lambda: None)
     # Tasks of about a block's bytes (1 MiB), a dozen in the one data file (threads=1): the writer is done
     # with task k before task k + 6 is submitted (`_in_order`'s window: 4 coders and one), so reuse is
     # certain when written as coded, whatever the threads' timing.
@@ -827,7 +829,7 @@ def test_coded_buffers_are_lent_again_only_once_written(tmp_path, monkeypatch, h
         path = tmp_path / f"c{n}"
         cairn.save(path, state, compression=True, threads=1)
         files[n] = sorted(p.read_bytes() for p in (path / "params").glob("*.bin"))
-        assert_same(_load_keeping(path), state)
+        assert_same(cairn.load(path), state)
         if n == 1:
             first = (pool.made, pool.reused)
     assert files[0] == files[1] == files[2]
@@ -842,19 +844,7 @@ def test_coded_buffers_are_lent_again_only_once_written(tmp_path, monkeypatch, h
         assert reused > 0  # within the save
 
 
-def _load_keeping(path):
-    """`cairn.load` without its release of the buffers kept for the next save (what a test of reuse across
-    saves needs: `release_snapshot_buffers`)."""
-    from cairn._load import engine as load_engine
-
-    real = load_engine.release_snapshot_buffers
-    load_engine.release_snapshot_buffers = lambda: None
-    try:
-        return cairn.load(path)
-    finally:
-        load_engine.release_snapshot_buffers = real
-
-
+@NEEDS_BLOSC2
 def test_small_blosc2_leaves_of_one_checkpointable_write_the_same_bytes_gathered(tmp_path, monkeypatch):
     """Many small "blosc2" leaves of one checkpointable are coded in batches whose stored chunks are gathered
     into shared buffers (`codecs.BLOSC2_JOIN_BYTES`): the data files are byte for byte those of chunks kept
