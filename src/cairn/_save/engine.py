@@ -206,9 +206,6 @@ class SaveJob:
     _choosing: Any = field(default=None, repr=False)
     # A blocking save's device-to-host copies, started ahead of the writers (`host_pipeline`; None: none).
     _pipe: Any = field(default=None, repr=False)
-    # Where coding tasks' buffers come from, each taken back once its blocks are written (the process's
-    # `buffers.coded_pool`, set by `write_data` for a compressed save; None: a new buffer per task).
-    _slabs: Any = field(default=None, repr=False)
     # The primary's own index parts, (key, bytes): put with the indexes, in the commit (`_write_parts`).
     own_parts: list[tuple[str, bytes]] = field(default_factory=list, repr=False)
 
@@ -444,10 +441,6 @@ class SaveJob:
         coders = _cores() if self.compression is not None else 0
         if self.inc is not None:  # incremental: blocks are hashed on that pool too
             coders = max(2, _cores())
-        # Coded blocks go into lent buffers: once written, a task's buffer serves a later task (of this save
-        # or the next), which then codes into pages already mapped (`buffers.SlabPool`).
-        self._slabs = (_buffers.coded_pool if LEND_CODED_BUFFERS and self.compression is not None and self.inc is None
-                       else None)
         # An incremental save's writers mostly wait for hashes: one per file (up to 2x `threads`: each holds
         # a window of coded runs), so that a file of changed leaves is written (and fsync'd) while files of
         # unchanged ones are still hashed.
@@ -516,7 +509,7 @@ class SaveJob:
         """`_code_task`, its span and raw bytes per codec noted for the codec factor (`_measure`); its blocks'
         CRCs and places (`_checked`)."""
         t0 = time.perf_counter()
-        out = _code_task(task, self._slabs.lend if self._slabs is not None else None)
+        out = _code_task(task, _coded_alloc())
         t1 = time.perf_counter()
         with self._code_lock:
             self.code_spans.append((t0, t1))
@@ -715,6 +708,14 @@ def _cores() -> int:
     return usable_cores()
 
 
+def _coded_alloc() -> Any:
+    """Where coding tasks' stored blocks go (`codecs.encode_runs`' `alloc`): buffers lent from the process's
+    `buffers.coded_pool`, each taken back once its blocks are written, so that a later task (of this save
+    or the next) codes into pages already mapped; None (a new buffer per task) without
+    `LEND_CODED_BUFFERS`."""
+    return _buffers.coded_pool.lend if LEND_CODED_BUFFERS else None
+
+
 def _code_task(task: list[tuple[int, bool, tuple[Any, ...]]], alloc: Any = None) -> list[tuple[int, bool, list[Any]]]:
     """Code one task of `code_tasks`: (slot, last run of the slot, run) -> (slot, last, stored blocks), into
     buffers from `alloc` (`codecs.encode_runs`)."""
@@ -822,7 +823,7 @@ def _encoded(pool: ThreadPoolExecutor | None, codec: str, raw: memoryview, block
     codes a run into one buffer anyway); and the CRCs found on the coder's thread, as `_checked` finds a
     save's, not on the writer's; into buffers lent as a save's are, `LEND_CODED_BUFFERS`.)"""
     run = block * RUN_BLOCKS
-    alloc = _buffers.coded_pool.lend if LEND_CODED_BUFFERS else None
+    alloc = _coded_alloc()
 
     def code(o: int) -> list[tuple[Any, int]]:
         blocks = _codecs.encode_runs([(codec, raw[o : o + run], block, dtype)], coders=coders, alloc=alloc)[0]
