@@ -19,7 +19,9 @@ functions that do them (no change to the library):
   load kept busy on average with reading, checking and decoding.
 
 ``--settings`` names `decodepool.DECODE_THREADS` values to compare in one run: ``0`` decodes in the reader
-threads as before issue 38, ``auto`` on the decode pool (one thread per core). ``--ab SRC`` instead
+threads as before issue 38, ``auto`` on the decode pool (one thread per core); each may add, joined by
+``+``, ``p8`` (`decodepool.DECODE_PIECE` in MiB), ``nolend`` (new host buffers for every load, not lent
+from `buffers.load_pool`) and ``t12`` (``load(threads=12)``): ``--settings auto,auto+nolend,auto+p8``. ``--ab SRC`` instead
 compares this tree against another checkout's ``src`` (e.g. ``/work/main/src``): each load runs in a
 child process of either tree, alternated, on the same saved checkpoints.
 
@@ -113,14 +115,25 @@ def instrument(spans: Spans) -> None:
     spans.wrap(Future, "result", "wait", main_only=True)
 
 
-def set_decode_threads(value: str) -> None:
+def set_decode_threads(value: str) -> int | None:
+    """Apply a ``--settings`` value: `decodepool.DECODE_THREADS` (``auto`` or a number), then, joined by
+    ``+``, ``p<MiB>`` for `decodepool.DECODE_PIECE`, ``nolend`` for new load buffers
+    (`reader.LEND_LOAD_BUFFERS` False) and ``t<N>`` for ``load(threads=N)``, the load's reader threads
+    (returned; None: ``--threads``). Each value sets all of them, so a setting never inherits another's."""
     try:  # the decode pool's settings (in `reader` before they had a module of their own)
-        from cairn._load import decodepool as reader
+        from cairn._load import decodepool as pool
     except ImportError:
-        from cairn._load import reader  # type: ignore[no-redef]
+        from cairn._load import reader as pool  # type: ignore[no-redef]
+    from cairn._load import reader
 
-    if hasattr(reader, "DECODE_THREADS"):
-        reader.DECODE_THREADS = None if value == "auto" else int(value)
+    first, *rest = value.split("+")
+    if hasattr(pool, "DECODE_THREADS"):
+        pool.DECODE_THREADS = None if first == "auto" else int(first)
+    if hasattr(pool, "DECODE_PIECE"):
+        pool.DECODE_PIECE = next((int(r[1:]) for r in rest if r.startswith("p")), 4) << 20
+    if hasattr(reader, "LEND_LOAD_BUFFERS"):
+        reader.LEND_LOAD_BUFFERS = "nolend" not in rest
+    return next((int(r[1:]) for r in rest if r.startswith("t")), None)
 
 
 def load_once(path: str, use_jax: bool, threads: int, spans: Spans | None) -> dict[str, float]:
@@ -199,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jax", action="store_true", help="the same as --targets jax")
     ap.add_argument("--orbax", action="store_true", help="also Orbax's StandardCheckpointer restoring onto the device")
     ap.add_argument("--compression", default="False,True", help="compression= values of the saves")
-    ap.add_argument("--settings", default="0,auto", help="decodepool.DECODE_THREADS values to compare")
+    ap.add_argument("--settings", default="0,auto",
+                    help="decodepool.DECODE_THREADS values to compare, each with +p<MiB>, +nolend, +t<N> (see above)")
     ap.add_argument("--ab", default=None, help="another tree's src folder: compare its loads with this tree's")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
@@ -241,8 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.ab:
             for c, t, s in cases:  # warm: imports, compilation, each setting's decode pool started
                 if c != "orbax":
-                    set_decode_threads(s)
-                    load_once(paths[c], t == "jax", args.threads, None)
+                    load_once(paths[c], t == "jax", set_decode_threads(s) or args.threads, None)
         if restore is not None:
             restore()
         for rep in range(args.reps):
@@ -260,8 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                         raise RuntimeError(f"child {s} failed: {got.stderr[-2000:]}")
                     runs[(c, t, s)] += json.loads(line[0][5:])
                 else:
-                    set_decode_threads(s)
-                    runs[(c, t, s)].append(load_once(paths[c], t == "jax", args.threads, spans))
+                    runs[(c, t, s)].append(load_once(paths[c], t == "jax", set_decode_threads(s) or args.threads, spans))
             print(f"round {rep + 1}/{args.reps}, load average {os.getloadavg()[0]:.2f}", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)

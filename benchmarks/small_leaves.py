@@ -8,7 +8,7 @@ interleaved per repetition; median seconds, bytes written, save time over the fi
 decided. ``--layouts items,nested``: the leaves as checkpointables of their own (a dict of 2,449
 string keys, as this benchmark always saved them) and in one (``{"params": {...}}``, as a training
 state holds them); ``--stages`` prints each case's stage timings (`benchmarks.save_stages`). The loads keep the
-buffers cairn keeps for the next save (`release_snapshot_buffers`; ``--release-on-load``: freed, as
+buffers cairn keeps for the next save (`release_save_buffers`; ``--release-on-load``: freed, as
 `cairn.load` does), as a training process's saves find them.
 Prints a table; ``--json PATH`` writes it.
 """
@@ -74,7 +74,7 @@ def main() -> None:
                          "that checkpoints every few minutes saves from warm memory after its first save, and on "
                          "hosts where fresh pages are dear (the TPU host) the first compressed save costs 2x the next")
     ap.add_argument("--release-on-load", action="store_true",
-                    help="let each timed load free the buffers kept for the next save (`release_snapshot_buffers`, "
+                    help="let each timed load free the buffers kept for the next save (`release_save_buffers`, "
                          "as `cairn.load` does): by default they are kept, since a training process saves again and "
                          "again and loads only when it restarts, while this benchmark loads after every save")
     ap.add_argument("--no-lend", action="store_true",
@@ -88,7 +88,7 @@ def main() -> None:
     if not args.release_on_load:
         from cairn._load import engine as load_engine
 
-        load_engine.release_snapshot_buffers = lambda: None  # type: ignore[assignment]
+        load_engine.release_save_buffers = lambda: None  # type: ignore[assignment]
     if args.cores:
         engine._cores = lambda: args.cores  # type: ignore[assignment]
     spans = None

@@ -157,21 +157,25 @@ def test_a_buffer_given_back_while_its_thread_holds_the_pool_does_not_deadlock()
 
 
 def test_a_forked_child_lends_even_if_a_parent_thread_held_the_pool() -> None:
-    """A process forked while another of its threads held the coded pool's lock (a save coding in the
-    background) gets a pool of its own in the child: lending there does not wait forever."""
+    """A process forked while another of its threads held a pool's lock (a save coding in the background, a
+    load reading) gets pools of its own in the child: lending there does not wait forever."""
     import subprocess
     import sys
 
     script = """
 import os, sys
 from cairn._core import buffers
-buffers.coded_pool._lock.acquire()  # as a coder thread of the parent would hold it, at the fork
+for pool in (buffers.coded_pool, buffers.load_pool):
+    pool._lock.acquire()  # as a coder (or loading) thread of the parent would hold it, at the fork
 pid = os.fork()
 if pid == 0:
-    a = buffers.coded_pool.lend(1 << 20)
-    a[:] = 1
-    del a
-    os._exit(0 if buffers.coded_pool.free_bytes == 1 << 20 else 3)
+    for pool in (buffers.coded_pool, buffers.load_pool):
+        a = pool.lend(1 << 20)
+        a[:] = 1
+        del a
+        if pool.free_bytes != 1 << 20:
+            os._exit(3)
+    os._exit(0)
 _, status = os.waitpid(pid, 0)
 sys.exit(os.waitstatus_to_exitcode(status))
 """

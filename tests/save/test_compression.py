@@ -806,8 +806,8 @@ def test_coded_buffers_are_lent_again_only_once_written(tmp_path, monkeypatch, h
     from cairn._storage.local import LocalStorage
 
     monkeypatch.setattr(engine, "_cores", lambda: 4)  # a coder pool, whatever the test host has
-    # The loads keep the buffers kept for the next save (`cairn.load` frees them: `release_snapshot_buffers`).
-    monkeypatch.setattr(load_engine, "release_snapshot_buffers", lambda: None)
+    # The loads keep the buffers kept for the next save (`cairn.load` frees them: `release_save_buffers`).
+    monkeypatch.setattr(load_engine, "release_save_buffers", lambda: None)
     # Tasks of about a block's bytes (1 MiB), a dozen in the one data file (threads=1): the writer is done
     # with task k before task k + 6 is submitted (`_in_order`'s window: 4 coders and one), so reuse is
     # certain when written as coded, whatever the threads' timing.

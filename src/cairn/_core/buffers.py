@@ -181,6 +181,16 @@ class SlabPool:
 #: The buffers saves' coders code into (`SlabPool`).
 coded_pool = SlabPool()
 
+#: The host buffers loads read and decode into where the arrays are then copied to an accelerator (`SlabPool`;
+#: `_load.reader.lends`): each comes back once its transfer to the device is done and JAX lets go of it.
+load_pool = SlabPool()
+
+
+def lent_empty(pool: SlabPool, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised C-order array of `shape` and `dtype` in a buffer lent from `pool` (64-byte aligned,
+    as `aligned_empty`'s): its memory goes back to `pool` once no view of it is left."""
+    return pool.lend(math.prod(shape) * dtype.itemsize).view(dtype).reshape(shape)
+
 
 def _lent_back(lent: Any) -> None:  # (a `_lent_type` instance's finaliser)
     """`SlabPool`'s lent buffer is gone: its slab goes back to the pool."""
@@ -253,24 +263,39 @@ snapshot_pool = _BufferPool()
 
 
 def release_snapshot_buffers() -> None:
-    """Free the host buffers cairn keeps for the next save.
+    """Free the host buffers cairn keeps for the next save or load.
 
     After an async save, its snapshot's host buffers (at most two snapshots'
     worth, as many as may be in flight at once) are kept so that the next
     snapshot copies into memory already touched, at memcpy speed; after a
     compressed save, the buffers its coders coded into (at most as many bytes
     as its coded blocks in flight held at once), so that the next one codes
-    into pages already mapped. `cairn.load` releases them itself, since it
-    needs the memory; call this to get it back at any other time.
+    into pages already mapped; after a load onto accelerators, the host
+    buffers it read into (at most as many bytes as it held at once, about its
+    ``budget_bytes``), so that the next load fills pages already mapped.
+    `cairn.load` releases the saves' buffers itself, and a save the load's,
+    since each needs the memory; call this to get it all back at any other time.
 
     Example:
 
         cairn.save_async(path, state).result()
         cairn.release_snapshot_buffers()
     """
+    release_save_buffers()
+    load_pool.clear()
+
+
+def release_save_buffers() -> None:
+    """Free the buffers kept for the next save (what `cairn.load` frees; `release_snapshot_buffers` frees
+    the load's too)."""
     snapshot_pool.clear()
     coded_pool.clear()
 
 
+def _forget_pools() -> None:
+    coded_pool._forget()
+    load_pool._forget()
+
+
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=coded_pool._forget)
+    os.register_at_fork(after_in_child=_forget_pools)

@@ -23,7 +23,7 @@ from typing import Any, cast
 import numpy as np
 
 from .._core import stats as _stats
-from .._core.buffers import release_snapshot_buffers
+from .._core.buffers import release_save_buffers
 from .._core.gcpause import paused
 from .._dist.agree import sequence
 from .._dist.coord import Coordinator, activity, default_coordinator
@@ -215,7 +215,7 @@ def load(
         resolve_bandwidths(bandwidths, "local", "cpu")  # a bad figure fails here, not at the first sharded leaf
     loc, manifest = source.loc, source.manifest
     retries = loc.storage.retries - retried
-    release_snapshot_buffers()  # a cache for repeated async saves; the load needs the memory
+    release_save_buffers()  # a cache for repeated saves; the load needs the memory (its own buffers stay)
     stats = stats if stats is not None else LoadStats()
     vars(stats).update(vars(LoadStats()))  # the numbers of this load only
     requests = checkpointables(loc.path, manifest.items, manifest.root, target)

@@ -29,8 +29,9 @@ from typing import Any, cast
 import numpy as np
 
 from .._core.boxes import Box, full_box
-from .._core.buffers import aligned_empty, prefault
+from .._core.buffers import aligned_empty, lent_empty, load_pool, prefault
 from .._core.checksum import BlockChecks, mismatch
+from .._core.memo import Memo
 from .._core.stats import LoadStats
 from .._dist.coord import activity
 from .._errors import CheckpointError, CorruptCheckpointError
@@ -58,6 +59,38 @@ from .plan import array_reads
 DEFAULT_BUDGET = 256 << 20  # the memory budget of a streaming conversion, by default
 _PREFAULT_BATCH = 256 << 20  # fresh buffers noted beyond this are mapped without waiting for the caller
 _PREFAULT_MIN = 1 << 20  # smaller buffers are not mapped ahead
+
+#: Destination buffers of a load onto accelerators are lent from `buffers.load_pool` (False: new ones).
+LEND_LOAD_BUFFERS = True
+#: Destinations smaller than this are new buffers (the pool lends whole MiB; small ones come from memory
+#: the allocator has mapped already).
+LEND_MIN = 1 << 20
+
+_lends: Memo[bool] = Memo()
+
+
+def lends(sharding: Any) -> bool:
+    """Whether a load's host buffers for `sharding` are lent from `buffers.load_pool`: where its devices are
+    not the CPU's. There each buffer is copied to the device and let go of once the copy is done, so the
+    next buffers (of this load, and of a later one in this process) fill pages already mapped rather than
+    fresh ones, whose first touch is a page fault (dear under a sandbox such as gVisor: the TPU host,
+    docs/compression.md "Load buffers lent"). The CPU backend adopts the buffers as the arrays themselves,
+    which live on with the state: nothing would come back."""
+    if not LEND_LOAD_BUFFERS or sharding is None:
+        return False
+    hit = _lends.get(sharding)
+    if hit is None:
+        hit = _lends.put(sharding, next(iter(sharding.device_set)).platform != "cpu")
+    return hit
+
+
+def _empty(shape: tuple[int, ...], dtype: np.dtype, lend: bool) -> np.ndarray:
+    """A destination buffer, lent (`lends`) or new."""
+    if lend and math.prod(shape) * dtype.itemsize >= LEND_MIN:
+        return lent_empty(load_pool, shape, dtype)
+    # Filled once, by a copy: without huge-page advice, whose compaction on first touch costs more than
+    # the copy (see `aligned_empty`).
+    return aligned_empty(shape, dtype, huge_pages=False)
 
 
 @dataclass(frozen=True)
@@ -366,17 +399,16 @@ class ChunkReader:
             r.file for r in reads}
         for file in sorted(files):
             self._reader(file)  # checks the files first: a false size claim allocates nothing
+        lend = lends(sharding)
         try:
-            # Filled once, by a copy: without huge-page advice, whose compaction on first touch costs
-            # more than the copy (see `aligned_empty`).
-            dests = [aligned_empty(tuple(hi - lo for lo, hi in b), leaf.dtype, huge_pages=False) for b in boxes]
+            dests = [_empty(tuple(hi - lo for lo, hi in b), leaf.dtype, lend) for b in boxes]
         except MemoryError:
             nbytes = sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * leaf.dtype.itemsize
             raise CheckpointError(
                 f"{self.loc.path}: cannot allocate {nbytes} bytes for leaf "
                 f"{display_path(leaf.path, self.item)!r} of shape {leaf.shape}"
             ) from None
-        self._note_fresh(dests)
+        self._note_fresh(dests)  # (a lent buffer's pages may be mapped already: then mapping them is quick)
         self._runs.submit()
         futures: list[Future[None]] = []
         for r in reads:

@@ -1249,6 +1249,7 @@ def prepare(
     """
     t0 = time.perf_counter()
     opts = save_options_of(options, changes)
+    _buffers.load_pool.clear()  # kept for a process's next load; a saving process needs the memory (as `cairn.load`)
     overwrite, threads, split_replicas, timeout = opts.overwrite, opts.threads, opts.split_replicas, opts.timeout
     coord = opts.coordinator or default_coordinator()
     me = coord.process_index
