@@ -136,3 +136,21 @@ def test_only_accelerators_are_lent_to(mesh8, monkeypatch):
     assert reader.lends(accelerator)
     monkeypatch.setattr(reader, "LEND_LOAD_BUFFERS", False)
     assert not reader.lends(accelerator)
+
+
+def test_an_orbax_checkpoints_arrays_are_read_into_lent_buffers(tmp_path, mesh8, lending):
+    """cairn.load of a checkpoint orbax-checkpoint wrote (read through tensorstore) lends the same way: two
+    checkpoints loaded one after the other, the first's arrays kept, both bit for bit."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    a, b = _state(mesh8, 4), _state(mesh8, 5)
+    for name, st in (("a", a), ("b", b)):
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(tmp_path / name, st)
+    got_a = cairn.load(str(tmp_path / "a"), _target(a))
+    got_b = cairn.load(str(tmp_path / "b"), _target(b))
+    _same(got_a, a)
+    _same(got_b, b)
+    assert lending.made == 16  # "v"'s 1 MiB shards, each load's its own
+    del got_a, got_b
+    gc.collect()
+    assert lending.lent_bytes == 0 and lending.free_bytes == 16 << 20

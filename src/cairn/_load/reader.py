@@ -84,8 +84,8 @@ def lends(sharding: Any) -> bool:
     return hit
 
 
-def _empty(shape: tuple[int, ...], dtype: np.dtype, lend: bool) -> np.ndarray:
-    """A destination buffer, lent (`lends`) or new."""
+def host_buffer(shape: tuple[int, ...], dtype: np.dtype, lend: bool) -> np.ndarray:
+    """A load's destination buffer, lent (`lends`) or new."""
     if lend and math.prod(shape) * dtype.itemsize >= LEND_MIN:
         return lent_empty(load_pool, shape, dtype)
     # Filled once, by a copy: without huge-page advice, whose compaction on first touch costs more than
@@ -401,7 +401,7 @@ class ChunkReader:
             self._reader(file)  # checks the files first: a false size claim allocates nothing
         lend = lends(sharding)
         try:
-            dests = [_empty(tuple(hi - lo for lo, hi in b), leaf.dtype, lend) for b in boxes]
+            dests = [host_buffer(tuple(hi - lo for lo, hi in b), leaf.dtype, lend) for b in boxes]
         except MemoryError:
             nbytes = sum(math.prod(hi - lo for lo, hi in b) for b in boxes) * leaf.dtype.itemsize
             raise CheckpointError(

@@ -30,7 +30,6 @@ from typing import Any
 
 import numpy as np
 
-from .._core.buffers import aligned_empty
 from .._errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -39,6 +38,7 @@ from .._errors import (
 )
 from .._format import manifest as fmt
 from .._format import values
+from .._load import reader as _reader
 from .._load.reader import ArrayReads, ChunkReader, LoadStats
 from .._storage import split_url
 from .._storage.location import Location
@@ -217,8 +217,10 @@ class TensorStoreReader(ChunkReader):
         absolute = boxes if region is None else [
             tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes]
         store = self.source.store(leaf.chunks[0][0])
-        # Not touched until the read replaces it: costs no memory while queued.
-        dests = [aligned_empty(tuple(hi - lo for lo, hi in b), leaf.dtype) for b in boxes]
+        # Not touched until the read replaces it: costs no memory while queued. Lent where the arrays go to
+        # an accelerator, as a cairn checkpoint's (`reader.lends`).
+        lend = _reader.lends(sharding)
+        dests = [_reader.host_buffer(tuple(hi - lo for lo, hi in b), leaf.dtype, lend) for b in boxes]
 
         def fill(i: int) -> None:
             try:
