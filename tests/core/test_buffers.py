@@ -183,3 +183,22 @@ sys.exit(os.waitstatus_to_exitcode(status))
         pytest.skip("no os.fork here")
     done = subprocess.run([sys.executable, "-c", script], timeout=60)
     assert done.returncode == 0
+
+
+def test_a_lend_that_cannot_allocate_lends_nothing(monkeypatch) -> None:
+    """Out of memory: the error reaches the caller (a load names the leaf) and the pool counts nothing lent,
+    so its cap does not grow by a buffer that never was."""
+    from cairn._core import buffers
+
+    pool = SlabPool()
+    kept = pool.lend(1 << 20)
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(buffers, "aligned_empty", no_memory)
+    with pytest.raises(MemoryError):
+        pool.lend(8 << 20)
+    assert pool.lent_bytes == 1 << 20 and pool.made == 1 and pool.peak == 1 << 20
+    del kept
+    assert pool.free_bytes == 1 << 20

@@ -144,9 +144,16 @@ class SlabPool:
                 self.made += 1
             taken = size if slab is None else slab.nbytes
             self.lent_bytes += taken
-            self.peak = max(self.peak, self.lent_bytes)
+            peak, self.peak = self.peak, max(self.peak, self.lent_bytes)
         if slab is None:
-            slab = aligned_empty((size,), np.dtype(np.uint8), huge_pages=False)
+            try:
+                slab = aligned_empty((size,), np.dtype(np.uint8), huge_pages=False)
+            except BaseException:  # (MemoryError): nothing was lent
+                with self._lock:
+                    self.lent_bytes -= taken
+                    self.made -= 1
+                    self.peak = max(peak, self.lent_bytes)
+                raise
         # The array handed out is a view of a ctypes object over the slab, made for this lend: numpy keeps
         # it as the base of every view taken from the array, and its finaliser (`_lent_back`) runs when the
         # last of them is gone. (A numpy view of the slab would not do: numpy collapses a view's base to
