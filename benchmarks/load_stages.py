@@ -21,9 +21,9 @@ functions that do them (no change to the library):
 ``--settings`` names `decodepool.DECODE_THREADS` values to compare in one run: ``0`` decodes in the reader
 threads as before issue 38, ``auto`` on the decode pool (one thread per core); each may add, joined by
 ``+``, ``p8`` (`decodepool.DECODE_PIECE` in MiB), ``nolend`` (new host buffers for every load, not lent
-from `buffers.load_pool`) and ``t12`` (``load(threads=12)``): ``--settings auto,auto+nolend,auto+p8``. ``--ab SRC`` instead
-compares this tree against another checkout's ``src`` (e.g. ``/work/main/src``): each load runs in a
-child process of either tree, alternated, on the same saved checkpoints.
+from `buffers.load_pool`) and ``t12`` (``load(threads=12)``): ``--settings auto,auto+nolend,auto+p8``.
+``--ab SRC`` instead compares this tree against another checkout's ``src`` (e.g. ``/work/main/src``): each
+load runs in a child process of either tree, alternated, on the same saved checkpoints.
 
 ``--orbax`` adds Orbax's ``StandardCheckpointer`` (its default zstd) saving the state from the device
 and restoring it onto the device, in the same rounds. Prints medians per case and the ratios the

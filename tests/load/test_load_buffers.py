@@ -13,6 +13,7 @@ from __future__ import annotations
 import gc
 
 import jax
+import ml_dtypes
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -39,15 +40,9 @@ def _state(mesh8, seed):
     return {
         "w": jax.device_put(rng.standard_normal((1024, 1024)).astype(np.float32), sh),  # 512 KiB shards
         "v": jax.device_put(rng.standard_normal((8, 1 << 18)).astype(np.float32), sh),  # 1 MiB shards: lent
-        "b": jax.device_put(rng.standard_normal((16, 1 << 17)).astype(jnp_bf16()), sh),  # 512 KiB shards
+        "b": jax.device_put(rng.standard_normal((16, 1 << 17)).astype(ml_dtypes.bfloat16), sh),  # 512 KiB shards
         "small": jax.device_put(np.arange(64, dtype=np.int32), sh),
     }
-
-
-def jnp_bf16():
-    import ml_dtypes
-
-    return ml_dtypes.bfloat16
 
 
 def _target(state):
