@@ -95,21 +95,24 @@ _thp_lock = threading.Lock()
 
 
 class SlabPool:
-    """Byte buffers lent to the coders of saves, each taken back for later coding once nothing refers to
-    it any more.
+    """Byte buffers lent out, each taken back for later lends once nothing refers to it any more: the
+    buffers saves' coders code into (`coded_pool`) and those loads onto accelerators read into
+    (`load_pool`).
 
     A coding task codes into a buffer with room for its blocks' worst case, and its blocks are held until
-    a writer has written them. New buffers are fresh pages, and the first touch of each is a page fault;
-    under a sandbox such as gVisor (the TPU host) those faults are slow and contended (fresh memory fills
-    there at 0.9 GB/s on one thread and 3.3 GB/s on 12, memory already touched at 55 GB/s). Lent from
-    here, a buffer comes back when its last view is gone (the writer is done with it, whatever storage
-    it wrote to: a reference held anywhere keeps it lent), and later tasks, of this save and of the
-    next ones, code into pages already mapped (docs/compression.md, "Coded buffers lent and taken back").
+    a writer has written them; a load's buffer is held until JAX has copied it to the device. New buffers
+    are fresh pages, and the first touch of each is a page fault; under a sandbox such as gVisor (the TPU
+    host) those faults are slow and contended (fresh memory fills there at 0.9 GB/s on one thread and
+    3.3 GB/s on 12, memory already touched at 55 GB/s). Lent from here, a buffer comes back when its last
+    view is gone (a reference held anywhere keeps it lent: a storage client's part, a transfer in
+    flight), and later lends, of this save or load and of the next ones, fill pages already mapped
+    (docs/compression.md, "Coded buffers lent and taken back", "Load buffers lent").
 
     Sizes are whole MiB (`STEP`); a lend takes a free buffer of its size or up to a quarter larger, else
     a new one. Buffers that come back are kept only up to `peak` bytes, the most that were ever lent at
-    once: a training loop's saves reuse the same buffers, and what is kept between saves is at most what
-    one save's coded blocks in flight held. `clear` frees them (`release_snapshot_buffers`; a load does).
+    once: a training loop's saves reuse the same buffers, and what is kept between them is at most what
+    one save (or load) held at once. `clear` frees them (`release_snapshot_buffers`; a load clears the
+    coded pool, a save the load pool).
     """
 
     STEP = 1 << 20
@@ -175,7 +178,6 @@ class SlabPool:
             self._free.clear()
             self.free_bytes = 0
             self.peak = self.lent_bytes
-
 
     def _forget(self) -> None:
         """In a forked child: a fresh lock (another thread of the parent may have held this one) and nothing
