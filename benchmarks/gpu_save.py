@@ -139,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-mib", type=int, default=256,
                     help="also a raw local save with this snapshot budget (the rest protected by device copies)")
     ap.add_argument("--no-orbax", action="store_true")
+    ap.add_argument("--compressions", default="False,True", help="compression= values (False, True, a codec)")
     ap.add_argument("--storages", default="local,memory", help="of local (a folder) and memory (memory://)")
     ap.add_argument("--stages", action="store_true",
                     help="time the blocking save's stages (benchmarks.save_stages: choose, host copy, code, "
@@ -170,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
     threads = [int(t) for t in args.threads.split(",")]
     methods = args.to_host.split(",")
     pipes: list[Any] = [int(x) for x in args.pipeline_mib.split(",")] if args.pipeline_mib else [None]
-    cases: list[Any] = [(s, c, t, methods[0], None, p) for p in pipes for s in where for c in (False, True)
+    comps = [{"False": False, "True": True}.get(c, c) for c in args.compressions.split(",")]
+    cases: list[Any] = [(s, c, t, methods[0], None, p) for p in pipes for s in where for c in comps
                         for t in threads]
     cases += [("local", False, threads[0], m, None, p) for p in pipes for m in methods[1:]]
     if args.budget_mib:

@@ -9,6 +9,7 @@ candidates interleaved within each repetition, so a machine's drift hits them al
   leaf's codec from `codecs.choose` without blosc2 (planes / zstd / none), and `codecs.decode_run` per run.
 - ``cairn-blosc2``: cairn's "blosc2" codec through `codecs.encode_runs` / `codecs.decode_run`, same tasks
   (`decode_run`: each block's header checked, then its `decompress2` call).
+- ``cairn-blosc2-lz4``: cairn's "blosc2-lz4" codec (bit shuffle and LZ4) the same way.
 - ``cairn-blosc2-py``: the same, with C-Blosc2 reached through python-blosc2's `compress2` /
   `decompress2` (cairn's path where `cairn._format.blosc2lib` cannot load; ``cairn-blosc2`` calls the
   library directly where it can): the A/B of the direct binding, in one run.
@@ -139,6 +140,8 @@ def main() -> None:
     if blosc2 is not None:
         add("cairn-blosc2", lambda task: C.encode_runs([("blosc2", *r[1:]) for r in task]),
             lambda i, st: C.decode_run("blosc2", st, runs[i][3], sizes[i], outs[i]))
+        add("cairn-blosc2-lz4", lambda task: C.encode_runs([("blosc2-lz4", *r[1:]) for r in task]),
+            lambda i, st: C.decode_run("blosc2-lz4", st, runs[i][3], sizes[i], outs[i]))
         if direct is not None:
             add("cairn-blosc2-py", lambda task: C.encode_runs([("blosc2", *r[1:]) for r in task]),
                 lambda i, st: C.decode_run("blosc2", st, runs[i][3], sizes[i], outs[i]), via_python=True)

@@ -32,6 +32,8 @@ from typing import Any
 
 GiB = float(1 << 30)
 SYSTEMS = ("raw", "compressed", "orbax")
+#: The compression= of each cairn system ("lz4": the "blosc2-lz4" codec for every leaf; not run by default).
+COMPRESSION = {"raw": False, "compressed": True, "lz4": "blosc2-lz4"}
 
 
 def _child(path: str, system: str) -> None:
@@ -60,7 +62,7 @@ def _child(path: str, system: str) -> None:
     print(json.dumps({"first_s": times[0], "second_s": times[1], "cairn": os.path.dirname(cairn.__file__)}), flush=True)
 
 
-def _save_all(work: str, gib: float, variant: str) -> dict[str, Any]:
+def _save_all(work: str, gib: float, variant: str, systems: list[str]) -> dict[str, Any]:
     import jax
     import orbax.checkpoint as ocp
 
@@ -74,7 +76,9 @@ def _save_all(work: str, gib: float, variant: str) -> dict[str, Any]:
     state = jax.block_until_ready(jax.device_put(host, jax.devices()[0]))
     del host
     out: dict[str, Any] = {"raw_bytes": raw}
-    for system, comp in (("raw", False), ("compressed", True)):
+    for system, comp in COMPRESSION.items():
+        if system != "raw" and system not in systems:
+            continue
         st = cairn.save(os.path.join(work, system), state, compression=comp)
         out[system] = {"bytes": st.bytes_written, "save_s": st.total_s}
         print(f"saved {system}: {st.bytes_written / 1e6:.0f} MB", flush=True)
@@ -91,19 +95,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--variant", default="bf16-f32")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--systems", default=",".join(SYSTEMS),
-                    help="of raw, compressed, orbax; raw@NAME and compressed@NAME load with --tree NAME's cairn")
+                    help="of raw, compressed, lz4, orbax; raw@NAME and compressed@NAME load with --tree NAME's cairn")
     ap.add_argument("--tree", action="append", default=[], metavar="NAME=SRC",
                     help="another cairn source tree (its src folder) for the @NAME systems, A/B in one run")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", nargs=2, metavar=("PATH", "SYSTEM"), help=argparse.SUPPRESS)
     ap.add_argument("--save-in", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--save-systems", default="raw,compressed", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
         _child(*args.child)
         return 0
     if args.save_in:
-        print(json.dumps(_save_all(args.save_in, args.gib, args.variant)), flush=True)
+        print(json.dumps(_save_all(args.save_in, args.gib, args.variant, args.save_systems.split(","))),
+              flush=True)
         return 0
     systems = args.systems.split(",")
     work = tempfile.mkdtemp(prefix="cairn-restart-", dir=args.workdir)
@@ -111,7 +117,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # (in a process of its own: a process that holds the accelerator keeps the next ones from it)
         p = subprocess.run([sys.executable, "-m", "benchmarks.restart_load", "--save-in", work, "--gib", str(args.gib),
-                            "--variant", args.variant], capture_output=True, text=True, check=False)
+                            "--variant", args.variant, "--save-systems",
+                            ",".join(s.partition("@")[0] for s in systems)], capture_output=True, text=True, check=False)
         print("\n".join(ln for ln in p.stdout.splitlines()[:-1]), flush=True)
         if p.returncode:
             raise RuntimeError(f"the save failed:\n{p.stderr[-3000:]}")
@@ -142,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     for s in systems:
         print(f"  {s}: restart {med(x['first_s'] for x in runs[s]):.3f} s, "
               f"a second load {med(x['second_s'] for x in runs[s]):.3f} s")
-    for a, b in (("compressed", "raw"), ("compressed", "orbax"), ("raw", "orbax")):
+    for a, b in (("compressed", "raw"), ("compressed", "orbax"), ("lz4", "raw"), ("lz4", "orbax"), ("lz4", "compressed"),
+                 ("raw", "orbax")):
         if a in runs and b in runs:
             for k in ("first_s", "second_s"):
                 rs = [x[k] / y[k] for x, y in zip(runs[a], runs[b])]

@@ -24,16 +24,34 @@ def _b2():
     return _codecs._blosc2()
 
 
-def _ref(raw: np.ndarray, k: int) -> bytes:
-    return _b2().compress2(raw, **_codecs._blosc2_params(k))
+#: cairn's C-Blosc2 codecs: each test about their chunks runs for each.
+B2 = _codecs.BLOSC2_CODECS
 
 
-def _direct(raw: np.ndarray, k: int, d: blosc2lib.Direct | None = None) -> bytes:
+def _ref(raw: np.ndarray, k: int, codec: str = "blosc2") -> bytes:
+    return _b2().compress2(raw, **_codecs._blosc2_params(codec, k))
+
+
+def _direct(raw: np.ndarray, k: int, d: blosc2lib.Direct | None = None, codec: str = "blosc2") -> bytes:
     d = d or blosc2lib.load(_b2())
     assert d is not None
     out = np.empty(raw.nbytes + blosc2lib.MAX_OVERHEAD, np.uint8)
-    n = d.compress_into(k, blosc2lib.address(raw)[0], raw.nbytes, blosc2lib.address(out)[0], out.nbytes)
+    n = d.compress_into(k, blosc2lib.address(raw)[0], raw.nbytes, blosc2lib.address(out)[0], out.nbytes, codec)
     return out[:n].tobytes()
+
+
+def test_the_settings_are_the_codecs_of_the_format():
+    """Each C-Blosc2 codec has its settings, and they are what docs/FORMAT.md §6.4 names: "blosc2" the byte
+    shuffle (1) and zstd (5) at level 1, "blosc2-lz4" the bit shuffle (2) and LZ4 (1) at level 5."""
+    assert set(blosc2lib.SETTINGS) == set(B2) == {"blosc2", "blosc2-lz4"}
+    got = {c: (s.compcode, s.clevel, s.filter) for c, s in blosc2lib.SETTINGS.items()}
+    assert got == {"blosc2": (5, 1, 1), "blosc2-lz4": (1, 5, 2)}
+    b2 = _b2()
+    for codec, (compcode, clevel, filter_) in (("blosc2", (b2.Codec.ZSTD, 1, b2.Filter.SHUFFLE)),
+                                               ("blosc2-lz4", (b2.Codec.LZ4, 5, b2.Filter.BITSHUFFLE))):
+        kw = _codecs._blosc2_params(codec, 4)
+        assert (kw["codec"], kw["clevel"], kw["filters"], kw["typesize"]) == (compcode, clevel, [filter_], 4)
+        assert kw["splitmode"] == b2.SplitMode.ALWAYS_SPLIT and kw["nthreads"] == 1
 
 
 def test_the_pinned_python_blosc2_is_called_directly():
@@ -42,25 +60,45 @@ def test_the_pinned_python_blosc2_is_called_directly():
     assert blosc2lib.load(_b2()) is not None
 
 
-def test_a_context_carries_no_chunk_size_into_the_next():
+@pytest.mark.parametrize("codec", B2)
+def test_a_context_carries_no_chunk_size_into_the_next(codec):
     """C-Blosc2 keeps the block size it chose for a chunk as the one asked for in the next: coding short
     chunks of many sizes (more than a thread keeps contexts for) between long ones, in one thread, must
-    give compress2's bytes for every chunk, as a fresh context would."""
+    give compress2's bytes for every chunk, as a fresh context would, for each codec's settings (the
+    sizes straddle both codecs' tuned Blosc blocks, 32 and 64 KiB per byte of element size)."""
     rng = np.random.default_rng(5)
-    for dtype in (ml_dtypes.bfloat16, np.float32, np.uint8, np.complex128):
+    for dtype in (ml_dtypes.bfloat16, np.float32, np.uint8, np.float64, np.complex128):
         k = np.dtype(dtype).itemsize
         x = (rng.standard_normal((1 << 20) // k + 99) * 0.02).astype(np.float32).astype(dtype).view(np.uint8)
+        split = blosc2lib.SETTINGS[codec].split_block * k
         sizes = [1 << 20, 17 * k, 3 << 20 >> 2, 4000 * k] + [k * int(n) for n in rng.integers(1, 40000, 12)]
-        sizes += [1 << 20, 1, 5 * k, 1 << 20, x.nbytes, 17 * k]
+        sizes += [1 << 20, 1, 5 * k, split - k, split, 1 << 20, split + k, x.nbytes, 17 * k]
         for n in sizes:
             n = min(n // k * k, x.nbytes)
             raw = x[:n]
-            assert _direct(raw, k) == _ref(raw, k), (dtype, n)
+            assert _direct(raw, k, codec=codec) == _ref(raw, k, codec), (dtype, n)
+
+
+def test_the_codecs_contexts_are_their_own():
+    """One thread coding both codecs' chunks in turn, of the same sizes and element sizes: each chunk is
+    its own codec's compress2 bytes (a context kept for one codec is never taken for the other's), and
+    names its codec's filter and compressor in its header (byte 16, and bits 5-7 of byte 2)."""
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal(300_000) * 0.02).astype(np.float32).view(np.uint8)
+    header = {"blosc2": (1, 4), "blosc2-lz4": (2, 1)}  # (filter, the header's compressor code: zstd 4, LZ4 1)
+    for n in (1 << 20, 4000, 777 * 4, 4000, 1 << 20, 96 << 10, 4):
+        for codec in (*B2, *reversed(B2)):
+            raw = x[:min(n, x.nbytes)]
+            z = _direct(raw, 4, codec=codec)
+            assert z == _ref(raw, 4, codec), (codec, n)
+            filter_, compressor = header[codec]
+            # (a chunk under 32 bytes, BLOSC_MIN_BUFFERSIZE, is stored as it is and names compressor 0)
+            assert z[16] == filter_ and z[2] >> 5 == (compressor if raw.nbytes >= 32 else 0), (codec, n)
 
 
 def test_threads_code_at_once_and_free_their_contexts():
-    """Eight threads coding at once each get compress2's chunks, and every context a thread made is
-    freed when the thread ends (a save's coder pool comes and goes with each save)."""
+    """Eight threads coding at once, each both codecs' chunks, each get compress2's chunks, and every
+    context a thread made is freed when the thread ends (a save's coder pool comes and goes with each save)."""
     real = blosc2lib.load(_b2())._lib
     made, freed = [], []
 
@@ -87,12 +125,13 @@ def test_threads_code_at_once_and_free_their_contexts():
     wrong = []
 
     def work(t):
-        for raw in raws[t % 4:] + raws[: t % 4]:
-            z = _direct(raw, 4, d)
+        for i, raw in enumerate(raws[t % 4:] + raws[: t % 4]):
+            codec = B2[(t + i) % len(B2)]  # each thread codes both codecs' chunks, in turns
+            z = _direct(raw, 4, d, codec)
             back = np.empty(raw.nbytes, np.uint8)
             if d.decompress_into(blosc2lib.address(np.frombuffer(z, np.uint8))[0], len(z),
-                                 blosc2lib.address(back)[0], back.nbytes) != raw.nbytes or z != _ref(raw, 4):
-                wrong.append((t, raw.nbytes))
+                                 blosc2lib.address(back)[0], back.nbytes) != raw.nbytes or z != _ref(raw, 4, codec):
+                wrong.append((t, codec, raw.nbytes))
             elif not np.array_equal(back, raw):
                 wrong.append((t, raw.nbytes, "decoded"))
 
@@ -103,7 +142,7 @@ def test_threads_code_at_once_and_free_their_contexts():
         t.join()
     gc.collect()
     assert not wrong
-    assert len(made) >= 8 * 2 and sorted(freed) == sorted(made)
+    assert len(made) >= 8 * 3 and sorted(freed) == sorted(made)  # per thread: one per codec, and a decoder
 
 
 def _fake_blosc2(tmp_path: Path, header: str | None = None, lib: bool = True) -> types.SimpleNamespace:
@@ -142,20 +181,38 @@ def test_falls_back_without_the_library_or_when_turned_off(tmp_path, monkeypatch
     monkeypatch.setattr(blosc2lib, "_loaded", [])
     monkeypatch.setenv("CAIRN_BLOSC2_DIRECT", "0")
     assert blosc2lib.load(_b2()) is None
-    # and the codec then codes through python-blosc2, with the same bytes
+    # and both codecs then code through python-blosc2, with the same bytes
     raw = np.arange(5000, dtype=np.float32).view(np.uint8)
-    assert [bytes(b) for b in _codecs.encode_run("blosc2", raw, 4096, np.float32)] == [
-        _ref(raw[o:o + 4096], 4) for o in range(0, raw.nbytes, 4096)]
+    for codec in B2:
+        assert [bytes(b) for b in _codecs.encode_run(codec, raw, 4096, np.float32)] == [
+            _ref(raw[o:o + 4096], 4, codec) for o in range(0, raw.nbytes, 4096)]
 
 
-def test_falls_back_where_a_probe_chunk_differs(monkeypatch):
-    """The probe codes blocks both ways before the direct path is trusted: a library that coded
-    differently (here: told a different level) is not used."""
-    d = blosc2lib.Direct(blosc2lib.load(_b2())._lib)
-    assert blosc2lib._probe(d, _b2()) is None
-    monkeypatch.setattr(blosc2lib, "_ZSTD", 4)  # zlib (BLOSC_ZLIB) where compress2 is told zstd
-    other = blosc2lib.Direct(d._lib)
-    assert "differs from compress2" in blosc2lib._probe(other, _b2())
+@pytest.mark.parametrize("codec", B2)
+@pytest.mark.parametrize("change", ["compressor", "filter"])
+def test_falls_back_where_a_probe_chunk_differs(codec, change):
+    """The probe codes blocks of each codec both ways before the direct path is trusted: a library that
+    coded one codec's chunks differently (here: its contexts made with another compressor, zlib, or the
+    other shuffle) is not used, and the probe names that codec."""
+    real = blosc2lib.load(_b2())._lib
+    assert blosc2lib._probe(blosc2lib.Direct(real), _b2()) is None
+    setting = blosc2lib.SETTINGS[codec]
+
+    class Tampered:  # the real library, but the contexts of `codec`'s settings made otherwise
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def blosc2_create_cctx(p):
+            if (p.compcode, p.filters[0]) == (setting.compcode, setting.filter):
+                if change == "compressor":
+                    p.compcode = 4  # BLOSC_ZLIB, where compress2 is told zstd or LZ4
+                else:
+                    p.filters[0] = 3 - setting.filter  # the byte shuffle for the bit shuffle, or back
+            return real.blosc2_create_cctx(p)
+
+    why = blosc2lib._probe(blosc2lib.Direct(Tampered()), _b2())
+    assert why is not None and f"its {codec!r} chunk" in why and "differs from compress2" in why
 
 
 def test_declared_reads_struct_fields_whatever_the_spacing():

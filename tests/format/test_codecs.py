@@ -19,13 +19,18 @@ FLOAT8 = [getattr(ml_dtypes, n) for n in ("float8_e4m3fn", "float8_e5m2", "float
           if hasattr(ml_dtypes, n)]
 DTYPES = [np.bool_, np.int8, np.uint8, np.int16, np.uint16, np.int32, np.uint32, np.int64, np.uint64,
           np.float16, ml_dtypes.bfloat16, np.float32, np.float64, np.complex64, np.complex128, *FLOAT8]
-#: "blosc2" needs python-blosc2, an optional extra (pyproject's `fast`; `dev` has it, so CI tests it).
+#: "blosc2" and "blosc2-lz4" (C-Blosc2 chunks, `BLOSC2_CODECS`) need python-blosc2, an optional extra
+#: (pyproject's `fast`; `dev` has it, so CI tests it).
 HAVE_BLOSC2 = _codecs.blosc2_available()
 NEEDS_BLOSC2 = pytest.mark.skipif(not HAVE_BLOSC2, reason="python-blosc2 is not installed (pip install cairn-ckpt[fast])")
-#: Every codec, "blosc2" skipped where python-blosc2 is absent; `AVAILABLE`: the codecs usable here.
-CODECS = [pytest.param(c, marks=NEEDS_BLOSC2) if c == "blosc2" else c for c in _codecs.CODECS]
-AVAILABLE = tuple(c for c in _codecs.CODECS if c != "blosc2" or HAVE_BLOSC2)
-CODED = ("zstd", "planes", pytest.param("blosc2", marks=NEEDS_BLOSC2))
+B2 = _codecs.BLOSC2_CODECS
+#: Every codec, the C-Blosc2 ones skipped where python-blosc2 is absent; `AVAILABLE`: the codecs usable here.
+CODECS = [pytest.param(c, marks=NEEDS_BLOSC2) if c in B2 else c for c in _codecs.CODECS]
+AVAILABLE = tuple(c for c in _codecs.CODECS if c not in B2 or HAVE_BLOSC2)
+CODED = ("zstd", "planes", *(pytest.param(c, marks=NEEDS_BLOSC2) for c in B2))
+#: How each C-Blosc2 codec's chunks name themselves in their header: (Blosc filter at byte 16, the
+#: compressor code in bits 5-7 of byte 2: zstd 4, LZ4 1; docs/FORMAT.md §6.4).
+B2_HEADER = {"blosc2": (1, 4), "blosc2-lz4": (2, 1)}
 
 
 def _values(dtype, n: int, seed: int = 0) -> np.ndarray:
@@ -426,11 +431,12 @@ def test_decode_run_of_blocks_coding_different_planes(dtype):
 
 
 # ------------------------------------------------------------------------------------ blosc2
+# "blosc2" and "blosc2-lz4": one C-Blosc2 chunk per block, each codec with its settings (`blosc2lib.SETTINGS`).
 
 
 @pytest.fixture(params=["direct", "python"])
 def blosc2_path(request, monkeypatch):
-    """Each "blosc2" test both ways: C-Blosc2 called directly (`blosc2lib`, what a save and a load use where
+    """Each C-Blosc2 test both ways: C-Blosc2 called directly (`blosc2lib`, what a save and a load use where
     it loads) and python-blosc2's compress2/decompress2 (what they use where it does not)."""
     if request.param == "python":
         monkeypatch.setattr(blosc2lib, "_loaded", [None])
@@ -439,66 +445,127 @@ def blosc2_path(request, monkeypatch):
     return request.param
 
 
-def _blosc2_block(dtype, n: int) -> tuple[bytes, int]:
+def _blosc2_block(codec: str, dtype, n: int) -> tuple[bytes, int]:
     raw = _values(dtype, n, seed=11).view(np.uint8)
-    return _codecs.encode("blosc2", raw, dtype), raw.nbytes
+    return _codecs.encode(codec, raw, dtype), raw.nbytes
+
+
+def _names_its_codec(codec: str, chunk: bytes, k: int) -> None:
+    """`chunk`'s header names `codec`'s settings: its element size, one filter (the codec's) and the codec's
+    compressor (a chunk of at least 32 bytes, BLOSC_MIN_BUFFERSIZE; a shorter one is stored as it is)."""
+    filter_, compressor = B2_HEADER[codec]
+    assert chunk[3] == k and chunk[16:22] == bytes([filter_, 0, 0, 0, 0, 0]), (codec, chunk[:32].hex())
+    assert chunk[2] >> 5 == compressor, (codec, chunk[:32].hex())
 
 
 @NEEDS_BLOSC2
+@pytest.mark.parametrize("codec", B2)
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-def test_blosc2_chunks_of_every_dtype_and_a_short_last_block(dtype, blosc2_path):
+def test_blosc2_chunks_of_every_dtype_and_a_short_last_block(codec, dtype, blosc2_path):
     """A leaf's chunk coded as 1 MiB blocks and a short last one: each a Blosc2 chunk of the dtype's
-    itemsize, byte shuffle and zstd, whose stored bytes decode back bit for bit, run or block."""
+    itemsize with its codec's filter and compressor ("blosc2": byte shuffle and zstd, "blosc2-lz4": bit
+    shuffle and LZ4), whose stored bytes decode back bit for bit, run or block, and with python-blosc2's
+    plain `decompress2` (docs/FORMAT.md §6.4: a reader needs no more than that)."""
     k = np.dtype(dtype).itemsize
     x = _values(dtype, (1 << 20) // k + 1234, seed=12)
     raw = x.view(np.uint8)
     block = 1 << 20
-    stored = _codecs.encode_run("blosc2", raw, block, dtype)
+    stored = _codecs.encode_run(codec, raw, block, dtype)
     assert len(stored) == 2 and len(stored[1]) < len(stored[0])
     for s in stored:
-        s = bytes(s)
-        assert s[3] == k and s[2] >> 5 in (0, 4) and s[16:22].count(1) <= 1  # typesize, zstd, shuffle
+        _names_its_codec(codec, bytes(s), k)
     sizes = [block, raw.nbytes - block]
     out = np.empty(raw.nbytes, np.uint8)
-    _codecs.decode_run("blosc2", stored, dtype, sizes, out)
+    _codecs.decode_run(codec, stored, dtype, sizes, out)
     assert out.tobytes() == raw.tobytes()
-    assert bytes(_codecs.decode("blosc2", stored[1], dtype, sizes[1])) == raw[block:].tobytes()
+    assert bytes(_codecs.decode(codec, stored[1], dtype, sizes[1])) == raw[block:].tobytes()
+    b2 = _codecs._blosc2()
+    assert [b2.decompress2(bytes(s)) for s in stored] == [raw[:block].tobytes(), raw[block:].tobytes()]
 
 
 @NEEDS_BLOSC2
+@pytest.mark.parametrize("codec", B2)
+def test_a_blosc2_chunk_is_plain_python_blosc2(codec, blosc2_path):
+    """The format's promise (docs/FORMAT.md §6.4): a block of either C-Blosc2 codec, as cairn writes it
+    (directly or through python-blosc2), is a chunk that python-blosc2's `decompress2` alone, told nothing
+    of its codec, filter or element size, decodes to the raw bytes, for element sizes 1-16, odd lengths,
+    sizes about the Blosc block the tuner picks, the stored-as-is sizes under 32 bytes, zeros and noise;
+    an empty block is a chunk of no bytes."""
+    b2 = _codecs._blosc2()
+    rng = np.random.default_rng(21)
+    for dtype in (np.uint8, ml_dtypes.bfloat16, np.float32, np.float64, np.complex128):
+        k = np.dtype(dtype).itemsize
+        split = blosc2lib.SETTINGS[codec].split_block
+        for n in (0, 1, 3, 31 // k, 1001, split - 1, split, split + 1, 2 * split + 7):
+            for raw in (_values(dtype, n, seed=n).view(np.uint8), np.zeros(n * k, np.uint8),
+                        rng.integers(0, 256, n * k, dtype=np.uint8)):
+                stored = _codecs.encode(codec, raw, dtype)
+                assert b2.decompress2(stored) == raw.tobytes(), (np.dtype(dtype).name, n)
+                assert bytes(_codecs.decode(codec, stored, dtype, raw.nbytes)) == raw.tobytes()
+                assert stored == b2.compress2(raw, **_codecs._blosc2_params(codec, k))
+                if raw.nbytes >= 32:
+                    _names_its_codec(codec, stored, k)
+
+
+@NEEDS_BLOSC2
+@pytest.mark.parametrize("codec", B2)
+def test_the_direct_path_and_python_blosc2_code_the_same_bytes(codec, monkeypatch):
+    """C-Blosc2 called directly and python-blosc2's compress2 give the same stored bytes, block for block,
+    for every element size 1-16, odd block and run lengths, one run or a batch (`encode_run`,
+    `encode_runs`): a checkpoint's bytes do not depend on which path a process took."""
+    assert blosc2lib.load(_codecs._blosc2()) is not None
+    runs = []
+    for i, dtype in enumerate((np.uint8, np.int16, ml_dtypes.bfloat16, np.float32, np.float64, np.complex128)):
+        k = np.dtype(dtype).itemsize
+        x = _values(dtype, 70_001 + 333 * i, seed=60 + i)
+        for block in (k, 37 * k, 4096, 96 << 10, 1 << 20):
+            runs.append((codec, x.view(np.uint8), block, dtype))
+    direct = [[bytes(b) for b in _codecs.encode_run(c, raw, block, dt)] for c, raw, block, dt in runs]
+    batch = [[bytes(b) for b in blocks] for blocks in _codecs.encode_runs(runs, coders=_codecs.BLOSC2_JOIN_MIN_CODERS)]
+    monkeypatch.setattr(blosc2lib, "_loaded", [None])
+    python = [[bytes(b) for b in _codecs.encode_run(c, raw, block, dt)] for c, raw, block, dt in runs]
+    assert direct == python and batch == python
+    assert sum(len(blocks) for blocks in python) > 100
+
+
+@NEEDS_BLOSC2
+@pytest.mark.parametrize("mix", [("blosc2",), ("blosc2-lz4",), B2], ids=["blosc2", "blosc2-lz4", "both"])
 @pytest.mark.parametrize("blosc2_path, join", [("direct", 1), ("python", 0), ("python", 1), ("python", 3000),
                                                ("python", 1 << 20)], indirect=["blosc2_path"],
                          ids=["direct", "python-join0", "python-join1", "python-join3000", "python-join1M"])
-def test_a_batch_of_blosc2_runs_is_compress2_of_each_block(monkeypatch, join, blosc2_path):
-    """Small leaves coded together (`encode_runs`) by many coders: their "blosc2" blocks are coded into one
-    buffer (the direct path) or gathered into shared buffers (python-blosc2's: `BLOSC2_JOIN_BYTES`, after
-    every chunk, every few, or one buffer for the batch; 0: none), and each block must still be exactly
-    python-blosc2's `compress2` of it, in its run, in order, unchanged once later blocks are coded (a
-    view never spans or aliases another block's bytes)."""
+def test_a_batch_of_blosc2_runs_is_compress2_of_each_block(monkeypatch, join, blosc2_path, mix):
+    """Small leaves coded together (`encode_runs`) by many coders: their C-Blosc2 blocks ("blosc2",
+    "blosc2-lz4", or runs of both in one batch) are coded into one buffer (the direct path) or gathered
+    into shared buffers (python-blosc2's: `BLOSC2_JOIN_BYTES`, after every chunk, every few, or one buffer
+    for the batch; 0: none), and each block must still be exactly python-blosc2's `compress2` of it with
+    its run's codec's settings, in its run, in order, unchanged once later blocks are coded (a view never
+    spans or aliases another block's bytes)."""
     monkeypatch.setattr(_codecs, "BLOSC2_JOIN_BYTES", join)
     b2 = _codecs._blosc2()
     runs = []
     for i, dtype in enumerate([ml_dtypes.bfloat16, np.float32, np.float64, np.uint8, ml_dtypes.bfloat16]):
         k = np.dtype(dtype).itemsize
         x = _values(dtype, 3000 + 911 * i, seed=20 + i)
-        runs.append(("blosc2", x.view(np.uint8), 1024 * k, dtype))  # 3-7 blocks, a short last one
+        runs.append((mix[i % len(mix)], x.view(np.uint8), 1024 * k, dtype))  # 3-7 blocks, a short last one
     runs.insert(2, ("planes", _values(np.float32, 700, seed=30).view(np.uint8), 1024, np.float32))  # other codecs between
-    runs.insert(3, ("blosc2", np.zeros(0, np.uint8), 64, np.float32))  # an empty chunk
+    runs.insert(3, (mix[-1], np.zeros(0, np.uint8), 64, np.float32))  # an empty chunk
     got = _codecs.encode_runs(runs, coders=_codecs.BLOSC2_JOIN_MIN_CODERS)
     assert len(got) == len(runs)
     if join and blosc2_path == "python":  # with fewer coders, python-blosc2's chunks as they came
-        assert all(type(b) is bytes for (c, *_), blocks in zip(runs, _codecs.encode_runs(runs)) if c == "blosc2"
+        assert all(type(b) is bytes for (c, *_), blocks in zip(runs, _codecs.encode_runs(runs)) if c in B2
                    for b in blocks)
     for (codec, raw, block, dtype), blocks in zip(runs, got):
-        kw = _codecs._blosc2_params(np.dtype(dtype).itemsize)
-        want = [b2.compress2(raw[o:o + block], **kw) if codec == "blosc2" else _codecs.encode(codec, raw[o:o + block], dtype)
+        want = [b2.compress2(raw[o:o + block], **_codecs._blosc2_params(codec, np.dtype(dtype).itemsize))
+                if codec in B2 else _codecs.encode(codec, raw[o:o + block], dtype)
                 for o in range(0, raw.nbytes, block)]
         assert [bytes(b) for b in blocks] == want
         for b in blocks:
             assert memoryview(b).format == "B" and memoryview(b).contiguous
+            if codec in B2:
+                _names_its_codec(codec, bytes(b), np.dtype(dtype).itemsize)
     views = [b for blocks in got for b in blocks if isinstance(b, memoryview)]
     if blosc2_path == "direct":  # every chunk of the batch in one buffer, back to back, in order
-        coded = [b for (c, *_), blocks in zip(runs, got) if c == "blosc2" for b in blocks]
+        coded = [b for (c, *_), blocks in zip(runs, got) if c in B2 for b in blocks]
         assert all(isinstance(b, memoryview) and b.obj is coded[0].obj for b in coded)
         starts = [np.frombuffer(b, np.uint8).__array_interface__["data"][0] for b in coded if len(b)]
         assert starts == [starts[0] + sum(len(b) for b in coded[:i]) for i in range(len(coded))]
@@ -515,10 +582,11 @@ def test_a_batch_coded_into_lent_buffers_is_the_same_batch(monkeypatch, codec):
 
 
 @NEEDS_BLOSC2
-def test_a_blosc2_batch_coded_into_lent_buffers_is_the_same_batch(monkeypatch, blosc2_path):
-    """The same for "blosc2", both ways (C-Blosc2 directly into the lent buffer; python-blosc2's chunks
-    gathered into it)."""
-    _lent_batch_is_the_same_batch(monkeypatch, "blosc2")
+@pytest.mark.parametrize("codec", B2)
+def test_a_blosc2_batch_coded_into_lent_buffers_is_the_same_batch(monkeypatch, blosc2_path, codec):
+    """The same for each C-Blosc2 codec, both ways (C-Blosc2 directly into the lent buffer; python-blosc2's
+    chunks gathered into it)."""
+    _lent_batch_is_the_same_batch(monkeypatch, codec)
 
 
 def _lent_batch_is_the_same_batch(monkeypatch, codec: str) -> None:
@@ -547,56 +615,61 @@ def _lent_batch_is_the_same_batch(monkeypatch, codec: str) -> None:
 
 
 @NEEDS_BLOSC2
+@pytest.mark.parametrize("codec", B2)
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
-def test_blosc2_corrupt_bytes_raise(dtype, blosc2_path):
-    """A changed byte anywhere in a Blosc2 block (header or streams) is a CorruptCheckpointError naming
+def test_blosc2_corrupt_bytes_raise(codec, dtype, blosc2_path):
+    """A changed byte anywhere in a C-Blosc2 block (header or streams) is a CorruptCheckpointError naming
     the block, or (where only the CRC could tell) decodes to exactly the raw size; never a crash."""
-    stored, size = _blosc2_block(dtype, 3000)
+    stored, size = _blosc2_block(codec, dtype, 3000)
     for i in range(len(stored)):
         bad = bytearray(stored)
         bad[i] ^= 0x5A
-        _decodes_or_raises("blosc2", bytes(bad), dtype, size)
+        _decodes_or_raises(codec, bytes(bad), dtype, size)
     for i in (2, 3, 4, 12, 16, 31):  # flags, typesize, nbytes, cbytes, filters, blosc2 flags
         bad = bytearray(stored)
         bad[i] ^= 0x40
         with pytest.raises(CorruptCheckpointError, match="ckpt/params.w"):
-            _codecs.decode("blosc2", bytes(bad), dtype, size, where="ckpt/params.w")
+            _codecs.decode(codec, bytes(bad), dtype, size, where="ckpt/params.w")
     with pytest.raises(CorruptCheckpointError, match="byte elements where its dtype"):
-        _codecs.decode("blosc2", stored, np.float64 if dtype == np.float32 else np.float32, size)
+        _codecs.decode(codec, stored, np.float64 if dtype == np.float32 else np.float32, size)
 
 
 @NEEDS_BLOSC2
+@pytest.mark.parametrize("codec", B2)
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=lambda d: np.dtype(d).name)
-def test_blosc2_run_checks_every_header_as_decode_does(dtype, blosc2_path):
-    """`decode_run` checks a run's Blosc2 headers all at once (numpy columns), then decodes block by
-    block: a changed byte in any block of a run (every bit of each header, bytes of the streams, random
-    bytes) raises exactly when `decode` of that block raises, naming that block, and never another
-    error; intact runs, given as bytes, memoryviews or numpy arrays, decode bit for bit."""
+def test_blosc2_run_checks_every_header_as_decode_does(codec, dtype, blosc2_path):
+    """`decode_run` checks each block of a run of C-Blosc2 blocks as `decode` does: a changed byte in any
+    block of a run (every bit of each header, bytes of the streams, random bytes) raises exactly when
+    `decode` of that block raises, naming that block, and never another error; intact runs, given as
+    bytes, memoryviews or numpy arrays, decode bit for bit."""
     k = np.dtype(dtype).itemsize
     raws = [_values(dtype, n, seed=20 + n).view(np.uint8) for n in (3000, 2048, 777)]
-    good = [_codecs.encode("blosc2", r, dtype) for r in raws]
+    good = [_codecs.encode(codec, r, dtype) for r in raws]
     sizes = [r.nbytes for r in raws]
     names = [f"ckpt/params.w block {i}" for i in range(3)]
     want = np.concatenate(raws).tobytes()
     for form in (bytes, memoryview, lambda b: np.frombuffer(b, np.uint8)):
         out = np.empty(sum(sizes), np.uint8)
-        _codecs.decode_run("blosc2", [form(b) for b in good], dtype, sizes, out, names)
+        _codecs.decode_run(codec, [form(b) for b in good], dtype, sizes, out, names)
         assert out.tobytes() == want
+
+    raised = []
 
     def same_as_decode(blocks: list[bytes]) -> None:
         first_bad = None
         for i, b in enumerate(blocks):
             try:
-                _codecs.decode("blosc2", b, dtype, sizes[i], where=names[i])
+                _codecs.decode(codec, b, dtype, sizes[i], where=names[i])
             except CorruptCheckpointError:
                 first_bad = i
                 break
         out = np.empty(sum(sizes), np.uint8)
         if first_bad is None:
-            _codecs.decode_run("blosc2", blocks, dtype, sizes, out, names)
+            _codecs.decode_run(codec, blocks, dtype, sizes, out, names)
             return
+        raised.append(first_bad)
         with pytest.raises(CorruptCheckpointError, match=f"block {first_bad}:"):
-            _codecs.decode_run("blosc2", [memoryview(b) for b in blocks], dtype, sizes, out, names)
+            _codecs.decode_run(codec, [memoryview(b) for b in blocks], dtype, sizes, out, names)
 
     rng = np.random.default_rng(3)
     for b in range(3):
@@ -610,26 +683,81 @@ def test_blosc2_run_checks_every_header_as_decode_does(dtype, blosc2_path):
             same_as_decode([good[b][:cut] if j == b else good[j] for j in range(3)])
         noise = rng.integers(0, 256, len(good[b]), dtype=np.uint8).tobytes()
         same_as_decode([noise if j == b else good[j] for j in range(3)])
+    assert set(raised) == {0, 1, 2}  # every block's damage was seen and named
     with pytest.raises(CorruptCheckpointError, match="block 1:.*raw size"):
-        _codecs.decode_run("blosc2", good, dtype, [sizes[0], sizes[1] + 1, sizes[2]], np.empty(sum(sizes) + 1, np.uint8),
+        _codecs.decode_run(codec, good, dtype, [sizes[0], sizes[1] + 1, sizes[2]], np.empty(sum(sizes) + 1, np.uint8),
                            names)
     assert k in (2, 4)
 
 
-def test_blosc2_missing_names_the_block_the_codec_and_the_extra(monkeypatch):
-    """Reading a "blosc2" block without python-blosc2: an error that names the block, the codec and
-    what to install, not a corrupt checkpoint."""
+@NEEDS_BLOSC2
+@pytest.mark.parametrize("form", ["a blosc2-lz4 chunk", "a blosc2 chunk's filter byte"])
+def test_a_blosc2_block_with_the_bit_shuffle_is_rejected(form, blosc2_path):
+    """The bit shuffle (Blosc filter 2) is "blosc2-lz4"'s (format version 6): a block named "blosc2" whose
+    header names it, whether a "blosc2-lz4" chunk or a "blosc2" chunk with its filter byte changed, is a
+    CorruptCheckpointError naming the block, the filters it names and those "blosc2" allows, by `decode`
+    and by `decode_run`, before anything is decoded; the "blosc2-lz4" chunk itself decodes as its codec."""
+    raw = _values(np.float32, 3000, seed=5).view(np.uint8)
+    if form == "a blosc2-lz4 chunk":
+        stored = _codecs.encode("blosc2-lz4", raw, np.float32)
+        assert bytes(_codecs.decode("blosc2-lz4", stored, np.float32, raw.nbytes)) == raw.tobytes()
+    else:
+        chunk = bytearray(_codecs.encode("blosc2", raw, np.float32))
+        assert chunk[16] == 1
+        chunk[16] = 2
+        stored = bytes(chunk)
+    assert stored[16:22] == bytes([2, 0, 0, 0, 0, 0])
+    why = (r"names Blosc filters \[2, 0, 0, 0, 0, 0\] "
+           r"\(cairn reads \(0, 1\) in 'blosc2' blocks: none, shuffle\)")
+    with pytest.raises(CorruptCheckpointError, match=r"ckpt/params\.w: .*" + why):
+        _codecs.decode("blosc2", stored, np.float32, raw.nbytes, where="ckpt/params.w")
+    good = _codecs.encode("blosc2", raw, np.float32)
+    with pytest.raises(CorruptCheckpointError, match=r"ckpt/params\.w block 1: .*" + why):
+        _codecs.decode_run("blosc2", [good, stored], np.float32, [raw.nbytes] * 2, np.empty(2 * raw.nbytes, np.uint8),
+                           ["ckpt/params.w block 0", "ckpt/params.w block 1"])
+
+
+@NEEDS_BLOSC2
+@pytest.mark.parametrize("codec", B2)
+def test_each_blosc2_codec_reads_the_filters_its_spec_allows(codec, blosc2_path):
+    """docs/FORMAT.md §6.4: "blosc2" blocks may name filters 0 (none) and 1 (the byte shuffle), "blosc2-lz4"
+    blocks 0, 1 and 2 (the bit shuffle); a chunk naming any other built-in filter (3, the delta filter;
+    4, the precision truncation; 6, a byte delta) is corrupt, naming the filters each codec reads. Chunks
+    of each allowed filter, as python-blosc2 codes them, decode bit for bit."""
+    b2 = _codecs._blosc2()
+    allowed = {"blosc2": (0, 1), "blosc2-lz4": (0, 1, 2)}[codec]
+    raw = _values(np.float32, 3000, seed=6).view(np.uint8)
+    kw = dict(_codecs._blosc2_params(codec, 4))
+    for f in allowed:
+        chunk = b2.compress2(raw, **dict(kw, filters=[b2.Filter(f)]))
+        assert chunk[16] == f and bytes(_codecs.decode(codec, chunk, np.float32, raw.nbytes)) == raw.tobytes()
+    names = "none, shuffle, bit shuffle" if codec == "blosc2-lz4" else "none, shuffle"
+    for f in (3, 4, 6):
+        bad = bytearray(_codecs.encode(codec, raw, np.float32))
+        bad[16] = f
+        why = (rf"names Blosc filters \[{f}, 0, 0, 0, 0, 0\] "
+               rf"\(cairn reads \({', '.join(map(str, allowed))}\) in '{codec}' blocks: {names}\)")
+        with pytest.raises(CorruptCheckpointError, match=why):
+            _codecs.decode(codec, bytes(bad), np.float32, raw.nbytes)
+
+
+@pytest.mark.parametrize("codec", B2)
+def test_blosc2_missing_names_the_block_and_the_extra(monkeypatch, codec):
+    """Reading a C-Blosc2 block without python-blosc2: an error that names the block, the library and
+    what to install, not a corrupt checkpoint; coding one says what to install."""
     import sys
 
     from cairn._errors import CheckpointError
 
     monkeypatch.setattr(_codecs, "_blosc2_module", None)
     monkeypatch.setitem(sys.modules, "blosc2", None)  # import blosc2 -> ImportError
-    with pytest.raises(CheckpointError, match=r"ckpt/params\.w.*'blosc2'.*cairn-ckpt\[fast\]") as e:
-        _codecs.decode("blosc2", b"\0" * 64, np.float32, 64, where="ckpt/params.w")
+    with pytest.raises(CheckpointError, match=rf"ckpt/params\.w.*'{codec}' codec.*python-blosc2.*cairn-ckpt\[fast\]") as e:
+        _codecs.decode(codec, b"\0" * 64, np.float32, 64, where="ckpt/params.w")
     assert not isinstance(e.value, CorruptCheckpointError)
     with pytest.raises(CheckpointError, match="cairn-ckpt"):
-        _codecs.encode("blosc2", np.zeros(16, np.uint8), np.float32)
+        _codecs.encode(codec, np.zeros(16, np.uint8), np.float32)
+    with pytest.raises(CheckpointError, match=rf"ckpt/b\.w: the '{codec}' codec.*cairn-ckpt\[fast\]"):
+        _codecs.decode_run(codec, [b"\0" * 64], np.float32, [64], np.empty(64, np.uint8), ["ckpt/b.w"])
 
 
 def test_choose_takes_blosc2_only_where_it_is_importable(monkeypatch):
@@ -639,3 +767,17 @@ def test_choose_takes_blosc2_only_where_it_is_importable(monkeypatch):
     if HAVE_BLOSC2:
         monkeypatch.setattr(_codecs, "_blosc2_found", True)
         assert _codecs.choose(np.float32, x) == "blosc2"
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_stored_size_is_the_blocks_of_a_mib(codec):
+    """`stored_size` (what "auto" weighs codecs by): the stored bytes of the sample cut into 1 MiB pieces
+    (whole elements), each coded as a block, a trailing part of an element left out."""
+    for dtype in (np.float32, np.complex128, ml_dtypes.bfloat16):
+        k = np.dtype(dtype).itemsize
+        raw = _values(dtype, (5 << 19) // k + 3).view(np.uint8)  # 2.5 MiB and 3 elements: 3 pieces
+        step = (1 << 20) - (1 << 20) % k
+        want = sum(len(_codecs.encode(codec, raw[o:o + step], dtype)) for o in range(0, raw.nbytes, step))
+        assert _codecs.stored_size(codec, dtype, raw.view(dtype)) == want
+        assert _codecs.stored_size(codec, dtype, np.concatenate([raw, raw[:k - 1]])) == want  # a partial element
+    assert _codecs.stored_size(codec, np.float32, np.zeros(0, np.float32)) == 0

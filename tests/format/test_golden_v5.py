@@ -209,21 +209,23 @@ def _rewrite(path: Path, change) -> None:
 
 
 def test_a_newer_version_says_a_newer_cairn_wrote_it(tmp_path):
+    """A manifest of a version after the newest this cairn reads (6, docs/FORMAT.md §6.6): refused by its
+    version, naming the writer's release and every version this cairn reads, and saying to upgrade."""
     cairn.save(tmp_path / "ck", {"w": np.arange(10)})
-    _rewrite(tmp_path / "ck" / fmt.MANIFEST, lambda d: d.update(version=6, cairn_version="9.0.0"))
+    _rewrite(tmp_path / "ck" / fmt.MANIFEST, lambda d: d.update(version=7, cairn_version="9.0.0"))
     with pytest.raises(cairn.CorruptCheckpointError) as e:
         cairn.load(tmp_path / "ck")
     msg = str(e.value)
     assert str(tmp_path / "ck" / fmt.MANIFEST) in msg
-    assert "format version 6 is not supported: a newer cairn (9.0.0) wrote it" in msg and "upgrade cairn" in msg
-    assert "reads format versions 1, 2, 3, 4, 5" in msg
+    assert "format version 7 is not supported: a newer cairn (9.0.0) wrote it" in msg and "upgrade cairn" in msg
+    assert "reads format versions 1, 2, 3, 4, 5, 6;" in msg
 
 
 def test_index_versions_name_layouts_and_5_is_none_yet(tmp_path):
-    """Version 5 is a manifest version: an index of version 5 (or more) is one this cairn cannot lay out."""
+    """Versions 5 and 6 are manifest versions: an index of version 5 (or more) is one this cairn cannot lay out."""
     cairn.save(tmp_path / "ck", {"w": np.arange(10)})
     (index,) = (tmp_path / "ck" / "w").glob("index.*.json")
-    for version in (5, 7):
+    for version in (5, 6, 7):
         _rewrite(index, lambda d, v=version: d.update(version=v))
         with pytest.raises(cairn.CorruptCheckpointError, match=f"index version {version} is not supported: a "
                                                                "newer cairn wrote it, and this cairn reads index "

@@ -186,7 +186,7 @@ def allocations(monkeypatch):
 
 
 @pytest.mark.parametrize("which", ["manifest", "index"])
-@pytest.mark.parametrize("version", [0, 6, 99, "1", None])
+@pytest.mark.parametrize("version", [0, 7, 99, "1", None])  # 7: after the newest (6, FORMAT.md §6.6)
 def test_unknown_format_versions(ckpt, which, version):
     file = ckpt / fmt.MANIFEST if which == "manifest" else index_file(ckpt, "params")
     rewrite(file, lambda d: d.__setitem__("version", version))

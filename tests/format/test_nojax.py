@@ -186,7 +186,7 @@ def _decode_block(codec: str, stored: bytes, itemsize: int, raw_size: int) -> by
         out = zstandard.ZstdDecompressor().decompress(stored)
         assert len(out) == raw_size
         return out
-    if codec == "blosc2":  # one C-Blosc2 chunk (§6.4): python-blosc2 decodes it
+    if codec in ("blosc2", "blosc2-lz4"):  # one C-Blosc2 chunk (§6.4), either codec's: python-blosc2 decodes it
         import blosc2
 
         out = blosc2.decompress2(stored)
@@ -275,6 +275,9 @@ def _v4_blocks(folder: str, index: dict) -> dict:
     return out
 
 
+#: §6.5: a part's source column's codec ids (3, a delta, is no codec a block is decoded by).
+_SPEC_CODECS = ("none", "zstd", "planes", None, "blosc2", "blosc2-lz4")
+
 GOLDEN_ROOT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "golden")
 
 
@@ -308,7 +311,7 @@ def test_spec_rebuilds_the_golden_sparse_and_xor_deltas(version, step):
             assert crc32c_reference(base) == base_crc
             k = _NUMPY_DTYPES[leaf["dtype"]].itemsize
             r = min(index["block_size"], len(want) - b * index["block_size"])
-            base_raw = _decode_block(("none", "zstd", "planes", None, "blosc2")[base_codec], base, k, r)
+            base_raw = _decode_block(_SPEC_CODECS[base_codec], base, k, r)
             got = undelta_spec(stored, base_raw, k)
             assert got == want[b * index["block_size"] : b * index["block_size"] + r], (leaf["path"], b)
             kinds.append(kind)
@@ -322,9 +325,9 @@ def spec_reader(ckpt: str):
     """Read a whole checkpoint following docs/FORMAT.md: {item: tree} (or the tree, for a root one)."""
     with open(os.path.join(ckpt, "manifest.json"), "rb") as f:
         manifest = json.loads(f.read())
-    # Version 5 (§6.6) names no layout of its own: its indexes' versions do, and those of 1-3 are read here
-    # (a "blosc2" leaf needs python-blosc2, `_decode_block`).
-    assert manifest["format"] == "cairn" and manifest["version"] in (1, 2, 3, 5)
+    # Versions 5 and 6 (§6.6) name no layout of their own: their indexes' versions do, and those of 1-3 are
+    # read here (a "blosc2" or "blosc2-lz4" leaf needs python-blosc2, `_decode_block`).
+    assert manifest["format"] == "cairn" and manifest["version"] in (1, 2, 3, 5, 6)
     out = {}
     for name, item in manifest["items"].items():
         assert item["dir"] == ("%root" if manifest["root"] else _item_dir(name))
@@ -422,6 +425,69 @@ def test_spec_reader_reads_the_v5_blosc2_golden():
     for k, v in want["params"].items():
         assert got["params"][k].tobytes() == np.asarray(v).tobytes(), k
     assert got["step"] == want["step"] == 5
+
+
+def test_spec_reader_reads_the_v6_blosc2_lz4_golden():
+    """tests/golden/v6/blosc2_lz4: a version-6 manifest over a version-3 index of "blosc2-lz4" leaves of 1-16
+    byte elements (§6.4, §6.6), each block decoded by python-blosc2's plain `decompress2`."""
+    pytest.importorskip("blosc2", reason="the blosc2-lz4 leaves need python-blosc2")
+    ckpt = os.path.join(GOLDEN_ROOT, "v6", "blosc2_lz4")
+    with open(os.path.join(ckpt, "params", next(n for n in os.listdir(os.path.join(ckpt, "params"))
+                                               if n.startswith("index.") and n.endswith(".json")))) as f:
+        index = json.load(f)
+    assert {leaf["codec"] for leaf in index["leaves"]} == {"blosc2-lz4"} and index["version"] == 3
+    got, want = spec_reader(ckpt), cairn.load(ckpt)
+    assert sorted(got["params"]) == sorted(want["params"]) and len(got["params"]) == 6
+    for k, v in want["params"].items():
+        assert got["params"][k].tobytes() == np.asarray(v).tobytes(), k
+    assert got["step"] == want["step"] == 6
+
+
+@pytest.mark.parametrize("name", ["blosc2_lz4_chain/step_00000002", "blosc2_lz4_chain/step_00000003",
+                                  "mixed/step_00000002"])
+def test_spec_reads_the_v6_incremental_goldens(name):
+    """Every block of the v6 incremental goldens read from the spec (§6.5): own blocks, references to a
+    base's "blosc2-lz4" (or "blosc2") blocks, and deltas against them, each checked by its CRC-32C,
+    decoded by `_decode_block` (python-blosc2's `decompress2` for a C-Blosc2 chunk) or rebuilt by
+    `undelta_spec` from its base block: the bytes cairn loads."""
+    pytest.importorskip("blosc2", reason="the blosc2-lz4 blocks need python-blosc2")
+    ckpt = os.path.join(GOLDEN_ROOT, "v6", name)
+    folder = os.path.join(ckpt, "params")
+    (index_name,) = [f for f in os.listdir(folder) if f.startswith("index.") and f.endswith(".json")]
+    with open(os.path.join(folder, index_name)) as f:
+        index = json.load(f)
+    loaded = cairn.load(ckpt)["params"]
+    block, seen = index["block_size"], set()
+
+    def read(file_no: int, off: int, size: int) -> bytes:
+        entry = index["files"][file_no]
+        where = os.path.join(ckpt, "..", entry["base"], "params") if "base" in entry else folder
+        with open(os.path.join(where, entry["name"]), "rb") as f:
+            f.seek(off)
+            return f.read(size)
+
+    for (leaf_no, _cell), blocks in _v4_blocks(folder, index).items():
+        leaf = index["leaves"][leaf_no]
+        want = np.asarray(loaded[leaf["path"]]).tobytes()
+        k = _NUMPY_DTYPES[leaf["dtype"]].itemsize
+        assert len(blocks) == -(-len(want) // block)
+        for b, (file_no, codec, off, size, against, crc) in enumerate(blocks):
+            stored = read(file_no, off, size)
+            assert crc32c_reference(stored) == crc
+            r = min(block, len(want) - b * block)
+            if codec == 3:
+                base_codec, _kind, _pad, base_crc, base_size = struct.unpack_from("<BBHIQ", stored)
+                base = read(against[0], against[1], base_size)
+                assert crc32c_reference(base) == base_crc
+                got = undelta_spec(stored, _decode_block(_SPEC_CODECS[base_codec], base, k, r), k)
+                seen.add(("delta", _SPEC_CODECS[base_codec]))
+            else:
+                got = _decode_block(_SPEC_CODECS[codec], stored, k, r)
+                seen.add((_SPEC_CODECS[codec], "referred" if "base" in index["files"][file_no] else "own"))
+            assert got == want[b * block : b * block + r], (leaf["path"], b)
+    lz4 = "blosc2-lz4"
+    assert seen == ({("blosc2", "referred"), ("delta", "blosc2"), (lz4, "own")} if name.startswith("mixed")
+                    else {(lz4, "referred"), ("delta", lz4)})
 
 
 def test_spec_reader_detects_a_flipped_byte(tmp_path):

@@ -410,7 +410,7 @@ def copy(
     compressed or not, except from an incremental checkpoint (one saved with
     a `base`): that copy is self-contained, every array read through its
     references and written anew, raw (unless `keep_references`). Anything else (as for `cairn.save`: "auto", True,
-    False, "zstd", "planes", "blosc2") recompresses: every array is read (every
+    False, "zstd", "planes", "blosc2", "blosc2-lz4") recompresses: every array is read (every
     checksum verified) and written anew at `dst` with that setting, chunk by
     chunk in slabs of a quarter of `budget_bytes`, keeping each array's
     chunks, sharding record and key implementation, user objects,
@@ -716,10 +716,10 @@ def add_commands(sub: Any, parse_bytes: Callable[[str], int]) -> None:
         s.add_argument("--threads", type=int, default=8, help="files copied at once (default 8)")
         if not move:
             s.add_argument("--compression", default=None,
-                           choices=["auto", "true", "false", "none", "zstd", "planes", "blosc2"],
+                           choices=["auto", "true", "false", "none", "zstd", "planes", "blosc2", "blosc2-lz4"],
                            help="recompress (every array read and written anew, slab by slab): auto, true (a "
-                                "codec per leaf), false/none, zstd, planes, blosc2. Default: copy stored bytes as "
-                                "they are")
+                                "codec per leaf), false/none, zstd, planes, blosc2, blosc2-lz4. Default: copy stored "
+                                "bytes as they are")
             s.add_argument("--keep-references", action="store_true",
                            help="an incremental checkpoint: copy it as it is, with the base checkpoints it refers "
                                 "to (copied beside DST under their names, bases first). Default: a self-contained "

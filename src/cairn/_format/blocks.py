@@ -26,8 +26,9 @@ from .._errors import CorruptCheckpointError
 
 #: Version 4's per-block codec ids (the byte in a block's source): id i is codec CODEC_NAMES[i]. Id 3 is
 #: a delta (`DELTA`, not a codec a leaf can have: decoding a block by the name "delta" is an unknown codec,
-#: so a delta named as a base block's codec is rejected as corrupt); "blosc2" (id 4) came after it.
-CODEC_NAMES = ("none", "zstd", "planes", "delta", "blosc2")
+#: so a delta named as a base block's codec is rejected as corrupt); "blosc2" (id 4) and "blosc2-lz4" (id 5)
+#: came after it.
+CODEC_NAMES = ("none", "zstd", "planes", "delta", "blosc2", "blosc2-lz4")
 CODEC_IDS = {name: i for i, name in enumerate(CODEC_NAMES)}
 HASH_BYTES = 16
 

@@ -1,4 +1,4 @@
-"""C-Blosc2 called directly: the "blosc2" codec's chunks coded between cairn's own buffers.
+"""C-Blosc2 called directly: the "blosc2" and "blosc2-lz4" codecs' chunks coded between cairn's own buffers.
 
 python-blosc2's `compress2` does, per chunk and with the GIL held, all that surrounds the coding: it
 builds the parameters from keywords, creates and frees a C-Blosc2 context, allocates a `bytes` of
@@ -29,12 +29,13 @@ Pure: no file or network I/O of checkpoints, no JAX.
 from __future__ import annotations
 
 import ctypes
+import itertools
 import logging
 import os
 import re
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -44,10 +45,27 @@ log = logging.getLogger("cairn")
 #: bytes is at most n + this many bytes (what does not compress is stored as it is).
 MAX_OVERHEAD = 32
 _MAX_FILTERS = 6  # BLOSC2_MAX_FILTERS, checked against the header
-_ZSTD, _SHUFFLE, _ALWAYS_SPLIT = 5, 1, 1  # BLOSC_ZSTD, BLOSC_SHUFFLE, BLOSC_ALWAYS_SPLIT
-_SPLIT_BLOCK = 32 << 10  # C-Blosc2's block, per byte of element size, for split streams at level 1
+_ALWAYS_SPLIT = 1  # BLOSC_ALWAYS_SPLIT
 #: How many short chunk sizes a thread keeps a compression context for (`Direct._cctx`).
 SMALL_CONTEXTS = 8
+
+
+class Setting(NamedTuple):
+    """How cairn codes one of its C-Blosc2 codecs' chunks: C-Blosc2's compressor code (`BLOSC_ZSTD`, ...),
+    level and filter, every filtered byte stream compressed on its own (``ALWAYS_SPLIT``), one thread;
+    `split_block`: the Blosc block C-Blosc2's tuner chooses for these settings, per byte of element
+    size (a chunk shorter than that is one block), which `Direct._cctx` must know."""
+
+    compcode: int
+    clevel: int
+    filter: int
+    split_block: int
+
+
+#: The settings of cairn's C-Blosc2 codecs, by codec name (docs/FORMAT.md §6.4): "blosc2", byte shuffle
+#: (1) then zstd (5) at level 1; "blosc2-lz4", bit shuffle (2) then LZ4 (1) at level 5, which stores
+#: 3-10% more and decodes 1.5x, codes 2-3x as fast on one core (docs/compression.md, issue 38).
+SETTINGS = {"blosc2": Setting(5, 1, 1, 32 << 10), "blosc2-lz4": Setting(1, 5, 2, 64 << 10)}
 
 #: The two parameter structs as the header must declare them: (C type, field name), in order.
 _CPARAMS = (("uint8_t", "compcode"), ("uint8_t", "compcode_meta"), ("uint8_t", "clevel"), ("int", "use_dict"),
@@ -106,7 +124,7 @@ class _Context:
 
 
 class Direct:
-    """C-Blosc2's context functions, with the per-thread contexts of the "blosc2" codec's settings."""
+    """C-Blosc2's context functions, with the per-thread contexts of cairn's C-Blosc2 codecs (`SETTINGS`)."""
 
     def __init__(self, lib: Any) -> None:
         self._lib = lib
@@ -127,32 +145,33 @@ class Direct:
         self._compress = lib.blosc2_compress_ctx
         self._decompress = lib.blosc2_decompress_ctx
 
-    def _cctx(self, k: int, n: int) -> int:
-        """This thread's compression context for n bytes of k-byte elements.
+    def _cctx(self, codec: str, k: int, n: int) -> int:
+        """This thread's compression context for n bytes of k-byte elements of `codec` (`SETTINGS`).
 
         A C-Blosc2 context is not stateless: it keeps the block size its tuner chose for the last chunk
         and takes it as the one asked for in the next, so a context that coded a short chunk codes
         longer ones in short blocks, unlike a fresh context (which `compress2` makes every call). The
-        tuner's choice for zstd level 1 with split streams is 32 KiB times the element size, or the
+        tuner's choice for cairn's settings is the setting's `split_block` times the element size, or the
         whole chunk where that is shorter: chunks of at least that size share one context (the size it
         keeps is the size each of them gets), and shorter ones are coded by a context kept for their
         exact size, up to `SMALL_CONTEXTS` sizes a thread. `_probe` checks both against `compress2`."""
-        big = n >= _SPLIT_BLOCK * k
-        key = (k, -1 if big else n)
+        setting = SETTINGS[codec]
+        big = n >= setting.split_block * k
+        key = (codec, k, -1 if big else n)
         kept = getattr(self._local, "c", None)
         if kept is None:
             kept = self._local.c = {}
         ctx = kept.get(key)
         if ctx is None:
-            if not big and sum(1 for kk, nn in kept if nn >= 0) >= SMALL_CONTEXTS:
-                del kept[next(kk for kk in kept if kk[1] >= 0)]  # the oldest short size's
+            if not big and sum(1 for key_ in kept if key_[2] >= 0) >= SMALL_CONTEXTS:
+                del kept[next(key_ for key_ in kept if key_[2] >= 0)]  # the oldest short size's
             p = self._lib.blosc2_get_blosc2_cparams_defaults()
-            # compress2(typesize=k, codec=ZSTD, clevel=1, filters=[SHUFFLE], splitmode=ALWAYS_SPLIT, nthreads=1)
-            p.compcode, p.compcode_meta, p.clevel, p.use_dict = _ZSTD, 0, 1, 0
+            # compress2(typesize=k, codec=..., clevel=..., filters=[...], splitmode=ALWAYS_SPLIT, nthreads=1)
+            p.compcode, p.compcode_meta, p.clevel, p.use_dict = setting.compcode, 0, setting.clevel, 0
             p.typesize, p.nthreads, p.blocksize, p.splitmode = k, 1, 0, _ALWAYS_SPLIT
             for i in range(_MAX_FILTERS):
                 p.filters[i] = p.filters_meta[i] = 0
-            p.filters[0] = _SHUFFLE
+            p.filters[0] = setting.filter
             ptr = self._lib.blosc2_create_cctx(p)
             if not ptr:
                 raise MemoryError("C-Blosc2 could not create a compression context")
@@ -170,10 +189,11 @@ class Direct:
             ctx = self._local.d = _Context(ptr, self._lib.blosc2_free_ctx)
         return ctx.ptr
 
-    def compress_into(self, k: int, src: int, n: int, dst: int, room: int) -> int:
-        """Code the n raw bytes at address `src` (k-byte elements) as one chunk at address `dst`, which
-        has `room` bytes (at least n + MAX_OVERHEAD); its length. The caller keeps both buffers alive."""
-        z = self._compress(self._cctx(k, n), src, n, dst, room)
+    def compress_into(self, k: int, src: int, n: int, dst: int, room: int, codec: str = "blosc2") -> int:
+        """Code the n raw bytes at address `src` (k-byte elements) as one chunk of `codec` (`SETTINGS`) at
+        address `dst`, which has `room` bytes (at least n + MAX_OVERHEAD); its length. The caller keeps both
+        buffers alive."""
+        z = self._compress(self._cctx(codec, k, n), src, n, dst, room)
         if z <= 0:
             raise RuntimeError(f"C-Blosc2 failed to code {n} bytes into {room} (error {z})")
         return z
@@ -211,17 +231,17 @@ def _probe(direct: Direct, b2: Any) -> str | None:
     rng = np.random.default_rng(7)
     normal = (rng.standard_normal(160 << 10) * 0.02).astype(np.float32).view(np.uint8)
     noise = rng.integers(0, 256, 40 << 10, dtype=np.uint8)
-    for k in (1, 2, 4, 8, 16):
+    for (codec, s), k in itertools.product(SETTINGS.items(), (1, 2, 4, 8, 16)):
         # sizes in an order that shows a context's carried state: long, short, longer, other short,
         # the first short again, an incompressible one and a few elements
         for raw in (normal[: (24 << 10) // k * k], normal[: 1000 * k], normal[: (600 << 10) // k * k],
                     normal[: 37 * k], normal[: 1000 * k], noise[: (len(noise) // k) * k - k], normal[: k * 3]):
-            ref = b2.compress2(raw, typesize=k, codec=b2.Codec.ZSTD, clevel=1, filters=[b2.Filter.SHUFFLE],
-                               splitmode=b2.SplitMode.ALWAYS_SPLIT, nthreads=1)
+            ref = b2.compress2(raw, typesize=k, codec=b2.Codec(s.compcode), clevel=s.clevel,
+                               filters=[b2.Filter(s.filter)], splitmode=b2.SplitMode.ALWAYS_SPLIT, nthreads=1)
             out = np.empty(raw.nbytes + MAX_OVERHEAD, np.uint8)
-            n = direct.compress_into(k, address(raw)[0], raw.nbytes, address(out)[0], out.nbytes)
+            n = direct.compress_into(k, address(raw)[0], raw.nbytes, address(out)[0], out.nbytes, codec)
             if bytes(out[:n]) != ref:
-                return f"its chunk of {raw.nbytes} bytes of {k}-byte elements differs from compress2's"
+                return f"its {codec!r} chunk of {raw.nbytes} bytes of {k}-byte elements differs from compress2's"
             back = np.empty(raw.nbytes, np.uint8)
             if direct.decompress_into(address(out)[0], n, address(back)[0], back.nbytes) != raw.nbytes:
                 return "it does not decode its own chunk"
@@ -250,7 +270,7 @@ def load(b2: Any) -> Direct | None:
                 except (OSError, AttributeError, RuntimeError, MemoryError, ValueError) as e:
                     direct, why = None, f"{type(e).__name__}: {e}"
             if direct is None:
-                log.debug("cairn: 'blosc2' chunks coded through python-blosc2's functions (%s)", why)
+                log.debug("cairn: C-Blosc2 chunks coded through python-blosc2's functions (%s)", why)
             _loaded.append(direct)
     return _loaded[0]
 

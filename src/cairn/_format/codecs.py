@@ -57,7 +57,12 @@ from .._errors import CheckpointError, CorruptCheckpointError
 from . import blosc2lib
 
 #: The codec names the format knows, in the order `choose` prefers them at equal size.
-CODECS = ("none", "blosc2", "planes", "zstd")
+CODECS = ("none", "blosc2", "planes", "zstd", "blosc2-lz4")
+#: The codecs whose blocks are C-Blosc2 chunks (`blosc2lib.SETTINGS`: how cairn codes each).
+BLOSC2_CODECS = ("blosc2", "blosc2-lz4")
+#: The Blosc filters each C-Blosc2 codec's chunks may name (docs/FORMAT.md §6.4): 0 none, 1 the byte
+#: shuffle, 2 the bit shuffle (version 6 only).
+_B2_FILTERS = {"blosc2": (0, 1), "blosc2-lz4": (0, 1, 2)}
 
 #: `choose` keeps "none" unless a codec stores at most this fraction of the raw sample bytes.
 MIN_SAVING = 0.04
@@ -156,7 +161,7 @@ def blosc2_available() -> bool:
     return _blosc2_found
 
 
-def _blosc2(where: str = "") -> Any:
+def _blosc2(where: str = "", codec: str = "blosc2") -> Any:
     """python-blosc2, imported on first use (it takes a third of a second: not at `import cairn`), with
     `set_releasegil(True)`: without it every call holds the GIL and threads coding at once take turns.
     The setting is process-wide; it only lets C-Blosc2 calls without Python codecs or filters run
@@ -167,25 +172,28 @@ def _blosc2(where: str = "") -> Any:
             import blosc2
         except ImportError:
             at = f"{where}: " if where else ""
-            raise CheckpointError(f"{at}the 'blosc2' codec needs python-blosc2, which is not installed: "
+            raise CheckpointError(f"{at}the {codec!r} codec needs python-blosc2, which is not installed: "
                                   f"pip install '{BLOSC2_EXTRA}' (or pip install blosc2)") from None
         blosc2.set_releasegil(True)
         _blosc2_module = blosc2
     return _blosc2_module
 
 
-_blosc2_kw: dict[int, dict[str, Any]] = {}
+_blosc2_kw: dict[tuple[str, int], dict[str, Any]] = {}
 
 
-def _blosc2_params(k: int) -> dict[str, Any]:
-    """`compress2`'s keywords for elements of k bytes (docs/FORMAT.md §6.4): byte shuffle, zstd level 1,
-    every shuffled byte stream compressed on its own, one thread (the caller's pool supplies the rest:
+def _blosc2_params(codec: str, k: int) -> dict[str, Any]:
+    """`compress2`'s keywords for `codec`'s chunks of elements of k bytes (`blosc2lib.SETTINGS`,
+    docs/FORMAT.md §6.4): "blosc2" byte shuffle and zstd level 1, "blosc2-lz4" bit shuffle and LZ4 level
+    5; every filtered byte stream compressed on its own, one thread (the caller's pool supplies the rest:
     C-Blosc2's own threads inside a 1 MiB chunk coded 5x slower on the TPU host)."""
-    kw = _blosc2_kw.get(k)
+    kw = _blosc2_kw.get((codec, k))
     if kw is None:
         b2 = _blosc2()
-        kw = _blosc2_kw[k] = {"typesize": k, "codec": b2.Codec.ZSTD, "clevel": 1, "filters": [b2.Filter.SHUFFLE],
-                              "splitmode": b2.SplitMode.ALWAYS_SPLIT, "nthreads": 1}
+        st = blosc2lib.SETTINGS[codec]
+        kw = _blosc2_kw[(codec, k)] = {"typesize": k, "codec": b2.Codec(st.compcode), "clevel": st.clevel,
+                                       "filters": [b2.Filter(st.filter)], "splitmode": b2.SplitMode.ALWAYS_SPLIT,
+                                       "nthreads": 1}
     return kw
 
 
@@ -215,11 +223,11 @@ def encode(codec: str, raw: Any, dtype: Any) -> bytes:
         return _compressor("zstd").compress(u8.data)
     if codec == "planes":
         return _encode_planes(u8, dt.itemsize)
-    if codec == "blosc2":
+    if codec in BLOSC2_CODECS:
         b2 = _blosc2()
         direct = blosc2lib.load(b2)
         if direct is None or not u8.nbytes:  # (an empty block: a header alone, which the batch path never codes)
-            return b2.compress2(u8, **_blosc2_params(dt.itemsize))
+            return b2.compress2(u8, **_blosc2_params(codec, dt.itemsize))
         return bytes(_encode_blosc2_direct(direct, [(codec, u8, u8.nbytes, dt.itemsize)])[0][0])
     raise ValueError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
 
@@ -265,7 +273,7 @@ def encode_runs(runs: Sequence[tuple[str, Any, int, Any]], threads: int = 1, cod
     for r, (codec, u8, block, k) in enumerate(checked):
         if codec == "none":
             out[r] = [u8[o:o + block].tobytes() for o in range(0, u8.nbytes, block)]
-        elif codec == "blosc2":
+        elif codec in BLOSC2_CODECS:
             blosc2_runs.append(r)
         elif codec == "zstd" and u8.nbytes:
             zstd_runs.append(r)
@@ -319,8 +327,8 @@ def _encode_blosc2_runs(runs: list[tuple[str, np.ndarray, int, int]], join: int,
     pending: list[Any] = []  # stored chunks not yet joined, and the run of each
     owners: list[int] = []
     size = 0
-    for r, (_, u8, block, k) in enumerate(runs):
-        kw = _blosc2_params(k)
+    for r, (codec, u8, block, k) in enumerate(runs):
+        kw = _blosc2_params(codec, k)
         for o in range(0, u8.nbytes, block):
             z = b2.compress2(u8[o:o + block], **kw)
             if not join:
@@ -351,12 +359,12 @@ def _encode_blosc2_direct(direct: blosc2lib.Direct, runs: list[tuple[str, np.nda
     code = direct.compress_into
     out: list[list[Any]] = [[] for _ in runs]
     pos = 0
-    for r, (u8, (_, _, block, k)) in enumerate(zip(srcs, runs)):
+    for r, (u8, (codec, _, block, k)) in enumerate(zip(srcs, runs)):
         src, n = blosc2lib.address(u8)[0], u8.nbytes
         blocks = out[r]
         for o in range(0, n, block):
             m = min(block, n - o)
-            z = code(k, src + o, m, base + pos, m + blosc2lib.MAX_OVERHEAD)
+            z = code(k, src + o, m, base + pos, m + blosc2lib.MAX_OVERHEAD, codec)
             blocks.append(view[pos:pos + z])
             pos += z
     return out
@@ -661,7 +669,7 @@ def decode(codec: str, stored: Any, dtype: Any, raw_size: int, out: Any = None, 
             return bytes(src)
         dst[:] = np.frombuffer(src, np.uint8)
         return out
-    if codec not in ("zstd", "planes", "blosc2"):
+    if codec not in ("zstd", "planes", *BLOSC2_CODECS):
         raise _corrupt(where, codec, f"names an unknown codec (known: {', '.join(CODECS)})")
     # every header field is checked against raw_size and len(stored) before anything is allocated
     if codec == "zstd":
@@ -669,8 +677,8 @@ def decode(codec: str, stored: Any, dtype: Any, raw_size: int, out: Any = None, 
     elif codec == "planes":
         layout = _planes_layout(src, raw_size, k, where)
     else:
-        _blosc2(where)  # (without python-blosc2: its error, before anything is allocated)
-        _check_blosc2(src, raw_size, k, where)
+        _blosc2(where, codec)  # (without python-blosc2: its error, before anything is allocated)
+        _check_blosc2(src, raw_size, k, where, codec)
     if out is None:
         dst = np.empty(raw_size, np.uint8)
         out = dst
@@ -679,7 +687,7 @@ def decode(codec: str, stored: Any, dtype: Any, raw_size: int, out: Any = None, 
     elif codec == "planes":
         _decode_planes(src, dst, k, layout, where)
     elif raw_size:  # (an empty block is its checked header alone)
-        _decode_blosc2_run([src], dt, [raw_size], dst, [0, raw_size], [where])
+        _decode_blosc2_run([src], dt, [raw_size], dst, [0, raw_size], [where], codec)
     return out
 
 
@@ -689,12 +697,12 @@ _B2_VERSION = 5  # BLOSC2_VERSION_FORMAT_STABLE: what C-Blosc2 2.x writes for a 
 _B2_CODECS = (0, 1, 3, 4)  # blosclz, lz4, zlib, zstd: C-Blosc2's own, never a user-defined (Python) one
 
 
-def _check_blosc2(src: bytes | memoryview, raw_size: int, k: int, where: str) -> None:
-    """`src` is one C-Blosc2 chunk of `raw_size` bytes of k-byte elements, as docs/FORMAT.md §6.4 allows:
-    the extended header, its sizes equal to what the index says (so C-Blosc2 writes only `raw_size`
-    bytes), no dictionary, no lazy or uninitialised chunk, and only built-in codecs and the byte
-    shuffle, so decoding can run no user-registered (Python) code."""
-    codec = "blosc2"
+def _check_blosc2(src: bytes | memoryview, raw_size: int, k: int, where: str, codec: str = "blosc2") -> None:
+    """`src` is one C-Blosc2 chunk of `raw_size` bytes of k-byte elements, as docs/FORMAT.md §6.4 allows
+    for `codec`: the extended header, its sizes equal to what the index says (so C-Blosc2 writes only
+    `raw_size` bytes), no dictionary, no lazy or uninitialised chunk, and only built-in codecs and
+    filters (the byte shuffle; for "blosc2-lz4" the bit shuffle too), so decoding can run no
+    user-registered (Python) code."""
     if len(src) < _B2_HEADER.size:
         raise _corrupt(where, codec, f"of {len(src)} bytes is shorter than a {_B2_HEADER.size}-byte Blosc2 header")
     (version, _, flags, typesize, nbytes, blocksize, cbytes, filters, _, _, _, _,
@@ -713,8 +721,10 @@ def _check_blosc2(src: bytes | memoryview, raw_size: int, k: int, where: str) ->
         raise _corrupt(where, codec, f"has a Blosc block size {blocksize} outside 1..{max(nbytes, 1)}")
     if not flags & 0x02 and flags >> 5 not in _B2_CODECS:
         raise _corrupt(where, codec, f"names Blosc compressor {flags >> 5} (known: {_B2_CODECS})")
-    if any(f not in (0, 1) for f in filters):
-        raise _corrupt(where, codec, f"names Blosc filters {list(filters)} (cairn reads none and shuffle: 0, 1)")
+    allowed = _B2_FILTERS[codec]
+    if any(f not in allowed for f in filters):
+        raise _corrupt(where, codec, f"names Blosc filters {list(filters)} (cairn reads {allowed} in {codec!r} "
+                                     "blocks: none, shuffle" + (", bit shuffle)" if 2 in allowed else ")"))
     if b2flags & 0x8F or (b2flags >> 4) & 7 > 3:
         raise _corrupt(where, codec, f"has Blosc2 flags {b2flags:#04x} (a dictionary, a lazy or uninitialised "
                                      "chunk, or one this reader does not know)")
@@ -734,8 +744,8 @@ def decode_run(codec: str, stored: Sequence[Any], dtype: Any, raw_sizes: Sequenc
         raise ValueError(f"out has {dst.nbytes} bytes, the {len(raw_sizes)} blocks {sum(raw_sizes)}")
     names = list(wheres) or [""] * len(raw_sizes)
     offsets = list(itertools.accumulate(raw_sizes, initial=0))  # (np.cumsum: 7 us a call, a piece is often one block)
-    if codec == "blosc2":
-        _decode_blosc2_run(stored, dtype, raw_sizes, dst, offsets, names)
+    if codec in BLOSC2_CODECS:
+        _decode_blosc2_run(stored, dtype, raw_sizes, dst, offsets, names, codec)
         return
     if codec != "planes" or len(stored) < 2:
         for i, s in enumerate(stored):
@@ -786,20 +796,19 @@ def decode_run(codec: str, stored: Sequence[Any], dtype: Any, raw_sizes: Sequenc
 
 
 def _decode_blosc2_run(stored: Sequence[Any], dtype: Any, raw_sizes: Sequence[int], dst: np.ndarray,
-                       offsets: list[int], names: list[str]) -> None:
-    """`decode_run` of "blosc2" blocks: `decode`'s checks, with as little Python per block as it can (each
+                       offsets: list[int], names: list[str], codec: str = "blosc2") -> None:
+    """`decode_run` of "blosc2" (or "blosc2-lz4") blocks: `decode`'s checks, with as little Python per block as it can (each
     block's Python holds the GIL that the other threads' C calls wait to take back): per block, the header
     check (`_check_blosc2`, on a byte view) and one call that decodes the chunk straight into its place,
     C-Blosc2's own (`blosc2lib`, told it may write exactly the block's raw size there) where it is called
     directly, else python-blosc2's `decompress2` of the stored object itself. (Checking a run's headers
     at once as numpy columns, then decoding per block, decoded at 4.66 GiB/s on the TPU host's 12 threads
     against 7.54 for this form, in one run: docs/compression.md, "On the chip after the merge".)"""
-    codec = "blosc2"
     try:
         k = _check_dtype(dtype).itemsize
     except ValueError as e:
         raise _corrupt(names[0] if names else "", codec, f"has {e}") from None
-    b2 = _blosc2(names[0] if names else "")
+    b2 = _blosc2(names[0] if names else "", codec)
     direct = blosc2lib.load(b2) if dst.flags.c_contiguous else None
     base = blosc2lib.address(dst)[0] if direct is not None else 0
     for i, s in enumerate(stored):
@@ -809,7 +818,7 @@ def _decode_blosc2_run(stored: Sequence[Any], dtype: Any, raw_sizes: Sequence[in
                                          f"{k}-byte elements up to {MAX_BLOCK}")
         src: Any = s if type(s) is bytes else (
             memoryview(s).cast("B") if not isinstance(s, np.ndarray) else _as_u8(s).data)
-        _check_blosc2(src, raw_size, k, where)
+        _check_blosc2(src, raw_size, k, where, codec)
         if not raw_size:
             continue
         if direct is not None:
@@ -901,6 +910,20 @@ def sample(a: np.ndarray, nbytes: int = SAMPLE_BYTES, pieces: int = SAMPLE_PIECE
     return np.concatenate([flat[s:s + per] for s in starts])
 
 
+def _sample_bytes(sample: np.ndarray, dt: np.dtype) -> np.ndarray:
+    raw = np.ascontiguousarray(sample).reshape(-1).view(np.uint8)
+    return raw[: raw.nbytes - raw.nbytes % dt.itemsize]
+
+
+def stored_size(codec: str, dtype: Any, sample: np.ndarray) -> int:
+    """How many bytes `sample` (elements of `dtype`) stores as under `codec`, cut into pieces of at most
+    1 MiB, each coded as a block."""
+    dt = _check_dtype(dtype)
+    raw = _sample_bytes(sample, dt)
+    step = (1 << 20) - (1 << 20) % dt.itemsize
+    return sum(len(encode(codec, raw[i:i + step], dt)) for i in range(0, raw.nbytes, step))
+
+
 def choose(dtype: Any, sample: np.ndarray) -> str:
     """The codec for a leaf of `dtype`, measured on `sample`: `choose_sized`'s codec."""
     return choose_sized(dtype, sample)[0]
@@ -922,14 +945,11 @@ def choose_sized(dtype: Any, sample: np.ndarray, blosc2: bool | None = None) -> 
     Returns (codec, the sample's raw bytes, their stored size under that codec).
     """
     dt = _check_dtype(dtype)
-    raw = np.ascontiguousarray(sample).reshape(-1).view(np.uint8)
-    raw = raw[: raw.nbytes - raw.nbytes % dt.itemsize]
+    raw = _sample_bytes(sample, dt)
     if raw.nbytes == 0:
         return "none", 0, 0
-    step = (1 << 20) - (1 << 20) % dt.itemsize
     candidates = ("planes", "zstd", "blosc2") if blosc2 is not False and blosc2_available() else ("planes", "zstd")
-    sizes = {c: sum(len(encode(c, raw[i:i + step], dt)) for i in range(0, raw.nbytes, step))
-             for c in candidates}
+    sizes = {c: stored_size(c, dt, raw) for c in candidates}
     best = min(sizes.values())
     if best > (1 - MIN_SAVING) * raw.nbytes:
         return "none", raw.nbytes, raw.nbytes

@@ -50,9 +50,14 @@ INCREMENTAL_VERSION = 4  # what it writes with block hashes and references (docs
 # or sparse deltas (§6.5): a cairn that predates them then stops at the manifest with its version message
 # (docs/FORMAT.md §6.6). Its indexes keep the version of their layout (3 or 4): 5 is a manifest version only.
 NEWER_BLOCKS_VERSION = 5
-READ_VERSIONS = (1, 2, 3, 4, 5)  # the manifests it reads (docs/FORMAT.md: version 1 is a subset of 2 but for the grid form)
+#: ... and where some block is of codec "blosc2-lz4" (C-Blosc2 chunks with the bit shuffle, which a reader of
+#: version 5 rejects as corrupt): version 6, a manifest version only too (docs/FORMAT.md §6.6).
+BIT_SHUFFLE_VERSION = 6
+#: The manifest version a block of each codec needs, where it needs more than its index's layout.
+CODEC_VERSIONS = {"blosc2": NEWER_BLOCKS_VERSION, "blosc2-lz4": BIT_SHUFFLE_VERSION}
+READ_VERSIONS = (1, 2, 3, 4, 5, 6)  # the manifests it reads (docs/FORMAT.md: version 1 is a subset of 2 but for the grid form)
 INDEX_VERSIONS = (1, 2, 3, 4)  # the indexes it reads: an index's version names its layout
-CODECS = ("none", "zstd", "planes", "blosc2")  # the block codecs of version 3 (`codecs`)
+CODECS = ("none", "zstd", "planes", "blosc2", "blosc2-lz4")  # the block codecs of version 3 (`codecs`)
 MANIFEST = "manifest.json"
 INDEX = "index.json"
 ROOT_ITEM_DIR = "%root"
@@ -65,6 +70,12 @@ MAX_ARRAY_BYTES = 1 << 56  # 64 PiB
 MAX_FILE_BYTES = 1 << 56
 MIN_BLOCK, MAX_BLOCK = 1 << 12, 1 << 30
 _FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
+
+
+def codecs_version(codecs: Any) -> int:
+    """The manifest version that blocks of `codecs` (names) need beyond their index's layout, 0 for none:
+    5 for "blosc2", 6 for "blosc2-lz4" (docs/FORMAT.md §6.6)."""
+    return max((CODEC_VERSIONS.get(c, 0) for c in codecs), default=0)
 
 
 # --------------------------------------------------------------------------- helpers

@@ -67,10 +67,12 @@ from .incremental import write_if_any
 from .indexparts import build_part, item_index
 from .options import (
     CODEC_METER,
+    CODEC_SPEEDS,
     SaveOptions,
     blosc2_faster,
     compression_can_pay,
     compression_pays,
+    predicted_seconds,
     save_options_of,
 )
 
@@ -254,17 +256,18 @@ class SaveJob:
             return fmt.INCREMENTAL_VERSION
         return fmt.FORMAT_VERSION if self.compression is None else fmt.COMPRESSED_VERSION
 
-    def newer_blocks(self, item: SaveItem) -> bool:
-        """Whether this process's part of `item` holds a block only a reader of format version 5 knows: a
-        "blosc2" block of its own, a reference to one or a delta against one, or a sparse delta."""
-        return "blosc2" in self.codecs.get(item.name, {}).values() or (
-            self.inc is not None and self.inc.newer_blocks(item.name))
+    def newer_blocks(self, item: SaveItem) -> int:
+        """The manifest version that this process's part of `item` needs beyond its index's layout (0 for
+        none): 5 for a "blosc2" block of its own, a reference to one or a delta against one, or a sparse
+        delta; 6 for such a "blosc2-lz4" block (docs/FORMAT.md §6.6)."""
+        return max(fmt.codecs_version(self.codecs.get(item.name, {}).values()),
+                   self.inc.newer_blocks(item.name) if self.inc is not None else 0)
 
     def manifest_version(self, statuses: dict[int, dict[str, Any]]) -> int:
-        """The manifest's version: the indexes' (`version`), or 5 where any process's part of any item
-        holds blosc2 blocks or sparse deltas (its status says so: `_write_parts`)."""
-        newer = any(mine.get("newer") for s in statuses.values() for mine in s.get("items", {}).values())
-        return fmt.NEWER_BLOCKS_VERSION if newer else self.version
+        """The manifest's version: the indexes' (`version`), or the highest any process's part of any item
+        needs, 5 or 6 (its status says so: `_write_parts`; True, from a cairn before version 6: 5)."""
+        said = [mine.get("newer") for s in statuses.values() for mine in s.get("items", {}).values()]
+        return max([self.version, *(fmt.NEWER_BLOCKS_VERSION if v is True else int(v or 0) for v in said)])
 
     def _write_file(self, item: SaveItem, k: int, slots: list[FileSlot], crc_pool: ThreadPoolExecutor,
                     code_pool: CodePool | None = None, order: int = 0):
@@ -589,8 +592,9 @@ class SaveJob:
             if self.compression is not None:  # the codecs of the leaves whose first cell this process wrote
                 mine["codecs"] = {str(i): c for i, c in self.codecs.get(item.name, {}).items()
                                   if item.layouts[i].writer[0] == me and c != "none"}
-            if self.newer_blocks(item):  # the manifest then says version 5 (`manifest_version`)
-                mine["newer"] = True
+            newer = self.newer_blocks(item)
+            if newer:  # the manifest then says version 5 or 6 (`manifest_version`)
+                mine["newer"] = newer
             if part is not None:
                 name, data, records, crcs = part
                 puts.append((f"{self.write_root}/{item.dir}/{name}", data))
@@ -857,13 +861,17 @@ def resolve_compression(compression: str | bool | None, storage: Any) -> str | N
         return None
     if compression in ("zstd", "planes"):
         return str(compression)
-    if compression == "blosc2":
+    if compression in _codecs.BLOSC2_CODECS:
         if not _codecs.blosc2_available():
-            raise ValueError(f"compression='blosc2' needs python-blosc2, which is not installed: "
+            raise ValueError(f"compression={compression!r} needs python-blosc2, which is not installed: "
                              f"pip install '{_codecs.BLOSC2_EXTRA}'")
-        return "blosc2"
-    raise ValueError(f"compression must be 'auto', True, False, 'none', 'zstd', 'planes' or 'blosc2', "
-                     f"not {compression!r}")
+        return str(compression)
+    raise ValueError(f"compression must be 'auto', True, False, 'none', 'zstd', 'planes', 'blosc2' or "
+                     f"'blosc2-lz4', not {compression!r}")
+
+
+#: The codec "auto" weighs against the leaf's codec by predicted time: it stores more and codes faster.
+FAST_CODEC = "blosc2-lz4"
 
 
 @dataclass(frozen=True)
@@ -880,16 +888,25 @@ def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict
                 cores: int | None = None) -> LeafDecision:
     """`leaf_codec`'s decision with its reasons; `cores` (default: this process's) as "auto" counts them.
     The codec is chosen on `sample_bytes` of `host`, with "blosc2" a candidate only where it codes the
-    leaf's element size faster than "planes" on those cores (`options.blosc2_faster`)."""
+    leaf's element size faster than "planes" on those cores (`options.blosc2_faster`); "auto" then
+    takes `FAST_CODEC` instead where `options.predicted_seconds` says it saves and loads the leaf
+    sooner, and codes the leaf only where that pays (`options.compression_pays`)."""
     n = cores or _cores()
+    args = _formula_args(prices or {})
     try:
         sample = _codecs.sample(host, sample_bytes(getattr(host, "nbytes", 0)))
         # "blosc2" is a candidate only where it codes this leaf's elements faster on n cores
         codec, raw, stored = _codecs.choose_sized(dtype, sample,
                                                   blosc2=blosc2_faster(n, np.dtype(dtype).itemsize))
+        if mode == "auto" and codec != "none" and FAST_CODEC in CODEC_SPEEDS and _codecs.blosc2_available():
+            # the faster C-Blosc2 codec, where it is predicted to save and load the leaf sooner, its
+            # 3-10% more bytes and all (a fast link, many cores)
+            fast = _codecs.stored_size(FAST_CODEC, dtype, sample)
+            if (predicted_seconds(raw, fast, FAST_CODEC, bandwidth, n, **args)[1]
+                    < predicted_seconds(raw, stored, codec, bandwidth, n, **args)[1]):
+                codec, stored = FAST_CODEC, fast
     except ValueError:  # a dtype no codec knows
         return LeafDecision("none", "none", 0, 0)
-    args = _formula_args(prices or {})
     if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth, n, **args):
         return LeafDecision("none", codec, raw, stored)
     return LeafDecision(codec, codec, raw, stored)

@@ -711,12 +711,18 @@ class Incremental:
             out[(leaf, cell)] = (b"".join(ch.hashes), src.tobytes())
         return out
 
-    def newer_blocks(self, item: str) -> bool:
-        """Whether this process's chunks of `item` hold a block only a reader of format version 5 knows
-        (docs/FORMAT.md §6.6): a sparse delta, or a "blosc2" block (its own, referred to, or a delta's base)."""
-        b2 = CODEC_IDS["blosc2"]
-        return any(ch.sparse or ch.codec == b2 or any(r.codec == b2 for r in (*ch.refs.values(), *ch.deltas.values()))
-                   for (name, _leaf, _cell), ch in self.chunks.items() if name == item)
+    def newer_blocks(self, item: str) -> int:
+        """The manifest version this process's chunks of `item` need beyond version 4 (docs/FORMAT.md §6.6),
+        0 for none: 5 for a sparse delta or a "blosc2" block (its own, referred to, or a delta's base), 6 for
+        a "blosc2-lz4" one."""
+        need = 0
+        for (name, _leaf, _cell), ch in self.chunks.items():
+            if name != item:
+                continue
+            ids = {ch.codec, *(r.codec for r in (*ch.refs.values(), *ch.deltas.values()))}
+            need = max(need, fmt.NEWER_BLOCKS_VERSION if ch.sparse else 0,
+                       fmt.codecs_version(CODEC_NAMES[i] for i in ids if i < len(CODEC_NAMES)))
+        return need
 
     def leaves_with_refs(self, item: str) -> list[int]:
         return sorted({leaf for (name, leaf, _c), ch in self.chunks.items() if name == item and (ch.refs or ch.deltas)})

@@ -18,7 +18,8 @@ from typing import Any
 from .._format import codecs as _codecs
 
 #: The values of `compression` (see `cairn.save`; `engine.resolve_compression` says what each means).
-COMPRESSIONS: tuple[str | bool | None, ...] = ("auto", True, False, None, "none", "zstd", "planes", "blosc2")
+COMPRESSIONS: tuple[str | bool | None, ...] = ("auto", True, False, None, "none", "zstd", "planes", "blosc2",
+                                                "blosc2-lz4")
 
 
 def _positive_int(x: Any) -> bool:
@@ -35,7 +36,7 @@ class SaveOptions:
     split_replicas: bool = False  # replicated arrays: each replica writes a share, not the first one all
     timeout: float = 1800.0  # each wait for the other processes, seconds
     snapshot_budget_bytes: int | None = None  # save_async: host bytes of the snapshot; None: no limit
-    compression: str | bool | None = "auto"  # "auto", True, False/None/"none", "zstd", "planes" or "blosc2"
+    compression: str | bool | None = "auto"  # "auto", True, False/None/"none", or a codec (`COMPRESSIONS`)
 
     def __post_init__(self) -> None:
         for name in ("overwrite", "split_replicas"):
@@ -49,8 +50,8 @@ class SaveOptions:
         if budget is not None and not (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0):
             raise ValueError(f"snapshot_budget_bytes must be None or a non-negative integer, got {budget!r}")
         if not any(self.compression is c or (isinstance(c, str) and self.compression == c) for c in COMPRESSIONS):
-            raise ValueError("compression must be 'auto', True, False, 'none', 'zstd', 'planes' or 'blosc2', "
-                             f"not {self.compression!r}")
+            raise ValueError("compression must be 'auto', True, False, 'none', 'zstd', 'planes', 'blosc2' or "
+                             f"'blosc2-lz4', not {self.compression!r}")
 
     def replace(self, **changes: Any) -> SaveOptions:
         """These options with `changes` (keyword names as in `cairn.save_async`); unknown names are a TypeError."""
@@ -105,6 +106,11 @@ CODEC_SPEEDS = {
 # 3.31 / 7.68 on 12 (docs/bench/tpu-v5e-host-native-codecs.json).
 if _codecs.blosc2_available():
     CODEC_SPEEDS["blosc2"] = CodecSpeed(encode=0.5 * _GiB, decode=1.5 * _GiB, encode_scale=0.5, decode_scale=0.36)
+    # "blosc2-lz4" (bit shuffle and LZ4), C-Blosc2 called directly, the same state on the TPU host: 1.32 / 2.28
+    # GiB/s on one thread, 7.27 / 6.75 on 12 (docs/bench/tpu-v5e-lz4-codecs.json); this project's VM 1.59 /
+    # 2.00 on one, 3.02 / 3.41 on two. By these figures it does not pay on a local disk (8 GiB/s) on 13 cores.
+    CODEC_SPEEDS["blosc2-lz4"] = CodecSpeed(encode=1.3 * _GiB, decode=2.3 * _GiB, encode_scale=0.41,
+                                            decode_scale=0.18)
 
 
 #: One core's speed of a codec on leaves of one element size, where it differs from the whole state's
@@ -241,4 +247,5 @@ def compression_can_pay(bandwidth: float, cores: int, **prices: Any) -> bool:
     """Whether any leaf could be worth coding on this storage: even a leaf that codes to nothing
     takes ``raw / encode + raw / decode``. Where that is no faster than the raw transfer (a local
     disk, whose bandwidth beats the codecs), "auto" stores every block raw (format version 2)."""
-    return any(compression_pays(1.0, 0.0, codec, bandwidth, cores, **prices) for codec in CODEC_SPEEDS)
+    usable = [c for c in CODEC_SPEEDS if c not in _codecs.BLOSC2_CODECS or _codecs.blosc2_available()]
+    return any(compression_pays(1.0, 0.0, codec, bandwidth, cores, **prices) for codec in usable)

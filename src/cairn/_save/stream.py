@@ -166,8 +166,9 @@ class StreamWriter:
                                      crcs=tuple(tuple(crcs) for _, crcs, _ in cells), kind=kind, **extra,
                                      codec=codec, stored=stored))
         version = fmt.COMPRESSED_VERSION if codecs and set(codecs.values()) != {"none"} else fmt.FORMAT_VERSION
-        # The manifest's: 5 where a leaf is "blosc2" (docs/FORMAT.md §6.6); the index keeps its layout's.
-        self.version = max(self.version, fmt.NEWER_BLOCKS_VERSION if "blosc2" in codecs.values() else version)
+        # The manifest's: 5 where a leaf is "blosc2", 6 "blosc2-lz4" (docs/FORMAT.md §6.6); the index keeps its
+        # layout's.
+        self.version = max(self.version, fmt.codecs_version(codecs.values()), version)
         index = fmt.ItemIndex(structure, tuple(out), files, self.block, version=version)
         data = index.to_json(version)
         fmt.ItemIndex.from_json(data, f"{self.loc.path} [{name}]")  # never commit what cairn cannot read back
