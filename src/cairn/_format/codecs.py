@@ -27,6 +27,9 @@ Codecs, by their stable names (recorded per leaf in the manifest):
   extra (``pip install cairn-ckpt[fast]``); `choose` takes it only where that
   is importable (and a save only where it codes the leaf's element size faster on the host's
   cores: `choose_sized`'s `blosc2`), and a reader without it says so, naming the block.
+- ``"blosc2-lz4"``: one C-Blosc2 chunk of the block as ``"blosc2"``, but with the bit shuffle then
+  LZ4 at level 5 (`blosc2lib.SETTINGS`): 3-10% more bytes, coded 1.5-3x as fast. `choose` never
+  takes it; a save's "auto" weighs it by predicted time (`_save.engine.decide_leaf`).
 
 `choose` picks a leaf's codec by measuring the candidates on a sample of the
 leaf (`sample` takes one). Everything heavy (zstd, numpy copies and integer
@@ -61,7 +64,7 @@ CODECS = ("none", "blosc2", "planes", "zstd", "blosc2-lz4")
 #: The codecs whose blocks are C-Blosc2 chunks (`blosc2lib.SETTINGS`: how cairn codes each).
 BLOSC2_CODECS = ("blosc2", "blosc2-lz4")
 #: The Blosc filters each C-Blosc2 codec's chunks may name (docs/FORMAT.md §6.4): 0 none, 1 the byte
-#: shuffle, 2 the bit shuffle (version 6 only).
+#: shuffle, 2 the bit shuffle (a "blosc2-lz4" block: format version 6, §6.6).
 _B2_FILTERS = {"blosc2": (0, 1), "blosc2-lz4": (0, 1, 2)}
 
 #: `choose` keeps "none" unless a codec stores at most this fraction of the raw sample bytes.
