@@ -118,3 +118,24 @@ def test_auto_weighs_the_fast_codec_by_predicted_time(monkeypatch):
             < predicted_seconds(fast.raw, slow.stored, slow.codec, 4 * gib, 12)[1])
     monkeypatch.setattr(_codecs, "_blosc2_found", False)  # without python-blosc2: never
     assert engine.decide_leaf("auto", w.dtype, w, 4 * gib, cores=12).codec != "blosc2-lz4"
+
+
+def test_auto_prices_each_codec_with_its_own_measured_figures(tmp_path):
+    """`auto_prices` carries each codec's coded figures (`_storage.measured`); `decide_leaf` prices each
+    candidate with its own: a slow end-to-end figure measured while "blosc2" coded does not hold the
+    faster codec back, and a slow figure of its own does."""
+    from cairn._save import engine
+    from cairn._save.options import CODEC_SPEEDS
+
+    w = _state()["w"]
+    gib = float(1 << 30)
+    slow, link = 0.02 * gib, 0.25 * gib
+    prices = {"bandwidth": link, "read_bandwidth": link, "coded_bandwidth": slow, "coded_read_bandwidth": slow,
+              "codec_factor": 1.0, "coded_by_codec": {"blosc2": [slow, slow], "planes": [slow, slow],
+                                                      "blosc2-lz4": [link, link]}}
+    assert engine.decide_leaf("auto", w.dtype, w, link, prices, cores=12).codec == "blosc2-lz4"
+    prices["coded_by_codec"]["blosc2-lz4"] = [slow / 2, slow / 2]  # measured slower still: not it
+    assert engine.decide_leaf("auto", w.dtype, w, link, prices, cores=12).codec != "blosc2-lz4"
+    got = engine.auto_prices(cairn._storage.MemoryStorage(f"memory://prices-{tmp_path.name}"))
+    assert set(got["coded_by_codec"]) == set(CODEC_SPEEDS)
+    assert all(len(v) == 2 and v[0] > 0 for v in got["coded_by_codec"].values())

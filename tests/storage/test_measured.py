@@ -128,3 +128,31 @@ def test_transfer_clock_times_the_transfer_without_its_producer():
     (start, end, waits), = clock.transfers
     assert (start, end) == (0.0, 7.0) and waits == [(1.0, 2.0), (3.0, 4.0), (5.0, 6.0)]
     assert clock.seconds() == (4.0, 7.0)
+
+
+def test_coded_figures_are_kept_per_codec():
+    """A coded transfer's figure is its codec's too (the codec of most of its bytes): a codec measured
+    is priced with its own figure, one not measured yet on a link where others were with the link's raw
+    figure (tried, then measured); transfers naming no codec feed only the figure of all codecs."""
+    m = LinkMeter()
+    assert sample_of(64 * MiB, 1.0, 1.0, coded=True, codec="blosc2").codec == "blosc2"
+    assert sample_of(64 * MiB, 1.0, 1.0, codec="blosc2").codec is None  # (a raw transfer has none)
+    m.record("l", "write", sample_of(100 * MiB, 1.0, 1.0))  # raw: 100 MiB/s
+    m.record("l", "write", sample_of(64 * MiB, 0.5, 2.0, coded=True))  # no codec named: 32 MiB/s
+    assert m.bandwidth("l", "write", coded=True) == 32 * MiB
+    assert m.bandwidth("l", "write", coded=True, codec="blosc2") == 32 * MiB  # nothing per codec yet: all of them
+    m.record("l", "write", sample_of(60 * MiB, 0.5, 1.0, coded=True, codec="blosc2"))  # 60 MiB/s end to end
+    assert m.bandwidth("l", "write", coded=True, codec="blosc2") == 60 * MiB
+    assert m.bandwidth("l", "write", coded=True, codec="blosc2-lz4") == 100 * MiB  # untried: the link's own
+    assert m.bandwidth("l", "write", coded=True) == 46 * MiB  # all codecs: the median of 32 and 60
+    for _ in range(3):
+        m.record("l", "write", sample_of(90 * MiB, 0.8, 1.0, coded=True, codec="blosc2-lz4"))
+    assert m.bandwidth("l", "write", coded=True, codec="blosc2-lz4") == 90 * MiB
+    assert m.bandwidth("l", "write", coded=True, codec="blosc2") == 60 * MiB
+    # reads with no figure of their own take the writes' (per codec as well)
+    assert m.bandwidth("l", "read", coded=True, codec="blosc2") == 60 * MiB
+    store = _Store(config={"endpoint": "http://127.0.0.1:2"})
+    measured.record(store, "write", sample_of(64 * MiB, 0.5, 1.0, coded=True, codec="planes"))
+    assert bandwidth_of(store, "write", coded=True, codec="planes") == 64 * MiB
+    store.bandwidth = 2e9
+    assert bandwidth_of(store, "write", coded=True, codec="planes") == 2e9  # a declared figure wins

@@ -332,8 +332,14 @@ def _measure_reads(loc: Location, items: list[_ItemLoad], stats: LoadStats) -> N
     try:
         if stats.bytes_read < MIN_SAMPLE_BYTES or link_of(loc.storage) is None:
             return  # nothing to record (a local disk, a small load): no walk over the leaves
-        coded = any(getattr(leaf, "codec", "none") != "none" for it in items for leaf in it.index.leaves)
-        record(loc.storage, "read", sample_of(stats.bytes_read, stats.read_s, stats.read_s, coded))
+        by_codec: dict[str, int] = {}
+        for it in items:
+            for leaf in it.index.leaves:
+                c = getattr(leaf, "codec", "none")
+                if c != "none":
+                    by_codec[c] = by_codec.get(c, 0) + getattr(leaf, "nbytes", 0)
+        codec = max(by_codec, key=by_codec.__getitem__) if by_codec else None  # the codec of most bytes
+        record(loc.storage, "read", sample_of(stats.bytes_read, stats.read_s, stats.read_s, bool(by_codec), codec))
     except Exception:
         logging.getLogger("cairn").warning("cairn: could not record the load's bandwidth", exc_info=True)
 

@@ -526,8 +526,9 @@ class SaveJob:
         codecs ran (`options.CodecMeter`), for the next saves' "auto". A measurement never fails a save."""
         try:
             link_s, wall_s = self.transfers.seconds()
+            codec = max(self.coded, key=self.coded.__getitem__) if self.coded else None  # most of the bytes
             record(self.loc.storage, "write", sample_of(self.stats.bytes_written, link_s, wall_s,
-                                                        coded=bool(self.coded)))
+                                                        coded=bool(self.coded), codec=codec))
             CODEC_METER.record(self.code_spans, self.coded, _cores())
         except Exception:
             log.warning("cairn: could not record the save's bandwidth for compression='auto'", exc_info=True)
@@ -892,7 +893,6 @@ def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict
     takes `FAST_CODEC` instead where `options.predicted_seconds` says it saves and loads the leaf
     sooner, and codes the leaf only where that pays (`options.compression_pays`)."""
     n = cores or _cores()
-    args = _formula_args(prices or {})
     try:
         sample = _codecs.sample(host, sample_bytes(getattr(host, "nbytes", 0)))
         # "blosc2" is a candidate only where it codes this leaf's elements faster on n cores
@@ -900,13 +900,14 @@ def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict
                                                   blosc2=blosc2_faster(n, np.dtype(dtype).itemsize))
         if mode == "auto" and codec != "none" and FAST_CODEC in CODEC_SPEEDS and _codecs.blosc2_available():
             # the faster C-Blosc2 codec, where it is predicted to save and load the leaf sooner, its
-            # 3-10% more bytes and all (a fast link, many cores)
+            # 3-10% more bytes and all (a fast link, many cores), each priced with its own coded figures
             fast = _codecs.stored_size(FAST_CODEC, dtype, sample)
-            if (predicted_seconds(raw, fast, FAST_CODEC, bandwidth, n, **args)[1]
-                    < predicted_seconds(raw, stored, codec, bandwidth, n, **args)[1]):
+            if (predicted_seconds(raw, fast, FAST_CODEC, bandwidth, n, **_formula_args(prices or {}, FAST_CODEC))[1]
+                    < predicted_seconds(raw, stored, codec, bandwidth, n, **_formula_args(prices or {}, codec))[1]):
                 codec, stored = FAST_CODEC, fast
     except ValueError:  # a dtype no codec knows
         return LeafDecision("none", "none", 0, 0)
+    args = _formula_args(prices or {}, codec)
     if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth, n, **args):
         return LeafDecision("none", codec, raw, stored)
     return LeafDecision(codec, codec, raw, stored)
@@ -926,13 +927,15 @@ def sample_bytes(nbytes: int) -> int:
     return min(_codecs.SAMPLE_BYTES, max(SAMPLE_MIN_BYTES, nbytes // SAMPLE_SHARE))
 
 
-def _formula_args(prices: dict[str, Any]) -> dict[str, Any]:
+def _formula_args(prices: dict[str, Any], codec: str | None = None) -> dict[str, Any]:
     """`auto_prices`' figures as `options.predicted_seconds`' optional arguments (the codec factor:
-    this host's measured one where `prices` has none)."""
+    this host's measured one where `prices` has none), with `codec`'s own coded figures where it has
+    them."""
     f = prices.get("codec_factor")
+    own = (prices.get("coded_by_codec") or {}).get(codec) if codec is not None else None
+    cw, cr = own if own else (prices.get("coded_bandwidth"), prices.get("coded_read_bandwidth"))
     return {"read_bandwidth": prices.get("read_bandwidth") or None,
-            "coded_bandwidth": prices.get("coded_bandwidth") or None,
-            "coded_read_bandwidth": prices.get("coded_read_bandwidth") or None,
+            "coded_bandwidth": cw or None, "coded_read_bandwidth": cr or None,
             "factor": CODEC_METER.factor() if f is None else f}
 
 
@@ -1321,6 +1324,10 @@ def auto_prices(storage: Any) -> dict[str, Any]:
     return {"bandwidth": bandwidth_of(storage), "read_bandwidth": bandwidth_of(storage, "read"),
             "coded_bandwidth": bandwidth_of(storage, "write", coded=True),
             "coded_read_bandwidth": bandwidth_of(storage, "read", coded=True),
+            # each codec's own coded figures, write and read (`_storage.measured`: an end-to-end figure of
+            # one codec says little of another's)
+            "coded_by_codec": {c: [bandwidth_of(storage, "write", True, c), bandwidth_of(storage, "read", True, c)]
+                               for c in CODEC_SPEEDS},
             "codec_factor": CODEC_METER.factor(), "bandwidth_source": bandwidth_source(storage)}
 
 

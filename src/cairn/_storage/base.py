@@ -79,9 +79,9 @@ KINDS = ("local", "network", "object")
 DEFAULT_BANDWIDTH = {"local": 8.0 * (1 << 30), "network": 1.0 * (1 << 30), "object": 0.5 * (1 << 30)}
 
 
-def bandwidth_of(storage: Storage, direction: str = "write", coded: bool = False) -> float:
+def bandwidth_of(storage: Storage, direction: str = "write", coded: bool = False, codec: str | None = None) -> float:
     """The bandwidth (bytes/s) one process gets from `storage` in `direction` ("write" or "read"),
-    for raw transfers or `coded` ones: the storage's declared `bandwidth` (the same for both), else
+    for raw transfers or `coded` ones (by `codec`, where given): the storage's declared `bandwidth` (the same for all), else
     what this process measured on its earlier saves and loads over the same link
     (`measured.measured_bandwidth`; object stores and network filesystems), else its kind's default
     (`DEFAULT_BANDWIDTH`)."""
@@ -90,7 +90,7 @@ def bandwidth_of(storage: Storage, direction: str = "write", coded: bool = False
         return float(declared)
     from .measured import measured_bandwidth
 
-    measured = measured_bandwidth(storage, direction, coded)
+    measured = measured_bandwidth(storage, direction, coded, codec)
     if measured is not None:
         return measured
     return DEFAULT_BANDWIDTH[storage.kind]

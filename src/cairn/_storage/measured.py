@@ -25,6 +25,13 @@ not:
   the last ones took. A load's decoding runs inside its read time and cannot be told apart: its
   figure is only ever a coded one. Before any coded transfer, the raw figure stands in.
 
+  Coded figures are kept per codec too (the codec that coded most of the transfer's raw bytes): one
+  codec's end-to-end figure says little of another's, which codes 3x as fast. A codec with a figure of
+  its own is priced with it; one never measured yet on a link where others were, with the link's raw
+  figure (what it would reach were it never the bottleneck, as before any coded transfer), so that
+  "auto" tries it and then measures it; a transfer that names no codec (as before this) feeds only
+  the figures of all codecs together.
+
 Transfers under `MIN_SAMPLE_BYTES` are ignored (request latency, not bandwidth, decides their time).
 Each figure is the median of its last `KEEP` samples. A direction with no sample at all takes the
 other direction's figures (a link measured one way is a better guess for the other than a
@@ -94,17 +101,19 @@ class Sample:
     link: float  # bytes over the link's own time (`link_seconds`)
     wall: float  # bytes over the wall time
     coded: bool  # whether the transfer carried coded blocks (a coded save, or a load of them)
+    codec: str | None = None  # the codec of most of a coded transfer's raw bytes, where known
 
 
-def sample_of(nbytes: int, link_s: float, wall_s: float, coded: bool = False) -> Sample | None:
+def sample_of(nbytes: int, link_s: float, wall_s: float, coded: bool = False,
+              codec: str | None = None) -> Sample | None:
     """The `Sample` of a transfer of `nbytes` that took `wall_s` seconds, of which the link was busy
-    `link_s` (`link_seconds`), `coded` or not. None for a transfer too small (`MIN_SAMPLE_BYTES`) or
-    without a time."""
+    `link_s` (`link_seconds`), `coded` or not (by `codec`, most of it, where known). None for a transfer
+    too small (`MIN_SAMPLE_BYTES`) or without a time."""
     if nbytes < MIN_SAMPLE_BYTES or wall_s <= 0:
         return None
     link_s = min(max(link_s, 0.0), wall_s)
     wall = nbytes / wall_s
-    return Sample(nbytes / link_s if link_s > 0 else wall, wall, coded)
+    return Sample(nbytes / link_s if link_s > 0 else wall, wall, coded, codec if coded else None)
 
 
 @dataclass
@@ -112,15 +121,24 @@ class _Direction:
     raw: deque[float] = field(default_factory=lambda: deque(maxlen=KEEP))  # link figures of raw transfers
     coded_link: deque[float] = field(default_factory=lambda: deque(maxlen=KEEP))  # ... of coded ones
     coded: deque[float] = field(default_factory=lambda: deque(maxlen=KEEP))  # wall figures of coded ones
+    by_codec: dict[str, deque[float]] = field(default_factory=dict)  # ... by the codec of most of their bytes
 
     def add(self, s: Sample) -> None:
         if s.coded:
             self.coded.append(s.wall)
             self.coded_link.append(s.link)
+            if s.codec is not None:
+                self.by_codec.setdefault(s.codec, deque(maxlen=KEEP)).append(s.wall)
         else:
             self.raw.append(s.link)
 
-    def estimate(self, coded: bool) -> float | None:
+    def estimate(self, coded: bool, codec: str | None = None) -> float | None:
+        if coded and codec is not None and self.by_codec:
+            own = self.by_codec.get(codec)
+            if own:
+                return statistics.median(own)
+            if self.raw:  # a codec not measured here yet: the link's own figure (see the module doc)
+                return statistics.median(self.raw)
         first, then = (self.coded, self.raw) if coded else (self.raw, self.coded_link)
         for figures in (first, then):
             if figures:
@@ -143,18 +161,18 @@ class LinkMeter:
         with self._lock:
             self._links.setdefault(link, {d: _Direction() for d in DIRECTIONS})[direction].add(sample)
 
-    def bandwidth(self, link: str, direction: str, coded: bool = False) -> float | None:
-        """The measured bytes/s of `link` in `direction` for raw or `coded` transfers (else the other
-        direction's), or None."""
+    def bandwidth(self, link: str, direction: str, coded: bool = False, codec: str | None = None) -> float | None:
+        """The measured bytes/s of `link` in `direction` for raw or `coded` transfers (by `codec`: its own
+        figure, `_Direction.estimate`) (else the other direction's), or None."""
         with self._lock:
             dirs = self._links.get(link)
             if dirs is None:
                 return None
-            own = dirs[direction].estimate(coded)
+            own = dirs[direction].estimate(coded, codec)
             if own is not None:
                 return own
             other = next(d for d in DIRECTIONS if d != direction)
-            return dirs[other].estimate(coded)
+            return dirs[other].estimate(coded, codec)
 
     def clear(self) -> None:
         with self._lock:
@@ -190,11 +208,12 @@ def record(storage: Any, direction: str, sample: Sample | None) -> None:
         METER.record(link, direction, sample)
 
 
-def measured_bandwidth(storage: Any, direction: str = "write", coded: bool = False) -> float | None:
+def measured_bandwidth(storage: Any, direction: str = "write", coded: bool = False,
+                       codec: str | None = None) -> float | None:
     """The bandwidth this process measured to or from `storage` (bytes/s) for raw or `coded`
-    transfers, or None."""
+    transfers (by `codec`, where given: `LinkMeter.bandwidth`), or None."""
     link = link_of(storage)
-    return None if link is None else METER.bandwidth(link, direction, coded)
+    return None if link is None else METER.bandwidth(link, direction, coded, codec)
 
 
 class TransferClock:
