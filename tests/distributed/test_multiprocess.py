@@ -16,6 +16,7 @@ import pytest
 
 import cairn
 from _mp import run, scenarios, start, wait
+from cairn._format import codecs as _codecs
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -126,10 +127,10 @@ def test_save_on_2_load_on_4(tmp_path):
 
 
 def _compressed_version(ck) -> int:
-    """A compressed save's manifest version: 5 where any leaf is "blosc2", whichever process wrote it (the
-    primary learns it from every process's status, FORMAT.md §6.6), else 3."""
-    return 5 if any(getattr(leaf, "codec", "none") == "blosc2" for index in ck.indexes.values()
-                    for leaf in index.leaves) else 3
+    """A compressed save's manifest version: 6 where any leaf is "blosc2-lz4", else 5 where any is "blosc2",
+    whichever process wrote it (the primary learns it from every process's status, FORMAT.md §6.6), else 3."""
+    codecs = {getattr(leaf, "codec", "none") for index in ck.indexes.values() for leaf in index.leaves}
+    return 6 if "blosc2-lz4" in codecs else 5 if "blosc2" in codecs else 3
 
 
 def test_compressed_save_on_2_agrees_on_codecs_and_loads_on_4(tmp_path):
@@ -146,6 +147,23 @@ def test_compressed_save_on_2_agrees_on_codecs_and_loads_on_4(tmp_path):
     index = ck.indexes["params"]
     index.table.fetch_all()
     assert any(leaf.codec != "none" for leaf in index.leaves)
+    loaded = run(4, "load", {"path": path, "mesh": MESH_4})
+    assert all(r["shards_checked"] == 8 for r in loaded)
+    _check_numpy(cairn.load(path))
+
+
+@pytest.mark.skipif(not _codecs.blosc2_available(), reason="python-blosc2 is not installed")
+def test_a_bit_shuffled_save_on_2_is_version_6_and_loads_on_4(tmp_path):
+    """Every process's status says the version its part needs (an integer); the primary writes the
+    highest: "blosc2-lz4" blocks written by both processes make the manifest 6 (FORMAT.md §6.6)."""
+    from cairn._load.source import open_checkpoint
+
+    path = str(tmp_path / "ckpt2lz4")
+    saved = run(2, "save", {"path": path, "mesh": MESH_2, "split_replicas": True, "compression": "blosc2-lz4"})
+    assert sum(r["bytes_written"] for r in saved) == _data_bytes_on_disk(path) < _total_nbytes()
+    ck = open_checkpoint(path)
+    assert ck.manifest.version == 6 == _compressed_version(ck)
+    assert all(index.version == 3 for index in ck.indexes.values())
     loaded = run(4, "load", {"path": path, "mesh": MESH_4})
     assert all(r["shards_checked"] == 8 for r in loaded)
     _check_numpy(cairn.load(path))
