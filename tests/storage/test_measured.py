@@ -137,6 +137,7 @@ def test_coded_figures_are_kept_per_codec():
     m = LinkMeter()
     assert sample_of(64 * MiB, 1.0, 1.0, coded=True, codec="blosc2").codec == "blosc2"
     assert sample_of(64 * MiB, 1.0, 1.0, codec="blosc2").codec is None  # (a raw transfer has none)
+    assert measured.main_codec({"planes": 10, "blosc2": 30, "zstd": 5}) == "blosc2" and measured.main_codec({}) is None
     m.record("l", "write", sample_of(100 * MiB, 1.0, 1.0))  # raw: 100 MiB/s
     m.record("l", "write", sample_of(64 * MiB, 0.5, 2.0, coded=True))  # no codec named: 32 MiB/s
     assert m.bandwidth("l", "write", coded=True) == 32 * MiB

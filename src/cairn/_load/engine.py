@@ -327,7 +327,7 @@ def _measure_reads(loc: Location, items: list[_ItemLoad], stats: LoadStats) -> N
     """Record what this load's reads reached over the storage's link, for the next saves'
     compression="auto" (`_storage.measured`): bytes read over the read time. Where any leaf read
     was compressed, its decoding ran inside the read time, so the figure is only a lower bound."""
-    from .._storage.measured import MIN_SAMPLE_BYTES, link_of, record, sample_of
+    from .._storage.measured import MIN_SAMPLE_BYTES, link_of, main_codec, record, sample_of
 
     try:
         if stats.bytes_read < MIN_SAMPLE_BYTES or link_of(loc.storage) is None:
@@ -338,8 +338,8 @@ def _measure_reads(loc: Location, items: list[_ItemLoad], stats: LoadStats) -> N
                 c = getattr(leaf, "codec", "none")
                 if c != "none":
                     by_codec[c] = by_codec.get(c, 0) + getattr(leaf, "nbytes", 0)
-        codec = max(by_codec, key=by_codec.__getitem__) if by_codec else None  # the codec of most bytes
-        record(loc.storage, "read", sample_of(stats.bytes_read, stats.read_s, stats.read_s, bool(by_codec), codec))
+        record(loc.storage, "read", sample_of(stats.bytes_read, stats.read_s, stats.read_s, bool(by_codec),
+                                              main_codec(by_codec)))
     except Exception:
         logging.getLogger("cairn").warning("cairn: could not record the load's bandwidth", exc_info=True)
 

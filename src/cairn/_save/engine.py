@@ -55,7 +55,7 @@ from .._format.blosc2lib import address
 from .._plan.chunking import FileSlot
 from .._storage.base import bandwidth_of, bandwidth_source
 from .._storage.location import Location
-from .._storage.measured import TransferClock, record, sample_of
+from .._storage.measured import TransferClock, main_codec, record, sample_of
 from .._tree.leaves import classify
 from .._tree.perprocess import HostValues, is_per_process
 from .._tree.pytree import display_path, flatten
@@ -74,6 +74,7 @@ from .options import (
     compression_pays,
     predicted_seconds,
     save_options_of,
+    usable_codecs,
 )
 
 log = logging.getLogger("cairn")
@@ -526,9 +527,8 @@ class SaveJob:
         codecs ran (`options.CodecMeter`), for the next saves' "auto". A measurement never fails a save."""
         try:
             link_s, wall_s = self.transfers.seconds()
-            codec = max(self.coded, key=self.coded.__getitem__) if self.coded else None  # most of the bytes
             record(self.loc.storage, "write", sample_of(self.stats.bytes_written, link_s, wall_s,
-                                                        coded=bool(self.coded), codec=codec))
+                                                        coded=bool(self.coded), codec=main_codec(self.coded)))
             CODEC_METER.record(self.code_spans, self.coded, _cores())
         except Exception:
             log.warning("cairn: could not record the save's bandwidth for compression='auto'", exc_info=True)
@@ -898,16 +898,16 @@ def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict
         # "blosc2" is a candidate only where it codes this leaf's elements faster on n cores
         codec, raw, stored = _codecs.choose_sized(dtype, sample,
                                                   blosc2=blosc2_faster(n, np.dtype(dtype).itemsize))
-        if mode == "auto" and codec != "none" and FAST_CODEC in CODEC_SPEEDS and _codecs.blosc2_available():
+        args = _formula_args(prices or {}, codec)
+        if mode == "auto" and codec != "none" and FAST_CODEC in usable_codecs():
             # the faster C-Blosc2 codec, where it is predicted to save and load the leaf sooner, its
             # 3-10% more bytes and all (a fast link, many cores), each priced with its own coded figures
-            fast = _codecs.stored_size(FAST_CODEC, dtype, sample)
-            if (predicted_seconds(raw, fast, FAST_CODEC, bandwidth, n, **_formula_args(prices or {}, FAST_CODEC))[1]
-                    < predicted_seconds(raw, stored, codec, bandwidth, n, **_formula_args(prices or {}, codec))[1]):
-                codec, stored = FAST_CODEC, fast
+            fast, fast_args = _codecs.stored_size(FAST_CODEC, dtype, sample), _formula_args(prices or {}, FAST_CODEC)
+            if (predicted_seconds(raw, fast, FAST_CODEC, bandwidth, n, **fast_args)[1]
+                    < predicted_seconds(raw, stored, codec, bandwidth, n, **args)[1]):
+                codec, stored, args = FAST_CODEC, fast, fast_args
     except ValueError:  # a dtype no codec knows
         return LeafDecision("none", "none", 0, 0)
-    args = _formula_args(prices or {}, codec)
     if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth, n, **args):
         return LeafDecision("none", codec, raw, stored)
     return LeafDecision(codec, codec, raw, stored)

@@ -247,5 +247,10 @@ def compression_can_pay(bandwidth: float, cores: int, **prices: Any) -> bool:
     """Whether any leaf could be worth coding on this storage: even a leaf that codes to nothing
     takes ``raw / encode + raw / decode``. Where that is no faster than the raw transfer (a local
     disk, whose bandwidth beats the codecs), "auto" stores every block raw (format version 2)."""
-    usable = [c for c in CODEC_SPEEDS if c not in _codecs.BLOSC2_CODECS or _codecs.blosc2_available()]
-    return any(compression_pays(1.0, 0.0, codec, bandwidth, cores, **prices) for codec in usable)
+    return any(compression_pays(1.0, 0.0, codec, bandwidth, cores, **prices) for codec in usable_codecs())
+
+
+def usable_codecs() -> list[str]:
+    """The priced codecs (`CODEC_SPEEDS`) a save may use now: the C-Blosc2 ones only while python-blosc2
+    is importable (`codecs.blosc2_available`, which a test may switch off after import)."""
+    return [c for c in CODEC_SPEEDS if c not in _codecs.BLOSC2_CODECS or _codecs.blosc2_available()]

@@ -116,6 +116,12 @@ def sample_of(nbytes: int, link_s: float, wall_s: float, coded: bool = False,
     return Sample(nbytes / link_s if link_s > 0 else wall, wall, coded, codec if coded else None)
 
 
+def main_codec(raw_by_codec: dict[str, int]) -> str | None:
+    """The codec of most of a transfer's raw bytes (`raw_by_codec`: raw bytes per codec), None for none:
+    what its `Sample` is kept as (`sample_of`'s `codec`)."""
+    return max(raw_by_codec, key=raw_by_codec.__getitem__) if raw_by_codec else None
+
+
 @dataclass
 class _Direction:
     raw: deque[float] = field(default_factory=lambda: deque(maxlen=KEEP))  # link figures of raw transfers
