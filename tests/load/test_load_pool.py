@@ -1,12 +1,12 @@
-"""The reader threads of object-store loads: long-lived, shared by the loads of a process
-(`_load.engine.load_pool`), each load waiting for its own tasks on the way out."""
+"""The reader threads of loads: long-lived, shared by the loads of a process
+(`_load.engine.reader_pool`), each load waiting for its own tasks on the way out, its scratch
+buffers going back to `buffers.load_pool` for the next."""
 
 from __future__ import annotations
 
 import threading
 
 from cairn._load import engine
-from cairn._storage.location import resolve
 
 
 def _blocking_tasks(pool, n):
@@ -48,31 +48,55 @@ def test_leaving_a_load_waits_for_its_tasks_only():
     assert slow.done()
 
 
-def test_only_object_stores_share_threads(tmp_path):
-    local = engine.load_pool(resolve(str(tmp_path / "ckpt")), 4)
-    try:
-        assert not isinstance(local, engine._LoadPool)
-    finally:
-        local.shutdown()
-    mem = engine.load_pool(resolve("memory://pool-test/ckpt"), 4)
-    try:
-        assert not isinstance(mem, engine._LoadPool)
-    finally:
-        mem.shutdown()
+def test_every_storage_shares_threads():
+    """Local files, memory and object stores alike: a load's readers are a share of the process's threads."""
+    for _ in range(2):
+        pool = engine.reader_pool(4)
+        try:
+            assert isinstance(pool, engine._LoadPool)
+            assert pool._pool is engine._shared_pool(4)
+        finally:
+            pool.shutdown()
 
 
-def test_scratch_buffers_do_not_outlive_the_load():
-    """A reader thread's scratch buffer belongs to the load whose task took it, not to the thread."""
+def test_scratch_buffers_go_back_to_the_load_pool_with_the_load():
+    """A reader thread's scratch buffer belongs to the load whose task took it, not to the thread: once
+    the load is over it is back in `buffers.load_pool`, and the next load's reads take it from there
+    (pages already mapped), not a new one."""
+    from cairn._core import buffers
     from cairn._load import landing
 
+    buffers.load_pool.clear()
     shared = engine._shared_pool(1)  # one thread: every task below runs on it
+    made = buffers.load_pool.made
     with engine._LoadPool(shared) as pool:
-        assert pool.submit(landing.scratch, 4 << 20).result(timeout=10).nbytes == 4 << 20
-        assert pool.submit(landing.scratch, 1 << 20).result(timeout=10).nbytes == 1 << 20  # reused
+        first = pool.submit(lambda: landing.scratch(3 << 20).ctypes.data).result(timeout=10)
+        assert pool.submit(lambda: landing.scratch(1 << 20).ctypes.data).result(timeout=10) == first  # reused
         held = pool._scratch
         assert len(held) == 1
+        assert buffers.load_pool.free_bytes == 0  # lent while the load runs
     assert held == {}
     assert shared.submit(lambda: getattr(landing._local, "buf", None)).result(timeout=10) is None
+    assert buffers.load_pool.made == made + 1
+    assert buffers.load_pool.free_bytes == 3 << 20  # back, kept for the next load
+    reused = buffers.load_pool.reused
+    with engine._LoadPool(shared) as pool:
+        again = pool.submit(lambda: landing.scratch((3 << 20) - 5).ctypes.data).result(timeout=10)
+    assert again == first and buffers.load_pool.made == made + 1 and buffers.load_pool.reused == reused + 1
+    buffers.release_snapshot_buffers()  # what a caller who wants the memory back calls
+    assert buffers.load_pool.free_bytes == 0
+
+
+def test_scratch_sizes_come_in_classes():
+    from cairn._load.landing import scratch_size
+
+    mib = 1 << 20
+    assert [scratch_size(n) for n in (1, mib, mib + 1, 4 * mib, 4 * mib + 1, 16 * mib + 1)] == [
+        mib, mib, 2 * mib, 4 * mib, 5 * mib, 20 * mib]
+    assert scratch_size(int(13.1 * mib)) == 14 * mib
+    for n in range(1, 64 * mib, 997 * 1031):
+        size = scratch_size(n)
+        assert size >= n and size % mib == 0 and size <= max(mib, n * 1.25 + mib)
 
 
 def test_a_loads_readers_are_freed_when_it_returns(tmp_path, monkeypatch):

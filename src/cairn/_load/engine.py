@@ -220,7 +220,7 @@ def load(
     vars(stats).update(vars(LoadStats()))  # the numbers of this load only
     requests = checkpointables(loc.path, manifest.items, manifest.root, target)
     out: dict[str, Any] = {}
-    with load_pool(loc, max(1, threads)) as pool:
+    with reader_pool(max(1, threads)) as pool:
         indexes = source.indexes_of([name for name, _ in requests], pool)
         items = []
         coord = opts.coordinator or default_coordinator()
@@ -254,12 +254,9 @@ def load(
     return out[""] if manifest.root else out
 
 
-def load_pool(loc: Location, threads: int) -> ThreadPoolExecutor:
-    """The threads a load reads with: on storages that price requests (object stores), its share of
-    long-lived threads of this process (`_LoadPool`); elsewhere, a pool of its own."""
-    if not loc.storage.preferred_read:
-        return ThreadPoolExecutor(threads, thread_name_prefix="cairn-read")
-    # (Typed as the pool it stands in for: the readers only submit and map.)
+def reader_pool(threads: int) -> ThreadPoolExecutor:
+    """The threads a load reads with: its share of long-lived threads of this process (`_LoadPool`),
+    whatever the storage. (Typed as the pool it stands in for: the readers only submit and map.)"""
     return cast(ThreadPoolExecutor, _LoadPool(_shared_pool(threads)))
 
 
@@ -269,8 +266,12 @@ class _LoadPool(Executor):
     A pool of its own per load starts a thread for each task sent while none is idle, and
     ``Thread.start`` waits until the new thread runs: on a busy host (the benchmark VM, two cores
     shared with the emulator) 35-58 ms each, in the middle of sending the GETs (the per-GET timeline
-    of a numpy load of 256 MiB from moto: the last file's GET left 120-140 ms after the first). Leaving
-    the load waits for every task it sent (as leaving a pool of its own did), so none runs on after it.
+    of a numpy load of 256 MiB from moto: the last file's GET left 120-140 ms after the first). And
+    the scratch buffers its threads read into (`landing.scratch`) are held for the load, then go back
+    to `buffers.load_pool` for the next one, not freed with the threads: on the TPU host a compressed
+    load from local files whose threads came new, with new buffers, took 1.25 s, 0.80 s on kept ones
+    (docs/compression.md, "Scratch buffers kept between loads"). Leaving the load waits for every
+    task it sent (as leaving a pool of its own did), so none runs on after it.
     """
 
     def __init__(self, pool: ThreadPoolExecutor) -> None:
