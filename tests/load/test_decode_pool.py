@@ -147,6 +147,30 @@ def test_a_compressed_load_decodes_on_the_pool(tmp_path, monkeypatch):
     assert any(n.startswith("cairn-decode") for n in names), names
 
 
+def test_a_compressed_load_never_waits_for_its_pieces_behind_a_busy_pool(tmp_path, monkeypatch):
+    """A compressed read's pieces are shared (`reader.CODED_SHARED`): with every decode-pool thread held by
+    other work, the load's reader threads decode every piece themselves and the load completes."""
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", 2)
+    monkeypatch.setattr(decodepool, "DECODE_PIECE", 1 << 20)  # 1 MiB pieces: every read has several
+    w = (np.random.default_rng(3).standard_normal((1024, 1024)) * 0.02).astype(np.float32)  # 4 MiB, 4 blocks
+    cairn.save(tmp_path / "c", {"w": w}, compression="zstd")
+    pool, gate = decodepool.decode_pool(), threading.Event()
+    assert pool is not None
+    busy = [pool.submit(gate.wait, 30) for _ in range(2)]
+    try:
+        done: list[object] = []
+        t = threading.Thread(target=lambda: done.append(cairn.load(tmp_path / "c")))
+        t.start()
+        t.join(20)
+        assert done, "the load waited for its pieces queued behind the busy pool"
+        np.testing.assert_array_equal(done[0]["w"], w)
+    finally:
+        gate.set()
+        for f in busy:
+            f.result(timeout=10)
+        t.join(30)
+
+
 def test_share_takes_every_run_itself_while_the_pool_is_busy(monkeypatch):
     monkeypatch.setattr(decodepool, "DECODE_THREADS", 2)
     pool, gate = decodepool.decode_pool(), threading.Event()

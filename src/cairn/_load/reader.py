@@ -49,7 +49,7 @@ from .._storage import PartReader, RandomReader
 from .._storage.location import Location
 from .._tree.pytree import display_path
 from .coalesce import Pieces, Runs, run_limits
-from .decodepool import pieces, prefault_thread, spread
+from .decodepool import pieces, prefault_thread, share, spread
 from .landing import MAX_PARTS, MIN_RUN, coded_lands, direct_bytes, lands_in_place
 from .landing import region as _region
 from .landing import scratch as _scratch
@@ -62,6 +62,12 @@ _PREFAULT_MIN = 1 << 20  # smaller buffers are not mapped ahead
 
 #: Destination buffers of a load onto accelerators are lent from `buffers.load_pool` (False: new ones).
 LEND_LOAD_BUFFERS = True
+#: A compressed read's pieces are taken by its reader thread and free decode-pool threads (`decodepool.share`),
+#: so a read never waits for pieces queued behind other reads' on a busy pool; False: `decodepool.spread`,
+#: every piece but the first queued on the pool and waited for. On the TPU host a load whose first leaf is
+#: a 128 MiB embedding queued 32 pieces at once, and the reads behind it waited for theirs: its readers
+#: ran 4 reads for its first 70 ms (docs/compression.md, "Scratch buffers kept between loads").
+CODED_SHARED = True
 #: Destinations smaller than this are new buffers (the pool lends whole MiB; small ones come from memory
 #: the allocator has mapped already).
 LEND_MIN = 1 << 20
@@ -146,9 +152,10 @@ class CodedRead:
 
     def decoder(self, stored: memoryview) -> Callable[[int, int], None]:
         """`BlockChecks`' ``then`` for blocks landed in `stored` (the stored bytes from `first` on): each
-        stretch of checked blocks decoded into `raw`, in pieces of about `DECODE_PIECE` raw bytes spread
-        over the decode pool (`spread`), each piece by one call (`codecs.decode_run`). Returns once every
-        piece is decoded: `stored` may be reused then."""
+        stretch of checked blocks decoded into `raw`, in pieces of about `DECODE_PIECE` raw bytes taken by
+        this thread and free threads of the decode pool (`share`; `spread` where `CODED_SHARED` is off),
+        each piece by one call (`codecs.decode_run`). Returns once every piece is decoded: `stored` may be
+        reused then."""
         first, checks, blocks, leaf = self.first, self.checks, self.blocks, self.leaf
 
         def decode(i: int, j: int) -> None:
@@ -156,9 +163,9 @@ class CodedRead:
                                [hi - lo for lo, hi, _ in blocks[i:j]], self.raw[blocks[i][0] : blocks[j - 1][1]],
                                [at for _, _, at in blocks[i:j]])
 
-        def spread_decode(i: int, j: int) -> None:
-            spread(decode, pieces(blocks, i, j))
-        return spread_decode
+        def pooled(i: int, j: int) -> None:
+            (share if CODED_SHARED else spread)(decode, pieces(blocks, i, j))
+        return pooled
 
 
 class ChunkReader:
