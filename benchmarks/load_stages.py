@@ -21,7 +21,8 @@ functions that do them (no change to the library):
 ``--settings`` names `decodepool.DECODE_THREADS` values to compare in one run: ``0`` decodes in the reader
 threads as before issue 38, ``auto`` on the decode pool (one thread per core); each may add, joined by
 ``+``, ``p8`` (`decodepool.DECODE_PIECE` in MiB), ``nolend`` (new host buffers for every load, not lent
-from `buffers.load_pool`) and ``t12`` (``load(threads=12)``): ``--settings auto,auto+nolend,auto+p8``.
+from `buffers.load_pool`), ``spread`` (a compressed read's pieces queued on the pool and waited for,
+`reader.CODED_SHARED` off) and ``t12`` (``load(threads=12)``): ``--settings auto,auto+nolend,auto+spread``.
 ``--ab SRC`` instead compares this tree against another checkout's ``src`` (e.g. ``/work/main/src``): each
 load runs in a child process of either tree, alternated, on the same saved checkpoints.
 
@@ -118,7 +119,7 @@ def instrument(spans: Spans) -> None:
 def set_decode_threads(value: str) -> int | None:
     """Apply a ``--settings`` value: `decodepool.DECODE_THREADS` (``auto`` or a number), then, joined by
     ``+``, ``p<MiB>`` for `decodepool.DECODE_PIECE`, ``nolend`` for new load buffers
-    (`reader.LEND_LOAD_BUFFERS` False) and ``t<N>`` for ``load(threads=N)``, the load's reader threads
+    (`reader.LEND_LOAD_BUFFERS` False), ``spread`` for `reader.CODED_SHARED` False and ``t<N>`` for ``load(threads=N)``, the load's reader threads
     (returned; None: ``--threads``). Each value sets all of them, so a setting never inherits another's."""
     try:  # the decode pool's settings (in `reader` before they had a module of their own)
         from cairn._load import decodepool as pool
@@ -133,6 +134,8 @@ def set_decode_threads(value: str) -> int | None:
         pool.DECODE_PIECE = next((int(r[1:]) for r in rest if r.startswith("p")), 4) << 20
     if hasattr(reader, "LEND_LOAD_BUFFERS"):
         reader.LEND_LOAD_BUFFERS = "nolend" not in rest
+    if hasattr(reader, "CODED_SHARED"):
+        reader.CODED_SHARED = "spread" not in rest
     return next((int(r[1:]) for r in rest if r.startswith("t")), None)
 
 

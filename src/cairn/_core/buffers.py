@@ -191,7 +191,8 @@ class SlabPool:
 coded_pool = SlabPool()
 
 #: The host buffers loads read and decode into where the arrays are then copied to an accelerator (`SlabPool`;
-#: `_load.reader.lends`): each comes back once its transfer to the device is done and JAX lets go of it.
+#: `_load.reader.lends`): each comes back once its transfer to the device is done and JAX lets go of it; and
+#: every load's reader-thread scratch buffers (`_load.landing.scratch`), back once the load is over.
 load_pool = SlabPool()
 
 
@@ -281,7 +282,9 @@ def release_snapshot_buffers() -> None:
     as its coded blocks in flight held at once), so that the next one codes
     into pages already mapped; after a load onto accelerators, the host
     buffers it read into (at most as many bytes as it held at once, about its
-    ``budget_bytes``), so that the next load fills pages already mapped.
+    ``budget_bytes``), and after any load its reader threads' scratch buffers
+    (a compressed read's stored bytes: up to ``threads`` times the largest
+    read's), so that the next load fills pages already mapped.
     `cairn.load` releases the saves' buffers itself, and a save the load's,
     since each needs the memory; call this to get it all back at any other time.
 
