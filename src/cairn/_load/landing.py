@@ -51,7 +51,8 @@ def scratch_size(nbytes: int) -> int:
 
 def in_scope(scope: dict[Any, Any], fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Run `fn` with this thread's scratch buffers kept in `scope` (one load's dict, dropped with the
-    load), not on the thread: long-lived threads shared by loads keep no buffer between them."""
+    load: its buffers go back to `buffers.load_pool`), not on the thread: long-lived threads shared by
+    loads keep no buffer of their own between them."""
     before = getattr(_local, "scope", None)
     _local.scope = scope
     try:

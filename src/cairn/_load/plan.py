@@ -49,7 +49,7 @@ from .._tree.shardings import (
 )
 from .blocks import block_places, fetches
 from .coalesce import CODED_RUNS, Cut, refs_whole_span, run_limits, stored_whole_span, whole_span
-from .landing import coded_lands, contiguous, lands_in_place
+from .landing import coded_lands, contiguous, lands_in_place, scratch_size
 from .readonce import ProcessOf
 from .schedule import Schedule
 
@@ -247,12 +247,13 @@ class _Planner:
         self.coded_runs = self.coded_max = 0  # compressed pieces gathered into runs, the largest run
 
     def scratch(self) -> int:
-        """Per-thread buffers of reads that cannot land in place (kept for the pool's life), and the
-        buffers of compressed runs (`coalesce.CODED_RUNS` at most, as large as the largest run)."""
+        """Per-thread buffers of reads that cannot land in place (lent for the load in `landing.scratch_size`
+        classes, then kept in `buffers.load_pool`), and the buffers of compressed runs (`coalesce.CODED_RUNS`
+        at most, as large as the largest run)."""
         coded = min(CODED_RUNS, self.coded_runs) * self.coded_max
         if not self.scratch_reads:
             return coded
-        return min(self.threads, self.scratch_reads) * max(self.scratch_max, 1 << 20) + coded
+        return min(self.threads, self.scratch_reads) * scratch_size(self.scratch_max) + coded
 
     def array(self, cuts: _Cuts, it: Any, leaf: fmt.ArrayLeaf, sharding: Any,
               region: Box | None) -> tuple[list[int], int, tuple[Span | None, list[Read]]]:
