@@ -175,3 +175,26 @@ def test_fresh_buffers_are_mapped_off_the_load_pool(monkeypatch):
     r.start_prefault()
     decodepool.prefault_thread().submit(lambda: None).result(timeout=10)
     assert ran_on and ran_on[0].startswith("cairn-prefault") and r._unmapped == []
+
+
+def test_stop_threads_leaves_none_and_the_next_load_starts_its_own(tmp_path, monkeypatch):
+    """Loads leave their reader (and decoder) threads idle for the next one; `engine.stop_threads` stops
+    them all, and a later load starts new ones."""
+    import numpy as np
+
+    import cairn
+    from cairn._load import decodepool
+
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", 2)
+    w = (np.random.default_rng(5).standard_normal((512, 1024)) * 0.02).astype(np.float32)
+    cairn.save(tmp_path / "c", {"w": w}, compression="zstd")
+
+    def ours() -> list[str]:
+        return [t.name for t in threading.enumerate() if t.name.startswith(("cairn-read", "cairn-decode"))]
+
+    np.testing.assert_array_equal(cairn.load(tmp_path / "c")["w"], w)
+    assert any(n.startswith("cairn-read") for n in ours())
+    engine.stop_threads()
+    assert ours() == []
+    np.testing.assert_array_equal(cairn.load(tmp_path / "c")["w"], w)
+    assert any(n.startswith("cairn-read") for n in ours())

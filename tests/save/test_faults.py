@@ -221,7 +221,10 @@ SERVER = textwrap.dedent(
         with cairn.CheckpointManager(warm, async_save=False, handle_sigterm=False) as m:
             m.save(0, make_state(0))
         shutil.rmtree(warm)
-        # Forking is safe only without other threads (their locks would be copied held).
+        # Forking is safe only without other threads (their locks would be copied held): the load's
+        # reader threads, idle now, kept for the next load, are stopped.
+        from cairn._load.engine import stop_threads
+        stop_threads()
         assert threading.active_count() == 1, threading.enumerate()
         serve()
     '''

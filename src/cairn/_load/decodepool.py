@@ -59,6 +59,18 @@ def prefault_thread() -> ThreadPoolExecutor:
         return _prefaulter
 
 
+def stop_threads() -> None:
+    """Stop the decode pools' and the prefault thread's idle threads, waiting for any work they run; the
+    next load that needs them starts new ones."""
+    global _prefaulter
+    with _decode_lock:
+        pools = [*_decode_pools.values(), *([_prefaulter] if _prefaulter is not None else [])]
+        _decode_pools.clear()
+        _prefaulter = None
+    for pool in pools:
+        pool.shutdown(wait=True)
+
+
 def _forget_decode_pools() -> None:  # a forked child has none of its parent's threads
     global _decode_lock, _prefaulter
     _decode_pools.clear()

@@ -314,6 +314,21 @@ def _shared_pool(threads: int) -> ThreadPoolExecutor:
         return pool
 
 
+def stop_threads() -> None:
+    """Stop this process's idle load threads (readers, decoders, the prefault thread), waiting for any work
+    they run; the next load starts new ones. Loads leave them running, idle, for the next load (`_LoadPool`):
+    a process about to fork that wants no thread of cairn's in it (the fault tests' fork server) calls this
+    first. (A forked child never uses its parent's: it starts its own, `_forget_pools`.)"""
+    from .decodepool import stop_threads as stop_decoders
+
+    with _pools_lock:
+        pools = list(_pools.values())
+        _pools.clear()
+    for pool in pools:
+        pool.shutdown(wait=True)
+    stop_decoders()
+
+
 def _forget_pools() -> None:  # a forked child has none of its parent's threads: it starts its own
     global _pools_lock
     _pools.clear()
