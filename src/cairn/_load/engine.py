@@ -35,6 +35,7 @@ from .._tree.perprocess import LoadView
 from .._tree.pytree import display_path, map_with_path, unflatten
 from .._tree.shardings import WHOLE_PUT_BYTES, concrete_sharding, misfit, on_mesh, puts_whole
 from . import casts
+from .decodepool import stop_threads as stop_decoders
 from .landing import in_scope
 from .metadata import read_index, read_manifest
 from .options import LoadOptions, options_of
@@ -319,8 +320,6 @@ def stop_threads() -> None:
     they run; the next load starts new ones. Loads leave them running, idle, for the next load (`_LoadPool`):
     a process about to fork that wants no thread of cairn's in it (the fault tests' fork server) calls this
     first. (A forked child never uses its parent's: it starts its own, `_forget_pools`.)"""
-    from .decodepool import stop_threads as stop_decoders
-
     with _pools_lock:
         pools = list(_pools.values())
         _pools.clear()
