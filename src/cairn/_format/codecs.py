@@ -62,7 +62,7 @@ from . import blosc2lib
 #: The codec names the format knows, in the order `choose` prefers them at equal size.
 CODECS = ("none", "blosc2", "planes", "zstd", "blosc2-lz4")
 #: The codecs whose blocks are C-Blosc2 chunks (`blosc2lib.SETTINGS`: how cairn codes each).
-BLOSC2_CODECS = ("blosc2", "blosc2-lz4")
+BLOSC2_CODECS = tuple(blosc2lib.SETTINGS)
 #: The Blosc filters each C-Blosc2 codec's chunks may name (docs/FORMAT.md §6.4): 0 none, 1 the byte
 #: shuffle, 2 the bit shuffle (a "blosc2-lz4" block: format version 6, §6.6).
 _B2_FILTERS = {"blosc2": (0, 1), "blosc2-lz4": (0, 1, 2)}

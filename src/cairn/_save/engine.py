@@ -69,6 +69,7 @@ from .options import (
     CODEC_METER,
     CODEC_SPEEDS,
     SaveOptions,
+    bad_compression,
     blosc2_faster,
     compression_can_pay,
     compression_pays,
@@ -867,8 +868,7 @@ def resolve_compression(compression: str | bool | None, storage: Any) -> str | N
             raise ValueError(f"compression={compression!r} needs python-blosc2, which is not installed: "
                              f"pip install '{_codecs.BLOSC2_EXTRA}'")
         return str(compression)
-    raise ValueError(f"compression must be 'auto', True, False, 'none', 'zstd', 'planes', 'blosc2' or "
-                     f"'blosc2-lz4', not {compression!r}")
+    raise bad_compression(compression)
 
 
 #: The codec "auto" weighs against the leaf's codec by predicted time: it stores more and codes faster.

@@ -22,6 +22,12 @@ COMPRESSIONS: tuple[str | bool | None, ...] = ("auto", True, False, None, "none"
                                                 "blosc2-lz4")
 
 
+def bad_compression(value: Any) -> ValueError:
+    """The error for a `compression` that is none of `COMPRESSIONS`, naming them all."""
+    names = [repr(c) for c in COMPRESSIONS if c is not None]
+    return ValueError(f"compression must be {', '.join(names[:-1])} or {names[-1]}, not {value!r}")
+
+
 def _positive_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 1
 
@@ -50,8 +56,7 @@ class SaveOptions:
         if budget is not None and not (isinstance(budget, int) and not isinstance(budget, bool) and budget >= 0):
             raise ValueError(f"snapshot_budget_bytes must be None or a non-negative integer, got {budget!r}")
         if not any(self.compression is c or (isinstance(c, str) and self.compression == c) for c in COMPRESSIONS):
-            raise ValueError("compression must be 'auto', True, False, 'none', 'zstd', 'planes', 'blosc2' or "
-                             f"'blosc2-lz4', not {self.compression!r}")
+            raise bad_compression(self.compression)
 
     def replace(self, **changes: Any) -> SaveOptions:
         """These options with `changes` (keyword names as in `cairn.save_async`); unknown names are a TypeError."""
