@@ -22,7 +22,8 @@ functions that do them (no change to the library):
 threads as before issue 38, ``auto`` on the decode pool (one thread per core); each may add, joined by
 ``+``, ``p8`` (`decodepool.DECODE_PIECE` in MiB), ``nolend`` (new host buffers for every load, not lent
 from `buffers.load_pool`), ``spread`` (a compressed read's pieces queued on the pool and waited for,
-`reader.CODED_SHARED` off) and ``t12`` (``load(threads=12)``): ``--settings auto,auto+nolend,auto+spread``.
+`reader.CODED_SHARED` off), ``c16`` (`landing.CODED_PART` in MiB; ``whole``: large chunks read whole, as before
+the parts) and ``t12`` (``load(threads=12)``): ``--settings auto,auto+nolend,auto+spread,auto+whole``.
 ``--ab SRC`` instead compares this tree against another checkout's ``src`` (e.g. ``/work/main/src``): each
 load runs in a child process of either tree, alternated, on the same saved checkpoints.
 
@@ -119,8 +120,9 @@ def instrument(spans: Spans) -> None:
 def set_decode_threads(value: str) -> int | None:
     """Apply a ``--settings`` value: `decodepool.DECODE_THREADS` (``auto`` or a number), then, joined by
     ``+``, ``p<MiB>`` for `decodepool.DECODE_PIECE`, ``nolend`` for new load buffers
-    (`reader.LEND_LOAD_BUFFERS` False), ``spread`` for `reader.CODED_SHARED` False and ``t<N>`` for ``load(threads=N)``, the load's reader threads
-    (returned; None: ``--threads``). Each value sets all of them, so a setting never inherits another's."""
+    (`reader.LEND_LOAD_BUFFERS` False), ``spread`` for `reader.CODED_SHARED` False, ``c<MiB>`` for
+    `landing.CODED_PART` (``whole``: a large chunk's coded read is never cut into parts) and ``t<N>`` for
+    ``load(threads=N)``, the load's reader threads (returned; None: ``--threads``). Each value sets all of them, so a setting never inherits another's."""
     try:  # the decode pool's settings (in `reader` before they had a module of their own)
         from cairn._load import decodepool as pool
     except ImportError:
@@ -136,6 +138,11 @@ def set_decode_threads(value: str) -> int | None:
         reader.LEND_LOAD_BUFFERS = "nolend" not in rest
     if hasattr(reader, "CODED_SHARED"):
         reader.CODED_SHARED = "spread" not in rest
+    from cairn._load import landing
+
+    if hasattr(landing, "CODED_PART"):
+        landing.CODED_PART = (1 << 62) if "whole" in rest else next(
+            (int(r[1:]) for r in rest if r.startswith("c")), 8) << 20
     return next((int(r[1:]) for r in rest if r.startswith("t")), None)
 
 

@@ -92,6 +92,29 @@ def contiguous(dest: tuple[int, ...], start: tuple[int, ...], shape: tuple[int, 
     return all(shape[a] == 1 for a in range(last))
 
 
+#: A compressed read that decodes in place is cut into reads of about this many raw bytes (whole blocks),
+#: which the reader threads read, check and decode at once (`coded_parts`).
+CODED_PART = 8 << 20
+
+
+def coded_parts(read: Any, block: int, part: int | None = None) -> list[Any]:
+    """A read of a compressed leaf (raw addressing: whole blocks of chunk ``read.file``) that decodes in
+    place (`coded_lands`), cut into reads of about `part` raw bytes (default `CODED_PART`), each whole
+    blocks, of equal size but the last; their copies and checks are left out (a coded read takes its
+    checks from the leaf, `reader.CodedRead`, and lands in its slice of the parent's destination bytes).
+
+    One read per chunk left a 128 MiB embedding to one reader thread, which read and checked its ~100 MiB
+    of stored bytes before the first block decoded (95-190 ms on the TPU host, the other readers idle
+    behind it: docs/compression.md, "Large chunks read in parts"). A read at most 1.5 parts long stays whole."""
+    part = CODED_PART if part is None else part
+    if read.end - read.start <= part * 3 // 2:
+        return [read]
+    blocks = -(-(read.end - read.start) // block)
+    per = -(-blocks // -(-(read.end - read.start) // part)) * block  # whole blocks, spread evenly
+    return [read._replace(start=s, end=min(s + per, read.end), copies=(), checks=())
+            for s in range(read.start, read.end, per)]
+
+
 def coded_lands(read: Any, shapes: list[tuple[int, ...]]) -> bool:
     """Whether a read of a compressed leaf decodes straight into destinations of `shapes`: its
     `direct` target is one run of memory (`direct_bytes`). The rule the chunk reader gathers such

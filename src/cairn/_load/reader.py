@@ -50,7 +50,7 @@ from .._storage.location import Location
 from .._tree.pytree import display_path
 from .coalesce import Pieces, Runs, run_limits
 from .decodepool import pieces, prefault_thread, share, spread
-from .landing import MAX_PARTS, MIN_RUN, coded_lands, direct_bytes, lands_in_place
+from .landing import MAX_PARTS, MIN_RUN, coded_lands, coded_parts, direct_bytes, lands_in_place
 from .landing import region as _region
 from .landing import scratch as _scratch
 from .metadata import Opened
@@ -360,6 +360,16 @@ class ChunkReader:
         """
         out = direct_bytes(read, dests)
         raw = out if out is not None else _scratch(read.nbytes)
+        self._decode_into(read, leaf, raw)
+        with self._lock:
+            self.stats.direct_reads += out is not None
+        if out is None:
+            for c in read.copies:
+                src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)
+                dests[c.dest][_region(c.dest_start, c.shape)] = src
+
+    def _decode_into(self, read: Read, leaf: fmt.ArrayLeaf, raw: Any) -> None:
+        """The stored blocks of `read` (raw addressing) read as one range, checked and decoded into `raw`."""
         coded = CodedRead.of(self, read, leaf, raw)
         stored = _scratch(coded.nbytes, "stored")
         view = memoryview(stored.data)
@@ -368,12 +378,12 @@ class ChunkReader:
         bc = BlockChecks(coded.checks, [view], coded.first, coded.fail, then=coded.decoder(view))
         self._fill(coded.file, coded.first, view, leaf, bc)
         bc.rest()
+
+    def _do_read_part(self, part: Read, leaf: fmt.ArrayLeaf, raw: Any) -> None:
+        """One part of a compressed read cut by `coded_parts`, decoded into its slice `raw` of the destination."""
+        self._decode_into(part, leaf, raw)
         with self._lock:
-            self.stats.direct_reads += out is not None
-        if out is None:
-            for c in read.copies:
-                src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)
-                dests[c.dest][_region(c.dest_start, c.shape)] = src
+            self.stats.direct_reads += 1
 
     def read_array(self, leaf: fmt.ArrayLeaf, sharding: Any = None, region: Box | None = None,
                    planned: tuple[Any, list[Read]] | None = None) -> ArrayReads:
@@ -418,13 +428,19 @@ class ChunkReader:
         self._note_fresh(dests)  # (a lent buffer's pages may be mapped already: then mapping them is quick)
         self._runs.submit()
         futures: list[Future[None]] = []
+        shapes = [d.shape for d in dests]
         for r in reads:
-            if self._pieces is not None and leaf.codec != "none" and not leaf.refs and coded_lands(
-                    r, [d.shape for d in dests]):  # decodes in place: its stored blocks join the file's run
+            if leaf.codec != "none" and not leaf.refs and coded_lands(r, shapes):  # decodes in place
                 out = direct_bytes(r, dests)
                 assert out is not None  # (`coded_lands`)
-                futures.append(self._pieces.add_coded(CodedRead.of(self, r, leaf, out)))
-                continue
+                if self._pieces is not None:  # its stored blocks join the file's run
+                    futures.append(self._pieces.add_coded(CodedRead.of(self, r, leaf, out)))
+                    continue
+                parts = coded_parts(r, self.index.block_size)
+                if len(parts) > 1:  # a large chunk: its parts read, checked and decoded on several readers
+                    futures.extend(self.pool.submit(self._do_read_part, p, leaf, out[p.start - r.start : p.end - r.start])
+                                   for p in parts)
+                    continue
             views = self._landing(r, leaf, dests) if self._pieces is not None else None
             if views is not None:  # lands in place: joins the file's run of such reads
                 futures.append(self._pieces.add(r.file, r.start, r.end, views, r.checks, leaf))  # type: ignore[union-attr]
