@@ -4,6 +4,7 @@ whole blocks, read, checked and decoded by a reader thread of its own; the same 
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 
@@ -35,8 +36,8 @@ def test_parts_are_whole_blocks_that_tile_the_read(nbytes):
     if nbytes <= part * 3 // 2:
         assert got == [r]  # a read up to one and a half parts stays whole, copies and checks kept
         return
-    assert [p.start for p in got][0] == r.start and got[-1].end == r.end
-    assert all(a.end == b.start for a, b in zip(got, got[1:]))  # no gap, no overlap
+    assert got[0].start == r.start and got[-1].end == r.end
+    assert all(a.end == b.start for a, b in itertools.pairwise(got))  # no gap, no overlap
     assert all(p.start % block == 0 and p.file == r.file and not p.copies and not p.checks for p in got)
     sizes = [p.end - p.start for p in got]
     assert len(got) == -(-nbytes // part)  # about `part` bytes each...
