@@ -25,7 +25,8 @@ from `buffers.load_pool`), ``spread`` (a compressed read's pieces queued on the 
 `reader.CODED_SHARED` off), ``c16`` (`landing.CODED_PART` in MiB; ``whole``: large chunks read whole, as before
 the parts) and ``t12`` (``load(threads=12)``): ``--settings auto,auto+nolend,auto+spread,auto+whole``.
 ``--ab SRC`` instead compares this tree against another checkout's ``src`` (e.g. ``/work/main/src``): each
-load runs in a child process of either tree, alternated, on the same saved checkpoints.
+load runs in a child process of either tree, alternated, on the same saved checkpoints (after a warm-up load
+in that process; ``--first``: the child's first load, a restart's, its stages timed).
 
 ``--orbax`` adds Orbax's ``StandardCheckpointer`` (its default zstd) saving the state from the device
 and restoring it onto the device, in the same rounds. Prints medians per case and the ratios the
@@ -177,7 +178,12 @@ def load_once(path: str, use_jax: bool, threads: int, spans: Spans | None) -> di
 def _child(args: argparse.Namespace) -> int:
     spans = Spans()
     instrument(spans)
-    load_once(args.path, args.jax, args.threads, spans)  # warm: imports, pools, compilation
+    if not args.first:
+        load_once(args.path, args.jax, args.threads, spans)  # warm: imports, pools, compilation
+    elif args.jax:  # as `restart_load`: the device and its runtime started, not timed
+        import jax
+
+        jax.block_until_ready(jax.device_put(0.0, jax.devices()[0]))
     rows = [load_once(args.path, args.jax, args.threads, spans) for _ in range(args.reps)]
     print("ROWS " + json.dumps(rows))
     return 0
@@ -225,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settings", default="0,auto",
                     help="decodepool.DECODE_THREADS values to compare, each with +p<MiB>, +nolend, +t<N> (see above)")
     ap.add_argument("--ab", default=None, help="another tree's src folder: compare its loads with this tree's")
+    ap.add_argument("--first", action="store_true",
+                    help="with --ab: time each child's first load (a restart's), not a load after a warm-up one")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -276,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                 elif args.ab:
                     env = dict(os.environ, PYTHONPATH=os.pathsep.join([trees[s], here]))
                     cmd = [sys.executable, "-m", "benchmarks.load_stages", "--child", "--path", paths[c],
-                           "--reps", "1", "--threads", str(args.threads)] + (["--jax"] if t == "jax" else [])
+                           "--reps", "1", "--threads", str(args.threads)] + (["--jax"] if t == "jax" else []) + (
+                               ["--first"] if args.first else [])
                     got = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
                     line = [ln for ln in got.stdout.splitlines() if ln.startswith("ROWS ")]
                     if got.returncode or not line:

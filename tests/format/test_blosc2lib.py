@@ -162,21 +162,25 @@ def _fake_blosc2(tmp_path: Path, header: str | None = None, lib: bool = True) ->
     return fake
 
 
+def _found(fake):
+    return blosc2lib._found(Path(fake.__file__).parent, lambda d: blosc2lib._probe(d, fake))
+
+
 def test_falls_back_where_the_header_declares_another_layout(tmp_path, caplog):
     """A python-blosc2 whose header declares blosc2_cparams with one more field (a later C-Blosc2, say):
     cairn does not pass its structs to that library, and says why at debug level."""
     fake = _fake_blosc2(tmp_path, header=lambda t: t.replace("  int32_t splitmode;",
                                                              "  int32_t splitmode;\n  int32_t newer;", 1))
-    why = blosc2lib._found(fake)
+    why = _found(fake)
     assert why[0] is None and "blosc2_cparams" in why[1] and str(tmp_path) in why[1]
     intact = _fake_blosc2(tmp_path / "ok")
-    direct, why = blosc2lib._found(intact)
+    direct, why = _found(intact)
     assert direct is not None and why is None  # the same folder with the header as shipped: taken
 
 
 def test_falls_back_without_the_library_or_when_turned_off(tmp_path, monkeypatch):
     fake = _fake_blosc2(tmp_path, lib=False)
-    direct, why = blosc2lib._found(fake)
+    direct, why = _found(fake)
     assert direct is None and "no C-Blosc2 library" in why
     monkeypatch.setattr(blosc2lib, "_loaded", [])
     monkeypatch.setenv("CAIRN_BLOSC2_DIRECT", "0")
@@ -228,3 +232,54 @@ def test_declared_reads_struct_fields_whatever_the_spacing():
     assert blosc2lib._declared(text, "thing") == (("uint8_t", "a"), ("void*", "b"), ("void*", "c[N]"),
                                                   ("struct_fn", "d"))
     assert blosc2lib._declared(text, "other") is None
+
+
+def test_a_load_decodes_without_importing_python_blosc2(tmp_path):
+    """A fresh process's compressed load finds C-Blosc2 beside python-blosc2 and decodes with it, without
+    importing python-blosc2 (1.3 s on the TPU host, in a restart's first load): the values are the same,
+    and a save in that process still checks the direct path against python-blosc2 before coding."""
+    import subprocess
+    import sys
+
+    code = """
+import sys, numpy as np, cairn
+w = (np.random.default_rng(1).standard_normal((300, 70)) * 0.02).astype(np.float32)
+x = np.arange(999, dtype=np.int16)
+if sys.argv[1] == "save":
+    for c in ("blosc2", "blosc2-lz4"):
+        cairn.save(sys.argv[2] + "/" + c, {"w": w, "x": x}, compression=c)
+else:
+    from cairn._format import blosc2lib
+    for c in ("blosc2", "blosc2-lz4"):
+        got = cairn.load(sys.argv[2] + "/" + c)
+        assert (got["w"] == w).all() and (got["x"] == x).all(), c
+    print("imported" if "blosc2" in sys.modules else "not imported", blosc2lib._decoding[0] is not None)
+    cairn.save(sys.argv[2] + "/again", {"w": w}, compression="blosc2-lz4")
+    print("imported" if "blosc2" in sys.modules else "not imported", blosc2lib._loaded[0] is not None)
+    assert (cairn.load(sys.argv[2] + "/again")["w"] == w).all()
+"""
+    subprocess.run([sys.executable, "-c", code, "save", str(tmp_path)], check=True)
+    out = subprocess.run([sys.executable, "-c", code, "load", str(tmp_path)], check=True, capture_output=True,
+                         text=True).stdout.split("\n")
+    assert out[:2] == ["not imported True", "imported True"]
+
+
+def test_the_decoder_falls_back_where_turned_off_or_where_its_roundtrip_fails(monkeypatch):
+    real = blosc2lib.Direct(blosc2lib.load(_b2())._lib)
+    monkeypatch.setattr(blosc2lib, "_loaded", [])
+    monkeypatch.setattr(blosc2lib, "_decoding", [])
+    monkeypatch.setenv("CAIRN_BLOSC2_DIRECT", "0")
+    assert blosc2lib.decoder() is None
+    raw = (np.random.default_rng(2).standard_normal(3000) * 0.02).astype(np.float32)
+    for codec in B2:  # python-blosc2's functions decode then
+        stored = _codecs.encode(codec, raw, np.float32)
+        assert bytes(_codecs.decode(codec, stored, np.float32, raw.nbytes)) == raw.tobytes()
+
+    assert blosc2lib._roundtrip(real) is None
+
+    class Shortchanged(blosc2lib.Direct):  # a library that decodes a byte short
+        def decompress_into(self, src, cbytes, dst, n):
+            return real.decompress_into(src, cbytes, dst, n) - 1
+
+    why = blosc2lib._roundtrip(Shortchanged(real._lib))
+    assert why is not None and "does not decode its own 'blosc2' chunk" in why

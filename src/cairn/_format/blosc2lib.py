@@ -23,17 +23,23 @@ otherwise, with the same chunk bytes:
   with the same settings, and decode back here and with `decompress2`;
 - the environment does not say ``CAIRN_BLOSC2_DIRECT=0``.
 
+A load only decodes, and finds the library without importing python-blosc2 (`decoder`): the package is
+located, the library and header beside it checked as above, and probe blocks coded and decoded back by
+the library itself. Importing python-blosc2 took 1.3 s on the TPU host, inside a restart's first load.
+
 Pure: no file or network I/O of checkpoints, no JAX.
 """
 
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import itertools
 import logging
 import os
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -250,8 +256,58 @@ def _probe(direct: Direct, b2: Any) -> str | None:
     return None
 
 
+def _roundtrip(direct: Direct) -> str | None:
+    """Why `direct` may not decode cairn's chunks (None: it may), found without python-blosc2: probe blocks
+    of each element size, trained-like and incompressible, coded and decoded back here by C-Blosc2 itself
+    (`decoder`; the bytes coded are checked against python-blosc2's where a save codes, `_probe`)."""
+    rng = np.random.default_rng(7)
+    normal = (rng.standard_normal(40 << 10) * 0.02).astype(np.float32).view(np.uint8)
+    noise = rng.integers(0, 256, 20 << 10, dtype=np.uint8)
+    for codec, k in itertools.product(SETTINGS, (1, 2, 4, 8, 16)):
+        for raw in (normal[: (100 << 10) // k * k], normal[: 37 * k], noise[: (len(noise) // k) * k - k]):
+            out = np.empty(raw.nbytes + MAX_OVERHEAD, np.uint8)
+            n = direct.compress_into(k, address(raw)[0], raw.nbytes, address(out)[0], out.nbytes, codec)
+            back = np.empty(raw.nbytes, np.uint8)
+            if direct.decompress_into(address(out)[0], n, address(back)[0], back.nbytes) != raw.nbytes:
+                return f"it does not decode its own {codec!r} chunk of {raw.nbytes} bytes"
+            if not np.array_equal(back, raw):
+                return f"its {codec!r} chunk of {raw.nbytes} bytes does not decode to its raw bytes"
+    return None
+
+
 _lock = threading.Lock()
 _loaded: list[Direct | None] = []
+_decoding: list[Direct | None] = []
+
+
+def decoder() -> Direct | None:
+    """The direct path for decoding, found without importing python-blosc2 (which takes 1.3 s on the TPU
+    host, a restart's first compressed load: docs/compression.md, "A restart without python-blosc2's
+    import"): its package located, the library and header beside it checked as `load` does, and blocks
+    coded and decoded back by the library itself (`_roundtrip`). The direct path `load` found, where it
+    ran first. None where it cannot be shown to decode (the caller then uses python-blosc2's functions)."""
+    if _loaded:
+        return _loaded[0]
+    if _decoding:
+        return _decoding[0]
+    with _lock:
+        if not _loaded and not _decoding:
+            direct, why = None, None
+            if os.environ.get("CAIRN_BLOSC2_DIRECT", "1").strip().lower() in ("0", "false", "no", "off"):
+                why = "CAIRN_BLOSC2_DIRECT is off"
+            else:
+                try:
+                    spec = importlib.util.find_spec("blosc2")
+                    if spec is None or not spec.origin:
+                        why = "python-blosc2 is not installed"
+                    else:
+                        direct, why = _found(Path(spec.origin).parent, _roundtrip)
+                except (OSError, AttributeError, RuntimeError, MemoryError, ValueError, ImportError) as e:
+                    direct, why = None, f"{type(e).__name__}: {e}"
+            if direct is None:
+                log.debug("cairn: C-Blosc2 chunks decoded through python-blosc2's functions (%s)", why)
+            _decoding.append(direct)
+    return _loaded[0] if _loaded else _decoding[0]
 
 
 def load(b2: Any) -> Direct | None:
@@ -266,7 +322,7 @@ def load(b2: Any) -> Direct | None:
                 why = "CAIRN_BLOSC2_DIRECT is off"
             else:
                 try:
-                    direct, why = _found(b2)
+                    direct, why = _found(Path(b2.__file__).parent, lambda d: _probe(d, b2))
                 except (OSError, AttributeError, RuntimeError, MemoryError, ValueError) as e:
                     direct, why = None, f"{type(e).__name__}: {e}"
             if direct is None:
@@ -275,8 +331,9 @@ def load(b2: Any) -> Direct | None:
     return _loaded[0]
 
 
-def _found(b2: Any) -> tuple[Direct | None, str | None]:
-    b2_dir = Path(b2.__file__).parent
+def _found(b2_dir: Path, probe: Callable[[Direct], str | None]) -> tuple[Direct | None, str | None]:
+    """The direct path to the library in python-blosc2's package folder `b2_dir`, where its header declares
+    the layouts cairn passes and `probe` finds no fault (else None, and why)."""
     lib_path = _library(b2_dir)
     header = b2_dir / "include" / "blosc2.h"
     if lib_path is None or not header.is_file():
@@ -289,6 +346,9 @@ def _found(b2: Any) -> tuple[Direct | None, str | None]:
     for name, want in (("blosc2_cparams", _CPARAMS), ("blosc2_dparams", _DPARAMS)):
         if _declared(text, name) != want:
             return None, f"{header} declares {name} differently from the layout cairn passes"
-    direct = Direct(ctypes.CDLL(str(lib_path)))
-    why = _probe(direct, b2)
+    lib = ctypes.CDLL(str(lib_path))
+    lib.blosc2_init.argtypes, lib.blosc2_init.restype = [], None
+    lib.blosc2_init()  # (once per process, as python-blosc2's import does; a second call does nothing)
+    direct = Direct(lib)
+    why = probe(direct)
     return (None, why) if why else (direct, None)

@@ -182,6 +182,16 @@ def _blosc2(where: str = "", codec: str = "blosc2") -> Any:
     return _blosc2_module
 
 
+def _blosc2_decoder(where: str = "", codec: str = "blosc2") -> blosc2lib.Direct | None:
+    """C-Blosc2 called directly to decode (`blosc2lib.decoder`: found without importing python-blosc2,
+    which a restart's first compressed load paid 1.3 s for on the TPU host), else None, python-blosc2
+    imported: its functions decode. Missing: `_blosc2`'s error."""
+    direct = blosc2lib.decoder()
+    if direct is None:
+        _blosc2(where, codec)
+    return direct
+
+
 _blosc2_kw: dict[tuple[str, int], dict[str, Any]] = {}
 
 
@@ -680,7 +690,7 @@ def decode(codec: str, stored: Any, dtype: Any, raw_size: int, out: Any = None, 
     elif codec == "planes":
         layout = _planes_layout(src, raw_size, k, where)
     else:
-        _blosc2(where, codec)  # (without python-blosc2: its error, before anything is allocated)
+        _blosc2_decoder(where, codec)  # (without python-blosc2: its error, before anything is allocated)
         _check_blosc2(src, raw_size, k, where, codec)
     if out is None:
         dst = np.empty(raw_size, np.uint8)
@@ -811,8 +821,8 @@ def _decode_blosc2_run(stored: Sequence[Any], dtype: Any, raw_sizes: Sequence[in
         k = _check_dtype(dtype).itemsize
     except ValueError as e:
         raise _corrupt(names[0] if names else "", codec, f"has {e}") from None
-    b2 = _blosc2(names[0] if names else "", codec)
-    direct = blosc2lib.load(b2) if dst.flags.c_contiguous else None
+    direct = _blosc2_decoder(names[0] if names else "", codec) if dst.flags.c_contiguous else None
+    b2 = _blosc2(names[0] if names else "", codec) if direct is None else None
     base = blosc2lib.address(dst)[0] if direct is not None else 0
     for i, s in enumerate(stored):
         raw_size, where = raw_sizes[i], names[i]
@@ -831,6 +841,7 @@ def _decode_blosc2_run(stored: Sequence[Any], dtype: Any, raw_sizes: Sequence[in
                 raise _corrupt(where, codec, f"does not decompress (C-Blosc2 returned {got} for {raw_size} bytes)")
             continue
         try:
+            assert b2 is not None
             b2.decompress2(src, dst=dst[offsets[i]:offsets[i + 1]], nthreads=1)
         except (ValueError, RuntimeError) as e:
             raise _corrupt(where, codec, f"does not decompress: {e}") from None
