@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
                     assert restore is not None
                     runs[(c, t, s)].append(restore())
                 elif args.ab:
-                    env = dict(os.environ, PYTHONPATH=os.pathsep.join([trees[s], here]))
+                    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+                        p for p in (trees[s], here, os.environ.get("PYTHONPATH")) if p))
                     cmd = [sys.executable, "-m", "benchmarks.load_stages", "--child", "--path", paths[c],
                            "--reps", "1", "--threads", str(args.threads)] + (["--jax"] if t == "jax" else []) + (
                                ["--first"] if args.first else [])
