@@ -105,7 +105,7 @@ def coded_parts(read: Any, block: int, part: int | None = None) -> list[Any]:
 
     One read per chunk left a 128 MiB embedding to one reader thread, which read and checked its ~100 MiB
     of stored bytes before the first block decoded (95-190 ms on the TPU host, the other readers idle
-    behind it: docs/compression.md, "Large chunks read in parts"). A read at most 1.5 parts long stays whole."""
+    behind it: docs/compression.md, "Large chunks in parts"). A read at most 1.5 parts long stays whole."""
     part = CODED_PART if part is None else part
     if read.end - read.start <= part * 3 // 2:
         return [read]
