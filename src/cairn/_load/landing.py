@@ -93,11 +93,11 @@ def contiguous(dest: tuple[int, ...], start: tuple[int, ...], shape: tuple[int, 
 
 
 #: A compressed read that decodes in place is cut into reads of about this many raw bytes (whole blocks),
-#: which the reader threads read, check and decode at once (`coded_parts`).
+#: which the reader threads read, check and decode at once (`split_coded`).
 CODED_PART = 8 << 20
 
 
-def coded_parts(read: Any, block: int, part: int | None = None) -> list[Any]:
+def split_coded(read: Any, block: int, part: int | None = None) -> list[Any]:
     """A read of a compressed leaf (raw addressing: whole blocks of chunk ``read.file``) that decodes in
     place (`coded_lands`), cut into reads of about `part` raw bytes (default `CODED_PART`), each whole
     blocks, of equal size but the last; their copies and checks are left out (a coded read takes its

@@ -49,7 +49,7 @@ from .._tree.shardings import (
 )
 from .blocks import block_places, fetches
 from .coalesce import CODED_RUNS, Cut, refs_whole_span, run_limits, stored_whole_span, whole_span
-from .landing import coded_lands, coded_parts, contiguous, lands_in_place, scratch_size
+from .landing import coded_lands, contiguous, lands_in_place, scratch_size, split_coded
 from .readonce import ProcessOf
 from .schedule import Schedule
 
@@ -285,8 +285,8 @@ class _Planner:
                     self.coded_runs += 1
                     self.coded_max = max(self.coded_max, cuts.last)
                     continue
-                if lands:  # large chunks in parts (`coded_parts`), each read alone into a stored-bytes buffer
-                    for part in coded_parts(r, block):
+                if lands:  # large chunks in parts (`split_coded`), each read alone into a stored-bytes buffer
+                    for part in split_coded(r, block):
                         _, first, stored = stored_span(leaf, part, block)
                         cuts.alone(file, first, stored)
                         self._scratch(stored)

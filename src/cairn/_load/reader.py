@@ -50,7 +50,7 @@ from .._storage.location import Location
 from .._tree.pytree import display_path
 from .coalesce import Pieces, Runs, run_limits
 from .decodepool import pieces, prefault_thread, share, spread
-from .landing import MAX_PARTS, MIN_RUN, coded_lands, coded_parts, direct_bytes, lands_in_place
+from .landing import MAX_PARTS, MIN_RUN, coded_lands, direct_bytes, lands_in_place, split_coded
 from .landing import region as _region
 from .landing import scratch as _scratch
 from .metadata import Opened
@@ -380,7 +380,7 @@ class ChunkReader:
         bc.rest()
 
     def _do_read_part(self, part: Read, leaf: fmt.ArrayLeaf, raw: Any) -> None:
-        """One part of a compressed read cut by `coded_parts`, decoded into its slice `raw` of the destination."""
+        """One part of a compressed read cut by `split_coded`, decoded into its slice `raw` of the destination."""
         self._decode_into(part, leaf, raw)
         with self._lock:
             self.stats.direct_reads += 1
@@ -436,7 +436,7 @@ class ChunkReader:
                 if self._pieces is not None:  # its stored blocks join the file's run
                     futures.append(self._pieces.add_coded(CodedRead.of(self, r, leaf, out)))
                     continue
-                parts = coded_parts(r, self.index.block_size)
+                parts = split_coded(r, self.index.block_size)
                 if len(parts) > 1:  # a large chunk: its parts read, checked and decoded on several readers
                     futures.extend(self.pool.submit(self._do_read_part, p, leaf, out[p.start - r.start : p.end - r.start])
                                    for p in parts)

@@ -1,4 +1,4 @@
-"""A large compressed chunk that decodes in place is read in parts (`landing.coded_parts`, issue 38): each part
+"""A large compressed chunk that decodes in place is read in parts (`landing.split_coded`, issue 38): each part
 whole blocks, read, checked and decoded by a reader thread of its own; the same values, one request per part
 (as the dry run predicts), and every flipped stored byte a `CorruptCheckpointError` naming its block."""
 
@@ -32,7 +32,7 @@ def _read(start: int, end: int) -> Read:
 def test_parts_are_whole_blocks_that_tile_the_read(nbytes):
     block, part = MiB, 8 * MiB
     r = _read(2 * block, 2 * block + nbytes)
-    got = landing.coded_parts(r, block, part)
+    got = landing.split_coded(r, block, part)
     if nbytes <= part * 3 // 2:
         assert got == [r]  # a read up to one and a half parts stays whole, copies and checks kept
         return
