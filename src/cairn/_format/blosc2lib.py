@@ -347,8 +347,11 @@ def _found(b2_dir: Path, probe: Callable[[Direct], str | None]) -> tuple[Direct 
         if _declared(text, name) != want:
             return None, f"{header} declares {name} differently from the layout cairn passes"
     lib = ctypes.CDLL(str(lib_path))
-    lib.blosc2_init.argtypes, lib.blosc2_init.restype = [], None
-    lib.blosc2_init()  # (once per process, as python-blosc2's import does; a second call does nothing)
+    # Once per process, as python-blosc2's import does (a second call returns at once). Called holding the
+    # GIL (`PyDLL`), as that import calls it, so the two never run at once: its guard is a plain flag.
+    init = ctypes.PyDLL(str(lib_path)).blosc2_init
+    init.argtypes, init.restype = [], None
+    init()
     direct = Direct(lib)
     why = probe(direct)
     return (None, why) if why else (direct, None)
