@@ -229,7 +229,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--orbax", action="store_true", help="also Orbax's StandardCheckpointer restoring onto the device")
     ap.add_argument("--compression", default="False,True", help="compression= values of the saves")
     ap.add_argument("--settings", default="0,auto",
-                    help="decodepool.DECODE_THREADS values to compare, each with +p<MiB>, +nolend, +t<N> (see above)")
+                    help="decodepool.DECODE_THREADS values to compare, each with +p<MiB>, +nolend, +spread, +c<MiB>, +whole, "
+                         "+t<N> (see above)")
     ap.add_argument("--ab", default=None, help="another tree's src folder: compare its loads with this tree's")
     ap.add_argument("--first", action="store_true",
                     help="with --ab: time each child's first load (a restart's), not a load after a warm-up one")
