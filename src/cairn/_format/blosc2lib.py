@@ -286,49 +286,47 @@ def decoder() -> Direct | None:
     import"): its package located, the library and header beside it checked as `load` does, and blocks
     coded and decoded back by the library itself (`_roundtrip`). The direct path `load` found, where it
     ran first. None where it cannot be shown to decode (the caller then uses python-blosc2's functions)."""
-    if _loaded:
-        return _loaded[0]
-    if _decoding:
-        return _decoding[0]
-    with _lock:
-        if not _loaded and not _decoding:
-            direct, why = None, None
-            if os.environ.get("CAIRN_BLOSC2_DIRECT", "1").strip().lower() in ("0", "false", "no", "off"):
-                why = "CAIRN_BLOSC2_DIRECT is off"
-            else:
-                try:
-                    spec = importlib.util.find_spec("blosc2")
-                    if spec is None or not spec.origin:
-                        why = "python-blosc2 is not installed"
-                    else:
-                        direct, why = _found(Path(spec.origin).parent, _roundtrip)
-                except (OSError, AttributeError, RuntimeError, MemoryError, ValueError, ImportError) as e:
-                    direct, why = None, f"{type(e).__name__}: {e}"
-            if direct is None:
-                log.debug("cairn: C-Blosc2 chunks decoded through python-blosc2's functions (%s)", why)
-            _decoding.append(direct)
+    if not _loaded and not _decoding:
+        _once(_decoding, _beside_package, "decoded")
     return _loaded[0] if _loaded else _decoding[0]
 
 
 def load(b2: Any) -> Direct | None:
     """The direct path for python-blosc2 module `b2`, or None where it cannot be shown to code the same
     chunks (found and checked once per process; the reason logged at debug level)."""
-    if _loaded:
-        return _loaded[0]
-    with _lock:
-        if not _loaded:
-            direct, why = None, None
-            if os.environ.get("CAIRN_BLOSC2_DIRECT", "1").strip().lower() in ("0", "false", "no", "off"):
-                why = "CAIRN_BLOSC2_DIRECT is off"
-            else:
-                try:
-                    direct, why = _found(Path(b2.__file__).parent, lambda d: _probe(d, b2))
-                except (OSError, AttributeError, RuntimeError, MemoryError, ValueError) as e:
-                    direct, why = None, f"{type(e).__name__}: {e}"
-            if direct is None:
-                log.debug("cairn: C-Blosc2 chunks coded through python-blosc2's functions (%s)", why)
-            _loaded.append(direct)
+    if not _loaded:
+        _once(_loaded, lambda: _found(Path(b2.__file__).parent, lambda d: _probe(d, b2)), "coded")
     return _loaded[0]
+
+
+def _once(found: list[Direct | None], search: Callable[[], tuple[Direct | None, str | None]], done: str) -> None:
+    """Put in `found` (`_loaded` or `_decoding`), unless there already, the direct path `search` finds, or
+    None where it finds none, fails or ``CAIRN_BLOSC2_DIRECT`` is off (the reason logged at debug level)."""
+    with _lock:
+        if found:
+            return
+        direct, why = None, None
+        if os.environ.get("CAIRN_BLOSC2_DIRECT", "1").strip().lower() in ("0", "false", "no", "off"):
+            why = "CAIRN_BLOSC2_DIRECT is off"
+        else:
+            try:
+                direct, why = search()
+            except (OSError, AttributeError, RuntimeError, MemoryError, ValueError) as e:
+                direct, why = None, f"{type(e).__name__}: {e}"
+        if direct is None:
+            log.debug("cairn: C-Blosc2 chunks %s through python-blosc2's functions (%s)", done, why)
+        found.append(direct)
+
+
+def _beside_package() -> tuple[Direct | None, str | None]:
+    """`_found` in the folder of python-blosc2's package, located without importing it."""
+    try:
+        spec = importlib.util.find_spec("blosc2")
+    except (ImportError, ValueError) as e:
+        return None, f"{type(e).__name__}: {e}"
+    if spec is None or not spec.origin:
+        return None, "python-blosc2 is not installed"
+    return _found(Path(spec.origin).parent, _roundtrip)
 
 
 def _found(b2_dir: Path, probe: Callable[[Direct], str | None]) -> tuple[Direct | None, str | None]:
