@@ -278,21 +278,19 @@ class _Planner:
             if leaf.refs:  # `blocks.read_blocks`: its `fetches`
                 self._refs(cuts, it, leaf, r, shapes)
             elif leaf.codec != "none":  # `ChunkReader._do_read_coded`: the blocks' stored bytes, then decoded
-                file, first, stored = stored_span(leaf, r, block)
                 lands = coded_lands(r, shapes)
                 if lim.pieces and lands:  # gathered per file (`Pieces.add_coded`), in the reader's buffers
+                    file, first, stored = stored_span(leaf, r, block)
                     runs.append(cuts.piece(file, first, first + stored))
                     self.coded_runs += 1
                     self.coded_max = max(self.coded_max, cuts.last)
                     continue
-                if lands:  # large chunks in parts (`split_coded`), each read alone into a stored-bytes buffer
-                    for part in split_coded(r, block):
-                        _, first, stored = stored_span(leaf, part, block)
-                        cuts.alone(file, first, stored)
-                        self._scratch(stored)
-                    continue
-                cuts.alone(file, first, stored)
-                self._scratch(stored + r.nbytes)
+                # Each read alone into a stored-bytes buffer; one that decodes in place in parts (`split_coded`),
+                # one that does not through a raw buffer too.
+                for part in split_coded(r, block) if lands else [r]:
+                    file, first, stored = stored_span(leaf, part, block)
+                    cuts.alone(file, first, stored)
+                    self._scratch(stored + (0 if lands else r.nbytes))
             elif lim.pieces and not leaf.refs and lands_in_place(r, shapes, lim.vectored):
                 runs.append(cuts.piece(r.file, r.start, r.end))
             else:

@@ -352,11 +352,12 @@ class ChunkReader:
 
         Where the storage fetches the range in parts (object stores), the blocks wholly inside a part
         are checked in the thread that received the part, as it lands, and decoded by it and the decode
-        pool (`spread`): a corrupt block fails the read while later parts are still on the wire, and
-        decoding overlaps the transfer. From a local file, the blocks are checked once read, then
-        decoded by this reader thread and the decode pool, on as many cores as are free (issue 38). Blocks across two parts are checked and decoded once the whole range has
-        landed. (On object stores, reads that decode straight into their destination are gathered per
-        file instead, `Pieces`, with the same checks and decoding: `CodedRead`.)
+        pool (`CodedRead.decoder`): a corrupt block fails the read while later parts are still on the wire,
+        and decoding overlaps the transfer. From a local file, the blocks are checked once read, then
+        decoded by this reader thread and the decode pool, on as many cores as are free (issue 38). Blocks
+        across two parts are checked and decoded once the whole range has landed. (`read_array` sends a read
+        that decodes straight into its destination elsewhere: on object stores gathered per file, `Pieces`,
+        else in parts, `_do_read_part`; with the same checks and decoding, `CodedRead`.)
         """
         out = direct_bytes(read, dests)
         raw = out if out is not None else _scratch(read.nbytes)
@@ -380,7 +381,8 @@ class ChunkReader:
         bc.rest()
 
     def _do_read_part(self, part: Read, leaf: fmt.ArrayLeaf, raw: Any) -> None:
-        """One part of a compressed read cut by `split_coded`, decoded into its slice `raw` of the destination."""
+        """A compressed read that decodes in place, or a part of one (`split_coded`), decoded into `raw`, its
+        destination bytes."""
         self._decode_into(part, leaf, raw)
         with self._lock:
             self.stats.direct_reads += 1
@@ -436,11 +438,10 @@ class ChunkReader:
                 if self._pieces is not None:  # its stored blocks join the file's run
                     futures.append(self._pieces.add_coded(CodedRead.of(self, r, leaf, out)))
                     continue
-                parts = split_coded(r, self.index.block_size)
-                if len(parts) > 1:  # a large chunk: its parts read, checked and decoded on several readers
-                    futures.extend(self.pool.submit(self._do_read_part, p, leaf, out[p.start - r.start : p.end - r.start])
-                                   for p in parts)
-                    continue
+                # (a large chunk in parts, read, checked and decoded on several readers)
+                futures.extend(self.pool.submit(self._do_read_part, p, leaf, out[p.start - r.start : p.end - r.start])
+                               for p in split_coded(r, self.index.block_size))
+                continue
             views = self._landing(r, leaf, dests) if self._pieces is not None else None
             if views is not None:  # lands in place: joins the file's run of such reads
                 futures.append(self._pieces.add(r.file, r.start, r.end, views, r.checks, leaf))  # type: ignore[union-attr]
