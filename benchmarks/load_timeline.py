@@ -15,8 +15,8 @@ ways:
 
 Printed per case: medians of wall seconds and of the process's user and system CPU seconds
 (``getrusage``: under gVisor, first touches of fresh pages show as system time); and, for the last
-round, a timeline: per read (thread, start, end, raw bytes; cairn's `ChunkReader.do_read`, small
-leaves read in runs not counted) and per leaf (queued, reads done, put on the device; cairn's
+round, a timeline: per read (thread, start, end, raw bytes; cairn's `ChunkReader.do_read` and
+`_do_read_part`, small leaves read in runs not counted) and per leaf (queued, reads done, put on the device; cairn's
 `engine._assemble`), summarised as active reads every 50 ms, when the first leaf was put and the
 mean time of reads by size. ``--fresh`` frees the buffers cairn keeps between loads
 (`cairn.release_snapshot_buffers`) before each of its loads: every load then reads into fresh pages,
@@ -144,12 +144,18 @@ def _instrument() -> None:
     from cairn._load import reader as R
 
     do_read, read_array, assemble = R.ChunkReader.do_read, R.ChunkReader.read_array, engine._assemble
+    read_part = getattr(R.ChunkReader, "_do_read_part", None)  # (compressed reads that decode in place)
     queued: dict[int, float] = {}
 
     def timed_read(self: Any, read: Any, leaf: Any, dests: Any) -> None:
         t = _now()
         do_read(self, read, leaf, dests)
         _rec("reads", (threading.get_ident(), t, _now(), read.nbytes))
+
+    def timed_part(self: Any, part: Any, leaf: Any, raw: Any) -> None:
+        t = _now()
+        read_part(self, part, leaf, raw)
+        _rec("reads", (threading.get_ident(), t, _now(), part.nbytes))
 
     def noted_array(self: Any, leaf: Any, *args: Any, **kwargs: Any) -> Any:
         r = read_array(self, leaf, *args, **kwargs)
@@ -163,6 +169,8 @@ def _instrument() -> None:
         return x
 
     R.ChunkReader.do_read = timed_read  # type: ignore[method-assign]
+    if read_part is not None:
+        R.ChunkReader._do_read_part = timed_part  # type: ignore[method-assign]
     R.ChunkReader.read_array = noted_array  # type: ignore[method-assign]
     engine._assemble = timed_assemble
 
