@@ -23,7 +23,8 @@ threads as before issue 38, ``auto`` on the decode pool (one thread per core); e
 ``+``, ``p8`` (`decodepool.DECODE_PIECE` in MiB), ``nolend`` (new host buffers for every load, not lent
 from `buffers.load_pool`), ``spread`` (a compressed read's pieces queued on the pool and waited for,
 `reader.CODED_SHARED` off), ``c16`` (`landing.CODED_PART` in MiB; ``whole``: large chunks read whole, as before
-the parts) and ``t12`` (``load(threads=12)``): ``--settings auto,auto+nolend,auto+spread,auto+whole``.
+the parts), ``pool`` (a compressed read decoded in place shares its pieces with the decode pool,
+`reader.PART_POOL`, as before 2026-12-07's fourteenth session) and ``t12`` (``load(threads=12)``): ``--settings auto,auto+nolend,auto+spread,auto+whole``.
 ``--ab SRC`` instead compares this tree against another checkout's ``src`` (e.g. ``/work/main/src``): each
 load runs in a child process of either tree, alternated, on the same saved checkpoints (after a warm-up load
 in that process; ``--first``: the child's first load, a restart's, its stages timed).
@@ -122,7 +123,8 @@ def set_decode_threads(value: str) -> int | None:
     """Apply a ``--settings`` value: `decodepool.DECODE_THREADS` (``auto`` or a number), then, joined by
     ``+``, ``p<MiB>`` for `decodepool.DECODE_PIECE`, ``nolend`` for new load buffers
     (`reader.LEND_LOAD_BUFFERS` False), ``spread`` for `reader.CODED_SHARED` False, ``c<MiB>`` for
-    `landing.CODED_PART` (``whole``: a large chunk's coded read is never cut into parts) and ``t<N>`` for
+    `landing.CODED_PART` (``whole``: a large chunk's coded read is never cut into parts), ``pool`` for
+    `reader.PART_POOL` True and ``t<N>`` for
     ``load(threads=N)``, the load's reader threads (returned; None: ``--threads``). Each value sets all of them, so a setting never inherits another's."""
     try:  # the decode pool's settings (in `reader` before they had a module of their own)
         from cairn._load import decodepool as pool
@@ -134,7 +136,7 @@ def set_decode_threads(value: str) -> int | None:
     if hasattr(pool, "DECODE_THREADS"):
         pool.DECODE_THREADS = None if first == "auto" else int(first)
     if hasattr(pool, "DECODE_PIECE"):
-        pool.DECODE_PIECE = next((int(r[1:]) for r in rest if r.startswith("p")), 4) << 20
+        pool.DECODE_PIECE = next((int(r[1:]) for r in rest if r[:1] == "p" and r[1:].isdigit()), 4) << 20
     if hasattr(reader, "LEND_LOAD_BUFFERS"):
         reader.LEND_LOAD_BUFFERS = "nolend" not in rest
     if hasattr(reader, "CODED_SHARED"):
@@ -143,8 +145,10 @@ def set_decode_threads(value: str) -> int | None:
 
     if hasattr(landing, "CODED_PART"):
         landing.CODED_PART = (1 << 62) if "whole" in rest else next(
-            (int(r[1:]) for r in rest if r.startswith("c")), 8) << 20
-    return next((int(r[1:]) for r in rest if r.startswith("t")), None)
+            (int(r[1:]) for r in rest if r[:1] == "c" and r[1:].isdigit()), 8) << 20
+    if hasattr(reader, "PART_POOL"):
+        reader.PART_POOL = "pool" in rest
+    return next((int(r[1:]) for r in rest if r[:1] == "t" and r[1:].isdigit()), None)
 
 
 def load_once(path: str, use_jax: bool, threads: int, spans: Spans | None) -> dict[str, float]:
@@ -229,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--orbax", action="store_true", help="also Orbax's StandardCheckpointer restoring onto the device")
     ap.add_argument("--compression", default="False,True", help="compression= values of the saves")
     ap.add_argument("--settings", default="0,auto",
-                    help="decodepool.DECODE_THREADS values to compare, each with +p<MiB>, +nolend, +spread, +c<MiB>, +whole, "
+                    help="decodepool.DECODE_THREADS values to compare, each with +p<MiB>, +nolend, +spread, +c<MiB>, +whole, +pool, "
                          "+t<N> (see above)")
     ap.add_argument("--ab", default=None, help="another tree's src folder: compare its loads with this tree's")
     ap.add_argument("--first", action="store_true",

@@ -12,7 +12,7 @@ import pytest
 
 import cairn
 from cairn._format import codecs
-from cairn._load import decodepool
+from cairn._load import decodepool, reader
 
 CODECS = ["zstd", "planes"] + (["blosc2"] if codecs.blosc2_available() else [])
 
@@ -23,9 +23,13 @@ def _state() -> dict[str, np.ndarray]:
     return {"w": w, "m": np.round(w * 64).astype(np.float32), "i": np.arange(1 << 20, dtype=np.int32)}
 
 
-@pytest.fixture(params=[0, 3])
+@pytest.fixture(params=["0", "3", "3+parts"])
 def decode_threads(request, monkeypatch):
-    monkeypatch.setattr(decodepool, "DECODE_THREADS", request.param)
+    """No decode pool, a pool of 3 (reads decoded in place stay on their reader threads), or a pool of 3
+    that those reads share too (`reader.PART_POOL`)."""
+    threads, *rest = request.param.split("+")
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", int(threads))
+    monkeypatch.setattr(reader, "PART_POOL", "parts" in rest)
     return request.param
 
 
@@ -132,24 +136,64 @@ def test_every_sampled_flip_in_stored_blocks_is_corrupt(tmp_path, codec, decode_
     np.testing.assert_array_equal(got["w"], state["w"])
 
 
-def test_a_compressed_load_decodes_on_the_pool(tmp_path, monkeypatch):
-    monkeypatch.setattr(decodepool, "DECODE_THREADS", 3)
-    cairn.save(tmp_path / "c", _state(), compression="zstd")
+def _decoding_threads(path, monkeypatch, wait_for_pool: bool = False, **kwargs) -> list[str]:
+    """The names of the threads that decode compressed blocks in ``cairn.load(path, **kwargs)``. With
+    `wait_for_pool`, a piece decoded outside the decode pool first waits (up to 10 s) for a pool thread
+    to decode one: where pieces are shared, a reader thread would otherwise often take them all before
+    an idle pool thread wakes, and whether the pool was asked could not be told from the names."""
     names: list[str] = []
     real = codecs.decode_run
+    pooled = threading.Event()
 
-    def spy(*args, **kwargs):
-        names.append(threading.current_thread().name)
-        return real(*args, **kwargs)
+    def spy(*args, **kw):
+        name = threading.current_thread().name
+        names.append(name)
+        if name.startswith("cairn-decode"):
+            pooled.set()
+        elif wait_for_pool:
+            pooled.wait(10)
+        return real(*args, **kw)
 
     monkeypatch.setattr(codecs, "decode_run", spy)
-    cairn.load(tmp_path / "c")
+    cairn.load(path, **kwargs)
+    monkeypatch.setattr(codecs, "decode_run", real)
+    return names
+
+
+def test_a_read_decoded_in_place_stays_on_its_reader_thread(tmp_path, monkeypatch):
+    """A local read that decodes straight into its array (or a part of a large chunk) is decoded by the
+    reader thread that read it, not shared with the decode pool (`reader.PART_POOL`); with the switch on,
+    its pieces go to the pool too."""
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", 3)
+    monkeypatch.setattr(decodepool, "DECODE_PIECE", 1 << 20)  # 1 MiB pieces: every read has several
+    cairn.save(tmp_path / "c", _state(), compression="zstd")
+    names = _decoding_threads(tmp_path / "c", monkeypatch)
+    assert names and not any(n.startswith("cairn-decode") for n in names), names
+    monkeypatch.setattr(reader, "PART_POOL", True)
+    names = _decoding_threads(tmp_path / "c", monkeypatch, wait_for_pool=True)
+    assert any(n.startswith("cairn-decode") for n in names), names
+
+
+def test_a_read_through_a_buffer_decodes_on_the_pool(tmp_path, monkeypatch):
+    """A compressed read that cannot land in place (a leaf split by columns over two devices: no box is
+    one run of memory) is decoded into a buffer by its reader thread and the decode pool."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    monkeypatch.setattr(decodepool, "DECODE_THREADS", 3)
+    monkeypatch.setattr(decodepool, "DECODE_PIECE", 1 << 20)
+    state = _state()
+    cairn.save(tmp_path / "c", state, compression="zstd")
+    columns = NamedSharding(Mesh(np.array(jax.devices()[:2]), ("x",)), PartitionSpec(None, "x"))
+    target = {"w": jax.ShapeDtypeStruct((1024, 1536), np.float32, sharding=columns), "m": None, "i": None}
+    names = _decoding_threads(tmp_path / "c", monkeypatch, wait_for_pool=True, target=target, partial=True)
     assert any(n.startswith("cairn-decode") for n in names), names
 
 
 def test_a_compressed_load_never_waits_for_its_pieces_behind_a_busy_pool(tmp_path, monkeypatch):
     """A compressed read's pieces are shared (`reader.CODED_SHARED`): with every decode-pool thread held by
     other work, the load's reader threads decode every piece themselves and the load completes."""
+    monkeypatch.setattr(reader, "PART_POOL", True)  # (else these reads never ask the pool)
     monkeypatch.setattr(decodepool, "DECODE_THREADS", 2)
     monkeypatch.setattr(decodepool, "DECODE_PIECE", 1 << 20)  # 1 MiB pieces: every read has several
     w = (np.random.default_rng(3).standard_normal((1024, 1024)) * 0.02).astype(np.float32)  # 4 MiB, 4 blocks

@@ -68,6 +68,11 @@ LEND_LOAD_BUFFERS = True
 #: a 128 MiB embedding queued 32 pieces at once, and the reads behind it waited for theirs: its readers
 #: ran 4 reads for its first 70 ms (docs/compression.md, "Scratch buffers kept between loads").
 CODED_SHARED = True
+#: A compressed read decoded in place on a reader thread, whole or a part of a large chunk (`_do_read_part`),
+#: is decoded by that thread alone, not shared with the decode pool: the parts already keep every reader
+#: decoding, and on the TPU host the pool's threads beside them slowed a warm load (0.93x without them,
+#: in two calls; docs/compression.md, "Parts decoded by their readers"). True: shared with the pool.
+PART_POOL = False
 #: Destinations smaller than this are new buffers (the pool lends whole MiB; small ones come from memory
 #: the allocator has mapped already).
 LEND_MIN = 1 << 20
@@ -150,12 +155,12 @@ class CodedRead:
 
         return cls(file, first, n, checks, fail, leaf, raw, blocks)
 
-    def decoder(self, stored: memoryview) -> Callable[[int, int], None]:
+    def decoder(self, stored: memoryview, pooled: bool = True) -> Callable[[int, int], None]:
         """`BlockChecks`' ``then`` for blocks landed in `stored` (the stored bytes from `first` on): each
         stretch of checked blocks decoded into `raw`, in pieces of about `DECODE_PIECE` raw bytes taken by
-        this thread and free threads of the decode pool (`share`; `spread` where `CODED_SHARED` is off),
-        each piece by one call (`codecs.decode_run`). Returns once every piece is decoded: `stored` may be
-        reused then."""
+        this thread and free threads of the decode pool (`share`; `spread` where `CODED_SHARED` is off;
+        this thread alone without `pooled`), each piece by one call (`codecs.decode_run`). Returns once
+        every piece is decoded: `stored` may be reused then."""
         first, checks, blocks, leaf = self.first, self.checks, self.blocks, self.leaf
 
         def decode(i: int, j: int) -> None:
@@ -163,9 +168,14 @@ class CodedRead:
                                [hi - lo for lo, hi, _ in blocks[i:j]], self.raw[blocks[i][0] : blocks[j - 1][1]],
                                [at for _, _, at in blocks[i:j]])
 
-        def pooled(i: int, j: int) -> None:
-            (share if CODED_SHARED else spread)(decode, pieces(blocks, i, j))
-        return pooled
+        def in_pieces(i: int, j: int) -> None:
+            runs = pieces(blocks, i, j)
+            if not pooled:
+                for a, b in runs:
+                    decode(a, b)
+                return
+            (share if CODED_SHARED else spread)(decode, runs)
+        return in_pieces
 
 
 class ChunkReader:
@@ -357,7 +367,7 @@ class ChunkReader:
         decoded by this reader thread and the decode pool, on as many cores as are free (issue 38). Blocks
         across two parts are checked and decoded once the whole range has landed. (`read_array` sends a read
         that decodes straight into its destination elsewhere: on object stores gathered per file, `Pieces`,
-        else in parts, `_do_read_part`; with the same checks and decoding, `CodedRead`.)
+        else in parts, `_do_read_part`, each decoded by its reader alone; with the same checks, `CodedRead`.)
         """
         out = direct_bytes(read, dests)
         raw = out if out is not None else _scratch(read.nbytes)
@@ -369,21 +379,22 @@ class ChunkReader:
                 src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)
                 dests[c.dest][_region(c.dest_start, c.shape)] = src
 
-    def _decode_into(self, read: Read, leaf: fmt.ArrayLeaf, raw: Any) -> None:
-        """The stored blocks of `read` (raw addressing) read as one range, checked and decoded into `raw`."""
+    def _decode_into(self, read: Read, leaf: fmt.ArrayLeaf, raw: Any, pooled: bool = True) -> None:
+        """The stored blocks of `read` (raw addressing) read as one range, checked and decoded into `raw`
+        (with the decode pool where `pooled`, `CodedRead.decoder`)."""
         coded = CodedRead.of(self, read, leaf, raw)
         stored = _scratch(coded.nbytes, "stored")
         view = memoryview(stored.data)
         # Each stretch of blocks decoded by one call once checked: from an object store, the blocks of
         # each streamed part as it lands; from a reader that reports no parts, all of them at the end.
-        bc = BlockChecks(coded.checks, [view], coded.first, coded.fail, then=coded.decoder(view))
+        bc = BlockChecks(coded.checks, [view], coded.first, coded.fail, then=coded.decoder(view, pooled))
         self._fill(coded.file, coded.first, view, leaf, bc)
         bc.rest()
 
     def _do_read_part(self, part: Read, leaf: fmt.ArrayLeaf, raw: Any) -> None:
         """A compressed read that decodes in place, or a part of one (`split_coded`), decoded into `raw`, its
-        destination bytes."""
-        self._decode_into(part, leaf, raw)
+        destination bytes, by this thread (`PART_POOL`)."""
+        self._decode_into(part, leaf, raw, PART_POOL)
         with self._lock:
             self.stats.direct_reads += 1
 
