@@ -70,8 +70,8 @@ LEND_LOAD_BUFFERS = True
 CODED_SHARED = True
 #: A compressed read decoded in place on a reader thread, whole or a part of a large chunk (`_do_read_part`),
 #: is decoded by that thread alone, not shared with the decode pool: the parts already keep every reader
-#: decoding, and on the TPU host the pool's threads beside them slowed a warm load (0.93x without them,
-#: in two calls; docs/compression.md, "Parts decoded by their readers"). True: shared with the pool.
+#: decoding, and on the TPU host the pool's threads beside them slowed a warm load (0.93-0.94x without
+#: them, in three calls; docs/compression.md, "Parts decoded by their readers"). True: shared with the pool.
 PART_POOL = False
 #: Destinations smaller than this are new buffers (the pool lends whole MiB; small ones come from memory
 #: the allocator has mapped already).
