@@ -24,7 +24,9 @@ threads as before issue 38, ``auto`` on the decode pool (one thread per core); e
 from `buffers.load_pool`), ``spread`` (a compressed read's pieces queued on the pool and waited for,
 `reader.CODED_SHARED` off), ``c16`` (`landing.CODED_PART` in MiB; ``whole``: large chunks read whole, as before
 the parts), ``pool`` (a compressed read decoded in place shares its pieces with the decode pool,
-`reader.PART_POOL`, as before 2026-12-07's fourteenth session) and ``t12`` (``load(threads=12)``): ``--settings auto,auto+nolend,auto+spread,auto+whole``.
+`reader.PART_POOL`, as before 2026-12-07's fourteenth session), ``lateputs`` (small leaves placed on the
+device only after the last read, `engine.EARLY_PUT_ITEMS` off, as before that session too; ``e128``: placed
+once 128 wait) and ``t12`` (``load(threads=12)``): ``--settings auto,auto+nolend,auto+spread,auto+whole``.
 ``--ab SRC`` instead compares this tree against another checkout's ``src`` (e.g. ``/work/main/src``): each
 load runs in a child process of either tree, alternated, on the same saved checkpoints (after a warm-up load
 in that process; ``--first``: the child's first load, a restart's, its stages timed).
@@ -148,6 +150,11 @@ def set_decode_threads(value: str) -> int | None:
             (int(r[1:]) for r in rest if r[:1] == "c" and r[1:].isdigit()), 8) << 20
     if hasattr(reader, "PART_POOL"):
         reader.PART_POOL = "pool" in rest
+    from cairn._load import engine
+
+    if hasattr(engine, "EARLY_PUT_ITEMS"):
+        engine.EARLY_PUT_ITEMS, engine.EARLY_PUT_BYTES = (1 << 62, 1 << 62) if "lateputs" in rest else (next(
+            (int(r[1:]) for r in rest if r[:1] == "e" and r[1:].isdigit()), 32), 4 << 20)
     return next((int(r[1:]) for r in rest if r[:1] == "t" and r[1:].isdigit()), None)
 
 
@@ -233,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--orbax", action="store_true", help="also Orbax's StandardCheckpointer restoring onto the device")
     ap.add_argument("--compression", default="False,True", help="compression= values of the saves")
     ap.add_argument("--settings", default="0,auto",
-                    help="decodepool.DECODE_THREADS values to compare, each with +p<MiB>, +nolend, +spread, +c<MiB>, +whole, +pool, "
+                    help="decodepool.DECODE_THREADS values to compare, each with +p<MiB>, +nolend, +spread, +c<MiB>, +whole, +pool, +lateputs, +e<N>, "
                          "+t<N> (see above)")
     ap.add_argument("--ab", default=None, help="another tree's src folder: compare its loads with this tree's")
     ap.add_argument("--first", action="store_true",

@@ -195,6 +195,9 @@ class ChunkReader:
         self._pieces = Pieces(self, loc.storage.preferred_read) if loc.storage.preferred_read else None
         self._plans = PlanMemo()  # leaves of one layout share a read plan
         self._unmapped: list[np.ndarray] = []  # fresh buffers to map ahead of their bytes (`start_prefault`)
+        # Told this reader once it notes fresh buffers where it had none (the loading thread's list of the
+        # readers to call `start_prefault` on: a load of thousands of checkpointables asks only those).
+        self.on_noted: Callable[[ChunkReader], None] | None = None
         self._unmapped_bytes = 0
         # The scratch buffers of the decode pool's threads rebuilding this reader's deltas (`blocks.read_blocks`),
         # where its reads keep theirs on their threads: dropped with the reader, not kept on the pool's.
@@ -465,10 +468,13 @@ class ChunkReader:
         """On storages that price requests (whose reads wait on the network), note fresh destination
         buffers whose pages `start_prefault` maps while the requests are in flight."""
         if self._pieces is not None:
+            had = bool(self._unmapped)
             for d in dests:
                 if d.nbytes >= _PREFAULT_MIN:  # (smaller ones come from memory the allocator has mapped)
                     self._unmapped.append(d)
                     self._unmapped_bytes += d.nbytes
+            if self._unmapped and not had and self.on_noted is not None:
+                self.on_noted(self)
 
     def _prefault_if_many(self) -> None:
         """Start mapping once many bytes are noted, without waiting for the caller. Called after the

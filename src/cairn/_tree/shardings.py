@@ -174,6 +174,11 @@ class PutBatch:
         if len(self._hosts) >= self.max_items or self._bytes >= self.max_bytes:
             self.flush()
 
+    @property
+    def pending(self) -> tuple[int, int]:
+        """How many arrays wait for the next `flush`, and their bytes."""
+        return len(self._hosts), self._bytes
+
     def flush(self) -> None:
         if not self._hosts:
             return
