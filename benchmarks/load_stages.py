@@ -121,6 +121,11 @@ def instrument(spans: Spans) -> None:
     spans.wrap(Future, "result", "wait", main_only=True)
 
 
+def _number(parts: list[str], prefix: str, default: int) -> int:
+    """The number of the first of `parts` that is `prefix` then digits (``p8``: 8), else `default`."""
+    return next((int(p[1:]) for p in parts if p[:1] == prefix and p[1:].isdigit()), default)
+
+
 def set_decode_threads(value: str) -> int | None:
     """Apply a ``--settings`` value: `decodepool.DECODE_THREADS` (``auto`` or a number), then, joined by
     ``+``, ``p<MiB>`` for `decodepool.DECODE_PIECE`, ``nolend`` for new load buffers
@@ -138,7 +143,7 @@ def set_decode_threads(value: str) -> int | None:
     if hasattr(pool, "DECODE_THREADS"):
         pool.DECODE_THREADS = None if first == "auto" else int(first)
     if hasattr(pool, "DECODE_PIECE"):
-        pool.DECODE_PIECE = next((int(r[1:]) for r in rest if r[:1] == "p" and r[1:].isdigit()), 4) << 20
+        pool.DECODE_PIECE = _number(rest, "p", 4) << 20
     if hasattr(reader, "LEND_LOAD_BUFFERS"):
         reader.LEND_LOAD_BUFFERS = "nolend" not in rest
     if hasattr(reader, "CODED_SHARED"):
@@ -146,16 +151,15 @@ def set_decode_threads(value: str) -> int | None:
     from cairn._load import landing
 
     if hasattr(landing, "CODED_PART"):
-        landing.CODED_PART = (1 << 62) if "whole" in rest else next(
-            (int(r[1:]) for r in rest if r[:1] == "c" and r[1:].isdigit()), 8) << 20
+        landing.CODED_PART = (1 << 62) if "whole" in rest else _number(rest, "c", 8) << 20
     if hasattr(reader, "PART_POOL"):
         reader.PART_POOL = "pool" in rest
     from cairn._load import engine
 
     if hasattr(engine, "EARLY_PUT_ITEMS"):
-        engine.EARLY_PUT_ITEMS, engine.EARLY_PUT_BYTES = (1 << 62, 1 << 62) if "lateputs" in rest else (next(
-            (int(r[1:]) for r in rest if r[:1] == "e" and r[1:].isdigit()), 32), 4 << 20)
-    return next((int(r[1:]) for r in rest if r[:1] == "t" and r[1:].isdigit()), None)
+        engine.EARLY_PUT_ITEMS, engine.EARLY_PUT_BYTES = (
+            (1 << 62, 1 << 62) if "lateputs" in rest else (_number(rest, "e", 32), 4 << 20))
+    return _number(rest, "t", 0) or None  # (t0 is no thread count: the caller's --threads, as None)
 
 
 def load_once(path: str, use_jax: bool, threads: int, spans: Spans | None) -> dict[str, float]:
