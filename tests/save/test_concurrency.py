@@ -150,6 +150,28 @@ def test_two_processes_saving_one_path(tmp_path, overwrite):
         check_step(tmp_path / "c" / f"ckpt{step}", step, {0, 1})
 
 
+def test_a_save_committed_between_the_destination_checks_is_named_as_a_checkpoint(tmp_path, monkeypatch):
+    """The race CI once hit in the test above: the loser looked for the manifest (none yet), the winner's
+    folder was renamed into place, then the loser listed the folder and found it full. That folder is a
+    committed checkpoint, and the error must say so, not call it a foreign folder."""
+    from cairn._storage.local import LocalStorage
+
+    dest, winner = tmp_path / "c" / "ckpt0", tmp_path / "winner"
+    cairn.save(winner, make_state(1, 0))
+    dest.parent.mkdir()
+    listed = LocalStorage.list_dir
+
+    def list_dir(self, prefix):
+        if prefix == "ckpt0" and winner.exists():
+            os.rename(winner, dest)  # the other process's commit, landing just now
+        return listed(self, prefix)
+
+    monkeypatch.setattr(LocalStorage, "list_dir", list_dir)
+    with pytest.raises(cairn.CheckpointExistsError, match="ckpt0 already holds a checkpoint"):
+        cairn.save(dest, make_state(0, 0))
+    assert not winner.exists()  # the hook ran: the race was played
+    check_step(dest, 0, {1})  # the winner's checkpoint, untouched
+
 
 def test_two_processes_saving_one_object_store_path(tmp_path, objstore):
     """Two processes race on every commit (a create-if-absent put) on S3 (moto) and Azure (Azurite)."""

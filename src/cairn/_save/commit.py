@@ -163,13 +163,15 @@ class RenameCommit(CommitStrategy):
         return fmt.tmp_dirname(name, token)
 
     def check_destination(self, loc: Location, overwrite: bool) -> None:
-        super().check_destination(loc, overwrite)
-        storage = self.storage
-        committed = storage.exists(loc.key(fmt.MANIFEST))
-        if not committed and storage.list_dir(loc.name) and not overwrite:
+        storage, manifest = self.storage, loc.key(fmt.MANIFEST)
+        # The manifest is looked at again after the listing: another save's folder renamed into place between
+        # the first look and the listing is a committed checkpoint, not a foreign folder.
+        if not overwrite and not storage.exists(manifest) and storage.list_dir(loc.name) \
+                and not storage.exists(manifest):
             raise CheckpointExistsError(
                 f"{loc.path} exists and is not a committed cairn checkpoint; pass overwrite=True to replace it"
             )
+        super().check_destination(loc, overwrite)
         if storage.exists(loc.name) and not self.dirs.is_dir(loc.name):
             raise CheckpointExistsError(f"{loc.path} exists and is a file, not a checkpoint folder")
 
