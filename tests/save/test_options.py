@@ -102,3 +102,24 @@ def test_every_public_save_keyword_is_an_option_or_says_why_not():
     assert set(inspect.signature(cairn.save_async).parameters) - outside == options
     # A blocking save takes no snapshot: nothing to budget.
     assert set(inspect.signature(cairn.save).parameters) - outside == options - {"snapshot_budget_bytes"}
+
+
+def test_a_save_of_many_checkpointables_says_once_what_they_cost(tmp_path, monkeypatch, caplog):
+    """A flat mapping of many arrays (a state dict) is saved as one checkpointable per key, each a folder of
+    three files: the save says so, once per process, and how to make it one checkpointable."""
+    from cairn._save import engine
+
+    monkeypatch.setattr(engine, "MANY_CHECKPOINTABLES", 8)
+    monkeypatch.setattr(engine, "_told_many", False)
+    flat = {f"layer{i}.weight": np.full(3, i, np.float32) for i in range(9)}
+    with caplog.at_level("WARNING", logger="cairn"):
+        cairn.save(tmp_path / "few", dict(list(flat.items())[:8]))
+        cairn.save(tmp_path / "nested", {"model": flat})
+        assert not [r for r in caplog.records if "checkpointables" in r.getMessage()]
+        cairn.save(tmp_path / "flat", flat)
+        cairn.save(tmp_path / "flat2", flat)
+    told = [r.getMessage() for r in caplog.records if "checkpointables" in r.getMessage()]
+    assert len(told) == 1 and "flat: saving 9 checkpointables" in told[0] and "{'model': state}" in told[0], told
+    out = cairn.load(tmp_path / "nested")["model"]  # the nested form loads back whole, as one
+    assert all(np.array_equal(out[k], v) for k, v in flat.items())
+    assert sorted(p.name for p in (tmp_path / "nested").iterdir() if p.is_dir()) == ["model"]

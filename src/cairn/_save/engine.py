@@ -1238,10 +1238,26 @@ def _bytes_of(arr: np.ndarray) -> memoryview:
 # ---------------------------------------------------------------------- prepare
 
 
-def _split_items(state: Any) -> tuple[bool, list[tuple[str, Any]]]:
+#: A save of more checkpointables than this says, once per process, what they cost (`_split_items`).
+MANY_CHECKPOINTABLES = 256
+_told_many = False
+
+
+def _split_items(state: Any, where: str = "") -> tuple[bool, list[tuple[str, Any]]]:
+    """(root, [(name, tree)]): a non-empty mapping with string keys is saved as named checkpointables,
+    one per key, anything else as one root tree (docs/FORMAT.md §1)."""
     from collections.abc import Mapping
 
+    global _told_many
     if isinstance(state, Mapping) and state and all(isinstance(k, str) for k in state):
+        if len(state) > MANY_CHECKPOINTABLES and not _told_many:
+            _told_many = True
+            log.warning(
+                "cairn: %s: saving %d checkpointables, one per key of the state's top-level mapping, each its own "
+                "folder of three files written durably (an index, an index part, a data file). A flat mapping of "
+                "many arrays (a state dict) saves and loads several times faster as one checkpointable: nest it "
+                "under one key, e.g. {'model': state} (docs/PERFORMANCE.md, \"Thousands of checkpointables\"). "
+                "Said once per process.", where or "a save", len(state))
         return False, list(state.items())
     return True, [("", state)]
 
@@ -1280,7 +1296,7 @@ def prepare(
             json.dumps(metadata, allow_nan=False)
         except (TypeError, ValueError) as e:
             raise UnsupportedTypeError(f"{loc.path}: metadata must be JSON-serializable ({e})") from None
-    root, pairs = _split_items(state)
+    root, pairs = _split_items(state, loc.path)
     items = []
     seq = sequence("save")
     hosts = HostValues(coord, seq, loc.path)  # per-process values; the check that other host values agree
