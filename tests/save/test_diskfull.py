@@ -3,7 +3,7 @@
 ENOSPC comes from a real, small tmpfs that the test mounts when it runs as
 root and ``mount -t tmpfs`` works (the save's data does not fit); otherwise
 those tests are skipped, and ENOSPC and EIO are injected at every storage
-step (data write, index put, manifest put, fsync, rename) through a wrapper
+step (data, index and index part writes, manifest put, fsync, rename) through a wrapper
 around the storage, on the local (rename) and the object-store (manifest
 put) commit paths. After each failure the earlier checkpoint loads bitwise,
 nothing is visible at the failed path, cleanup leaves no temporary files,
@@ -132,8 +132,10 @@ class Faulty:
         return call
 
 
-STEPS = [  # (method, key fragment): every storage step of a local save and its commit
-    ("write", ".bin"), ("put", "index."), ("put", "manifest.json"), ("sync_dir", ""), ("rename_dir", ""),
+STEPS = [  # (method, key fragment): every storage step of a local save and its commit (the indexes and
+    # index parts are written in place in the hidden attempt folder, `RenameCommit.put_all`)
+    ("write", ".bin"), ("write", "index."), ("write", ".idx"), ("put", "manifest.json"), ("sync_dir", ""),
+    ("rename_dir", ""),
 ]
 
 

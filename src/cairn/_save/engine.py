@@ -607,11 +607,11 @@ class SaveJob:
         if me == 0:
             self.own_parts = puts
         else:
-            _at_once(lambda kv: self.loc.storage.put(*kv), puts, "cairn-part")
+            self.strategy.put_all(puts, "cairn-part")
         return out
 
     def _commit(self, statuses: dict[int, dict[str, Any]]) -> None:
-        storage, root = self.loc.storage, self.write_root
+        root = self.write_root
         items: dict[str, fmt.ItemInfo] = {}
         needed: list[str] = []
         n = self.coord.process_count
@@ -624,7 +624,7 @@ class SaveJob:
         # of the primary's own (`_write_parts`), all at once: the indexes need only what the parts' records
         # were (in the statuses), not the parts in place, so a single process's commit waits one round trip
         # for both, not two. A failed put fails the commit before its listing: nothing is visible.
-        _at_once(lambda kv: storage.put(*kv), [*self.own_parts, *puts], "cairn-index")
+        self.strategy.put_all([*self.own_parts, *puts], "cairn-index")
         for item, index in zip(self.items, indexes):
             nbytes = sum(leaf.nbytes for leaf in index.leaves if isinstance(leaf, fmt.ArrayLeaf))
             items[item.name] = fmt.ItemInfo(item.dir, fmt.index_name(self.token), nbytes, len(index.leaves))
@@ -682,15 +682,6 @@ def host_pipeline(job: SaveJob) -> Any:
     pipe = HostPipeline(keys, sizes, srcs, budget)
     pipe.fill()
     return pipe
-
-
-def _at_once(fn: Any, xs: list[Any], name: str) -> list[Any]:
-    """[fn(x) for x in xs], on up to 8 threads where there are several: each is one durable put of the
-    commit (a file and folder fsync, or a round trip to an object store), none waiting for another."""
-    if len(xs) <= 1:
-        return [fn(x) for x in xs]
-    with ThreadPoolExecutor(min(8, len(xs)), thread_name_prefix=name) as pool:
-        return list(pool.map(fn, xs))
 
 
 #: A single process's compressed save measures its leaves' codecs while its first files are written
