@@ -183,8 +183,9 @@ def test_falls_back_without_the_library_or_when_turned_off(tmp_path, monkeypatch
     direct, why = _found(fake)
     assert direct is None and "no C-Blosc2 library" in why
     monkeypatch.setattr(blosc2lib, "_loaded", [])
+    monkeypatch.setattr(blosc2lib, "_encoding", [])
     monkeypatch.setenv("CAIRN_BLOSC2_DIRECT", "0")
-    assert blosc2lib.load(_b2()) is None
+    assert blosc2lib.load(_b2()) is None and blosc2lib.encoder() is None
     # and both codecs then code through python-blosc2, with the same bytes
     raw = np.arange(5000, dtype=np.float32).view(np.uint8)
     for codec in B2:
@@ -217,6 +218,26 @@ def test_falls_back_where_a_probe_chunk_differs(codec, change):
 
     why = blosc2lib._probe(blosc2lib.Direct(Tampered()), _b2())
     assert why is not None and f"its {codec!r} chunk" in why and "differs from compress2" in why
+    # and without python-blosc2: the chunks' headers name another compressor or filter
+    why = blosc2lib._headers(blosc2lib.Direct(Tampered()))
+    assert why is not None and f"its {codec!r} chunk" in why
+    assert ("names compressor" if change == "compressor" else "names the filters") in why, why
+
+
+def test_the_header_probe_passes_the_library_and_sees_a_carried_block_size():
+    """`_headers`, the check of a save that has not imported python-blosc2: the library as shipped passes
+    it (and its chunks are compress2's, `_probe`); a Direct whose contexts were kept for every chunk size
+    alike (carrying the Blosc block chosen for a short chunk into a long one) fails it, naming the block."""
+    real = blosc2lib.load(_b2())._lib
+    assert blosc2lib._headers(blosc2lib.Direct(real)) is None
+    assert blosc2lib._probe(blosc2lib.Direct(real), _b2()) is None
+
+    class OneContext(blosc2lib.Direct):
+        def _cctx(self, codec, k, n):
+            return super()._cctx(codec, k, 1 << 40)  # every size takes the context kept for long chunks
+
+    why = blosc2lib._headers(OneContext(real))
+    assert why is not None and "is cut into Blosc blocks of" in why, why
 
 
 def test_declared_reads_struct_fields_whatever_the_spacing():
@@ -236,8 +257,9 @@ def test_declared_reads_struct_fields_whatever_the_spacing():
 
 def test_a_load_decodes_without_importing_python_blosc2(tmp_path):
     """A fresh process's compressed load finds C-Blosc2 beside python-blosc2 and decodes with it, without
-    importing python-blosc2 (1.3 s on the TPU host, in a restart's first load): the values are the same,
-    and a save in that process still checks the direct path against python-blosc2 before coding."""
+    importing python-blosc2 (1.3 s on the TPU host, in a restart's first load): the values are the same.
+    Nor does a save, in a fresh process or after the load: it codes with the library checked by its
+    chunks' headers (`blosc2lib.encoder`), and its chunks are compress2's."""
     import subprocess
     import sys
 
@@ -246,8 +268,10 @@ import sys, numpy as np, cairn
 w = (np.random.default_rng(1).standard_normal((300, 70)) * 0.02).astype(np.float32)
 x = np.arange(999, dtype=np.int16)
 if sys.argv[1] == "save":
+    from cairn._format import blosc2lib
     for c in ("blosc2", "blosc2-lz4"):
         cairn.save(sys.argv[2] + "/" + c, {"w": w, "x": x}, compression=c)
+    print("imported" if "blosc2" in sys.modules else "not imported", blosc2lib._encoding[0] is not None)
 else:
     from cairn._format import blosc2lib
     for c in ("blosc2", "blosc2-lz4"):
@@ -255,13 +279,24 @@ else:
         assert (got["w"] == w).all() and (got["x"] == x).all(), c
     print("imported" if "blosc2" in sys.modules else "not imported", blosc2lib._decoding[0] is not None)
     cairn.save(sys.argv[2] + "/again", {"w": w}, compression="blosc2-lz4")
-    print("imported" if "blosc2" in sys.modules else "not imported", blosc2lib._loaded[0] is not None)
+    print("imported" if "blosc2" in sys.modules else "not imported", blosc2lib._encoding[0] is not None)
     assert (cairn.load(sys.argv[2] + "/again")["w"] == w).all()
 """
-    subprocess.run([sys.executable, "-c", code, "save", str(tmp_path)], check=True)
+    saved = subprocess.run([sys.executable, "-c", code, "save", str(tmp_path)], check=True, capture_output=True,
+                           text=True).stdout.split("\n")
+    assert saved[0] == "not imported True"
     out = subprocess.run([sys.executable, "-c", code, "load", str(tmp_path)], check=True, capture_output=True,
                          text=True).stdout.split("\n")
-    assert out[:2] == ["not imported True", "imported True"]
+    assert out[:2] == ["not imported True", "not imported True"]
+    # the chunks coded without python-blosc2 are the ones its compress2 gives
+    from cairn._load.source import open_checkpoint
+
+    ck = open_checkpoint(tmp_path / "again")
+    leaf = ck.indexes["w"].leaves[0]
+    assert leaf.codec == "blosc2-lz4"
+    data = next(p for p in (tmp_path / "again" / "w").iterdir() if p.suffix == ".bin").read_bytes()
+    raw = (np.random.default_rng(1).standard_normal((300, 70)) * 0.02).astype(np.float32).view(np.uint8).reshape(-1)
+    assert _ref(raw, 4, "blosc2-lz4") == data  # one chunk of one block (84,000 bytes): the whole file
 
 
 def test_the_decoder_falls_back_where_turned_off_or_where_its_roundtrip_fails(monkeypatch):

@@ -39,7 +39,7 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -231,28 +231,68 @@ def address(buf: Any) -> tuple[int, Any]:
     return a.__array_interface__["data"][0], a
 
 
-def _probe(direct: Direct, b2: Any) -> str | None:
-    """Why `direct` may not stand in for python-blosc2 (None: it may): probe blocks of each element size,
-    trained-like and incompressible, coded both ways must be the same chunks and decode back both ways."""
+def _probe_blocks() -> Iterator[tuple[str, Setting, int, np.ndarray]]:
+    """(codec, its setting, element size, raw block): the probe blocks of `_probe` and `_headers`, each
+    codec's and element size's in an order that shows a context's carried state: long, short, longer,
+    other short, the first short again, an incompressible one and a few elements."""
     rng = np.random.default_rng(7)
     normal = (rng.standard_normal(160 << 10) * 0.02).astype(np.float32).view(np.uint8)
     noise = rng.integers(0, 256, 40 << 10, dtype=np.uint8)
     for (codec, s), k in itertools.product(SETTINGS.items(), (1, 2, 4, 8, 16)):
-        # sizes in an order that shows a context's carried state: long, short, longer, other short,
-        # the first short again, an incompressible one and a few elements
         for raw in (normal[: (24 << 10) // k * k], normal[: 1000 * k], normal[: (600 << 10) // k * k],
                     normal[: 37 * k], normal[: 1000 * k], noise[: (len(noise) // k) * k - k], normal[: k * 3]):
-            ref = b2.compress2(raw, typesize=k, codec=b2.Codec(s.compcode), clevel=s.clevel,
-                               filters=[b2.Filter(s.filter)], splitmode=b2.SplitMode.ALWAYS_SPLIT, nthreads=1)
-            out = np.empty(raw.nbytes + MAX_OVERHEAD, np.uint8)
-            n = direct.compress_into(k, address(raw)[0], raw.nbytes, address(out)[0], out.nbytes, codec)
-            if bytes(out[:n]) != ref:
-                return f"its {codec!r} chunk of {raw.nbytes} bytes of {k}-byte elements differs from compress2's"
-            back = np.empty(raw.nbytes, np.uint8)
-            if direct.decompress_into(address(out)[0], n, address(back)[0], back.nbytes) != raw.nbytes:
-                return "it does not decode its own chunk"
-            if not np.array_equal(back, raw) or b2.decompress2(ref) != raw.tobytes():
-                return "a chunk does not decode to its raw bytes"
+            yield codec, s, k, raw
+
+
+def _probe(direct: Direct, b2: Any) -> str | None:
+    """Why `direct` may not stand in for python-blosc2 (None: it may): probe blocks of each element size,
+    trained-like and incompressible, coded both ways must be the same chunks and decode back both ways."""
+    for codec, s, k, raw in _probe_blocks():
+        ref = b2.compress2(raw, typesize=k, codec=b2.Codec(s.compcode), clevel=s.clevel,
+                           filters=[b2.Filter(s.filter)], splitmode=b2.SplitMode.ALWAYS_SPLIT, nthreads=1)
+        out = np.empty(raw.nbytes + MAX_OVERHEAD, np.uint8)
+        n = direct.compress_into(k, address(raw)[0], raw.nbytes, address(out)[0], out.nbytes, codec)
+        if bytes(out[:n]) != ref:
+            return f"its {codec!r} chunk of {raw.nbytes} bytes of {k}-byte elements differs from compress2's"
+        back = np.empty(raw.nbytes, np.uint8)
+        if direct.decompress_into(address(out)[0], n, address(back)[0], back.nbytes) != raw.nbytes:
+            return "it does not decode its own chunk"
+        if not np.array_equal(back, raw) or b2.decompress2(ref) != raw.tobytes():
+            return "a chunk does not decode to its raw bytes"
+    return None
+
+
+#: A chunk header's compressor code (bits 5-7 of byte 2) for each compressor code of `SETTINGS`: zstd, LZ4.
+_HEADER_FORMAT = {5: 4, 1: 1}
+_MEMCPYED = 0x02  # a chunk's flag (byte 2): its blocks are stored as they are
+
+
+def _headers(direct: Direct) -> str | None:
+    """Why `direct` may not code cairn's chunks (None: it may), found without python-blosc2: every probe
+    block of `_probe` coded here decodes back here, and its chunk's header records what compress2 with the
+    codec's setting records: the element size (byte 3), the raw size (bytes 4-7), the Blosc block its
+    tuner picks (8-11: the setting's `split_block` times the element size, or the whole chunk where that is
+    shorter; a context that carried a block size from an earlier chunk shows here), the setting's filter
+    alone (16-21) and, where the chunk is compressed, its compressor (bits 5-7 of byte 2). What the
+    header does not record, the level, is passed in the struct layout `_found` checked."""
+    for codec, s, k, raw in _probe_blocks():
+        out = np.empty(raw.nbytes + MAX_OVERHEAD, np.uint8)
+        n = direct.compress_into(k, address(raw)[0], raw.nbytes, address(out)[0], out.nbytes, codec)
+        h = bytes(out[:MAX_OVERHEAD])
+        what = f"its {codec!r} chunk of {raw.nbytes} bytes of {k}-byte elements"
+        size, block = (int.from_bytes(h[i : i + 4], "little") for i in (4, 8))
+        if n < MAX_OVERHEAD or h[3] != k or size != raw.nbytes:
+            return f"{what} has a header of another size or element size"
+        if block != min(s.split_block * k, raw.nbytes):
+            return f"{what} is cut into Blosc blocks of {block} bytes, not {min(s.split_block * k, raw.nbytes)}"
+        if h[16:22] != bytes([s.filter, 0, 0, 0, 0, 0]):
+            return f"{what} names the filters {list(h[16:22])}, not [{s.filter}]"
+        if not h[2] & _MEMCPYED and h[2] >> 5 != _HEADER_FORMAT[s.compcode]:
+            return f"{what} names compressor {h[2] >> 5}, not {_HEADER_FORMAT[s.compcode]}"
+        back = np.empty(raw.nbytes, np.uint8)
+        if direct.decompress_into(address(out)[0], n, address(back)[0], back.nbytes) != raw.nbytes \
+                or not np.array_equal(back, raw):
+            return f"{what} does not decode back to its raw bytes"
     return None
 
 
@@ -278,6 +318,7 @@ def _roundtrip(direct: Direct) -> str | None:
 _lock = threading.Lock()
 _loaded: list[Direct | None] = []
 _decoding: list[Direct | None] = []
+_encoding: list[Direct | None] = []
 
 
 def decoder() -> Direct | None:
@@ -287,8 +328,20 @@ def decoder() -> Direct | None:
     coded and decoded back by the library itself (`_roundtrip`). The direct path `load` found, where it
     ran first. None where it cannot be shown to decode (the caller then uses python-blosc2's functions)."""
     if not _loaded and not _decoding:
-        _once(_decoding, _beside_package, "decoded")
+        _once(_decoding, lambda: _beside_package(_roundtrip), "decoded")
     return _loaded[0] if _loaded else _decoding[0]
+
+
+def encoder() -> Direct | None:
+    """The direct path for coding, found without importing python-blosc2 (1.3 s on the TPU host, in a
+    process's first compressed save): its package located, the library and header beside it checked as
+    `load` does, and probe blocks coded by the library itself, each chunk's header recording the codec's
+    settings and each decoding back (`_headers`). The direct path `load` found, where it ran first. None
+    where it cannot be shown to code as cairn's settings say (the caller then takes `load`'s, checked
+    against python-blosc2's `compress2`)."""
+    if not _loaded and not _encoding:
+        _once(_encoding, lambda: _beside_package(_headers), "coded without python-blosc2's import")
+    return _loaded[0] if _loaded else _encoding[0]
 
 
 def load(b2: Any) -> Direct | None:
@@ -318,15 +371,15 @@ def _once(found: list[Direct | None], search: Callable[[], tuple[Direct | None, 
         found.append(direct)
 
 
-def _beside_package() -> tuple[Direct | None, str | None]:
-    """`_found` in the folder of python-blosc2's package, located without importing it."""
+def _beside_package(probe: Callable[[Direct], str | None]) -> tuple[Direct | None, str | None]:
+    """`_found` with `probe` in the folder of python-blosc2's package, located without importing it."""
     try:
         spec = importlib.util.find_spec("blosc2")
     except (ImportError, ValueError) as e:
         return None, f"{type(e).__name__}: {e}"
     if spec is None or not spec.origin:
         return None, "python-blosc2 is not installed"
-    return _found(Path(spec.origin).parent, _roundtrip)
+    return _found(Path(spec.origin).parent, probe)
 
 
 def _found(b2_dir: Path, probe: Callable[[Direct], str | None]) -> tuple[Direct | None, str | None]:

@@ -192,6 +192,14 @@ def _blosc2_decoder(where: str = "", codec: str = "blosc2") -> blosc2lib.Direct 
     return direct
 
 
+def _blosc2_encoder(where: str = "", codec: str = "blosc2") -> blosc2lib.Direct | None:
+    """C-Blosc2 called directly to code: found and checked without importing python-blosc2
+    (`blosc2lib.encoder`: each probe chunk's header records cairn's settings), else through python-blosc2,
+    checked against its `compress2` (`blosc2lib.load`); None: `compress2` codes. Missing: `_blosc2`'s error."""
+    direct = blosc2lib.encoder()
+    return direct if direct is not None else blosc2lib.load(_blosc2(where, codec))
+
+
 _blosc2_kw: dict[tuple[str, int], dict[str, Any]] = {}
 
 
@@ -237,10 +245,9 @@ def encode(codec: str, raw: Any, dtype: Any) -> bytes:
     if codec == "planes":
         return _encode_planes(u8, dt.itemsize)
     if codec in BLOSC2_CODECS:
-        b2 = _blosc2()
-        direct = blosc2lib.load(b2)
+        direct = _blosc2_encoder(codec=codec)
         if direct is None or not u8.nbytes:  # (an empty block: a header alone, which the batch path never codes)
-            return b2.compress2(u8, **_blosc2_params(codec, dt.itemsize))
+            return _blosc2(codec=codec).compress2(u8, **_blosc2_params(codec, dt.itemsize))
         return bytes(_encode_blosc2_direct(direct, [(codec, u8, u8.nbytes, dt.itemsize)])[0][0])
     raise ValueError(f"unknown codec {codec!r} (known: {', '.join(CODECS)})")
 
@@ -332,10 +339,10 @@ def _encode_blosc2_runs(runs: list[tuple[str, np.ndarray, int, int]], join: int,
     """The "blosc2" blocks of each of `runs`: `_encode_blosc2_direct` where C-Blosc2 is called directly;
     else one `compress2` call per block (C-Blosc2, without the GIL), the stored chunks gathered into buffers
     of about `join` bytes (0: none; from `alloc`, `encode_runs`), each block a memoryview of one."""
-    b2 = _blosc2()
-    direct = blosc2lib.load(b2)
+    direct = _blosc2_encoder()
     if direct is not None:
         return _encode_blosc2_direct(direct, runs, alloc)
+    b2 = _blosc2()
     out: list[list[Any]] = [[] for _ in runs]
     pending: list[Any] = []  # stored chunks not yet joined, and the run of each
     owners: list[int] = []
