@@ -34,8 +34,9 @@ log = logging.getLogger("cairn")
 
 
 def at_once(fn: Any, xs: list[Any], name: str) -> list[Any]:
-    """[fn(x) for x in xs], on up to 8 threads where there are several: each is one durable put of the
-    commit (a file and folder fsync, or a round trip to an object store), none waiting for another."""
+    """[fn(x) for x in xs], on up to 8 threads where there are several: each a durable step of a commit
+    (a file written and fsync'd, a folder fsync'd, or a round trip to an object store), none waiting for
+    another."""
     if len(xs) <= 1:
         return [fn(x) for x in xs]
     with ThreadPoolExecutor(min(8, len(xs)), thread_name_prefix=name) as pool:

@@ -620,10 +620,11 @@ class SaveJob:
             indexes = [item_index(item, statuses, n, self.block_size) for item in self.items]
             puts = [(f"{root}/{item.dir}/{fmt.index_name(self.token)}", index.to_json(self.version))
                     for item, index in zip(self.items, indexes)]
-        # One durable put (file and folder fsync, or one request) per checkpointable's index and per part
-        # of the primary's own (`_write_parts`), all at once: the indexes need only what the parts' records
-        # were (in the statuses), not the parts in place, so a single process's commit waits one round trip
-        # for both, not two. A failed put fails the commit before its listing: nothing is visible.
+        # Each checkpointable's index and each part of the primary's own (`_write_parts`) written durably
+        # (`put_all`: one request each on an object store; on a local disk each file fsync'd, then each
+        # folder once), all at once: the indexes need only what the parts' records were (in the statuses),
+        # not the parts in place, so a single process's commit waits one round trip for both, not two. A
+        # failed write fails the commit before its listing: nothing is visible.
         self.strategy.put_all([*self.own_parts, *puts], "cairn-index")
         for item, index in zip(self.items, indexes):
             nbytes = sum(leaf.nbytes for leaf in index.leaves if isinstance(leaf, fmt.ArrayLeaf))
@@ -1245,7 +1246,7 @@ def _split_items(state: Any, where: str = "") -> tuple[bool, list[tuple[str, Any
             _told_many = True
             log.warning(
                 "cairn: %s: saving %d checkpointables, one per key of the state's top-level mapping, each its own "
-                "folder of three files written durably (an index, an index part, a data file). A flat mapping of "
+                "folder of up to three files written durably (an index, an index part, a data file). A flat mapping of "
                 "many arrays (a state dict) saves and loads several times faster as one checkpointable: nest it "
                 "under one key, e.g. {'model': state} (docs/PERFORMANCE.md, \"Thousands of checkpointables\"). "
                 "Said once per process.", where or "a save", len(state))
