@@ -328,7 +328,7 @@ def decoder() -> Direct | None:
     coded and decoded back by the library itself (`_roundtrip`). The direct path `load` found, where it
     ran first. None where it cannot be shown to decode (the caller then uses python-blosc2's functions)."""
     if not _loaded and not _decoding:
-        _once(_decoding, lambda: _beside_package(_roundtrip), "decoded")
+        _once(_decoding, lambda: _beside_package(_roundtrip), "decoded through python-blosc2's functions")
     return _loaded[0] if _loaded else _decoding[0]
 
 
@@ -340,7 +340,7 @@ def encoder() -> Direct | None:
     where it cannot be shown to code as cairn's settings say (the caller then takes `load`'s, checked
     against python-blosc2's `compress2`)."""
     if not _loaded and not _encoding:
-        _once(_encoding, lambda: _beside_package(_headers), "coded without python-blosc2's import")
+        _once(_encoding, lambda: _beside_package(_headers), "coded only after importing python-blosc2")
     return _loaded[0] if _loaded else _encoding[0]
 
 
@@ -348,13 +348,15 @@ def load(b2: Any) -> Direct | None:
     """The direct path for python-blosc2 module `b2`, or None where it cannot be shown to code the same
     chunks (found and checked once per process; the reason logged at debug level)."""
     if not _loaded:
-        _once(_loaded, lambda: _found(Path(b2.__file__).parent, lambda d: _probe(d, b2)), "coded")
+        _once(_loaded, lambda: _found(Path(b2.__file__).parent, lambda d: _probe(d, b2)),
+              "coded through python-blosc2's functions")
     return _loaded[0]
 
 
 def _once(found: list[Direct | None], search: Callable[[], tuple[Direct | None, str | None]], done: str) -> None:
-    """Put in `found` (`_loaded` or `_decoding`), unless there already, the direct path `search` finds, or
-    None where it finds none, fails or ``CAIRN_BLOSC2_DIRECT`` is off (the reason logged at debug level)."""
+    """Put in `found` (`_loaded`, `_decoding` or `_encoding`), unless there already, the direct path `search`
+    finds, or None where it finds none, fails or ``CAIRN_BLOSC2_DIRECT`` is off (the reason logged at debug
+    level, after "C-Blosc2 chunks " and what is `done` instead)."""
     with _lock:
         if found:
             return
@@ -367,7 +369,7 @@ def _once(found: list[Direct | None], search: Callable[[], tuple[Direct | None, 
             except (OSError, AttributeError, RuntimeError, MemoryError, ValueError) as e:
                 direct, why = None, f"{type(e).__name__}: {e}"
         if direct is None:
-            log.debug("cairn: C-Blosc2 chunks %s through python-blosc2's functions (%s)", done, why)
+            log.debug("cairn: C-Blosc2 chunks %s (%s)", done, why)
         found.append(direct)
 
 
