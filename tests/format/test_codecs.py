@@ -752,6 +752,7 @@ def test_blosc2_missing_names_the_block_and_the_extra(monkeypatch, codec):
     monkeypatch.setattr(_codecs, "_blosc2_module", None)
     monkeypatch.setattr(blosc2lib, "_loaded", [])  # (a fresh process's: nothing found yet)
     monkeypatch.setattr(blosc2lib, "_decoding", [])
+    monkeypatch.setattr(blosc2lib, "_encoding", [])
     monkeypatch.setitem(sys.modules, "blosc2", None)  # import blosc2 -> ImportError; find_spec -> None
     with pytest.raises(CheckpointError, match=rf"ckpt/params\.w.*'{codec}' codec.*python-blosc2.*cairn-ckpt\[fast\]") as e:
         _codecs.decode(codec, b"\0" * 64, np.float32, 64, where="ckpt/params.w")
