@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import os
 import signal
 import subprocess
@@ -126,8 +127,6 @@ def test_a_local_save_fsyncs_each_file_once_and_each_folder_once(tmp_path, monke
     state = {f"t{i:02d}": np.full((8,), i, np.float32) for i in range(20)}
     cairn.save(tmp_path / "ck", state)
     monkeypatch.setattr(os, "fsync", real)
-    import collections
-
     times = collections.Counter(fsynced)
     attempt = [p for p in times if os.path.basename(p).startswith(".ck.cairn-tmp-")]
     # Each once; the attempt folder twice (after the manifest's put, and by the commit before the rename).

@@ -250,16 +250,27 @@ def _probe(direct: Direct, b2: Any) -> str | None:
     for codec, s, k, raw in _probe_blocks():
         ref = b2.compress2(raw, typesize=k, codec=b2.Codec(s.compcode), clevel=s.clevel,
                            filters=[b2.Filter(s.filter)], splitmode=b2.SplitMode.ALWAYS_SPLIT, nthreads=1)
-        out = np.empty(raw.nbytes + MAX_OVERHEAD, np.uint8)
-        n = direct.compress_into(k, address(raw)[0], raw.nbytes, address(out)[0], out.nbytes, codec)
-        if bytes(out[:n]) != ref:
+        chunk = _code(direct, codec, k, raw)
+        if chunk.tobytes() != ref:
             return f"its {codec!r} chunk of {raw.nbytes} bytes of {k}-byte elements differs from compress2's"
-        back = np.empty(raw.nbytes, np.uint8)
-        if direct.decompress_into(address(out)[0], n, address(back)[0], back.nbytes) != raw.nbytes:
+        back = _back(direct, chunk, raw.nbytes)
+        if back is None:
             return "it does not decode its own chunk"
         if not np.array_equal(back, raw) or b2.decompress2(ref) != raw.tobytes():
             return "a chunk does not decode to its raw bytes"
     return None
+
+
+def _code(direct: Direct, codec: str, k: int, raw: np.ndarray) -> np.ndarray:
+    """`raw` (k-byte elements) coded by `direct` as one chunk of `codec`: each probe's first step."""
+    out = np.empty(raw.nbytes + MAX_OVERHEAD, np.uint8)
+    return out[: direct.compress_into(k, address(raw)[0], raw.nbytes, address(out)[0], out.nbytes, codec)]
+
+
+def _back(direct: Direct, chunk: np.ndarray, n: int) -> np.ndarray | None:
+    """`chunk` decoded by `direct` into n bytes, or None where it does not decode to exactly n."""
+    back = np.empty(n, np.uint8)
+    return back if direct.decompress_into(address(chunk)[0], chunk.nbytes, address(back)[0], n) == n else None
 
 
 #: A chunk header's compressor code (bits 5-7 of byte 2) for each compressor code of `SETTINGS`: zstd, LZ4.
@@ -276,12 +287,11 @@ def _headers(direct: Direct) -> str | None:
     alone (16-21) and, where the chunk is compressed, its compressor (bits 5-7 of byte 2). What the
     header does not record, the level, is passed in the struct layout `_found` checked."""
     for codec, s, k, raw in _probe_blocks():
-        out = np.empty(raw.nbytes + MAX_OVERHEAD, np.uint8)
-        n = direct.compress_into(k, address(raw)[0], raw.nbytes, address(out)[0], out.nbytes, codec)
-        h = bytes(out[:MAX_OVERHEAD])
+        chunk = _code(direct, codec, k, raw)
+        h = chunk[:MAX_OVERHEAD].tobytes()
         what = f"its {codec!r} chunk of {raw.nbytes} bytes of {k}-byte elements"
         size, block = (int.from_bytes(h[i : i + 4], "little") for i in (4, 8))
-        if n < MAX_OVERHEAD or h[3] != k or size != raw.nbytes:
+        if len(h) < MAX_OVERHEAD or h[3] != k or size != raw.nbytes:
             return f"{what} has a header of another size or element size"
         if block != min(s.split_block * k, raw.nbytes):
             return f"{what} is cut into Blosc blocks of {block} bytes, not {min(s.split_block * k, raw.nbytes)}"
@@ -289,9 +299,8 @@ def _headers(direct: Direct) -> str | None:
             return f"{what} names the filters {list(h[16:22])}, not [{s.filter}]"
         if not h[2] & _MEMCPYED and h[2] >> 5 != _HEADER_FORMAT[s.compcode]:
             return f"{what} names compressor {h[2] >> 5}, not {_HEADER_FORMAT[s.compcode]}"
-        back = np.empty(raw.nbytes, np.uint8)
-        if direct.decompress_into(address(out)[0], n, address(back)[0], back.nbytes) != raw.nbytes \
-                or not np.array_equal(back, raw):
+        back = _back(direct, chunk, raw.nbytes)
+        if back is None or not np.array_equal(back, raw):
             return f"{what} does not decode back to its raw bytes"
     return None
 
@@ -305,10 +314,8 @@ def _roundtrip(direct: Direct) -> str | None:
     noise = rng.integers(0, 256, 20 << 10, dtype=np.uint8)
     for codec, k in itertools.product(SETTINGS, (1, 2, 4, 8, 16)):
         for raw in (normal[: (100 << 10) // k * k], normal[: 37 * k], noise[: (len(noise) // k) * k - k]):
-            out = np.empty(raw.nbytes + MAX_OVERHEAD, np.uint8)
-            n = direct.compress_into(k, address(raw)[0], raw.nbytes, address(out)[0], out.nbytes, codec)
-            back = np.empty(raw.nbytes, np.uint8)
-            if direct.decompress_into(address(out)[0], n, address(back)[0], back.nbytes) != raw.nbytes:
+            back = _back(direct, _code(direct, codec, k, raw), raw.nbytes)
+            if back is None:
                 return f"it does not decode its own {codec!r} chunk of {raw.nbytes} bytes"
             if not np.array_equal(back, raw):
                 return f"its {codec!r} chunk of {raw.nbytes} bytes does not decode to its raw bytes"
