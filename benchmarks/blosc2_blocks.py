@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.measure import write_rows
 from benchmarks.trained_state import flatten, make_state
 from cairn._format import blosc2lib
 
@@ -149,10 +150,7 @@ def main() -> None:
             label = "copy" if case == "copy" else f"{case[0]} block {case[1] >> 10} KiB" if case[1] else f"{case[0]} tuner"
             print(f"{n:3} threads  {label:28} ratio {row['ratio'] or 1:.4f}  compress "
                   f"{row['compress_gib_s'] or 0:6.2f}  decompress {row['decompress_gib_s']:6.2f} GiB/s", flush=True)
-    info["load_after"] = os.getloadavg()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "rows": rows}, f, indent=1)
+    write_rows(args.json, info, rows)
 
 
 if __name__ == "__main__":

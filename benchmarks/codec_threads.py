@@ -38,6 +38,7 @@ import numpy as np
 import zstandard
 
 from benchmarks.codecs import load_codecs
+from benchmarks.measure import write_rows
 from benchmarks.trained_state import flatten, make_state
 from cairn._format import codecs as C
 
@@ -159,11 +160,8 @@ def main() -> None:
         print("  ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()), flush=True)
     for r in runs16:  # the last decode is right
         assert np.array_equal(outs[id(r)], r[1])
-    info["load_after"] = os.getloadavg()
     info["ratio"] = raw / stored_bytes
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "rows": rows}, f, indent=1)
+    write_rows(args.json, info, rows)
 
 
 if __name__ == "__main__":

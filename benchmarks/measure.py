@@ -1,4 +1,4 @@
-"""Measurement helpers: page cache, peak RSS per operation, sizes on disk."""
+"""Measurement helpers: page cache, peak RSS per operation, sizes on disk, a run's JSON."""
 
 from __future__ import annotations
 
@@ -13,6 +13,15 @@ from dataclasses import dataclass
 from typing import Any
 
 _DROP = "/proc/sys/vm/drop_caches"
+
+
+def write_rows(path: str | None, info: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+    """Note the load average after the run in `info`, and write ``{"info": info, "rows": rows}`` to `path`
+    as JSON (nothing written where `path` is None)."""
+    info["load_after"] = os.getloadavg()
+    if path:
+        with open(path, "w") as f:
+            json.dump({"info": info, "rows": rows}, f, indent=1)
 
 
 def drop_caches() -> bool:

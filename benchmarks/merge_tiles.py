@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks.codec_threads import _best, runs_of
+from benchmarks.measure import write_rows
 from benchmarks.trained_state import flatten, make_state
 from cairn._format import codecs as C
 
@@ -153,11 +154,8 @@ def main() -> None:
         for r, got in zip(runs, outs):  # the last decode is right
             assert np.array_equal(got, r[1])
     use_tiles(0)
-    info["load_after"] = os.getloadavg()
+    write_rows(args.json, info, rows)
     print(json.dumps({"load_after": info["load_after"]}), flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

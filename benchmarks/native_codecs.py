@@ -46,6 +46,7 @@ import numpy as np
 import zstandard
 
 from benchmarks.codecs import coding_tasks
+from benchmarks.measure import write_rows
 from benchmarks.trained_state import flatten, make_state
 from cairn._format import blosc2lib
 from cairn._format import codecs as C
@@ -211,10 +212,7 @@ def main() -> None:
             rows.append(row)
             print(f"{n:3} threads  {name:34} ratio {row['ratio']:.4f}  compress {row['compress_gib_s']:6.2f} GiB/s"
                   f"  decompress {row['decompress_gib_s']:6.2f} GiB/s", flush=True)
-    info["load_after"] = os.getloadavg()
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"info": info, "rows": rows}, f, indent=1)
+    write_rows(args.json, info, rows)
 
 
 if __name__ == "__main__":
