@@ -40,7 +40,8 @@ GiB = float(1 << 30)
 
 
 class _Coder:
-    """Per-thread C-Blosc2 contexts for one codec's setting at one explicit Blosc block size."""
+    """One codec's setting coded at one Blosc block size: 0, the tuner's, through cairn's own contexts
+    (`blosc2lib.Direct.compress_into`); any other through per-thread contexts of this class's."""
 
     def __init__(self, direct: blosc2lib.Direct, codec: str, blocksize: int) -> None:
         self.lib, self.setting, self.blocksize, self.codec = direct._lib, blosc2lib.SETTINGS[codec], blocksize, codec
