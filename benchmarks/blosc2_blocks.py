@@ -41,7 +41,8 @@ GiB = float(1 << 30)
 
 class _Coder:
     """One codec's setting coded at one Blosc block size: 0, the tuner's, through cairn's own contexts
-    (`blosc2lib.Direct.compress_into`); any other through per-thread contexts of this class's."""
+    (`blosc2lib.Direct.compress_into`); any other through per-thread contexts of this class's
+    (`blosc2lib.Direct.new_cctx`)."""
 
     def __init__(self, direct: blosc2lib.Direct, codec: str, blocksize: int) -> None:
         self.lib, self.setting, self.blocksize, self.codec = direct._lib, blosc2lib.SETTINGS[codec], blocksize, codec
@@ -57,13 +58,7 @@ class _Coder:
             kept = self.local.c = {}
         key = (k, -1 if n >= self.blocksize else n)
         if key not in kept:
-            p = self.lib.blosc2_get_blosc2_cparams_defaults()
-            p.compcode, p.compcode_meta, p.clevel, p.use_dict = self.setting.compcode, 0, self.setting.clevel, 0
-            p.typesize, p.nthreads, p.blocksize, p.splitmode = k, 1, self.blocksize, blosc2lib._ALWAYS_SPLIT
-            for i in range(blosc2lib._MAX_FILTERS):
-                p.filters[i] = p.filters_meta[i] = 0
-            p.filters[0] = self.setting.filter
-            kept[key] = blosc2lib._Context(self.lib.blosc2_create_cctx(p), self.lib.blosc2_free_ctx)
+            kept[key] = self.direct.new_cctx(self.setting, k, self.blocksize)
         return kept[key].ptr
 
     def encode(self, raw: np.ndarray, k: int) -> np.ndarray:

@@ -171,18 +171,23 @@ class Direct:
         if ctx is None:
             if not big and sum(1 for key_ in kept if key_[2] >= 0) >= SMALL_CONTEXTS:
                 del kept[next(key_ for key_ in kept if key_[2] >= 0)]  # the oldest short size's
-            p = self._lib.blosc2_get_blosc2_cparams_defaults()
-            # compress2(typesize=k, codec=..., clevel=..., filters=[...], splitmode=ALWAYS_SPLIT, nthreads=1)
-            p.compcode, p.compcode_meta, p.clevel, p.use_dict = setting.compcode, 0, setting.clevel, 0
-            p.typesize, p.nthreads, p.blocksize, p.splitmode = k, 1, 0, _ALWAYS_SPLIT
-            for i in range(_MAX_FILTERS):
-                p.filters[i] = p.filters_meta[i] = 0
-            p.filters[0] = setting.filter
-            ptr = self._lib.blosc2_create_cctx(p)
-            if not ptr:
-                raise MemoryError("C-Blosc2 could not create a compression context")
-            ctx = kept[key] = _Context(ptr, self._lib.blosc2_free_ctx)
+            ctx = kept[key] = self.new_cctx(setting, k)
         return ctx.ptr
+
+    def new_cctx(self, setting: Setting, k: int, blocksize: int = 0) -> _Context:
+        """A new compression context for k-byte elements coded as `setting` says, as ``compress2(typesize=k,
+        codec=..., clevel=..., filters=[...], splitmode=ALWAYS_SPLIT, nthreads=1)`` makes one; `blocksize`
+        0: the tuner's Blosc block (else that many bytes)."""
+        p = self._lib.blosc2_get_blosc2_cparams_defaults()
+        p.compcode, p.compcode_meta, p.clevel, p.use_dict = setting.compcode, 0, setting.clevel, 0
+        p.typesize, p.nthreads, p.blocksize, p.splitmode = k, 1, blocksize, _ALWAYS_SPLIT
+        for i in range(_MAX_FILTERS):
+            p.filters[i] = p.filters_meta[i] = 0
+        p.filters[0] = setting.filter
+        ptr = self._lib.blosc2_create_cctx(p)
+        if not ptr:
+            raise MemoryError("C-Blosc2 could not create a compression context")
+        return _Context(ptr, self._lib.blosc2_free_ctx)
 
     def _dctx(self) -> int:
         ctx = getattr(self._local, "d", None)
