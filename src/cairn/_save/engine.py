@@ -680,9 +680,17 @@ def host_pipeline(job: SaveJob) -> Any:
             srcs.append(src)
     if not keys:
         return None
-    pipe = HostPipeline(keys, sizes, srcs, budget)
+    # The snapshot's own on-device copies go to host by the fastest way, freed as they arrive.
+    own = job.stats.device_snapshot_bytes > 0
+    pipe = HostPipeline(keys, sizes, srcs, budget, start=_own_to_host if own else None)
     pipe.fill()
     return pipe
+
+
+def _own_to_host(arrays: list[Any]) -> list[Any]:
+    from .._tree.shardings import start_to_host
+
+    return start_to_host(arrays, "own")
 
 
 #: A single process's compressed save measures its leaves' codecs while its first files are written
