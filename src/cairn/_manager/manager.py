@@ -607,7 +607,7 @@ class CheckpointManager(StepWatch):
         if busy is None:
             return False
         self._stats.skipped += 1
-        self._stats.skipped_steps = (self._stats.skipped_steps + [step])[-100:]
+        self._stats.skipped_steps = [*self._stats.skipped_steps, step][-100:]
         self._skipped_since += 1
         if not self._warned_skip:
             self._warned_skip = True
