@@ -409,7 +409,7 @@ def device_snapshot(arrays: list[Any]) -> list[Any] | None:
             if limit - peak < need + max(HEADROOM_MIN_BYTES, HEADROOM_SHARE * limit):
                 return None
     out: list[Any] = [None] * len(arrays)
-    for device, idx in by_device.items():
+    for idx in by_device.values():
         copies = _copy_all(*[arrays[i] for i in idx])
         for i, c in zip(idx, copies):
             out[i] = c
