@@ -5,7 +5,7 @@ On the large leaves (>= 4 MiB) of a 256 MB bf16-f32 trained state, on 1, 4, 8 an
 (`multi_compress_to_buffer(threads=n)`, `multi_decompress_to_buffer`) against a Python pool of n
 threads (per plane, or 16 planes per call); and, on 16 MiB runs, the numpy plane split, a bytes
 join, the entropy probe and the whole `encode_run`. The TPU host's figures are
-docs/bench/tpu-v5e-host-codec-micro.json.
+benchmarks/results/tpu-v5e-host-codec-micro.json.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Codes the bf16-f32 trained state (`benchmarks.trained_state`, SIZE bytes, defaul
 - ``merge`` / ``merge tiled``: only the interleaving of decoded planes;
 - ``copyto 1MiB``: one 1 MiB copy per block, the memory system's own scaling.
 
-On the TPU v5e machine's 13-core host (`docs/bench/tpu-v5e-host-decode-threads.log`)
+On the TPU v5e machine's 13-core host (`benchmarks/results/tpu-v5e-host-decode-threads.log`)
 it showed where decoding stops scaling: see docs/compression.md.
 """
 

@@ -3,7 +3,7 @@
 Codes the bf16-f32 trained state (128 MB) in runs of 4 blocks (`codecs.encode_run`, as a
 save does) on 1, 4 and 12 threads at once, separately for leaves under and over 4 MiB
 (wall time, best of 3, about 512 MiB per pass). The TPU host's figures are in
-docs/bench/tpu-v5e-host-encode-leaf-sizes.log.
+benchmarks/results/tpu-v5e-host-encode-leaf-sizes.log.
 """
 
 from __future__ import annotations

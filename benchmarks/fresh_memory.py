@@ -8,7 +8,7 @@ on ``threads`` threads, each its share. Printed: the time to have it, the first 
 fill's (pages mapped), and both together. ``all`` runs the cases named after it (by default the four of
 the thirteenth session's second call), each once.
 
-Under gVisor (the TPU v5e host, docs/bench/tpu-v5e-freshmem.log) a first write into a fresh page costs
+Under gVisor (the TPU v5e host, benchmarks/results/tpu-v5e-freshmem.log) a first write into a fresh page costs
 0.9 GiB/s a thread and scales to ~3.9 GiB/s on 8-12 threads, but a ``pread`` into fresh pages runs at
 ~1 GiB/s however many threads read: a restart's raw load, which reads into its fresh host buffers, is
 bound by that, while a compressed one decodes into them, on every reader thread at once.

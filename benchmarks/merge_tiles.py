@@ -17,7 +17,7 @@ The tiled merge and split are this file's `merge_tiled` and `split_tiled`, patch
 `codecs` for a tile size above 0 (tile 0 runs the codecs' own); the stored bytes do not depend on
 them (checked), and the decoded ones are checked after each tile size.
 
-Measured on the TPU v5e host (`docs/bench/tpu-v5e-host-merge-tiles.json`): tiles made everything
+Measured on the TPU v5e host (`benchmarks/results/tpu-v5e-host-merge-tiles.json`): tiles made everything
 slower with threads (docs/compression.md, "Tiles").
 """
 
