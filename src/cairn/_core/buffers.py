@@ -233,7 +233,7 @@ class _BufferPool:
     with two saves in flight reuses the same buffers over and over. Keeping
     only one snapshot's worth made every save free half its buffers and
     allocate new ones, from whichever thread's malloc arena; measured with
-    benchmarks/soak.py, that churn held ~100-200 MiB more RSS than the
+    benchmarks/probes/soak.py, that churn held ~100-200 MiB more RSS than the
     buffers themselves (docs/PERFORMANCE.md, "Per-leaf and steady-state costs").
     """
 

@@ -686,7 +686,7 @@ def host_pipeline(job: SaveJob) -> Any:
 
 
 #: A single process's compressed save measures its leaves' codecs while its first files are written
-#: (`_Choosing`); False: all of them before any file (as before 2026-12-06; benchmarks compare both).
+#: (`_Choosing`); False: all of them before any file (benchmarks compare both).
 CHOOSE_IN_BACKGROUND = True
 
 #: Blocks per coding task of a compressed save: a large chunk is coded in runs of this many blocks,

@@ -92,7 +92,7 @@ BATCH = 4 << 20
 #: Own raw blocks next to each other in a chunk go to the storage as one buffer, up to this many bytes (a
 #: view of the chunk's bytes, no copy), as a plain save gives it a chunk: one buffer per 1 MiB block cost
 #: a save of 256 MiB 292 write calls (now 115) where the plain save made 82, and twice its write time on
-#: the TPU host's sandboxed disk (`benchmarks.incremental_stages`, docs/incremental.md "Round 41e, lead").
+#: the TPU host's sandboxed disk (benchmarks/results/tpu-v5e-incremental-stages-41e.log).
 OWN_SPAN = 4 << 20
 #: A delta is kept when its stored bytes are at most this fraction of the block's own stored bytes.
 DELTA_GAIN = 0.25

@@ -120,8 +120,8 @@ if _codecs.blosc2_available():
 
 #: One core's speed of a codec on leaves of one element size, where it differs from the whole state's
 #: (`CODEC_SPEEDS`, whose scaling over cores these keep), measured on this project's 2-core VM with
-#: ``python -m benchmarks.native_codecs --dtype bfloat16`` / ``--dtype float32`` (docs/compression.md,
-#: "Coding and writing at once"): C-Blosc2 runs zstd over every byte plane, and a bf16 block's near-random
+#: ``python -m benchmarks.probe native_codecs --dtype bfloat16`` / ``--dtype float32``:
+#: C-Blosc2 runs zstd over every byte plane, and a bf16 block's near-random
 #: mantissa plane is half of it, where `planes` stores that plane raw after a probe: "blosc2" compresses
 #: bf16 at half `planes`' speed on one core (0.33 against 0.69 GiB/s; f32 0.45 against 0.41) and both
 #: decode bf16 at 1.1 GiB/s (f32: 1.2-1.4 against 0.9).

@@ -1,8 +1,8 @@
 """Read-once restore on real processes over loopback: bytes read, load time, peak RSS.
 
-    python -m benchmarks.read_once                 # 64 MiB leaf, local disk, cold and warm cache
-    python -m benchmarks.read_once --mb 16 --s3    # also on a moto S3 server (needs moto)
-    python -m benchmarks.read_once --routes        # issue 32: 0.94 GiB FSDP dim 0 -> dim 1, 2 x 4 devices,
+    python -m benchmarks.probe read_once                 # 64 MiB leaf, local disk, cold and warm cache
+    python -m benchmarks.probe read_once --mb 16 --s3    # also on a moto S3 server (needs moto)
+    python -m benchmarks.probe read_once --routes        # issue 32: 0.94 GiB FSDP dim 0 -> dim 1, 2 x 4 devices,
                                                    # default vs read_once=True vs False vs Orbax, and the
                                                    # same-sharding load (--cold: drop caches first)
 
@@ -27,7 +27,7 @@ import sys
 import tempfile
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
 from _mp import run  # noqa: E402

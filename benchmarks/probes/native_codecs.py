@@ -1,11 +1,11 @@
-"""Native codec candidates against `planes`, side by side: ``python -m benchmarks.native_codecs``.
+"""Native codec candidates against `planes`, side by side: ``python -m benchmarks.probe native_codecs``.
 
 The whole bf16-f32 trained state of `benchmarks.trained_state`, cut into 1 MiB blocks, coded by
 each candidate on n threads at once (wall time, best of `--reps`, GiB/s of raw bytes; the
 candidates interleaved within each repetition, so a machine's drift hits them alike):
 
 - ``planes``: cairn's codecs as a save and a local load call them: `codecs.encode_runs` of the
-  save's tasks (`benchmarks.codecs.coding_tasks`: runs of 16 blocks, small leaves together), each
+  save's tasks (`benchmarks.probes.codecs.coding_tasks`: runs of 16 blocks, small leaves together), each
   leaf's codec from `codecs.choose` without blosc2 (planes / zstd / none), and `codecs.decode_run` per run.
 - ``cairn-blosc2``: cairn's "blosc2" codec through `codecs.encode_runs` / `codecs.decode_run`, same tasks
   (`decode_run`: each block's header checked, then its `decompress2` call).
@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from benchmarks.codecs import coding_tasks
 from benchmarks.measure import write_rows
+from benchmarks.probes.codecs import coding_tasks
 from benchmarks.trained_state import flatten, make_state
 from cairn._format import blosc2lib
 from cairn._format import codecs as C
@@ -87,7 +87,7 @@ def _best(fn: Callable[[], Any], times: list[float]) -> None:
     times.append(time.perf_counter() - t)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=512_000_000)
     ap.add_argument("--threads", default="1,12")
@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--only", help="candidates to run (comma-separated names)")
     ap.add_argument("--dtype", help="only the leaves of this dtype (bfloat16, float32)")
     ap.add_argument("--json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     counts = [int(n) for n in args.threads.split(",")]
     try:
         import blosc2

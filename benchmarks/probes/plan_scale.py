@@ -11,8 +11,8 @@ to process ``d // devices_per_process``, and the box each device holds under
 a partition spec is computed arithmetically, as `cairn.save` does for a ``NamedSharding``
 (`_grid.spec_boxes`, checked against JAX in tests/plan/test_grid.py).
 
-    python -m benchmarks.plan_scale                   # full model, 4,096 devices, plus a scaling sweep
-    python -m benchmarks.plan_scale --layers 8 --quick
+    python -m benchmarks.probe plan_scale                   # full model, 4,096 devices, plus a scaling sweep
+    python -m benchmarks.probe plan_scale --layers 8 --quick
 
 Shapes (Llama 3.1 405B): 126 layers, hidden 16384, 128 query heads and 8
 key/value heads of dim 128, SwiGLU MLP width 53248, vocabulary 128256,

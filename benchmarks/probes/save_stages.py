@@ -1,4 +1,4 @@
-"""Where a save's time goes, stage by stage: ``python -m benchmarks.save_stages [--size 512000000]``.
+"""Where a save's time goes, stage by stage: ``python -m benchmarks.probe save_stages [--size 512000000]``.
 
 Saves the bf16-f32 trained state of `benchmarks.trained_state` (or, with ``--tiles N``, N leaves of
 256x256 cut from it: the small-leaves case) to a local folder with each ``--settings`` value of
@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 
 import cairn
-from benchmarks.small_leaves import setting, tiles
-from benchmarks.trained_state import flatten, make_state
+from benchmarks.measure import setting
+from benchmarks.trained_state import flatten, make_state, tiles
 from cairn._format import codecs as _codecs
 from cairn._save import engine
 from cairn._storage import local as _local_storage

@@ -1,10 +1,10 @@
 """A job's restart: the first load of a fresh process, raw, compressed and Orbax's, onto one accelerator.
 
-    python -m benchmarks.restart_load [--gib 2.38] [--rounds 3] [--workdir DIR] [--json out.json]
+    python -m benchmarks.probe restart_load [--gib 2.38] [--rounds 3] [--workdir DIR] [--json out.json]
 
 A job that resumes after a preemption loads its checkpoint once, in a process that has
 allocated nothing yet. Benchmarks that load in the process that built and saved the state
-(`benchmarks.gpu_save`) hand the loads memory the allocator already holds; on hosts where
+(`benchmarks.probes.gpu_save`) hand the loads memory the allocator already holds; on hosts where
 first-touch page faults are slow (the TPU v5e host under gVisor: 0.94 GB/s a thread,
 docs/compression.md) that flatters every load, and the codec's share of it most.
 
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; checkpoints under {work}", flush=True)
     try:
         # (in a process of its own: a process that holds the accelerator keeps the next ones from it)
-        p = subprocess.run([sys.executable, "-m", "benchmarks.restart_load", "--save-in", work, "--gib", str(args.gib),
+        p = subprocess.run([sys.executable, "-m", "benchmarks.probe", "restart_load", "--save-in", work, "--gib", str(args.gib),
                             "--variant", args.variant, "--save-systems",
                             ",".join(s.partition("@")[0] for s in systems)], capture_output=True, text=True, check=False)
         print("\n".join(ln for ln in p.stdout.splitlines()[:-1]), flush=True)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                 if tree:  # that tree's cairn first on the path
                     env["PYTHONPATH"] = os.pathsep.join(p for p in (trees[tree], env.get("PYTHONPATH")) if p)
                 t0 = time.perf_counter()
-                p = subprocess.run([sys.executable, "-m", "benchmarks.restart_load", "--child",
+                p = subprocess.run([sys.executable, "-m", "benchmarks.probe", "restart_load", "--child",
                                     os.path.join(work, kind), kind], capture_output=True, text=True, check=False,
                                    env=env)
                 if p.returncode:

@@ -1,4 +1,4 @@
-"""Incremental against full saves, side by side in one run: ``python -m benchmarks.incremental``.
+"""Incremental against full saves, side by side in one run: ``python -m benchmarks.probe incremental``.
 
 Three cases of issue 41, each a sequence of training-like steps saved twice
 per step: in full (``cairn.save``, format 2, raw) and incrementally

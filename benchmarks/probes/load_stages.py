@@ -1,5 +1,5 @@
 """Where a load's time goes, stage by stage:
-``python -m benchmarks.load_stages [--mib 256] [--targets numpy,jax] [--orbax]``.
+``python -m benchmarks.probe load_stages [--mib 256] [--targets numpy,jax] [--orbax]``.
 
 Saves the trained state of `benchmarks.trained_state` (bf16 parameters, f32 AdamW moments) to a local
 folder with ``compression=False`` and ``True``, then loads each back (numpy targets, and with ``jax``
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = sum(x.nbytes for x in _leaves(state))
     restore = _orbax(os.path.join(work, "orbax"), state) if args.orbax else None
     del state
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     settings = ["A", "B"] if args.ab else args.settings.split(",")
     trees = {"A": args.ab or "", "B": os.path.join(here, "src")}
     cases: list[tuple[str, str, str]] = [(c, t, s) for t in targets for c in paths for s in settings]
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                 elif args.ab:
                     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                         p for p in (trees[s], here, os.environ.get("PYTHONPATH")) if p))
-                    cmd = [sys.executable, "-m", "benchmarks.load_stages", "--child", "--path", paths[c],
+                    cmd = [sys.executable, "-m", "benchmarks.probe", "load_stages", "--child", "--path", paths[c],
                            "--reps", "1", "--threads", str(args.threads)] + (["--jax"] if t == "jax" else []) + (
                                ["--first"] if args.first else [])
                     got = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
