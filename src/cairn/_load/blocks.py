@@ -67,7 +67,7 @@ RUN_PIECE = 4 << 20
 #: free core: no gain possible there) loads took 0.97-1.02x the time of the reader thread alone with 4 MiB
 #: pieces, 1.01-1.04x with 1 MiB ones (in-process alternations).
 DELTA_PIECE = 4 << 20
-#: False: a read's deltas are rebuilt by its reader thread alone, one after another (as before 2026-12-06).
+#: False: a read's deltas are rebuilt by its reader thread alone, one after another.
 DELTAS_SHARED = True
 
 
@@ -352,7 +352,7 @@ def _decode_coded(coded: list[tuple[int, int, Any]], raws: list[int], block: int
     (`coded_runs`) cut into pieces of at least `RUN_PIECE` raw bytes, each piece one `codecs.decode_run`
     call, spread over the decode pool (`decodepool.spread`). (A block at a time, one `decode` call each, the
     Python and numpy work of each call held decoding on the TPU host's 12 threads to 1.58 GiB/s, against
-    2.20 for runs of a read's blocks: issue 38.) ``where(b)`` names block b in errors."""
+    2.20 for runs of a read's blocks.) ``where(b)`` names block b in errors."""
     spans = [(b * block - start, b * block - start + raws[b], where(b)) for b, _, _ in coded]
     work = [p for i, j in coded_runs(coded) for p in pieces(spans, i, j, RUN_PIECE)]
 

@@ -98,7 +98,7 @@ _GiB = float(1 << 30)
 #: host's 13 AMD cores: planes 0.54-0.61 / 0.87-0.99 GiB/s on one thread, 2.48-2.72 / 1.79-1.80 on 12
 #: (benchmarks/results/tpu-v5e-host-codecs-after.json, -codec-threads-after.json); zstd level 1 0.53-0.57
 #: GiB/s compress on one, 4.43 on 12 (-codec-candidates-256mb.json), decompress 0.82-0.87 on one and
-#: 4.7-7.2 on 12 (issue 38's table); this project's 2-core VM, idle, 0.8-1.4 / 1.1-2.2 GiB/s per
+#: 4.7-7.2 on 12; this project's 2-core VM, idle, 0.8-1.4 / 1.1-2.2 GiB/s per
 #: core by leaf kind. An idle host's figures: what earlier saves of this process measured scales them
 #: (`CodecMeter`, the codec factor), and the primary's factor holds for every process.
 CODEC_SPEEDS = {
@@ -106,7 +106,7 @@ CODEC_SPEEDS = {
     "zstd": CodecSpeed(encode=0.55 * _GiB, decode=0.85 * _GiB, encode_scale=0.6, decode_scale=0.5),
 }
 
-# The optional "blosc2" codec (issue 38), priced only where python-blosc2 is importable, so that without it
+# The optional "blosc2" codec, priced only where python-blosc2 is importable, so that without it
 # "auto" decides exactly as before. The same state on the TPU host: 0.51 / 1.55 GiB/s on one thread,
 # 3.31 / 7.68 on 12 (benchmarks/results/tpu-v5e-host-native-codecs.json).
 if _codecs.blosc2_available():
