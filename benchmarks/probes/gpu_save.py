@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pipeline-mib", default=None,
                     help="values of the blocking save's host-copy pipeline budget to compare, in MiB, comma "
                          "separated (engine.HOST_PIPELINE_BYTES; 0: none, each device chunk copied to host by its "
-                         "writer or the codec choosing when it comes to it, as before 2026-12-06 08:00); every "
+                         "writer or the codec choosing when it comes to it); every "
                          "cairn case runs with each")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)

@@ -19,21 +19,21 @@ functions that do them (no change to the library):
   load kept busy on average with reading, checking and decoding.
 
 ``--settings`` names `decodepool.DECODE_THREADS` values to compare in one run: ``0`` decodes in the reader
-threads as before issue 38, ``auto`` on the decode pool (one thread per core); each may add, joined by
+threads alone, ``auto`` on the decode pool (one thread per core); each may add, joined by
 ``+``, ``p8`` (`decodepool.DECODE_PIECE` in MiB), ``nolend`` (new host buffers for every load, not lent
 from `buffers.load_pool`), ``spread`` (a compressed read's pieces queued on the pool and waited for,
-`reader.CODED_SHARED` off), ``c16`` (`landing.CODED_PART` in MiB; ``whole``: large chunks read whole, as before
-the parts), ``pool`` (a compressed read decoded in place shares its pieces with the decode pool,
-`reader.PART_POOL`, as before 2026-12-07's fourteenth session), ``lateputs`` (small leaves placed on the
-device only after the last read, `engine.EARLY_PUT_ITEMS` off, as before that session too; ``e128``: placed
+`reader.CODED_SHARED` off), ``c16`` (`landing.CODED_PART` in MiB; ``whole``: large chunks read whole, not in
+parts), ``pool`` (a compressed read decoded in place shares its pieces with the decode pool,
+`reader.PART_POOL` on), ``lateputs`` (small leaves placed on the
+device only after the last read, `engine.EARLY_PUT_ITEMS` off; ``e128``: placed
 once 128 wait) and ``t12`` (``load(threads=12)``): ``--settings auto,auto+nolend,auto+spread,auto+whole``.
 ``--ab SRC`` instead compares this tree against another checkout's ``src`` (e.g. ``/work/main/src``): each
 load runs in a child process of either tree, alternated, on the same saved checkpoints (after a warm-up load
 in that process; ``--first``: the child's first load, a restart's, its stages timed).
 
 ``--orbax`` adds Orbax's ``StandardCheckpointer`` (its default zstd) saving the state from the device
-and restoring it onto the device, in the same rounds. Prints medians per case and the ratios the
-issue asks about (compressed / raw, / Orbax); ``--json PATH`` writes every repetition.
+and restoring it onto the device, in the same rounds. Prints medians per case and the ratios
+compressed / raw and / Orbax; ``--json PATH`` writes every repetition.
 """
 
 from __future__ import annotations

@@ -14,8 +14,7 @@ candidates interleaved within each repetition, so a machine's drift hits them al
   `decompress2` (cairn's path where `cairn._format.blosc2lib` cannot load; ``cairn-blosc2`` calls the
   library directly where it can): the A/B of the direct binding, in one run.
 - ``cairn-blosc2-perblock``: the same check and call per block in this benchmark's own loop, without
-  `decode_run` around it (what cairn's wrapper costs; until 2026-12-06 06:00 it was the A/B of a joined
-  header check, since dropped).
+  `decode_run` around it (what cairn's wrapper costs).
 - ``zstd1``: every block one zstd level-1 frame (the ``zstd`` codec for every leaf), same tasks.
 - ``b2-...``: python-blosc2's `compress2` / `decompress2` of each 1 MiB block as one Blosc2 chunk
   (typesize = the leaf's itemsize), named by filters, codec, split mode, Blosc block size and

@@ -244,7 +244,7 @@ def rss_child(spec: str) -> int:
 
 
 def rss_rows(path: str, opts: dict[str, Any], nbytes: int, threads: int) -> dict[str, Any]:
-    """Peak RSS growth of one numpy and one mesh load, each in a fresh process, against the issue's
+    """Peak RSS growth of one numpy and one mesh load, each in a fresh process, against the
     bound: the state's bytes + the default `budget_bytes` + 10 %."""
     import subprocess
 
@@ -454,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="every request through a shaped link (tests/_shapedlink.py): e.g. 1GB/s,10ms or "
                     "10GB/s; 'log' only logs the requests; prints request counts per pattern")
     ap.add_argument("--compression", default=False, type=lambda v: False if v in ("none", "false") else v,
-                    help="cairn.save's compression (default none: the issue's uncompressed case; auto, zstd, planes)")
+                    help="cairn.save's compression (default none: the uncompressed case; auto, zstd, planes)")
     ap.add_argument("--save", action="store_true", help="also time cairn.save against raw multipart puts")
     ap.add_argument("--plan-max-read", type=int, default=None, metavar="MIB",
                     help="plan loads with reads merged up to this size (the storage option plan_read_size, default 32)")

@@ -12,7 +12,7 @@ This builds the trained-like state (`benchmarks.trained_state`), puts it on the 
 saves it three ways (cairn raw, cairn ``compression=True``, Orbax's ``StandardCheckpointer``
 with its default zstd) and then, round by round, the three systems alternated, starts one
 fresh Python process per load that imports JAX, cairn and (for its loads) Orbax, initialises the device
-(not timed; before 2026-12-07 Orbax was imported inside its timed restart, which flattered cairn), loads
+(not timed: Orbax's import inside the timed restart would flatter cairn), loads
 the checkpoint onto the device with the same sharding (timed: the restart), then loads it
 again (timed: a warm process's load). Files stay in the page cache between rounds for all
 three alike. Reported: medians, and the ratios per round (compressed / raw, compressed / Orbax).

@@ -1,7 +1,7 @@
 """Compression on many small leaves: ``python -m benchmarks.probe small_leaves [--leaves 2449] [--reps 3]``.
 
 The matrices of a trained bf16-f32 state (`benchmarks.trained_state`) cut into `--leaves` leaves of
-256x256 (the issue's 2,449-leaf case: bf16 parameters, f32 moments), saved to a local folder
+256x256 (2,449 leaves by default: bf16 parameters, f32 moments), saved to a local folder
 (blocking, fsync'd) and loaded back as numpy, with each `--settings` value of ``compression=``,
 interleaved per repetition; median seconds, bytes written, save time over the first setting's
 (``save / raw`` with the default first setting, false), and what SaveStats.compression says "auto"
@@ -43,10 +43,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="time each save's stages (benchmarks.probes.save_stages) and print their medians per setting")
     ap.add_argument("--groups", default=None,
                     help="values of engine.GROUP_LEAVES to compare, comma separated (1: each small leaf's codec "
-                         "measured on its own, as before 2026-12-06 08:00); each runs every layout and setting")
+                         "measured on its own); each runs every layout and setting")
     ap.add_argument("--blosc2-join", default=None,
                     help="values of codecs.BLOSC2_JOIN_BYTES to compare, in KiB, comma separated (0: each blosc2 chunk "
-                         "kept as python-blosc2 returned it, as before 2026-12-06 noon); each runs every layout, "
+                         "kept as python-blosc2 returned it); each runs every layout, "
                          "setting and group")
     ap.add_argument("--cores", type=int, default=0,
                     help="code on this many threads (engine._cores; default: the cores this process may use), e.g. "
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
                          "as `cairn.load` does): by default they are kept, since a training process saves again and "
                          "again and loads only when it restarts, while this benchmark loads after every save")
     ap.add_argument("--no-lend", action="store_true",
-                    help="code into a new buffer per coding task (engine.LEND_CODED_BUFFERS off, as before 2026-12-07)")
+                    help="code into a new buffer per coding task (engine.LEND_CODED_BUFFERS off)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     from cairn._format import codecs

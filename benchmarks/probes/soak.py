@@ -9,7 +9,7 @@ a jitted, buffer-donating train step over `--leaves` float32 arrays of
 `CheckpointManager(max_to_keep=2)` async-saving every step to a temporary
 folder. RSS (VmRSS) is sampled at the steps given by `--report`. Printed:
 RSS per loop, the difference, the snapshot buffers it is allowed (two saves
-in flight, `_async.MAX_PENDING`, each one state), and the target of issue 13
+in flight, `_async.MAX_PENDING`, each one state), and the target
 (saving loop <= no-save loop + snapshot buffers + 10%, and flat).
 
 `--env K=V` (repeatable) sets environment variables of both loops, e.g. to

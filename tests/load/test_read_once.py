@@ -1,4 +1,4 @@
-"""Read-once restore across real processes: each byte leaves storage once (issue 12).
+"""Read-once restore across real processes: each byte leaves storage once.
 
 Every case saves one float32 array on a 2- or 4-process cluster and loads it
 onto another sharding. The bytes each process read (LoadStats, and rchar from
