@@ -458,8 +458,8 @@ class SaveJob:
                 CodePool(coders) as code_pool:
             # Files start in turn across checkpointables (each one's first file, then each one's second...):
             # an incremental save's files of unchanged leaves only hash, and must not hold every writer
-            # while another checkpointable's changed leaves wait (docs/incremental.md, "Save and load time,
-            # round 41b"). The coder pool serves files in that order too (`order`: a file's rank).
+            # while another checkpointable's changed leaves wait
+            # (docs/incremental.md). The coder pool serves files in that order too (`order`: a file's rank).
             for item, k in _files_in_turn(self.items):
                 jobs.append((item, k, pool.submit(self._write_file, item, k, item.files[k], crc_pool,
                                                   code_pool if coders > 1 else None, len(jobs))))
@@ -651,7 +651,7 @@ def _files_in_turn(items: list[SaveItem]) -> list[tuple[SaveItem, int]]:
 
 #: Bytes of device chunks a blocking save's host-copy pipeline may have started ahead of its writers
 #: (`host_pipeline`; at most `KEEP_HOST_SHARE` of the host's memory). 0: no pipeline, each chunk
-#: copied to host by its writer (or the codec choosing) when it comes to it, as before 2026-12-06.
+#: copied to host by its writer (or the codec choosing) when it comes to it.
 HOST_PIPELINE_BYTES = 1 << 30
 
 
@@ -694,17 +694,17 @@ def _own_to_host(arrays: list[Any]) -> list[Any]:
 
 
 #: A single process's compressed save measures its leaves' codecs while its first files are written
-#: (`_Choosing`); False: all of them before any file (as before 2026-12-06; benchmarks compare both).
+#: (`_Choosing`); False: all of them before any file (benchmarks compare both).
 CHOOSE_IN_BACKGROUND = True
 
 #: Blocks per coding task of a compressed save: a large chunk is coded in runs of this many blocks,
 #: small chunks together up to as many bytes (`_code_task`). Measured on the TPU host's 13 cores
-#: (docs/compression.md, "Many cores"): 16 MiB a task keeps a task's GIL-holding steps (Python, the
+#: (docs/compression.md, "On many cores"): 16 MiB a task keeps a task's GIL-holding steps (Python, the
 #: join of its stored blocks) a small share of its GIL-free ones, while a chunk of 64 MiB still
 #: spreads over 4 coders.
 RUN_BLOCKS = 16
-#: Coding tasks code into buffers lent from `buffers.coded_pool` (False: a new buffer per task, as before
-#: 2026-12-07; docs/compression.md, "Coded buffers lent and taken back").
+#: Coding tasks code into buffers lent from `buffers.coded_pool` (False: a new buffer per task;
+#: docs/compression.md, "On many cores").
 LEND_CODED_BUFFERS = True
 
 
@@ -746,7 +746,7 @@ class CodePool:
     a compressed save cost the coding plus the flush of every file. Served by file, the first files
     are coded (and written) first and flush to disk while the later ones are coded: coding and
     the disk's flush overlap, and only the last file's flush is left after the coding
-    (docs/compression.md, "Coding and writing at once"). Each file still has at most a window of
+    (docs/compression.md, "Where it runs"). Each file still has at most a window of
     tasks queued (`_in_order`), so memory stays as bounded as before; tasks of other files fill
     the workers that the first file's window leaves idle. `submit` and `_max_workers` as
     `ThreadPoolExecutor`'s, so code that takes either (incremental saves) takes this one."""
@@ -916,7 +916,7 @@ def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict
 #: A leaf's sample is at most 1 / SAMPLE_SHARE of its first chunk (`sample_bytes`), so that choosing
 #: codes a fraction of a state of small leaves, not all of it three times over (a leaf under
 #: `codecs.SAMPLE_BYTES` was sampled whole: 2,449 leaves of 256x256 spent more time choosing than
-#: coding; docs/compression.md, "Coding and writing at once").
+#: coding).
 SAMPLE_SHARE = 4
 #: ... and at least this many bytes (or the whole chunk, if smaller).
 SAMPLE_MIN_BYTES = 16 << 10
@@ -1140,7 +1140,7 @@ class _Choosing:
 #: GROUP_LEAVES of them. One decision serves the whole group, measured on GROUP_SAMPLES of its leaves
 #: spread over it (`_choose_group`). Measured one by one, 2,449 leaves of 256x256 spent ~1.1 ms each on
 #: the TPU host choosing (three encoders each, python-blosc2's fixed ~0.18 ms a call): more than coding
-#: them (issue 38). 1: every leaf measured on its own, as before.
+#: them. 1: every leaf measured on its own.
 GROUP_MAX_BYTES = 1 << 20
 GROUP_LEAVES = 64
 GROUP_SAMPLES = 4

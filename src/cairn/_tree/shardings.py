@@ -290,7 +290,7 @@ def host_view(a: Any) -> np.ndarray:
 _HOST_KINDS = ("pinned_host", "unpinned_host")
 
 #: How accelerator chunks come to host memory (see `start_to_host`); None: `TO_HOST_BY_PLATFORM`.
-#: benchmarks.gpu_save compares the methods.
+#: `python -m benchmarks.probe gpu_save` compares the methods.
 TO_HOST: str | None = None
 #: The method per platform, measured (docs/performance-gpu.md): on an H200 pinned host memory took
 #: 0.024 s for 1000 MiB against 1.4-1.7 s onto the CPU backend; on a TPU v5e (under the gVisor

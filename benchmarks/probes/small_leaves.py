@@ -1,13 +1,13 @@
-"""Compression on many small leaves: ``python -m benchmarks.small_leaves [--leaves 2449] [--reps 3]``.
+"""Compression on many small leaves: ``python -m benchmarks.probe small_leaves [--leaves 2449] [--reps 3]``.
 
 The matrices of a trained bf16-f32 state (`benchmarks.trained_state`) cut into `--leaves` leaves of
-256x256 (the issue's 2,449-leaf case: bf16 parameters, f32 moments), saved to a local folder
+256x256 (2,449 leaves by default: bf16 parameters, f32 moments), saved to a local folder
 (blocking, fsync'd) and loaded back as numpy, with each `--settings` value of ``compression=``,
 interleaved per repetition; median seconds, bytes written, save time over the first setting's
 (``save / raw`` with the default first setting, false), and what SaveStats.compression says "auto"
 decided. ``--layouts items,nested``: the leaves as checkpointables of their own (a dict of 2,449
 string keys, as this benchmark always saved them) and in one (``{"params": {...}}``, as a training
-state holds them); ``--stages`` prints each case's stage timings (`benchmarks.save_stages`). The loads keep the
+state holds them); ``--stages`` prints each case's stage timings (`benchmarks.probes.save_stages`). The loads keep the
 buffers cairn keeps for the next save (`release_save_buffers`; ``--release-on-load``: freed, as
 `cairn.load` does), as a training process's saves find them.
 Prints a table; ``--json PATH`` writes it.
@@ -24,30 +24,12 @@ import tempfile
 import time
 from typing import Any
 
-import numpy as np
-
 import cairn
-from benchmarks.trained_state import flatten, make_state
+from benchmarks.measure import setting
+from benchmarks.trained_state import flatten, make_state, tiles
 
 
-def tiles(flat: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
-    out: dict[str, np.ndarray] = {}
-    for name, a in flat.items():
-        if a.ndim != 2:
-            continue
-        for i in range(0, a.shape[0] - 255, 256):
-            for j in range(0, a.shape[1] - 255, 256):
-                out[f"{name}.{i}.{j}"] = np.ascontiguousarray(a[i:i + 256, j:j + 256])
-                if len(out) >= count:
-                    return out
-    return out
-
-
-def setting(s: str) -> Any:
-    return {"false": False, "true": True}.get(s.lower(), s)
-
-
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--leaves", type=int, default=2449)
     ap.add_argument("--size", type=int, default=1_000_000_000, help="bytes of the state the leaves are cut from")
@@ -58,13 +40,13 @@ def main() -> None:
                          "checkpointables, each with a data file, an index and fsyncs) and nested (all in one: "
                          "{'params': {...}}), comma separated; each runs every setting")
     ap.add_argument("--stages", action="store_true",
-                    help="time each save's stages (benchmarks.save_stages) and print their medians per setting")
+                    help="time each save's stages (benchmarks.probes.save_stages) and print their medians per setting")
     ap.add_argument("--groups", default=None,
                     help="values of engine.GROUP_LEAVES to compare, comma separated (1: each small leaf's codec "
-                         "measured on its own, as before 2026-12-06 08:00); each runs every layout and setting")
+                         "measured on its own); each runs every layout and setting")
     ap.add_argument("--blosc2-join", default=None,
                     help="values of codecs.BLOSC2_JOIN_BYTES to compare, in KiB, comma separated (0: each blosc2 chunk "
-                         "kept as python-blosc2 returned it, as before 2026-12-06 noon); each runs every layout, "
+                         "kept as python-blosc2 returned it); each runs every layout, "
                          "setting and group")
     ap.add_argument("--cores", type=int, default=0,
                     help="code on this many threads (engine._cores; default: the cores this process may use), e.g. "
@@ -78,9 +60,9 @@ def main() -> None:
                          "as `cairn.load` does): by default they are kept, since a training process saves again and "
                          "again and loads only when it restarts, while this benchmark loads after every save")
     ap.add_argument("--no-lend", action="store_true",
-                    help="code into a new buffer per coding task (engine.LEND_CODED_BUFFERS off, as before 2026-12-07)")
+                    help="code into a new buffer per coding task (engine.LEND_CODED_BUFFERS off)")
     ap.add_argument("--json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     from cairn._format import codecs
     from cairn._save import engine
     if args.no_lend:
@@ -93,7 +75,7 @@ def main() -> None:
         engine._cores = lambda: args.cores  # type: ignore[assignment]
     spans = None
     if args.stages:
-        from benchmarks.save_stages import Spans, instrument
+        from benchmarks.probes.save_stages import Spans, instrument
 
         spans = Spans()
         instrument(spans)
@@ -162,9 +144,9 @@ def main() -> None:
               f"{r['save_s']:.2f} | "
               f"{r['save_s'] / base:.2f} | {r['load_s']:.2f} | {r['decision']} |", flush=True)
     if staged:
-        from benchmarks.save_stages import stage_line
+        from benchmarks.probes.save_stages import stage_line
 
-        print("stages of each case's saves, median seconds (benchmarks.save_stages):")
+        print("stages of each case's saves, median seconds (benchmarks.probes.save_stages):")
         for case in cases:
             st = staged[key(case)]
             print(f"  {key(case)}: write_s {statistics.median(r['write_s'] for r in st):.2f}, commit_s "

@@ -11,8 +11,8 @@ to process ``d // devices_per_process``, and the box each device holds under
 a partition spec is computed arithmetically, as `cairn.save` does for a ``NamedSharding``
 (`_grid.spec_boxes`, checked against JAX in tests/plan/test_grid.py).
 
-    python -m benchmarks.plan_scale                   # full model, 4,096 devices, plus a scaling sweep
-    python -m benchmarks.plan_scale --layers 8 --quick
+    python -m benchmarks.probe plan_scale                   # full model, 4,096 devices, plus a scaling sweep
+    python -m benchmarks.probe plan_scale --layers 8 --quick
 
 Shapes (Llama 3.1 405B): 126 layers, hidden 16384, 128 query heads and 8
 key/value heads of dim 128, SwiGLU MLP width 53248, vocabulary 128256,
@@ -496,7 +496,7 @@ def run_scale(devices: int, layers: int, itemsize: int, block: int, samples: int
     out["load"] = {p: r for p, _, r in loads}
     once = [(p, *_timed(plan_read_once, cluster, built, params, p, verify)) for p in _sample(procs, samples)]
     routes = once[0][2][0]
-    # The issue 13 keys: the worst process of the same-sharding load and the read-once FSDP -> TP reshard
+    # The key figures: the worst process of the same-sharding load and the read-once FSDP -> TP reshard
     # (a multi-process load's default route); the direct reshard's figures are under "load".
     out["save_plan_s_per_process"] = out["save_plan_s"] + (out["part_build_s_per_process"] or 0.0)
     out["index_bytes_read_per_process"] = max(
@@ -581,7 +581,7 @@ def main(argv: Sequence[str] | None = None) -> None:
           f"{_fmt_bytes(full['index_parts_bytes'])} in all; a process builds its part in "
           f"{full['part_build_s_per_process'] * 1e3:.0f} ms; the primary's commit work "
           f"{full['commit_s_primary'] * 1e3:.0f} ms; parse {full['index_parse_s'] * 1e3:.0f} ms per loading process")
-    print(f"  issue 13 keys                      : save_plan_s_per_process {full['save_plan_s_per_process']:.3f}, "
+    print(f"  key figures                        : save_plan_s_per_process {full['save_plan_s_per_process']:.3f}, "
           f"commit_s_primary {full['commit_s_primary']:.3f}, index_bytes_read_per_process "
           f"{_fmt_bytes(full['index_bytes_read_per_process'])}, load_plan_s_per_process "
           f"{full['load_plan_s_per_process']:.3f}")

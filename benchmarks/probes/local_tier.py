@@ -1,6 +1,6 @@
 """Local tier vs persistent tier: blocking time, background time, step overhead, recovery.
 
-Usage: python -m benchmarks.local_tier [--mib 1024] [--processes 2] [--replicas 1] [--dir DIR]
+Usage: python -m benchmarks.probe local_tier [--mib 1024] [--processes 2] [--replicas 1] [--dir DIR]
 
 Runs `--processes` real JAX processes on 127.0.0.1 (the test harness in
 tests/_mp, 2 CPU devices each), the state `--mib` MiB of float32 sharded over
@@ -22,13 +22,13 @@ import shutil
 import sys
 import tempfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
 from _mp import run  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--mib", type=int, default=1024)
     ap.add_argument("--processes", type=int, default=2)
@@ -36,7 +36,7 @@ def main() -> None:
     ap.add_argument("--dir", default=None, help="persistent tier (default: a temporary folder on disk)")
     ap.add_argument("--local", default="/dev/shm", help="where the local tier's host folders go")
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     base = args.dir or tempfile.mkdtemp(prefix="cairn-lt-")
     local = tempfile.mkdtemp(prefix="cairn-lt-", dir=args.local)
     try:

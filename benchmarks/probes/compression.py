@@ -1,15 +1,15 @@
 """Compression on vs off, in one run: bytes on disk, save and load time of a trained state.
 
-    python -m benchmarks.compression [--mib 256] [--variant bf16-f32] [--reps 3] [--json out.json]
-    python -m benchmarks.compression --mib 1024 --storages moto,azurite --settings false,auto --no-async
-    python -m benchmarks.compression --mib 64 --storages moto,azurite --settings false,true,auto \
+    python -m benchmarks.probe compression [--mib 256] [--variant bf16-f32] [--reps 3] [--json out.json]
+    python -m benchmarks.probe compression --mib 1024 --storages moto,azurite --settings false,auto --no-async
+    python -m benchmarks.probe compression --mib 64 --storages moto,azurite --settings false,true,auto \
         --values trained,random --reps 5 --no-async --link 1GB/s,10ms
 
 The state is `benchmarks.trained_state.make_state` (a small GPT-like model
 after AdamW steps; numpy arrays, so no device copies are timed). For each
 storage (a local folder, the in-process ``memory://`` object store, and with
 ``--storages`` moto's S3 server and Azurite's blob service, each on 127.0.0.1 in
-a process of its own, started as `benchmarks.bench_objstore` starts them) and
+a process of its own, started as `benchmarks.probes.objstore` starts them) and
 each setting of ``compression=`` (False: raw blocks, format version 2; True: a
 codec per leaf by measurement, version 3; "auto": True on object stores, False
 on a local disk) it saves the state `reps` times
@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
             elif kind == "memory":
                 where[kind] = (f"memory://bench-{uuid.uuid4().hex}/ckpt", None)
             else:  # a loopback server in its own process
-                from benchmarks.bench_objstore import start
+                from benchmarks.probes.objstore import start
 
                 server = start(kind)
                 servers.append(server)
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                     import sys
                     from pathlib import Path
 
-                    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+                    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
                     from _shapedlink import ShapedLink
 
                     link = ShapedLink.parse(args.link, server.port).start()

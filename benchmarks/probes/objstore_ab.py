@@ -1,10 +1,10 @@
 """A/B of cairn's object-store loads: two source trees, one server, alternated in one run.
 
     git archive main src benchmarks | tar -x -C /tmp/obj_base
-    python benchmarks/ab_objstore.py --servers moto,azurite --reps 7            # base vs this tree
-    python benchmarks/ab_objstore.py --servers moto --reps 3 --profile new      # + a sampling profile
-    python benchmarks/ab_objstore.py --servers moto --reps 5 --link 1GB/s,10ms  # through a shaped link
-    python benchmarks/ab_objstore.py --servers moto --reps 7 --ops "raw puts,cairn save"  # saves against raw puts
+    python -m benchmarks.probe objstore_ab --servers moto,azurite --reps 7            # base vs this tree
+    python -m benchmarks.probe objstore_ab --servers moto --reps 3 --profile new      # + a sampling profile
+    python -m benchmarks.probe objstore_ab --servers moto --reps 5 --link 1GB/s,10ms  # through a shaped link
+    python -m benchmarks.probe objstore_ab --servers moto --reps 7 --ops "raw puts,cairn save"  # saves against raw puts
 
 Each tree gets a worker process of its own (``PYTHONPATH`` = that tree's ``src``), started once and
 kept warm, so the A and B loads alternate repetition by repetition against the same server and the
@@ -273,7 +273,7 @@ def Worker(name: str, src: str) -> Any:
     flags = os.environ.get("XLA_FLAGS", "")
     if "xla_force_host_platform_device_count" not in flags:
         flags = (flags + " --xla_force_host_platform_device_count=8").strip()
-    return measure.Worker(name, str(HERE), [src, str(HERE.parent.parent)], {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags},
+    return measure.Worker(name, str(HERE), [src, str(HERE.parents[2])], {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags},
                           stop_timeout=30)
 
 
@@ -282,8 +282,8 @@ def _loadavg() -> str:
 
 
 def run(kind: str, a: argparse.Namespace) -> dict[str, Any]:
-    sys.path.insert(0, str(HERE.parent.parent))
-    from benchmarks.bench_objstore import start, through_link
+    sys.path.insert(0, str(HERE.parents[2]))
+    from benchmarks.probes.objstore import start, through_link
 
     server = start(kind)
     workers: list[Worker] = []
@@ -375,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         return _worker()
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", default="moto")
-    ap.add_argument("--trees", default=f"base=/tmp/obj_base/src,new={HERE.parent.parent / 'src'}",
+    ap.add_argument("--trees", default=f"base=/tmp/obj_base/src,new={HERE.parents[2] / 'src'}",
                     type=lambda s: [tuple(t.split("=", 1)) for t in s.split(",")],
                     help="name=src_dir[@threads],... (default base=/tmp/obj_base/src,new=this tree's src)")
     ap.add_argument("--reps", type=int, default=5)

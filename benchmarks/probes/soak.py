@@ -1,7 +1,7 @@
 """Steady-state memory of a training loop that saves every step, against the same loop without saves.
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
-        python -m benchmarks.soak [--steps 1000] [--leaves 16] [--mib 8] [--env MALLOC_ARENA_MAX=2]
+        python -m benchmarks.probe soak [--steps 1000] [--leaves 16] [--mib 8] [--env MALLOC_ARENA_MAX=2]
 
 Each loop runs in a subprocess of its own, one after the other in one run:
 a jitted, buffer-donating train step over `--leaves` float32 arrays of
@@ -9,7 +9,7 @@ a jitted, buffer-donating train step over `--leaves` float32 arrays of
 `CheckpointManager(max_to_keep=2)` async-saving every step to a temporary
 folder. RSS (VmRSS) is sampled at the steps given by `--report`. Printed:
 RSS per loop, the difference, the snapshot buffers it is allowed (two saves
-in flight, `_async.MAX_PENDING`, each one state), and the target of issue 13
+in flight, `_async.MAX_PENDING`, each one state), and the target
 (saving loop <= no-save loop + snapshot buffers + 10%, and flat).
 
 `--env K=V` (repeatable) sets environment variables of both loops, e.g. to
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     results = {}
     for mode in ("nosave", "save"):
         with tempfile.TemporaryDirectory(prefix="cairn-soak-") as d:
-            cmd = [sys.executable, "-m", "benchmarks.soak", _CHILD, mode, "--dir", os.path.join(d, "run"),
+            cmd = [sys.executable, "-m", "benchmarks.probe", "soak", _CHILD, mode, "--dir", os.path.join(d, "run"),
                    "--steps", str(a.steps), "--leaves", str(a.leaves), "--mib", str(a.mib), "--report", a.report]
             p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
             if p.returncode:

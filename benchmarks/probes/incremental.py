@@ -1,6 +1,6 @@
-"""Incremental against full saves, side by side in one run: ``python -m benchmarks.incremental``.
+"""Incremental against full saves, side by side in one run: ``python -m benchmarks.probe incremental``.
 
-Three cases of issue 41, each a sequence of training-like steps saved twice
+Three cases, each a sequence of training-like steps saved twice
 per step: in full (``cairn.save``, format 2, raw) and incrementally
 (``cairn.save(..., base=previous)``, format 4, raw), on local disk:
 

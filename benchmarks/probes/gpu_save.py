@@ -1,6 +1,6 @@
 """Compression's effect on a save from device memory, and Orbax beside it, on one accelerator.
 
-    python -m benchmarks.gpu_save [--gib 1] [--reps 3] [--json out.json]
+    python -m benchmarks.probe gpu_save [--gib 1] [--reps 3] [--json out.json]
 
 Run where JAX sees a GPU (or TPU); on CPU it runs too, as a rehearsal. The state is
 `benchmarks.trained_state.make_state` (bf16 parameters with f32 AdamW moments, a small
@@ -142,12 +142,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compressions", default="False,True", help="compression= values (False, True, a codec)")
     ap.add_argument("--storages", default="local,memory", help="of local (a folder) and memory (memory://)")
     ap.add_argument("--stages", action="store_true",
-                    help="time the blocking save's stages (benchmarks.save_stages: choose, host copy, code, "
+                    help="time the blocking save's stages (benchmarks.probes.save_stages: choose, host copy, code, "
                          "wait, crc, write, fsync) and print them per case")
     ap.add_argument("--pipeline-mib", default=None,
                     help="values of the blocking save's host-copy pipeline budget to compare, in MiB, comma "
                          "separated (engine.HOST_PIPELINE_BYTES; 0: none, each device chunk copied to host by its "
-                         "writer or the codec choosing when it comes to it, as before 2026-12-06 08:00); every "
+                         "writer or the codec choosing when it comes to it); every "
                          "cairn case runs with each")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
@@ -190,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     print(donation_check(small, work, methods[0], 0), flush=True)
     spans = None
     if args.stages:
-        from benchmarks.save_stages import Spans, instrument
+        from benchmarks.probes.save_stages import Spans, instrument
 
         spans = Spans()
         instrument(spans)
@@ -237,10 +237,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{row['async_blocking_s']:.3f} | {row.get('async_total_s', float('nan')):.2f} | {row['save_s']:.2f} | "
               f"{row['load_s']:.2f} | {raw / GiB / row['save_s']:.2f} | {raw / GiB / row['load_s']:.2f} |")
     if args.stages:
-        from benchmarks.save_stages import stage_line
+        from benchmarks.probes.save_stages import stage_line
 
         print("\nblocking save's stages, median seconds (union: wall time the stage ran anywhere in the data "
-              "phase; `benchmarks.save_stages`):")
+              "phase; `benchmarks.probes.save_stages`):")
         for key, rs in runs.items():
             if key != "orbax" and rs:
                 st = [{k[6:]: v for k, v in r.items() if k.startswith("stage_")} for r in rs]

@@ -1,10 +1,10 @@
 """A job's restart: the first load of a fresh process, raw, compressed and Orbax's, onto one accelerator.
 
-    python -m benchmarks.restart_load [--gib 2.38] [--rounds 3] [--workdir DIR] [--json out.json]
+    python -m benchmarks.probe restart_load [--gib 2.38] [--rounds 3] [--workdir DIR] [--json out.json]
 
 A job that resumes after a preemption loads its checkpoint once, in a process that has
 allocated nothing yet. Benchmarks that load in the process that built and saved the state
-(`benchmarks.gpu_save`) hand the loads memory the allocator already holds; on hosts where
+(`benchmarks.probes.gpu_save`) hand the loads memory the allocator already holds; on hosts where
 first-touch page faults are slow (the TPU v5e host under gVisor: 0.94 GB/s a thread,
 docs/compression.md) that flatters every load, and the codec's share of it most.
 
@@ -12,7 +12,7 @@ This builds the trained-like state (`benchmarks.trained_state`), puts it on the 
 saves it three ways (cairn raw, cairn ``compression=True``, Orbax's ``StandardCheckpointer``
 with its default zstd) and then, round by round, the three systems alternated, starts one
 fresh Python process per load that imports JAX, cairn and (for its loads) Orbax, initialises the device
-(not timed; before 2026-12-07 Orbax was imported inside its timed restart, which flattered cairn), loads
+(not timed: Orbax's import inside the timed restart would flatter cairn), loads
 the checkpoint onto the device with the same sharding (timed: the restart), then loads it
 again (timed: a warm process's load). Files stay in the page cache between rounds for all
 three alike. Reported: medians, and the ratios per round (compressed / raw, compressed / Orbax).
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}; checkpoints under {work}", flush=True)
     try:
         # (in a process of its own: a process that holds the accelerator keeps the next ones from it)
-        p = subprocess.run([sys.executable, "-m", "benchmarks.restart_load", "--save-in", work, "--gib", str(args.gib),
+        p = subprocess.run([sys.executable, "-m", "benchmarks.probe", "restart_load", "--save-in", work, "--gib", str(args.gib),
                             "--variant", args.variant, "--save-systems",
                             ",".join(s.partition("@")[0] for s in systems)], capture_output=True, text=True, check=False)
         print("\n".join(ln for ln in p.stdout.splitlines()[:-1]), flush=True)
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
                 if tree:  # that tree's cairn first on the path
                     env["PYTHONPATH"] = os.pathsep.join(p for p in (trees[tree], env.get("PYTHONPATH")) if p)
                 t0 = time.perf_counter()
-                p = subprocess.run([sys.executable, "-m", "benchmarks.restart_load", "--child",
+                p = subprocess.run([sys.executable, "-m", "benchmarks.probe", "restart_load", "--child",
                                     os.path.join(work, kind), kind], capture_output=True, text=True, check=False,
                                    env=env)
                 if p.returncode:

@@ -1,8 +1,8 @@
 """Profile one cairn operation on the benchmark state, to find where the time goes.
 
-    python -m benchmarks.profile_cairn --op reshard --size-gib 0.25
-    py-spy record -f raw -o prof.txt -- python -m benchmarks.profile_cairn --op load
-    python -m benchmarks.profile_cairn --summarize prof.txt   # hottest functions, self and total
+    python -m benchmarks.probe profile_cairn --op reshard --size-gib 0.25
+    py-spy record -f raw -o prof.txt -- python -m benchmarks.probe profile_cairn --op load
+    python -m benchmarks.probe profile_cairn --summarize prof.txt   # hottest functions, self and total
 
 Ops: save, async (blocking phase only), load, reshard. The state is built
 and (for loads) saved before the profiled section; only that section is
@@ -67,9 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     import jax
 
     import cairn
-
-    from . import measure as ms
-    from . import state as st
+    from benchmarks import measure as ms
+    from benchmarks import state as st
 
     dtype = st.np_dtype(a.dtype)
     spec = st.llama_spec(int(a.size_gib * 2**30), dtype.itemsize)

@@ -1,4 +1,4 @@
-"""Where a save's time goes, stage by stage: ``python -m benchmarks.save_stages [--size 512000000]``.
+"""Where a save's time goes, stage by stage: ``python -m benchmarks.probe save_stages [--size 512000000]``.
 
 Saves the bf16-f32 trained state of `benchmarks.trained_state` (or, with ``--tiles N``, N leaves of
 256x256 cut from it: the small-leaves case) to a local folder with each ``--settings`` value of
@@ -45,8 +45,8 @@ from typing import Any
 import numpy as np
 
 import cairn
-from benchmarks.small_leaves import setting, tiles
-from benchmarks.trained_state import flatten, make_state
+from benchmarks.measure import setting
+from benchmarks.trained_state import flatten, make_state, tiles
 from cairn._format import codecs as _codecs
 from cairn._save import engine
 from cairn._storage import local as _local_storage
@@ -222,18 +222,18 @@ def main(argv: list[str] | None = None) -> int:
                          "1/share of it)")
     ap.add_argument("--keep", default=None,
                     help="values of engine.KEEP_HOST_SHARE to compare (0: device chunks measured for a codec "
-                         "are copied to host again by the writer, as before 2026-12-06 05:00)")
+                         "are copied to host again by the writer)")
     ap.add_argument("--background", default=None,
                     help="values of engine.CHOOSE_IN_BACKGROUND to compare, 1 and/or 0 (0: every codec chosen "
                          "before any file is written, as before)")
     ap.add_argument("--pipeline", default=None,
                     help="values of engine.HOST_PIPELINE_BYTES to compare, in MiB (0: no host-copy pipeline, each "
-                         "device chunk copied to host by its writer or the codec choosing, as before 2026-12-06 08:00)")
+                         "device chunk copied to host by its writer or the codec choosing)")
     ap.add_argument("--groups", default=None,
                     help="values of engine.GROUP_LEAVES to compare (1: each small leaf's codec measured on its own)")
     ap.add_argument("--blosc2-join", default=None,
                     help="values of codecs.BLOSC2_JOIN_BYTES to compare, in KiB (0: each blosc2 chunk kept as "
-                         "python-blosc2 returned it, as before 2026-12-06 noon)")
+                         "python-blosc2 returned it)")
     ap.add_argument("--jax", action="store_true", help="put the state on JAX's first device first")
     ap.add_argument("--as-device", action="store_true",
                     help="with --jax on a CPU-only host: treat its arrays' host views as device-to-host copies "

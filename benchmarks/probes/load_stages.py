@@ -1,5 +1,5 @@
 """Where a load's time goes, stage by stage:
-``python -m benchmarks.load_stages [--mib 256] [--targets numpy,jax] [--orbax]``.
+``python -m benchmarks.probe load_stages [--mib 256] [--targets numpy,jax] [--orbax]``.
 
 Saves the trained state of `benchmarks.trained_state` (bf16 parameters, f32 AdamW moments) to a local
 folder with ``compression=False`` and ``True``, then loads each back (numpy targets, and with ``jax``
@@ -19,21 +19,21 @@ functions that do them (no change to the library):
   load kept busy on average with reading, checking and decoding.
 
 ``--settings`` names `decodepool.DECODE_THREADS` values to compare in one run: ``0`` decodes in the reader
-threads as before issue 38, ``auto`` on the decode pool (one thread per core); each may add, joined by
+threads alone, ``auto`` on the decode pool (one thread per core); each may add, joined by
 ``+``, ``p8`` (`decodepool.DECODE_PIECE` in MiB), ``nolend`` (new host buffers for every load, not lent
 from `buffers.load_pool`), ``spread`` (a compressed read's pieces queued on the pool and waited for,
-`reader.CODED_SHARED` off), ``c16`` (`landing.CODED_PART` in MiB; ``whole``: large chunks read whole, as before
-the parts), ``pool`` (a compressed read decoded in place shares its pieces with the decode pool,
-`reader.PART_POOL`, as before 2026-12-07's fourteenth session), ``lateputs`` (small leaves placed on the
-device only after the last read, `engine.EARLY_PUT_ITEMS` off, as before that session too; ``e128``: placed
+`reader.CODED_SHARED` off), ``c16`` (`landing.CODED_PART` in MiB; ``whole``: large chunks read whole, not in
+parts), ``pool`` (a compressed read decoded in place shares its pieces with the decode pool,
+`reader.PART_POOL` on), ``lateputs`` (small leaves placed on the
+device only after the last read, `engine.EARLY_PUT_ITEMS` off; ``e128``: placed
 once 128 wait) and ``t12`` (``load(threads=12)``): ``--settings auto,auto+nolend,auto+spread,auto+whole``.
 ``--ab SRC`` instead compares this tree against another checkout's ``src`` (e.g. ``/work/main/src``): each
 load runs in a child process of either tree, alternated, on the same saved checkpoints (after a warm-up load
 in that process; ``--first``: the child's first load, a restart's, its stages timed).
 
 ``--orbax`` adds Orbax's ``StandardCheckpointer`` (its default zstd) saving the state from the device
-and restoring it onto the device, in the same rounds. Prints medians per case and the ratios the
-issue asks about (compressed / raw, / Orbax); ``--json PATH`` writes every repetition.
+and restoring it onto the device, in the same rounds. Prints medians per case and the ratios
+compressed / raw and / Orbax; ``--json PATH`` writes every repetition.
 """
 
 from __future__ import annotations
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     raw = sum(x.nbytes for x in _leaves(state))
     restore = _orbax(os.path.join(work, "orbax"), state) if args.orbax else None
     del state
-    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     settings = ["A", "B"] if args.ab else args.settings.split(",")
     trees = {"A": args.ab or "", "B": os.path.join(here, "src")}
     cases: list[tuple[str, str, str]] = [(c, t, s) for t in targets for c in paths for s in settings]
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                 elif args.ab:
                     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
                         p for p in (trees[s], here, os.environ.get("PYTHONPATH")) if p))
-                    cmd = [sys.executable, "-m", "benchmarks.load_stages", "--child", "--path", paths[c],
+                    cmd = [sys.executable, "-m", "benchmarks.probe", "load_stages", "--child", "--path", paths[c],
                            "--reps", "1", "--threads", str(args.threads)] + (["--jax"] if t == "jax" else []) + (
                                ["--first"] if args.first else [])
                     got = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)

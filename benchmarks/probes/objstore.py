@@ -1,8 +1,8 @@
 """cairn's loads from object stores against the best raw read pattern for the same bytes.
 
-    python -m benchmarks.bench_objstore                       # moto, Azurite, fake-gcs-server; 256 MiB
-    python -m benchmarks.bench_objstore --servers moto --reps 5 --json out.json
-    python -m benchmarks.bench_objstore --servers azurite --only cairn   # just cairn's loads
+    python -m benchmarks.probe objstore                       # moto, Azurite, fake-gcs-server; 256 MiB
+    python -m benchmarks.probe objstore --servers moto --reps 5 --json out.json
+    python -m benchmarks.probe objstore --servers azurite --only cairn   # just cairn's loads
 
 One run per server, each on 127.0.0.1 in its own process (so it does not
 compete with the client for the GIL): moto's S3 server, Azurite's blob
@@ -40,10 +40,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -56,21 +59,49 @@ MiB = 1 << 20
 SERVERS = ("moto", "azurite", "gcs")
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_moto(port: int) -> subprocess.Popen[bytes]:
+    """`python -m moto.server` on 127.0.0.1:`port`, once it answers."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/moto-api/", timeout=1)
+            return proc
+        except Exception:
+            if proc.poll() is not None:
+                raise RuntimeError("moto.server exited on start") from None
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("moto.server did not start within 60 s")
+
+
+def make_bucket(endpoint: str, name: str) -> None:
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="bench", aws_secret_access_key="bench",
+                 region_name="us-east-1").create_bucket(Bucket=name)
+
+
 class Moto:
     """moto's S3 server as its own process (python -m moto.server)."""
 
     name = "moto"
 
     def __init__(self) -> None:
-        from benchmarks.bench_s3 import _free_port, start_moto
-
         self.port = _free_port()
         self.proc = start_moto(self.port)
         self.endpoint = f"http://127.0.0.1:{self.port}"
 
     def bucket(self) -> str:
-        from benchmarks.bench_s3 import make_bucket
-
         name = f"bench-{uuid.uuid4().hex[:8]}"
         make_bucket(self.endpoint, name)
         return name
@@ -89,7 +120,7 @@ class Moto:
 
 def _test_server(kind: str) -> Any:
     """Azurite or fake-gcs-server, started as the tests start them (tests/_servers.py)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     import _servers
 
     cls = _servers.AzuriteServer if kind == "azurite" else _servers.FakeGCSServer
@@ -105,7 +136,7 @@ def start(kind: str) -> Any:
 def through_link(spec: str, server: Any, kind: str, opts: dict[str, Any]) -> Any:
     """A shaped link (tests/_shapedlink.py, `spec` as its `parse` takes it) started in front of `server`,
     with `opts` (the storage options) changed in place to send every request through it."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     from _shapedlink import ShapedLink
 
     link = ShapedLink.parse(spec, server.port).start()
@@ -213,7 +244,7 @@ def rss_child(spec: str) -> int:
 
 
 def rss_rows(path: str, opts: dict[str, Any], nbytes: int, threads: int) -> dict[str, Any]:
-    """Peak RSS growth of one numpy and one mesh load, each in a fresh process, against the issue's
+    """Peak RSS growth of one numpy and one mesh load, each in a fresh process, against the
     bound: the state's bytes + the default `budget_bytes` + 10 %."""
     import subprocess
 
@@ -224,7 +255,7 @@ def rss_rows(path: str, opts: dict[str, Any], nbytes: int, threads: int) -> dict
     print(f"  peak RSS during one load (fresh process each; bound: state + budget + 10 % = {bound / 1e9:.2f} GB):")
     for mode in ("numpy", "mesh"):
         spec = json.dumps({"path": path, "options": opts, "mode": mode, "threads": threads})
-        r = subprocess.run([sys.executable, "-m", "benchmarks.bench_objstore", "--rss-child", spec],
+        r = subprocess.run([sys.executable, "-m", "benchmarks.probe", "objstore", "--rss-child", spec],
                            capture_output=True, text=True, timeout=600, env=os.environ)
         if r.returncode != 0:
             raise RuntimeError(f"the {mode} load's process failed: {r.stderr[-2000:]}")
@@ -404,7 +435,7 @@ def run_server(kind: str, a: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench_objstore", description=__doc__,
+    ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--servers", default=",".join(SERVERS), help=f"comma-separated, of {', '.join(SERVERS)}")
     ap.add_argument("--size-mib", type=int, default=256)
@@ -423,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="every request through a shaped link (tests/_shapedlink.py): e.g. 1GB/s,10ms or "
                     "10GB/s; 'log' only logs the requests; prints request counts per pattern")
     ap.add_argument("--compression", default=False, type=lambda v: False if v in ("none", "false") else v,
-                    help="cairn.save's compression (default none: the issue's uncompressed case; auto, zstd, planes)")
+                    help="cairn.save's compression (default none: the uncompressed case; auto, zstd, planes)")
     ap.add_argument("--save", action="store_true", help="also time cairn.save against raw multipart puts")
     ap.add_argument("--plan-max-read", type=int, default=None, metavar="MIB",
                     help="plan loads with reads merged up to this size (the storage option plan_read_size, default 32)")

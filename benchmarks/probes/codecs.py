@@ -1,4 +1,4 @@
-"""Codec ratios and single-thread speeds on realistic trained states: ``python -m benchmarks.codecs``.
+"""Codec ratios and single-thread speeds on realistic trained states: ``python -m benchmarks.probe codecs``.
 
 For each variant of `benchmarks.trained_state` and each leaf kind (params, mu,
 nu, count) this reports, per codec, the ratio raw / stored and the
@@ -222,7 +222,7 @@ def orbax_bytes(state: dict[str, Any]) -> int | None:
     return total
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=256 << 20)
     ap.add_argument("--variants", default=",".join(VARIANTS))
@@ -231,7 +231,7 @@ def main() -> None:
     ap.add_argument("--against", help="another codecs.py to measure 'planes' against, interleaved")
     ap.add_argument("--threads", help="also the whole state coded on these thread counts at once, e.g. 1,2,4")
     ap.add_argument("--threads-only", action="store_true", help="skip the per-kind and whole-state tables")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     against = load_codecs(args.against) if args.against else None
     report: dict[str, Any] = {"size": args.size, "variants": {}}
     for variant in args.variants.split(","):

@@ -18,9 +18,9 @@ others (exact for calls, within 5 % for bytes), then evaluated at 1,024 processe
 measurements come from the many-process harness (tests/_mp/scale_scenarios.py): real processes
 with one CPU device each on 127.0.0.1, every call to the coordination client counted.
 
-    PYTHONPATH=src python -m benchmarks.coord_scale      # measure 2, 4 and 8 processes, fit, check, model
-    python -m benchmarks.coord_scale --counts 2,4,8,16   # other counts (unit: the largest)
-    python -m benchmarks.coord_scale --report r.json     # also check counts saved by tests/distributed/test_scale.py
+    PYTHONPATH=src python -m benchmarks.probe coord_scale      # measure 2, 4 and 8 processes, fit, check, model
+    python -m benchmarks.probe coord_scale --counts 2,4,8,16   # other counts (unit: the largest)
+    python -m benchmarks.probe coord_scale --report r.json     # also check counts saved by tests/distributed/test_scale.py
                                                          # (CAIRN_SCALE_REPORT=r.json, e.g. at 32 and 16)
 
 The heartbeat is apart: one set per process every CAIRN_PEER_TIMEOUT / 6 seconds (0.2 to 5 s),
@@ -38,7 +38,7 @@ import tempfile
 import time
 from typing import Any
 
-_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests")
+_TESTS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests")
 
 OPS = ["save", "load", "load_resharded", "metadata", "manager", "per_process", "local_tier", "local_tier_shared"]
 #: How many saves and loads each operation is: the manager makes four saves and a restore, the

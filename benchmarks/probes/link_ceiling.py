@@ -1,8 +1,8 @@
 """What the shaped link (tests/_shapedlink.py) carries by itself: GETs and PUTs of 64 MiB bodies
 through it, unshaped, against the same transfers straight to the upstream, in one run.
 
-    python -m benchmarks.link_ceiling                 # 4 transfers of 64 MiB at once, 5 repetitions
-    python -m benchmarks.link_ceiling --spec 1GB/s,10ms
+    python -m benchmarks.probe link_ceiling                 # 4 transfers of 64 MiB at once, 5 repetitions
+    python -m benchmarks.probe link_ceiling --spec 1GB/s,10ms
 
 The upstream is a minimal HTTP/1.1 server on 127.0.0.1 that answers a GET with a body from memory
 and drains a PUT's body (``socket.sendall`` / ``recv_into``: the kernel's cost, little of
@@ -103,14 +103,14 @@ def _transfers(port: int, method: str, n: int, size: int, into: list[bytearray],
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.link_ceiling", description=__doc__,
+    ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--spec", default="", help="the link's shape (default: none, its own ceiling)")
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--size-mib", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
     a = ap.parse_args(argv)
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
     from _shapedlink import ShapedLink
 
     size = a.size_mib * MiB

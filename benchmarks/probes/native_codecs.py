@@ -1,11 +1,11 @@
-"""Native codec candidates against `planes`, side by side: ``python -m benchmarks.native_codecs``.
+"""Native codec candidates against `planes`, side by side: ``python -m benchmarks.probe native_codecs``.
 
 The whole bf16-f32 trained state of `benchmarks.trained_state`, cut into 1 MiB blocks, coded by
 each candidate on n threads at once (wall time, best of `--reps`, GiB/s of raw bytes; the
 candidates interleaved within each repetition, so a machine's drift hits them alike):
 
 - ``planes``: cairn's codecs as a save and a local load call them: `codecs.encode_runs` of the
-  save's tasks (`benchmarks.codecs.coding_tasks`: runs of 16 blocks, small leaves together), each
+  save's tasks (`benchmarks.probes.codecs.coding_tasks`: runs of 16 blocks, small leaves together), each
   leaf's codec from `codecs.choose` without blosc2 (planes / zstd / none), and `codecs.decode_run` per run.
 - ``cairn-blosc2``: cairn's "blosc2" codec through `codecs.encode_runs` / `codecs.decode_run`, same tasks
   (`decode_run`: each block's header checked, then its `decompress2` call).
@@ -14,8 +14,7 @@ candidates interleaved within each repetition, so a machine's drift hits them al
   `decompress2` (cairn's path where `cairn._format.blosc2lib` cannot load; ``cairn-blosc2`` calls the
   library directly where it can): the A/B of the direct binding, in one run.
 - ``cairn-blosc2-perblock``: the same check and call per block in this benchmark's own loop, without
-  `decode_run` around it (what cairn's wrapper costs; until 2026-12-06 06:00 it was the A/B of a joined
-  header check, since dropped).
+  `decode_run` around it (what cairn's wrapper costs).
 - ``zstd1``: every block one zstd level-1 frame (the ``zstd`` codec for every leaf), same tasks.
 - ``b2-...``: python-blosc2's `compress2` / `decompress2` of each 1 MiB block as one Blosc2 chunk
   (typesize = the leaf's itemsize), named by filters, codec, split mode, Blosc block size and
@@ -45,8 +44,8 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from benchmarks.codecs import coding_tasks
 from benchmarks.measure import write_rows
+from benchmarks.probes.codecs import coding_tasks
 from benchmarks.trained_state import flatten, make_state
 from cairn._format import blosc2lib
 from cairn._format import codecs as C
@@ -87,7 +86,7 @@ def _best(fn: Callable[[], Any], times: list[float]) -> None:
     times.append(time.perf_counter() - t)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", type=int, default=512_000_000)
     ap.add_argument("--threads", default="1,12")
@@ -95,7 +94,7 @@ def main() -> None:
     ap.add_argument("--only", help="candidates to run (comma-separated names)")
     ap.add_argument("--dtype", help="only the leaves of this dtype (bfloat16, float32)")
     ap.add_argument("--json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     counts = [int(n) for n in args.threads.split(",")]
     try:
         import blosc2

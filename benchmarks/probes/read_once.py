@@ -1,8 +1,8 @@
 """Read-once restore on real processes over loopback: bytes read, load time, peak RSS.
 
-    python -m benchmarks.read_once                 # 64 MiB leaf, local disk, cold and warm cache
-    python -m benchmarks.read_once --mb 16 --s3    # also on a moto S3 server (needs moto)
-    python -m benchmarks.read_once --routes        # issue 32: 0.94 GiB FSDP dim 0 -> dim 1, 2 x 4 devices,
+    python -m benchmarks.probe read_once                 # 64 MiB leaf, local disk, cold and warm cache
+    python -m benchmarks.probe read_once --mb 16 --s3    # also on a moto S3 server (needs moto)
+    python -m benchmarks.probe read_once --routes        # 0.94 GiB FSDP dim 0 -> dim 1, 2 x 4 devices,
                                                    # default vs read_once=True vs False vs Orbax, and the
                                                    # same-sharding load (--cold: drop caches first)
 
@@ -27,7 +27,7 @@ import sys
 import tempfile
 from typing import Any
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
 from _mp import run  # noqa: E402
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--routes", action="store_true", help="only the issue 32 comparison of the load's options")
+    ap.add_argument("--routes", action="store_true", help="only the comparison of the load's options (0.94 GiB, FSDP dim 0 -> dim 1, against Orbax)")
     ap.add_argument("--cold", action="store_true", help="with --routes: drop the page cache before every load (root)")
     ap.add_argument("--measured", action="store_true", help="with --routes: also a load that measures the interconnect")
     ap.add_argument("--s3", action="store_true", help="also run against a moto S3 server on 127.0.0.1")
