@@ -194,7 +194,10 @@ def _own_blocks(leaf: fmt.ArrayLeaf, block: int) -> tuple[fmt.ArrayLeaf, list[tu
     crcs: list[tuple[int, ...]] = []
     for cell in range(len(leaf.chunks)):
         got = table.sources(leaf.chunks.leaf, cell) if table is not None else None  # type: ignore[attr-defined]
-        all_sizes, all_crcs = leaf.stored_sizes(cell, block), leaf.crcs[cell]
+        # The record's stored sizes: a delta's differ from its block's raw size even in a leaf of codec "none".
+        all_sizes = (table.stored(leaf.chunks.leaf, cell) if got is not None  # type: ignore[attr-defined]
+                     else leaf.stored_sizes(cell, block))
+        all_crcs = leaf.crcs[cell]
         mine = range(len(all_sizes)) if got is None else [b for b, (f, codec, _o) in enumerate(got[1])
                                                            if f < 0 or codec == DELTA]
         sizes.append(tuple(all_sizes[b] for b in mine))
