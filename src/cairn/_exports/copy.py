@@ -195,7 +195,7 @@ def _own_blocks(leaf: fmt.ArrayLeaf, block: int) -> tuple[fmt.ArrayLeaf, list[tu
     for cell in range(len(leaf.chunks)):
         got = table.sources(leaf.chunks.leaf, cell) if table is not None else None  # type: ignore[attr-defined]
         # The record's stored sizes: a delta's differ from its block's raw size even in a leaf of codec "none".
-        all_sizes = (table.stored(leaf.chunks.leaf, cell) if got is not None  # type: ignore[attr-defined]
+        all_sizes = (table.stored(leaf.chunks.leaf, cell) if got is not None  # type: ignore[attr-defined,union-attr]
                      else leaf.stored_sizes(cell, block))
         all_crcs = leaf.crcs[cell]
         mine = range(len(all_sizes)) if got is None else [b for b, (f, codec, _o) in enumerate(got[1])

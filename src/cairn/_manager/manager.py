@@ -51,7 +51,7 @@ from .._run import leases as _leases
 from .._run import refs as _refs
 from .._run import steps as _steps
 from .._run.retention import CheckpointInfo, KeepBest, RetentionPolicy, policy_from, retained
-from .._run.steps import DEFAULT_STEP_FORMAT, StepNames, show_steps
+from .._run.steps import StepNames, show_steps
 from .._save import future as _async
 from .._save.options import SaveOptions
 from .._sources import registry as _sources
@@ -134,10 +134,12 @@ class CheckpointManager(StepWatch):
       ``ckpt_10`` with ``step_prefix="ckpt"``) are steps of the run too:
       `steps`, `latest_step`, `restore` (onto any mesh, as `cairn.load` reads
       them), `metrics`, `metadata` and `best_step` see them, and `save`
-      continues the run in cairn's format beside them. To keep Orbax's folder
-      names for the new steps, pass ``step_format="{step}"`` (or
-      ``"ckpt_{step}"``); `cairn.export_orbax_run` turns the cairn steps
-      into Orbax's for the way back.
+      continues the run in cairn's format beside them. Without a
+      `step_format`, new steps are named as the run's Orbax steps are
+      (``300``, ``ckpt_300``), so that Orbax's own CheckpointManager lists
+      them and fails to restore them rather than resume from an older step;
+      `cairn.export_orbax_run` turns the cairn steps into Orbax's for the
+      way back.
     - One step, one folder: `save` raises `CheckpointExistsError` for a step
       that has a folder in any naming (Orbax's, cairn's under another
       `step_format`, DCP's ``step-10``), and a step saved in two folders is
@@ -237,7 +239,7 @@ class CheckpointManager(StepWatch):
         threads: int = 4,
         read_only: bool = False,
         local: LocalTier | None = None,
-        step_format: str = DEFAULT_STEP_FORMAT,
+        step_format: str | None = None,
         compression: str | bool = "auto",
         start_fresh: bool = False,
         delete_orbax_steps: bool = False,
@@ -249,7 +251,8 @@ class CheckpointManager(StepWatch):
     ):
         if save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
-        self._names = StepNames(step_format)
+        # No step_format: cairn's own, or the naming of the run's Orbax steps (`StepNames.adopting`).
+        self._names = StepNames(step_format) if step_format is not None else StepNames(follow_orbax=True)
         self.directory, self._storage = _steps.open_directory(directory, storage_options)
         self.policy = policy_from(max_to_keep, keep_every, keep_best, best_metric, best_mode, retention)
         self._best = (best_metric, best_mode) if best_metric is not None else None
@@ -303,8 +306,9 @@ class CheckpointManager(StepWatch):
         if self._primary or self._decisions.alone:
             got = _steps.survey(self._storage, self._names)
             mine = [[[s, f, s in got.orbax] for s, f in got.steps.items()],
-                    [[x.name, x.step, x.kind, x.why] for x in got.strays]]
-        steps, strays = self._decisions.shared("survey", mine)
+                    [[x.name, x.step, x.kind, x.why] for x in got.strays], got.naming]
+        steps, strays, naming = self._decisions.shared("survey", mine)
+        self._names = self._names.adopting(naming)  # every process names new steps alike
         pairs = [(int(s), str(f), bool(o)) for s, f, o in steps]
         self._folders = {s: f for s, f, _ in pairs}
         self._orbax = {s for s, _, o in pairs if o}
@@ -322,11 +326,7 @@ class CheckpointManager(StepWatch):
         self._last_saved_step = pairs[-1][0] if pairs else None
         if not strays:
             if self._orbax and self._primary:
-                newest = max(self._orbax)
-                log.info("cairn: %s holds Orbax steps (newest %d): they restore as steps of this run, and new "
-                         "steps are saved in cairn's format as %r, which Orbax's CheckpointManager does not list; "
-                         "cairn.export_orbax_run(%r) makes them Orbax steps for the way back", self.directory,
-                         newest, self._names.name(newest + 1), self.directory)
+                self._tell_orbax_naming(pairs)
             return
         latest = pairs[-1][0] if pairs else None
         newer = [x for x in strays if latest is None or x[1] > latest]
@@ -344,6 +344,26 @@ class CheckpointManager(StepWatch):
         if self._primary:
             log.warning("cairn: %s: these folders look like steps but are not steps of this run: %s%s",
                         self.directory, shown, more)
+
+    def _tell_orbax_naming(self, pairs: list[tuple[int, str, bool]]) -> None:
+        """Say how new steps beside the run's Orbax steps are named, and warn of cairn steps Orbax does not list."""
+        newest = max(self._orbax)
+        if not self._names.follow_orbax:  # the user's step_format: Orbax lists its steps only if it spells Orbax's
+            log.info("cairn: %s holds Orbax steps (newest %d): they restore as steps of this run; new steps are "
+                     "saved in cairn's format as %r; cairn.export_orbax_run(%r) makes them Orbax steps for the "
+                     "way back", self.directory, newest, self._names.name(newest + 1), self.directory)
+            return
+        hidden = [(s, f) for s, f, o in pairs if not o and s > newest
+                  and _steps.StepNames(self._names.format).parse(f) != s]
+        log.info("cairn: %s holds Orbax steps (newest %d): they restore as steps of this run; new steps are saved "
+                 "in cairn's format named as Orbax names them (%r), so an Orbax CheckpointManager lists them and "
+                 "fails to restore them until cairn.export_orbax_run(%r) turns them into Orbax steps",
+                 self.directory, newest, self._names.name(newest + 1), self.directory)
+        if hidden:
+            log.warning("cairn: %s: cairn steps %s are named otherwise than the run's Orbax steps, so an Orbax "
+                        "CheckpointManager does not list them and would resume from step %d; run "
+                        "cairn.export_orbax_run(%r) before going back to Orbax", self.directory,
+                        ", ".join(f for _, f in hidden[-5:]), newest, self.directory)
 
     # ------------------------------------------------------------------ naming and listing
 
