@@ -719,9 +719,10 @@ def add_commands(sub: Any, parse_bytes: Callable[[str], int]) -> None:
         s.add_argument("--threads", type=int, default=8, help="files copied at once (default 8)")
         if not move:
             s.add_argument("--compression", default=None,
-                           choices=["auto", "true", "false", "none", "zstd", "planes", "blosc2", "blosc2-lz4"],
+                           choices=["auto", "true", "fast", "false", "none", "zstd", "planes", "blosc2", "blosc2-lz4"],
                            help="recompress (every array read and written anew, slab by slab): auto, true (a "
-                                "codec per leaf), false/none, zstd, planes, blosc2, blosc2-lz4. Default: copy stored "
+                                "codec per leaf), fast (true with the blosc2 codecs: readers need the fast extra), false/none, "
+                                "zstd, planes, blosc2, blosc2-lz4. Default: copy stored "
                                 "bytes as they are")
             s.add_argument("--keep-references", action="store_true",
                            help="an incremental checkpoint: copy it as it is, with the base checkpoints it refers "

@@ -407,7 +407,7 @@ def survey(storage: Storage, names: StepNames = DEFAULT_NAMES) -> Survey:
             if got is not chosen:
                 strays += [Stray(n, s, "orbax", f"Orbax steps under several step_prefix namings ({shown}); "
                                  "step_format spelling one of them picks it") for s, ns in got.items() for n in ns]
-    naming = _run_naming(storage, names, chosen, named)
+    naming = _run_naming(storage, names, chosen, named, bool(cairn))
     adopted = StepNames(naming) if naming is not None else None
     for got in named.values():
         for s, ns in got.items():
@@ -432,17 +432,18 @@ def survey(storage: Storage, names: StepNames = DEFAULT_NAMES) -> Survey:
 
 
 def _run_naming(storage: Storage, names: StepNames, chosen: dict[int, list[str]],
-                named: dict[str, dict[int, list[str]]]) -> str | None:
+                named: dict[str, dict[int, list[str]]], own: bool) -> str | None:
     """For names that follow Orbax: the step_format of the run's Orbax naming. That of its Orbax steps; where
-    none is left (retention deleted them), that of the cairn steps a manager saved under one Orbax naming
-    (each manifest records its step), so a run keeps its naming; else None."""
+    none is left (retention deleted them) and no step is named in cairn's own spelling (`own`), that of the
+    cairn steps a manager saved under one Orbax naming (each manifest records its step), so a run keeps
+    its naming; else None."""
     if not names.follow_orbax:
         return None
     if chosen:
         return orbax_format(n for ns in chosen.values() for n in ns)
     if names.format != DEFAULT_STEP_FORMAT:
         return names.format  # adopted earlier by this manager
-    if len(named) != 1:
+    if own or len(named) != 1:
         return None
     got = next(iter(named.values()))
     for s, ns in got.items():
