@@ -604,7 +604,11 @@ class CheckpointManager(StepWatch):
         Raises `CheckpointExistsError` if `step` already has a folder in the
         directory, in any naming (cairn's, Orbax's, DCP's), or is being
         saved, and `CheckpointError` (before saving anything) if an earlier
-        background save failed.
+        background save failed, or if `step` is older than the newest step
+        of the run (committed or being saved): retention would delete it at
+        once. (Orbax's manager skips such a save; cairn refuses it, so that
+        a resume script restarted from an earlier step stops at its first
+        save instead of training on with nothing kept.)
 
         Example:
 
@@ -626,15 +630,24 @@ class CheckpointManager(StepWatch):
         meta = _steps.step_metadata(step, metrics, f"{self.directory} step {step}", metadata)
         if cast is not None:
             state = _cast(state, cast, f"{self.directory} step {step}")
-        taken = (_steps.folders_of_step(self._storage, step, self._names)
-                 if self._primary or self._decisions.alone else None)
-        taken = self._decisions.shared(f"taken-{step}", taken)
+        mine = None
+        if self._primary or self._decisions.alone:  # the step's folders, and the newest step saved or saving
+            with self._lock:
+                known = [*self._folders.copy(), *self._inflight, *(p.step for p in self._pending)]
+            mine = [_steps.folders_of_step(self._storage, step, self._names), max(known, default=None)]
+        taken, newest = self._decisions.shared(f"taken-{step}", mine)
         if taken:  # one step, one folder: never a second one in another naming
             raise CheckpointExistsError(
                 f"{self.directory}/{taken[0]}: step {step} is already saved there"
                 f"{' by Orbax' if self._storage.exists(f'{taken[0]}/{_steps.ORBAX_STEP_METADATA}') else ''}"
                 f"{' (and in ' + ', '.join(taken[1:]) + ')' if taken[1:] else ''}; save a new step, or delete it "
                 "first (mgr.delete for a step of this run)")
+        if newest is not None and step < newest:  # retention would delete it at once: refused, not lost
+            raise CheckpointError(
+                f"{self.directory}: step {step} is older than step {newest}, the newest this run has saved; "
+                "steps are saved in order (with max_to_keep, retention would delete it at once; a resume script "
+                f"started from an earlier step?). Resume from mgr.latest_step() ({newest}), delete the newer "
+                "steps first (mgr.delete), or save into another directory")
         with self._lock:
             if step in self._inflight:
                 raise CheckpointExistsError(f"{self.path(step)}: step {step} is already being saved")
