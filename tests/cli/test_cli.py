@@ -365,6 +365,29 @@ def test_inspect_says_what_compression_decided(tmp_path, capsys):
     assert rc == 0 and "compression: none (every array stored raw)" in out
 
 
+def test_ls_marks_steps_whose_base_was_deleted_as_broken(tmp_path, capsys):
+    """An incremental run whose base step was deleted by hand: `cairn ls` shows the steps that refer to it
+    as broken, naming the missing base, not as committed."""
+    import shutil
+
+    run = tmp_path / "run"
+    frozen = np.random.default_rng(5).standard_normal((512, 1024)).astype(np.float32)  # two 1 MiB blocks
+    with cairn.CheckpointManager(run, incremental=True, async_save=False, handle_sigterm=False) as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"frozen": frozen, "head": np.full((8,), step, np.float32)})
+    assert main(["--plain", "ls", str(run)]) == 0
+    assert "2 committed" in capsys.readouterr().out
+    shutil.rmtree(run / "step_00000001")
+    assert main(["--plain", "ls", str(run)]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.strip().startswith("2 "))
+    assert "broken" in row and "committed" not in row, out
+    assert "step_00000002 is broken: its base step_00000001" in out and "0 committed, 1 broken" in out
+    assert main(["--plain", "ls", str(run), "--json"]) == 0
+    (entry,) = json.loads(capsys.readouterr().out)["entries"]
+    assert entry["status"] == "broken" and "step_00000001" in entry["error"]
+
+
 def test_ls_names_a_step_committed_in_two_folders(tmp_path, capsys):
     """Two committed folders of one step (two namings): `cairn ls` says the manager cannot pick one."""
     state = {"x": np.arange(10, dtype=np.float32)}

@@ -187,7 +187,13 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
               title=loc.path, right=["step", "size", "age"])
     committed = sum(e["status"] == "committed" for e in entries)
     leftovers = sum(e["status"] in ("temporary", "uncommitted") for e in entries)
+    for e in entries:
+        if e["status"] == "broken":
+            out.line(f"{e['name']} is broken: {e['error']}")
     summary = f"{committed} committed"
+    broken = sum(e["status"] == "broken" for e in entries)
+    if broken:
+        summary += f", {broken} broken (a base they refer to is gone: they do not load)"
     if leftovers:
         summary += f", {leftovers} leftover (interrupted or in progress; `cairn gc` removes them)"
     out.line(summary)

@@ -585,11 +585,12 @@ def scan(dir_path: str, storage_options: dict | None) -> tuple[Location, list[di
     """Every checkpoint-like entry of a directory, committed or not, for ``cairn ls`` and ``cairn gc``.
 
     Each entry is a dict: ``name``, ``key``, ``status`` (``committed``,
+    ``broken``: committed, but a base checkpoint it refers to is not,
     ``corrupt``, ``temporary`` or ``uncommitted``), ``step`` (the manager's, or
     `guess_step`), ``age_s``, ``metrics``, ``created_unix``, ``files``,
     ``bytes``, ``format`` (``cairn``, or ``orbax`` for an Orbax step folder,
     ``dcp`` for a PyTorch DCP checkpoint) and ``of`` (temporary) or ``error``
-    (corrupt). Sorted by step.
+    (corrupt, broken). Sorted by step.
     """
     loc = resolve(dir_path, storage_options)
     storage = loc.storage
@@ -616,6 +617,11 @@ def scan(dir_path: str, storage_options: dict | None) -> tuple[Location, list[di
                 e["error"] = str(err)
             else:
                 e["status"] = "committed"
+                missing = [b for b in m.bases if not storage.exists(f"{loc.key(b)}/{fmt.MANIFEST}")]
+                if missing:  # an incremental checkpoint whose base was deleted: it no longer loads
+                    e["status"] = "broken"
+                    e["error"] = (f"its base {', '.join(missing)} (incremental saves refer to its blocks) is not a "
+                                  "committed checkpoint: deleted, or its manifest.json is")
                 e["created_unix"] = m.created_unix
                 e["age_s"] = now - m.created_unix if m.created_unix else None
                 mgr = m.metadata.get(META_KEY)
