@@ -644,7 +644,8 @@ class CheckpointManager(StepWatch):
                 "first (mgr.delete for a step of this run)")
         if newest is not None and step < newest:  # retention would delete it at once: refused, not lost
             raise CheckpointError(
-                f"{self.directory}: step {step} is older than step {newest}, the newest this run has saved; "
+                f"{self.directory}/{self._names.name(step)}: step {step} is older than step {newest}, the newest "
+                "this run has saved; "
                 "steps are saved in order (with max_to_keep, retention would delete it at once; a resume script "
                 f"started from an earlier step?). Resume from mgr.latest_step() ({newest}), delete the newer "
                 "steps first (mgr.delete), or save into another directory")

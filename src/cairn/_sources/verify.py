@@ -29,7 +29,7 @@ from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpoin
 from .._format import manifest as fmt
 from .._format import values
 from .._load.metadata import read_index
-from .._load.reader import make_reader, read_box, slab_boxes, slab_bytes
+from .._load.reader import base_problem, make_reader, read_box, slab_boxes, slab_bytes
 from .._load.source import CairnSource
 from .._storage.location import Location, resolve
 from .._tree.pytree import display_path
@@ -262,9 +262,15 @@ def verify(
         info = manifest.items[name]
         where = f"{loc.path}{_where(name, manifest.root)}"
         opened: dict[int, Any] = {}
+        bad_bases = {b: p for b in {f.base for f in index.files if f.base is not None}
+                     if (p := base_problem(loc.storage, loc.path, b, info.dir)) is not None}
+        for b, p in sorted(bad_bases.items()):
+            problems.append(Problem(p, item=name))
         for fi, f in enumerate(index.files):
             key = loc.key(info.dir, f.name)
             if f.base is not None:  # incremental (format 4): a file of a sibling base checkpoint
+                if f.base in bad_bases:
+                    continue  # its references are refused (named above), as a load refuses them
                 key = "/".join((f.base, info.dir, f.name))
             report.files += 1
             try:
