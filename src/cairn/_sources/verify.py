@@ -264,7 +264,7 @@ def verify(
         opened: dict[int, Any] = {}
         bad_bases = {b: p for b in {f.base for f in index.files if f.base is not None}
                      if (p := base_problem(loc.storage, loc.path, b, info.dir)) is not None}
-        for b, p in sorted(bad_bases.items()):
+        for _b, p in sorted(bad_bases.items()):
             problems.append(Problem(p, item=name))
         for fi, f in enumerate(index.files):
             key = loc.key(info.dir, f.name)
