@@ -388,6 +388,41 @@ def test_ls_marks_steps_whose_base_was_deleted_as_broken(tmp_path, capsys):
     assert entry["status"] == "broken" and "step_00000001" in entry["error"]
 
 
+def test_verify_without_a_codec_library_exits_3_and_ls_of_nothing_exits_1(tmp_path, capsys, monkeypatch):
+    """`cairn verify` of a checkpoint whose blocks need python-blosc2, where it is not installed: exit status 3
+    (it could not check), not 1 (damage). `cairn ls` of a path that does not exist: exit status 1."""
+    from cairn._format import blosc2lib
+    from cairn._format import codecs as _codecs
+
+    if not _codecs.blosc2_available():
+        pytest.skip("writing a blosc2 checkpoint needs python-blosc2")
+    run = tmp_path / "run"
+    with cairn.CheckpointManager(run, incremental=True, compression="blosc2", async_save=False,
+                                 handle_sigterm=False) as mgr:  # hashed blocks: verify decodes each
+        mgr.save(1, {"w": np.linspace(0, 1, 1 << 16, dtype=np.float32)})
+    ckpt = run / "step_00000001"
+    assert main(["--plain", "verify", str(ckpt)]) == 0
+    capsys.readouterr()
+    monkeypatch.setattr(_codecs, "_blosc2_module", None)
+    monkeypatch.setattr(blosc2lib, "_loaded", [])  # (a fresh process's: nothing found yet)
+    monkeypatch.setattr(blosc2lib, "_decoding", [])
+    monkeypatch.setattr(blosc2lib, "_encoding", [])
+    monkeypatch.setitem(sys.modules, "blosc2", None)  # import blosc2 -> ImportError
+    assert main(["--plain", "verify", str(ckpt)]) == 3
+    err = capsys.readouterr().err
+    assert "cannot verify" in err and "python-blosc2" in err and "cairn-ckpt[fast]" in err and "CORRUPT" not in err
+    assert main(["--plain", "verify", str(ckpt), "--json"]) == 3
+    assert "codec_missing" in json.loads(capsys.readouterr().out)
+    with pytest.raises(ImportError):  # the error a caller catches without knowing cairn
+        cairn.load(ckpt)
+
+    assert main(["--plain", "ls", str(tmp_path / "no-such-run")]) == 1
+    assert "no-such-run: no such directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["--plain", "ls", str(tmp_path / "empty")]) == 0
+    assert "no checkpoints in" in capsys.readouterr().out
+
+
 def test_ls_names_a_step_committed_in_two_folders(tmp_path, capsys):
     """Two committed folders of one step (two namings): `cairn ls` says the manager cannot pick one."""
     state = {"x": np.arange(10, dtype=np.float32)}
