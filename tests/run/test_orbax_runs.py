@@ -290,6 +290,24 @@ def test_cp_of_a_run_directory_copies_every_committed_step(tmp_path, mesh42, cap
     assert sorted(os.listdir(run)) == ["1", "step_00000004"]
 
 
+def test_diff_of_an_orbax_step_and_the_same_state_saved_by_cairn(tmp_path, mesh42, capsys):
+    """An adam TrainState saved by Orbax's CheckpointManager and by cairn: Orbax stores optax's EmptyState as
+    a None leaf, cairn as an empty node; `cairn diff` matches the two (as `cairn.load` does): all equal."""
+    states = orbax_run(tmp_path / "run", mesh42, steps=(5,))
+    cairn.save(tmp_path / "same", states[5])
+    assert cli(["--plain", "diff", str(tmp_path / "run" / "5"), str(tmp_path / "same"), "--json"]) == 0
+    entries = json.loads(capsys.readouterr().out)["entries"]
+    assert entries and {e["status"] for e in entries} == {"equal"}, [e for e in entries if e["status"] != "equal"]
+    assert any("empty node" in e.get("detail", "") for e in entries)
+    assert cli(["--plain", "diff", str(tmp_path / "same"), str(tmp_path / "run" / "5")]) == 0  # either way round
+    assert "only in" not in capsys.readouterr().out
+    # A None that stands for nothing on the other side is still named.
+    cairn.save(tmp_path / "n1", {"a": np.zeros(2), "x": None})
+    cairn.save(tmp_path / "n2", {"a": np.zeros(2)})
+    assert cli(["--plain", "diff", str(tmp_path / "n1"), str(tmp_path / "n2")]) == 1
+    assert "only in A" in capsys.readouterr().out
+
+
 def test_diff_of_an_orbax_and_a_cairn_checkpoint(tmp_path, capsys):
     params = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.zeros(3, np.float32)}
     with ocp.StandardCheckpointer() as ckptr:
