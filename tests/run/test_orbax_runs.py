@@ -308,6 +308,21 @@ def test_diff_of_an_orbax_step_and_the_same_state_saved_by_cairn(tmp_path, mesh4
     assert "only in A" in capsys.readouterr().out
 
 
+def test_save_onto_an_orbax_step_folder_says_it_is_one(tmp_path, mesh42):
+    """`cairn.save` onto an Orbax step folder: the refusal says the folder is an Orbax checkpoint, which
+    overwrite=True would delete; nothing of it is touched."""
+    orbax_run(tmp_path / "run", mesh42, steps=(5,))
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*"))
+    with pytest.raises(cairn.CheckpointExistsError, match=r"run/5 is an Orbax checkpoint.*_CHECKPOINT_METADATA.*"
+                                                          r"overwrite=True would delete it"):
+        cairn.save(tmp_path / "run" / "5", {"w": np.zeros(3)})
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == before
+    os.makedirs(tmp_path / "other")
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    with pytest.raises(cairn.CheckpointExistsError, match="is not a committed cairn checkpoint; pass overwrite=True"):
+        cairn.save(tmp_path / "other", {"w": np.zeros(3)})
+
+
 def test_diff_of_an_orbax_and_a_cairn_checkpoint(tmp_path, capsys):
     params = {"w": np.arange(12, dtype=np.float32).reshape(3, 4), "b": np.zeros(3, np.float32)}
     with ocp.StandardCheckpointer() as ckptr:
