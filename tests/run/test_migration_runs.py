@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -78,6 +79,23 @@ def test_prefixed_orbax_steps_are_steps_of_the_run(tmp_path, mesh42, options, na
         assert omgr.all_steps() == [10, 20, 30] and omgr.latest_step() == 30
         with pytest.raises(FileNotFoundError):
             omgr.restore(30, args=composite_restore(mesh42))
+
+
+def test_orbax_metrics_are_listed_only_where_orbax_wrote_them(tmp_path, mesh42):
+    """Orbax writes a step's metrics only when its options set `best_fn` (docs/howto/from-orbax.md says so):
+    without it, the manager lists the step with no metrics."""
+    with_best, without = tmp_path / "with", tmp_path / "without"
+    orbax_job(with_best, mesh42, (10,))  # best_fn set
+    with ocp.CheckpointManager(os.path.abspath(without)) as omgr:  # no best_fn: metrics passed, not written
+        omgr.save(10, args=ocp.args.Composite(state=ocp.args.StandardSave(state_of(mesh42, 10))),
+                  metrics={"loss": 0.5})
+        omgr.wait_until_finished()
+    with mgr_of(with_best, read_only=True) as mgr:
+        assert mgr.metrics(10) == {"loss": pytest.approx(1 / 11)}
+    with mgr_of(without, read_only=True) as mgr:
+        assert mgr.steps() == [10] and mgr.metrics(10) == {}
+    page = (Path(__file__).resolve().parents[2] / "docs" / "howto" / "from-orbax.md").read_text()
+    assert "only when its `CheckpointManagerOptions` set `best_fn`" in " ".join(page.split())
 
 
 def test_a_run_of_unknown_step_folders_raises_unless_start_fresh(tmp_path, mesh42):
