@@ -56,7 +56,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from .._errors import CheckpointError, CorruptCheckpointError
+from .._errors import CodecUnavailableError, CorruptCheckpointError
 from . import blosc2lib
 
 #: The codec names the format knows, in the order `choose` prefers them at equal size.
@@ -175,7 +175,7 @@ def _blosc2(where: str = "", codec: str = "blosc2") -> Any:
             import blosc2
         except ImportError:
             at = f"{where}: " if where else ""
-            raise CheckpointError(f"{at}the {codec!r} codec needs python-blosc2, which is not installed: "
+            raise CodecUnavailableError(f"{at}the {codec!r} codec needs python-blosc2, which is not installed: "
                                   f"pip install '{BLOSC2_EXTRA}' (or pip install blosc2)") from None
         blosc2.set_releasegil(True)
         _blosc2_module = blosc2

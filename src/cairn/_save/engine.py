@@ -66,6 +66,7 @@ from .commit import CommitStrategy, strategy_for
 from .incremental import write_if_any
 from .indexparts import build_part, item_index
 from .options import (
+    CHOOSING,
     CODEC_METER,
     CODEC_SPEEDS,
     SaveOptions,
@@ -859,6 +860,11 @@ def resolve_compression(compression: str | bool | None, storage: Any) -> str | N
         return "auto" if compression_can_pay(p["bandwidth"], _cores(), **_formula_args(p)) else None
     if compression is True:
         return "choose"
+    if compression == "fast":
+        if not _codecs.blosc2_available():
+            raise ValueError(f"compression='fast' needs python-blosc2, which is not installed: "
+                             f"pip install '{_codecs.BLOSC2_EXTRA}'")
+        return "fast"
     if compression in (False, None, "none"):
         return None
     if compression in ("zstd", "planes"):
@@ -893,13 +899,14 @@ def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict
     takes `FAST_CODEC` instead where `options.predicted_seconds` says it saves and loads the leaf
     sooner, and codes the leaf only where that pays (`options.compression_pays`)."""
     n = cores or _cores()
+    c_blosc2 = mode == "fast"  # True and "auto" pick only codecs every install reads (no C-Blosc2)
     try:
         sample = _codecs.sample(host, sample_bytes(getattr(host, "nbytes", 0)))
         # "blosc2" is a candidate only where it codes this leaf's elements faster on n cores
         codec, raw, stored = _codecs.choose_sized(dtype, sample,
-                                                  blosc2=blosc2_faster(n, np.dtype(dtype).itemsize))
+                                                  blosc2=c_blosc2 and blosc2_faster(n, np.dtype(dtype).itemsize))
         args = _formula_args(prices or {}, codec)
-        if mode == "auto" and codec != "none" and FAST_CODEC in usable_codecs():
+        if c_blosc2 and codec != "none" and FAST_CODEC in usable_codecs():
             # the faster C-Blosc2 codec, where it is predicted to save and load the leaf sooner, its
             # 3-10% more bytes and all (a fast link, many cores), each priced with its own coded figures
             fast, fast_args = _codecs.stored_size(FAST_CODEC, dtype, sample), _formula_args(prices or {}, FAST_CODEC)
@@ -1019,7 +1026,7 @@ def choose_codecs(job: SaveJob, background: bool = False) -> tuple[dict[str, dic
             if not isinstance(src, ArraySource):
                 continue
             owner = layout.writer[0]
-            if fixed not in ("choose", "auto"):
+            if fixed not in CHOOSING:
                 mine[i] = fixed if i in written or owner == me else "none"
             elif owner == me:
                 first = item.sources.get((i, 0))
@@ -1038,7 +1045,7 @@ def choose_codecs(job: SaveJob, background: bool = False) -> tuple[dict[str, dic
         if background and coord.process_count == 1:
             return out, choosing
         choosing.close()  # every codec known before any file is written
-    if job.compression in ("choose", "auto") and coord.process_count > 1:
+    if job.compression in CHOOSING and coord.process_count > 1:
         base = f"cairn/save/{job.seq}/codecs"
         coord.publish(f"{base}/{me}", json.dumps({name: {str(i): c for i, c in m.items()}
                                                   for name, m in out.items()}).encode())

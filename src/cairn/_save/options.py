@@ -18,8 +18,11 @@ from typing import Any
 from .._format import codecs as _codecs
 
 #: The values of `compression` (see `cairn.save`; `engine.resolve_compression` says what each means).
-COMPRESSIONS: tuple[str | bool | None, ...] = ("auto", True, False, None, "none", "zstd", "planes", "blosc2",
-                                                "blosc2-lz4")
+COMPRESSIONS: tuple[str | bool | None, ...] = ("auto", True, "fast", False, None, "none", "zstd", "planes",
+                                                "blosc2", "blosc2-lz4")
+#: The modes that choose a codec per leaf (`engine.resolve_compression`): "fast" is "choose" with the
+#: C-Blosc2 codecs among the candidates, which every reader then needs (the `fast` extra).
+CHOOSING = ("choose", "auto", "fast")
 
 
 def bad_compression(value: Any) -> ValueError:
@@ -252,7 +255,8 @@ def compression_can_pay(bandwidth: float, cores: int, **prices: Any) -> bool:
     """Whether any leaf could be worth coding on this storage: even a leaf that codes to nothing
     takes ``raw / encode + raw / decode``. Where that is no faster than the raw transfer (a local
     disk, whose bandwidth beats the codecs), "auto" stores every block raw (format version 2)."""
-    return any(compression_pays(1.0, 0.0, codec, bandwidth, cores, **prices) for codec in usable_codecs())
+    return any(compression_pays(1.0, 0.0, codec, bandwidth, cores, **prices) for codec in usable_codecs()
+               if codec not in _codecs.BLOSC2_CODECS)  # "auto" picks only codecs every install reads
 
 
 def usable_codecs() -> list[str]:

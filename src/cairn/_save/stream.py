@@ -26,6 +26,7 @@ from .._storage.location import Location
 from .._tree.pytree import display_path
 from .._version import __version__
 from .commit import strategy_for
+from .options import CHOOSING
 
 
 @runtime_checkable
@@ -181,7 +182,7 @@ class StreamWriter:
         """A leaf's codec, from the writer's setting and (for "choose") its first slab's bytes."""
         if self.compression is None or kind != "array":
             return "none"
-        if self.compression not in ("choose", "auto"):
+        if self.compression not in CHOOSING:
             return self.compression
         from .._storage.base import bandwidth_of
         from .engine import leaf_codec
