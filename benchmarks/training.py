@@ -158,7 +158,14 @@ def calibrate(state: Any, inputs: Any, jstep: Any, target_s: float) -> tuple[Any
 
 
 def _dir_bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+    total = 0
+    for d, _, fs in os.walk(path):
+        for f in fs:
+            try:
+                total += os.path.getsize(os.path.join(d, f))
+            except FileNotFoundError:  # removed meanwhile (a save's temporary files, retention)
+                pass
+    return total
 
 
 def loop(mode: str, state: Any, inputs: Any, jstep: Any, n_chain: int, steps: int, first: int,

@@ -357,3 +357,25 @@ def test_snapshot_buffers_are_reused_without_mixing_saves(tmp_path, mesh8):
         np.testing.assert_array_equal(out["p"]["n"], np.full(5, i, np.int32))
     cairn.release_snapshot_buffers()
     assert _buffers.snapshot_pool._bytes == 0
+
+
+def test_device_copies_of_a_structure_are_batched_once_compiled(monkeypatch):
+    """The first copies of a structure go array by array while its batched copy compiles in the
+    background; later ones use the batched copy. Either way: new buffers with the same values."""
+    monkeypatch.setattr(shardings, "_batched", {})
+    xs = [jnp.arange(1000, dtype=jnp.float32) + i for i in range(3)] + [jnp.ones((4, 5), jnp.bfloat16)]
+    first = shardings._copy_all(*xs)
+    for _ in range(200):  # the background compile (seconds at most)
+        if all(v is not shardings._COMPILING for v in shardings._batched.values()):
+            break
+        time.sleep(0.05)
+    [compiled] = shardings._batched.values()
+    assert compiled is not shardings._COMPILING
+    later = shardings._copy_all(*xs)
+    for x, a, b in zip(xs, first, later):
+        assert a.unsafe_buffer_pointer() != x.unsafe_buffer_pointer() != b.unsafe_buffer_pointer()
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(x))
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(x))
+    x0 = np.asarray(xs[0]).copy()
+    xs[0].delete()
+    np.testing.assert_array_equal(np.asarray(later[0]), x0)
