@@ -28,6 +28,7 @@ snapshots and Orbax's async save. Writes training.json and training.md into --ou
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import shutil
@@ -221,9 +222,8 @@ def loop(mode: str, state: Any, inputs: Any, jstep: Any, n_chain: int, steps: in
 
                 if mgr.save(s, args=ocp.args.StandardSave(state)):
                     saved.append(s)
-            elif mgr is not None:
-                if mgr.save(s, state) and (mode != "local" or s % a.persist_every == 0):
-                    saved.append(s)
+            elif mgr is not None and mgr.save(s, state) and (mode != "local" or s % a.persist_every == 0):
+                saved.append(s)
             te = time.perf_counter()
             block_t.append(te - tb)
             step_t.append(te - t)
@@ -242,7 +242,7 @@ def loop(mode: str, state: Any, inputs: Any, jstep: Any, n_chain: int, steps: in
             cairn.remove_listener(listener)
     row: dict[str, Any] = {"mode": mode, "loop_s": loop_s, "drain_s": drain, "steps": steps,
                            "step_s": step_t, "save_call_s": block_t, "saved": saved}
-    gaps = [b - a_ for a_, b in zip(saved, saved[1:])]
+    gaps = [b - a_ for a_, b in itertools.pairwise(saved)]
     row["median_gap_steps"] = statistics.median(gaps) if gaps else None
     if events:
         row["bytes_written"] = sum(e.bytes_written for e in events)
@@ -282,8 +282,8 @@ def probe(a: argparse.Namespace, work: str, inputs: Any, jstep: Any) -> list[dic
     side = max(8, int((a.probe_gib * (1 << 30) / n / 4) ** 0.5))
     fresh = jax.jit(lambda k: [jax.random.normal(jax.random.fold_in(k, i), (side, side), jnp.float32)
                                for i in range(n)])
-    x, chain = inputs
-    busy_fn = jax.jit(lambda c: [jnp.tanh(c @ c) for _ in range(1)][0])
+    chain = inputs[1]
+    busy_fn = jax.jit(lambda c: jnp.tanh(c @ c))
     rows = []
     systems = ["cairn_device", "cairn_host", "orbax"]
     try:
