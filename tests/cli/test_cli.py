@@ -385,7 +385,7 @@ def test_ls_names_a_step_committed_in_two_folders(tmp_path, capsys):
 def test_plan_compression_shows_what_was_decided_and_what_auto_would_decide(tmp_path, capsys):
     """`cairn plan --compression URL`: the checkpoint's codecs, then what "auto" would decide saving to
     URL and why (bandwidth and where it came from, cores, codec speeds, each leaf's sample ratio)."""
-    from cairn._format.codecs import blosc2_available
+    from cairn._codecs.codecs import blosc2_available
     from cairn._save import engine
     from cairn._save.options import blosc2_faster
 

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import cairn
 from _parts import delta_kinds
-from cairn._format import codecs as _codecs
+from cairn._codecs import codecs as _codecs
 from cairn._format import manifest as fmt
 from cairn._sources.verify import verify
 

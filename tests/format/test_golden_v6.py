@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 import cairn
 from _parts import delta_kinds
+from cairn._codecs import codecs as _codecs
 from cairn._errors import CorruptCheckpointError
-from cairn._format import codecs as _codecs
 from cairn._format import manifest as fmt
 from cairn._format.blocks import CODEC_IDS, CODEC_NAMES
 from cairn._sources.verify import verify

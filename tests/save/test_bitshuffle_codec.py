@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import cairn
-from cairn._format import codecs as _codecs
+from cairn._codecs import codecs as _codecs
 from cairn._format import manifest as fmt
 from cairn._load.source import open_checkpoint
 

@@ -663,7 +663,7 @@ def test_xor_deltas_stay_where_they_store_far_less(tmp_path):
 def test_a_sparse_delta_never_has_the_size_an_old_reader_would_take_for_an_xor_frame():
     # A cairn before sparse deltas decodes any delta's frame as an XOR frame of the block's raw size; it
     # rejects every other declared size, so the writer never makes a sparse content of exactly that size.
-    from cairn._format import codecs as _codecs
+    from cairn._codecs import codecs as _codecs
     from cairn._save.incremental import _sparse_frame
 
     base = np.zeros(2048, np.uint16)  # a 4 KiB block of bf16: 4 + 682 * 6 == 4096

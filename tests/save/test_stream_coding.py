@@ -10,8 +10,8 @@ from contextlib import nullcontext
 import numpy as np
 import pytest
 
+from cairn._codecs import blosc2lib, codecs
 from cairn._core.checksum import crc32c
-from cairn._format import blosc2lib, codecs
 from cairn._save import engine
 
 BLOCK = 1 << 20

@@ -476,8 +476,8 @@ def test_compressed_blocks_checked_and_decoded_as_parts_land(s3, s3_bucket, s3_o
     naming it, and with one part in flight no part after the corrupt one is fetched."""
     import ml_dtypes
 
+    from cairn._codecs import codecs as _codecs
     from cairn._core import checksum as _checksum
-    from cairn._format import codecs as _codecs
     from cairn._load.source import open_checkpoint
     from cairn._storage import obstore as _obstore
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .._format import codecs as _codecs
+from .._codecs import codecs as _codecs
 from .._format import manifest as fmt
 from .._format import values
 

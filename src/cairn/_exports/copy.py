@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from .._core.buffers import as_view
 from .._core.checksum import check_block, crc32c
 from .._core.stats import Progress
 from .._errors import (
@@ -189,11 +190,11 @@ def _own_blocks(leaf: fmt.ArrayLeaf, block: int) -> tuple[fmt.ArrayLeaf, list[tu
     chunk's own blocks and deltas only, back to back, with their sizes and CRCs (references take no room)."""
     from .._format.blocks import DELTA
 
-    table = getattr(leaf.chunks, "table", None)
+    parts = leaf.part_table
     sizes: list[tuple[int, ...]] = []
     crcs: list[tuple[int, ...]] = []
     for cell in range(len(leaf.chunks)):
-        got = table.sources(leaf.chunks.leaf, cell) if table is not None else None  # type: ignore[attr-defined]
+        got = parts[0].sources(parts[1], cell) if parts is not None else None
         all_sizes, all_crcs = leaf.stored_sizes(cell, block), leaf.crcs[cell]
         mine = range(len(all_sizes)) if got is None else [b for b, (f, codec, _o) in enumerate(got[1])
                                                            if f < 0 or codec == DELTA]
@@ -257,7 +258,7 @@ def _pieces(run: _Run, loc: Location, root: str, f: _File) -> Iterator[np.ndarra
             counted.append(n)
             buf = np.empty(n, np.uint8)
             try:
-                reader.read_into(lo, memoryview(buf))  # type: ignore[arg-type]
+                reader.read_into(lo, as_view(buf))
             except EOFError:
                 raise CorruptCheckpointError(f"{loc.path}: data file {f.rel!r} is truncated") from None
             except OSError as e:

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from .._core.buffers import as_view
 from .._core.stats import Progress
 from .._errors import CheckpointError, UnsupportedTypeError
 from .._format import manifest as fmt
@@ -127,7 +128,7 @@ def to_torch_file(
                 for item, leaf, skey in plan:
                     with _zip_open_aligned(zf, f"archive/data/{skey}", leaf.nbytes) as w:
                         for arr in iter_array(readers[item], leaf, slab, pool):
-                            w.write(memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+                            w.write(as_view(arr.reshape(-1).view(np.uint8)))
                             n = arr.nbytes
                             del arr  # not alive while the next slab is read
                             if progress is not None:

@@ -30,9 +30,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._codecs import codecs as _codecs
+from .._core.buffers import as_view
 from .._core.checksum import check_block, crc32c, mismatch
 from .._errors import CorruptCheckpointError
-from .._format import codecs as _codecs
 from .._format import manifest as fmt
 from .._format.binindex import raw_blocks, stored_bound
 from .._format.blocks import (
@@ -75,8 +76,7 @@ def block_places(leaf: fmt.ArrayLeaf, cell: int, block: int) -> list[tuple[int, 
     """Per block of chunk `cell`: ``(file, offset, stored size, CRC, codec id, against)`` (a reference's
     file is the index's entry of the base's file; a delta's stored bytes are own, and `against` is the
     ``(file, offset)`` of the base block it is against, else None)."""
-    table = leaf.chunks.table  # type: ignore[attr-defined]  # a refs leaf is part-indexed (parser checks)
-    n = leaf.chunks.leaf  # type: ignore[attr-defined]
+    table, n = leaf.parts()
     file, offset, crcs = table.entry(n, cell)
     sizes = table.stored(n, cell)
     got = table.sources(n, cell)
@@ -144,7 +144,8 @@ def own_blocks(leaf: fmt.ArrayLeaf, cell: int, block: int) -> list[tuple[int, in
     """Where each block of chunk `cell` of `leaf` is stored as its own: ``(file, offset, stored size,
     codec id)``, or None for a reference or a delta (a dry run's view of the blocks deltas are against)."""
     if leaf.refs:
-        file = leaf.chunks.table.entry(leaf.chunks.leaf, cell)[0]  # type: ignore[attr-defined]
+        table, n = leaf.parts()
+        file = table.entry(n, cell)[0]
         return [(f, off, size, codec) if f == file and against is None else None
                 for f, off, size, _crc, codec, against in block_places(leaf, cell, block)]
     file, off = leaf.chunks[cell]
@@ -251,9 +252,9 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
         for fe, p in zip(fes, in_place):
             if p:
                 lo = fe.blocks[0] * block - read.start
-                view = memoryview(raw[lo : lo + fe.length].data)  # type: ignore[arg-type]
+                view = memoryview(raw[lo : lo + fe.length].data)
             else:
-                view = memoryview(buf[pos : pos + fe.length].data)  # type: ignore[arg-type]
+                view = memoryview(buf[pos : pos + fe.length].data)
                 pos += fe.length
             try:
                 reader._fill(fe.file, fe.start, view, leaf)
@@ -387,11 +388,11 @@ def check_chunk(leaf: fmt.ArrayLeaf, cell: int, block: int, files: list[fmt.File
     decoded bytes against the hash the index records (`cairn verify`). `opened`: file number -> reader."""
     from .._format.blocks import block_hash
 
-    table = leaf.chunks.table  # type: ignore[attr-defined]
-    got = table.sources(leaf.chunks.leaf, cell)  # type: ignore[attr-defined]
-    if got is None:
+    table, n = leaf.parts()
+    sources = table.sources(n, cell)
+    if sources is None:
         return ["the index records no block hashes or sources for it"]
-    hashes = got[0]
+    hashes = sources[0]
     raws = raw_blocks(leaf.chunk_nbytes(cell), block)
     bad: list[str] = []
     for b, (f, off, size, crc, codec, against) in enumerate(block_places(leaf, cell, block)):
@@ -403,7 +404,7 @@ def check_chunk(leaf: fmt.ArrayLeaf, cell: int, block: int, files: list[fmt.File
             continue
         buf = np.empty(size, dtype=np.uint8)
         try:
-            r.read_into(off, memoryview(buf))  # type: ignore[arg-type]
+            r.read_into(off, as_view(buf))
         except EOFError:
             bad.append(f"block {b} ({where}) lies past the end of the file")
             continue
@@ -426,7 +427,7 @@ def check_chunk(leaf: fmt.ArrayLeaf, cell: int, block: int, files: list[fmt.File
                 def read_base(n: int, _codec: int, rb: Any = rb, boff: int = boff) -> np.ndarray:
                     out = np.empty(n, dtype=np.uint8)
                     try:
-                        rb.read_into(boff, memoryview(out.data))  # type: ignore[arg-type]
+                        rb.read_into(boff, memoryview(out.data))
                     except EOFError:
                         raise CorruptCheckpointError("its base block lies past the end of its file") from None
                     return out
@@ -448,14 +449,15 @@ def by_base_file(leaf: fmt.ArrayLeaf, block: int) -> dict[int, list[int]]:
     """A version-4 leaf's blocks in other files, per file of its index: ``[bytes referred to there, blocks
     stored as deltas against blocks there, those deltas' own stored bytes]`` (`cairn inspect`)."""
     out: dict[int, list[int]] = {}
-    table = getattr(leaf.chunks, "table", None)
-    if table is None or not leaf.refs:
+    parts = leaf.part_table
+    if parts is None or not leaf.refs:
         return out
+    table, n = parts
     for cell in range(len(leaf.chunks)):
-        got = table.sources(leaf.chunks.leaf, cell)  # type: ignore[attr-defined]
+        got = table.sources(n, cell)
         if got is None:
             continue
-        sizes = table.stored(leaf.chunks.leaf, cell)  # type: ignore[attr-defined]
+        sizes = table.stored(n, cell)
         for (f, codec, _off), size in zip(got[1], sizes):
             if f >= 0:
                 row = out.setdefault(f, [0, 0, 0])
@@ -470,12 +472,13 @@ def by_base_file(leaf: fmt.ArrayLeaf, block: int) -> dict[int, list[int]]:
 def own_and_referenced(leaf: fmt.ArrayLeaf, block: int) -> tuple[int, int]:
     """A version-4 leaf's stored bytes in its own files and in its bases' files (`cairn inspect`)."""
     own = ref = 0
-    table = getattr(leaf.chunks, "table", None)
-    if table is None:
+    parts = leaf.part_table
+    if parts is None:
         return leaf.nbytes, 0
+    table, n = parts
     for cell in range(len(leaf.chunks)):
-        got = table.sources(leaf.chunks.leaf, cell)  # type: ignore[attr-defined]
-        sizes = table.stored(leaf.chunks.leaf, cell)  # type: ignore[attr-defined]
+        got = table.sources(n, cell)
+        sizes = table.stored(n, cell)
         if got is None:
             continue
         for (f, _codec, _off), size in zip(got[1], sizes):

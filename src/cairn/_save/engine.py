@@ -29,7 +29,10 @@ from typing import Any
 
 import numpy as np
 
+from .._codecs import codecs as _codecs
+from .._codecs.blosc2lib import address
 from .._core import buffers as _buffers
+from .._core.buffers import as_view
 from .._core.buffers import snapshot_pool as _snapshot_pool
 from .._core.checksum import block_crcs, crc32c
 from .._core.gcpause import paused
@@ -49,9 +52,7 @@ from .._errors import (
     error_from_record,
     error_record,
 )
-from .._format import codecs as _codecs
 from .._format import manifest as fmt
-from .._format.blosc2lib import address
 from .._plan.chunking import FileSlot
 from .._storage.base import bandwidth_of, bandwidth_source
 from .._storage.location import Location
@@ -1222,9 +1223,9 @@ def _keep_host_bytes() -> int:
 def _bytes_of(arr: np.ndarray) -> memoryview:
     """The C-order bytes of `arr`, without a copy where it is contiguous."""
     try:
-        return memoryview(arr).cast("B")  # type: ignore[arg-type]  # the fast path: a contiguous array of a buffer-exporting dtype
+        return as_view(arr).cast("B")  # the fast path: a contiguous array of a buffer-exporting dtype
     except (TypeError, ValueError):  # not contiguous, or a dtype numpy cannot export (ml_dtypes')
-        return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+        return as_view(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
 
 
 # ---------------------------------------------------------------------- prepare

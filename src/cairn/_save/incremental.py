@@ -61,9 +61,9 @@ from typing import Any
 
 import numpy as np
 
+from .._codecs import codecs as _codecs
 from .._core.checksum import crc32c
 from .._errors import CheckpointError, CorruptCheckpointError
-from .._format import codecs as _codecs
 from .._format import manifest as fmt
 from .._format.blocks import (
     CODEC_IDS,
@@ -424,7 +424,7 @@ class Incremental:
             return 0
         saved = 0
         for item, (leaf, cell), src in wanted:
-            value = item.leaves[leaf].value  # type: ignore[union-attr]  # (an array leaf: `_same_array`)
+            value = item.leaves[leaf].value  # (an array leaf: `_same_array`)
             key = (item.layouts[leaf].grid, self.block, cell)
             base = self._base_blocks(item.name, leaf, cell)
             if base is None or any(b.target is not None for b in base):

@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from .._format import codecs as _codecs
+from .._codecs import codecs as _codecs
 
 #: The values of `compression` (see `cairn.save`; `engine.resolve_compression` says what each means).
 COMPRESSIONS: tuple[str | bool | None, ...] = ("auto", True, False, None, "none", "zstd", "planes", "blosc2",

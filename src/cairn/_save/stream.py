@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from .._core.buffers import as_view
 from .._core.checksum import block_crcs
 from .._errors import CorruptCheckpointError
 from .._format import manifest as fmt
@@ -49,7 +50,7 @@ def _file_slabs(src: Any, slab: int, path: str) -> Iterator[np.ndarray]:
         for lo in range(0, src.nbytes, slab):
             buf = np.empty(min(slab, src.nbytes - lo), dtype=np.uint8)
             try:
-                reader.read_into(src.start + lo, memoryview(buf))  # type: ignore[arg-type]
+                reader.read_into(src.start + lo, as_view(buf))
             except EOFError:
                 raise CorruptCheckpointError(
                     f"{src.storage.describe(src.key)}: truncated (tensor for {display_path(path)!r})"
@@ -132,7 +133,7 @@ class StreamWriter:
                             # Slabs are whole blocks (but the last), so block CRCs line up with the chunk's.
                             crcs.extend(block_crcs(buf, self.block))
                             offset += len(buf)
-                            yield memoryview(buf)  # type: ignore[arg-type]
+                            yield as_view(buf)
                         else:
                             for stored, crc in _encoded(self.pool, codec, buf.data, self.block, src.dtype):
                                 crcs.append(crc)

@@ -419,16 +419,19 @@ def _base_blocks(loc: Any, name: str, index: fmt.ItemIndex) -> Any:
                 got = []
             else:
                 if bidx.table is not None and i in bidx.table.leaves:  # format 2+: its records, all at once
-                    bidx.table.fetch_leaf(i, len(bidx.table.leaves[i].writers))  # type: ignore[arg-type]
+                    bidx.table.fetch_leaf(i, len(bidx.table.leaves[i].writers))
                 got = own_blocks(leaf, cell, bidx.block_size)
             chunks[(base, path, cell)] = got
         return got
 
     def base_block(leaf: fmt.ArrayLeaf, cell: int, b: int, against: tuple[int, int]) -> tuple[int, int]:
         entry = index.files[against[0]]
-        own = own_of(entry.base, leaf.path, cell)  # type: ignore[arg-type]  # a delta's file is a base's (parser)
+        if entry.base is None:  # the parser lets a delta's `against` name only a base's file
+            raise CorruptCheckpointError(f"{loc.path}: leaf {display_path(leaf.path, name)!r} chunk {cell} block "
+                                         f"{b} is a delta against {entry.name!r}, which is not a base's file")
+        own = own_of(entry.base, leaf.path, cell)
         got = own[b] if b < len(own) else None
-        if got is None or base_index(entry.base)[0].files[got[0]].name != entry.name or got[1] != against[1]:  # type: ignore[arg-type]
+        if got is None or base_index(entry.base)[0].files[got[0]].name != entry.name or got[1] != against[1]:
             raise CorruptCheckpointError(
                 f"{loc.path}: leaf {display_path(leaf.path, name)!r} chunk {cell} block {b} is a delta against "
                 f"bytes {against[1]} of {entry.name!r} in its base checkpoint {entry.base!r}, where that "

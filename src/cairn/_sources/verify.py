@@ -24,6 +24,7 @@ from typing import Any, cast
 
 import numpy as np
 
+from .._core.buffers import as_view
 from .._core.checksum import BlockChecks, crc32c, mismatch
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import manifest as fmt
@@ -96,12 +97,12 @@ def bad_blocks(buf: Any, lo: int, hi: int, off: int, crcs: Sequence[int], block:
 def _check_coded(leaf: fmt.ArrayLeaf, cell: int, off: int, block: int, reader: Any) -> list[str]:
     """What is wrong with compressed chunk `cell`: each stored block's CRC-32C, then that it decodes to its
     raw size (format version 3)."""
-    from .._format import codecs
+    from .._codecs import codecs
 
     sizes = leaf.stored_sizes(cell, block)
     buf = np.empty(sum(sizes), dtype=np.uint8)
     try:
-        reader.read_into(off, memoryview(buf))  # type: ignore[arg-type]
+        reader.read_into(off, as_view(buf))
     except EOFError:
         return [f"stored bytes {off}..{off + buf.nbytes} lie past the end of the file"]
     except OSError as e:
@@ -328,7 +329,7 @@ def verify(
         else:
             buf = np.empty(hi - lo, dtype=np.uint8)
             try:
-                reader.read_into(off + lo, memoryview(buf))  # type: ignore[arg-type]
+                reader.read_into(off + lo, as_view(buf))
             except EOFError:
                 bad.append(f"bytes {off + lo}..{off + hi} lie past the end of the file")
             except OSError as e:

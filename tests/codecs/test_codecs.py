@@ -1,4 +1,4 @@
-"""The per-block codecs (cairn._format.codecs): round trips, `choose`, and hostile stored blocks."""
+"""The per-block codecs (cairn._codecs.codecs): round trips, `choose`, and hostile stored blocks."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cairn._codecs import blosc2lib
+from cairn._codecs import codecs as _codecs
 from cairn._errors import CorruptCheckpointError
-from cairn._format import blosc2lib
-from cairn._format import codecs as _codecs
 
 FLOAT8 = [getattr(ml_dtypes, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
                                           "float8_e4m3b11fnuz", "float8_e4m3", "float8_e3m4", "float8_e8m0fnu")

@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
+from .._core.buffers import as_view
 from .._errors import CheckpointError, CorruptCheckpointError
 from . import blosc2lib
 
@@ -374,7 +375,7 @@ def _encode_blosc2_direct(direct: blosc2lib.Direct, runs: list[tuple[str, np.nda
     srcs = [np.ascontiguousarray(u8) for _, u8, _, _ in runs]
     room = sum(u8.nbytes + -(-u8.nbytes // block) * blosc2lib.MAX_OVERHEAD for u8, (_, _, block, _) in zip(srcs, runs))
     buf = np.empty(room, np.uint8) if alloc is None else alloc(room)
-    view = memoryview(buf)  # type: ignore[arg-type]  # a contiguous uint8 array exports its buffer
+    view = as_view(buf)  # a contiguous uint8 array exports its buffer
     base = blosc2lib.address(buf)[0]
     code = direct.compress_into
     out: list[list[Any]] = [[] for _ in runs]
@@ -397,7 +398,7 @@ def _flush_blosc2(pending: list[Any], owners: list[int], out: list[list[Any]],
     empty both lists."""
     chunks = [np.frombuffer(z, np.uint8) for z in pending]
     whole = np.concatenate(chunks, out=None if alloc is None else alloc(sum(c.nbytes for c in chunks)))
-    view = memoryview(whole)  # type: ignore[arg-type]  # a contiguous uint8 array exports its buffer
+    view = as_view(whole)  # a contiguous uint8 array exports its buffer
     o = 0
     for z, r in zip(pending, owners):
         out[r].append(view[o:o + len(z)])
