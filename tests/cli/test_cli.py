@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 import cairn
 from cairn._cli.main import main
 from cairn._format import manifest as fmt
+from cairn._save import codecpolicy
 from cairn._save import commit as _commit
 from cairn._save import engine as _save
 
@@ -386,13 +387,12 @@ def test_plan_compression_shows_what_was_decided_and_what_auto_would_decide(tmp_
     """`cairn plan --compression URL`: the checkpoint's codecs, then what "auto" would decide saving to
     URL and why (bandwidth and where it came from, cores, codec speeds, each leaf's sample ratio)."""
     from cairn._codecs.codecs import blosc2_available
-    from cairn._save import engine
-    from cairn._save.options import blosc2_faster
+    from cairn._save.codecpolicy import blosc2_faster
 
     def floats_on(cores: int) -> str:  # what True and "auto" pick for bf16 weights on that many cores
         return "blosc2" if blosc2_available() and blosc2_faster(cores, 2) else "planes"
 
-    floats, floats4 = floats_on(engine._cores()), floats_on(4)  # saved here; priced with --cores 4
+    floats, floats4 = floats_on(codecpolicy.coder_cores()), floats_on(4)  # saved here; priced with --cores 4
     rng = np.random.default_rng(0)
     state = {"w": rng.standard_normal(1 << 16).astype(ml_dtypes.bfloat16), "z": np.zeros(1 << 15, np.float32),
              "r": rng.integers(0, 256, 1 << 16, dtype=np.uint8), "step": 3}

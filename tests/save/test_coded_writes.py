@@ -17,7 +17,7 @@ import pytest
 import cairn
 from _parts import count_data_writes
 from cairn._errors import CorruptCheckpointError
-from cairn._save import engine
+from cairn._save import codecpolicy, engine
 from cairn._save.engine import SMALL_CHUNK, _Batch, _places
 
 MiB = 1 << 20
@@ -29,13 +29,13 @@ def _trained(shape, dtype=ml_dtypes.bfloat16, seed=0) -> np.ndarray:
 
 def _crc_threads(monkeypatch) -> list[str]:
     names: list[str] = []
-    real = engine.crc32c
+    real = engine.block_crc
 
     def crc(b, *a):
         names.append(threading.current_thread().name)
         return real(b, *a)
 
-    monkeypatch.setattr(engine, "crc32c", crc)
+    monkeypatch.setattr(engine, "block_crc", crc)
     return names
 
 
@@ -43,7 +43,7 @@ def _crc_threads(monkeypatch) -> list[str]:
 def test_a_large_leafs_coded_blocks_are_written_together(tmp_path, monkeypatch, codec):
     if codec == "blosc2":
         pytest.importorskip("blosc2")
-    monkeypatch.setattr(engine, "_cores", lambda: 4)  # (blosc2 joins its chunks from 4 coders on)
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 4)  # (blosc2 joins its chunks from 4 coders on)
     parts = count_data_writes(monkeypatch)
     crcs = _crc_threads(monkeypatch)
     w = _trained((8 * MiB // 2,))  # 8 blocks of 1 MiB, one coding task
@@ -58,7 +58,7 @@ def test_a_large_leafs_coded_blocks_are_written_together(tmp_path, monkeypatch, 
 
 def test_small_blosc2_leaves_of_one_checkpointable_are_written_in_spans(tmp_path, monkeypatch):
     pytest.importorskip("blosc2")
-    monkeypatch.setattr(engine, "_cores", lambda: 4)
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 4)
     parts = count_data_writes(monkeypatch)
     state = {f"l{i:03d}": _trained((256, 200), np.float32, seed=i) for i in range(40)}  # 200 KiB each
     cairn.save(tmp_path / "c", {"params": state}, compression="blosc2", threads=1)  # one checkpointable
@@ -71,7 +71,7 @@ def test_small_blosc2_leaves_of_one_checkpointable_are_written_in_spans(tmp_path
 
 def test_a_flipped_byte_inside_a_span_is_named(tmp_path, monkeypatch):
     pytest.importorskip("blosc2")
-    monkeypatch.setattr(engine, "_cores", lambda: 4)
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 4)
     state = {f"l{i}": _trained((256, 200), np.float32, seed=i) for i in range(8)}
     cairn.save(tmp_path / "c", {"params": state}, compression="blosc2", threads=1)
     data = [p for p in (tmp_path / "c").rglob("*.bin")]

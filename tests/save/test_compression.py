@@ -25,17 +25,17 @@ import cairn
 from cairn._codecs import codecs as _codecs
 from cairn._format import manifest as fmt
 from cairn._load.source import open_checkpoint
+from cairn._save import codecpolicy
 
 BLOCK = 4096
 def fast(dtype=ml_dtypes.bfloat16) -> str:
     """What `compression=True` picks for trained floats of `dtype` on this host's cores as the save counts
-    them (`engine._cores`, which a test may set): "blosc2" where python-blosc2 is installed (the optional
+    them (`codecpolicy.coder_cores`, which a test may set): "blosc2" where python-blosc2 is installed (the optional
     `fast` extra; `dev` has it) and codes them faster on those cores (`options.blosc2_faster`: bf16 from
     8 cores on), else "planes"."""
-    from cairn._save import engine
-    from cairn._save.options import blosc2_faster
+    from cairn._save.codecpolicy import blosc2_faster
 
-    faster = blosc2_faster(engine._cores(), np.dtype(dtype).itemsize)
+    faster = blosc2_faster(codecpolicy.coder_cores(), np.dtype(dtype).itemsize)
     return "blosc2" if _codecs.blosc2_available() and faster else "planes"
 
 
@@ -133,9 +133,8 @@ def test_round_trip_every_codec(tmp_path, kind, compression, mesh):
 def test_auto_is_off_on_local_disk_and_on_for_object_stores(tmp_path, monkeypatch):
     """By the one formula (`options.compression_pays`), with this platform's codec speeds on 12 cores:
     a local disk (8 GiB/s) is faster than the codecs, an object store (0.5 GiB/s) is not."""
-    from cairn._save import engine
 
-    monkeypatch.setattr(engine, "_cores", lambda: 12)
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 12)
     state = state_of()
     local = tmp_path / "local"
     cairn.save(local, state)
@@ -542,11 +541,10 @@ def test_the_filesystem_of_a_path_is_read_from_mountinfo(path, fstype, network):
 def test_auto_compresses_on_network_filesystems(tmp_path, monkeypatch, fstype, version):
     """A local path on NFS, Lustre or a FUSE mount of a bucket is storage of kind "network" (1 GiB/s by
     default), where "auto" compresses on a host of 12 cores; a local disk's kind is "local"."""
-    from cairn._save import engine
     from cairn._storage import LocalStorage
     from cairn._storage import fstype as fs
 
-    monkeypatch.setattr(engine, "_cores", lambda: 12)
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 12)
 
     real = os.path.realpath(tmp_path)
     info = tmp_path / "mountinfo"
@@ -569,7 +567,7 @@ def test_auto_compresses_on_network_filesystems(tmp_path, monkeypatch, fstype, v
 def test_the_auto_formula():
     """`compression_pays`: each direction takes the longer of the transfer of the stored bytes and the
     codec's work on the raw ones (the two overlap), against the raw transfer both ways."""
-    from cairn._save.options import (
+    from cairn._save.codecpolicy import (
         CODEC_SPEEDS,
         compression_can_pay,
         compression_pays,
@@ -594,7 +592,7 @@ def test_the_auto_formula():
 
 def test_the_auto_formula_each_way_and_at_the_measured_codec_speed():
     """Writes and reads priced at their own bandwidths; the codecs at the factor the host measured."""
-    from cairn._save.options import CODEC_SPEEDS, compression_pays, predicted_seconds
+    from cairn._save.codecpolicy import CODEC_SPEEDS, compression_pays, predicted_seconds
 
     gib = float(1 << 30)
     enc, dec = CODEC_SPEEDS["planes"].on(4)
@@ -616,7 +614,7 @@ def test_the_auto_formula_each_way_and_at_the_measured_codec_speed():
 def test_the_codec_factor_from_known_spans():
     """`CodecMeter`: the time the per-platform figures predict, at the concurrency the tasks had, over
     the time the coder pool was busy; the median of the last saves; 1.0 before any."""
-    from cairn._save.options import CODEC_SPEEDS, FACTOR_RANGE, MIN_CODED_SAMPLE, CodecMeter
+    from cairn._save.codecpolicy import CODEC_SPEEDS, FACTOR_RANGE, MIN_CODED_SAMPLE, CodecMeter
 
     m = CodecMeter()
     assert m.factor() == 1.0
@@ -638,13 +636,12 @@ def test_auto_prices_with_what_was_measured(tmp_path, monkeypatch):
     """On a network filesystem (a kind whose link is measured), "auto" prices with the default until
     something was measured, then with the measurement; a declared figure would win (see
     tests/storage/test_measured.py). SaveStats says which."""
-    from cairn._save import engine
-    from cairn._save.options import CODEC_METER
+    from cairn._save.codecpolicy import CODEC_METER
     from cairn._storage.local import LocalStorage
     from cairn._storage.location import resolve
     from cairn._storage.measured import METER, record, sample_of
 
-    monkeypatch.setattr(engine, "_cores", lambda: 12)
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 12)
     monkeypatch.setattr(LocalStorage, "network", property(lambda self: True))
     # "planes" only: the thresholds below are its speeds' ("blosc2", faster, would still pay at 0.02x)
     monkeypatch.setattr(_codecs, "_blosc2_found", False)
@@ -679,10 +676,9 @@ def test_auto_prices_each_leaf(tmp_path, monkeypatch):
     "blosc2-lz4" where python-blosc2 is (it codes and decodes faster than the link by its figures on
     12 cores, `options.CODEC_SPEEDS`); random bytes no. At 16 GiB/s no codec keeps up but on zeros.
     SaveStats says so."""
-    from cairn._save import engine
     from cairn._storage import MemoryStorage
 
-    monkeypatch.setattr(engine, "_cores", lambda: 12)
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 12)
     monkeypatch.setattr(MemoryStorage, "bandwidth", 4.0 * (1 << 30))
     state = state_of()
     path = where_of("memory", tmp_path)
@@ -715,7 +711,7 @@ def test_auto_prices_each_leaf(tmp_path, monkeypatch):
 
 def test_a_device_chunk_measured_for_its_codec_is_copied_to_host_once(tmp_path, monkeypatch):
     """`compression=True` samples each leaf's first chunk from a host copy; where that copy is a fresh
-    device-to-host copy (an accelerator's chunk: `engine._fresh_copy`, forced here on CPU arrays) the
+    device-to-host copy (an accelerator's chunk: `codecpolicy.fresh_copy`, forced here on CPU arrays) the
     writer uses it instead of copying the chunk again, within `KEEP_HOST_SHARE` of the host's memory
     (0: copied again, as before), and not in a save_async whose snapshot budget left chunks on device.
     The bytes written are the same either way. (Without the host-copy pipeline, which starts those
@@ -724,7 +720,7 @@ def test_a_device_chunk_measured_for_its_codec_is_copied_to_host_once(tmp_path, 
 
     state = {"params": {"w": jax.numpy.asarray(trained((256, 512))),
                         "mu": jax.numpy.asarray(trained((128, 256), np.float32, 1))}}
-    monkeypatch.setattr(engine, "_fresh_copy", lambda src: True)
+    monkeypatch.setattr(codecpolicy, "fresh_copy", lambda src: True)
     monkeypatch.setattr(engine, "HOST_PIPELINE_BYTES", 0)
     host = engine.SaveJob._host
     stored = {}
@@ -737,7 +733,7 @@ def test_a_device_chunk_measured_for_its_codec_is_copied_to_host_once(tmp_path, 
             return host(self, src)
 
         monkeypatch.setattr(engine.SaveJob, "_host", counted)
-        monkeypatch.setattr(engine, "KEEP_HOST_SHARE", share)
+        monkeypatch.setattr(codecpolicy, "KEEP_HOST_SHARE", share)
         path = tmp_path / f"keep{share}"
         cairn.save(path, state, compression=True)
         assert len(copies) == (2 if share else 4), share  # one per chunk, or two without keeping
@@ -757,13 +753,12 @@ def test_true_takes_blosc2_where_it_codes_faster_on_the_hosts_cores(tmp_path, mo
     "planes" on the host's cores (`options.blosc2_faster`, a function of the count, not of timings):
     on 2 cores bf16 weights get "planes" (C-Blosc2 runs zstd over their near-random mantissa plane)
     and f32 moments "blosc2"; on 12 cores both "blosc2". Either way the values come back."""
-    from cairn._save import engine
-    from cairn._save.options import blosc2_faster
+    from cairn._save.codecpolicy import blosc2_faster
 
     assert not blosc2_faster(2, 2) and blosc2_faster(2, 4) and blosc2_faster(12, 2) and blosc2_faster(12, 4)
     state = {"params": {"w": trained((256, 1024)), "mu": trained((256, 1024), np.float32, 1)}}
     for cores, want in ((2, {"w": "planes", "mu": "blosc2"}), (12, {"w": "blosc2", "mu": "blosc2"})):
-        monkeypatch.setattr(engine, "_cores", lambda cores=cores: cores)
+        monkeypatch.setattr(codecpolicy, "coder_cores", lambda cores=cores: cores)
         path = tmp_path / f"c{cores}"
         cairn.save(path, state, compression=True)
         _, leaves = leaves_of(str(path))
@@ -824,7 +819,7 @@ def test_coded_buffers_are_lent_again_only_once_written(tmp_path, monkeypatch, h
     from cairn._save import engine
     from cairn._storage.local import LocalStorage
 
-    monkeypatch.setattr(engine, "_cores", lambda: 4)  # a coder pool, whatever the test host has
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 4)  # a coder pool, whatever the test host has
     # The loads keep the buffers kept for the next save (`cairn.load` frees them: `release_save_buffers`).
     monkeypatch.setattr(load_engine, "release_save_buffers", lambda: None)
     # Tasks of about a block's bytes (1 MiB), a dozen in the one data file (threads=1): the writer is done
@@ -869,9 +864,8 @@ def test_small_blosc2_leaves_of_one_checkpointable_write_the_same_bytes_gathered
     into shared buffers (`codecs.BLOSC2_JOIN_BYTES`): the data files are byte for byte those of chunks kept
     one by one, the load gives the leaves back, and a flipped stored byte anywhere in a leaf's blocks (the
     header of a block in the middle of a gathered buffer too) fails the load naming that leaf."""
-    from cairn._save import engine
 
-    monkeypatch.setattr(engine, "_cores", lambda: 4)  # a coder pool, whatever the test host has
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 4)  # a coder pool, whatever the test host has
     state = {"params": {f"w{i}": trained((128, 96 + 32 * (i % 3)), ml_dtypes.bfloat16 if i % 2 else np.float32,
                                          seed=i) for i in range(48)}}
     files = {}

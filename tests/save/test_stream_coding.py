@@ -71,14 +71,14 @@ def test_stream_crcs_are_found_on_the_coders(monkeypatch):
     import threading
 
     seen: list[str] = []
-    real = engine.crc32c
+    real = engine.block_crc
 
-    def noting(b, value=0):
+    def noting(b):
         seen.append(threading.current_thread().name)
-        return real(b, value)
+        return real(b)
 
     u8 = _raw().view(np.uint8)
-    monkeypatch.setattr(engine, "crc32c", noting)
+    monkeypatch.setattr(engine, "block_crc", noting)
     with ThreadPoolExecutor(2, thread_name_prefix="coder") as pool:
         out = list(engine._encoded(pool, "zstd", memoryview(u8), BLOCK, np.float32))
     assert len(seen) == len(out) and all(name.startswith("coder") for name in seen)

@@ -29,7 +29,7 @@ Codecs, by their stable names (recorded per leaf in the manifest):
   cores: `choose_sized`'s `blosc2`), and a reader without it says so, naming the block.
 - ``"blosc2-lz4"``: one C-Blosc2 chunk of the block as ``"blosc2"``, but with the bit shuffle then
   LZ4 at level 5 (`blosc2lib.SETTINGS`): 3-10% more bytes, coded 1.5-3x as fast. `choose` never
-  takes it; a save's "auto" weighs it by predicted time (`_save.engine.decide_leaf`).
+  takes it; a save's "auto" weighs it by predicted time (`_save.codecpolicy.decide_leaf`).
 
 `choose` picks a leaf's codec by measuring the candidates on a sample of the
 leaf (`sample` takes one). Everything heavy (zstd, numpy copies and integer
@@ -957,7 +957,7 @@ def choose_sized(dtype: Any, sample: np.ndarray, blosc2: bool | None = None) -> 
     Rule: encode the sample with each codec ("planes" and "zstd", and
     "blosc2" where python-blosc2 is importable and `blosc2` is not False: the
     save passes whether it codes faster than "planes" on the host's cores,
-    `options.blosc2_faster`; the sample cut into pieces of
+    `_save.codecpolicy.blosc2_faster`; the sample cut into pieces of
     at most 1 MiB, each coded as a block) and take the smallest stored size S.
     If S > (1 - MIN_SAVING) x the raw size (saving under 4%), "none". Else
     "blosc2" if its size is within BLOSC2_NEAR (5%) of S (it codes fastest on

@@ -634,7 +634,7 @@ def _recompress(src: CairnSource, d: Location, compression: str | bool | None, o
     having one data file per item)."""
     from .._exports.convert import exact_slabs
     from .._load.reader import make_reader, read_box, slab_boxes, slab_bytes
-    from .._save.engine import resolve_compression
+    from .._save.codecpolicy import resolve_compression
     from .._save.stream import Chunked, StreamWriter
 
     codec = resolve_compression(compression, d.storage)

@@ -18,7 +18,6 @@ import heapq
 import itertools
 import json
 import logging
-import os
 import secrets
 import threading
 import time
@@ -34,9 +33,8 @@ from .._codecs.blosc2lib import address
 from .._core import buffers as _buffers
 from .._core.buffers import as_view
 from .._core.buffers import snapshot_pool as _snapshot_pool
-from .._core.checksum import block_crcs, crc32c
+from .._core.checksum import block_crc, block_crcs
 from .._core.gcpause import paused
-from .._core.host import usable_cores
 from .._core.stats import SaveStats
 from .._dist.agree import sequence, settle
 from .._dist.coord import (
@@ -54,7 +52,6 @@ from .._errors import (
 )
 from .._format import manifest as fmt
 from .._plan.chunking import FileSlot
-from .._storage.base import bandwidth_of, bandwidth_source
 from .._storage.location import Location
 from .._storage.measured import TransferClock, main_codec, record, sample_of
 from .._tree.leaves import classify
@@ -62,22 +59,19 @@ from .._tree.perprocess import HostValues, is_per_process
 from .._tree.pytree import display_path, flatten
 from .._version import __version__
 from . import basecache
-from .assign import Concat, SaveItem, plan_item
+from . import codecpolicy as _policy
+from .assign import Concat, SaveItem, files_in_turn, plan_item
+from .codecpolicy import (
+    CODEC_METER,
+    auto_prices,
+    choose_codecs,
+    describe_compression,
+    resolve_compression,
+)
 from .commit import CommitStrategy, strategy_for
 from .incremental import write_if_any
 from .indexparts import build_part, item_index
-from .options import (
-    CODEC_METER,
-    CODEC_SPEEDS,
-    SaveOptions,
-    bad_compression,
-    blosc2_faster,
-    compression_can_pay,
-    compression_pays,
-    predicted_seconds,
-    save_options_of,
-    usable_codecs,
-)
+from .options import SaveOptions, save_options_of
 
 log = logging.getLogger("cairn")
 
@@ -412,7 +406,7 @@ class SaveJob:
                         activity.advance()  # storage took more: peers waiting for us see progress
                     del mv
                     continue
-                crcs.append([crc_pool.submit(crc32c, mv[o : o + block]) for o in range(0, n, block)])
+                crcs.append([crc_pool.submit(block_crc, mv[o : o + block]) for o in range(0, n, block)])
                 yield from batch.add(mv)
                 activity.advance()
             yield from batch.rest()
@@ -444,9 +438,9 @@ class SaveJob:
             self.inc.open(self.items, self.loc.path)
         # Compressed blocks are encoded by a pool of their own, so that a file of large chunks uses
         # every core (a file's writer thread alone would code its blocks one after another).
-        coders = _cores() if self.compression is not None else 0
+        coders = _policy.coder_cores() if self.compression is not None else 0
         if self.inc is not None:  # incremental: blocks are hashed on that pool too
-            coders = max(2, _cores())
+            coders = max(2, _policy.coder_cores())
         # An incremental save's writers mostly wait for hashes: one per file (up to 2x `threads`: each holds
         # a window of coded runs), so that a file of changed leaves is written (and fsync'd) while files of
         # unchanged ones are still hashed.
@@ -461,7 +455,7 @@ class SaveJob:
             # an incremental save's files of unchanged leaves only hash, and must not hold every writer
             # while another checkpointable's changed leaves wait (docs/incremental.md, "Save and load time,
             # round 41b"). The coder pool serves files in that order too (`order`: a file's rank).
-            for item, k in _files_in_turn(self.items):
+            for item, k in files_in_turn(self.items):
                 jobs.append((item, k, pool.submit(self._write_file, item, k, item.files[k], crc_pool,
                                                   code_pool if coders > 1 else None, len(jobs))))
             try:
@@ -526,12 +520,12 @@ class SaveJob:
     def _measure(self) -> None:
         """Record what this save's data writes reached over the storage's link (bytes over the
         time the link was busy, not waiting for the codec: `_storage.measured`) and how fast its
-        codecs ran (`options.CodecMeter`), for the next saves' "auto". A measurement never fails a save."""
+        codecs ran (`codecpolicy.CodecMeter`), for the next saves' "auto". A measurement never fails a save."""
         try:
             link_s, wall_s = self.transfers.seconds()
             record(self.loc.storage, "write", sample_of(self.stats.bytes_written, link_s, wall_s,
                                                         coded=bool(self.coded), codec=main_codec(self.coded)))
-            CODEC_METER.record(self.code_spans, self.coded, _cores())
+            CODEC_METER.record(self.code_spans, self.coded, _policy.coder_cores())
         except Exception:
             log.warning("cairn: could not record the save's bandwidth for compression='auto'", exc_info=True)
 
@@ -643,13 +637,6 @@ class SaveJob:
             basecache.remember(self.loc, manifest, {k[len(root) + 1 :]: v for k, v in (*self.own_parts, *puts)})
 
 
-def _files_in_turn(items: list[SaveItem]) -> list[tuple[SaveItem, int]]:
-    """The data files of a save in the order its writers start them: each checkpointable's first file,
-    then each one's second... (`write_data`; the codec choosing and the host-copy pipeline follow it)."""
-    most = max((len(item.files) for item in items), default=0)
-    return [(item, k) for k in range(most) for item in items if k < len(item.files)]
-
-
 #: Bytes of device chunks a blocking save's host-copy pipeline may have started ahead of its writers
 #: (`host_pipeline`; at most `KEEP_HOST_SHARE` of the host's memory). 0: no pipeline, each chunk
 #: copied to host by its writer (or the codec choosing) when it comes to it, as before 2026-12-06.
@@ -658,11 +645,11 @@ HOST_PIPELINE_BYTES = 1 << 30
 
 def host_pipeline(job: SaveJob) -> Any:
     """A `snapshot.HostPipeline` for the accelerator chunks `job` writes, in the order its writers take
-    them (`_files_in_turn`, each file's slots in order), started up to its budget; None where there
+    them (`files_in_turn`, each file's slots in order), started up to its budget; None where there
     are none to copy (a save_async's snapshot made them host arrays already, or a numpy state), where
     the save is incremental (its writers hash as they go), or where a save_async's snapshot budget left
     chunks on device (host memory must stay within that budget: its writers copy one at a time)."""
-    budget = min(HOST_PIPELINE_BYTES, _keep_host_bytes())
+    budget = min(HOST_PIPELINE_BYTES, _policy.keep_host_bytes())
     if budget <= 0 or job.inc is not None or job.stats.device_copy_bytes:
         return None
     from .snapshot import HostPipeline
@@ -670,11 +657,11 @@ def host_pipeline(job: SaveJob) -> Any:
     keys: list[tuple[str, tuple[int, int]]] = []
     sizes: list[int] = []
     srcs: list[Any] = []
-    for item, k in _files_in_turn(job.items):
+    for item, k in files_in_turn(job.items):
         for slot in item.files[k]:
             key = (slot.leaf, slot.cell)
             src = item.sources.get(key)
-            if src is None or type(src) is np.ndarray or type(src) is Concat or not _fresh_copy(src):
+            if src is None or type(src) is np.ndarray or type(src) is Concat or not _policy.fresh_copy(src):
                 continue
             keys.append((item.name, key))
             sizes.append(slot.nbytes)
@@ -701,12 +688,6 @@ RUN_BLOCKS = 16
 LEND_CODED_BUFFERS = True
 
 
-def _cores() -> int:
-    """The cores this process may run on: a compressed save codes on all of them (the writer threads,
-    `threads`, bound how many files are written at once, not how many cores code)."""
-    return usable_cores()
-
-
 def _coded_alloc() -> Any:
     """Where coding tasks' stored blocks go (`codecs.encode_runs`' `alloc`): buffers lent from the process's
     `buffers.coded_pool`, each taken back once its blocks are written, so that a later task (of this save
@@ -718,7 +699,7 @@ def _coded_alloc() -> Any:
 def _code_task(task: list[tuple[int, bool, tuple[Any, ...]]], alloc: Any = None) -> list[tuple[int, bool, list[Any]]]:
     """Code one task of `code_tasks`: (slot, last run of the slot, run) -> (slot, last, stored blocks), into
     buffers from `alloc` (`codecs.encode_runs`)."""
-    coded = _codecs.encode_runs([run for _, _, run in task], coders=_cores(), alloc=alloc)
+    coded = _codecs.encode_runs([run for _, _, run in task], coders=_policy.coder_cores(), alloc=alloc)
     return [(n_slot, last, blocks) for (n_slot, last, _), blocks in zip(task, coded)]
 
 
@@ -727,7 +708,7 @@ def _checked(coded: list[tuple[int, bool, list[Any]]]) -> list[tuple[int, bool, 
     the coder's thread: the writer of a file then only writes, and next-door blocks go to it as one
     view (on the TPU host the writers fell behind the coders with 2,449 small leaves: a CRC call and a
     write call a block, each taking the GIL back from 13 coders; docs/compression.md)."""
-    return [(n_slot, last, blocks, [crc32c(b) for b in blocks], _places(blocks)) for n_slot, last, blocks in coded]
+    return [(n_slot, last, blocks, [block_crc(b) for b in blocks], _places(blocks)) for n_slot, last, blocks in coded]
 
 
 class CodePool:
@@ -826,398 +807,12 @@ def _encoded(pool: ThreadPoolExecutor | None, codec: str, raw: memoryview, block
 
     def code(o: int) -> list[tuple[Any, int]]:
         blocks = _codecs.encode_runs([(codec, raw[o : o + run], block, dtype)], coders=coders, alloc=alloc)[0]
-        return [(b, crc32c(b)) for b in blocks]
+        return [(b, block_crc(b)) for b in blocks]
 
     on = pool if len(raw) > run else None
     coders = getattr(on, "_max_workers", 1) if on is not None else 1
     for blocks in _in_order(on, code, range(0, len(raw), run)):
         yield from blocks
-
-
-def resolve_compression(compression: str | bool | None, storage: Any) -> str | None:
-    """What a save's `compression=` means: None (blocks stored raw), "choose" (a codec per leaf),
-    "auto" (a codec per leaf where it pays), or one codec.
-
-    "auto" (the default) decides by predicted time (`options.compression_pays`): the codecs'
-    speed on this platform's cores (scaled by what earlier saves measured, `options.CodecMeter`)
-    against the storage's bandwidth each way (declared, measured on earlier transfers, or its
-    kind's default: `_storage.base.bandwidth_of`). Where no leaf could pay, not even one
-    that codes to nothing (`options.compression_can_pay`: a local disk, faster than the codecs),
-    None; else "auto", and each leaf is coded only if its sample's ratio pays
-    (`leaf_codec`). True chooses per leaf by size alone; False, None and "none" store raw bytes.
-    In a save, the primary's answer holds for every process.
-    """
-    if compression == "auto":
-        p = auto_prices(storage)
-        return "auto" if compression_can_pay(p["bandwidth"], _cores(), **_formula_args(p)) else None
-    if compression is True:
-        return "choose"
-    if compression in (False, None, "none"):
-        return None
-    if compression in ("zstd", "planes"):
-        return str(compression)
-    if compression in _codecs.BLOSC2_CODECS:
-        if not _codecs.blosc2_available():
-            raise ValueError(f"compression={compression!r} needs python-blosc2, which is not installed: "
-                             f"pip install '{_codecs.BLOSC2_EXTRA}'")
-        return str(compression)
-    raise bad_compression(compression)
-
-
-#: The codec "auto" weighs against the leaf's codec by predicted time: it stores more and codes faster.
-FAST_CODEC = "blosc2-lz4"
-
-
-@dataclass(frozen=True)
-class LeafDecision:
-    """What `compression=` decides for one leaf, from a sample of its bytes, and why."""
-
-    codec: str  # what the leaf is stored with ("none": raw)
-    chosen: str  # `codecs.choose_sized`'s codec for the sample ("none": no codec shrinks it enough)
-    raw: int  # the sample's raw bytes
-    stored: int  # their size under `chosen`
-
-
-def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict[str, Any] | None = None,
-                cores: int | None = None) -> LeafDecision:
-    """`leaf_codec`'s decision with its reasons; `cores` (default: this process's) as "auto" counts them.
-    The codec is chosen on `sample_bytes` of `host`, with "blosc2" a candidate only where it codes the
-    leaf's element size faster than "planes" on those cores (`options.blosc2_faster`); "auto" then
-    takes `FAST_CODEC` instead where `options.predicted_seconds` says it saves and loads the leaf
-    sooner, and codes the leaf only where that pays (`options.compression_pays`)."""
-    n = cores or _cores()
-    try:
-        sample = _codecs.sample(host, sample_bytes(getattr(host, "nbytes", 0)))
-        # "blosc2" is a candidate only where it codes this leaf's elements faster on n cores
-        codec, raw, stored = _codecs.choose_sized(dtype, sample,
-                                                  blosc2=blosc2_faster(n, np.dtype(dtype).itemsize))
-        args = _formula_args(prices or {}, codec)
-        if mode == "auto" and codec != "none" and FAST_CODEC in usable_codecs():
-            # the faster C-Blosc2 codec, where it is predicted to save and load the leaf sooner, its
-            # 3-10% more bytes and all (a fast link, many cores), each priced with its own coded figures
-            fast, fast_args = _codecs.stored_size(FAST_CODEC, dtype, sample), _formula_args(prices or {}, FAST_CODEC)
-            if (predicted_seconds(raw, fast, FAST_CODEC, bandwidth, n, **fast_args)[1]
-                    < predicted_seconds(raw, stored, codec, bandwidth, n, **args)[1]):
-                codec, stored, args = FAST_CODEC, fast, fast_args
-    except ValueError:  # a dtype no codec knows
-        return LeafDecision("none", "none", 0, 0)
-    if mode == "auto" and not compression_pays(raw, stored, codec, bandwidth, n, **args):
-        return LeafDecision("none", codec, raw, stored)
-    return LeafDecision(codec, codec, raw, stored)
-
-
-#: A leaf's sample is at most 1 / SAMPLE_SHARE of its first chunk (`sample_bytes`), so that choosing
-#: codes a fraction of a state of small leaves, not all of it three times over (a leaf under
-#: `codecs.SAMPLE_BYTES` was sampled whole: 2,449 leaves of 256x256 spent more time choosing than
-#: coding; docs/compression.md, "Coding and writing at once").
-SAMPLE_SHARE = 4
-#: ... and at least this many bytes (or the whole chunk, if smaller).
-SAMPLE_MIN_BYTES = 16 << 10
-
-
-def sample_bytes(nbytes: int) -> int:
-    """How many bytes of a leaf's first chunk of `nbytes` bytes its codec is chosen on."""
-    return min(_codecs.SAMPLE_BYTES, max(SAMPLE_MIN_BYTES, nbytes // SAMPLE_SHARE))
-
-
-def _formula_args(prices: dict[str, Any], codec: str | None = None) -> dict[str, Any]:
-    """`auto_prices`' figures as `options.predicted_seconds`' optional arguments (the codec factor:
-    this host's measured one where `prices` has none), with `codec`'s own coded figures where it has
-    them."""
-    f = prices.get("codec_factor")
-    own = (prices.get("coded_by_codec") or {}).get(codec) if codec is not None else None
-    cw, cr = own if own else (prices.get("coded_bandwidth"), prices.get("coded_read_bandwidth"))
-    return {"read_bandwidth": prices.get("read_bandwidth") or None,
-            "coded_bandwidth": cw or None, "coded_read_bandwidth": cr or None,
-            "factor": CODEC_METER.factor() if f is None else f}
-
-
-def leaf_codec(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict[str, Any] | None = None) -> str:
-    """The codec of a leaf under `mode` ("choose" or "auto", as `resolve_compression` gives), measured
-    on a sample of `host` (its first chunk's host bytes): `codecs.choose`'s codec, which "auto" keeps
-    only where its sample's ratio pays writing raw at `bandwidth` bytes/s, against the rest of
-    `prices` (`auto_prices`: reads, coded transfers, the codec factor; by default the same bandwidth
-    each way and this host's measured codec factor): `options.compression_pays`. (`decide_leaf`
-    gives the reasons too.)"""
-    return decide_leaf(mode, dtype, host, bandwidth, prices).codec
-
-
-def describe_compression(mode: str | None, storage: Any, codecs: dict[str, dict[int, str]],
-                         prices: dict[str, Any]) -> str:
-    """One line for `SaveStats.compression`: the setting, what it priced (`describe_prices`), the
-    leaves' codecs. E.g. ``auto (object storage at 0.50 GiB/s (default), 13 cores): 1 none, 120 planes``."""
-    if mode is None:
-        return "raw"
-    counts: dict[str, int] = {}
-    for per_item in codecs.values():
-        for c in per_item.values():
-            counts[c] = counts.get(c, 0) + 1
-    leaves = ", ".join(f"{n} {c}" for c, n in sorted(counts.items()))
-    if mode != "auto":
-        return f"{mode}: {leaves}"
-    return f"auto ({describe_prices(storage.kind, prices, _cores())}): {leaves}"
-
-
-def describe_prices(kind: str, prices: dict[str, Any], cores: int) -> str:
-    """What "auto" priced, in words: ``object storage at 0.50 GiB/s (default), 13 cores``, or
-    ``object storage at 0.14 GiB/s write, 0.74 read, coded 0.09 / 0.31 (measured), 2 cores, codecs
-    at 0.74x`` (raw writes and reads; coded ones, end to end; the codec factor)."""
-    gib = float(1 << 30)
-    w = prices["bandwidth"]
-    r = prices.get("read_bandwidth") or w
-    cw = prices.get("coded_bandwidth") or w
-    cr = prices.get("coded_read_bandwidth") or r
-    text = f"{kind} storage at {w / gib:.2f} GiB/s"
-    if abs(r - w) > 0.005 * gib:
-        text += f" write, {r / gib:.2f} read"
-    if abs(cw - w) > 0.005 * gib or abs(cr - r) > 0.005 * gib:
-        text += f", coded {cw / gib:.2f} / {cr / gib:.2f}"
-    source = prices.get("bandwidth_source")
-    text += f" ({source})" if source else ""
-    text += f", {cores} cores"
-    factor = prices.get("codec_factor", 1.0)
-    if abs(factor - 1.0) > 0.005:
-        text += f", codecs at {factor:.2f}x"
-    return text
-
-
-def choose_codecs(job: SaveJob, background: bool = False) -> tuple[dict[str, dict[int, str]], _Choosing | None]:
-    """The codec of each array leaf this process writes a chunk of, alike on every process.
-
-    A fixed codec applies to every leaf. With "choose", the writer of a leaf's
-    first cell measures `codecs.choose` on a sample of that chunk's host bytes;
-    with several processes, the others learn its choice through the coordinator
-    (a background step, with the save's timeout), before any of them writes.
-
-    With `background` and a single process, the leaves are measured on a pool of their own in the
-    order of the files that hold them, and a `_Choosing` is returned with the (still filling)
-    codecs: a file's writer waits only for its own leaves (`_Choosing.wait`), so the first files
-    are coded and written while later leaves are still measured (and, from a device, copied to
-    host). Else (None) every codec is known on return.
-    """
-    from .._tree.leaves import ArraySource
-    from .incremental import UNCHANGED
-
-    coord, me = job.coord, job.coord.process_index
-    fixed = job.compression
-    assert fixed is not None, "leaf codecs are chosen only for a compressed save"
-    out: dict[str, dict[int, str]] = {}
-    need: dict[int, list[tuple[str, int]]] = {}  # owner -> (item, leaf) this process writes and does not own
-    todo: list[tuple[dict[int, str], int, Any, Any, SaveItem]] = []  # leaves this process measures
-    for item in job.items:
-        mine = out[item.name] = {}
-        written = {leaf for leaf, _cell in item.sources}
-        for i, layout in item.layouts.items():
-            src = item.leaves[i]
-            if not isinstance(src, ArraySource):
-                continue
-            owner = layout.writer[0]
-            if fixed not in ("choose", "auto"):
-                mine[i] = fixed if i in written or owner == me else "none"
-            elif owner == me:
-                first = item.sources.get((i, 0))
-                if first is not None and first is not UNCHANGED:  # (never read by an async incremental save)
-                    mine[i] = "none"
-                    todo.append((mine, i, first, src.dtype, item))
-                else:
-                    mine[i] = "none"
-            elif i in written:
-                need.setdefault(owner, []).append((item.name, i))
-    # (No kept host copies where a save_async's snapshot budget left chunks on device: its writers bring
-    # them to host one at a time, and host memory must stay within that budget.)
-    keep = 0 if job.stats.device_copy_bytes else _keep_host_bytes()
-    if todo:  # each owned leaf measured on a sample, on every core (a state may have thousands)
-        choosing = _Choosing(job, todo, keep)
-        if background and coord.process_count == 1:
-            return out, choosing
-        choosing.close()  # every codec known before any file is written
-    if job.compression in ("choose", "auto") and coord.process_count > 1:
-        base = f"cairn/save/{job.seq}/codecs"
-        coord.publish(f"{base}/{me}", json.dumps({name: {str(i): c for i, c in m.items()}
-                                                  for name, m in out.items()}).encode())
-        for owner, wanted in need.items():
-            theirs = json.loads(fetch_from(coord, f"{base}/{owner}", job.timeout, writer=owner))
-            for name, i in wanted:
-                out[name][i] = theirs.get(name, {}).get(str(i), "none")
-    return out, None
-
-
-class _Choosing:
-    """The codecs of this process's leaves, measured on a pool of their own (`close` waits for all; with
-    `choose_codecs`' `background`, a single process's files are written meanwhile): leaves in the order
-    of the first file holding them, each leaf released to its writers (`wait`) once it has its codec.
-    Small leaves are measured in groups (`_groups`): one decision for a run of leaves alike. A
-    failure is raised to every writer waiting. The host copy a leaf was measured on replaces its
-    device chunk among the save's sources within `keep` bytes (as `choose_codecs` does), before the
-    leaf is released, so its writer never copies that chunk again; where the save's host-copy
-    pipeline (`SaveJob._pipe`) had started that chunk's transfer, the leaf is measured on it and
-    the writer takes the same transfer."""
-
-    def __init__(self, job: SaveJob, todo: list[tuple[dict[int, str], int, Any, Any, SaveItem]], keep: int):
-        self._job, self._keep = job, keep
-        self._lock = threading.Lock()
-        self._error: BaseException | None = None
-        self._ready = {(t[4].name, t[1]): threading.Event() for t in todo}
-        first_file: dict[tuple[str, int], int] = {}  # (item, leaf) -> rank of the first file holding a chunk
-        ranked = _files_in_turn(job.items)
-        for rank, (item, k) in enumerate(ranked):
-            for s in item.files[k]:
-                first_file.setdefault((item.name, s.leaf), rank)
-        todo = sorted(todo, key=lambda t: first_file.get((t[4].name, t[1]), len(ranked)))
-        groups = _groups(todo)
-        self._pool = ThreadPoolExecutor(min(_cores(), len(groups)), thread_name_prefix="cairn-choose")
-        self._futures = [self._pool.submit(self._measure, g) for g in groups]
-
-    def _measure(self, group: list[tuple[dict[int, str], int, Any, Any, SaveItem]]) -> None:
-        if self._error is not None:
-            return
-        job, pipe = self._job, self._job._pipe
-        try:
-            # The members sampled (all of a group of one); a started transfer where the pipeline has one.
-            picks = _picked(len(group))
-            firsts, peeked = [], []
-            for n in picks:
-                _, i, first, _, item = group[n]
-                got = pipe.peek((item.name, (i, 0))) if pipe is not None and (item.name, (i, 0)) in pipe else None
-                firsts.append(first if got is None else got)
-                peeked.append(got is not None)
-            dtype = group[0][3]
-            if len(group) == 1:
-                codec, host = _choose_leaf(job, firsts[0], dtype)
-                hosts = [host]
-            else:
-                codec, hosts = _choose_group(job, firsts, dtype)
-        except BaseException as e:  # every waiting writer raises it
-            with self._lock:
-                self._error = self._error or e
-                for ev in self._ready.values():
-                    ev.set()
-            return
-        with self._lock:
-            for mine, i, _, _, _ in group:
-                mine[i] = codec
-            # The host copy a sample was taken from (a device chunk's, made for this) serves the writer
-            # too: a device chunk is not copied to host twice (held within `keep` bytes until written).
-            for n, host, was_peeked in zip(picks, hosts, peeked):
-                _, i, _, _, item = group[n]
-                if host is not None and not was_peeked and host.nbytes <= self._keep:
-                    item.sources[(i, 0)] = host
-                    self._keep -= host.nbytes
-            for _, i, _, _, item in group:
-                self._ready[(item.name, i)].set()
-
-    def ready(self, item: str, leaf: int) -> bool:
-        """Whether leaf `leaf` of `item` has its codec (or measuring failed: `wait` raises)."""
-        ev = self._ready.get((item, leaf))
-        return ev is None or ev.is_set()
-
-    def wait(self, item: str, leaf: int) -> None:
-        """Return once leaf `leaf` of `item` has its codec (at once for a leaf not measured here); raise
-        what measuring raised."""
-        ev = self._ready.get((item, leaf))
-        if ev is not None:
-            ev.wait()
-        if self._error is not None:
-            raise self._error
-
-    def close(self) -> None:
-        """Wait for the measuring pool (every leaf measured, or the save failed)."""
-        self._pool.shutdown(wait=True)
-        if self._error is not None:
-            raise self._error
-
-
-#: Small leaves are measured in groups (`_groups`): a run of consecutive leaves (in the order of the
-#: files holding them, so mostly of one array, or one kind of leaf, of the pytree) whose first chunks
-#: hold at most GROUP_MAX_BYTES, of one dtype and one size class (the same power of two), up to
-#: GROUP_LEAVES of them. One decision serves the whole group, measured on GROUP_SAMPLES of its leaves
-#: spread over it (`_choose_group`). Measured one by one, 2,449 leaves of 256x256 spent ~1.1 ms each on
-#: the TPU host choosing (three encoders each, python-blosc2's fixed ~0.18 ms a call): more than coding
-#: them (issue 38). 1: every leaf measured on its own, as before.
-GROUP_MAX_BYTES = 1 << 20
-GROUP_LEAVES = 64
-GROUP_SAMPLES = 4
-
-
-def _groups(todo: list[Any]) -> list[list[Any]]:
-    """`todo` (`_Choosing`'s leaves, in order) cut into the groups measured together: runs of small leaves
-    alike (`GROUP_MAX_BYTES`), each other leaf alone."""
-    out: list[list[Any]] = []
-    run_key: Any = None
-    for t in todo:
-        n = _first_bytes(t[2])
-        key = (np.dtype(t[3]), n.bit_length()) if GROUP_LEAVES > 1 and 0 < n <= GROUP_MAX_BYTES else None
-        if key is not None and key == run_key and len(out[-1]) < GROUP_LEAVES:
-            out[-1].append(t)
-        else:
-            out.append([t])
-        run_key = key
-    return out
-
-
-def _first_bytes(first: Any) -> int:
-    try:
-        return sum(int(p.nbytes) for p in first.parts) if type(first) is Concat else int(first.nbytes)
-    except (AttributeError, TypeError):
-        return 0
-
-
-def _picked(n: int) -> list[int]:
-    """Which of a group's `n` leaves are sampled: GROUP_SAMPLES of them spread evenly, first and last included."""
-    m = min(n, max(1, GROUP_SAMPLES))
-    return sorted({round(j * (n - 1) / max(1, m - 1)) for j in range(m)})
-
-
-def _choose_group(job: SaveJob, firsts: list[Any], dtype: Any) -> tuple[str, list[np.ndarray | None]]:
-    """The codec of a group of small leaves (`_groups`), decided once as `_choose_leaf` decides one leaf's,
-    on the first chunks `firsts` of its sampled leaves laid end to end (`decide_leaf` then samples that
-    run in pieces spread over it, so over the sampled leaves); the host copies made, as `_choose_leaf`'s."""
-    sampled = [_sample_host(job, first) for first in firsts]
-    assert job.compression is not None
-    prices = job.priced()
-    joined = np.concatenate([np.ascontiguousarray(h).reshape(-1) for h, _ in sampled])
-    return leaf_codec(job.compression, dtype, joined, prices["bandwidth"], prices), [made for _, made in sampled]
-
-
-def _choose_leaf(job: SaveJob, first: Any, dtype: Any) -> tuple[str, np.ndarray | None]:
-    """The codec of a leaf whose first chunk is `first`, and that chunk's host copy where measuring
-    made one (a device chunk's, which the writer can use instead of copying it again), else None."""
-    host, made = _sample_host(job, first)
-    assert job.compression is not None
-    prices = job.priced()
-    return leaf_codec(job.compression, dtype, host, prices["bandwidth"], prices), made
-
-
-def _sample_host(job: SaveJob, first: Any) -> tuple[np.ndarray, np.ndarray | None]:
-    """The host bytes a leaf whose first chunk is `first` is measured on (a merged chunk's first
-    piece), and that host copy again where it is a fresh copy of the whole chunk from an accelerator
-    (which the writer can use instead of copying the chunk again), else None."""
-    whole = type(first) is not Concat
-    part = first if whole else first.parts[0]
-    host = job._host(part)
-    return host, (host if whole and type(part) is not np.ndarray and _fresh_copy(part) else None)
-
-
-def _fresh_copy(src: Any) -> bool:
-    """Whether `SaveJob._host` of `src` copies it from an accelerator (not a view of host memory)."""
-    from .._tree.shardings import on_cpu
-
-    try:
-        return not on_cpu(src) and getattr(src.sharding, "memory_kind", None) not in ("pinned_host", "unpinned_host")
-    except AttributeError:
-        return False
-
-
-#: Host copies made while choosing codecs that a blocking save keeps for its writers: at most this
-#: share of the host's physical memory (a save_async's snapshot holds its chunks on host already).
-KEEP_HOST_SHARE = 0.25
-
-
-def _keep_host_bytes() -> int:
-    try:
-        return int(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") * KEEP_HOST_SHARE)
-    except (ValueError, OSError, AttributeError):
-        return 1 << 30
 
 
 def _bytes_of(arr: np.ndarray) -> memoryview:
@@ -1325,19 +920,6 @@ def prepare(
             job.inc.block = block_size
     job.stats.blocking_s = time.perf_counter() - t0
     return job
-
-
-def auto_prices(storage: Any) -> dict[str, Any]:
-    """What "auto" prices leaves with on this process, as `SaveJob`'s fields: the storage's
-    bandwidth each way, where it came from, and the codec factor (`options.CodecMeter`)."""
-    return {"bandwidth": bandwidth_of(storage), "read_bandwidth": bandwidth_of(storage, "read"),
-            "coded_bandwidth": bandwidth_of(storage, "write", coded=True),
-            "coded_read_bandwidth": bandwidth_of(storage, "read", coded=True),
-            # each codec's own coded figures, write and read (`_storage.measured`: an end-to-end figure of
-            # one codec says little of another's)
-            "coded_by_codec": {c: [bandwidth_of(storage, "write", True, c), bandwidth_of(storage, "read", True, c)]
-                               for c in CODEC_SPEEDS},
-            "codec_factor": CODEC_METER.factor(), "bandwidth_source": bandwidth_source(storage)}
 
 
 def _agree_token(loc: Location, strategy: CommitStrategy, coord: Coordinator, seq: int, overwrite: bool,

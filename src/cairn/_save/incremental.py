@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from .._codecs import codecs as _codecs
-from .._core.checksum import crc32c
+from .._core.checksum import block_crc, crc32c
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import manifest as fmt
 from .._format.blocks import (
@@ -764,7 +764,7 @@ def _run(raw: memoryview, base: list[_Base] | None, block: int, codec: str, dtyp
                 continue
         if ctx is None:  # no delta to try: coded and checksummed now, while the hash left it in the cache
             coded: Any = piece if codec == "none" else _codecs.encode(codec, piece, dtype)
-            out.append((h, coded, len(coded), crc32c(coded)))
+            out.append((h, coded, len(coded), block_crc(coded)))
             continue
         out.append((h, None, 0, 0))
         changed.append(k)
@@ -781,13 +781,13 @@ def _run(raw: memoryview, base: list[_Base] | None, block: int, codec: str, dtyp
                     own = len(enc)
                 if len(delta.data) <= DELTA_GAIN * own:
                     ctx.state["try"] = True
-                    out[k] = (out[k][0], delta, len(delta.data), crc32c(delta.data))
+                    out[k] = (out[k][0], delta, len(delta.data), block_crc(delta.data))
                     continue
             if "try" not in ctx.state:  # the chunk's sample did not pay: its other blocks are stored as themselves
                 ctx.state["try"] = False
         if enc is None:
             enc = piece if codec == "none" else _codecs.encode(codec, piece, dtype)
-        out[k] = (out[k][0], enc, len(enc), crc32c(enc))
+        out[k] = (out[k][0], enc, len(enc), block_crc(enc))
     return out
 
 

@@ -87,8 +87,8 @@ class StreamWriter:
     def __init__(self, loc: Location, block_size: int, compression: str | None = None, overwrite: bool = False,
                  pool: Any = None):
         """`compression`: None (raw blocks), "choose" (a codec per array leaf, measured), "auto" (the same,
-        where it pays: `engine.leaf_codec`) or a codec name,
-        as `_save.engine.resolve_compression` gives; `pool` codes blocks in parallel."""
+        where it pays: `codecpolicy.leaf_codec`) or a codec name,
+        as `codecpolicy.resolve_compression` gives; `pool` codes blocks in parallel."""
         self.strategy = strategy_for(loc.storage)
         self.strategy.check_destination(loc, overwrite=overwrite)
         self.loc, self.block, self.compression, self.overwrite, self.pool = (loc, block_size, compression, overwrite,
@@ -180,15 +180,9 @@ class StreamWriter:
 
     def _codec(self, kind: str, dtype: np.dtype, first: np.ndarray) -> str:
         """A leaf's codec, from the writer's setting and (for "choose") its first slab's bytes."""
-        if self.compression is None or kind != "array":
-            return "none"
-        if self.compression not in ("choose", "auto"):
-            return self.compression
-        from .._storage.base import bandwidth_of
-        from .engine import leaf_codec
+        from .codecpolicy import stream_codec
 
-        n = first.nbytes - first.nbytes % dtype.itemsize
-        return leaf_codec(self.compression, dtype, first[:n].view(dtype), bandwidth_of(self.loc.storage))
+        return stream_codec(self.compression, kind, dtype, first, self.loc.storage)
 
     def commit(self, root: bool, metadata: dict[str, Any], process_count: int = 1) -> None:
         """Put the manifest; `process_count`: the processes that saved the source (a copy keeps it)."""
