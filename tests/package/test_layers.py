@@ -55,17 +55,18 @@ ROOMS: dict[str, int] = {
     "cairn._format": 4,  # pure: the on-disk format
     "cairn._codecs": 5,  # the per-block codecs as code, and the native C-Blosc2 library loaded by ctypes
     "cairn._plan": 6,  # pure: chunks, grids, reads
-    "cairn._tree": 7,  # the user's state: pytrees, leaves, per-process values, shardings
-    "cairn._save": 8,
-    "cairn._load": 9,
-    "cairn._sources": 10,  # checkpoints opened for reading: detection, other formats, transforms, verify, dry run
-    "cairn._exports": 11,  # one checkpoint written from another: cp, mv, convert, exports to other formats
-    "cairn._run": 12,  # a run's directory: steps, retention, leases
-    "cairn._local": 13,  # the local tier
-    "cairn._manager": 14,
-    "cairn._cli": 15,
-    "cairn._api": 16,  # the public functions on paths
-    "cairn": 17,  # the public surface: re-exports only
+    "cairn._read": 7,  # a committed checkpoint's manifest and indexes, and its siblings: below save and load
+    "cairn._tree": 8,  # the user's state: pytrees, leaves, per-process values, shardings
+    "cairn._save": 9,
+    "cairn._load": 10,
+    "cairn._sources": 11,  # checkpoints opened for reading: detection, other formats, transforms, verify, dry run
+    "cairn._exports": 12,  # one checkpoint written from another: cp, mv, convert, exports to other formats
+    "cairn._run": 13,  # a run's directory: steps, retention, leases
+    "cairn._local": 14,  # the local tier
+    "cairn._manager": 15,
+    "cairn._cli": 16,
+    "cairn._api": 17,  # the public functions on paths
+    "cairn": 18,  # the public surface: re-exports only
 }
 ROOT_MODULES = {"cairn", "cairn._api", "cairn._errors", "cairn._version"}
 
@@ -564,6 +565,7 @@ TEST_FOLDERS: dict[str, str] = {
     "format": "cairn._format",
     "codecs": "cairn._codecs",
     "plan": "cairn._plan",
+    "read": "cairn._read",
     "tree": "cairn._tree",
     "save": "cairn._save",
     "load": "cairn._load",

@@ -1145,14 +1145,14 @@ def test_an_async_save_copies_an_unchanged_jax_array_where_its_base_cannot_show_
     assert np.asarray(cairn.load(tmp_path / "s2")["w"]).tobytes() == want
     # A base not committed when the snapshot runs (a save in flight, here a name nothing is saved at
     # yet, with a manager's fallback) decides nothing: the array is copied.
+    from cairn._read.metadata import base_beside
     from cairn._save import future as _async
-    from cairn._save.incremental import sibling
     from cairn._storage.location import resolve
 
     c = jax.numpy.asarray(_bf16(37))
     _hashed(tmp_path / "s3", {"w": c})
     loc = resolve(str(tmp_path / "s4"))
-    f = _async.save_async(loc, {"w": c}, incremental={"base": sibling(loc, tmp_path / "nothing"), "hashes": True,
+    f = _async.save_async(loc, {"w": c}, incremental={"base": base_beside(loc, tmp_path / "nothing"), "hashes": True,
                                                       "base_required": False})
     assert f.stats.snapshot_bytes == c.nbytes
     f.result(timeout=60)
@@ -1198,8 +1198,8 @@ def test_an_async_save_against_a_base_still_being_saved_copies_and_reads_nothing
     import threading
 
     reads: list[str] = []  # the threads that read the base's manifest
-    real = inc._manifest_bytes
-    monkeypatch.setattr(inc, "_manifest_bytes", lambda loc: reads.append(threading.current_thread().name) or real(loc))
+    real = inc.stored_manifest
+    monkeypatch.setattr(inc, "stored_manifest", lambda loc: reads.append(threading.current_thread().name) or real(loc))
     f = cairn.save_async(tmp_path / "s1", {"w": a}, base=tmp_path / "s0")
     assert f.stats.snapshot_bytes == a.nbytes
     assert f.result(timeout=60).bytes_written == 0  # the job reads the base and refers to it

@@ -58,9 +58,9 @@ from .._format.partfile import (
     decode_part,
     part_bytes,
 )
-from .._load.metadata import index_bytes, manifest_bytes, parse_index, read_manifest
 from .._load.reader import DEFAULT_BUDGET
 from .._load.source import CairnSource
+from .._read.metadata import index_bytes, manifest_bytes, parse_index, read_manifest, sibling
 from .._save.commit import CommitStrategy, refuse_replacing_a_base, strategy_for
 from .._save.options import SaveOptions
 from .._sources.verify import describe_chunk
@@ -529,12 +529,6 @@ def one_run() -> Iterator[None]:
         _settled.reset(token)
 
 
-def _sibling(loc: Location, name: str) -> Location:
-    """The checkpoint `name` beside `loc` (same folder or prefix), as references name it (§6.5)."""
-    head, sep, _ = loc.path.rstrip("/").rpartition("/")
-    return Location(loc.storage, name, f"{head}{sep}{name}" if sep else name)
-
-
 def _chain(s: Location, d: Location) -> list[tuple[Location, Location]]:
     """Every base checkpoint `s` refers to, directly or through its bases, as (source, destination) pairs
     in an order that puts each base before the checkpoints that refer to it. Checkpoints already where
@@ -549,7 +543,7 @@ def _chain(s: Location, d: Location) -> list[tuple[Location, Location]]:
             raise CorruptCheckpointError(f"{referrer.path}: its bases refer to each other in a cycle "
                                          f"through {name!r}")
         state[name] = 1
-        here = _sibling(s, name)
+        here = sibling(s, name)
         try:
             bases = read_manifest(here).bases
         except CheckpointNotFoundError:
@@ -568,7 +562,7 @@ def _chain(s: Location, d: Location) -> list[tuple[Location, Location]]:
         raise CheckpointError(f"{d.path}: {s.path} refers to a base checkpoint of that name "
                               f"({d.name!r}): a copy with its references needs it beside the copy")
     same_folder = s.storage.url == d.storage.url
-    return [(_sibling(s, n), _sibling(d, n)) for n in order if not same_folder]
+    return [(sibling(s, n), sibling(d, n)) for n in order if not same_folder]
 
 
 def _copy_as_is(s: Location, d: Location, overwrite: bool, move: bool, verify: bool, budget_bytes: int,

@@ -27,9 +27,9 @@ from .._core.stats import Progress
 from .._errors import CheckpointError, UnsupportedTypeError
 from .._format import manifest as fmt
 from .._format import values
-from .._load.metadata import Opened
 from .._load.reader import DEFAULT_BUDGET, ChunkReader, iter_array, make_reader, slab_bytes
 from .._load.source import open_checkpoint
+from .._read.metadata import Opened
 from .._storage import staged_file
 from .._storage.location import resolve
 from .._tree.pytree import display_path, unescape_key

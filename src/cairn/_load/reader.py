@@ -45,6 +45,7 @@ from .._plan.leafreads import (
 )
 from .._plan.readmemo import PlanMemo
 from .._plan.reads import Read, is_c_contiguous
+from .._read.metadata import Opened
 from .._storage import PartReader, RandomReader
 from .._storage.location import Location
 from .._tree.pytree import display_path
@@ -53,7 +54,6 @@ from .decodepool import pieces, prefault_thread, share, spread
 from .landing import MAX_PARTS, MIN_RUN, coded_lands, direct_bytes, lands_in_place, split_coded
 from .landing import region as _region
 from .landing import scratch as _scratch
-from .metadata import Opened
 from .plan import array_reads
 
 DEFAULT_BUDGET = 256 << 20  # the memory budget of a streaming conversion, by default

@@ -80,7 +80,8 @@ from .._format.blocks import (
     uint_of,
 )
 from .._format.partfile import OWN, SOURCE
-from .._storage.location import Location, ranges_reader, resolve
+from .._read.metadata import parse_manifest, read_index, stored_manifest
+from .._storage.location import Location
 from .._tree.leaves import ArraySource
 from . import basecache
 from .assign import Concat, SaveItem
@@ -340,13 +341,13 @@ class Incremental:
         """The base's manifest (None: nothing committed there), and in `kept` what this process's commit of
         it wrote, where the manifest there now is the one that commit wrote (`basecache`)."""
         assert self.base is not None
-        got = _manifest_bytes(self.base)
+        got = stored_manifest(self.base)
         if got is None:
             return None
         self.kept = basecache.lookup(self.base, got)
         if self.kept is not None and "" in self.kept.parsed:
             return self.kept.parsed[""]  # (parsed from these very bytes when the commit was kept)
-        return _parse_manifest(self.base, got)
+        return parse_manifest(self.base, got)
 
     def _open(self, manifest: fmt.Manifest, items: list[SaveItem], where: str) -> None:
         assert self.base is not None
@@ -363,7 +364,7 @@ class Incremental:
             info = manifest.items.get(item.name)
             if info is None:
                 continue
-            index = _read_index(self.base, info, self.kept)
+            index = read_index(self.base, info, self.kept)
             self.dirs[item.name] = info.dir
             if index.block_size != self.block or index.table is None:
                 continue
@@ -883,60 +884,9 @@ def _changed(xor: np.ndarray, k: int) -> np.ndarray:
     return np.flatnonzero(xor.view(uint_of(k)) != 0)
 
 
-def _manifest_bytes(loc: Location) -> bytes | None:
-    key = loc.key(fmt.MANIFEST)
-    try:
-        return loc.storage.read(key)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
-def read_manifest(loc: Location) -> fmt.Manifest | None:
-    """A checkpoint's manifest (a base's; `commit.referrers` reads its siblings'), None when nothing is
-    committed there. (The load room's readers sit above this one: this and `_read_index` are their
-    minimal twins, with the same parsers and limits.)"""
-    data = _manifest_bytes(loc)
-    return None if data is None else _parse_manifest(loc, data)
-
-
-def _parse_manifest(loc: Location, data: bytes) -> fmt.Manifest:
-    return fmt.Manifest.from_json(data, loc.storage.describe(loc.key(fmt.MANIFEST)))
-
-
-def _read_index(loc: Location, info: fmt.ItemInfo, kept: basecache.Kept | None = None) -> fmt.ItemIndex:
-    """The base's index of one item, its binary parts read in ranges on demand: from `kept` (what this
-    process's commit of the base wrote, `basecache`) where given, else from storage."""
-    key, rel = loc.key(info.dir, info.index), f"{info.dir}/{info.index}"
-    if kept is not None and rel in kept.parsed:
-        return kept.parsed[rel]  # (parsed, every record decoded, when it was kept)
-    data = kept.files.get(rel) if kept is not None else None
-    if data is None:
-        kept = None
-        try:
-            data = loc.storage.read(key)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise CorruptCheckpointError(f"{loc.path}: the index {key!r} named by the manifest is missing") from None
-    index = fmt.ItemIndex.from_json(data, loc.storage.describe(key))
-
-    if index.table is not None:
-        index.table.reader = kept.ranges(loc, info.dir) if kept is not None else ranges_reader(loc, info.dir)
-    return index
-
-
 def setup(loc: Location, base: Location | None, hashes: bool, required: bool) -> Incremental | None:
-    """The incremental state of a save at `loc`: against `base` (a sibling's `Location`, `sibling`),
+    """The incremental state of a save at `loc`: against `base` (a sibling's `Location`, `_read.metadata.base_beside`),
     or, with `hashes`, self-contained with block hashes; None for a plain save."""
     if base is None:
         return Incremental(loc, None, False) if hashes else None
     return Incremental(loc, base, required)
-
-
-def sibling(loc: Location, base: Any, storage_options: dict | None = None) -> Location:
-    """`base` (a path) as the `Location` of a checkpoint in the same folder or prefix as `loc`."""
-    base_loc = resolve(base, storage_options)
-    if getattr(base_loc.storage, "url", None) != getattr(loc.storage, "url", object()):
-        raise ValueError(f"{loc.path}: the base {str(base)!r} must be in the same folder or prefix as the "
-                         "checkpoint: references name it relative to the checkpoint")
-    if base_loc.name == loc.name:
-        raise ValueError(f"{loc.path}: a checkpoint cannot be its own base")
-    return Location(loc.storage, base_loc.name, base_loc.path)

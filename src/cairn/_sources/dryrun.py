@@ -31,15 +31,15 @@ from .._format import manifest as fmt
 from .._load import engine as _load
 from .._load import plan as _plan
 from .._load.blocks import own_blocks
-from .._load.metadata import read_index, read_manifest
 from .._load.options import LoadOptions
 from .._load.readonce import MAX_READ, ProcessOf, Route, bandwidths_for, storage_kind, stored_nbytes
 from .._load.schedule import schedule
 from .._load.source import checkpointables
 from .._plan.routes import Bandwidths, resolve_bandwidths
+from .._read.metadata import read_index, read_manifest, sibling
 from .._sources import registry as _sources
 from .._sources.registry import Rename
-from .._storage.location import Location, resolve
+from .._storage.location import resolve
 from .._tree.perprocess import LoadView, leaf_numbers
 from .._tree.pytree import display_path
 
@@ -398,8 +398,7 @@ def _base_blocks(loc: Any, name: str, index: fmt.ItemIndex) -> Any:
     def base_index(base: str) -> tuple[fmt.ItemIndex, dict[Any, int]]:
         got = opened.get(base)
         if got is None:
-            head, sep, _ = loc.path.rstrip("/").rpartition("/")
-            there = Location(loc.storage, base, f"{head}{sep}{base}" if sep else base)
+            there = sibling(loc, base)
             try:
                 bidx = read_index(there, read_manifest(there).items[name])
             except (CheckpointError, KeyError) as e:

@@ -29,9 +29,9 @@ from .._core.checksum import BlockChecks, crc32c, mismatch
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import manifest as fmt
 from .._format import values
-from .._load.metadata import read_index
 from .._load.reader import make_reader, read_box, slab_boxes, slab_bytes
 from .._load.source import CairnSource
+from .._read.metadata import read_index
 from .._storage.location import Location, resolve
 from .._tree.pytree import display_path
 from .base import FormatSource
