@@ -25,7 +25,7 @@ import cairn
 from cairn._codecs import codecs as _codecs
 from cairn._format import manifest as fmt
 from cairn._load.source import open_checkpoint
-from cairn._save import codecpolicy
+from cairn._save import codecpolicy, pipeline
 
 BLOCK = 4096
 def fast(dtype=ml_dtypes.bfloat16) -> str:
@@ -816,7 +816,6 @@ def test_coded_buffers_are_lent_again_only_once_written(tmp_path, monkeypatch, h
     held, and the checkpoint loads back bit for bit."""
     from cairn._core import buffers
     from cairn._load import engine as load_engine
-    from cairn._save import engine
     from cairn._storage.local import LocalStorage
 
     monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 4)  # a coder pool, whatever the test host has
@@ -825,7 +824,7 @@ def test_coded_buffers_are_lent_again_only_once_written(tmp_path, monkeypatch, h
     # Tasks of about a block's bytes (1 MiB), a dozen in the one data file (threads=1): the writer is done
     # with task k before task k + 6 is submitted (`_in_order`'s window: 4 coders and one), so reuse is
     # certain when written as coded, whatever the threads' timing.
-    monkeypatch.setattr(engine, "RUN_BLOCKS", 1)
+    monkeypatch.setattr(pipeline, "RUN_BLOCKS", 1)
     state = {"params": {f"w{i}": trained((256, 256), ml_dtypes.bfloat16 if i % 2 else np.float32, seed=i)
                         for i in range(64)}}
     pool = buffers.SlabPool()
@@ -839,7 +838,7 @@ def test_coded_buffers_are_lent_again_only_once_written(tmp_path, monkeypatch, h
         monkeypatch.setattr(LocalStorage, "write", write_at_the_end)
     files = {}
     for n, lend in enumerate((False, True, True)):
-        monkeypatch.setattr(engine, "LEND_CODED_BUFFERS", lend)
+        monkeypatch.setattr(pipeline, "LEND_CODED_BUFFERS", lend)
         path = tmp_path / f"c{n}"
         cairn.save(path, state, compression=True, threads=1)
         files[n] = sorted(p.read_bytes() for p in (path / "params").glob("*.bin"))

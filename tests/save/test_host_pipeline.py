@@ -20,6 +20,7 @@ import pytest
 
 import cairn
 from cairn._save import codecpolicy, engine
+from cairn._save import pipeline as block_pipeline
 from cairn._save.snapshot import HostPipeline
 
 
@@ -281,7 +282,7 @@ def test_a_leaf_is_coded_while_a_later_leaf_of_its_file_is_still_measured(tmp_pa
     monkeypatch.setattr(codecpolicy, "GROUP_LEAVES", 1)
     coded_a = threading.Event()
     seen: list[bool] = []
-    code, choose = engine._code_task, codecpolicy._choose_leaf
+    code, choose = block_pipeline.code_task, codecpolicy._choose_leaf
 
     def code_task(task, *args):
         coded_a.set()  # "b" is not measured yet, so whatever is coded first is "a"'s
@@ -292,7 +293,7 @@ def test_a_leaf_is_coded_while_a_later_leaf_of_its_file_is_still_measured(tmp_pa
             seen.append(coded_a.wait(timeout=30))
         return choose(job, first, dtype)
 
-    monkeypatch.setattr(engine, "_code_task", code_task)
+    monkeypatch.setattr(block_pipeline, "code_task", code_task)
     monkeypatch.setattr(codecpolicy, "_choose_leaf", choose_leaf)
     state = {"a": trained((128, 128)), "b": trained((128, 96), seed=1)}
     cairn.save(tmp_path / "c", {"params": state}, compression=True)

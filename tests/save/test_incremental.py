@@ -1301,7 +1301,6 @@ def test_chunks_the_base_found_unchanged_too_queue_behind_the_others(tmp_path, m
     """A chunk whose base chunk refers further back for every block (a frozen leaf) is hashed with a lower
     priority on the save's coder pool than a chunk that changed last time (`incremental.FROZEN_LAST`), so
     that the changed leaves' files are written and flushed first; the steps still load bitwise."""
-    from cairn._save import engine
 
     rng = np.random.default_rng(43)
     frozen = {f"f{i}": rng.standard_normal((2048, 1024)).astype(np.float32) for i in range(3)}  # 8 MiB each
@@ -1310,14 +1309,16 @@ def test_chunks_the_base_found_unchanged_too_queue_behind_the_others(tmp_path, m
     state["p"]["head"] = state["p"]["head"] + 1
     cairn.save(tmp_path / "s1", state, base=tmp_path / "s0", compression=False)  # frozen: refs into s0
     seen: list[tuple[int, np.ndarray]] = []
-    submit = engine.CodePool.submit
+    from cairn._save import pipeline
+
+    submit = pipeline.CodePool.submit
 
     def recording(self, fn, /, *args, priority=0):
         if getattr(fn, "__name__", "") == "_run":
             seen.append((priority, np.frombuffer(args[0], np.uint8)))  # (a view of the leaf's own memory)
         return submit(self, fn, *args, priority=priority)
 
-    monkeypatch.setattr(engine.CodePool, "submit", recording)
+    monkeypatch.setattr(pipeline.CodePool, "submit", recording)
     state["p"]["head"] = state["p"]["head"] + 1
     cairn.save(tmp_path / "s2", state, base=tmp_path / "s1", compression=False)
     by_leaf: dict[str, set[int]] = {}

@@ -371,7 +371,7 @@ def _encode_blosc2_direct(direct: blosc2lib.Direct, runs: list[tuple[str, np.nda
     """`_encode_blosc2_runs` through `blosc2lib`: every chunk of the batch coded by C-Blosc2 straight into
     one buffer (from `alloc`) with room for each block's worst case, each block a memoryview of it. Per
     block the GIL is held only for the call (no context made, no bytes allocated or copied), and the
-    chunks lie back to back, so a writer writes the batch with one call (`engine._places`)."""
+    chunks lie back to back, so a writer writes the batch with one call (`_save.pipeline.places`)."""
     srcs = [np.ascontiguousarray(u8) for _, u8, _, _ in runs]
     room = sum(u8.nbytes + -(-u8.nbytes // block) * blosc2lib.MAX_OVERHEAD for u8, (_, _, block, _) in zip(srcs, runs))
     buf = np.empty(room, np.uint8) if alloc is None else alloc(room)

@@ -88,7 +88,7 @@ from .assign import Concat, SaveItem
 
 #: Blocks per hashing task: a task hashes (and, where changed, codes and checksums) this many blocks.
 RUN_BLOCKS = 4
-SMALL = 64 << 10  # own blocks up to this size join the writer's batch (`engine.SMALL_CHUNK`)
+SMALL = 64 << 10  # own blocks up to this size join the writer's batch (`pipeline.SMALL_CHUNK`)
 BATCH = 4 << 20
 #: Own raw blocks next to each other in a chunk go to the storage as one buffer, up to this many bytes (a
 #: view of the chunk's bytes, no copy), as a plain save gives it a chunk: one buffer per 1 MiB block cost

@@ -112,7 +112,7 @@ class StreamWriter:
         offset = 0
 
         def parts() -> Iterator[Any]:
-            from .engine import _encoded
+            from .pipeline import encoded
 
             nonlocal offset
             for i, leaf in enumerate(leaves):
@@ -135,7 +135,7 @@ class StreamWriter:
                             offset += len(buf)
                             yield as_view(buf)
                         else:
-                            for stored, crc in _encoded(self.pool, codec, buf.data, self.block, src.dtype):
+                            for stored, crc in encoded(self.pool, codec, buf.data, self.block, src.dtype):
                                 crcs.append(crc)
                                 sizes.append(len(stored))
                                 offset += len(stored)
