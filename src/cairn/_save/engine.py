@@ -19,6 +19,7 @@ import logging
 import secrets
 import threading
 import time
+from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +49,7 @@ from .._format import manifest as fmt
 from .._plan.chunking import FileSlot
 from .._storage.location import Location
 from .._storage.measured import TransferClock, main_codec, record, sample_of
-from .._tree.leaves import classify
+from .._tree.leaves import ArraySource, classify
 from .._tree.perprocess import HostValues, is_per_process
 from .._tree.pytree import display_path, flatten
 from .._version import __version__
@@ -168,156 +169,11 @@ class SaveJob:
         return max([self.version, *(fmt.NEWER_BLOCKS_VERSION if v is True else int(v or 0) for v in said)])
 
     def _write_file(self, item: SaveItem, k: int, slots: list[FileSlot], crc_pool: ThreadPoolExecutor,
-                    code_pool: pipeline.CodePool | None = None, order: int = 0):
-        # `order`: this file's rank among the save's files (its coding tasks go before later files').
-        # Codecs chosen in the background: each slot waits for its own leaf's (`_Choosing.wait`), so a file
-        # is coded and written from its first chunk on while its later leaves are still measured.
-        choosing = self._choosing
-        # Per chunk, in slot order: its CRC (one block), or a list of its block CRCs or their futures.
-        # Plain ints where possible: a state of thousands of small leaves makes one per chunk, and
-        # objects the garbage collector tracks make it run full collections during the save.
-        crcs: list[Any] = []
-        block = self.block_size
-        leaf_codecs = self.codecs.get(item.name, {})
-        # Compressed chunks: where each lands (stored sizes shift the chunks after it) and its blocks' sizes.
-        moved: dict[int, int] = {}
-        stored: dict[int, tuple[int, ...]] = {}
-
-        def host_raw(slot: FileSlot, src: Any) -> memoryview:
-            if type(src) is Concat:
-                raw = memoryview(b"".join(pipeline.bytes_of(self._host(p)) for p in src.parts))
-            else:
-                raw = pipeline.bytes_of(self._host(src))
-            if len(raw) != slot.nbytes:
-                raise CheckpointError(
-                    f"{self.loc.path}: chunk {slot.cell} of "
-                    f"{display_path(item.leaves[slot.leaf].path, item.name)!r} has {len(raw)} bytes, "
-                    f"planned {slot.nbytes}")
-            return raw
-
-        def code_tasks() -> Any:
-            # The compressed chunks' host bytes, in slot order, as coding tasks (`pipeline.code_task`): a large
-            # chunk in runs of `pipeline.RUN_BLOCKS` blocks, small ones together up to a run's bytes (one task
-            # codes many small leaves). (pop: a device copy made by `snapshot` is freed once its host
-            # bytes exist.)
-            group: list[tuple[int, bool, tuple[Any, ...]]] = []
-            size, run = 0, block * pipeline.RUN_BLOCKS
-            for n_slot, slot in enumerate(slots):
-                if choosing is not None:
-                    if group and not choosing.ready(item.name, slot.leaf):
-                        yield group  # code what is here while this leaf is still measured
-                        group, size = [], 0
-                    choosing.wait(item.name, slot.leaf)
-                codec = leaf_codecs.get(slot.leaf, "none")
-                if codec == "none":
-                    continue
-                raw = host_raw(slot, self._take(item, (slot.leaf, slot.cell)))
-                dtype = item.leaves[slot.leaf].dtype  # type: ignore[union-attr]  # slots are arrays
-                if len(raw) > run:
-                    if group:
-                        yield group
-                        group, size = [], 0
-                    for o in range(0, len(raw), run):
-                        yield [(n_slot, o + run >= len(raw), (codec, raw[o:o + run], block, dtype))]
-                    continue
-                group.append((n_slot, True, (codec, raw, block, dtype)))
-                size += len(raw)
-                if size >= run:
-                    yield group
-                    group, size = [], 0
-            if group:
-                yield group
-
-        # (An incremental save codes the blocks it writes itself: `incremental.write_chunk`.)
-        coded = (pipeline.in_order(code_pool, self._timed_code_task, code_tasks(), order) if leaf_codecs and self.inc is None
-                 else iter(()))
-        done: collections.deque[tuple[int, bool, list[Any], list[int], list[Any]]] = collections.deque()
-
-        def blocks_of(n_slot: int) -> Any:
-            """(stored block, its CRC-32C, its place) of compressed slot `n_slot`, as its coding tasks finish."""
-            while True:
-                if not done:
-                    done.extend(next(coded))
-                got, last, blocks, block_crcs_, places = done.popleft()
-                assert got == n_slot, (got, n_slot)
-                yield from zip(blocks, block_crcs_, places)
-                if last:
-                    return
-
-        def parts():
-            batch = pipeline.Batch()
-            pop = item.sources.pop
-            shift = 0  # stored bytes minus raw bytes of the compressed chunks so far
-            for n_slot, slot in enumerate(slots):
-                if choosing is not None:
-                    choosing.wait(item.name, slot.leaf)
-                codec = leaf_codecs.get(slot.leaf, "none")
-                if shift:
-                    moved[n_slot] = slot.offset + shift
-                if self.inc is not None:  # incremental (format 4): hashes, references (`incremental`)
-                    assert batch._span is None  # (it writes `batch.buf` itself; nothing placed is held)
-                    # (lazily: a chunk of an array the base holds unchanged is not read: `write_chunk`)
-                    raw = functools.partial(host_raw, slot, pop((slot.leaf, slot.cell)))
-                    batch.buf, sizes_, crcs_, own = yield from self.inc.write_chunk(
-                        item, slot.leaf, slot.cell, raw, codec, getattr(item.leaves[slot.leaf], "dtype", None),
-                        code_pool, batch.buf)
-                    del raw
-                    stored[n_slot] = sizes_
-                    crcs.append(crcs_)
-                    shift += own - slot.nbytes
-                    activity.advance()
-                    continue
-                if codec != "none":
-                    sizes, stored_crcs = [], []
-                    for enc, crc, at in blocks_of(n_slot):
-                        sizes.append(len(enc))
-                        stored_crcs.append(crc)  # a stored block's check record
-                        yield from batch.add(enc, at)
-                    stored[n_slot] = tuple(sizes)
-                    crcs.append(stored_crcs)
-                    shift += sum(sizes) - slot.nbytes
-                    activity.advance()
-                    continue
-                # pop: a device copy made by `snapshot` is freed once its host bytes exist.
-                src = self._take(item, (slot.leaf, slot.cell))
-                if type(src) is Concat:  # a merged chunk: its pieces' bytes, one after another
-                    mvs = [pipeline.bytes_of(self._host(p)) for p in src.parts]
-                    n = sum(len(m) for m in mvs)
-                    if n == slot.nbytes:
-                        crcs.append(block_crcs(mvs, block))
-                        for m in mvs:
-                            yield from batch.add(m)
-                        del mvs
-                        activity.advance()
-                        continue
-                    mv = memoryview(b"".join(mvs))
-                else:
-                    mv = pipeline.bytes_of(self._host(src))
-                n = len(mv)
-                if n != slot.nbytes:
-                    raise CheckpointError(
-                        f"{self.loc.path}: chunk {slot.cell} of {display_path(item.leaves[slot.leaf].path, item.name)!r} "
-                        f"has {n} bytes, planned {slot.nbytes}"
-                    )
-                if n <= pipeline.SMALL_CHUNK:
-                    # A small chunk costs more in a thread hand-off and a write of its own than in
-                    # its bytes: checksum it here, and write it together with its neighbours.
-                    crcs.append(block_crcs(mv, block))
-                    if (yield from batch.add(mv)):  # copied now, so the host view is released at once
-                        activity.advance()  # storage took more: peers waiting for us see progress
-                    del mv
-                    continue
-                crcs.append([crc_pool.submit(pipeline.block_crc, mv[o : o + block]) for o in range(0, n, block)])
-                yield from batch.add(mv)
-                activity.advance()
-            yield from batch.rest()
-
-        key = self.data_key(item, k)
-        # (incremental: a file of references only is not written at all, `write_if_any`)
-        write = self.loc.storage.write if self.inc is None else functools.partial(write_if_any, self.loc.storage.write)
-        size = self.transfers.transfer(write, key, parts())  # timed for `_measure`
-        out = key, size, [(c,) if type(c) is int else tuple(x if type(x) is int else x.result() for x in c)
-                          for c in crcs], moved, stored
+                    code_pool: pipeline.CodePool | None = None, order: int = 0) -> Any:
+        """Write data file `k` of `item` (`_FileWriter`); (key, size, block CRCs per chunk, moved offsets,
+        stored sizes). `order`: this file's rank among the save's files (its coding tasks go before later
+        files')."""
+        out = _FileWriter(self, item, slots, crc_pool, code_pool, order).write(self.data_key(item, k))
         for buf in self.pooled.pop((item.name, k), ()):  # written and checksummed: the buffers serve the next save
             _snapshot_pool.give(buf)
         return out
@@ -536,6 +392,181 @@ class SaveJob:
         self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite)
         if self.inc is not None and n == 1:  # committed: the next incremental save may build on it (`basecache`)
             basecache.remember(self.loc, manifest, {k[len(root) + 1 :]: v for k, v in (*self.own_parts, *puts)})
+
+
+class _FileWriter:
+    """One data file of a save written: every chunk of its slots, in order, through one of three block
+    paths into the file's batch (`pipeline.Batch`): incremental (hashes, then a reference, a delta or an
+    own block: `incremental.write_chunk`), coded (the coder pool's blocks, each with its CRC:
+    `pipeline.checked`) or raw (CRCs of the raw blocks). Codecs chosen in the background: each slot waits
+    for its own leaf's (`codecpolicy._Choosing.wait`), so a file is coded and written from its first chunk
+    on while its later leaves are still measured."""
+
+    def __init__(self, job: SaveJob, item: SaveItem, slots: list[FileSlot], crc_pool: ThreadPoolExecutor,
+                 code_pool: pipeline.CodePool | None, order: int) -> None:
+        self.job, self.item, self.slots, self.crc_pool, self.code_pool = job, item, slots, crc_pool, code_pool
+        self.choosing = job._choosing
+        self.block = job.block_size
+        self.leaf_codecs = job.codecs.get(item.name, {})
+        # Per chunk, in slot order: its CRC (one block), or a list of its block CRCs or their futures.
+        # Plain ints where possible: a state of thousands of small leaves makes one per chunk, and
+        # objects the garbage collector tracks make it run full collections during the save.
+        self.crcs: list[Any] = []
+        # Compressed chunks: where each lands (stored sizes shift the chunks after it) and its blocks' sizes.
+        self.moved: dict[int, int] = {}
+        self.stored: dict[int, tuple[int, ...]] = {}
+        # (An incremental save codes the blocks it writes itself: `incremental.write_chunk`.)
+        self.coded = (pipeline.in_order(code_pool, job._timed_code_task, self.code_tasks(), order)
+                      if self.leaf_codecs and job.inc is None else iter(()))
+        self.done: collections.deque[tuple[int, bool, list[Any], list[int], list[Any]]] = collections.deque()
+
+    def write(self, key: str) -> tuple[str, int, list[tuple[int, ...]], dict[int, int], dict[int, tuple[int, ...]]]:
+        job = self.job
+        # (incremental: a file of references only is not written at all, `write_if_any`)
+        write = job.loc.storage.write if job.inc is None else functools.partial(write_if_any, job.loc.storage.write)
+        size = job.transfers.transfer(write, key, self.parts())  # timed for `_measure`
+        return key, size, [(c,) if type(c) is int else tuple(x if type(x) is int else x.result() for x in c)
+                           for c in self.crcs], self.moved, self.stored
+
+    def _too_short(self, slot: FileSlot, n: int) -> CheckpointError:
+        return CheckpointError(
+            f"{self.job.loc.path}: chunk {slot.cell} of "
+            f"{display_path(self.item.leaves[slot.leaf].path, self.item.name)!r} has {n} bytes, "
+            f"planned {slot.nbytes}")
+
+    def host_raw(self, slot: FileSlot, src: Any) -> memoryview:
+        host = self.job._host
+        if type(src) is Concat:
+            raw = memoryview(b"".join(pipeline.bytes_of(host(p)) for p in src.parts))
+        else:
+            raw = pipeline.bytes_of(host(src))
+        if len(raw) != slot.nbytes:
+            raise self._too_short(slot, len(raw))
+        return raw
+
+    def code_tasks(self) -> Any:
+        """The compressed chunks' host bytes, in slot order, as coding tasks (`pipeline.code_task`): a large
+        chunk in runs of `pipeline.RUN_BLOCKS` blocks, small ones together up to a run's bytes (one task
+        codes many small leaves). (`_take`: a device copy made by `snapshot` is freed once its host bytes
+        exist.)"""
+        item, choosing, block = self.item, self.choosing, self.block
+        group: list[tuple[int, bool, tuple[Any, ...]]] = []
+        size, run = 0, block * pipeline.RUN_BLOCKS
+        for n_slot, slot in enumerate(self.slots):
+            if choosing is not None:
+                if group and not choosing.ready(item.name, slot.leaf):
+                    yield group  # code what is here while this leaf is still measured
+                    group, size = [], 0
+                choosing.wait(item.name, slot.leaf)
+            codec = self.leaf_codecs.get(slot.leaf, "none")
+            if codec == "none":
+                continue
+            raw = self.host_raw(slot, self.job._take(item, (slot.leaf, slot.cell)))
+            leaf = item.leaves[slot.leaf]
+            assert isinstance(leaf, ArraySource)  # (a codec other than "none" is an array leaf's)
+            dtype = leaf.dtype
+            if len(raw) > run:
+                if group:
+                    yield group
+                    group, size = [], 0
+                for o in range(0, len(raw), run):
+                    yield [(n_slot, o + run >= len(raw), (codec, raw[o:o + run], block, dtype))]
+                continue
+            group.append((n_slot, True, (codec, raw, block, dtype)))
+            size += len(raw)
+            if size >= run:
+                yield group
+                group, size = [], 0
+        if group:
+            yield group
+
+    def blocks_of(self, n_slot: int) -> Any:
+        """(stored block, its CRC-32C, its place) of compressed slot `n_slot`, as its coding tasks finish."""
+        done = self.done
+        while True:
+            if not done:
+                done.extend(next(self.coded))
+            got, last, blocks, block_crcs_, places = done.popleft()
+            assert got == n_slot, (got, n_slot)
+            yield from zip(blocks, block_crcs_, places)
+            if last:
+                return
+
+    def parts(self) -> Any:
+        """The file's bytes, as the writer takes them: each slot's chunk through its block path."""
+        batch = pipeline.Batch()
+        item, choosing = self.item, self.choosing
+        shift = 0  # stored bytes minus raw bytes of the compressed chunks so far
+        for n_slot, slot in enumerate(self.slots):
+            if choosing is not None:
+                choosing.wait(item.name, slot.leaf)
+            codec = self.leaf_codecs.get(slot.leaf, "none")
+            if shift:
+                self.moved[n_slot] = slot.offset + shift
+            if self.job.inc is not None:  # incremental (format 4): hashes, references (`incremental`)
+                shift += yield from self._incremental(n_slot, slot, codec, batch)
+            elif codec != "none":
+                shift += yield from self._coded(n_slot, slot, batch)
+            else:
+                yield from self._raw(slot, batch)
+        yield from batch.rest()
+
+    def _incremental(self, n_slot: int, slot: FileSlot, codec: str, batch: pipeline.Batch) -> Generator[Any, None, int]:
+        item = self.item
+        assert batch._span is None  # (it writes `batch.buf` itself; nothing placed is held)
+        # (lazily: a chunk of an array the base holds unchanged is not read: `write_chunk`)
+        raw = functools.partial(self.host_raw, slot, item.sources.pop((slot.leaf, slot.cell)))
+        batch.buf, sizes, crcs, own = yield from self.job.inc.write_chunk(
+            item, slot.leaf, slot.cell, raw, codec, getattr(item.leaves[slot.leaf], "dtype", None),
+            self.code_pool, batch.buf)
+        del raw
+        self.stored[n_slot] = sizes
+        self.crcs.append(crcs)
+        activity.advance()
+        return own - slot.nbytes
+
+    def _coded(self, n_slot: int, slot: FileSlot, batch: pipeline.Batch) -> Generator[Any, None, int]:
+        sizes, stored_crcs = [], []
+        for enc, crc, at in self.blocks_of(n_slot):
+            sizes.append(len(enc))
+            stored_crcs.append(crc)  # a stored block's check record
+            yield from batch.add(enc, at)
+        self.stored[n_slot] = tuple(sizes)
+        self.crcs.append(stored_crcs)
+        activity.advance()
+        return sum(sizes) - slot.nbytes
+
+    def _raw(self, slot: FileSlot, batch: pipeline.Batch) -> Generator[Any, None, None]:
+        block, host = self.block, self.job._host
+        # (`_take`: a device copy made by `snapshot` is freed once its host bytes exist.)
+        src = self.job._take(self.item, (slot.leaf, slot.cell))
+        if type(src) is Concat:  # a merged chunk: its pieces' bytes, one after another
+            mvs = [pipeline.bytes_of(host(p)) for p in src.parts]
+            n = sum(len(m) for m in mvs)
+            if n == slot.nbytes:
+                self.crcs.append(block_crcs(mvs, block))
+                for m in mvs:
+                    yield from batch.add(m)
+                del mvs
+                activity.advance()
+                return
+            mv = memoryview(b"".join(mvs))
+        else:
+            mv = pipeline.bytes_of(host(src))
+        n = len(mv)
+        if n != slot.nbytes:
+            raise self._too_short(slot, n)
+        if n <= pipeline.SMALL_CHUNK:
+            # A small chunk costs more in a thread hand-off and a write of its own than in
+            # its bytes: checksum it here, and write it together with its neighbours.
+            self.crcs.append(block_crcs(mv, block))
+            if (yield from batch.add(mv)):  # copied now, so the host view is released at once
+                activity.advance()  # storage took more: peers waiting for us see progress
+            del mv
+            return
+        self.crcs.append([self.crc_pool.submit(pipeline.block_crc, mv[o : o + block]) for o in range(0, n, block)])
+        yield from batch.add(mv)
+        activity.advance()
 
 
 #: Bytes of device chunks a blocking save's host-copy pipeline may have started ahead of its writers
