@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import cairn
+from cairn._codecs import choose as _choose
 from cairn._codecs import codecs as _codecs
 from cairn._format import manifest as fmt
 from cairn._load.source import open_checkpoint
@@ -112,7 +113,7 @@ def test_auto_weighs_the_fast_codec_by_predicted_time(monkeypatch):
     fast = codecpolicy.decide_leaf("auto", w.dtype, w, 4 * gib, cores=12)
     chosen = codecpolicy.decide_leaf("choose", w.dtype, w, 4 * gib, cores=12)
     assert slow.codec in ("blosc2", "planes") and fast.codec == "blosc2-lz4" and chosen.codec != "blosc2-lz4"
-    lz4 = _codecs.stored_size("blosc2-lz4", w.dtype, _codecs.sample(w, codecpolicy.sample_bytes(w.nbytes)))
+    lz4 = _choose.stored_size("blosc2-lz4", w.dtype, _choose.sample(w, codecpolicy.sample_bytes(w.nbytes)))
     assert fast.stored == lz4 > slow.stored  # it stores more, and is still predicted sooner there
     assert (predicted_seconds(fast.raw, lz4, "blosc2-lz4", 4 * gib, 12)[1]
             < predicted_seconds(fast.raw, slow.stored, slow.codec, 4 * gib, 12)[1])

@@ -3,7 +3,7 @@ would decide saving its arrays to a storage, and why.
 
 The first part reads only metadata (each array's codec and stored size, as `cairn inspect`). The
 second prices each array leaf as a save does (`_save.codecpolicy.decide_leaf`): the codec
-`codecs.choose` picks on a sample of the leaf's first chunk (read from the checkpoint: up to 256 KiB
+`choose.choose` picks on a sample of the leaf's first chunk (read from the checkpoint: up to 256 KiB
 in four runs spread over the chunk, as a save samples it, or the whole chunk if it is small), its
 ratio, and whether it pays against the storage's bandwidth each way (declared with ``--gbps``, or
 the storage's own: declared, measured by this process, else its kind's default; a fresh command
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .._codecs import codecs as _codecs
+from .._codecs import choose as _choose
 from .._format import manifest as fmt
 from .._format import values
 
@@ -116,7 +116,7 @@ def _auto(ck: Any, leaves: list[tuple[str, fmt.ArrayLeaf, int]], rows: list[dict
 
 def _first_chunk(reader: Any, leaf: fmt.ArrayLeaf, pool: Any) -> np.ndarray:
     """The first chunk's values, or four runs of its rows spread over it (a large chunk), as a save
-    samples them (`codecs.sample`)."""
+    samples them (`choose.sample`)."""
     from .._load.reader import read_box
 
     box = leaf.chunk_box(0)
@@ -125,8 +125,8 @@ def _first_chunk(reader: Any, leaf: fmt.ArrayLeaf, pool: Any) -> np.ndarray:
     if nbytes <= WHOLE_CHUNK or not shape:
         return read_box(reader, leaf, box, pool)
     row = nbytes // shape[0]
-    per = max(1, _codecs.SAMPLE_BYTES // _codecs.SAMPLE_PIECES // max(1, row))
-    starts = sorted({int(s) for s in np.linspace(0, max(0, shape[0] - per), _codecs.SAMPLE_PIECES)})
+    per = max(1, _choose.SAMPLE_BYTES // _choose.SAMPLE_PIECES // max(1, row))
+    starts = sorted({int(s) for s in np.linspace(0, max(0, shape[0] - per), _choose.SAMPLE_PIECES)})
     runs = [read_box(reader, leaf, ((box[0][0] + s, box[0][0] + min(shape[0], s + per)), *box[1:]), pool)
             for s in starts]
     return np.concatenate([r.reshape(-1) for r in runs])

@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .._codecs import choose as _choose
 from .._codecs import codecs as _codecs
 from .._core.host import usable_cores
 from .._dist.coord import fetch_from
@@ -261,7 +262,7 @@ class LeafDecision:
     """What `compression=` decides for one leaf, from a sample of its bytes, and why."""
 
     codec: str  # what the leaf is stored with ("none": raw)
-    chosen: str  # `codecs.choose_sized`'s codec for the sample ("none": no codec shrinks it enough)
+    chosen: str  # `choose.choose_sized`'s codec for the sample ("none": no codec shrinks it enough)
     raw: int  # the sample's raw bytes
     stored: int  # their size under `chosen`
 
@@ -275,15 +276,15 @@ def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict
     sooner, and codes the leaf only where that pays (`compression_pays`)."""
     n = cores or coder_cores()
     try:
-        sample = _codecs.sample(host, sample_bytes(getattr(host, "nbytes", 0)))
+        sample = _choose.sample(host, sample_bytes(getattr(host, "nbytes", 0)))
         # "blosc2" is a candidate only where it codes this leaf's elements faster on n cores
-        codec, raw, stored = _codecs.choose_sized(dtype, sample,
+        codec, raw, stored = _choose.choose_sized(dtype, sample,
                                                   blosc2=blosc2_faster(n, np.dtype(dtype).itemsize))
         args = formula_args(prices or {}, codec)
         if mode == "auto" and codec != "none" and FAST_CODEC in usable_codecs():
             # the faster C-Blosc2 codec, where it is predicted to save and load the leaf sooner, its
             # 3-10% more bytes and all (a fast link, many cores), each priced with its own coded figures
-            fast, fast_args = _codecs.stored_size(FAST_CODEC, dtype, sample), formula_args(prices or {}, FAST_CODEC)
+            fast, fast_args = _choose.stored_size(FAST_CODEC, dtype, sample), formula_args(prices or {}, FAST_CODEC)
             if (predicted_seconds(raw, fast, FAST_CODEC, bandwidth, n, **fast_args)[1]
                     < predicted_seconds(raw, stored, codec, bandwidth, n, **args)[1]):
                 codec, stored, args = FAST_CODEC, fast, fast_args
@@ -296,7 +297,7 @@ def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict
 
 #: A leaf's sample is at most 1 / SAMPLE_SHARE of its first chunk (`sample_bytes`), so that choosing
 #: codes a fraction of a state of small leaves, not all of it three times over (a leaf under
-#: `codecs.SAMPLE_BYTES` was sampled whole: 2,449 leaves of 256x256 spent more time choosing than
+#: `choose.SAMPLE_BYTES` was sampled whole: 2,449 leaves of 256x256 spent more time choosing than
 #: coding; docs/compression.md, "Coding and writing at once").
 SAMPLE_SHARE = 4
 #: ... and at least this many bytes (or the whole chunk, if smaller).
@@ -305,7 +306,7 @@ SAMPLE_MIN_BYTES = 16 << 10
 
 def sample_bytes(nbytes: int) -> int:
     """How many bytes of a leaf's first chunk of `nbytes` bytes its codec is chosen on."""
-    return min(_codecs.SAMPLE_BYTES, max(SAMPLE_MIN_BYTES, nbytes // SAMPLE_SHARE))
+    return min(_choose.SAMPLE_BYTES, max(SAMPLE_MIN_BYTES, nbytes // SAMPLE_SHARE))
 
 
 def formula_args(prices: dict[str, Any], codec: str | None = None) -> dict[str, Any]:
@@ -322,7 +323,7 @@ def formula_args(prices: dict[str, Any], codec: str | None = None) -> dict[str, 
 
 def leaf_codec(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict[str, Any] | None = None) -> str:
     """The codec of a leaf under `mode` ("choose" or "auto", as `resolve_compression` gives), measured
-    on a sample of `host` (its first chunk's host bytes): `codecs.choose`'s codec, which "auto" keeps
+    on a sample of `host` (its first chunk's host bytes): `choose.choose`'s codec, which "auto" keeps
     only where its sample's ratio pays writing raw at `bandwidth` bytes/s, against the rest of
     `prices` (`auto_prices`: reads, coded transfers, the codec factor; by default the same bandwidth
     each way and this host's measured codec factor): `compression_pays`. (`decide_leaf`
@@ -373,7 +374,7 @@ def choose_codecs(job: Any, background: bool = False) -> tuple[dict[str, dict[in
     """The codec of each array leaf this process writes a chunk of, alike on every process.
 
     A fixed codec applies to every leaf. With "choose", the writer of a leaf's
-    first cell measures `codecs.choose` on a sample of that chunk's host bytes;
+    first cell measures `choose.choose` on a sample of that chunk's host bytes;
     with several processes, the others learn its choice through the coordinator
     (a background step, with the save's timeout), before any of them writes.
 

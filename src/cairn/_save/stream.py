@@ -7,7 +7,7 @@ source with its block checksums computed on the way, and the checkpoint is
 committed through the same strategy as `cairn.save`. With `compression`
 each block of an array leaf is coded on its own as a save codes it (format
 version 3); with "choose" the codec of a leaf is measured on a sample of its
-first slab (`codecs.choose`).
+first slab (`choose.choose`).
 """
 
 from __future__ import annotations
