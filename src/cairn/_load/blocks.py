@@ -216,6 +216,44 @@ def undelta(stored: Any, raw_size: int, dtype: Any, read_base: Any, out: np.ndar
     apply_delta(stored, read_base(size, codec), codec, crc, dtype, out, where, kind=kind)
 
 
+def _rebuild_deltas(reader: Any, leaf: fmt.ArrayLeaf, cell: int, places: list[Any], raws: list[int],
+                    deltas: dict[int, tuple[Any, int, int, int, int]], fill: Any, slot: Any) -> None:
+    """`read_blocks`' second step: the base blocks of chunk `cell`'s `deltas` read (`fill`), each checked,
+    decoded and XORed with its delta into its block's place (`slot`), by this thread and the decode pool's
+    free ones (`DELTAS_SHARED`)."""
+    from .landing import current_scope as _current_scope
+    from .landing import in_scope as _in_scope
+
+    block = reader.index.block_size
+    name = display_path(leaf.path, reader.item)
+    bases = base_fetches(places, {b: (d[1], d[3]) for b, d in deltas.items()})
+    work: list[tuple[int, Any, bool]] = []  # (block, its base block's stored bytes, read into place)
+    for fe, view, in_place in fill(bases, lambda b: deltas[b][1], "base"):
+        pos = 0
+        for b in fe.blocks:
+            size = deltas[b][3]
+            work.append((b, view[pos : pos + size], in_place))
+            pos += size
+
+    def rebuild(i: int, j: int) -> None:
+        for b, base, in_place in work[i:j]:
+            stored, codec, crc, _size, kind = deltas[b]
+            apply_delta(stored, base, codec, crc, leaf.dtype, slot(b),
+                        _delta_where(reader, name, cell, b, places[b][5]), in_place, kind)
+
+    if DELTAS_SHARED:  # by this thread and the decode pool's free threads (`share`)
+        # The pool outlives the load: its threads' scratch buffers go with the load's (or the reader's).
+        scope = _current_scope()
+        if scope is None:
+            scope = reader.delta_scratch
+        here = threading.get_ident()
+        spans = [(b * block, b * block + raws[b], "") for b, _, _ in work]
+        share(lambda i, j: rebuild(i, j) if threading.get_ident() == here else _in_scope(scope, rebuild, i, j),
+              pieces(spans, 0, len(work), DELTA_PIECE))
+    else:
+        rebuild(0, len(work))
+
+
 def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> None:
     """`ChunkReader.do_read` for a leaf with references (``read`` in raw addressing: ``read.file`` is
     the chunk, ``[start, end)`` whole blocks of its raw bytes).
@@ -225,9 +263,7 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
     load verifies, as for a plain leaf), own coded blocks decoded
     and the deltas' headers read; then the deltas' base blocks (raw runs straight into place, where the
     rebuilt blocks go, the rest into a second buffer), each checked, decoded and XORed with its delta."""
-    from .landing import current_scope as _current_scope
     from .landing import direct_bytes
-    from .landing import in_scope as _in_scope
     from .landing import region as _region
     from .landing import scratch as _scratch
 
@@ -299,32 +335,7 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
         _decode_coded(coded, raws, block, read.start, raw, leaf.dtype,
                       lambda b: f"{reader.loc.path}: leaf {leaf.path!r} block {b} of chunk {cell}")
     if deltas:
-        bases = base_fetches(places, {b: (d[1], d[3]) for b, d in deltas.items()})
-        work: list[tuple[int, Any, bool]] = []  # (block, its base block's stored bytes, read into place)
-        for fe, view, in_place in fill(bases, lambda b: deltas[b][1], "base"):
-            pos = 0
-            for b in fe.blocks:
-                size = deltas[b][3]
-                work.append((b, view[pos : pos + size], in_place))
-                pos += size
-
-        def rebuild(i: int, j: int) -> None:
-            for b, base, in_place in work[i:j]:
-                stored, codec, crc, _size, kind = deltas[b]
-                apply_delta(stored, base, codec, crc, leaf.dtype, slot(b),
-                            _delta_where(reader, name, cell, b, places[b][5]), in_place, kind)
-
-        if DELTAS_SHARED:  # by this thread and the decode pool's free threads (`share`)
-            # The pool outlives the load: its threads' scratch buffers go with the load's (or the reader's).
-            scope = _current_scope()
-            if scope is None:
-                scope = reader.delta_scratch
-            here = threading.get_ident()
-            spans = [(b * block, b * block + raws[b], "") for b, _, _ in work]
-            share(lambda i, j: rebuild(i, j) if threading.get_ident() == here else _in_scope(scope, rebuild, i, j),
-                  pieces(spans, 0, len(work), DELTA_PIECE))
-        else:
-            rebuild(0, len(work))
+        _rebuild_deltas(reader, leaf, cell, places, raws, deltas, fill, slot)
     if out is None:
         for c in read.copies:
             src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)

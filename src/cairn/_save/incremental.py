@@ -569,25 +569,10 @@ class Incremental:
         own = 0
         span = [0, 0]  # own raw blocks not yet given out: raw[span[0]:span[1]]
 
-        def results() -> Iterator[list[tuple[bytes, Any, int, int]]]:
-            if pool is None or len(work) < 2:
-                for w in work:
-                    yield _run(w[0], w[1], block, codec, dtype, ctx)
-                return
-            window = max(2, getattr(pool, "_max_workers", 2) + 1)
-            ahead: collections.deque[Any] = collections.deque()
-            # (a chunk the base found unchanged too queues behind the others on a CodePool: `FROZEN_LAST`)
-            frozen = FROZEN_LAST and bool(base) and all(b.target is None and b.ref.base != self.base_name
-                                                        for b in base or ())
-            rank: dict[str, int] = {"priority": 1} if frozen and not isinstance(pool, ThreadPoolExecutor) else {}
-            for w in work:
-                ahead.append(pool.submit(_run, w[0], w[1], block, codec, dtype, ctx, **rank))
-                if len(ahead) >= window:
-                    yield ahead.popleft().result()
-            while ahead:
-                yield ahead.popleft().result()
-
-        for run in results():
+        # (a chunk the base found unchanged too queues behind the others on a CodePool: `FROZEN_LAST`)
+        frozen = FROZEN_LAST and bool(base) and all(b.target is None and b.ref.base != self.base_name
+                                                    for b in base or ())
+        for run in _runs_in_order(pool, work, block, codec, dtype, ctx, frozen):
             for h, payload, size, crc in run:
                 b = len(sizes)
                 hashes.append(h)
@@ -727,6 +712,26 @@ class Incremental:
 
     def leaves_with_refs(self, item: str) -> list[int]:
         return sorted({leaf for (name, leaf, _c), ch in self.chunks.items() if name == item and (ch.refs or ch.deltas)})
+
+
+def _runs_in_order(pool: ThreadPoolExecutor | None, work: list[tuple[memoryview, list[_Base] | None]], block: int,
+                   codec: str, dtype: Any, ctx: _DeltaCtx | None, frozen: bool
+                   ) -> Iterator[list[tuple[bytes, Any, int, int]]]:
+    """`_run` of each of a chunk's runs `work`, in order: on `pool`, a window ahead of the writer (one task per
+    worker plus one), `frozen` ones behind other chunks' on a `CodePool`; here without a pool or with one run."""
+    if pool is None or len(work) < 2:
+        for w in work:
+            yield _run(w[0], w[1], block, codec, dtype, ctx)
+        return
+    window = max(2, getattr(pool, "_max_workers", 2) + 1)
+    ahead: collections.deque[Any] = collections.deque()
+    rank: dict[str, int] = {"priority": 1} if frozen and not isinstance(pool, ThreadPoolExecutor) else {}
+    for w in work:
+        ahead.append(pool.submit(_run, w[0], w[1], block, codec, dtype, ctx, **rank))
+        if len(ahead) >= window:
+            yield ahead.popleft().result()
+    while ahead:
+        yield ahead.popleft().result()
 
 
 def write_if_any(write: Callable[[str, Iterator[Any]], int], key: str, parts: Iterable[Any]) -> int:

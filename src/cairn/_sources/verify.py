@@ -223,6 +223,60 @@ def plan_verify(src: CairnSource) -> tuple[fmt.Manifest, dict[str, fmt.ItemIndex
     return manifest, indexes, problems
 
 
+def _open_files(loc: Any, info: fmt.ItemInfo, index: fmt.ItemIndex, where: str, name: str, report: VerifyReport,
+                problems: list[Problem]) -> dict[int, Any]:
+    """A reader of each data file of `index` that is there (file number -> reader); each missing or
+    mis-sized file a problem."""
+    opened: dict[int, Any] = {}
+    for fi, f in enumerate(index.files):
+        key = loc.key(info.dir, f.name)
+        if f.base is not None:  # incremental (format 4): a file of a sibling base checkpoint
+            key = "/".join((f.base, info.dir, f.name))
+        report.files += 1
+        try:
+            size = loc.storage.size(key)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            of = f" of its base checkpoint {f.base!r}" if f.base is not None else ""
+            problems.append(Problem(f"{where}: data file {f.name!r}{of} is missing", item=name, file=f.name))
+            continue
+        if size < f.size:
+            problems.append(Problem(
+                f"{where}: data file {f.name!r} is truncated: {size} bytes, the index records {f.size}",
+                item=name, file=f.name,
+            ))
+        elif size > f.size:
+            problems.append(Problem(
+                f"{where}: data file {f.name!r} has {size} bytes, the index records {f.size}",
+                item=name, file=f.name,
+            ))
+        opened[fi] = loc.storage.open_read(key)
+    return opened
+
+
+def _chunk_tasks(name: str, index: fmt.ItemIndex, opened: dict[int, Any]) -> list[_Task]:
+    """The checking tasks of every chunk of `index` whose file is open: a version-4 chunk whole (every
+    block, references too, hashed), a coded chunk whole, a raw one in pieces of whole blocks."""
+    tasks: list[_Task] = []
+    for leaf in index.leaves:
+        if not isinstance(leaf, fmt.ArrayLeaf):
+            continue
+        for cell, (fi, _off) in enumerate(leaf.chunks):
+            size = leaf.chunk_nbytes(cell)
+            if size and index.version >= fmt.INCREMENTAL_VERSION:  # every block, references too, hashed
+                tasks.append(_Task(name, index, leaf, cell, 0, size, opened))
+                continue
+            if size == 0 or fi not in opened:
+                continue
+            if leaf.codec != "none":  # one task per chunk: its stored blocks, checked and decoded
+                tasks.append(_Task(name, index, leaf, cell, 0, size, opened[fi]))
+                continue
+            # Pieces are whole blocks, so each block's CRC is checked within one task.
+            step = max(index.block_size, PIECE_BYTES // index.block_size * index.block_size)
+            for lo in range(0, size, step):
+                tasks.append(_Task(name, index, leaf, cell, lo, min(size, lo + step), opened[fi]))
+    return tasks
+
+
 def verify(
     path: str | os.PathLike[str],
     *,
@@ -262,54 +316,16 @@ def verify(
     for name, index in indexes.items():
         info = manifest.items[name]
         where = f"{loc.path}{_where(name, manifest.root)}"
-        opened: dict[int, Any] = {}
-        for fi, f in enumerate(index.files):
-            key = loc.key(info.dir, f.name)
-            if f.base is not None:  # incremental (format 4): a file of a sibling base checkpoint
-                key = "/".join((f.base, info.dir, f.name))
-            report.files += 1
-            try:
-                size = loc.storage.size(key)
-            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                of = f" of its base checkpoint {f.base!r}" if f.base is not None else ""
-                problems.append(Problem(f"{where}: data file {f.name!r}{of} is missing", item=name, file=f.name))
-                continue
-            if size < f.size:
-                problems.append(Problem(
-                    f"{where}: data file {f.name!r} is truncated: {size} bytes, the index records {f.size}",
-                    item=name, file=f.name,
-                ))
-            elif size > f.size:
-                problems.append(Problem(
-                    f"{where}: data file {f.name!r} has {size} bytes, the index records {f.size}",
-                    item=name, file=f.name,
-                ))
-            opened[fi] = loc.storage.open_read(key)
-            readers.append(opened[fi])
+        opened = _open_files(loc, info, index, where, name, report, problems)
+        readers.extend(opened.values())
         if index.table is not None:  # format 2: every record of the binary index parts, checked
             try:
                 index.table.fetch_all()
             except CheckpointError as e:
                 problems.append(Problem(str(e), item=name))
                 continue
-        for leaf in index.leaves:
-            report.leaves += 1
-            if not isinstance(leaf, fmt.ArrayLeaf):
-                continue
-            for cell, (fi, _off) in enumerate(leaf.chunks):
-                size = leaf.chunk_nbytes(cell)
-                if size and index.version >= fmt.INCREMENTAL_VERSION:  # every block, references too, hashed
-                    tasks.append(_Task(name, index, leaf, cell, 0, size, opened))
-                    continue
-                if size == 0 or fi not in opened:
-                    continue
-                if leaf.codec != "none":  # one task per chunk: its stored blocks, checked and decoded
-                    tasks.append(_Task(name, index, leaf, cell, 0, size, opened[fi]))
-                    continue
-                # Pieces are whole blocks, so each block's CRC is checked within one task.
-                step = max(index.block_size, PIECE_BYTES // index.block_size * index.block_size)
-                for lo in range(0, size, step):
-                    tasks.append(_Task(name, index, leaf, cell, lo, min(size, lo + step), opened[fi]))
+        report.leaves += len(index.leaves)
+        tasks.extend(_chunk_tasks(name, index, opened))
     if on_total is not None:
         on_total(sum(t.hi - t.lo for t in tasks))
     bad_chunks: dict[tuple[str, str, int], list[str]] = {}
