@@ -380,6 +380,33 @@ def test_ls_names_a_step_committed_in_two_folders(tmp_path, capsys):
     assert cairn.CheckpointManager(tmp_path / "run", read_only=True).path(4).endswith("step_00000004")
 
 
+# ---------------------------------------------------------------------- plan --save
+
+
+def test_plan_save_is_a_dry_run_of_a_save_of_the_arrays(tmp_path, capsys):
+    """`cairn plan PATH --save DEST`: what a save of PATH's arrays to DEST would write (files, chunks, bytes
+    per checkpointable; each leaf's codec decision), as cairn.save plans it; DEST is not written."""
+    import json
+
+    state = {"params": {"w": np.arange(1 << 18, dtype=np.float32), "b": np.ones(10, np.int16), "step": 3},
+             "opt": {"m": np.zeros((64, 64), np.float32)}}
+    cairn.save(tmp_path / "src", state)
+    rc, out, _ = run(capsys, "plan", tmp_path / "src", "--save", tmp_path / "dst", "--save-compression", "zstd",
+                     "--json")
+    assert rc == 0
+    got = json.loads(out)
+    assert got["compression"] == "zstd" and got["process"] == 0
+    assert got["items"]["params"]["bytes"] == (1 << 18) * 4 + 20 and got["items"]["params"]["leaves"] == {"zstd": 2}
+    assert got["items"]["opt"]["bytes"] == 64 * 64 * 4 and got["items"]["opt"]["chunks"] == 1
+    assert not (tmp_path / "dst").exists()  # a dry run: nothing written
+    rc, out, _ = run(capsys, "plan", tmp_path / "src", "--save", "memory://plan-save/x", "--save-compression", "true")
+    assert rc == 0 and "leaves: 2 measure on its first chunk" in out, out
+    # the destination is checked as a save checks it
+    cairn.save(tmp_path / "dst", state)
+    rc, _, err = run(capsys, "plan", tmp_path / "src", "--save", tmp_path / "dst")
+    assert rc != 0 and "already holds a checkpoint" in err, err
+
+
 # ---------------------------------------------------------------------- plan --compression
 
 

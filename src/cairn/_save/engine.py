@@ -14,9 +14,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import json
 import logging
-import secrets
 import threading
 import time
 from collections.abc import Generator
@@ -26,22 +24,18 @@ from typing import Any
 
 import numpy as np
 
-from .._core import buffers as _buffers
 from .._core.buffers import snapshot_pool as _snapshot_pool
 from .._core.checksum import block_crcs
 from .._core.gcpause import paused
 from .._core.stats import SaveStats
-from .._dist.agree import sequence, settle
+from .._dist.agree import settle
 from .._dist.coord import (
     Coordinator,
     activity,
-    default_coordinator,
-    fetch_from,
 )
 from .._errors import (
     CheckpointError,
     CoordinationError,
-    UnsupportedTypeError,
     error_from_record,
     error_record,
 )
@@ -49,24 +43,23 @@ from .._format import manifest as fmt
 from .._plan.chunking import FileSlot
 from .._storage.location import Location
 from .._storage.measured import TransferClock, main_codec, record, sample_of
-from .._tree.leaves import ArraySource, classify
-from .._tree.perprocess import HostValues, is_per_process
-from .._tree.pytree import display_path, flatten
+from .._tree.leaves import ArraySource
+from .._tree.pytree import display_path
 from .._version import __version__
 from . import basecache, pipeline
 from . import codecpolicy as _policy
-from .assign import Concat, SaveItem, files_in_turn, plan_item
+from .assign import Concat, SaveItem, files_in_turn
 from .codecpolicy import (
     CODEC_METER,
     auto_prices,
     choose_codecs,
     describe_compression,
-    resolve_compression,
 )
-from .commit import CommitStrategy, strategy_for
+from .commit import CommitStrategy
 from .incremental import write_if_any
 from .indexparts import build_part, item_index
-from .options import SaveOptions, save_options_of
+from .options import SaveOptions
+from .plan import SavePlan, plan_save
 
 log = logging.getLogger("cairn")
 
@@ -609,125 +602,34 @@ def host_pipeline(job: SaveJob) -> Any:
 #: (`_Choosing`); False: all of them before any file (as before 2026-12-06; benchmarks compare both).
 CHOOSE_IN_BACKGROUND = True
 
+
 # ---------------------------------------------------------------------- prepare
 
 
-#: A save of more checkpointables than this says, once per process, what they cost (`_split_items`).
-MANY_CHECKPOINTABLES = 256
-_told_many = False
+def prepare(loc: Location, state: Any, options: SaveOptions | None = None, **kwargs: Any) -> SaveJob:
+    """The job that executes this process's `SavePlan` of saving `state` at `loc` (`plan.plan_save`'s
+    arguments); `SaveJob.run` writes and commits."""
+    return job_of(plan_save(loc, state, options, **kwargs))
 
 
-def _split_items(state: Any, where: str = "") -> tuple[bool, list[tuple[str, Any]]]:
-    """(root, [(name, tree)]): a non-empty mapping with string keys is saved as named checkpointables,
-    one per key, anything else as one root tree (docs/FORMAT.md §1)."""
-    from collections.abc import Mapping
-
-    global _told_many
-    if isinstance(state, Mapping) and state and all(isinstance(k, str) for k in state):
-        if len(state) > MANY_CHECKPOINTABLES and not _told_many:
-            _told_many = True
-            log.warning(
-                "cairn: %s: saving %d checkpointables, one per key of the state's top-level mapping, each its own "
-                "folder of up to three files written durably (an index, an index part, a data file). A flat mapping of "
-                "many arrays (a state dict) saves and loads several times faster as one checkpointable: nest it "
-                "under one key, e.g. {'model': state} (docs/PERFORMANCE.md, \"Thousands of checkpointables\"). "
-                "Said once per process.", where or "a save", len(state))
-        return False, list(state.items())
-    return True, [("", state)]
-
-
-def prepare(
-    loc: Location,
-    state: Any,
-    options: SaveOptions | None = None,
-    *,
-    block_size: int = fmt.DEFAULT_BLOCK_SIZE,
-    min_file_bytes: int = 32 << 20,
-    metadata: dict[str, Any] | None = None,
-    base: Any = None,
-    hashes: bool = False,
-    base_required: bool = True,
-    **changes: Any,
-) -> SaveJob:
-    """Validate `state`, plan this process's chunks and agree on an attempt token.
-
-    `options` with keyword `changes` to them (`SaveOptions`' names) say how to
-    save; `block_size` and `min_file_bytes` are the format's knobs, for tests.
-    `base` (a sibling checkpoint's path or `Location`) or `hashes` make the save
-    incremental (format version 4, `incremental`); with `base_required` False a
-    base that is not committed when the save runs gives a self-contained save.
-    """
-    t0 = time.perf_counter()
-    opts = save_options_of(options, changes)
-    _buffers.load_pool.clear()  # kept for a process's next load; a saving process needs the memory (as `cairn.load`)
-    overwrite, threads, split_replicas, timeout = opts.overwrite, opts.threads, opts.split_replicas, opts.timeout
-    coord = opts.coordinator or default_coordinator()
-    me = coord.process_index
-    if not fmt.MIN_BLOCK <= block_size <= fmt.MAX_BLOCK:
-        raise ValueError(f"block_size must be in [{fmt.MIN_BLOCK}, {fmt.MAX_BLOCK}], got {block_size}")
-    if metadata is not None:
-        try:
-            json.dumps(metadata, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise UnsupportedTypeError(f"{loc.path}: metadata must be JSON-serializable ({e})") from None
-    root, pairs = _split_items(state, loc.path)
-    items = []
-    seq = sequence("save")
-    hosts = HostValues(coord, seq, loc.path)  # per-process values; the check that other host values agree
-    with paused(), hosts.reporting():  # thousands of leaves make tens of thousands of live objects, none garbage
-        for name, tree in pairs:
-            where = loc.path
-            try:
-                structure, flat = flatten(tree, item=name, is_leaf=is_per_process)
-            except ValueError as e:
-                raise UnsupportedTypeError(f"{where}: {e}") from None
-            structure, flat = hosts.split(name, structure, flat)
-            leaves = [classify(path, x, where, name) for path, x in flat]
-            item = SaveItem(name, fmt.ROOT_ITEM_DIR if root else fmt.item_dirname(name), structure, leaves)
-            plan_item(item, me, split_replicas, threads, min_file_bytes, where)
-            hosts.add(item)
-            items.append(item)
-    strategy = strategy_for(loc.storage)
-    compression = resolve_compression(opts.compression, loc.storage)
-    token, compression, prices = _agree_token(loc, strategy, coord, seq, overwrite, timeout, hosts, compression)
-    for item in items:
-        if item.name in hosts.own:  # its per-process leaves have their numbers now
-            plan_item(item, me, split_replicas, threads, min_file_bytes, loc.path)
+def job_of(plan: SavePlan) -> SaveJob:
+    """The `SaveJob` that executes `plan`: its items and slots, codecs, token and prices as planned; an
+    incremental plan's base opened for hashing and references."""
     job = SaveJob(
-        loc=loc, items=items, root=root, token=token, seq=seq, coord=coord, overwrite=overwrite,
-        block_size=block_size, timeout=timeout, threads=threads, metadata=metadata or {}, strategy=strategy,
-        compression=compression, prices=prices,
+        loc=plan.loc, items=plan.items, root=plan.root, token=plan.token, seq=plan.seq, coord=plan.coord,
+        overwrite=plan.overwrite, block_size=plan.block_size, timeout=plan.timeout, threads=plan.threads,
+        metadata=plan.metadata, strategy=plan.strategy, compression=plan.compression, prices=plan.prices,
     )
-    if base is not None or hashes:  # incremental (format version 4)
+    if plan.base is not None or plan.hashes:  # incremental (format version 4)
         from .incremental import setup
 
-        job.inc = setup(loc, base, hashes, base_required)
+        job.inc = setup(plan.loc, plan.base, plan.hashes, plan.base_required)
         if job.inc is not None:
-            job.inc.block = block_size
-    job.stats.blocking_s = time.perf_counter() - t0
+            job.inc.block = plan.block_size
+    job.stats.blocking_s = time.perf_counter() - plan.started
     return job
 
 
-def _agree_token(loc: Location, strategy: CommitStrategy, coord: Coordinator, seq: int, overwrite: bool,
-                 timeout: float, hosts: HostValues, compression: str | None) -> tuple[str, str | None, dict[str, Any]]:
-    """The primary checks the destination and the processes' host values, and picks the attempt token,
-    the compression and what "auto" prices leaves with (`auto_prices`: the storage's bandwidth, as
-    declared or measured by the primary, and its codec factor; what "auto" means can depend on a
-    process's mounts and measurements); all processes learn them."""
-    key = f"cairn/save/{seq}/token"
-    if coord.process_index == 0:
-        msg: dict[str, Any] = {"token": secrets.token_hex(6), "compression": compression,
-                               "prices": auto_prices(loc.storage)}
-        try:
-            strategy.check_destination(loc, overwrite)
-            msg.update(hosts.gather(timeout))
-        except CheckpointError as e:
-            msg = {"error": error_record(e, 0), "message": str(e)}
-        coord.publish(key, json.dumps(msg).encode())
-    else:
-        hosts.publish()
-        msg = json.loads(fetch_from(coord, key, timeout, writer=0))
-    if "error" in msg:
-        raise error_from_record(msg["error"], msg["message"])
-    hosts.place(msg)
-    return msg["token"], msg.get("compression", compression), msg.get("prices") or auto_prices(loc.storage)
+def execute(plan: SavePlan) -> SaveStats:
+    """Write and commit what `plan` says (a blocking save: `job_of(plan).run()`)."""
+    return job_of(plan).run()
