@@ -23,7 +23,7 @@ from .._codecs import codecs as _codecs
 from .._core.host import usable_cores
 from .._dist.coord import fetch_from
 from .._storage.base import bandwidth_of, bandwidth_source
-from .assign import Concat, SaveItem, files_in_turn
+from .assign import UNCHANGED, Concat, SaveItem, files_in_turn
 from .options import bad_compression
 
 
@@ -385,7 +385,6 @@ def choose_codecs(job: Any, background: bool = False) -> tuple[dict[str, dict[in
     host). Else (None) every codec is known on return.
     """
     from .._tree.leaves import ArraySource
-    from .incremental import UNCHANGED
 
     coord, me = job.coord, job.coord.process_index
     fixed = job.compression

@@ -84,7 +84,8 @@ from .._read.metadata import parse_manifest, read_index, stored_manifest
 from .._storage.location import Location
 from .._tree.leaves import ArraySource
 from . import basecache
-from .assign import Concat, SaveItem
+from .assign import UNCHANGED, Concat, SaveItem
+from .pipeline import stored_block
 
 #: Blocks per hashing task: a task hashes (and, where changed, codes and checksums) this many blocks.
 RUN_BLOCKS = 4
@@ -233,17 +234,6 @@ def _same_array(src: Any) -> Any:
     return value
 
 
-class _Unchanged:
-    """The source of a chunk `Incremental.decide_unchanged` decided before the snapshot: never read."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "UNCHANGED"
-
-
-#: `_Unchanged`'s one instance.
-UNCHANGED = _Unchanged()
 
 
 @dataclass(frozen=True)
@@ -769,8 +759,8 @@ def _run(raw: memoryview, base: list[_Base] | None, block: int, codec: str, dtyp
                 out.append((h, got, len(got.data), b.ref.crc))
                 continue
         if ctx is None:  # no delta to try: coded and checksummed now, while the hash left it in the cache
-            coded: Any = piece if codec == "none" else _codecs.encode(codec, piece, dtype)
-            out.append((h, coded, len(coded), block_crc(coded)))
+            coded, crc = stored_block(codec, piece, dtype)
+            out.append((h, coded, len(coded), crc))
             continue
         out.append((h, None, 0, 0))
         changed.append(k)
@@ -782,7 +772,7 @@ def _run(raw: memoryview, base: list[_Base] | None, block: int, codec: str, dtyp
             delta = _try_delta(piece, base[k], ctx, dtype, "try" not in ctx.state)
             if delta is not None:
                 own = len(piece) if codec == "none" else None
-                if own is None:
+                if own is None:  # (coded to compare sizes: its CRC only if it is stored)
                     enc = _codecs.encode(codec, piece, dtype)
                     own = len(enc)
                 if len(delta.data) <= DELTA_GAIN * own:
@@ -792,8 +782,10 @@ def _run(raw: memoryview, base: list[_Base] | None, block: int, codec: str, dtyp
             if "try" not in ctx.state:  # the chunk's sample did not pay: its other blocks are stored as themselves
                 ctx.state["try"] = False
         if enc is None:
-            enc = piece if codec == "none" else _codecs.encode(codec, piece, dtype)
-        out[k] = (out[k][0], enc, len(enc), block_crc(enc))
+            enc, crc = stored_block(codec, piece, dtype)
+        else:
+            crc = block_crc(enc)
+        out[k] = (out[k][0], enc, len(enc), crc)
     return out
 
 

@@ -146,6 +146,14 @@ def code_task(task: list[tuple[int, bool, tuple[Any, ...]]], alloc: Any = None) 
     return [(n_slot, last, blocks) for (n_slot, last, _), blocks in zip(task, coded)]
 
 
+def stored_block(codec: str, piece: Any, dtype: Any) -> tuple[Any, int]:
+    """One block as it is stored, coded on its own by `codec` (its raw bytes for "none"), and its one
+    CRC-32C: an incremental save's own blocks (`incremental._run`), where a run's blocks are decided one by
+    one (a reference, a delta or this)."""
+    stored = piece if codec == "none" else _codecs.encode(codec, piece, dtype)
+    return stored, block_crc(stored)
+
+
 def checked(coded: list[tuple[int, bool, list[Any]]]) -> list[tuple[int, bool, list[Any], list[int], list[Any]]]:
     """A coded task's blocks with each one's CRC-32C (its check record) and place (`places`), found on
     the coder's thread: the writer of a file then only writes, and next-door blocks go to it as one
