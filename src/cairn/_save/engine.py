@@ -12,7 +12,6 @@ commits. See docs/ARCHITECTURE.md for the protocol.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import logging
 import threading
@@ -46,8 +45,8 @@ from .._storage.measured import TransferClock, main_codec, record, sample_of
 from .._tree.leaves import ArraySource
 from .._tree.pytree import display_path
 from .._version import __version__
-from . import basecache, pipeline
 from . import codecpolicy as _policy
+from . import pipeline
 from .assign import Concat, SaveItem, files_in_turn
 from .codecpolicy import (
     CODEC_METER,
@@ -56,7 +55,6 @@ from .codecpolicy import (
     describe_compression,
 )
 from .commit import CommitStrategy
-from .incremental import write_if_any
 from .indexparts import build_part, item_index
 from .options import SaveOptions
 from .plan import SavePlan, plan_save
@@ -142,18 +140,21 @@ class SaveJob:
         return src
 
     @property
+    def blocks(self) -> Any:
+        """This save's block stage: its `incremental.Incremental` (hashes, and references to or deltas
+        against a base's blocks), else `pipeline.PLAIN` (every block its own)."""
+        return self.inc if self.inc is not None else pipeline.PLAIN
+
+    @property
     def version(self) -> int:
         """The version of this save's indexes, which names their layout (2, 3 or 4)."""
-        if self.inc is not None:
-            return fmt.INCREMENTAL_VERSION
-        return fmt.FORMAT_VERSION if self.compression is None else fmt.COMPRESSED_VERSION
+        return self.blocks.version(self.compression)
 
     def newer_blocks(self, item: SaveItem) -> int:
         """The manifest version that this process's part of `item` needs beyond its index's layout (0 for
         none): 5 for a "blosc2" block of its own, a reference to one or a delta against one, or a sparse
         delta; 6 for such a "blosc2-lz4" block (docs/FORMAT.md §6.6)."""
-        return max(fmt.codecs_version(self.codecs.get(item.name, {}).values()),
-                   self.inc.newer_blocks(item.name) if self.inc is not None else 0)
+        return max(fmt.codecs_version(self.codecs.get(item.name, {}).values()), self.blocks.newer_blocks(item.name))
 
     def manifest_version(self, statuses: dict[int, dict[str, Any]]) -> int:
         """The manifest's version: the indexes' (`version`), or the highest any process's part of any item
@@ -177,28 +178,22 @@ class SaveJob:
         partial: dict[str, Any] = {}
         jobs: list[tuple[SaveItem, int, Any]] = []
         self._choosing = None
+        stage = self.blocks
         self._pipe = host_pipeline(self)  # before the codec choosing, which looks at its first transfers
         if self.compression is not None:
             try:
-                self.codecs, self._choosing = choose_codecs(self, background=CHOOSE_IN_BACKGROUND and self.inc is None)
+                self.codecs, self._choosing = choose_codecs(
+                    self, background=CHOOSE_IN_BACKGROUND and not stage.incremental)
             except BaseException:
                 self._close_pipe()
                 raise
-        if self.inc is not None:  # incremental: the base's indexes and the records of our chunks
-            self.inc.open(self.items, self.loc.path)
-        # Compressed blocks are encoded by a pool of their own, so that a file of large chunks uses
-        # every core (a file's writer thread alone would code its blocks one after another).
-        coders = _policy.coder_cores() if self.compression is not None else 0
-        if self.inc is not None:  # incremental: blocks are hashed on that pool too
-            coders = max(2, _policy.coder_cores())
-        # An incremental save's writers mostly wait for hashes: one per file (up to 2x `threads`: each holds
-        # a window of coded runs), so that a file of changed leaves is written (and fsync'd) while files of
-        # unchanged ones are still hashed.
-        files = sum(len(it.files) for it in self.items)
-        writers = self.threads if self.inc is None else max(self.threads, min(files, 2 * self.threads))
+        stage.open(self.items, self.loc.path)  # incremental: the base's indexes and the records of our chunks
+        # Blocks are coded (and, incremental, hashed) by a pool of their own, so that a file of large chunks
+        # uses every core (a file's writer thread alone would code its blocks one after another).
+        coders = stage.coders(self.compression is not None)
+        writers = stage.writers(self.threads, sum(len(it.files) for it in self.items))
         # (incremental: the base files its deltas read are closed once the pools are done)
-        base_files = self.inc.base_files() if self.inc is not None else contextlib.nullcontext()
-        with base_files, ThreadPoolExecutor(max(1, writers), thread_name_prefix="cairn-write") as pool, \
+        with stage.base_files(), ThreadPoolExecutor(max(1, writers), thread_name_prefix="cairn-write") as pool, \
                 ThreadPoolExecutor(2, thread_name_prefix="cairn-crc") as crc_pool, \
                 pipeline.CodePool(coders) as code_pool:
             # Files start in turn across checkpointables (each one's first file, then each one's second...):
@@ -222,7 +217,7 @@ class SaveJob:
             partial[item.name] = {"files": [], "chunks": [], "stored": {}}
         for item, k, (key, size, chunks, moved, stored) in results:
             p = partial[item.name]
-            if not size and self.inc is not None:  # not written: its chunks' records name file 0 (FORMAT.md §6.5)
+            if not size and stage.incremental:  # not written: its chunks' records name file 0 (FORMAT.md §6.5)
                 p["chunks"].extend((slot.leaf, slot.cell, 0, 0, *crc) for slot, crc in zip(item.files[k], chunks))
                 for j, sizes in stored.items():
                     slot = item.files[k][j]
@@ -325,17 +320,14 @@ class SaveJob:
         out: dict[str, Any] = {}
         me = self.coord.process_index
         puts: list[tuple[str, bytes]] = []
+        stage = self.blocks
         for item in self.items:
             p = partial[item.name]
             mine: dict[str, Any] = {"files": [[f["name"], f["size"]] for f in p["files"]]}
-            inc = self.inc
-            if inc is not None:  # incremental: the base files the part refers to, after its own
-                mine["ext"] = [list(x) for x in inc.ext_files(item.name)]
-                mine["refs"] = inc.leaves_with_refs(item.name)
+            mine.update(stage.part_extras(item.name))  # incremental: the base files it refers to, its refs leaves
             part = build_part(item, me, self.token, p["chunks"], self.loc.path,
-                              p["stored"] if self.compression is not None or inc is not None else None,
-                              self.block_size,
-                              inc.columns(item, len(p["files"])) if inc is not None else None)
+                              p["stored"] if self.compression is not None or stage.incremental else None,
+                              self.block_size, stage.columns(item, len(p["files"])))
             if self.compression is not None:  # the codecs of the leaves whose first cell this process wrote
                 mine["codecs"] = {str(i): c for i, c in self.codecs.get(item.name, {}).items()
                                   if item.layouts[i].writer[0] == me and c != "none"}
@@ -383,8 +375,7 @@ class SaveJob:
             created_unix=time.time(), metadata=self.metadata, bases=tuple(bases),
         ).to_json(self.manifest_version(statuses))
         self.strategy.commit(self.loc, self.token, manifest, needed, overwrite=self.overwrite)
-        if self.inc is not None and n == 1:  # committed: the next incremental save may build on it (`basecache`)
-            basecache.remember(self.loc, manifest, {k[len(root) + 1 :]: v for k, v in (*self.own_parts, *puts)})
+        self.blocks.committed(self.loc, manifest, {k[len(root) + 1 :]: v for k, v in (*self.own_parts, *puts)}, n)
 
 
 class _FileWriter:
@@ -409,15 +400,15 @@ class _FileWriter:
         self.moved: dict[int, int] = {}
         self.stored: dict[int, tuple[int, ...]] = {}
         # (An incremental save codes the blocks it writes itself: `incremental.write_chunk`.)
+        self.stage = job.blocks
         self.coded = (pipeline.in_order(code_pool, job._timed_code_task, self.code_tasks(), order)
-                      if self.leaf_codecs and job.inc is None else iter(()))
+                      if self.leaf_codecs and not self.stage.incremental else iter(()))
         self.done: collections.deque[tuple[int, bool, list[Any], list[int], list[Any]]] = collections.deque()
 
     def write(self, key: str) -> tuple[str, int, list[tuple[int, ...]], dict[int, int], dict[int, tuple[int, ...]]]:
         job = self.job
         # (incremental: a file of references only is not written at all, `write_if_any`)
-        write = job.loc.storage.write if job.inc is None else functools.partial(write_if_any, job.loc.storage.write)
-        size = job.transfers.transfer(write, key, self.parts())  # timed for `_measure`
+        size = job.transfers.transfer(self.stage.writer(job.loc.storage.write), key, self.parts())  # timed for `_measure`
         return key, size, [(c,) if type(c) is int else tuple(x if type(x) is int else x.result() for x in c)
                            for c in self.crcs], self.moved, self.stored
 
@@ -496,7 +487,7 @@ class _FileWriter:
             codec = self.leaf_codecs.get(slot.leaf, "none")
             if shift:
                 self.moved[n_slot] = slot.offset + shift
-            if self.job.inc is not None:  # incremental (format 4): hashes, references (`incremental`)
+            if self.stage.incremental:  # incremental (format 4): hashes, references (`incremental`)
                 shift += yield from self._incremental(n_slot, slot, codec, batch)
             elif codec != "none":
                 shift += yield from self._coded(n_slot, slot, batch)
@@ -509,7 +500,7 @@ class _FileWriter:
         assert batch._span is None  # (it writes `batch.buf` itself; nothing placed is held)
         # (lazily: a chunk of an array the base holds unchanged is not read: `write_chunk`)
         raw = functools.partial(self.host_raw, slot, item.sources.pop((slot.leaf, slot.cell)))
-        batch.buf, sizes, crcs, own = yield from self.job.inc.write_chunk(
+        batch.buf, sizes, crcs, own = yield from self.stage.write_chunk(
             item, slot.leaf, slot.cell, raw, codec, getattr(item.leaves[slot.leaf], "dtype", None),
             self.code_pool, batch.buf)
         del raw
@@ -575,7 +566,7 @@ def host_pipeline(job: SaveJob) -> Any:
     the save is incremental (its writers hash as they go), or where a save_async's snapshot budget left
     chunks on device (host memory must stay within that budget: its writers copy one at a time)."""
     budget = min(HOST_PIPELINE_BYTES, _policy.keep_host_bytes())
-    if budget <= 0 or job.inc is not None or job.stats.device_copy_bytes:
+    if budget <= 0 or job.blocks.incremental or job.stats.device_copy_bytes:
         return None
     from .snapshot import HostPipeline
 

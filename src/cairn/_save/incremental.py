@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import threading
 import weakref
@@ -84,6 +85,7 @@ from .._read.metadata import parse_manifest, read_index, stored_manifest
 from .._storage.location import Location
 from .._tree.leaves import ArraySource
 from . import basecache
+from . import codecpolicy as _policy
 from .assign import UNCHANGED, Concat, SaveItem
 from .pipeline import stored_block
 
@@ -311,6 +313,38 @@ class Incremental:
     kept: basecache.Kept | None = None
     _readers: dict[str, Any] = field(default_factory=dict)  # base data files opened for deltas (`_reader`)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # ------------------------------------------------------------------ the base
+
+    # ------------------------------------------------------------------ the block stage (`pipeline.PlainBlocks`)
+
+    incremental = True
+
+    def version(self, compression: str | None) -> int:
+        return fmt.INCREMENTAL_VERSION
+
+    def coders(self, compressed: bool) -> int:
+        """The coder pool's threads: blocks are hashed on it too, compressed or not."""
+        return max(2, _policy.coder_cores())
+
+    def writers(self, threads: int, files: int) -> int:
+        """The writers mostly wait for hashes: one per file (up to 2x `threads`: each holds a window of
+        coded runs), so that a file of changed leaves is written (and fsync'd) while files of unchanged
+        ones are still hashed."""
+        return max(threads, min(files, 2 * threads))
+
+    def writer(self, write: Callable[[str, Iterator[Any]], int]) -> Callable[[str, Iterable[Any]], int]:
+        """`write` where a file has bytes: a file of references only is not written at all (`write_if_any`)."""
+        return functools.partial(write_if_any, write)
+
+    def part_extras(self, item: str) -> dict[str, Any]:
+        """The base files the part refers to, after its own, and the leaves with references."""
+        return {"ext": [list(x) for x in self.ext_files(item)], "refs": self.leaves_with_refs(item)}
+
+    def committed(self, loc: Location, manifest: bytes, files: dict[str, bytes], processes: int) -> None:
+        """Committed by a single process: the next incremental save may build on it from memory (`basecache`)."""
+        if processes == 1:
+            basecache.remember(loc, manifest, files)
 
     # ------------------------------------------------------------------ the base
 

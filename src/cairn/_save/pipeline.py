@@ -11,6 +11,7 @@ decided (reference, delta or own) in `incremental` and join the same batch.
 from __future__ import annotations
 
 import collections
+import contextlib
 import heapq
 import itertools
 import threading
@@ -25,6 +26,7 @@ from .._codecs.blosc2lib import address
 from .._core import buffers as _buffers
 from .._core.buffers import as_view
 from .._core.checksum import block_crc
+from .._format import manifest as fmt
 from . import codecpolicy as _policy
 
 #: Chunks up to this size are checksummed on the writing thread and written in batches of
@@ -272,3 +274,51 @@ def bytes_of(arr: np.ndarray) -> memoryview:
         return as_view(arr).cast("B")  # the fast path: a contiguous array of a buffer-exporting dtype
     except (TypeError, ValueError):  # not contiguous, or a dtype numpy cannot export (ml_dtypes')
         return as_view(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
+class PlainBlocks:
+    """The block stage of a save without hashes or a base (format version 2, or 3 compressed): every block
+    the chunk's own, coded or raw. `incremental.Incremental` is the other stage (hashes, and references to
+    or deltas against a base's blocks); `engine.SaveJob.blocks` is the one a save runs, and the engine asks
+    it, not whether the save is incremental."""
+
+    incremental = False
+
+    def version(self, compression: str | None) -> int:
+        """The version of the save's indexes, which names their layout."""
+        return fmt.FORMAT_VERSION if compression is None else fmt.COMPRESSED_VERSION
+
+    def open(self, items: Any, where: str) -> None:
+        """Nothing to read before writing (an incremental save reads its base's indexes here)."""
+
+    def base_files(self) -> Any:
+        return contextlib.nullcontext()
+
+    def coders(self, compressed: bool) -> int:
+        """The coder pool's threads: every usable core for a compressed save, none for a raw one."""
+        return _policy.coder_cores() if compressed else 0
+
+    def writers(self, threads: int, files: int) -> int:
+        return threads
+
+    def writer(self, write: Any) -> Any:
+        """How a data file is written: by `write` (storage's), even where it is empty."""
+        return write
+
+    def newer_blocks(self, item: str) -> int:
+        return 0
+
+    def part_extras(self, item: str) -> dict[str, Any]:
+        """What the process's status says of its part beside its files (an incremental save: `ext`, `refs`)."""
+        return {}
+
+    def columns(self, item: Any, own_files: int) -> Any:
+        """The part's extra columns (an incremental save's hashes and sources): none."""
+        return None
+
+    def committed(self, loc: Any, manifest: bytes, files: dict[str, bytes], processes: int) -> None:
+        """After the commit (an incremental save keeps what it wrote for the next one, `basecache`)."""
+
+
+#: The one `PlainBlocks`.
+PLAIN = PlainBlocks()
