@@ -191,3 +191,8 @@ def serve(handle: Callable[[dict[str, Any]], Any]) -> int:
         except Exception as e:
             print(json.dumps({"error": f"{type(e).__name__}: {e}", "tb": traceback.format_exc()}), flush=True)
     return 0
+
+
+def setting(s: str) -> Any:
+    """A `compression=` value from the command line: "false" / "true" as booleans, else the string."""
+    return {"false": False, "true": True}.get(s.lower(), s)

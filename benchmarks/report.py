@@ -105,7 +105,7 @@ def _ratios(systems: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _checks(systems: dict[str, Any]) -> list[dict[str, Any]]:
-    """Each target of the issues, with the measured value (medians) and whether it is met."""
+    """Each performance target, with the measured value (medians) and whether it is met."""
     state = next(iter(systems.values()))["state_bytes"]
     c = lambda op: _med(systems, "cairn", op)  # noqa: E731
     lim = lambda op: _med(systems, "limits", op)  # noqa: E731
@@ -139,7 +139,7 @@ def _checks(systems: dict[str, Any]) -> list[dict[str, Any]]:
         (f"peak RSS, resharding load <= state + 10% + {LOAD_BUDGET >> 20} MiB budget (x state)",
          mem("reshard_cold"), 1.1 + LOAD_BUDGET / state),
     ]
-    if "cairn_compressed" in systems:  # issue 29: compression on (cairn_compressed) against the run's setting
+    if "cairn_compressed" in systems:  # compression on (cairn_compressed) against the run's setting
         z = lambda op: _med(systems, "cairn_compressed", op)  # noqa: E731
         zb = systems["cairn_compressed"].get("bytes", {}).get("save")
         ob = systems.get("orbax", {}).get("bytes", {}).get("save")

@@ -1,5 +1,6 @@
 """Benchmark cairn against Orbax, PyTorch DCP and the machine's limits.
 
+    python -m benchmarks.run training --help       # scenario: checkpoint every step of a training loop
     python -m benchmarks.run                       # defaults: 2 GiB float32, 3 reps, plot at 0.5/1/2 GiB
     python -m benchmarks.run --systems cairn,cairn_compressed,orbax,limits --size-gib 0.5 --sizes ''
     python -m benchmarks.run --size-gib 0.25 --reps 1 --sizes 0.0625,0.125,0.25 --systems cairn,limits
@@ -55,7 +56,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--values", choices=["random", "trained"], default="trained",
                     help="array values: a trained layer's (the default; benchmarks.trained_state: init as a model "
                          "would, then AdamW steps), so that bytes on disk and compression are realistic; or random "
-                         "mantissas (what zstd cannot compress; the figures before 2026-12-05)")
+                         "mantissas (what zstd cannot compress)")
     ap.add_argument("--compression", default="auto", help="cairn's compression= (auto, true, false, zstd, planes)")
     a = ap.parse_args(argv)
     a.systems = [s for s in a.systems.split(",") if s]
@@ -115,7 +116,16 @@ def run_one(system: str, size_bytes: int, dtype: str, workdir: str, timeout: flo
     return out
 
 
+#: Scenarios other than the save/load table: ``python -m benchmarks.run NAME [its options]``.
+SCENARIOS = {"training": "benchmarks.training"}
+
+
 def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if args and args[0] in SCENARIOS:
+        import importlib
+
+        return int(importlib.import_module(SCENARIOS[args[0]]).main(args[1:]))
     a = parse(argv)
     os.environ["CAIRN_BENCH_VALUES"] = a.values  # the workers (subprocesses) build their states from it
     os.environ["CAIRN_BENCH_COMPRESSION"] = a.compression

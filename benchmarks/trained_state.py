@@ -189,6 +189,20 @@ def raw_bytes(tree: Any) -> int:
     return sum(a.nbytes for a in flatten(tree).values())
 
 
+
+def tiles(flat: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
+    """Up to `count` 256x256 tiles cut from the 2-d leaves of a flattened state, keyed "leaf.row.col"."""
+    out: dict[str, np.ndarray] = {}
+    for name, a in flat.items():
+        if a.ndim != 2:
+            continue
+        for i in range(0, a.shape[0] - 255, 256):
+            for j in range(0, a.shape[1] - 255, 256):
+                out[f"{name}.{i}.{j}"] = np.ascontiguousarray(a[i:i + 256, j:j + 256])
+                if len(out) >= count:
+                    return out
+    return out
+
 if __name__ == "__main__":
     import sys
     import time

@@ -35,6 +35,7 @@ from ._exports.orbax import export_orbax as export_orbax
 from ._load.engine import ArrayMetadata as ArrayMetadata
 from ._local.tier import LocalTier as LocalTier
 from ._manager.manager import CheckpointManager as CheckpointManager
+from ._manager.manager import ManagerStats as ManagerStats
 from ._run.retention import CheckpointInfo as CheckpointInfo
 from ._run.retention import KeepAll as KeepAll
 from ._run.retention import KeepAny as KeepAny
@@ -77,6 +78,7 @@ __all__ = [
     "LoadPlan",
     "LoadStats",
     "LocalTier",
+    "ManagerStats",
     "MismatchError",
     "PerProcess",
     "ProgressStats",

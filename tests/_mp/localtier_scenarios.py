@@ -149,7 +149,7 @@ def train(root: str, persist: str, total: int, local_every: int = 2, save_every:
 
 
 def bench(root: str, persist: str, mib: int, replicas: int = 1, steps: int = 4) -> dict[str, Any]:
-    """Timings for benchmarks/local_tier.py: `mib` MiB of float32 state over every device."""
+    """Timings for benchmarks/probes/local_tier.py: `mib` MiB of float32 state over every device."""
     import shutil
     import time
 

@@ -9,7 +9,7 @@ save: every survivor must raise `CoordinationError` naming it within CAIRN_PEER_
 Each process counts its calls to JAX's coordination client and their bytes (the heartbeat
 thread's apart), and its storage requests. `make test` runs 8 and 4 processes; `make stress`
 (CAIRN_STRESS=1) 32 and 16. Set CAIRN_SCALE_REPORT to a file to keep the counts
-(benchmarks/coord_scale.py compares its model with them).
+(benchmarks/probes/coord_scale.py compares its model with them).
 """
 
 from __future__ import annotations

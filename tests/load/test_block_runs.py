@@ -1,4 +1,4 @@
-"""A leaf with references (format version 4) decodes its coded blocks in runs (`blocks.read_blocks`, issue 38):
+"""A leaf with references (format version 4) decodes its coded blocks in runs (`blocks.read_blocks`):
 each run of consecutive checked blocks of one codec, own or referred to, is one `codecs.decode_run` call per
 piece of `blocks.RUN_PIECE` raw bytes, not one `codecs.decode` call a block; the values are bitwise the saved
 ones, every block's CRC-32C is checked before any decoding, and a corrupt block is named."""
@@ -70,7 +70,7 @@ def test_referred_and_own_coded_blocks_decode_in_runs(tmp_path, monkeypatch, cod
     calls = _Calls(monkeypatch)
     got = cairn.load(path)["w"]
     assert got.tobytes() == w2.tobytes()
-    assert calls.decode_in_read_blocks == 0  # before issue 38's change: one call a block, 16
+    assert calls.decode_in_read_blocks == 0  # one call a block would make 16
     assert sum(calls.runs) == 16
     # Pieces of RUN_PIECE (4 blocks of 1 MiB); runs cross from s1's file (the references) into s2's own.
     assert all(n >= 2 for n in calls.runs), calls.runs

@@ -1,4 +1,4 @@
-"""Compressed reads decoded on the process's decode pool (`decodepool.DECODE_THREADS`, issue 38): a read's
+"""Compressed reads decoded on the process's decode pool (`decodepool.DECODE_THREADS`): a read's
 blocks cut into pieces, the first decoded by the reader thread, the others on the pool; the same
 values, the same errors, every flipped stored byte a `CorruptCheckpointError`."""
 

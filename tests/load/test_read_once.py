@@ -1,4 +1,4 @@
-"""Read-once restore across real processes: each byte leaves storage once (issue 12).
+"""Read-once restore across real processes: each byte leaves storage once.
 
 Every case saves one float32 array on a 2- or 4-process cluster and loads it
 onto another sharding. The bytes each process read (LoadStats, and rchar from
@@ -150,7 +150,7 @@ def test_processes_that_choose_different_routes_fail_named_instead_of_hanging(tm
 
 
 def test_the_routes_benchmark_runs_cairn_and_orbax_on_the_same_processes(tmp_path):
-    # benchmarks.read_once --routes, small: one save by each library, every option loaded (and its
+    # benchmarks.probes.read_once --routes, small: one save by each library, every option loaded (and its
     # warm-up checked against the expected values in the scenario), rounds timed on every process.
     pytest.importorskip("orbax.checkpoint")
     options = {"default": {}, "read_once=True": {"read_once": True}, "orbax": {"system": "orbax"},

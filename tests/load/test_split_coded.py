@@ -1,4 +1,4 @@
-"""A large compressed chunk that decodes in place is read in parts (`landing.split_coded`, issue 38): each part
+"""A large compressed chunk that decodes in place is read in parts (`landing.split_coded`): each part
 whole blocks, read, checked and decoded by a reader thread of its own; the same values, one request per part
 (as the dry run predicts), and every flipped stored byte a `CorruptCheckpointError` naming its block."""
 

@@ -1,8 +1,8 @@
 """Soak: the memory of a loop that async-saves every step stays flat and within its snapshot buffers.
 
-Runs `benchmarks/soak.py` (two subprocesses: the same donating train loop with
+Runs the soak probe (`benchmarks/probes/soak.py`: two subprocesses, the same donating train loop with
 and without `CheckpointManager(max_to_keep=2)` saving every step). Under
-`make stress` (CAIRN_STRESS=1) it is the loop of issue 13: 16 leaves of 8 MiB,
+`make stress` (CAIRN_STRESS=1) it is a loop of 16 leaves of 8 MiB,
 1,000 steps; otherwise a short one. Target: RSS of the saving loop <= the
 no-save loop + two snapshots (the saves that may be in flight) + 10%, and no
 growth between the first and the last reported step.
@@ -29,7 +29,7 @@ def test_rss_of_a_save_every_step_loop_is_flat_and_bounded(tmp_path):
     out = tmp_path / "soak.json"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8", "JAX_PLATFORMS": "cpu"}
     p = subprocess.run(
-        [sys.executable, "-m", "benchmarks.soak", "--steps", str(steps), "--report", report, "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.probe", "soak", "--steps", str(steps), "--report", report, "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=3500,
     )
     assert p.returncode == 0, p.stderr[-4000:]

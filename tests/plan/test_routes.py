@@ -89,7 +89,7 @@ def test_defaults_per_backend_and_platform():
     assert local_cpu.interconnect_gbps < local_cpu.storage_gbps < obj_gpu.interconnect_gbps <= obj_tpu.interconnect_gbps
     assert obj_gpu.source == "default: object storage, gpu interconnect"
     assert local_cpu.host_gbps == HOST_DEFAULTS["cpu"] > 0 and obj_tpu.host_gbps == HOST_DEFAULTS["tpu"] > 0
-    # The two regimes of the issue, from the defaults alone: CPU hosts read directly, an object store
+    # The two regimes, from the defaults alone: CPU hosts read directly, an object store
     # behind a GPU interconnect reads once.
     assert _choose(local_cpu).kind == "direct" and _choose(obj_gpu).kind == "staged"
 

@@ -1,4 +1,4 @@
-"""Issue 40, the run side: moving an Orbax training job to cairn and back, with Orbax itself.
+"""A safe migration, the run side: moving an Orbax training job to cairn and back, with Orbax itself.
 
 Each test replays what a user did with a real orbax-checkpoint CheckpointManager
 (step_prefix names, fixed-length numbers, Composite items with JSON) and checks

@@ -59,7 +59,7 @@ def _hold_writes(monkeypatch):
     return go
 
 
-@pytest.mark.parametrize("to_host", [None, "pinned"])
+@pytest.mark.parametrize("to_host", [None, "pinned", "device"])
 @pytest.mark.parametrize("budget", [None, 0, 3 * 8 * 4096])
 def test_donating_step_right_after_save_async(tmp_path, mesh8, monkeypatch, budget, to_host):
     """The checkpoint holds the values at save time although the step donates them.
@@ -71,11 +71,14 @@ def test_donating_step_right_after_save_async(tmp_path, mesh8, monkeypatch, budg
     "pinned" treats the CPU devices as an accelerator's, so the snapshot's
     device-to-host transfers into pinned host memory (`start_to_host`) are
     what protects the values. (Its "cpu" method cannot be tried here: onto
-    the CPU backend from a CPU device, JAX aliases the buffer.)
+    the CPU backend from a CPU device, JAX aliases the buffer.) "device": the
+    same, with the snapshot's on-device copies (`device_snapshot`), not waited
+    for, brought to host by the writers' pipeline.
     """
     if to_host is not None:
         monkeypatch.setattr(shardings, "on_cpu", lambda a: False)
-        monkeypatch.setattr(shardings, "TO_HOST", to_host)
+        monkeypatch.setattr(shardings, "TO_HOST", to_host if to_host != "device" else None)
+        monkeypatch.setattr(shardings, "DEVICE_SNAPSHOT", "always" if to_host == "device" else "never")
     step = jax.jit(lambda w, b: (w * 2.0 + 1.0, b - 1), donate_argnums=(0, 1))
     w, b = _sharded(mesh8), _sharded(mesh8, offset=7.0).astype(jnp.int32)
     jax.block_until_ready(step(w.copy(), b.copy()))  # compile before the save
@@ -93,11 +96,13 @@ def test_donating_step_right_after_save_async(tmp_path, mesh8, monkeypatch, budg
     np.testing.assert_array_equal(out["w"], w_before)
     np.testing.assert_array_equal(out["b"], b_before)
     total = w_before.nbytes + b_before.nbytes
-    if budget is None:
+    if budget is None and to_host == "device":
+        assert (f.stats.snapshot_bytes, f.stats.device_copy_bytes, f.stats.device_snapshot_bytes) == (0, 0, total)
+    elif budget is None:
         assert (f.stats.snapshot_bytes, f.stats.device_copy_bytes) == (total, 0)
     else:
         assert f.stats.snapshot_bytes <= budget
-        assert f.stats.snapshot_bytes + f.stats.device_copy_bytes == total
+        assert f.stats.snapshot_bytes + f.stats.device_copy_bytes + f.stats.device_snapshot_bytes == total
         assert f.stats.device_copy_bytes > 0
 
 
@@ -128,6 +133,38 @@ def test_the_device_to_host_method_is_chosen_per_platform(monkeypatch):
     [h] = shardings.start_to_host([x])
     assert h.sharding.memory_kind == "pinned_host"
     np.testing.assert_array_equal(shardings.host_view(h), np.arange(100, dtype=np.float32))
+
+
+def test_device_snapshot_only_where_device_memory_has_room(monkeypatch):
+    """"auto" copies on the device only where its limit minus its peak use leaves room for the copies
+    and the headroom; a platform without memory statistics (the CPU backend) gets none."""
+
+    class Device:
+        platform = "tpu"
+
+        def __init__(self, peak):
+            self.peak = peak
+
+        def memory_stats(self):
+            return {"bytes_limit": 16 << 30, "peak_bytes_in_use": self.peak, "bytes_in_use": 1 << 30}
+
+    class Array:
+        def __init__(self, device, nbytes):
+            self.device, self.nbytes = device, nbytes
+
+    made = []
+    monkeypatch.setattr(shardings, "_copy_all", lambda *xs: made.append(xs) or [("copy", x) for x in xs])
+    monkeypatch.setattr(shardings, "DEVICE_SNAPSHOT", "auto")
+    roomy, full = Device(peak=8 << 30), Device(peak=13 << 30)
+    xs = [Array(roomy, 2 << 30), Array(roomy, 1 << 30)]
+    assert shardings.device_snapshot(xs) == [("copy", x) for x in xs]
+    assert len(made) == 1  # one jitted copy per device
+    # 13 GiB peak + 3 GiB of copies leaves less than the headroom: no copies, on any device
+    assert shardings.device_snapshot([Array(roomy, 1 << 20), Array(full, 3 << 30)]) is None
+    assert shardings.device_snapshot([jnp.arange(10)]) is None  # the CPU backend
+    monkeypatch.setattr(shardings, "DEVICE_SNAPSHOT", "never")
+    assert shardings.device_snapshot(xs) is None
+    assert len(made) == 1
 
 
 def test_updates_and_deletes_after_save_async(tmp_path, mesh8, monkeypatch):

@@ -1,4 +1,4 @@
-"""The "blosc2-lz4" codec in saves (issue 38): format version 6 exactly where a block needs it, in plain
+"""The "blosc2-lz4" codec in saves: format version 6 exactly where a block needs it, in plain
 and incremental saves and across processes' statuses, and "auto" weighing it against the leaf's smallest
 codec by predicted time (docs/FORMAT.md §6.4, §6.6; docs/compression.md)."""
 

@@ -1,5 +1,5 @@
 """A blocking save's host-copy pipeline (`snapshot.HostPipeline`) and the grouped codec choosing of
-small leaves (`codecpolicy._groups`), issue 38.
+small leaves (`codecpolicy._groups`).
 
 The pipeline starts device-to-host copies ahead of the writers: in the order they take the chunks,
 within a byte budget, each chunk at most once, and its failures reach the save. On this CPU-only

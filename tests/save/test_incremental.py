@@ -876,7 +876,7 @@ def test_copy_keeping_references_to_and_from_s3(tmp_path, s3):
     _same(states["c"], cairn.load(tmp_path / "back" / "c"))
 
 
-# ---------------------------------------------------------------------- save and load time (round 41b)
+# ---------------------------------------------------------------------- save and load time
 
 
 @pytest.mark.parametrize("n", [0, 1, 4096, 64 << 10, (64 << 10) + 1, MiB, MiB + 7])

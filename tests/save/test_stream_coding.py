@@ -1,5 +1,5 @@
 """The stream writer's coding (`pipeline.encoded`: recompressing copies) codes its runs as a save's tasks
-are (issue 38): with the pool's coders counted, so that "blosc2" chunks are gathered into shared buffers
+are: with the pool's coders counted, so that "blosc2" chunks are gathered into shared buffers
 where several threads code at once; the stored blocks are byte for byte what `codecs.encode` gives."""
 
 from __future__ import annotations

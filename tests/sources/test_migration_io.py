@@ -1,4 +1,4 @@
-"""Issue 40, the export and load-value side of a safe migration: each test follows a user's steps.
+"""A safe migration, the export and load-value side: each test follows a user's steps.
 
 - exports that would load as random weights (several checkpointables, rename rules that match
   nothing, a converted file cairn cannot read back) are refused or named;

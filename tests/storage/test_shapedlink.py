@@ -3,7 +3,7 @@ fake-gcs-server): it carries every request unchanged (but for the Host header, w
 rewrite_host), and its limits hold: no transfer beats the rate, no request the latency.
 
 Only lower bounds are asserted (the link guarantees them whatever the machine's load); how close
-cairn gets to the link's rate is a benchmark's question (benchmarks/bench_objstore.py --link).
+cairn gets to the link's rate is a benchmark's question (benchmarks/probes/objstore.py --link).
 """
 
 from __future__ import annotations

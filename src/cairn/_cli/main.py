@@ -384,7 +384,7 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
         for leaf in item["leaves"]:
             if "codec" in leaf:
                 codecs[leaf["codec"]] = codecs.get(leaf["codec"], 0) + 1
-    if set(codecs) - {"none"}:  # what the save's `compression=` decided, leaf by leaf (issue 38)
+    if set(codecs) - {"none"}:  # what the save's `compression=` decided, leaf by leaf
         stored = sum(leaf.get("stored_bytes", leaf["nbytes"]) for item in data["items"].values()
                      for leaf in item["leaves"] if "codec" in leaf)
         out.line(f"compression: {', '.join(f'{n} {c}' for c, n in sorted(codecs.items()))} (arrays stored in "

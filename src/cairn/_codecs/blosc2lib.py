@@ -4,7 +4,7 @@ python-blosc2's `compress2` does, per chunk and with the GIL held, all that surr
 builds the parameters from keywords, creates and frees a C-Blosc2 context, allocates a `bytes` of
 the input's size for the output and returns a copy of its used part; only the coding itself runs
 without the GIL. With a dozen coder threads those held spans take turns, and on the TPU host the
-"blosc2" codec coded at about half its C speed (docs/compression.md, issue 38).
+"blosc2" codec coded at about half its C speed.
 
 This module calls the C-Blosc2 shared library that python-blosc2's wheel ships (``blosc2/lib``)
 through ctypes, which releases the GIL for the whole of each call: one compression context per
@@ -70,7 +70,7 @@ class Setting(NamedTuple):
 
 #: The settings of cairn's C-Blosc2 codecs, by codec name (docs/FORMAT.md §6.4): "blosc2", byte shuffle
 #: (1) then zstd (5) at level 1; "blosc2-lz4", bit shuffle (2) then LZ4 (1) at level 5, which stores
-#: 3-10% more and decodes 1.5x, codes 2-3x as fast on one core (docs/compression.md, issue 38).
+#: 3-10% more and decodes 1.5x, codes 2-3x as fast on one core (docs/compression.md).
 SETTINGS = {"blosc2": Setting(5, 1, 1, 32 << 10), "blosc2-lz4": Setting(1, 5, 2, 64 << 10)}
 
 #: The two parameter structs as the header must declare them: (C type, field name), in order.
@@ -335,8 +335,7 @@ _encoding: list[Direct | None] = []
 
 def decoder() -> Direct | None:
     """The direct path for decoding, found without importing python-blosc2 (which takes 1.3 s on the TPU
-    host, a restart's first compressed load: docs/compression.md, "A restart without python-blosc2's
-    import"): its package located, the library and header beside it checked as `load` does, and blocks
+    host, a restart's first compressed load): its package located, the library and header beside it checked as `load` does, and blocks
     coded and decoded back by the library itself (`_roundtrip`). The direct path `load` found, where it
     ran first. None where it cannot be shown to decode (the caller then uses python-blosc2's functions)."""
     if not _loaded and not _decoding:

@@ -21,7 +21,7 @@ SAMPLE_PIECES = 4
 #: fraction of the smallest codec's: it decodes 3x and encodes 1.3x as fast as "planes" on the TPU
 #: host's 12 threads, and stores 0-2% more on f32 moments and 3% (1 MiB blocks) to 4.7% (32 KiB
 #: chunks) more on bf16 parameters, whose exponent planes "planes" codes with zstd settings tuned for
-#: them (docs/compression.md, 2026-12-06).
+#: them (docs/compression.md, "On one core").
 BLOSC2_NEAR = 0.05
 
 def sample(a: np.ndarray, nbytes: int = SAMPLE_BYTES, pieces: int = SAMPLE_PIECES) -> np.ndarray:

@@ -20,7 +20,7 @@ Codecs, by their stable names (recorded per leaf in the manifest):
 - ``"blosc2"``: one C-Blosc2 chunk of the block: byte shuffle (the same byte
   planes), each plane a zstd level-1 stream of its own (``ALWAYS_SPLIT``), all
   in C in one call that releases the GIL: 3x `planes`' decoding speed on many
-  cores (docs/compression.md, 2026-12-06). C-Blosc2 is called directly where
+  cores (docs/compression.md, "On many cores"). C-Blosc2 is called directly where
   `blosc2lib` shows it codes the same chunks (one context per thread, chunks coded
   into cairn's buffers and decoded into place), else through python-blosc2's
   `compress2` / `decompress2`. Needs python-blosc2, an optional
@@ -80,7 +80,7 @@ PLANE_PROBE = 4096
 #: near-random plane costs less than the probe's numpy calls there (measured on trained states:
 #: 2.5x faster for leaves under 64 KiB, 1.1-1.3x up to 1 MiB; docs/compression.md), and it runs
 #: without the GIL where the probe's small numpy calls hold it: 256 KiB leaves of f32 moments
-#: coded 7-10% faster on one thread unprobed, and stored 0.6% smaller (issue 38).
+#: coded 7-10% faster on one thread unprobed, and stored 0.6% smaller.
 PLANE_PROBE_MIN_BYTES = 512 << 10
 #: A coded plane is stored raw after all when zstd saves less than this fraction.
 PLANE_MIN_SAVING = 0.02
@@ -263,7 +263,7 @@ def encode_runs(runs: Sequence[tuple[str, Any, int, Any]], threads: int = 1, cod
     by one `multi_compress_to_buffer` call of zstandard, in C, on `threads` threads of its own;
     and each run's stored blocks are joined into one buffer. Threads coding batches at once then
     scale over cores, where per-block numpy and zstd calls each had to take the GIL back
-    (docs/compression.md, "Many cores").
+    (docs/compression.md, "On many cores").
     """
     checked = []
     for codec, raw, block, dtype in runs:
@@ -314,8 +314,8 @@ def encode_runs(runs: Sequence[tuple[str, Any, int, Any]], threads: int = 1, cod
 #: bytes object while holding the GIL; held until written (a save's coders run ahead of its writers),
 #: every chunk was fresh memory, whose first-touch page faults (slow under a sandbox such as gVisor)
 #: then ran one thread at a time: 2,449 small leaves in one checkpointable coded at one core's speed
-#: on the TPU host's 13 cores (docs/compression.md, "Small leaves in one checkpointable").
-#: 0: each chunk kept as python-blosc2 returned it (as before 2026-12-06 noon).
+#: on the TPU host's 13 cores.
+#: 0: each chunk kept as python-blosc2 returned it.
 BLOSC2_JOIN_BYTES = 1 << 20
 #: ...where at least this many threads code at once (`encode_runs`' `coders`): with fewer, the GIL is
 #: seldom wanted by two coders at once, and the copy is a cost with nothing to win (on a 2-core VM the
@@ -751,7 +751,7 @@ def _decode_blosc2_run(stored: Sequence[Any], dtype: Any, raw_sizes: Sequence[in
     C-Blosc2's own (`blosc2lib`, told it may write exactly the block's raw size there) where it is called
     directly, else python-blosc2's `decompress2` of the stored object itself. (Checking a run's headers
     at once as numpy columns, then decoding per block, decoded at 4.66 GiB/s on the TPU host's 12 threads
-    against 7.54 for this form, in one run: docs/compression.md, "On the chip after the merge".)"""
+    against 7.54 for this form, in one run.)"""
     try:
         k = _check_dtype(dtype).itemsize
     except ValueError as e:
@@ -841,6 +841,6 @@ def _merge(planes: list[np.ndarray], dst: np.ndarray, k: int) -> None:
 
     One numpy call per block (k strided byte copies inside it, the GIL released throughout): on the
     TPU host's 12 threads it merges 1.6x faster than shifting and or-ing the planes as wide words,
-    which takes 2k calls and as many passes over the block (docs/compression.md, "Tiles").
+    which takes 2k calls and as many passes over the block.
     """
     np.stack(planes, axis=1, out=dst.reshape(-1, k))

@@ -112,7 +112,7 @@ class SlabPool:
     3.3 GB/s on 12, memory already touched at 55 GB/s). Lent from here, a buffer comes back when its last
     view is gone (a reference held anywhere keeps it lent: a storage client's part, a transfer in
     flight), and later lends, of this save or load and of the next ones, fill pages already mapped
-    (docs/compression.md, "Coded buffers lent and taken back", "Load buffers lent").
+    (docs/compression.md, "On many cores").
 
     Sizes are whole MiB (`STEP`); a lend takes a free buffer of its size or up to a quarter larger, else
     a new one. Buffers that come back are kept only up to `peak` bytes, the most that were ever lent at
@@ -239,8 +239,8 @@ class _BufferPool:
     with two saves in flight reuses the same buffers over and over. Keeping
     only one snapshot's worth made every save free half its buffers and
     allocate new ones, from whichever thread's malloc arena; measured with
-    benchmarks/soak.py, that churn held ~100-200 MiB more RSS than the
-    buffers themselves (docs/PERFORMANCE.md, "Per-leaf and steady-state costs").
+    benchmarks/probes/soak.py, that churn held ~100-200 MiB more RSS than the
+    buffers themselves.
     """
 
     def __init__(self) -> None:

@@ -6,7 +6,7 @@ step ends. Every 700 net allocations the collector walks the young ones again,
 and every few such walks it walks every object of the process: with JAX
 loaded that full collection took ~100 ms on the benchmark machine, and about
 half of `cairn.save`, `cairn.load` and `cairn.metadata` of 2,000 small leaves
-went to such walks (benchmarks/per_leaf.py, docs/PERFORMANCE.md). None of what
+went to such walks. None of what
 those steps build is garbage, so they pause the collector.
 
 The collector has only a process-wide switch, so the pause covers only a

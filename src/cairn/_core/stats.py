@@ -44,7 +44,9 @@ class SaveStats:
     files_written: int = 0
     snapshot_bytes: int = 0  # copied to host memory during the blocking phase
     device_copy_bytes: int = 0  # over the snapshot budget: protected by on-device copies instead
+    device_snapshot_bytes: int = 0  # protected by on-device copies that the writers bring to host
     queued_s: float = 0.0  # async: waiting for earlier saves of this process to finish
+    skipped_steps: int = 0  # a continuous CheckpointManager: steps skipped since its previous save began
     retries: int = 0
     # What compression= decided: "raw", or the mode and the codecs of the leaves this process
     # chose, e.g. "auto (object storage at 0.50 GiB/s (default), 13 cores): 3 none, 120 planes"

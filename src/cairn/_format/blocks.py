@@ -105,7 +105,7 @@ def block_hash(data: Any) -> bytes:
     `update`. Alone on one core and from memory `update` is no faster (256 MiB: 26-45 ms one call,
     45-60 ms `update`, on the shared 2-core VM), but incremental saves of a frozen backbone, whose hashing
     runs beside the writes of the changed leaves, took 0.90x and 0.96x the time in two runs of 12 saves
-    alternated with the one-call hash (docs/incremental.md, "Save and load time, round 41b")."""
+    alternated with the one-call hash."""
     if _xxhash is None:
         raise ImportError("incremental checkpoints need the 'xxhash' package (pip install xxhash)")
     n = data.nbytes if isinstance(data, (memoryview, np.ndarray)) else len(data)

@@ -63,12 +63,12 @@ RUN_PIECE = 4 << 20
 #: at least this many raw bytes (whole blocks), each taken by the read's reader thread or a free thread of the
 #: decode pool (`decodepool.share`), as coded blocks are decoded in pieces of `RUN_PIECE`. A 1 MiB sparse
 #: delta's rebuild costs 0.1-0.2 ms of CPU alone (its base block's CRC-32C 40 us, zstd 26 us, parse and
-#: scatter 21 us, and its Python, on the 2-core VM: docs/incremental.md, "Round 41e"), in several calls that
+#: scatter 21 us, and its Python, on the 2-core VM), in several calls that
 #: each take the GIL: pieces of 4 blocks hand over a quarter as many tasks as one a block. On the 2-core VM (no
 #: free core: no gain possible there) loads took 0.97-1.02x the time of the reader thread alone with 4 MiB
-#: pieces, 1.01-1.04x with 1 MiB ones (in-process alternations, `benchmarks.incremental_load`).
+#: pieces, 1.01-1.04x with 1 MiB ones (in-process alternations).
 DELTA_PIECE = 4 << 20
-#: False: a read's deltas are rebuilt by its reader thread alone, one after another (as before 2026-12-06).
+#: False: a read's deltas are rebuilt by its reader thread alone, one after another.
 DELTAS_SHARED = True
 
 
@@ -364,7 +364,7 @@ def _decode_coded(coded: list[tuple[int, int, Any]], raws: list[int], block: int
     (`coded_runs`) cut into pieces of at least `RUN_PIECE` raw bytes, each piece one `codecs.decode_run`
     call, spread over the decode pool (`decodepool.spread`). (A block at a time, one `decode` call each, the
     Python and numpy work of each call held decoding on the TPU host's 12 threads to 1.58 GiB/s, against
-    2.20 for runs of a read's blocks: issue 38.) ``where(b)`` names block b in errors."""
+    2.20 for runs of a read's blocks.) ``where(b)`` names block b in errors."""
     spans = [(b * block - start, b * block - start + raws[b], where(b)) for b, _, _ in coded]
     work = [p for i, j in coded_runs(coded) for p in pieces(spans, i, j, RUN_PIECE)]
 

@@ -17,15 +17,15 @@ from .._core.host import usable_cores
 
 #: Threads that decode compressed blocks: one pool per process, shared by loads, whatever their reader
 #: ``threads``. None: one per core this process may run on; 0: no pool, each read's blocks decoded by the
-#: reader thread that read them (as before issue 38, where a load's 8 reader threads were all that
-#: decoded, on hosts of 13 cores and more).
+#: reader thread that read them (a load's 8 reader threads then are all that decode, on hosts of
+#: 13 cores and more).
 DECODE_THREADS: int | None = None
 #: A read's checked blocks are decoded in pieces of at least this many raw bytes (whole blocks), one
 #: `codecs.decode_run` call each: one 1 MiB block takes about 1.5 ms to decode on one core, a piece's
 #: task about 20 us to hand over, but each call's Python holds the GIL, which 12 decoding threads
-#: share. On the TPU host (13 cores) the issue's 2.38 GiB compressed state loaded onto the chip in
+#: share. On the TPU host (13 cores) a 2.38 GiB compressed trained state loaded onto the chip in
 #: 1.46 s with 1 MiB pieces, 1.36 s with 4 and 1.26 s with 8 (medians of 5, alternated), and a 1 GiB
-#: load from ``memory://`` 0.86-0.88x as long with 4 as with 1 (docs/compression.md, "Decode pieces").
+#: load from ``memory://`` 0.86-0.88x as long with 4 as with 1.
 #: 4 MiB: most of the gain, and a 32 MiB read still spreads over 8 threads.
 DECODE_PIECE = 4 << 20
 

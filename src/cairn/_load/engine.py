@@ -271,7 +271,7 @@ class _LoadPool(Executor):
     the scratch buffers its threads read into (`landing.scratch`) are held for the load, then go back
     to `buffers.load_pool` for the next one, not freed with the threads: on the TPU host a compressed
     load from local files whose threads came new, with new buffers, took 1.25 s, 0.80 s on kept ones
-    (docs/compression.md, "Scratch buffers kept between loads"). Leaving the load waits for every
+    (measured on the TPU host). Leaving the load waits for every
     task it sent (as leaving a pool of its own did), so none runs on after it.
     """
 

@@ -28,7 +28,7 @@ def scratch(nbytes: int, which: str = "buf") -> np.ndarray:
     back to that pool: the next load's reads fill pages already mapped. Under gVisor
     (the TPU host) a compressed load whose reader threads took fresh buffers spent
     4.2 s of system time per 2.4 GiB on their first touch, 0.25 s with kept ones
-    (docs/compression.md, "Scratch buffers kept between loads").
+    (measured on the TPU host).
     """
     scope: dict[Any, Any] | None = getattr(_local, "scope", None)
     held: dict[Any, Any] = _local.__dict__ if scope is None else scope
@@ -105,7 +105,7 @@ def split_coded(read: Any, block: int, part: int | None = None) -> list[Any]:
 
     One read per chunk left a 128 MiB embedding to one reader thread, which read and checked its ~100 MiB
     of stored bytes before the first block decoded (95-190 ms on the TPU host, the other readers idle
-    behind it: docs/compression.md, "Large chunks in parts"). A read at most 1.5 parts long stays whole."""
+    behind it). A read at most 1.5 parts long stays whole."""
     part = CODED_PART if part is None else part
     if read.end - read.start <= part * 3 // 2:
         return [read]

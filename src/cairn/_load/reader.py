@@ -66,12 +66,12 @@ LEND_LOAD_BUFFERS = True
 #: so a read never waits for pieces queued behind other reads' on a busy pool; False: `decodepool.spread`,
 #: every piece but the first queued on the pool and waited for. On the TPU host a load whose first leaf is
 #: a 128 MiB embedding queued 32 pieces at once, and the reads behind it waited for theirs: its readers
-#: ran 4 reads for its first 70 ms (docs/compression.md, "Scratch buffers kept between loads").
+#: ran 4 reads for its first 70 ms (on the TPU host).
 CODED_SHARED = True
 #: A compressed read decoded in place on a reader thread, whole or a part of a large chunk (`_do_read_part`),
 #: is decoded by that thread alone, not shared with the decode pool: the parts already keep every reader
 #: decoding, and on the TPU host the pool's threads beside them slowed a warm load (0.93-0.94x without
-#: them, in three calls; docs/compression.md, "Parts decoded by their readers"). True: shared with the pool.
+#: them, in three calls). True: shared with the pool.
 PART_POOL = False
 #: Destinations smaller than this are new buffers (the pool lends whole MiB; small ones come from memory
 #: the allocator has mapped already).
@@ -84,8 +84,8 @@ def lends(sharding: Any) -> bool:
     """Whether a load's host buffers for `sharding` are lent from `buffers.load_pool`: where its devices are
     not the CPU's. There each buffer is copied to the device and let go of once the copy is done, so the
     next buffers (of this load, and of a later one in this process) fill pages already mapped rather than
-    fresh ones, whose first touch is a page fault (dear under a sandbox such as gVisor: the TPU host,
-    docs/compression.md "Load buffers lent"). The CPU backend adopts the buffers as the arrays themselves,
+    fresh ones, whose first touch is a page fault (dear under a sandbox such as gVisor: the TPU
+    host). The CPU backend adopts the buffers as the arrays themselves,
     which live on with the state: nothing would come back."""
     if not LEND_LOAD_BUFFERS or sharding is None:
         return False
@@ -367,7 +367,7 @@ class ChunkReader:
         are checked in the thread that received the part, as it lands, and decoded by it and the decode
         pool (`CodedRead.decoder`): a corrupt block fails the read while later parts are still on the wire,
         and decoding overlaps the transfer. From a local file, the blocks are checked once read, then
-        decoded by this reader thread and the decode pool, on as many cores as are free (issue 38). Blocks
+        decoded by this reader thread and the decode pool, on as many cores as are free. Blocks
         across two parts are checked and decoded once the whole range has landed. (`read_array` sends a read
         that decodes straight into its destination elsewhere: on object stores gathered per file, `Pieces`,
         else in parts, `_do_read_part`, each decoded by its reader alone; with the same checks, `CodedRead`.)

@@ -30,7 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .._core.renamed import renamed_keyword, renamed_method
@@ -113,6 +113,31 @@ def _local_refusal(target: Any, partial: bool, kw: dict[str, Any], coord: Coordi
 
 
 @dataclass
+class ManagerStats:
+    """What a `CheckpointManager`'s saves cost the training loop, on this process (`CheckpointManager.stats`).
+
+    - `saves`: steps whose save started; `skipped`: steps on the save schedule not saved because
+      a save was still in flight (``continuous=True``), `skipped_steps` the last 100 of them.
+    - `waited_s`, `longest_wait_s`: how long `save` waited for earlier saves to make room (the
+      back-pressure of the default mode, bounded by `max_wait_s`), in all and at most once.
+    - `blocking_s`, `longest_blocking_s`: what the saves' blocking phases took (validation and
+      the snapshot), in all and at most once.
+    """
+
+    saves: int = 0
+    skipped: int = 0
+    skipped_steps: list[int] = field(default_factory=list)
+    waited_s: float = 0.0
+    longest_wait_s: float = 0.0
+    blocking_s: float = 0.0
+    longest_blocking_s: float = 0.0
+
+
+#: A wait of `save` for earlier saves longer than this is logged (once per manager).
+WAIT_WARN_S = 1.0
+
+
+@dataclass
 class _Pending:
     step: int
     future: _async.SaveFuture
@@ -157,6 +182,22 @@ class CheckpointManager(StepWatch):
       ``should_save_fn(step, last_saved_step)`` is true (Orbax's
       ``should_save_fn``), each where given. With several processes the
       primary judges both (clocks differ) and every process gets its answer.
+    - `continuous`: continuous checkpointing. A step the schedule above says
+      to save is saved only when no earlier save of this manager is still in
+      flight; otherwise it is skipped (`save` returns False) and counted:
+      ``mgr.stats.skipped``, the next save's ``SaveStats.skipped_steps``, and
+      one warning in the log. `save` never waits for an earlier save then, so
+      a save never stretches a step beyond its blocking phase; with
+      `save_interval_s` it also saves at most that often (Orbax's
+      ``ContinuousCheckpointingPolicy(minimum_interval_secs=)``). Every
+      process makes the primary's decision.
+    - `max_wait_s` (the default mode's back-pressure): at most two async
+      saves hold snapshots at once (one writing, one queued), so when saves
+      are slower than steps `save` waits for the oldest. It waits at most
+      `max_wait_s` seconds (default 600), then raises `CheckpointError`
+      naming the step in flight; waits are counted in ``mgr.stats``
+      (``waited_s``, ``longest_wait_s``) and the first one over a second is
+      logged. Use ``continuous=True`` to skip instead of waiting.
     - `compression`: as `cairn.save`'s, for every step (``"auto"``: on for
       object stores and network filesystems, off on local disks; ``True``: a codec per leaf).
       `compression`, `threads` and `snapshot_budget_bytes` are checked as
@@ -246,6 +287,8 @@ class CheckpointManager(StepWatch):
         trash_dir: str | None = None,
         incremental: bool = False,
         full_every: int = 10,
+        continuous: bool = False,
+        max_wait_s: float | None = 600.0,
     ):
         if save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
@@ -295,6 +338,14 @@ class CheckpointManager(StepWatch):
         self._last_saved_step: int | None = None
         self.trash_dir = _trash_dir(trash_dir, self._storage, self.directory)
         self._orbax: set[int] = set()  # the run's steps that are Orbax step folders, as last listed
+        self.continuous = bool(continuous)
+        if max_wait_s is not None and not (max_wait_s >= 0 and max_wait_s < float("inf")):
+            raise ValueError(f"{self.directory}: max_wait_s must be a finite number of seconds >= 0 (or None: "
+                             f"wait as long as the save in flight takes), got {max_wait_s}")
+        self.max_wait_s = max_wait_s
+        self._stats = ManagerStats()
+        self._skipped_since = 0  # steps skipped since the last save began (the next save's SaveStats)
+        self._warned_skip = self._warned_wait = False
         self._check_strays()
 
     def _survey(self) -> tuple[list[tuple[int, str, bool]], list[list[Any]]]:
@@ -531,6 +582,61 @@ class CheckpointManager(StepWatch):
                 mine = bool(self.should_save_fn(step, self._last_saved_step))
         return bool(self._decisions.shared(f"schedule-{step}", mine))
 
+    @property
+    def stats(self) -> ManagerStats:
+        """A copy of this process's `ManagerStats`: saves, skipped steps, waits and blocking times.
+
+        Example:
+
+            s = mgr.stats
+            print(f"{s.saves} saves, {s.skipped} steps skipped, {s.waited_s:.1f} s waited")
+        """
+        return replace(self._stats, skipped_steps=list(self._stats.skipped_steps))
+
+    def _in_flight(self) -> int | None:
+        """The oldest step whose save has not finished (committed or failed), or None."""
+        return next((p.step for p in self._pending if not p.future.done()), None)
+
+    def _busy(self, step: int) -> bool:
+        """Continuous checkpointing: whether `step` is skipped because a save is in flight (the
+        primary's view, on every process: a process whose own save is finishing saves then too)."""
+        mine = None
+        if self._primary or self._decisions.alone:
+            mine = self._in_flight()
+        busy = self._decisions.shared(f"busy-{step}", mine)
+        if busy is None:
+            return False
+        self._stats.skipped += 1
+        self._stats.skipped_steps = [*self._stats.skipped_steps, step][-100:]
+        self._skipped_since += 1
+        if not self._warned_skip:
+            self._warned_skip = True
+            log.warning("cairn: %s: step %d not saved, the save of step %d is still in flight (continuous "
+                        "checkpointing); later skips are counted in CheckpointManager.stats and the next "
+                        "save's SaveStats.skipped_steps", self.directory, step, busy)
+        else:
+            log.debug("cairn: %s: step %d skipped, the save of step %d is in flight", self.directory, step, busy)
+        return True
+
+    def _wait_for_room(self, step: int) -> None:
+        """The default mode's back-pressure: wait for earlier saves to make room, at most `max_wait_s`."""
+        t0 = time.perf_counter()
+        room = _async.wait_for_room(self.max_wait_s)
+        waited = time.perf_counter() - t0
+        self._stats.waited_s += waited
+        self._stats.longest_wait_s = max(self._stats.longest_wait_s, waited)
+        if not room:
+            raise CheckpointError(
+                f"{self.path(step)}: step {step} was not saved: the save of step {self._in_flight()} is still "
+                f"in flight after max_wait_s={self.max_wait_s} s (saves are slower than the steps, or the "
+                "storage is stuck); pass continuous=True to skip steps while a save is in flight, or a "
+                "larger save_every or max_wait_s")
+        if waited > WAIT_WARN_S and not self._warned_wait:
+            self._warned_wait = True
+            log.warning("cairn: %s: the save of step %d waited %.1f s for earlier saves: saves take longer than "
+                        "the steps between them (continuous=True skips steps instead; see "
+                        "CheckpointManager.stats)", self.directory, step, waited)
+
     def is_saving_in_progress(self) -> bool:
         """Whether a background save of this manager has not finished yet (its commit and retention).
 
@@ -603,6 +709,8 @@ class CheckpointManager(StepWatch):
         local_saved = self.local is not None and self.local.save(step, state)
         if not (force or preempted or self._on_schedule(step)):
             return local_saved
+        if self.continuous and self.async_save and not (force or preempted) and self._busy(step):
+            return local_saved
         meta = _steps.step_metadata(step, metrics, f"{self.directory} step {step}", metadata)
         if cast is not None:
             state = _cast(state, cast, f"{self.directory} step {step}")
@@ -624,7 +732,13 @@ class CheckpointManager(StepWatch):
         inc = self._incremental_for(step, loc)
         try:
             if self.async_save and not preempted:
+                if not self.continuous:
+                    self._wait_for_room(step)
                 fut = _async.save_async(loc, state, self._save_options, metadata=meta, incremental=inc)
+                fut.stats.skipped_steps, self._skipped_since = self._skipped_since, 0
+                self._stats.saves += 1
+                self._stats.blocking_s += fut.stats.blocking_s
+                self._stats.longest_blocking_s = max(self._stats.longest_blocking_s, fut.stats.blocking_s)
             else:
                 self.wait()
                 _async.save(loc, state, self._save_options, metadata=meta, incremental=inc)

@@ -1,7 +1,7 @@
 """Pure: `_plan.chunk_layout` for a regular grid of device boxes, over numpy arrays of boxes.
 
 `chunk_layout` defines the layout with a loop over devices; at 8,192 devices that
-loop is most of a process's save planning (benchmarks/plan_scale.py). This module
+loop is most of a process's save planning (benchmarks/probes/plan_scale.py). This module
 computes the same grid, writers and sources with array operations. It answers
 None for anything it does not handle (boxes that do not tile a grid, holes,
 zero-length axes, rank 0), and the loop then runs and reports the problem, so

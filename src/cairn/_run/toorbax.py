@@ -1,6 +1,6 @@
 """A whole run back to Orbax: every cairn step of a manager's directory as an Orbax step folder.
 
-The way back after a run continued with cairn (issue 40): each cairn step is
+The way back after a run continued with cairn: each cairn step is
 written by `export_orbax` under Orbax's step naming (``step_prefix``,
 ``step_format_fixed_length``), in place or into a new directory, so Orbax's
 own CheckpointManager lists every step of the run in order and resumes from

@@ -150,7 +150,7 @@ def layout_for(sharding: Any, shape: tuple[int, ...], boxes: Any, devices: Any, 
 
     Both cost O(devices) per array (in numpy, `_grid`: a few ms at 8,192 devices);
     models repeat a few (sharding, shape) pairs over hundreds of layers, so they
-    are memoised (benchmarks/plan_scale.py measures the difference at 4,096 devices).
+    are memoised (benchmarks/probes/plan_scale.py measures the difference at 4,096 devices).
     """
     spread = split_replicas or split_elems > 0  # the offset picks writers
     key: Any = (sharding, shape, split_replicas, offset if spread else 0, me, split_elems, merge_itemsize)

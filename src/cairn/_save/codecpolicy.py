@@ -58,9 +58,9 @@ class CodecSpeed:
 _GiB = float(1 << 30)
 #: Per-platform codec speeds, measured on the bf16-f32 trained state (1 MiB blocks) on the TPU v5e
 #: host's 13 AMD cores: planes 0.54-0.61 / 0.87-0.99 GiB/s on one thread, 2.48-2.72 / 1.79-1.80 on 12
-#: (docs/bench/tpu-v5e-host-codecs-after.json, -codec-threads-after.json); zstd level 1 0.53-0.57
+#: (benchmarks/results/tpu-v5e-host-codecs-after.json, -codec-threads-after.json); zstd level 1 0.53-0.57
 #: GiB/s compress on one, 4.43 on 12 (-codec-candidates-256mb.json), decompress 0.82-0.87 on one and
-#: 4.7-7.2 on 12 (issue 38's table); this project's 2-core VM, idle, 0.8-1.4 / 1.1-2.2 GiB/s per
+#: 4.7-7.2 on 12; this project's 2-core VM, idle, 0.8-1.4 / 1.1-2.2 GiB/s per
 #: core by leaf kind. An idle host's figures: what earlier saves of this process measured scales them
 #: (`CodecMeter`, the codec factor), and the primary's factor holds for every process.
 CODEC_SPEEDS = {
@@ -68,13 +68,13 @@ CODEC_SPEEDS = {
     "zstd": CodecSpeed(encode=0.55 * _GiB, decode=0.85 * _GiB, encode_scale=0.6, decode_scale=0.5),
 }
 
-# The optional "blosc2" codec (issue 38), priced only where python-blosc2 is importable, so that without it
+# The optional "blosc2" codec, priced only where python-blosc2 is importable, so that without it
 # "auto" decides exactly as before. The same state on the TPU host: 0.51 / 1.55 GiB/s on one thread,
-# 3.31 / 7.68 on 12 (docs/bench/tpu-v5e-host-native-codecs.json).
+# 3.31 / 7.68 on 12 (benchmarks/results/tpu-v5e-host-native-codecs.json).
 if _codecs.blosc2_available():
     CODEC_SPEEDS["blosc2"] = CodecSpeed(encode=0.5 * _GiB, decode=1.5 * _GiB, encode_scale=0.5, decode_scale=0.36)
     # "blosc2-lz4" (bit shuffle and LZ4), C-Blosc2 called directly, the same state on the TPU host: 1.32 / 2.28
-    # GiB/s on one thread, 7.27 / 6.75 on 12 (docs/bench/tpu-v5e-lz4-codecs.json); this project's VM 1.59 /
+    # GiB/s on one thread, 7.27 / 6.75 on 12 (benchmarks/results/tpu-v5e-lz4-codecs.json); this project's VM 1.59 /
     # 2.00 on one, 3.02 / 3.41 on two. By these figures it does not pay on a local disk (8 GiB/s) on 13 cores.
     CODEC_SPEEDS["blosc2-lz4"] = CodecSpeed(encode=1.3 * _GiB, decode=2.3 * _GiB, encode_scale=0.41,
                                             decode_scale=0.18)
@@ -82,8 +82,8 @@ if _codecs.blosc2_available():
 
 #: One core's speed of a codec on leaves of one element size, where it differs from the whole state's
 #: (`CODEC_SPEEDS`, whose scaling over cores these keep), measured on this project's 2-core VM with
-#: ``python -m benchmarks.native_codecs --dtype bfloat16`` / ``--dtype float32`` (docs/compression.md,
-#: "Coding and writing at once"): C-Blosc2 runs zstd over every byte plane, and a bf16 block's near-random
+#: ``python -m benchmarks.probe native_codecs --dtype bfloat16`` / ``--dtype float32``:
+#: C-Blosc2 runs zstd over every byte plane, and a bf16 block's near-random
 #: mantissa plane is half of it, where `planes` stores that plane raw after a probe: "blosc2" compresses
 #: bf16 at half `planes`' speed on one core (0.33 against 0.69 GiB/s; f32 0.45 against 0.41) and both
 #: decode bf16 at 1.1 GiB/s (f32: 1.2-1.4 against 0.9).
@@ -298,7 +298,7 @@ def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict
 #: A leaf's sample is at most 1 / SAMPLE_SHARE of its first chunk (`sample_bytes`), so that choosing
 #: codes a fraction of a state of small leaves, not all of it three times over (a leaf under
 #: `choose.SAMPLE_BYTES` was sampled whole: 2,449 leaves of 256x256 spent more time choosing than
-#: coding; docs/compression.md, "Coding and writing at once").
+#: coding).
 SAMPLE_SHARE = 4
 #: ... and at least this many bytes (or the whole chunk, if smaller).
 SAMPLE_MIN_BYTES = 16 << 10
@@ -521,7 +521,7 @@ class _Choosing:
 #: GROUP_LEAVES of them. One decision serves the whole group, measured on GROUP_SAMPLES of its leaves
 #: spread over it (`_choose_group`). Measured one by one, 2,449 leaves of 256x256 spent ~1.1 ms each on
 #: the TPU host choosing (three encoders each, python-blosc2's fixed ~0.18 ms a call): more than coding
-#: them (issue 38). 1: every leaf measured on its own, as before.
+#: them. 1: every leaf measured on its own.
 GROUP_MAX_BYTES = 1 << 20
 GROUP_LEAVES = 64
 GROUP_SAMPLES = 4

@@ -198,8 +198,8 @@ class SaveJob:
                 pipeline.CodePool(coders) as code_pool:
             # Files start in turn across checkpointables (each one's first file, then each one's second...):
             # an incremental save's files of unchanged leaves only hash, and must not hold every writer
-            # while another checkpointable's changed leaves wait (docs/incremental.md, "Save and load time,
-            # round 41b"). The coder pool serves files in that order too (`order`: a file's rank).
+            # while another checkpointable's changed leaves wait
+            # (docs/incremental.md). The coder pool serves files in that order too (`order`: a file's rank).
             for item, k in files_in_turn(self.items):
                 jobs.append((item, k, pool.submit(self._write_file, item, k, item.files[k], crc_pool,
                                                   code_pool if coders > 1 else None, len(jobs))))
@@ -555,7 +555,7 @@ class _FileWriter:
 
 #: Bytes of device chunks a blocking save's host-copy pipeline may have started ahead of its writers
 #: (`host_pipeline`; at most `KEEP_HOST_SHARE` of the host's memory). 0: no pipeline, each chunk
-#: copied to host by its writer (or the codec choosing) when it comes to it, as before 2026-12-06.
+#: copied to host by its writer (or the codec choosing) when it comes to it.
 HOST_PIPELINE_BYTES = 1 << 30
 
 
@@ -584,13 +584,21 @@ def host_pipeline(job: SaveJob) -> Any:
             srcs.append(src)
     if not keys:
         return None
-    pipe = HostPipeline(keys, sizes, srcs, budget)
+    # The snapshot's own on-device copies go to host by the fastest way, freed as they arrive.
+    own = job.stats.device_snapshot_bytes > 0
+    pipe = HostPipeline(keys, sizes, srcs, budget, start=_own_to_host if own else None)
     pipe.fill()
     return pipe
 
 
+def _own_to_host(arrays: list[Any]) -> list[Any]:
+    from .._tree.shardings import start_to_host
+
+    return start_to_host(arrays, "own")
+
+
 #: A single process's compressed save measures its leaves' codecs while its first files are written
-#: (`_Choosing`); False: all of them before any file (as before 2026-12-06; benchmarks compare both).
+#: (`_Choosing`); False: all of them before any file (benchmarks compare both).
 CHOOSE_IN_BACKGROUND = True
 
 

@@ -183,10 +183,10 @@ class _Background:
         with self._lock:
             return set(self._paths.values())
 
-    def wait_for_room(self, limit: int, timeout: float | None = None) -> None:
-        """Block until fewer than `limit` saves are pending."""
+    def wait_for_room(self, limit: int, timeout: float | None = None) -> bool:
+        """Block until fewer than `limit` saves are pending (at most `timeout` s); whether they are."""
         with self._cond:
-            self._cond.wait_for(lambda: len(self._pending) < limit, timeout)
+            return self._cond.wait_for(lambda: len(self._pending) < limit, timeout)
 
     def reported(self, fut: Future[Any]) -> None:
         with self._lock:
@@ -253,6 +253,12 @@ def wait_all(timeout: float | None = None) -> None:
 def raise_unreported() -> None:
     """Raise (once) the error of an earlier async save whose future nobody collected."""
     _background.raise_unreported()
+
+
+def wait_for_room(timeout: float | None = None) -> bool:
+    """Wait until another async save may start without waiting (fewer than `MAX_PENDING` pending),
+    at most `timeout` seconds; whether it may."""
+    return _background.wait_for_room(MAX_PENDING, timeout)
 
 
 def admit() -> None:

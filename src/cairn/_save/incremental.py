@@ -96,7 +96,7 @@ BATCH = 4 << 20
 #: Own raw blocks next to each other in a chunk go to the storage as one buffer, up to this many bytes (a
 #: view of the chunk's bytes, no copy), as a plain save gives it a chunk: one buffer per 1 MiB block cost
 #: a save of 256 MiB 292 write calls (now 115) where the plain save made 82, and twice its write time on
-#: the TPU host's sandboxed disk (`benchmarks.incremental_stages`, docs/incremental.md "Round 41e, lead").
+#: the TPU host's sandboxed disk (benchmarks/results/tpu-v5e-incremental-stages-41e.log).
 OWN_SPAN = 4 << 20
 #: A delta is kept when its stored bytes are at most this fraction of the block's own stored bytes.
 DELTA_GAIN = 0.25
@@ -126,15 +126,15 @@ SPARSE_NEAR = 1.0
 #: (3%), against an XOR frame that may be far smaller (a run of elements whose lowest bit flipped), and
 #: 1-3 KiB per MiB on those blocks (their parameters' bytes written 0.0110x -> 0.0118x). Wider elements
 #: keep the comparison: an ulp's XOR is one low bit of 4 or 8 bytes, and their sparse frames were 1.5-5.9x
-#: the XOR frame (docs/incremental.md "Round 41e, lead").
+#: the XOR frame (measured on the TPU host).
 SPARSE_FIRST = 0.10
 SPARSE_SMALL = 1 / 32
 #: The runs of a chunk the base found unchanged too (every block of the base's chunk a reference further
 #: back: a frozen leaf) queue behind every other chunk's runs on the save's coder pool (`write_chunk`), so
 #: that the files of changed leaves are hashed, written and flushed while frozen ones are still hashed.
-#: Measured (docs/incremental.md, "Round 41d"): a frozen numpy backbone's save 0.83x-0.97x as long in nine
+#: Measured: a frozen numpy backbone's save 0.83x-0.97x as long in nine
 #: of eleven in-process alternations on the shared 2-core VM, no gain in two (the busier the cores, the less).
-#: False: first come, first served (as before 2026-12-06).
+#: False: first come, first served.
 FROZEN_LAST = True
 
 
@@ -512,7 +512,7 @@ class Incremental:
         """A function reading ``length`` bytes at ``offset`` of a base's data file of `item`, for deltas.
         Each file is opened once per save (`base_files` closes them): a delta per 1 MiB block opened,
         read and closed its base file each time, three system calls where one does, and on the TPU host's
-        sandboxed disk each open costs a round trip (docs/incremental.md "Round 41e, lead")."""
+        sandboxed disk each open costs a round trip."""
         storage, folder = self.loc.storage, self.dirs[item]
 
         def read(ckpt: str, name: str, offset: int, length: int) -> bytearray:
@@ -763,7 +763,7 @@ def write_if_any(write: Callable[[str, Iterator[Any]], int], key: str, parts: It
     file whose chunks are all references), nothing is written, not even an empty file: 0.
 
     An empty file cost an incremental save its creation and an fsync that waited for the journal commit
-    of the other files' data (docs/incremental.md, "Round 41d"). Its chunks' records name file 0 of the
+    of the other files' data. Its chunks' records name file 0 of the
     part instead (`engine.write_data`), which exists: the first data file with bytes, else the first base
     file referred to (docs/FORMAT.md §6.5)."""
     it = iter(parts)

@@ -124,12 +124,12 @@ def places(blocks: list[Any]) -> list[tuple[Any, int] | None]:
 
 #: Blocks per coding task of a compressed save: a large chunk is coded in runs of this many blocks,
 #: small chunks together up to as many bytes (`code_task`). Measured on the TPU host's 13 cores
-#: (docs/compression.md, "Many cores"): 16 MiB a task keeps a task's GIL-holding steps (Python, the
+#: (docs/compression.md, "On many cores"): 16 MiB a task keeps a task's GIL-holding steps (Python, the
 #: join of its stored blocks) a small share of its GIL-free ones, while a chunk of 64 MiB still
 #: spreads over 4 coders.
 RUN_BLOCKS = 16
-#: Coding tasks code into buffers lent from `buffers.coded_pool` (False: a new buffer per task, as before
-#: 2026-12-07; docs/compression.md, "Coded buffers lent and taken back").
+#: Coding tasks code into buffers lent from `buffers.coded_pool` (False: a new buffer per task;
+#: docs/compression.md, "On many cores").
 LEND_CODED_BUFFERS = True
 
 
@@ -173,7 +173,7 @@ class CodePool:
     a compressed save cost the coding plus the flush of every file. Served by file, the first files
     are coded (and written) first and flush to disk while the later ones are coded: coding and
     the disk's flush overlap, and only the last file's flush is left after the coding
-    (docs/compression.md, "Coding and writing at once"). Each file still has at most a window of
+    (docs/compression.md, "Where it runs"). Each file still has at most a window of
     tasks queued (`in_order`), so memory stays as bounded as before; tasks of other files fill
     the workers that the first file's window leaves idle. `submit` and `_max_workers` as
     `ThreadPoolExecutor`'s, so code that takes either (incremental saves) takes this one."""
