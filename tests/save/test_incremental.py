@@ -1160,11 +1160,11 @@ def test_an_async_save_copies_an_unchanged_jax_array_where_its_base_cannot_show_
 
 @pytest.mark.parametrize("sizes", [[4096 * 20], [4096 * 8, 4096 * 8, 100], [4096 * 3, 5000, 4096], [30, 40], [4096 * 17, 10]])
 def test_a_merged_chunks_sample_is_the_sample_of_its_joined_bytes(sizes):
-    from cairn._save.incremental import _sample, _sample_parts
+    from cairn._save.hashmemo import sample, sample_parts
 
     rng = np.random.default_rng(38)
     parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
-    assert _sample_parts(parts) == _sample(memoryview(np.concatenate(parts)))
+    assert sample_parts(parts) == sample(memoryview(np.concatenate(parts)))
 
 
 def test_a_managers_async_saves_copy_only_what_the_base_does_not_hold(tmp_path, mesh8, monkeypatch):

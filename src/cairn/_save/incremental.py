@@ -54,7 +54,6 @@ import contextlib
 import functools
 import itertools
 import threading
-import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -84,7 +83,7 @@ from .._format.partfile import OWN, SOURCE
 from .._read.metadata import parse_manifest, read_index, stored_manifest
 from .._storage.location import Location
 from .._tree.leaves import ArraySource
-from . import basecache
+from . import basecache, hashmemo
 from . import codecpolicy as _policy
 from .assign import UNCHANGED, Concat, SaveItem
 from .pipeline import stored_block
@@ -136,106 +135,6 @@ SPARSE_SMALL = 1 / 32
 #: of eleven in-process alternations on the shared 2-core VM, no gain in two (the busier the cores, the less).
 #: False: first come, first served.
 FROZEN_LAST = True
-
-
-#: Chunk hashes of the `jax.Array` leaves this process hashed, by array: id -> (a weak reference to
-#: it, {(grid, block size, cell): (the chunk's block hashes, joined; its `_sample` or None)}). A
-#: jax.Array's bytes never change (an update makes a new array; a donation deletes it), so where a
-#: later save is given the same array object and its base records those very hashes at that
-#: position, the base's blocks hold the array's bytes: the chunk is referred to without hashing
-#: its bytes (a frozen backbone passed through training unchanged). A numpy array can change in
-#: place: never kept here. Nor, against JAX's contract, can a jax.Array over memory that another
-#: library shares and changes (`jax.dlpack.from_dlpack` of a numpy array aliases it on CPU): a
-#: chunk in host memory must also match its `_sample`, which any change to more than a few percent
-#: of its elements, or to a run of 4 KiB, alters.
-_HASHED: dict[int, tuple[Any, dict[tuple[Any, int, int], tuple[bytes, bytes | None]]]] = {}
-_HASHED_LOCK = threading.RLock()  # (reentrant: a collection inside it may run `_forget`)
-
-
-def _hashed_of(value: Any) -> dict[tuple[Any, int, int], tuple[bytes, bytes | None]] | None:
-    """The chunk hashes kept for jax.Array `value`, or None (another array, or none kept)."""
-    with _HASHED_LOCK:
-        got = _HASHED.get(id(value))
-    if got is None or got[0]() is not value:
-        return None
-    return got[1]
-
-
-#: `_sample` takes this many bytes of every `SAMPLE_EVERY`.
-SAMPLE_BYTES = 64
-SAMPLE_EVERY = 4096
-
-
-def _sample(raw: Any) -> bytes:
-    """A fingerprint of a chunk's host bytes: the hash of `SAMPLE_BYTES` of every `SAMPLE_EVERY`
-    (1.6% of them) and of its last bytes (of a small chunk, of all), for `_HASHED`'s chunks in host
-    memory."""
-    import xxhash  # (present: `block_hash` needs it)
-
-    a = np.frombuffer(raw, np.uint8)
-    if len(a) <= 16 * SAMPLE_EVERY:  # small: all of it
-        return xxhash.xxh3_64_digest(a.data)
-    n = len(a) // SAMPLE_EVERY
-    picked = np.ascontiguousarray(a[: n * SAMPLE_EVERY].reshape(n, SAMPLE_EVERY)[:, :SAMPLE_BYTES])
-    return xxhash.xxh3_64_digest(picked.data) + xxhash.xxh3_64_digest(a[-SAMPLE_BYTES:].tobytes())
-
-
-def _sample_parts(parts: list[Any]) -> bytes:
-    """`_sample` of the bytes of `parts` (uint8 arrays) one after another, without joining them where every
-    part but the last is a whole number of `SAMPLE_EVERY` bytes (a merged chunk's shards)."""
-    import xxhash  # (present: `block_hash` needs it)
-
-    total = sum(len(p) for p in parts)
-    if total <= 16 * SAMPLE_EVERY or any(len(p) % SAMPLE_EVERY for p in parts[:-1]) or len(parts[-1]) < SAMPLE_BYTES:
-        return _sample(np.concatenate(parts) if parts else b"")
-    picked = np.concatenate([np.ascontiguousarray(
-        p[: len(p) // SAMPLE_EVERY * SAMPLE_EVERY].reshape(-1, SAMPLE_EVERY)[:, :SAMPLE_BYTES]).reshape(-1)
-        for p in parts])
-    return xxhash.xxh3_64_digest(picked.data) + xxhash.xxh3_64_digest(parts[-1][-SAMPLE_BYTES:].tobytes())
-
-
-def _in_host_memory(value: Any) -> bool:
-    return any(d.platform == "cpu" for d in value.sharding.device_set)
-
-
-def _remember(value: Any, key: tuple[Any, int, int], hashes: bytes, sample: bytes | None) -> None:
-    """Keep the chunk hashes of jax.Array `value` at `key` (grid, block size, cell) while it lives,
-    with the chunk's `_sample` where it lies in host memory."""
-    vid = id(value)
-    with _HASHED_LOCK:
-        got = _HASHED.get(vid)
-        if got is None or got[0]() is not value:
-            def gone(r: Any, vid: int = vid) -> None:
-                _forget(vid, r)
-
-            try:
-                ref = weakref.ref(value, gone)
-            except TypeError:
-                return
-            got = _HASHED[vid] = (ref, {})
-        got[1][key] = (hashes, sample)
-
-
-def _forget(vid: int, ref: Any) -> None:
-    with _HASHED_LOCK:
-        got = _HASHED.get(vid)
-        if got is not None and got[0] is ref:
-            del _HASHED[vid]
-
-
-def _same_array(src: Any) -> Any:
-    """`src`'s jax.Array where its hashes may be kept (`_HASHED`): a live array leaf, else None."""
-    if not isinstance(src, ArraySource) or not src.is_jax or src.kind != "array":
-        return None
-    value = src.value
-    try:
-        if value.is_deleted():  # (its save fails on reading it; nothing to skip)
-            return None
-    except AttributeError:
-        return None
-    return value
-
-
 
 
 @dataclass(frozen=True)
@@ -415,9 +314,9 @@ class Incremental:
         copy, decided now and their sources replaced by `UNCHANGED`; returns their bytes.
 
         A chunk qualifies where `_unchanged` would refer to all its blocks without reading them: the
-        same live array (`_HASHED`), the base's blocks at its position all stored as themselves (no
+        same live array (`hashmemo._HASHED`), the base's blocks at its position all stored as themselves (no
         delta of the base to copy, which would read the base) with exactly the hashes kept, and, for
-        a chunk in host memory, its `_sample` (taken here, from the array itself). A jax.Array's
+        a chunk in host memory, its `hashmemo.sample` (taken here, from the array itself). A jax.Array's
         bytes never change, and these chunks are never read again, so the caller may donate or
         delete the array the moment the snapshot returns. The base must be committed now: a base
         still being written (the manager's previous save, in flight) decides nothing here, and the
@@ -431,8 +330,8 @@ class Incremental:
         if self.base is None or self.opened or self.base.path in self.in_flight:
             return 0
         wanted = [(item, key, src) for item in items for key, src in item.sources.items()
-                  if type(src) is not np.ndarray and (value := _same_array(item.leaves[key[0]])) is not None
-                  and _hashed_of(value)]
+                  if type(src) is not np.ndarray and (value := hashmemo.same_array(item.leaves[key[0]])) is not None
+                  and hashmemo.hashed_of(value)]
         if not wanted or (self.loc.storage.kind != "local"
                           and sum(int(src.nbytes) for _i, _k, src in wanted) < REMOTE_DECIDE_BYTES):
             return 0
@@ -449,17 +348,17 @@ class Incremental:
             return 0
         saved = 0
         for item, (leaf, cell), src in wanted:
-            value = item.leaves[leaf].value  # (an array leaf: `_same_array`)
+            value = item.leaves[leaf].value  # (an array leaf: `hashmemo.same_array`)
             key = (item.layouts[leaf].grid, self.block, cell)
             base = self._base_blocks(item.name, leaf, cell)
             if base is None or any(b.target is not None for b in base):
                 continue
             sample = None
-            if _in_host_memory(value):  # its sample, from the array's own memory (views: nothing copied)
+            if hashmemo.in_host_memory(value):  # its sample, from the array's own memory (views: nothing copied)
                 from .._tree.shardings import host_view
 
                 parts = src.parts if isinstance(src, Concat) else [src]
-                sample = _sample_parts([np.ascontiguousarray(host_view(p)).reshape(-1).view(np.uint8)
+                sample = hashmemo.sample_parts([np.ascontiguousarray(host_view(p)).reshape(-1).view(np.uint8)
                                         for p in parts])
             got = self._unchanged(item.name, value, key, base, "none", None, sample)
             if got is None:
@@ -558,10 +457,10 @@ class Incremental:
             return batch, tuple(kept_sizes), kept_crcs, 0
         block = self.block
         base = self._base_blocks(item.name, leaf, cell)
-        value = _same_array(item.leaves[leaf])
+        value = hashmemo.same_array(item.leaves[leaf])
         key = (item.layouts[leaf].grid, block, cell) if value is not None else None
-        if value is not None and callable(raw) and _in_host_memory(value):
-            raw = raw()  # (a view of host memory, or the snapshot's copy: no copy made) for its `_sample`
+        if value is not None and callable(raw) and hashmemo.in_host_memory(value):
+            raw = raw()  # (a view of host memory, or the snapshot's copy: no copy made) for its `hashmemo.sample`
         same = self._unchanged(item.name, value, key, base, codec, raw) if value is not None else None
         if same is not None:
             chunk, kept_sizes, kept_crcs, copied = same
@@ -640,21 +539,21 @@ class Incremental:
             yield raw[span[0] : span[1]]
         self.chunks[(item.name, leaf, cell)] = _Chunk(hashes, refs, CODEC_IDS[codec], deltas, sparse)
         if key is not None:
-            _remember(value, key, b"".join(hashes), _sample(raw) if _in_host_memory(value) else None)
+            hashmemo.remember(value, key, b"".join(hashes), hashmemo.sample(raw) if hashmemo.in_host_memory(value) else None)
         return batch, tuple(sizes), crcs, own
 
     def _unchanged(self, item: str, value: Any, key: Any, base: list[_Base] | None, codec: str,
                    raw: memoryview | Callable[[], memoryview] | None, sampled: bytes | None = None
                    ) -> tuple[_Chunk, list[int], list[int], list[bytes | bytearray]] | None:
         """A chunk of jax.Array `value` whose hashes, as kept when this process last hashed it
-        (`_HASHED`), are the base's at the same position: its blocks as the base's (references, or
+        (`hashmemo._HASHED`), are the base's at the same position: its blocks as the base's (references, or
         the base's deltas copied), without reading its bytes, as ``(its record, stored sizes, CRCs,
         the copied deltas' bytes in block order)``. None where that cannot be shown (the chunk is
         then hashed), or where a base delta's bytes cannot be read. A chunk in host memory is checked
-        against its `_sample`, `sampled` if given (else taken from `raw`; neither: not shown)."""
+        against its `hashmemo.sample`, `sampled` if given (else taken from `raw`; neither: not shown)."""
         if base is None or self.base_name is None:
             return None
-        kept = _hashed_of(value)
+        kept = hashmemo.hashed_of(value)
         if kept is None:
             return None
         entry = kept.get(key)
@@ -664,7 +563,7 @@ class Incremental:
         if len(theirs) != len(base) * HASH_BYTES or theirs != b"".join(b.hash for b in base):
             return None
         if sample is not None and sampled is None and raw is not None and not callable(raw):
-            sampled = _sample(raw)
+            sampled = hashmemo.sample(raw)
         if sample is not None and sampled != sample:
             return None  # changed behind JAX's back (shared host memory): hashed as any chunk
         ctx = None
