@@ -55,6 +55,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--workdir", default=None, help="where checkpoints go (default <out>/work)")
     ap.add_argument("--local-dir", default="/dev/shm/cairn-training-local", help="the local tier's directory")
     ap.add_argument("--out", default="bench-results")
+    ap.add_argument("--trace", action="store_true", help="print each step's time and memory")
+    ap.add_argument("--most-gib", type=float, default=1e9,
+                    help="stop the run when this process's resident memory plus its files pass this")
+    ap.add_argument("--least-free-gib", type=float, default=3.0,
+                    help="stop the run when the machine's available memory falls under this")
     a = ap.parse_args(argv)
     a.modes = [m for m in a.modes.split(",") if m]
     bad = [m for m in a.modes if m not in MODES]
@@ -215,6 +220,8 @@ def loop(mode: str, state: Any, inputs: Any, jstep: Any, n_chain: int, steps: in
             te = time.perf_counter()
             block_t.append(te - tb)
             step_t.append(te - t)
+            if a.trace:
+                print(f"    {mode} step {s}: {te - t:.3f} s (save call {te - tb:.3f}) {_meminfo()}", flush=True)
         loop_s = time.perf_counter() - t_loop
         t = time.perf_counter()
         if mode.startswith("orbax"):
@@ -350,15 +357,49 @@ def probe_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def _meminfo() -> dict[str, float]:
+    """This process's resident memory and the machine's available memory, in GiB."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                out["rss_gib"] = round(int(line.split()[1]) / (1 << 20), 2)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                out["available_gib"] = round(int(line.split()[1]) / (1 << 20), 2)
+    return out
+
+
+def _watchdog(least_gib: float, most_gib: float, dirs: list[str]) -> None:
+    """Stop the run (exit 3, saying so) before the machine runs out of memory: when its available
+    memory falls under `least_gib`, or this process's resident memory plus the files under `dirs`
+    (which a sandbox may keep in memory) pass `most_gib`."""
+    import threading
+
+    def watch() -> None:
+        while True:
+            m = _meminfo()
+            files = sum(_dir_bytes(d) for d in dirs if os.path.isdir(d)) / (1 << 30)
+            if m.get("available_gib", 1e9) < least_gib or m.get("rss_gib", 0) + files > most_gib:
+                print(f"benchmarks.training: stopping, memory nearly out: {m}, files {files:.1f} GiB", flush=True)
+                os._exit(3)
+            time.sleep(0.5)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def main(argv: list[str]) -> int:
     a = parse(argv)
     import jax
+
 
     cpu = jax.default_backend() == "cpu"
     _defaults(a, cpu)
     os.makedirs(a.out, exist_ok=True)
     work = a.workdir or os.path.join(a.out, "work")
     os.makedirs(work, exist_ok=True)
+    _watchdog(a.least_free_gib, a.most_gib, [work, a.local_dir])
     info = {"backend": jax.default_backend(), "device": str(jax.devices()[0]), "cores": os.cpu_count(),
             "jax": jax.__version__, "args": {k: v for k, v in vars(a).items()}, "loadavg_start": os.getloadavg()}
     print(json.dumps(info), flush=True)
@@ -366,9 +407,19 @@ def main(argv: list[str]) -> int:
     state, inputs, jstep, layers = build(a)
     raw = sum(x.nbytes for x in jax.tree.leaves(state))
     print(f"state: {layers} layers of 4 x {a.dim}^2, {raw / (1 << 30):.2f} GiB, built in "
-          f"{time.perf_counter() - t:.1f} s", flush=True)
+          f"{time.perf_counter() - t:.1f} s; {_meminfo()}", flush=True)
     info["state_bytes"] = raw
     rows: list[dict[str, Any]] = []
+    probes: list[dict[str, Any]] = []
+
+    def dump() -> None:
+        with open(os.path.join(a.out, "training.json"), "w") as f:
+            json.dump({"info": info, "rows": rows, "probe": probes}, f, indent=1, default=str)
+
+    if a.probe_gib > 0:  # first: it holds the least memory, and a stopped run still has it
+        probes = probe(a, work, inputs, jstep)
+        print(probe_table(probes), flush=True)
+        dump()
     step = 0
     for target in a.step_s:
         state, n_chain, t1 = calibrate(state, inputs, jstep, target)
@@ -380,16 +431,15 @@ def main(argv: list[str]) -> int:
             step += a.steps
             row.update(target_step_s=target, chain=n_chain, reference=ref)
             rows.append(row)
+            dump()
             print(f"  {mode}: loop {row['loop_s']:.2f} s against {ref['loop_s']:.2f}, drain {row['drain_s']:.2f}, "
-                  f"saved {len(row['saved'])}, manager {row.get('manager')}", flush=True)
+                  f"saved {len(row['saved'])}, manager {row.get('manager')}, {_meminfo()}", flush=True)
         state, ref2 = loop("none", state, inputs, jstep, n_chain, a.steps, step, work, a)
         step += a.steps
         print(f"  reference again: {ref2['loop_s']:.2f} s (first {ref['loop_s']:.2f})", flush=True)
         ref["loop_s_again"] = ref2["loop_s"]
-    probes = probe(a, work, inputs, jstep) if a.probe_gib > 0 else []
     info["loadavg_end"] = os.getloadavg()
-    with open(os.path.join(a.out, "training.json"), "w") as f:
-        json.dump({"info": info, "rows": rows, "probe": probes}, f, indent=1, default=str)
+    dump()
     md = table(rows) + "\n\n" + (probe_table(probes) if probes else "")
     with open(os.path.join(a.out, "training.md"), "w") as f:
         f.write(md + "\n")

@@ -70,18 +70,19 @@ def save(
     ``"auto"`` (the default) compresses a leaf where that is predicted to
     make a save and a load faster: the codecs' speed on this host's cores
     against the bytes saved at the storage's bandwidth (object stores and
-    network filesystems, not local disks; docs/compression.md), and where
-    python-blosc2 is installed weighs ``"blosc2-lz4"`` (3-10% more bytes,
-    coded 1.5-3x as fast) against the leaf's smallest codec by the same
-    prediction; ``True``
+    network filesystems, not local disks; docs/compression.md); ``True``
     chooses a codec per leaf by measuring a sample of it (runs of up to 64
     neighbouring leaves of one dtype whose chunks are at most 1 MiB, of one
-    size class, share one measurement; ``"blosc2"``, the
-    fastest on many cores, where python-blosc2 is installed:
-    ``pip install cairn-ckpt[fast]``; a checkpoint that uses it needs it to
-    load); ``"zstd"``, ``"planes"``, ``"blosc2"`` or ``"blosc2-lz4"`` use that
-    codec for every array; ``False`` or ``"none"`` store raw bytes (format
-    version 2). Loads need no option.
+    size class, share one measurement). Both pick only ``"zstd"`` and
+    ``"planes"``, which every install reads. ``"fast"`` chooses as ``True``
+    with the C-Blosc2 codecs among the candidates (``"blosc2"`` where it
+    codes the leaf faster on this host's cores, ``"blosc2-lz4"`` where it is
+    predicted to save and load the leaf sooner); it needs python-blosc2
+    (``pip install 'cairn-ckpt[fast]'``), and so does every load of what it
+    writes. ``"zstd"``, ``"planes"``, ``"blosc2"`` or ``"blosc2-lz4"`` use
+    that codec for every array (the last two: readers need the ``fast``
+    extra); ``False`` or ``"none"`` store raw bytes (format version 2).
+    Loads need no option.
 
     `base` (an earlier committed checkpoint in the same folder or prefix as
     `path`) makes the save incremental (format version 4): each checksum block

@@ -37,6 +37,13 @@ class UnsupportedTypeError(CheckpointError, TypeError):
     """A leaf of the state cannot be saved (no handler for its type)."""
 
 
+class CodecUnavailableError(CheckpointError, ImportError):
+    """A block's codec needs a library that is not installed (python-blosc2: the ``fast`` extra).
+
+    Not damage: the checkpoint may be intact, it cannot be decoded here (``cairn verify`` exits 3).
+    """
+
+
 class CoordinationError(CheckpointError, RuntimeError):
     """Another process failed, or processes disagreed, during a collective step."""
 
@@ -51,7 +58,7 @@ _CLASSES: dict[str, type[CheckpointError]] = {
     cls.__name__: cls
     for cls in (
         CheckpointError, CheckpointNotFoundError, CheckpointExistsError, CorruptCheckpointError,
-        MismatchError, UnsupportedTypeError, CoordinationError, CoordinationTimeoutError,
+        MismatchError, UnsupportedTypeError, CoordinationError, CoordinationTimeoutError, CodecUnavailableError,
     )
 }
 

@@ -495,3 +495,30 @@ def test_moving_a_checkpoint_others_refer_to_is_refused_naming_them(tmp_path, ca
     # Nothing refers to `other`: it moves.
     assert cairn.copy(f"{run}/other", f"{dst}/other", move=True).moved
     assert_same(cairn.load(f"{run}/c"), s)
+
+
+def test_keeping_references_copies_a_step_with_a_delta_beside_own_and_referenced_blocks(tmp_path, capsys):
+    """A raw chain's step whose checkpointable holds a leaf stored as a delta and a leaf with one own block and
+    one reference: the copy checks each own block at its stored size (a delta's is not its raw size)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(11)
+    d0 = rng.standard_normal((1024, 512)).astype(ml_dtypes.bfloat16)  # one 1 MiB block
+    p0 = rng.standard_normal((1024, 512)).astype(np.float32)  # two blocks
+    d1, p1 = d0.copy(), p0.copy()
+    d1[0, :3] = 7  # three elements: the block is stored as a delta
+    p1[512:] += 1  # block 1 the step's own, block 0 a reference
+    chain = tmp_path / "run"
+    with cairn.CheckpointManager(chain, incremental=True, compression=False, async_save=False) as mgr:
+        mgr.save(0, {"params": {"d": d0, "p": p0}})
+        mgr.save(1, {"params": {"d": d1, "p": p1}})
+    step1 = chain / sorted(os.listdir(chain))[-1]
+    own = [f.stat().st_size for f in (step1 / "params").glob("*.bin")]
+    assert len(own) == 1 and MiB < own[0] < MiB + 4096, own  # p's block 1 and d's delta
+    want = {"params": {"d": d1, "p": p1}}
+    stats = cairn.copy(step1, tmp_path / "one" / step1.name, keep_references=True)
+    assert stats.bases
+    assert_same(want, cairn.load(tmp_path / "one" / step1.name))
+    rc, _, err = run(capsys, "cp", "--keep-references", step1, tmp_path / "two" / step1.name)
+    assert rc == 0, err
+    assert_same(want, cairn.load(tmp_path / "two" / step1.name))

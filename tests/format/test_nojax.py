@@ -410,9 +410,8 @@ def test_spec_reader_reads_compressed_checkpoints(tmp_path, mesh42, explicit):
     for k, v in want["params"].items():
         assert got["params"][k].tobytes() == np.asarray(v).tobytes(), k
     index = json.loads(next((tmp_path / "ck" / "params").glob("index.*.json")).read_bytes())
-    from cairn._codecs import codecs as _codecs
 
-    fast = "blosc2" if _codecs.blosc2_available() else "planes"  # what True picks for trained floats
+    fast = "planes"  # what True picks for trained floats, python-blosc2 installed or not
     assert index["version"] == 3 and {leaf.get("codec", "none") for leaf in index["leaves"]} >= {fast}
     assert explicit == any("stored" in leaf for leaf in index["leaves"])
 

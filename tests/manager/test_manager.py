@@ -63,9 +63,33 @@ def test_intervals_naming_and_listing(directory):
     assert _mgr(directory).steps() == [0, 5, 10, 12]
 
 
+def test_a_step_older_than_the_newest_is_refused_not_deleted(directory):
+    """A resume script re-run from an earlier step on a directory that holds newer steps: its first save
+    raises, naming the newest step, instead of returning True and retention deleting the step at once."""
+    with _mgr(directory, max_to_keep=2, async_save=False) as mgr:
+        for s in (11, 12, 13):
+            assert mgr.save(s, _state(s))
+        assert mgr.steps() == [12, 13]
+    with _mgr(directory, max_to_keep=2) as mgr:  # the re-run, not restoring
+        with pytest.raises(cairn.CheckpointError, match=r"step 5 is older than step 13, the newest this run has "
+                                                        r"saved.*mgr.latest_step\(\) \(13\)"):
+            mgr.save(5, _state(5))
+        mgr.save(14, _state(14))  # an async save in flight counts as the newest too
+        with pytest.raises(cairn.CheckpointError, match="step 10 is older than step 14"):
+            mgr.save(10, _state(10))
+        mgr.wait()
+        assert mgr.steps() == [13, 14]
+        mgr.delete(14)
+        mgr.delete(13)
+        assert mgr.steps() == []  # (max_to_keep=2 had kept 13 and 14)
+        assert mgr.save(12, _state(12))  # nothing newer is left: saved
+        mgr.wait()
+        assert mgr.steps() == [12] and mgr.restore()["step"] == 12
+
+
 def test_large_steps_sort_numerically(directory):
     with _mgr(directory) as mgr:
-        for s in (7, 123456789, 99999999, 100000000):
+        for s in (7, 99999999, 100000000, 123456789):  # (named so, 100000000 lists before 99999999)
             mgr.save(s, {"s": s})
         mgr.wait()
         assert mgr.steps() == [7, 99999999, 100000000, 123456789]

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -72,9 +73,29 @@ def test_prefixed_orbax_steps_are_steps_of_the_run(tmp_path, mesh42, options, na
         assert mgr.path(20) == f"{run}/{names[1]}"
         mgr.save(30, {"state": state_of(mesh42, 30), "extra": {"epoch": 3, "seen": 30}})
         assert mgr.steps() == [10, 20, 30]
-    # Orbax itself, with its own options, still sees its steps (cairn's step 30 is not its format).
+    # Orbax itself, with its own options, lists cairn's step 30 too (named as Orbax names its steps), and
+    # fails to restore it rather than resume from its own older step 20.
     with ocp.CheckpointManager(os.path.abspath(run), options=ocp.CheckpointManagerOptions(**options)) as omgr:
-        assert omgr.all_steps() == [10, 20]
+        assert omgr.all_steps() == [10, 20, 30] and omgr.latest_step() == 30
+        with pytest.raises(FileNotFoundError):
+            omgr.restore(30, args=composite_restore(mesh42))
+
+
+def test_orbax_metrics_are_listed_only_where_orbax_wrote_them(tmp_path, mesh42):
+    """Orbax writes a step's metrics only when its options set `best_fn` (docs/howto/from-orbax.md says so):
+    without it, the manager lists the step with no metrics."""
+    with_best, without = tmp_path / "with", tmp_path / "without"
+    orbax_job(with_best, mesh42, (10,))  # best_fn set
+    with ocp.CheckpointManager(os.path.abspath(without)) as omgr:  # no best_fn: metrics passed, not written
+        omgr.save(10, args=ocp.args.Composite(state=ocp.args.StandardSave(state_of(mesh42, 10))),
+                  metrics={"loss": 0.5})
+        omgr.wait_until_finished()
+    with mgr_of(with_best, read_only=True) as mgr:
+        assert mgr.metrics(10) == {"loss": pytest.approx(1 / 11)}
+    with mgr_of(without, read_only=True) as mgr:
+        assert mgr.steps() == [10] and mgr.metrics(10) == {}
+    page = (Path(__file__).resolve().parents[2] / "docs" / "howto" / "from-orbax.md").read_text()
+    assert "only when its `CheckpointManagerOptions` set `best_fn`" in " ".join(page.split())
 
 
 def test_a_run_of_unknown_step_folders_raises_unless_start_fresh(tmp_path, mesh42):
@@ -132,12 +153,12 @@ def test_a_step_is_never_saved_in_a_second_naming(tmp_path, mesh42, capsys):
             mgr.save(10, state_of(mesh42, 10))
         mgr.save(20, state_of(mesh42, 20))
     with pytest.raises(cairn.CheckpointError, match="steps up to 10, but folders that look like newer steps: "
-                                                    "step_00000020 \\(cairn"):
+                                                    "ckpt_20 \\(cairn"):
         mgr_of(run, step_format="{step}")  # cairn's own step under another spelling
     with mgr_of(run, step_format="{step}", start_fresh=True) as mgr, \
-            pytest.raises(cairn.CheckpointExistsError, match=r"step_00000020: step 20 is already saved there"):
+            pytest.raises(cairn.CheckpointExistsError, match=r"ckpt_20: step 20 is already saved there"):
         mgr.save(20, state_of(mesh42, 20))  # even then, no second folder
-    assert sorted(os.listdir(run)) == ["ckpt_10", "step_00000020"]
+    assert sorted(os.listdir(run)) == ["ckpt_10", "ckpt_20"]
     assert cli(["ls", str(run), "--json"]) == 0
     entries = json.loads(capsys.readouterr().out)["entries"]
     assert [(e["step"], e["format"]) for e in entries] == [(10, "orbax"), (20, "cairn")]
@@ -168,11 +189,16 @@ def test_retention_never_deletes_orbax_steps_unless_asked(tmp_path, mesh42):
         for step in (30, 40, 50):
             mgr.save(step, {"state": state_of(mesh42, step)}, metrics={"loss": 1.0})
         assert mgr.steps() == [10, 20, 50]  # Orbax's best (10) would win KeepBest: it is not counted
-    assert sorted(os.listdir(run)) == ["ckpt_10", "ckpt_20", "step_00000050"]
+    assert sorted(os.listdir(run)) == ["ckpt_10", "ckpt_20", "ckpt_50"]
     with mgr_of(run, max_to_keep=1, delete_orbax_steps=True) as mgr:
         mgr.save(60, {"state": state_of(mesh42, 60)})
         assert mgr.steps() == [60]
-    assert sorted(os.listdir(run)) == ["step_00000060"]
+    assert sorted(os.listdir(run)) == ["ckpt_60"]
+    # No Orbax step is left: the run keeps the naming its manager gave its steps (their manifests say so).
+    with mgr_of(run, max_to_keep=1) as mgr:
+        assert mgr.steps() == [60]
+        mgr.save(70, {"state": state_of(mesh42, 70)})
+    assert sorted(os.listdir(run)) == ["ckpt_70"]
 
 
 # ---------------------------------------------------------------------- 9. restore(abstract) positionally
@@ -238,6 +264,42 @@ def test_orbax_to_cairn_and_back_in_place_keeps_every_step_in_order(tmp_path, me
     assert [(e["step"], e["format"]) for e in entries] == [(s, "orbax") for s in (10, 20, 40, 50, 60)]
 
 
+def test_an_unchanged_orbax_script_never_resumes_an_older_step_in_silence(tmp_path, mesh42, caplog):
+    """Orbax steps 6, 9, 10, 11; cairn continues with 12 and 13. The user's Orbax script, unchanged, lists
+    cairn's steps (named as Orbax names its own) and fails on the newest instead of resuming from 11;
+    after `export_orbax_run` in place it resumes from 13."""
+    run = tmp_path / "run"
+    orbax_job(run, mesh42, (6, 9, 10, 11))
+    with mgr_of(run) as mgr:
+        assert mgr.latest_step() == 11
+        for step in (12, 13):
+            mgr.save(step, {"state": state_of(mesh42, step), "extra": {"epoch": 1, "seen": step}})
+    assert sorted(os.listdir(run), key=int) == ["6", "9", "10", "11", "12", "13"]
+    assert os.path.exists(run / "13" / "manifest.json")
+    opts = ocp.CheckpointManagerOptions(best_fn=lambda m: m["loss"], best_mode="min")
+    with ocp.CheckpointManager(os.path.abspath(run), options=opts) as omgr:
+        assert omgr.all_steps() == [6, 9, 10, 11, 12, 13] and omgr.latest_step() == 13
+        with pytest.raises(FileNotFoundError, match="13"):
+            omgr.restore(omgr.latest_step(), args=composite_restore(mesh42))
+    assert cairn.export_orbax_run(run) == [f"{run}/12", f"{run}/13"]
+    with ocp.CheckpointManager(os.path.abspath(run), options=opts) as omgr:
+        assert omgr.latest_step() == 13
+        assert omgr.restore(13, args=composite_restore(mesh42))["extra"] == {"epoch": 1, "seen": 13}
+
+    # A run whose cairn steps are named otherwise (an explicit step_format): Orbax does not list them, and
+    # the manager says so, naming them and the step Orbax would resume from.
+    other = tmp_path / "other"
+    orbax_job(other, mesh42, (1,))
+    with mgr_of(other, step_format="step_{step:08d}") as mgr:
+        mgr.save(2, {"state": state_of(mesh42, 2)})
+    with caplog.at_level(logging.WARNING, logger="cairn"), mgr_of(other) as mgr:
+        assert mgr.steps() == [1, 2]  # still a step of the run
+        mgr.save(3, {"state": state_of(mesh42, 3)})  # named as Orbax's: "3"
+        assert mgr.steps() == [1, 2, 3]
+    assert "step_00000002" in caplog.text and "would resume from step 1" in caplog.text
+    assert sorted(os.listdir(other)) == ["1", "3", "step_00000002"]
+
+
 def test_export_in_place_under_the_same_name_swaps_atomically(tmp_path, mesh42):
     run = tmp_path / "run"
     orbax_job(run, mesh42, (10,))
@@ -262,7 +324,7 @@ def test_export_a_whole_run_into_a_new_directory(tmp_path, mesh42):
             mgr.save(step, {"state": state_of(mesh42, step), "extra": {"epoch": step // 10, "seen": step}})
     before = sorted(os.listdir(run))
     cairn.export_orbax_run(run, out)
-    assert sorted(os.listdir(run)) == before == ["step_00000020", "step_00000030", "step_000010"]
+    assert sorted(os.listdir(run)) == before == ["step_000010", "step_000020", "step_000030"]
     assert sorted(os.listdir(out)) == ["step_000010", "step_000020", "step_000030"]
     opts = ocp.CheckpointManagerOptions(step_prefix="step", step_format_fixed_length=6)
     with ocp.CheckpointManager(os.path.abspath(out), options=opts) as omgr:
@@ -425,8 +487,8 @@ def test_trash_dir_moves_deleted_steps_instead_of_deleting(tmp_path, mesh42):
             mgr.save(step, {"w": np.full(2, step, np.float32)})
         assert mgr.steps() == [3]
         mgr.save(4, {"w": np.full(2, 4, np.float32)})
-    assert sorted(os.listdir(run / ".trash")) == ["1", "step_00000002", "step_00000003"]
-    np.testing.assert_array_equal(cairn.load(run / ".trash" / "step_00000002")["w"], np.full(2, 2, np.float32))
+    assert sorted(os.listdir(run / ".trash")) == ["1", "2", "3"]  # cairn's steps named as Orbax's were
+    np.testing.assert_array_equal(cairn.load(run / ".trash" / "2")["w"], np.full(2, 2, np.float32))
     with pytest.raises(ValueError, match="looks like a step folder"):
         mgr_of(run, trash_dir="step_7")
     with pytest.raises(ValueError, match="trash_dir needs a local directory"):

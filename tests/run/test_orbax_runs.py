@@ -109,14 +109,14 @@ def test_manager_lists_restores_and_continues_an_orbax_run(tmp_path, mesh42, cap
         assert mgr.save(300, nxt, metrics={"loss": 0.1})
         mgr.wait()
         assert mgr.steps() == [100, 200, 300]  # retention deletes cairn's steps only: Orbax's are the way back
-        assert sorted(os.listdir(run)) == ["100", "200", "step_00000300"]
+        assert sorted(os.listdir(run)) == ["100", "200", "300"]  # named as Orbax names its steps
         same(mgr.restore(target=target), nxt)
         assert mgr.latest_step() == 300
     assert cli(["ls", str(run), "--json"]) == 0
     entries = json.loads(capsys.readouterr().out)["entries"]
     assert [(e["step"], e["name"], e["format"], e["status"]) for e in entries] == [
         (100, "100", "orbax", "committed"), (200, "200", "orbax", "committed"),
-        (300, "step_00000300", "cairn", "committed")]
+        (300, "300", "cairn", "committed")]
     assert entries[1]["metrics"] == {"loss": 0.5}
     assert cli(["ls", str(run)]) == 0
     out = capsys.readouterr().out
@@ -257,22 +257,22 @@ def test_cp_of_a_run_directory_copies_every_committed_step(tmp_path, mesh42, cap
     orbax_run(run, mesh42, steps=(1,))  # Orbax's step: named as skipped, not copied
     with cairn.CheckpointManager(run, handle_sigterm=False, async_save=False) as mgr:
         for step in (2, 3):
-            mgr.save(step, {"w": np.full(4, step, np.float32)}, metrics={"loss": 1.0 / step})
+            mgr.save(step, {"w": np.full(4, step, np.float32)}, metrics={"loss": 1.0 / step})  # named "2", "3"
     os.makedirs(run / "step_00000004" / "w")  # an interrupted save: left behind
     (run / "step_00000004" / "w" / "p00000-0.abcdef.bin").write_bytes(b"x")
     assert cli(["cp", str(run), str(dst)]) == 0
     out = capsys.readouterr().out
     assert "copied 2 committed steps" in out and "skipped 1 orbax checkpoints (1)" in out and "1 leftovers" in out
-    assert sorted(os.listdir(dst)) == ["step_00000002", "step_00000003"]
+    assert sorted(os.listdir(dst)) == ["2", "3"]
     assert cairn.CheckpointManager(dst, read_only=True).metrics(3) == {"loss": 1.0 / 3}
     assert cli(["cp", str(run), str(dst)]) == 0  # again: a finished copy is only checked
     capsys.readouterr()
     # Onto another checkpoint: the CLI's own flag is named.
     cairn.save(tmp_path / "other", {"w": np.zeros(4, np.float32)})
-    assert cli(["cp", str(tmp_path / "other"), str(dst / "step_00000002")]) == 1
+    assert cli(["cp", str(tmp_path / "other"), str(dst / "2")]) == 1
     err = capsys.readouterr().err
     assert "--overwrite" in err and "overwrite=True" not in err
-    assert cli(["cp", str(tmp_path / "other"), str(dst / "step_00000002"), "--overwrite"]) == 0
+    assert cli(["cp", str(tmp_path / "other"), str(dst / "2"), "--overwrite"]) == 0
     # What SRC is, when it is not a checkpoint.
     (tmp_path / "notes.txt").write_text("hi")
     os.makedirs(tmp_path / "empty" / "x")
@@ -286,8 +286,41 @@ def test_cp_of_a_run_directory_copies_every_committed_step(tmp_path, mesh42, cap
     assert cli(["cp", str(only_orbax), str(tmp_path / "z")]) == 1
     assert "holds only orbax checkpoints (7)" in capsys.readouterr().err
     assert cli(["mv", str(run), str(tmp_path / "moved")]) == 0
-    assert sorted(os.listdir(tmp_path / "moved")) == ["step_00000002", "step_00000003"]
+    assert sorted(os.listdir(tmp_path / "moved")) == ["2", "3"]
     assert sorted(os.listdir(run)) == ["1", "step_00000004"]
+
+
+def test_diff_of_an_orbax_step_and_the_same_state_saved_by_cairn(tmp_path, mesh42, capsys):
+    """An adam TrainState saved by Orbax's CheckpointManager and by cairn: Orbax stores optax's EmptyState as
+    a None leaf, cairn as an empty node; `cairn diff` matches the two (as `cairn.load` does): all equal."""
+    states = orbax_run(tmp_path / "run", mesh42, steps=(5,))
+    cairn.save(tmp_path / "same", states[5])
+    assert cli(["--plain", "diff", str(tmp_path / "run" / "5"), str(tmp_path / "same"), "--json"]) == 0
+    entries = json.loads(capsys.readouterr().out)["entries"]
+    assert entries and {e["status"] for e in entries} == {"equal"}, [e for e in entries if e["status"] != "equal"]
+    assert any("empty node" in e.get("detail", "") for e in entries)
+    assert cli(["--plain", "diff", str(tmp_path / "same"), str(tmp_path / "run" / "5")]) == 0  # either way round
+    assert "only in" not in capsys.readouterr().out
+    # A None that stands for nothing on the other side is still named.
+    cairn.save(tmp_path / "n1", {"a": np.zeros(2), "x": None})
+    cairn.save(tmp_path / "n2", {"a": np.zeros(2)})
+    assert cli(["--plain", "diff", str(tmp_path / "n1"), str(tmp_path / "n2")]) == 1
+    assert "only in A" in capsys.readouterr().out
+
+
+def test_save_onto_an_orbax_step_folder_says_it_is_one(tmp_path, mesh42):
+    """`cairn.save` onto an Orbax step folder: the refusal says the folder is an Orbax checkpoint, which
+    overwrite=True would delete; nothing of it is touched."""
+    orbax_run(tmp_path / "run", mesh42, steps=(5,))
+    before = sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*"))
+    with pytest.raises(cairn.CheckpointExistsError, match=r"run/5 is an Orbax checkpoint.*_CHECKPOINT_METADATA.*"
+                                                          r"overwrite=True would delete it"):
+        cairn.save(tmp_path / "run" / "5", {"w": np.zeros(3)})
+    assert sorted(p.relative_to(tmp_path) for p in (tmp_path / "run").rglob("*")) == before
+    os.makedirs(tmp_path / "other")
+    (tmp_path / "other" / "notes.txt").write_text("x")
+    with pytest.raises(cairn.CheckpointExistsError, match="is not a committed cairn checkpoint; pass overwrite=True"):
+        cairn.save(tmp_path / "other", {"w": np.zeros(3)})
 
 
 def test_diff_of_an_orbax_and_a_cairn_checkpoint(tmp_path, capsys):

@@ -158,7 +158,7 @@ def test_device_snapshot_only_where_device_memory_has_room(monkeypatch):
     roomy, full = Device(peak=8 << 30), Device(peak=13 << 30)
     xs = [Array(roomy, 2 << 30), Array(roomy, 1 << 30)]
     assert shardings.device_snapshot(xs) == [("copy", x) for x in xs]
-    assert len(made) == 1  # one jitted copy per device
+    assert len(made) == 1  # one call for the arrays of each device
     # 13 GiB peak + 3 GiB of copies leaves less than the headroom: no copies, on any device
     assert shardings.device_snapshot([Array(roomy, 1 << 20), Array(full, 3 << 30)]) is None
     assert shardings.device_snapshot([jnp.arange(10)]) is None  # the CPU backend

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
+from cairn._codecs import choose as _choose
 from cairn._codecs import codecs as _codecs
 from cairn._format import manifest as fmt
 from cairn._load.source import open_checkpoint
@@ -29,14 +30,10 @@ from cairn._save import codecpolicy, pipeline
 
 BLOCK = 4096
 def fast(dtype=ml_dtypes.bfloat16) -> str:
-    """What `compression=True` picks for trained floats of `dtype` on this host's cores as the save counts
-    them (`codecpolicy.coder_cores`, which a test may set): "blosc2" where python-blosc2 is installed (the optional
-    `fast` extra; `dev` has it) and codes them faster on those cores (`options.blosc2_faster`: bf16 from
-    8 cores on), else "planes"."""
-    from cairn._save.codecpolicy import blosc2_faster
-
-    faster = blosc2_faster(codecpolicy.coder_cores(), np.dtype(dtype).itemsize)
-    return "blosc2" if _codecs.blosc2_available() and faster else "planes"
+    """What `compression=True` (and "auto", where it compresses) picks for trained floats of `dtype`:
+    "planes", whether or not python-blosc2 is installed: they pick only codecs every install reads
+    (`compression="fast"` adds the C-Blosc2 codecs)."""
+    return "planes"
 
 
 def compressed_version(leaves) -> int:
@@ -693,7 +690,13 @@ def test_auto_prices_each_leaf(tmp_path, monkeypatch):
     assert "zstd" in stats.compression and "none" in stats.compression
     assert_same(cairn.load(path), state)
     if _codecs.blosc2_available():
-        stats = cairn.save(path, state, overwrite=True)
+        # Installed, python-blosc2 changes nothing "auto" writes: a default install reads it.
+        cairn.save(path, state, overwrite=True)
+        ck, leaves = leaves_of(path)
+        assert ck.manifest.version == 3 and {leaf.codec for leaf, _ in leaves.values()} <= {"zstd", "planes", "none"}
+        assert leaves["w"][0].codec == "none"
+        # "fast" takes "blosc2-lz4" for the weights, predicted to save and load them sooner than "planes".
+        stats = cairn.save(path, state, overwrite=True, compression="fast")
         ck, leaves = leaves_of(path)
         assert leaves["w"][0].codec == "blosc2-lz4" and leaves["noise"][0].codec == "none"
         assert ck.manifest.version == 6 and "blosc2-lz4" in stats.compression
@@ -748,25 +751,50 @@ def test_a_device_chunk_measured_for_its_codec_is_copied_to_host_once(tmp_path, 
 
 
 @NEEDS_BLOSC2
-def test_true_takes_blosc2_where_it_codes_faster_on_the_hosts_cores(tmp_path, monkeypatch):
-    """`compression=True` takes "blosc2" for a leaf only where it codes that leaf's elements faster than
-    "planes" on the host's cores (`options.blosc2_faster`, a function of the count, not of timings):
-    on 2 cores bf16 weights get "planes" (C-Blosc2 runs zstd over their near-random mantissa plane)
-    and f32 moments "blosc2"; on 12 cores both "blosc2". Either way the values come back."""
+def test_fast_takes_blosc2_codecs_and_true_never_does(tmp_path, monkeypatch):
+    """`compression="fast"` weighs the C-Blosc2 codecs: "blosc2" is a candidate for a leaf only where it codes
+    that leaf's elements faster than "planes" on the host's cores (`options.blosc2_faster`, a function of
+    the count, not of timings), and "blosc2-lz4" is taken where it is predicted to save and load the leaf
+    sooner (`codecpolicy.decide_leaf`). The values come back. `True`, with python-blosc2 installed, takes
+    "planes" for both on any host: what it writes, every install reads."""
     from cairn._save.codecpolicy import blosc2_faster
 
     assert not blosc2_faster(2, 2) and blosc2_faster(2, 4) and blosc2_faster(12, 2) and blosc2_faster(12, 4)
     state = {"params": {"w": trained((256, 1024)), "mu": trained((256, 1024), np.float32, 1)}}
     for cores, want in ((2, {"w": "planes", "mu": "blosc2"}), (12, {"w": "blosc2", "mu": "blosc2"})):
+        # what "fast" chooses among "planes", "zstd" and "blosc2", before weighing "blosc2-lz4"
+        for k, chosen in want.items():
+            arr = np.asarray(state["params"][k])
+            got = _choose.choose_sized(arr.dtype, arr, blosc2=blosc2_faster(cores, arr.dtype.itemsize))[0]
+            assert got == chosen, (cores, k)
         monkeypatch.setattr(codecpolicy, "coder_cores", lambda cores=cores: cores)
         path = tmp_path / f"c{cores}"
-        cairn.save(path, state, compression=True)
+        cairn.save(path, state, compression="fast")
         _, leaves = leaves_of(str(path))
-        assert {k: leaves[k][0].codec for k in want} == want, cores
+        assert {leaves[k][0].codec for k in want} <= {"planes", "blosc2", "blosc2-lz4"}, cores
+        assert {leaves[k][0].codec for k in want} & {"blosc2", "blosc2-lz4"}, cores
         assert_same(cairn.load(path), state)
-    monkeypatch.setattr(_codecs, "_blosc2_found", False)  # not importable: never a candidate
-    cairn.save(tmp_path / "none", state, compression=True)
-    assert {leaves[0].codec for leaves in leaves_of(str(tmp_path / "none"))[1].values()} == {"planes"}
+        cairn.save(tmp_path / f"t{cores}", state, compression=True)
+        ck, leaves = leaves_of(str(tmp_path / f"t{cores}"))
+        assert {k: leaves[k][0].codec for k in want} == {"w": "planes", "mu": "planes"}, cores
+        assert ck.manifest.version == 3
+    monkeypatch.setattr(_codecs, "_blosc2_found", False)  # not importable: "fast" says what it needs
+    with pytest.raises(ValueError, match=r"compression='fast' needs python-blosc2.*cairn-ckpt\[fast\]"):
+        cairn.save(tmp_path / "none", state, compression="fast")
+
+
+def test_true_writes_what_a_default_install_reads(tmp_path, monkeypatch):
+    """A save with compression=True where python-blosc2 is importable (the `fast` extra) loads where it is
+    not (a default install): True never picks a C-Blosc2 codec."""
+
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 12)
+    state = {"params": {f"w{i}": trained((64, 256), np.float32 if i % 2 else ml_dtypes.bfloat16, i)
+                        for i in range(6)}}
+    cairn.save(tmp_path / "c", state, compression=True)
+    ck, leaves = leaves_of(str(tmp_path / "c"))
+    assert ck.manifest.version == 3 and {leaf.codec for leaf, _ in leaves.values()} <= {"zstd", "planes", "none"}
+    monkeypatch.setattr(_codecs, "_blosc2_found", False)  # the evaluation machine: no python-blosc2
+    assert_same(cairn.load(tmp_path / "c"), state)
 
 
 @NEEDS_BLOSC2

@@ -141,7 +141,35 @@ def test_damaged_or_missing_base_is_named(tmp_path):
     shutil.rmtree(tmp_path / "base")
     with pytest.raises(cairn.CorruptCheckpointError, match=r"next refers to its base checkpoint 'base'.*missing"):
         cairn.load(tmp_path / "next")
-    assert any("of its base checkpoint 'base' is missing" in p.message for p in verify(tmp_path / "next").problems)
+    assert any("its base checkpoint 'base'" in p.message and "missing" in p.message
+               for p in verify(tmp_path / "next").problems)
+
+
+@pytest.mark.parametrize("removed", ["manifest", "index"])
+def test_a_base_that_is_no_longer_committed_serves_no_references(tmp_path, removed):
+    """A base whose manifest.json (or its checkpointable's index) was deleted is no committed checkpoint
+    (`cairn gc` would remove it): a load of a step that refers to it is refused, naming both, though
+    the base's data files are still there; so are a verify and a self-contained copy."""
+    s = _state(4)
+    cairn.save(tmp_path / "base0", s, base=None)
+    cairn.save(tmp_path / "base", s, base=tmp_path / "base0")  # (writes every block, with hashes)
+    cairn.save(tmp_path / "next", s, base=tmp_path / "base")
+    assert fmt.Manifest.from_json((tmp_path / "next" / "manifest.json").read_bytes(), "next").bases == ("base",)
+    _same(s, cairn.load(tmp_path / "next"))
+    if removed == "manifest":
+        os.remove(tmp_path / "base" / "manifest.json")
+        said = r"which is not a committed checkpoint: its manifest.json is missing"
+    else:
+        (index,) = glob.glob(str(tmp_path / "base" / "params" / "index.*.json"))
+        os.remove(index)
+        said = r"which is not a committed checkpoint of it: the index params/index\.[0-9a-f]+\.json .* is missing"
+    assert glob.glob(str(tmp_path / "base" / "params" / "*.bin"))  # the bytes are there, and not used
+    with pytest.raises(cairn.CorruptCheckpointError, match=rf"next refers to its base checkpoint 'base' .*{said}"):
+        cairn.load(tmp_path / "next")
+    report = verify(tmp_path / "next")
+    assert not report.ok and any("base checkpoint 'base'" in p.message for p in report.problems), report.problems
+    with pytest.raises(cairn.CheckpointError, match="base"):
+        cairn.copy(tmp_path / "next", tmp_path / "copy")
 
 
 def test_bad_bases_are_refused(tmp_path):

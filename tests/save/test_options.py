@@ -75,7 +75,7 @@ def test_snapshot_budget_and_a_recompressing_copy_are_checked_first(tmp_path):
     with pytest.raises(ValueError, match="snapshot_budget_bytes"):
         cairn.CheckpointManager(tmp_path / "run", handle_sigterm=False, snapshot_budget_bytes=1.5)
     cairn.save(tmp_path / "c", {"x": np.arange(4)})
-    with pytest.raises(ValueError, match="compression must be 'auto', True, False, 'none', 'zstd', 'planes', "
+    with pytest.raises(ValueError, match="compression must be 'auto', True, 'fast', False, 'none', 'zstd', 'planes', "
                        "'blosc2' or 'blosc2-lz4', not 'lz4'"):
         cairn.copy(tmp_path / "missing", tmp_path / "d", compression="lz4")  # before the source is looked at
     assert cairn.save_async(tmp_path / "e", {"x": np.arange(4)}, snapshot_budget_bytes=0).result().bytes_written

@@ -163,6 +163,10 @@ def _fmt_metrics(metrics: dict[str, Any]) -> str:
 
 def cmd_ls(args: argparse.Namespace, out: Output) -> int:
     loc, entries = _steps.scan(args.dir, None)
+    if not entries and not loc.storage.list_dir(loc.name) and not loc.storage.exists(loc.name):
+        what = "no such directory" if loc.storage.dirs is not None else "nothing is stored under that prefix"
+        print(f"cairn: {loc.path}: {what}", file=sys.stderr)
+        return 1
     if args.json:
         _dump_json({"dir": loc.path, "entries": [{k: v for k, v in e.items() if k != "key"} for e in entries]})
         return 0
@@ -187,7 +191,13 @@ def cmd_ls(args: argparse.Namespace, out: Output) -> int:
               title=loc.path, right=["step", "size", "age"])
     committed = sum(e["status"] == "committed" for e in entries)
     leftovers = sum(e["status"] in ("temporary", "uncommitted") for e in entries)
+    for e in entries:
+        if e["status"] == "broken":
+            out.line(f"{e['name']} is broken: {e['error']}")
     summary = f"{committed} committed"
+    broken = sum(e["status"] == "broken" for e in entries)
+    if broken:
+        summary += f", {broken} broken (a base they refer to is gone: they do not load)"
     if leftovers:
         summary += f", {leftovers} leftover (interrupted or in progress; `cairn gc` removes them)"
     out.line(summary)
@@ -406,11 +416,23 @@ def cmd_inspect(args: argparse.Namespace, out: Output) -> int:
 # ---------------------------------------------------------------------- verify / diff
 
 
+#: `cairn verify`'s exit status where a block's codec library is missing: not damage, nothing was decided.
+EXIT_CODEC_MISSING = 3
+
+
 def cmd_verify(args: argparse.Namespace, out: Output) -> int:
+    from .._errors import CodecUnavailableError
     from .._sources.verify import verify
 
-    with out.progress("verifying", None) as (set_total, advance):
-        report = verify(args.path, threads=args.threads, on_total=set_total, progress=advance)
+    try:
+        with out.progress("verifying", None) as (set_total, advance):
+            report = verify(args.path, threads=args.threads, on_total=set_total, progress=advance)
+    except CodecUnavailableError as e:
+        if args.json:
+            _dump_json({"path": args.path, "ok": None, "codec_missing": str(e)})
+        print(f"cairn: cannot verify {args.path}: {e}. Nothing was found damaged; install the library and run "
+              f"it again (exit status {EXIT_CODEC_MISSING})", file=sys.stderr)
+        return EXIT_CODEC_MISSING
     if args.json:
         _dump_json({"path": report.path, "format": report.format, "ok": report.ok, "bytes_checked": report.bytes_checked,
                     "chunks_checked": report.chunks_checked, "files": report.files, "leaves": report.leaves,
@@ -566,7 +588,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--format", choices=FORMATS, help="the source's format (default: detected)")
     s.set_defaults(fn=cmd_inspect)
 
-    s = sub.add_parser("verify", help="read everything and check every checksum; exit 1 if anything is corrupt")
+    s = sub.add_parser("verify", help="read everything and check every checksum; exit 1 if anything is corrupt, "
+                                      "3 if a codec library it needs is missing")
     s.add_argument("path")
     s.add_argument("--threads", type=int, default=8)
     s.add_argument("--json", action="store_true")

@@ -57,7 +57,7 @@ import numpy as np
 import zstandard
 
 from .._core.buffers import as_view
-from .._errors import CheckpointError
+from .._errors import CodecUnavailableError
 from . import blosc2lib
 from .zstdframe import check_frame as _check_frame
 from .zstdframe import corrupt as _corrupt
@@ -164,7 +164,7 @@ def _blosc2(where: str = "", codec: str = "blosc2") -> Any:
             import blosc2
         except ImportError:
             at = f"{where}: " if where else ""
-            raise CheckpointError(f"{at}the {codec!r} codec needs python-blosc2, which is not installed: "
+            raise CodecUnavailableError(f"{at}the {codec!r} codec needs python-blosc2, which is not installed: "
                                   f"pip install '{BLOSC2_EXTRA}' (or pip install blosc2)") from None
         blosc2.set_releasegil(True)
         _blosc2_module = blosc2

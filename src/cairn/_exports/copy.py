@@ -195,7 +195,10 @@ def _own_blocks(leaf: fmt.ArrayLeaf, block: int) -> tuple[fmt.ArrayLeaf, list[tu
     crcs: list[tuple[int, ...]] = []
     for cell in range(len(leaf.chunks)):
         got = parts[0].sources(parts[1], cell) if parts is not None else None
-        all_sizes, all_crcs = leaf.stored_sizes(cell, block), leaf.crcs[cell]
+        # The record's stored sizes: a delta's differ from its block's raw size even in a leaf of codec "none".
+        all_sizes = (parts[0].stored(parts[1], cell) if got is not None and parts is not None
+                     else leaf.stored_sizes(cell, block))
+        all_crcs = leaf.crcs[cell]
         mine = range(len(all_sizes)) if got is None else [b for b, (f, codec, _o) in enumerate(got[1])
                                                            if f < 0 or codec == DELTA]
         sizes.append(tuple(all_sizes[b] for b in mine))
@@ -711,9 +714,10 @@ def add_commands(sub: Any, parse_bytes: Callable[[str], int]) -> None:
         s.add_argument("--threads", type=int, default=8, help="files copied at once (default 8)")
         if not move:
             s.add_argument("--compression", default=None,
-                           choices=["auto", "true", "false", "none", "zstd", "planes", "blosc2", "blosc2-lz4"],
+                           choices=["auto", "true", "fast", "false", "none", "zstd", "planes", "blosc2", "blosc2-lz4"],
                            help="recompress (every array read and written anew, slab by slab): auto, true (a "
-                                "codec per leaf), false/none, zstd, planes, blosc2, blosc2-lz4. Default: copy stored "
+                                "codec per leaf), fast (true with the blosc2 codecs: readers need the fast extra), false/none, "
+                                "zstd, planes, blosc2, blosc2-lz4. Default: copy stored "
                                 "bytes as they are")
             s.add_argument("--keep-references", action="store_true",
                            help="an incremental checkpoint: copy it as it is, with the base checkpoints it refers "

@@ -178,6 +178,31 @@ class CodedRead:
         return in_pieces
 
 
+def base_problem(storage: Any, path: str, base: str, item_dir: str) -> str | None:
+    """Why the checkpoint at `path` may not read blocks of its sibling base checkpoint `base` (the
+    checkpointable in folder `item_dir`), or None: the base must be a committed checkpoint whose index of
+    that checkpointable is there. A folder without them is no checkpoint (`cairn gc` would remove it), and
+    serving its bytes would hide that `path` depends on it."""
+    refers = f"{path} refers to its base checkpoint {base!r} (beside it)"
+    try:
+        raw = storage.read(f"{base}/{fmt.MANIFEST}")
+    except (FileNotFoundError, NotADirectoryError):
+        return (f"{refers}, which is not a committed checkpoint: its {fmt.MANIFEST} is missing (deleted?); "
+                f"{path} cannot load without it")
+    except OSError as e:
+        return f"{refers}: reading its {fmt.MANIFEST} failed: {e}"
+    try:
+        manifest = fmt.Manifest.from_json(raw, storage.describe(f"{base}/{fmt.MANIFEST}"))
+    except CheckpointError as e:
+        return f"{refers}, whose manifest is unreadable: {e}"
+    info = next((i for i in manifest.items.values() if i.dir == item_dir), None)
+    if info is None or not storage.exists(f"{base}/{info.dir}/{info.index}"):
+        what = (f"it has no checkpointable in folder {item_dir!r}" if info is None
+                else f"the index {info.dir}/{info.index} of its checkpointable is missing")
+        return f"{refers}, which is not a committed checkpoint of it: {what} (deleted?); {path} cannot load without it"
+    return None
+
+
 class ChunkReader:
     """Runs the reads of one checkpointable with a pool of threads."""
 
@@ -202,6 +227,17 @@ class ChunkReader:
         # The scratch buffers of the decode pool's threads rebuilding this reader's deltas (`blocks.read_blocks`),
         # where its reads keep theirs on their threads: dropped with the reader, not kept on the pool's.
         self.delta_scratch: dict[Any, Any] = {}
+        self._bases_checked: set[str] = set()  # base checkpoints found committed (`_check_base`)
+
+    def _check_base(self, base: str) -> None:
+        """Refuse a reference into `base` unless it is a committed checkpoint (`base_problem`), once per
+        base (caller holds `_lock`)."""
+        if base in self._bases_checked:
+            return
+        problem = base_problem(self.loc.storage, self.loc.path, base, self.info.dir)
+        if problem is not None:
+            raise CorruptCheckpointError(problem)
+        self._bases_checked.add(base)
 
     def _key(self, file: int) -> str:
         f = self.index.files[file]
@@ -224,6 +260,8 @@ class ChunkReader:
             r = self._readers.get(file)
             if r is None:
                 name = self.index.files[file].name
+                if self.index.files[file].base is not None:
+                    self._check_base(self.index.files[file].base)  # type: ignore[arg-type]
                 try:
                     r = self.loc.storage.open_read(self._key(file))
                 except FileNotFoundError:

@@ -51,7 +51,7 @@ from .._run import leases as _leases
 from .._run import refs as _refs
 from .._run import steps as _steps
 from .._run.retention import CheckpointInfo, KeepBest, RetentionPolicy, policy_from, retained
-from .._run.steps import DEFAULT_STEP_FORMAT, StepNames, show_steps
+from .._run.steps import StepNames, show_steps
 from .._save import future as _async
 from .._save.options import SaveOptions
 from .._sources import registry as _sources
@@ -159,10 +159,12 @@ class CheckpointManager(StepWatch):
       ``ckpt_10`` with ``step_prefix="ckpt"``) are steps of the run too:
       `steps`, `latest_step`, `restore` (onto any mesh, as `cairn.load` reads
       them), `metrics`, `metadata` and `best_step` see them, and `save`
-      continues the run in cairn's format beside them. To keep Orbax's folder
-      names for the new steps, pass ``step_format="{step}"`` (or
-      ``"ckpt_{step}"``); `cairn.export_orbax_run` turns the cairn steps
-      into Orbax's for the way back.
+      continues the run in cairn's format beside them. Without a
+      `step_format`, new steps are named as the run's Orbax steps are
+      (``300``, ``ckpt_300``), so that Orbax's own CheckpointManager lists
+      them and fails to restore them rather than resume from an older step;
+      `cairn.export_orbax_run` turns the cairn steps into Orbax's for the
+      way back.
     - One step, one folder: `save` raises `CheckpointExistsError` for a step
       that has a folder in any naming (Orbax's, cairn's under another
       `step_format`, DCP's ``step-10``), and a step saved in two folders is
@@ -278,7 +280,7 @@ class CheckpointManager(StepWatch):
         threads: int = 4,
         read_only: bool = False,
         local: LocalTier | None = None,
-        step_format: str = DEFAULT_STEP_FORMAT,
+        step_format: str | None = None,
         compression: str | bool = "auto",
         start_fresh: bool = False,
         delete_orbax_steps: bool = False,
@@ -292,7 +294,8 @@ class CheckpointManager(StepWatch):
     ):
         if save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
-        self._names = StepNames(step_format)
+        # No step_format: cairn's own, or the naming of the run's Orbax steps (`StepNames.adopting`).
+        self._names = StepNames(step_format) if step_format is not None else StepNames(follow_orbax=True)
         self.directory, self._storage = _steps.open_directory(directory, storage_options)
         self.policy = policy_from(max_to_keep, keep_every, keep_best, best_metric, best_mode, retention)
         self._best = (best_metric, best_mode) if best_metric is not None else None
@@ -354,8 +357,9 @@ class CheckpointManager(StepWatch):
         if self._primary or self._decisions.alone:
             got = _steps.survey(self._storage, self._names)
             mine = [[[s, f, s in got.orbax] for s, f in got.steps.items()],
-                    [[x.name, x.step, x.kind, x.why] for x in got.strays]]
-        steps, strays = self._decisions.shared("survey", mine)
+                    [[x.name, x.step, x.kind, x.why] for x in got.strays], got.naming]
+        steps, strays, naming = self._decisions.shared("survey", mine)
+        self._names = self._names.adopting(naming)  # every process names new steps alike
         pairs = [(int(s), str(f), bool(o)) for s, f, o in steps]
         self._folders = {s: f for s, f, _ in pairs}
         self._orbax = {s for s, _, o in pairs if o}
@@ -373,11 +377,7 @@ class CheckpointManager(StepWatch):
         self._last_saved_step = pairs[-1][0] if pairs else None
         if not strays:
             if self._orbax and self._primary:
-                newest = max(self._orbax)
-                log.info("cairn: %s holds Orbax steps (newest %d): they restore as steps of this run, and new "
-                         "steps are saved in cairn's format as %r, which Orbax's CheckpointManager does not list; "
-                         "cairn.export_orbax_run(%r) makes them Orbax steps for the way back", self.directory,
-                         newest, self._names.name(newest + 1), self.directory)
+                self._tell_orbax_naming(pairs)
             return
         latest = pairs[-1][0] if pairs else None
         newer = [x for x in strays if latest is None or x[1] > latest]
@@ -395,6 +395,26 @@ class CheckpointManager(StepWatch):
         if self._primary:
             log.warning("cairn: %s: these folders look like steps but are not steps of this run: %s%s",
                         self.directory, shown, more)
+
+    def _tell_orbax_naming(self, pairs: list[tuple[int, str, bool]]) -> None:
+        """Say how new steps beside the run's Orbax steps are named, and warn of cairn steps Orbax does not list."""
+        newest = max(self._orbax)
+        if not self._names.follow_orbax:  # the user's step_format: Orbax lists its steps only if it spells Orbax's
+            log.info("cairn: %s holds Orbax steps (newest %d): they restore as steps of this run; new steps are "
+                     "saved in cairn's format as %r; cairn.export_orbax_run(%r) makes them Orbax steps for the "
+                     "way back", self.directory, newest, self._names.name(newest + 1), self.directory)
+            return
+        hidden = [(s, f) for s, f, o in pairs if not o and s > newest
+                  and _steps.StepNames(self._names.format).parse(f) != s]
+        log.info("cairn: %s holds Orbax steps (newest %d): they restore as steps of this run; new steps are saved "
+                 "in cairn's format named as Orbax names them (%r), so an Orbax CheckpointManager lists them and "
+                 "fails to restore them until cairn.export_orbax_run(%r) turns them into Orbax steps",
+                 self.directory, newest, self._names.name(newest + 1), self.directory)
+        if hidden:
+            log.warning("cairn: %s: cairn steps %s are named otherwise than the run's Orbax steps, so an Orbax "
+                        "CheckpointManager does not list them and would resume from step %d; run "
+                        "cairn.export_orbax_run(%r) before going back to Orbax", self.directory,
+                        ", ".join(f for _, f in hidden[-5:]), newest, self.directory)
 
     # ------------------------------------------------------------------ naming and listing
 
@@ -690,7 +710,11 @@ class CheckpointManager(StepWatch):
         Raises `CheckpointExistsError` if `step` already has a folder in the
         directory, in any naming (cairn's, Orbax's, DCP's), or is being
         saved, and `CheckpointError` (before saving anything) if an earlier
-        background save failed.
+        background save failed, or if `step` is older than the newest step
+        of the run (committed or being saved): retention would delete it at
+        once. (Orbax's manager skips such a save; cairn refuses it, so that
+        a resume script restarted from an earlier step stops at its first
+        save instead of training on with nothing kept.)
 
         Example:
 
@@ -714,15 +738,25 @@ class CheckpointManager(StepWatch):
         meta = _steps.step_metadata(step, metrics, f"{self.directory} step {step}", metadata)
         if cast is not None:
             state = _cast(state, cast, f"{self.directory} step {step}")
-        taken = (_steps.folders_of_step(self._storage, step, self._names)
-                 if self._primary or self._decisions.alone else None)
-        taken = self._decisions.shared(f"taken-{step}", taken)
+        mine = None
+        if self._primary or self._decisions.alone:  # the step's folders, and the newest step saved or saving
+            with self._lock:
+                known = [*self._folders.copy(), *self._inflight, *(p.step for p in self._pending)]
+            mine = [_steps.folders_of_step(self._storage, step, self._names), max(known, default=None)]
+        taken, newest = self._decisions.shared(f"taken-{step}", mine)
         if taken:  # one step, one folder: never a second one in another naming
             raise CheckpointExistsError(
                 f"{self.directory}/{taken[0]}: step {step} is already saved there"
                 f"{' by Orbax' if self._storage.exists(f'{taken[0]}/{_steps.ORBAX_STEP_METADATA}') else ''}"
                 f"{' (and in ' + ', '.join(taken[1:]) + ')' if taken[1:] else ''}; save a new step, or delete it "
                 "first (mgr.delete for a step of this run)")
+        if newest is not None and step < newest:  # retention would delete it at once: refused, not lost
+            raise CheckpointError(
+                f"{self.directory}/{self._names.name(step)}: step {step} is older than step {newest}, the newest "
+                "this run has saved; "
+                "steps are saved in order (with max_to_keep, retention would delete it at once; a resume script "
+                f"started from an earlier step?). Resume from mgr.latest_step() ({newest}), delete the newer "
+                "steps first (mgr.delete), or save into another directory")
         with self._lock:
             if step in self._inflight:
                 raise CheckpointExistsError(f"{self.path(step)}: step {step} is already being saved")

@@ -83,7 +83,7 @@ class StepNames:
         StepNames("{step}").name(100)    # "100"
     """
 
-    def __init__(self, format: str = DEFAULT_STEP_FORMAT):
+    def __init__(self, format: str = DEFAULT_STEP_FORMAT, *, follow_orbax: bool = False):
         fields = _FIELD.findall(format) if isinstance(format, str) else []
         if len(fields) != 1 or "/" in format or format.startswith(".") or \
                 format.count("{") != 1 or format.count("}") != 1:
@@ -92,6 +92,20 @@ class StepNames:
         self.format = format
         head, tail = _FIELD.split(format, maxsplit=1)[0], _FIELD.split(format, maxsplit=1)[-1]
         self._rx = re.compile(f"^{re.escape(head)}(\\d+){re.escape(tail)}$")
+        # A manager given no step_format names its steps as the run's Orbax steps are named, where the run
+        # has any (`survey` finds the naming, `adopting` applies it), so that Orbax's CheckpointManager lists
+        # them too; the steps it named in its own default spelling before stay steps of the run (`_also`).
+        self.follow_orbax = follow_orbax
+        self._also: StepNames | None = None
+
+    def adopting(self, format: str | None) -> StepNames:
+        """These names, following a run whose Orbax naming is `format`: new steps are named so, and
+        steps in cairn's default spelling still parse. Unchanged where not following or `format` is None."""
+        if not self.follow_orbax or format is None or format == self.format:
+            return self
+        out = StepNames(format, follow_orbax=True)
+        out._also = DEFAULT_NAMES if format != DEFAULT_STEP_FORMAT else None
+        return out
 
     def name(self, step: int) -> str:
         return self.format.format(step=step)
@@ -99,9 +113,11 @@ class StepNames:
     def parse(self, name: str) -> int | None:
         m = self._rx.match(name)
         if m is None:
-            return None
+            return self._also.parse(name) if self._also is not None else None
         step = int(m.group(1))
-        return step if self.name(step) == name else None
+        if self.name(step) == name:
+            return step
+        return self._also.parse(name) if self._also is not None else None
 
     def __repr__(self) -> str:
         return f"StepNames({self.format!r})"
@@ -311,6 +327,24 @@ class Survey:
     steps: dict[int, str]
     orbax: set[int]
     strays: list[Stray]
+    #: With names that follow Orbax (`StepNames.adopting`): the step_format of the run's Orbax naming, else None.
+    naming: str | None = None
+
+
+def orbax_format(names: Iterable[str]) -> str | None:
+    """The step_format spelling Orbax step folders `names` (all of one step_prefix): ``"ckpt_{step}"``,
+    ``"{step:04d}"`` where a zero-padded name shows ``step_format_fixed_length``; None if it cannot be one."""
+    names = list(names)
+    got = [orbax_name(n) for n in names]
+    if not names or any(g is None for g in got):
+        return None
+    prefix = got[0][0]  # type: ignore[index]
+    if "{" in prefix or "}" in prefix or "/" in prefix or prefix.startswith("."):
+        return None
+    digits = [n.rsplit("_", 1)[-1] if prefix else n for n in names]
+    padded = [d for d in digits if len(d) > 1 and d.startswith("0")]
+    field = f"{{step:0{len(padded[0])}d}}" if padded else "{step}"
+    return f"{prefix}_{field}" if prefix else field
 
 
 def _stray_kind(storage: Storage, name: str) -> str | None:
@@ -338,6 +372,7 @@ def survey(storage: Storage, names: StepNames = DEFAULT_NAMES) -> Survey:
     """
     cairn: dict[int, list[str]] = {}
     orbax: dict[str, dict[int, list[str]]] = {}
+    named: dict[str, dict[int, list[str]]] = {}  # cairn checkpoints under an Orbax naming, by prefix
     strays: list[Stray] = []
     for name in storage.list_dir(""):
         if name.startswith("."):
@@ -352,6 +387,9 @@ def survey(storage: Storage, names: StepNames = DEFAULT_NAMES) -> Survey:
             continue
         if step is not None:
             continue  # the manager's own spelling without a manifest: a leftover, cleaned up elsewhere
+        if names.follow_orbax and on is not None and storage.exists(f"{name}/{fmt.MANIFEST}"):
+            named.setdefault(on[0], {}).setdefault(on[1], []).append(name)  # placed once the naming is known
+            continue
         guess = on[1] if on is not None else guess_step(name)
         kind = _stray_kind(storage, name) if guess is not None else None
         if guess is not None and kind is not None:
@@ -369,6 +407,16 @@ def survey(storage: Storage, names: StepNames = DEFAULT_NAMES) -> Survey:
             if got is not chosen:
                 strays += [Stray(n, s, "orbax", f"Orbax steps under several step_prefix namings ({shown}); "
                                  "step_format spelling one of them picks it") for s, ns in got.items() for n in ns]
+    naming = _run_naming(storage, names, chosen, named, bool(cairn))
+    adopted = StepNames(naming) if naming is not None else None
+    for got in named.values():
+        for s, ns in got.items():
+            for n in ns:
+                if adopted is not None and adopted.parse(n) == s:
+                    cairn.setdefault(s, []).append(n)  # a step this manager's naming gave it
+                else:
+                    strays.append(Stray(n, s, "cairn", f"a cairn checkpoint not named as step_format "
+                                                       f"{names.format!r} spells"))
     steps: dict[int, str] = {}
     for s in sorted({*cairn, *chosen}):
         both = [*sorted(cairn.get(s, [])), *sorted(chosen.get(s, []))]
@@ -380,7 +428,33 @@ def survey(storage: Storage, names: StepNames = DEFAULT_NAMES) -> Survey:
             strays.append(Stray(n, s, kind, f"step {s} is saved in {len(both)} folders ({', '.join(both)}); "
                                 "delete all but one"))
     strays.sort(key=lambda x: (-x.step, x.name))
-    return Survey(steps, {s for s in steps if s in chosen}, strays)
+    return Survey(steps, {s for s in steps if s in chosen}, strays, naming)
+
+
+def _run_naming(storage: Storage, names: StepNames, chosen: dict[int, list[str]],
+                named: dict[str, dict[int, list[str]]], own: bool) -> str | None:
+    """For names that follow Orbax: the step_format of the run's Orbax naming. That of its Orbax steps; where
+    none is left (retention deleted them) and no step is named in cairn's own spelling (`own`), that of the
+    cairn steps a manager saved under one Orbax naming (each manifest records its step), so a run keeps
+    its naming; else None."""
+    if not names.follow_orbax:
+        return None
+    if chosen:
+        return orbax_format(n for ns in chosen.values() for n in ns)
+    if names.format != DEFAULT_STEP_FORMAT:
+        return names.format  # adopted earlier by this manager
+    if own or len(named) != 1:
+        return None
+    got = next(iter(named.values()))
+    for s, ns in got.items():
+        for n in ns:
+            try:
+                mine = read_manifest(Location(storage, n, storage.describe(n))).metadata.get(META_KEY)
+            except CheckpointError:
+                return None
+            if not isinstance(mine, dict) or mine.get("step") != s:
+                return None  # not saved by a manager as this step: not the run's naming
+    return orbax_format(n for ns in got.values() for n in ns)
 
 
 def _orbax_committed(storage: Storage, name: str) -> bool:
@@ -511,11 +585,12 @@ def scan(dir_path: str, storage_options: dict | None) -> tuple[Location, list[di
     """Every checkpoint-like entry of a directory, committed or not, for ``cairn ls`` and ``cairn gc``.
 
     Each entry is a dict: ``name``, ``key``, ``status`` (``committed``,
+    ``broken``: committed, but a base checkpoint it refers to is not,
     ``corrupt``, ``temporary`` or ``uncommitted``), ``step`` (the manager's, or
     `guess_step`), ``age_s``, ``metrics``, ``created_unix``, ``files``,
     ``bytes``, ``format`` (``cairn``, or ``orbax`` for an Orbax step folder,
     ``dcp`` for a PyTorch DCP checkpoint) and ``of`` (temporary) or ``error``
-    (corrupt). Sorted by step.
+    (corrupt, broken). Sorted by step.
     """
     loc = resolve(dir_path, storage_options)
     storage = loc.storage
@@ -542,6 +617,11 @@ def scan(dir_path: str, storage_options: dict | None) -> tuple[Location, list[di
                 e["error"] = str(err)
             else:
                 e["status"] = "committed"
+                missing = [b for b in m.bases if not storage.exists(f"{loc.key(b)}/{fmt.MANIFEST}")]
+                if missing:  # an incremental checkpoint whose base was deleted: it no longer loads
+                    e["status"] = "broken"
+                    e["error"] = (f"its base {', '.join(missing)} (incremental saves refer to its blocks) is not a "
+                                  "committed checkpoint: deleted, or its manifest.json is")
                 e["created_unix"] = m.created_unix
                 e["age_s"] = now - m.created_unix if m.created_unix else None
                 mgr = m.metadata.get(META_KEY)

@@ -45,8 +45,8 @@ def export_orbax_run(
     Orbax ``CheckpointManager`` with the same `step_prefix` and
     `step_format_fixed_length` lists every step of the run, in order, Orbax's
     own and the exported ones, and resumes from the newest. Each cairn step
-    (as a `CheckpointManager` with `step_format` names them; default: its
-    own default, or ``"{step}"``-style names a run of Orbax's naming holds)
+    (as a `CheckpointManager` with `step_format` names them; default: as a
+    manager given none names them, cairn's default or the run's Orbax naming)
     is written by `export_orbax` (JSON items stay JSON, metrics and
     shardings are kept; `json_items`, `mesh` and `per_process` as there).
     The naming defaults to the one of the run's Orbax steps, else Orbax's
@@ -76,7 +76,7 @@ def export_orbax_run(
     root, storage = _steps.open_directory(directory)
     if out is None and storage.dirs is None:
         raise CheckpointError(f"{root}: an export in place needs a local directory (it swaps folders); pass out=")
-    got = _steps.survey(storage, _steps.StepNames(step_format or _steps.DEFAULT_STEP_FORMAT))
+    got = _steps.survey(storage, _steps.StepNames(step_format) if step_format else _steps.StepNames(follow_orbax=True))
     if not got.steps:
         raise CheckpointNotFoundError(f"{root} holds no committed step to export"
                                       + (f" (folders that look like steps: {got.strays[0].show()})" if got.strays else ""))

@@ -24,7 +24,7 @@ from .._core.host import usable_cores
 from .._dist.coord import fetch_from
 from .._storage.base import bandwidth_of, bandwidth_source
 from .assign import UNCHANGED, Concat, SaveItem, files_in_turn
-from .options import bad_compression
+from .options import CHOOSING, bad_compression
 
 
 def coder_cores() -> int:
@@ -214,7 +214,8 @@ def compression_can_pay(bandwidth: float, cores: int, **prices: Any) -> bool:
     """Whether any leaf could be worth coding on this storage: even a leaf that codes to nothing
     takes ``raw / encode + raw / decode``. Where that is no faster than the raw transfer (a local
     disk, whose bandwidth beats the codecs), "auto" stores every block raw (format version 2)."""
-    return any(compression_pays(1.0, 0.0, codec, bandwidth, cores, **prices) for codec in usable_codecs())
+    return any(compression_pays(1.0, 0.0, codec, bandwidth, cores, **prices) for codec in usable_codecs()
+               if codec not in _codecs.BLOSC2_CODECS)  # "auto" picks only codecs every install reads
 
 
 def usable_codecs() -> list[str]:
@@ -241,6 +242,11 @@ def resolve_compression(compression: str | bool | None, storage: Any) -> str | N
         return "auto" if compression_can_pay(p["bandwidth"], coder_cores(), **formula_args(p)) else None
     if compression is True:
         return "choose"
+    if compression == "fast":
+        if not _codecs.blosc2_available():
+            raise ValueError(f"compression='fast' needs python-blosc2, which is not installed: "
+                             f"pip install '{_codecs.BLOSC2_EXTRA}'")
+        return "fast"
     if compression in (False, None, "none"):
         return None
     if compression in ("zstd", "planes"):
@@ -275,13 +281,14 @@ def decide_leaf(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict
     takes `FAST_CODEC` instead where `predicted_seconds` says it saves and loads the leaf
     sooner, and codes the leaf only where that pays (`compression_pays`)."""
     n = cores or coder_cores()
+    c_blosc2 = mode == "fast"  # True and "auto" pick only codecs every install reads (no C-Blosc2)
     try:
         sample = _choose.sample(host, sample_bytes(getattr(host, "nbytes", 0)))
         # "blosc2" is a candidate only where it codes this leaf's elements faster on n cores
         codec, raw, stored = _choose.choose_sized(dtype, sample,
-                                                  blosc2=blosc2_faster(n, np.dtype(dtype).itemsize))
+                                                  blosc2=c_blosc2 and blosc2_faster(n, np.dtype(dtype).itemsize))
         args = formula_args(prices or {}, codec)
-        if mode == "auto" and codec != "none" and FAST_CODEC in usable_codecs():
+        if c_blosc2 and codec != "none" and FAST_CODEC in usable_codecs():
             # the faster C-Blosc2 codec, where it is predicted to save and load the leaf sooner, its
             # 3-10% more bytes and all (a fast link, many cores), each priced with its own coded figures
             fast, fast_args = _choose.stored_size(FAST_CODEC, dtype, sample), formula_args(prices or {}, FAST_CODEC)
@@ -400,7 +407,7 @@ def choose_codecs(job: Any, background: bool = False) -> tuple[dict[str, dict[in
             if not isinstance(src, ArraySource):
                 continue
             owner = layout.writer[0]
-            if fixed not in ("choose", "auto"):
+            if fixed not in CHOOSING:
                 mine[i] = fixed if i in written or owner == me else "none"
             elif owner == me:
                 first = item.sources.get((i, 0))
@@ -419,7 +426,7 @@ def choose_codecs(job: Any, background: bool = False) -> tuple[dict[str, dict[in
         if background and coord.process_count == 1:
             return out, choosing
         choosing.close()  # every codec known before any file is written
-    if job.compression in ("choose", "auto") and coord.process_count > 1:
+    if job.compression in CHOOSING and coord.process_count > 1:
         base = f"cairn/save/{job.seq}/codecs"
         coord.publish(f"{base}/{me}", json.dumps({name: {str(i): c for i, c in m.items()}
                                                   for name, m in out.items()}).encode())
@@ -626,7 +633,7 @@ def stream_codec(compression: str | None, kind: str, dtype: np.dtype, first: np.
     `resolve_compression` gives) and, for "choose" and "auto", its first slab's bytes `first`."""
     if compression is None or kind != "array":
         return "none"
-    if compression not in ("choose", "auto"):
+    if compression not in CHOOSING:
         return compression
     n = first.nbytes - first.nbytes % dtype.itemsize
     return leaf_codec(compression, dtype, first[:n].view(dtype), bandwidth_of(storage))

@@ -149,6 +149,17 @@ def referrers(loc: Location) -> list[str]:
         return sorted(n for n, yes in zip(names, pool.map(names_it, names)) if yes)
 
 
+def _foreign_checkpoint(storage: Storage, loc: Location) -> str | None:
+    """What checkpoint of another library the folder at `loc` holds (named for a refusal), or None."""
+    if storage.exists(loc.key("_CHECKPOINT_METADATA")):
+        return "an Orbax checkpoint (it holds _CHECKPOINT_METADATA: an Orbax CheckpointManager step, or a Checkpointer's)"
+    if storage.exists(loc.key("_METADATA")) or storage.exists(loc.key("manifest.ocdbt")):
+        return "an Orbax checkpoint (it holds Orbax's _METADATA / manifest.ocdbt)"
+    if storage.exists(loc.key(".metadata")):
+        return "a PyTorch DCP checkpoint (it holds .metadata)"
+    return None
+
+
 def refuse_replacing_a_base(loc: Location, doing: str, instead: str = "use another name") -> None:
     """Refuse `doing` ("overwriting", "moving") the committed checkpoint `loc` where `referrers` name it as
     their base: it would break every one of them (their loads would fail naming it). Nothing is written;
@@ -191,6 +202,12 @@ class RenameCommit(CommitStrategy):
         # the first look and the listing is a committed checkpoint, not a foreign folder.
         if not overwrite and not storage.exists(manifest) and storage.list_dir(loc.name) \
                 and not storage.exists(manifest):
+            other = _foreign_checkpoint(storage, loc)
+            if other is not None:  # say what would be lost: not "a folder", a checkpoint of another library
+                raise CheckpointExistsError(
+                    f"{loc.path} is {other}; overwrite=True would delete it and save cairn's checkpoint in its "
+                    "place. Save elsewhere (cairn.load reads it where it is; `cairn convert` copies it to cairn's "
+                    "format)")
             raise CheckpointExistsError(
                 f"{loc.path} exists and is not a committed cairn checkpoint; pass overwrite=True to replace it"
             )

@@ -16,8 +16,11 @@ from dataclasses import dataclass
 from typing import Any
 
 #: The values of `compression` (see `cairn.save`; `codecpolicy.resolve_compression` says what each means).
-COMPRESSIONS: tuple[str | bool | None, ...] = ("auto", True, False, None, "none", "zstd", "planes", "blosc2",
-                                                "blosc2-lz4")
+COMPRESSIONS: tuple[str | bool | None, ...] = ("auto", True, "fast", False, None, "none", "zstd", "planes",
+                                                "blosc2", "blosc2-lz4")
+#: The modes that choose a codec per leaf (`codecpolicy.resolve_compression`): "fast" is "choose" with the
+#: C-Blosc2 codecs among the candidates, which every reader then needs (the `fast` extra).
+CHOOSING = ("choose", "auto", "fast")
 
 
 def bad_compression(value: Any) -> ValueError:

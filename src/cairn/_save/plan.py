@@ -31,7 +31,7 @@ from .._tree.pytree import flatten
 from .assign import SaveItem, plan_item
 from .codecpolicy import auto_prices, resolve_compression
 from .commit import CommitStrategy, strategy_for
-from .options import SaveOptions, save_options_of
+from .options import CHOOSING, SaveOptions, save_options_of
 
 log = logging.getLogger("cairn")
 
@@ -76,7 +76,7 @@ class SavePlan:
                     continue
                 if self.compression is None:
                     mine[i] = "none"
-                elif self.compression in ("choose", "auto"):
+                elif self.compression in CHOOSING:
                     mine[i] = MEASURE
                 else:
                     mine[i] = self.compression

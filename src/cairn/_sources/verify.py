@@ -29,7 +29,7 @@ from .._core.checksum import BlockChecks, crc32c, mismatch
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import manifest as fmt
 from .._format import values
-from .._load.reader import make_reader, read_box, slab_boxes, slab_bytes
+from .._load.reader import base_problem, make_reader, read_box, slab_boxes, slab_bytes
 from .._load.source import CairnSource
 from .._read.metadata import read_index
 from .._storage.location import Location, resolve
@@ -226,11 +226,17 @@ def plan_verify(src: CairnSource) -> tuple[fmt.Manifest, dict[str, fmt.ItemIndex
 def _open_files(loc: Any, info: fmt.ItemInfo, index: fmt.ItemIndex, where: str, name: str, report: VerifyReport,
                 problems: list[Problem]) -> dict[int, Any]:
     """A reader of each data file of `index` that is there (file number -> reader); each missing or
-    mis-sized file a problem."""
+    mis-sized file a problem, and each base whose references a load refuses (`base_problem`)."""
     opened: dict[int, Any] = {}
+    bad_bases = {b: p for b in {f.base for f in index.files if f.base is not None}
+                 if (p := base_problem(loc.storage, loc.path, b, info.dir)) is not None}
+    for _b, p in sorted(bad_bases.items()):
+        problems.append(Problem(p, item=name))
     for fi, f in enumerate(index.files):
         key = loc.key(info.dir, f.name)
         if f.base is not None:  # incremental (format 4): a file of a sibling base checkpoint
+            if f.base in bad_bases:
+                continue  # its references are refused (named above), as a load refuses them
             key = "/".join((f.base, info.dir, f.name))
         report.files += 1
         try:
@@ -439,6 +445,22 @@ class _Side:
                 self.leaves[display_path(leaf.path, name)] = (name, leaf)
         self._indexes = indexes
         self._readers: dict[str, Any] = {}
+        # The full key paths of empty nodes of the tree (optax's ``EmptyState()``, ``{}``, ``()``), which
+        # Orbax stores as a None leaf: `diff` matches the two, as `cairn.load` does.
+        self.hollows: set[str] = set()
+        for name, index in indexes.items():
+            self._walk_hollows(getattr(index, "structure", None), "", name)
+
+    def _walk_hollows(self, node: Any, path: str, item: str) -> None:
+        from .._format.structure import child_path, children
+
+        if not isinstance(node, dict) or "leaf" in node or "per_process" in node:
+            return
+        pairs = children(node)
+        if not pairs:
+            self.hollows.add(display_path(path, item))
+        for k, v in pairs:
+            self._walk_hollows(v, child_path(path, k), item)
 
     def read(self, item: str, leaf: fmt.ArrayLeaf, box: Any, pool: ThreadPoolExecutor) -> np.ndarray:
         r = self._readers.get(item)
@@ -475,9 +497,15 @@ def diff(
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="cairn-diff") as pool:
             for full in list(sa.leaves) + [p for p in sb.leaves if p not in sa.leaves]:
                 x, y = sa.leaves.get(full), sb.leaves.get(full)
-                name, path = (x or y)[0], (x or y)[1].path  # type: ignore[index]
-                if y is None:
-                    out.append(DiffEntry(name, path, "only in A", _describe_leaf(x[1])))  # type: ignore[index]
+                either = x if x is not None else y
+                assert either is not None  # (`full` is a leaf of one side at least)
+                name, path = either[0], either[1].path
+                if y is None and x is not None and _none(x[1]) and full in sb.hollows:
+                    out.append(DiffEntry(name, path, "equal", "None in A, an empty node in B (Orbax stores one so)"))
+                elif x is None and y is not None and _none(y[1]) and full in sa.hollows:
+                    out.append(DiffEntry(name, path, "equal", "an empty node in A, None in B (Orbax stores one so)"))
+                elif y is None:
+                    out.append(DiffEntry(name, path, "only in A", _describe_leaf(either[1])))
                 elif x is None:
                     out.append(DiffEntry(name, path, "only in B", _describe_leaf(y[1])))
                 else:
@@ -487,6 +515,10 @@ def diff(
         sa.close()
         sb.close()
     return out
+
+
+def _none(leaf: fmt.Leaf) -> bool:
+    return isinstance(leaf, fmt.ValueLeaf) and leaf.kind == "none"
 
 
 def _compare(name: str, path: str, x: fmt.Leaf, y: fmt.Leaf, ra: Callable[..., np.ndarray],
