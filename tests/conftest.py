@@ -53,7 +53,7 @@ def _quiet_background():
 def _unmeasured():
     """Each test starts with nothing measured: "auto" prices with declared or default figures, not
     with the bandwidth and codec speed earlier tests happened to reach (`_storage.measured`)."""
-    from cairn._save.options import CODEC_METER
+    from cairn._save.codecpolicy import CODEC_METER
     from cairn._storage.measured import METER
 
     METER.clear()

@@ -158,9 +158,9 @@ def save_async(
 
 def _base_of(path: PathLike, base: PathLike, storage_options: dict[str, Any] | None) -> Any:
     """`base` as the `Location` of a sibling of `path` (incremental saves; ValueError otherwise)."""
-    from ._save.incremental import sibling
+    from ._read.metadata import base_beside
 
-    return sibling(resolve(path, storage_options), base, storage_options)
+    return base_beside(resolve(path, storage_options), base, storage_options)
 
 
 def load(

@@ -85,9 +85,9 @@ def save(path: str, mesh: list[int], split_replicas: bool = False, big_mb: int =
 
         fstype.MOUNTINFO = mountinfo[jax.process_index()]
     if cores:  # the cores "auto" prices the codecs on, whatever this machine has
-        from cairn._save import engine
+        from cairn._save import codecpolicy
 
-        engine._cores = lambda: cores
+        codecpolicy.coder_cores = lambda: cores
     state = make_state(mesh)
     if big_mb:  # a separate checkpointable, so that loads of the test state may leave it out
         rows = big_mb * 256

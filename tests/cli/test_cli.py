@@ -391,8 +391,8 @@ def test_ls_marks_steps_whose_base_was_deleted_as_broken(tmp_path, capsys):
 def test_verify_without_a_codec_library_exits_3_and_ls_of_nothing_exits_1(tmp_path, capsys, monkeypatch):
     """`cairn verify` of a checkpoint whose blocks need python-blosc2, where it is not installed: exit status 3
     (it could not check), not 1 (damage). `cairn ls` of a path that does not exist: exit status 1."""
-    from cairn._format import blosc2lib
-    from cairn._format import codecs as _codecs
+    from cairn._codecs import blosc2lib
+    from cairn._codecs import codecs as _codecs
 
     if not _codecs.blosc2_available():
         pytest.skip("writing a blosc2 checkpoint needs python-blosc2")
@@ -435,6 +435,33 @@ def test_ls_names_a_step_committed_in_two_folders(tmp_path, capsys):
     assert rc == 0 and "step 4 is committed in 2 folders (step_00000004, step_4)" in out, out
     assert "step 5 is" not in out
     assert cairn.CheckpointManager(tmp_path / "run", read_only=True).path(4).endswith("step_00000004")
+
+
+# ---------------------------------------------------------------------- plan --save
+
+
+def test_plan_save_is_a_dry_run_of_a_save_of_the_arrays(tmp_path, capsys):
+    """`cairn plan PATH --save DEST`: what a save of PATH's arrays to DEST would write (files, chunks, bytes
+    per checkpointable; each leaf's codec decision), as cairn.save plans it; DEST is not written."""
+    import json
+
+    state = {"params": {"w": np.arange(1 << 18, dtype=np.float32), "b": np.ones(10, np.int16), "step": 3},
+             "opt": {"m": np.zeros((64, 64), np.float32)}}
+    cairn.save(tmp_path / "src", state)
+    rc, out, _ = run(capsys, "plan", tmp_path / "src", "--save", tmp_path / "dst", "--save-compression", "zstd",
+                     "--json")
+    assert rc == 0
+    got = json.loads(out)
+    assert got["compression"] == "zstd" and got["process"] == 0
+    assert got["items"]["params"]["bytes"] == (1 << 18) * 4 + 20 and got["items"]["params"]["leaves"] == {"zstd": 2}
+    assert got["items"]["opt"]["bytes"] == 64 * 64 * 4 and got["items"]["opt"]["chunks"] == 1
+    assert not (tmp_path / "dst").exists()  # a dry run: nothing written
+    rc, out, _ = run(capsys, "plan", tmp_path / "src", "--save", "memory://plan-save/x", "--save-compression", "true")
+    assert rc == 0 and "leaves: 2 measure on its first chunk" in out, out
+    # the destination is checked as a save checks it
+    cairn.save(tmp_path / "dst", state)
+    rc, _, err = run(capsys, "plan", tmp_path / "src", "--save", tmp_path / "dst")
+    assert rc != 0 and "already holds a checkpoint" in err, err
 
 
 # ---------------------------------------------------------------------- plan --compression

@@ -16,7 +16,7 @@ import pytest
 
 import cairn
 from _mp import run, scenarios, start, wait
-from cairn._format import codecs as _codecs
+from cairn._codecs import codecs as _codecs
 
 pytestmark = pytest.mark.timeout(240)
 

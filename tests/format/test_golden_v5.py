@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import cairn
 from _parts import delta_kinds
-from cairn._format import codecs as _codecs
+from cairn._codecs import codecs as _codecs
 from cairn._format import manifest as fmt
 from cairn._sources.verify import verify
 
@@ -187,9 +187,10 @@ def test_the_primary_writes_5_when_any_process_reports_newer_blocks():
     """Each process's status says whether its part holds blosc2 blocks or sparse deltas; the primary's
     manifest version is 5 when any does (`SaveJob.manifest_version`), else the indexes' version."""
     from cairn._save.engine import SaveJob
+    from cairn._save.incremental import Incremental
 
     job = SaveJob.__new__(SaveJob)
-    job.inc, job.compression = object(), "planes"
+    job.inc, job.compression = Incremental.__new__(Incremental), "planes"  # an incremental save
     quiet = {"items": {"params": {"files": []}, "step": {"files": []}}, "ok": True}
     loud = {"items": {"params": {"files": []}, "step": {"files": [], "newer": True}}, "ok": True}
     assert job.manifest_version({0: quiet, 1: quiet}) == 4

@@ -21,8 +21,8 @@ from jax.sharding import PartitionSpec as P
 
 import cairn
 from _parts import delta_kinds
+from cairn._codecs import codecs as _codecs
 from cairn._errors import CorruptCheckpointError
-from cairn._format import codecs as _codecs
 from cairn._format import manifest as fmt
 from cairn._format.blocks import CODEC_IDS, CODEC_NAMES
 from cairn._sources.verify import verify
@@ -369,9 +369,10 @@ def test_the_primary_writes_the_highest_version_any_process_reports():
     before version 6, meaning 5); the primary writes the highest (`SaveJob.manifest_version`), else the
     indexes' version; a part's need is its codecs' (`SaveJob.newer_blocks`)."""
     from cairn._save.engine import SaveJob
+    from cairn._save.incremental import Incremental
 
     job = SaveJob.__new__(SaveJob)
-    job.inc, job.compression = object(), "planes"
+    job.inc, job.compression = Incremental.__new__(Incremental), "planes"  # an incremental save
 
     def status(*newer):
         return {"items": {f"i{j}": {"files": [], **({"newer": v} if v else {})} for j, v in enumerate(newer)},

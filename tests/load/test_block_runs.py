@@ -15,8 +15,8 @@ import pytest
 
 import cairn
 from _parts import delta_kinds
+from cairn._codecs import codecs
 from cairn._errors import CorruptCheckpointError
-from cairn._format import codecs
 from cairn._format.blocks import CODEC_IDS
 from cairn._load import blocks, decodepool
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import cairn
-from cairn._format import codecs
+from cairn._codecs import codecs
 from cairn._load import decodepool, reader
 
 CODECS = ["zstd", "planes"] + (["blosc2"] if codecs.blosc2_available() else [])

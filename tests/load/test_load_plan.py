@@ -17,9 +17,9 @@ from jax.sharding import PartitionSpec as P
 import cairn
 from cairn._load import engine as _load
 from cairn._load import plan as _plan
-from cairn._load.metadata import read_index, read_manifest
 from cairn._load.reader import LoadStats
 from cairn._load.source import CairnSource
+from cairn._read.metadata import read_index, read_manifest
 from cairn._storage.location import resolve
 
 SHAPE = (1024, 512)  # 2 MiB of float32: several chunks on 8 devices, partial chunks when resharded

@@ -586,12 +586,12 @@ def test_save_metadata_is_the_deprecated_spelling_of_user_metadata(tmp_path):
 def test_a_data_file_batch_keeps_bytes_and_order():
     """`SaveJob._write_file`'s one batching rule: small pieces gathered into writes of about
     BATCH_BYTES, a large piece alone after the batch before it; the file's bytes are the pieces'."""
-    from cairn._save.engine import BATCH_BYTES, SMALL_CHUNK, _Batch
+    from cairn._save.pipeline import BATCH_BYTES, SMALL_CHUNK, Batch
 
     rng = np.random.default_rng(0)
     sizes = [10, SMALL_CHUNK, SMALL_CHUNK + 1, 3, *([SMALL_CHUNK] * (BATCH_BYTES // SMALL_CHUNK + 1)), 7, 5 << 20]
     pieces = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]
-    batch, flushed = _Batch(), []
+    batch, flushed = Batch(), []
 
     def run():
         for p in pieces:

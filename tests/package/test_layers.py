@@ -7,7 +7,7 @@ The rules follow the folders:
    room or of lower rooms (every import counts, also those inside functions, since a lazy import is
    still a dependency). Inside a room, modules import each other freely.
 2. `_format/` and `_plan/` are pure: they import only each other, `_core.checksum` and `_errors`;
-   no JAX, no file or network I/O.
+   no JAX, no file or network I/O, no native library loaded by hand (ctypes, cffi: `_codecs/` does that).
 3. Only `_dist/` touches `jax.distributed` (or `jax._src.distributed`).
 4. Only `_storage/` and the commit strategies (`_save.commit`) do file or network I/O.
 5. The public API is `cairn.__all__` (pinned below), re-exported from `cairn/__init__.py` and from
@@ -53,24 +53,29 @@ ROOMS: dict[str, int] = {
     "cairn._storage": 2,  # bytes only: backends and a path's location
     "cairn._dist": 3,  # coordination between processes
     "cairn._format": 4,  # pure: the on-disk format
-    "cairn._plan": 5,  # pure: chunks, grids, reads
-    "cairn._tree": 6,  # the user's state: pytrees, leaves, per-process values, shardings
-    "cairn._save": 7,
-    "cairn._load": 8,
-    "cairn._sources": 9,  # checkpoints opened for reading: detection, other formats, transforms, verify, dry run
-    "cairn._exports": 10,  # one checkpoint written from another: cp, mv, convert, exports to other formats
-    "cairn._run": 11,  # a run's directory: steps, retention, leases
-    "cairn._local": 12,  # the local tier
-    "cairn._manager": 13,
-    "cairn._cli": 14,
-    "cairn._api": 15,  # the public functions on paths
-    "cairn": 16,  # the public surface: re-exports only
+    "cairn._codecs": 5,  # the per-block codecs as code, and the native C-Blosc2 library loaded by ctypes
+    "cairn._plan": 6,  # pure: chunks, grids, reads
+    "cairn._read": 7,  # a committed checkpoint's manifest and indexes, and its siblings: below save and load
+    "cairn._tree": 8,  # the user's state: pytrees, leaves, per-process values, shardings
+    "cairn._save": 9,
+    "cairn._load": 10,
+    "cairn._sources": 11,  # checkpoints opened for reading: detection, other formats, transforms, verify, dry run
+    "cairn._exports": 12,  # one checkpoint written from another: cp, mv, convert, exports to other formats
+    "cairn._run": 13,  # a run's directory: steps, retention, leases
+    "cairn._local": 14,  # the local tier
+    "cairn._manager": 15,
+    "cairn._cli": 16,
+    "cairn._api": 17,  # the public functions on paths
+    "cairn": 18,  # the public surface: re-exports only
 }
 ROOT_MODULES = {"cairn", "cairn._api", "cairn._errors", "cairn._version"}
 
 PURE_ROOMS = ("cairn._format", "cairn._plan")
 # What the pure rooms may import besides themselves.
 PURE_MAY_IMPORT = {"cairn._core.boxes", "cairn._core.checksum", "cairn._core.memo", "cairn._errors"}
+
+# Loading a native library by hand: what a pure room may not import (an extension module is an import).
+NATIVE_LOADERS = ("ctypes", "_ctypes", "cffi", "numpy.ctypeslib")
 
 JAX_DISTRIBUTED = ("jax.distributed", "jax._src.distributed")
 MAY_TOUCH_JAX_DISTRIBUTED = ("cairn._dist",)
@@ -377,6 +382,9 @@ def purity_violations(src: Source, may_import: set[str] = PURE_MAY_IMPORT) -> li
     for imp in src.imports:
         if any(_under(t, "jax") or _under(t, "jaxlib") for t in imp.targets()):
             out.append(Violation(src.where, imp.line, f"pure module imports JAX ({imp.base})"))
+        if any(_under(t, n) for t in imp.targets() for n in NATIVE_LOADERS):
+            out.append(Violation(src.where, imp.line, f"pure module loads a native library ({imp.base}): "
+                                                      "that belongs in _codecs/ or _core/"))
         target = cairn_target(imp, set(sources()))
         if (target is not None and target != src.module and not is_pure(target)
                 and not any(_under(target, m) for m in may_import)):
@@ -555,7 +563,9 @@ TEST_FOLDERS: dict[str, str] = {
     "storage": "cairn._storage",
     "distributed": "cairn._dist",  # not "dist": pytest and .gitignore skip folders of that name
     "format": "cairn._format",
+    "codecs": "cairn._codecs",
     "plan": "cairn._plan",
+    "read": "cairn._read",
     "tree": "cairn._tree",
     "save": "cairn._save",
     "load": "cairn._load",
@@ -749,6 +759,10 @@ def test_checker_finds_impure_code():
         "from .._load import engine\n",
         "from .._storage import open_storage\n",
         "from .._core import stats\n",
+        "import ctypes\nctypes.CDLL('libblosc2.so')\n",
+        "def f():\n    from ctypes import CDLL\n    return CDLL\n",
+        "from numpy import ctypeslib\n",
+        "import cffi\n",
         "def f(p):\n    with open(p) as f:\n        return f.read()\n",
         "import os\ndef f(p):\n    os.replace(p, p + '.x')\n",
     ):

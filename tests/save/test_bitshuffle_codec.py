@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 
 import cairn
-from cairn._format import codecs as _codecs
+from cairn._codecs import choose as _choose
+from cairn._codecs import codecs as _codecs
 from cairn._format import manifest as fmt
 from cairn._load.source import open_checkpoint
+from cairn._save import codecpolicy
 
 pytestmark = pytest.mark.skipif(not _codecs.blosc2_available(), reason="python-blosc2 is not installed")
 
@@ -104,31 +106,29 @@ def test_fast_weighs_the_fast_codec_by_predicted_time(monkeypatch):
     """`decide_leaf` in "fast": on a slow link the smaller codec wins (bytes are time); on a fast one, with
     many cores, "blosc2-lz4" does (its coding is the time); True ("choose") and "auto" never take it: they
     pick only codecs every install reads."""
-    from cairn._save import engine
-    from cairn._save.options import predicted_seconds
+    from cairn._save.codecpolicy import predicted_seconds
 
     w = _state()["w"]
     gib = float(1 << 30)
-    slow = engine.decide_leaf("fast", w.dtype, w, 0.05 * gib, cores=12)
-    fast = engine.decide_leaf("fast", w.dtype, w, 4 * gib, cores=12)
-    chosen = engine.decide_leaf("choose", w.dtype, w, 4 * gib, cores=12)
+    slow = codecpolicy.decide_leaf("fast", w.dtype, w, 0.05 * gib, cores=12)
+    fast = codecpolicy.decide_leaf("fast", w.dtype, w, 4 * gib, cores=12)
+    chosen = codecpolicy.decide_leaf("choose", w.dtype, w, 4 * gib, cores=12)
     assert slow.codec in ("blosc2", "planes") and fast.codec == "blosc2-lz4" and chosen.codec == "planes"
     for bandwidth in (0.05 * gib, 4 * gib):
-        assert engine.decide_leaf("auto", w.dtype, w, bandwidth, cores=12).codec in ("planes", "none")
-    lz4 = _codecs.stored_size("blosc2-lz4", w.dtype, _codecs.sample(w, engine.sample_bytes(w.nbytes)))
+        assert codecpolicy.decide_leaf("auto", w.dtype, w, bandwidth, cores=12).codec in ("planes", "none")
+    lz4 = _choose.stored_size("blosc2-lz4", w.dtype, _choose.sample(w, codecpolicy.sample_bytes(w.nbytes)))
     assert fast.stored == lz4 > slow.stored  # it stores more, and is still predicted sooner there
     assert (predicted_seconds(fast.raw, lz4, "blosc2-lz4", 4 * gib, 12)[1]
             < predicted_seconds(fast.raw, slow.stored, slow.codec, 4 * gib, 12)[1])
     monkeypatch.setattr(_codecs, "_blosc2_found", False)  # without python-blosc2: never
-    assert engine.decide_leaf("fast", w.dtype, w, 4 * gib, cores=12).codec != "blosc2-lz4"
+    assert codecpolicy.decide_leaf("fast", w.dtype, w, 4 * gib, cores=12).codec != "blosc2-lz4"
 
 
 def test_auto_prices_each_codec_with_its_own_measured_figures(tmp_path):
     """`auto_prices` carries each codec's coded figures (`_storage.measured`); `decide_leaf` prices each
     candidate with its own: a slow end-to-end figure measured while "blosc2" coded does not hold the
     faster codec back, and a slow figure of its own does."""
-    from cairn._save import engine
-    from cairn._save.options import CODEC_SPEEDS
+    from cairn._save.codecpolicy import CODEC_SPEEDS
 
     w = _state()["w"]
     gib = float(1 << 30)
@@ -136,9 +136,9 @@ def test_auto_prices_each_codec_with_its_own_measured_figures(tmp_path):
     prices = {"bandwidth": link, "read_bandwidth": link, "coded_bandwidth": slow, "coded_read_bandwidth": slow,
               "codec_factor": 1.0, "coded_by_codec": {"blosc2": [slow, slow], "planes": [slow, slow],
                                                       "blosc2-lz4": [link, link]}}
-    assert engine.decide_leaf("fast", w.dtype, w, link, prices, cores=12).codec == "blosc2-lz4"
+    assert codecpolicy.decide_leaf("fast", w.dtype, w, link, prices, cores=12).codec == "blosc2-lz4"
     prices["coded_by_codec"]["blosc2-lz4"] = [slow / 2, slow / 2]  # measured slower still: not it
-    assert engine.decide_leaf("fast", w.dtype, w, link, prices, cores=12).codec != "blosc2-lz4"
-    got = engine.auto_prices(cairn._storage.MemoryStorage(f"memory://prices-{tmp_path.name}"))
+    assert codecpolicy.decide_leaf("fast", w.dtype, w, link, prices, cores=12).codec != "blosc2-lz4"
+    got = codecpolicy.auto_prices(cairn._storage.MemoryStorage(f"memory://prices-{tmp_path.name}"))
     assert set(got["coded_by_codec"]) == set(CODEC_SPEEDS)
     assert all(len(v) == 2 and v[0] > 0 for v in got["coded_by_codec"].values())

@@ -1,8 +1,8 @@
 """How a compressed save hands its coded blocks to the storage.
 
-The coders find each stored block's CRC-32C and where it lies (`engine._checked`): the file's writer
+The coders find each stored block's CRC-32C and where it lies (`pipeline.checked`): the file's writer
 only writes, and blocks that follow each other in a buffer the codecs joined them into go to the storage
-as one view of it (`_Batch.add`'s `at`), not one write each. The checkpoint is the same: it loads
+as one view of it (`Batch.add`'s `at`), not one write each. The checkpoint is the same: it loads
 bitwise, and a flipped stored byte is still a `CorruptCheckpointError`.
 """
 
@@ -17,8 +17,8 @@ import pytest
 import cairn
 from _parts import count_data_writes
 from cairn._errors import CorruptCheckpointError
-from cairn._save import engine
-from cairn._save.engine import SMALL_CHUNK, _Batch, _places
+from cairn._save import codecpolicy, pipeline
+from cairn._save.pipeline import SMALL_CHUNK, Batch, places
 
 MiB = 1 << 20
 
@@ -29,13 +29,13 @@ def _trained(shape, dtype=ml_dtypes.bfloat16, seed=0) -> np.ndarray:
 
 def _crc_threads(monkeypatch) -> list[str]:
     names: list[str] = []
-    real = engine.crc32c
+    real = pipeline.block_crc
 
     def crc(b, *a):
         names.append(threading.current_thread().name)
         return real(b, *a)
 
-    monkeypatch.setattr(engine, "crc32c", crc)
+    monkeypatch.setattr(pipeline, "block_crc", crc)
     return names
 
 
@@ -43,7 +43,7 @@ def _crc_threads(monkeypatch) -> list[str]:
 def test_a_large_leafs_coded_blocks_are_written_together(tmp_path, monkeypatch, codec):
     if codec == "blosc2":
         pytest.importorskip("blosc2")
-    monkeypatch.setattr(engine, "_cores", lambda: 4)  # (blosc2 joins its chunks from 4 coders on)
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 4)  # (blosc2 joins its chunks from 4 coders on)
     parts = count_data_writes(monkeypatch)
     crcs = _crc_threads(monkeypatch)
     w = _trained((8 * MiB // 2,))  # 8 blocks of 1 MiB, one coding task
@@ -58,7 +58,7 @@ def test_a_large_leafs_coded_blocks_are_written_together(tmp_path, monkeypatch, 
 
 def test_small_blosc2_leaves_of_one_checkpointable_are_written_in_spans(tmp_path, monkeypatch):
     pytest.importorskip("blosc2")
-    monkeypatch.setattr(engine, "_cores", lambda: 4)
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 4)
     parts = count_data_writes(monkeypatch)
     state = {f"l{i:03d}": _trained((256, 200), np.float32, seed=i) for i in range(40)}  # 200 KiB each
     cairn.save(tmp_path / "c", {"params": state}, compression="blosc2", threads=1)  # one checkpointable
@@ -71,7 +71,7 @@ def test_small_blosc2_leaves_of_one_checkpointable_are_written_in_spans(tmp_path
 
 def test_a_flipped_byte_inside_a_span_is_named(tmp_path, monkeypatch):
     pytest.importorskip("blosc2")
-    monkeypatch.setattr(engine, "_cores", lambda: 4)
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 4)
     state = {f"l{i}": _trained((256, 200), np.float32, seed=i) for i in range(8)}
     cairn.save(tmp_path / "c", {"params": state}, compression="blosc2", threads=1)
     data = [p for p in (tmp_path / "c").rglob("*.bin")]
@@ -86,7 +86,7 @@ def test_a_flipped_byte_inside_a_span_is_named(tmp_path, monkeypatch):
 
 
 def _written(pieces, places) -> list[bytes]:
-    batch = _Batch()
+    batch = Batch()
 
     def run():
         for p, at in zip(pieces, places):
@@ -102,9 +102,9 @@ def test_a_batch_writes_next_door_views_as_one_and_keeps_the_order():
     va, vb = memoryview(a), memoryview(b)
     big = bytes(range(256)) * ((SMALL_CHUNK // 256) + 2)  # a plain piece past SMALL_CHUNK
     pieces = [va[0:10], va[10:40], b"xy", va[40:60], va[70:80], vb[0:5], vb[5:9], big, va[80:90], b"z"]
-    places = _places(pieces)
-    assert [p and p[1] for p in places] == [0, 10, None, 40, 70, 0, 5, None, 80, None]
-    writes = _written(pieces, places)
+    at = places(pieces)
+    assert [p and p[1] for p in at] == [0, 10, None, 40, 70, 0, 5, None, 80, None]
+    writes = _written(pieces, at)
     assert b"".join(writes) == b"".join(bytes(p) for p in pieces)  # the file's bytes, in order
     assert writes == [a[0:40].tobytes(), b"xy", a[40:60].tobytes(), a[70:80].tobytes(), b[0:9].tobytes(),
                       big, a[80:90].tobytes(), b"z"]
@@ -114,5 +114,5 @@ def test_places_are_none_where_a_piece_is_no_plain_view():
     a = np.arange(64, dtype=np.uint8)
     two = np.arange(64, dtype=np.uint16)
     pieces = [b"abc", memoryview(a)[::2], memoryview(two), memoryview(a)[0:0], memoryview(bytearray(8))]
-    assert _places(pieces)[:4] == [None, None, None, None]
-    assert _places(pieces)[4][1] == 0
+    assert places(pieces)[:4] == [None, None, None, None]
+    assert places(pieces)[4][1] == 0

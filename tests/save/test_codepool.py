@@ -1,4 +1,4 @@
-"""The save's coder pool (`engine.CodePool`): most urgent file first, errors to the caller, bounded windows."""
+"""The save's coder pool (`pipeline.CodePool`): most urgent file first, errors to the caller, bounded windows."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from cairn._save.engine import CodePool, _in_order
+from cairn._save.pipeline import CodePool, in_order
 
 
 def test_tasks_run_lowest_priority_first_then_oldest():
@@ -44,7 +44,7 @@ def test_errors_reach_the_caller_and_a_closed_pool_takes_nothing():
 
 
 def test_in_order_keeps_a_window_and_the_order_of_its_tasks():
-    """`_in_order` on a CodePool: results in task order, at most one task per worker plus one ahead
+    """`in_order` on a CodePool: results in task order, at most one task per worker plus one ahead
     of the consumer in flight (memory bounded by the window, not by the file)."""
     lock = threading.Lock()
     live = [0, 0]  # in flight now, most seen
@@ -58,9 +58,9 @@ def test_in_order_keeps_a_window_and_the_order_of_its_tasks():
         return x * x
 
     with CodePool(3) as pool:
-        got = list(_in_order(pool, work, iter(range(50)), priority=0))
+        got = list(in_order(pool, work, iter(range(50)), priority=0))
         assert got == [x * x for x in range(50)]
         with pytest.raises(ZeroDivisionError):
-            list(_in_order(pool, lambda x: 1 // (x - 7), iter(range(10)), priority=1))
+            list(in_order(pool, lambda x: 1 // (x - 7), iter(range(10)), priority=1))
     assert live[1] <= 3
-    assert list(_in_order(None, work, iter(range(5)))) == [0, 1, 4, 9, 16]
+    assert list(in_order(None, work, iter(range(5)))) == [0, 1, 4, 9, 16]

@@ -22,9 +22,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import cairn
-from cairn._format import codecs as _codecs
+from cairn._codecs import choose as _choose
+from cairn._codecs import codecs as _codecs
 from cairn._format import manifest as fmt
 from cairn._load.source import open_checkpoint
+from cairn._save import codecpolicy, pipeline
 
 BLOCK = 4096
 def fast(dtype=ml_dtypes.bfloat16) -> str:
@@ -128,9 +130,8 @@ def test_round_trip_every_codec(tmp_path, kind, compression, mesh):
 def test_auto_is_off_on_local_disk_and_on_for_object_stores(tmp_path, monkeypatch):
     """By the one formula (`options.compression_pays`), with this platform's codec speeds on 12 cores:
     a local disk (8 GiB/s) is faster than the codecs, an object store (0.5 GiB/s) is not."""
-    from cairn._save import engine
 
-    monkeypatch.setattr(engine, "_cores", lambda: 12)
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 12)
     state = state_of()
     local = tmp_path / "local"
     cairn.save(local, state)
@@ -537,11 +538,10 @@ def test_the_filesystem_of_a_path_is_read_from_mountinfo(path, fstype, network):
 def test_auto_compresses_on_network_filesystems(tmp_path, monkeypatch, fstype, version):
     """A local path on NFS, Lustre or a FUSE mount of a bucket is storage of kind "network" (1 GiB/s by
     default), where "auto" compresses on a host of 12 cores; a local disk's kind is "local"."""
-    from cairn._save import engine
     from cairn._storage import LocalStorage
     from cairn._storage import fstype as fs
 
-    monkeypatch.setattr(engine, "_cores", lambda: 12)
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 12)
 
     real = os.path.realpath(tmp_path)
     info = tmp_path / "mountinfo"
@@ -564,7 +564,7 @@ def test_auto_compresses_on_network_filesystems(tmp_path, monkeypatch, fstype, v
 def test_the_auto_formula():
     """`compression_pays`: each direction takes the longer of the transfer of the stored bytes and the
     codec's work on the raw ones (the two overlap), against the raw transfer both ways."""
-    from cairn._save.options import (
+    from cairn._save.codecpolicy import (
         CODEC_SPEEDS,
         compression_can_pay,
         compression_pays,
@@ -589,7 +589,7 @@ def test_the_auto_formula():
 
 def test_the_auto_formula_each_way_and_at_the_measured_codec_speed():
     """Writes and reads priced at their own bandwidths; the codecs at the factor the host measured."""
-    from cairn._save.options import CODEC_SPEEDS, compression_pays, predicted_seconds
+    from cairn._save.codecpolicy import CODEC_SPEEDS, compression_pays, predicted_seconds
 
     gib = float(1 << 30)
     enc, dec = CODEC_SPEEDS["planes"].on(4)
@@ -611,7 +611,7 @@ def test_the_auto_formula_each_way_and_at_the_measured_codec_speed():
 def test_the_codec_factor_from_known_spans():
     """`CodecMeter`: the time the per-platform figures predict, at the concurrency the tasks had, over
     the time the coder pool was busy; the median of the last saves; 1.0 before any."""
-    from cairn._save.options import CODEC_SPEEDS, FACTOR_RANGE, MIN_CODED_SAMPLE, CodecMeter
+    from cairn._save.codecpolicy import CODEC_SPEEDS, FACTOR_RANGE, MIN_CODED_SAMPLE, CodecMeter
 
     m = CodecMeter()
     assert m.factor() == 1.0
@@ -633,13 +633,12 @@ def test_auto_prices_with_what_was_measured(tmp_path, monkeypatch):
     """On a network filesystem (a kind whose link is measured), "auto" prices with the default until
     something was measured, then with the measurement; a declared figure would win (see
     tests/storage/test_measured.py). SaveStats says which."""
-    from cairn._save import engine
-    from cairn._save.options import CODEC_METER
+    from cairn._save.codecpolicy import CODEC_METER
     from cairn._storage.local import LocalStorage
     from cairn._storage.location import resolve
     from cairn._storage.measured import METER, record, sample_of
 
-    monkeypatch.setattr(engine, "_cores", lambda: 12)
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 12)
     monkeypatch.setattr(LocalStorage, "network", property(lambda self: True))
     # "planes" only: the thresholds below are its speeds' ("blosc2", faster, would still pay at 0.02x)
     monkeypatch.setattr(_codecs, "_blosc2_found", False)
@@ -674,10 +673,9 @@ def test_auto_prices_each_leaf(tmp_path, monkeypatch):
     "blosc2-lz4" where python-blosc2 is (it codes and decodes faster than the link by its figures on
     12 cores, `options.CODEC_SPEEDS`); random bytes no. At 16 GiB/s no codec keeps up but on zeros.
     SaveStats says so."""
-    from cairn._save import engine
     from cairn._storage import MemoryStorage
 
-    monkeypatch.setattr(engine, "_cores", lambda: 12)
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 12)
     monkeypatch.setattr(MemoryStorage, "bandwidth", 4.0 * (1 << 30))
     state = state_of()
     path = where_of("memory", tmp_path)
@@ -716,7 +714,7 @@ def test_auto_prices_each_leaf(tmp_path, monkeypatch):
 
 def test_a_device_chunk_measured_for_its_codec_is_copied_to_host_once(tmp_path, monkeypatch):
     """`compression=True` samples each leaf's first chunk from a host copy; where that copy is a fresh
-    device-to-host copy (an accelerator's chunk: `engine._fresh_copy`, forced here on CPU arrays) the
+    device-to-host copy (an accelerator's chunk: `codecpolicy.fresh_copy`, forced here on CPU arrays) the
     writer uses it instead of copying the chunk again, within `KEEP_HOST_SHARE` of the host's memory
     (0: copied again, as before), and not in a save_async whose snapshot budget left chunks on device.
     The bytes written are the same either way. (Without the host-copy pipeline, which starts those
@@ -725,7 +723,7 @@ def test_a_device_chunk_measured_for_its_codec_is_copied_to_host_once(tmp_path, 
 
     state = {"params": {"w": jax.numpy.asarray(trained((256, 512))),
                         "mu": jax.numpy.asarray(trained((128, 256), np.float32, 1))}}
-    monkeypatch.setattr(engine, "_fresh_copy", lambda src: True)
+    monkeypatch.setattr(codecpolicy, "fresh_copy", lambda src: True)
     monkeypatch.setattr(engine, "HOST_PIPELINE_BYTES", 0)
     host = engine.SaveJob._host
     stored = {}
@@ -738,7 +736,7 @@ def test_a_device_chunk_measured_for_its_codec_is_copied_to_host_once(tmp_path, 
             return host(self, src)
 
         monkeypatch.setattr(engine.SaveJob, "_host", counted)
-        monkeypatch.setattr(engine, "KEEP_HOST_SHARE", share)
+        monkeypatch.setattr(codecpolicy, "KEEP_HOST_SHARE", share)
         path = tmp_path / f"keep{share}"
         cairn.save(path, state, compression=True)
         assert len(copies) == (2 if share else 4), share  # one per chunk, or two without keeping
@@ -757,10 +755,9 @@ def test_fast_takes_blosc2_codecs_and_true_never_does(tmp_path, monkeypatch):
     """`compression="fast"` weighs the C-Blosc2 codecs: "blosc2" is a candidate for a leaf only where it codes
     that leaf's elements faster than "planes" on the host's cores (`options.blosc2_faster`, a function of
     the count, not of timings), and "blosc2-lz4" is taken where it is predicted to save and load the leaf
-    sooner (`engine.decide_leaf`). The values come back. `True`, with python-blosc2 installed, takes
+    sooner (`codecpolicy.decide_leaf`). The values come back. `True`, with python-blosc2 installed, takes
     "planes" for both on any host: what it writes, every install reads."""
-    from cairn._save import engine
-    from cairn._save.options import blosc2_faster
+    from cairn._save.codecpolicy import blosc2_faster
 
     assert not blosc2_faster(2, 2) and blosc2_faster(2, 4) and blosc2_faster(12, 2) and blosc2_faster(12, 4)
     state = {"params": {"w": trained((256, 1024)), "mu": trained((256, 1024), np.float32, 1)}}
@@ -768,9 +765,9 @@ def test_fast_takes_blosc2_codecs_and_true_never_does(tmp_path, monkeypatch):
         # what "fast" chooses among "planes", "zstd" and "blosc2", before weighing "blosc2-lz4"
         for k, chosen in want.items():
             arr = np.asarray(state["params"][k])
-            got = _codecs.choose_sized(arr.dtype, arr, blosc2=blosc2_faster(cores, arr.dtype.itemsize))[0]
+            got = _choose.choose_sized(arr.dtype, arr, blosc2=blosc2_faster(cores, arr.dtype.itemsize))[0]
             assert got == chosen, (cores, k)
-        monkeypatch.setattr(engine, "_cores", lambda cores=cores: cores)
+        monkeypatch.setattr(codecpolicy, "coder_cores", lambda cores=cores: cores)
         path = tmp_path / f"c{cores}"
         cairn.save(path, state, compression="fast")
         _, leaves = leaves_of(str(path))
@@ -789,9 +786,8 @@ def test_fast_takes_blosc2_codecs_and_true_never_does(tmp_path, monkeypatch):
 def test_true_writes_what_a_default_install_reads(tmp_path, monkeypatch):
     """A save with compression=True where python-blosc2 is importable (the `fast` extra) loads where it is
     not (a default install): True never picks a C-Blosc2 codec."""
-    from cairn._save import engine
 
-    monkeypatch.setattr(engine, "_cores", lambda: 12)
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 12)
     state = {"params": {f"w{i}": trained((64, 256), np.float32 if i % 2 else ml_dtypes.bfloat16, i)
                         for i in range(6)}}
     cairn.save(tmp_path / "c", state, compression=True)
@@ -848,16 +844,15 @@ def test_coded_buffers_are_lent_again_only_once_written(tmp_path, monkeypatch, h
     held, and the checkpoint loads back bit for bit."""
     from cairn._core import buffers
     from cairn._load import engine as load_engine
-    from cairn._save import engine
     from cairn._storage.local import LocalStorage
 
-    monkeypatch.setattr(engine, "_cores", lambda: 4)  # a coder pool, whatever the test host has
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 4)  # a coder pool, whatever the test host has
     # The loads keep the buffers kept for the next save (`cairn.load` frees them: `release_save_buffers`).
     monkeypatch.setattr(load_engine, "release_save_buffers", lambda: None)
     # Tasks of about a block's bytes (1 MiB), a dozen in the one data file (threads=1): the writer is done
     # with task k before task k + 6 is submitted (`_in_order`'s window: 4 coders and one), so reuse is
     # certain when written as coded, whatever the threads' timing.
-    monkeypatch.setattr(engine, "RUN_BLOCKS", 1)
+    monkeypatch.setattr(pipeline, "RUN_BLOCKS", 1)
     state = {"params": {f"w{i}": trained((256, 256), ml_dtypes.bfloat16 if i % 2 else np.float32, seed=i)
                         for i in range(64)}}
     pool = buffers.SlabPool()
@@ -871,7 +866,7 @@ def test_coded_buffers_are_lent_again_only_once_written(tmp_path, monkeypatch, h
         monkeypatch.setattr(LocalStorage, "write", write_at_the_end)
     files = {}
     for n, lend in enumerate((False, True, True)):
-        monkeypatch.setattr(engine, "LEND_CODED_BUFFERS", lend)
+        monkeypatch.setattr(pipeline, "LEND_CODED_BUFFERS", lend)
         path = tmp_path / f"c{n}"
         cairn.save(path, state, compression=True, threads=1)
         files[n] = sorted(p.read_bytes() for p in (path / "params").glob("*.bin"))
@@ -896,9 +891,8 @@ def test_small_blosc2_leaves_of_one_checkpointable_write_the_same_bytes_gathered
     into shared buffers (`codecs.BLOSC2_JOIN_BYTES`): the data files are byte for byte those of chunks kept
     one by one, the load gives the leaves back, and a flipped stored byte anywhere in a leaf's blocks (the
     header of a block in the middle of a gathered buffer too) fails the load naming that leaf."""
-    from cairn._save import engine
 
-    monkeypatch.setattr(engine, "_cores", lambda: 4)  # a coder pool, whatever the test host has
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 4)  # a coder pool, whatever the test host has
     state = {"params": {f"w{i}": trained((128, 96 + 32 * (i % 3)), ml_dtypes.bfloat16 if i % 2 else np.float32,
                                          seed=i) for i in range(48)}}
     files = {}

@@ -1,9 +1,9 @@
 """A blocking save's host-copy pipeline (`snapshot.HostPipeline`) and the grouped codec choosing of
-small leaves (`engine._groups`).
+small leaves (`codecpolicy._groups`).
 
 The pipeline starts device-to-host copies ahead of the writers: in the order they take the chunks,
 within a byte budget, each chunk at most once, and its failures reach the save. On this CPU-only
-host a device chunk's copy is forced (`engine._fresh_copy`) so the pipeline runs on CPU arrays; the
+host a device chunk's copy is forced (`codecpolicy.fresh_copy`) so the pipeline runs on CPU arrays; the
 copies are counted by wrapping the function that starts them. Nothing here depends on timing: the
 threads in these tests wait on each other with timeouts, never on the clock.
 """
@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 import cairn
-from cairn._save import engine
+from cairn._save import codecpolicy, engine
+from cairn._save import pipeline as block_pipeline
 from cairn._save.snapshot import HostPipeline
 
 
@@ -146,7 +147,7 @@ def counted(monkeypatch):
     starts recorded."""
     from cairn._tree import shardings
 
-    monkeypatch.setattr(engine, "_fresh_copy", lambda src: not isinstance(src, np.ndarray))
+    monkeypatch.setattr(codecpolicy, "fresh_copy", lambda src: not isinstance(src, np.ndarray))
     real = shardings.start_to_host
     batches: list[list[Any]] = []
 
@@ -230,14 +231,14 @@ def test_small_leaves_alike_are_measured_once_per_group(tmp_path, monkeypatch):
     a leaf of another dtype or size, or a large one, starts its own; GROUP_LEAVES = 1 measures each
     leaf alone (as before). The stored values are the same."""
     calls: list[int] = []
-    real = engine.leaf_codec
+    real = codecpolicy.leaf_codec
 
     def leaf_codec(mode, dtype, host, *a, **kw):
         calls.append(host.nbytes)
         return real(mode, dtype, host, *a, **kw)
 
-    monkeypatch.setattr(engine, "leaf_codec", leaf_codec)
-    monkeypatch.setattr(engine, "GROUP_LEAVES", 8)
+    monkeypatch.setattr(codecpolicy, "leaf_codec", leaf_codec)
+    monkeypatch.setattr(codecpolicy, "GROUP_LEAVES", 8)
     state = {"params": {**{f"a{i:02d}": trained((64, 64), seed=i) for i in range(20)},  # 8 KiB bf16: 8 + 8 + 4
                         "b": trained((64, 128), seed=50),  # 16 KiB: its own size class
                         **{f"c{i}": trained((64, 64), np.float32, seed=60 + i) for i in range(3)},  # f32
@@ -252,7 +253,7 @@ def test_small_leaves_alike_are_measured_once_per_group(tmp_path, monkeypatch):
     codecs = {str(leaf.path).rsplit("/", 1)[-1].strip("'\"]"): leaf.codec for leaf in index.leaves}
     assert len({codecs[f"a{i:02d}"] for i in range(8)}) == 1
     calls.clear()
-    monkeypatch.setattr(engine, "GROUP_LEAVES", 1)
+    monkeypatch.setattr(codecpolicy, "GROUP_LEAVES", 1)
     cairn.save(tmp_path / "one", state, compression=True)
     assert len(calls) == 25
     back = cairn.load(tmp_path / "g")["params"]
@@ -261,27 +262,27 @@ def test_small_leaves_alike_are_measured_once_per_group(tmp_path, monkeypatch):
 
 
 def test_groups_cut_runs_by_dtype_size_class_and_count(monkeypatch):
-    monkeypatch.setattr(engine, "GROUP_LEAVES", 3)
+    monkeypatch.setattr(codecpolicy, "GROUP_LEAVES", 3)
     bf, f4 = np.dtype(ml_dtypes.bfloat16), np.dtype(np.float32)
 
     def t(n, dt):
         return ({}, 0, np.zeros(n // dt.itemsize, dt), dt, None)
 
     todo = [t(1000, bf)] * 4 + [t(1000, f4), t(1000, f4), t(3000, f4), t(2 << 20, bf), t(2 << 20, bf)]
-    sizes = [len(g) for g in engine._groups(todo)]
+    sizes = [len(g) for g in codecpolicy._groups(todo)]
     assert sizes == [3, 1, 2, 1, 1, 1]
-    assert engine._picked(1) == [0] and engine._picked(64) == [0, 21, 42, 63] and engine._picked(3) == [0, 1, 2]
+    assert codecpolicy._picked(1) == [0] and codecpolicy._picked(64) == [0, 21, 42, 63] and codecpolicy._picked(3) == [0, 1, 2]
 
 
 def test_a_leaf_is_coded_while_a_later_leaf_of_its_file_is_still_measured(tmp_path, monkeypatch):
     """Codecs chosen in the background release each leaf to its writer as it is measured, not each file
     once all its leaves are: leaf "b"'s measuring waits (up to 30 s) for "a", before it in the same
     file, to be coded. (Released per file, "a" would wait for "b": the wait would time out.)"""
-    monkeypatch.setattr(engine, "_cores", lambda: 4)
-    monkeypatch.setattr(engine, "GROUP_LEAVES", 1)
+    monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 4)
+    monkeypatch.setattr(codecpolicy, "GROUP_LEAVES", 1)
     coded_a = threading.Event()
     seen: list[bool] = []
-    code, choose = engine._code_task, engine._choose_leaf
+    code, choose = block_pipeline.code_task, codecpolicy._choose_leaf
 
     def code_task(task, *args):
         coded_a.set()  # "b" is not measured yet, so whatever is coded first is "a"'s
@@ -292,8 +293,8 @@ def test_a_leaf_is_coded_while_a_later_leaf_of_its_file_is_still_measured(tmp_pa
             seen.append(coded_a.wait(timeout=30))
         return choose(job, first, dtype)
 
-    monkeypatch.setattr(engine, "_code_task", code_task)
-    monkeypatch.setattr(engine, "_choose_leaf", choose_leaf)
+    monkeypatch.setattr(block_pipeline, "code_task", code_task)
+    monkeypatch.setattr(codecpolicy, "_choose_leaf", choose_leaf)
     state = {"a": trained((128, 128)), "b": trained((128, 96), seed=1)}
     cairn.save(tmp_path / "c", {"params": state}, compression=True)
     assert seen == [True]

@@ -691,7 +691,7 @@ def test_xor_deltas_stay_where_they_store_far_less(tmp_path):
 def test_a_sparse_delta_never_has_the_size_an_old_reader_would_take_for_an_xor_frame():
     # A cairn before sparse deltas decodes any delta's frame as an XOR frame of the block's raw size; it
     # rejects every other declared size, so the writer never makes a sparse content of exactly that size.
-    from cairn._format import codecs as _codecs
+    from cairn._codecs import codecs as _codecs
     from cairn._save.incremental import _sparse_frame
 
     base = np.zeros(2048, np.uint16)  # a 4 KiB block of bf16: 4 + 682 * 6 == 4096
@@ -1173,14 +1173,14 @@ def test_an_async_save_copies_an_unchanged_jax_array_where_its_base_cannot_show_
     assert np.asarray(cairn.load(tmp_path / "s2")["w"]).tobytes() == want
     # A base not committed when the snapshot runs (a save in flight, here a name nothing is saved at
     # yet, with a manager's fallback) decides nothing: the array is copied.
+    from cairn._read.metadata import base_beside
     from cairn._save import future as _async
-    from cairn._save.incremental import sibling
     from cairn._storage.location import resolve
 
     c = jax.numpy.asarray(_bf16(37))
     _hashed(tmp_path / "s3", {"w": c})
     loc = resolve(str(tmp_path / "s4"))
-    f = _async.save_async(loc, {"w": c}, incremental={"base": sibling(loc, tmp_path / "nothing"), "hashes": True,
+    f = _async.save_async(loc, {"w": c}, incremental={"base": base_beside(loc, tmp_path / "nothing"), "hashes": True,
                                                       "base_required": False})
     assert f.stats.snapshot_bytes == c.nbytes
     f.result(timeout=60)
@@ -1188,11 +1188,11 @@ def test_an_async_save_copies_an_unchanged_jax_array_where_its_base_cannot_show_
 
 @pytest.mark.parametrize("sizes", [[4096 * 20], [4096 * 8, 4096 * 8, 100], [4096 * 3, 5000, 4096], [30, 40], [4096 * 17, 10]])
 def test_a_merged_chunks_sample_is_the_sample_of_its_joined_bytes(sizes):
-    from cairn._save.incremental import _sample, _sample_parts
+    from cairn._save.hashmemo import sample, sample_parts
 
     rng = np.random.default_rng(38)
     parts = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
-    assert _sample_parts(parts) == _sample(memoryview(np.concatenate(parts)))
+    assert sample_parts(parts) == sample(memoryview(np.concatenate(parts)))
 
 
 def test_a_managers_async_saves_copy_only_what_the_base_does_not_hold(tmp_path, mesh8, monkeypatch):
@@ -1226,8 +1226,8 @@ def test_an_async_save_against_a_base_still_being_saved_copies_and_reads_nothing
     import threading
 
     reads: list[str] = []  # the threads that read the base's manifest
-    real = inc._manifest_bytes
-    monkeypatch.setattr(inc, "_manifest_bytes", lambda loc: reads.append(threading.current_thread().name) or real(loc))
+    real = inc.stored_manifest
+    monkeypatch.setattr(inc, "stored_manifest", lambda loc: reads.append(threading.current_thread().name) or real(loc))
     f = cairn.save_async(tmp_path / "s1", {"w": a}, base=tmp_path / "s0")
     assert f.stats.snapshot_bytes == a.nbytes
     assert f.result(timeout=60).bytes_written == 0  # the job reads the base and refers to it
@@ -1329,7 +1329,6 @@ def test_chunks_the_base_found_unchanged_too_queue_behind_the_others(tmp_path, m
     """A chunk whose base chunk refers further back for every block (a frozen leaf) is hashed with a lower
     priority on the save's coder pool than a chunk that changed last time (`incremental.FROZEN_LAST`), so
     that the changed leaves' files are written and flushed first; the steps still load bitwise."""
-    from cairn._save import engine
 
     rng = np.random.default_rng(43)
     frozen = {f"f{i}": rng.standard_normal((2048, 1024)).astype(np.float32) for i in range(3)}  # 8 MiB each
@@ -1338,14 +1337,16 @@ def test_chunks_the_base_found_unchanged_too_queue_behind_the_others(tmp_path, m
     state["p"]["head"] = state["p"]["head"] + 1
     cairn.save(tmp_path / "s1", state, base=tmp_path / "s0", compression=False)  # frozen: refs into s0
     seen: list[tuple[int, np.ndarray]] = []
-    submit = engine.CodePool.submit
+    from cairn._save import pipeline
+
+    submit = pipeline.CodePool.submit
 
     def recording(self, fn, /, *args, priority=0):
         if getattr(fn, "__name__", "") == "_run":
             seen.append((priority, np.frombuffer(args[0], np.uint8)))  # (a view of the leaf's own memory)
         return submit(self, fn, *args, priority=priority)
 
-    monkeypatch.setattr(engine.CodePool, "submit", recording)
+    monkeypatch.setattr(pipeline.CodePool, "submit", recording)
     state["p"]["head"] = state["p"]["head"] + 1
     cairn.save(tmp_path / "s2", state, base=tmp_path / "s1", compression=False)
     by_leaf: dict[str, set[int]] = {}

@@ -107,10 +107,10 @@ def test_every_public_save_keyword_is_an_option_or_says_why_not():
 def test_a_save_of_many_checkpointables_says_once_what_they_cost(tmp_path, monkeypatch, caplog):
     """A flat mapping of many arrays (a state dict) is saved as one checkpointable per key, each a folder of
     three files: the save says so, once per process, and how to make it one checkpointable."""
-    from cairn._save import engine
+    from cairn._save import plan as save_plan
 
-    monkeypatch.setattr(engine, "MANY_CHECKPOINTABLES", 8)
-    monkeypatch.setattr(engine, "_told_many", False)
+    monkeypatch.setattr(save_plan, "MANY_CHECKPOINTABLES", 8)
+    monkeypatch.setattr(save_plan, "_told_many", False)
     flat = {f"layer{i}.weight": np.full(3, i, np.float32) for i in range(9)}
     with caplog.at_level("WARNING", logger="cairn"):
         cairn.save(tmp_path / "few", dict(list(flat.items())[:8]))
@@ -123,3 +123,28 @@ def test_a_save_of_many_checkpointables_says_once_what_they_cost(tmp_path, monke
     out = cairn.load(tmp_path / "nested")["model"]  # the nested form loads back whole, as one
     assert all(np.array_equal(out[k], v) for k, v in flat.items())
     assert sorted(p.name for p in (tmp_path / "nested").iterdir() if p.is_dir()) == ["model"]
+
+
+def test_a_save_is_planned_then_executed(tmp_path):
+    """`plan_save` decides and writes nothing (each leaf's codec fixed, or measured on its first chunk);
+    `execute` of the plan writes the checkpoint a `cairn.save` writes."""
+    from cairn._save import engine
+    from cairn._save.plan import MEASURE, plan_save
+    from cairn._storage.location import resolve
+
+    state = {"params": {"w": np.arange(1 << 16, dtype=np.float32), "n": np.ones(7, np.int8), "step": 5}}
+    plan = plan_save(resolve(str(tmp_path / "p")), state, compression="zstd")
+    assert not (tmp_path / "p").exists()
+    decided = plan.codec_decisions()["params"]
+    assert sorted(decided.values()) == ["zstd", "zstd"] and len(decided) == 2  # the two arrays, not the int
+    assert plan.describe()["items"]["params"]["bytes"] == (1 << 16) * 4 + 7
+    chosen = plan_save(resolve(str(tmp_path / "q")), state, compression=True)
+    assert sorted(chosen.codec_decisions()["params"].values()) == [MEASURE, MEASURE]
+    raw = plan_save(resolve(str(tmp_path / "r")), state, compression=False)
+    assert sorted(raw.codec_decisions()["params"].values()) == ["none", "none"]
+    stats = engine.execute(plan)
+    assert stats.bytes_written > 0
+    got = cairn.load(tmp_path / "p")["params"]
+    assert np.array_equal(got["w"], state["params"]["w"]) and np.array_equal(got["n"], state["params"]["n"])
+    assert got["step"] == 5
+    assert cairn.metadata(tmp_path / "p")  # committed

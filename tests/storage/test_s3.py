@@ -476,8 +476,8 @@ def test_compressed_blocks_checked_and_decoded_as_parts_land(s3, s3_bucket, s3_o
     naming it, and with one part in flight no part after the corrupt one is fetched."""
     import ml_dtypes
 
+    from cairn._codecs import codecs as _codecs
     from cairn._core import checksum as _checksum
-    from cairn._format import codecs as _codecs
     from cairn._load.source import open_checkpoint
     from cairn._storage import obstore as _obstore
 
@@ -620,7 +620,7 @@ def test_target_boxes_of_many_leaves_share_requests(s3, s3_bucket, mesh8):
 def test_corrupt_block_in_a_run_of_boxes_names_its_leaf(s3, s3_bucket, mesh8):
     """A flipped byte inside one leaf's box, read in a run with other leaves' boxes, fails the load
     naming that leaf and the bytes of its block."""
-    from cairn._load.metadata import read_index, read_manifest
+    from cairn._read.metadata import read_index, read_manifest
 
     sharding = NamedSharding(mesh8, P("x"))
     host = {f"w{i}": np.random.default_rng(i).standard_normal((8, 1 << 16), dtype=np.float32) for i in range(4)}
@@ -646,7 +646,7 @@ def test_compressed_boxes_gather_per_file_and_a_corrupt_block_names_its_leaf(s3,
     """A sharded load of compressed leaves from S3: the boxes that decode in place share one GET per
     run of consecutive stored bytes (not one GET per box), as the plan predicts; a flipped byte in
     one leaf's block, read in a run with other leaves' blocks, fails the load naming that block and leaf."""
-    from cairn._load.metadata import read_index, read_manifest
+    from cairn._read.metadata import read_index, read_manifest
 
     sharding = NamedSharding(mesh8, P("x"))
     rng = np.random.default_rng(3)

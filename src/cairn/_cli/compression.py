@@ -2,8 +2,8 @@
 would decide saving its arrays to a storage, and why.
 
 The first part reads only metadata (each array's codec and stored size, as `cairn inspect`). The
-second prices each array leaf as a save does (`_save.engine.decide_leaf`): the codec
-`codecs.choose` picks on a sample of the leaf's first chunk (read from the checkpoint: up to 256 KiB
+second prices each array leaf as a save does (`_save.codecpolicy.decide_leaf`): the codec
+`choose.choose` picks on a sample of the leaf's first chunk (read from the checkpoint: up to 256 KiB
 in four runs spread over the chunk, as a save samples it, or the whole chunk if it is small), its
 ratio, and whether it pays against the storage's bandwidth each way (declared with ``--gbps``, or
 the storage's own: declared, measured by this process, else its kind's default; a fresh command
@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from .._format import codecs as _codecs
+from .._codecs import choose as _choose
 from .._format import manifest as fmt
 from .._format import values
 
@@ -65,18 +65,18 @@ def compression_plan(path: str, to: str | None = None, gbps: float | None = None
 def _auto(ck: Any, leaves: list[tuple[str, fmt.ArrayLeaf, int]], rows: list[dict[str, Any]], to: str,
           gbps: float | None, cores: int | None, storage_options: dict[str, Any] | None) -> dict[str, Any]:
     from .._load.reader import make_reader
-    from .._save import engine
-    from .._save.options import CODEC_SPEEDS, compression_can_pay, predicted_seconds
+    from .._save import codecpolicy
+    from .._save.codecpolicy import CODEC_SPEEDS, compression_can_pay, predicted_seconds
     from .._storage.location import resolve
 
     storage = resolve(to, storage_options).storage
-    prices = engine.auto_prices(storage)
+    prices = codecpolicy.auto_prices(storage)
     if gbps is not None:
         prices.update(bandwidth=gbps * 1e9, read_bandwidth=gbps * 1e9, coded_bandwidth=gbps * 1e9,
                       coded_read_bandwidth=gbps * 1e9, bandwidth_source="declared: --gbps")
-    n = cores or engine._cores()
+    n = cores or codecpolicy.coder_cores()
     bw, rbw, factor = prices["bandwidth"], prices["read_bandwidth"], prices["codec_factor"]
-    args = engine._formula_args(prices)
+    args = codecpolicy.formula_args(prices)
     speeds = {c: [x * factor for x in s.on(n)] for c, s in CODEC_SPEEDS.items()}
     can = compression_can_pay(bw, n, **args)
     decided: dict[str, int] = {}
@@ -87,8 +87,8 @@ def _auto(ck: Any, leaves: list[tuple[str, fmt.ArrayLeaf, int]], rows: list[dict
             for (name, leaf, _block), row in zip(leaves, rows):
                 if name not in readers:
                     readers[name] = make_reader(ck, name, pool)
-                d = (engine.decide_leaf("auto", leaf.dtype, _first_chunk(readers[name], leaf, pool), bw, prices, n)
-                     if can and leaf.nbytes else engine.LeafDecision("none", "none", 0, 0))
+                d = (codecpolicy.decide_leaf("auto", leaf.dtype, _first_chunk(readers[name], leaf, pool), bw, prices, n)
+                     if can and leaf.nbytes else codecpolicy.LeafDecision("none", "none", 0, 0))
                 ratio = d.stored / d.raw if d.raw else 1.0
                 plain, coded = (predicted_seconds(leaf.nbytes, leaf.nbytes * ratio, d.chosen, bw, n, **args)
                                 if d.chosen != "none" else (0.0, 0.0))
@@ -116,7 +116,7 @@ def _auto(ck: Any, leaves: list[tuple[str, fmt.ArrayLeaf, int]], rows: list[dict
 
 def _first_chunk(reader: Any, leaf: fmt.ArrayLeaf, pool: Any) -> np.ndarray:
     """The first chunk's values, or four runs of its rows spread over it (a large chunk), as a save
-    samples them (`codecs.sample`)."""
+    samples them (`choose.sample`)."""
     from .._load.reader import read_box
 
     box = leaf.chunk_box(0)
@@ -125,8 +125,8 @@ def _first_chunk(reader: Any, leaf: fmt.ArrayLeaf, pool: Any) -> np.ndarray:
     if nbytes <= WHOLE_CHUNK or not shape:
         return read_box(reader, leaf, box, pool)
     row = nbytes // shape[0]
-    per = max(1, _codecs.SAMPLE_BYTES // _codecs.SAMPLE_PIECES // max(1, row))
-    starts = sorted({int(s) for s in np.linspace(0, max(0, shape[0] - per), _codecs.SAMPLE_PIECES)})
+    per = max(1, _choose.SAMPLE_BYTES // _choose.SAMPLE_PIECES // max(1, row))
+    starts = sorted({int(s) for s in np.linspace(0, max(0, shape[0] - per), _choose.SAMPLE_PIECES)})
     runs = [read_box(reader, leaf, ((box[0][0] + s, box[0][0] + min(shape[0], s + per)), *box[1:]), pool)
             for s in starts]
     return np.concatenate([r.reshape(-1) for r in runs])

@@ -493,7 +493,7 @@ def cmd_copy(args: argparse.Namespace, out: Output) -> int:
     skipped (cairn copies only what a cairn manifest names).
     """
     from .._exports.copy import copy, one_run, refuse_foreign, run_copy
-    from .._load.metadata import manifest_bytes
+    from .._read.metadata import manifest_bytes
 
     src = resolve(args.src)
     try:

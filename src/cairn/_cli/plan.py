@@ -1,4 +1,5 @@
-"""``cairn plan``: the dry run of a load (`_dryrun`) onto a mesh given on the command line.
+"""``cairn plan``: the dry run of a load (`_dryrun`) onto a mesh given on the command line; with
+``--save DEST``, the dry run of a save (`_save.plan.plan_save`) of the checkpoint's arrays to DEST.
 
 The mesh is made of virtual CPU devices (the planner needs only each
 sharding's ``devices_indices_map``), ``--processes`` splits it into processes by
@@ -35,6 +36,12 @@ def add_command(sub: Any, parse_bytes: Any) -> None:
                    help="instead of a load: what compression= decided for each array, and what \"auto\" would "
                    "decide saving it to URL (default: where it is) and why: bandwidth, cores, codec speeds, each "
                    "leaf's sample ratio (reads a sample of each array's first chunk)")
+    s.add_argument("--save", metavar="URL", help="instead of a load: the dry run of a save of the checkpoint's "
+                   "arrays (their shapes and dtypes; no array data is read or written) to URL: this process's "
+                   "files, chunks and bytes per checkpointable, each leaf's codec decision (fixed, or measured on "
+                   "its first chunk), as cairn.save plans them")
+    s.add_argument("--save-compression", default="auto", metavar="C", help="with --save: compression= as "
+                   "cairn.save takes it (auto, none, zstd, planes, blosc2, blosc2-lz4, true; default auto)")
     s.add_argument("--gbps", type=float, metavar="GB/s", help="with --compression: the storage bandwidth (each "
                    "way) \"auto\" prices with (default: the storage's own, or its kind's default)")
     s.add_argument("--cores", type=int, help="with --compression: the cores \"auto\" counts (default: this host's)")
@@ -61,6 +68,8 @@ def add_command(sub: Any, parse_bytes: Any) -> None:
 
 
 def cmd_plan(args: Any, out: Any) -> int:
+    if args.save is not None:
+        return _save_plan(args, out)
     if args.compression is not None:
         from .._core.units import human_bytes
         from .compression import compression_plan, print_plan
@@ -100,6 +109,46 @@ def cmd_plan(args: Any, out: Any) -> int:
     else:
         for line in str(plan).splitlines():
             out.line(line)
+    return 0
+
+
+def _save_plan(args: Any, out: Any) -> int:
+    """``cairn plan PATH --save DEST``: `plan_save` of the arrays of PATH to DEST, summed (`SavePlan.describe`)."""
+    import json
+
+    import numpy as np
+
+    from .._core.units import human_bytes
+    from .._dist.coord import SingleProcess
+    from .._save.plan import plan_save
+
+    compression: Any = {"true": True, "false": False, "none": None}.get(args.save_compression.lower(),
+                                                                         args.save_compression)
+
+    def stand_in(x: Any) -> Any:
+        # An array of the stored shape and dtype that holds no bytes (every element the one zero): the
+        # plan looks at shapes and dtypes only.
+        if not isinstance(x, _load.ArrayMetadata):
+            return x
+        dtype = x.dtype if isinstance(x.dtype, np.dtype) else np.dtype(np.uint8)
+        shape = x.shape if isinstance(x.dtype, np.dtype) else (x.nbytes,)
+        return np.lib.stride_tricks.as_strided(np.zeros(1, dtype), shape=shape, strides=(0,) * len(shape),
+                                               writeable=False)
+
+    meta = _load.metadata(_sources.open_source(resolve(args.path), format=args.format, locate=False),
+                          per_process=lambda subs, build: None)
+    state = map_with_path(lambda _p, x: stand_in(x), meta, is_leaf=lambda x: isinstance(x, _load.ArrayMetadata))
+    plan = plan_save(resolve(args.save), state, coordinator=SingleProcess(), compression=compression).describe()
+    if args.json:
+        print(json.dumps(plan, indent=2))
+        return 0
+    base = f", against {plan['base']}" if plan["base"] else ""
+    out.line(f"save of {args.path}'s arrays to {plan['path']}: compression {plan['compression']}, "
+             f"block {human_bytes(plan['block_size'])}{base}")
+    for name, item in plan["items"].items():
+        leaves = ", ".join(f"{n} {c}" for c, n in sorted(item["leaves"].items())) or "no arrays"
+        out.line(f"  {name}: {item['files']} file(s), {item['chunks']} chunk(s), {human_bytes(item['bytes'])}; "
+                 f"leaves: {leaves}")
     return 0
 
 

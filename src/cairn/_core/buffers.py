@@ -7,9 +7,15 @@ import math
 import os
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
+
+
+def as_view(a: np.ndarray) -> memoryview:
+    """A memoryview of array `a`'s buffer (``memoryview(a)``). numpy exports its buffer on every Python,
+    but its type stubs declare that only from Python 3.12 on: the one place that says so."""
+    return memoryview(cast(Any, a))
 
 
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64, huge_pages: bool = True) -> np.ndarray:

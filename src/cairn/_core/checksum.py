@@ -22,6 +22,12 @@ def crc32c(data: Buffer, value: int = 0) -> int:
     return _crc32c(data, value)
 
 
+def block_crc(stored: Buffer) -> int:
+    """The check record of one stored block (raw, coded or a delta): the CRC-32C of its stored bytes.
+    Every writer of a block's record computes it here (`block_crcs`: a raw chunk's, block by block)."""
+    return crc32c(stored)
+
+
 def block_crcs(data: Buffer | Sequence[Buffer], block: int) -> list[int]:
     """The check record of a chunk's bytes: the CRC-32C of each `block`-byte block (the last may be
     shorter) of `data`, or of the concatenation of its parts without joining them.

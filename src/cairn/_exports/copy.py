@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from .._core.buffers import as_view
 from .._core.checksum import check_block, crc32c
 from .._core.stats import Progress
 from .._errors import (
@@ -57,9 +58,9 @@ from .._format.partfile import (
     decode_part,
     part_bytes,
 )
-from .._load.metadata import index_bytes, manifest_bytes, parse_index, read_manifest
 from .._load.reader import DEFAULT_BUDGET
 from .._load.source import CairnSource
+from .._read.metadata import index_bytes, manifest_bytes, parse_index, read_manifest, sibling
 from .._save.commit import CommitStrategy, refuse_replacing_a_base, strategy_for
 from .._save.options import SaveOptions
 from .._sources.verify import describe_chunk
@@ -189,13 +190,13 @@ def _own_blocks(leaf: fmt.ArrayLeaf, block: int) -> tuple[fmt.ArrayLeaf, list[tu
     chunk's own blocks and deltas only, back to back, with their sizes and CRCs (references take no room)."""
     from .._format.blocks import DELTA
 
-    table = getattr(leaf.chunks, "table", None)
+    parts = leaf.part_table
     sizes: list[tuple[int, ...]] = []
     crcs: list[tuple[int, ...]] = []
     for cell in range(len(leaf.chunks)):
-        got = table.sources(leaf.chunks.leaf, cell) if table is not None else None  # type: ignore[attr-defined]
+        got = parts[0].sources(parts[1], cell) if parts is not None else None
         # The record's stored sizes: a delta's differ from its block's raw size even in a leaf of codec "none".
-        all_sizes = (table.stored(leaf.chunks.leaf, cell) if got is not None  # type: ignore[attr-defined,union-attr]
+        all_sizes = (parts[0].stored(parts[1], cell) if got is not None and parts is not None
                      else leaf.stored_sizes(cell, block))
         all_crcs = leaf.crcs[cell]
         mine = range(len(all_sizes)) if got is None else [b for b, (f, codec, _o) in enumerate(got[1])
@@ -260,7 +261,7 @@ def _pieces(run: _Run, loc: Location, root: str, f: _File) -> Iterator[np.ndarra
             counted.append(n)
             buf = np.empty(n, np.uint8)
             try:
-                reader.read_into(lo, memoryview(buf))  # type: ignore[arg-type]
+                reader.read_into(lo, as_view(buf))
             except EOFError:
                 raise CorruptCheckpointError(f"{loc.path}: data file {f.rel!r} is truncated") from None
             except OSError as e:
@@ -531,12 +532,6 @@ def one_run() -> Iterator[None]:
         _settled.reset(token)
 
 
-def _sibling(loc: Location, name: str) -> Location:
-    """The checkpoint `name` beside `loc` (same folder or prefix), as references name it (§6.5)."""
-    head, sep, _ = loc.path.rstrip("/").rpartition("/")
-    return Location(loc.storage, name, f"{head}{sep}{name}" if sep else name)
-
-
 def _chain(s: Location, d: Location) -> list[tuple[Location, Location]]:
     """Every base checkpoint `s` refers to, directly or through its bases, as (source, destination) pairs
     in an order that puts each base before the checkpoints that refer to it. Checkpoints already where
@@ -551,7 +546,7 @@ def _chain(s: Location, d: Location) -> list[tuple[Location, Location]]:
             raise CorruptCheckpointError(f"{referrer.path}: its bases refer to each other in a cycle "
                                          f"through {name!r}")
         state[name] = 1
-        here = _sibling(s, name)
+        here = sibling(s, name)
         try:
             bases = read_manifest(here).bases
         except CheckpointNotFoundError:
@@ -570,7 +565,7 @@ def _chain(s: Location, d: Location) -> list[tuple[Location, Location]]:
         raise CheckpointError(f"{d.path}: {s.path} refers to a base checkpoint of that name "
                               f"({d.name!r}): a copy with its references needs it beside the copy")
     same_folder = s.storage.url == d.storage.url
-    return [(_sibling(s, n), _sibling(d, n)) for n in order if not same_folder]
+    return [(sibling(s, n), sibling(d, n)) for n in order if not same_folder]
 
 
 def _copy_as_is(s: Location, d: Location, overwrite: bool, move: bool, verify: bool, budget_bytes: int,
@@ -636,7 +631,7 @@ def _recompress(src: CairnSource, d: Location, compression: str | bool | None, o
     having one data file per item)."""
     from .._exports.convert import exact_slabs
     from .._load.reader import make_reader, read_box, slab_boxes, slab_bytes
-    from .._save.engine import resolve_compression
+    from .._save.codecpolicy import resolve_compression
     from .._save.stream import Chunked, StreamWriter
 
     codec = resolve_compression(compression, d.storage)

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from .._core.buffers import as_view
 from .._core.stats import Progress
 from .._dist.agree import sequence, settle
 from .._dist.coord import Coordinator, default_coordinator
@@ -299,7 +300,7 @@ def _write(ck: Any, out: Any, files: list[list[_Tensor]], names: list[str], budg
                     for t in group:
                         for arr in iter_array(readers[t.item], t.leaf, slab, pool):
                             nbytes = arr.nbytes
-                            yield memoryview(arr.reshape(-1).view("uint8"))  # type: ignore[arg-type]
+                            yield as_view(arr.reshape(-1).view("uint8"))
                             del arr
                             if progress is not None:
                                 progress(nbytes)

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from .._core.buffers import as_view
 from .._core.stats import Progress
 from .._errors import CheckpointError, UnsupportedTypeError
 from .._format import manifest as fmt
@@ -244,7 +245,7 @@ def _st_parts(header: bytes, plan: list[tuple[str, fmt.ArrayLeaf]], readers: dic
     for item, leaf in plan:
         for arr in iter_array(readers[item], leaf, slab, pool):
             n = arr.nbytes
-            yield memoryview(arr.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+            yield as_view(arr.reshape(-1).view(np.uint8))
             del arr  # not alive while the next slab is read
             if progress is not None:
                 progress(n)

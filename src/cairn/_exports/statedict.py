@@ -22,13 +22,14 @@ from typing import Any
 
 import numpy as np
 
+from .._core.buffers import as_view
 from .._core.stats import Progress
 from .._errors import CheckpointError, UnsupportedTypeError
 from .._format import manifest as fmt
 from .._format import values
-from .._load.metadata import Opened
 from .._load.reader import DEFAULT_BUDGET, ChunkReader, iter_array, make_reader, slab_bytes
 from .._load.source import open_checkpoint
+from .._read.metadata import Opened
 from .._storage import staged_file
 from .._storage.location import resolve
 from .._tree.pytree import display_path, unescape_key
@@ -127,7 +128,7 @@ def to_torch_file(
                 for item, leaf, skey in plan:
                     with _zip_open_aligned(zf, f"archive/data/{skey}", leaf.nbytes) as w:
                         for arr in iter_array(readers[item], leaf, slab, pool):
-                            w.write(memoryview(arr.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+                            w.write(as_view(arr.reshape(-1).view(np.uint8)))
                             n = arr.nbytes
                             del arr  # not alive while the next slab is read
                             if progress is not None:

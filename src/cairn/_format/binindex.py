@@ -259,16 +259,7 @@ class ChunkTable:
         n = len(rows)
         raw = gather(HEADER_BYTES + rows[:, 2] * RECORD_BYTES, RECORD_BYTES)
         rec = raw.reshape(-1).view(RECORD)
-        raw_bytes = raw.tobytes()
-        bad = np.flatnonzero((rec["leaf"] != rows[:, 0]) | (rec["cell"] != rows[:, 1]) | (rec["crc_start"] != rows[:, 3]))
-        stored = rec["rec_crc"].tolist()
-        for k in range(n):
-            if crc32c(raw_bytes[k * RECORD_BYTES : (k + 1) * RECORD_BYTES - 4]) != stored[k]:
-                raise corrupt(where, f"record {int(rows[k, 2])} checksum mismatch")
-        if len(bad):
-            k = int(bad[0])
-            raise corrupt(where, f"record {int(rows[k, 2])} is for leaf {int(rec['leaf'][k])} cell "
-                               f"{int(rec['cell'][k])}, not leaf {int(rows[k, 0])} cell {int(rows[k, 1])}")
+        _check_records(where, rows, raw, rec)
         sizes = rows[:, 6]
         files = rec["file"].astype(np.int64)
         offsets = rec["offset"].astype(np.int64)
@@ -320,43 +311,42 @@ class ChunkTable:
                     got_crc = crc32c(obb[16 * i : 16 * j], crc32c(hbb[16 * i : 16 * j], got_crc))
                 if got_crc != check[k]:
                     raise corrupt(where, f"checksums of record {int(rows[k, 2])} do not match their checksum")
-        elif bool(np.all(rows[:, 4] == 1)):  # one block per chunk, the common case: all CRCs gathered at once
-            cbs = gather(crc_at + rows[:, 3] * 4, 4)
-            cb_bytes = cbs.tobytes()
-            for k in range(n):
-                if crc32c(cb_bytes[4 * k : 4 * k + 4]) != check[k]:
-                    raise corrupt(where, f"checksums of record {int(rows[k, 2])} do not match their checksum")
-            crcs_of = [(v,) for v in cbs.reshape(-1).view("<u4").tolist()]
         else:
-            for k, (rno, cno, ncrc_k) in enumerate(rows[:, 2:5].tolist()):
-                cb1 = at(crc_at + cno * 4, ncrc_k * 4) if ncrc_k else b""
-                if crc32c(cb1) != check[k]:
-                    raise corrupt(where, f"checksums of record {rno} do not match their checksum")
-                crcs_of.append(tuple(np.frombuffer(cb1, dtype="<u4").tolist()))
+            crcs_of = _v2_crcs(where, rows, gather, at, crc_at, check)
         if v4:
             self._check_all_sources(where, rows, stored_of, src, sizes_all, part)
-            files_all, codecs_all, offs_all = src["file"].tolist(), src["codec"].tolist(), src["offset"].tolist()
-            fb = part.file_base
-            for k, (leaf, cell, _rno) in enumerate(rows[:, 0:3].tolist()):
-                i, j = bounds[k]
-                self._stored.setdefault(leaf, {})[cell] = stored_of[k]
-                self._blocks.setdefault(leaf, {})[cell] = (hbb[16 * i : 16 * j], tuple(
-                    (-1 if f == OWN else fb + f, c, o)
-                    for f, c, o in zip(files_all[i:j], codecs_all[i:j], offs_all[i:j])))
+            self._keep_sources(rows, stored_of, bounds, hbb, src, part.file_base)
         elif v3:
-            for k, (leaf, cell, rno) in enumerate(rows[:, 0:3].tolist()):
-                st = stored_of[k]
-                codec = self._codec.get(leaf, "none")
-                raws = raw_blocks(int(rows[k, 6]), self.block)
-                if codec == "none" and list(st) != raws:
-                    raise corrupt(where, f"record {rno}: stored sizes of an uncompressed chunk differ from its bytes")
-                if codec != "none" and any(v > stored_bound(b) for v, b in zip(st, raws)):
-                    raise corrupt(where, f"record {rno}: a stored block size is out of bounds")
-                self._stored.setdefault(leaf, {})[cell] = st
+            self._keep_stored(where, rows, stored_of)
         got = self._got
         for k, (leaf, cell, f, off) in enumerate(zip(rows[:, 0].tolist(), rows[:, 1].tolist(), files.tolist(),
                                                      offsets.tolist())):
             got.setdefault(leaf, {})[cell] = (f, off, crcs_of[k])
+
+    def _keep_sources(self, rows: np.ndarray, stored_of: list[tuple[int, ...]], bounds: list[tuple[int, int]],
+                      hbb: bytes, src: np.ndarray, fb: int) -> None:
+        """Version 4: each record's stored sizes, and its blocks' hashes and sources (a file number of this
+        part shifted by its first file `fb`; -1: the chunk's own)."""
+        files_all, codecs_all, offs_all = src["file"].tolist(), src["codec"].tolist(), src["offset"].tolist()
+        for k, (leaf, cell, _rno) in enumerate(rows[:, 0:3].tolist()):
+            i, j = bounds[k]
+            self._stored.setdefault(leaf, {})[cell] = stored_of[k]
+            self._blocks.setdefault(leaf, {})[cell] = (hbb[16 * i : 16 * j], tuple(
+                (-1 if f == OWN else fb + f, c, o)
+                for f, c, o in zip(files_all[i:j], codecs_all[i:j], offs_all[i:j])))
+
+    def _keep_stored(self, where: str, rows: np.ndarray, stored_of: list[tuple[int, ...]]) -> None:
+        """Version 3: each record's stored sizes, checked against its leaf's codec (raw sizes for "none",
+        bounded otherwise)."""
+        for k, (leaf, cell, rno) in enumerate(rows[:, 0:3].tolist()):
+            st = stored_of[k]
+            codec = self._codec.get(leaf, "none")
+            raws = raw_blocks(int(rows[k, 6]), self.block)
+            if codec == "none" and list(st) != raws:
+                raise corrupt(where, f"record {rno}: stored sizes of an uncompressed chunk differ from its bytes")
+            if codec != "none" and any(v > stored_bound(b) for v, b in zip(st, raws)):
+                raise corrupt(where, f"record {rno}: a stored block size is out of bounds")
+            self._stored.setdefault(leaf, {})[cell] = st
 
     def _check_all_sources(self, where: str, rows: np.ndarray, stored_of: list[tuple[int, ...]], src: np.ndarray,
                            sizes: list[int], part: PartInfo) -> None:
@@ -477,6 +467,40 @@ def _ranges(starts: np.ndarray, lengths: Any) -> list[tuple[int, int, int]]:
         else:
             out.append((s, e, 0))
     return out
+
+
+def _check_records(where: str, rows: np.ndarray, raw: np.ndarray, rec: np.ndarray) -> None:
+    """The records `raw` (as `rec`) read for `rows`: each one's CRC, and each for the leaf, cell and first
+    CRC number the row asked for."""
+    raw_bytes = raw.tobytes()
+    bad = np.flatnonzero((rec["leaf"] != rows[:, 0]) | (rec["cell"] != rows[:, 1]) | (rec["crc_start"] != rows[:, 3]))
+    stored = rec["rec_crc"].tolist()
+    for k in range(len(rows)):
+        if crc32c(raw_bytes[k * RECORD_BYTES : (k + 1) * RECORD_BYTES - 4]) != stored[k]:
+            raise corrupt(where, f"record {int(rows[k, 2])} checksum mismatch")
+    if len(bad):
+        k = int(bad[0])
+        raise corrupt(where, f"record {int(rows[k, 2])} is for leaf {int(rec['leaf'][k])} cell "
+                           f"{int(rec['cell'][k])}, not leaf {int(rows[k, 0])} cell {int(rows[k, 1])}")
+
+
+def _v2_crcs(where: str, rows: np.ndarray, gather: Any, at: Any, crc_at: int, check: list[int]) -> list[tuple[int, ...]]:
+    """Versions 2 (no stored sizes): each record's block CRCs, checked against its record's checksum of them
+    (`gather`: bytes at many positions at once; `at`: bytes at one position)."""
+    if bool(np.all(rows[:, 4] == 1)):  # one block per chunk, the common case: all CRCs gathered at once
+        cbs = gather(crc_at + rows[:, 3] * 4, 4)
+        cb_bytes = cbs.tobytes()
+        for k in range(len(rows)):
+            if crc32c(cb_bytes[4 * k : 4 * k + 4]) != check[k]:
+                raise corrupt(where, f"checksums of record {int(rows[k, 2])} do not match their checksum")
+        return [(v,) for v in cbs.reshape(-1).view("<u4").tolist()]
+    crcs_of: list[tuple[int, ...]] = []
+    for k, (rno, cno, ncrc_k) in enumerate(rows[:, 2:5].tolist()):
+        cb1 = at(crc_at + cno * 4, ncrc_k * 4) if ncrc_k else b""
+        if crc32c(cb1) != check[k]:
+            raise corrupt(where, f"checksums of record {rno} do not match their checksum")
+        crcs_of.append(tuple(np.frombuffer(cb1, dtype="<u4").tolist()))
+    return crcs_of
 
 
 def _find(ranges: list[tuple[int, int, int]], pos: int) -> int:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from .._core.boxes import cell_box
-from .._errors import corrupt
+from .._errors import CorruptCheckpointError, corrupt
 from .binindex import (
     ChunkTable,
     LazyChunks,
@@ -286,6 +286,20 @@ class ArrayLeaf:
     # Version 3, a compressed leaf: per grid cell, each block's stored size (tuples, or `LazyStored`).
     stored: Sequence[tuple[int, ...]] = ()
     refs: bool = False  # version 4: some blocks are references to a base checkpoint's (§6.5)
+
+    @property
+    def part_table(self) -> tuple[ChunkTable, int] | None:
+        """The item's binary part table and this leaf's number in it, where the leaf is indexed there
+        (version 2 on: `LazyChunks`); None for an explicit chunk list."""
+        chunks = self.chunks
+        return (chunks.table, chunks.leaf) if isinstance(chunks, LazyChunks) else None
+
+    def parts(self) -> tuple[ChunkTable, int]:
+        """`part_table` of a leaf that must have one (a version-4 ``refs`` leaf: the parser checks)."""
+        got = self.part_table
+        if got is None:
+            raise CorruptCheckpointError(f"leaf {self.path!r} has references but no binary part table")
+        return got
 
     def stored_sizes(self, cell: int, block: int) -> tuple[int, ...]:
         """Each checksum block's stored size in chunk `cell` (the raw sizes for codec "none")."""

@@ -30,9 +30,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._codecs import codecs as _codecs
+from .._core.buffers import as_view
 from .._core.checksum import check_block, crc32c, mismatch
 from .._errors import CorruptCheckpointError
-from .._format import codecs as _codecs
 from .._format import manifest as fmt
 from .._format.binindex import raw_blocks, stored_bound
 from .._format.blocks import (
@@ -75,8 +76,7 @@ def block_places(leaf: fmt.ArrayLeaf, cell: int, block: int) -> list[tuple[int, 
     """Per block of chunk `cell`: ``(file, offset, stored size, CRC, codec id, against)`` (a reference's
     file is the index's entry of the base's file; a delta's stored bytes are own, and `against` is the
     ``(file, offset)`` of the base block it is against, else None)."""
-    table = leaf.chunks.table  # type: ignore[attr-defined]  # a refs leaf is part-indexed (parser checks)
-    n = leaf.chunks.leaf  # type: ignore[attr-defined]
+    table, n = leaf.parts()
     file, offset, crcs = table.entry(n, cell)
     sizes = table.stored(n, cell)
     got = table.sources(n, cell)
@@ -144,7 +144,8 @@ def own_blocks(leaf: fmt.ArrayLeaf, cell: int, block: int) -> list[tuple[int, in
     """Where each block of chunk `cell` of `leaf` is stored as its own: ``(file, offset, stored size,
     codec id)``, or None for a reference or a delta (a dry run's view of the blocks deltas are against)."""
     if leaf.refs:
-        file = leaf.chunks.table.entry(leaf.chunks.leaf, cell)[0]  # type: ignore[attr-defined]
+        table, n = leaf.parts()
+        file = table.entry(n, cell)[0]
         return [(f, off, size, codec) if f == file and against is None else None
                 for f, off, size, _crc, codec, against in block_places(leaf, cell, block)]
     file, off = leaf.chunks[cell]
@@ -215,6 +216,44 @@ def undelta(stored: Any, raw_size: int, dtype: Any, read_base: Any, out: np.ndar
     apply_delta(stored, read_base(size, codec), codec, crc, dtype, out, where, kind=kind)
 
 
+def _rebuild_deltas(reader: Any, leaf: fmt.ArrayLeaf, cell: int, places: list[Any], raws: list[int],
+                    deltas: dict[int, tuple[Any, int, int, int, int]], fill: Any, slot: Any) -> None:
+    """`read_blocks`' second step: the base blocks of chunk `cell`'s `deltas` read (`fill`), each checked,
+    decoded and XORed with its delta into its block's place (`slot`), by this thread and the decode pool's
+    free ones (`DELTAS_SHARED`)."""
+    from .landing import current_scope as _current_scope
+    from .landing import in_scope as _in_scope
+
+    block = reader.index.block_size
+    name = display_path(leaf.path, reader.item)
+    bases = base_fetches(places, {b: (d[1], d[3]) for b, d in deltas.items()})
+    work: list[tuple[int, Any, bool]] = []  # (block, its base block's stored bytes, read into place)
+    for fe, view, in_place in fill(bases, lambda b: deltas[b][1], "base"):
+        pos = 0
+        for b in fe.blocks:
+            size = deltas[b][3]
+            work.append((b, view[pos : pos + size], in_place))
+            pos += size
+
+    def rebuild(i: int, j: int) -> None:
+        for b, base, in_place in work[i:j]:
+            stored, codec, crc, _size, kind = deltas[b]
+            apply_delta(stored, base, codec, crc, leaf.dtype, slot(b),
+                        _delta_where(reader, name, cell, b, places[b][5]), in_place, kind)
+
+    if DELTAS_SHARED:  # by this thread and the decode pool's free threads (`share`)
+        # The pool outlives the load: its threads' scratch buffers go with the load's (or the reader's).
+        scope = _current_scope()
+        if scope is None:
+            scope = reader.delta_scratch
+        here = threading.get_ident()
+        spans = [(b * block, b * block + raws[b], "") for b, _, _ in work]
+        share(lambda i, j: rebuild(i, j) if threading.get_ident() == here else _in_scope(scope, rebuild, i, j),
+              pieces(spans, 0, len(work), DELTA_PIECE))
+    else:
+        rebuild(0, len(work))
+
+
 def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.ndarray]) -> None:
     """`ChunkReader.do_read` for a leaf with references (``read`` in raw addressing: ``read.file`` is
     the chunk, ``[start, end)`` whole blocks of its raw bytes).
@@ -224,9 +263,7 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
     load verifies, as for a plain leaf), own coded blocks decoded
     and the deltas' headers read; then the deltas' base blocks (raw runs straight into place, where the
     rebuilt blocks go, the rest into a second buffer), each checked, decoded and XORed with its delta."""
-    from .landing import current_scope as _current_scope
     from .landing import direct_bytes
-    from .landing import in_scope as _in_scope
     from .landing import region as _region
     from .landing import scratch as _scratch
 
@@ -251,9 +288,9 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
         for fe, p in zip(fes, in_place):
             if p:
                 lo = fe.blocks[0] * block - read.start
-                view = memoryview(raw[lo : lo + fe.length].data)  # type: ignore[arg-type]
+                view = memoryview(raw[lo : lo + fe.length].data)
             else:
-                view = memoryview(buf[pos : pos + fe.length].data)  # type: ignore[arg-type]
+                view = memoryview(buf[pos : pos + fe.length].data)
                 pos += fe.length
             try:
                 reader._fill(fe.file, fe.start, view, leaf)
@@ -298,32 +335,7 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
         _decode_coded(coded, raws, block, read.start, raw, leaf.dtype,
                       lambda b: f"{reader.loc.path}: leaf {leaf.path!r} block {b} of chunk {cell}")
     if deltas:
-        bases = base_fetches(places, {b: (d[1], d[3]) for b, d in deltas.items()})
-        work: list[tuple[int, Any, bool]] = []  # (block, its base block's stored bytes, read into place)
-        for fe, view, in_place in fill(bases, lambda b: deltas[b][1], "base"):
-            pos = 0
-            for b in fe.blocks:
-                size = deltas[b][3]
-                work.append((b, view[pos : pos + size], in_place))
-                pos += size
-
-        def rebuild(i: int, j: int) -> None:
-            for b, base, in_place in work[i:j]:
-                stored, codec, crc, _size, kind = deltas[b]
-                apply_delta(stored, base, codec, crc, leaf.dtype, slot(b),
-                            _delta_where(reader, name, cell, b, places[b][5]), in_place, kind)
-
-        if DELTAS_SHARED:  # by this thread and the decode pool's free threads (`share`)
-            # The pool outlives the load: its threads' scratch buffers go with the load's (or the reader's).
-            scope = _current_scope()
-            if scope is None:
-                scope = reader.delta_scratch
-            here = threading.get_ident()
-            spans = [(b * block, b * block + raws[b], "") for b, _, _ in work]
-            share(lambda i, j: rebuild(i, j) if threading.get_ident() == here else _in_scope(scope, rebuild, i, j),
-                  pieces(spans, 0, len(work), DELTA_PIECE))
-        else:
-            rebuild(0, len(work))
+        _rebuild_deltas(reader, leaf, cell, places, raws, deltas, fill, slot)
     if out is None:
         for c in read.copies:
             src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)
@@ -387,11 +399,11 @@ def check_chunk(leaf: fmt.ArrayLeaf, cell: int, block: int, files: list[fmt.File
     decoded bytes against the hash the index records (`cairn verify`). `opened`: file number -> reader."""
     from .._format.blocks import block_hash
 
-    table = leaf.chunks.table  # type: ignore[attr-defined]
-    got = table.sources(leaf.chunks.leaf, cell)  # type: ignore[attr-defined]
-    if got is None:
+    table, n = leaf.parts()
+    sources = table.sources(n, cell)
+    if sources is None:
         return ["the index records no block hashes or sources for it"]
-    hashes = got[0]
+    hashes = sources[0]
     raws = raw_blocks(leaf.chunk_nbytes(cell), block)
     bad: list[str] = []
     for b, (f, off, size, crc, codec, against) in enumerate(block_places(leaf, cell, block)):
@@ -403,7 +415,7 @@ def check_chunk(leaf: fmt.ArrayLeaf, cell: int, block: int, files: list[fmt.File
             continue
         buf = np.empty(size, dtype=np.uint8)
         try:
-            r.read_into(off, memoryview(buf))  # type: ignore[arg-type]
+            r.read_into(off, as_view(buf))
         except EOFError:
             bad.append(f"block {b} ({where}) lies past the end of the file")
             continue
@@ -426,7 +438,7 @@ def check_chunk(leaf: fmt.ArrayLeaf, cell: int, block: int, files: list[fmt.File
                 def read_base(n: int, _codec: int, rb: Any = rb, boff: int = boff) -> np.ndarray:
                     out = np.empty(n, dtype=np.uint8)
                     try:
-                        rb.read_into(boff, memoryview(out.data))  # type: ignore[arg-type]
+                        rb.read_into(boff, memoryview(out.data))
                     except EOFError:
                         raise CorruptCheckpointError("its base block lies past the end of its file") from None
                     return out
@@ -448,14 +460,15 @@ def by_base_file(leaf: fmt.ArrayLeaf, block: int) -> dict[int, list[int]]:
     """A version-4 leaf's blocks in other files, per file of its index: ``[bytes referred to there, blocks
     stored as deltas against blocks there, those deltas' own stored bytes]`` (`cairn inspect`)."""
     out: dict[int, list[int]] = {}
-    table = getattr(leaf.chunks, "table", None)
-    if table is None or not leaf.refs:
+    parts = leaf.part_table
+    if parts is None or not leaf.refs:
         return out
+    table, n = parts
     for cell in range(len(leaf.chunks)):
-        got = table.sources(leaf.chunks.leaf, cell)  # type: ignore[attr-defined]
+        got = table.sources(n, cell)
         if got is None:
             continue
-        sizes = table.stored(leaf.chunks.leaf, cell)  # type: ignore[attr-defined]
+        sizes = table.stored(n, cell)
         for (f, codec, _off), size in zip(got[1], sizes):
             if f >= 0:
                 row = out.setdefault(f, [0, 0, 0])
@@ -470,12 +483,13 @@ def by_base_file(leaf: fmt.ArrayLeaf, block: int) -> dict[int, list[int]]:
 def own_and_referenced(leaf: fmt.ArrayLeaf, block: int) -> tuple[int, int]:
     """A version-4 leaf's stored bytes in its own files and in its bases' files (`cairn inspect`)."""
     own = ref = 0
-    table = getattr(leaf.chunks, "table", None)
-    if table is None:
+    parts = leaf.part_table
+    if parts is None:
         return leaf.nbytes, 0
+    table, n = parts
     for cell in range(len(leaf.chunks)):
-        got = table.sources(leaf.chunks.leaf, cell)  # type: ignore[attr-defined]
-        sizes = table.stored(leaf.chunks.leaf, cell)  # type: ignore[attr-defined]
+        got = table.sources(n, cell)
+        sizes = table.stored(n, cell)
         if got is None:
             continue
         for (f, _codec, _off), size in zip(got[1], sizes):

@@ -32,10 +32,11 @@ from typing import Any
 
 import numpy as np
 
+from .._codecs import codecs as _codecs
 from .._core.boxes import full_box
+from .._core.buffers import as_view
 from .._core.checksum import BlockChecks, check_block
 from .._errors import CorruptCheckpointError
-from .._format import codecs as _codecs
 from .._format.binindex import LazyChunks
 from .._plan.leafreads import plan_leaf_reads
 from .._tree.pytree import display_path
@@ -60,7 +61,7 @@ def run_limits(preferred_read: int | None) -> tuple[int, int]:
     return max(SMALL_ARRAY, preferred_read), max(_MAX_RUN_BYTES, preferred_read)
 
 
-class _RunFuture(Future):  # type: ignore[type-arg]
+class _RunFuture(Future):
     """The future of one run; waiting for it first makes sure the run was submitted."""
 
     def __init__(self, runs: Runs | Pieces) -> None:
@@ -234,10 +235,10 @@ class Runs:
                     bad = []
                 else:  # one ranged request, then a copy per array
                     raw = np.empty(sum(len(v) for v in views), dtype=np.uint8)
-                    reader._fill(file, start, memoryview(raw), parts[0][0])  # type: ignore[arg-type]
+                    reader._fill(file, start, as_view(raw), parts[0][0])
                     pos = 0
                     for view in views:
-                        view[:] = memoryview(raw)[pos : pos + len(view)]  # type: ignore[arg-type]
+                        view[:] = as_view(raw)[pos : pos + len(view)]
                         pos += len(view)
                     bad = [] if not (reader.verify or coded) else [
                         (leaf, dest) for (leaf, first, dest), view in zip(parts, views)
@@ -267,8 +268,8 @@ class Runs:
 def _byte_view(a: np.ndarray) -> memoryview:
     """The bytes of C-contiguous `a`, flat (for numpy's own dtypes without three numpy calls)."""
     if a.dtype.isbuiltin == 1 and a.dtype.kind != "c":  # native numpy, single-character format (no ml_dtypes)
-        return memoryview(a).cast("B")  # type: ignore[arg-type]
-    return memoryview(a.reshape(-1).view(np.uint8))  # type: ignore[arg-type]
+        return as_view(a).cast("B")
+    return as_view(a.reshape(-1).view(np.uint8))
 
 
 class _Mismatch(Exception):

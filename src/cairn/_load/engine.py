@@ -29,6 +29,7 @@ from .._dist.agree import sequence
 from .._dist.coord import Coordinator, activity, default_coordinator
 from .._errors import CheckpointError, MismatchError
 from .._format import manifest as fmt
+from .._read.metadata import read_index, read_manifest
 from .._storage.location import Location
 from .._tree.leaves import check_key_target, handler_named, is_key_dtype, key_dtype, wrap_key
 from .._tree.perprocess import LoadView
@@ -37,7 +38,6 @@ from .._tree.shardings import WHOLE_PUT_BYTES, concrete_sharding, misfit, on_mes
 from . import casts
 from .decodepool import stop_threads as stop_decoders
 from .landing import in_scope
-from .metadata import read_index, read_manifest
 from .options import LoadOptions, options_of
 from .plan import Limits, Plan, plan
 from .prefetch import prefetch

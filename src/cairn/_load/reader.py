@@ -28,14 +28,14 @@ from typing import Any, cast
 
 import numpy as np
 
+from .._codecs import codecs as _codecs
 from .._core.boxes import Box, full_box
-from .._core.buffers import aligned_empty, lent_empty, load_pool, prefault
+from .._core.buffers import aligned_empty, as_view, lent_empty, load_pool, prefault
 from .._core.checksum import BlockChecks, mismatch
 from .._core.memo import Memo
 from .._core.stats import LoadStats
 from .._dist.coord import activity
 from .._errors import CheckpointError, CorruptCheckpointError
-from .._format import codecs as _codecs
 from .._format import manifest as fmt
 from .._plan.leafreads import (
     DEFAULT_MAX_READ,
@@ -45,6 +45,7 @@ from .._plan.leafreads import (
 )
 from .._plan.readmemo import PlanMemo
 from .._plan.reads import Read, is_c_contiguous
+from .._read.metadata import Opened
 from .._storage import PartReader, RandomReader
 from .._storage.location import Location
 from .._tree.pytree import display_path
@@ -53,7 +54,6 @@ from .decodepool import pieces, prefault_thread, share, spread
 from .landing import MAX_PARTS, MIN_RUN, coded_lands, direct_bytes, lands_in_place, split_coded
 from .landing import region as _region
 from .landing import scratch as _scratch
-from .metadata import Opened
 from .plan import array_reads
 
 DEFAULT_BUDGET = 256 << 20  # the memory budget of a streaming conversion, by default
@@ -390,7 +390,7 @@ class ChunkReader:
                     self.stats.direct_reads += 1
                 return
         raw = _scratch(read.nbytes)
-        self._fill_checked(read, memoryview(raw), leaf)  # type: ignore[arg-type]
+        self._fill_checked(read, as_view(raw), leaf)
         for c in read.copies:
             src = np.ndarray(c.shape, dtype=leaf.dtype, buffer=raw, offset=c.src_offset, strides=c.src_strides)
             dests[c.dest][_region(c.dest_start, c.shape)] = src
@@ -544,7 +544,7 @@ class ChunkReader:
         if direct is not None:
             region = dests[direct.dest][_region(direct.dest_start, direct.shape)]
             if region.flags.c_contiguous:
-                return [memoryview(region.reshape(-1).view(np.uint8))]  # type: ignore[arg-type]
+                return [memoryview(region.reshape(-1).view(np.uint8))]
         return _tiled_regions(read, dests) if vectored else None
 
     def read_bytes(self, leaf: fmt.ArrayLeaf) -> bytes:
@@ -575,7 +575,7 @@ def _tiled_regions(read: Read, dests: list[np.ndarray]) -> list[memoryview] | No
             return None
         region = dests[c.dest][_region(c.dest_start, c.shape)]
         if region.flags.c_contiguous:
-            out.append(memoryview(region.reshape(-1).view(np.uint8)))  # type: ignore[arg-type]
+            out.append(memoryview(region.reshape(-1).view(np.uint8)))
         else:
             if region.ndim < 2 or region.strides[-1] != region.itemsize:
                 return None
@@ -584,7 +584,7 @@ def _tiled_regions(read: Read, dests: list[np.ndarray]) -> list[memoryview] | No
             if len(out) + int(np.prod(region.shape[:-1])) > MAX_PARTS:
                 return None
             for idx in np.ndindex(*region.shape[:-1]):
-                out.append(memoryview(region[idx].view(np.uint8)))  # type: ignore[arg-type]
+                out.append(memoryview(region[idx].view(np.uint8)))
         pos += c.nbytes
     return out if pos == read.nbytes else None
 

@@ -25,8 +25,15 @@ from typing import Any, Protocol
 from .._core.stats import LoadStats
 from .._errors import MismatchError
 from .._format import manifest as fmt
+from .._read.metadata import (
+    Opened,
+    index_bytes,
+    not_committed,
+    parse_index,
+    read_index,
+    stored_manifest,
+)
 from .._storage.location import Location, resolve
-from .metadata import Opened, index_bytes, not_committed, parse_index, read_index, stored_manifest
 from .reader import ChunkReader
 
 

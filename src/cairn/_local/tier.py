@@ -38,8 +38,8 @@ from .._dist.coord import Coordinator, SingleProcess
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._format.values import dtype_name
 from .._load import engine as _load
-from .._load.metadata import read_manifest
 from .._load.source import CairnSource
+from .._read.metadata import read_manifest
 from .._run import steps as _steps
 from .._save import engine as _save
 from .._storage import Storage

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from .._load.metadata import bases_of
+from .._read.metadata import bases_of
 from .._storage import Storage
 
 

@@ -172,3 +172,24 @@ def box_bytes(box: Any, itemsize: int) -> int:
     for lo, hi in box:
         n *= hi - lo
     return n
+
+
+def files_in_turn(items: list[SaveItem]) -> list[tuple[SaveItem, int]]:
+    """The data files of a save in the order its writers start them: each checkpointable's first file,
+    then each one's second... (`write_data`; the codec choosing and the host-copy pipeline follow it)."""
+    most = max((len(item.files) for item in items), default=0)
+    return [(item, k) for k in range(most) for item in items if k < len(item.files)]
+
+
+class _Unchanged:
+    """The source of a chunk an incremental save decided before the snapshot (`incremental.Incremental.decide_unchanged`):
+    never read."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "UNCHANGED"
+
+
+#: `_Unchanged`'s one instance.
+UNCHANGED = _Unchanged()

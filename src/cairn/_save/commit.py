@@ -26,9 +26,9 @@ from typing import Any
 
 from .._errors import CheckpointError, CheckpointExistsError, CorruptCheckpointError
 from .._format import manifest as fmt
+from .._read.metadata import committed_manifest, sibling
 from .._storage import LocalDirs, Storage
 from .._storage.location import Location
-from .incremental import read_manifest
 
 log = logging.getLogger("cairn")
 
@@ -138,7 +138,7 @@ def referrers(loc: Location) -> list[str]:
 
     def names_it(name: str) -> bool:
         try:
-            manifest = read_manifest(Location(storage, name, name))
+            manifest = committed_manifest(sibling(loc, name))
         except (CorruptCheckpointError, IsADirectoryError):
             return False
         return manifest is not None and loc.name in manifest.bases

@@ -51,9 +51,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import threading
-import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -61,9 +61,9 @@ from typing import Any
 
 import numpy as np
 
-from .._core.checksum import crc32c
+from .._codecs import codecs as _codecs
+from .._core.checksum import block_crc, crc32c
 from .._errors import CheckpointError, CorruptCheckpointError
-from .._format import codecs as _codecs
 from .._format import manifest as fmt
 from .._format.blocks import (
     CODEC_IDS,
@@ -80,14 +80,17 @@ from .._format.blocks import (
     uint_of,
 )
 from .._format.partfile import OWN, SOURCE
-from .._storage.location import Location, ranges_reader, resolve
+from .._read.metadata import parse_manifest, read_index, stored_manifest
+from .._storage.location import Location
 from .._tree.leaves import ArraySource
-from . import basecache
-from .assign import Concat, SaveItem
+from . import basecache, hashmemo
+from . import codecpolicy as _policy
+from .assign import UNCHANGED, Concat, SaveItem
+from .pipeline import stored_block
 
 #: Blocks per hashing task: a task hashes (and, where changed, codes and checksums) this many blocks.
 RUN_BLOCKS = 4
-SMALL = 64 << 10  # own blocks up to this size join the writer's batch (`engine.SMALL_CHUNK`)
+SMALL = 64 << 10  # own blocks up to this size join the writer's batch (`pipeline.SMALL_CHUNK`)
 BATCH = 4 << 20
 #: Own raw blocks next to each other in a chunk go to the storage as one buffer, up to this many bytes (a
 #: view of the chunk's bytes, no copy), as a plain save gives it a chunk: one buffer per 1 MiB block cost
@@ -132,117 +135,6 @@ SPARSE_SMALL = 1 / 32
 #: of eleven in-process alternations on the shared 2-core VM, no gain in two (the busier the cores, the less).
 #: False: first come, first served.
 FROZEN_LAST = True
-
-
-#: Chunk hashes of the `jax.Array` leaves this process hashed, by array: id -> (a weak reference to
-#: it, {(grid, block size, cell): (the chunk's block hashes, joined; its `_sample` or None)}). A
-#: jax.Array's bytes never change (an update makes a new array; a donation deletes it), so where a
-#: later save is given the same array object and its base records those very hashes at that
-#: position, the base's blocks hold the array's bytes: the chunk is referred to without hashing
-#: its bytes (a frozen backbone passed through training unchanged). A numpy array can change in
-#: place: never kept here. Nor, against JAX's contract, can a jax.Array over memory that another
-#: library shares and changes (`jax.dlpack.from_dlpack` of a numpy array aliases it on CPU): a
-#: chunk in host memory must also match its `_sample`, which any change to more than a few percent
-#: of its elements, or to a run of 4 KiB, alters.
-_HASHED: dict[int, tuple[Any, dict[tuple[Any, int, int], tuple[bytes, bytes | None]]]] = {}
-_HASHED_LOCK = threading.RLock()  # (reentrant: a collection inside it may run `_forget`)
-
-
-def _hashed_of(value: Any) -> dict[tuple[Any, int, int], tuple[bytes, bytes | None]] | None:
-    """The chunk hashes kept for jax.Array `value`, or None (another array, or none kept)."""
-    with _HASHED_LOCK:
-        got = _HASHED.get(id(value))
-    if got is None or got[0]() is not value:
-        return None
-    return got[1]
-
-
-#: `_sample` takes this many bytes of every `SAMPLE_EVERY`.
-SAMPLE_BYTES = 64
-SAMPLE_EVERY = 4096
-
-
-def _sample(raw: Any) -> bytes:
-    """A fingerprint of a chunk's host bytes: the hash of `SAMPLE_BYTES` of every `SAMPLE_EVERY`
-    (1.6% of them) and of its last bytes (of a small chunk, of all), for `_HASHED`'s chunks in host
-    memory."""
-    import xxhash  # (present: `block_hash` needs it)
-
-    a = np.frombuffer(raw, np.uint8)
-    if len(a) <= 16 * SAMPLE_EVERY:  # small: all of it
-        return xxhash.xxh3_64_digest(a.data)
-    n = len(a) // SAMPLE_EVERY
-    picked = np.ascontiguousarray(a[: n * SAMPLE_EVERY].reshape(n, SAMPLE_EVERY)[:, :SAMPLE_BYTES])
-    return xxhash.xxh3_64_digest(picked.data) + xxhash.xxh3_64_digest(a[-SAMPLE_BYTES:].tobytes())
-
-
-def _sample_parts(parts: list[Any]) -> bytes:
-    """`_sample` of the bytes of `parts` (uint8 arrays) one after another, without joining them where every
-    part but the last is a whole number of `SAMPLE_EVERY` bytes (a merged chunk's shards)."""
-    import xxhash  # (present: `block_hash` needs it)
-
-    total = sum(len(p) for p in parts)
-    if total <= 16 * SAMPLE_EVERY or any(len(p) % SAMPLE_EVERY for p in parts[:-1]) or len(parts[-1]) < SAMPLE_BYTES:
-        return _sample(np.concatenate(parts) if parts else b"")
-    picked = np.concatenate([np.ascontiguousarray(
-        p[: len(p) // SAMPLE_EVERY * SAMPLE_EVERY].reshape(-1, SAMPLE_EVERY)[:, :SAMPLE_BYTES]).reshape(-1)
-        for p in parts])
-    return xxhash.xxh3_64_digest(picked.data) + xxhash.xxh3_64_digest(parts[-1][-SAMPLE_BYTES:].tobytes())
-
-
-def _in_host_memory(value: Any) -> bool:
-    return any(d.platform == "cpu" for d in value.sharding.device_set)
-
-
-def _remember(value: Any, key: tuple[Any, int, int], hashes: bytes, sample: bytes | None) -> None:
-    """Keep the chunk hashes of jax.Array `value` at `key` (grid, block size, cell) while it lives,
-    with the chunk's `_sample` where it lies in host memory."""
-    vid = id(value)
-    with _HASHED_LOCK:
-        got = _HASHED.get(vid)
-        if got is None or got[0]() is not value:
-            def gone(r: Any, vid: int = vid) -> None:
-                _forget(vid, r)
-
-            try:
-                ref = weakref.ref(value, gone)
-            except TypeError:
-                return
-            got = _HASHED[vid] = (ref, {})
-        got[1][key] = (hashes, sample)
-
-
-def _forget(vid: int, ref: Any) -> None:
-    with _HASHED_LOCK:
-        got = _HASHED.get(vid)
-        if got is not None and got[0] is ref:
-            del _HASHED[vid]
-
-
-def _same_array(src: Any) -> Any:
-    """`src`'s jax.Array where its hashes may be kept (`_HASHED`): a live array leaf, else None."""
-    if not isinstance(src, ArraySource) or not src.is_jax or src.kind != "array":
-        return None
-    value = src.value
-    try:
-        if value.is_deleted():  # (its save fails on reading it; nothing to skip)
-            return None
-    except AttributeError:
-        return None
-    return value
-
-
-class _Unchanged:
-    """The source of a chunk `Incremental.decide_unchanged` decided before the snapshot: never read."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "UNCHANGED"
-
-
-#: `_Unchanged`'s one instance.
-UNCHANGED = _Unchanged()
 
 
 @dataclass(frozen=True)
@@ -323,6 +215,38 @@ class Incremental:
 
     # ------------------------------------------------------------------ the base
 
+    # ------------------------------------------------------------------ the block stage (`pipeline.PlainBlocks`)
+
+    incremental = True
+
+    def version(self, compression: str | None) -> int:
+        return fmt.INCREMENTAL_VERSION
+
+    def coders(self, compressed: bool) -> int:
+        """The coder pool's threads: blocks are hashed on it too, compressed or not."""
+        return max(2, _policy.coder_cores())
+
+    def writers(self, threads: int, files: int) -> int:
+        """The writers mostly wait for hashes: one per file (up to 2x `threads`: each holds a window of
+        coded runs), so that a file of changed leaves is written (and fsync'd) while files of unchanged
+        ones are still hashed."""
+        return max(threads, min(files, 2 * threads))
+
+    def writer(self, write: Callable[[str, Iterator[Any]], int]) -> Callable[[str, Iterable[Any]], int]:
+        """`write` where a file has bytes: a file of references only is not written at all (`write_if_any`)."""
+        return functools.partial(write_if_any, write)
+
+    def part_extras(self, item: str) -> dict[str, Any]:
+        """The base files the part refers to, after its own, and the leaves with references."""
+        return {"ext": [list(x) for x in self.ext_files(item)], "refs": self.leaves_with_refs(item)}
+
+    def committed(self, loc: Location, manifest: bytes, files: dict[str, bytes], processes: int) -> None:
+        """Committed by a single process: the next incremental save may build on it from memory (`basecache`)."""
+        if processes == 1:
+            basecache.remember(loc, manifest, files)
+
+    # ------------------------------------------------------------------ the base
+
     def open(self, items: list[SaveItem], where: str) -> None:
         """Read the base's manifest and indexes, match leaves, fetch the records of our chunks (once: an
         async save may have opened its base before its snapshot, `decide_unchanged`)."""
@@ -340,13 +264,13 @@ class Incremental:
         """The base's manifest (None: nothing committed there), and in `kept` what this process's commit of
         it wrote, where the manifest there now is the one that commit wrote (`basecache`)."""
         assert self.base is not None
-        got = _manifest_bytes(self.base)
+        got = stored_manifest(self.base)
         if got is None:
             return None
         self.kept = basecache.lookup(self.base, got)
         if self.kept is not None and "" in self.kept.parsed:
             return self.kept.parsed[""]  # (parsed from these very bytes when the commit was kept)
-        return _parse_manifest(self.base, got)
+        return parse_manifest(self.base, got)
 
     def _open(self, manifest: fmt.Manifest, items: list[SaveItem], where: str) -> None:
         assert self.base is not None
@@ -363,7 +287,7 @@ class Incremental:
             info = manifest.items.get(item.name)
             if info is None:
                 continue
-            index = _read_index(self.base, info, self.kept)
+            index = read_index(self.base, info, self.kept)
             self.dirs[item.name] = info.dir
             if index.block_size != self.block or index.table is None:
                 continue
@@ -390,9 +314,9 @@ class Incremental:
         copy, decided now and their sources replaced by `UNCHANGED`; returns their bytes.
 
         A chunk qualifies where `_unchanged` would refer to all its blocks without reading them: the
-        same live array (`_HASHED`), the base's blocks at its position all stored as themselves (no
+        same live array (`hashmemo._HASHED`), the base's blocks at its position all stored as themselves (no
         delta of the base to copy, which would read the base) with exactly the hashes kept, and, for
-        a chunk in host memory, its `_sample` (taken here, from the array itself). A jax.Array's
+        a chunk in host memory, its `hashmemo.sample` (taken here, from the array itself). A jax.Array's
         bytes never change, and these chunks are never read again, so the caller may donate or
         delete the array the moment the snapshot returns. The base must be committed now: a base
         still being written (the manager's previous save, in flight) decides nothing here, and the
@@ -406,8 +330,8 @@ class Incremental:
         if self.base is None or self.opened or self.base.path in self.in_flight:
             return 0
         wanted = [(item, key, src) for item in items for key, src in item.sources.items()
-                  if type(src) is not np.ndarray and (value := _same_array(item.leaves[key[0]])) is not None
-                  and _hashed_of(value)]
+                  if type(src) is not np.ndarray and (value := hashmemo.same_array(item.leaves[key[0]])) is not None
+                  and hashmemo.hashed_of(value)]
         if not wanted or (self.loc.storage.kind != "local"
                           and sum(int(src.nbytes) for _i, _k, src in wanted) < REMOTE_DECIDE_BYTES):
             return 0
@@ -424,17 +348,17 @@ class Incremental:
             return 0
         saved = 0
         for item, (leaf, cell), src in wanted:
-            value = item.leaves[leaf].value  # type: ignore[union-attr]  # (an array leaf: `_same_array`)
+            value = item.leaves[leaf].value  # (an array leaf: `hashmemo.same_array`)
             key = (item.layouts[leaf].grid, self.block, cell)
             base = self._base_blocks(item.name, leaf, cell)
             if base is None or any(b.target is not None for b in base):
                 continue
             sample = None
-            if _in_host_memory(value):  # its sample, from the array's own memory (views: nothing copied)
+            if hashmemo.in_host_memory(value):  # its sample, from the array's own memory (views: nothing copied)
                 from .._tree.shardings import host_view
 
                 parts = src.parts if isinstance(src, Concat) else [src]
-                sample = _sample_parts([np.ascontiguousarray(host_view(p)).reshape(-1).view(np.uint8)
+                sample = hashmemo.sample_parts([np.ascontiguousarray(host_view(p)).reshape(-1).view(np.uint8)
                                         for p in parts])
             got = self._unchanged(item.name, value, key, base, "none", None, sample)
             if got is None:
@@ -533,10 +457,10 @@ class Incremental:
             return batch, tuple(kept_sizes), kept_crcs, 0
         block = self.block
         base = self._base_blocks(item.name, leaf, cell)
-        value = _same_array(item.leaves[leaf])
+        value = hashmemo.same_array(item.leaves[leaf])
         key = (item.layouts[leaf].grid, block, cell) if value is not None else None
-        if value is not None and callable(raw) and _in_host_memory(value):
-            raw = raw()  # (a view of host memory, or the snapshot's copy: no copy made) for its `_sample`
+        if value is not None and callable(raw) and hashmemo.in_host_memory(value):
+            raw = raw()  # (a view of host memory, or the snapshot's copy: no copy made) for its `hashmemo.sample`
         same = self._unchanged(item.name, value, key, base, codec, raw) if value is not None else None
         if same is not None:
             chunk, kept_sizes, kept_crcs, copied = same
@@ -568,25 +492,10 @@ class Incremental:
         own = 0
         span = [0, 0]  # own raw blocks not yet given out: raw[span[0]:span[1]]
 
-        def results() -> Iterator[list[tuple[bytes, Any, int, int]]]:
-            if pool is None or len(work) < 2:
-                for w in work:
-                    yield _run(w[0], w[1], block, codec, dtype, ctx)
-                return
-            window = max(2, getattr(pool, "_max_workers", 2) + 1)
-            ahead: collections.deque[Any] = collections.deque()
-            # (a chunk the base found unchanged too queues behind the others on a CodePool: `FROZEN_LAST`)
-            frozen = FROZEN_LAST and bool(base) and all(b.target is None and b.ref.base != self.base_name
-                                                        for b in base or ())
-            rank: dict[str, int] = {"priority": 1} if frozen and not isinstance(pool, ThreadPoolExecutor) else {}
-            for w in work:
-                ahead.append(pool.submit(_run, w[0], w[1], block, codec, dtype, ctx, **rank))
-                if len(ahead) >= window:
-                    yield ahead.popleft().result()
-            while ahead:
-                yield ahead.popleft().result()
-
-        for run in results():
+        # (a chunk the base found unchanged too queues behind the others on a CodePool: `FROZEN_LAST`)
+        frozen = FROZEN_LAST and bool(base) and all(b.target is None and b.ref.base != self.base_name
+                                                    for b in base or ())
+        for run in _runs_in_order(pool, work, block, codec, dtype, ctx, frozen):
             for h, payload, size, crc in run:
                 b = len(sizes)
                 hashes.append(h)
@@ -630,21 +539,21 @@ class Incremental:
             yield raw[span[0] : span[1]]
         self.chunks[(item.name, leaf, cell)] = _Chunk(hashes, refs, CODEC_IDS[codec], deltas, sparse)
         if key is not None:
-            _remember(value, key, b"".join(hashes), _sample(raw) if _in_host_memory(value) else None)
+            hashmemo.remember(value, key, b"".join(hashes), hashmemo.sample(raw) if hashmemo.in_host_memory(value) else None)
         return batch, tuple(sizes), crcs, own
 
     def _unchanged(self, item: str, value: Any, key: Any, base: list[_Base] | None, codec: str,
                    raw: memoryview | Callable[[], memoryview] | None, sampled: bytes | None = None
                    ) -> tuple[_Chunk, list[int], list[int], list[bytes | bytearray]] | None:
         """A chunk of jax.Array `value` whose hashes, as kept when this process last hashed it
-        (`_HASHED`), are the base's at the same position: its blocks as the base's (references, or
+        (`hashmemo._HASHED`), are the base's at the same position: its blocks as the base's (references, or
         the base's deltas copied), without reading its bytes, as ``(its record, stored sizes, CRCs,
         the copied deltas' bytes in block order)``. None where that cannot be shown (the chunk is
         then hashed), or where a base delta's bytes cannot be read. A chunk in host memory is checked
-        against its `_sample`, `sampled` if given (else taken from `raw`; neither: not shown)."""
+        against its `hashmemo.sample`, `sampled` if given (else taken from `raw`; neither: not shown)."""
         if base is None or self.base_name is None:
             return None
-        kept = _hashed_of(value)
+        kept = hashmemo.hashed_of(value)
         if kept is None:
             return None
         entry = kept.get(key)
@@ -654,7 +563,7 @@ class Incremental:
         if len(theirs) != len(base) * HASH_BYTES or theirs != b"".join(b.hash for b in base):
             return None
         if sample is not None and sampled is None and raw is not None and not callable(raw):
-            sampled = _sample(raw)
+            sampled = hashmemo.sample(raw)
         if sample is not None and sampled != sample:
             return None  # changed behind JAX's back (shared host memory): hashed as any chunk
         ctx = None
@@ -728,6 +637,26 @@ class Incremental:
         return sorted({leaf for (name, leaf, _c), ch in self.chunks.items() if name == item and (ch.refs or ch.deltas)})
 
 
+def _runs_in_order(pool: ThreadPoolExecutor | None, work: list[tuple[memoryview, list[_Base] | None]], block: int,
+                   codec: str, dtype: Any, ctx: _DeltaCtx | None, frozen: bool
+                   ) -> Iterator[list[tuple[bytes, Any, int, int]]]:
+    """`_run` of each of a chunk's runs `work`, in order: on `pool`, a window ahead of the writer (one task per
+    worker plus one), `frozen` ones behind other chunks' on a `CodePool`; here without a pool or with one run."""
+    if pool is None or len(work) < 2:
+        for w in work:
+            yield _run(w[0], w[1], block, codec, dtype, ctx)
+        return
+    window = max(2, getattr(pool, "_max_workers", 2) + 1)
+    ahead: collections.deque[Any] = collections.deque()
+    rank: dict[str, int] = {"priority": 1} if frozen and not isinstance(pool, ThreadPoolExecutor) else {}
+    for w in work:
+        ahead.append(pool.submit(_run, w[0], w[1], block, codec, dtype, ctx, **rank))
+        if len(ahead) >= window:
+            yield ahead.popleft().result()
+    while ahead:
+        yield ahead.popleft().result()
+
+
 def write_if_any(write: Callable[[str, Iterator[Any]], int], key: str, parts: Iterable[Any]) -> int:
     """``write(key, parts)`` from the first buffer of `parts` that holds bytes on; where none does (a data
     file whose chunks are all references), nothing is written, not even an empty file: 0.
@@ -763,8 +692,8 @@ def _run(raw: memoryview, base: list[_Base] | None, block: int, codec: str, dtyp
                 out.append((h, got, len(got.data), b.ref.crc))
                 continue
         if ctx is None:  # no delta to try: coded and checksummed now, while the hash left it in the cache
-            coded: Any = piece if codec == "none" else _codecs.encode(codec, piece, dtype)
-            out.append((h, coded, len(coded), crc32c(coded)))
+            coded, crc = stored_block(codec, piece, dtype)
+            out.append((h, coded, len(coded), crc))
             continue
         out.append((h, None, 0, 0))
         changed.append(k)
@@ -776,18 +705,20 @@ def _run(raw: memoryview, base: list[_Base] | None, block: int, codec: str, dtyp
             delta = _try_delta(piece, base[k], ctx, dtype, "try" not in ctx.state)
             if delta is not None:
                 own = len(piece) if codec == "none" else None
-                if own is None:
+                if own is None:  # (coded to compare sizes: its CRC only if it is stored)
                     enc = _codecs.encode(codec, piece, dtype)
                     own = len(enc)
                 if len(delta.data) <= DELTA_GAIN * own:
                     ctx.state["try"] = True
-                    out[k] = (out[k][0], delta, len(delta.data), crc32c(delta.data))
+                    out[k] = (out[k][0], delta, len(delta.data), block_crc(delta.data))
                     continue
             if "try" not in ctx.state:  # the chunk's sample did not pay: its other blocks are stored as themselves
                 ctx.state["try"] = False
         if enc is None:
-            enc = piece if codec == "none" else _codecs.encode(codec, piece, dtype)
-        out[k] = (out[k][0], enc, len(enc), crc32c(enc))
+            enc, crc = stored_block(codec, piece, dtype)
+        else:
+            crc = block_crc(enc)
+        out[k] = (out[k][0], enc, len(enc), crc)
     return out
 
 
@@ -883,60 +814,9 @@ def _changed(xor: np.ndarray, k: int) -> np.ndarray:
     return np.flatnonzero(xor.view(uint_of(k)) != 0)
 
 
-def _manifest_bytes(loc: Location) -> bytes | None:
-    key = loc.key(fmt.MANIFEST)
-    try:
-        return loc.storage.read(key)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
-def read_manifest(loc: Location) -> fmt.Manifest | None:
-    """A checkpoint's manifest (a base's; `commit.referrers` reads its siblings'), None when nothing is
-    committed there. (The load room's readers sit above this one: this and `_read_index` are their
-    minimal twins, with the same parsers and limits.)"""
-    data = _manifest_bytes(loc)
-    return None if data is None else _parse_manifest(loc, data)
-
-
-def _parse_manifest(loc: Location, data: bytes) -> fmt.Manifest:
-    return fmt.Manifest.from_json(data, loc.storage.describe(loc.key(fmt.MANIFEST)))
-
-
-def _read_index(loc: Location, info: fmt.ItemInfo, kept: basecache.Kept | None = None) -> fmt.ItemIndex:
-    """The base's index of one item, its binary parts read in ranges on demand: from `kept` (what this
-    process's commit of the base wrote, `basecache`) where given, else from storage."""
-    key, rel = loc.key(info.dir, info.index), f"{info.dir}/{info.index}"
-    if kept is not None and rel in kept.parsed:
-        return kept.parsed[rel]  # (parsed, every record decoded, when it was kept)
-    data = kept.files.get(rel) if kept is not None else None
-    if data is None:
-        kept = None
-        try:
-            data = loc.storage.read(key)
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-            raise CorruptCheckpointError(f"{loc.path}: the index {key!r} named by the manifest is missing") from None
-    index = fmt.ItemIndex.from_json(data, loc.storage.describe(key))
-
-    if index.table is not None:
-        index.table.reader = kept.ranges(loc, info.dir) if kept is not None else ranges_reader(loc, info.dir)
-    return index
-
-
 def setup(loc: Location, base: Location | None, hashes: bool, required: bool) -> Incremental | None:
-    """The incremental state of a save at `loc`: against `base` (a sibling's `Location`, `sibling`),
+    """The incremental state of a save at `loc`: against `base` (a sibling's `Location`, `_read.metadata.base_beside`),
     or, with `hashes`, self-contained with block hashes; None for a plain save."""
     if base is None:
         return Incremental(loc, None, False) if hashes else None
     return Incremental(loc, base, required)
-
-
-def sibling(loc: Location, base: Any, storage_options: dict | None = None) -> Location:
-    """`base` (a path) as the `Location` of a checkpoint in the same folder or prefix as `loc`."""
-    base_loc = resolve(base, storage_options)
-    if getattr(base_loc.storage, "url", None) != getattr(loc.storage, "url", object()):
-        raise ValueError(f"{loc.path}: the base {str(base)!r} must be in the same folder or prefix as the "
-                         "checkpoint: references name it relative to the checkpoint")
-    if base_loc.name == loc.name:
-        raise ValueError(f"{loc.path}: a checkpoint cannot be its own base")
-    return Location(loc.storage, base_loc.name, base_loc.path)

@@ -7,7 +7,7 @@ source with its block checksums computed on the way, and the checkpoint is
 committed through the same strategy as `cairn.save`. With `compression`
 each block of an array leaf is coded on its own as a save codes it (format
 version 3); with "choose" the codec of a leaf is measured on a sample of its
-first slab (`codecs.choose`).
+first slab (`choose.choose`).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from .._core.buffers import as_view
 from .._core.checksum import block_crcs
 from .._errors import CorruptCheckpointError
 from .._format import manifest as fmt
@@ -26,7 +27,6 @@ from .._storage.location import Location
 from .._tree.pytree import display_path
 from .._version import __version__
 from .commit import strategy_for
-from .options import CHOOSING
 
 
 @runtime_checkable
@@ -50,7 +50,7 @@ def _file_slabs(src: Any, slab: int, path: str) -> Iterator[np.ndarray]:
         for lo in range(0, src.nbytes, slab):
             buf = np.empty(min(slab, src.nbytes - lo), dtype=np.uint8)
             try:
-                reader.read_into(src.start + lo, memoryview(buf))  # type: ignore[arg-type]
+                reader.read_into(src.start + lo, as_view(buf))
             except EOFError:
                 raise CorruptCheckpointError(
                     f"{src.storage.describe(src.key)}: truncated (tensor for {display_path(path)!r})"
@@ -87,8 +87,8 @@ class StreamWriter:
     def __init__(self, loc: Location, block_size: int, compression: str | None = None, overwrite: bool = False,
                  pool: Any = None):
         """`compression`: None (raw blocks), "choose" (a codec per array leaf, measured), "auto" (the same,
-        where it pays: `engine.leaf_codec`) or a codec name,
-        as `_save.engine.resolve_compression` gives; `pool` codes blocks in parallel."""
+        where it pays: `codecpolicy.leaf_codec`) or a codec name,
+        as `codecpolicy.resolve_compression` gives; `pool` codes blocks in parallel."""
         self.strategy = strategy_for(loc.storage)
         self.strategy.check_destination(loc, overwrite=overwrite)
         self.loc, self.block, self.compression, self.overwrite, self.pool = (loc, block_size, compression, overwrite,
@@ -112,7 +112,7 @@ class StreamWriter:
         offset = 0
 
         def parts() -> Iterator[Any]:
-            from .engine import _encoded
+            from .pipeline import encoded
 
             nonlocal offset
             for i, leaf in enumerate(leaves):
@@ -133,9 +133,9 @@ class StreamWriter:
                             # Slabs are whole blocks (but the last), so block CRCs line up with the chunk's.
                             crcs.extend(block_crcs(buf, self.block))
                             offset += len(buf)
-                            yield memoryview(buf)  # type: ignore[arg-type]
+                            yield as_view(buf)
                         else:
-                            for stored, crc in _encoded(self.pool, codec, buf.data, self.block, src.dtype):
+                            for stored, crc in encoded(self.pool, codec, buf.data, self.block, src.dtype):
                                 crcs.append(crc)
                                 sizes.append(len(stored))
                                 offset += len(stored)
@@ -180,15 +180,9 @@ class StreamWriter:
 
     def _codec(self, kind: str, dtype: np.dtype, first: np.ndarray) -> str:
         """A leaf's codec, from the writer's setting and (for "choose") its first slab's bytes."""
-        if self.compression is None or kind != "array":
-            return "none"
-        if self.compression not in CHOOSING:
-            return self.compression
-        from .._storage.base import bandwidth_of
-        from .engine import leaf_codec
+        from .codecpolicy import stream_codec
 
-        n = first.nbytes - first.nbytes % dtype.itemsize
-        return leaf_codec(self.compression, dtype, first[:n].view(dtype), bandwidth_of(self.loc.storage))
+        return stream_codec(self.compression, kind, dtype, first, self.loc.storage)
 
     def commit(self, root: bool, metadata: dict[str, Any], process_count: int = 1) -> None:
         """Put the manifest; `process_count`: the processes that saved the source (a copy keeps it)."""

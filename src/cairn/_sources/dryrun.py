@@ -31,15 +31,15 @@ from .._format import manifest as fmt
 from .._load import engine as _load
 from .._load import plan as _plan
 from .._load.blocks import own_blocks
-from .._load.metadata import read_index, read_manifest
 from .._load.options import LoadOptions
 from .._load.readonce import MAX_READ, ProcessOf, Route, bandwidths_for, storage_kind, stored_nbytes
 from .._load.schedule import schedule
 from .._load.source import checkpointables
 from .._plan.routes import Bandwidths, resolve_bandwidths
+from .._read.metadata import read_index, read_manifest, sibling
 from .._sources import registry as _sources
 from .._sources.registry import Rename
-from .._storage.location import Location, resolve
+from .._storage.location import resolve
 from .._tree.perprocess import LoadView, leaf_numbers
 from .._tree.pytree import display_path
 
@@ -398,8 +398,7 @@ def _base_blocks(loc: Any, name: str, index: fmt.ItemIndex) -> Any:
     def base_index(base: str) -> tuple[fmt.ItemIndex, dict[Any, int]]:
         got = opened.get(base)
         if got is None:
-            head, sep, _ = loc.path.rstrip("/").rpartition("/")
-            there = Location(loc.storage, base, f"{head}{sep}{base}" if sep else base)
+            there = sibling(loc, base)
             try:
                 bidx = read_index(there, read_manifest(there).items[name])
             except (CheckpointError, KeyError) as e:
@@ -419,16 +418,19 @@ def _base_blocks(loc: Any, name: str, index: fmt.ItemIndex) -> Any:
                 got = []
             else:
                 if bidx.table is not None and i in bidx.table.leaves:  # format 2+: its records, all at once
-                    bidx.table.fetch_leaf(i, len(bidx.table.leaves[i].writers))  # type: ignore[arg-type]
+                    bidx.table.fetch_leaf(i, len(bidx.table.leaves[i].writers))
                 got = own_blocks(leaf, cell, bidx.block_size)
             chunks[(base, path, cell)] = got
         return got
 
     def base_block(leaf: fmt.ArrayLeaf, cell: int, b: int, against: tuple[int, int]) -> tuple[int, int]:
         entry = index.files[against[0]]
-        own = own_of(entry.base, leaf.path, cell)  # type: ignore[arg-type]  # a delta's file is a base's (parser)
+        if entry.base is None:  # the parser lets a delta's `against` name only a base's file
+            raise CorruptCheckpointError(f"{loc.path}: leaf {display_path(leaf.path, name)!r} chunk {cell} block "
+                                         f"{b} is a delta against {entry.name!r}, which is not a base's file")
+        own = own_of(entry.base, leaf.path, cell)
         got = own[b] if b < len(own) else None
-        if got is None or base_index(entry.base)[0].files[got[0]].name != entry.name or got[1] != against[1]:  # type: ignore[arg-type]
+        if got is None or base_index(entry.base)[0].files[got[0]].name != entry.name or got[1] != against[1]:
             raise CorruptCheckpointError(
                 f"{loc.path}: leaf {display_path(leaf.path, name)!r} chunk {cell} block {b} is a delta against "
                 f"bytes {against[1]} of {entry.name!r} in its base checkpoint {entry.base!r}, where that "

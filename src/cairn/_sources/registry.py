@@ -22,10 +22,10 @@ from .._errors import CheckpointNotFoundError, MismatchError
 from .._format import manifest as fmt
 from .._format import values
 from .._load import engine as _engine
-from .._load.metadata import not_committed
 from .._load.options import LoadOptions
 from .._load.reader import ChunkReader
 from .._load.source import CairnSource, Source
+from .._read.metadata import not_committed
 from .._storage.location import Location
 from . import transforms as _transforms
 from .base import FORMATS, Format, FormatSource, Rename, open_format

@@ -24,13 +24,14 @@ from typing import Any, cast
 
 import numpy as np
 
+from .._core.buffers import as_view
 from .._core.checksum import BlockChecks, crc32c, mismatch
 from .._errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError
 from .._format import manifest as fmt
 from .._format import values
-from .._load.metadata import read_index
 from .._load.reader import base_problem, make_reader, read_box, slab_boxes, slab_bytes
 from .._load.source import CairnSource
+from .._read.metadata import read_index
 from .._storage.location import Location, resolve
 from .._tree.pytree import display_path
 from .base import FormatSource
@@ -96,12 +97,12 @@ def bad_blocks(buf: Any, lo: int, hi: int, off: int, crcs: Sequence[int], block:
 def _check_coded(leaf: fmt.ArrayLeaf, cell: int, off: int, block: int, reader: Any) -> list[str]:
     """What is wrong with compressed chunk `cell`: each stored block's CRC-32C, then that it decodes to its
     raw size (format version 3)."""
-    from .._format import codecs
+    from .._codecs import codecs
 
     sizes = leaf.stored_sizes(cell, block)
     buf = np.empty(sum(sizes), dtype=np.uint8)
     try:
-        reader.read_into(off, memoryview(buf))  # type: ignore[arg-type]
+        reader.read_into(off, as_view(buf))
     except EOFError:
         return [f"stored bytes {off}..{off + buf.nbytes} lie past the end of the file"]
     except OSError as e:
@@ -222,6 +223,66 @@ def plan_verify(src: CairnSource) -> tuple[fmt.Manifest, dict[str, fmt.ItemIndex
     return manifest, indexes, problems
 
 
+def _open_files(loc: Any, info: fmt.ItemInfo, index: fmt.ItemIndex, where: str, name: str, report: VerifyReport,
+                problems: list[Problem]) -> dict[int, Any]:
+    """A reader of each data file of `index` that is there (file number -> reader); each missing or
+    mis-sized file a problem, and each base whose references a load refuses (`base_problem`)."""
+    opened: dict[int, Any] = {}
+    bad_bases = {b: p for b in {f.base for f in index.files if f.base is not None}
+                 if (p := base_problem(loc.storage, loc.path, b, info.dir)) is not None}
+    for _b, p in sorted(bad_bases.items()):
+        problems.append(Problem(p, item=name))
+    for fi, f in enumerate(index.files):
+        key = loc.key(info.dir, f.name)
+        if f.base is not None:  # incremental (format 4): a file of a sibling base checkpoint
+            if f.base in bad_bases:
+                continue  # its references are refused (named above), as a load refuses them
+            key = "/".join((f.base, info.dir, f.name))
+        report.files += 1
+        try:
+            size = loc.storage.size(key)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            of = f" of its base checkpoint {f.base!r}" if f.base is not None else ""
+            problems.append(Problem(f"{where}: data file {f.name!r}{of} is missing", item=name, file=f.name))
+            continue
+        if size < f.size:
+            problems.append(Problem(
+                f"{where}: data file {f.name!r} is truncated: {size} bytes, the index records {f.size}",
+                item=name, file=f.name,
+            ))
+        elif size > f.size:
+            problems.append(Problem(
+                f"{where}: data file {f.name!r} has {size} bytes, the index records {f.size}",
+                item=name, file=f.name,
+            ))
+        opened[fi] = loc.storage.open_read(key)
+    return opened
+
+
+def _chunk_tasks(name: str, index: fmt.ItemIndex, opened: dict[int, Any]) -> list[_Task]:
+    """The checking tasks of every chunk of `index` whose file is open: a version-4 chunk whole (every
+    block, references too, hashed), a coded chunk whole, a raw one in pieces of whole blocks."""
+    tasks: list[_Task] = []
+    for leaf in index.leaves:
+        if not isinstance(leaf, fmt.ArrayLeaf):
+            continue
+        for cell, (fi, _off) in enumerate(leaf.chunks):
+            size = leaf.chunk_nbytes(cell)
+            if size and index.version >= fmt.INCREMENTAL_VERSION:  # every block, references too, hashed
+                tasks.append(_Task(name, index, leaf, cell, 0, size, opened))
+                continue
+            if size == 0 or fi not in opened:
+                continue
+            if leaf.codec != "none":  # one task per chunk: its stored blocks, checked and decoded
+                tasks.append(_Task(name, index, leaf, cell, 0, size, opened[fi]))
+                continue
+            # Pieces are whole blocks, so each block's CRC is checked within one task.
+            step = max(index.block_size, PIECE_BYTES // index.block_size * index.block_size)
+            for lo in range(0, size, step):
+                tasks.append(_Task(name, index, leaf, cell, lo, min(size, lo + step), opened[fi]))
+    return tasks
+
+
 def verify(
     path: str | os.PathLike[str],
     *,
@@ -261,60 +322,16 @@ def verify(
     for name, index in indexes.items():
         info = manifest.items[name]
         where = f"{loc.path}{_where(name, manifest.root)}"
-        opened: dict[int, Any] = {}
-        bad_bases = {b: p for b in {f.base for f in index.files if f.base is not None}
-                     if (p := base_problem(loc.storage, loc.path, b, info.dir)) is not None}
-        for _b, p in sorted(bad_bases.items()):
-            problems.append(Problem(p, item=name))
-        for fi, f in enumerate(index.files):
-            key = loc.key(info.dir, f.name)
-            if f.base is not None:  # incremental (format 4): a file of a sibling base checkpoint
-                if f.base in bad_bases:
-                    continue  # its references are refused (named above), as a load refuses them
-                key = "/".join((f.base, info.dir, f.name))
-            report.files += 1
-            try:
-                size = loc.storage.size(key)
-            except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-                of = f" of its base checkpoint {f.base!r}" if f.base is not None else ""
-                problems.append(Problem(f"{where}: data file {f.name!r}{of} is missing", item=name, file=f.name))
-                continue
-            if size < f.size:
-                problems.append(Problem(
-                    f"{where}: data file {f.name!r} is truncated: {size} bytes, the index records {f.size}",
-                    item=name, file=f.name,
-                ))
-            elif size > f.size:
-                problems.append(Problem(
-                    f"{where}: data file {f.name!r} has {size} bytes, the index records {f.size}",
-                    item=name, file=f.name,
-                ))
-            opened[fi] = loc.storage.open_read(key)
-            readers.append(opened[fi])
+        opened = _open_files(loc, info, index, where, name, report, problems)
+        readers.extend(opened.values())
         if index.table is not None:  # format 2: every record of the binary index parts, checked
             try:
                 index.table.fetch_all()
             except CheckpointError as e:
                 problems.append(Problem(str(e), item=name))
                 continue
-        for leaf in index.leaves:
-            report.leaves += 1
-            if not isinstance(leaf, fmt.ArrayLeaf):
-                continue
-            for cell, (fi, _off) in enumerate(leaf.chunks):
-                size = leaf.chunk_nbytes(cell)
-                if size and index.version >= fmt.INCREMENTAL_VERSION:  # every block, references too, hashed
-                    tasks.append(_Task(name, index, leaf, cell, 0, size, opened))
-                    continue
-                if size == 0 or fi not in opened:
-                    continue
-                if leaf.codec != "none":  # one task per chunk: its stored blocks, checked and decoded
-                    tasks.append(_Task(name, index, leaf, cell, 0, size, opened[fi]))
-                    continue
-                # Pieces are whole blocks, so each block's CRC is checked within one task.
-                step = max(index.block_size, PIECE_BYTES // index.block_size * index.block_size)
-                for lo in range(0, size, step):
-                    tasks.append(_Task(name, index, leaf, cell, lo, min(size, lo + step), opened[fi]))
+        report.leaves += len(index.leaves)
+        tasks.extend(_chunk_tasks(name, index, opened))
     if on_total is not None:
         on_total(sum(t.hi - t.lo for t in tasks))
     bad_chunks: dict[tuple[str, str, int], list[str]] = {}
@@ -334,7 +351,7 @@ def verify(
         else:
             buf = np.empty(hi - lo, dtype=np.uint8)
             try:
-                reader.read_into(off + lo, memoryview(buf))  # type: ignore[arg-type]
+                reader.read_into(off + lo, as_view(buf))
             except EOFError:
                 bad.append(f"bytes {off + lo}..{off + hi} lie past the end of the file")
             except OSError as e:
@@ -480,13 +497,15 @@ def diff(
         with ThreadPoolExecutor(max(1, threads), thread_name_prefix="cairn-diff") as pool:
             for full in list(sa.leaves) + [p for p in sb.leaves if p not in sa.leaves]:
                 x, y = sa.leaves.get(full), sb.leaves.get(full)
-                name, path = (x or y)[0], (x or y)[1].path  # type: ignore[index]
-                if y is None and _none(x[1]) and full in sb.hollows:  # type: ignore[index]
+                either = x if x is not None else y
+                assert either is not None  # (`full` is a leaf of one side at least)
+                name, path = either[0], either[1].path
+                if y is None and x is not None and _none(x[1]) and full in sb.hollows:
                     out.append(DiffEntry(name, path, "equal", "None in A, an empty node in B (Orbax stores one so)"))
-                elif x is None and _none(y[1]) and full in sa.hollows:  # type: ignore[index]
+                elif x is None and y is not None and _none(y[1]) and full in sa.hollows:
                     out.append(DiffEntry(name, path, "equal", "an empty node in A, None in B (Orbax stores one so)"))
                 elif y is None:
-                    out.append(DiffEntry(name, path, "only in A", _describe_leaf(x[1])))  # type: ignore[index]
+                    out.append(DiffEntry(name, path, "only in A", _describe_leaf(either[1])))
                 elif x is None:
                     out.append(DiffEntry(name, path, "only in B", _describe_leaf(y[1])))
                 else:

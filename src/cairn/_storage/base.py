@@ -72,7 +72,7 @@ KINDS = ("local", "network", "object")
 
 #: The bandwidth one process is assumed to get from a storage of each kind, in bytes per second,
 #: where the storage declares none (`Storage.bandwidth`): what `compression="auto"` weighs the
-#: codecs' speed against (`_save.options.compression_pays`). A local disk: 8 GiB/s, what writer
+#: codecs' speed against (`_save.codecpolicy.compression_pays`). A local disk: 8 GiB/s, what writer
 #: threads copy into the page cache at (NVMe gen4 drives sustain 5-7 GB/s). A network filesystem:
 #: 1 GiB/s (a 10 GbE link). An object store: 0.5 GiB/s per process (S3 gives 0.1-0.2 GiB/s per
 #: connection; cairn keeps a few in flight).

@@ -3,7 +3,7 @@
 A path on NFS, Lustre, a parallel filesystem or a FUSE mount of an object store
 (gcsfuse, mountpoint-s3, blobfuse) is a local path whose bytes are time and money
 as on an object store, so `compression="auto"` compresses there
-(`_save.engine.resolve_compression`). Linux only (``/proc/self/mountinfo``);
+(`_save.codecpolicy.resolve_compression`). Linux only (``/proc/self/mountinfo``);
 elsewhere, and for a path no mount covers, a path counts as a local disk.
 """
 

@@ -241,7 +241,7 @@ class LocalStorage:
             fsync_dir(os.path.dirname(s))
 
 
-def _ignore_missing(func, path, exc_info) -> None:  # type: ignore[no-untyped-def]
+def _ignore_missing(func, path, exc_info) -> None:
     if not isinstance(exc_info[1], FileNotFoundError):
         raise exc_info[1]
 

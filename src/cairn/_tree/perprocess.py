@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from .._core.buffers import as_view
 from .._core.checksum import crc32c
 from .._dist.coord import Coordinator, gather_json
 from .._errors import (
@@ -450,7 +451,7 @@ def _hash(src: ArraySource | ValueSource) -> str:
         return f"{crc32c(json.dumps([src.kind, encode_value(src.kind, src.value)]).encode()):08x}"
     head = json.dumps([src.kind, dtype_name(src.dtype), list(src.shape), src.handler]).encode()
     data = np.ascontiguousarray(src.value).reshape(-1).view(np.uint8)
-    return f"{crc32c(memoryview(data), crc32c(head)):08x}"  # type: ignore[arg-type]
+    return f"{crc32c(as_view(data), crc32c(head)):08x}"
 
 
 def _describe(src: ArraySource | ValueSource) -> dict[str, Any]:

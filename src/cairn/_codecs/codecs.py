@@ -29,10 +29,10 @@ Codecs, by their stable names (recorded per leaf in the manifest):
   cores: `choose_sized`'s `blosc2`), and a reader without it says so, naming the block.
 - ``"blosc2-lz4"``: one C-Blosc2 chunk of the block as ``"blosc2"``, but with the bit shuffle then
   LZ4 at level 5 (`blosc2lib.SETTINGS`): 3-10% more bytes, coded 1.5-3x as fast. `choose` never
-  takes it; a save's "auto" weighs it by predicted time (`_save.engine.decide_leaf`).
+  takes it; a save's "auto" weighs it by predicted time (`_save.codecpolicy.decide_leaf`).
 
-`choose` picks a leaf's codec by measuring the candidates on a sample of the
-leaf (`sample` takes one). Everything heavy (zstd, numpy copies and integer
+`choose.choose` picks a leaf's codec by measuring the candidates on a sample of the
+leaf (`choose.sample` takes one). Everything heavy (zstd, numpy copies and integer
 ops on plain dtypes) releases the GIL, so writer and reader threads run in
 parallel. Compression contexts are per thread (zstandard's are not thread-safe).
 
@@ -56,8 +56,12 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from .._errors import CodecUnavailableError, CorruptCheckpointError
+from .._core.buffers import as_view
+from .._errors import CodecUnavailableError
 from . import blosc2lib
+from .zstdframe import check_frame as _check_frame
+from .zstdframe import corrupt as _corrupt
+from .zstdframe import frame_content_size as frame_content_size
 
 #: The codec names the format knows, in the order `choose` prefers them at equal size.
 CODECS = ("none", "blosc2", "planes", "zstd", "blosc2-lz4")
@@ -66,14 +70,6 @@ BLOSC2_CODECS = tuple(blosc2lib.SETTINGS)
 #: The Blosc filters each C-Blosc2 codec's chunks may name (docs/FORMAT.md §6.4): 0 none, 1 the byte
 #: shuffle, 2 the bit shuffle (a "blosc2-lz4" block: format version 6, §6.6).
 _B2_FILTERS = {"blosc2": (0, 1), "blosc2-lz4": (0, 1, 2)}
-
-#: `choose` keeps "none" unless a codec stores at most this fraction of the raw sample bytes.
-MIN_SAVING = 0.04
-#: Among codecs within this fraction of the smallest, `choose` takes the first of `CODECS`.
-NEAR = 0.01
-#: How many bytes of a leaf `sample` takes (in up to `SAMPLE_PIECES` pieces spread over it).
-SAMPLE_BYTES = 256 << 10
-SAMPLE_PIECES = 4
 
 #: A plane is coded when its sampled order-0 entropy is below this many bits per byte
 #: (about 6% under 8: a plane above it saves too little to pay for zstd's time).
@@ -94,15 +90,8 @@ MAX_BLOCK = 1 << 30
 MAX_PLANES = 16
 
 ZSTD_LEVEL = 1  # the "zstd" codec
-#: `choose` takes "blosc2" (where python-blosc2 is importable) when its sample stores within this
-#: fraction of the smallest codec's: it decodes 3x and encodes 1.3x as fast as "planes" on the TPU
-#: host's 12 threads, and stores 0-2% more on f32 moments and 3% (1 MiB blocks) to 4.7% (32 KiB
-#: chunks) more on bf16 parameters, whose exponent planes "planes" codes with zstd settings tuned for
-#: them (docs/compression.md, "On one core").
-BLOSC2_NEAR = 0.05
 #: What to install for "blosc2" (pyproject's optional extra).
 BLOSC2_EXTRA = "cairn-ckpt[fast]"
-_MAGIC = b"\x28\xb5\x2f\xfd"  # a zstd frame's first 4 bytes
 
 
 def _plane_params() -> zstandard.ZstdCompressionParameters:
@@ -370,11 +359,11 @@ def _encode_blosc2_direct(direct: blosc2lib.Direct, runs: list[tuple[str, np.nda
     """`_encode_blosc2_runs` through `blosc2lib`: every chunk of the batch coded by C-Blosc2 straight into
     one buffer (from `alloc`) with room for each block's worst case, each block a memoryview of it. Per
     block the GIL is held only for the call (no context made, no bytes allocated or copied), and the
-    chunks lie back to back, so a writer writes the batch with one call (`engine._places`)."""
+    chunks lie back to back, so a writer writes the batch with one call (`_save.pipeline.places`)."""
     srcs = [np.ascontiguousarray(u8) for _, u8, _, _ in runs]
     room = sum(u8.nbytes + -(-u8.nbytes // block) * blosc2lib.MAX_OVERHEAD for u8, (_, _, block, _) in zip(srcs, runs))
     buf = np.empty(room, np.uint8) if alloc is None else alloc(room)
-    view = memoryview(buf)  # type: ignore[arg-type]  # a contiguous uint8 array exports its buffer
+    view = as_view(buf)  # a contiguous uint8 array exports its buffer
     base = blosc2lib.address(buf)[0]
     code = direct.compress_into
     out: list[list[Any]] = [[] for _ in runs]
@@ -397,7 +386,7 @@ def _flush_blosc2(pending: list[Any], owners: list[int], out: list[list[Any]],
     empty both lists."""
     chunks = [np.frombuffer(z, np.uint8) for z in pending]
     whole = np.concatenate(chunks, out=None if alloc is None else alloc(sum(c.nbytes for c in chunks)))
-    view = memoryview(whole)  # type: ignore[arg-type]  # a contiguous uint8 array exports its buffer
+    view = as_view(whole)  # a contiguous uint8 array exports its buffer
     o = 0
     for z, r in zip(pending, owners):
         out[r].append(view[o:o + len(z)])
@@ -585,67 +574,6 @@ def _encode_planes(u8: np.ndarray, k: int, worth: Any = None) -> bytes:
 
 
 # --------------------------------------------------------------------------------- decode
-
-
-def _corrupt(where: str, codec: str, what: str) -> CorruptCheckpointError:
-    at = f"{where}: " if where else ""
-    return CorruptCheckpointError(f"{at}a {codec!r} block {what}")
-
-
-def frame_content_size(stored: Any, limit: int, where: str, codec: str) -> int:
-    """The content size that the single zstd frame `stored` declares, at most `limit` (checked as `decode`
-    checks a frame, before anything is allocated): for a frame whose size its content tells (a delta's)."""
-    src = memoryview(stored).cast("B") if not isinstance(stored, np.ndarray) else _as_u8(stored).data
-    n = _frame_size(src, None, where, codec)
-    if n > limit:
-        raise _corrupt(where, codec, f"declares {n} decompressed bytes, more than the {limit} it can hold")
-    _check_frame(src, n, where, codec)
-    return n
-
-
-def _frame_size(buf: memoryview, n: int | None, where: str, codec: str) -> int:
-    """The length of the zstd frame at the start of `buf`, checking it declares n content bytes (with n
-    None: the content size it declares, its header alone checked)."""
-    if len(buf) < 6 or bytes(buf[:4]) != _MAGIC:
-        raise _corrupt(where, codec, "does not start with a zstd frame")
-    fhd = buf[4]
-    fcs_flag, single, did_flag = fhd >> 6, (fhd >> 5) & 1, fhd & 3
-    if fhd & 0x08:
-        raise _corrupt(where, codec, "has a zstd frame header with the reserved bit set")
-    if did_flag:
-        raise _corrupt(where, codec, "names a zstd dictionary (cairn uses none)")
-    fcs_size = (1 if single else 0, 2, 4, 8)[fcs_flag]
-    if fcs_size == 0:
-        raise _corrupt(where, codec, "has a zstd frame without its content size")
-    pos = 5 + (0 if single else 1)
-    if len(buf) < pos + fcs_size + 3:
-        raise _corrupt(where, codec, "is truncated inside a zstd frame header")
-    fcs = int.from_bytes(buf[pos:pos + fcs_size], "little") + (256 if fcs_size == 2 else 0)
-    if n is None:
-        return fcs
-    if fcs != n:
-        raise _corrupt(where, codec, f"declares {fcs} decompressed bytes where the index says {n}")
-    pos += fcs_size
-    while True:
-        if len(buf) < pos + 3:
-            raise _corrupt(where, codec, "is truncated inside a zstd frame")
-        bh = int.from_bytes(buf[pos:pos + 3], "little")
-        btype, bsize = (bh >> 1) & 3, bh >> 3
-        if btype == 3:
-            raise _corrupt(where, codec, "has a zstd block of the reserved type")
-        pos += 3 + (1 if btype == 1 else bsize)
-        if bh & 1:
-            break
-    pos += 4 if fhd & 0x04 else 0
-    if pos > len(buf):
-        raise _corrupt(where, codec, "is truncated inside a zstd frame")
-    return pos
-
-
-def _check_frame(stored: memoryview, n: int, where: str, codec: str) -> None:
-    """`stored` is exactly one zstd frame declaring n content bytes (checked before allocating n)."""
-    if _frame_size(stored, n, where, codec) != len(stored):
-        raise _corrupt(where, codec, "has bytes after its zstd frame")
 
 
 def _unzstd(stored: memoryview, into: Any, n: int, where: str, codec: str) -> None:
@@ -916,65 +844,3 @@ def _merge(planes: list[np.ndarray], dst: np.ndarray, k: int) -> None:
     which takes 2k calls and as many passes over the block.
     """
     np.stack(planes, axis=1, out=dst.reshape(-1, k))
-
-
-# --------------------------------------------------------------------------------- choose
-
-
-def sample(a: np.ndarray, nbytes: int = SAMPLE_BYTES, pieces: int = SAMPLE_PIECES) -> np.ndarray:
-    """Up to `nbytes` of `a`'s elements, in `pieces` contiguous runs spread evenly over it (flat)."""
-    flat = np.ascontiguousarray(a).reshape(-1)
-    per = max(1, nbytes // max(1, flat.itemsize) // pieces)
-    if flat.size <= per * pieces:
-        return flat
-    starts = np.linspace(0, flat.size - per, pieces).astype(np.int64)
-    return np.concatenate([flat[s:s + per] for s in starts])
-
-
-def _sample_bytes(sample: np.ndarray, dt: np.dtype) -> np.ndarray:
-    raw = np.ascontiguousarray(sample).reshape(-1).view(np.uint8)
-    return raw[: raw.nbytes - raw.nbytes % dt.itemsize]
-
-
-def stored_size(codec: str, dtype: Any, sample: np.ndarray) -> int:
-    """How many bytes `sample` (elements of `dtype`) stores as under `codec`, cut into pieces of at most
-    1 MiB, each coded as a block."""
-    dt = _check_dtype(dtype)
-    raw = _sample_bytes(sample, dt)
-    step = (1 << 20) - (1 << 20) % dt.itemsize
-    return sum(len(encode(codec, raw[i:i + step], dt)) for i in range(0, raw.nbytes, step))
-
-
-def choose(dtype: Any, sample: np.ndarray) -> str:
-    """The codec for a leaf of `dtype`, measured on `sample`: `choose_sized`'s codec."""
-    return choose_sized(dtype, sample)[0]
-
-
-def choose_sized(dtype: Any, sample: np.ndarray, blosc2: bool | None = None) -> tuple[str, int, int]:
-    """The codec for a leaf of `dtype`, measured on `sample` (a few blocks' worth of its elements).
-
-    Rule: encode the sample with each codec ("planes" and "zstd", and
-    "blosc2" where python-blosc2 is importable and `blosc2` is not False: the
-    save passes whether it codes faster than "planes" on the host's cores,
-    `options.blosc2_faster`; the sample cut into pieces of
-    at most 1 MiB, each coded as a block) and take the smallest stored size S.
-    If S > (1 - MIN_SAVING) x the raw size (saving under 4%), "none". Else
-    "blosc2" if its size is within BLOSC2_NEAR (5%) of S (it codes fastest on
-    many cores); else the first of `CODECS` ("planes" before "zstd") whose
-    size is within NEAR (1%) of S: planes is the faster of the two at equal
-    size, since it skips near-random planes. Never by the dtype alone.
-    Returns (codec, the sample's raw bytes, their stored size under that codec).
-    """
-    dt = _check_dtype(dtype)
-    raw = _sample_bytes(sample, dt)
-    if raw.nbytes == 0:
-        return "none", 0, 0
-    candidates = ("planes", "zstd", "blosc2") if blosc2 is not False and blosc2_available() else ("planes", "zstd")
-    sizes = {c: stored_size(c, dt, raw) for c in candidates}
-    best = min(sizes.values())
-    if best > (1 - MIN_SAVING) * raw.nbytes:
-        return "none", raw.nbytes, raw.nbytes
-    if "blosc2" in sizes and sizes["blosc2"] <= best * (1 + BLOSC2_NEAR):
-        return "blosc2", raw.nbytes, sizes["blosc2"]
-    codec = next(c for c in CODECS if c in sizes and sizes[c] <= best * (1 + NEAR))
-    return codec, raw.nbytes, sizes[codec]

@@ -1,4 +1,4 @@
-"""The per-block codecs (cairn._format.codecs): round trips, `choose`, and hostile stored blocks."""
+"""The per-block codecs (cairn._codecs.codecs): round trips, `choose`, and hostile stored blocks."""
 
 from __future__ import annotations
 
@@ -10,9 +10,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cairn._codecs import blosc2lib
+from cairn._codecs import choose as _choose
+from cairn._codecs import codecs as _codecs
 from cairn._errors import CorruptCheckpointError
-from cairn._format import blosc2lib
-from cairn._format import codecs as _codecs
 
 FLOAT8 = [getattr(ml_dtypes, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz",
                                           "float8_e4m3b11fnuz", "float8_e4m3", "float8_e3m4", "float8_e8m0fnu")
@@ -117,8 +118,8 @@ def test_encode_rejects_bad_input():
 def test_choose_none_on_random_bytes():
     rnd = np.random.default_rng(0).integers(0, 256, 256 << 10, dtype=np.uint8)
     for dt in (np.uint8, np.float32, ml_dtypes.bfloat16, np.int64, np.float64):
-        assert _codecs.choose(dt, rnd.view(dt)) == "none"
-    assert _codecs.choose(np.float32, np.zeros(0, np.float32)) == "none"
+        assert _choose.choose(dt, rnd.view(dt)) == "none"
+    assert _choose.choose(np.float32, np.zeros(0, np.float32)) == "none"
 
 
 def test_choose_compresses_trained_like_data():
@@ -131,20 +132,20 @@ def test_choose_compresses_trained_like_data():
     state = flatten(make_state(8 << 20, "bf16-f32", steps=3))
     for kind in ("params", "mu", "nu"):
         leaf = max((a for k, a in state.items() if leaf_kind(k) == kind), key=lambda a: a.nbytes)
-        assert _codecs.choose(leaf.dtype, _codecs.sample(leaf)) == ("blosc2" if HAVE_BLOSC2 else "planes"), kind
-    assert _codecs.choose(np.float32, np.zeros(1 << 16, np.float32)) != "none"  # fresh Adam moments
+        assert _choose.choose(leaf.dtype, _choose.sample(leaf)) == ("blosc2" if HAVE_BLOSC2 else "planes"), kind
+    assert _choose.choose(np.float32, np.zeros(1 << 16, np.float32)) != "none"  # fresh Adam moments
     mask = np.random.default_rng(0).random(1 << 16) < 0.05
-    assert _codecs.choose(np.bool_, mask) != "none"
+    assert _choose.choose(np.bool_, mask) != "none"
     ids = np.random.default_rng(0).integers(0, 32000, 1 << 15).astype(np.int32)
-    assert _codecs.choose(np.int32, ids) != "none"
+    assert _choose.choose(np.int32, ids) != "none"
 
 
 def test_sample_is_bounded_and_spread():
     a = np.arange(1 << 20, dtype=np.float32)
-    s = _codecs.sample(a, nbytes=64 << 10, pieces=4)
+    s = _choose.sample(a, nbytes=64 << 10, pieces=4)
     assert s.nbytes <= 64 << 10 and s[0] == 0 and s[-1] == a[-1]
     small = np.arange(10, dtype=np.float32)
-    assert np.array_equal(_codecs.sample(small), small)
+    assert np.array_equal(_choose.sample(small), small)
 
 
 # ------------------------------------------------------------------------------- corruption
@@ -766,10 +767,10 @@ def test_blosc2_missing_names_the_block_and_the_extra(monkeypatch, codec):
 def test_choose_takes_blosc2_only_where_it_is_importable(monkeypatch):
     x = _values(np.float32, 1 << 16, seed=13)
     monkeypatch.setattr(_codecs, "_blosc2_found", False)
-    assert _codecs.choose(np.float32, x) == "planes"
+    assert _choose.choose(np.float32, x) == "planes"
     if HAVE_BLOSC2:
         monkeypatch.setattr(_codecs, "_blosc2_found", True)
-        assert _codecs.choose(np.float32, x) == "blosc2"
+        assert _choose.choose(np.float32, x) == "blosc2"
 
 
 @pytest.mark.parametrize("codec", CODECS)
@@ -781,6 +782,6 @@ def test_stored_size_is_the_blocks_of_a_mib(codec):
         raw = _values(dtype, (5 << 19) // k + 3).view(np.uint8)  # 2.5 MiB and 3 elements: 3 pieces
         step = (1 << 20) - (1 << 20) % k
         want = sum(len(_codecs.encode(codec, raw[o:o + step], dtype)) for o in range(0, raw.nbytes, step))
-        assert _codecs.stored_size(codec, dtype, raw.view(dtype)) == want
-        assert _codecs.stored_size(codec, dtype, np.concatenate([raw, raw[:k - 1]])) == want  # a partial element
-    assert _codecs.stored_size(codec, np.float32, np.zeros(0, np.float32)) == 0
+        assert _choose.stored_size(codec, dtype, raw.view(dtype)) == want
+        assert _choose.stored_size(codec, dtype, np.concatenate([raw, raw[:k - 1]])) == want  # a partial element
+    assert _choose.stored_size(codec, np.float32, np.zeros(0, np.float32)) == 0

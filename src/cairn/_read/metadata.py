@@ -1,24 +1,54 @@
 """Reading a checkpoint's metadata: its manifest and its indexes (never array data).
 
-Load, verify, convert and the CLI all start here. Missing, unreadable and
-malformed metadata become cairn errors that name the checkpoint; parsing
-(with its limits) is `_format`'s.
+Load, an incremental save's base, verify, the dry run, copy and the CLI all start here. Missing,
+unreadable and malformed metadata become cairn errors that name the checkpoint; parsing (with its
+limits) is `_format`'s. A checkpoint refers to its bases by their names beside it (`sibling`).
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from .._core.gcpause import paused
 from .._errors import CheckpointNotFoundError, CorruptCheckpointError
 from .._format import manifest as fmt
 from .._storage import Storage
-from .._storage.location import Location, ranges_reader, read_error
+from .._storage.location import Location, ranges_reader, read_error, resolve
 
 
 def read_manifest(loc: Location) -> fmt.Manifest:
-    return fmt.Manifest.from_json(manifest_bytes(loc), loc.storage.describe(loc.key(fmt.MANIFEST)))
+    return parse_manifest(loc, manifest_bytes(loc))
+
+
+def committed_manifest(loc: Location) -> fmt.Manifest | None:
+    """The manifest at `loc`, None where nothing is committed there (a base not there, a folder beside)."""
+    data = stored_manifest(loc)
+    return None if data is None else parse_manifest(loc, data)
+
+
+def parse_manifest(loc: Location, data: bytes) -> fmt.Manifest:
+    """The manifest bytes `data` of the checkpoint at `loc`, parsed (errors name it)."""
+    return fmt.Manifest.from_json(data, loc.storage.describe(loc.key(fmt.MANIFEST)))
+
+
+def sibling(loc: Location, name: str) -> Location:
+    """The checkpoint `name` beside `loc` (in the same folder or prefix), as references name it (§6.5)."""
+    head, sep, _ = loc.path.rstrip("/").rpartition("/")
+    return Location(loc.storage, name, f"{head}{sep}{name}" if sep else name)
+
+
+def base_beside(loc: Location, base: Any, storage_options: dict | None = None) -> Location:
+    """`base` (a path) as the `Location` of a checkpoint in the same folder or prefix as `loc`: the base of
+    an incremental save at `loc` (ValueError where it is elsewhere, or `loc` itself)."""
+    base_loc = resolve(base, storage_options)
+    if getattr(base_loc.storage, "url", None) != getattr(loc.storage, "url", object()):
+        raise ValueError(f"{loc.path}: the base {str(base)!r} must be in the same folder or prefix as the "
+                         "checkpoint: references name it relative to the checkpoint")
+    if base_loc.name == loc.name:
+        raise ValueError(f"{loc.path}: a checkpoint cannot be its own base")
+    return Location(loc.storage, base_loc.name, base_loc.path)
 
 
 
@@ -79,8 +109,31 @@ def _no_manifest(loc: Location) -> str:
     return f"{head}: no {fmt.MANIFEST}, and no files of a cairn save"
 
 
-def read_index(loc: Location, info: fmt.ItemInfo) -> fmt.ItemIndex:
-    return parse_index(loc, info, index_bytes(loc, info))
+class KeptFiles(Protocol):
+    """A checkpoint's index files as this process's commit wrote them (`_save.basecache.Kept`)."""
+
+    @property
+    def files(self) -> dict[str, bytes]: ...
+
+    @property
+    def parsed(self) -> dict[str, Any]: ...
+
+    def ranges(self, loc: Location, folder: str, what: str = ...) -> Any: ...
+
+
+def read_index(loc: Location, info: fmt.ItemInfo, kept: KeptFiles | None = None) -> fmt.ItemIndex:
+    """The index of item `info` of the checkpoint at `loc`, its binary parts read in ranges on demand:
+    from `kept` (what this process's commit of it wrote) where given and it has them, else from storage."""
+    rel = f"{info.dir}/{info.index}"
+    if kept is not None and rel in kept.parsed:
+        return kept.parsed[rel]  # (parsed, every record decoded, when it was kept)
+    data = kept.files.get(rel) if kept is not None else None
+    if kept is None or data is None:
+        return parse_index(loc, info, index_bytes(loc, info))
+    index = parse_index(loc, info, data)
+    if index.table is not None:
+        index.table.reader = kept.ranges(loc, info.dir)  # (kept: `data` came from it)
+    return index
 
 
 def index_bytes(loc: Location, info: fmt.ItemInfo) -> bytes:

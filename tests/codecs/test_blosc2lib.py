@@ -1,4 +1,4 @@
-"""C-Blosc2 called directly (`cairn._format.blosc2lib`): the same chunks as python-blosc2's compress2,
+"""C-Blosc2 called directly (`cairn._codecs.blosc2lib`): the same chunks as python-blosc2's compress2,
 per-thread contexts that carry no state from one chunk to the next, and a fallback wherever the
 library, its header or its behaviour is not the one checked."""
 
@@ -14,8 +14,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from cairn._format import blosc2lib
-from cairn._format import codecs as _codecs
+from cairn._codecs import blosc2lib
+from cairn._codecs import codecs as _codecs
 
 pytestmark = pytest.mark.skipif(not _codecs.blosc2_available(), reason="python-blosc2 is not installed")
 
@@ -268,12 +268,12 @@ import sys, numpy as np, cairn
 w = (np.random.default_rng(1).standard_normal((300, 70)) * 0.02).astype(np.float32)
 x = np.arange(999, dtype=np.int16)
 if sys.argv[1] == "save":
-    from cairn._format import blosc2lib
+    from cairn._codecs import blosc2lib
     for c in ("blosc2", "blosc2-lz4"):
         cairn.save(sys.argv[2] + "/" + c, {"w": w, "x": x}, compression=c)
     print("imported" if "blosc2" in sys.modules else "not imported", blosc2lib._encoding[0] is not None)
 else:
-    from cairn._format import blosc2lib
+    from cairn._codecs import blosc2lib
     for c in ("blosc2", "blosc2-lz4"):
         got = cairn.load(sys.argv[2] + "/" + c)
         assert (got["w"] == w).all() and (got["x"] == x).all(), c
