@@ -134,7 +134,7 @@ PUBLIC_API = [
     "ArrayMetadata", "CheckpointError", "CheckpointExistsError", "CheckpointInfo", "CheckpointManager",
     "CheckpointNotFoundError", "CoordinationError", "CoordinationTimeoutError", "Coordinator",
     "CorruptCheckpointError", "KeepAll", "KeepAny", "KeepBest", "KeepEvery", "KeepIf", "KeepLatest",
-    "KeepNewerThan", "KeepOnePer", "LoadPlan", "LoadStats", "LocalTier", "MismatchError",
+    "KeepNewerThan", "KeepOnePer", "LoadPlan", "LoadStats", "LocalTier", "ManagerStats", "MismatchError",
     "PerProcess", "ProgressStats", "RestoreReport", "RetentionPolicy", "SaveFuture", "SaveStats", "StatsEvent", "UnsupportedTypeError", "__version__",
     "add_listener", "copy", "export_orbax", "export_orbax_run", "export_safetensors", "load", "metadata", "plan_load", "register_type", "release_snapshot_buffers", "remove_listener", "save", "save_async", "shutdown",
     "user_metadata", "wait_all",
