@@ -94,7 +94,7 @@ MAX_BLOCK = 1 << 30
 MAX_PLANES = 16
 
 ZSTD_LEVEL = 1  # the "zstd" codec
-#: `choose` takes "blosc2" (where python-blosc2 is importable) when its sample stores within this
+#: `choose` takes "blosc2" (where it is a candidate: compression="fast") when its sample stores within this
 #: fraction of the smallest codec's: it decodes 3x and encodes 1.3x as fast as "planes" on the TPU
 #: host's 12 threads, and stores 0-2% more on f32 moments and 3% (1 MiB blocks) to 4.7% (32 KiB
 #: chunks) more on bf16 parameters, whose exponent planes "planes" codes with zstd settings tuned for
@@ -954,9 +954,9 @@ def choose_sized(dtype: Any, sample: np.ndarray, blosc2: bool | None = None) -> 
     """The codec for a leaf of `dtype`, measured on `sample` (a few blocks' worth of its elements).
 
     Rule: encode the sample with each codec ("planes" and "zstd", and
-    "blosc2" where python-blosc2 is importable and `blosc2` is not False: the
-    save passes whether it codes faster than "planes" on the host's cores,
-    `options.blosc2_faster`; the sample cut into pieces of
+    "blosc2" where python-blosc2 is importable and `blosc2` is not False: a
+    save passes True only for compression="fast", where it codes faster than
+    "planes" on the host's cores, `options.blosc2_faster`; the sample cut into pieces of
     at most 1 MiB, each coded as a block) and take the smallest stored size S.
     If S > (1 - MIN_SAVING) x the raw size (saving under 4%), "none". Else
     "blosc2" if its size is within BLOSC2_NEAR (5%) of S (it codes fastest on

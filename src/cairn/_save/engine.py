@@ -844,7 +844,8 @@ def _encoded(pool: ThreadPoolExecutor | None, codec: str, raw: memoryview, block
 
 def resolve_compression(compression: str | bool | None, storage: Any) -> str | None:
     """What a save's `compression=` means: None (blocks stored raw), "choose" (a codec per leaf),
-    "auto" (a codec per leaf where it pays), or one codec.
+    "auto" (a codec per leaf where it pays), "fast" ("choose" with the C-Blosc2 codecs among the
+    candidates: `decide_leaf`), or one codec.
 
     "auto" (the default) decides by predicted time (`options.compression_pays`): the codecs'
     speed on this platform's cores (scaled by what earlier saves measured, `options.CodecMeter`)
@@ -852,7 +853,9 @@ def resolve_compression(compression: str | bool | None, storage: Any) -> str | N
     kind's default: `_storage.base.bandwidth_of`). Where no leaf could pay, not even one
     that codes to nothing (`options.compression_can_pay`: a local disk, faster than the codecs),
     None; else "auto", and each leaf is coded only if its sample's ratio pays
-    (`leaf_codec`). True chooses per leaf by size alone; False, None and "none" store raw bytes.
+    (`leaf_codec`). True chooses per leaf by size alone; both pick only "zstd" and "planes", which
+    every install reads. "fast" and the C-Blosc2 codecs need python-blosc2 (a ValueError naming the
+    extra where it is missing). False, None and "none" store raw bytes.
     In a save, the primary's answer holds for every process.
     """
     if compression == "auto":
@@ -947,7 +950,7 @@ def _formula_args(prices: dict[str, Any], codec: str | None = None) -> dict[str,
 
 
 def leaf_codec(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict[str, Any] | None = None) -> str:
-    """The codec of a leaf under `mode` ("choose" or "auto", as `resolve_compression` gives), measured
+    """The codec of a leaf under `mode` ("choose", "auto" or "fast", as `resolve_compression` gives), measured
     on a sample of `host` (its first chunk's host bytes): `codecs.choose`'s codec, which "auto" keeps
     only where its sample's ratio pays writing raw at `bandwidth` bytes/s, against the rest of
     `prices` (`auto_prices`: reads, coded transfers, the codec factor; by default the same bandwidth

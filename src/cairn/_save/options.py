@@ -45,7 +45,7 @@ class SaveOptions:
     split_replicas: bool = False  # replicated arrays: each replica writes a share, not the first one all
     timeout: float = 1800.0  # each wait for the other processes, seconds
     snapshot_budget_bytes: int | None = None  # save_async: host bytes of the snapshot; None: no limit
-    compression: str | bool | None = "auto"  # "auto", True, False/None/"none", or a codec (`COMPRESSIONS`)
+    compression: str | bool | None = "auto"  # "auto", True, "fast", False/None/"none", or a codec (`COMPRESSIONS`)
 
     def __post_init__(self) -> None:
         for name in ("overwrite", "split_replicas"):
@@ -109,8 +109,8 @@ CODEC_SPEEDS = {
     "zstd": CodecSpeed(encode=0.55 * _GiB, decode=0.85 * _GiB, encode_scale=0.6, decode_scale=0.5),
 }
 
-# The optional "blosc2" codec, priced only where python-blosc2 is importable, so that without it
-# "auto" decides exactly as before. The same state on the TPU host: 0.51 / 1.55 GiB/s on one thread,
+# The optional C-Blosc2 codecs ("fast" and the named codecs), priced only where python-blosc2 is
+# importable. The same state on the TPU host: 0.51 / 1.55 GiB/s on one thread,
 # 3.31 / 7.68 on 12 (benchmarks/results/tpu-v5e-host-native-codecs.json).
 if _codecs.blosc2_available():
     CODEC_SPEEDS["blosc2"] = CodecSpeed(encode=0.5 * _GiB, decode=1.5 * _GiB, encode_scale=0.5, decode_scale=0.36)
