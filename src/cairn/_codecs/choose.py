@@ -17,7 +17,7 @@ NEAR = 0.01
 #: How many bytes of a leaf `sample` takes (in up to `SAMPLE_PIECES` pieces spread over it).
 SAMPLE_BYTES = 256 << 10
 SAMPLE_PIECES = 4
-#: `choose` takes "blosc2" (where python-blosc2 is importable) when its sample stores within this
+#: `choose` takes "blosc2" (where it is a candidate: compression="fast") when its sample stores within this
 #: fraction of the smallest codec's: it decodes 3x and encodes 1.3x as fast as "planes" on the TPU
 #: host's 12 threads, and stores 0-2% more on f32 moments and 3% (1 MiB blocks) to 4.7% (32 KiB
 #: chunks) more on bf16 parameters, whose exponent planes "planes" codes with zstd settings tuned for

@@ -414,7 +414,7 @@ def copy(
     compressed or not, except from an incremental checkpoint (one saved with
     a `base`): that copy is self-contained, every array read through its
     references and written anew, raw (unless `keep_references`). Anything else (as for `cairn.save`: "auto", True,
-    False, "zstd", "planes", "blosc2", "blosc2-lz4") recompresses: every array is read (every
+    "fast", False, "zstd", "planes", "blosc2", "blosc2-lz4") recompresses: every array is read (every
     checksum verified) and written anew at `dst` with that setting, chunk by
     chunk in slabs of a quarter of `budget_bytes`, keeping each array's
     chunks, sharding record and key implementation, user objects,

@@ -201,7 +201,9 @@ class CheckpointManager(StepWatch):
       (``waited_s``, ``longest_wait_s``) and the first one over a second is
       logged. Use ``continuous=True`` to skip instead of waiting.
     - `compression`: as `cairn.save`'s, for every step (``"auto"``: on for
-      object stores and network filesystems, off on local disks; ``True``: a codec per leaf).
+      object stores and network filesystems, off on local disks; ``True``: a codec per leaf;
+      both read by every install; ``"fast"``: with the C-Blosc2 codecs, whose readers need the
+      ``fast`` extra).
       `compression`, `threads` and `snapshot_budget_bytes` are checked as
       `cairn.save_async` checks them, when the manager is made (a
       ValueError naming the option), not at its first save.

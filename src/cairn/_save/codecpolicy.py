@@ -68,8 +68,8 @@ CODEC_SPEEDS = {
     "zstd": CodecSpeed(encode=0.55 * _GiB, decode=0.85 * _GiB, encode_scale=0.6, decode_scale=0.5),
 }
 
-# The optional "blosc2" codec, priced only where python-blosc2 is importable, so that without it
-# "auto" decides exactly as before. The same state on the TPU host: 0.51 / 1.55 GiB/s on one thread,
+# The optional C-Blosc2 codecs ("fast" and the named codecs), priced only where python-blosc2 is
+# importable. The same state on the TPU host: 0.51 / 1.55 GiB/s on one thread,
 # 3.31 / 7.68 on 12 (benchmarks/results/tpu-v5e-host-native-codecs.json).
 if _codecs.blosc2_available():
     CODEC_SPEEDS["blosc2"] = CodecSpeed(encode=0.5 * _GiB, decode=1.5 * _GiB, encode_scale=0.5, decode_scale=0.36)
@@ -226,7 +226,8 @@ def usable_codecs() -> list[str]:
 
 def resolve_compression(compression: str | bool | None, storage: Any) -> str | None:
     """What a save's `compression=` means: None (blocks stored raw), "choose" (a codec per leaf),
-    "auto" (a codec per leaf where it pays), or one codec.
+    "auto" (a codec per leaf where it pays), "fast" ("choose" with the C-Blosc2 codecs among the
+    candidates: `decide_leaf`), or one codec.
 
     "auto" (the default) decides by predicted time (`compression_pays`): the codecs'
     speed on this platform's cores (scaled by what earlier saves measured, `CodecMeter`)
@@ -234,7 +235,9 @@ def resolve_compression(compression: str | bool | None, storage: Any) -> str | N
     kind's default: `_storage.base.bandwidth_of`). Where no leaf could pay, not even one
     that codes to nothing (`compression_can_pay`: a local disk, faster than the codecs),
     None; else "auto", and each leaf is coded only if its sample's ratio pays
-    (`leaf_codec`). True chooses per leaf by size alone; False, None and "none" store raw bytes.
+    (`leaf_codec`). True chooses per leaf by size alone; both pick only "zstd" and "planes", which
+    every install reads. "fast" and the C-Blosc2 codecs need python-blosc2 (a ValueError naming the
+    extra where it is missing). False, None and "none" store raw bytes.
     In a save, the primary's answer holds for every process.
     """
     if compression == "auto":
@@ -329,7 +332,7 @@ def formula_args(prices: dict[str, Any], codec: str | None = None) -> dict[str, 
 
 
 def leaf_codec(mode: str, dtype: Any, host: Any, bandwidth: float, prices: dict[str, Any] | None = None) -> str:
-    """The codec of a leaf under `mode` ("choose" or "auto", as `resolve_compression` gives), measured
+    """The codec of a leaf under `mode` ("choose", "auto" or "fast", as `resolve_compression` gives), measured
     on a sample of `host` (its first chunk's host bytes): `choose.choose`'s codec, which "auto" keeps
     only where its sample's ratio pays writing raw at `bandwidth` bytes/s, against the rest of
     `prices` (`auto_prices`: reads, coded transfers, the codec factor; by default the same bandwidth

@@ -43,7 +43,7 @@ class SaveOptions:
     split_replicas: bool = False  # replicated arrays: each replica writes a share, not the first one all
     timeout: float = 1800.0  # each wait for the other processes, seconds
     snapshot_budget_bytes: int | None = None  # save_async: host bytes of the snapshot; None: no limit
-    compression: str | bool | None = "auto"  # "auto", True, False/None/"none", or a codec (`COMPRESSIONS`)
+    compression: str | bool | None = "auto"  # "auto", True, "fast", False/None/"none", or a codec (`COMPRESSIONS`)
 
     def __post_init__(self) -> None:
         for name in ("overwrite", "split_replicas"):
