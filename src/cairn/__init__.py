@@ -35,7 +35,7 @@ from ._exports.orbax import export_orbax as export_orbax
 from ._load.engine import ArrayMetadata as ArrayMetadata
 from ._local.tier import LocalTier as LocalTier
 from ._manager.manager import CheckpointManager as CheckpointManager
-from ._manager.manager import ManagerStats as ManagerStats
+from ._manager.pacing import ManagerStats as ManagerStats
 from ._run.retention import CheckpointInfo as CheckpointInfo
 from ._run.retention import KeepAll as KeepAll
 from ._run.retention import KeepAny as KeepAny

@@ -128,7 +128,7 @@ def test_round_trip_every_codec(tmp_path, kind, compression, mesh):
 
 
 def test_auto_is_off_on_local_disk_and_on_for_object_stores(tmp_path, monkeypatch):
-    """By the one formula (`options.compression_pays`), with this platform's codec speeds on 12 cores:
+    """By the one formula (`codecpolicy.compression_pays`), with this platform's codec speeds on 12 cores:
     a local disk (8 GiB/s) is faster than the codecs, an object store (0.5 GiB/s) is not."""
 
     monkeypatch.setattr(codecpolicy, "coder_cores", lambda: 12)
@@ -671,7 +671,7 @@ def test_auto_prices_each_leaf(tmp_path, monkeypatch):
     zeros (zstd codes them to almost nothing, faster than the link) yes, trained bf16 weights
     (1.5x, but planes decode slower than 4 GiB/s) no where only cairn's own codecs are there, and
     "blosc2-lz4" where python-blosc2 is (it codes and decodes faster than the link by its figures on
-    12 cores, `options.CODEC_SPEEDS`); random bytes no. At 16 GiB/s no codec keeps up but on zeros.
+    12 cores, `codecpolicy.CODEC_SPEEDS`); random bytes no. At 16 GiB/s no codec keeps up but on zeros.
     SaveStats says so."""
     from cairn._storage import MemoryStorage
 
@@ -753,7 +753,7 @@ def test_a_device_chunk_measured_for_its_codec_is_copied_to_host_once(tmp_path, 
 @NEEDS_BLOSC2
 def test_fast_takes_blosc2_codecs_and_true_never_does(tmp_path, monkeypatch):
     """`compression="fast"` weighs the C-Blosc2 codecs: "blosc2" is a candidate for a leaf only where it codes
-    that leaf's elements faster than "planes" on the host's cores (`options.blosc2_faster`, a function of
+    that leaf's elements faster than "planes" on the host's cores (`codecpolicy.blosc2_faster`, a function of
     the count, not of timings), and "blosc2-lz4" is taken where it is predicted to save and load the leaf
     sooner (`codecpolicy.decide_leaf`). The values come back. `True`, with python-blosc2 installed, takes
     "planes" for both on any host: what it writes, every install reads."""

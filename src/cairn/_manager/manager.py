@@ -30,7 +30,7 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .._core.renamed import renamed_keyword, renamed_method
@@ -41,12 +41,9 @@ from .._errors import (
     CheckpointError,
     CheckpointExistsError,
     CheckpointNotFoundError,
-    CorruptCheckpointError,
 )
 from .._format.manifest import MANIFEST
-from .._load.options import LoadOptions
 from .._local.tier import LocalTier
-from .._plan.routes import resolve_bandwidths
 from .._run import leases as _leases
 from .._run import refs as _refs
 from .._run import steps as _steps
@@ -54,87 +51,16 @@ from .._run.retention import CheckpointInfo, KeepBest, RetentionPolicy, policy_f
 from .._run.steps import StepNames, show_steps
 from .._save import future as _async
 from .._save.options import SaveOptions
-from .._sources import registry as _sources
 from .._storage.location import Location
-from .._tree.pytree import map_with_path
+from . import restoring as _restoring
+from .arguments import cast_state, trash_dir_of
+from .pacing import ManagerStats, Pacing
 from .watch import StepWatch
 
 log = logging.getLogger("cairn")
 
 
-# ---------------------------------------------------------------------- restore's keywords and the local tier
-
-#: `restore` keywords that are not `LoadOptions` (checked there): what a restore records.
-_NOT_OPTIONS = ("stats", "report")
-
-
-def _local_refusal(target: Any, partial: bool, kw: dict[str, Any], coord: Coordinator) -> str | None:
-    """Why the local tier cannot serve a restore with these keywords; None where it can.
-
-    It serves every keyword that leaves what is restored alone: ``bandwidths``
-    and ``read_once`` (they choose how a persistent checkpoint is read; the
-    local tier's transfers are its own), ``verify``, ``threads`` and
-    ``budget_bytes`` (its reads of the blobs take them), ``timeout`` (the
-    persistent path's waits; the tier's exchanges wait as the manager's
-    others do) and ``stats`` (left empty). ``mesh`` changes only arrays the
-    target gives no sharding; the tier serves a target that gives each one.
-    """
-    if partial:
-        return "partial=True (the local tier restores the whole target)"
-    changed = [k for k in ("rename", "drop") if kw.get(k) is not None]
-    changed += ["fill_missing"] if kw.get("fill_missing", False) is not False else []
-    if changed:
-        return f"{'=, '.join(changed)}= transform the saved tree, which the local tier does not"
-    if kw.get("report") is not None:
-        return "report= records what transforms did, which only the persistent path runs"
-    if kw.get("format") not in (None, "cairn"):
-        return f"format={kw['format']!r} names a persistent checkpoint's format"
-    if kw.get("coordinator") not in (None, coord):
-        return "coordinator= differs from the manager's own, which the local tier's exchanges use"
-    if kw.get("mesh") is not None:
-        if target is None:
-            return "mesh= without a target (the local tier restores onto the target's shardings)"
-        bare: list[str] = []
-
-        def visit(path: str, x: Any) -> None:
-            if x is None or type(x).__name__ == "ArrayMetadata" or (
-                    hasattr(x, "shape") and hasattr(x, "dtype") and getattr(x, "sharding", None) is None
-                    and type(x).__name__ == "ShapeDtypeStruct"):
-                bare.append(path or "<root>")
-
-        map_with_path(visit, target)
-        if bare:
-            return (f"mesh= places leaves the target gives no sharding ({', '.join(repr(b) for b in bare[:3])}"
-                    f"{', ...' if len(bare) > 3 else ''}), which the local tier cannot")
-    return None
-
-
 # ---------------------------------------------------------------------- the manager
-
-
-@dataclass
-class ManagerStats:
-    """What a `CheckpointManager`'s saves cost the training loop, on this process (`CheckpointManager.stats`).
-
-    - `saves`: steps whose save started; `skipped`: steps on the save schedule not saved because
-      a save was still in flight (``continuous=True``), `skipped_steps` the last 100 of them.
-    - `waited_s`, `longest_wait_s`: how long `save` waited for earlier saves to make room (the
-      back-pressure of the default mode, bounded by `max_wait_s`), in all and at most once.
-    - `blocking_s`, `longest_blocking_s`: what the saves' blocking phases took (validation and
-      the snapshot), in all and at most once.
-    """
-
-    saves: int = 0
-    skipped: int = 0
-    skipped_steps: list[int] = field(default_factory=list)
-    waited_s: float = 0.0
-    longest_wait_s: float = 0.0
-    blocking_s: float = 0.0
-    longest_blocking_s: float = 0.0
-
-
-#: A wait of `save` for earlier saves longer than this is logged (once per manager).
-WAIT_WARN_S = 1.0
 
 
 @dataclass
@@ -341,16 +267,10 @@ class CheckpointManager(StepWatch):
         self.save_interval_s, self.should_save_fn = save_interval_s, should_save_fn
         self._last_save_t: float | None = None  # time.monotonic() when this manager's last save began
         self._last_saved_step: int | None = None
-        self.trash_dir = _trash_dir(trash_dir, self._storage, self.directory)
+        self.trash_dir = trash_dir_of(trash_dir, self._storage, self.directory)
         self._orbax: set[int] = set()  # the run's steps that are Orbax step folders, as last listed
-        self.continuous = bool(continuous)
-        if max_wait_s is not None and not (max_wait_s >= 0 and max_wait_s < float("inf")):
-            raise ValueError(f"{self.directory}: max_wait_s must be a finite number of seconds >= 0 (or None: "
-                             f"wait as long as the save in flight takes), got {max_wait_s}")
-        self.max_wait_s = max_wait_s
-        self._stats = ManagerStats()
-        self._skipped_since = 0  # steps skipped since the last save began (the next save's SaveStats)
-        self._warned_skip = self._warned_wait = False
+        self._pacing = Pacing(self.directory, continuous, max_wait_s, self._decisions, self._primary)
+        self.continuous, self.max_wait_s = self._pacing.continuous, max_wait_s
         self._check_strays()
 
     def _survey(self) -> tuple[list[tuple[int, str, bool]], list[list[Any]]]:
@@ -613,51 +533,12 @@ class CheckpointManager(StepWatch):
             s = mgr.stats
             print(f"{s.saves} saves, {s.skipped} steps skipped, {s.waited_s:.1f} s waited")
         """
-        return replace(self._stats, skipped_steps=list(self._stats.skipped_steps))
+        stats = self._pacing.stats
+        return replace(stats, skipped_steps=list(stats.skipped_steps))
 
     def _in_flight(self) -> int | None:
         """The oldest step whose save has not finished (committed or failed), or None."""
         return next((p.step for p in self._pending if not p.future.done()), None)
-
-    def _busy(self, step: int) -> bool:
-        """Continuous checkpointing: whether `step` is skipped because a save is in flight (the
-        primary's view, on every process: a process whose own save is finishing saves then too)."""
-        mine = None
-        if self._primary or self._decisions.alone:
-            mine = self._in_flight()
-        busy = self._decisions.shared(f"busy-{step}", mine)
-        if busy is None:
-            return False
-        self._stats.skipped += 1
-        self._stats.skipped_steps = [*self._stats.skipped_steps, step][-100:]
-        self._skipped_since += 1
-        if not self._warned_skip:
-            self._warned_skip = True
-            log.warning("cairn: %s: step %d not saved, the save of step %d is still in flight (continuous "
-                        "checkpointing); later skips are counted in CheckpointManager.stats and the next "
-                        "save's SaveStats.skipped_steps", self.directory, step, busy)
-        else:
-            log.debug("cairn: %s: step %d skipped, the save of step %d is in flight", self.directory, step, busy)
-        return True
-
-    def _wait_for_room(self, step: int) -> None:
-        """The default mode's back-pressure: wait for earlier saves to make room, at most `max_wait_s`."""
-        t0 = time.perf_counter()
-        room = _async.wait_for_room(self.max_wait_s)
-        waited = time.perf_counter() - t0
-        self._stats.waited_s += waited
-        self._stats.longest_wait_s = max(self._stats.longest_wait_s, waited)
-        if not room:
-            raise CheckpointError(
-                f"{self.path(step)}: step {step} was not saved: the save of step {self._in_flight()} is still "
-                f"in flight after max_wait_s={self.max_wait_s} s (saves are slower than the steps, or the "
-                "storage is stuck); pass continuous=True to skip steps while a save is in flight, or a "
-                "larger save_every or max_wait_s")
-        if waited > WAIT_WARN_S and not self._warned_wait:
-            self._warned_wait = True
-            log.warning("cairn: %s: the save of step %d waited %.1f s for earlier saves: saves take longer than "
-                        "the steps between them (continuous=True skips steps instead; see "
-                        "CheckpointManager.stats)", self.directory, step, waited)
 
     def is_saving_in_progress(self) -> bool:
         """Whether a background save of this manager has not finished yet (its commit and retention).
@@ -735,11 +616,11 @@ class CheckpointManager(StepWatch):
         local_saved = self.local is not None and self.local.save(step, state)
         if not (force or preempted or self._on_schedule(step)):
             return local_saved
-        if self.continuous and self.async_save and not (force or preempted) and self._busy(step):
+        if self.continuous and self.async_save and not (force or preempted) and self._pacing.skip(step, self._in_flight()):
             return local_saved
         meta = _steps.step_metadata(step, metrics, f"{self.directory} step {step}", metadata)
         if cast is not None:
-            state = _cast(state, cast, f"{self.directory} step {step}")
+            state = cast_state(state, cast, f"{self.directory} step {step}")
         mine = None
         if self._primary or self._decisions.alone:  # the step's folders, and the newest step saved or saving
             with self._lock:
@@ -769,12 +650,9 @@ class CheckpointManager(StepWatch):
         try:
             if self.async_save and not preempted:
                 if not self.continuous:
-                    self._wait_for_room(step)
+                    self._pacing.wait_for_room(step, self.path(step), self._in_flight)
                 fut = _async.save_async(loc, state, self._save_options, metadata=meta, incremental=inc)
-                fut.stats.skipped_steps, self._skipped_since = self._skipped_since, 0
-                self._stats.saves += 1
-                self._stats.blocking_s += fut.stats.blocking_s
-                self._stats.longest_blocking_s = max(self._stats.longest_blocking_s, fut.stats.blocking_s)
+                self._pacing.started(fut)
             else:
                 self.wait()
                 _async.save(loc, state, self._save_options, metadata=meta, incremental=inc)
@@ -981,70 +859,7 @@ class CheckpointManager(StepWatch):
             state = mgr.restore(target={"params": abstract_params}, fallback=True)
             print("resumed from", mgr.restored_step)
         """
-        self._check_open()
-        if step is not None and not isinstance(step, int) and not hasattr(step, "__index__") and target is None:
-            step, target = None, step  # mgr.restore(abstract): a tree is never a step number
-        if step is not None and not isinstance(step, int) and not hasattr(step, "__index__"):
-            raise TypeError(f"{self.directory}: restore(step, target): the first argument is the step to restore, "
-                            f"got a {type(step).__name__}; pass the tree as target= (mgr.restore(target=abstract), "
-                            "or mgr.restore(step, abstract))")
-        opts = LoadOptions(partial=partial).replace(**{k: v for k, v in transforms.items() if k not in _NOT_OPTIONS})
-        if opts.bandwidths is not None:  # checked here too: the local tier, which prices no route, may serve
-            resolve_bandwidths(opts.bandwidths, "local", "cpu")
-        self.wait()
-        steps = self.steps()
-        if self.local:
-            self.local.restored_step = None  # set again only if the local tier serves this restore
-        if self.local and step is None:
-            why = _local_refusal(target, partial, transforms, self._coord)
-            if why is None:
-                reading = {k: transforms[k] for k in ("verify", "threads", "budget_bytes") if k in transforms}
-                if got := self.local.restore(target, steps[-1] if steps else None, **reading):
-                    self.restored_step, out = got
-                    return out
-            elif self._primary:
-                log.info("cairn: not restoring from the local tier in %s: %s; restoring from the persistent "
-                         "tier", self.directory, why)
-        if step is not None:
-            step = operator.index(step)
-            if step not in steps:
-                raise CheckpointNotFoundError(
-                    f"{self.directory}: step {step} has no committed checkpoint (committed steps: {show_steps(steps)})"
-                )
-            candidates = [step]
-        elif not steps:
-            raise CheckpointNotFoundError(f"{self.directory} holds no committed checkpoint")
-        else:
-            candidates = list(reversed(steps)) if fallback else [steps[-1]]
-        failures: list[str] = []
-        for s in candidates:
-            error: BaseException | None = None
-            try:
-                # An Orbax step of the run is read as one whatever format was asked.
-                out = _sources.load(self._location(s), target, opts.replace(format="orbax") if self._is_orbax(s)
-                                    else opts, report=transforms.get("report"), stats=transforms.get("stats"))
-            except (CorruptCheckpointError, CheckpointNotFoundError) as e:
-                error = e
-            # Every process reads only its own bytes: one may find corruption the others do not.
-            # All fall back together, or all fail together.
-            bad = self._decisions.failures(f"restore-{s}", None if error is None else str(error))
-            if bad and (not fallback or step is not None):
-                if error is not None:
-                    raise error
-                raise CorruptCheckpointError(
-                    f"{self.path(s)} does not verify on another process: "
-                    + "; ".join(f"process {p}: {e}" for p, e in bad.items())
-                )
-            if bad:
-                why = "; ".join(f"process {p}: {e}" for p, e in bad.items())
-                log.warning("cairn: step %d in %s does not verify (%s); trying an older step", s, self.directory, why)
-                failures.append(f"step {s}: {why}")
-                continue
-            self.restored_step = s
-            return out
-        raise CorruptCheckpointError(
-            f"{self.directory}: no committed checkpoint verifies; " + "; ".join(failures)
-        )
+        return _restoring.restore(self, step, target, fallback, partial, transforms)
 
     # ------------------------------------------------------------------ lifetime
 
@@ -1081,53 +896,3 @@ class CheckpointManager(StepWatch):
 
     def __repr__(self) -> str:
         return f"<cairn.CheckpointManager {self.directory!r} policy={self.policy!r}>"
-
-
-# ---------------------------------------------------------------------- save's cast and the trash
-
-
-def _trash_dir(name: str | None, storage: Any, where: str) -> str | None:
-    """`trash_dir` checked: a plain folder name in the directory, on a filesystem that can move folders."""
-    if name is None:
-        return None
-    if not isinstance(name, str) or not name or "/" in name or name in (".", ".."):
-        raise ValueError(f"{where}: trash_dir must be a folder name inside the directory (e.g. '.trash'), "
-                         f"got {name!r}")
-    if _steps.orbax_name(name) is not None or _steps.guess_step(name) is not None:
-        raise ValueError(f"{where}: trash_dir {name!r} looks like a step folder; choose another name")
-    if storage.dirs is None:
-        raise ValueError(f"{where}: trash_dir needs a local directory (steps are moved there in one rename); "
-                         "object stores have no rename")
-    return name
-
-
-def _cast(state: Any, cast: Any, where: str) -> Any:
-    """`state` with its floating-point arrays cast as `cast` says: a dtype for every one, or a mapping
-    from key paths (``"params"``, ``"params/dense/kernel"``) to the dtype of the arrays under each."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    rules = dict(cast) if isinstance(cast, Mapping) else {"": cast}
-    try:
-        wanted = {str(k).strip("/"): np.dtype(v) for k, v in rules.items()}
-    except TypeError as e:
-        raise TypeError(f"{where}: cast must be a dtype or a mapping from key paths to dtypes: {e}") from None
-    for k, dt in wanted.items():
-        if not jnp.issubdtype(dt, jnp.floating):
-            raise ValueError(f"{where}: cast {k or '<every array>'!r} to {dt}: only floating-point casts are "
-                             "done on save (to an integer dtype, cast the arrays yourself)")
-    used: set[str] = set()
-
-    def visit(path: str, x: Any) -> Any:
-        rule = max((k for k in wanted if k == "" or path == k or path.startswith(k + "/")), key=len, default=None)
-        if rule is None or not hasattr(x, "dtype") or not hasattr(x, "astype"):
-            return x
-        used.add(rule)
-        return x.astype(wanted[rule]) if jnp.issubdtype(x.dtype, jnp.floating) else x
-
-    out = map_with_path(visit, state)
-    unused = sorted(set(wanted) - used)
-    if unused:
-        raise ValueError(f"{where}: cast names {unused}, which match no array of the state")
-    return out
-
