@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         state = jax.block_until_ready(jax.device_put(state, jax.devices()[0]))
         print(f"on {jax.devices()[0]}", flush=True)
         if args.as_device:
-            codecpolicy.fresh_copy = lambda src: not isinstance(src, np.ndarray)  # type: ignore[assignment]
+            codecpolicy.fresh_copy = lambda src: not isinstance(src, np.ndarray)
     shares = [int(x) for x in args.share.split(",")] if args.share else [codecpolicy.SAMPLE_SHARE]
     keeps = [float(x) for x in args.keep.split(",")] if args.keep else [codecpolicy.KEEP_HOST_SHARE]
     bgs = [int(x) for x in args.background.split(",")] if args.background else [int(engine.CHOOSE_IN_BACKGROUND)]
@@ -279,7 +279,7 @@ def main(argv: list[str] | None = None) -> int:
             for s, pool in settings:
                 path = os.path.join(root, f"c-{s}")
                 shutil.rmtree(path, ignore_errors=True)
-                pipeline.CodePool = POOLS[pool.split(",")[0]]  # type: ignore[misc]
+                pipeline.CodePool = POOLS[pool.split(",")[0]]  # type: ignore[misc,assignment]
                 knobs = dict(x.strip().split(" ") for x in pool.split(",")[1:])
                 if "share" in knobs:
                     codecpolicy.SAMPLE_SHARE = int(knobs["share"])

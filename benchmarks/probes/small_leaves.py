@@ -66,14 +66,14 @@ def main(argv: list[str] | None = None) -> None:
     from cairn._codecs import codecs
     from cairn._save import codecpolicy, pipeline
     if args.no_lend:
-        pipeline.LEND_CODED_BUFFERS = False  # type: ignore[misc]
+        pipeline.LEND_CODED_BUFFERS = False
     if not args.release_on_load:
         from cairn._load import engine as load_engine
 
-        load_engine.release_save_buffers = lambda: None  # type: ignore[assignment]
+        load_engine.release_save_buffers = lambda: None
     if args.cores:
         # (the save's modules call it through codecpolicy, so this one replacement reaches them all)
-        codecpolicy.coder_cores = lambda: args.cores  # type: ignore[assignment]
+        codecpolicy.coder_cores = lambda: args.cores
     spans = None
     if args.stages:
         from benchmarks.probes.save_stages import Spans, instrument
