@@ -5,8 +5,9 @@ Saves the bf16-f32 trained state of `benchmarks.trained_state` (or, with ``--til
 ``compression=`` (interleaved per repetition, blocking saves, fsync'd), and times its stages by
 wrapping the functions that do them (no change to the library):
 
-- ``choose``: `codecpolicy._choose_leaf` and `_choose_group` (each leaf's or group of small leaves' codec measured on its sample, for True / "auto"; while the
-  first files are written, in a single process);
+- ``choose``: `codecpolicy._choose_leaf` and `_choose_group` (each leaf's codec, or a group of small
+  leaves', measured on its sample, for True / "auto"; while the first files are written, in a single
+  process);
 - ``pipe``: `snapshot.HostPipeline.take` / ``peek`` (a blocking save's consumers taking the device-to-host
   transfers the host-copy pipeline started ahead; waiting for a transfer shows in ``host``, where its
   bytes are read);
@@ -161,8 +162,9 @@ def instrument(spans: Spans) -> None:
     # `pipeline.in_order`, `pipeline.code_task` and `pipeline.block_crc` through the module; `codecpolicy`'s
     # `_Choosing` calls its own `_choose_leaf` and `_choose_group`).
     pipeline.in_order = _waited(spans, pipeline.in_order)
-    codecpolicy._choose_leaf = spans.wrap("choose", codecpolicy._choose_leaf)  # each leaf measured (in the background too)
-    codecpolicy._choose_group = spans.wrap("choose", codecpolicy._choose_group)  # each group of small leaves measured
+    # each leaf measured (in the background too), and each group of small leaves
+    codecpolicy._choose_leaf = spans.wrap("choose", codecpolicy._choose_leaf)
+    codecpolicy._choose_group = spans.wrap("choose", codecpolicy._choose_group)
     from cairn._save import snapshot as _snapshot
 
     _snapshot.HostPipeline.take = spans.wrap("pipe", _snapshot.HostPipeline.take)  # waits for started transfers
@@ -234,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="values of engine.HOST_PIPELINE_BYTES to compare, in MiB (0: no host-copy pipeline, each "
                          "device chunk copied to host by its writer or the codec choosing)")
     ap.add_argument("--groups", default=None,
-                    help="values of codecpolicy.GROUP_LEAVES to compare (1: each small leaf's codec measured on its own)")
+                    help="values of codecpolicy.GROUP_LEAVES to compare (1: each small leaf's codec measured "
+                         "on its own)")
     ap.add_argument("--blosc2-join", default=None,
                     help="values of codecs.BLOSC2_JOIN_BYTES to compare, in KiB (0: each blosc2 chunk kept as "
                          "python-blosc2 returned it)")

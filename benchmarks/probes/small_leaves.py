@@ -49,8 +49,8 @@ def main(argv: list[str] | None = None) -> None:
                          "kept as python-blosc2 returned it); each runs every layout, "
                          "setting and group")
     ap.add_argument("--cores", type=int, default=0,
-                    help="code on this many threads (codecpolicy.coder_cores; default: the cores this process may use), e.g. "
-                         "13 on a small host for the TPU host's coder count")
+                    help="code on this many threads (codecpolicy.coder_cores; default: the cores this process "
+                         "may use), e.g. 13 on a small host for the TPU host's coder count")
     ap.add_argument("--warmup", type=int, default=0,
                     help="untimed rounds of every case first (each case's first save is printed apart): a process "
                          "that checkpoints every few minutes saves from warm memory after its first save, and on "
