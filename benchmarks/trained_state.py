@@ -201,6 +201,10 @@ def tiles(flat: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
                 out[f"{name}.{i}.{j}"] = np.ascontiguousarray(a[i:i + 256, j:j + 256])
                 if len(out) >= count:
                     return out
+    if count > 0 and not out:
+        shapes = sorted({a.shape for a in flat.values() if a.ndim == 2}, key=min)
+        raise ValueError(f"no 256x256 tile fits in a 2-d leaf of this state (the squarest: "
+                         f"{shapes[-1] if shapes else 'none'}): make the state larger")
     return out
 
 if __name__ == "__main__":

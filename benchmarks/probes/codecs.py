@@ -15,7 +15,7 @@ Orbax's `StandardCheckpointer` writes for the same state.
 Options: ``--size BYTES`` (default 256 MiB per variant), ``--variants a,b``,
 ``--no-orbax``, ``--json PATH``, ``--threads 1,2,4`` (the whole state coded on that
 many threads at once: do the codecs scale over cores?), and ``--against FILE``: another version of
-``codecs.py`` (``git show REV:src/cairn/_format/codecs.py > old.py``), whose
+``codecs.py`` (``git show REV:src/cairn/_codecs/codecs.py > old.py``), whose
 "planes" codec is then measured against the current one per leaf kind,
 interleaved (alternating order, best of 9 each), so that a change of the
 machine's load hits both alike.
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import tempfile
 import time
 from typing import Any
@@ -34,7 +35,8 @@ import numpy as np
 import zstandard
 
 from benchmarks.trained_state import VARIANTS, flatten, leaf_kind, make_state
-from cairn._format import codecs as _codecs
+from cairn._codecs import choose as _choose
+from cairn._codecs import codecs as _codecs
 
 BLOCK = 1 << 20
 
@@ -83,11 +85,13 @@ def measure(leaves: list[np.ndarray], codec: str) -> dict[str, float]:
 
 
 def load_codecs(path: str) -> Any:
-    """A `codecs.py` from another revision, imported as a module of its own."""
+    """A `codecs.py` from another revision, imported as a module of its own: its relative imports are
+    made absolute, those of its own package (``from . import blosc2lib``) against `cairn._codecs`."""
     import importlib.util
 
     with open(path) as f:
-        text = f.read().replace("from .._errors import", "from cairn._errors import")
+        text = f.read().replace("from .._", "from cairn._").replace("from . import", "from cairn._codecs import")
+        text = re.sub(r"^from \.(\w)", r"from cairn._codecs.\1", text, flags=re.M)
     spec = importlib.util.spec_from_loader("cairn_codecs_against", loader=None)
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
@@ -127,7 +131,7 @@ def whole_state(flat: dict[str, np.ndarray]) -> dict[str, Any]:
     stored = 0
     t = time.perf_counter()
     for a in flat.values():
-        c = _codecs.choose(a.dtype, _codecs.sample(a))
+        c = _choose.choose(a.dtype, _choose.sample(a))
         chosen[c] = chosen.get(c, 0) + 1
         stored += sum(len(_codecs.encode(c, b, a.dtype)) for b in _blocks(a))
     out["cairn_auto"] = stored
@@ -169,9 +173,9 @@ def scaling(flat: dict[str, np.ndarray], counts: list[int]) -> list[dict[str, fl
     whether the codecs scale over cores."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from cairn._save.engine import RUN_BLOCKS
+    from cairn._save.pipeline import RUN_BLOCKS
 
-    leaves = [(a, _codecs.choose(a.dtype, _codecs.sample(a))) for a in flat.values() if a.nbytes]
+    leaves = [(a, _choose.choose(a.dtype, _choose.sample(a))) for a in flat.values() if a.nbytes]
     tasks = coding_tasks(leaves, RUN_BLOCKS)
     runs = [r for t in tasks for r in t]
     raw = sum(r[1].nbytes for r in runs)

@@ -26,7 +26,7 @@ which no codec shrinks. ``--link`` puts every object-store server behind a shape
 
 Each setting keeps its own history of what was measured ("auto" prices each save with the
 bandwidth and codec speed that earlier saves and loads of the process measured,
-`cairn._storage.measured` and `cairn._save.options.CodecMeter`): "auto"'s rows are what a process
+`cairn._storage.measured` and `cairn._save.codecpolicy.CodecMeter`): "auto"'s rows are what a process
 saving only with "auto" gets (its first save at the defaults, the next ones with its own
 measurements), not helped by the raw saves of the False rows beside it. The table gives, per
 storage and values, "auto"'s median over the faster of the other settings' medians, for the save
@@ -90,11 +90,14 @@ class _Histories:
 
     def __init__(self) -> None:
         try:
-            from cairn._save.options import CODEC_METER
             from cairn._storage.measured import METER
         except ImportError:
             self.meters = None
             return
+        try:
+            from cairn._save.codecpolicy import CODEC_METER
+        except ImportError:  # a tree from before the codec policy had a module of its own
+            from cairn._save.options import CODEC_METER  # type: ignore[attr-defined,no-redef]
         self.meters = (METER, CODEC_METER)
         self.saved: dict[Any, tuple[Any, Any]] = {}
         self.current: Any = None

@@ -10,7 +10,7 @@ per step: in full (``cairn.save``, format 2, raw) and incrementally
 - ``frozen-jax``: the same, the backbone a ``jax.Array`` (on the default
   device) passed unchanged, the same object, to every save: what a JAX
   training loop that does not update the backbone saves. An incremental save
-  refers to its blocks without hashing them (`_save.incremental._HASHED`).
+  refers to its blocks without hashing them (`_save.hashmemo._HASHED`).
 - ``frozen-jax-async``: the ``frozen-jax`` state saved with ``cairn.save_async``, in full and
   incrementally, each save finished before the next: the blocking time (``stats.blocking_s``) and the
   bytes the snapshot copied. An incremental async save decides before its snapshot which chunks of

@@ -107,8 +107,8 @@ def _union(spans: list[tuple[float, float]]) -> float:
 
 
 def instrument(spans: Spans) -> None:
+    from cairn._codecs import codecs
     from cairn._core import checksum
-    from cairn._format import codecs
     from cairn._load import engine, reader
     from cairn._tree import shardings
 

@@ -6,12 +6,12 @@ candidates interleaved within each repetition, so a machine's drift hits them al
 
 - ``planes``: cairn's codecs as a save and a local load call them: `codecs.encode_runs` of the
   save's tasks (`benchmarks.probes.codecs.coding_tasks`: runs of 16 blocks, small leaves together), each
-  leaf's codec from `codecs.choose` without blosc2 (planes / zstd / none), and `codecs.decode_run` per run.
+  leaf's codec from `choose.choose_sized` without blosc2 (planes / zstd / none), and `codecs.decode_run` per run.
 - ``cairn-blosc2``: cairn's "blosc2" codec through `codecs.encode_runs` / `codecs.decode_run`, same tasks
   (`decode_run`: each block's header checked, then its `decompress2` call).
 - ``cairn-blosc2-lz4``: cairn's "blosc2-lz4" codec (bit shuffle and LZ4) the same way.
 - ``cairn-blosc2-py``: the same, with C-Blosc2 reached through python-blosc2's `compress2` /
-  `decompress2` (cairn's path where `cairn._format.blosc2lib` cannot load; ``cairn-blosc2`` calls the
+  `decompress2` (cairn's path where `cairn._codecs.blosc2lib` cannot load; ``cairn-blosc2`` calls the
   library directly where it can): the A/B of the direct binding, in one run.
 - ``cairn-blosc2-perblock``: the same check and call per block in this benchmark's own loop, without
   `decode_run` around it (what cairn's wrapper costs).
@@ -47,12 +47,13 @@ import zstandard
 from benchmarks.measure import write_rows
 from benchmarks.probes.codecs import coding_tasks
 from benchmarks.trained_state import flatten, make_state
-from cairn._format import blosc2lib
-from cairn._format import codecs as C
+from cairn._codecs import blosc2lib
+from cairn._codecs import codecs as C
+from cairn._codecs.choose import choose_sized, sample
+from cairn._save.pipeline import RUN_BLOCKS
 
 BLOCK = 1 << 20
 GiB = float(1 << 30)
-RUN_BLOCKS = 16  # as _save.engine.RUN_BLOCKS
 
 
 def _b2_variants(b2: Any) -> dict[str, dict[str, Any]]:
@@ -102,11 +103,9 @@ def main(argv: list[str] | None = None) -> None:
         blosc2 = None
     t0 = time.perf_counter()
     flat = flatten(make_state(args.size, "bf16-f32"))
-    found = C._blosc2_found
-    C._blosc2_found = False  # `planes`: each leaf's codec as chosen without blosc2 (planes / zstd / none)
-    leaves = [(a, C.choose(a.dtype, C.sample(a))) for a in flat.values()
+    # `planes`: each leaf's codec as chosen without blosc2 (planes / zstd / none)
+    leaves = [(a, choose_sized(a.dtype, sample(a), blosc2=False)[0]) for a in flat.values()
               if a.nbytes and (args.dtype is None or a.dtype.name == args.dtype)]
-    C._blosc2_found = found
     tasks = coding_tasks(leaves, RUN_BLOCKS)
     runs = [r for t in tasks for r in t]
     raw = sum(r[1].nbytes for r in runs)

@@ -5,21 +5,23 @@ Saves the bf16-f32 trained state of `benchmarks.trained_state` (or, with ``--til
 ``compression=`` (interleaved per repetition, blocking saves, fsync'd), and times its stages by
 wrapping the functions that do them (no change to the library):
 
-- ``choose``: `engine._choose_leaf` (each leaf's codec measured on its sample, for True / "auto"; while the
-  first files are written, in a single process);
+- ``choose``: `codecpolicy._choose_leaf` and `_choose_group` (each leaf's codec, or a group of small
+  leaves', measured on its sample, for True / "auto"; while the first files are written, in a single
+  process);
 - ``pipe``: `snapshot.HostPipeline.take` / ``peek`` (a blocking save's consumers taking the device-to-host
   transfers the host-copy pipeline started ahead; waiting for a transfer shows in ``host``, where its
   bytes are read);
 - ``host``: `SaveJob._host` (device-to-host copies; numpy leaves cost nothing here, ``--jax`` puts
   the state on JAX's first device first);
-- ``code``: `engine._code_task` (coding tasks on the coder pool): the union of their spans (wall
+- ``code``: `pipeline.code_task` (coding tasks on the coder pool): the union of their spans (wall
   seconds some task was coding) and the sum (seconds over all coder threads, waits for the GIL and
   for the CPU included); ``code cpu``: the CPU time those threads spent in them (``time.thread_time``),
   and ``code faults``: the pages they faulted in (minor faults, ``RUSAGE_THREAD``, as MiB): a sum far
   above ``code cpu`` is threads waiting (for the GIL, or for cores), not coding;
-- ``crc``: the CRC-32C calls (`engine.crc32c`, `engine.block_crcs`), summed over threads;
+- ``crc``: the CRC-32C calls of a full save (`pipeline.block_crc`, per coded or raw block, and
+  `engine.block_crcs`, a raw chunk's blocks at once), summed over threads;
 - ``write`` / ``fsync``: ``os.write`` / ``os.fsync`` in the local storage, union of spans and sum;
-- ``wait``: a writer thread waiting for its next coded task (`engine._in_order`'s consumer);
+- ``wait``: a writer thread waiting for its next coded task (`pipeline.in_order`'s consumer);
 - ``tail``: from the end of the last coding task to the end of the data phase (the writes and
   flushes left once coding is done: what overlapping them with the coding would remove);
 - ``write_data``: `SaveJob.write_data`, the whole data phase; ``save``: the call. Every stage but
@@ -47,8 +49,8 @@ import numpy as np
 import cairn
 from benchmarks.measure import setting
 from benchmarks.trained_state import flatten, make_state, tiles
-from cairn._format import codecs as _codecs
-from cairn._save import engine
+from cairn._codecs import codecs as _codecs
+from cairn._save import codecpolicy, engine, pipeline
 from cairn._storage import local as _local_storage
 
 
@@ -121,7 +123,7 @@ class _Os:
 
 
 def _waited(spans: Spans, fn: Any) -> Any:
-    """`engine._in_order` with each wait of its consumer (a writer thread) for the next coded task timed."""
+    """`pipeline.in_order` with each wait of its consumer (a writer thread) for the next coded task timed."""
     def in_order(*args: Any, **kw: Any) -> Any:
         it = fn(*args, **kw)
         while True:
@@ -156,15 +158,19 @@ def _costed(spans: Spans, fn: Any) -> Any:
 
 
 def instrument(spans: Spans) -> None:
-    engine._in_order = _waited(spans, engine._in_order)
-    engine._choose_leaf = spans.wrap("choose", engine._choose_leaf)  # each leaf measured (in the background too)
-    engine._choose_group = spans.wrap("choose", engine._choose_group)  # each group of small leaves measured
+    # Each function is replaced where its callers look it up when they call it (`engine` calls
+    # `pipeline.in_order`, `pipeline.code_task` and `pipeline.block_crc` through the module; `codecpolicy`'s
+    # `_Choosing` calls its own `_choose_leaf` and `_choose_group`).
+    pipeline.in_order = _waited(spans, pipeline.in_order)
+    # each leaf measured (in the background too), and each group of small leaves
+    codecpolicy._choose_leaf = spans.wrap("choose", codecpolicy._choose_leaf)
+    codecpolicy._choose_group = spans.wrap("choose", codecpolicy._choose_group)
     from cairn._save import snapshot as _snapshot
 
     _snapshot.HostPipeline.take = spans.wrap("pipe", _snapshot.HostPipeline.take)  # waits for started transfers
     _snapshot.HostPipeline.peek = spans.wrap("pipe", _snapshot.HostPipeline.peek)
-    engine._code_task = _costed(spans, spans.wrap("code", engine._code_task))
-    engine.crc32c = spans.wrap("crc", engine.crc32c)
+    pipeline.code_task = _costed(spans, spans.wrap("code", pipeline.code_task))
+    pipeline.block_crc = spans.wrap("crc", pipeline.block_crc)
     engine.block_crcs = spans.wrap("crc", engine.block_crcs)
     engine.SaveJob._host = spans.wrap("host", engine.SaveJob._host)
     engine.SaveJob.write_data = spans.wrap("write_data", engine.SaveJob.write_data)
@@ -172,7 +178,7 @@ def instrument(spans: Spans) -> None:
 
 
 class FifoPool(ThreadPoolExecutor):
-    """The coder pool as it was before `engine.CodePool`: first come, first served (``--pools fifo``)."""
+    """The coder pool as it was before `pipeline.CodePool`: first come, first served (``--pools fifo``)."""
 
     def __init__(self, workers: int, name: str = "cairn-code") -> None:
         super().__init__(max(1, workers), thread_name_prefix=name)
@@ -181,7 +187,7 @@ class FifoPool(ThreadPoolExecutor):
         return super().submit(fn, *args, **kw)
 
 
-POOLS = {"priority": engine.CodePool, "fifo": FifoPool}
+POOLS = {"priority": pipeline.CodePool, "fifo": FifoPool}
 
 STAGES = ("choose", "pipe", "host", "code", "wait", "crc", "write", "fsync", "tail", "write_data")
 
@@ -216,12 +222,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=4, help="the save's writer threads")
     ap.add_argument("--pools", default="priority",
-                    help="coder pools to compare, of priority (`engine.CodePool`) and fifo (a plain thread pool)")
+                    help="coder pools to compare, of priority (`pipeline.CodePool`) and fifo (a plain thread pool)")
     ap.add_argument("--share", default=None,
-                    help="values of engine.SAMPLE_SHARE to compare (comma separated; a leaf's sample is at most "
+                    help="values of codecpolicy.SAMPLE_SHARE to compare (comma separated; a leaf's sample is at most "
                          "1/share of it)")
     ap.add_argument("--keep", default=None,
-                    help="values of engine.KEEP_HOST_SHARE to compare (0: device chunks measured for a codec "
+                    help="values of codecpolicy.KEEP_HOST_SHARE to compare (0: device chunks measured for a codec "
                          "are copied to host again by the writer)")
     ap.add_argument("--background", default=None,
                     help="values of engine.CHOOSE_IN_BACKGROUND to compare, 1 and/or 0 (0: every codec chosen "
@@ -230,14 +236,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="values of engine.HOST_PIPELINE_BYTES to compare, in MiB (0: no host-copy pipeline, each "
                          "device chunk copied to host by its writer or the codec choosing)")
     ap.add_argument("--groups", default=None,
-                    help="values of engine.GROUP_LEAVES to compare (1: each small leaf's codec measured on its own)")
+                    help="values of codecpolicy.GROUP_LEAVES to compare (1: each small leaf's codec measured "
+                         "on its own)")
     ap.add_argument("--blosc2-join", default=None,
                     help="values of codecs.BLOSC2_JOIN_BYTES to compare, in KiB (0: each blosc2 chunk kept as "
                          "python-blosc2 returned it)")
     ap.add_argument("--jax", action="store_true", help="put the state on JAX's first device first")
     ap.add_argument("--as-device", action="store_true",
                     help="with --jax on a CPU-only host: treat its arrays' host views as device-to-host copies "
-                         "(engine._fresh_copy), so the host-copy pipeline and kept copies run as on an accelerator "
+                         "(codecpolicy.fresh_copy), so the host-copy pipeline and kept copies run as on an accelerator "
                          "(a rehearsal of their overhead; the copies themselves stay free)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json", default=None)
@@ -252,12 +259,12 @@ def main(argv: list[str] | None = None) -> int:
         state = jax.block_until_ready(jax.device_put(state, jax.devices()[0]))
         print(f"on {jax.devices()[0]}", flush=True)
         if args.as_device:
-            engine._fresh_copy = lambda src: not isinstance(src, np.ndarray)  # type: ignore[assignment]
-    shares = [int(x) for x in args.share.split(",")] if args.share else [engine.SAMPLE_SHARE]
-    keeps = [float(x) for x in args.keep.split(",")] if args.keep else [engine.KEEP_HOST_SHARE]
+            codecpolicy.fresh_copy = lambda src: not isinstance(src, np.ndarray)
+    shares = [int(x) for x in args.share.split(",")] if args.share else [codecpolicy.SAMPLE_SHARE]
+    keeps = [float(x) for x in args.keep.split(",")] if args.keep else [codecpolicy.KEEP_HOST_SHARE]
     bgs = [int(x) for x in args.background.split(",")] if args.background else [int(engine.CHOOSE_IN_BACKGROUND)]
     pipes = [int(x) for x in args.pipeline.split(",")] if args.pipeline else [engine.HOST_PIPELINE_BYTES >> 20]
-    grps = [int(x) for x in args.groups.split(",")] if args.groups else [engine.GROUP_LEAVES]
+    grps = [int(x) for x in args.groups.split(",")] if args.groups else [codecpolicy.GROUP_LEAVES]
     joins = [int(x) for x in args.blosc2_join.split(",")] if args.blosc2_join else [_codecs.BLOSC2_JOIN_BYTES >> 10]
     settings = [(setting(s), pool + (f", share {sh}" if args.share else "") + (f", keep {kp}" if args.keep else "")
                  + (f", background {bg}" if args.background else "") + (f", pipeline {pp}" if args.pipeline else "")
@@ -275,18 +282,18 @@ def main(argv: list[str] | None = None) -> int:
             for s, pool in settings:
                 path = os.path.join(root, f"c-{s}")
                 shutil.rmtree(path, ignore_errors=True)
-                engine.CodePool = POOLS[pool.split(",")[0]]  # type: ignore[misc]
+                pipeline.CodePool = POOLS[pool.split(",")[0]]  # type: ignore[misc,assignment]
                 knobs = dict(x.strip().split(" ") for x in pool.split(",")[1:])
                 if "share" in knobs:
-                    engine.SAMPLE_SHARE = int(knobs["share"])
+                    codecpolicy.SAMPLE_SHARE = int(knobs["share"])
                 if "keep" in knobs:
-                    engine.KEEP_HOST_SHARE = float(knobs["keep"])
+                    codecpolicy.KEEP_HOST_SHARE = float(knobs["keep"])
                 if "background" in knobs:
                     engine.CHOOSE_IN_BACKGROUND = bool(int(knobs["background"]))
                 if "pipeline" in knobs:
                     engine.HOST_PIPELINE_BYTES = int(knobs["pipeline"]) << 20
                 if "groups" in knobs:
-                    engine.GROUP_LEAVES = int(knobs["groups"])
+                    codecpolicy.GROUP_LEAVES = int(knobs["groups"])
                 if "join" in knobs:
                     _codecs.BLOSC2_JOIN_BYTES = int(knobs["join"]) << 10
                 spans.clear()

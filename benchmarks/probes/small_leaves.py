@@ -42,15 +42,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--stages", action="store_true",
                     help="time each save's stages (benchmarks.probes.save_stages) and print their medians per setting")
     ap.add_argument("--groups", default=None,
-                    help="values of engine.GROUP_LEAVES to compare, comma separated (1: each small leaf's codec "
+                    help="values of codecpolicy.GROUP_LEAVES to compare, comma separated (1: each small leaf's codec "
                          "measured on its own); each runs every layout and setting")
     ap.add_argument("--blosc2-join", default=None,
                     help="values of codecs.BLOSC2_JOIN_BYTES to compare, in KiB, comma separated (0: each blosc2 chunk "
                          "kept as python-blosc2 returned it); each runs every layout, "
                          "setting and group")
     ap.add_argument("--cores", type=int, default=0,
-                    help="code on this many threads (engine._cores; default: the cores this process may use), e.g. "
-                         "13 on a small host for the TPU host's coder count")
+                    help="code on this many threads (codecpolicy.coder_cores; default: the cores this process "
+                         "may use), e.g. 13 on a small host for the TPU host's coder count")
     ap.add_argument("--warmup", type=int, default=0,
                     help="untimed rounds of every case first (each case's first save is printed apart): a process "
                          "that checkpoints every few minutes saves from warm memory after its first save, and on "
@@ -60,19 +60,20 @@ def main(argv: list[str] | None = None) -> None:
                          "as `cairn.load` does): by default they are kept, since a training process saves again and "
                          "again and loads only when it restarts, while this benchmark loads after every save")
     ap.add_argument("--no-lend", action="store_true",
-                    help="code into a new buffer per coding task (engine.LEND_CODED_BUFFERS off)")
+                    help="code into a new buffer per coding task (pipeline.LEND_CODED_BUFFERS off)")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
-    from cairn._format import codecs
-    from cairn._save import engine
+    from cairn._codecs import codecs
+    from cairn._save import codecpolicy, pipeline
     if args.no_lend:
-        engine.LEND_CODED_BUFFERS = False  # type: ignore[misc]
+        pipeline.LEND_CODED_BUFFERS = False
     if not args.release_on_load:
         from cairn._load import engine as load_engine
 
-        load_engine.release_save_buffers = lambda: None  # type: ignore[assignment]
+        load_engine.release_save_buffers = lambda: None
     if args.cores:
-        engine._cores = lambda: args.cores  # type: ignore[assignment]
+        # (the save's modules call it through codecpolicy, so this one replacement reaches them all)
+        codecpolicy.coder_cores = lambda: args.cores
     spans = None
     if args.stages:
         from benchmarks.probes.save_stages import Spans, instrument
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     layouts = args.layouts.split(",")
     states = {lay: {"params": leaves} if lay == "nested" else leaves for lay in layouts}
     settings = [setting(s) for s in args.settings.split(",")]
-    groups = [int(g) for g in args.groups.split(",")] if args.groups else [engine.GROUP_LEAVES]
+    groups = [int(g) for g in args.groups.split(",")] if args.groups else [codecpolicy.GROUP_LEAVES]
     joins = [int(j) << 10 for j in args.blosc2_join.split(",")] if args.blosc2_join else [codecs.BLOSC2_JOIN_BYTES]
     cases = [(lay, s, g, j) for j in joins for g in groups for lay in layouts for s in settings]
 
@@ -94,7 +95,7 @@ def main(argv: list[str] | None = None) -> None:
                 + (f", join {case[3] >> 10} KiB" if args.blosc2_join else ""))
 
     print(f"{count} leaves, {raw / 2**20:.0f} MiB raw; layouts {', '.join(layouts)}; {os.cpu_count()} cores, "
-          f"{engine._cores()} coders, "
+          f"{codecpolicy.coder_cores()} coders, "
           f"load {os.getloadavg()[0]:.1f}", flush=True)
     times: dict[str, dict[str, list[float]]] = {key(c): {"save": [], "load": []} for c in cases}
     staged: dict[str, list[dict[str, float]]] = {}
@@ -105,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
         for rep in range(args.warmup + args.reps):
             for case in cases:
                 lay, s, g, j = case
-                engine.GROUP_LEAVES = g
+                codecpolicy.GROUP_LEAVES = g
                 codecs.BLOSC2_JOIN_BYTES = j
                 path = os.path.join(root, f"c-{lay}-{s}-{g}-{j}")
                 shutil.rmtree(path, ignore_errors=True)
