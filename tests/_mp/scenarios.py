@@ -595,3 +595,29 @@ def mismatched_routes(path: str, per_process: list[dict]) -> dict:
     except cairn.CheckpointError as e:
         return {"error": type(e).__name__, "message": str(e)}
     return {"error": None}
+
+
+def continuous_agree(directory: str, mesh: list[int], slow_process: int, steps: int = 8) -> dict:
+    """A continuous manager on every process while process `slow_process` writes slowly: every process
+    must skip and save the same steps (the primary's view decides)."""
+    from cairn._storage.local import LocalStorage
+
+    if jax.process_index() == slow_process:
+        orig = LocalStorage.write
+
+        def slow_write(self: Any, key: str, parts: Any) -> Any:
+            time.sleep(1.0)
+            return orig(self, key, parts)
+
+        LocalStorage.write = slow_write  # type: ignore[method-assign]
+    state = make_state(mesh)
+    saved = []
+    with cairn.CheckpointManager(directory, continuous=True, handle_sigterm=False, max_to_keep=None) as mgr:
+        for step in range(steps):
+            if mgr.save(step, state):
+                saved.append(step)
+            time.sleep(0.05)  # a training step
+        mgr.wait()
+        stats = mgr.stats
+        committed = mgr.steps()
+    return {"saved": saved, "skipped": stats.skipped, "skipped_steps": stats.skipped_steps, "committed": committed}

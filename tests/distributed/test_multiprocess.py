@@ -317,3 +317,14 @@ def test_a_typed_key_per_device_across_processes(tmp_path):
     assert out == [{"same": 2, "replicated": 2}] * 2
     data = cairn.load(tmp_path / "keys")["rng"]  # numpy: the key data, uint32
     assert data.dtype == np.uint32 and data.shape == (4, 4)
+
+
+@pytest.mark.parametrize("slow", [0, 1])
+def test_continuous_checkpointing_skips_the_same_steps_on_every_process(tmp_path, slow):
+    """One process writes slowly (its data writes take a second each): with continuous=True every
+    process saves and skips the same steps, whichever process is slow, and what was saved commits."""
+    out = run(2, "continuous_agree", {"directory": str(tmp_path / "run"), "mesh": MESH_2, "slow_process": slow})
+    assert out[0] == out[1], out
+    r = out[0]
+    assert r["saved"][0] == 0 and 1 in r["skipped_steps"], r  # step 0's save is in flight at step 1
+    assert r["saved"] == r["committed"] and r["skipped"] == 8 - len(r["saved"])
