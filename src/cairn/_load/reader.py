@@ -87,8 +87,8 @@ def lends(sharding: Any) -> bool:
     backend adopts the buffers as the arrays themselves: each comes back only once no reference to it is left
     (JAX holds one for as long as any device buffer uses the memory, a donated array's included), so a process that loads again after dropping the last
     state it loaded (an evaluator, a rollback) reads into the same pages: measured on the benchmark VM,
-    1.5 GiB on 8 CPU devices loaded again in 0.2-0.3 s against 0.55-0.6 s into fresh pages (4 KiB page
-    faults: 2.5 GiB/s), benchmarks/results/vm-repeated-load.md."""
+    1.5 GiB on 8 CPU devices loaded again in 0.19 s against 0.58 s into fresh pages (medians; 4 KiB page
+    faults), benchmarks/results/vm-repeated-load.md."""
     return LEND_LOAD_BUFFERS and sharding is not None
 
 
