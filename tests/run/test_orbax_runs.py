@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 
 import jax
 import jax.numpy as jnp
@@ -358,3 +359,21 @@ def test_orbax_step_prefix_and_ls_of_one_step(tmp_path, capsys):
     assert sorted(os.listdir(run)) == ["checkpoint_40", "checkpoint_50.orbax-checkpoint-tmp-1234"]
     assert cli(["ls", str(run / "checkpoint_40")]) == 0
     assert "is a checkpoint in orbax format itself" in capsys.readouterr().out
+
+
+def test_save_onto_an_orbax_prefix_of_an_object_store_says_it_is_one():
+    """On an object store (a commit marker, no rename) the save writes into the prefix itself: a save onto
+    an Orbax checkpoint's prefix is refused from the same one listing, before anything is written, and
+    would otherwise mix cairn's files with Orbax's."""
+    from cairn._storage.location import resolve
+
+    url = f"memory://orbax-{uuid.uuid4().hex[:8]}/run/7"
+    loc = resolve(url)
+    loc.storage.put(loc.key("_CHECKPOINT_METADATA"), b"{}")
+    loc.storage.put(loc.key("default/manifest.ocdbt"), b"x")
+    before = sorted(loc.storage.list_dir(loc.name))
+    with pytest.raises(cairn.CheckpointExistsError, match=r"run/7 is an Orbax checkpoint.*_CHECKPOINT_METADATA.*"
+                                                          r"overwrite=True would delete it"):
+        cairn.save(url, {"w": np.zeros(3)})
+    assert sorted(loc.storage.list_dir(loc.name)) == before
+    cairn.save(f"{url}-elsewhere", {"w": np.zeros(3)})  # a plain new prefix saves as ever

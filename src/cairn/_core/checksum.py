@@ -24,7 +24,8 @@ def crc32c(data: Buffer, value: int = 0) -> int:
 
 def block_crc(stored: Buffer) -> int:
     """The check record of one stored block (raw, coded or a delta): the CRC-32C of its stored bytes.
-    Every writer of a block's record computes it here (`block_crcs`: a raw chunk's, block by block)."""
+    Every writer of a block's record computes it here (`block_crcs`: a raw chunk's, block by block), and
+    every reader that checks one block's stored bytes at once (a streaming copy continues `crc32c`)."""
     return crc32c(stored)
 
 

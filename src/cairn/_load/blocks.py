@@ -32,7 +32,7 @@ import numpy as np
 
 from .._codecs import codecs as _codecs
 from .._core.buffers import as_view
-from .._core.checksum import check_block, crc32c, mismatch
+from .._core.checksum import block_crc, check_block, mismatch
 from .._errors import CorruptCheckpointError
 from .._format import manifest as fmt
 from .._format.binindex import raw_blocks, stored_bound
@@ -310,7 +310,7 @@ def read_blocks(reader: Any, read: Read, leaf: fmt.ArrayLeaf, dests: list[np.nda
             # Raw blocks, own or referred to, are checked as a plain leaf's are: unless the load was asked not
             # to verify. Coded blocks and deltas always are (they are decoded, not copied), and so is a delta's
             # base block (`apply_delta`): its CRC is what ties the delta to the block it was made against.
-            got = crc if codec == 0 and not reader.verify else crc32c(piece)
+            got = crc if codec == 0 and not reader.verify else block_crc(piece)
             if got != crc:
                 entry = reader.index.files[fe.file]
                 where = (f"its base checkpoint {entry.base!r} " if entry.base is not None else "")
@@ -422,7 +422,7 @@ def check_chunk(leaf: fmt.ArrayLeaf, cell: int, block: int, files: list[fmt.File
         except OSError as e:
             bad.append(f"block {b} ({where}): reading failed: {e}")
             continue
-        got = crc32c(buf)
+        got = block_crc(buf)
         if got != crc:
             bad.append(mismatch(f"block {b} ({where})", crc, got))
             continue

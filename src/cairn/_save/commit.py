@@ -149,15 +149,29 @@ def referrers(loc: Location) -> list[str]:
         return sorted(n for n, yes in zip(names, pool.map(names_it, names)) if yes)
 
 
-def _foreign_checkpoint(storage: Storage, loc: Location) -> str | None:
-    """What checkpoint of another library the folder at `loc` holds (named for a refusal), or None."""
-    if storage.exists(loc.key("_CHECKPOINT_METADATA")):
+def _foreign_checkpoint(storage: Storage, loc: Location, names: Iterable[str] | None = None) -> str | None:
+    """What checkpoint of another library the folder at `loc` holds (named for a refusal), or None.
+    `names`: the names directly under it, where a listing gave them (else each marker is looked up)."""
+    listed = set(names) if names is not None else None
+
+    def has(name: str) -> bool:
+        return name in listed if listed is not None else storage.exists(loc.key(name))
+
+    if has("_CHECKPOINT_METADATA"):
         return "an Orbax checkpoint (it holds _CHECKPOINT_METADATA: an Orbax CheckpointManager step, or a Checkpointer's)"
-    if storage.exists(loc.key("_METADATA")) or storage.exists(loc.key("manifest.ocdbt")):
+    if has("_METADATA") or has("manifest.ocdbt"):
         return "an Orbax checkpoint (it holds Orbax's _METADATA / manifest.ocdbt)"
-    if storage.exists(loc.key(".metadata")):
+    if has(".metadata"):
         return "a PyTorch DCP checkpoint (it holds .metadata)"
     return None
+
+
+def _refuse_foreign(loc: Location, other: str) -> None:
+    """Refuse a save onto `loc`, which holds `other` (`_foreign_checkpoint`), saying what would be lost."""
+    raise CheckpointExistsError(
+        f"{loc.path} is {other}; overwrite=True would delete it and save cairn's checkpoint in its "
+        "place. Save elsewhere (cairn.load reads it where it is; `cairn convert` copies it to cairn's "
+        "format)")
 
 
 def refuse_replacing_a_base(loc: Location, doing: str, instead: str = "use another name") -> None:
@@ -204,10 +218,7 @@ class RenameCommit(CommitStrategy):
                 and not storage.exists(manifest):
             other = _foreign_checkpoint(storage, loc)
             if other is not None:  # say what would be lost: not "a folder", a checkpoint of another library
-                raise CheckpointExistsError(
-                    f"{loc.path} is {other}; overwrite=True would delete it and save cairn's checkpoint in its "
-                    "place. Save elsewhere (cairn.load reads it where it is; `cairn convert` copies it to cairn's "
-                    "format)")
+                _refuse_foreign(loc, other)
             raise CheckpointExistsError(
                 f"{loc.path} exists and is not a committed cairn checkpoint; pass overwrite=True to replace it"
             )
@@ -323,10 +334,13 @@ class MarkerCommit(CommitStrategy):
         # One request, not `exists`' HEAD and listing: only a manifest makes a checkpoint here, and a
         # listing (unlike a HEAD, whose 404 says nothing more) fails naming a missing bucket before
         # anything is written, overwrite or not.
-        if fmt.MANIFEST in self.storage.list_dir(loc.name):
+        names = self.storage.list_dir(loc.name)
+        if fmt.MANIFEST in names:
             if not overwrite:
                 raise CheckpointExistsError(f"{loc.path} already holds a checkpoint; pass overwrite=True to replace it")
             refuse_replacing_a_base(loc, "overwriting")
+        elif not overwrite and (other := _foreign_checkpoint(self.storage, loc, names)) is not None:
+            _refuse_foreign(loc, other)  # its files would be mixed with cairn's under one prefix
 
     def commit(self, loc: Location, token: str, manifest: bytes, needed: Iterable[str], *,
                overwrite: bool, discard: Iterable[str] = ()) -> None:

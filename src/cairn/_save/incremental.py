@@ -62,7 +62,7 @@ from typing import Any
 import numpy as np
 
 from .._codecs import codecs as _codecs
-from .._core.checksum import block_crc, crc32c
+from .._core.checksum import block_crc
 from .._errors import CheckpointError, CorruptCheckpointError
 from .._format import manifest as fmt
 from .._format.blocks import (
@@ -728,7 +728,7 @@ def _target(b: _Base, ctx: _DeltaCtx) -> tuple[Ref, bytes | bytearray | None]:
     if b.target is None:
         return b.ref, None
     data = ctx.read(b.ref.base, b.ref.name, b.ref.offset, b.ref.stored)
-    if crc32c(data) != b.ref.crc or len(data) < DELTA_HEADER.size:
+    if block_crc(data) != b.ref.crc or len(data) < DELTA_HEADER.size:
         raise ValueError("a damaged delta")
     codec, _kind, _pad, crc, size = DELTA_HEADER.unpack_from(data)
     ckpt, name, fsize, off = b.target
@@ -761,7 +761,7 @@ def _try_delta(piece: memoryview, b: _Base, ctx: _DeltaCtx, dtype: Any, probe: b
             if len(_codecs.encode("zstd", x, np.uint8)) > DELTA_GAIN * PROBE:
                 return None
         stored = ctx.read(target.base, target.name, target.offset, target.stored)
-        if crc32c(stored) != target.crc:
+        if block_crc(stored) != target.crc:
             return None
         base_raw = stored if target.codec == 0 else _codecs.decode(CODEC_NAMES[target.codec], stored, dtype,
                                                                    len(piece))
