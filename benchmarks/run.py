@@ -117,7 +117,7 @@ def run_one(system: str, size_bytes: int, dtype: str, workdir: str, timeout: flo
 
 
 #: Scenarios other than the save/load table: ``python -m benchmarks.run NAME [its options]``.
-SCENARIOS = {"training": "benchmarks.training"}
+SCENARIOS = {"training": "benchmarks.training", "repeated_load": "benchmarks.repeated"}
 
 
 def main(argv: list[str] | None = None) -> int:

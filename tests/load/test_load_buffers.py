@@ -1,10 +1,9 @@
-"""A load's host buffers lent from `buffers.load_pool` where the arrays go to an accelerator
+"""A load's host buffers lent from `buffers.load_pool` where the arrays go to devices
 (`_load.reader.lends`): each comes back only once nothing refers to it, so a later load never writes
 into memory an array of an earlier one still uses.
 
 This machine has CPU devices only, whose backend adopts aligned host buffers as the arrays themselves
-(nothing is copied): with lending forced on, the loaded arrays hold their lent buffers for as long as
-they live. That is the hardest case for the pool (a buffer lent twice would change a live array), and
+(nothing is copied): the loaded arrays hold their lent buffers for as long as they live. That is the hardest case for the pool (a buffer lent twice would change a live array), and
 the one these tests check; on an accelerator the buffers come back as soon as each copy is done.
 """
 
@@ -26,8 +25,8 @@ from cairn._load import reader
 
 @pytest.fixture
 def lending(monkeypatch):
-    """Lending forced on for every sharded read (the CPU backend is otherwise never lent to), from a pool
-    of the test's own."""
+    """Lending on for every sharded read (whatever `LEND_LOAD_BUFFERS` says), from a pool of the test's
+    own."""
     pool = buffers.SlabPool()
     monkeypatch.setattr(reader, "load_pool", pool)
     monkeypatch.setattr(reader, "lends", lambda sharding: sharding is not None)
@@ -121,23 +120,40 @@ def test_a_save_frees_the_loads_buffers_and_a_load_keeps_them(tmp_path, mesh8, m
     buffers.release_snapshot_buffers()
 
 
-def test_only_accelerators_are_lent_to(mesh8, monkeypatch):
-    """The CPU backend keeps the buffers as the arrays: lending there would hold them in the pool's
-    count for the state's life and keep them after; no sharding (numpy results) is not lent either."""
-    monkeypatch.setattr(reader, "_lends", reader.Memo())
-    assert not reader.lends(NamedSharding(mesh8, P("x")))
+def test_device_arrays_are_lent_to_and_numpy_results_are_not(mesh8, monkeypatch):
+    """Every sharded target is lent to, the CPU backend's included (its arrays hold their buffers for
+    as long as they live); numpy results (no sharding) are the caller's own buffers."""
+    assert reader.lends(NamedSharding(mesh8, P("x")))
     assert not reader.lends(None)
-
-    class Device:
-        platform = "tpu"
-
-    class Sharding:
-        device_set = frozenset([Device()])
-
-    accelerator = Sharding()
-    assert reader.lends(accelerator)
     monkeypatch.setattr(reader, "LEND_LOAD_BUFFERS", False)
-    assert not reader.lends(accelerator)
+    assert not reader.lends(NamedSharding(mesh8, P("x")))
+
+
+def test_a_donated_loaded_array_is_never_overwritten_by_a_later_load(tmp_path, mesh8, lending):
+    """A loaded array donated to a jitted step: the step's output keeps its values through later loads
+    into the pool, and the donated array's buffer comes back only once nothing refers to it."""
+    a, b = _state(mesh8, 6), _state(mesh8, 7)
+    cairn.save(str(tmp_path / "a"), a)
+    cairn.save(str(tmp_path / "b"), b)
+    got = cairn.load(str(tmp_path / "a"), _target(a))
+    lent = lending.lent_bytes
+    assert lent == 8 << 20
+    step = jax.jit(lambda t: jax.tree.map(lambda x: x * 2 + 1, t), donate_argnums=0)
+    out = jax.block_until_ready(step(got))
+    assert got["v"].is_deleted()
+    del got
+    gc.collect()
+    want = jax.tree.map(lambda x: np.asarray(x) * 2 + 1, a)
+    for _ in range(3):  # later loads, each of another state, into whatever the pool has back
+        got_b = cairn.load(str(tmp_path / "b"), _target(b))
+        _same(got_b, b)
+        _same(out, want)
+        del got_b
+        gc.collect()
+    assert lending.reused >= 8  # the later loads read into buffers that had come back
+    del out
+    gc.collect()
+    assert lending.lent_bytes == 0
 
 
 def test_an_orbax_checkpoints_arrays_are_read_into_lent_buffers(tmp_path, mesh8, lending):

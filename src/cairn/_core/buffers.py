@@ -102,11 +102,12 @@ _thp_lock = threading.Lock()
 
 class SlabPool:
     """Byte buffers lent out, each taken back for later lends once nothing refers to it any more: the
-    buffers saves' coders code into (`coded_pool`) and those loads onto accelerators read into
+    buffers saves' coders code into (`coded_pool`) and those loads onto devices read into
     (`load_pool`).
 
     A coding task codes into a buffer with room for its blocks' worst case, and its blocks are held until
-    a writer has written them; a load's buffer is held until JAX has copied it to the device. New buffers
+    a writer has written them; a load's buffer is held until JAX has copied it to the device (on the CPU
+    backend, for as long as the array it became lives). New buffers
     are fresh pages, and the first touch of each is a page fault; under a sandbox such as gVisor (the TPU
     host) those faults are slow and contended (fresh memory fills there at 0.9 GB/s on one thread and
     3.3 GB/s on 12, memory already touched at 55 GB/s). Lent from here, a buffer comes back when its last
@@ -196,8 +197,9 @@ class SlabPool:
 #: The buffers saves' coders code into (`SlabPool`).
 coded_pool = SlabPool()
 
-#: The host buffers loads read and decode into where the arrays are then copied to an accelerator (`SlabPool`;
-#: `_load.reader.lends`): each comes back once its transfer to the device is done and JAX lets go of it; and
+#: The host buffers loads onto devices read and decode into (`SlabPool`; `_load.reader.lends`): each comes back
+#: once JAX lets go of it (on an accelerator once its transfer to the device is done; on the CPU backend, which
+#: adopts it as the array, once the array is gone); and
 #: every load's reader-thread scratch buffers (`_load.landing.scratch`), back once the load is over.
 load_pool = SlabPool()
 
@@ -288,7 +290,9 @@ def release_snapshot_buffers() -> None:
     as its coded blocks in flight held at once), so that the next one codes
     into pages already mapped; after a load onto accelerators, the host
     buffers it read into (at most as many bytes as it held at once, about its
-    ``budget_bytes``), and after any load its reader threads' scratch buffers
+    ``budget_bytes``); after a load onto CPU devices, whose arrays are the
+    buffers it read into, those buffers once the arrays are gone (at most the
+    most bytes the process's loaded arrays held at once); and after any load its reader threads' scratch buffers
     (a compressed read's stored bytes: up to ``threads`` times the largest
     read's), so that the next load fills pages already mapped.
     `cairn.load` releases the saves' buffers itself, and a save the load's,

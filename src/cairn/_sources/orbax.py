@@ -218,7 +218,7 @@ class TensorStoreReader(ChunkReader):
             tuple((lo + o, hi + o) for (lo, hi), (o, _) in zip(b, region)) for b in boxes]
         store = self.source.store(leaf.chunks[0][0])
         # Not touched until the read replaces it: costs no memory while queued. Lent where the arrays go to
-        # an accelerator, as a cairn checkpoint's (`reader.lends`).
+        # devices, as a cairn checkpoint's (`reader.lends`).
         lend = _reader.lends(sharding)
         dests = [_reader.host_buffer(tuple(hi - lo for lo, hi in b), leaf.dtype, lend) for b in boxes]
 
