@@ -1,13 +1,12 @@
 """Continuous checkpointing (save only when no save is in flight) and the default mode's bounded wait."""
 
 import logging
-import threading
 
 import numpy as np
 import pytest
+from tests._hold import hold_writes
 
 import cairn
-from cairn._storage.local import LocalStorage
 
 
 def _mgr(directory, **kw):
@@ -22,14 +21,7 @@ def _state(step):
 @pytest.fixture
 def held(monkeypatch):
     """Data writes wait until the returned event is set: a save stays in flight for sure."""
-    go = threading.Event()
-    orig = LocalStorage.write
-
-    def write(self, key, parts):
-        assert go.wait(60)
-        return orig(self, key, parts)
-
-    monkeypatch.setattr(LocalStorage, "write", write)
+    go = hold_writes(monkeypatch)
     yield go
     go.set()
 

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from tests._hold import hold_writes
 
 import cairn
 from cairn._save import future as _async
@@ -46,19 +47,6 @@ def _fail_writes(monkeypatch, cls, marker):
 # ---------------------------------------------------------------------- donation safety
 
 
-def _hold_writes(monkeypatch):
-    """Writes wait until the returned event is set: the step surely runs before them."""
-    go = threading.Event()
-    orig = LocalStorage.write
-
-    def write(self, key, parts):
-        assert go.wait(60)
-        return orig(self, key, parts)
-
-    monkeypatch.setattr(LocalStorage, "write", write)
-    return go
-
-
 @pytest.mark.parametrize("to_host", [None, "pinned", "device"])
 @pytest.mark.parametrize("budget", [None, 0, 3 * 8 * 4096])
 def test_donating_step_right_after_save_async(tmp_path, mesh8, monkeypatch, budget, to_host):
@@ -83,7 +71,7 @@ def test_donating_step_right_after_save_async(tmp_path, mesh8, monkeypatch, budg
     w, b = _sharded(mesh8), _sharded(mesh8, offset=7.0).astype(jnp.int32)
     jax.block_until_ready(step(w.copy(), b.copy()))  # compile before the save
     w_before, b_before = np.asarray(w).copy(), np.asarray(b).copy()
-    go = _hold_writes(monkeypatch)
+    go = hold_writes(monkeypatch)
     f = cairn.save_async(tmp_path / "c", {"w": w, "b": b}, snapshot_budget_bytes=budget)
     w2, b2 = step(w, b)
     w3, b3 = step(w2, b2)  # and again, so freed buffers are reused
@@ -171,7 +159,7 @@ def test_updates_and_deletes_after_save_async(tmp_path, mesh8, monkeypatch):
     w = _sharded(mesh8)
     host = np.arange(1000, dtype=np.int64)
     want_w, want_host = np.asarray(w).copy(), host.copy()
-    go = _hold_writes(monkeypatch)
+    go = hold_writes(monkeypatch)
     f = cairn.save_async(tmp_path / "c", {"w": w, "host": host, "cfg": {"lr": 0.1}}, snapshot_budget_bytes=0)
     host[:] = -1  # the caller's numpy array changes
     w.delete()  # and the device array goes away
