@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Generator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -29,7 +29,6 @@ from .._core.gcpause import paused
 from .._core.stats import SaveStats
 from .._dist.agree import settle
 from .._dist.coord import (
-    Coordinator,
     activity,
 )
 from .._errors import (
@@ -54,7 +53,6 @@ from .codecpolicy import (
     choose_codecs,
     describe_compression,
 )
-from .commit import CommitStrategy
 from .indexparts import build_part, item_index
 from .options import SaveOptions
 from .plan import SavePlan, plan_save
@@ -63,25 +61,9 @@ log = logging.getLogger("cairn")
 
 
 @dataclass
-class SaveJob:
-    loc: Location
-    items: list[SaveItem]
-    root: bool
-    token: str
-    seq: int
-    coord: Coordinator
-    overwrite: bool
-    block_size: int
-    timeout: float
-    threads: int
-    metadata: dict[str, Any]
-    strategy: CommitStrategy
-    # None: blocks stored raw (format version 2); "choose": a codec per leaf measured on a sample;
-    # else the one codec every array leaf gets (`codecs.CODECS`). Any but None writes version 3.
-    compression: str | None = None
-    # What "auto" prices each leaf with, as the primary sees it (`auto_prices`: the storage's bandwidth
-    # each way, raw and coded, where it came from, the codec factor); empty: this process's own.
-    prices: dict[str, Any] = field(default_factory=dict)
+class SaveJob(SavePlan):
+    """A `SavePlan` being executed: the plan's fields, and what the execution fills in."""
+
     stats: SaveStats = field(default_factory=SaveStats)
     # item name -> leaf number -> codec, for the leaves this process writes (set by `write_data`)
     codecs: dict[str, dict[int, str]] = field(default_factory=dict)
@@ -614,11 +596,7 @@ def prepare(loc: Location, state: Any, options: SaveOptions | None = None, **kwa
 def job_of(plan: SavePlan) -> SaveJob:
     """The `SaveJob` that executes `plan`: its items and slots, codecs, token and prices as planned; an
     incremental plan's base opened for hashing and references."""
-    job = SaveJob(
-        loc=plan.loc, items=plan.items, root=plan.root, token=plan.token, seq=plan.seq, coord=plan.coord,
-        overwrite=plan.overwrite, block_size=plan.block_size, timeout=plan.timeout, threads=plan.threads,
-        metadata=plan.metadata, strategy=plan.strategy, compression=plan.compression, prices=plan.prices,
-    )
+    job = SaveJob(**{f.name: getattr(plan, f.name) for f in fields(SavePlan)})
     if plan.base is not None or plan.hashes:  # incremental (format version 4)
         from .incremental import setup
 
